@@ -1,0 +1,151 @@
+"""`paratrain <command>`: train, prepare, generate, verify."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from paratrain.errors import UserError
+
+COMMANDS = ("train", "prepare", "generate", "verify")
+
+
+def split_overrides(argv: list[str], flags_with_value: set[str]) -> tuple[dict, list[str]]:
+    """Our own flags (e.g. --config F) vs `--section.key=value` config overrides (also `--section.key value`)."""
+    own, overrides, i = {}, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name, has_eq, value = arg.partition("=")
+        if name in flags_with_value:
+            if not has_eq:
+                if i + 1 >= len(argv):
+                    raise UserError(f"{name} needs a value")
+                value, i = argv[i + 1], i + 1
+            own[name] = value
+        elif arg.startswith("--") and "." in name:
+            if not has_eq:
+                if i + 1 >= len(argv):
+                    raise UserError(f"{name} needs a value")
+                value, i = argv[i + 1], i + 1
+            overrides.append(f"{name[2:]}={value}")
+        else:
+            raise UserError(f"unexpected argument '{arg}' (config overrides look like --section.key=value)")
+        i += 1
+    return own, overrides
+
+
+def _int_flag(own: dict, name: str, default: int) -> int:
+    try:
+        value = int(own.get(name, default))
+    except ValueError:
+        raise UserError(f"{name} must be an integer, got {own[name]!r}") from None
+    if value < 0:
+        raise UserError(f"{name} must be >= 0")
+    return value
+
+
+def _rank_main(cfg, want_weights: bool = False):
+    """What every launched rank runs: user errors become one line and exit code 2."""
+    from paratrain.distributed.env import world_from_env
+    from paratrain.train import train
+
+    try:
+        return train(cfg, want_final_weights=want_weights)
+    except UserError as e:
+        rank = world_from_env()[0]
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+
+
+def cmd_train(argv: list[str]) -> int:
+    from paratrain.config import load_config
+    from paratrain.distributed.launch import inside_launcher, launch
+
+    own, overrides = split_overrides(argv, {"--config", "--nproc", "--max-restarts"})
+    cfg = load_config(own.get("--config"), overrides)
+    nproc = _int_flag(own, "--nproc", 1)
+    if inside_launcher():
+        _rank_main(cfg)
+        return 0
+    from paratrain.train import plan_run, train
+
+    if nproc <= 1:
+        train(cfg)
+        return 0
+    plan_run(cfg, nproc)  # validate the layout and prepare data before any process starts
+    launch(_rank_main, (cfg,), nproc, _int_flag(own, "--max-restarts", 0))
+    return 0
+
+
+def cmd_generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="paratrain generate")
+    parser.add_argument("--checkpoint", required=True, help="a step-N checkpoint folder, or a run folder (newest checkpoint)")
+    parser.add_argument("--prompt", default="\n")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-k", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0:
+        raise UserError("--max-new-tokens, --temperature and --top-k must be >= 0")
+    from paratrain.inference import load_for_generation
+    from paratrain.generate import sample
+
+    model, tokenizer, args_model = load_for_generation(args.checkpoint)
+    ids = tokenizer.encode(args.prompt)
+    out = sample(model, ids, args.max_new_tokens, args_model.max_seq_len, args.temperature, args.top_k, args.seed,
+                 vocab_limit=tokenizer.vocab_size)
+    print(args.prompt + tokenizer.decode(out))
+    return 0
+
+
+def cmd_prepare(argv: list[str]) -> int:
+    from paratrain.data import main_prepare
+
+    return main_prepare(argv)
+
+
+def cmd_verify(argv: list[str]) -> int:
+    from paratrain.verify import main_verify
+
+    return main_verify(argv)
+
+
+USAGE = """usage: paratrain <command> [options]
+
+commands:
+  train      train a model: paratrain train [--config FILE.toml] [--nproc N] [--section.key=value ...]
+  prepare    tokenize text into train.bin / val.bin: paratrain prepare --input PATH --out DIR [--tokenizer char]
+  generate   sample from a checkpoint: paratrain generate --checkpoint DIR --prompt "..." [--max-new-tokens N]
+  verify     prove parallel layouts match one process: paratrain verify [--layouts ddp2,fsdp2,...] [--steps 20]
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    handlers = {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate, "verify": cmd_verify}
+    if command not in handlers:
+        import difflib
+
+        close = difflib.get_close_matches(command, COMMANDS, n=1)
+        print(f"error: unknown command '{command}'" + (f" (did you mean '{close[0]}'?)" if close else ""), file=sys.stderr)
+        return 2
+    try:
+        return handlers[command](rest) or 0
+    except UserError as e:
+        if str(e):
+            print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Typed configuration: one dataclass per component, loaded from TOML with `--section.key=value` overrides.
+
+Every mistake (unknown key, wrong type, impossible value) is a ConfigError whose one-line message
+names the key; nothing is launched or written before the whole config has been validated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from paratrain.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "shakespeare-char"
+    # Optional overrides of the preset's dimensions; None keeps the preset's value.
+    vocab_size: int | None = None
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    max_seq_len: int | None = None
+    rope_theta: float | None = None
+    tie_embeddings: bool | None = None
+
+
+@dataclass
+class DataConfig:
+    source: str = "tinyshakespeare"  # a path, or the name of a corpus bundled in paratrain/assets
+    dir: str = "data/cache/tinyshakespeare-char"  # prepared token files; prepared from `source` if missing
+    tokenizer: str = "char"  # byte | char | bpe | path/to/tokenizer.json
+    vocab_size: int | None = None  # for bpe
+    val_fraction: float = 0.1
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 2000
+    seq_len: int = 64
+    micro_batch: int = 12
+    accum_steps: int = 1
+    # If set, the global batch (sequences per optimizer step) is fixed and accum_steps is derived from it.
+    global_batch: int | None = None
+    seed: int = 1337
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    grad_clip: float = 1.0  # 0 disables
+    eval_every: int = 250
+    eval_batches: int = 20
+    log_every: int = 10
+    compile: bool = False
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    eps: float = 1e-8
+    impl: str = "auto"  # auto | fused | foreach | for
+
+
+@dataclass
+class ParallelConfig:
+    dp_mode: str = "fsdp"  # ddp | zero1 | zero2 | zero3 | fsdp | hsdp
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever the other degrees leave of the world size
+    tp: int = 1
+    sequence_parallel: bool = True  # with tp > 1: shard norms and residuals along the sequence
+    loss_parallel: bool = True  # with tp > 1: keep logits sharded by vocab through the loss
+    pp: int = 1
+    ep: int = 1
+    ddp_bucket_mb: float = 25.0
+
+
+@dataclass
+class CheckpointingConfig:
+    """Activation checkpointing (recompute in backward instead of storing)."""
+
+    mode: str = "none"  # none | full | every_k | selective
+    every_k: int = 2
+
+
+@dataclass
+class CheckpointConfig:
+    """Training-state checkpoints."""
+
+    every: int = 0  # steps between saves; 0 saves only at the end
+    keep: int = 2
+    resume: str = "none"  # none | auto | path to a step-N folder
+    save_final: bool = True
+
+
+@dataclass
+class MetricsConfig:
+    peak_tflops: float = 0.0  # device peak for MFU; 0 looks the device up (CPU: a quick matmul measurement)
+    progress: str = "auto"  # auto | bar | lines | none
+
+
+@dataclass
+class SampleConfig:
+    """Text generated at the end of training."""
+
+    prompt: str = "\n"
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int = 50
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    out_dir: str = "runs"
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir) / self.run.name
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    "training.precision": ("fp32", "bf16", "fp16"),
+    "training.device": ("auto", "cpu", "cuda"),
+    "optimizer.impl": ("auto", "fused", "foreach", "for"),
+    "parallel.dp_mode": ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"),
+    "checkpointing.mode": ("none", "full", "every_k", "selective"),
+    "metrics.progress": ("auto", "bar", "lines", "none"),
+}
+
+
+def _suggest(name: str, options) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _coerce(key: str, value, annotation):
+    """Check (TOML values) or parse (command-line strings) one value against its annotation."""
+    types_allowed = _allowed_types(annotation)
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in types_allowed):
+        if type(None) in types_allowed:
+            return None
+        raise ConfigError(f"{key}: a value is required")
+    if isinstance(value, str) and str not in types_allowed:
+        for t in (bool, int, float):
+            if t in types_allowed:
+                return _coerce(key, _parse_scalar(key, value, t), annotation)
+    if bool in types_allowed and isinstance(value, bool):
+        return value
+    if int in types_allowed and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if float in types_allowed and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if str in types_allowed and isinstance(value, str):
+        return value
+    wanted = " or ".join(t.__name__ for t in types_allowed if t is not type(None))
+    raise ConfigError(f"{key}: expected {wanted}, got {type(value).__name__} {value!r}")
+
+
+def _parse_scalar(key: str, text: str, t: type):
+    if t is bool:
+        if text.lower() in ("true", "1", "yes", "on"):
+            return True
+        if text.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key}: expected true or false, got {text!r}")
+    try:
+        return t(text)
+    except ValueError:
+        raise ConfigError(f"{key}: expected {t.__name__}, got {text!r}") from None
+
+
+def _allowed_types(annotation: str) -> tuple:
+    names = {"int": int, "float": float, "str": str, "bool": bool, "None": type(None)}
+    return tuple(names[part.strip()] for part in annotation.split("|"))
+
+
+def _set(cfg: Config, dotted: str, value) -> None:
+    if dotted.count(".") != 1:
+        raise ConfigError(f"config key '{dotted}' must be section.key (e.g. training.steps)")
+    section_name, key = dotted.split(".")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section_name not in sections:
+        raise ConfigError(f"unknown config section '{section_name}'{_suggest(section_name, sections)}")
+    section = getattr(cfg, section_name)
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if key not in fields:
+        full = [f"{section_name}.{k}" for k in fields]
+        all_keys = [f"{s}.{f.name}" for s in sections for f in dataclasses.fields(getattr(cfg, s))]
+        raise ConfigError(f"unknown config key '{dotted}'{_suggest(dotted, full) or _suggest(dotted, all_keys)}")
+    setattr(section, key, _coerce(dotted, value, fields[key].type))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults <- TOML file <- `section.key=value` overrides, then validate."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = tomllib.loads(p.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{p}: not valid TOML ({e})") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{p}: top-level key '{section}' must be a [section] table")
+            for key, value in table.items():
+                _set(cfg, f"{section}.{key}", value)
+    for item in overrides:
+        item = item.removeprefix("--")
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like --section.key=value")
+        key, value = item.split("=", 1)
+        _set(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no data or world size. Layout checks live in ParallelDims."""
+    for dotted, options in CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        _require(value in options, f"{dotted}: '{value}' is not one of {', '.join(options)}{_suggest(value, options)}")
+    t, o = cfg.training, cfg.optimizer
+    for dotted in ("training.steps", "training.seq_len", "training.micro_batch", "training.accum_steps",
+                   "training.eval_batches", "training.log_every"):
+        section, key = dotted.split(".")
+        _require(getattr(getattr(cfg, section), key) > 0, f"{dotted} must be positive")
+    _require(t.global_batch is None or t.global_batch > 0, "training.global_batch must be positive")
+    _require(t.eval_every >= 0, "training.eval_every must be >= 0 (0 disables)")
+    _require(t.grad_clip >= 0, "training.grad_clip must be >= 0 (0 disables)")
+    _require(o.lr > 0, f"optimizer.lr must be positive, got {o.lr}")
+    _require(0 <= o.min_lr <= o.lr, f"optimizer.min_lr must be between 0 and optimizer.lr ({o.lr}), got {o.min_lr}")
+    _require(o.warmup_steps >= 0, "optimizer.warmup_steps must be >= 0")
+    _require(o.weight_decay >= 0, "optimizer.weight_decay must be >= 0")
+    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1 and optimizer.beta2 must be in [0, 1)")
+    _require(o.eps > 0, "optimizer.eps must be positive")
+    _require(cfg.checkpointing.every_k >= 1, "checkpointing.every_k must be >= 1")
+    _require(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 saves only at the end)")
+    _require(cfg.checkpoint.keep >= 2, "checkpoint.keep must be >= 2 so a bad save never leaves no checkpoint")
+    p = cfg.parallel
+    for key in ("dp_replicate", "tp", "pp", "ep"):
+        _require(getattr(p, key) >= 1, f"parallel.{key} must be >= 1")
+    _require(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard must be >= 1, or -1 for automatic")
+    _require(p.ddp_bucket_mb > 0, "parallel.ddp_bucket_mb must be positive")
+    _require(0 < cfg.data.val_fraction <= 0.5, "data.val_fraction must be in (0, 0.5]")
+    s = cfg.sample
+    _require(s.max_new_tokens >= 0, "sample.max_new_tokens must be >= 0")
+    _require(s.temperature >= 0, "sample.temperature must be >= 0 (0 is greedy)")
+    _require(s.top_k >= 0, "sample.top_k must be >= 0 (0 disables)")
+    _require(cfg.run.name and "/" not in cfg.run.name, "run.name must be a plain folder name")
+
+
+def dump_toml(cfg: Config) -> str:
+    """The resolved config as TOML, saved beside each run so it can be replayed exactly."""
+    lines = []
+    for section, table in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)

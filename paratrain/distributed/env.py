@@ -1,0 +1,62 @@
+"""Process-group set-up from the launcher's environment (torchrun / elastic agent), or a single process."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from paratrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def print(self, *args, all_ranks: bool = False) -> None:
+        """Rank 0 prints; other ranks print (with a rank prefix) only when asked."""
+        if self.rank == 0 and self.world_size == 1:
+            print(*args, flush=True)
+        elif self.rank == 0 or all_ranks:
+            print(f"[rank {self.rank}]", *args, flush=True)
+
+
+def world_from_env() -> tuple[int, int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def pick_device(preference: str, local_rank: int) -> torch.device:
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("training.device=cuda but no CUDA device is available")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(device_preference: str = "auto", timeout_s: float = 600.0) -> DistEnv:
+    rank, world, local_rank = world_from_env()
+    device = pick_device(device_preference, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        # NCCL on GPUs, gloo on CPU: the same training code runs on both.
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = dict(device_id=device) if device.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    return DistEnv(rank, world, local_rank, device)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

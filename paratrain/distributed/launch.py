@@ -1,0 +1,58 @@
+"""Start N local ranks with PyTorch's elastic launcher (what `torchrun` runs), and collect rank 0's result."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+
+from paratrain.errors import UserError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def inside_launcher() -> bool:
+    """True in a rank started by torchrun / elastic (or srun torchrun): the world is already set up for us."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def launch(entrypoint, args: tuple, nproc: int, max_restarts: int = 0):
+    """Run `entrypoint(*args)` on `nproc` local ranks; returns rank 0's return value.
+
+    A rank that fails with a user error has already printed its one-line message; the launcher's
+    own failure report is turned into one line as well.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # N ranks on one host must not each take every core
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"paratrain-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
+                          monitor_interval=0.1)
+    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.CRITICAL)
+    try:
+        results = elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        if codes == [2]:
+            raise LaunchedUserError() from None
+        raise UserError(f"{len(e.failures)} of {nproc} ranks failed (exit codes {codes}); see their messages above") from None
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+    return results.get(0)
+
+
+class LaunchedUserError(UserError):
+    """The ranks already printed the user error; the parent only sets the exit code."""
+
+    def __init__(self):
+        super().__init__("")

@@ -1,0 +1,127 @@
+"""The parallel layout: degrees validated against the world size and the model, then a named-axis DeviceMesh.
+
+Mesh axes, outermost first: pp, dp_replicate, dp_shard, tp. Only axes with degree > 1 appear,
+so a single process gets no mesh at all, and code asks for axes by name, never by position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.config import ParallelConfig
+from paratrain.errors import ConfigError
+from paratrain.models.llama import ModelArgs
+
+SHARDED_MODES = ("zero2", "zero3", "fsdp", "hsdp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    dp_mode: str
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int = 1
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+
+    @classmethod
+    def from_config(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
+        if p.pp > 1:
+            raise ConfigError("parallel.pp > 1: pipeline parallelism is not yet supported")
+        if p.ep > 1:
+            raise ConfigError("parallel.ep > 1: expert parallelism is not yet supported")
+        mode = "fsdp" if p.dp_mode == "zero3" else p.dp_mode
+        rest, r = divmod(world_size, p.tp * p.pp)
+        if r:
+            raise ConfigError(f"parallel.tp ({p.tp}) x parallel.pp ({p.pp}) does not divide the world size {world_size}")
+        replicate, shard = p.dp_replicate, p.dp_shard
+        if mode in ("ddp", "zero1"):
+            if shard not in (-1, 1):
+                raise ConfigError(f"parallel.dp_shard={shard} needs a sharded dp_mode (zero2, fsdp or hsdp), not {mode}")
+            shard = 1
+            if replicate == 1:
+                replicate = rest
+        elif mode in ("zero2", "fsdp"):
+            if replicate != 1:
+                raise ConfigError(f"parallel.dp_replicate={replicate} with dp_mode={mode}: use dp_mode=hsdp to replicate shards")
+        elif mode == "hsdp" and replicate == 1 and world_size > 1:
+            raise ConfigError("dp_mode=hsdp needs parallel.dp_replicate > 1 (replicas) and dp_shard (ranks per replica)")
+        if shard == -1:
+            shard, r = divmod(rest, replicate)
+            if r or shard < 1:
+                raise ConfigError(f"parallel.dp_replicate ({replicate}) does not divide the {rest} ranks left by tp x pp")
+        dims = cls(world_size, mode, replicate, shard, p.tp, p.pp, p.sequence_parallel, p.loss_parallel)
+        product = replicate * shard * p.tp * p.pp
+        if product != world_size:
+            raise ConfigError(
+                f"parallel degrees dp_replicate={replicate} x dp_shard={shard} x tp={p.tp} x pp={p.pp} = {product}, "
+                f"but the world size is {world_size}")
+        if p.tp > 1 and mode in ("ddp", "zero1") and replicate > 1:
+            raise ConfigError(f"dp_mode={mode} does not compose with tp; use dp_mode=fsdp or hsdp with tp")
+        return dims
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    def validate_model(self, args: ModelArgs) -> None:
+        """Divisibility checks that would otherwise fail deep inside a collective."""
+        if self.tp > 1:
+            for name in ("n_heads", "n_kv_heads", "ffn_hidden", "dim"):
+                value = getattr(args, name)
+                if value % self.tp:
+                    raise ConfigError(f"model {name}={value} is not divisible by parallel.tp={self.tp}")
+            if args.vocab_size % self.tp:
+                raise ConfigError(f"vocab size {args.vocab_size} is not divisible by parallel.tp={self.tp} "
+                                  "(the embedding and output are sharded by vocabulary)")
+            if args.tie_embeddings:
+                raise ConfigError("tied embeddings do not compose with tensor parallelism; set model.tie_embeddings=false")
+
+    def validate_batch(self, global_batch: int, micro_batch: int, seq_len: int) -> int:
+        """Returns accumulation steps; global batch = micro_batch x accum x dp."""
+        per_step = micro_batch * self.dp
+        if global_batch % per_step:
+            raise ConfigError(f"global batch {global_batch} is not divisible by micro_batch ({micro_batch}) x "
+                              f"data-parallel degree ({self.dp}) = {per_step}")
+        if self.tp > 1 and self.sequence_parallel and seq_len % self.tp:
+            raise ConfigError(f"training.seq_len={seq_len} is not divisible by parallel.tp={self.tp} (sequence parallel)")
+        return global_batch // per_step
+
+    def mesh_axes(self) -> list[tuple[str, int]]:
+        axes = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp)]
+        return [(name, size) for name, size in axes if size > 1]
+
+    def build_mesh(self, device_type: str):
+        """A DeviceMesh with named axes plus flattened 'dp' for data loading and loss averaging. None for 1 rank."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        axes = self.mesh_axes()
+        if not axes:
+            return None
+        mesh = init_device_mesh(device_type, tuple(s for _, s in axes), mesh_dim_names=tuple(n for n, _ in axes))
+        dp_axes = tuple(n for n, _ in axes if n.startswith("dp_"))
+        if len(dp_axes) > 1:
+            mesh[dp_axes]._flatten("dp")
+        return mesh
+
+    def describe(self) -> str:
+        parts = [f"{n}={s}" for n, s in self.mesh_axes()] or ["single process"]
+        return f"{' x '.join(parts)} ({self.dp_mode if self.dp > 1 else 'no data parallelism'})"
+
+
+def dp_mesh(mesh):
+    """The data-parallel sub-mesh (1-D, possibly flattened from replicate x shard), or None without data parallelism."""
+    if mesh is None:
+        return None
+    for name in ("dp", "dp_shard", "dp_replicate"):
+        try:
+            return mesh[name]
+        except (KeyError, RuntimeError):
+            continue
+    return None

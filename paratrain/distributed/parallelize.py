@@ -1,0 +1,150 @@
+"""Turn a plain Transformer into a parallel one, in a fixed order:
+
+    tensor/sequence parallel -> activation checkpointing -> torch.compile -> FSDP
+    -> materialise + deterministic init -> DDP / ZeRO-1 wrapping (DDP needs real weights)
+
+The model file stays free of parallel code; everything about the layout lives here and in ParallelDims.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from paratrain.config import CheckpointingConfig
+from paratrain.distributed.parallel_dims import ParallelDims, dp_mesh
+from paratrain.models.init import init_weights
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Megatron-style plans: column-wise in, row-wise out, vocab-parallel embedding and output.
+
+    With sequence parallelism the norms and residual stream are sharded along the sequence (Shard(1))
+    and gathered just before each attention / MLP.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    residual = Shard(1) if sequence_parallel else Replicate()
+    top_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "output": ColwiseParallel(input_layouts=residual,
+                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    if sequence_parallel:
+        top_plan["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, top_plan)
+
+    for block in model.layers.values():
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=residual),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        }
+        if sequence_parallel:
+            plan.update({
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                desired_input_layouts=(Replicate(), None, None)),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(block, tp_mesh, plan)
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    """Keep matmul and attention outputs (expensive to recompute); recompute cheap element-wise ops."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_mm.default,
+}
+if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+
+def apply_activation_checkpointing(model: nn.Module, cfg: CheckpointingConfig) -> None:
+    if cfg.mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    for index, (key, block) in enumerate(list(model.layers.items())):
+        if cfg.mode == "every_k" and index % cfg.every_k != 0:
+            continue
+        kwargs = dict(preserve_rng_state=False)
+        if cfg.mode == "selective":
+            kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy)
+        model.layers[key] = checkpoint_wrapper(block, **kwargs)
+
+
+def apply_compile(model: nn.Module) -> None:
+    # Per block, in place (Module.compile keeps parameter names); blocks share one compiled graph.
+    for block in model.layers.values():
+        block.compile()
+
+
+def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, precision: str) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=PRECISION_DTYPES[precision], reduce_dtype=torch.float32)
+    # zero2: gradients and optimizer state sharded, parameters kept gathered from forward to backward.
+    reshard = dims.dp_mode != "zero2"
+    layers = list(model.layers.values())
+    for i, block in enumerate(layers):
+        # The last block is resharded by the root right after forward anyway; skip the extra work.
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+
+
+def fsdp_mesh(mesh, dims: ParallelDims):
+    if dims.dp_mode == "hsdp":
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def uses_fsdp(dims: ParallelDims) -> bool:
+    return dims.dp > 1 and dims.dp_mode in ("zero2", "fsdp", "hsdp")
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, mesh, checkpointing: CheckpointingConfig, precision: str,
+                compile: bool, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0) -> nn.Module:
+    """Apply the layout to a model built on the meta device; returns the module to train (maybe a DDP wrapper)."""
+    if dims.tp_enabled:
+        apply_tp(model, mesh["tp"], dims.sequence_parallel, dims.loss_parallel)
+    apply_activation_checkpointing(model, checkpointing)
+    if compile:
+        apply_compile(model)
+    if uses_fsdp(dims):
+        apply_fsdp(model, fsdp_mesh(mesh, dims), dims, precision)
+    model.to_empty(device=device)
+    init_weights(model, seed)
+    if dims.dp > 1 and dims.dp_mode in ("ddp", "zero1"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, process_group=dp_mesh(mesh).get_group(), bucket_cap_mb=ddp_bucket_mb,
+                                        device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "no_sync") and hasattr(model, "module") else model

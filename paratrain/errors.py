@@ -1,0 +1,11 @@
+"""Errors that reach the user as one line, never as a traceback."""
+
+
+class UserError(Exception):
+    """Bad input from the user (config, data, paths). The CLI prints `error: <msg>` and exits 2."""
+
+    exit_code = 2
+
+
+class ConfigError(UserError):
+    """An invalid config key, type or value."""

@@ -1,0 +1,65 @@
+"""Peak throughput by device name, for MFU. Dense (no sparsity) bf16 tensor-core figures from vendor datasheets."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Substring of torch.cuda.get_device_name() -> peak dense bf16 FLOP/s. Longest match wins.
+GPU_PEAK_BF16 = {
+    "H200": 989e12,
+    "H100 SXM": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "RTX 6000 Ada": 364e12,
+    "RTX A6000": 155e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "V100": 125e12,
+    "T4": 65e12,
+    "MI300X": 1307e12,
+    "MI250X": 383e12,
+    "B200": 2250e12,
+}
+
+
+def gpu_peak_flops(device_name: str) -> float | None:
+    matches = [key for key in GPU_PEAK_BF16 if key.lower() in device_name.lower()]
+    return GPU_PEAK_BF16[max(matches, key=len)] if matches else None
+
+
+def measure_matmul_flops(device: torch.device, size: int = 512, dtype=torch.float32, seconds: float = 0.3) -> float:
+    """Achieved matmul FLOP/s on this device: the CPU 'peak' when no datasheet applies."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    a @ b  # warm-up
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        iters += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * size**3 * iters / (time.perf_counter() - start)
+
+
+def peak_flops(device: torch.device, configured_tflops: float = 0.0) -> tuple[float, str]:
+    """(peak FLOP/s per device, where the number came from)."""
+    if configured_tflops > 0:
+        return configured_tflops * 1e12, "configured"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_peak_flops(name)
+        if peak is not None:
+            return peak, f"datasheet ({name})"
+        return measure_matmul_flops(device, 4096, torch.bfloat16), f"measured ({name} not in table)"
+    return measure_matmul_flops(device), "measured CPU matmul"

@@ -1,0 +1,36 @@
+"""Sampling from a trained model (no KV cache: short samples from small models, any layout)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    # Vocab-parallel logits arrive as a DTensor; sampling needs the whole row.
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def sample(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, max_seq_len: int, temperature: float = 0.8,
+           top_k: int = 0, seed: int = 0, device: torch.device | None = None, vocab_limit: int | None = None) -> list[int]:
+    """Autoregressive sampling. Deterministic for a seed, and identical on every rank (so sharded
+    models, whose forward needs all ranks, stay in step). `vocab_limit` excludes padding ids."""
+    device = device or torch.device("cpu")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
+    was_training = model.training
+    model.eval()
+    for _ in range(max_new_tokens):
+        logits = _full(model(ids[:, -max_seq_len:]))[:, -1, :vocab_limit].float().cpu()  # (1, V)
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k > 0:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
+        ids = torch.cat([ids, nxt.to(device)], dim=1)
+    model.train(was_training)
+    return ids[0, len(prompt_ids):].tolist()

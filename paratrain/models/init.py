@@ -1,0 +1,58 @@
+"""Deterministic, layout-independent weight initialisation.
+
+Each parameter's full value is drawn from a generator seeded by (seed, parameter name), so a model
+sharded over any mesh starts from exactly the weights a single process would have. A sharded
+parameter (DTensor) draws the full tensor and keeps its own shard; that costs one full parameter of
+temporary memory per rank, the price of initial weights that do not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+# Prefixes that wrappers (activation checkpointing, torch.compile, DDP) add to parameter names.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def canonical_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, std_for=None) -> None:
+    """Fill every parameter of `model` (plain or DTensor, on any device) deterministically.
+
+    `std_for(name)` gives the normal std for a canonical parameter name, or None for ones;
+    by default the model's own `param_init_std`.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    std_for = std_for or model.param_init_std
+    seen: set[int] = set()
+    for raw_name, param in model.named_parameters():
+        if id(param) in seen:  # tied weights: initialised once, under their first name
+            continue
+        seen.add(id(param))
+        name = canonical_name(raw_name)
+        is_dtensor = isinstance(param, DTensor)
+        device = param.device if not is_dtensor else param.to_local().device
+        full_shape = param.shape  # a DTensor reports its global shape
+        std = std_for(name)
+        if std is None:
+            full = torch.ones(full_shape, device=device, dtype=param.dtype)
+        else:
+            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.empty(full_shape, device=device, dtype=torch.float32).normal_(0.0, std, generator=gen)
+        if is_dtensor:
+            # src_data_rank=None: every rank computed the same full tensor, so each just keeps its shard.
+            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(shard)
+        else:
+            param.copy_(full)
+    if hasattr(model, "reset_buffers"):
+        model.reset_buffers()
