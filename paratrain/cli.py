@@ -57,6 +57,12 @@ def _rank_main(cfg, want_weights: bool = False):
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
+    except Exception:
+        # A bug, not bad input: the launcher would swallow the traceback, so print it with the rank.
+        import traceback
+
+        print(f"[rank {world_from_env()[0]}] " + traceback.format_exc(), file=sys.stderr, flush=True)
+        raise
 
 
 def cmd_train(argv: list[str]) -> int:

@@ -23,7 +23,8 @@ from paratrain.checkpoint import load_checkpoint, resolve_resume, save_checkpoin
 from paratrain.config import Config, dump_toml
 from paratrain.data import DEFAULT_CORPUS, TokenData, ensure_prepared, load_tokenizer, read_meta
 from paratrain.distributed.env import DistEnv, init_distributed
-from paratrain.distributed.parallel_dims import ParallelDims, dp_mesh
+from paratrain.distributed.grad_norm import clip_grad_norm
+from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import PRECISION_DTYPES, parallelize, unwrap, uses_fsdp
 from paratrain.errors import ConfigError, UserError
 from paratrain.flops import peak_flops
@@ -125,8 +126,7 @@ class Trainer:
         self.plan, self.env, self.cfg = plan, env, plan.cfg
         self.want_final_weights = want_final_weights
         cfg, dims, dev = self.cfg, plan.dims, env.device
-        self.mesh = dims.build_mesh(dev.type)
-        dpm = dp_mesh(self.mesh)
+        self.mesh, dpm = dims.build_mesh(dev.type)
         self.dp_group = dpm.get_group() if dpm is not None else None
         self.dp_rank = dpm.get_local_rank() if dpm is not None else 0
 
@@ -137,7 +137,7 @@ class Trainer:
 
         with torch.device("meta"):
             model = Transformer(plan.model_args)
-        self.model = parallelize(model, dims, self.mesh, cfg.checkpointing, cfg.training.precision,
+        self.model = parallelize(model, dims, self.mesh, dpm, cfg.checkpointing, cfg.training.precision,
                                  cfg.training.compile, dev, cfg.training.seed, cfg.parallel.ddp_bucket_mb)
         zero1_group = self.dp_group if (dims.dp > 1 and dims.dp_mode == "zero1") else None
         self.optimizer = build_optimizer(unwrap(self.model), cfg.optimizer, dev, zero1_group)
@@ -187,8 +187,7 @@ class Trainer:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.training.grad_clip or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-        return _local(norm)
+        return clip_grad_norm(self.model.parameters(), max_norm)
 
     @torch.no_grad()
     def evaluate(self) -> float:

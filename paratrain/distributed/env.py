@@ -43,8 +43,17 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def quiet_torch_logs() -> None:
+    """DTensor warns on every multi-axis redistribute (e.g. the 2-D gradient norm); one line per step per rank
+    buries the training log, and the advice does not apply to reductions we do once per step."""
+    import logging
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
 def init_distributed(device_preference: str = "auto", timeout_s: float = 600.0) -> DistEnv:
     rank, world, local_rank = world_from_env()
+    quiet_torch_logs()
     device = pick_device(device_preference, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)

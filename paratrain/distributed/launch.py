@@ -34,7 +34,7 @@ def launch(entrypoint, args: tuple, nproc: int, max_restarts: int = 0):
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"paratrain-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
                           monitor_interval=0.1)
-    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher")]
+    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")]
     levels = [q.level for q in quiet]
     for q in quiet:
         q.setLevel(logging.CRITICAL)

@@ -98,30 +98,20 @@ class ParallelDims:
         return [(name, size) for name, size in axes if size > 1]
 
     def build_mesh(self, device_type: str):
-        """A DeviceMesh with named axes plus flattened 'dp' for data loading and loss averaging. None for 1 rank."""
+        """(mesh with named axes, 1-D data-parallel mesh). The dp mesh is 'dp_replicate' x 'dp_shard'
+        flattened when both exist, and is kept here because slicing flattened axes from the root is deprecated.
+        Both are None for a single process."""
         from torch.distributed.device_mesh import init_device_mesh
 
         axes = self.mesh_axes()
         if not axes:
-            return None
+            return None, None
         mesh = init_device_mesh(device_type, tuple(s for _, s in axes), mesh_dim_names=tuple(n for n, _ in axes))
         dp_axes = tuple(n for n, _ in axes if n.startswith("dp_"))
         if len(dp_axes) > 1:
-            mesh[dp_axes]._flatten("dp")
-        return mesh
+            return mesh, mesh[dp_axes]._flatten("dp")
+        return mesh, (mesh[dp_axes[0]] if dp_axes else None)
 
     def describe(self) -> str:
         parts = [f"{n}={s}" for n, s in self.mesh_axes()] or ["single process"]
         return f"{' x '.join(parts)} ({self.dp_mode if self.dp > 1 else 'no data parallelism'})"
-
-
-def dp_mesh(mesh):
-    """The data-parallel sub-mesh (1-D, possibly flattened from replicate x shard), or None without data parallelism."""
-    if mesh is None:
-        return None
-    for name in ("dp", "dp_shard", "dp_replicate"):
-        try:
-            return mesh[name]
-        except (KeyError, RuntimeError):
-            continue
-    return None

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from paratrain.config import CheckpointingConfig
-from paratrain.distributed.parallel_dims import ParallelDims, dp_mesh
+from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.models.init import init_weights
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -126,7 +126,7 @@ def uses_fsdp(dims: ParallelDims) -> bool:
     return dims.dp > 1 and dims.dp_mode in ("zero2", "fsdp", "hsdp")
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, mesh, checkpointing: CheckpointingConfig, precision: str,
+def parallelize(model: nn.Module, dims: ParallelDims, mesh, dp_mesh, checkpointing: CheckpointingConfig, precision: str,
                 compile: bool, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0) -> nn.Module:
     """Apply the layout to a model built on the meta device; returns the module to train (maybe a DDP wrapper)."""
     if dims.tp_enabled:
@@ -141,7 +141,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, checkpointing: Check
     if dims.dp > 1 and dims.dp_mode in ("ddp", "zero1"):
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model, process_group=dp_mesh(mesh).get_group(), bucket_cap_mb=ddp_bucket_mb,
+        model = DistributedDataParallel(model, process_group=dp_mesh.get_group(), bucket_cap_mb=ddp_bucket_mb,
                                         device_ids=[device.index] if device.type == "cuda" else None)
     return model
 

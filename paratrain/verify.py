@@ -1,0 +1,172 @@
+"""`paratrain verify`: the same short training on one process and on each parallel layout, compared step by step.
+
+Every layout sees the same global batches (the loader is a pure function of (seed, step)) and starts
+from the same weights (initialisation is per parameter name, not per shard), so in fp32 the only
+differences left are the order of floating-point reductions: a correct layout stays within 1e-5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from paratrain.config import load_config
+from paratrain.errors import UserError
+
+# name -> (ranks, overrides). Batch settings are filled in by `layout_overrides`.
+LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "ddp2": (2, ["parallel.dp_mode=ddp"]),
+    "zero1x2": (2, ["parallel.dp_mode=zero1"]),
+    "zero2x2": (2, ["parallel.dp_mode=zero2"]),
+    "fsdp2": (2, ["parallel.dp_mode=fsdp"]),
+    "fsdp4": (4, ["parallel.dp_mode=fsdp"]),
+    "hsdp2x2": (4, ["parallel.dp_mode=hsdp", "parallel.dp_replicate=2"]),
+    "tp2": (2, ["parallel.tp=2", "parallel.sequence_parallel=false"]),
+    "tp2+sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "fsdp2xtp2": (4, ["parallel.dp_mode=fsdp", "parallel.tp=2"]),
+    "fsdp2+every_k": (2, ["parallel.dp_mode=fsdp", "checkpointing.mode=every_k", "checkpointing.every_k=2"]),
+    "fsdp2+selective": (2, ["parallel.dp_mode=fsdp", "checkpointing.mode=selective"]),
+    "accum": (1, ["training.micro_batch=2"]),  # micro 2 x accum 4 against micro 8 x accum 1
+    # Not in the default matrix, available by name:
+    "ddp4": (4, ["parallel.dp_mode=ddp"]),
+    "fsdp2+full": (2, ["parallel.dp_mode=fsdp", "checkpointing.mode=full"]),
+    "tp4": (4, ["parallel.tp=4"]),
+    "ddp2+accum": (2, ["parallel.dp_mode=ddp", "training.micro_batch=2"]),
+}
+DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
+                  "fsdp2+every_k", "fsdp2+selective", "accum"]
+
+GLOBAL_BATCH = 8
+
+
+def base_overrides(steps: int, out_dir: str, precision: str) -> list[str]:
+    """A tiny model, fp32, no eval/checkpoints/samples: only the numerics matter here."""
+    return ["model.preset=tiny", "model.n_layers=4", f"training.steps={steps}", "training.seq_len=32",
+            f"training.global_batch={GLOBAL_BATCH}", f"training.precision={precision}", "training.eval_every=0",
+            "training.eval_batches=1", "optimizer.warmup_steps=2", "optimizer.lr=3e-3", "optimizer.min_lr=3e-4",
+            "checkpoint.save_final=false", "sample.max_new_tokens=0", "metrics.progress=none",
+            "metrics.peak_tflops=1", f"run.out_dir={out_dir}"]
+
+
+def layout_overrides(name: str) -> tuple[int, list[str]]:
+    if name not in LAYOUTS:
+        import difflib
+
+        close = difflib.get_close_matches(name, LAYOUTS, n=1)
+        raise UserError(f"unknown layout '{name}'" + (f" (did you mean '{close[0]}'?)" if close else
+                                                        f" (known: {', '.join(LAYOUTS)})"))
+    nproc, extra = LAYOUTS[name]
+    tp = next((int(i.split("=")[1]) for i in extra if i.startswith("parallel.tp=")), 1)
+    data_parallel = nproc // tp
+    if not any(i.startswith("training.micro_batch=") for i in extra):
+        extra = extra + [f"training.micro_batch={GLOBAL_BATCH // data_parallel}"]
+    return nproc, extra
+
+
+@dataclass
+class Row:
+    layout: str
+    ranks: int
+    max_loss_diff: float
+    max_weight_diff: float
+    seconds: float
+    passed: bool
+    note: str = ""
+    losses: list[float] = field(default_factory=list)
+
+
+def _run(overrides: list[str], nproc: int, extra_args: list[str]):
+    from paratrain.cli import _rank_main
+    from paratrain.distributed.launch import launch
+    from paratrain.train import train
+
+    cfg = load_config(None, overrides + extra_args)
+    if nproc == 1:
+        return train(cfg, want_final_weights=True)
+    return launch(_rank_main, (cfg, True), nproc)
+
+
+def compare(reference, result) -> tuple[float, float]:
+    steps = len(reference.losses)
+    if len(result.losses) != steps:
+        return float("inf"), float("inf")
+    loss_diff = max(abs(a - b) for a, b in zip(reference.losses, result.losses))
+    weight_diff = 0.0
+    for key, ref in reference.final_weights.items():
+        got = result.final_weights.get(key)
+        if got is None or got.shape != ref.shape:
+            return loss_diff, float("inf")
+        weight_diff = max(weight_diff, (got.float() - ref.float()).abs().max().item())
+    return loss_diff, weight_diff
+
+
+def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str = "fp32",
+               extra_args: list[str] = (), echo=print) -> tuple[list[Row], float]:
+    for name in layouts:
+        layout_overrides(name)  # unknown names fail before anything runs
+    with tempfile.TemporaryDirectory(prefix="paratrain-verify-") as out_dir:
+        base = base_overrides(steps, out_dir, precision)
+        start = time.perf_counter()
+        reference = _run(base + [f"training.micro_batch={GLOBAL_BATCH}", "run.name=reference"], 1, list(extra_args))
+        ref_seconds = time.perf_counter() - start
+        echo(f"reference: 1 process, {steps} steps, final loss {reference.losses[-1]:.6f} ({ref_seconds:.1f}s)")
+        rows = []
+        for name in layouts:
+            nproc, extra = layout_overrides(name)
+            start = time.perf_counter()
+            try:
+                result = _run(base + extra + [f"run.name={name.replace('+', '_')}"], nproc, list(extra_args))
+                loss_diff, weight_diff = compare(reference, result)
+                note, losses = "", result.losses
+            except UserError as e:
+                loss_diff = weight_diff = float("inf")
+                note, losses = str(e) or "ranks failed (see above)", []
+            passed = loss_diff <= tolerance and weight_diff <= tolerance
+            rows.append(Row(name, nproc, loss_diff, weight_diff, time.perf_counter() - start, passed, note, losses))
+            echo(format_row(rows[-1], tolerance, judged=precision == "fp32"))
+    return rows, ref_seconds
+
+
+HEADER = f"{'layout':<18} {'ranks':>5} {'max |dloss|':>12} {'max |dweight|':>14} {'time':>7}  result"
+
+
+def format_row(r: Row, tolerance: float, judged: bool = True) -> str:
+    verdict = ("PASS" if r.passed else "FAIL") if judged else ("reported" if r.note == "" else "FAIL")
+    note = f"  ({r.note})" if r.note else ""
+    return f"{r.layout:<18} {r.ranks:>5} {r.max_loss_diff:>12.2e} {r.max_weight_diff:>14.2e} {r.seconds:>6.1f}s  {verdict}{note}"
+
+
+def main_verify(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX),
+                        help=f"comma-separated layout names (known: {', '.join(LAYOUTS)})")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--tolerance", type=float, default=1e-5)
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                        help="non-fp32 runs report differences; the tolerance is only meaningful in fp32")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        raise UserError("--steps must be >= 1")
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    if torch.cuda.is_available() and args.device != "cpu":
+        n = torch.cuda.device_count()
+        too_big = [name for name in layouts if layout_overrides(name)[0] > n]
+        if too_big and args.device == "cuda":
+            raise UserError(f"layouts {', '.join(too_big)} need more ranks than the {n} visible GPUs")
+    print(HEADER)
+    rows, _ = run_verify(layouts, args.steps, args.tolerance, args.precision, [f"training.device={args.device}"],
+                         echo=lambda line: print(line, flush=True))
+    failed = [r.layout for r in rows if not r.passed and (args.precision == "fp32" or r.note)]
+    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.__dict__ for r in rows], f, indent=1)
+    return 1 if failed else 0  # low precision: differences are reported, only crashes fail

@@ -1,0 +1,56 @@
+"""Shared fixtures: one char-level tinyshakespeare dataset and one tiny trained checkpoint per session."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain.data import DEFAULT_CORPUS, prepare_dataset
+
+# Small and fast on a CPU: the tiny preset, short windows, no sampling, no progress display,
+# a configured peak (no matmul benchmark), a short eval.
+FAST = [
+    "model.preset=tiny",
+    "training.seq_len=32",
+    "training.micro_batch=4",
+    "training.steps=4",
+    "training.eval_batches=2",
+    "training.device=cpu",
+    "sample.max_new_tokens=0",
+    "metrics.progress=none",
+    "metrics.peak_tflops=1",
+]
+
+
+def pytest_configure(config):
+    # paratrain.checkpoint silences DCP's "no process group" warning at import; pytest resets warning
+    # filters per test, so restate it here (one process is a supported layout, not a mistake).
+    config.addinivalue_line("filterwarnings", "ignore:torch.distributed is disabled:UserWarning")
+
+
+@pytest.fixture(scope="session")
+def char_data(tmp_path_factory):
+    """The bundled corpus prepared once with the char tokenizer (read-only for the tests)."""
+    d = tmp_path_factory.mktemp("data") / "tinyshakespeare-char"
+    prepare_dataset(DEFAULT_CORPUS, d, tokenizer="char")
+    return d
+
+
+def fast_overrides(data_dir, out_dir, name: str = "run", *extra: str) -> list[str]:
+    """Override strings for a fast run of `name` under out_dir; later entries win."""
+    return [*FAST, f"data.dir={data_dir}", f"run.out_dir={out_dir}", f"run.name={name}", *extra]
+
+
+def fast_config(data_dir, out_dir, name: str = "run", *extra: str):
+    from paratrain.config import load_config
+
+    return load_config(None, fast_overrides(data_dir, out_dir, name, *extra))
+
+
+@pytest.fixture(scope="session")
+def trained_run(char_data, tmp_path_factory):
+    """A run folder holding a final checkpoint of a tiny model trained for a few steps."""
+    from paratrain.train import train
+
+    out = tmp_path_factory.mktemp("runs")
+    result = train(fast_config(char_data, out, "trained", "training.steps=3"))
+    return result.run_dir
