@@ -45,6 +45,6 @@ def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at the last step."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, total_steps - cfg.warmup_steps)
+    span = max(1, total_steps - 1 - cfg.warmup_steps)  # the last step index is total_steps - 1
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)

@@ -91,9 +91,14 @@ def model_args_for(cfg: Config, data_vocab: int) -> ModelArgs:
 
 
 def plan_run(cfg: Config, world_size: int, meta: dict | None = None) -> RunPlan:
-    """Validate the whole run against the world size; raises ConfigError before anything starts."""
-    meta = meta if meta is not None else prepare_data(cfg)
+    """Validate the whole run against the world size; raises ConfigError before anything starts.
+
+    Everything that does not depend on the dataset is checked before the dataset is prepared, so a
+    config mistake writes nothing; only the vocabulary-size checks wait for the data.
+    """
     dims = ParallelDims.from_config(cfg.parallel, world_size)
+    dims.validate_model(model_args_for(cfg, VOCAB_PAD * dims.tp))
+    meta = meta if meta is not None else prepare_data(cfg)
     args = model_args_for(cfg, meta["vocab_size"])
     dims.validate_model(args)
     t = cfg.training
@@ -135,7 +140,9 @@ class Trainer:
         self.tokenizer = load_tokenizer(plan.data_dir)
         self.prompt_ids = self.tokenizer.encode(cfg.sample.prompt)  # fails now, not after training
 
-        with torch.device("meta"):
+        # Build on the meta device (no memory) and materialise after sharding. Tied embeddings are the
+        # exception: materialising from meta would untie them, so those models are built for real.
+        with torch.device(dev if plan.model_args.tie_embeddings else "meta"):
             model = Transformer(plan.model_args)
         self.model = parallelize(model, dims, self.mesh, dpm, cfg.checkpointing, cfg.training.precision,
                                  cfg.training.compile, dev, cfg.training.seed, cfg.parallel.ddp_bucket_mb)
@@ -147,7 +154,8 @@ class Trainer:
         self.autocast = precision != "fp32" and not uses_fsdp(dims)
         self.scaler = None
         if precision == "fp16":
-            if uses_fsdp(dims):
+            if uses_fsdp(dims) or dims.tp_enabled:
+                # DTensor gradients: the sharded scaler unscales local shards and agrees on overflow across ranks.
                 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
                 self.scaler = ShardedGradScaler(dev.type)
@@ -343,9 +351,8 @@ def train(cfg: Config, want_final_weights: bool = False) -> TrainResult:
     from paratrain.distributed.env import world_from_env
 
     _, world, _ = world_from_env()
-    if world > 1:
-        # Layout checks that need only the config run before the process group exists.
-        ParallelDims.from_config(cfg.parallel, world)
+    # Checks that need only the config run before the process group exists and before data is written.
+    ParallelDims.from_config(cfg.parallel, world).validate_model(model_args_for(cfg, VOCAB_PAD * cfg.parallel.tp))
     env = init_distributed(cfg.training.device)
     if world > 1:
         # One rank prepares the data; the others wait, then read it or raise the same error.

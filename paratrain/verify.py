@@ -49,7 +49,7 @@ def base_overrides(steps: int, out_dir: str, precision: str) -> list[str]:
     """A tiny model, fp32, no eval/checkpoints/samples: only the numerics matter here."""
     return ["model.preset=tiny", "model.n_layers=4", f"training.steps={steps}", "training.seq_len=32",
             f"training.global_batch={GLOBAL_BATCH}", f"training.precision={precision}", "training.eval_every=0",
-            "training.eval_batches=1", "optimizer.warmup_steps=2", "optimizer.lr=3e-3", "optimizer.min_lr=3e-4",
+            "training.eval_batches=1", "optimizer.warmup_steps=2", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4",
             "checkpoint.save_final=false", "sample.max_new_tokens=0", "metrics.progress=none",
             "metrics.peak_tflops=1", f"run.out_dir={out_dir}"]
 
@@ -151,6 +151,8 @@ def main_verify(argv: list[str]) -> int:
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                         help="non-fp32 runs report differences; the tolerance is only meaningful in fp32")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="change the base config of every run, e.g. --set model.tie_embeddings=true")
     parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -162,7 +164,7 @@ def main_verify(argv: list[str]) -> int:
         if too_big and args.device == "cuda":
             raise UserError(f"layouts {', '.join(too_big)} need more ranks than the {n} visible GPUs")
     print(HEADER)
-    rows, _ = run_verify(layouts, args.steps, args.tolerance, args.precision, [f"training.device={args.device}"],
+    rows, _ = run_verify(layouts, args.steps, args.tolerance, args.precision, [f"training.device={args.device}", *args.set],
                          echo=lambda line: print(line, flush=True))
     failed = [r.layout for r in rows if not r.passed and (args.precision == "fp32" or r.note)]
     print(f"{len(rows) - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))

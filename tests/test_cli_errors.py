@@ -110,10 +110,6 @@ def test_train_bad_layout_fails_before_launch(char_data, tmp_path, capsys, monke
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: train/plan_run prepare the dataset (prepare_data) before validating the preset, the sequence length "
-    "and the layout, so a typo still writes data.dir (and, for bpe, trains a tokenizer first), against "
-    "config.py's 'nothing is launched or written before the whole config has been validated'"))
 @pytest.mark.parametrize("extra", [["--model.preset=llama9"], ["--training.seq_len=100000"],
                                    ["--nproc", "3", "--parallel.tp=2"]])
 def test_train_config_error_writes_no_data(tmp_path, capsys, extra):

@@ -141,10 +141,6 @@ def test_tied_embeddings_share_storage():
     assert model.output.weight[0, 0] == 123.0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: Module.to_empty() replaces each module's Parameter separately, so a Transformer built on the meta "
-    "device with tie_embeddings=True comes back with output.weight and tok_embeddings.weight untied "
-    "(parallelize() does exactly this; init_weights then fills the two with different values)"))
 def test_tied_embeddings_survive_meta_to_empty():
     with torch.device("meta"):
         model = Transformer(tiny_args(tie_embeddings=True))

@@ -132,9 +132,6 @@ def test_gradient_accumulation_matches_big_batch(char_data, tmp_path):
     assert not (tmp_path / "big" / "checkpoints").exists()  # save_final=false
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (minor): optim.lr_at's docstring promises cosine decay 'to cfg.min_lr at the last step', but the last "
-    "step (index total_steps - 1) gets min_lr + something: progress reaches 1 only at index total_steps"))
 def test_lr_reaches_min_lr_at_last_step():
     from paratrain.config import OptimizerConfig
     from paratrain.optim import lr_at
@@ -144,9 +141,6 @@ def test_lr_reaches_min_lr_at_last_step():
     assert lr_at(23, cfg, 24) == pytest.approx(1e-3)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: parallelize() builds the model on meta and calls to_empty(), which unties output.weight from "
-    "tok_embeddings.weight; init_weights then fills them with different values and they train separately"))
 def test_tied_embeddings_stay_tied_in_training(char_data, tmp_path):
     result = train(fast_config(char_data, tmp_path, "tied", "model.tie_embeddings=true", "training.steps=2",
                                "checkpoint.save_final=false", *LEARN), want_final_weights=True)

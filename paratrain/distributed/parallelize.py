@@ -20,6 +20,25 @@ from paratrain.models.init import init_weights
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _replicated_norm_style():
+    """Without sequence parallelism the norms see whole activations; still make their gains replicated
+    DTensors, so every parameter is a DTensor and gradient scaling/clipping never mixes the two kinds."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class ReplicateParallel(ParallelStyle):
+        def _apply(self, module: nn.Module, mesh) -> nn.Module:
+            def to_dtensor(mod, inputs, mesh):
+                return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+            def to_local(mod, outputs, mesh):
+                return outputs.to_local()
+
+            return distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
+
+    return ReplicateParallel()
+
+
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Megatron-style plans: column-wise in, row-wise out, vocab-parallel embedding and output.
 
@@ -37,8 +56,8 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
     }
-    if sequence_parallel:
-        top_plan["norm"] = SequenceParallel()
+    norm_style = SequenceParallel if sequence_parallel else _replicated_norm_style
+    top_plan["norm"] = norm_style()
     parallelize_module(model, tp_mesh, top_plan)
 
     for block in model.layers.values():
@@ -51,10 +70,9 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=residual),
         }
+        plan.update({"attention_norm": norm_style(), "ffn_norm": norm_style()})
         if sequence_parallel:
             plan.update({
-                "attention_norm": SequenceParallel(),
-                "ffn_norm": SequenceParallel(),
                 "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
                                                 desired_input_layouts=(Replicate(), None, None)),
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
@@ -136,7 +154,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, dp_mesh, checkpointi
         apply_compile(model)
     if uses_fsdp(dims):
         apply_fsdp(model, fsdp_mesh(mesh, dims), dims, precision)
-    model.to_empty(device=device)
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
     init_weights(model, seed)
     if dims.dp > 1 and dims.dp_mode in ("ddp", "zero1"):
         from torch.nn.parallel import DistributedDataParallel

@@ -128,6 +128,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # Moving or materialising (to, to_empty) replaces each module's Parameter separately; re-tie after.
+        module = super()._apply(fn, recurse)
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        return module
+
     def reset_buffers(self) -> None:
         """Recompute the rotary tables on the current device (after materialising from meta)."""
         cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=self.rope_cos.device)
