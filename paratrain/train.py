@@ -56,6 +56,7 @@ class TrainResult:
     sample_text: str | None = None
     final_weights: dict | None = None
     skipped_steps: int = 0
+    memory: list[dict] = field(default_factory=list)  # per rank: bytes of params, grads, optimizer state
     run_dir: Path | None = None
 
 
@@ -163,6 +164,10 @@ class Trainer:
                 self.scaler = torch.amp.GradScaler(dev.type)
         self.loss_parallel = dims.tp_enabled and dims.loss_parallel
 
+        if env.world_size > 1:
+            coords = self.mesh.get_coordinate() if self.mesh is not None else None
+            axes = dict(zip(self.mesh.mesh_dim_names, coords)) if coords is not None else {}
+            env.print(f"{dev} | mesh position {axes} | data shard {self.dp_rank}", all_ranks=True)
         self.flops_per_token = flops_per_token(plan.model_args, cfg.training.seq_len)
         self.peak, self.peak_source = peak_flops(dev, cfg.metrics.peak_tflops)
         self.start_step, self.skipped = 0, 0
@@ -272,7 +277,7 @@ class Trainer:
         result = TrainResult(run_dir=run_dir)
         tokens_per_step = p.global_batch * cfg.training.seq_len
         self.model.train()
-        last_grad_bytes = None
+        memory_rows = None
         for step in range(self.start_step, cfg.training.steps):
             t0 = time.perf_counter()
             lr = lr_at(step, cfg.optimizer, cfg.training.steps)
@@ -291,7 +296,7 @@ class Trainer:
                 self.skipped += 1  # every rank sees the same reduced norm, so all skip together
                 log.message(f"step {step}: non-finite gradient norm, update skipped")
             if step == cfg.training.steps - 1:
-                last_grad_bytes = self.memory_report()
+                memory_rows = self.memory_report()
             self.optimizer.zero_grad(set_to_none=True)
             loss_value = _dp_mean(loss, self.dp_group)
             if env.device.type == "cuda":
@@ -318,8 +323,9 @@ class Trainer:
         if cfg.checkpoint.save_final and self.start_step < cfg.training.steps:
             path = self.save(cfg.training.steps)
             log.message(f"checkpoint: {path}")
-        if last_grad_bytes is not None:
-            log.message(format_memory_report(last_grad_bytes))
+        if memory_rows is not None:
+            result.memory = memory_rows
+            log.message(format_memory_report(memory_rows))
         if self.want_final_weights:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -1,0 +1,55 @@
+"""nanoGPT's documented CPU recipe for tinyshakespeare (char-level), run through paratrain.
+
+Recipe (nanoGPT config/train_shakespeare_char.py with its README's CPU settings): 4 layers, 4 heads,
+width 128, context 64, batch 12, 2000 iterations, lr 1e-3 decayed to 1e-4, no dropout. nanoGPT
+reports val loss 1.88 for it. Prints a table: steps, wall seconds, tokens/s, train/val loss, and
+the first step at which the val loss reached the target.
+
+    python bench/shakespeare_cpu.py [--steps 2000] [--eval-every 100] [--target 1.88]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from paratrain.config import load_config
+from paratrain.train import train
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--eval-batches", type=int, default=17, help="global batches of 12 (17 x 12 ~ nanoGPT's 200)")
+    parser.add_argument("--target", type=float, default=1.88)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(None, [
+            "model.preset=shakespeare-char", "training.seq_len=64", "training.micro_batch=12",
+            f"training.steps={args.steps}", f"training.eval_every={args.eval_every}",
+            f"training.eval_batches={args.eval_batches}", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4",
+            "optimizer.warmup_steps=100", "optimizer.beta2=0.99", "optimizer.weight_decay=0.1",
+            "checkpoint.save_final=false", "sample.max_new_tokens=0", "metrics.progress=none",
+            f"run.out_dir={out}", "run.name=shakespeare-cpu"])
+        start = time.perf_counter()
+        result = train(cfg)
+        wall = time.perf_counter() - start
+        records = [json.loads(line) for line in (Path(out) / "shakespeare-cpu" / "metrics.jsonl").open()]
+    evals = [(r["step"], r["val_loss"], r["time"]) for r in records if "val_loss" in r]
+    t0 = records[0]["time"] - records[0]["step_time_s"]
+    reached = next(((s, t - t0) for s, v, t in evals if v <= args.target), None)
+    tok_s = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    train_loss = sum(result.losses[-20:]) / min(20, len(result.losses))
+    print(f"{'steps':>6} {'wall s':>8} {'tokens/s':>10} {'train loss':>11} {'val loss':>9} {'reached ' + str(args.target):>16}")
+    when = f"step {reached[0]} ({reached[1]:.0f}s)" if reached else "not reached"
+    print(f"{args.steps:>6} {wall:>8.1f} {sorted(tok_s)[len(tok_s) // 2]:>10,.0f} {train_loss:>11.4f} "
+          f"{result.val_loss:>9.4f} {when:>16}")
+    print("val loss by step: " + ", ".join(f"{s}:{v:.3f}" for s, v, _ in evals))
+
+
+if __name__ == "__main__":
+    main()
