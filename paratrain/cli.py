@@ -8,7 +8,7 @@ import sys
 
 from paratrain.errors import UserError
 
-COMMANDS = ("train", "prepare", "generate", "verify")
+COMMANDS = ("train", "prepare", "generate", "verify", "estimate", "plan", "report", "doctor")
 
 
 def split_overrides(argv: list[str], flags_with_value: set[str]) -> tuple[dict, list[str]]:
@@ -119,6 +119,30 @@ def cmd_verify(argv: list[str]) -> int:
     return main_verify(argv)
 
 
+def cmd_estimate(argv: list[str]) -> int:
+    from paratrain.estimate import main_estimate
+
+    return main_estimate(argv)
+
+
+def cmd_plan(argv: list[str]) -> int:
+    from paratrain.planner import main_plan
+
+    return main_plan(argv)
+
+
+def cmd_report(argv: list[str]) -> int:
+    from paratrain.report import main_report
+
+    return main_report(argv)
+
+
+def cmd_doctor(argv: list[str]) -> int:
+    from paratrain.doctor import main_doctor
+
+    return main_doctor(argv)
+
+
 USAGE = """usage: paratrain <command> [options]
 
 commands:
@@ -126,6 +150,10 @@ commands:
   prepare    tokenize text into train.bin / val.bin: paratrain prepare --input PATH --out DIR [--tokenizer char]
   generate   sample from a checkpoint: paratrain generate --checkpoint DIR --prompt "..." [--max-new-tokens N]
   verify     prove parallel layouts match one process: paratrain verify [--layouts ddp2,fsdp2,...] [--steps 20]
+  estimate   memory per rank before launch: paratrain estimate --model llama3-8b --gpu H100 [layout options]
+  plan       rank parallel layouts by predicted speed: paratrain plan --model llama3-8b --gpus 8 --gpu H100
+  report     plots and a summary of finished runs: paratrain report RUN_DIR [RUN_DIR ...]
+  doctor     check the environment (torch, CUDA, NCCL, interconnect, disk, a collective test)
 """
 
 
@@ -135,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    handlers = {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate, "verify": cmd_verify}
+    handlers = {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate, "verify": cmd_verify,
+                "estimate": cmd_estimate, "plan": cmd_plan, "report": cmd_report, "doctor": cmd_doctor}
     if command not in handlers:
         import difflib
 

@@ -28,6 +28,16 @@ class ModelArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # Mixture of experts (0 experts = dense everywhere). The MoE block replaces the dense MLP in
+    # every layer from `moe_first_dense_layers` on; `moe_ffn_hidden` is each expert's hidden size.
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_shared_experts: int = 0
+    moe_ffn_hidden: int | None = None
+    moe_first_dense_layers: int = 0
+    moe_score_func: str = "softmax"  # softmax | sigmoid
+    moe_aux_loss_coef: float = 0.01
+    moe_capacity_factor: float = 0.0  # 0: no capacity limit (no token dropping)
 
     @property
     def head_dim(self) -> int:
