@@ -1,13 +1,14 @@
 """Training-state checkpoints with torch.distributed.checkpoint (DCP).
 
 Layout of a run's checkpoints:  RUN_DIR/checkpoints/step-N/
-    *.distcp + .metadata   model and optimizer, sharded as they live on the ranks (DCP), so a
-                           checkpoint saved on one layout loads on another
-    trainer.pt             step, RNG states, config, model dimensions (weights_only loads it)
+    *.distcp + .metadata   model and optimizer, keyed by parameter name and sharded as they live on
+                           the ranks, so a checkpoint saved on one layout loads on any other
+    trainer.pt             step, data position, RNG states, config, model dimensions (weights_only loads it)
     meta.json + tokenizer  the tokenizer, so generation needs nothing but this folder
     COMPLETE               written last; a folder without it was interrupted and is never loaded
 
-A save is written to a hidden temporary folder and renamed into place only after every rank is done.
+A save is written to a hidden temporary folder and renamed into place only after every rank has
+finished writing (synchronously, or in the background with `async_save`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -36,69 +38,178 @@ def _barrier() -> None:
         dist.barrier()
 
 
+# -- what is saved ------------------------------------------------------------------------------
+
 def _is_zero1(optimizer) -> bool:
     return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
 
 
+def _fqns(model: nn.Module) -> dict[int, str]:
+    from paratrain.models.init import canonical_name
+
+    return {id(p): canonical_name(n) for n, p in model.named_parameters()}
+
+
+def _zero1_state(model: nn.Module, optimizer) -> dict:
+    """ZeRO-1's moments in the same name-keyed form DCP uses for every other optimizer.
+
+    Each rank contributes the entries of the parameters it owns; DCP stores the union, so the
+    checkpoint is indistinguishable from an unsharded optimizer's and reshards like one.
+    """
+    names = _fqns(model)
+    local = optimizer.optim
+    state = {names[id(p)]: dict(local.state[p]) for g in local.param_groups for p in g["params"] if p in local.state}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def _load_zero1_state(model: nn.Module, optimizer, path: Path) -> None:
+    """Fill this rank's ZeRO-1 partition from a name-keyed optimizer checkpoint (from any layout)."""
+    from torch.distributed.tensor import DTensor
+
+    names = _fqns(model)
+    local = optimizer.optim
+    wanted = {names[id(p)]: p for g in local.param_groups for p in g["params"]}
+    template = {fqn: {k: torch.empty_like(p, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+                for fqn, p in wanted.items()}
+    for fqn in template:
+        template[fqn]["step"] = torch.zeros((), dtype=torch.float32)
+    loaded = {"optim": {"state": template}}
+    dcp.load(loaded, checkpoint_id=str(path))
+    for fqn, p in wanted.items():
+        entry = loaded["optim"]["state"][fqn]
+        local.state[p] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).to(p.device) for k, v in entry.items()}
+
+
 def model_optim_state(model: nn.Module, optimizer) -> dict:
-    """FQN-keyed state that DCP can save and reload on any layout."""
+    """Name-keyed state that DCP can save and reload on any layout."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
     if _is_zero1(optimizer):
-        # ZeRO-1 keeps per-rank partitions that DCP does not understand; its moments are gathered
-        # into a plain optimizer state dict on save (see save_checkpoint).
-        return {"model": get_model_state_dict(model)}
+        return {"model": get_model_state_dict(model), "optim": _zero1_state(model, optimizer)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd}
 
 
+# -- saving -------------------------------------------------------------------------------------
+
+class CheckpointWriter:
+    """Saves step-N folders; with `async_save`, the write happens in the background and the folder is
+    committed (marker + rename) at a later step boundary once every rank has finished."""
+
+    def __init__(self, ckpt_root: Path, keep: int, is_main: bool, async_save: bool = False, tokenizer=None):
+        self.root, self.keep, self.is_main, self.async_save = ckpt_root, keep, is_main, async_save
+        self.tokenizer = tokenizer
+        self.pending = None  # (future, step, tmp folder, trainer_state)
+        # Background writes run their own collectives: on the training group they would interleave with
+        # the training step's collectives and deadlock, so they get a dedicated gloo group.
+        self.group = dist.new_group(backend="gloo") if (async_save and dist.is_initialized()) else None
+
+    def save(self, step: int, model: nn.Module, optimizer, trainer_state: dict) -> Path:
+        self.finish()  # never two saves in flight
+        tmp = self.root / f".step-{step}.tmp"
+        if self.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        state = model_optim_state(model, optimizer)
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+            self.pending = (future, step, tmp, trainer_state)
+            return self.root / f"step-{step}"
+        dcp.save(state, checkpoint_id=str(tmp))
+        return self._commit(step, tmp, trainer_state)
+
+    def poll(self) -> None:
+        """At a step boundary: commit a background save if every rank has finished writing it."""
+        if self.pending is None:
+            return
+        done = torch.tensor([1.0 if self.pending[0].done() else 0.0])
+        if dist.is_initialized():
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item() == 1.0:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.pending is None:
+            return
+        future, step, tmp, trainer_state = self.pending
+        self.pending = None
+        future.result()
+        self._commit(step, tmp, trainer_state)
+
+    def _commit(self, step: int, tmp: Path, trainer_state: dict) -> Path:
+        final = self.root / f"step-{step}"
+        _barrier()  # every rank's shards are on disk
+        if self.is_main:
+            torch.save(trainer_state, tmp / "trainer.pt")
+            if self.tokenizer is not None:
+                self.tokenizer.save(tmp)
+            _fsync_dir(tmp)
+            (tmp / MARKER).write_text(f"{step}\n")
+            if final.exists():  # the same step saved again (after a rollback): move the old one aside first
+                aside = self.root / f".step-{step}.old"
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(final, aside)
+                os.replace(tmp, final)
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            prune(self.root, self.keep)
+        _barrier()
+        return final
+
+
+def _fsync_dir(path: Path) -> None:
+    for f in path.iterdir():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
 def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict, keep: int,
                     is_main: bool, tokenizer=None) -> Path:
-    final = ckpt_root / f"step-{step}"
-    tmp = ckpt_root / f".step-{step}.tmp"
-    if is_main:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
-    dcp.save(model_optim_state(model, optimizer), checkpoint_id=str(tmp))
-    if _is_zero1(optimizer):
-        optimizer.consolidate_state_dict(to=0)
-    _barrier()
-    if is_main:
-        if _is_zero1(optimizer):
-            torch.save(optimizer.state_dict(), tmp / "zero1_optim.pt")
-        torch.save(trainer_state, tmp / "trainer.pt")
-        if tokenizer is not None:  # so `paratrain generate` needs nothing but this folder
-            tokenizer.save(tmp)
-        (tmp / MARKER).write_text(f"{step}\n")
-        if final.exists():  # re-saving the same step (e.g. after a rollback): replace atomically-ish
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        prune(ckpt_root, keep)
-    _barrier()
-    return final
+    return CheckpointWriter(ckpt_root, keep, is_main, tokenizer=tokenizer).save(step, model, optimizer, trainer_state)
 
+
+# -- finding a checkpoint to resume -------------------------------------------------------------
 
 def checkpoint_problem(path: Path) -> str | None:
-    """Why `path` is not a loadable checkpoint, or None if it looks complete."""
+    """Why `path` is not a loadable checkpoint, or None if it is complete and its files are intact."""
     if not path.is_dir():
         return "not a folder"
     if not (path / MARKER).exists():
-        return f"no {MARKER} marker (save was interrupted)"
-    if not (path / ".metadata").exists():
-        return "missing DCP .metadata"
+        return f"no {MARKER} marker (the save was interrupted)"
     if not (path / "trainer.pt").exists():
         return "missing trainer.pt"
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata is the same problem to the user
+        return f"unreadable DCP metadata ({type(e).__name__})"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in needed.items():
+        f = path / name
+        if not f.exists():
+            return f"missing shard {name}"
+        if f.stat().st_size < size:
+            return f"truncated shard {name} ({f.stat().st_size} of {size} bytes)"
     return None
 
 
-def complete_checkpoints(ckpt_root: Path) -> list[Path]:
+def step_folders(ckpt_root: Path) -> list[Path]:
     if not ckpt_root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in ckpt_root.iterdir() if (m := _STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found) if checkpoint_problem(p) is None]
+    return [p for _, p in sorted(found)]
+
+
+def complete_checkpoints(ckpt_root: Path) -> list[Path]:
+    return [p for p in step_folders(ckpt_root) if (p / MARKER).exists()]
 
 
 def prune(ckpt_root: Path, keep: int) -> None:
@@ -106,19 +217,31 @@ def prune(ckpt_root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def resolve_resume(resume: str, ckpt_root: Path) -> Path | None:
-    """`none` -> None, `auto` -> newest complete checkpoint (None if there is none), else a path that must be valid."""
+def newest_valid_checkpoint(ckpt_root: Path, warn=None) -> Path | None:
+    """The newest loadable checkpoint; each newer one that is skipped is reported with its reason."""
+    warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    for path in reversed(step_folders(ckpt_root)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        warn(f"warning: skipping checkpoint {path}: {problem}")
+    return None
+
+
+def resolve_resume(resume: str, ckpt_root: Path, warn=None) -> Path | None:
+    """`none` -> None, `auto` -> newest valid checkpoint (None if there is none), else a path that must be valid."""
     if resume == "none":
         return None
     if resume == "auto":
-        found = complete_checkpoints(ckpt_root)
-        return found[-1] if found else None
+        return newest_valid_checkpoint(ckpt_root, warn)
     path = Path(resume)
     problem = checkpoint_problem(path)
     if problem:
         raise UserError(f"{path} is not a paratrain checkpoint: {problem}")
     return path
 
+
+# -- loading ------------------------------------------------------------------------------------
 
 def load_trainer_state(path: Path) -> dict:
     try:
@@ -132,14 +255,37 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     trainer_state = load_trainer_state(path)
+    if optimizer is not None and _is_zero1(optimizer):
+        state = {"model": model_optim_state(model, None)["model"]}
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(model, state["model"])
+        _load_zero1_state(model, optimizer, path)
+        return trainer_state
     state = model_optim_state(model, optimizer)
     dcp.load(state, checkpoint_id=str(path))
     if "optim" in state:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         set_model_state_dict(model, state["model"])
-        if optimizer is not None and _is_zero1(optimizer):
-            if not (path / "zero1_optim.pt").exists():
-                raise UserError(f"{path} was saved without dp_mode=zero1; resume it with the dp_mode it was saved with")
-            optimizer.load_state_dict(torch.load(path / "zero1_optim.pt", weights_only=True))
     return trainer_state
+
+
+def export_safetensors(model: nn.Module, out_file: Path, is_main: bool) -> Path | None:
+    """Consolidated (unsharded) weights as one safetensors file; every rank takes part in the gather."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main:
+        return None
+    tensors, seen = {}, {}
+    for name, t in full.items():
+        key = t.data_ptr()
+        if key in seen:  # tied weights: safetensors refuses shared storage, keep one name
+            continue
+        seen[key] = name
+        tensors[name] = t.contiguous()
+    tmp = out_file.with_suffix(".safetensors.tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt", "tied": ",".join(sorted(set(full) - set(tensors)))})
+    os.replace(tmp, out_file)
+    return out_file

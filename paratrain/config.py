@@ -28,6 +28,15 @@ class ModelConfig:
     max_seq_len: int | None = None
     rope_theta: float | None = None
     tie_embeddings: bool | None = None
+    # Mixture of experts (override the preset's; moe_experts > 0 turns a dense preset into an MoE)
+    moe_experts: int | None = None  # routed experts per MoE layer (0: dense)
+    moe_top_k: int | None = None  # experts per token
+    moe_shared_experts: int | None = None  # experts every token goes through
+    moe_ffn_hidden: int | None = None  # hidden size of each expert (default: ffn_hidden)
+    moe_first_dense_layers: int | None = None  # the first N layers keep the dense MLP
+    moe_score_func: str | None = None  # softmax | sigmoid
+    moe_aux_loss_coef: float | None = None  # weight of the per-sequence load-balancing loss
+    moe_capacity_factor: float | None = None  # 0: no limit; else tokens per expert per sequence <= cf x T x k / E
 
 
 @dataclass
@@ -77,7 +86,11 @@ class ParallelConfig:
     tp: int = 1
     sequence_parallel: bool = True  # with tp > 1: shard norms and residuals along the sequence
     loss_parallel: bool = True  # with tp > 1: keep logits sharded by vocab through the loss
-    pp: int = 1
+    pp: int = 1  # pipeline stages (ranks along the pp mesh axis)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble | zbv
+    pp_microbatches: int = 0  # per optimizer step and data-parallel rank; 0: automatic
+    pp_virtual_stages: int = 1  # stages per rank for the interleaved schedules (1: automatic, 2)
+    pp_split: str = ""  # blocks per stage, e.g. "3,2,2,1"; empty: balanced by parameter count
     ep: int = 1
     ddp_bucket_mb: float = 25.0
 
@@ -98,12 +111,32 @@ class CheckpointConfig:
     keep: int = 2
     resume: str = "none"  # none | auto | path to a step-N folder
     save_final: bool = True
+    async_save: bool = False  # write in the background; committed at a later step boundary
+    export_safetensors: bool = False  # also write consolidated weights to RUN_DIR/model.safetensors at the end
+
+
+@dataclass
+class ResilienceConfig:
+    """Surviving crashes, preemption, bad steps, out-of-memory and hangs."""
+
+    max_restarts: int = 0  # relaunch all ranks from the last checkpoint when one dies (`--max-restarts`)
+    collective_timeout_s: float = 600.0  # a collective that takes longer ends the run with an error
+    preempt_grace_s: float = 30.0  # after SIGTERM: save and exit within this many seconds
+    max_bad_steps: int = 3  # consecutive non-finite steps before rolling back to the last checkpoint
+    memory_budget_gib: float = 0.0  # > 0: activation bytes per micro-step above this count as out-of-memory
 
 
 @dataclass
 class MetricsConfig:
     peak_tflops: float = 0.0  # device peak for MFU; 0 looks the device up (CPU: a quick matmul measurement)
     progress: str = "auto"  # auto | bar | lines | none
+    # Prometheus endpoint (needs prometheus_client): 0 = off. One endpoint per node (local rank 0, every rank's
+    # memory labelled rank="N"), or with prometheus_per_rank one per rank on port + local_rank.
+    prometheus_port: int = 0
+    prometheus_host: str = "127.0.0.1"  # 0.0.0.0 to let a Prometheus server on another host scrape it
+    prometheus_per_rank: bool = False
+    prometheus_linger_s: float = 0.0  # at the end, keep serving until one scrape has read the final values (max s)
+    tensorboard: bool = False  # scalars under run_dir/tensorboard (needs tensorboard)
 
 
 @dataclass
@@ -132,6 +165,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
 
@@ -148,6 +182,7 @@ CHOICES = {
     "training.device": ("auto", "cpu", "cuda"),
     "optimizer.impl": ("auto", "fused", "foreach", "for"),
     "parallel.dp_mode": ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"),
+    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"),
     "checkpointing.mode": ("none", "full", "every_k", "selective"),
     "metrics.progress": ("auto", "bar", "lines", "none"),
 }
@@ -269,10 +304,18 @@ def validate(cfg: Config) -> None:
     _require(cfg.checkpointing.every_k >= 1, "checkpointing.every_k must be >= 1")
     _require(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 saves only at the end)")
     _require(cfg.checkpoint.keep >= 2, "checkpoint.keep must be >= 2 so a bad save never leaves no checkpoint")
+    r = cfg.resilience
+    _require(r.max_restarts >= 0, "resilience.max_restarts must be >= 0")
+    _require(r.collective_timeout_s > 0, "resilience.collective_timeout_s must be positive")
+    _require(r.preempt_grace_s > 0, "resilience.preempt_grace_s must be positive")
+    _require(r.max_bad_steps >= 1, "resilience.max_bad_steps must be >= 1")
+    _require(r.memory_budget_gib >= 0, "resilience.memory_budget_gib must be >= 0 (0 disables)")
     p = cfg.parallel
     for key in ("dp_replicate", "tp", "pp", "ep"):
         _require(getattr(p, key) >= 1, f"parallel.{key} must be >= 1")
     _require(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard must be >= 1, or -1 for automatic")
+    _require(p.pp_microbatches >= 0, "parallel.pp_microbatches must be >= 0 (0: automatic)")
+    _require(p.pp_virtual_stages >= 1, "parallel.pp_virtual_stages must be >= 1")
     _require(p.ddp_bucket_mb > 0, "parallel.ddp_bucket_mb must be positive")
     _require(0 < cfg.data.val_fraction <= 0.5, "data.val_fraction must be in (0, 0.5]")
     s = cfg.sample

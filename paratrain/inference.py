@@ -42,4 +42,6 @@ def load_for_generation(path: str | Path, device: torch.device | None = None):
     except Exception as e:  # noqa: BLE001 - a truncated or foreign checkpoint
         raise UserError(f"{ckpt}: cannot load model weights ({type(e).__name__})") from None
     set_model_state_dict(model, sd["model"])
-    return model, load_tokenizer(ckpt), args
+    # Sample with the context the model was trained on: positions beyond it were never trained.
+    context = int(state.get("seq_len", args.max_seq_len))
+    return model, load_tokenizer(ckpt), args, context

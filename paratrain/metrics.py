@@ -1,16 +1,77 @@
-"""One metrics path: each step's numbers go to the JSONL log and the progress display (rank 0 only)."""
+"""One metrics path: each step's record goes to the JSONL log, the progress display, and the optional sinks.
+
+The trainer builds one `record` dict per step and hands it to `MetricsLog.log`. From there:
+- rank 0 appends it to `runs/<name>/metrics.jsonl` and shows it (progress bar or lines);
+- a `PrometheusSink` (metrics.prometheus_port > 0) serves the latest values at http://HOST:PORT/metrics: by default
+  one endpoint per node (local rank 0), with every rank's memory labelled `rank="N"`; with
+  metrics.prometheus_per_rank each rank serves its own numbers on port + local_rank;
+- a `TensorBoardSink` (metrics.tensorboard) writes scalars under `runs/<name>/tensorboard` (rank 0).
+
+Record keys (all optional but `step`): loss, val_loss, lr, grad_norm, tokens_per_s, tokens_per_s_per_device, mfu,
+step_time_s and its split data_time_s / compute_time_s / comm_time_s, skipped_steps, restarts, tokens, rank_memory
+(list of per-rank dicts, log steps only), checkpoint_save_s (duration of the save made since the previous record),
+and with a mixture-of-experts model moe_aux_loss, moe_imbalance, moe_dropped_tokens, moe_tokens_per_expert (one list
+per MoE layer; from MoEMeter in distributed/expert_parallel.py).
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
+from paratrain.errors import ConfigError, UserError
+
+PIP_HINT = {"prometheus_client": "pip install prometheus_client  (or: pip install 'paratrain[prometheus]')",
+            "tensorboard": "pip install tensorboard  (or: pip install 'paratrain[tensorboard]')"}
+
+
+def check_metrics_config(m) -> None:
+    """Config-only checks of the [metrics] sinks, including their optional dependencies. Raises ConfigError."""
+    if not 0 <= m.prometheus_port <= 65535:
+        raise ConfigError(f"metrics.prometheus_port must be 0 (off) or a TCP port up to 65535, got {m.prometheus_port}")
+    if m.prometheus_linger_s < 0:
+        raise ConfigError(f"metrics.prometheus_linger_s must be >= 0, got {m.prometheus_linger_s}")
+    if m.prometheus_port and not m.prometheus_host:
+        raise ConfigError("metrics.prometheus_host must be an address to listen on (e.g. 127.0.0.1)")
+    if m.prometheus_port:
+        try:
+            import prometheus_client  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"metrics.prometheus_port is set but prometheus_client is not installed: "
+                              f"{PIP_HINT['prometheus_client']}") from None
+    if m.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"metrics.tensorboard=true but tensorboard is not installed: {PIP_HINT['tensorboard']}") from None
+
+
+def build_sinks(cfg, env) -> list:
+    """The sinks this rank feeds: Prometheus on local rank 0 (or every rank, per_rank), TensorBoard on rank 0."""
+    from paratrain.sysmetrics import node_index
+
+    m, sinks = cfg.metrics, []
+    check_metrics_config(m)
+    if m.prometheus_port and (m.prometheus_per_rank or env.local_rank == 0):
+        port = m.prometheus_port + (env.local_rank if m.prometheus_per_rank else 0)
+        sinks.append(PrometheusSink(m.prometheus_host, port, run=cfg.run.name, rank=env.rank,
+                                    node=node_index(env.rank), world_size=env.world_size,
+                                    per_rank=m.prometheus_per_rank, linger_s=m.prometheus_linger_s))
+    if m.tensorboard and env.is_main:
+        sinks.append(TensorBoardSink(cfg.run_dir / "tensorboard"))
+    return sinks
+
 
 class MetricsLog:
-    def __init__(self, path: Path | None, total_steps: int, start_step: int, mode: str = "auto", enabled: bool = True):
+    def __init__(self, path: Path | None, total_steps: int, start_step: int, mode: str = "auto", enabled: bool = True,
+                 sinks: list | None = None):
         self.enabled = enabled
+        self.sinks = list(sinks or [])
         self.file = open(path, "a") if (path is not None and enabled) else None
         self.total = total_steps
         if mode == "auto":
@@ -24,11 +85,16 @@ class MetricsLog:
                                      TextColumn("{task.fields[info]}"), TimeRemainingColumn())
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
             self.progress.start()
+        for sink in self.sinks:
+            if getattr(sink, "description", None):
+                self.message(sink.description)
 
     def log(self, record: dict, show: bool = True) -> None:
+        record = {"time": round(time.time(), 3), **record}
+        for sink in self.sinks:
+            sink.write(record)
         if not self.enabled:
             return
-        record = {"time": round(time.time(), 3), **record}
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
@@ -53,6 +119,8 @@ class MetricsLog:
             self.progress.stop()
         if self.file:
             self.file.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def format_record(r: dict) -> str:
@@ -62,3 +130,229 @@ def format_record(r: dict) -> str:
         if r.get(key) is not None:
             parts.append(fmt.format(r[key]))
     return " | ".join(parts)
+
+
+# -- Prometheus ---------------------------------------------------------------------------------
+
+# record key -> (metric name, help). All gauges: a resumed or restarted run can go back in step.
+PROM_SCALARS = {
+    "step": ("paratrain_step", "Last completed optimizer step."),
+    "tokens": ("paratrain_tokens", "Tokens trained on so far (global)."),
+    "loss": ("paratrain_loss", "Training loss of the last step (mean over data-parallel ranks)."),
+    "val_loss": ("paratrain_val_loss", "Last validation loss."),
+    "lr": ("paratrain_learning_rate", "Learning rate of the last step."),
+    "grad_norm": ("paratrain_grad_norm", "Gradient norm of the last step, before clipping."),
+    "tokens_per_s": ("paratrain_tokens_per_second", "Training throughput, all devices together."),
+    "tokens_per_s_per_device": ("paratrain_tokens_per_second_per_device", "Training throughput per device."),
+    "mfu": ("paratrain_mfu_ratio", "Model FLOPs utilisation (0..1) against the device peak."),
+    "skipped_steps": ("paratrain_skipped_steps", "Optimizer steps skipped for non-finite gradients."),
+    "restarts": ("paratrain_restarts", "Times this run was relaunched after a failure."),
+    "checkpoint_save_s": ("paratrain_checkpoint_save_seconds", "Duration of the last checkpoint save."),
+    "moe_aux_loss": ("paratrain_moe_aux_loss", "MoE load-balancing loss, unscaled (1.0 = balanced)."),
+    "moe_imbalance": ("paratrain_moe_imbalance", "Busiest expert's tokens over the mean, worst MoE layer (1 = balanced)."),
+    "moe_dropped_tokens": ("paratrain_moe_dropped_tokens", "Expert assignments dropped by the capacity limit, last step."),
+}
+PHASES = {"step_time_s": "total", "compute_time_s": "compute", "data_time_s": "data_wait", "comm_time_s": "comm_wait"}
+MEMORY_KINDS = {"rss_bytes": "rss", "rss_peak_bytes": "rss_peak", "cuda_allocated_bytes": "cuda_allocated",
+                "cuda_reserved_bytes": "cuda_reserved", "cuda_peak_allocated_bytes": "cuda_peak_allocated"}
+
+
+class PrometheusSink:
+    """Serves the latest values of the run at http://host:port/metrics (text exposition format).
+
+    `per_rank=False`: the node's endpoint (local rank 0) with the memory of every rank on the node, labelled
+    `rank`. `per_rank=True`: this rank's own memory. Job-wide values (loss, lr, ...) are on every endpoint.
+    Every series carries `run`; `paratrain_run_info` says which rank serves and for which scope.
+
+    `linger_s`: at close, keep serving until one scrape has read the final values, or linger_s seconds.
+    """
+
+    def __init__(self, host: str, port: int, run: str, rank: int = 0, node: int = 0, world_size: int = 1,
+                 per_rank: bool = False, linger_s: float = 0.0):
+        from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+        from socketserver import ThreadingMixIn
+
+        from prometheus_client import CollectorRegistry, make_wsgi_app
+
+        self.run, self.rank, self.node, self.world_size, self.per_rank = run, rank, node, world_size, per_rank
+        self.linger_s = linger_s
+        self.host = socket.gethostname()
+        self._lock = threading.Lock()
+        self._scalars: dict[str, float] = {}
+        self._phases: dict[str, float] = {}
+        self._memory: list[dict] = []
+        self._experts: list[list[float]] = []
+        self._last_step_time: float | None = None
+        self._closing = threading.Event()
+        self._final_scraped = threading.Event()
+
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+        app = make_wsgi_app(self.registry)
+        sink = self
+
+        class _Body(list):
+            def __init__(self, parts, final):
+                super().__init__(parts)
+                self.final = final
+
+            def close(self):  # wsgiref calls this once the response has been written
+                if self.final:
+                    sink._final_scraped.set()
+
+        def counted_app(environ, start_response):
+            final = sink._closing.is_set()  # values are final once close() began: nothing writes after that
+            return _Body(app(environ, start_response), final)
+
+        class _Server(ThreadingMixIn, WSGIServer):
+            daemon_threads = True
+
+        class _Quiet(WSGIRequestHandler):
+            timeout = 10
+
+            def log_message(self, *args):
+                pass
+
+        try:
+            self.server = make_server(host, port, counted_app, _Server, handler_class=_Quiet)
+        except OSError as e:
+            raise UserError(f"metrics.prometheus_port: cannot serve metrics on {host}:{port} "
+                            f"({e.strerror or e}); choose another port") from None
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1},
+                                       name=f"paratrain-prometheus-{port}", daemon=True)
+        self.thread.start()
+        scope = "rank" if per_rank else "node"
+        self.description = (f"prometheus: http://{host}:{self.port}/metrics ({scope} endpoint, served by rank {rank}"
+                            + ("; other ranks on port + local rank)" if per_rank else ")"))
+
+    # -- fed by MetricsLog -----------------------------------------------------------------------
+    def write(self, record: dict) -> None:
+        with self._lock:  # one record is one update: a scrape never mixes two steps
+            for key in PROM_SCALARS:
+                if _is_number(record.get(key)):
+                    self._scalars[key] = float(record[key])
+            for key, phase in PHASES.items():
+                if _is_number(record.get(key)):
+                    self._phases[phase] = float(record[key])
+            if "loss" in record:
+                self._last_step_time = record.get("time", time.time())
+            if isinstance(record.get("rank_memory"), list):
+                rows = record["rank_memory"]
+                self._memory = [r for r in rows if (r.get("rank") == self.rank if self.per_rank
+                                                    else r.get("node", 0) == self.node)]
+            if isinstance(record.get("moe_tokens_per_expert"), list):
+                self._experts = record["moe_tokens_per_expert"]
+
+    # -- the collector protocol ------------------------------------------------------------------
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        with self._lock:
+            scalars, phases, memory = dict(self._scalars), dict(self._phases), list(self._memory)
+            experts, last = list(self._experts), self._last_step_time
+        run = [self.run]
+        info = GaugeMetricFamily("paratrain_run_info", "Which run this endpoint belongs to and what it covers.",
+                                 labels=["run", "world_size", "scope", "exporter_rank", "node", "host"])
+        info.add_metric([self.run, str(self.world_size), "rank" if self.per_rank else "node", str(self.rank),
+                         str(self.node), self.host], 1.0)
+        yield info
+        for key, (name, help_text) in PROM_SCALARS.items():
+            if key in scalars:
+                yield _gauge(name, help_text, ["run"], [(run, scalars[key])])
+        if last is not None:
+            yield _gauge("paratrain_last_step_timestamp_seconds",
+                         "Unix time of the last completed step (alert on time() - this to catch a stalled run).",
+                         ["run"], [(run, last)])
+        if phases:
+            yield _gauge("paratrain_step_time_seconds",
+                         "Last step's wall time: total, and its split into compute, data_wait and comm_wait "
+                         "(comm_wait: the explicit loss all-reduce; gradient collectives overlap compute and count "
+                         "as compute).", ["run", "phase"], [(run + [p], v) for p, v in phases.items()])
+        if memory:
+            yield _gauge("paratrain_memory_bytes", "Memory per rank: rss (process resident set), rss_peak, and on "
+                         "CUDA cuda_allocated, cuda_reserved, cuda_peak_allocated.", ["run", "rank", "node", "kind"],
+                         [(run + [str(r["rank"]), str(r.get("node", 0)), kind], float(r[key]))
+                          for r in memory for key, kind in MEMORY_KINDS.items() if _is_number(r.get(key))])
+            for key, name, help_text in (
+                    ("cuda_alloc_retries", "paratrain_cuda_alloc_retries",
+                     "CUDA caching-allocator retries (cudaMalloc failed, cache flushed): memory pressure."),
+                    ("cuda_ooms", "paratrain_cuda_ooms", "CUDA out-of-memory errors raised by the allocator.")):
+                samples = [(run + [str(r["rank"]), str(r.get("node", 0))], float(r[key])) for r in memory if key in r]
+                if samples:
+                    yield _gauge(name, help_text, ["run", "rank", "node"], samples)
+        if experts:
+            yield _gauge("paratrain_moe_expert_tokens", "Tokens routed to each expert in the last step (global batch); "
+                         "moe_layer counts MoE layers from 0.", ["run", "moe_layer", "expert"],
+                         [(run + [str(i), str(e)], float(v)) for i, layer in enumerate(experts)
+                          for e, v in enumerate(layer)])
+            yield _gauge("paratrain_moe_layer_imbalance", "Per MoE layer: busiest expert's tokens over the mean.",
+                         ["run", "moe_layer"], [(run + [str(i)], v) for i, v in enumerate(map(imbalance, experts))
+                                                if v is not None])
+
+    def close(self) -> None:
+        self._closing.set()
+        if self.linger_s > 0:
+            self._final_scraped.wait(self.linger_s)
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def _gauge(name: str, help_text: str, labels: list[str], samples: list[tuple[list[str], float]]):
+    from prometheus_client.core import GaugeMetricFamily
+
+    g = GaugeMetricFamily(name, help_text, labels=labels)
+    for label_values, value in samples:
+        g.add_metric(label_values, value)
+    return g
+
+
+def imbalance(tokens: list[float]) -> float | None:
+    """Busiest expert's tokens over the mean (1.0 = perfectly balanced); None without tokens."""
+    mean = sum(tokens) / len(tokens) if tokens else 0
+    return max(tokens) / mean if mean > 0 else None
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# -- TensorBoard --------------------------------------------------------------------------------
+
+TB_TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+           "tokens_per_s": "throughput/tokens_per_s", "tokens_per_s_per_device": "throughput/tokens_per_s_per_device",
+           "mfu": "throughput/mfu", "step_time_s": "time/step_s", "compute_time_s": "time/compute_s",
+           "data_time_s": "time/data_wait_s", "comm_time_s": "time/comm_wait_s", "skipped_steps": "train/skipped_steps",
+           "restarts": "train/restarts", "checkpoint_save_s": "time/checkpoint_save_s", "moe_aux_loss": "moe/aux_loss",
+           "moe_imbalance": "moe/imbalance", "moe_dropped_tokens": "moe/dropped_tokens"}
+
+
+class TensorBoardSink:
+    """Scalars for TensorBoard (`tensorboard --logdir runs/<name>/tensorboard`), x axis = step."""
+
+    def __init__(self, logdir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(logdir))
+        self.description = f"tensorboard: {logdir}"
+
+    def write(self, record: dict) -> None:
+        step, wall = record.get("step"), record.get("time")
+        if step is None:
+            return
+        for key, tag in TB_TAGS.items():
+            if _is_number(record.get(key)) and math.isfinite(record[key]):
+                self.writer.add_scalar(tag, record[key], step, walltime=wall)
+        for row in record.get("rank_memory") or []:
+            for key in MEMORY_KINDS:
+                if _is_number(row.get(key)):
+                    self.writer.add_scalar(f"memory/{key}/rank{row['rank']}", row[key], step, walltime=wall)
+        for i, tokens in enumerate(record.get("moe_tokens_per_expert") or []):
+            v = imbalance(tokens)
+            if v is not None:
+                self.writer.add_scalar(f"moe/imbalance_by_layer/{i}", v, step, walltime=wall)
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()

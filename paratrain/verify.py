@@ -19,6 +19,8 @@ import torch
 from paratrain.config import load_config
 from paratrain.errors import UserError
 
+MOE_PRESET = "model.preset=tiny-moe"  # with the base's model.n_layers=4: 1 dense + 3 MoE layers
+
 # name -> (ranks, overrides). Batch settings are filled in by `layout_overrides`.
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "ddp2": (2, ["parallel.dp_mode=ddp"]),
@@ -38,9 +40,33 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "fsdp2+full": (2, ["parallel.dp_mode=fsdp", "checkpointing.mode=full"]),
     "tp4": (4, ["parallel.tp=4"]),
     "ddp2+accum": (2, ["parallel.dp_mode=ddp", "training.micro_batch=2"]),
+    # Mixture of experts (preset tiny-moe: a dense layer, then 4 experts top-2 + a shared expert), compared
+    # with one process training the same MoE model. ep borrows its ranks from dp_shard.
+    "ep2": (2, [MOE_PRESET, "parallel.dp_mode=fsdp", "parallel.ep=2"]),
+    "ep4": (4, [MOE_PRESET, "parallel.dp_mode=fsdp", "parallel.ep=4"]),
+    "ep2xfsdp2": (4, [MOE_PRESET, "parallel.dp_mode=fsdp", "parallel.ep=2"]),
+    "ep2xtp2": (4, [MOE_PRESET, "parallel.dp_mode=fsdp", "parallel.ep=2", "parallel.tp=2"]),
+    "moe-fsdp2": (2, [MOE_PRESET, "parallel.dp_mode=fsdp"]),
+    "moe-tp2": (2, [MOE_PRESET, "parallel.tp=2", "parallel.sequence_parallel=false"]),
+    "ep2+selective": (2, [MOE_PRESET, "parallel.dp_mode=fsdp", "parallel.ep=2", "checkpointing.mode=selective"]),
+    "ep2+accum": (2, [MOE_PRESET, "parallel.dp_mode=fsdp", "parallel.ep=2", "training.micro_batch=2"]),
+    "ep2xhsdp2": (4, [MOE_PRESET, "parallel.dp_mode=hsdp", "parallel.dp_replicate=2", "parallel.ep=2"]),
+    # Pipeline parallelism (the base model has 4 blocks: 2 stages of 2, or 2 ranks x 2 virtual stages of 1).
+    "pp2-gpipe": (2, ["parallel.pp=2", "parallel.pp_schedule=gpipe"]),
+    "pp2-1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+    "pp2-interleaved": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"]),
+    "pp2-zb": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_zero_bubble", "parallel.pp_virtual_stages=2"]),
+    "pp2-zbv": (2, ["parallel.pp=2", "parallel.pp_schedule=zbv"]),
+    "pp2xdp2": (4, ["parallel.pp=2", "parallel.dp_mode=fsdp"]),
+    "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"]),
+    "pp2xdp2xtp2": (8, ["parallel.pp=2", "parallel.dp_mode=fsdp", "parallel.tp=2"]),
+    "pp2+full": (2, ["parallel.pp=2", "checkpointing.mode=full"]),
 }
 DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
                   "fsdp2+every_k", "fsdp2+selective", "accum"]
+# Layouts that change the model (model.* overrides) are compared with one process training that model.
+MOE_MATRIX = ["ep2", "ep4", "ep2xfsdp2", "ep2xtp2"]
+PP_MATRIX = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2-zb", "pp2xdp2", "pp2xtp2", "pp2xdp2xtp2"]
 
 GLOBAL_BATCH = 8
 
@@ -63,7 +89,8 @@ def layout_overrides(name: str) -> tuple[int, list[str]]:
                                                         f" (known: {', '.join(LAYOUTS)})"))
     nproc, extra = LAYOUTS[name]
     tp = next((int(i.split("=")[1]) for i in extra if i.startswith("parallel.tp=")), 1)
-    data_parallel = nproc // tp
+    pp = next((int(i.split("=")[1]) for i in extra if i.startswith("parallel.pp=")), 1)
+    data_parallel = nproc // (tp * pp)
     if not any(i.startswith("training.micro_batch=") for i in extra):
         extra = extra + [f"training.micro_batch={GLOBAL_BATCH // data_parallel}"]
     return nproc, extra
@@ -106,19 +133,38 @@ def compare(reference, result) -> tuple[float, float]:
     return loss_diff, weight_diff
 
 
+def reference_overrides(layout_extra: list[str]) -> list[str]:
+    """The model settings a layout changes (e.g. the MoE preset): its reference is one process training that model."""
+    return [o for o in layout_extra if o.startswith("model.")]
+
+
 def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str = "fp32",
                extra_args: list[str] = (), echo=print) -> tuple[list[Row], float]:
     for name in layouts:
         layout_overrides(name)  # unknown names fail before anything runs
     with tempfile.TemporaryDirectory(prefix="paratrain-verify-") as out_dir:
         base = base_overrides(steps, out_dir, precision)
-        start = time.perf_counter()
-        reference = _run(base + [f"training.micro_batch={GLOBAL_BATCH}", "run.name=reference"], 1, list(extra_args))
-        ref_seconds = time.perf_counter() - start
-        echo(f"reference: 1 process, {steps} steps, final loss {reference.losses[-1]:.6f} ({ref_seconds:.1f}s)")
+        references, ref_seconds = {}, 0.0
+
+        def reference_for(model_overrides: list[str]):
+            # One single-process reference per model (the dense tiny model, or e.g. the MoE preset).
+            nonlocal ref_seconds
+            key = tuple(model_overrides)
+            if key not in references:
+                start = time.perf_counter()
+                run_name = "reference" + "".join("_" + o.split("=", 1)[1] for o in key)
+                references[key] = _run(base + list(key) + [f"training.micro_batch={GLOBAL_BATCH}", f"run.name={run_name}"],
+                                       1, list(extra_args))
+                seconds = time.perf_counter() - start
+                ref_seconds += seconds
+                echo(f"reference{' (' + ' '.join(key) + ')' if key else ''}: 1 process, {steps} steps, final loss "
+                     f"{references[key].losses[-1]:.6f} ({seconds:.1f}s)")
+            return references[key]
+
         rows = []
         for name in layouts:
             nproc, extra = layout_overrides(name)
+            reference = reference_for(reference_overrides(extra))
             start = time.perf_counter()
             try:
                 result = _run(base + extra + [f"run.name={name.replace('+', '_')}"], nproc, list(extra_args))
@@ -144,7 +190,7 @@ def format_row(r: Row, tolerance: float, judged: bool = True) -> str:
 
 def main_verify(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX),
+    parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX),
                         help=f"comma-separated layout names (known: {', '.join(LAYOUTS)})")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tolerance", type=float, default=1e-5)

@@ -83,7 +83,8 @@ def test_prepare_vocab_too_large_for_uint16(tmp_path, capsys):
     ("--optimizer.lr=-1", "optimizer.lr must be positive"),
     ("--training.precision=fp8", "training.precision: 'fp8' is not one of"),
     ("--training.seq_len=100000", "training.seq_len=100000 is longer than the model's max_seq_len=256"),
-    ("--parallel.pp=2", "pipeline parallelism is not yet supported"),
+    ("--parallel.pp=2", r"parallel.pp \(2\) does not divide the world size 1"),
+    ("--parallel.pp_schedule=1f1c", "parallel.pp_schedule: '1f1c' is not one of.*did you mean '1f1b'"),
     ("--parallel.tp=2", "does not divide the world size 1"),
 ])
 def test_train_bad_config(char_data, tmp_path, capsys, override, match):
@@ -104,8 +105,8 @@ def test_train_bad_layout_fails_before_launch(char_data, tmp_path, capsys, monke
     t0 = time.perf_counter()
     line = run_cli(capsys, ["train", "--nproc", "3", "--parallel.tp=2", *overrides])
     assert "parallel.tp (2)" in line and "world size 3" in line
-    line = run_cli(capsys, ["train", "--nproc", "2", "--parallel.pp=2", *overrides])
-    assert "not yet supported" in line
+    line = run_cli(capsys, ["train", "--nproc", "2", "--parallel.pp=2", "--model.n_layers=1", *overrides])
+    assert "but the model has only 1 blocks" in line
     assert time.perf_counter() - t0 < 10
     assert not (tmp_path / "runs").exists()
 

@@ -15,21 +15,29 @@ import pytest
 from paratrain.config import load_config
 from paratrain.errors import ConfigError
 from paratrain.train import plan_run
-from paratrain.verify import DEFAULT_MATRIX, run_verify
+from paratrain.verify import DEFAULT_MATRIX, MOE_MATRIX, run_verify
 
 from conftest import fast_overrides
 
 TOL = 1e-5
 
 
-def test_verify_default_matrix(char_data):
-    rows, _ = run_verify(DEFAULT_MATRIX, steps=20, tolerance=TOL, extra_args=[f"data.dir={char_data}"],
-                         echo=lambda line: None)
+def check_matrix(matrix: list[str], char_data) -> None:
+    rows, _ = run_verify(matrix, steps=20, tolerance=TOL, extra_args=[f"data.dir={char_data}"], echo=lambda line: None)
     report = "\n".join(f"{r.layout}: dloss {r.max_loss_diff:.2e} dweight {r.max_weight_diff:.2e} {r.note}" for r in rows)
-    assert [r.layout for r in rows] == DEFAULT_MATRIX
+    assert [r.layout for r in rows] == matrix
     for r in rows:
         assert len(r.losses) == 20, report
         assert r.max_loss_diff <= TOL and r.max_weight_diff <= TOL, report
+
+
+def test_verify_default_matrix(char_data):
+    check_matrix(DEFAULT_MATRIX, char_data)
+
+
+def test_verify_moe_matrix(char_data):
+    """Expert parallelism (ep2, ep4, ep2 x fsdp2, ep2 x tp2) against one process training the same MoE model."""
+    check_matrix(MOE_MATRIX, char_data)
 
 
 def test_fsdp4_holds_a_quarter_of_the_model_state(char_data, tmp_path):
@@ -83,8 +91,16 @@ def test_nproc_and_torchrun_match_one_process(char_data, tmp_path):
     (4, ["parallel.dp_mode=fsdp", "parallel.dp_shard=3"], "world size is 4"),
     (8, ["parallel.tp=8"], "n_heads=4 is not divisible by parallel.tp=8"),
     (4, ["parallel.tp=4", "model.n_kv_heads=2"], "n_kv_heads=2 is not divisible by parallel.tp=4"),
-    (2, ["parallel.pp=2"], "pipeline parallelism is not yet supported"),
-    (2, ["parallel.ep=2"], "expert parallelism is not yet supported"),
+    (2, ["parallel.pp=2", "model.n_layers=1"], "= 2 pipeline stages, but the model has only 1 blocks"),
+    (2, ["parallel.pp=2", "parallel.pp_microbatches=3"], "parallel.pp_microbatches=3 does not divide"),
+    (2, ["parallel.ep=2"], "parallel.ep=2 needs a mixture-of-experts model (model.moe_experts > 0)"),
+    (4, ["model.preset=tiny-moe", "parallel.ep=4", "model.moe_experts=6"],
+     "model.moe_experts=6 is not divisible by parallel.ep=4"),
+    (2, ["model.preset=tiny-moe", "parallel.ep=2", "model.moe_top_k=5"],
+     "model.moe_top_k=5 must be between 1 and model.moe_experts=4"),
+    (4, ["model.preset=tiny-moe", "parallel.ep=3"], "parallel.ep=3 does not fit the mesh"),
+    (4, ["model.preset=tiny-moe", "parallel.ep=4", "parallel.tp=2"], "parallel.ep=4 does not fit the mesh"),
+    (2, ["model.preset=tiny-moe", "parallel.ep=2", "parallel.dp_mode=ddp"], "parallel.ep=2 needs dp_mode fsdp"),
     (4, ["training.global_batch=6"], "global batch 6 is not divisible"),
     (2, ["parallel.tp=2", "model.tie_embeddings=true"], "tied embeddings do not compose"),
     (4, ["parallel.dp_mode=hsdp"], "needs parallel.dp_replicate > 1"),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -63,6 +65,42 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 600.0) 
         kwargs = dict(device_id=device) if device.type == "cuda" else {}
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return DistEnv(rank, world, local_rank, device)
+
+
+def _store():
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def register_process() -> None:
+    """Publish host and pid in the rendezvous store so a rank that finds the group broken can stop its peers."""
+    if dist.is_initialized():
+        _store().set(f"paratrain/pid/{dist.get_rank()}", f"{socket.gethostname()}:{os.getpid()}")
+
+
+def kill_local_peers() -> list[int]:
+    """SIGKILL the other ranks on this host (after a collective timeout the group cannot recover, and a
+    frozen rank would otherwise hold the launcher for its 30 s shutdown grace). Returns the pids killed."""
+    if not dist.is_initialized():
+        return []
+    killed, me, host = [], dist.get_rank(), socket.gethostname()
+    store = _store()
+    store.set_timeout(timedelta(seconds=5))
+    for rank in range(dist.get_world_size()):
+        if rank == me:
+            continue
+        try:
+            peer_host, pid = store.get(f"paratrain/pid/{rank}").decode().rsplit(":", 1)
+        except Exception:  # noqa: BLE001 - the store may be gone too; the launcher will clean up
+            continue
+        if peer_host == host:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+                killed.append(int(pid))
+            except ProcessLookupError:
+                pass
+    return killed
 
 
 def shutdown_distributed() -> None:

@@ -1,7 +1,10 @@
 """Global gradient-norm clipping for any mix of plain and DTensor (sharded or replicated) parameters.
 
 torch's clip_grad_norm_ needs all gradients to be one kind; tensor parallelism without sequence
-parallelism leaves the norm gains as plain (replicated) tensors beside sharded DTensors.
+parallelism leaves the norm gains as plain (replicated) tensors beside sharded DTensors, and expert
+parallelism puts the expert weights on a different mesh from the rest (DTensor ops never mix meshes),
+so the norm is taken per mesh and the squares summed. Under pipeline parallelism each rank holds
+only its stages' parameters: the squares are also summed over the pipeline group (`pp_group`).
 """
 
 from __future__ import annotations
@@ -12,26 +15,34 @@ import torch
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most max_norm (inf: measure only). Returns the norm."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in parameters if p.grad is not None]
     sharded = [g for g in grads if isinstance(g, DTensor)]
     plain = [g for g in grads if not isinstance(g, DTensor)]
+    by_mesh: dict = {}
+    for g in sharded:
+        by_mesh.setdefault(g.device_mesh, []).append(g)
     squares = []
-    if sharded:
-        # One foreach norm, then full_tensor() reduces the partial norms across the mesh.
-        squares.append(torch.nn.utils.get_total_norm(sharded, foreach=True).full_tensor().float() ** 2)
+    for group in by_mesh.values():
+        # One foreach norm per mesh, then full_tensor() reduces the partial norms across that mesh.
+        squares.append(torch.nn.utils.get_total_norm(group, foreach=True).full_tensor().float() ** 2)
     if plain:
         squares.append(torch.nn.utils.get_total_norm(plain, foreach=True).float() ** 2)
-    if not squares:
+    if not squares and pp_group is None:
         return torch.zeros(())
-    total = torch.stack([s.reshape(()).to(squares[0].device) for s in squares]).sum().sqrt()
+    total = torch.stack([s.reshape(()).to(squares[0].device) for s in squares]).sum() if squares else torch.zeros(())
+    if pp_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(total, group=pp_group)  # every stage's squares: the norm of the whole model
+    total = total.sqrt()
     if math.isfinite(max_norm):
         coef = max_norm / (total.item() + 1e-6)
         if coef < 1.0:
-            for group in (sharded, plain):
+            for group in (*by_mesh.values(), plain):
                 if group:
                     torch._foreach_mul_(group, coef)
     return total

@@ -2,6 +2,8 @@
 
 Mesh axes, outermost first: pp, dp_replicate, dp_shard, tp. Only axes with degree > 1 appear,
 so a single process gets no mesh at all, and code asks for axes by name, never by position.
+Expert parallelism (ep) is not an axis of its own: it borrows ranks from dp_shard, which
+`expert_mesh` splits into dp_shard_mod_ep x ep.
 """
 
 from __future__ import annotations
@@ -25,13 +27,11 @@ class ParallelDims:
     pp: int = 1
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    ep: int = 1  # experts sharded over this many of the dp_shard ranks
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
-        if p.pp > 1:
-            raise ConfigError("parallel.pp > 1: pipeline parallelism is not yet supported")
-        if p.ep > 1:
-            raise ConfigError("parallel.ep > 1: expert parallelism is not yet supported")
+        # pp > 1: stages, schedule and microbatches are checked by distributed/pipeline.plan_pipeline.
         mode = "fsdp" if p.dp_mode == "zero3" else p.dp_mode
         rest, r = divmod(world_size, p.tp * p.pp)
         if r:
@@ -52,7 +52,14 @@ class ParallelDims:
             shard, r = divmod(rest, replicate)
             if r or shard < 1:
                 raise ConfigError(f"parallel.dp_replicate ({replicate}) does not divide the {rest} ranks left by tp x pp")
-        dims = cls(world_size, mode, replicate, shard, p.tp, p.pp, p.sequence_parallel, p.loss_parallel)
+        if p.ep > 1:
+            if mode not in SHARDED_MODES:
+                raise ConfigError(f"parallel.ep={p.ep} needs dp_mode fsdp, zero2 or hsdp (experts are sharded over the "
+                                  f"data-parallel ranks), not {mode}")
+            if shard % p.ep:
+                raise ConfigError(f"parallel.ep={p.ep} does not fit the mesh: expert parallelism borrows its ranks from "
+                                  f"dp_shard={shard}, which it must divide")
+        dims = cls(world_size, mode, replicate, shard, p.tp, p.pp, p.sequence_parallel, p.loss_parallel, p.ep)
         product = replicate * shard * p.tp * p.pp
         if product != world_size:
             raise ConfigError(
@@ -70,13 +77,29 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
     def validate_model(self, args: ModelArgs) -> None:
         """Divisibility checks that would otherwise fail deep inside a collective."""
+        if self.ep > 1:
+            if not args.moe_experts:
+                raise ConfigError(f"parallel.ep={self.ep} needs a mixture-of-experts model (model.moe_experts > 0)")
+            if args.moe_experts % self.ep:
+                raise ConfigError(f"model.moe_experts={args.moe_experts} is not divisible by parallel.ep={self.ep}")
         if self.tp > 1:
-            for name in ("n_heads", "n_kv_heads", "ffn_hidden", "dim"):
+            names = ["n_heads", "n_kv_heads", "dim"]
+            if not all(args.is_moe_layer(i) for i in range(args.n_layers)):
+                names.append("ffn_hidden")  # dense MLPs are sharded by hidden unit; routed experts are not
+            for name in names:
                 value = getattr(args, name)
                 if value % self.tp:
                     raise ConfigError(f"model {name}={value} is not divisible by parallel.tp={self.tp}")
+            shared = args.expert_hidden * args.moe_shared_experts if args.moe_experts else 0
+            if shared % self.tp:
+                raise ConfigError(f"shared-expert width {shared} (model.moe_ffn_hidden x moe_shared_experts) is not "
+                                  f"divisible by parallel.tp={self.tp}")
             if args.vocab_size % self.tp:
                 raise ConfigError(f"vocab size {args.vocab_size} is not divisible by parallel.tp={self.tp} "
                                   "(the embedding and output are sharded by vocabulary)")
@@ -112,6 +135,15 @@ class ParallelDims:
             return mesh, mesh[dp_axes]._flatten("dp")
         return mesh, (mesh[dp_axes[0]] if dp_axes else None)
 
+    def expert_mesh(self, mesh):
+        """The mesh with dp_shard split into (dp_shard_mod_ep, ep), ep innermost (an ep group is ep consecutive
+        dp_shard ranks); same ranks and root as `mesh`. None without expert parallelism."""
+        if self.ep == 1:
+            return None
+        return mesh._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("dp_shard_mod_ep", "ep"))
+
     def describe(self) -> str:
         parts = [f"{n}={s}" for n, s in self.mesh_axes()] or ["single process"]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep} (within dp_shard)")
         return f"{' x '.join(parts)} ({self.dp_mode if self.dp > 1 else 'no data parallelism'})"

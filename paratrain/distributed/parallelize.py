@@ -1,6 +1,6 @@
 """Turn a plain Transformer into a parallel one, in a fixed order:
 
-    tensor/sequence parallel -> activation checkpointing -> torch.compile -> FSDP
+    tensor/sequence parallel -> expert parallel -> activation checkpointing -> torch.compile -> FSDP
     -> materialise + deterministic init -> DDP / ZeRO-1 wrapping (DDP needs real weights)
 
 The model file stays free of parallel code; everything about the layout lives here and in ParallelDims.
@@ -14,15 +14,18 @@ import torch
 from torch import nn
 
 from paratrain.config import CheckpointingConfig
+from paratrain.distributed.expert_parallel import distribute_experts, shard_experts
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.models.init import init_weights
+from paratrain.models.moe import MoE
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _replicated_norm_style():
-    """Without sequence parallelism the norms see whole activations; still make their gains replicated
-    DTensors, so every parameter is a DTensor and gradient scaling/clipping never mixes the two kinds."""
+def _replicated_style():
+    """Without sequence parallelism the norms see whole activations (and an MoE router always does); still
+    make their weights replicated DTensors, so every parameter is a DTensor and gradient scaling/clipping
+    never mixes the two kinds."""
     from torch.distributed.tensor import DTensor, Replicate, distribute_module
     from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -56,7 +59,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
     }
-    norm_style = SequenceParallel if sequence_parallel else _replicated_norm_style
+    norm_style = SequenceParallel if sequence_parallel else _replicated_style
     top_plan["norm"] = norm_style()
     parallelize_module(model, tp_mesh, top_plan)
 
@@ -66,18 +69,42 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=residual),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
         }
+        moe = isinstance(block.feed_forward, MoE)
+        if moe:
+            # Mixture of experts: every tp rank routes all of its data-parallel rank's tokens (gathered along the
+            # sequence first under sequence parallelism) through the same replicated router and experts; only the
+            # shared expert is tensor-parallel. Experts are spread by expert parallelism instead.
+            plan.update(_moe_tp_plan(block.feed_forward, sequence_parallel))
+        else:
+            plan.update({
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+            })
         plan.update({"attention_norm": norm_style(), "ffn_norm": norm_style()})
         if sequence_parallel:
-            plan.update({
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                desired_input_layouts=(Replicate(), None, None)),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })
+            plan["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                   desired_input_layouts=(Replicate(), None, None))
+            if not moe:
+                plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)
+
+
+def _moe_tp_plan(moe: MoE, sequence_parallel: bool) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel
+
+    plan = {"feed_forward.router": _replicated_style()}
+    if moe.shared is not None:
+        plan.update({"feed_forward.shared.w1": ColwiseParallel(), "feed_forward.shared.w3": ColwiseParallel(),
+                     "feed_forward.shared.w2": RowwiseParallel(output_layouts=Replicate())})
+    if sequence_parallel:
+        # Whole sequences in (routing and the balance loss are per sequence), the residual's shard out.
+        plan["feed_forward"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+    return plan
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
@@ -98,6 +125,19 @@ _SAVE_OPS = {
 }
 if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
     _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)  # the experts' matmuls
+
+
+def _sac_ignore_profiler_ops() -> None:
+    """FSDP's hooks on a module inside a checkpointed block (the experts under expert parallelism) open
+    profiler ranges a different number of times in the forward and in the recompute; they compute nothing,
+    so selective checkpointing should not count them (torch keeps such ops in SAC_IGNORED_OPS)."""
+    from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+    profiler = torch.ops.profiler
+    SAC_IGNORED_OPS.update({profiler._record_function_enter_new.default, profiler._record_function_enter.default,
+                            profiler._record_function_exit.default, profiler._record_function_exit._RecordFunction})
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: CheckpointingConfig) -> None:
@@ -106,6 +146,8 @@ def apply_activation_checkpointing(model: nn.Module, cfg: CheckpointingConfig) -
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+    if cfg.mode == "selective":
+        _sac_ignore_profiler_ops()
     for index, (key, block) in enumerate(list(model.layers.items())):
         if cfg.mode == "every_k" and index % cfg.every_k != 0:
             continue
@@ -121,12 +163,15 @@ def apply_compile(model: nn.Module) -> None:
         block.compile()
 
 
-def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, precision: str) -> None:
+def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, precision: str, expert_dp_mesh=None) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=PRECISION_DTYPES[precision], reduce_dtype=torch.float32)
     # zero2: gradients and optimizer state sharded, parameters kept gathered from forward to backward.
     reshard = dims.dp_mode != "zero2"
+    if expert_dp_mesh is not None:
+        # Expert-parallel experts first, on their own mesh, so the blocks' groups leave them out.
+        shard_experts(model, expert_dp_mesh, mp, reshard)
     layers = list(model.layers.values())
     for i, block in enumerate(layers):
         # The last block is resharded by the root right after forward anyway; skip the extra work.
@@ -149,11 +194,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, dp_mesh, checkpointi
     """Apply the layout to a model built on the meta device; returns the module to train (maybe a DDP wrapper)."""
     if dims.tp_enabled:
         apply_tp(model, mesh["tp"], dims.sequence_parallel, dims.loss_parallel)
+    # Mixture of experts: experts sharded over ep / replicated over tp, all-to-all token routing when ep > 1.
+    expert_dp_mesh = distribute_experts(model, mesh, dims)
     apply_activation_checkpointing(model, checkpointing)
     if compile:
         apply_compile(model)
     if uses_fsdp(dims):
-        apply_fsdp(model, fsdp_mesh(mesh, dims), dims, precision)
+        apply_fsdp(model, fsdp_mesh(mesh, dims), dims, precision, expert_dp_mesh)
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
     init_weights(model, seed)

@@ -4,6 +4,8 @@ It knows nothing about parallelism: head counts are read from tensor shapes
 (`view(B, T, -1, head_dim)`), so tensor-parallel sharding of the projections
 just works, and the blocks live in a ModuleDict keyed by layer index so a
 pipeline stage can drop the blocks it does not own without renaming the rest.
+With `moe_experts > 0` the blocks from `moe_first_dense_layers` on use the mixture-of-experts
+feed-forward (models/moe.py) in place of the dense SwiGLU.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from paratrain.models.moe import MoE
 
 
 @dataclass
@@ -42,6 +46,13 @@ class ModelArgs:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.moe_ffn_hidden or self.ffn_hidden
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe_experts > 0 and index >= self.moe_first_dense_layers
 
 
 class RMSNorm(nn.Module):
@@ -110,13 +121,22 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def moe_block(args: ModelArgs) -> MoE:
+    # n shared experts of width h are one SwiGLU of width n * h (the sum of their outputs).
+    shared = FeedForward(args.dim, args.expert_hidden * args.moe_shared_experts) if args.moe_shared_experts else None
+    return MoE(args.dim, args.moe_experts, args.moe_top_k, args.expert_hidden, shared=shared,
+               score_func=args.moe_score_func, aux_loss_coef=args.moe_aux_loss_coef,
+               capacity_factor=args.moe_capacity_factor)
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, index: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+        # A mixture of experts in place of the dense MLP from layer `moe_first_dense_layers` on.
+        self.feed_forward = moe_block(args) if args.is_moe_layer(index) else FeedForward(args.dim, args.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -128,7 +148,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -159,17 +179,26 @@ class Transformer(nn.Module):
         """
         if name.endswith("norm.weight"):
             return None
-        if name.endswith(("wo.weight", "w2.weight")):
+        if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
             return 0.02 / math.sqrt(2 * self.args.n_layers)
         return 0.02
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T) int64 -> logits (B, T, vocab)."""
-        T = tokens.shape[1]
-        if T > self.args.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}")
-        h = self.tok_embeddings(tokens)  # (B, T, C)
+        """tokens (B, T) int64 -> logits (B, T, vocab).
+
+        A pipeline stage is this model with pieces removed (set to None): without `tok_embeddings` the input
+        is already the hidden states (B, T / seq_shards, C), without `output` the hidden states are returned."""
+        if self.tok_embeddings is not None:
+            T = tokens.shape[1]
+            if T > self.args.max_seq_len:
+                raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}")
+            h = self.tok_embeddings(tokens)  # (B, T, C)
+        else:
+            h = tokens
+            T = h.shape[1] * getattr(self, "seq_shards", 1)  # sequence-parallel stages pass sequence shards
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         for layer in self.layers.values():
             h = layer(h, cos, sin)
+        if self.output is None:
+            return h  # (B, T, C) to the next stage
         return self.output(self.norm(h))  # (B, T, V)

@@ -1,11 +1,13 @@
-"""Named model sizes. Llama dimensions are the published ones (Meta's params.json)."""
+"""Named model sizes. Llama dimensions are the published ones (Meta's params.json); the MoE presets use the
+published dimensions of Mixtral-8x7B and DeepSeekMoE-16B."""
 
 from __future__ import annotations
 
 import difflib
 
-from paratrain.errors import UserError
+from paratrain.errors import ConfigError, UserError
 from paratrain.models.llama import ModelArgs
+from paratrain.models.moe import SCORE_FUNCS
 
 LLAMA3_VOCAB = 128256
 
@@ -25,6 +27,21 @@ PRESETS: dict[str, dict] = {
                        max_seq_len=8192, rope_theta=500000.0),
     "llama3-405b": dict(vocab_size=LLAMA3_VOCAB, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248,
                         max_seq_len=8192, rope_theta=500000.0),
+    # Mixture of experts. tiny-moe is for tests and `paratrain verify`: one dense layer, then 4 experts
+    # (top-2) plus a shared expert.
+    "tiny-moe": dict(vocab_size=None, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176, max_seq_len=256,
+                     moe_experts=4, moe_top_k=2, moe_shared_experts=1, moe_ffn_hidden=64, moe_first_dense_layers=1),
+    # Mixtral-8x7B (Mistral's params.json): 8 experts of width 14336, top-2, every layer.
+    # 46,702,792,704 parameters (published 46.7B), 12,879,925,248 active per token (12.9B).
+    "mixtral-8x7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                         max_seq_len=32768, rope_theta=1e6, moe_experts=8, moe_top_k=2, moe_ffn_hidden=14336),
+    # DeepSeekMoE-16B (deepseek-ai/deepseek-moe-16b-base config.json): fine-grained experts (64 of width 1408,
+    # top-6) plus 2 shared experts, layer 0 dense (10944). Its attention is plain multi-head, which ours
+    # expresses exactly (n_kv_heads = n_heads). Differences: DeepSeekMoE does not renormalise the top-k gates
+    # (we do) and uses norm eps 1e-6. 16,375,728,128 parameters (published 16.4B), 2,828,650,496 active (2.8B).
+    "deepseek-moe-16b": dict(vocab_size=102400, dim=2048, n_layers=28, n_heads=16, n_kv_heads=16, ffn_hidden=10944,
+                             max_seq_len=4096, norm_eps=1e-6, moe_experts=64, moe_top_k=6, moe_shared_experts=2,
+                             moe_ffn_hidden=1408, moe_first_dense_layers=1, moe_aux_loss_coef=0.001),
 }
 
 
@@ -43,26 +60,59 @@ def preset_args(name: str, vocab_size: int | None = None, **overrides) -> ModelA
         if vocab_size is None:
             raise UserError(f"preset '{name}' takes its vocab size from the dataset; none was given")
         fields["vocab_size"] = vocab_size
-    return ModelArgs(**fields)
+    args = ModelArgs(**fields)
+    validate_moe(args)
+    return args
 
 
-def count_params(args: ModelArgs, include_embedding: bool = True) -> int:
-    """Exact parameter count from the dimensions, without building the model."""
+def validate_moe(args: ModelArgs) -> None:
+    """One-line errors for impossible mixture-of-experts settings (named by their config keys)."""
+    if args.moe_experts < 0:
+        raise ConfigError(f"model.moe_experts must be >= 0 (0: dense), got {args.moe_experts}")
+    if not args.moe_experts:
+        return
+    if not 1 <= args.moe_top_k <= args.moe_experts:
+        raise ConfigError(f"model.moe_top_k={args.moe_top_k} must be between 1 and model.moe_experts={args.moe_experts}")
+    if args.moe_score_func not in SCORE_FUNCS:
+        raise ConfigError(f"model.moe_score_func: '{args.moe_score_func}' is not one of {', '.join(SCORE_FUNCS)}")
+    for key in ("moe_shared_experts", "moe_first_dense_layers", "moe_aux_loss_coef", "moe_capacity_factor"):
+        if getattr(args, key) < 0:
+            raise ConfigError(f"model.{key} must be >= 0, got {getattr(args, key)}")
+    if args.moe_ffn_hidden is not None and args.moe_ffn_hidden < 1:
+        raise ConfigError(f"model.moe_ffn_hidden must be positive, got {args.moe_ffn_hidden}")
+
+
+def count_params(args: ModelArgs, include_embedding: bool = True, active: bool = False) -> int:
+    """Exact parameter count from the dimensions, without building the model.
+
+    active=True counts what one token uses: in MoE layers the router, the shared experts and top_k of the
+    routed experts instead of all of them (the same as the total for a dense model).
+    """
     hd = args.head_dim
     attn = args.dim * args.n_heads * hd * 2 + args.dim * args.n_kv_heads * hd * 2  # wq, wo, wk, wv
-    ffn = 3 * args.dim * args.ffn_hidden
-    block = attn + ffn + 2 * args.dim  # two RMSNorm gains
+    swiglu = 3 * args.dim  # parameters per unit of SwiGLU width (w1, w2, w3)
+    dense_ffn = swiglu * args.ffn_hidden
+    routed = args.moe_top_k if active else args.moe_experts
+    moe_ffn = args.moe_experts * args.dim + swiglu * args.expert_hidden * (routed + args.moe_shared_experts)
+    norms = 2 * args.dim  # two RMSNorm gains
+    blocks = sum(attn + (moe_ffn if args.is_moe_layer(i) else dense_ffn) + norms for i in range(args.n_layers))
     embedding = args.vocab_size * args.dim
     output = 0 if args.tie_embeddings else args.vocab_size * args.dim
-    total = embedding + args.n_layers * block + args.dim + output
+    total = embedding + blocks + args.dim + output
     return total if include_embedding else total - embedding
+
+
+def count_active_params(args: ModelArgs, include_embedding: bool = True) -> int:
+    """Parameters used per token: shared + top_k routed experts in MoE layers; the total for a dense model."""
+    return count_params(args, include_embedding, active=True)
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward): 6 N for the matmuls, plus causal-free attention 12 L C T.
 
     The PaLM appendix convention, as used by nanoGPT and torchtitan, so MFU figures are comparable.
+    N counts the parameters a token is multiplied by: the active ones for a mixture of experts.
     """
     # The input lookup does no matmul; a tied embedding does, as the output projection.
-    n = count_params(args, include_embedding=args.tie_embeddings)
+    n = count_active_params(args, include_embedding=args.tie_embeddings)
     return 6 * n + 12 * args.n_layers * args.dim * seq_len

@@ -1,0 +1,281 @@
+"""Memory estimator vs measurement: predicted and measured per-rank peak, by category, on CPU ranks (gloo).
+
+Each configuration builds the model exactly as `paratrain train` does (parallelize + build_optimizer), runs
+training steps that mirror the trainer's (forward, loss, backward, clip, AdamW step, zero_grad), and tracks
+every tensor storage on every rank (paratrain/estimate/measure.py: a TorchDispatchMode with weak references
+and UntypedStorage.resize_ tracking). The peak of the last step and its breakdown by category are compared
+with `paratrain.estimate.estimate` for the same configuration (tensors only: no runtime overhead on CPU;
+the foreach AdamW the trainer uses on CPU). The worst rank is compared.
+
+    python bench/memory_accuracy.py              # 30 configurations, 1, 2 and 4 ranks (~4 min on 2 cores)
+    python bench/memory_accuracy.py --quick      # 8 of them
+    python bench/memory_accuracy.py --json out.json
+
+On a CUDA machine, --cuda also runs each 1-rank configuration on the GPU and compares the estimate with
+torch.cuda.max_memory_allocated (the trainer's step, no tracker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from paratrain.estimate.measure import CATEGORIES, MeasureSpec, inputs_for_spec, measure
+
+# A small Llama (GQA, SwiGLU) whose activations, parameters and logits are all a visible share of the peak.
+MODEL = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=352, max_seq_len=512)
+# Odd sizes: no GQA, an FFN width that FSDP over 4 ranks must pad, a vocabulary of 200.
+ODD = dict(vocab_size=200, dim=96, n_layers=3, n_heads=6, n_kv_heads=6, ffn_hidden=250, max_seq_len=512)
+
+# Mixture of experts (paratrain/models/moe.py): a dense first layer, then 4 experts (top-2) + 1 shared expert.
+MOE = dict(vocab_size=128, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=176, max_seq_len=256,
+           moe_experts=4, moe_top_k=2, moe_shared_experts=1, moe_ffn_hidden=64, moe_first_dense_layers=1)
+
+# name, world, layout, precision, checkpointing, micro_batch, seq_len, accum, model
+CONFIGS = [
+    ("1rank fp32", 1, {}, "fp32", "none", 4, 128, 1, MODEL),
+    ("1rank fp32 full", 1, {}, "fp32", "full", 4, 128, 1, MODEL),
+    ("1rank fp32 every_k", 1, {}, "fp32", "every_k", 4, 128, 1, MODEL),
+    ("1rank fp32 selective", 1, {}, "fp32", "selective", 4, 128, 1, MODEL),
+    ("1rank bf16", 1, {}, "bf16", "none", 2, 256, 1, MODEL),
+    ("1rank bf16 selective", 1, {}, "bf16", "selective", 2, 256, 1, MODEL),
+    ("1rank fp32 accum2", 1, {}, "fp32", "none", 8, 64, 2, MODEL),
+    ("1rank bf16 odd", 1, {}, "bf16", "full", 1, 16, 1, ODD),
+    ("1rank moe fp32", 1, {}, "fp32", "none", 4, 128, 1, MOE),
+    ("1rank moe fp32 selective", 1, {}, "fp32", "selective", 4, 128, 1, MOE),
+    ("1rank moe bf16 full", 1, {}, "bf16", "full", 4, 128, 1, MOE),
+    ("ddp2 fp32", 2, dict(dp_mode="ddp"), "fp32", "none", 4, 128, 1, MODEL),
+    ("ddp2 bf16 full", 2, dict(dp_mode="ddp"), "bf16", "full", 4, 128, 1, MODEL),
+    ("zero1x2 fp32 selective", 2, dict(dp_mode="zero1"), "fp32", "selective", 4, 128, 1, MODEL),
+    ("zero2x2 bf16", 2, dict(dp_mode="zero2"), "bf16", "none", 4, 128, 1, MODEL),
+    ("zero2x2 fp32 full", 2, dict(dp_mode="zero2"), "fp32", "full", 2, 256, 1, MODEL),
+    ("fsdp2 fp32", 2, dict(dp_mode="fsdp"), "fp32", "none", 4, 128, 1, MODEL),
+    ("fsdp2 bf16 every_k", 2, dict(dp_mode="fsdp"), "bf16", "every_k", 4, 128, 1, MODEL),
+    ("fsdp2 bf16 selective", 2, dict(dp_mode="fsdp"), "bf16", "selective", 1, 256, 1, MODEL),
+    ("fsdp2 fp32 tiny batch", 2, dict(dp_mode="fsdp"), "fp32", "none", 1, 32, 1, MODEL),
+    ("fsdp2 bf16 full accum3", 2, dict(dp_mode="fsdp"), "bf16", "full", 2, 64, 3, MODEL),
+    ("tp2 fp32", 2, dict(dp_mode="fsdp", tp=2, sequence_parallel=False), "fp32", "none", 4, 128, 1, MODEL),
+    ("tp2+sp bf16 selective", 2, dict(dp_mode="fsdp", tp=2), "bf16", "selective", 4, 128, 1, MODEL),
+    ("tp2+sp fp32 full", 2, dict(dp_mode="fsdp", tp=2), "fp32", "full", 4, 128, 1, MODEL),
+    ("fsdp2 ep2 moe bf16", 2, dict(dp_mode="fsdp", ep=2), "bf16", "none", 4, 128, 1, MOE),
+    ("fsdp4 bf16 odd", 4, dict(dp_mode="fsdp"), "bf16", "none", 2, 96, 1, ODD),
+    ("fsdp4 fp32 selective odd", 4, dict(dp_mode="fsdp"), "fp32", "selective", 2, 96, 1, ODD),
+    ("hsdp2x2 fp32 full", 4, dict(dp_mode="hsdp", dp_replicate=2), "fp32", "full", 4, 128, 1, MODEL),
+    ("fsdp2xtp2 bf16", 4, dict(dp_mode="fsdp", tp=2), "bf16", "none", 4, 128, 1, MODEL),
+    ("fsdp2xtp2 fp32 selective", 4, dict(dp_mode="fsdp", tp=2), "fp32", "selective", 2, 256, 1, MODEL),
+]
+QUICK = {"1rank fp32", "1rank bf16 selective", "ddp2 bf16 full", "zero2x2 bf16", "fsdp2 fp32", "tp2+sp fp32 full",
+         "fsdp4 bf16 odd", "fsdp2xtp2 bf16"}
+# Estimator rows that the measurement reports under another name.
+MERGE = {"master": "parameters", "pipeline": "activations", "overhead": None}
+SMALL = 0.02  # categories under 2% of the peak are compared in % of the peak (relative errors of tiny numbers mean little)
+
+
+def spec_of(row) -> MeasureSpec:
+    name, _, layout, precision, ckpt, mb, seq, accum, model = row
+    return MeasureSpec(model=model, precision=precision, checkpointing=ckpt, micro_batch=mb, seq_len=seq,
+                       accum_steps=accum, name=name, **layout)
+
+
+def predicted(spec: MeasureSpec, world: int):
+    from paratrain.estimate import estimate
+
+    est = estimate(inputs_for_spec(spec, world), suggest=False)
+    cats = dict.fromkeys(CATEGORIES, 0)
+    for key, value in est.at_peak.items():
+        target = MERGE.get(key, key)
+        if target:
+            cats[target] += value
+    # Activations and logits/loss stored at the end of the forward (what checkpointing decides).
+    from paratrain.estimate.core import forward_end_bytes
+
+    fwd = forward_end_bytes(est.inputs)
+    fwd_acts, fwd_head = fwd["activations"], fwd["logits_loss"]
+    return est, cats, fwd_acts, fwd_head
+
+
+def compare(rows_measured: list[dict], spec: MeasureSpec, world: int) -> dict:
+    worst = max(rows_measured, key=lambda r: r["peak"])
+    est, cats, fwd_acts, fwd_head = predicted(spec, world)
+    peak = worst["peak"]
+    out = {"config": spec.name, "world": world, "measured_peak": peak, "predicted_peak": est.peak_bytes,
+           "total_err": (est.peak_bytes - peak) / peak, "measured_phase": worst["peak_phase"],
+           "predicted_phase": est.phase, "categories": {}}
+    for c in CATEGORIES:
+        m, e = worst["at_peak"].get(c, 0), cats.get(c, 0)
+        if not m and not e:
+            continue
+        small = max(m, e) < SMALL * peak
+        err = (e - m) / peak if small else (e - m) / max(m, 1)
+        out["categories"][c] = {"measured": m, "predicted": e, "err": err, "of_peak": small}
+    fe = worst["forward_end"]
+    out["fwd_activations"] = {"measured": fe.get("activations", 0), "predicted": fwd_acts}
+    out["fwd_logits_loss"] = {"measured": fe.get("logits_loss", 0), "predicted": fwd_head}
+    return out
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:7.2f}"
+
+
+def report(results: list[dict]) -> str:
+    lines = []
+    short = {"parameters": "params", "gradients": "grads", "optimizer": "optim", "autocast_copies": "autocast",
+             "activations": "acts", "logits_loss": "logits", "comm_buffers": "comm", "temporaries": "temps",
+             "other": "other"}
+    lines.append("| config | ranks | measured peak MiB | predicted MiB | total err | peak at (predicted) | "
+                 "worst category (err) | fwd activations err |")
+    lines.append("| --- | ---: | ---: | ---: | ---: | --- | --- | ---: |")
+    for r in results:
+        cats = r["categories"]
+        wc = max(cats, key=lambda c: abs(cats[c]["err"])) if cats else "-"
+        wtxt = f"{short.get(wc, wc)} {100 * cats[wc]['err']:+.1f}%{' of peak' if cats[wc]['of_peak'] else ''}" if cats else "-"
+        fa = r["fwd_activations"]
+        fa_err = (fa["predicted"] - fa["measured"]) / max(fa["measured"], 1)
+        lines.append(f"| {r['config']} | {r['world']} | {mib(r['measured_peak'])} | {mib(r['predicted_peak'])} | "
+                     f"{100 * r['total_err']:+.2f}% | {r['predicted_phase']} | {wtxt} | {100 * fa_err:+.2f}% |")
+    lines.append("")
+    lines.append("| category | configs | worst error | where |")
+    lines.append("| --- | ---: | ---: | --- |")
+    for scope, subset in (("", results), (" (dense models)", [r for r in results if "moe" not in r["config"]])):
+        if not subset or (scope and len(subset) == len(results)):
+            continue
+        worst_total = max(subset, key=lambda r: abs(r["total_err"]))
+        lines.append(f"| **total peak{scope}** | {len(subset)} | {100 * worst_total['total_err']:+.2f}% | "
+                     f"{worst_total['config']} |")
+        for c in CATEGORIES:
+            entries = [(r["config"], r["categories"][c]) for r in subset if c in r["categories"]]
+            if not entries:
+                continue
+            name, e = max(entries, key=lambda x: abs(x[1]["err"]))
+            unit = "% of peak" if e["of_peak"] else "%"
+            lines.append(f"| {c}{scope} | {len(entries)} | {100 * e['err']:+.2f}{unit} | {name} |")
+        fwd = max(subset, key=lambda r: abs(r["fwd_activations"]["predicted"] - r["fwd_activations"]["measured"])
+                  / max(r["fwd_activations"]["measured"], 1))
+        fa = fwd["fwd_activations"]
+        lines.append(f"| activations stored at end of forward{scope} | {len(subset)} | "
+                     f"{100 * (fa['predicted'] - fa['measured']) / max(fa['measured'], 1):+.2f}% | {fwd['config']} |")
+    return "\n".join(lines)
+
+
+def run_cuda(rows) -> list[dict]:
+    """1-rank configurations on the GPU: estimate vs torch.cuda.max_memory_allocated (no tracker)."""
+    import torch
+    import torch.nn.functional as F
+
+    from paratrain.config import CheckpointingConfig, OptimizerConfig, ParallelConfig
+    from paratrain.distributed.grad_norm import clip_grad_norm
+    from paratrain.distributed.parallel_dims import ParallelDims
+    from paratrain.distributed.parallelize import PRECISION_DTYPES, parallelize
+    from paratrain.estimate import estimate
+    from paratrain.models.llama import ModelArgs, Transformer
+    from paratrain.optim import build_optimizer
+
+    dev = torch.device("cuda")
+    out = []
+    for row in rows:
+        spec = spec_of(row)
+        if row[1] != 1:
+            continue
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(dev)
+        args = ModelArgs(**spec.model)
+        dims = ParallelDims.from_config(ParallelConfig(), 1)
+        with torch.device("meta"):
+            model = Transformer(args)
+        model = parallelize(model, dims, None, None, CheckpointingConfig(spec.checkpointing, spec.every_k),
+                            spec.precision, False, dev, seed=0)
+        opt = build_optimizer(model, OptimizerConfig(impl="fused"), dev)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        for step in range(3):
+            if step == 2:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(dev)
+            for _ in range(spec.accum_steps):
+                x = torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), device=dev, generator=gen)
+                y = torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), device=dev, generator=gen)
+                with torch.autocast("cuda", dtype=PRECISION_DTYPES[spec.precision], enabled=spec.precision != "fp32"):
+                    loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) / spec.accum_steps
+                    loss.backward()
+            clip_grad_norm(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated(dev) - base
+        inputs = inputs_for_spec(spec, 1).replace(optimizer_impl="fused", device="cuda", overhead_bytes=0)
+        est = estimate(inputs, suggest=False)
+        out.append({"config": spec.name, "measured_peak": measured, "predicted_peak": est.peak_bytes,
+                    "total_err": (est.peak_bytes - measured) / measured, "predicted_phase": est.phase})
+        del model, opt
+    return out
+
+
+def patch_moe_recompute() -> None:
+    """The fix proposed for paratrain/models/moe.py: a checkpoint recomputation (inside backward) must not replace
+    `MoE.aux_loss`, whose graph would keep the recomputed block's activations alive until the next forward.
+    (The recomputation stops early by raising, hence `finally`.)"""
+    import torch
+
+    from paratrain.models.moe import MoE
+
+    orig = MoE.forward
+
+    def forward(self, x):
+        recomputing, before = torch._C._current_graph_task_id() != -1, self.aux_loss
+        try:
+            return orig(self, x)
+        finally:
+            if recomputing:
+                self.aux_loss = before
+
+    MoE.forward = forward
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="8 configurations instead of all")
+    parser.add_argument("--json", help="write every number to this file")
+    parser.add_argument("--cuda", action="store_true", help="also compare 1-rank configs with max_memory_allocated")
+    parser.add_argument("--only", help="comma-separated config names")
+    parser.add_argument("--moe-recompute-fix", action="store_true",
+                        help="measure with the fix proposed for MoE.aux_loss under activation checkpointing")
+    args = parser.parse_args()
+    if args.moe_recompute_fix:
+        patch_moe_recompute()
+    rows = [r for r in CONFIGS if not args.quick or r[0] in QUICK]
+    if args.only:
+        wanted = set(args.only.split(","))
+        rows = [r for r in rows if r[0] in wanted]
+    start = time.perf_counter()
+    results = []
+    for world in sorted({r[1] for r in rows}):
+        group = [r for r in rows if r[1] == world]
+        specs = [spec_of(r) for r in group]
+        t0 = time.perf_counter()
+        measured = measure(specs, world)
+        print(f"[{world} rank{'s' if world > 1 else ''}: {len(specs)} configurations in {time.perf_counter() - t0:.0f} s]",
+              file=sys.stderr, flush=True)
+        results += [compare(m, s, world) for m, s in zip(measured, specs)]
+    order = {r[0]: i for i, r in enumerate(CONFIGS)}
+    results.sort(key=lambda r: order[r["config"]])
+    print(report(results))
+    print(f"\n{len(results)} configurations in {time.perf_counter() - start:.0f} s; units MiB (2^20 bytes); "
+          f"category errors are relative, except categories under {SMALL:.0%} of the peak (in % of the peak)")
+    cuda = []
+    if args.cuda:
+        cuda = run_cuda(rows)
+        print("\n| config (CUDA, 1 rank) | max_memory_allocated MiB | predicted MiB | err | peak at |")
+        print("| --- | ---: | ---: | ---: | --- |")
+        for r in cuda:
+            print(f"| {r['config']} | {mib(r['measured_peak'])} | {mib(r['predicted_peak'])} | "
+                  f"{100 * r['total_err']:+.2f}% | {r['predicted_phase']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": results, "cuda": cuda}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

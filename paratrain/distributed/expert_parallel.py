@@ -1,0 +1,198 @@
+"""Expert parallelism: each rank of the `ep` mesh axis holds E/ep experts; tokens travel to their experts and
+back with `all_to_all_single` (variable split sizes, exchanged first).
+
+The ep axis is borrowed from the data-parallel shard axis: `dp_shard` is split (unflattened) into
+`dp_shard_mod_ep x ep` (ep innermost, so an ep group is ep consecutive data-parallel ranks). Each ep group
+covers E experts between its ranks; the `dp_shard_mod_ep` groups (and `dp_replicate`, for hsdp) hold the
+same experts for different data, and FSDP shards the expert weights over them and reduces their gradients.
+
+Gradient scaling: the loss is the mean over data-parallel ranks of each rank's mean loss, so a non-expert
+gradient is the average over all dp ranks (FSDP's default). An expert's gradient arrives at its owner
+already summed over the ep ranks' tokens (the all-to-all's backward brings it home); FSDP then averages it
+over the expert-data-parallel ranks, so the local expert weights scale their gradient by 1/ep on the way:
+sum over ep, mean over the rest = mean over all dp ranks.
+
+With tensor parallelism, every tp rank routes the same (whole-sequence) tokens: the experts and the router
+are replicated over tp (Replicate DTensors), only the shared expert is tensor-parallel (parallelize.py).
+
+The model is untouched apart from two seams: `MoE.dispatcher` (the all-to-all dispatcher replaces the local
+one) and `GroupedExperts.weights()` (the experts' weights become DTensors sharded on dim 0 over ep, and the
+experts module computes with the local shard).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.models.moe import moe_modules
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with variable splits; its gradient is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits: list[int], input_splits: list[int], group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _AllToAll.apply(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+class AllToAllDispatcher:
+    """Sends each token (one row per top-k assignment, grouped by global expert) to the ep rank that owns its
+    expert, and brings the outputs back. Rank r owns experts [r * E/ep, (r + 1) * E/ep)."""
+
+    def __init__(self, group, ep: int, n_experts: int):
+        self.group, self.ep, self.local = group, ep, n_experts // ep
+
+    def dispatch(self, x: torch.Tensor, counts: torch.Tensor):
+        ep, local = self.ep, self.local
+        # 1. How many rows each rank sends to each of my experts: recv[src, j] for my local expert j.
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts.contiguous(), group=self.group)
+        recv = recv.view(ep, local)
+        send_splits = counts.view(ep, local).sum(1).tolist()
+        recv_splits = recv.sum(1).tolist()
+        # 2. The rows themselves; they arrive grouped by (source rank, local expert).
+        y = _AllToAll.apply(x, recv_splits, send_splits, self.group)
+        # 3. Regroup by (local expert, source rank) for the grouped matmul: stable, so token order is kept.
+        key = (torch.arange(local, device=x.device)[None, :] * ep + torch.arange(ep, device=x.device)[:, None])
+        perm = torch.argsort(torch.repeat_interleave(key.flatten(), recv.flatten()), stable=True)
+        return y[perm], recv.sum(0), (perm, send_splits, recv_splits)
+
+    def combine(self, y: torch.Tensor, ctx) -> torch.Tensor:
+        perm, send_splits, recv_splits = ctx
+        return _AllToAll.apply(y[torch.argsort(perm)], send_splits, recv_splits, self.group)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class _LocalExpertWeights:
+    """Mixed into a GroupedExperts whose weights are DTensors (sharded over ep, replicated over tp):
+    compute with this rank's experts, scaling their gradients by 1/ep (see the module docstring)."""
+
+    expert_grad_scale = 1.0
+
+    def weights(self):
+        return tuple(_ScaleGrad.apply(w.to_local(), self.expert_grad_scale) for w in super().weights())
+
+
+_LOCAL_CLASSES: dict[type, type] = {}
+
+
+def _local_weights_class(cls: type) -> type:
+    # Like fully_shard, change the module's class to a subclass; parameter names stay the same.
+    if cls not in _LOCAL_CLASSES:
+        _LOCAL_CLASSES[cls] = type(f"Distributed{cls.__name__}", (_LocalExpertWeights, cls), {})
+    return _LOCAL_CLASSES[cls]
+
+
+def distribute_experts(model: nn.Module, mesh, dims):
+    """Make every MoE layer's expert weights DTensors: Shard(0) over ep and/or Replicate over tp (under tensor
+    parallelism every parameter is a DTensor, so optimizers and clipping never mix the two kinds), and route
+    tokens with all-to-all when ep > 1. Call on the meta-device model, after tensor parallelism and before
+    FSDP; initialisation later fills each rank's shard. Returns the mesh FSDP shards the experts over
+    (None when ep == 1: the experts are then sharded with their block)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    moes = moe_modules(model)
+    if not moes or not (dims.ep_enabled or dims.tp_enabled):
+        return None
+    expert_dp_mesh = ep_group = None
+    if dims.ep_enabled:
+        sparse = dims.expert_mesh(mesh)
+        expert_mesh = sparse["ep", "tp"] if dims.tp_enabled else sparse["ep"]
+        placements = [Shard(0), Replicate()] if dims.tp_enabled else [Shard(0)]
+        ep_group = sparse["ep"].get_group()
+        expert_dp_mesh = (sparse["dp_replicate", "dp_shard_mod_ep"] if dims.dp_mode == "hsdp"
+                          else sparse["dp_shard_mod_ep"])
+    else:
+        expert_mesh, placements = mesh["tp"], [Replicate()]
+    for moe in moes:
+        experts = moe.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            # src_data_rank=None: each rank keeps its own chunk, no communication (nothing is initialised yet).
+            dt = distribute_tensor(param.data, expert_mesh, placements, src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+        experts.__class__ = _local_weights_class(type(experts))
+        experts.expert_grad_scale = 1.0 / dims.ep
+        if dims.ep_enabled:
+            moe.dispatcher = AllToAllDispatcher(ep_group, dims.ep, moe.n_experts)
+    return expert_dp_mesh
+
+
+def shard_experts(model: nn.Module, expert_dp_mesh, mp_policy, reshard: bool) -> None:
+    """FSDP for the expert weights over the ranks that hold the same experts (averaging their gradients);
+    call before the blocks' fully_shard so the blocks leave the experts out."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    for moe in moe_modules(model):
+        # Shard the hidden dimension: dim 0 is already split over ep and may have fewer rows than ranks.
+        fully_shard(moe.experts, mesh=expert_dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard,
+                    shard_placement_fn=lambda param: Shard(1))
+
+
+class MoEMeter:
+    """Per-step mixture-of-experts metrics: the trainer calls `collect()` after each micro-step's forward
+    (before backward, whose activation-checkpoint recomputation would overwrite the modules' statistics)
+    and `step_metrics()` once per optimizer step."""
+
+    def __init__(self, model: nn.Module):
+        self.modules = moe_modules(model)
+        self.reset()  # also called by the trainer at the start of each step (a retried step starts over)
+
+    def reset(self) -> None:
+        self.aux = self.tokens = self.dropped = None
+        self.micro = 0
+
+    def collect(self) -> torch.Tensor:
+        """The scaled auxiliary loss of the forward just run (summed over layers), recording its statistics
+        on the device (no synchronisation until `step_metrics`)."""
+        aux = torch.stack([m.aux_loss.detach() for m in self.modules]).mean()
+        tokens = torch.stack([m.tokens_per_expert for m in self.modules])  # (layers, E)
+        dropped = torch.stack([m.dropped for m in self.modules]).sum()
+        if self.tokens is None:
+            self.aux, self.tokens, self.dropped = aux, tokens, dropped
+        else:
+            self.aux, self.tokens, self.dropped = self.aux + aux, self.tokens + tokens, self.dropped + dropped
+        self.micro += 1
+        return torch.stack([m.aux_loss_coef * m.aux_loss for m in self.modules]).sum()
+
+    def step_metrics(self, dp_group=None) -> dict:
+        """Global (summed over data-parallel ranks) numbers for this step, then reset.
+
+        moe_aux_loss: the unscaled balance loss, mean over layers, micro-steps and ranks (1.0 = balanced);
+        moe_tokens_per_expert: per MoE layer, top-k assignments per expert over the global batch;
+        moe_imbalance: max over layers of (busiest expert's assignments / mean per expert), 1.0 = balanced;
+        moe_dropped_tokens: assignments dropped by the capacity limit over the global batch."""
+        if self.tokens is None:
+            return {}
+        stats = torch.cat([self.tokens.double().flatten(), self.dropped.double().view(1),
+                           (self.aux.double() / self.micro).view(1)])
+        if dp_group is not None:
+            dist.all_reduce(stats, group=dp_group)
+            stats[-1] /= dist.get_world_size(dp_group)
+        stats = stats.cpu()
+        tokens = stats[:-2].view(self.tokens.shape).round().long()
+        imbalance = (tokens.max(1).values.double() / tokens.double().mean(1).clamp(min=1e-9)).max().item()
+        out = {"moe_aux_loss": stats[-1].item(), "moe_imbalance": imbalance,
+               "moe_dropped_tokens": int(stats[-2].round().item()), "moe_tokens_per_expert": tokens.tolist()}
+        self.reset()
+        return out

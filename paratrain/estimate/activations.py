@@ -1,0 +1,328 @@
+"""Activation bytes per block, derived from the tensors our model code saves for backward.
+
+Read with paratrain/models/llama.py open. N = micro_batch x seq_len tokens; C = dim; Hq, Hkv heads of
+D = C / Hq; F = ffn_hidden; V = vocab. Three precision regimes give each saved tensor its dtype:
+
+- "fp32": everything fp32.
+- "autocast" (bf16/fp16 without FSDP: one process, ddp, zero1, tensor parallel only): parameters are fp32,
+  `torch.autocast` runs matmuls and attention in bf16. The embedding and RMSNorm are not autocast ops, so the
+  residual stream and the norm outputs stay fp32, and every linear casts its input to bf16 separately: q, k, v
+  each save their own bf16 copy of the normed input (3 copies), w1 and w3 two.
+- "pure" (bf16/fp16 with FSDP2's MixedPrecisionPolicy, and the classic Megatron-style accounting): bf16
+  parameters are all-gathered and everything computes in bf16 except where the code says `.float()`.
+
+One dense block saves ("none" checkpointing), in forward order:
+
+  attention_norm   x.float() (the fp32 block input, N C 4 B), rsqrt (N 4 B), x*rsqrt (N C R; the `* weight`
+                   saves it), the normed output (the q/k/v input: see above)
+  apply_rope       its fp32 math saves nothing; q after rope (N Hq D L) is saved by attention
+  GQA              k, v after repeat_interleave: N Hq D L each (N Hkv D L when Hkv = Hq)
+  SDPA (flash)     output N Hq D L and logsumexp N Hq 4 B (the wo input is a view of the output)
+  ffn_norm         as attention_norm, on h = x + attention
+  SwiGLU           w1 x, silu(w1 x), w3 x, and their product (the w2 input): 4 N F L
+
+R is the residual dtype (4 B, or 2 B in "pure"), L the compute dtype (4 B fp32, else 2 B). Tensor parallel
+divides the head and hidden dimensions by tp; sequence parallel also divides the norm and residual tensors
+(the q/k/v and w1/w3 inputs are all-gathered, so those stay whole). FSDP's mixed precision casts each block's
+forward inputs, which adds bf16 copies of the rotary tables (2 x T x D/2 x 2 B per block).
+
+Checkpointing (parallelize.apply_activation_checkpointing): "full" keeps only each block's input (N C R/sp);
+"every_k" does that for blocks 0, k, 2k, ...; "selective" keeps the outputs of matmuls and attention
+(`_SAVE_OPS`): wq, wk, wv, wo, w1, w3, w2 outputs and SDPA's output and logsumexp, plus the block input;
+wo and w2 outputs are partial sums before tensor parallel's reduction, so they are N C L whole.
+
+The numbers were checked byte for byte against measurement (bench/memory_accuracy.py,
+tests/test_estimate.py); the MoE layer's formula follows paratrain/models/moe.py but is not yet measured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from paratrain.estimate.layout import Layout, _expert_hidden
+
+FP32, INT64 = 4, 8
+
+# Extra bytes per token of torch's loss_parallel cross-entropy backward (target, masks, gathered values):
+# measured on torch 2.13 (bench/memory_accuracy.py), beside 3 x N x V/tp x 4 B of logits-sized buffers.
+LOSS_PARALLEL_BYTES_PER_TOKEN = 33
+
+
+@dataclass(frozen=True)
+class ActDims:
+    b: int  # micro-batch (sequences)
+    s: int  # sequence length
+    C: int
+    Hq: int  # local query heads (after tp)
+    Hkv: int  # local kv heads
+    D: int
+    F: int  # local ffn hidden
+    V: int  # vocabulary seen by the loss on this rank (V / tp with loss parallel)
+    tp: int
+    sp: bool
+    regime: str  # fp32 | autocast | pure
+    fsdp: bool  # FSDP mixed precision casts block inputs (rotary tables)
+    gqa: bool  # k, v repeated to Hq heads
+    loss_parallel: bool
+    cuda: bool = True  # CUDA kernels (vs CPU): only changes how autocast treats the MoE experts' grouped matmul
+
+    @property
+    def N(self) -> int:
+        return self.b * self.s
+
+    @property
+    def R(self) -> int:  # residual stream
+        return 2 if self.regime == "pure" else 4
+
+    @property
+    def L(self) -> int:  # matmul / attention outputs
+        return 4 if self.regime == "fp32" else 2
+
+    @property
+    def seq_div(self) -> int:  # sequence-parallel division of norm/residual tensors
+        return self.tp if self.sp else 1
+
+    @property
+    def rope_copies(self) -> int:
+        return self.s * self.D * 2 if (self.regime == "pure" and self.fsdp and self.L == 2) else 0
+
+
+def act_dims(args, layout: Layout, precision: str, accounting: str, micro_batch: int, seq_len: int,
+             device: str = "cuda") -> ActDims:
+    if precision == "fp32":
+        regime = "fp32"
+    elif accounting == "classic" or layout.uses_fsdp:
+        regime = "pure"
+    else:
+        regime = "autocast"
+    t = layout.tp
+    D = args.dim // args.n_heads
+    lp = t > 1 and layout.loss_parallel and layout.pp == 1  # pipelines compute whole logits on the last stage
+    return ActDims(micro_batch, seq_len, args.dim, args.n_heads // t, args.n_kv_heads // t, D, args.ffn_hidden // t,
+                   args.vocab_size // t if lp else args.vocab_size, t, layout.sp, regime,
+                   layout.uses_fsdp and accounting != "classic", args.n_kv_heads != args.n_heads, lp, device == "cuda")
+
+
+def _norm(d: ActDims) -> list[tuple[str, int]]:
+    """RMSNorm's saved tensors (without the matmul input it feeds)."""
+    n = d.N // d.seq_div
+    return [("norm input (fp32)", n * d.C * FP32), ("rsqrt", n * FP32), ("x*rsqrt", n * d.C * d.R)]
+
+
+def _matmul_inputs(d: ActDims, n_linears: int) -> int:
+    """Bytes of the normed input saved by the `n_linears` projections reading it (whole sequence under sp)."""
+    if d.regime == "autocast":
+        return n_linears * d.N * d.C * 2  # each linear casts its own bf16 copy
+    return d.N * d.C * d.L
+
+
+def attention_saved(d: ActDims) -> list[tuple[str, int]]:
+    N, L = d.N, d.L
+    kv_heads = d.Hq if d.gqa else d.Hkv
+    out = _norm(d) + [("q/k/v input", _matmul_inputs(d, 3)),
+                      ("q (rope)", N * d.Hq * d.D * L),
+                      ("k (rope, repeated)" if d.gqa else "k (rope)", N * kv_heads * d.D * L),
+                      ("v (repeated)" if d.gqa else "v", N * kv_heads * d.D * L),
+                      ("attention output", N * d.Hq * d.D * L),
+                      ("logsumexp", N * d.Hq * FP32)]
+    if d.rope_copies:
+        out.append(("rope tables (bf16, FSDP input cast)", d.rope_copies))
+    return out
+
+
+def dense_ffn_saved(d: ActDims) -> list[tuple[str, int]]:
+    return _norm(d) + [("w1/w3 input", _matmul_inputs(d, 2)), ("SwiGLU (w1x, silu, w3x, product)", 4 * d.N * d.F * d.L)]
+
+
+@dataclass(frozen=True)
+class MoEDims:
+    E: int
+    k: int
+    H: int  # expert hidden
+    shared: int  # shared width (local, after tp)
+    E_local: int
+    routed: int  # assignments this rank's experts compute (expected, times the imbalance factor)
+
+
+def moe_dims(args, layout: Layout, micro_batch: int, seq_len: int, imbalance: float) -> MoEDims:
+    E, k = args.moe_experts, args.moe_top_k
+    N = micro_batch * seq_len
+    assignments = N * k
+    if getattr(args, "moe_capacity_factor", 0) > 0:
+        cap = max(1, math.ceil(args.moe_capacity_factor * seq_len * k / E))
+        assignments = min(assignments, micro_batch * cap * E)
+        imbalance = min(imbalance, args.moe_capacity_factor)
+    routed = int(math.ceil(assignments * max(imbalance, 1.0))) if layout.ep > 1 else assignments
+    H = _expert_hidden(args)
+    return MoEDims(E, k, H, H * args.moe_shared_experts // layout.tp, E // layout.ep, routed)
+
+
+def moe_ffn_saved(d: ActDims, m: MoEDims) -> list[tuple[str, int]]:
+    """paratrain/models/moe.py: every tp rank routes all of its tokens (whole sequences under sp).
+
+    The router runs in fp32 (x.float(): a copy unless the normed input is already fp32), saves its softmax
+    scores, the sorted values and sort indices (int64), and the top-k sum; tokens are gathered per expert
+    (int64 indices), the experts are SwiGLUs over the routed rows (grouped matmul), outputs are gathered back and
+    weighted by the gates. Autocast does not cover `torch._grouped_mm`: on CPU the experts then run in fp32; on
+    CUDA (bf16 only) the per-expert matmul fallback is autocast, which saves bf16 copies of each expert's rows
+    and weights (not cached: `w[e]` is not a leaf).
+    """
+    N = d.N
+    casts = []
+    if d.regime == "autocast" and d.cuda:
+        Le, routed = 2, 0
+        casts = [("expert inputs (bf16 copies)", 2 * m.routed * d.C * 2),
+                 ("expert weights (bf16 copies per forward)", 3 * m.E_local * d.C * m.H * 2)]
+    else:
+        Le = 2 if d.regime == "pure" else 4  # grouped matmul in the inputs' dtype
+        routed = m.routed * d.C * Le
+    out = _norm(d) + [("router input (fp32)", N * d.C * FP32),
+                      ("router scores, sorted values, top-k sum (fp32)", 2 * N * m.E * FP32 + N * FP32),
+                      ("sort indices (int64)", N * m.E * INT64),
+                      ("gather/scatter indices (int64)", 2 * N * m.k * INT64),
+                      ("routed tokens", routed), *casts,
+                      ("experts SwiGLU (w1x, silu, w3x, product)", 4 * m.routed * m.H * Le),
+                      ("expert outputs + gates", N * m.k * (d.C * Le + FP32))]
+    if d.regime == "pure":
+        out.append(("router weight (fp32 copy)", m.E * d.C * FP32))
+    if m.shared:
+        out += [("shared expert input", 0 if d.regime == "fp32" else _matmul_inputs(d, 2)),
+                ("shared SwiGLU", 4 * N * m.shared * d.L)]
+    return out
+
+
+def _experts_use_mm(d: ActDims) -> bool:
+    """Whether the experts' matmuls reach the dispatcher as `aten.mm` (saved by selective checkpointing): the CUDA
+    autocast fallback loop, and CPU, where `torch._grouped_mm` runs one mm per expert; on CUDA bf16 it is one
+    grouped kernel, which `_SAVE_OPS` does not list."""
+    return d.regime == "autocast" or not d.cuda
+
+
+def block_saved(d: ActDims, moe: MoEDims | None = None) -> list[tuple[str, int]]:
+    """All tensors one block saves with no checkpointing."""
+    return attention_saved(d) + (moe_ffn_saved(d, moe) if moe else dense_ffn_saved(d))
+
+
+def block_input(d: ActDims) -> int:
+    """The block's input, kept by activation checkpointing (and the final residual, kept by the head)."""
+    return d.N // d.seq_div * d.C * d.R
+
+
+def sac_saved(d: ActDims, moe: MoEDims | None = None) -> list[tuple[str, int]]:
+    """Selective checkpointing (parallelize._SAVE_OPS): matmul and attention outputs, plus the block input."""
+    N, L = d.N, d.L
+    out = [("block input", block_input(d)), ("wq output", N * d.Hq * d.D * L), ("wk, wv outputs", 2 * N * d.Hkv * d.D * L),
+           ("attention output + logsumexp", N * d.Hq * d.D * L + N * d.Hq * FP32),
+           ("wo output (partial sum)", N * d.C * L)]
+    if moe:
+        out.append(("router logits (fp32)", N * moe.E * FP32))
+        if _experts_use_mm(d):  # torch._grouped_mm is not in _SAVE_OPS; the per-expert matmul fallback is
+            out += [("experts w1, w3 outputs", 2 * moe.routed * moe.H * L), ("experts w2 output", moe.routed * d.C * L)]
+        if moe.shared:
+            out += [("shared w1, w3 outputs", 2 * N * moe.shared * L), ("shared w2 output", N * d.C * L)]
+    else:
+        out += [("w1, w3 outputs", 2 * N * d.F * L), ("w2 output (partial sum)", N * d.C * L)]
+    if d.rope_copies:
+        out.append(("rope tables (bf16, FSDP input cast)", d.rope_copies))
+    return out
+
+
+def block_stored(d: ActDims, mode: str, moe: MoEDims | None = None) -> int:
+    """Bytes a block keeps from its forward to its backward under checkpointing `mode`."""
+    if mode == "none":
+        return sum(b for _, b in block_saved(d, moe))
+    if mode == "full":
+        return block_input(d) + d.rope_copies
+    if mode == "selective":
+        return sum(b for _, b in sac_saved(d, moe))
+    raise ValueError(mode)
+
+
+def _swiglu_backward(d: ActDims, moe: MoEDims | None) -> tuple[int, int]:
+    """(two live gradients of the SwiGLU's width, its product) for the first SwiGLU a block's backward meets: the
+    dense MLP, or in an MoE layer the shared expert (computed last), else the routed experts."""
+    if moe is None:
+        width = d.N * d.F * d.L
+    elif moe.shared:
+        width = d.N * moe.shared * d.L
+    else:
+        width = moe.routed * moe.H * d.L
+    return 2 * width, width
+
+
+def block_backward_live(d: ActDims, mode: str, moe: MoEDims | None = None) -> tuple[int, int]:
+    """(activations, temporaries) of one block at the peak of its own backward, beyond the other blocks' bytes.
+
+    At the start of the SwiGLU backward everything the block saved (recomputed, when checkpointed) is live,
+    plus the incoming gradient (N C R/sp), and w2's backward and the product's backward leave two N F L
+    gradients alive at once. A checkpointed block's recomputation counts as temporaries, except what the
+    checkpoint itself still holds: its input, and with selective checkpointing the cached attention and w1/w3
+    outputs the recomputed graph reuses, and the w2 output, which stays in the cache because recomputation
+    stops early, before the last matmul would read it. In "pure" precision the recomputed norm makes a new
+    fp32 copy of the stored bf16 input.
+    """
+    saved = sum(b for _, b in block_saved(d, moe))
+    width, product = _swiglu_backward(d, moe)
+    grads = width + block_input(d)  # the incoming gradient has the block input's size and dtype
+    if mode == "none":
+        return saved - product, grads + product  # the product (w2's saved input) is freed by w2's backward
+    pure_extra = block_input(d) if d.regime == "pure" else 0
+    if mode == "full":
+        kept = block_input(d) + d.rope_copies
+        return kept, saved + grads + pure_extra - kept
+    N, L = d.N, d.L
+    if moe:
+        mm = _experts_use_mm(d)
+        leftover = N * d.C * L if moe.shared else (moe.routed * d.C * L if mm else 0)  # the block's last matmul
+        reused = (2 * moe.routed * moe.H * L if mm else 0) + (2 * N * moe.shared * L if moe.shared else 0)
+    else:
+        leftover = N * d.C * L
+        reused = 2 * N * d.F * L
+    kept = (block_input(d) + N * d.Hq * d.D * L + N * d.Hq * FP32 + reused + leftover + d.rope_copies
+            + (0 if d.gqa else N * d.Hkv * d.D * L))
+    return kept, saved + grads + leftover + pure_extra - kept
+
+
+def recompute_end(d: ActDims, mode: str, moe: MoEDims | None = None) -> tuple[int, int]:
+    """(activations, temporaries) of a checkpointed block when its recomputation stops, before the SwiGLU backward:
+    the recomputed forward's frame still holds the last norm's output (and under sequence parallelism its
+    all-gathered copy, which autocast does not save), and the incoming gradient is live (all-gathered too under
+    sequence parallelism, by the backward of the w2 reduce-scatter)."""
+    acts, temps = block_backward_live(d, mode, moe)
+    temps -= _swiglu_backward(d, moe)[0]
+    normed = 0 if (not d.sp and d.regime != "autocast") else d.N // d.seq_div * d.C * (2 if d.regime == "pure" else 4)
+    gathered = d.N * d.C * FP32 if (d.sp and d.regime == "autocast") else 0
+    grad_gathered = d.N * d.C * d.L if d.sp else 0
+    return acts, temps + normed + gathered + grad_gathered
+
+
+def head_saved(d: ActDims) -> list[tuple[str, int]]:
+    """Final norm, output projection and loss, saved at the end of forward (one micro-batch)."""
+    n = d.N // d.seq_div
+    out = []
+    if d.regime == "pure":
+        out.append(("final norm input (fp32 copy)", n * d.C * FP32))
+    out += [("final norm rsqrt", n * FP32), ("final norm x*rsqrt", n * d.C * d.R),
+            ("output input (normed, whole sequence)", d.N * d.C * d.L),
+            ("log_softmax output (fp32)", d.N * d.V * FP32)]
+    return out
+
+
+def final_residual(d: ActDims) -> int:
+    """The last block's output, kept by the final norm in fp32/autocast (in "pure" the norm keeps its fp32 copy,
+    counted in head_saved)."""
+    return 0 if d.regime == "pure" else d.N // d.seq_div * d.C * FP32
+
+
+def loss_backward_extra(d: ActDims) -> int:
+    """Transient bytes at the loss's backward: cross_entropy's gradient and log_softmax's gradient, both fp32
+    N x V (torch's loss_parallel needs one more such buffer and a few bytes per token)."""
+    if d.loss_parallel:
+        return 3 * d.N * d.V * FP32 + LOSS_PARALLEL_BYTES_PER_TOKEN * d.N
+    return 2 * d.N * d.V * FP32
+
+
+def inputs_bytes(d: ActDims) -> int:
+    """Token ids and targets (int64)."""
+    return 2 * d.N * INT64

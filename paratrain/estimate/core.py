@@ -1,0 +1,582 @@
+"""The estimate: per-rank memory at the peak of a training step, by category, and whether it fits.
+
+The peak is found by walking one step of the trainer at block granularity and taking the largest total:
+
+  L    the loss's backward (every block's activations stored, the log-softmax and its gradients live);
+  B_i  the backward of block i, last to first (blocks below i still stored, block i's saved tensors and its
+       gradient temporaries live, gradients of the blocks above i accumulated; with FSDP: the root, block i
+       and the prefetched block i-1 unsharded, the previous block's reduce-scatter buffer kept);
+  O    the optimizer step (parameters, gradients, optimizer states, and foreach temporaries).
+
+With gradient accumulation the last micro-step is the worst (gradients from the earlier ones are live).
+With pipeline stages each stage is walked with its own blocks and in-flight micro-batches, and the worst
+stage is reported. Categories are what is live at that moment; `size` is each category's own maximum over
+the step (their sum is the naive upper bound other tools print).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from paratrain.errors import UserError
+from paratrain.estimate import activations as A
+from paratrain.estimate.gpus import GB, GiB, fmt_bytes
+from paratrain.estimate.layout import Layout, _is_moe, check_model
+from paratrain.estimate.model_states import (BF16, FP32, Param, fsdp_numel, local_shape, model_params, stage_layers,
+                                             stage_of, state_bytes, zero_table)
+
+# Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
+# not see): the CUDA context and kernels (~0.5-0.8 GiB with lazy module loading), cuBLAS/cuDNN workspaces and
+# allocator fragmentation headroom (~0.25 GiB), and NCCL's communicator buffers when there is more than one rank.
+CONTEXT_OVERHEAD_GIB = 1.0
+NCCL_OVERHEAD_GIB = 0.5
+
+ROWS = [  # (key, label)
+    ("parameters", "parameters"),
+    ("gradients", "gradients"),
+    ("optimizer", "optimizer states"),
+    ("master", "fp32 master weights"),
+    ("autocast_copies", "autocast bf16 weight copies"),
+    ("activations", "activations (blocks)"),
+    ("pipeline", "pipeline in-flight micro-batches"),
+    ("logits_loss", "logits and loss"),
+    ("comm_buffers", "communication buffers"),
+    ("temporaries", "backward/optimizer temporaries"),
+    ("overhead", "runtime overhead (CUDA, NCCL)"),
+]
+CHECKPOINTING = ("none", "full", "every_k", "selective")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-nomomentum")
+PRECISIONS = ("fp32", "bf16", "fp16")
+ACCOUNTINGS = ("paratrain", "classic")
+
+
+@dataclass
+class EstimateInputs:
+    model_args: object  # paratrain.models.ModelArgs
+    layout: Layout
+    model_name: str = "model"
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    optimizer_impl: str = "fused"  # fused | foreach | for (foreach adds one group-sized temporary)
+    checkpointing: str = "none"
+    every_k: int = 2
+    micro_batch: int = 1
+    seq_len: int = 2048
+    accum_steps: int = 1  # gradient accumulation micro-steps (pp > 1: layout.microbatches instead)
+    accounting: str = "paratrain"  # paratrain | classic
+    gpu_name: str | None = None
+    gpu_bytes: int | None = None
+    overhead_bytes: int | None = None  # None: CONTEXT_OVERHEAD_GIB (+ NCCL_OVERHEAD_GIB if world > 1)
+    moe_imbalance: float = 1.0  # routed tokens per ep rank relative to the balanced share
+    device: str = "cuda"  # cuda: counts runtime overhead; cpu: tensors only
+
+    def replace(self, **kw) -> "EstimateInputs":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass
+class Estimate:
+    inputs: EstimateInputs
+    peak_bytes: int  # tensors at the peak (what torch.cuda.max_memory_allocated reports)
+    overhead_bytes: int
+    at_peak: dict[str, int]  # category -> bytes live at the peak
+    sizes: dict[str, int]  # category -> its own maximum over the step
+    phase: str  # where the peak is
+    stage: int  # pipeline stage of the worst rank
+    notes: list[str] = field(default_factory=list)
+    per_block: list[tuple[str, int]] = field(default_factory=list)  # one block's saved tensors ("none")
+    zero: list[dict] = field(default_factory=list)
+    zero_ranks: int = 0
+    suggestion: dict | None = None
+    alternatives: list[dict] = field(default_factory=list)
+    searched: bool = False  # whether suggestions were looked for
+    stages: list[dict] = field(default_factory=list)  # per pipeline stage: peak and phase
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_bytes + self.overhead_bytes
+
+    @property
+    def gpu_bytes(self) -> int | None:
+        return self.inputs.gpu_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.gpu_bytes is None else self.total_bytes <= self.gpu_bytes
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        return None if self.gpu_bytes is None else self.gpu_bytes - self.total_bytes
+
+    def to_dict(self) -> dict:
+        i = self.inputs
+        lay = i.layout
+        return {
+            "model": i.model_name, "parameters": sum(p.numel for p in model_params(i.model_args)),
+            "layout": {**dataclasses.asdict(lay), "world_size": lay.world_size, "description": lay.describe()},
+            "precision": i.precision, "accounting": i.accounting, "optimizer": i.optimizer,
+            "optimizer_impl": i.optimizer_impl, "checkpointing": i.checkpointing, "every_k": i.every_k,
+            "micro_batch": i.micro_batch, "seq_len": i.seq_len, "accum_steps": i.accum_steps,
+            "gpu": i.gpu_name, "gpu_bytes": i.gpu_bytes,
+            "peak_phase": self.phase, "worst_stage": self.stage,
+            "at_peak_bytes": self.at_peak, "size_bytes": self.sizes,
+            "tensor_peak_bytes": self.peak_bytes, "overhead_bytes": self.overhead_bytes,
+            "total_bytes": self.total_bytes, "headroom_bytes": self.headroom_bytes, "fits": self.fits,
+            "notes": self.notes, "block_activation_bytes": dict(self.per_block),
+            "zero_breakdown": {"ranks": self.zero_ranks, "rows": self.zero, "units": "bytes"},
+            "stages": self.stages,
+            "suggestion": self.suggestion, "alternatives": self.alternatives,
+        }
+
+    # -- text --------------------------------------------------------------------------------
+    def format_table(self, units: str = "GiB") -> str:
+        i, lay = self.inputs, self.inputs.layout
+        fb = lambda n: fmt_bytes(n, units)  # noqa: E731
+        n_params = sum(p.numel for p in model_params(i.model_args))
+        mode = i.checkpointing + (f" (k={i.every_k})" if i.checkpointing == "every_k" else "")
+        lines = [f"model {i.model_name}: {n_params / 1e9:.3f} B parameters ({n_params:,})",
+                 f"layout {lay.describe()} | {i.precision} ({'classic mixed-precision accounting' if i.accounting == 'classic' else 'as paratrain trains it'})"
+                 f" | {i.optimizer} ({i.optimizer_impl}) | checkpointing {mode}",
+                 f"micro-batch {i.micro_batch} x seq {i.seq_len}"
+                 + (f" x accumulation {i.accum_steps}" if lay.pp == 1 and i.accum_steps > 1 else "")
+                 + (f" | pipeline {lay.pp_schedule}, {lay.microbatches} micro-batches" if lay.pp > 1 else "")]
+        where = f"peak: {self.phase}" + (f" on pipeline stage {self.stage} (worst of {lay.pp})" if lay.pp > 1 else "")
+        lines.append(f"per rank ({'worst rank' if lay.world_size > 1 else 'one rank'}), {where}; units {units} "
+                     f"({'2^30' if units == 'GiB' else '10^9'} bytes)")
+        w = 40
+        lines.append(f"  {'':<{w}} {'at peak':>12} {'its max':>12}")
+        for key, label in ROWS:
+            at, size = self.at_peak.get(key, 0), self.sizes.get(key, 0)
+            if key == "master" and not (i.accounting == "classic" and i.precision != "fp32"):
+                label = label + (" (= the fp32 params)" if i.precision != "fp32" else " (none: fp32)")
+            if not at and not size and key not in ("parameters", "gradients", "optimizer", "master", "activations"):
+                continue
+            lines.append(f"  {label:<{w}} {fb(at):>12} {fb(size):>12}")
+        lines.append(f"  {'-' * (w + 26)}")
+        lines.append(f"  {'total':<{w}} {fb(self.total_bytes):>12}"
+                     f"   (sum of the maxima: {fb(sum(self.sizes.values()))})")
+        if self.gpu_bytes is not None:
+            name = f"{i.gpu_name} " if i.gpu_name else ""
+            lines.append(f"  {'GPU memory ' + name:<{w}} {fb(self.gpu_bytes):>12}")
+            lines.append(f"  {'headroom':<{w}} {fb(self.headroom_bytes):>12}")
+            lines.append(f"  => {'FITS' if self.fits else 'DOES NOT FIT'}"
+                         f" ({100 * self.total_bytes / self.gpu_bytes:.0f}% of {fb(self.gpu_bytes)})")
+        if lay.pp > 1 and self.stages:
+            lines.append("  per pipeline stage: " + ", ".join(
+                f"{s['stage']}: {fb(s['total_bytes'])}" for s in self.stages))
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        if self.zero:
+            lines.append("")
+            lines.append(f"classic mixed-precision model states (bf16 params/grads, fp32 master + moments; GB = 10^9 B), "
+                         f"ZeRO over {self.zero_ranks} ranks:")
+            lines.append(f"  {'':<26} {'1 rank':>10} {'ZeRO-1':>10} {'ZeRO-2':>10} {'ZeRO-3':>10}")
+            for row in self.zero:
+                lines.append(f"  {row['row']:<26} " + " ".join(
+                    f"{row[k] / GB:>7.2f} GB" for k in ("one_rank", "zero1", "zero2", "zero3")))
+        if self.fits is False and self.searched:
+            lines.append("")
+            if self.suggestion:
+                s = self.suggestion
+                lines.append(f"would fit: {s['change']} -> {fb(s['total_bytes'])} of {fb(self.gpu_bytes)} "
+                             f"(cost: {s['why']})")
+                for alt in self.alternatives[:4]:
+                    lines.append(f"  also fits: {alt['change']} -> {fb(alt['total_bytes'])}")
+            else:
+                lines.append("nothing tried fits (more sharding, tp, pp, checkpointing, smaller micro-batch, and "
+                             "pairs of them): this model needs more GPUs or more memory per GPU")
+        return "\n".join(lines)
+
+    def compare_line(self, measured_bytes: int, units: str = "GiB", what: str = "torch.cuda.max_memory_allocated") -> str:
+        """One line for the trainer's log: the estimated tensor peak against a measured one."""
+        diff = (self.peak_bytes - measured_bytes) / measured_bytes * 100 if measured_bytes else float("nan")
+        return (f"memory: estimated peak {fmt_bytes(self.peak_bytes, units)} of tensors ({self.phase}), measured "
+                f"{fmt_bytes(measured_bytes, units)} ({what}); estimate {diff:+.1f}%")
+
+
+# ---------------------------------------------------------------------------------------------
+def default_overhead(layout: Layout, device: str = "cuda") -> int:
+    if device != "cuda":
+        return 0
+    return int((CONTEXT_OVERHEAD_GIB + (NCCL_OVERHEAD_GIB if layout.world_size > 1 else 0.0)) * GiB)
+
+
+def _validate(i: EstimateInputs) -> None:
+    for name, value, options in (("--precision", i.precision, PRECISIONS), ("--optimizer", i.optimizer, OPTIMIZERS),
+                                 ("--checkpointing", i.checkpointing, CHECKPOINTING),
+                                 ("--accounting", i.accounting, ACCOUNTINGS),
+                                 ("--optimizer-impl", i.optimizer_impl, ("fused", "foreach", "for"))):
+        if value not in options:
+            raise UserError(f"{name} '{value}' is not one of {', '.join(options)}")
+    if i.every_k < 1:
+        raise UserError(f"--every-k must be >= 1, got {i.every_k}")
+    if i.accum_steps < 1:
+        raise UserError(f"--accum-steps must be >= 1, got {i.accum_steps}")
+    if i.moe_imbalance < 1:
+        raise UserError(f"--moe-imbalance must be >= 1 (1 = perfectly balanced), got {i.moe_imbalance}")
+    args = i.model_args
+    if args.dim % args.n_heads or args.n_heads % args.n_kv_heads:
+        raise UserError(f"model dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={args.n_kv_heads}: dim must "
+                        "divide by n_heads and n_heads by n_kv_heads")
+    check_model(i.layout, args, i.seq_len, i.micro_batch)
+
+
+def block_modes(n_layers: int, checkpointing: str, every_k: int) -> list[str]:
+    if checkpointing == "every_k":
+        return ["full" if idx % every_k == 0 else "none" for idx in range(n_layers)]
+    return [checkpointing] * n_layers
+
+
+def in_flight(layout: Layout, stage: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in units of all its blocks.
+
+    gpipe: all m. 1f1b: min(pp - stage, m) (warm-up forwards before the first backward). interleaved_1f1b and
+    interleaved_zero_bubble with v stages per rank (torch.distributed.pipelining's warm-up): (v - 1) pp +
+    2 (pp - 1 - stage) stage-forwards plus one, each holding one stage (1/v of the rank's blocks), at most m v.
+    zbv: like 1f1b, pp micro-batches of the rank's blocks (the V-shape gives every rank about the first
+    stage's memory). Zero-bubble schedules defer weight gradients, which keeps their inputs a little longer;
+    that is not counted.
+    """
+    p, m, r, v = layout.pp, layout.microbatches, stage, layout.pp_virtual
+    if p == 1:
+        return 1.0
+    if layout.pp_schedule == "gpipe":
+        return float(m)
+    if layout.pp_schedule == "1f1b":
+        return float(min(p - r, m))
+    if layout.pp_schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        warm = (v - 1) * p + 2 * (p - 1 - r)
+        return min(warm + 1, m * v) / v
+    return float(min(p, m))  # zbv
+
+
+def _fsdp_bytes(params: list[Param], layout: Layout, pbytes: int) -> tuple[int, int]:
+    """(unsharded bytes in the compute dtype, reduce-scatter input bytes in fp32) of an FSDP group: each
+    parameter padded to a multiple of the ranks it is sharded over (experts under ep: dp_shard / ep)."""
+    unsh = rs = 0
+    for p in params:
+        n = max(1, layout.dp_shard // layout.ep) if (p.expert and layout.ep > 1) else layout.shard_degree
+        padded = math.prod(local_shape(p, layout)) if n == 1 else fsdp_numel(p, layout) * n
+        unsh += padded * pbytes
+        rs += padded * FP32
+    return unsh, rs
+
+
+def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]]) -> dict:
+    """Peak of one (pipeline) rank: returns {'peak', 'phase', 'at_peak', 'sizes'}."""
+    args, lay = i.model_args, i.layout
+    st = state_bytes(args, lay, i.precision, i.optimizer, i.accounting, stage, layers_by_stage)
+    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device)
+    moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if getattr(args, "moe_experts", 0) else None
+    my_layers = layers_by_stage[stage]
+    first, last = stage == 0, stage == lay.pp - 1
+    modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
+    moe_of = {l: (moe if _is_moe(args, l) else None) for l in my_layers}
+    stored = {l: A.block_stored(d, modes[l], moe_of[l]) for l in my_layers}
+    params = [p for p in model_params(args) if stage in stage_of(p, lay, layers_by_stage)]
+    by_layer = {l: [p for p in params if p.layer == l] for l in my_layers}
+    root = [p for p in params if p.layer is None]
+    head_params = [p for p in root if p.where == "head"]
+    low = i.precision != "fp32"
+    classic = i.accounting == "classic" and low
+    # FSDP's unsharded working copies (classic ZeRO-2 keeps whole bf16 parameters in its parameters row instead).
+    fsdp = lay.uses_fsdp and not (classic and lay.dp_mode == "zero2")
+    pbytes = BF16 if (low and (fsdp or classic)) else FP32  # dtype the unsharded params compute in
+    gbytes = BF16 if classic else FP32  # gradient dtype held by the optimizer
+
+    def local_numel(ps):
+        return sum(math.prod(local_shape(p, lay)) for p in ps)
+
+    def grad_bytes(ps):  # this rank's final gradients of these params
+        if classic:
+            n = lay.dp if lay.dp_mode in ("zero2", "fsdp", "hsdp") and lay.dp > 1 else 1
+            n = lay.dp_shard if lay.dp_mode == "hsdp" else n
+            return math.ceil(local_numel(ps) / n) * gbytes
+        if fsdp:
+            return sum(fsdp_numel(p, lay) for p in ps) * FP32
+        return local_numel(ps) * FP32
+
+    def dw2(layer):  # the first weight gradient of a block's backward: w2 (the shared expert's, else the experts')
+        ps = by_layer[layer]
+        ps = ([p for p in ps if p.name.endswith(("feed_forward.w2.weight", "shared.w2.weight"))]
+              or [p for p in ps if p.name.endswith("experts.w2")])
+        return local_numel(ps)
+
+    grads_full = st.grads
+    accum = lay.microbatches if lay.pp > 1 else i.accum_steps
+    # Megatron/DeepSpeed allocate their gradient buffers up front (classic accounting): always live.
+    g_prev = grads_full if ((accum > 1 and lay.pp == 1) or classic) else 0
+    # DDP's flat bucket buffers are a second copy of the gradients (gradient_as_bucket_view=False); classic
+    # frameworks reduce from one contiguous gradient buffer instead.
+    ddp_buckets = local_numel(params) * gbytes if (lay.uses_ddp and not classic) else 0
+    autocast = st.autocast_copies
+    tokens = A.inputs_bytes(d) if (first or last) else 0
+    k = in_flight(lay, stage)
+    acts_one = sum(stored.values()) + (A.final_residual(d) if last else 0)
+    p2p = 0 if lay.pp == 1 else (2 if not (first and last) else 0) * A.block_input(d)
+    head = sum(b for _, b in A.head_saved(d)) if last else 0
+    loss_extra = A.loss_backward_extra(d) if last else 0
+
+    # FSDP bookkeeping: unsharded bytes per block, root, reduce-scatter buffers.
+    unsh = {l: _fsdp_bytes(by_layer[l], lay, pbytes) for l in my_layers} if fsdp else {}
+    root_unsh = _fsdp_bytes(root, lay, pbytes)[0] if (fsdp and root) else 0
+    zero2 = lay.dp_mode == "zero2"
+    head_unsh_grads = local_numel(head_params) * pbytes if fsdp else 0
+
+    cands = []
+
+    def add(phase, **cats):
+        cands.append((sum(cats.values()), phase, cats))
+
+    base = dict(parameters=st.params + st.rope_buffers, optimizer=st.optimizer, master=st.master)
+    # L: the loss's backward (last stage), or the end of the in-flight forwards (other stages)
+    if lay.pp == 1 or last:
+        comm = ddp_buckets
+        if fsdp:
+            if zero2:
+                comm += sum(u for u, _ in unsh.values()) + root_unsh
+            elif my_layers:
+                # The last block is not resharded after forward, except expert-parallel experts (their own group).
+                last_block = by_layer[my_layers[-1]]
+                comm += _fsdp_bytes([p for p in last_block if not (p.expert and lay.ep > 1)], lay, pbytes)[0]
+        extra_mb = max(k - 1, 0)
+        add("loss backward" + (f" (micro-step {accum} of {accum})" if accum > 1 and lay.pp == 1 else ""),
+            **base, gradients=grads_full if (g_prev or lay.pp > 1) else 0, autocast_copies=autocast,
+            activations=acts_one + tokens, pipeline=extra_mb * sum(stored.values()),
+            logits_loss=head + loss_extra, comm_buffers=comm + p2p)
+    # B_i: each block's backward, last to first
+    grads_above = 0 if lay.pp > 1 else (grad_bytes(head_params) if not fsdp else 0)
+    stored_below = sum(stored.values())
+    rs_kept = 0
+    for idx in reversed(range(len(my_layers))):
+        l = my_layers[idx]
+        stored_below -= stored[l]
+        b_acts, b_temps = A.block_backward_live(d, modes[l], moe_of[l])
+        comm = ddp_buckets + p2p
+        temps = b_temps
+        if fsdp:
+            comm += unsh[l][0] + (unsh[my_layers[idx - 1]][0] if idx > 0 else 0) + rs_kept
+            comm += root_unsh if (first or last or zero2) else 0
+            if zero2:
+                comm += sum(unsh[m][0] for m in my_layers[:idx - 1] if idx > 1)
+            temps += dw2(l) * pbytes + head_unsh_grads
+            grads_now = grads_above if not g_prev else g_prev
+        else:
+            grads_now = (grads_above + dw2(l) * gbytes) if not g_prev else g_prev
+        if lay.pp > 1:
+            grads_now = grads_full
+        extra = (k - 1) * (stored_below + stored[l]) if lay.pp > 1 else 0
+        # The last block's incoming gradient was made by the loss/output backward.
+        from_head = A.block_input(d) if (last and l == my_layers[-1]) else 0
+        add(f"backward of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
+            activations=stored_below + b_acts + tokens, pipeline=max(extra, 0),
+            logits_loss=from_head, comm_buffers=comm, temporaries=temps - from_head)
+        if modes[l] != "none":
+            r_acts, r_temps = A.recompute_end(d, modes[l], moe_of[l])
+            add(f"recomputation of block {l}", **base, gradients=grads_above if not g_prev else g_prev,
+                autocast_copies=autocast, activations=stored_below + r_acts + tokens, pipeline=max(extra, 0),
+                logits_loss=from_head, comm_buffers=comm,
+                temporaries=r_temps - from_head + (head_unsh_grads if fsdp else 0))
+        if fsdp:
+            # The end of block l's backward (its attention backward), before FSDP's post-backward: all its unsharded
+            # gradients exist (what dominates when the micro-batch is small); of its activations only the input is
+            # left; SDPA's backward has made dq, dk, dv, then the q/k/v input's gradient, beside the incoming one.
+            q_size = d.N * d.Hq * d.D * d.L
+            add(f"end of block {l}'s backward", **base, gradients=grads_now if lay.pp == 1 else grads_full,
+                autocast_copies=autocast, activations=stored_below + tokens + A.block_input(d),
+                pipeline=max(extra, 0), logits_loss=0, comm_buffers=comm,
+                temporaries=A.block_input(d) + 3 * q_size + d.N * d.C * d.L + head_unsh_grads + unsh[l][0])
+            # FSDP's post-backward of block l: its parameters resharded, its gradients copied into the fp32
+            # reduce-scatter input, the sharded output allocated (gloo also copies the input: CPU runs only).
+            rs_in = unsh[l][1]
+            rs_out = rs_in // lay.shard_degree
+            comm = (ddp_buckets + p2p + (unsh[my_layers[idx - 1]][0] if idx > 0 else 0) + rs_in + rs_out
+                    + (rs_in if i.device == "cpu" else 0) + (root_unsh if (first or last or zero2) else 0))
+            if zero2:
+                comm += sum(unsh[m][0] for m in my_layers[:idx - 1] if idx > 1)
+            add(f"reduce-scatter of block {l}", **base, gradients=grads_now if lay.pp == 1 else grads_full,
+                autocast_copies=autocast, activations=stored_below + tokens, pipeline=max(extra, 0),
+                logits_loss=0, comm_buffers=comm,
+                temporaries=A.block_input(d) + head_unsh_grads + dw2(l) * pbytes)
+        # after block l: its gradients are reduced (FSDP: sharded, its reduce-scatter buffer kept)
+        grads_above += grad_bytes(by_layer[l])
+        if fsdp:
+            rs_kept = unsh[l][1]
+    # O: the optimizer step
+    opt_temp = 0
+    if i.optimizer_impl != "fused" and i.optimizer in ("adamw", "adam"):
+        # _multi_tensor_adam: torch._foreach_sqrt(exp_avg_sqs) per parameter group (matrices, then norm gains)
+        opt_temp = max(grads_full - grad_bytes([p for p in params if len(p.shape) < 2]),
+                       grad_bytes([p for p in params if len(p.shape) < 2])) * (FP32 // gbytes)
+        if lay.dp_mode == "zero1" and lay.uses_ddp:
+            opt_temp = math.ceil(st.optimizer / 2)
+    add("optimizer step", **base, gradients=grads_full, comm_buffers=ddp_buckets, temporaries=opt_temp)
+
+    peak, phase, cats = max(cands, key=lambda c: c[0])
+    sizes = {}
+    for _, _, c in cands:
+        for key, v in c.items():
+            sizes[key] = max(sizes.get(key, 0), v)
+    sizes["gradients"] = max(sizes.get("gradients", 0), grads_full)
+    sizes["autocast_copies"] = autocast
+    return {"peak": peak, "phase": phase, "at_peak": cats, "sizes": sizes, "states": st, "dims": d, "moe": moe}
+
+
+def estimate(i: EstimateInputs, suggest: bool = True) -> Estimate:
+    """The per-rank memory estimate for one configuration (UserError on inputs that cannot run)."""
+    _validate(i)
+    lay, args = i.layout, i.model_args
+    layers_by_stage = stage_layers(args.n_layers, lay, args)
+    walks = [_stage_walk(i, s, layers_by_stage) for s in range(lay.pp)]
+    worst = max(range(lay.pp), key=lambda s: walks[s]["peak"])
+    w = walks[worst]
+    overhead = i.overhead_bytes if i.overhead_bytes is not None else default_overhead(lay, i.device)
+    at = {k: int(v) for k, v in w["at_peak"].items() if v}
+    at["overhead"] = overhead
+    sizes = {k: int(v) for k, v in w["sizes"].items() if v}
+    sizes["overhead"] = overhead
+    d = w["dims"]
+    notes = list(w["states"].notes)
+    regime = {"fp32": "fp32 activations", "autocast": "autocast: fp32 residual stream, bf16 matmul/attention",
+              "pure": "bf16 compute, fp32 norm statistics and loss"}[d.regime]
+    notes.append(f"activations: {regime}; per block {fmt_bytes(A.block_stored(d, 'none', None), 'GiB')} "
+                 f"without checkpointing")
+    if w["moe"] is not None:
+        notes.append("MoE layers: activation formula from paratrain/models/moe.py, not yet checked against "
+                     f"measurement; routed-token imbalance x{i.moe_imbalance:g}")
+    if lay.pp > 1:
+        notes.append(f"pipeline: {in_flight(lay, worst):g} micro-batches in flight on stage {worst} "
+                     f"({lay.pp_schedule}); pipeline memory is a formula, not yet checked against measurement")
+    if lay.uses_ddp and i.accounting != "classic":
+        notes.append("DDP keeps flat gradient buckets as large as the gradients (gradient_as_bucket_view=False)")
+    est = Estimate(i, int(w["peak"]), overhead, at, sizes, w["phase"], worst, notes,
+                   per_block=A.block_saved(d, None))
+    if lay.pp > 1:
+        est.stages = [{"stage": s, "tensor_peak_bytes": int(x["peak"]), "total_bytes": int(x["peak"]) + overhead,
+                       "phase": x["phase"]} for s, x in enumerate(walks)]
+    if i.precision != "fp32" and i.optimizer in ("adamw", "adam"):
+        est.zero_ranks = lay.dp if lay.dp > 1 else 8
+        est.zero = zero_table(args, est.zero_ranks, i.optimizer)
+    if suggest and est.fits is False:
+        est.suggestion, est.alternatives = suggest_changes(i)
+        est.searched = True
+    return est
+
+
+def forward_end_bytes(i: EstimateInputs) -> dict[str, int]:
+    """Bytes stored when the forward of one micro-batch ends (one process, or the last pipeline stage): the
+    blocks' activations as checkpointing leaves them (+ the final residual and the token ids) and the final
+    norm / output / loss tensors kept for backward. What activation checkpointing is about."""
+    args, lay = i.model_args, i.layout
+    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device)
+    moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if getattr(args, "moe_experts", 0) else None
+    layers = stage_layers(args.n_layers, lay, args)[lay.pp - 1]
+    modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
+    acts = sum(A.block_stored(d, modes[l], moe if _is_moe(args, l) else None) for l in layers)
+    return {"activations": acts + A.final_residual(d) + A.inputs_bytes(d),
+            "logits_loss": sum(b for _, b in A.head_saved(d))}
+
+
+# ---------------------------------------------------------------------------------------------
+def _candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]]:
+    """(cost, change, why, inputs) for single changes that keep the number of GPUs, then ones that add GPUs."""
+    lay, out = i.layout, []
+    world = lay.world_size
+    order = ["ddp", "zero1", "zero2", "fsdp"]
+    if lay.dp > 1 and lay.dp_mode in order and lay.dp_mode != "fsdp":
+        for step, mode in enumerate(order[order.index(lay.dp_mode) + 1:]):
+            new = dataclasses.replace(lay, dp_mode=mode, dp_shard=lay.dp, dp_replicate=1)
+            out.append((0.5 + 0.1 * step, f"--dp-mode {mode}", "more sharding over the same GPUs, more communication",
+                        i.replace(layout=new)))
+    if lay.dp_mode == "hsdp" and lay.dp_replicate > 1:
+        new = dataclasses.replace(lay, dp_mode="fsdp", dp_shard=lay.dp, dp_replicate=1)
+        out.append((0.6, "--dp-mode fsdp (shard over all data-parallel ranks)", "sharding across nodes",
+                    i.replace(layout=new)))
+    if i.checkpointing in ("none", "every_k"):
+        out.append((1.0, "--checkpointing selective", "recomputes element-wise ops (a few % slower)",
+                    i.replace(checkpointing="selective")))
+    if i.micro_batch > 1 and lay.pp == 1:
+        out.append((1.5, f"--micro-batch {i.micro_batch // 2} (accumulation x2, same global batch)",
+                    "smaller matmuls", i.replace(micro_batch=i.micro_batch // 2, accum_steps=i.accum_steps * 2)))
+    if i.checkpointing != "full":
+        out.append((2.0, "--checkpointing full", "recomputes each block's forward (~1/3 more compute)",
+                    i.replace(checkpointing="full")))
+    if lay.tp * 2 <= 8 and lay.dp_shard % 2 == 0 and lay.dp_mode not in ("ddp", "zero1"):
+        new = dataclasses.replace(lay, tp=lay.tp * 2, dp_shard=lay.dp_shard // 2)
+        out.append((2.5, f"--tp {lay.tp * 2} (dp_shard {lay.dp_shard // 2})", "tensor-parallel communication per block",
+                    i.replace(layout=new)))
+    if lay.dp_shard % 2 == 0 and lay.dp_shard > 1:
+        new = dataclasses.replace(lay, pp=lay.pp * 2, dp_shard=lay.dp_shard // 2,
+                                  microbatches=max(lay.microbatches, lay.pp * 2))
+        out.append((3.0, f"--pp {lay.pp * 2} (dp_shard {lay.dp_shard // 2})", "pipeline bubble",
+                    i.replace(layout=new)))
+    # More GPUs.
+    mode = "fsdp" if lay.dp_mode in ("ddp", "zero1", "zero2") else lay.dp_mode
+    new = dataclasses.replace(lay, dp_mode=mode, dp_shard=max(lay.dp_shard, 1) * 2)
+    out.append((4.0, f"--dp-mode {mode} --dp-shard {new.dp_shard} ({new.world_size} GPUs instead of {world})",
+                "more GPUs", i.replace(layout=new)))
+    if lay.tp * 2 <= 8 and lay.dp_mode not in ("ddp", "zero1") or (lay.dp == 1 and lay.tp * 2 <= 8):
+        new = dataclasses.replace(lay, tp=lay.tp * 2)
+        out.append((4.5, f"--tp {lay.tp * 2} ({new.world_size} GPUs instead of {world})", "more GPUs",
+                    i.replace(layout=new)))
+    return out
+
+
+def suggest_changes(i: EstimateInputs) -> tuple[dict | None, list[dict]]:
+    """The cheapest single change that fits, else the cheapest pair; plus other single changes that fit."""
+    def fits(c):
+        try:
+            e = estimate(c, suggest=False)
+        except UserError:
+            return None
+        return e if e.fits else None
+
+    found = []
+    singles = _candidates(i)
+    for cost, change, why, c in singles:
+        e = fits(c)
+        if e is not None:
+            found.append({"change": change, "why": why, "cost": cost, "total_bytes": e.total_bytes,
+                          "inputs": _describe_inputs(c)})
+    if not found:
+        for cost, change, why, c in singles:
+            for cost2, change2, why2, c2 in _candidates(c):
+                if change2 == change:
+                    continue
+                e = fits(c2)
+                if e is not None:
+                    found.append({"change": f"{change} and {change2}", "why": f"{why}; {why2}", "cost": cost + cost2,
+                                  "total_bytes": e.total_bytes, "inputs": _describe_inputs(c2)})
+    if not found:
+        # How many GPUs would it take? FSDP over more ranks (keeping tp and pp), then also full checkpointing.
+        lay = i.layout
+        for ckpt in (i.checkpointing, "full"):
+            for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
+                if n <= lay.dp_shard:
+                    continue
+                mode = "hsdp" if lay.dp_mode == "hsdp" else "fsdp"
+                c = i.replace(layout=dataclasses.replace(lay, dp_mode=mode, dp_shard=n), checkpointing=ckpt)
+                e = fits(c)
+                if e is not None:
+                    change = f"--dp-mode {mode} --dp-shard {n} ({c.layout.world_size} GPUs)" + (
+                        f" --checkpointing {ckpt}" if ckpt != i.checkpointing else "")
+                    found.append({"change": change, "why": "more GPUs", "cost": 10.0, "total_bytes": e.total_bytes,
+                                  "inputs": _describe_inputs(c)})
+                    break
+            if found:
+                break
+    if not found:
+        return None, []
+    found.sort(key=lambda f: (f["cost"], f["total_bytes"]))
+    best = found[0]
+    others = [f for f in found[1:] if f["change"] != best["change"]]
+    return best, others
+
+
+def _describe_inputs(c: EstimateInputs) -> dict:
+    lay = c.layout
+    return {"dp_mode": lay.dp_mode, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp,
+            "pp": lay.pp, "ep": lay.ep, "checkpointing": c.checkpointing, "micro_batch": c.micro_batch,
+            "accum_steps": c.accum_steps, "world_size": lay.world_size}

@@ -1,0 +1,494 @@
+"""Measure what the estimator predicts: live tensor bytes per rank, by category, at the peak of a training step.
+
+`StorageTracker` is a TorchDispatchMode that sees every tensor the step creates (DTensors are
+unwrapped to their local shards), follows each storage until it is freed (weak references, plus
+`UntypedStorage.resize_`, which FSDP2 uses to free and re-allocate unsharded parameters), and keeps
+the running total, its peak and the breakdown at the peak. A storage's category at the peak is its
+identity when it has one (a parameter, a gradient, an optimizer state, an FSDP unsharded parameter or
+all-gather output, a DDP bucket, an autocast copy of a weight) and otherwise the phase in which it
+was allocated (block forward = activations, the output layer and loss = logits/loss, backward =
+temporaries, ...).
+
+`measure_step(spec)` builds the model exactly as the trainer does (`parallelize` + `build_optimizer`),
+runs steps that mirror `Trainer._forward_backward` + clipping + the optimizer step, and returns a
+`Measurement`. It runs in the calling process; `measure(spec, world_size)` launches gloo ranks and
+returns every rank's measurement. This is test/bench machinery for CPU ranks; on a GPU, the number to
+compare with is `torch.cuda.max_memory_allocated()` (see `device_peak_bytes`).
+
+PARATRAIN_MEM_DEBUG=1 prints, on rank 0, the storages live at the end of the forward and at the peak, with the
+op, shapes and call site that allocated each (slow; for finding what a formula misses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from dataclasses import asdict, dataclass, field
+from functools import partial
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
+
+# Categories (shared with the estimator's rows).
+PARAMS = "parameters"
+GRADS = "gradients"
+OPTIM = "optimizer"
+AUTOCAST = "autocast_copies"
+ACTS = "activations"
+LOGITS = "logits_loss"
+COMM = "comm_buffers"
+TEMP = "temporaries"
+OTHER = "other"
+CATEGORIES = (PARAMS, GRADS, OPTIM, AUTOCAST, ACTS, LOGITS, COMM, TEMP, OTHER)
+
+
+def _storages(t: torch.Tensor):
+    from torch.distributed._tools.common_utils import get_untyped_storages
+
+    return get_untyped_storages(t)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+class StorageTracker(TorchDispatchMode):
+    """Live bytes of every storage created while active; the peak total and its breakdown by category."""
+
+    def __init__(self, identify=None):
+        super().__init__()
+        self.label = OTHER
+        self.identify = identify  # () -> {id(storage): category}, evaluated at each new peak
+        self._info = WeakIdKeyDictionary()  # storage -> [nbytes, label, weakref]
+        self.live: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.total = 0
+        self.peak = 0
+        self.peak_breakdown: dict[str, int] = {}
+        self.peak_label = ""
+        self.recording = False  # peaks are recorded only while True
+        self._orig_resize = None
+        self.debug = False
+        self.param_storages: set[int] = set()  # ids of parameter storages (DTensor parameters' local shards)
+        self._func = ""
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _add(self, st: torch.UntypedStorage, label: str) -> None:
+        if st.device.type == "meta":
+            return
+        info = self._info.get(st)
+        if info is not None:
+            self._resize(st, info)
+            return
+        n = st.nbytes()
+        info = [n, label, None, self._func] if self.debug else [n, label, None]
+        info[2] = weakref.ref(st, partial(self._freed, info))
+        self._info[st] = info
+        self.live[label] += n
+        self.total += n
+
+    def _freed(self, info, _ref) -> None:
+        self.live[info[1]] -= info[0]
+        self.total -= info[0]
+
+    def _resize(self, st, info) -> None:
+        n = st.nbytes()
+        if n != info[0]:
+            self.live[info[1]] += n - info[0]
+            self.total += n - info[0]
+            info[0] = n
+
+    def track(self, t: torch.Tensor, label: str) -> None:
+        """Register a tensor created outside the tracker (e.g. before it was entered)."""
+        for st in _storages(t):
+            self._add(st, label)
+
+    def relabel(self, t: torch.Tensor, label: str) -> None:
+        for st in _storages(t):
+            info = self._info.get(st)
+            if info is None:
+                self._add(st, label)
+            elif info[1] != label:
+                self.live[info[1]] -= info[0]
+                self.live[label] += info[0]
+                info[1] = label
+
+    def _update_peak(self) -> None:
+        if not self.recording or self.total <= self.peak:
+            return
+        self.peak = self.total
+        self.peak_label = self.label
+        identity = self.identify() if self.identify else {}
+        breakdown = dict.fromkeys(CATEGORIES, 0)
+        for st, (n, label, *_) in list(self._info.items()):
+            if n:
+                breakdown[identity.get(id(st), label)] += n
+        self.peak_breakdown = breakdown
+        if self.debug:
+            self.peak_debug = sorted((identity.get(id(st), info[1]), info[0], info[3] if len(info) > 3 else "")
+                                     for st, info in list(self._info.items()) if info[0])
+
+    def reset_peak(self) -> None:
+        self.peak, self.peak_breakdown, self.peak_label = 0, {}, ""
+
+    def snapshot(self) -> dict[str, int]:
+        identity = self.identify() if self.identify else {}
+        out = dict.fromkeys(CATEGORIES, 0)
+        for st, (n, label, *_) in list(self._info.items()):
+            if n:
+                out[identity.get(id(st), label)] += n
+        return out
+
+    # -- mode --------------------------------------------------------------------------------
+    def __enter__(self):
+        self._orig_resize = torch.UntypedStorage.resize_
+        orig, tracker = self._orig_resize, self
+
+        def resize_(st, size):
+            out = orig(st, size)
+            info = tracker._info.get(st)
+            if info is not None:
+                tracker._resize(st, info)
+                tracker._update_peak()
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._orig_resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run its local ops, which we see
+        out = func(*args, **(kwargs or {}))
+        label = self.label
+        if func is torch.ops.aten._to_copy.default and self.label not in (TEMP, COMM):
+            src = args[0]
+            is_weight = (src.is_leaf and src.requires_grad) or id(src.untyped_storage()) in self.param_storages
+            if is_weight and (kwargs or {}).get("dtype") in (torch.bfloat16, torch.float16):
+                label = AUTOCAST  # autocast's (cached) low-precision copy of a weight
+        if self.debug:
+            import traceback
+            outs = [t for t in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(t, torch.Tensor)]
+            where = " < ".join(f"{f.name}:{f.lineno}" for f in traceback.extract_stack(limit=8)[:-1][::-1][:4])
+            self._func = f"{func} {[(tuple(t.shape), str(t.dtype)) for t in outs][:2]} @ {where}"
+        tree_map_only(torch.Tensor, lambda t: [self._add(st, label) for st in _storages(t)], out)
+        self._update_peak()
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class MeasureSpec:
+    """One configuration to run: model dimensions, layout, precision, checkpointing, batch."""
+
+    model: dict  # ModelArgs fields
+    dp_mode: str = "fsdp"
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    precision: str = "fp32"
+    checkpointing: str = "none"
+    every_k: int = 2
+    micro_batch: int = 2
+    seq_len: int = 64
+    accum_steps: int = 1
+    optimizer_impl: str = "foreach"
+    steps: int = 2  # the last one is measured (the first creates the optimizer state)
+    name: str = ""
+
+
+@dataclass
+class Measurement:
+    rank: int
+    peak: int
+    peak_phase: str
+    at_peak: dict
+    forward_end: dict  # live bytes by category right after the loss of the last micro-step's forward
+    model_states: dict  # exact bytes: parameters (+buffers), gradients, optimizer
+    spec: dict = field(default_factory=dict)
+
+
+def _identity_map(model, optimizer, ddp_buckets) -> dict[int, str]:
+    ids: dict[int, str] = {}
+
+    def put(t, cat):
+        if t is not None:
+            for st in _storages(_local(t)):
+                ids.setdefault(id(st), cat)
+
+    for b in model.buffers():
+        put(b, PARAMS)
+    # FSDP2: unsharded parameters and all-gather outputs are communication buffers.
+    for mod in model.modules():
+        state = getattr(mod, "_get_fsdp_state", None)
+        if state is None:
+            continue
+        group = state()._fsdp_param_group
+        if group is None:
+            continue
+        for fp in group.fsdp_params:
+            for t in getattr(fp, "all_gather_outputs", []):
+                put(t, COMM)
+            if hasattr(fp, "_unsharded_param"):
+                put(fp._unsharded_param, COMM)
+                if fp._unsharded_param.grad is not None:
+                    put(fp._unsharded_param.grad, TEMP)
+    opt = optimizer.optim if hasattr(optimizer, "optim") else optimizer
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            put(p, PARAMS)
+            put(p.grad, GRADS)
+    for state in opt.state.values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                put(v, OPTIM)
+    for ref in ddp_buckets:
+        st = ref()
+        if st is not None:
+            ids.setdefault(id(st), COMM)
+    return ids
+
+
+def _nbytes_unique(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        for st in _storages(_local(t)):
+            if id(st) not in seen:
+                seen.add(id(st))
+                total += st.nbytes()
+    return total
+
+
+@contextlib.contextmanager
+def _fsdp_labels(tracker: StorageTracker):
+    """Allocations made inside FSDP's unshard / post-backward are communication buffers."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    saved = {}
+    for name in ("unshard", "wait_for_unshard", "post_backward"):
+        orig = getattr(FSDPParamGroup, name)
+        saved[name] = orig
+
+        def wrapped(self, *a, __orig=orig, **k):
+            prev, tracker.label = tracker.label, COMM
+            try:
+                return __orig(self, *a, **k)
+            finally:
+                tracker.label = prev
+
+        setattr(FSDPParamGroup, name, wrapped)
+    try:
+        yield
+    finally:
+        for name, orig in saved.items():
+            setattr(FSDPParamGroup, name, orig)
+
+
+def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measurement:
+    """Build the model for `spec` on this process (a rank of an initialised gloo group, or alone), run
+    `spec.steps` training steps with the tracker on, and return the last step's peak and breakdown."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from paratrain.config import CheckpointingConfig, OptimizerConfig, ParallelConfig
+    from paratrain.distributed.grad_norm import clip_grad_norm
+    from paratrain.distributed.parallel_dims import ParallelDims
+    from paratrain.distributed.parallelize import PRECISION_DTYPES, parallelize, unwrap, uses_fsdp
+    from paratrain.models.llama import ModelArgs, Transformer
+    from paratrain.optim import build_optimizer
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    pcfg = ParallelConfig(dp_mode=spec.dp_mode, dp_replicate=spec.dp_replicate, dp_shard=spec.dp_shard, tp=spec.tp,
+                          sequence_parallel=spec.sequence_parallel, loss_parallel=spec.loss_parallel)
+    if spec.ep > 1:
+        pcfg.ep = spec.ep
+    dims = ParallelDims.from_config(pcfg, world)
+    args = ModelArgs(**spec.model)
+    dims.validate_model(args)
+    key = (dims.dp_replicate, dims.dp_shard, dims.tp)
+    if mesh_cache is not None and key in mesh_cache:
+        mesh, dpm = mesh_cache[key]
+    else:
+        mesh, dpm = dims.build_mesh("cpu")
+        if mesh_cache is not None:
+            mesh_cache[key] = (mesh, dpm)
+    device = torch.device("cpu")
+    ddp_buckets: list = []  # weak references to DDP's flat bucket storages
+    tracker = StorageTracker()
+    tracker.debug = bool(os.environ.get("PARATRAIN_MEM_DEBUG"))
+    with tracker, _fsdp_labels(tracker):
+        tracker.label = PARAMS
+        with torch.device("meta"):
+            model = Transformer(args)
+        model = parallelize(model, dims, mesh, dpm, CheckpointingConfig(spec.checkpointing, spec.every_k),
+                            spec.precision, False, device, seed=0)
+        zero1 = dpm.get_group() if (dims.dp > 1 and dims.dp_mode == "zero1") else None
+        optimizer = build_optimizer(unwrap(model), OptimizerConfig(impl=spec.optimizer_impl), device, zero1)
+        if hasattr(model, "register_comm_hook"):
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            def hook(state, bucket):  # the default all-reduce, remembering each bucket's flat buffer
+                for st in _storages(bucket.buffer()):
+                    if not any(ref() is st for ref in ddp_buckets):
+                        ddp_buckets.append(weakref.ref(st))
+                return allreduce_hook(state, bucket)
+
+            model.register_comm_hook(dpm.get_group(), hook)
+        tracker.identify = lambda: _identity_map(unwrap(model), optimizer, ddp_buckets)
+        tracker.param_storages = {id(st) for p in unwrap(model).parameters() for st in _storages(_local(p))}
+        autocast = spec.precision != "fp32" and not uses_fsdp(dims)
+        loss_parallel = dims.tp_enabled and dims.loss_parallel
+        inner = unwrap(model)
+
+        # Labels by region: blocks and embedding -> activations; final norm, output, loss -> logits/loss.
+        def set_label(label):
+            def hook(*_):
+                tracker.label = label
+            return hook
+
+        hooks = [inner.tok_embeddings.register_forward_pre_hook(set_label(ACTS)),
+                 inner.norm.register_forward_pre_hook(set_label(LOGITS))]
+        def on_head_input(mod, inp, out):
+            # When the gradient reaches the last block's output, the loss and output layer are done.
+            if inp[0].requires_grad:
+                inp[0].register_hook(set_label(TEMP))
+
+        gen = torch.Generator().manual_seed(1234)
+        forward_end = {}
+        # DDP rebuilds its buckets (in gradient-ready order) in the second iteration: measure after that.
+        steps = max(spec.steps, 3) if hasattr(model, "register_comm_hook") else spec.steps
+        for step in range(steps):
+            measured = step == steps - 1
+            if measured:
+                tracker.reset_peak()
+                tracker.recording = True
+            for micro in range(spec.accum_steps):
+                tracker.label = ACTS
+                x = torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), generator=gen)
+                y = torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), generator=gen)
+                tracker.track(x, ACTS)
+                tracker.track(y, ACTS)
+                stack = contextlib.ExitStack()
+                sync = micro == spec.accum_steps - 1
+                with stack:
+                    if not sync and hasattr(model, "no_sync"):
+                        stack.enter_context(model.no_sync())
+                    if autocast:
+                        stack.enter_context(torch.autocast("cpu", dtype=PRECISION_DTYPES[spec.precision]))
+                    if loss_parallel:
+                        from torch.distributed.tensor.parallel import loss_parallel as lp
+
+                        stack.enter_context(lp())
+                    hook_handle = inner.norm.register_forward_hook(on_head_input)
+                    logits = model(x)
+                    hook_handle.remove()
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / spec.accum_steps
+                    del logits
+                    aux = [m.aux_loss_coef * m.aux_loss for m in inner.modules() if hasattr(m, "aux_loss_coef")]
+                    if aux:  # mixture of experts: the trainer adds the load-balancing loss (MoEMeter.collect)
+                        loss = loss + torch.stack(aux).sum() / spec.accum_steps
+                    if measured and sync:
+                        forward_end = tracker.snapshot()
+                        if tracker.debug and rank == 0:
+                            for info in list(tracker._info.values()):
+                                if info[0] and info[1] in (ACTS, LOGITS):
+                                    print("FORWARD-END", info[1], info[0], info[3])
+                    tracker.label = LOGITS  # loss backward, until the gradient reaches the last block
+                    loss.backward()
+                    del loss
+            tracker.label = TEMP
+            clip_grad_norm(model.parameters(), 1.0)
+            optimizer.step()
+            grad_bytes = _nbytes_unique([p.grad for g in optimizer.param_groups for p in g["params"]
+                                         if p.grad is not None])
+            optimizer.zero_grad(set_to_none=True)
+            tracker.recording = False
+        for h in hooks:
+            h.remove()
+        # Exact model-state bytes on this rank: parameters (+ buffers), optimizer state, and the gradients
+        # the optimizer saw in the measured step.
+        opt = optimizer.optim if hasattr(optimizer, "optim") else optimizer
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        states = {
+            PARAMS: _nbytes_unique([*params, *inner.buffers()]),
+            GRADS: grad_bytes,
+            OPTIM: _nbytes_unique([v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]),
+        }
+    if tracker.debug and rank == 0:
+        from collections import Counter
+        for (cat, n, f), c in sorted(Counter(tracker.peak_debug).items()):
+            if cat in (TEMP, LOGITS, GRADS, COMM):
+                print("PEAK", cat, n, f, "x", c)
+    result = Measurement(rank, tracker.peak, tracker.peak_label, tracker.peak_breakdown, forward_end, states,
+                         asdict(spec))
+    del model, optimizer
+    return result
+
+
+def _rank_measure(specs: list[MeasureSpec]):
+    import torch.distributed as dist
+
+    from paratrain.distributed.env import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed("cpu")
+    cache: dict = {}
+    out = []
+    for spec in specs:
+        m = measure_step(spec, cache)
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, asdict(m))
+        out.append(rows)
+    return out
+
+
+def measure(specs: list[MeasureSpec], world_size: int) -> list[list[dict]]:
+    """Run each spec on `world_size` CPU ranks (gloo); returns, per spec, every rank's Measurement as a dict."""
+    if world_size == 1:
+        return [[asdict(measure_step(s))] for s in specs]
+    from paratrain.distributed.launch import launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return launch(_rank_measure, (specs,), world_size)
+
+
+def device_peak_bytes(device: torch.device | str | None = None) -> int:
+    """Peak bytes allocated on the trainer's device so far: `torch.cuda.max_memory_allocated` on CUDA; on CPU
+    the process's peak resident set size (an upper bound: it includes Python, torch and the data)."""
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def inputs_for_spec(spec: MeasureSpec, world_size: int):
+    """The estimator's inputs for a measured configuration (CPU: no runtime overhead, foreach optimizer)."""
+    from paratrain.estimate.core import EstimateInputs
+    from paratrain.estimate.layout import resolve_layout
+    from paratrain.models.llama import ModelArgs
+
+    layout = resolve_layout(world_size=world_size, dp_mode=spec.dp_mode, dp_replicate=spec.dp_replicate,
+                            dp_shard=spec.dp_shard, tp=spec.tp, ep=spec.ep, sequence_parallel=spec.sequence_parallel,
+                            loss_parallel=spec.loss_parallel)
+    return EstimateInputs(ModelArgs(**spec.model), layout, model_name=spec.name or "bench", precision=spec.precision,
+                          optimizer="adamw", optimizer_impl=spec.optimizer_impl, checkpointing=spec.checkpointing,
+                          every_k=spec.every_k, micro_batch=spec.micro_batch, seq_len=spec.seq_len,
+                          accum_steps=spec.accum_steps, device="cpu", overhead_bytes=0)

@@ -1,0 +1,73 @@
+"""Fault injection for resilience tests: real signals and real exceptions at chosen steps.
+
+Set PARATRAIN_FAULTS to a comma-separated list of KIND@STEP[:RANK] (rank omitted: every rank):
+    kill@5:1   rank 1 SIGKILLs itself before step 5        (first launch attempt only)
+    term@5:0   rank 0 SIGTERMs itself before step 5        (first attempt only; a preemption notice)
+    stop@5:1   rank 1 SIGSTOPs itself before step 5        (a hung rank)
+    oom@5      an out-of-memory error in step 5's forward  (once per process)
+    nan@5      the loss of data batch 5 becomes NaN        (every time that batch is used: bad data)
+Steps count from 0 (the optimizer step index); nan counts data batches, which differ from steps
+once bad batches have been skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+ENV = "PARATRAIN_FAULTS"
+ATTEMPT_ENV = "PARATRAIN_ATTEMPT"  # set by our launcher: 0 for the first launch, 1.. for restarts
+
+
+class InjectedOOM(RuntimeError):
+    """Stands in for torch.cuda.OutOfMemoryError on machines without CUDA."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None
+
+
+def parse(spec: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        kind, _, rest = item.partition("@")
+        step, _, rank = rest.partition(":")
+        if kind not in ("kill", "term", "stop", "oom", "nan") or not step.isdigit() or (rank and not rank.isdigit()):
+            raise ValueError(f"bad {ENV} entry '{item}' (expected KIND@STEP[:RANK])")
+        faults.append(Fault(kind, int(step), int(rank) if rank else None))
+    return faults
+
+
+class FaultInjector:
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.faults = [f for f in parse(os.environ.get(ENV, "")) if f.rank in (None, rank)]
+        self.first_attempt = int(os.environ.get(ATTEMPT_ENV, "0")) == 0
+        self.fired: set[Fault] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def _due(self, kind: str, step: int) -> Fault | None:
+        return next((f for f in self.faults if f.kind == kind and f.step == step and f not in self.fired), None)
+
+    def before_step(self, step: int) -> None:
+        signals = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
+        for kind, sig in signals.items():
+            fault = self._due(kind, step)
+            if fault and (self.first_attempt or kind == "stop"):
+                self.fired.add(fault)
+                os.kill(os.getpid(), sig)
+
+    def maybe_oom(self, step: int) -> None:
+        fault = self._due("oom", step)
+        if fault:
+            self.fired.add(fault)
+            raise InjectedOOM(f"injected out-of-memory at step {step}")
+
+    def poison(self, data_step: int) -> bool:
+        return any(f.kind == "nan" and f.step == data_step for f in self.faults)

@@ -1,0 +1,383 @@
+"""`paratrain report RUN_DIR [RUN_DIR ...] [--out DIR]`: PNG plots and a markdown summary of finished runs.
+
+Reads each run's `metrics.jsonl` (and `config.toml` for the layout) and writes into the output folder:
+- `loss.png`: training loss and validation loss against step and against tokens;
+- `throughput.png`: tokens/s against step, and each run's mean step time split into compute / data wait / comm wait;
+- `memory.png`: memory per rank against step (CUDA allocated where logged, else process RSS);
+- `scaling.png` (two or more runs): tokens/s against the number of devices, with linear scaling from the smallest run;
+- `report.md`: the numbers (final and best losses, throughput, MFU, step-time split, peak memory per rank, skipped
+  steps, restarts, checkpoint save times, expert load, scaling efficiency), and `summary.json` with the same numbers.
+
+A step logged twice (a resumed or rolled-back run appends to the same log) keeps its last record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from paratrain.errors import UserError
+from paratrain.metrics import imbalance
+
+MIB = 2**20
+
+
+@dataclass
+class Run:
+    name: str
+    path: Path
+    steps: list[dict]  # one record per training step (has "loss"), sorted by step
+    vals: list[tuple[int, float]]  # (step, val loss)
+    config: dict = field(default_factory=dict)
+    bad_lines: int = 0
+
+    @property
+    def world_size(self) -> int:
+        for r in reversed(self.steps):
+            if r.get("rank_memory"):
+                return len(r["rank_memory"])
+        for r in reversed(self.steps):
+            if r.get("tokens_per_s") and r.get("tokens_per_s_per_device"):
+                return max(1, round(r["tokens_per_s"] / r["tokens_per_s_per_device"]))
+        return 1
+
+    @property
+    def layout(self) -> str:
+        p = self.config.get("parallel", {})
+        if self.world_size == 1:
+            return "single process"
+        parts = [p.get("dp_mode", "?")]
+        if p.get("tp", 1) > 1:
+            parts.append(f"tp={p['tp']}")
+        if p.get("dp_replicate", 1) > 1:
+            parts.append(f"replicate={p['dp_replicate']}")
+        return " ".join(parts) + f" x{self.world_size}"
+
+
+def load_run(path: str | Path) -> Run:
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{path}: no such run folder")
+    log = path / "metrics.jsonl"
+    if not log.is_file():
+        raise UserError(f"{path}: no metrics.jsonl (is this a run folder, e.g. runs/default?)")
+    by_step: dict[int, dict] = {}
+    vals: dict[int, float] = {}
+    bad = 0
+    for line in log.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1  # e.g. the last line of a run killed mid-write
+            continue
+        if not isinstance(r, dict) or not isinstance(r.get("step"), int):
+            continue
+        if "loss" in r:
+            by_step[r["step"]] = r
+        if _finite(r.get("val_loss")):
+            vals[r["step"]] = r["val_loss"]
+    if not by_step:
+        raise UserError(f"{log}: no training steps logged")
+    config = {}
+    if (path / "config.toml").is_file():
+        try:
+            config = tomllib.loads((path / "config.toml").read_text())
+        except tomllib.TOMLDecodeError:
+            config = {}
+    name = config.get("run", {}).get("name", path.name)
+    return Run(name, path, [by_step[s] for s in sorted(by_step)], sorted(vals.items()), config, bad)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if _finite(v)]
+    return statistics.median(values) if values else None
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if _finite(v)]
+    return sum(values) / len(values) if values else None
+
+
+def summarize(run: Run) -> dict:
+    """The numbers of one run (what report.md shows and summary.json holds)."""
+    steps = run.steps
+    last = steps[-1]
+    timed = steps[1:] or steps  # the first step of a process includes warm-up
+    best = min(run.vals, key=lambda sv: sv[1]) if run.vals else None
+    split = {k: _mean(r.get(k) for r in timed) for k in ("step_time_s", "compute_time_s", "data_time_s", "comm_time_s")}
+    memory: dict[int, dict] = {}
+    for r in steps:
+        for row in r.get("rank_memory") or []:
+            m = memory.setdefault(int(row["rank"]), {"rank": int(row["rank"]), "node": row.get("node", 0)})
+            for key in ("rss_bytes", "rss_peak_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes",
+                        "cuda_peak_allocated_bytes", "cuda_alloc_retries", "cuda_ooms"):
+                if _finite(row.get(key)):
+                    m[key] = max(m.get(key, 0), row[key])
+    saves = [r["checkpoint_save_s"] for r in steps if _finite(r.get("checkpoint_save_s"))]
+    moe = next((r for r in reversed(steps) if r.get("moe_tokens_per_expert")), None)
+    return {
+        "name": run.name, "path": str(run.path), "world_size": run.world_size, "layout": run.layout,
+        "steps": last["step"], "tokens": last.get("tokens"),
+        "final_loss": last["loss"],
+        "best_val_loss": best[1] if best else None, "best_val_step": best[0] if best else None,
+        "final_val_loss": run.vals[-1][1] if run.vals else None, "final_val_step": run.vals[-1][0] if run.vals else None,
+        "tokens_per_s": _median(r.get("tokens_per_s") for r in timed),
+        "tokens_per_s_per_device": _median(r.get("tokens_per_s_per_device") for r in timed),
+        "mfu": _median(r.get("mfu") for r in timed),
+        "step_time": split,
+        "skipped_steps": last.get("skipped_steps", 0), "restarts": max(r.get("restarts", 0) for r in steps),
+        "checkpoint_saves": len(saves), "checkpoint_save_s_mean": _mean(saves),
+        "checkpoint_save_s_max": max(saves) if saves else None,
+        "memory": [memory[k] for k in sorted(memory)],
+        "moe": {"step": moe["step"], "imbalance": moe.get("moe_imbalance"), "aux_loss": moe.get("moe_aux_loss"),
+                "dropped_tokens": sum(r.get("moe_dropped_tokens", 0) for r in steps),
+                "layer_imbalance": [imbalance(t) for t in moe["moe_tokens_per_expert"]]} if moe else None,
+        "unreadable_lines": run.bad_lines,
+    }
+
+
+# -- plots ----------------------------------------------------------------------------------------
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("paratrain report needs matplotlib: pip install matplotlib  "
+                        "(or: pip install 'paratrain[report]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_loss(runs: list[Run]):
+    plt = _pyplot()
+    fig, (by_step, by_tokens) = plt.subplots(2, 1, figsize=(9, 8))
+    for i, run in enumerate(runs):
+        color = f"C{i}"
+        steps = [r["step"] for r in run.steps]
+        tokens = [r.get("tokens", 0) for r in run.steps]
+        loss = [r["loss"] for r in run.steps]
+        by_step.plot(steps, loss, color=color, label=f"{run.name} train")
+        by_tokens.plot(tokens, loss, color=color, label=f"{run.name} train")
+        if run.vals:
+            per_token = {r["step"]: r.get("tokens", 0) for r in run.steps}
+            vs, vl = zip(*run.vals)
+            by_step.plot(vs, vl, "o--", color=color, label=f"{run.name} val")
+            by_tokens.plot([per_token.get(s, 0) for s in vs], vl, "o--", color=color, label=f"{run.name} val")
+    by_step.set(xlabel="step", ylabel="loss", title="loss")
+    by_tokens.set(xlabel="tokens", ylabel="loss")
+    for ax in (by_step, by_tokens):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_throughput(runs: list[Run]):
+    plt = _pyplot()
+    fig, (tps, split) = plt.subplots(2, 1, figsize=(9, 8))
+    for i, run in enumerate(runs):
+        pts = [(r["step"], r["tokens_per_s"]) for r in run.steps if _finite(r.get("tokens_per_s"))]
+        if pts:
+            tps.plot(*zip(*pts), color=f"C{i}", label=f"{run.name} ({run.world_size} dev)")
+    tps.set(xlabel="step", ylabel="tokens/s", title="throughput (all devices)")
+    tps.grid(alpha=0.3)
+    tps.legend()
+    names = [run.name for run in runs]
+    left = [0.0] * len(runs)
+    for phase, label, color in (("compute_time_s", "compute", "C0"), ("data_time_s", "data wait", "C1"),
+                                ("comm_time_s", "comm wait (explicit collectives)", "C3")):
+        ms = [1e3 * (_mean(r.get(phase) for r in (run.steps[1:] or run.steps)) or 0.0) for run in runs]
+        split.barh(names, ms, left=left, color=color, label=label)
+        left = [a + b for a, b in zip(left, ms)]
+    split.set(xlabel="mean step time (ms)", title="step time split")
+    split.legend()
+    fig.tight_layout()
+    return fig
+
+
+def _memory_series(run: Run) -> tuple[str, dict[int, list[tuple[int, float]]]]:
+    cuda = any("cuda_allocated_bytes" in row for r in run.steps for row in r.get("rank_memory") or [])
+    key = "cuda_allocated_bytes" if cuda else "rss_bytes"
+    series: dict[int, list[tuple[int, float]]] = {}
+    for r in run.steps:
+        for row in r.get("rank_memory") or []:
+            if _finite(row.get(key)):
+                series.setdefault(int(row["rank"]), []).append((r["step"], row[key] / MIB))
+    return key, series
+
+
+def plot_memory(runs: list[Run]):
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5))
+    kinds = set()
+    for i, run in enumerate(runs):
+        key, series = _memory_series(run)
+        kinds.add("CUDA allocated" if key.startswith("cuda") else "process RSS")
+        styles = ["-", "--", ":", "-."]
+        for rank, pts in sorted(series.items()):
+            ax.plot(*zip(*pts), styles[rank % 4], color=f"C{i}", marker=".",
+                    label=f"{run.name} rank {rank}" if len(runs) > 1 else f"rank {rank}")
+    ax.set(xlabel="step", ylabel="MiB", title="memory per rank (" + ", ".join(sorted(kinds)) + ")")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def scaling_points(summaries: list[dict]) -> list[dict]:
+    """Best tokens/s at each device count, and the efficiency against linear scaling from the smallest count."""
+    best: dict[int, dict] = {}
+    for s in summaries:
+        if _finite(s["tokens_per_s"]) and (s["world_size"] not in best
+                                           or s["tokens_per_s"] > best[s["world_size"]]["tokens_per_s"]):
+            best[s["world_size"]] = s
+    if not best:
+        return []
+    base_n = min(best)
+    base = best[base_n]["tokens_per_s"] / base_n
+    return [{"devices": n, "run": best[n]["name"], "tokens_per_s": best[n]["tokens_per_s"],
+             "tokens_per_s_per_device": best[n]["tokens_per_s"] / n, "efficiency": best[n]["tokens_per_s"] / (base * n)}
+            for n in sorted(best)]
+
+
+def plot_scaling(points: list[dict]):
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 5))
+    n = [p["devices"] for p in points]
+    t = [p["tokens_per_s"] for p in points]
+    ax.plot(n, t, "o-", label="measured")
+    ax.plot(n, [t[0] / n[0] * x for x in n], "k--", alpha=0.5, label=f"linear from {n[0]} device(s)")
+    for p in points:
+        ax.annotate(p["run"], (p["devices"], p["tokens_per_s"]), textcoords="offset points", xytext=(4, 4),
+                    fontsize="small")
+    ax.set(xlabel="devices", ylabel="tokens/s", title="scaling")
+    ax.set_xticks(n)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+# -- markdown ---------------------------------------------------------------------------------------
+
+def _f(v, fmt: str = "{:.4f}", none: str = "-") -> str:
+    return fmt.format(v) if _finite(v) else none
+
+
+def render_markdown(summaries: list[dict], points: list[dict], plots: list[str]) -> str:
+    lines = ["# Training report", ""]
+    lines += ["| run | devices | layout | steps | tokens | final loss | best val loss (step) | final val loss | "
+              "tokens/s | tokens/s per device | MFU | skipped steps | restarts |",
+              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in summaries:
+        best = f"{_f(s['best_val_loss'])} ({s['best_val_step']})" if s["best_val_loss"] is not None else "-"
+        lines.append(f"| {s['name']} | {s['world_size']} | {s['layout']} | {s['steps']} | {_f(s['tokens'], '{:,}')} | "
+                     f"{_f(s['final_loss'])} | {best} | {_f(s['final_val_loss'])} | {_f(s['tokens_per_s'], '{:,.0f}')} | "
+                     f"{_f(s['tokens_per_s_per_device'], '{:,.0f}')} | {_f(s['mfu'], '{:.2%}')} | "
+                     f"{s['skipped_steps']} | {s['restarts']} |")
+    lines += ["", "Throughput and MFU are medians over steps (the first step of the log is left out as warm-up).", "",
+              "## Step time", "",
+              "| run | step | compute | data wait | comm wait |", "|---|---:|---:|---:|---:|"]
+    for s in summaries:
+        t = s["step_time"]
+        total = t["step_time_s"]
+
+        def part(key):
+            v = t[key]
+            return f"{v * 1e3:.2f} ms ({v / total:.0%})" if _finite(v) and total else "-"
+
+        lines.append(f"| {s['name']} | {_f(total and total * 1e3, '{:.2f} ms')} | {part('compute_time_s')} | "
+                     f"{part('data_time_s')} | {part('comm_time_s')} |")
+    lines += ["", "Comm wait is the explicit loss all-reduce (including waiting for the slowest rank); collectives "
+              "inside forward and backward (FSDP, DDP, tensor parallel) overlap compute and are counted as compute.", ""]
+    if any(s["memory"] for s in summaries):
+        lines += ["## Memory per rank (peak over log steps)", "",
+                  "| run | rank | node | RSS | CUDA allocated | CUDA reserved | allocator retries | OOMs |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for s in summaries:
+            for m in s["memory"]:
+                mib = lambda k: _f(m.get(k) and m[k] / MIB, "{:,.1f} MiB")  # noqa: E731
+                lines.append(f"| {s['name']} | {m['rank']} | {m['node']} | {mib('rss_bytes')} | "
+                             f"{mib('cuda_peak_allocated_bytes')} | {mib('cuda_reserved_bytes')} | "
+                             f"{m.get('cuda_alloc_retries', '-')} | {m.get('cuda_ooms', '-')} |")
+        lines.append("")
+    if any(s["checkpoint_saves"] for s in summaries):
+        lines += ["## Checkpoint saves", "", "| run | saves logged | mean | max |", "|---|---:|---:|---:|"]
+        lines += [f"| {s['name']} | {s['checkpoint_saves']} | {_f(s['checkpoint_save_s_mean'], '{:.3f} s')} | "
+                  f"{_f(s['checkpoint_save_s_max'], '{:.3f} s')} |" for s in summaries if s["checkpoint_saves"]]
+        lines.append("")
+    if any(s["moe"] for s in summaries):
+        lines += ["## Expert load (last step; imbalance = busiest expert's tokens / mean, 1.00 = balanced)", "",
+                  "| run | step | imbalance (worst layer) | per MoE layer | aux loss | dropped assignments (all steps) |",
+                  "|---|---:|---:|---|---:|---:|"]
+        lines += [f"| {s['name']} | {m['step']} | {_f(m['imbalance'], '{:.2f}')} | "
+                  f"{', '.join(_f(v, '{:.2f}') for v in m['layer_imbalance'])} | {_f(m['aux_loss'], '{:.3f}')} | "
+                  f"{m['dropped_tokens']} |" for s in summaries if (m := s["moe"])]
+        lines.append("")
+    if len(points) > 1:
+        lines += ["## Scaling", "", "| devices | run | tokens/s | tokens/s per device | efficiency |",
+                  "|---:|---|---:|---:|---:|"]
+        lines += [f"| {p['devices']} | {p['run']} | {p['tokens_per_s']:,.0f} | {p['tokens_per_s_per_device']:,.0f} | "
+                  f"{p['efficiency']:.0%} |" for p in points]
+        lines += ["", "Efficiency: tokens/s against linear scaling from the smallest run.", ""]
+    bad = [s for s in summaries if s["unreadable_lines"]]
+    for s in bad:
+        lines.append(f"Note: {s['name']}: {s['unreadable_lines']} unreadable line(s) in metrics.jsonl were skipped.")
+    lines += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> dict:
+    """Load the runs, write the plots, report.md and summary.json into `out`; returns {name: path} of the files."""
+    runs = [load_run(d) for d in run_dirs]
+    names = [r.name for r in runs]
+    for r in runs:
+        if names.count(r.name) > 1:  # e.g. two runs named "default" in different folders
+            r.name = f"{r.path.resolve().parent.name}/{r.path.name}"
+    plt = _pyplot()
+    if out is None:
+        out = runs[0].path / "report" if len(runs) == 1 else Path("report")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    summaries = [summarize(r) for r in runs]
+    points = scaling_points(summaries) if len(runs) > 1 else []
+    figures = {"loss.png": plot_loss(runs), "throughput.png": plot_throughput(runs)}
+    if any(s["memory"] for s in summaries):
+        figures["memory.png"] = plot_memory(runs)
+    if len(points) > 1:
+        figures["scaling.png"] = plot_scaling(points)
+    files = {}
+    for name, fig in figures.items():
+        fig.savefig(out / name, dpi=100, metadata={"Software": "paratrain report"})
+        plt.close(fig)
+        files[name] = out / name
+    (out / "report.md").write_text(render_markdown(summaries, points, list(figures)))
+    (out / "summary.json").write_text(json.dumps({"runs": summaries, "scaling": points}, indent=2))
+    files["report.md"], files["summary.json"] = out / "report.md", out / "summary.json"
+    return files
+
+
+def main_report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="paratrain report",
+                                     description="Plots and a markdown summary of finished runs.")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (runs/<name>) holding metrics.jsonl")
+    parser.add_argument("--out", default=None,
+                        help="output folder (default: RUN_DIR/report for one run, ./report for several)")
+    args = parser.parse_args(argv)
+    files = write_report(args.runs, args.out)
+    for name, path in files.items():
+        print(f"wrote {path}")
+    return 0

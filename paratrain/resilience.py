@@ -1,0 +1,126 @@
+"""Keeping a run alive: preemption notices, out-of-memory detection and the activation-memory budget."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from paratrain.errors import UserError
+from paratrain.faults import InjectedOOM
+
+PREEMPTED_MARKER = "PREEMPTED"
+
+
+class OutOfMemory(UserError):
+    """Out of memory even at micro-batch 1: deterministic, so a restart would fail the same way."""
+
+
+class MemoryBudgetExceeded(RuntimeError):
+    pass
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    if isinstance(error, (InjectedOOM, MemoryBudgetExceeded)):
+        return True
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
+
+class MemoryBudget:
+    """Counts the bytes autograd saves for backward during a forward (each storage once).
+
+    A micro-step whose saved activations exceed the budget is treated as out-of-memory, which makes the
+    adaptive-batch path deterministic and testable without a GPU. The check runs after backward, when every
+    rank has finished the step's collectives, so all ranks (same shapes, same bytes) react together.
+    """
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.saved = 0
+
+    @contextlib.contextmanager
+    def track(self):
+        seen: set[int] = set()
+        self.saved = 0
+
+        def pack(t: torch.Tensor):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            key = local.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                self.saved += local.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def check(self) -> None:
+        if self.saved > self.budget:
+            raise MemoryBudgetExceeded(f"activations {self.saved / 2**20:.1f} MiB exceed the memory budget "
+                                       f"{self.budget / 2**20:.1f} MiB")
+
+
+class PreemptionWatch:
+    """SIGTERM sets a flag (nothing else happens in the handler); ranks agree on it at step boundaries.
+
+    After the notice a watchdog gives the run `grace_s` seconds to save and exit; past that it exits
+    non-zero so the scheduler knows the checkpoint was not written.
+    """
+
+    def __init__(self, grace_s: float, group=None):
+        self.grace_s, self.group = grace_s, group
+        self.requested = False
+        self._previous = None
+        self._watchdog: threading.Timer | None = None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.requested = True
+        if self._watchdog is None:
+            self._watchdog = threading.Timer(self.grace_s, self._expired)
+            self._watchdog.daemon = True
+            self._watchdog.start()
+
+    def _expired(self) -> None:
+        print(f"error: preemption grace period of {self.grace_s:.0f} s expired before the checkpoint was saved",
+              file=sys.stderr, flush=True)
+        os._exit(143)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    def agreed(self) -> bool:
+        """True on every rank once any rank has been told to stop (one tiny all-reduce per step)."""
+        if not dist.is_initialized():
+            return self.requested
+        flag = torch.tensor([1.0 if self.requested else 0.0])
+        if dist.get_backend(self.group) == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() > 0 and not self.requested:
+            self._on_sigterm(None, None)  # start this rank's grace period too
+        return flag.item() > 0
+
+
+def mark_preempted(run_dir, step: int) -> None:
+    (run_dir / PREEMPTED_MARKER).write_text(f"{step}\n")
+
+
+def preempted_since(run_dir, since: float) -> bool:
+    marker = run_dir / PREEMPTED_MARKER
+    return marker.exists() and marker.stat().st_mtime >= since

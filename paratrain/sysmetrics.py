@@ -1,0 +1,110 @@
+"""Per-rank system numbers (memory) and the one collective that brings them to every rank; the step-time split.
+
+What is measured, and how:
+- CPU: the process's resident set size (`rss_bytes`, /proc/self/statm) and its peak (`rss_peak_bytes`, getrusage).
+- CUDA: `torch.cuda.memory_stats` of the rank's device: allocated, reserved and peak allocated bytes, the caching
+  allocator's retries (a cudaMalloc failed, the cache was flushed and the allocation retried: a sign of memory
+  pressure and fragmentation) and its OOM count.
+
+`gather_rank_stats` is a collective (one `all_gather_object`): every rank must call it at the same steps. The
+trainer calls it on log steps only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def node_index(rank: int | None = None) -> int:
+    """This process's node: the launcher's GROUP_RANK, else rank // LOCAL_WORLD_SIZE."""
+    if "GROUP_RANK" in os.environ:
+        return int(os.environ["GROUP_RANK"])
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    return rank // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return rss_peak_bytes()
+
+
+def rss_peak_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if os.uname().sysname == "Darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def local_memory(device: torch.device) -> dict:
+    """This rank's memory numbers (bytes; counts for retries and OOMs)."""
+    rss = rss_bytes()
+    row = {"rss_bytes": rss, "rss_peak_bytes": max(rss, rss_peak_bytes())}
+    if device.type == "cuda":
+        s = torch.cuda.memory_stats(device)
+        row.update({"cuda_allocated_bytes": s.get("allocated_bytes.all.current", 0),
+                    "cuda_reserved_bytes": s.get("reserved_bytes.all.current", 0),
+                    "cuda_peak_allocated_bytes": s.get("allocated_bytes.all.peak", 0),
+                    "cuda_alloc_retries": s.get("num_alloc_retries", 0),
+                    "cuda_ooms": s.get("num_ooms", 0)})
+    return row
+
+
+def gather_rank_stats(device: torch.device) -> dict:
+    """Every rank's memory, on every rank. A collective when distributed: call it on every rank at the same steps.
+
+    Returns record fields: `rank_memory` (one dict per rank, in rank order) and `stats_gather_s` (seconds spent in
+    the gather: communication plus waiting for the slowest rank).
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = {"rank": rank, "node": node_index(rank), "host": socket.gethostname(), **local_memory(device)}
+    t0 = time.perf_counter()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, mine)
+    else:
+        rows = [mine]
+    return {"rank_memory": rows, "stats_gather_s": time.perf_counter() - t0}
+
+
+class PhaseTimer:
+    """Splits a step's wall time into measured phases.
+
+    `start()` at the top of a step (returns perf_counter and clears the totals); `with timer("data_time_s"):` around
+    the batch fetch, `with timer("comm_time_s", device):` around an explicit collective (on CUDA it first waits for
+    the queued kernels, so the interval is the collective and the wait for the slowest rank, not our own compute);
+    `split(step_seconds)` gives those totals plus `compute_time_s`, the rest of the step. Collectives that run
+    inside forward/backward (FSDP all-gathers, gradient reduce-scatters, DDP all-reduces, TP) overlap compute and
+    cannot be told apart without a profiler: they count as compute.
+    """
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    def start(self) -> float:
+        self.totals = {}
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str, device: torch.device | None = None):
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - t0
+
+    def split(self, step_seconds: float) -> dict:
+        out = {"data_time_s": self.totals.get("data_time_s", 0.0), "comm_time_s": self.totals.get("comm_time_s", 0.0)}
+        out["compute_time_s"] = max(0.0, step_seconds - sum(self.totals.values()))
+        return out

@@ -1,0 +1,384 @@
+"""Observability: the Prometheus endpoint and TensorBoard agree with the JSONL log, `paratrain report` plots and
+summarises finished runs, `paratrain doctor` checks the environment."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import struct
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import fast_config, fast_overrides
+from paratrain import cli
+from paratrain.distributed.launch import free_port
+from paratrain.errors import ConfigError
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+RUN = ["training.steps=6", "training.log_every=2", "training.eval_every=3", "checkpoint.every=2",
+       "metrics.prometheus_linger_s=30"]
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def scrape(port: int, path: str = "/metrics") -> dict:
+    """{(metric name, ((label, value), ...)): value} from one scrape of the endpoint (no proxies involved)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", path)
+        body = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body) for s in family.samples}
+
+
+def value(metrics: dict, name: str, **labels):
+    matches = [v for (n, lab), v in metrics.items() if n == name and all(dict(lab).get(k) == w for k, w in labels.items())]
+    assert len(matches) == 1, (name, labels, matches)
+    return matches[0]
+
+
+class Scraper(threading.Thread):
+    """Scrapes the endpoint every 20 ms while a run goes on; `scrapes` holds every successful one, in order."""
+
+    def __init__(self, port: int):
+        super().__init__(daemon=True)
+        self.port, self.scrapes, self.stop = port, [], threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                self.scrapes.append(scrape(self.port))
+            except (OSError, http.client.HTTPException):
+                pass
+            time.sleep(0.02)
+
+    def finish(self) -> list[dict]:
+        self.stop.set()
+        self.join(10)
+        return self.scrapes
+
+
+def steps_of(records):
+    return {r["step"]: r for r in records if "loss" in r}
+
+
+def check_scrapes_against_log(scrapes: list[dict], records: list[dict], run_name: str) -> dict:
+    """Every scrape that shows step k shows the JSONL values of step k; the last one shows the end of the run."""
+    by_step = steps_of(records)
+    seen = [m for m in scrapes if any(n == "paratrain_step" for n, _ in m)]
+    assert seen, "no scrape saw a training step"
+    for m in seen:
+        r = by_step[int(value(m, "paratrain_step", run=run_name))]
+        assert value(m, "paratrain_loss") == r["loss"]  # the exposition format round-trips floats exactly
+        assert value(m, "paratrain_learning_rate") == r["lr"]
+        assert value(m, "paratrain_grad_norm") == r["grad_norm"]
+        assert value(m, "paratrain_step_time_seconds", phase="total") == r["step_time_s"]
+    final = seen[-1]
+    last = by_step[max(by_step)]
+    assert value(final, "paratrain_step") == last["step"] == 6
+    assert value(final, "paratrain_tokens") == last["tokens"]
+    assert value(final, "paratrain_tokens_per_second") == last["tokens_per_s"]
+    assert value(final, "paratrain_tokens_per_second_per_device") == last["tokens_per_s_per_device"]
+    assert value(final, "paratrain_mfu_ratio") == last["mfu"]
+    assert value(final, "paratrain_skipped_steps") == last["skipped_steps"] == 0
+    assert value(final, "paratrain_restarts") == last["restarts"] == 0
+    for phase, key in (("compute", "compute_time_s"), ("data_wait", "data_time_s"), ("comm_wait", "comm_time_s")):
+        assert value(final, "paratrain_step_time_seconds", phase=phase) == last[key]
+    assert value(final, "paratrain_val_loss") == records[-1]["val_loss"]  # the end-of-run evaluation
+    saves = [r["checkpoint_save_s"] for r in records if "checkpoint_save_s" in r]
+    assert saves and value(final, "paratrain_checkpoint_save_seconds") == saves[-1]
+    assert time.time() - 120 < value(final, "paratrain_last_step_timestamp_seconds") <= time.time()
+    mem = [r for r in records if "rank_memory" in r][-1]["rank_memory"]
+    for row in mem:
+        assert row["rss_bytes"] > 0
+        assert value(final, "paratrain_memory_bytes", rank=str(row["rank"]), kind="rss") == row["rss_bytes"]
+    return final
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("observability")
+
+
+@pytest.fixture(scope="module")
+def single_run(char_data, runs_dir):
+    """One process, Prometheus and TensorBoard on; scraped over HTTP while it trains and during its linger."""
+    from paratrain.train import train
+
+    port = free_port()
+    cfg = fast_config(char_data, runs_dir, "one", *RUN, f"metrics.prometheus_port={port}", "metrics.tensorboard=true")
+    scraper = Scraper(port)
+    scraper.start()
+    t0 = time.perf_counter()
+    result = train(cfg)
+    elapsed = time.perf_counter() - t0
+    return cfg, result, scraper.finish(), port, elapsed
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(char_data, runs_dir):
+    """Two gloo ranks launched like `paratrain train --nproc 2`; rank 0 serves the node's endpoint."""
+    from paratrain.cli import _rank_main
+    from paratrain.distributed.launch import launch
+
+    port = free_port()
+    cfg = fast_config(char_data, runs_dir, "two", *RUN, f"metrics.prometheus_port={port}",
+                      "parallel.dp_mode=ddp")
+    scraper = Scraper(port)
+    scraper.start()
+    launch(_rank_main, (cfg,), 2)
+    return cfg, scraper.finish()
+
+
+def test_prometheus_endpoint_matches_jsonl(single_run):
+    cfg, result, scrapes, port, elapsed = single_run
+    records = read_jsonl(cfg.run_dir / "metrics.jsonl")
+    final = check_scrapes_against_log(scrapes, records, "one")
+    assert value(final, "paratrain_run_info", scope="node", exporter_rank="0", world_size="1") == 1
+    assert value(final, "paratrain_loss") == result.losses[-1]
+    assert elapsed < 25  # the linger ended at the first scrape after the run, not after 30 s
+    with pytest.raises(OSError):  # and the endpoint is gone afterwards
+        scrape(port)
+
+
+def test_step_time_split_and_rank_stats_in_jsonl(single_run):
+    cfg, *_ = single_run
+    by_step = steps_of(read_jsonl(cfg.run_dir / "metrics.jsonl"))
+    assert sorted(by_step) == [1, 2, 3, 4, 5, 6]
+    for step, r in by_step.items():
+        parts = [r["data_time_s"], r["compute_time_s"], r["comm_time_s"]]
+        assert all(math.isfinite(p) and p >= 0 for p in parts)
+        assert sum(parts) == pytest.approx(r["step_time_s"], rel=1e-6, abs=1e-9)
+        # memory is gathered on log steps only (first step, every log_every, evals): one collective each
+        assert ("rank_memory" in r) == (step in (1, 2, 3, 4, 6)), step
+    assert [row["rank"] for row in by_step[6]["rank_memory"]] == [0]
+
+
+def test_tensorboard_scalars_match_jsonl(single_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg, *_ = single_run
+    by_step = steps_of(read_jsonl(cfg.run_dir / "metrics.jsonl"))
+    acc = EventAccumulator(str(cfg.run_dir / "tensorboard"))
+    acc.Reload()
+    loss = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert sorted(loss) == sorted(by_step)
+    for step, v in loss.items():
+        assert v == pytest.approx(by_step[step]["loss"], rel=1e-6)  # TensorBoard stores float32
+    assert {e.step for e in acc.Scalars("memory/rss_bytes/rank0")} == {1, 2, 3, 4, 6}
+    assert [e.step for e in acc.Scalars("val/loss")] == [3, 6]
+
+
+def test_prometheus_two_ranks_labelled_by_rank(two_rank_run):
+    cfg, scrapes = two_rank_run
+    records = read_jsonl(cfg.run_dir / "metrics.jsonl")
+    final = check_scrapes_against_log(scrapes, records, "two")
+    assert value(final, "paratrain_run_info", world_size="2", scope="node") == 1
+    ranks = {dict(lab)["rank"] for (n, lab) in final if n == "paratrain_memory_bytes"}
+    assert ranks == {"0", "1"}
+    last = steps_of(records)[6]
+    assert last["tokens_per_s"] == pytest.approx(2 * last["tokens_per_s_per_device"])
+
+
+def test_per_rank_endpoints():
+    """per_rank: each rank's endpoint shows its own memory (and the job-wide values)."""
+    from paratrain.metrics import PrometheusSink
+
+    rows = [{"rank": r, "node": 0, "rss_bytes": 100 + r} for r in range(2)]
+    record = {"time": time.time(), "step": 3, "loss": 1.5, "rank_memory": rows}
+    sinks = [PrometheusSink("127.0.0.1", 0, run="r", rank=r, per_rank=True) for r in range(2)]
+    try:
+        for s in sinks:
+            s.write(record)
+        for r, s in enumerate(sinks):
+            m = scrape(s.port)
+            assert value(m, "paratrain_memory_bytes", kind="rss") == 100 + r
+            assert value(m, "paratrain_memory_bytes", rank=str(r)) == 100 + r
+            assert value(m, "paratrain_run_info", scope="rank", exporter_rank=str(r)) == 1
+            assert value(m, "paratrain_loss") == 1.5
+    finally:
+        for s in sinks:
+            s.close()
+
+
+def test_moe_expert_load_reaches_prometheus_and_report(char_data, runs_dir, tmp_path):
+    """A mixture-of-experts run: the trainer's per-step expert load goes to the endpoint and the report."""
+    from paratrain.report import write_report
+    from paratrain.train import train
+
+    port = free_port()
+    cfg = fast_config(char_data, runs_dir, "moe", "training.steps=3", "model.moe_experts=4", "model.moe_top_k=2",
+                      f"metrics.prometheus_port={port}", "metrics.prometheus_linger_s=30")
+    scraper = Scraper(port)
+    scraper.start()
+    train(cfg)
+    final = scraper.finish()[-1]
+    last = steps_of(read_jsonl(cfg.run_dir / "metrics.jsonl"))[3]
+    tokens = last["moe_tokens_per_expert"]
+    assert len(tokens) >= 1 and all(len(layer) == 4 for layer in tokens)
+    assert value(final, "paratrain_moe_imbalance") == last["moe_imbalance"]
+    assert value(final, "paratrain_moe_aux_loss") == last["moe_aux_loss"]
+    for i, layer in enumerate(tokens):
+        for e, v in enumerate(layer):
+            assert value(final, "paratrain_moe_expert_tokens", moe_layer=str(i), expert=str(e)) == v
+        assert value(final, "paratrain_moe_layer_imbalance", moe_layer=str(i)) == pytest.approx(
+            max(layer) / (sum(layer) / len(layer)))
+    write_report([cfg.run_dir], tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "## Expert load" in md and f"| {last['moe_imbalance']:.2f} |" in md
+
+
+def test_rank_stats_and_phase_timer():
+    from paratrain.sysmetrics import PhaseTimer, gather_rank_stats
+
+    out = gather_rank_stats(torch.device("cpu"))
+    assert [row["rank"] for row in out["rank_memory"]] == [0] and out["rank_memory"][0]["rss_bytes"] > 0
+    timer = PhaseTimer()
+    t0 = timer.start()
+    with timer("data_time_s"):
+        time.sleep(0.01)
+    split = timer.split(time.perf_counter() - t0)
+    assert split["data_time_s"] >= 0.01 and split["comm_time_s"] == 0 and split["compute_time_s"] >= 0
+
+
+def test_missing_optional_dependency_is_one_line(char_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails as if not installed
+    code = cli.main(["train", *[f"--{o}" for o in fast_overrides(char_data, tmp_path, "nodep",
+                                                                 "metrics.prometheus_port=9400")]])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: metrics.prometheus_port is set but prometheus_client is not installed: "
+                          "pip install prometheus_client") and err.count("\n") == 1
+    assert not (tmp_path / "nodep").exists()  # nothing written, nothing trained
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(ConfigError, match="pip install tensorboard"):
+        from paratrain.train import train
+
+        train(fast_config(char_data, tmp_path, "nodep", "metrics.tensorboard=true"))
+    with pytest.raises(ConfigError, match="prometheus_port must be 0"):
+        train(fast_config(char_data, tmp_path, "nodep", "metrics.prometheus_port=70000"))
+
+
+# -- paratrain report --------------------------------------------------------------------------------
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR", path
+    return struct.unpack(">II", data[16:24])
+
+
+def test_report_plots_and_summary(single_run, two_rank_run, tmp_path):
+    from PIL import Image
+
+    from paratrain.report import load_run, plot_loss, plot_memory
+
+    one, two = single_run[0].run_dir, two_rank_run[0].run_dir
+    out = tmp_path / "report"
+    assert cli.main(["report", str(one), str(two), "--out", str(out)]) == 0
+    for name in ("loss.png", "throughput.png", "memory.png", "scaling.png"):
+        w, h = png_size(out / name)
+        assert w >= 400 and h >= 300
+        with Image.open(out / name) as im:
+            im.verify()
+
+    # the plotted data is the log's
+    records = read_jsonl(one / "metrics.jsonl")
+    by_step = steps_of(records)
+    fig = plot_loss([load_run(one)])
+    train_line, val_line = fig.axes[0].lines[:2]
+    assert list(train_line.get_xdata()) == sorted(by_step)
+    assert list(train_line.get_ydata()) == [by_step[s]["loss"] for s in sorted(by_step)]
+    vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    assert list(zip(val_line.get_xdata(), val_line.get_ydata())) == vals
+    tokens_line = fig.axes[1].lines[0]
+    assert list(tokens_line.get_xdata()) == [by_step[s]["tokens"] for s in sorted(by_step)]
+    mem = plot_memory([load_run(two)])
+    assert len(mem.axes[0].lines) == 2  # one line per rank
+
+    # the summary's numbers are the log's
+    summary = json.loads((out / "summary.json").read_text())
+    s1, s2 = summary["runs"]
+    best = min(vals, key=lambda v: v[1])
+    assert (s1["name"], s1["world_size"], s2["name"], s2["world_size"]) == ("one", 1, "two", 2)
+    assert s1["final_loss"] == by_step[6]["loss"] and s1["steps"] == 6
+    assert (s1["best_val_step"], s1["best_val_loss"]) == best and s1["final_val_loss"] == records[-1]["val_loss"]
+    assert [p["devices"] for p in summary["scaling"]] == [1, 2]
+    md = (out / "report.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| one |"))
+    assert f"| {by_step[6]['loss']:.4f} |" in row and f"| {best[1]:.4f} ({best[0]}) |" in row
+    assert "## Scaling" in md and "![scaling](scaling.png)" in md
+
+    # one run: default output folder inside the run, no scaling plot
+    assert cli.main(["report", str(one)]) == 0
+    assert (one / "report" / "loss.png").is_file() and not (one / "report" / "scaling.png").exists()
+
+
+def test_report_errors(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path / "missing")]) == 2
+    assert "no such run folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text('{"step": 1, "val_loss": 2.0}\n{"step": 2, "lo')
+    assert cli.main(["report", str(tmp_path / "empty")]) == 2
+    assert "no training steps logged" in capsys.readouterr().err
+
+
+# -- paratrain doctor --------------------------------------------------------------------------------
+
+def test_doctor_runs_cleanly_on_cpu(tmp_path, monkeypatch, capsys):
+    for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_HCA"):
+        monkeypatch.delenv(var, raising=False)
+    code = cli.main(["doctor", "--nproc", "2", "--checkpoint-dir", str(tmp_path / "ckpt")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "FAIL" not in out.replace("0 FAIL", "")
+    if not torch.cuda.is_available():
+        assert "CPU-only machine" in out
+        line = next(line for line in out.splitlines() if line.split()[1:2] == ["all-reduce"])
+        assert line.startswith("OK") and "2 gloo ranks" in line and "bus bandwidth" in line
+
+
+def test_doctor_bad_nccl_socket_ifname(monkeypatch, capsys):
+    from paratrain.doctor import interfaces
+
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "nosuchif7")
+    code = cli.main(["doctor", "--nproc", "0"])
+    out = capsys.readouterr().out
+    assert code == 1
+    line = next(line for line in out.splitlines() if line.startswith("FAIL"))
+    assert "NCCL_SOCKET_IFNAME='nosuchif7' matches no network interface" in line
+    assert all(name in line for name in interfaces())  # and names the ones that exist
+
+
+def test_ifname_syntax_and_topology():
+    from paratrain.doctor import describe_topology, ifname_matches, parse_topology
+
+    have = ["docker0", "eth0", "eth1", "ib0", "lo"]
+    assert ifname_matches("eth", have) == ["eth0", "eth1"]
+    assert ifname_matches("=eth", have) == []
+    assert ifname_matches("=eth1,ib", have) == ["eth1", "ib0"]
+    assert ifname_matches("^docker,lo", have) == ["eth0", "eth1", "ib0"]
+
+    nvlink = """\
+\tGPU0\tGPU1\tGPU2\tNIC0\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tNV18\tNV18\tPXB\t0-47\t0
+GPU1\tNV18\t X \tNV18\tPXB\t0-47\t0
+GPU2\tNV18\tNV18\t X \tSYS\t48-95\t1
+NIC0\tPXB\tPXB\tSYS\t X
+"""
+    links = parse_topology(nvlink)
+    assert links[("GPU0", "GPU1")] == "NV18" and ("GPU0", "NIC0") not in links
+    assert describe_topology(links).status == "OK"
+    pcie = nvlink.replace("NV18\tNV18\t X", "SYS\tPHB\t X").replace("GPU0\t X \tNV18\tNV18", "GPU0\t X \tNV18\tSYS")
+    result = describe_topology(parse_topology(pcie))
+    assert result.status == "WARN" and "SYS" in result.message and "NVLink" in result.message
