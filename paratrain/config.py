@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 

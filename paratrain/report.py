@@ -17,7 +17,7 @@ import argparse
 import json
 import math
 import statistics
-import tomllib
+from paratrain.config import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -1,0 +1,140 @@
+"""`paratrain plan`: cost-model formulas, enumeration constraints, outputs that load, one-line errors, --explain."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paratrain.cli import main
+from paratrain.config import load_config
+from paratrain.errors import UserError
+from paratrain.planner import _parser, build_context
+from paratrain.planner.cost import (Candidate, all_gather_time, all_reduce_time, bubble_fraction, p2p_time, predict)
+from paratrain.planner.hardware import Hardware, Link, fit_alpha_beta, gpu_profile, resolve_hardware
+from paratrain.planner.search import candidates, explain, structural_reason
+
+
+def ctx_for(*argv):
+    return build_context(_parser().parse_args(list(argv)))
+
+
+def test_collective_formulas():
+    link = Link("x", bandwidth=100e9, latency=5e-6)
+    n = 1e9
+    assert all_reduce_time(n, 1, link) == 0.0
+    assert all_reduce_time(n, 4, link) == pytest.approx(2 * 3 * 5e-6 + 2 * 3 / 4 * n / 100e9)
+    assert all_gather_time(n, 8, link) == pytest.approx(7 * 5e-6 + 7 / 8 * n / 100e9)
+    assert p2p_time(n, link) == pytest.approx(5e-6 + n / 100e9)
+    # all-reduce = reduce-scatter + all-gather
+    assert all_reduce_time(n, 8, link) == pytest.approx(2 * all_gather_time(n, 8, link))
+
+
+def test_bubble_formula():
+    assert bubble_fraction(1, 8) == 0.0
+    assert bubble_fraction(4, 12) == pytest.approx(3 / 15)
+    assert bubble_fraction(4, 12, 2) == pytest.approx(3 / 15 / 2)
+
+
+def test_alpha_beta_fit_recovers_line():
+    alpha, bw = 50e-6, 2e9
+    pts = [(n, 6 * alpha + 1.5 * n / bw) for n in (2**12, 2**16, 2**20, 2**24)]
+    a, b = fit_alpha_beta(pts, steps=6, volume=1.5)
+    assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(bw, rel=1e-6)
+
+
+def test_gpu_table_and_links():
+    for name in ("A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "L40S", "RTX4090", "RTX3090"):
+        hw = gpu_profile(name)
+        assert hw.memory_bytes > 20 * 2**30 and hw.peak_flops > 50e12
+    assert gpu_profile("H100").peak_flops == 989e12
+    assert gpu_profile("A100", intra="nvlink").intra.bandwidth < gpu_profile("H100", intra="nvlink").intra.bandwidth
+    assert gpu_profile("H100", inter="eth25").inter.bandwidth < gpu_profile("H100").inter.bandwidth
+
+
+def test_profile_saved_and_loaded_by_name(tmp_path):
+    hw = gpu_profile("L40S")
+    hw.name = "mybox"
+    (tmp_path / "mybox.json").write_text(json.dumps(hw.to_json()))
+    back = resolve_hardware("mybox", profile_dir=tmp_path)
+    assert isinstance(back, Hardware) and back.peak_flops == hw.peak_flops and back.intra == hw.intra
+    assert back.gemm_rate(1e12) == pytest.approx(hw.gemm_rate(1e12))
+
+
+def test_enumeration_respects_constraints():
+    ctx, world, opts, _ = ctx_for("--model", "llama3-8b", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "H100",
+                                  "--seq", "4096", "--global-batch-tokens", str(4096 * 64))
+    cands = candidates(ctx, world, opts)
+    assert cands
+    assert {c.tp for c in cands} <= {1, 2, 4, 8}  # within a node
+    for c in cands:
+        assert c.dp * c.tp * c.pp == world
+        assert ctx.global_seqs % (c.dp * c.micro_batch) == 0
+        if c.dp_mode in ("ddp", "zero1"):
+            assert c.tp == 1 and c.pp == 1
+        if structural_reason(c, ctx) is None:
+            assert 32 % c.tp == 0 and 8 % c.tp == 0  # heads and kv heads divisible
+    big = Candidate(world, "fsdp", 1, 1, 16, 1)
+    assert "crosses nodes" in structural_reason(big, ctx)
+    odd = Candidate(world, "fsdp", 1, 16, 1, 1, micro_batch=3)
+    assert "does not divide" in structural_reason(odd, ctx)
+
+
+def test_prediction_is_sane():
+    ctx, world, opts, _ = ctx_for("--model", "llama3-8b", "--gpus", "8", "--gpu", "H100", "--seq", "8192",
+                                  "--global-batch-tokens", str(8192 * 64))
+    base = Candidate(8, "fsdp", 1, 8, 1, 1, microbatches=8, ac="none", micro_batch=1)
+    p = predict(base, ctx)
+    assert 0.2 < p.mfu < 0.8
+    assert p.step_s == pytest.approx(p.compute_s + p.comm_exposed_s + p.bubble_s + p.recompute_s + p.optimizer_s)
+    full = predict(Candidate(8, "fsdp", 1, 8, 1, 1, microbatches=8, ac="full", micro_batch=1), ctx)
+    assert full.recompute_s > 0.2 * p.compute_s and full.step_s > p.step_s
+    piped = predict(Candidate(8, "fsdp", 1, 4, 1, 2, "1f1b", 1, 16, 1, "none", 2, 1), ctx)
+    assert piped.bubble_s > 0
+
+
+def test_plan_writes_config_that_loads(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpus-per-node", "8", "--gpu", "H100",
+                 "--seq", "8192", "--global-batch-tokens", "1048576", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "tokens/s" in text and "MFU" in text and "torchrun" in text
+    cfg = load_config(out / "config.toml")
+    assert cfg.model.preset == "llama3-8b" and cfg.training.seq_len == 8192 and cfg.training.global_batch == 128
+    assert cfg.training.precision == "bf16"
+
+
+def test_multi_node_plan_writes_sbatch(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "A100-80GB",
+                 "--inter", "ib200", "--seq", "4096", "--global-batch-tokens", str(4096 * 128), "--out", str(out),
+                 "--checkpointing", "selective,full", "--micro-batches", "1,2"]) == 0
+    script = (out / "plan.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in script and "--nnodes 2" in script and "paratrain train --config" in script
+    load_config(out / "config.toml")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--gpu", "H900", "--gpus", "8"], "unknown GPU"),
+    (["--gpu", "H100", "--gpus", "12", "--gpus-per-node", "8"], "not divisible by --gpus-per-node"),
+    (["--gpu", "RTX3090", "--gpus", "1", "--model", "llama3-8b", "--seq", "4096", "--global-batch-tokens", "65536"],
+     "nearest miss"),
+    (["--gpu", "H100", "--gpus", "8", "--seq", "1000", "--global-batch-tokens", "1500"], "not a multiple"),
+])
+def test_bad_inputs_one_line(argv, words, capsys, tmp_path):
+    assert main(["plan", "--out", str(tmp_path / "o"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and words in err and "\n" not in err
+
+
+def test_explain_rejected_and_ranked():
+    ctx, world, opts, _ = ctx_for("--model", "llama3-8b", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "H100",
+                                  "--seq", "4096", "--global-batch-tokens", str(4096 * 64),
+                                  "--checkpointing", "none,full", "--micro-batches", "1,2")
+    assert "crosses nodes" in explain("fsdp,tp=16", ctx, world, opts)
+    text = explain("ddp,ac=none,mb=2", ctx, world, opts)
+    assert "rejected: does not fit" in text and "largest" in text
+    ranked = explain("fsdp,tp=2,ac=full,mb=1", ctx, world, opts)
+    assert "fits" in ranked and ("against the best" in ranked or "planner's choice" in ranked)
+    with pytest.raises(UserError):
+        explain("fsdp,xx=3", ctx, world, opts)
