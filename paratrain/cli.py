@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -142,40 +141,25 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-def cmd_prepare(argv: list[str]) -> int:
-    from paratrain.data import main_prepare
-
-    return main_prepare(argv)
-
-
-def cmd_verify(argv: list[str]) -> int:
-    from paratrain.verify import main_verify
-
-    return main_verify(argv)
-
-
-def cmd_estimate(argv: list[str]) -> int:
-    from paratrain.estimate import main_estimate
-
-    return main_estimate(argv)
+# Commands implemented in their own modules, imported only when used (start-up stays fast).
+LAZY_COMMANDS = {
+    "prepare": ("paratrain.data", "main_prepare"),
+    "verify": ("paratrain.verify", "main_verify"),
+    "estimate": ("paratrain.estimate", "main_estimate"),
+    "plan": ("paratrain.planner", "main_plan"),
+    "report": ("paratrain.report", "main_report"),
+    "doctor": ("paratrain.doctor", "main_doctor"),
+}
 
 
-def cmd_plan(argv: list[str]) -> int:
-    from paratrain.planner import main_plan
+def _lazy(command: str):
+    def run(argv: list[str]) -> int:
+        import importlib
 
-    return main_plan(argv)
+        module, function = LAZY_COMMANDS[command]
+        return getattr(importlib.import_module(module), function)(argv)
 
-
-def cmd_report(argv: list[str]) -> int:
-    from paratrain.report import main_report
-
-    return main_report(argv)
-
-
-def cmd_doctor(argv: list[str]) -> int:
-    from paratrain.doctor import main_doctor
-
-    return main_doctor(argv)
+    return run
 
 
 USAGE = """usage: paratrain <command> [options]
@@ -198,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    handlers = {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate, "verify": cmd_verify,
-                "estimate": cmd_estimate, "plan": cmd_plan, "report": cmd_report, "doctor": cmd_doctor}
+    handlers = {"train": cmd_train, "generate": cmd_generate, **{name: _lazy(name) for name in LAZY_COMMANDS}}
     if command not in handlers:
         import difflib
 

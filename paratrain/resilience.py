@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import threading
-import time
 
 import torch
 import torch.distributed as dist

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from paratrain.checkpoint import (CheckpointWriter, export_safetensors, load_checkpoint, newest_valid_checkpoint,
                                   resolve_resume)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -204,6 +203,8 @@ def main_verify(argv: list[str]) -> int:
     if args.steps < 1:
         raise UserError("--steps must be >= 1")
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    for name in layouts:
+        layout_overrides(name)  # unknown names fail before any output
     if torch.cuda.is_available() and args.device != "cpu":
         n = torch.cuda.device_count()
         too_big = [name for name in layouts if layout_overrides(name)[0] > n]

@@ -54,3 +54,15 @@ def trained_run(char_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     result = train(fast_config(char_data, out, "trained", "training.steps=3"))
     return result.run_dir
+
+
+def assert_plan_rejected(data_dir, tmp_path, world: int, overrides: list[str], message: str, micro_batch: int = 1):
+    """plan_run refuses the layout with a one-line ConfigError containing `message`, and writes no run folder."""
+    from paratrain.errors import ConfigError
+    from paratrain.train import plan_run
+
+    cfg = fast_config(data_dir, tmp_path, "bad", f"training.micro_batch={micro_batch}", *overrides)
+    with pytest.raises(ConfigError) as e:
+        plan_run(cfg, world)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "bad").exists()

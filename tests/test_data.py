@@ -1,6 +1,5 @@
 """Data pipeline: tokenizers, prepare (formats, dtype, errors, atomicity), deterministic loader."""
 
-import json
 
 import numpy as np
 import pytest

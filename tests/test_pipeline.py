@@ -9,9 +9,8 @@ import pytest
 
 from paratrain.config import load_config
 from paratrain.errors import ConfigError
-from paratrain.train import plan_run
 
-from conftest import fast_overrides
+from conftest import assert_plan_rejected, fast_overrides
 
 TOL = 1e-5
 
@@ -51,11 +50,7 @@ def test_verify_pp_composed(char_data):
     (3, ["parallel.pp=2"], "does not divide the world size 3"),
 ])
 def test_bad_pipeline_inputs_fail_before_launch(char_data, tmp_path, world, overrides, message):
-    cfg = load_config(None, fast_overrides(char_data, tmp_path, "bad", "training.micro_batch=4", *overrides))
-    with pytest.raises(ConfigError) as e:
-        plan_run(cfg, world)
-    assert message in str(e.value) and "\n" not in str(e.value)
-    assert not (tmp_path / "bad").exists()
+    assert_plan_rejected(char_data, tmp_path, world, overrides, message, micro_batch=4)
 
 
 def test_unknown_schedule_name_is_one_line():
