@@ -212,38 +212,13 @@ def run_cuda(rows) -> list[dict]:
     return out
 
 
-def patch_moe_recompute() -> None:
-    """The fix proposed for paratrain/models/moe.py: a checkpoint recomputation (inside backward) must not replace
-    `MoE.aux_loss`, whose graph would keep the recomputed block's activations alive until the next forward.
-    (The recomputation stops early by raising, hence `finally`.)"""
-    import torch
-
-    from paratrain.models.moe import MoE
-
-    orig = MoE.forward
-
-    def forward(self, x):
-        recomputing, before = torch._C._current_graph_task_id() != -1, self.aux_loss
-        try:
-            return orig(self, x)
-        finally:
-            if recomputing:
-                self.aux_loss = before
-
-    MoE.forward = forward
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 configurations instead of all")
     parser.add_argument("--json", help="write every number to this file")
     parser.add_argument("--cuda", action="store_true", help="also compare 1-rank configs with max_memory_allocated")
     parser.add_argument("--only", help="comma-separated config names")
-    parser.add_argument("--moe-recompute-fix", action="store_true",
-                        help="measure with the fix proposed for MoE.aux_loss under activation checkpointing")
     args = parser.parse_args()
-    if args.moe_recompute_fix:
-        patch_moe_recompute()
     rows = [r for r in CONFIGS if not args.quick or r[0] in QUICK]
     if args.only:
         wanted = set(args.only.split(","))

@@ -138,3 +138,21 @@ def test_explain_rejected_and_ranked():
     assert "fits" in ranked and ("against the best" in ranked or "planner's choice" in ranked)
     with pytest.raises(UserError):
         explain("fsdp,xx=3", ctx, world, opts)
+
+
+def test_calibrate_saves_a_profile_plans_can_use(tmp_path, capsys):
+    from paratrain.planner.hardware import calibrate
+
+    hw, path = calibrate("cpu-test", 2, tmp_path, seconds=0.02)
+    assert path == tmp_path / "cpu-test.json" and path.is_file()
+    assert hw.device == "cpu" and hw.intra.bandwidth > 0 and hw.compute_scale >= 1.0
+    assert all(rate > 0 for _, rate in hw.gemm)
+    back = resolve_hardware("cpu-test", profile_dir=tmp_path)
+    assert back.gemm == hw.gemm and back.compute_scale == hw.compute_scale
+    assert main(["plan", "--model", "tiny", "--gpus", "2", "--gpus-per-node", "2", "--gpu", "cpu-test",
+                 "--profile-dir", str(tmp_path), "--seq", "32", "--global-batch-tokens", "256",
+                 "--out", str(tmp_path / "plan")]) == 0
+    out = capsys.readouterr().out
+    assert "paratrain train --nproc 2" in out
+    cfg = load_config(tmp_path / "plan" / "config.toml")
+    assert cfg.training.device == "cpu" and cfg.training.precision == "fp32"

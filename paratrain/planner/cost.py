@@ -1,0 +1,318 @@
+"""The planner's cost model: predicted time of one optimizer step for a layout, split into compute, exposed
+communication, pipeline bubble and recompute. Every term is a formula of the model's sizes, the layout and the
+hardware profile (paratrain/planner/hardware.py); nothing here is fitted to a particular run.
+
+Compute. Each rank runs its share of every block's GEMMs (q, k, v, o, w1, w2, w3; the output head on the last
+stage; routed experts with ep) for each micro-step; a GEMM of F FLOPs takes F / rate(F), where rate() is the
+profile's achieved matmul rate at that size (small GEMMs — tp-split, small micro-batches — run slower). Backward
+is twice the forward. Attention adds 4 x seq x dim / tp FLOPs per token forward (the 12 L C T term of
+`flops_per_token`; causal: half of it is computed) at ATTENTION_EFFICIENCY of the GEMM rate. Element-wise work (norms, rotary, SwiGLU, softmax, residuals, loss) is memory-bound:
+ELEMWISE_VALUES_PER_TOKEN values per token and block read/written at the profile's memory bandwidth. Each operator
+also costs the profile's fixed per-operator overhead (launch/dispatch; large on a CPU, mostly hidden on a GPU),
+OPS_PER_BLOCK per block forward and twice that backward (DTensor under tp multiplies it by TP_DISPATCH; each FSDP
+collective adds FSDP_GROUP_OPS operators of hooks and copies). The
+optimizer step reads and writes the rank's parameter, gradient and two moment shards (fp32).
+
+Communication (alpha-beta, ring algorithms, p ranks, n bytes, link latency a and bandwidth B):
+  all-reduce      2 (p-1) a + 2 (p-1)/p n / B
+  all-gather      (p-1) a + (p-1)/p n / B      (n: the gathered size)
+  reduce-scatter  (p-1) a + (p-1)/p n / B      (n: the input size)
+  all-to-all      (p-1) a + (p-1)/p n / B
+  point-to-point  a + n / B
+A group uses the intra-node link when its ranks are on one node (mesh order pp, dp_replicate, dp_shard, tp,
+ranks numbered node by node), else the inter-node link. Per step:
+  ddp/zero1  all-reduce of the fp32 gradients once per step (DDP skips sync on accumulation micro-steps), in
+             buckets of 25 MB; zero1 adds an all-gather of the updated parameters after the step;
+  zero2      per micro-step one all-gather of the parameters (compute dtype) and one reduce-scatter of the fp32
+             gradients, block by block;  fsdp: two all-gathers (forward, backward) and one reduce-scatter;
+  hsdp       fsdp over dp_shard plus an all-reduce of the gradient shards over dp_replicate;
+  tp         per block and micro-step, with sequence parallelism 2 all-gathers + 2 reduce-scatters of the
+             activations forward and again backward (without: 2 all-reduces each way), plus the vocabulary-
+             parallel embedding/loss; recomputation repeats the forward ones;
+  pp         one send of the activations per micro-batch and stage boundary forward and one backward;
+  ep         all-to-all dispatch and combine per MoE layer, forward and backward.
+Data-parallel collectives overlap compute by the profile's `overlap` fraction (separate streams on a GPU; none on
+a CPU whose cores are all busy computing), but at least one block's worth stays exposed; tp, ep and pp
+communication is on the critical path (paratrain has no asynchronous TP), so it is all exposed.
+
+Calibrated profiles carry `compute_scale`: the measured training step of a fixed reference model (not the model
+being planned) over what these formulas predict for it on the same profile; it multiplies compute, recompute and
+the optimizer step (what the terms above miss: autograd bookkeeping, the loss, allocator). Datasheet profiles: 1.
+
+Pipeline bubble: (p-1)/(m+p-1)/v of the pipelined time (`paratrain.distributed.pipeline.predicted_bubble`: gpipe
+and 1f1b v=1; interleaved schedules v stages per rank; zbv v=2), i.e. bubble = work x b / (1 - b).
+
+Recompute: full = one more forward of every block (GEMMs, element-wise and operators); every_k = 1/k of that;
+selective = the element-wise work and operators of the forward (matmul and attention outputs are kept).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from paratrain.planner.hardware import Hardware, Link
+
+ELEMWISE_VALUES_PER_TOKEN = (80, 20)  # x dim, x ffn/tp: values read+written per token and block, fwd+bwd
+OPS_PER_BLOCK = 35  # operators in one block's forward (backward: twice)
+# DTensor dispatch (sharding propagation, redistribution) multiplies the per-operator overhead under tp: measured
+# ~30x an eager operator on CPU ranks (bench/planner_accuracy.py); on a GPU mostly hidden behind device time.
+TP_DISPATCH = {"cpu": 30.0, "cuda": 3.0}
+# FSDP's per-group work around each collective (hooks, copy-in/copy-out, stream waits), in operators.
+FSDP_GROUP_OPS = 150
+DDP_BUCKET_BYTES = 25 * 2**20
+ATTENTION_EFFICIENCY = 0.5  # fused attention reaches about half the GEMM rate at the same size (backward worse)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout the planner considers (all degrees resolved)."""
+
+    world: int
+    dp_mode: str  # ddp | zero1 | zero2 | fsdp | hsdp ("fsdp" also stands for no data parallelism)
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int = 1
+    schedule: str = "1f1b"
+    virtual: int = 1
+    microbatches: int = 1  # pp > 1: pipeline micro-batches; pp = 1: accumulation steps
+    ep: int = 1
+    ac: str = "none"  # none | full | selective | every_k
+    every_k: int = 2
+    micro_batch: int = 1  # sequences per micro-step (per pipeline micro-batch with pp)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def name(self) -> str:
+        parts = [self.dp_mode if self.dp > 1 else "nodp"]
+        if self.dp_mode == "hsdp":
+            parts.append(f"rep={self.dp_replicate}")
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}")
+        if self.pp > 1:
+            parts.append(f"pp={self.pp}")
+            parts.append(f"sched={self.schedule}")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        parts.append(f"ac={self.ac}" + (f"{self.every_k}" if self.ac == "every_k" else ""))
+        parts.append(f"mb={self.micro_batch}")
+        return ",".join(parts)
+
+    def describe(self) -> str:
+        bits = []
+        if self.pp > 1:
+            bits.append(f"pp{self.pp} {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "")
+                        + f" m={self.microbatches}")
+        if self.dp > 1:
+            bits.append(f"{self.dp_mode} {self.dp_replicate}x{self.dp_shard}" if self.dp_mode == "hsdp"
+                        else f"{self.dp_mode} {self.dp}")
+        if self.tp > 1:
+            bits.append(f"tp{self.tp}")
+        if self.ep > 1:
+            bits.append(f"ep{self.ep}")
+        return " x ".join(bits) or "1 rank"
+
+
+@dataclass
+class Context:
+    """What every candidate shares: model, sequence, batch, hardware, topology."""
+
+    args: object  # ModelArgs
+    seq_len: int
+    global_seqs: int  # sequences per optimizer step
+    hw: Hardware
+    gpus_per_node: int
+    precision: str = "bf16"
+    model_name: str = "model"
+
+
+@dataclass
+class Prediction:
+    step_s: float
+    compute_s: float
+    comm_exposed_s: float
+    bubble_s: float
+    recompute_s: float
+    optimizer_s: float
+    comm_total_s: float
+    tokens_per_s: float
+    mfu: float
+    comm: dict[str, float] = field(default_factory=dict)  # exposed seconds by kind
+
+    def breakdown(self) -> str:
+        return (f"compute {self.compute_s * 1e3:.1f} ms + exposed comm {self.comm_exposed_s * 1e3:.1f} ms + bubble "
+                f"{self.bubble_s * 1e3:.1f} ms + recompute {self.recompute_s * 1e3:.1f} ms + optimizer "
+                f"{self.optimizer_s * 1e3:.1f} ms")
+
+
+# -- collectives ---------------------------------------------------------------------------------------------------
+
+def all_reduce_time(nbytes: float, p: int, link: Link) -> float:
+    if p <= 1:
+        return 0.0
+    return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * nbytes / link.bandwidth
+
+
+def all_gather_time(nbytes: float, p: int, link: Link) -> float:
+    """nbytes: the gathered (output) size; reduce-scatter: the input size (same cost)."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) * link.latency + (p - 1) / p * nbytes / link.bandwidth
+
+
+reduce_scatter_time = all_gather_time
+all_to_all_time = all_gather_time
+
+
+def p2p_time(nbytes: float, link: Link) -> float:
+    return link.latency + nbytes / link.bandwidth
+
+
+def bubble_fraction(pp: int, microbatches: int, virtual: int = 1) -> float:
+    from paratrain.distributed.pipeline import predicted_bubble
+
+    return predicted_bubble(pp, microbatches, virtual) if pp > 1 else 0.0
+
+
+def group_link(ctx: Context, stride: int, size: int) -> Link:
+    """The link a group of `size` ranks `stride` apart uses: intra-node if they all sit on one node."""
+    if size <= 1 or stride * size <= ctx.gpus_per_node or ctx.hw.inter is None:
+        return ctx.hw.intra
+    return ctx.hw.inter
+
+
+# -- the model -----------------------------------------------------------------------------------------------------
+
+def _act_bytes(ctx: Context) -> int:
+    return 4 if ctx.precision == "fp32" else 2
+
+
+def predict(c: Candidate, ctx: Context) -> Prediction:
+    from paratrain.models.presets import count_params, flops_per_token
+
+    a, hw, S = ctx.args, ctx.hw, ctx.seq_len
+    t, ab = c.tp, _act_bytes(ctx)
+    T = c.micro_batch * S  # tokens per micro-step per rank (tp ranks share them)
+    n_micro = c.microbatches
+    layers = math.ceil(a.n_layers / c.pp)  # the busiest stage
+    moe_layers = sum(1 for i in range(a.n_layers) if a.is_moe_layer(i))
+    moe_frac = moe_layers / a.n_layers
+    hd = a.head_dim
+
+    def gemm(m, k, n, count=1.0):
+        f = 2.0 * m * k * n
+        return count * f / hw.gemm_rate(f) if f > 0 else 0.0
+
+    # forward of one block, one micro-step
+    attn = (gemm(T, a.dim, a.n_heads * hd / t) + 2 * gemm(T, a.dim, a.n_kv_heads * hd / t)
+            + gemm(T, a.n_heads * hd / t, a.dim))
+    sdpa_flop = 4.0 * T * S * a.dim / t / 2  # causal: about half the square is computed
+    attn += sdpa_flop / (ATTENTION_EFFICIENCY * hw.gemm_rate(2.0 * S * S * hd))
+    dense_mlp = gemm(T, a.dim, a.ffn_hidden / t, 3)
+    if moe_layers:
+        eh, E = a.expert_hidden, a.moe_experts
+        tok_per_expert = T * a.moe_top_k / E * c.ep  # each ep rank holds E/ep experts, tokens from ep ranks
+        moe_mlp = gemm(tok_per_expert, a.dim, eh, 3 * E / c.ep) + gemm(T, a.dim, eh * a.moe_shared_experts / t, 3) \
+            + gemm(T, a.dim, E)
+    else:
+        moe_mlp = 0.0
+    mlp = (1 - moe_frac) * dense_mlp + moe_frac * moe_mlp
+    ffn_w = a.ffn_hidden if not moe_layers else a.expert_hidden * (a.moe_top_k + a.moe_shared_experts)
+    ew_values = ELEMWISE_VALUES_PER_TOKEN[0] * a.dim / (t if c.tp > 1 else 1) + ELEMWISE_VALUES_PER_TOKEN[1] * ffn_w / t
+    elemwise_fb = T * ew_values * ab / hw.mem_bandwidth  # fwd + bwd
+    op_cost = hw.op_overhead_s * (TP_DISPATCH.get(hw.device, 3.0) if t > 1 else 1.0)
+    block_f = attn + mlp + elemwise_fb / 3 + OPS_PER_BLOCK * op_cost
+    block_b = 2 * (attn + mlp) + 2 * elemwise_fb / 3 + 2 * OPS_PER_BLOCK * op_cost
+    head = 3 * gemm(T, a.dim, a.vocab_size / t) + 3 * T * a.vocab_size / t * 4 * 3 / hw.mem_bandwidth
+    per_micro = layers * (block_f + block_b) + head  # the last stage carries the head
+    compute = n_micro * per_micro
+
+    if c.ac == "full":
+        rec_block = block_f
+        rec_layers = layers
+    elif c.ac == "every_k":
+        rec_block, rec_layers = block_f, math.ceil(layers / c.every_k)
+    elif c.ac == "selective":
+        rec_block, rec_layers = elemwise_fb / 3 + OPS_PER_BLOCK * op_cost, layers
+    else:
+        rec_block, rec_layers = 0.0, 0
+    recompute = n_micro * rec_layers * rec_block
+
+    # parameters of this rank's stage, before data-parallel sharding
+    P = count_params(a)
+    # routed experts are sharded over ep (and FSDP-gathered only over dp_shard / ep): count them once per ep group
+    experts = moe_layers * a.moe_experts * 3 * a.dim * a.expert_hidden if moe_layers else 0
+    P_stage = (P - experts + experts / c.ep) / c.pp / t
+    shard = c.dp_shard if c.dp_mode in ("zero2", "fsdp", "hsdp") else 1
+    opt_params = P_stage / (shard if shard > 1 else (c.dp if c.dp_mode == "zero1" else 1))
+    optimizer = opt_params * 4 * 4 * 2 / hw.mem_bandwidth + 20 * hw.op_overhead_s
+    # a calibrated profile's correction from a reference model's measured training step (1.0 for datasheets)
+    compute, recompute, optimizer = (x * hw.compute_scale for x in (compute, recompute, optimizer))
+
+    # communication
+    pbytes = 4 if ctx.precision == "fp32" else 2
+    tp_link = group_link(ctx, 1, t)
+    shard_link = group_link(ctx, t, c.dp_shard)
+    dp_link = group_link(ctx, t, c.dp)
+    rep_link = group_link(ctx, t * c.dp_shard, c.dp_replicate)
+    pp_link = group_link(ctx, t * c.dp, c.pp)
+    comm = {}
+    overlappable = 0.0
+    nblk = layers + 1
+    min_exposed = 0.0
+    if c.dp > 1:
+        if c.dp_mode in ("ddp", "zero1"):
+            g = P_stage * 4
+            buckets = max(1, math.ceil(g / DDP_BUCKET_BYTES))
+            ar = buckets * all_reduce_time(g / buckets, c.dp, dp_link)
+            overlappable += ar
+            min_exposed += ar / buckets
+            if c.dp_mode == "zero1":
+                comm["zero1 param all-gather"] = all_gather_time(P_stage * 4, c.dp, dp_link)
+        else:
+            gathers = 1 if c.dp_mode == "zero2" else 2
+            rounds = n_micro if c.pp == 1 else 1  # pipelined stages keep their gathered parameters for the step
+            group = FSDP_GROUP_OPS * hw.op_overhead_s
+            ag = rounds * gathers * nblk * (all_gather_time(P_stage * pbytes / nblk, c.dp_shard, shard_link) + group)
+            rs = rounds * nblk * (reduce_scatter_time(P_stage * 4 / nblk, c.dp_shard, shard_link) + group)
+            overlappable += ag + rs
+            min_exposed += (ag + rs) / (rounds * nblk)
+            if c.dp_mode == "hsdp":
+                hr = rounds * nblk * (all_reduce_time(P_stage * 4 / c.dp_shard / nblk, c.dp_replicate, rep_link)
+                                      + group)
+                overlappable += hr
+                min_exposed += hr / (rounds * nblk)
+    comm_total = overlappable
+    if overlappable:
+        hidden = min(overlappable - min_exposed, hw.overlap * (compute + recompute))
+        comm["data-parallel"] = overlappable - max(0.0, hidden)
+    if t > 1:
+        act = T * a.dim * ab
+        # sequence parallel (the planner's layouts always use it)
+        per_block_f = 2 * all_gather_time(act, t, tp_link) + 2 * reduce_scatter_time(act, t, tp_link)
+        extra = 1.0 if c.ac == "full" else (1.0 / c.every_k if c.ac == "every_k" else 0.0)
+        emb = 4 * all_reduce_time(T * 4, t, tp_link) + 2 * all_gather_time(act, t, tp_link)
+        comm["tensor-parallel"] = n_micro * (layers * per_block_f * (2 + extra) + emb)
+    if c.pp > 1:
+        act = T * a.dim * ab / (t if t > 1 else 1)
+        comm["pipeline p2p"] = 2 * c.virtual * n_micro * p2p_time(act, pp_link)
+    if c.ep > 1 and moe_layers:
+        ep_link = group_link(ctx, t, c.ep)  # an ep group is ep consecutive dp_shard ranks
+        a2a = all_to_all_time(T * a.moe_top_k * a.dim * ab, c.ep, ep_link) + all_to_all_time(64, c.ep, ep_link)
+        comm["expert all-to-all"] = n_micro * math.ceil(moe_layers / c.pp) * 4 * a2a
+    comm_total += sum(v for k, v in comm.items() if k not in ("data-parallel",))
+    exposed = sum(comm.values())
+
+    b = bubble_fraction(c.pp, c.microbatches, c.virtual)
+    pipelined = compute + recompute + comm.get("tensor-parallel", 0.0) + comm.get("pipeline p2p", 0.0) \
+        + comm.get("expert all-to-all", 0.0)
+    bubble = pipelined * b / (1 - b) if b < 1 else float("inf")
+    step = compute + recompute + exposed + bubble + optimizer
+    tokens = ctx.global_seqs * S
+    tok_s = tokens / step
+    mfu = flops_per_token(a, S) * tok_s / (c.world * hw.peak_flops)
+    return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm)

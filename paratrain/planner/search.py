@@ -1,0 +1,359 @@
+"""Enumerate the layouts paratrain can run, reject those that cannot run or do not fit (the memory estimator, with
+headroom), predict the step time of the rest (paratrain/planner/cost.py) and rank them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from paratrain.errors import UserError
+from paratrain.planner.cost import Candidate, Context, Prediction, predict
+
+DP_MODES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+AC_MODES = ("none", "selective", "every_k", "full")
+
+
+@dataclass
+class Options:
+    dp_modes: tuple[str, ...] = DP_MODES
+    schedules: tuple[str, ...] = SCHEDULES
+    ac_modes: tuple[str, ...] = AC_MODES
+    micro_batches: tuple[int, ...] | None = None  # None: powers of two up to 16
+    max_tp: int | None = None
+    max_pp: int | None = None
+    headroom: float = 0.10  # fraction of device memory kept free
+    estimate_limit: int = 120  # memory estimates run (cheapest predicted first) before giving up
+
+
+@dataclass
+class Result:
+    cand: Candidate
+    pred: Prediction | None = None
+    reason: str | None = None  # why it was rejected
+    total_bytes: int | None = None  # memory per rank (estimator total, worst rank)
+    estimate: object = None
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None and self.pred is not None
+
+
+@dataclass
+class Plan:
+    ctx: Context
+    opts: Options
+    ranked: list[Result]  # feasible, fastest first
+    rejected: list[Result] = field(default_factory=list)
+    considered: int = 0
+    unestimated: int = 0  # candidates never memory-checked (slower than enough feasible ones)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def structural_reason(c: Candidate, ctx: Context) -> str | None:
+    """Why paratrain cannot run this layout here (None: it can, memory aside)."""
+    from paratrain.estimate.layout import check_model, resolve_layout
+
+    a = ctx.args
+    if c.tp > ctx.gpus_per_node:
+        return f"tp={c.tp} crosses nodes ({ctx.gpus_per_node} GPUs per node): tensor parallelism stays within a node"
+    if ctx.gpus_per_node % c.tp:
+        return f"tp={c.tp} does not divide the {ctx.gpus_per_node} GPUs per node"
+    if c.world != c.dp * c.tp * c.pp:
+        return f"dp {c.dp} x tp {c.tp} x pp {c.pp} = {c.dp * c.tp * c.pp}, not the {c.world} GPUs"
+    if c.dp_mode in ("ddp", "zero1") and c.dp > 1 and (c.tp > 1 or c.pp > 1 or c.ep > 1):
+        return f"dp_mode {c.dp_mode} does not compose with tp, pp or ep in paratrain (use fsdp, zero2 or hsdp)"
+    if c.pp > 1 and getattr(a, "moe_experts", 0):
+        return "pipeline parallelism does not support mixture-of-experts models yet"
+    if c.ep > 1 and not getattr(a, "moe_experts", 0):
+        return f"ep={c.ep} needs a mixture-of-experts model"
+    if c.pp > 1 and c.schedule != "gpipe" and c.microbatches < c.pp:
+        return f"{c.schedule} needs at least pp={c.pp} micro-batches, the batch gives {c.microbatches}"
+    if c.pp > 1 and c.schedule in ("interleaved_1f1b", "zbv") and c.microbatches % c.pp:
+        return f"{c.schedule} needs micro-batches ({c.microbatches}) divisible by pp={c.pp}"
+    if ctx.global_seqs % (c.dp * c.micro_batch):
+        return (f"the global batch ({ctx.global_seqs} sequences) does not divide into micro-batch {c.micro_batch} x "
+                f"data-parallel degree {c.dp}")
+    try:
+        lay = resolve_layout(world_size=c.world, dp_mode=c.dp_mode, dp_replicate=c.dp_replicate,
+                             dp_shard=c.dp_shard if c.dp_mode not in ("ddp", "zero1") else -1, tp=c.tp, pp=c.pp,
+                             ep=c.ep, pp_schedule=c.schedule, microbatches=c.microbatches if c.pp > 1 else None,
+                             pp_virtual=max(2, c.virtual))
+        check_model(lay, a, ctx.seq_len, c.micro_batch)
+        if c.pp > 1 and c.pp * c.virtual > a.n_layers:
+            return f"{c.pp} x {c.virtual} pipeline stages need more than the model's {a.n_layers} blocks"
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def memory(c: Candidate, ctx: Context):
+    """The memory estimator's verdict for a candidate: an Estimate (worst rank)."""
+    from paratrain.estimate import EstimateInputs, estimate, resolve_layout
+
+    lay = resolve_layout(world_size=c.world, dp_mode=c.dp_mode, dp_replicate=c.dp_replicate,
+                         dp_shard=c.dp_shard if c.dp_mode not in ("ddp", "zero1") else -1, tp=c.tp, pp=c.pp, ep=c.ep,
+                         pp_schedule=c.schedule, microbatches=c.microbatches if c.pp > 1 else None,
+                         pp_virtual=max(2, c.virtual))
+    inputs = EstimateInputs(ctx.args, lay, model_name=ctx.model_name, precision=ctx.precision,
+                            optimizer="adamw", optimizer_impl="fused" if ctx.hw.device == "cuda" else "foreach",
+                            checkpointing=c.ac, every_k=c.every_k, micro_batch=c.micro_batch, seq_len=ctx.seq_len,
+                            accum_steps=c.microbatches if c.pp == 1 else 1, gpu_name=ctx.hw.name,
+                            gpu_bytes=ctx.hw.memory_bytes, overhead_bytes=None if ctx.hw.device == "cuda" else 0,
+                            device=ctx.hw.device)
+    return estimate(inputs, suggest=False)
+
+
+def memory_reason(est, ctx: Context, headroom: float) -> str | None:
+    from paratrain.estimate.gpus import fmt_bytes
+
+    limit = ctx.hw.memory_bytes * (1 - headroom)
+    if est.total_bytes <= limit:
+        return None
+    biggest = max(est.at_peak.items(), key=lambda kv: kv[1])
+    label = dict(__import__("paratrain.estimate.core", fromlist=["ROWS"]).ROWS).get(biggest[0], biggest[0])
+    where = f" on stage {est.stage}" if est.inputs.layout.pp > 1 else ""
+    return (f"does not fit: {fmt_bytes(est.total_bytes)} per rank > {fmt_bytes(limit)} ({ctx.hw.name} "
+            f"{fmt_bytes(ctx.hw.memory_bytes)} less {headroom:.0%} headroom); largest: {label} "
+            f"{fmt_bytes(biggest[1])}{where} at the {est.phase}")
+
+
+def candidates(ctx: Context, world: int, opts: Options) -> list[Candidate]:
+    a = ctx.args
+    moe = bool(getattr(a, "moe_experts", 0))
+    out = []
+    mbs = opts.micro_batches or tuple(2**i for i in range(5))
+    for tp in _divisors(math.gcd(world, ctx.gpus_per_node)):
+        if opts.max_tp and tp > opts.max_tp:
+            continue
+        for pp in _divisors(world // tp):
+            if pp > a.n_layers or (opts.max_pp and pp > opts.max_pp) or (pp > 1 and moe):
+                continue
+            dp = world // tp // pp
+            modes = []
+            for mode in opts.dp_modes:
+                if dp == 1:
+                    if not modes:
+                        modes.append(("fsdp", 1, 1))
+                    continue
+                if mode == "hsdp":
+                    modes += [("hsdp", r, dp // r) for r in _divisors(dp) if 1 < r < dp]
+                elif mode in ("ddp", "zero1"):
+                    if tp == 1 and pp == 1:
+                        modes.append((mode, 1, dp))
+                else:
+                    modes.append((mode, 1, dp))
+            for mode, rep, shard in modes:
+                eps = [e for e in _divisors(shard) if moe and a.moe_experts % e == 0 and mode != "ddp"
+                       and mode != "zero1"] if moe else [1]
+                for ep in eps or [1]:
+                    for mb in mbs:
+                        if ctx.global_seqs % (dp * mb):
+                            continue
+                        m = ctx.global_seqs // (dp * mb)
+                        scheds = [("1f1b", 1)] if pp == 1 else [
+                            (s, 2 if s in ("interleaved_1f1b", "zbv") else 1) for s in opts.schedules]
+                        for sched, v in scheds:
+                            for ac in opts.ac_modes:
+                                out.append(Candidate(world, mode, rep, shard, tp, pp, sched, v, m, ep, ac, 2, mb))
+    return out
+
+
+def evaluate(c: Candidate, ctx: Context, headroom: float, with_memory: bool = True) -> Result:
+    reason = structural_reason(c, ctx)
+    if reason:
+        return Result(c, reason=reason)
+    r = Result(c, pred=predict(c, ctx))
+    if with_memory:
+        est = memory(c, ctx)
+        r.estimate, r.total_bytes = est, est.total_bytes
+        r.reason = memory_reason(est, ctx, headroom)
+    return r
+
+
+def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) -> Plan:
+    """Predict every valid candidate, then memory-check them fastest first until `top` fit (the estimator is
+    the expensive part); raise UserError naming the nearest miss when none fits."""
+    opts = opts or Options()
+    cands = candidates(ctx, world, opts)
+    results, rejected = [], []
+    for c in cands:
+        r = evaluate(c, ctx, opts.headroom, with_memory=False)
+        (results if r.reason is None else rejected).append(r)
+    results.sort(key=lambda r: r.pred.step_s)
+    ranked, checked, misses = [], 0, []
+    need = max(top, 1)
+    for r in results:
+        if len(ranked) >= need:
+            break  # the rest are predicted slower than `top` layouts that fit
+        if any(_dominated(r.cand, x.cand) for x in misses):
+            r.reason = "does not fit: needs at least the memory of a smaller layout that does not fit"
+            rejected.append(r)
+            continue
+        if checked >= opts.estimate_limit:
+            break
+        _check(r, ctx, opts)
+        checked += 1
+        (ranked if r.reason is None else rejected).append(r)
+        if r.reason:
+            misses.append(r)
+    if not ranked:
+        # the most memory-frugal layouts (full checkpointing, the smallest micro-batch) may fit though slower
+        frugal = [r for r in results if r.total_bytes is None and r.cand.ac == "full"
+                  and r.cand.micro_batch == min(x.cand.micro_batch for x in results)]
+        for r in frugal[: opts.estimate_limit]:
+            _check(r, ctx, opts)
+            (ranked if r.reason is None else rejected).append(r)
+        ranked.sort(key=lambda r: r.pred.step_s)
+    unchecked = sum(1 for r in results if r.total_bytes is None and r.reason is None)
+    p = Plan(ctx, opts, ranked[:max(need, len(ranked))], rejected, len(cands), unchecked)
+    if not ranked:
+        raise UserError(no_fit_message(ctx, world, opts, results, rejected))
+    return p
+
+
+MEM_ORDER = {"full": 0, "every_k": 1, "selective": 1, "none": 2}
+
+
+def _dominated(c: Candidate, miss: Candidate) -> bool:
+    """c needs at least the memory of `miss` (same layout, a micro-batch no smaller, no more recomputation)."""
+    if (c.dp_mode, c.dp_replicate, c.tp, c.pp, c.schedule, c.ep) != (miss.dp_mode, miss.dp_replicate, miss.tp,
+                                                                    miss.pp, miss.schedule, miss.ep):
+        return False
+    if c.micro_batch < miss.micro_batch:
+        return False
+    return c.ac == miss.ac or MEM_ORDER[c.ac] > MEM_ORDER[miss.ac]
+
+
+def _check(r: Result, ctx: Context, opts: Options) -> None:
+    est = memory(r.cand, ctx)
+    r.estimate, r.total_bytes = est, est.total_bytes
+    r.reason = memory_reason(est, ctx, opts.headroom)
+
+
+def rank_all(ctx: Context, world: int, opts: Options | None = None) -> list[Result]:
+    """Every candidate with its prediction and memory verdict, fastest first (for benchmarks and --explain)."""
+    opts = opts or Options()
+    out = [evaluate(c, ctx, opts.headroom) for c in candidates(ctx, world, opts)]
+    ok = sorted((r for r in out if r.ok), key=lambda r: r.pred.step_s)
+    return ok + [r for r in out if not r.ok]
+
+
+def no_fit_message(ctx: Context, world: int, opts: Options, results: list[Result], rejected: list[Result]) -> str:
+    from paratrain.estimate.gpus import fmt_bytes
+
+    if not results:
+        why = rejected[0].reason if rejected else "no candidate layouts"
+        return f"no layout of {world} GPUs can run {ctx.model_name}: e.g. {why}"
+    checked = [r for r in results + rejected if r.total_bytes is not None]
+    if not checked:
+        why = rejected[0].reason if rejected else "no candidate layouts"
+        return f"no layout of {world} GPUs can run {ctx.model_name}: e.g. {why}"
+    best = min(checked, key=lambda r: r.total_bytes)
+    limit = ctx.hw.memory_bytes * (1 - opts.headroom)
+    short = best.total_bytes - limit
+    factor = best.total_bytes / limit
+    at = best.estimate.at_peak if best.estimate is not None else {}
+    states = sum(at.get(k, 0) for k in ("parameters", "gradients", "optimizer", "master", "autocast_copies"))
+    acts = sum(at.get(k, 0) for k in ("activations", "pipeline", "logits_loss"))
+    what = (f"model states alone take {fmt_bytes(states)} per rank: about {math.ceil(factor * world)} GPUs or GPUs "
+            f"with {fmt_bytes(best.total_bytes / (1 - opts.headroom))}" if states >= acts else
+            f"activations take {fmt_bytes(acts)} per rank: a shorter --seq, or more GPUs for tp/pp")
+    return (f"no layout fits {ctx.model_name} on {world} x {ctx.hw.name}: nearest miss {best.cand.name} needs "
+            f"{fmt_bytes(best.total_bytes)} per rank, {fmt_bytes(short)} more than the {fmt_bytes(limit)} usable "
+            f"({opts.headroom:.0%} headroom); it lacks memory: {what}")
+
+
+# -- names <-> candidates ------------------------------------------------------------------------------------------
+
+def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
+    """'fsdp,tp=2,pp=2,sched=1f1b,ac=full,mb=2' (the names `paratrain plan` prints) -> a Candidate."""
+    tokens = [t.strip() for t in text.split(",") if t.strip()]
+    if not tokens:
+        raise UserError("--explain needs a layout, e.g. fsdp,tp=2,ac=selective,mb=2 (as in the plan's table)")
+    mode = tokens[0]
+    if mode not in DP_MODES + ("nodp", "zero3"):
+        raise UserError(f"--explain '{text}': the first item must be a dp mode ({', '.join(DP_MODES)}) or nodp")
+    mode = {"zero3": "fsdp", "nodp": "fsdp"}.get(mode, mode)
+    kv = {"tp": "1", "pp": "1", "ep": "1", "rep": "1", "sched": "1f1b", "ac": "none", "mb": "1"}
+    for tok in tokens[1:]:
+        k, eq, v = tok.partition("=")
+        if not eq or k not in kv:
+            raise UserError(f"--explain '{text}': unknown item '{tok}' (use tp=, pp=, sched=, rep=, ep=, ac=, mb=)")
+        kv[k] = v
+    try:
+        tp, pp, ep, rep, mb = (int(kv[k]) for k in ("tp", "pp", "ep", "rep", "mb"))
+    except ValueError:
+        raise UserError(f"--explain '{text}': tp, pp, ep, rep and mb must be integers") from None
+    if min(tp, pp, ep, rep, mb) < 1:
+        raise UserError(f"--explain '{text}': degrees and mb must be >= 1")
+    ac, k = kv["ac"], 2
+    if ac.startswith("every_k"):
+        k, ac = int(ac[len("every_k"):] or 2), "every_k"
+    if ac not in AC_MODES:
+        raise UserError(f"--explain '{text}': ac must be one of {', '.join(AC_MODES)}")
+    sched = kv["sched"]
+    if sched not in SCHEDULES + ("interleaved_zero_bubble",):
+        raise UserError(f"--explain '{text}': sched must be one of {', '.join(SCHEDULES)}")
+    v = 2 if sched in ("interleaved_1f1b", "interleaved_zero_bubble", "zbv") else 1
+    rest = world // (tp * pp) if world % (tp * pp) == 0 else 0
+    if rest == 0:
+        return Candidate(world, mode, 1, 1, tp, pp, sched, v, 1, ep, ac, k, mb)
+    if mode != "hsdp":
+        rep = 1
+    shard = max(1, rest // rep)
+    dp = rep * shard
+    m = max(1, ctx.global_seqs // (dp * mb))
+    return Candidate(world, mode, rep, shard, tp, pp, sched, v, m, ep, ac, k, mb)
+
+
+def explain(text: str, ctx: Context, world: int, opts: Options) -> str:
+    from paratrain.estimate.gpus import fmt_bytes
+
+    c = parse_layout(text, ctx, world)
+    if c.dp_mode in ("ddp", "zero1") and c.dp_replicate > 1:
+        c = replace(c, dp_replicate=1, dp_shard=c.dp)
+    r = evaluate(c, ctx, opts.headroom)
+    head = f"layout {c.name} ({c.describe()}) on {world} x {ctx.hw.name}:"
+    if r.reason:
+        lines = [head, f"  rejected: {r.reason}"]
+        if r.pred is not None:
+            lines.append(f"  (were it to fit: {r.pred.tokens_per_s:,.0f} tokens/s, MFU {r.pred.mfu:.1%}; "
+                         f"{r.pred.breakdown()})")
+        return "\n".join(lines)
+    everything = rank_all(ctx, world, opts) if _small(ctx, world, opts) else None
+    lines = [head, f"  fits: {fmt_bytes(r.total_bytes)} per rank of {fmt_bytes(ctx.hw.memory_bytes)}",
+             f"  predicted step {r.pred.step_s * 1e3:.1f} ms, {r.pred.tokens_per_s:,.0f} tokens/s, MFU {r.pred.mfu:.1%}",
+             f"  {r.pred.breakdown()}"]
+    if r.pred.comm:
+        lines.append("  exposed communication: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r.pred.comm.items()))
+    p = plan(ctx, world, opts, top=1)
+    best = p.ranked[0]
+    if best.cand == c:
+        lines.append("  ranks 1st: the planner's choice")
+    else:
+        slower = r.pred.step_s / best.pred.step_s - 1
+        if everything is not None:
+            ok = [x for x in everything if x.ok]
+            pos = next((i for i, x in enumerate(ok) if x.cand == c), None)
+            if pos is not None:
+                lines.append(f"  ranks {pos + 1} of {len(ok)} layouts that fit")
+        lines.append(f"  {slower:+.1%} step time against the best, {best.cand.name}: " + _diff(r.pred, best.pred))
+    return "\n".join(lines)
+
+
+def _small(ctx, world, opts) -> bool:
+    return len(candidates(ctx, world, opts)) <= 200
+
+
+def _diff(p: Prediction, best: Prediction) -> str:
+    parts = []
+    for label, a, b in (("compute", p.compute_s, best.compute_s), ("exposed comm", p.comm_exposed_s, best.comm_exposed_s),
+                        ("bubble", p.bubble_s, best.bubble_s), ("recompute", p.recompute_s, best.recompute_s),
+                        ("optimizer", p.optimizer_s, best.optimizer_s)):
+        if abs(a - b) > 0.01 * best.step_s:
+            parts.append(f"{label} {(a - b) * 1e3:+.1f} ms")
+    return ", ".join(parts) or "about the same"
