@@ -170,11 +170,6 @@ def _fsync_dir(path: Path) -> None:
                 os.fsync(fh.fileno())
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer, trainer_state: dict, keep: int,
-                    is_main: bool, tokenizer=None) -> Path:
-    return CheckpointWriter(ckpt_root, keep, is_main, tokenizer=tokenizer).save(step, model, optimizer, trainer_state)
-
-
 # -- finding a checkpoint to resume -------------------------------------------------------------
 
 def checkpoint_problem(path: Path) -> str | None:

@@ -24,7 +24,7 @@ from paratrain.checkpoint import (CheckpointWriter, export_safetensors, load_che
                                   resolve_resume)
 from paratrain.config import Config, dump_toml
 from paratrain.data import DEFAULT_CORPUS, TokenData, ensure_prepared, load_tokenizer, read_meta
-from paratrain.distributed.env import DistEnv, init_distributed, register_process
+from paratrain.distributed.env import DistEnv, init_distributed, register_process, shutdown_distributed
 from paratrain.distributed.expert_parallel import MoEMeter
 from paratrain.distributed.grad_norm import clip_grad_norm
 from paratrain.distributed.parallel_dims import ParallelDims
@@ -626,4 +626,6 @@ def train(cfg: Config, want_final_weights: bool = False) -> TrainResult:
         meta = prepare_data(cfg)
     plan = plan_run(cfg, env.world_size, meta)
     torch.manual_seed(cfg.training.seed)
-    return Trainer(plan, env, want_final_weights).fit()
+    result = Trainer(plan, env, want_final_weights).fit()
+    shutdown_distributed()  # every rank got here at the same step: leave the process group cleanly
+    return result
