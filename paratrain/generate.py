@@ -5,10 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    # Vocab-parallel logits arrive as a DTensor; sampling needs the whole row.
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+from paratrain.distributed.tensors import full_tensor
 
 
 @torch.no_grad()
@@ -22,7 +19,8 @@ def sample(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, max_seq
     was_training = model.training
     model.eval()
     for _ in range(max_new_tokens):
-        logits = _full(model(ids[:, -max_seq_len:]))[:, -1, :vocab_limit].float().cpu()  # (1, V)
+        # Vocab-parallel logits arrive as a DTensor; sampling needs the whole row.
+        logits = full_tensor(model(ids[:, -max_seq_len:]))[:, -1, :vocab_limit].float().cpu()  # (1, V)
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:

@@ -11,6 +11,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from paratrain.distributed.tensors import local_tensor
 from paratrain.errors import UserError
 from paratrain.faults import InjectedOOM
 
@@ -51,7 +52,7 @@ class MemoryBudget:
         self.saved = 0
 
         def pack(t: torch.Tensor):
-            local = t.to_local() if hasattr(t, "to_local") else t
+            local = local_tensor(t)
             key = local.untyped_storage().data_ptr()
             if key not in seen:
                 seen.add(key)

@@ -27,6 +27,7 @@ from paratrain.data import DEFAULT_CORPUS, TokenData, ensure_prepared, load_toke
 from paratrain.distributed.env import DistEnv, init_distributed, register_process, shutdown_distributed
 from paratrain.distributed.expert_parallel import MoEMeter
 from paratrain.distributed.grad_norm import clip_grad_norm
+from paratrain.distributed.tensors import full_tensor, local_tensor
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import PRECISION_DTYPES, parallelize, unwrap, uses_fsdp
 from paratrain.distributed.pipeline import PipelinePlan, PipelineSampler, build_pipeline, plan_pipeline
@@ -129,10 +130,6 @@ def plan_run(cfg: Config, world_size: int, meta: dict | None = None) -> RunPlan:
     else:
         pipeline, accum = None, dims.validate_batch(global_batch, t.micro_batch, t.seq_len)
     return RunPlan(cfg, dims, args, Path(cfg.data.dir), global_batch, accum, fixed, pipeline)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _dp_mean(value: torch.Tensor, group) -> float:
@@ -263,7 +260,7 @@ class Trainer:
                 torch.autograd.backward([self.scaler.scale(r) for r in roots] if self.scaler else roots)
             if self.memory_budget:
                 self.memory_budget.check()
-            total += _local(loss.detach())
+            total += full_tensor(loss.detach())
         return total
 
     def _step_gradients(self, step: int, data_step: int) -> torch.Tensor:
@@ -321,7 +318,7 @@ class Trainer:
                         loss = self.pipeline.eval_loss(xs.to(self.env.device), ys.to(self.env.device), loss_fn)
                     else:
                         loss = loss_fn(self.model(xs.to(self.env.device)), ys.to(self.env.device))
-                total += _local(loss) * xs.shape[0] / per_rank
+                total += full_tensor(loss) * xs.shape[0] / per_rank
         self.model.train()
         return _dp_mean(total / len(batches), self.dp_group)
 
@@ -409,9 +406,7 @@ class Trainer:
         if path is None:
             return None
         self.skip_batches |= set(bad_batches)
-        skip = set(self.skip_batches)
-        step = self._restore(path)
-        self.skip_batches |= skip
+        step = self._restore(path)  # adds the checkpoint's own skip list to ours
         self.notice(f"rolled back to {path} (step {step}); skipping batches {sorted(bad_batches)}")
         return step
 
@@ -419,7 +414,7 @@ class Trainer:
         """Bytes of parameters, gradients and optimizer state held by each rank."""
 
         def nbytes(t):
-            t = t.to_local() if hasattr(t, "to_local") else t
+            t = local_tensor(t)
             return t.numel() * t.element_size()
 
         params = list(self.model.parameters())

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.distributed.tensors import full_tensor
 from paratrain.errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
@@ -223,7 +224,7 @@ class Pipeline:
             torch.cuda.synchronize(self.device)
         self.step_s = time.perf_counter() - start
         if self.has_last:
-            loss = torch.stack([_local(v).detach().float().reshape(()) for v in losses]).mean()
+            loss = torch.stack([full_tensor(v).detach().float().reshape(()) for v in losses]).mean()
         else:
             loss = torch.zeros((), device=self.device)
         return self._from_last(loss)
@@ -255,18 +256,18 @@ class Pipeline:
                 h = _recv(p.stage_owner(s - 1), self.group, self.device)
             h = self.modules[s](h)
             if s < p.num_stages - 1 and p.stage_owner(s + 1) != owner:
-                _send(_local(h), p.stage_owner(s + 1), self.group)
+                _send(full_tensor(h), p.stage_owner(s + 1), self.group)
         return h if self.has_last else None
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
         out = self.forward(x)
-        loss = _local(loss_fn(out, y)).detach().float() if self.has_last else torch.zeros((), device=self.device)
+        loss = full_tensor(loss_fn(out, y)).detach().float() if self.has_last else torch.zeros((), device=self.device)
         return self._from_last(loss)
 
     def last_logits(self, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
         out = self.forward(tokens)
         if self.has_last:
-            logits = _local(out)[:, -1:, :].float().contiguous()
+            logits = full_tensor(out)[:, -1:, :].float().contiguous()
         else:
             logits = torch.zeros(tokens.shape[0], 1, vocab, device=self.device)
         return self._from_last(logits)
@@ -287,10 +288,6 @@ class PipelineSampler(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self._pipeline.last_logits(tokens, self._vocab)
-
-
-def _local(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]

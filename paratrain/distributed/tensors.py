@@ -1,0 +1,15 @@
+"""Helpers for code that sees either plain tensors or DTensors, depending on the layout."""
+
+from __future__ import annotations
+
+import torch
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole value: a DTensor is gathered (a collective: every rank of its mesh must call this)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
