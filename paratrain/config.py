@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
+import typing
+from typing import Literal, Union, get_args, get_origin
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -16,6 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from paratrain.errors import ConfigError
+from paratrain.layout import DPModeOption, Schedule
+
+Precision = Literal["fp32", "bf16", "fp16"]
+ActivationCheckpointMode = Literal["none", "full", "every_k", "selective"]
 
 
 @dataclass
@@ -37,7 +44,7 @@ class ModelConfig:
     moe_shared_experts: int | None = None  # experts every token goes through
     moe_ffn_hidden: int | None = None  # hidden size of each expert (default: ffn_hidden)
     moe_first_dense_layers: int | None = None  # the first N layers keep the dense MLP
-    moe_score_func: str | None = None  # softmax | sigmoid
+    moe_score_func: Literal["softmax", "sigmoid"] | None = None
     moe_aux_loss_coef: float | None = None  # weight of the per-sequence load-balancing loss
     moe_capacity_factor: float | None = None  # 0: no limit; else tokens per expert per sequence <= cf x T x k / E
 
@@ -60,13 +67,13 @@ class TrainingConfig:
     # If set, the global batch (sequences per optimizer step) is fixed and accum_steps is derived from it.
     global_batch: int | None = None
     seed: int = 1337
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: Precision = "fp32"
     grad_clip: float = 1.0  # 0 disables
     eval_every: int = 250
     eval_batches: int = 20
     log_every: int = 10
     compile: bool = False
-    device: str = "auto"  # auto | cpu | cuda
+    device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
 @dataclass
@@ -78,19 +85,19 @@ class OptimizerConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     eps: float = 1e-8
-    impl: str = "auto"  # auto | fused | foreach | for
+    impl: Literal["auto", "fused", "foreach", "for"] = "auto"
 
 
 @dataclass
 class ParallelConfig:
-    dp_mode: str = "fsdp"  # ddp | zero1 | zero2 | zero3 | fsdp | hsdp
+    dp_mode: DPModeOption = "fsdp"  # zero3 is another name for fsdp
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: whatever the other degrees leave of the world size
     tp: int = 1
     sequence_parallel: bool = True  # with tp > 1: shard norms and residuals along the sequence
     loss_parallel: bool = True  # with tp > 1: keep logits sharded by vocab through the loss
     pp: int = 1  # pipeline stages (ranks along the pp mesh axis)
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble | zbv
+    pp_schedule: Schedule = "1f1b"
     pp_microbatches: int = 0  # per optimizer step and data-parallel rank; 0: automatic
     pp_virtual_stages: int = 1  # stages per rank for the interleaved schedules (1: automatic, 2)
     pp_split: str = ""  # blocks per stage, e.g. "3,2,2,1"; empty: balanced by parameter count
@@ -99,10 +106,10 @@ class ParallelConfig:
 
 
 @dataclass
-class CheckpointingConfig:
+class ActivationCheckpointConfig:
     """Activation checkpointing (recompute in backward instead of storing)."""
 
-    mode: str = "none"  # none | full | every_k | selective
+    mode: ActivationCheckpointMode = "none"
     every_k: int = 2
 
 
@@ -132,7 +139,7 @@ class ResilienceConfig:
 @dataclass
 class MetricsConfig:
     peak_tflops: float = 0.0  # device peak for MFU; 0 looks the device up (CPU: a quick matmul measurement)
-    progress: str = "auto"  # auto | bar | lines | none
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"
     # Prometheus endpoint (needs prometheus_client): 0 = off. One endpoint per node (local rank 0, every rank's
     # memory labelled rank="N"), or with prometheus_per_rank one per rank on port + local_rank.
     prometheus_port: int = 0
@@ -166,7 +173,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -180,15 +187,8 @@ class Config:
         return dataclasses.asdict(self)
 
 
-CHOICES = {
-    "training.precision": ("fp32", "bf16", "fp16"),
-    "training.device": ("auto", "cpu", "cuda"),
-    "optimizer.impl": ("auto", "fused", "foreach", "for"),
-    "parallel.dp_mode": ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"),
-    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"),
-    "checkpointing.mode": ("none", "full", "every_k", "selective"),
-    "metrics.progress": ("auto", "bar", "lines", "none"),
-}
+# Sections that were renamed: the old name is an error that names the new one.
+RENAMED_SECTIONS = {"checkpointing": "activation_checkpoint"}
 
 
 def _suggest(name: str, options) -> str:
@@ -197,26 +197,42 @@ def _suggest(name: str, options) -> str:
 
 
 def _coerce(key: str, value, annotation):
-    """Check (TOML values) or parse (command-line strings) one value against its annotation."""
-    types_allowed = _allowed_types(annotation)
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in types_allowed):
-        if type(None) in types_allowed:
+    """Check (TOML values) or parse (command-line strings) one value against its type annotation."""
+    options = _members(annotation)
+    allowed = tuple(o for o in options if isinstance(o, type))
+    choices = tuple(o for o in options if not isinstance(o, type))  # Literal values
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in allowed):
+        if type(None) in allowed:
             return None
         raise ConfigError(f"{key}: a value is required")
-    if isinstance(value, str) and str not in types_allowed:
+    if choices:
+        if value in choices:
+            return value
+        shown = ", ".join(map(str, choices))
+        raise ConfigError(f"{key}: '{value}' is not one of {shown}{_suggest(str(value), [str(c) for c in choices])}")
+    if isinstance(value, str) and str not in allowed:
         for t in (bool, int, float):
-            if t in types_allowed:
+            if t in allowed:
                 return _coerce(key, _parse_scalar(key, value, t), annotation)
-    if bool in types_allowed and isinstance(value, bool):
+    if bool in allowed and isinstance(value, bool):
         return value
-    if int in types_allowed and isinstance(value, int) and not isinstance(value, bool):
+    if int in allowed and isinstance(value, int) and not isinstance(value, bool):
         return value
-    if float in types_allowed and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if float in allowed and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if str in types_allowed and isinstance(value, str):
+    if str in allowed and isinstance(value, str):
         return value
-    wanted = " or ".join(t.__name__ for t in types_allowed if t is not type(None))
+    wanted = " or ".join(t.__name__ for t in allowed if t is not type(None))
     raise ConfigError(f"{key}: expected {wanted}, got {type(value).__name__} {value!r}")
+
+
+def _members(annotation) -> tuple:
+    """The plain types and Literal values an annotation admits: `Literal['a', 'b'] | None` -> ('a', 'b', NoneType)."""
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    if get_origin(annotation) in (Union, types.UnionType):
+        return tuple(m for arg in get_args(annotation) for m in _members(arg))
+    return (annotation,)
 
 
 def _parse_scalar(key: str, text: str, t: type):
@@ -232,16 +248,14 @@ def _parse_scalar(key: str, text: str, t: type):
         raise ConfigError(f"{key}: expected {t.__name__}, got {text!r}") from None
 
 
-def _allowed_types(annotation: str) -> tuple:
-    names = {"int": int, "float": float, "str": str, "bool": bool, "None": type(None)}
-    return tuple(names[part.strip()] for part in annotation.split("|"))
-
-
 def _set(cfg: Config, dotted: str, value) -> None:
     if dotted.count(".") != 1:
         raise ConfigError(f"config key '{dotted}' must be section.key (e.g. training.steps)")
     section_name, key = dotted.split(".")
     sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section_name in RENAMED_SECTIONS:
+        raise ConfigError(f"config section '{section_name}' is now called '{RENAMED_SECTIONS[section_name]}' "
+                          f"({section_name}.{key} -> {RENAMED_SECTIONS[section_name]}.{key})")
     if section_name not in sections:
         raise ConfigError(f"unknown config section '{section_name}'{_suggest(section_name, sections)}")
     section = getattr(cfg, section_name)
@@ -250,7 +264,7 @@ def _set(cfg: Config, dotted: str, value) -> None:
         full = [f"{section_name}.{k}" for k in fields]
         all_keys = [f"{s}.{f.name}" for s in sections for f in dataclasses.fields(getattr(cfg, s))]
         raise ConfigError(f"unknown config key '{dotted}'{_suggest(dotted, full) or _suggest(dotted, all_keys)}")
-    setattr(section, key, _coerce(dotted, value, fields[key].type))
+    setattr(section, key, _coerce(dotted, value, typing.get_type_hints(type(section))[key]))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -285,11 +299,12 @@ def _require(ok: bool, message: str) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no data or world size. Layout checks live in ParallelDims."""
-    for dotted, options in CHOICES.items():
-        section, key = dotted.split(".")
-        value = getattr(getattr(cfg, section), key)
-        _require(value in options, f"{dotted}: '{value}' is not one of {', '.join(options)}{_suggest(value, options)}")
+    """Checks that need no data or world size. The parallel layout is checked by `paratrain.layout.Layout`."""
+    for section in dataclasses.fields(cfg):  # values set in code (not through _set) still get their choices checked
+        table = getattr(cfg, section.name)
+        for key, annotation in typing.get_type_hints(type(table)).items():
+            if get_origin(annotation) is Literal:
+                _coerce(f"{section.name}.{key}", getattr(table, key), annotation)
     t, o = cfg.training, cfg.optimizer
     for dotted in ("training.steps", "training.seq_len", "training.micro_batch", "training.accum_steps",
                    "training.eval_batches", "training.log_every"):
@@ -304,7 +319,7 @@ def validate(cfg: Config) -> None:
     _require(o.weight_decay >= 0, "optimizer.weight_decay must be >= 0")
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1 and optimizer.beta2 must be in [0, 1)")
     _require(o.eps > 0, "optimizer.eps must be positive")
-    _require(cfg.checkpointing.every_k >= 1, "checkpointing.every_k must be >= 1")
+    _require(cfg.activation_checkpoint.every_k >= 1, "activation_checkpoint.every_k must be >= 1")
     _require(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 saves only at the end)")
     _require(cfg.checkpoint.keep >= 2, "checkpoint.keep must be >= 2 so a bad save never leaves no checkpoint")
     r = cfg.resilience
@@ -313,12 +328,7 @@ def validate(cfg: Config) -> None:
     _require(r.preempt_grace_s > 0, "resilience.preempt_grace_s must be positive")
     _require(r.max_bad_steps >= 1, "resilience.max_bad_steps must be >= 1")
     _require(r.memory_budget_gib >= 0, "resilience.memory_budget_gib must be >= 0 (0 disables)")
-    p = cfg.parallel
-    for key in ("dp_replicate", "tp", "pp", "ep"):
-        _require(getattr(p, key) >= 1, f"parallel.{key} must be >= 1")
-    _require(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard must be >= 1, or -1 for automatic")
-    _require(p.pp_microbatches >= 0, "parallel.pp_microbatches must be >= 0 (0: automatic)")
-    _require(p.pp_virtual_stages >= 1, "parallel.pp_virtual_stages must be >= 1")
+    p = cfg.parallel  # the degrees are checked against the world size by paratrain.layout.Layout
     _require(p.ddp_bucket_mb > 0, "parallel.ddp_bucket_mb must be positive")
     _require(0 < cfg.data.val_fraction <= 0.5, "data.val_fraction must be in (0, 0.5]")
     s = cfg.sample

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SCORE_FUNCS = ("softmax", "sigmoid")
+from paratrain.models.args import SCORE_FUNCS  # noqa: E402 (re-exported)
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import difflib
 
 from paratrain.errors import ConfigError, UserError
-from paratrain.models.llama import ModelArgs
-from paratrain.models.moe import SCORE_FUNCS
+from paratrain.models.args import SCORE_FUNCS, ModelArgs
 
 LLAMA3_VOCAB = 128256
 
@@ -82,20 +81,27 @@ def validate_moe(args: ModelArgs) -> None:
         raise ConfigError(f"model.moe_ffn_hidden must be positive, got {args.moe_ffn_hidden}")
 
 
+def block_param_count(args: ModelArgs, index: int, active: bool = False) -> int:
+    """Parameters of block `index` (attention, norms, dense or mixture-of-experts feed-forward).
+
+    active=True counts what one token uses: the router, the shared experts and top_k of the routed experts."""
+    hd = args.head_dim
+    attn = args.dim * args.n_heads * hd * 2 + args.dim * args.n_kv_heads * hd * 2  # wq, wo, wk, wv
+    swiglu = 3 * args.dim  # parameters per unit of SwiGLU width (w1, w2, w3)
+    norms = 2 * args.dim  # two RMSNorm gains
+    if not args.is_moe_layer(index):
+        return attn + swiglu * args.ffn_hidden + norms
+    routed = args.moe_top_k if active else args.moe_experts
+    return attn + args.moe_experts * args.dim + swiglu * args.expert_hidden * (routed + args.moe_shared_experts) + norms
+
+
 def count_params(args: ModelArgs, include_embedding: bool = True, active: bool = False) -> int:
     """Exact parameter count from the dimensions, without building the model.
 
     active=True counts what one token uses: in MoE layers the router, the shared experts and top_k of the
     routed experts instead of all of them (the same as the total for a dense model).
     """
-    hd = args.head_dim
-    attn = args.dim * args.n_heads * hd * 2 + args.dim * args.n_kv_heads * hd * 2  # wq, wo, wk, wv
-    swiglu = 3 * args.dim  # parameters per unit of SwiGLU width (w1, w2, w3)
-    dense_ffn = swiglu * args.ffn_hidden
-    routed = args.moe_top_k if active else args.moe_experts
-    moe_ffn = args.moe_experts * args.dim + swiglu * args.expert_hidden * (routed + args.moe_shared_experts)
-    norms = 2 * args.dim  # two RMSNorm gains
-    blocks = sum(attn + (moe_ffn if args.is_moe_layer(i) else dense_ffn) + norms for i in range(args.n_layers))
+    blocks = sum(block_param_count(args, i, active) for i in range(args.n_layers))
     embedding = args.vocab_size * args.dim
     output = 0 if args.tie_embeddings else args.vocab_size * args.dim
     total = embedding + blocks + args.dim + output

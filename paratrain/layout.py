@@ -1,0 +1,444 @@
+"""The parallel layout: one torch-free description of how a run is spread over ranks, and every rule about it.
+
+The trainer, the memory estimator and the planner all use this one type. A `Layout` holds the resolved
+degrees (world = pp x dp_replicate x dp_shard x tp; expert parallelism borrows `ep` ranks from dp_shard),
+the data-parallel mode, and the pipeline's schedule, stages per rank, microbatches and blocks per stage.
+Questions about a layout ("does FSDP hold the parameters?", "which ranks shard the optimizer?") are
+answered by its predicates, so no other module compares mode strings.
+
+    layout = Layout.from_config(cfg.parallel, world_size)     # degrees checked against the world size
+    layout = layout.validate(model_args, world_size, batch)    # model and batch checked; automatic values filled
+
+Every mistake is a ConfigError with one line naming the setting. `distributed/parallel_dims.py` turns a
+Layout into a DeviceMesh; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from paratrain.errors import ConfigError
+
+DPMode = Literal["ddp", "zero1", "zero2", "fsdp", "hsdp"]
+DPModeOption = Literal["ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]  # zero3 is another name for fsdp
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"]
+DP_MODES: tuple[str, ...] = get_args(DPMode)
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")  # pp_virtual stages per rank, round robin
+MULTI_STAGE = (*INTERLEAVED, "zbv")  # several stages per rank (zbv: exactly 2, V-shaped)
+
+# Data-parallel modes by what they shard (ZeRO stages): ddp nothing, zero1 the optimizer state, zero2 also the
+# gradients, fsdp/hsdp also the parameters (hsdp within a replica).
+_ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "hsdp": 3}
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What a layout must divide: sequences per optimizer step, per micro-step and rank, and their length."""
+
+    global_batch: int
+    micro_batch: int
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_mode: DPMode = "fsdp"
+    dp_replicate: int = 1  # replicas (ddp and zero1 keep their whole data-parallel degree here)
+    dp_shard: int = 1  # ranks each parameter is sharded over (FSDP)
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1  # experts sharded over this many of the dp_shard ranks
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    pp_schedule: Schedule = "1f1b"
+    pp_virtual: int = 1  # stages per pp rank
+    pp_microbatches: int = 0  # per optimizer step and data-parallel rank; 0 until validate() picks it
+    pp_split: tuple[int, ...] | None = None  # blocks per stage; None until validate() balances them
+
+    # -- construction ------------------------------------------------------------------------------
+    @classmethod
+    def resolve(cls, world_size: int, *, dp_mode: str = "fsdp", dp_replicate: int = 1, dp_shard: int = -1,
+                tp: int = 1, pp: int = 1, ep: int = 1, sequence_parallel: bool = True, loss_parallel: bool = True,
+                pp_schedule: str = "1f1b", pp_virtual: int = 1, pp_microbatches: int = 0,
+                pp_split: str | tuple[int, ...] | None = None) -> "Layout":
+        """Fill in the automatic degrees (dp_shard=-1: the rest of the world) and check them against the world size.
+
+        pp_virtual=1 with an interleaved schedule means "automatic" (2); pp_microbatches=0 is chosen from the batch
+        by `validate`."""
+        _check_choice("parallel.dp_mode", dp_mode, get_args(DPModeOption))
+        _check_choice("parallel.pp_schedule", pp_schedule, SCHEDULES)
+        mode = "fsdp" if dp_mode == "zero3" else dp_mode
+        if world_size < 1:
+            raise ConfigError(f"world size must be >= 1, got {world_size}")
+        for key, value in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp), ("ep", ep),
+                           ("pp_virtual_stages", pp_virtual)):
+            if value < 1:
+                raise ConfigError(f"parallel.{key} must be >= 1, got {value}")
+        if dp_shard != -1 and dp_shard < 1:
+            raise ConfigError(f"parallel.dp_shard must be >= 1, or -1 for the rest of the world, got {dp_shard}")
+        if pp_microbatches < 0:
+            raise ConfigError(f"parallel.pp_microbatches must be >= 0 (0: automatic), got {pp_microbatches}")
+        rest, r = divmod(world_size, tp * pp)
+        if r:
+            raise ConfigError(f"parallel.tp ({tp}) x parallel.pp ({pp}) does not divide the world size {world_size}")
+        replicate, shard = dp_replicate, dp_shard
+        if _ZERO_STAGE[mode] < 2:
+            # One flat, replicated data-parallel axis; either degree may name it.
+            if replicate > 1 and shard not in (-1, 1):
+                raise ConfigError(f"dp_mode={mode} has one data-parallel degree: give parallel.dp_replicate or "
+                                  "parallel.dp_shard, not both")
+            replicate, shard = (replicate if replicate > 1 else (rest if shard == -1 else shard)), 1
+        elif mode != "hsdp" and replicate != 1:
+            raise ConfigError(f"parallel.dp_replicate={replicate} with dp_mode={mode}: use dp_mode=hsdp to replicate "
+                              "shards")
+        elif mode == "hsdp" and replicate == 1 and world_size > 1:
+            raise ConfigError("dp_mode=hsdp needs parallel.dp_replicate > 1 (replicas) and dp_shard (ranks per replica)")
+        if shard == -1:
+            shard, r = divmod(rest, replicate)
+            if r or shard < 1:
+                raise ConfigError(f"parallel.dp_replicate ({replicate}) does not divide the {rest} ranks left by tp x pp")
+        product = replicate * shard * tp * pp
+        if product != world_size:
+            raise ConfigError(f"parallel degrees dp_replicate={replicate} x dp_shard={shard} x tp={tp} x pp={pp} = "
+                              f"{product}, but the world size is {world_size}")
+        dp = replicate * shard
+        if dp > 1 and _ZERO_STAGE[mode] < 2 and (tp > 1 or pp > 1):
+            raise ConfigError(f"dp_mode={mode} does not compose with tp or pp; use dp_mode=fsdp, zero2 or hsdp")
+        if ep > 1:
+            if _ZERO_STAGE[mode] < 2:
+                raise ConfigError(f"parallel.ep={ep} needs dp_mode fsdp, zero2 or hsdp (experts are sharded over the "
+                                  f"data-parallel ranks), not {mode}")
+            if shard % ep:
+                raise ConfigError(f"parallel.ep={ep} does not fit the mesh: expert parallelism borrows its ranks from "
+                                  f"dp_shard={shard}, which it must divide")
+        virtual = _virtual_stages(pp_schedule, pp_virtual) if pp > 1 else 1
+        split = _parse_split(pp_split) if pp > 1 else None
+        if split is not None and len(split) != pp * virtual:
+            raise ConfigError(f"parallel.pp_split='{_fmt(split)}' must give {pp * virtual} stages (pp={pp} x "
+                              f"{virtual} per rank), got {len(split)}")
+        return cls(mode, replicate, shard, tp, pp, ep, sequence_parallel, loss_parallel, pp_schedule, virtual,
+                   pp_microbatches if pp > 1 else 0, split)
+
+    @classmethod
+    def from_config(cls, parallel, world_size: int) -> "Layout":
+        """From a `[parallel]` config section (config.ParallelConfig)."""
+        p = parallel
+        return cls.resolve(world_size, dp_mode=p.dp_mode, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp,
+                           pp=p.pp, ep=p.ep, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel,
+                           pp_schedule=p.pp_schedule, pp_virtual=p.pp_virtual_stages,
+                           pp_microbatches=p.pp_microbatches, pp_split=p.pp_split or None)
+
+    def replace(self, **changes) -> "Layout":
+        """A changed copy, checked again (for the estimator's and planner's what-ifs)."""
+        fields = {**dataclasses.asdict(self), **changes}
+        world = fields["dp_replicate"] * fields["dp_shard"] * fields["tp"] * fields["pp"]
+        virtual = fields.pop("pp_virtual")
+        if "pp_schedule" in changes and "pp_virtual" not in changes:
+            virtual = 1  # automatic for the new schedule
+        return Layout.resolve(world, pp_virtual=virtual, **fields)
+
+    # -- what the layout is ----------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that read different sequences."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def zero_stage(self) -> int:
+        """What data parallelism shards (0: nothing, 1: optimizer state, 2: + gradients, 3: + parameters)."""
+        return _ZERO_STAGE[self.dp_mode] if self.dp > 1 else 0
+
+    @property
+    def uses_fsdp(self) -> bool:
+        """FSDP2 (`fully_shard`) holds the parameters (zero2, fsdp, hsdp)."""
+        return self.zero_stage >= 2
+
+    @property
+    def uses_ddp(self) -> bool:
+        """DistributedDataParallel wraps the model (ddp, zero1)."""
+        return self.dp > 1 and _ZERO_STAGE[self.dp_mode] < 2
+
+    @property
+    def zero1(self) -> bool:
+        """ZeroRedundancyOptimizer shards the optimizer state over the data-parallel ranks."""
+        return self.zero_stage == 1
+
+    @property
+    def hybrid(self) -> bool:
+        """HSDP: shards within a replica group, replicas across."""
+        return self.dp_mode == "hsdp" and self.dp > 1
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """zero2 keeps the gathered parameters from forward to backward; zero3/fsdp/hsdp free them."""
+        return self.dp_mode != "zero2"
+
+    @property
+    def fsdp_axes(self) -> tuple[str, ...]:
+        """Mesh axes FSDP shards (and for HSDP replicates) over."""
+        return ("dp_replicate", "dp_shard") if self.hybrid else ("dp_shard",)
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks each parameter, gradient and optimizer state is split over by FSDP."""
+        return self.dp_shard if self.uses_fsdp else 1
+
+    @property
+    def optimizer_shards(self) -> int:
+        """Ranks the optimizer state is split over (FSDP's shards, or ZeRO-1's data-parallel ranks)."""
+        return self.dp if self.zero1 else self.shard_degree
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism: norms and the residual stream sharded along the sequence over tp."""
+        return self.tp > 1 and self.sequence_parallel
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def uses_loss_parallel(self) -> bool:
+        """Logits stay sharded by vocabulary through the loss (tp; a pipeline's last stage computes whole logits)."""
+        return self.tp > 1 and self.loss_parallel and self.pp == 1
+
+    def mesh_axes(self) -> list[tuple[str, int]]:
+        """Named mesh axes, outermost first; only those of size > 1 (a single process has none)."""
+        axes = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp)]
+        return [(name, size) for name, size in axes if size > 1]
+
+    # -- pipeline stages -------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.pp_virtual
+
+    def stage_owner(self, stage: int) -> int:
+        """The pp rank that runs a stage: round robin, or a V for zbv (rank r runs r and 2p-1-r)."""
+        if self.pp_schedule == "zbv":
+            return stage if stage < self.pp else 2 * self.pp - 1 - stage
+        return stage % self.pp
+
+    def local_stages(self, pp_rank: int) -> list[int]:
+        return [s for s in range(self.num_stages) if self.stage_owner(s) == pp_rank]
+
+    def stage_layers(self, stage: int) -> list[int]:
+        start = sum(self.pp_split[:stage])
+        return list(range(start, start + self.pp_split[stage]))
+
+    def predicted_bubble(self) -> float:
+        return predicted_bubble(self.pp, max(self.pp_microbatches, 1), self.pp_virtual)
+
+    # -- checks against the model and the batch ---------------------------------------------------
+    def validate(self, args, world_size: int, batch: Batch | None = None) -> "Layout":
+        """Check the layout against the world size, the model (`ModelArgs`) and, when given, the batch.
+
+        Returns the layout with its automatic pipeline values filled in (blocks per stage balanced by parameter
+        count; microbatches: the smallest divisor of each data-parallel rank's batch reaching 2 x stages)."""
+        if world_size != self.world_size:
+            raise ConfigError(f"the layout needs {self.world_size} ranks, but the world size is {world_size}")
+        self._check_model(args)
+        layout = self
+        if self.pp > 1:
+            split = self.pp_split or balanced_split(args, self.num_stages)
+            if sum(split) != args.n_layers:
+                raise ConfigError(f"parallel.pp_split='{_fmt(split)}' covers {sum(split)} blocks; the model has "
+                                  f"model.n_layers={args.n_layers}")
+            layout = dataclasses.replace(self, pp_split=tuple(split))
+        if batch is not None:
+            layout = layout._check_batch(args, batch)
+        return layout
+
+    def accumulation(self, batch: Batch) -> int:
+        """Micro-steps per optimizer step: global batch = micro_batch x accumulation x dp (1 with a pipeline,
+        whose schedule cuts the rank's batch into microbatches itself)."""
+        if self.pp > 1:
+            return 1
+        per_step = batch.micro_batch * self.dp
+        if batch.global_batch % per_step:
+            raise ConfigError(f"global batch {batch.global_batch} is not divisible by micro_batch ({batch.micro_batch}) "
+                              f"x data-parallel degree ({self.dp}) = {per_step}")
+        return batch.global_batch // per_step
+
+    def _check_model(self, args) -> None:
+        """Divisibility that would otherwise fail deep inside a collective."""
+        if self.ep > 1:
+            if not args.moe_experts:
+                raise ConfigError(f"parallel.ep={self.ep} needs a mixture-of-experts model (model.moe_experts > 0)")
+            if args.moe_experts % self.ep:
+                raise ConfigError(f"model.moe_experts={args.moe_experts} is not divisible by parallel.ep={self.ep}")
+        if self.tp > 1:
+            names = ["n_heads", "n_kv_heads", "dim"]
+            if not all(args.is_moe_layer(i) for i in range(args.n_layers)):
+                names.append("ffn_hidden")  # dense MLPs are sharded by hidden unit; routed experts are not
+            for name in names:
+                value = getattr(args, name)
+                if value % self.tp:
+                    raise ConfigError(f"model {name}={value} is not divisible by parallel.tp={self.tp}")
+            shared = args.expert_hidden * args.moe_shared_experts if args.moe_experts else 0
+            if shared % self.tp:
+                raise ConfigError(f"shared-expert width {shared} (model.moe_ffn_hidden x moe_shared_experts) is not "
+                                  f"divisible by parallel.tp={self.tp}")
+            if args.vocab_size % self.tp:
+                raise ConfigError(f"vocab size {args.vocab_size} is not divisible by parallel.tp={self.tp} "
+                                  "(the embedding and output are sharded by vocabulary)")
+            if args.tie_embeddings:
+                raise ConfigError("tied embeddings do not compose with tensor parallelism; set model.tie_embeddings=false")
+        if self.pp > 1:
+            if self.num_stages > args.n_layers:
+                what = f"parallel.pp={self.pp}" + (f" x {self.pp_virtual} virtual stages ({self.pp_schedule})"
+                                                   if self.pp_virtual > 1 else "")
+                raise ConfigError(f"{what} = {self.num_stages} pipeline stages, but the model has only {args.n_layers} "
+                                  "blocks (model.n_layers); each stage needs at least one block")
+            if args.tie_embeddings:
+                raise ConfigError("tied embeddings do not compose with pipeline parallelism (the embedding is on the "
+                                  "first stage, the output on the last); set model.tie_embeddings=false")
+            if args.moe_experts:
+                raise ConfigError("pipeline parallelism does not support mixture-of-experts models yet (parallel.pp > 1 "
+                                  "with model.moe_experts > 0)")
+
+    def _check_batch(self, args, batch: Batch) -> "Layout":
+        if batch.seq_len > args.max_seq_len:
+            raise ConfigError(f"training.seq_len={batch.seq_len} is longer than the model's max_seq_len="
+                              f"{args.max_seq_len}")
+        if self.sp and batch.seq_len % self.tp:
+            raise ConfigError(f"training.seq_len={batch.seq_len} is not divisible by parallel.tp={self.tp} "
+                              "(sequence parallel)")
+        if self.pp == 1:
+            self.accumulation(batch)
+            return self
+        if batch.global_batch % self.dp:
+            raise ConfigError(f"global batch {batch.global_batch} is not divisible by the data-parallel degree "
+                              f"({self.dp})")
+        per_rank = batch.global_batch // self.dp
+        m = self.pp_microbatches
+        if m == 0:
+            m = next((d for d in range(1, per_rank + 1) if per_rank % d == 0 and d >= 2 * self.num_stages), per_rank)
+        elif per_rank % m:
+            raise ConfigError(f"parallel.pp_microbatches={m} does not divide the batch of each data-parallel rank "
+                              f"({per_rank} sequences = global batch / data-parallel degree)")
+        if self.pp_schedule != "gpipe" and m < self.pp:
+            raise ConfigError(f"parallel.pp_schedule={self.pp_schedule} needs at least parallel.pp={self.pp} "
+                              f"microbatches, got {m} (parallel.pp_microbatches, at most the {per_rank} sequences per "
+                              "data-parallel rank)")
+        if self.pp_schedule in MULTI_STAGE and m % max(1, m // self.pp):
+            raise ConfigError(f"parallel.pp_schedule={self.pp_schedule}: {m} microbatches must be a multiple of the "
+                              f"{m // self.pp} rounds of {self.pp} (choose a multiple of parallel.pp)")
+        return dataclasses.replace(self, pp_microbatches=m)
+
+    # -- description -----------------------------------------------------------------------------
+    def describe(self) -> str:
+        """One line for logs: `pp=2 x dp_shard=2 x tp=2 (fsdp)`."""
+        parts = [f"{n}={s}" for n, s in self.mesh_axes()] or ["single process"]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep} (within dp_shard)")
+        return f"{' x '.join(parts)} ({self.dp_mode if self.dp > 1 else 'no data parallelism'})"
+
+    def describe_pipeline(self) -> str:
+        return (f"pipeline: {self.pp_schedule}, {self.pp} ranks x {self.pp_virtual} stage(s) = {self.num_stages} "
+                f"stages (blocks per stage {list(self.pp_split or ())}), {self.pp_microbatches} microbatches; "
+                f"predicted bubble {self.predicted_bubble():.1%}")
+
+    def short_name(self) -> str:
+        """Compact form for tables: `pp2 1f1b m=8 x fsdp 4 x tp2 x ep2`."""
+        bits = []
+        if self.pp > 1:
+            bits.append(f"pp{self.pp} {self.pp_schedule}" + (f" v={self.pp_virtual}" if self.pp_virtual > 1 else "")
+                        + f" m={self.pp_microbatches}")
+        if self.dp > 1:
+            bits.append(f"{self.dp_mode} {self.dp_replicate}x{self.dp_shard}" if self.hybrid
+                        else f"{self.dp_mode} {self.dp}")
+        if self.tp > 1:
+            bits.append(f"tp{self.tp}")
+        if self.ep > 1:
+            bits.append(f"ep{self.ep}")
+        return " x ".join(bits) or "1 rank"
+
+
+def predicted_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
+    """Idle fraction of a GPipe/1F1B pipeline, (p-1)/(m+p-1); interleaving divides it by the stages per rank."""
+    return (pp - 1) / (microbatches + pp - 1) / virtual
+
+
+def balanced_split(args, num_stages: int) -> tuple[int, ...]:
+    """Contiguous blocks per stage minimising the largest stage's parameters (the embedding counts on the first
+    stage, norm + output on the last)."""
+    from paratrain.models.presets import block_param_count
+
+    n = args.n_layers
+    cost = [block_param_count(args, i) for i in range(n)]
+    cost[0] += args.vocab_size * args.dim
+    cost[-1] += args.vocab_size * args.dim + args.dim
+    prefix = [0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: the smallest max-stage cost of the first i blocks cut into s stages
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], prefix[i] - prefix[j])
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    sizes, i = [], n
+    for s in range(num_stages, 0, -1):
+        j = cut[s][i]
+        sizes.append(i - j)
+        i = j
+    return tuple(reversed(sizes))
+
+
+def _virtual_stages(schedule: str, requested: int) -> int:
+    if schedule in MULTI_STAGE:
+        virtual = requested if requested > 1 else 2
+        if schedule == "zbv" and virtual != 2:
+            raise ConfigError(f"parallel.pp_schedule=zbv runs exactly 2 stages per rank, not "
+                              f"parallel.pp_virtual_stages={virtual}")
+        return virtual
+    if requested != 1:
+        raise ConfigError(f"parallel.pp_virtual_stages={requested} needs an interleaved schedule "
+                          f"(interleaved_1f1b, interleaved_zero_bubble or zbv), not {schedule}")
+    return 1
+
+
+def _parse_split(split) -> tuple[int, ...] | None:
+    if split is None or split == "":
+        return None
+    if isinstance(split, str):
+        try:
+            split = tuple(int(x) for x in split.split(","))
+        except ValueError:
+            raise ConfigError(f"parallel.pp_split='{split}' must be comma-separated block counts, e.g. '3,3,2'") from None
+    split = tuple(int(x) for x in split)
+    if min(split) < 1:
+        raise ConfigError(f"parallel.pp_split='{_fmt(split)}': every stage needs at least one block")
+    return split
+
+
+def _fmt(split) -> str:
+    return ",".join(map(str, split))
+
+
+def _check_choice(key: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        close = difflib.get_close_matches(str(value), options, n=1)
+        raise ConfigError(f"{key}: '{value}' is not one of {', '.join(options)}"
+                          + (f" (did you mean '{close[0]}'?)" if close else ""))

@@ -1,0 +1,43 @@
+"""Model dimensions: a torch-free dataclass, so the layout, estimator and planner can reason about a model
+without importing torch or building it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCORE_FUNCS = ("softmax", "sigmoid")  # MoE router scores
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    # Mixture of experts (0 experts = dense everywhere). The MoE block replaces the dense MLP in
+    # every layer from `moe_first_dense_layers` on; `moe_ffn_hidden` is each expert's hidden size.
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_shared_experts: int = 0
+    moe_ffn_hidden: int | None = None
+    moe_first_dense_layers: int = 0
+    moe_score_func: str = "softmax"  # softmax | sigmoid
+    moe_aux_loss_coef: float = 0.01
+    moe_capacity_factor: float = 0.0  # 0: no capacity limit (no token dropping)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.moe_ffn_hidden or self.ffn_hidden
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe_experts > 0 and index >= self.moe_first_dense_layers
