@@ -171,7 +171,7 @@ def run_cuda(rows) -> list[dict]:
     from paratrain.distributed.parallelize import PRECISION_DTYPES, parallelize
     from paratrain.estimate import estimate
     from paratrain.models.llama import ModelArgs, Transformer
-    from paratrain.optim import build_optimizer
+    from paratrain.training.optim import build_optimizer
 
     dev = torch.device("cuda")
     out = []

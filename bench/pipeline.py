@@ -35,7 +35,7 @@ def _model_args(a):
 
 
 def single(a) -> float:
-    from paratrain.models.init import init_weights
+    from paratrain.distributed.initialize import init_weights
     from paratrain.models.llama import Transformer
 
     model = Transformer(_model_args(a))

@@ -50,12 +50,12 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def measure(cfg, nproc: int) -> float:
-    from paratrain.cli import _rank_main
+    from paratrain.api import run_rank
     from paratrain.distributed.launch import launch
-    from paratrain.train import plan_run
+    from paratrain.spec import resolve_run
 
-    plan_run(cfg, nproc)
-    launch(_rank_main, (cfg,), nproc)
+    resolve_run(cfg, nproc)
+    launch(run_rank, (cfg,), nproc)
     rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     times = [r["step_time_s"] for r in rows if "step_time_s" in r][3:]  # drop warm-up
     return statistics.median(times)

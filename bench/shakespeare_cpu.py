@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from paratrain.config import load_config
-from paratrain.train import train
+from paratrain.api import train_rank as train
 
 
 def main() -> None:

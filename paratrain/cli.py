@@ -1,10 +1,9 @@
-"""`paratrain <command>`: train, prepare, generate, verify."""
+"""`paratrain <command>`: argument parsing and dispatch; every command's errors become one `error:` line."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from paratrain.errors import UserError
 
@@ -45,78 +44,16 @@ def _int_flag(own: dict, name: str, default: int) -> int:
     return value
 
 
-def _is_collective_timeout(error: BaseException) -> bool:
-    text = str(error).lower()
-    return "timed out" in text or "timeout" in text and ("gloo" in text or "nccl" in text or "collective" in text)
-
-
-def _rank_main(cfg, want_weights: bool = False):
-    """What every launched rank runs: user errors become one line and exit code 2, a collective timeout
-    one line naming the timeout and exit code 3."""
-    from paratrain.distributed.env import world_from_env
-    from paratrain.distributed.launch import EXIT_COLLECTIVE_TIMEOUT
-    from paratrain.train import train
-
-    rank = world_from_env()[0]
-    try:
-        return train(cfg, want_final_weights=want_weights)
-    except UserError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
-    except Exception as e:
-        if _is_collective_timeout(e):
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"error: [rank {rank}] a collective did not complete within resilience.collective_timeout_s="
-                  f"{cfg.resilience.collective_timeout_s:g} s; another rank is stuck or dead ({first})",
-                  file=sys.stderr, flush=True)
-            from paratrain.distributed.env import kill_local_peers
-
-            kill_local_peers()
-            sys.exit(EXIT_COLLECTIVE_TIMEOUT)
-        # A bug, not bad input: the launcher would swallow the traceback, so print it with the rank.
-        import traceback
-
-        print(f"[rank {rank}] " + traceback.format_exc(), file=sys.stderr, flush=True)
-        raise
-
-
 def cmd_train(argv: list[str]) -> int:
+    from paratrain.api import train
     from paratrain.config import load_config
-    from paratrain.distributed.launch import inside_launcher, launch
 
     own, overrides = split_overrides(argv, {"--config", "--nproc", "--max-restarts"})
     if "--max-restarts" in own:
         overrides.append(f"resilience.max_restarts={_int_flag(own, '--max-restarts', 0)}")
     cfg = load_config(own.get("--config"), overrides)
-    nproc = _int_flag(own, "--nproc", 1)
-    if nproc < 1:
-        raise UserError("--nproc must be >= 1")
-    if inside_launcher():
-        _rank_main(cfg)
-        return 0
-    from paratrain.resilience import preempted_since
-    from paratrain.train import plan_run, train
-
-    if nproc == 1 and cfg.resilience.max_restarts == 0:
-        train(cfg)
-        return 0
-    plan_run(cfg, nproc)  # validate the layout and prepare data before any process starts
-    started = time.time()
-    try:
-        launch(_rank_main, (cfg,), nproc, cfg.resilience.max_restarts)
-    except _signal_exception() as e:
-        # The launcher itself was told to stop (SIGTERM to the whole job): the ranks saved and exited.
-        if preempted_since(cfg.run_dir, started):
-            return 0
-        raise UserError(f"stopped by signal {getattr(e, 'sigval', '')} before a checkpoint was saved") from None
+    train(cfg, nproc=_int_flag(own, "--nproc", 1))
     return 0
-
-
-def _signal_exception():
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    return SignalException
 
 
 def cmd_generate(argv: list[str]) -> int:

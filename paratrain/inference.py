@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from paratrain.checkpoint import checkpoint_problem, complete_checkpoints, load_trainer_state
+from paratrain.training.checkpoint import checkpoint_problem, complete_checkpoints, load_trainer_state
 from paratrain.data import load_tokenizer
 from paratrain.errors import UserError
 from paratrain.models import ModelArgs, Transformer

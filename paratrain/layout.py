@@ -118,8 +118,7 @@ class Layout:
         virtual = _virtual_stages(pp_schedule, pp_virtual) if pp > 1 else 1
         split = _parse_split(pp_split) if pp > 1 else None
         if split is not None and len(split) != pp * virtual:
-            raise ConfigError(f"parallel.pp_split='{_fmt(split)}' must give {pp * virtual} stages (pp={pp} x "
-                              f"{virtual} per rank), got {len(split)}")
+            raise ConfigError(_split_error(split, pp * virtual))
         return cls(mode, replicate, shard, tp, pp, ep, sequence_parallel, loss_parallel, pp_schedule, virtual,
                    pp_microbatches if pp > 1 else 0, split)
 
@@ -257,8 +256,7 @@ class Layout:
         if self.pp > 1:
             split = self.pp_split or balanced_split(args, self.num_stages)
             if sum(split) != args.n_layers:
-                raise ConfigError(f"parallel.pp_split='{_fmt(split)}' covers {sum(split)} blocks; the model has "
-                                  f"model.n_layers={args.n_layers}")
+                raise ConfigError(_split_error(split, self.num_stages, args.n_layers))
             layout = dataclasses.replace(self, pp_split=tuple(split))
         if batch is not None:
             layout = layout._check_batch(args, batch)
@@ -429,12 +427,17 @@ def _parse_split(split) -> tuple[int, ...] | None:
             raise ConfigError(f"parallel.pp_split='{split}' must be comma-separated block counts, e.g. '3,3,2'") from None
     split = tuple(int(x) for x in split)
     if min(split) < 1:
-        raise ConfigError(f"parallel.pp_split='{_fmt(split)}': every stage needs at least one block")
+        raise ConfigError(_split_error(split, len(split)))
     return split
 
 
 def _fmt(split) -> str:
     return ",".join(map(str, split))
+
+
+def _split_error(split, stages: int, n_layers: int | None = None) -> str:
+    total = f", summing to model.n_layers={n_layers}" if n_layers is not None else ""
+    return f"parallel.pp_split='{_fmt(split)}' must give {stages} stages of at least one block each{total}"
 
 
 def _check_choice(key: str, value: str, options: tuple[str, ...]) -> None:

@@ -31,12 +31,12 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp2": (2, ["parallel.tp=2", "parallel.sequence_parallel=false"]),
     "tp2+sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "fsdp2xtp2": (4, ["parallel.dp_mode=fsdp", "parallel.tp=2"]),
-    "fsdp2+every_k": (2, ["parallel.dp_mode=fsdp", "checkpointing.mode=every_k", "checkpointing.every_k=2"]),
-    "fsdp2+selective": (2, ["parallel.dp_mode=fsdp", "checkpointing.mode=selective"]),
+    "fsdp2+every_k": (2, ["parallel.dp_mode=fsdp", "activation_checkpoint.mode=every_k", "activation_checkpoint.every_k=2"]),
+    "fsdp2+selective": (2, ["parallel.dp_mode=fsdp", "activation_checkpoint.mode=selective"]),
     "accum": (1, ["training.micro_batch=2"]),  # micro 2 x accum 4 against micro 8 x accum 1
     # Not in the default matrix, available by name:
     "ddp4": (4, ["parallel.dp_mode=ddp"]),
-    "fsdp2+full": (2, ["parallel.dp_mode=fsdp", "checkpointing.mode=full"]),
+    "fsdp2+full": (2, ["parallel.dp_mode=fsdp", "activation_checkpoint.mode=full"]),
     "tp4": (4, ["parallel.tp=4"]),
     "ddp2+accum": (2, ["parallel.dp_mode=ddp", "training.micro_batch=2"]),
     # Mixture of experts (preset tiny-moe: a dense layer, then 4 experts top-2 + a shared expert), compared
@@ -47,7 +47,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "ep2xtp2": (4, [MOE_PRESET, "parallel.dp_mode=fsdp", "parallel.ep=2", "parallel.tp=2"]),
     "moe-fsdp2": (2, [MOE_PRESET, "parallel.dp_mode=fsdp"]),
     "moe-tp2": (2, [MOE_PRESET, "parallel.tp=2", "parallel.sequence_parallel=false"]),
-    "ep2+selective": (2, [MOE_PRESET, "parallel.dp_mode=fsdp", "parallel.ep=2", "checkpointing.mode=selective"]),
+    "ep2+selective": (2, [MOE_PRESET, "parallel.dp_mode=fsdp", "parallel.ep=2", "activation_checkpoint.mode=selective"]),
     "ep2+accum": (2, [MOE_PRESET, "parallel.dp_mode=fsdp", "parallel.ep=2", "training.micro_batch=2"]),
     "ep2xhsdp2": (4, [MOE_PRESET, "parallel.dp_mode=hsdp", "parallel.dp_replicate=2", "parallel.ep=2"]),
     # Pipeline parallelism (the base model has 4 blocks: 2 stages of 2, or 2 ranks x 2 virtual stages of 1).
@@ -59,7 +59,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "pp2xdp2": (4, ["parallel.pp=2", "parallel.dp_mode=fsdp"]),
     "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"]),
     "pp2xdp2xtp2": (8, ["parallel.pp=2", "parallel.dp_mode=fsdp", "parallel.tp=2"]),
-    "pp2+full": (2, ["parallel.pp=2", "checkpointing.mode=full"]),
+    "pp2+full": (2, ["parallel.pp=2", "activation_checkpoint.mode=full"]),
 }
 DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
                   "fsdp2+every_k", "fsdp2+selective", "accum"]
@@ -108,14 +108,12 @@ class Row:
 
 
 def _run(overrides: list[str], nproc: int, extra_args: list[str]):
-    from paratrain.cli import _rank_main
-    from paratrain.distributed.launch import launch
-    from paratrain.train import train
+    from paratrain.api import launch_ranks, run_rank, train_rank
 
     cfg = load_config(None, overrides + extra_args)
     if nproc == 1:
-        return train(cfg, want_final_weights=True)
-    return launch(_rank_main, (cfg, True), nproc)
+        return train_rank(cfg, want_final_weights=True)
+    return launch_ranks(run_rank, (cfg, True), nproc)
 
 
 def compare(reference, result) -> tuple[float, float]:

@@ -22,7 +22,7 @@ FAST = [
 
 
 def pytest_configure(config):
-    # paratrain.checkpoint silences DCP's "no process group" warning at import; pytest resets warning
+    # paratrain.training.checkpoint silences DCP's "no process group" warning at import; pytest resets warning
     # filters per test, so restate it here (one process is a supported layout, not a mistake).
     config.addinivalue_line("filterwarnings", "ignore:torch.distributed is disabled:UserWarning")
 
@@ -49,7 +49,7 @@ def fast_config(data_dir, out_dir, name: str = "run", *extra: str):
 @pytest.fixture(scope="session")
 def trained_run(char_data, tmp_path_factory):
     """A run folder holding a final checkpoint of a tiny model trained for a few steps."""
-    from paratrain.train import train
+    from paratrain.api import train_rank as train
 
     out = tmp_path_factory.mktemp("runs")
     result = train(fast_config(char_data, out, "trained", "training.steps=3"))
@@ -57,12 +57,12 @@ def trained_run(char_data, tmp_path_factory):
 
 
 def assert_plan_rejected(data_dir, tmp_path, world: int, overrides: list[str], message: str, micro_batch: int = 1):
-    """plan_run refuses the layout with a one-line ConfigError containing `message`, and writes no run folder."""
+    """resolve_run refuses the layout with a one-line ConfigError containing `message`, and writes no run folder."""
     from paratrain.errors import ConfigError
-    from paratrain.train import plan_run
+    from paratrain.spec import resolve_run
 
     cfg = fast_config(data_dir, tmp_path, "bad", f"training.micro_batch={micro_batch}", *overrides)
     with pytest.raises(ConfigError) as e:
-        plan_run(cfg, world)
+        resolve_run(cfg, world)
     assert message in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "bad").exists()

@@ -39,12 +39,12 @@ def test_verify_moe_matrix(char_data):
 
 
 def test_fsdp4_holds_a_quarter_of_the_model_state(char_data, tmp_path):
-    from paratrain.cli import _rank_main
+    from paratrain.api import run_rank
     from paratrain.distributed.launch import launch
-    from paratrain.train import train
+    from paratrain.api import train_rank as train
 
     single = train(load_config(None, fast_overrides(char_data, tmp_path, "one", "checkpoint.save_final=false")))
-    sharded = launch(_rank_main, (load_config(None, fast_overrides(
+    sharded = launch(run_rank, (load_config(None, fast_overrides(
         char_data, tmp_path, "four", "checkpoint.save_final=false", "training.micro_batch=1",
         "parallel.dp_mode=fsdp")),), 4)
     full = single.memory[0]

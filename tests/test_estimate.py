@@ -227,9 +227,9 @@ def test_estimate_for_run_and_device_peak(char_data, tmp_path):
     from conftest import fast_config
 
     from paratrain.estimate import device_peak_bytes, estimate_for_run
-    from paratrain.train import plan_run
+    from paratrain.spec import resolve_run
 
-    plan = plan_run(fast_config(char_data, tmp_path, "est", "training.precision=bf16"), 1)
+    plan = resolve_run(fast_config(char_data, tmp_path, "est", "training.precision=bf16"), 1)
     est = estimate_for_run(plan, device="cpu")
     assert est.overhead_bytes == 0 and est.total_bytes == est.peak_bytes > 0
     assert "activations" in est.format_table() and est.inputs.optimizer_impl == "foreach"

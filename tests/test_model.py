@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from paratrain.errors import UserError
 from paratrain.models import PRESETS, ModelArgs, Transformer, count_params, preset_args
-from paratrain.models.init import init_weights
+from paratrain.distributed.initialize import init_weights
 from paratrain.models.llama import apply_rope, rope_tables
 
 VOCAB = 65  # tinyshakespeare's character count

@@ -17,10 +17,10 @@ from paratrain.config import load_config
 from paratrain.errors import ConfigError
 from paratrain.models import Transformer, count_active_params, count_params, flops_per_token, preset_args
 from paratrain.models import moe as moe_lib
-from paratrain.models.init import init_weights
+from paratrain.distributed.initialize import init_weights
 from paratrain.models.llama import FeedForward
 from paratrain.models.moe import MoE, grouped_mm, moe_modules
-from paratrain.train import plan_run
+from paratrain.spec import resolve_run
 
 from conftest import fast_overrides
 
@@ -269,7 +269,7 @@ def test_dense_models_have_as_many_active_as_total_parameters():
 def test_bad_moe_settings_are_one_line_errors(char_data, tmp_path, overrides, message):
     cfg = load_config(None, fast_overrides(char_data, tmp_path, "bad", "model.preset=tiny-moe", *overrides))
     with pytest.raises(ConfigError) as e:
-        plan_run(cfg, 1)
+        resolve_run(cfg, 1)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -288,7 +288,7 @@ def test_cli_reports_bad_expert_parallelism_in_one_line(char_data, tmp_path):
 # ---------------------------------------------------------------------------- training and metrics
 
 def test_training_logs_aux_loss_expert_load_and_drops(char_data, tmp_path):
-    from paratrain.train import train
+    from paratrain.api import train_rank as train
 
     cfg = load_config(None, fast_overrides(char_data, tmp_path, "moe", "model.preset=tiny-moe", "training.steps=3",
                                            "model.moe_capacity_factor=1.0", "training.accum_steps=2",

@@ -114,7 +114,7 @@ def runs_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def single_run(char_data, runs_dir):
     """One process, Prometheus and TensorBoard on; scraped over HTTP while it trains and during its linger."""
-    from paratrain.train import train
+    from paratrain.api import train_rank as train
 
     port = free_port()
     cfg = fast_config(char_data, runs_dir, "one", *RUN, f"metrics.prometheus_port={port}", "metrics.tensorboard=true")
@@ -129,7 +129,7 @@ def single_run(char_data, runs_dir):
 @pytest.fixture(scope="module")
 def two_rank_run(char_data, runs_dir):
     """Two gloo ranks launched like `paratrain train --nproc 2`; rank 0 serves the node's endpoint."""
-    from paratrain.cli import _rank_main
+    from paratrain.api import run_rank
     from paratrain.distributed.launch import launch
 
     port = free_port()
@@ -137,7 +137,7 @@ def two_rank_run(char_data, runs_dir):
                       "parallel.dp_mode=ddp")
     scraper = Scraper(port)
     scraper.start()
-    launch(_rank_main, (cfg,), 2)
+    launch(run_rank, (cfg,), 2)
     return cfg, scraper.finish()
 
 
@@ -215,7 +215,7 @@ def test_per_rank_endpoints():
 def test_moe_expert_load_reaches_prometheus_and_report(char_data, runs_dir, tmp_path):
     """A mixture-of-experts run: the trainer's per-step expert load goes to the endpoint and the report."""
     from paratrain.report import write_report
-    from paratrain.train import train
+    from paratrain.api import train_rank as train
 
     port = free_port()
     cfg = fast_config(char_data, runs_dir, "moe", "training.steps=3", "model.moe_experts=4", "model.moe_top_k=2",
@@ -263,7 +263,7 @@ def test_missing_optional_dependency_is_one_line(char_data, tmp_path, monkeypatc
     assert not (tmp_path / "nodep").exists()  # nothing written, nothing trained
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     with pytest.raises(ConfigError, match="pip install tensorboard"):
-        from paratrain.train import train
+        from paratrain.api import train_rank as train
 
         train(fast_config(char_data, tmp_path, "nodep", "metrics.tensorboard=true"))
     with pytest.raises(ConfigError, match="prometheus_port must be 0"):

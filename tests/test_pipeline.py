@@ -74,12 +74,12 @@ def test_balanced_split_and_bubble_formula():
 def test_pp_run_evaluates_generates_reports_bubble_and_resumes_unpipelined(char_data, tmp_path):
     """A pp2 run with evaluation, a sample and a final checkpoint; its metrics carry the measured bubble; the
     checkpoint resumes on one process (the stages saved their own parameter names)."""
-    from paratrain.cli import _rank_main
+    from paratrain.api import run_rank
     from paratrain.distributed.launch import launch
-    from paratrain.train import train
+    from paratrain.api import train_rank as train
 
     common = ("training.steps=4", "training.global_batch=8", "training.eval_every=2", "checkpoint.every=2")
-    pp = launch(_rank_main, (load_config(None, fast_overrides(
+    pp = launch(run_rank, (load_config(None, fast_overrides(
         char_data, tmp_path, "pp", *common, "parallel.pp=2", "sample.max_new_tokens=8")),), 2)
     assert len(pp.losses) == 4 and pp.val_loss is not None and len(pp.sample_text) == 8
     records = [json.loads(line) for line in (tmp_path / "pp" / "metrics.jsonl").open()]

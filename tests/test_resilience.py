@@ -15,11 +15,11 @@ import time
 import pytest
 import torch
 
-from paratrain.checkpoint import checkpoint_problem, complete_checkpoints
-from paratrain.cli import _rank_main
+from paratrain.training.checkpoint import checkpoint_problem, complete_checkpoints
+from paratrain.api import run_rank
 from paratrain.config import load_config
 from paratrain.distributed.launch import launch
-from paratrain.train import train
+from paratrain.api import train_rank as train
 
 from conftest import fast_overrides
 
@@ -40,7 +40,7 @@ LAYOUTS = {
 def run_layout(char_data, out, name, layout, *extra):
     nproc, overrides = LAYOUTS[layout]
     cfg = load_config(None, fast_overrides(char_data, out, name, *BASE, *overrides, *extra))
-    return train(cfg) if nproc == 1 else launch(_rank_main, (cfg,), nproc)
+    return train(cfg) if nproc == 1 else launch(run_rank, (cfg,), nproc)
 
 
 def jsonl(run_dir):
@@ -162,7 +162,7 @@ def test_repeated_bad_steps_roll_back_and_skip_batches(char_data, tmp_path, monk
     out = capsys.readouterr().out
     assert "rolled back to" in out and "skipping batches [5, 6, 7]" in out
     assert len(run.losses) == 12 and torch.isfinite(torch.tensor(run.losses)).all()
-    from paratrain.checkpoint import load_trainer_state
+    from paratrain.training.checkpoint import load_trainer_state
 
     state = load_trainer_state(run.run_dir / "checkpoints" / "step-12")
     assert state["skip_batches"] == [5, 6, 7] and state["data_step"] == 15
@@ -184,7 +184,7 @@ def test_out_of_memory_halves_micro_batch_same_losses(char_data, tmp_path, monke
 
 
 def test_out_of_memory_at_micro_batch_one_is_a_clear_error(char_data, tmp_path):
-    from paratrain.resilience import OutOfMemory
+    from paratrain.training.resilience import OutOfMemory
 
     with pytest.raises(OutOfMemory, match="micro-batch 1"):
         run_layout(char_data, tmp_path, "oom1", "single", "resilience.memory_budget_gib=0.0000001")

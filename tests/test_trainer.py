@@ -11,7 +11,7 @@ import torch
 
 from conftest import fast_config
 from paratrain import cli
-from paratrain.train import train
+from paratrain.api import train_rank as train
 
 LEARN = ["optimizer.warmup_steps=2", "optimizer.lr=1e-2", "optimizer.min_lr=1e-3"]
 
@@ -134,7 +134,7 @@ def test_gradient_accumulation_matches_big_batch(char_data, tmp_path):
 
 def test_lr_reaches_min_lr_at_last_step():
     from paratrain.config import OptimizerConfig
-    from paratrain.optim import lr_at
+    from paratrain.training.optim import lr_at
 
     cfg = OptimizerConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2)
     assert lr_at(0, cfg, 24) == pytest.approx(5e-3) and lr_at(1, cfg, 24) == pytest.approx(1e-2)

@@ -103,7 +103,7 @@ def _local_weights_class(cls: type) -> type:
     return _LOCAL_CLASSES[cls]
 
 
-def distribute_experts(model: nn.Module, mesh, dims):
+def distribute_experts(model: nn.Module, dims):
     """Make every MoE layer's expert weights DTensors: Shard(0) over ep and/or Replicate over tp (under tensor
     parallelism every parameter is a DTensor, so optimizers and clipping never mix the two kinds), and route
     tokens with all-to-all when ep > 1. Call on the meta-device model, after tensor parallelism and before
@@ -111,19 +111,19 @@ def distribute_experts(model: nn.Module, mesh, dims):
     (None when ep == 1: the experts are then sharded with their block)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    layout = dims.layout
     moes = moe_modules(model)
-    if not moes or not (dims.ep_enabled or dims.tp_enabled):
+    if not moes or not (layout.ep_enabled or layout.tp_enabled):
         return None
     expert_dp_mesh = ep_group = None
-    if dims.ep_enabled:
-        sparse = dims.expert_mesh(mesh)
-        expert_mesh = sparse["ep", "tp"] if dims.tp_enabled else sparse["ep"]
-        placements = [Shard(0), Replicate()] if dims.tp_enabled else [Shard(0)]
+    if layout.ep_enabled:
+        sparse = dims.expert_mesh()
+        expert_mesh = sparse["ep", "tp"] if layout.tp_enabled else sparse["ep"]
+        placements = [Shard(0), Replicate()] if layout.tp_enabled else [Shard(0)]
         ep_group = sparse["ep"].get_group()
-        expert_dp_mesh = (sparse["dp_replicate", "dp_shard_mod_ep"] if dims.dp_mode == "hsdp"
-                          else sparse["dp_shard_mod_ep"])
+        expert_dp_mesh = sparse["dp_replicate", "dp_shard_mod_ep"] if layout.hybrid else sparse["dp_shard_mod_ep"]
     else:
-        expert_mesh, placements = mesh["tp"], [Replicate()]
+        expert_mesh, placements = dims.tp_mesh, [Replicate()]
     for moe in moes:
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
@@ -131,9 +131,9 @@ def distribute_experts(model: nn.Module, mesh, dims):
             dt = distribute_tensor(param.data, expert_mesh, placements, src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
         experts.__class__ = _local_weights_class(type(experts))
-        experts.expert_grad_scale = 1.0 / dims.ep
-        if dims.ep_enabled:
-            moe.dispatcher = AllToAllDispatcher(ep_group, dims.ep, moe.n_experts)
+        experts.expert_grad_scale = 1.0 / layout.ep
+        if layout.ep_enabled:
+            moe.dispatcher = AllToAllDispatcher(ep_group, layout.ep, moe.n_experts)
     return expert_dp_mesh
 
 
@@ -150,9 +150,9 @@ def shard_experts(model: nn.Module, expert_dp_mesh, mp_policy, reshard: bool) ->
 
 
 class MoEMeter:
-    """Per-step mixture-of-experts metrics: the trainer calls `collect()` after each micro-step's forward
+    """Per-step mixture-of-experts metrics: the train step calls `record()` after each micro-step's forward
     (before backward, whose activation-checkpoint recomputation would overwrite the modules' statistics)
-    and `step_metrics()` once per optimizer step."""
+    and the metrics record `step_metrics()` once per optimizer step."""
 
     def __init__(self, model: nn.Module):
         self.modules = moe_modules(model)
@@ -162,9 +162,8 @@ class MoEMeter:
         self.aux = self.tokens = self.dropped = None
         self.micro = 0
 
-    def collect(self) -> torch.Tensor:
-        """The scaled auxiliary loss of the forward just run (summed over layers), recording its statistics
-        on the device (no synchronisation until `step_metrics`)."""
+    def record(self) -> None:
+        """Record the statistics of the forward just run on the device (no synchronisation until `step_metrics`)."""
         aux = torch.stack([m.aux_loss.detach() for m in self.modules]).mean()
         tokens = torch.stack([m.tokens_per_expert for m in self.modules])  # (layers, E)
         dropped = torch.stack([m.dropped for m in self.modules]).sum()
@@ -173,7 +172,6 @@ class MoEMeter:
         else:
             self.aux, self.tokens, self.dropped = self.aux + aux, self.tokens + tokens, self.dropped + dropped
         self.micro += 1
-        return torch.stack([m.aux_loss_coef * m.aux_loss for m in self.modules]).sum()
 
     def step_metrics(self, dp_group=None) -> dict:
         """Global (summed over data-parallel ranks) numbers for this step, then reset.

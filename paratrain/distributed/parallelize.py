@@ -3,7 +3,8 @@
     tensor/sequence parallel -> expert parallel -> activation checkpointing -> torch.compile -> FSDP
     -> materialise + deterministic init -> DDP / ZeRO-1 wrapping (DDP needs real weights)
 
-The model file stays free of parallel code; everything about the layout lives here and in ParallelDims.
+The model file stays free of parallel code. The rules of the layout live in `paratrain/layout.py`, its mesh in
+`parallel_dims.py`; pipeline stages (`pipeline.py`) are each laid out by this same `parallelize`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from functools import partial
 import torch
 from torch import nn
 
-from paratrain.config import CheckpointingConfig
+from paratrain.config import ActivationCheckpointConfig
 from paratrain.distributed.expert_parallel import distribute_experts, shard_experts
+from paratrain.distributed.initialize import init_weights
 from paratrain.distributed.parallel_dims import ParallelDims
-from paratrain.models.init import init_weights
 from paratrain.models.moe import MoE
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,14 +54,16 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
                                                    SequenceParallel, parallelize_module)
 
     residual = Shard(1) if sequence_parallel else Replicate()
+    norm_style = SequenceParallel if sequence_parallel else _replicated_style
     top_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
         "output": ColwiseParallel(input_layouts=residual,
                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
+        "norm": norm_style(),
     }
-    norm_style = SequenceParallel if sequence_parallel else _replicated_style
-    top_plan["norm"] = norm_style()
+    # A pipeline stage lacks the embedding (all but the first) or the head (all but the last).
+    top_plan = {name: style for name, style in top_plan.items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, top_plan)
 
     for block in model.layers.values():
@@ -140,7 +143,7 @@ def _sac_ignore_profiler_ops() -> None:
                             profiler._record_function_exit.default, profiler._record_function_exit._RecordFunction})
 
 
-def apply_activation_checkpointing(model: nn.Module, cfg: CheckpointingConfig) -> None:
+def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
     if cfg.mode == "none":
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -163,51 +166,43 @@ def apply_compile(model: nn.Module) -> None:
         block.compile()
 
 
-def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, precision: str, expert_dp_mesh=None) -> None:
+def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_mesh=None) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=PRECISION_DTYPES[precision], reduce_dtype=torch.float32)
     # zero2: gradients and optimizer state sharded, parameters kept gathered from forward to backward.
-    reshard = dims.dp_mode != "zero2"
+    reshard = dims.layout.reshard_after_forward
     if expert_dp_mesh is not None:
         # Expert-parallel experts first, on their own mesh, so the blocks' groups leave them out.
         shard_experts(model, expert_dp_mesh, mp, reshard)
     layers = list(model.layers.values())
     for i, block in enumerate(layers):
         # The last block is resharded by the root right after forward anyway; skip the extra work.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(block, mesh=dims.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(layers) - 1)
+    fully_shard(model, mesh=dims.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
 
 
-def fsdp_mesh(mesh, dims: ParallelDims):
-    if dims.dp_mode == "hsdp":
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
-
-
-def uses_fsdp(dims: ParallelDims) -> bool:
-    return dims.dp > 1 and dims.dp_mode in ("zero2", "fsdp", "hsdp")
-
-
-def parallelize(model: nn.Module, dims: ParallelDims, mesh, dp_mesh, checkpointing: CheckpointingConfig, precision: str,
-                compile: bool, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0) -> nn.Module:
-    """Apply the layout to a model built on the meta device; returns the module to train (maybe a DDP wrapper)."""
-    if dims.tp_enabled:
-        apply_tp(model, mesh["tp"], dims.sequence_parallel, dims.loss_parallel)
+def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: ActivationCheckpointConfig,
+                precision: str, compile: bool, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0) -> nn.Module:
+    """Apply the layout to a model or pipeline stage built on the meta device; returns the module to train
+    (maybe a DDP wrapper)."""
+    layout = dims.layout
+    if layout.tp_enabled:
+        apply_tp(model, dims.tp_mesh, layout.sequence_parallel, layout.uses_loss_parallel)
     # Mixture of experts: experts sharded over ep / replicated over tp, all-to-all token routing when ep > 1.
-    expert_dp_mesh = distribute_experts(model, mesh, dims)
-    apply_activation_checkpointing(model, checkpointing)
+    expert_dp_mesh = distribute_experts(model, dims)
+    apply_activation_checkpointing(model, activation_checkpoint)
     if compile:
         apply_compile(model)
-    if uses_fsdp(dims):
-        apply_fsdp(model, fsdp_mesh(mesh, dims), dims, precision, expert_dp_mesh)
-    if any(p.is_meta for p in model.parameters()):
+    if layout.uses_fsdp:
+        apply_fsdp(model, dims, precision, expert_dp_mesh)
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         model.to_empty(device=device)
     init_weights(model, seed)
-    if dims.dp > 1 and dims.dp_mode in ("ddp", "zero1"):
+    if layout.uses_ddp:
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model, process_group=dp_mesh.get_group(), bucket_cap_mb=ddp_bucket_mb,
+        model = DistributedDataParallel(model, process_group=dims.dp_group, bucket_cap_mb=ddp_bucket_mb,
                                         device_ids=[device.index] if device.type == "cuda" else None)
     return model
 

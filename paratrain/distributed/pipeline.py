@@ -1,170 +1,27 @@
 """Pipeline parallelism with `torch.distributed.pipelining`: whole blocks per stage, a named schedule.
 
-Planning (`plan_pipeline`) needs only the config, the model size and the batch, and runs before any
-process starts. Building (`build_pipeline`) cuts the meta-device model into stages that keep their
-parameter names (`layers.5.attention.wq.weight` stays `layers.5...` on whichever stage owns it), so DCP
-checkpoints reshard between pipelined and plain layouts. Each stage then gets the usual layout pieces
-(tensor parallel, activation checkpointing, compile, FSDP on the data-parallel mesh) and is wrapped in a
-`PipelineStage`. A rank that holds several stages (interleaved schedules) trains one "rank model": a
-pruned Transformer whose modules are the same objects as its stages' modules, which the optimizer,
-gradient clipping and checkpoints see like any other model.
+The layout (`paratrain/layout.py`) decides the stages: schedule, stages per rank, blocks per stage and
+microbatches, checked before any process starts. `build_pipeline` cuts the meta-device model into this
+rank's stages, which keep their parameter names (`layers.5.attention.wq.weight` stays `layers.5...` on
+whichever stage owns it), so DCP checkpoints reshard between pipelined and plain layouts. Each stage is then
+laid out by the same `parallelize()` as a whole model (tensor parallel, activation checkpointing, compile,
+FSDP on the data-parallel mesh) and wrapped in a `PipelineStage`. The parameters of all of this rank's stages
+are gathered in one "rank model" (`StageGroup`), which the optimizer, gradient clipping and checkpoints see
+like any other model.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from paratrain.distributed.tensors import full_tensor
-from paratrain.errors import ConfigError
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
-MULTI_STAGE = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv")  # several (virtual) stages per rank
-FSDP_MODES = ("zero2", "fsdp", "hsdp")
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    pp: int
-    schedule: str
-    virtual: int  # stages per rank
-    microbatches: int  # per optimizer step and data-parallel rank
-    split: tuple[int, ...]  # blocks per stage, stage 0 first
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.virtual
-
-    def stage_owner(self, stage: int) -> int:
-        """The pp rank that runs a stage: round robin ('loop'), or a V for zbv (rank r: r and 2p-1-r)."""
-        if self.schedule == "zbv":
-            return stage if stage < self.pp else 2 * self.pp - 1 - stage
-        return stage % self.pp
-
-    def local_stages(self, pp_rank: int) -> list[int]:
-        return [s for s in range(self.num_stages) if self.stage_owner(s) == pp_rank]
-
-    def stage_layers(self, stage: int) -> list[int]:
-        start = sum(self.split[:stage])
-        return list(range(start, start + self.split[stage]))
-
-    def predicted_bubble(self) -> float:
-        return predicted_bubble(self.pp, self.microbatches, self.virtual)
-
-    def describe(self) -> str:
-        return (f"pipeline: {self.schedule}, {self.pp} ranks x {self.virtual} stage(s) = {self.num_stages} stages "
-                f"(blocks per stage {list(self.split)}), {self.microbatches} microbatches; predicted bubble "
-                f"{self.predicted_bubble():.1%}")
-
-
-def predicted_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
-    """Idle fraction of a GPipe/1F1B pipeline, (p-1)/(m+p-1); interleaving divides it by the stages per rank."""
-    return (pp - 1) / (microbatches + pp - 1) / virtual
-
-
-def block_params(args, index: int) -> int:
-    """Parameters of block `index` (dense or mixture of experts), counted on a meta-device block."""
-    from paratrain.models.llama import TransformerBlock
-
-    with torch.device("meta"):
-        return sum(p.numel() for p in TransformerBlock(args, index).parameters())
-
-
-def balanced_split(args, num_stages: int) -> tuple[int, ...]:
-    """Contiguous blocks per stage minimising the largest stage's parameters (embedding counts on the
-    first stage, norm + output on the last)."""
-    n = args.n_layers
-    cost = [block_params(args, i) for i in range(n)]
-    cost[0] += args.vocab_size * args.dim
-    cost[-1] += args.vocab_size * args.dim + args.dim
-    prefix = [0]
-    for c in cost:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[s][i]: the smallest max-stage cost of the first i blocks cut into s stages
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0
-    for s in range(1, num_stages + 1):
-        for i in range(s, n + 1):
-            for j in range(s - 1, i):
-                value = max(best[s - 1][j], prefix[i] - prefix[j])
-                if value < best[s][i]:
-                    best[s][i], cut[s][i] = value, j
-    sizes, i = [], n
-    for s in range(num_stages, 0, -1):
-        j = cut[s][i]
-        sizes.append(i - j)
-        i = j
-    return tuple(reversed(sizes))
-
-
-def plan_pipeline(p, args, per_dp_batch: int, dims=None) -> PipelinePlan | None:
-    """Validate the pipeline settings against the model and the batch; None when pp == 1."""
-    if p.pp == 1:
-        return None
-    schedule = p.pp_schedule
-    if schedule not in SCHEDULES:  # config validation normally catches this first
-        import difflib
-
-        close = difflib.get_close_matches(schedule, SCHEDULES, n=1)
-        raise ConfigError(f"parallel.pp_schedule: unknown schedule '{schedule}'"
-                          + (f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(SCHEDULES)})"))
-    if schedule in MULTI_STAGE:
-        virtual = p.pp_virtual_stages if p.pp_virtual_stages > 1 else 2
-        if schedule == "zbv" and virtual != 2:
-            raise ConfigError(f"parallel.pp_schedule=zbv runs exactly 2 stages per rank, not "
-                              f"parallel.pp_virtual_stages={virtual}")
-    else:
-        virtual = p.pp_virtual_stages
-        if virtual != 1:
-            raise ConfigError(f"parallel.pp_virtual_stages={virtual} needs an interleaved schedule "
-                              f"(interleaved_1f1b, interleaved_zero_bubble or zbv), not {schedule}")
-    stages = p.pp * virtual
-    if stages > args.n_layers:
-        what = f"parallel.pp={p.pp}" + (f" x {virtual} virtual stages ({schedule})" if virtual > 1 else "")
-        raise ConfigError(f"{what} = {stages} pipeline stages, but the model has only {args.n_layers} blocks "
-                          "(model.n_layers); each stage needs at least one block")
-    if args.tie_embeddings:
-        raise ConfigError("tied embeddings do not compose with pipeline parallelism (the embedding is on the first "
-                          "stage, the output on the last); set model.tie_embeddings=false")
-    if args.moe_experts:
-        raise ConfigError("pipeline parallelism does not support mixture-of-experts models yet (parallel.pp > 1 "
-                          "with model.moe_experts > 0)")
-    if dims is not None and dims.dp > 1 and dims.dp_mode not in FSDP_MODES:
-        raise ConfigError(f"parallel.pp={p.pp} with data parallelism needs dp_mode fsdp, zero2 or hsdp, "
-                          f"not {dims.dp_mode}")
-    if p.pp_split:
-        try:
-            split = tuple(int(x) for x in p.pp_split.split(","))
-        except ValueError:
-            raise ConfigError(f"parallel.pp_split='{p.pp_split}' must be comma-separated block counts, "
-                              "e.g. '3,3,2'") from None
-        if len(split) != stages or min(split) < 1 or sum(split) != args.n_layers:
-            raise ConfigError(f"parallel.pp_split='{p.pp_split}' must give {stages} stages of at least one block "
-                              f"each, summing to model.n_layers={args.n_layers}")
-    else:
-        split = balanced_split(args, stages)
-    m = p.pp_microbatches
-    if m == 0:
-        # Automatic: the smallest divisor of the per-rank batch that reaches 2 x stages (a small bubble), else all.
-        m = next((d for d in range(1, per_dp_batch + 1) if per_dp_batch % d == 0 and d >= 2 * stages), per_dp_batch)
-    elif per_dp_batch % m:
-        raise ConfigError(f"parallel.pp_microbatches={m} does not divide the batch of each data-parallel rank "
-                          f"({per_dp_batch} sequences = global batch / data-parallel degree)")
-    if schedule != "gpipe" and m < p.pp:
-        raise ConfigError(f"parallel.pp_schedule={schedule} needs at least parallel.pp={p.pp} microbatches, got "
-                          f"{m} (parallel.pp_microbatches, at most the {per_dp_batch} sequences per data-parallel rank)")
-    if schedule in MULTI_STAGE and m % max(1, m // p.pp):
-        raise ConfigError(f"parallel.pp_schedule={schedule}: {m} microbatches must be a multiple of the "
-                          f"{m // p.pp} rounds of {p.pp} (choose a multiple of parallel.pp)")
-    return PipelinePlan(p.pp, schedule, virtual, m, split)
+from paratrain.layout import MULTI_STAGE, Layout
 
 
 # -- building ------------------------------------------------------------------------------------
@@ -186,7 +43,7 @@ def prune(model: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Mo
 class Pipeline:
     """This rank's share of a pipelined model: stage modules, PipelineStages and the schedule."""
 
-    plan: PipelinePlan
+    layout: Layout
     model: nn.Module  # the rank model (what the optimizer and checkpoints see)
     modules: dict[int, nn.Module]  # stage index -> stage module
     stages: list
@@ -196,7 +53,6 @@ class Pipeline:
     device: torch.device
     busy_s: float = 0.0
     step_s: float = 0.0
-    bubble_history: list = field(default_factory=list)
 
     @property
     def has_first(self) -> bool:
@@ -204,11 +60,11 @@ class Pipeline:
 
     @property
     def has_last(self) -> bool:
-        return self.plan.num_stages - 1 in self.modules
+        return self.layout.num_stages - 1 in self.modules
 
     @property
     def last_owner(self) -> int:
-        return self.plan.stage_owner(self.plan.num_stages - 1)
+        return self.layout.stage_owner(self.layout.num_stages - 1)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of this data-parallel rank's batch; returns the batch's mean loss on every pp rank."""
@@ -237,17 +93,15 @@ class Pipeline:
     def measured_bubble(self) -> list[float]:
         """Idle fraction of each pp rank in the last step: 1 - compute time / step time (one tiny all-gather)."""
         mine = torch.tensor([1.0 - min(1.0, self.busy_s / self.step_s) if self.step_s > 0 else 0.0])
-        out = [torch.zeros(1) for _ in range(self.plan.pp)]
+        out = [torch.zeros(1) for _ in range(self.layout.pp)]
         dist.all_gather(out, mine, group=self.group)
-        values = [float(o) for o in out]
-        self.bubble_history.append(values)
-        return values
+        return [float(o) for o in out]
 
     # -- forward only: evaluation and generation --------------------------------------------------
     def forward(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Run all stages in order (sends/receives between ranks); the last stage's owner gets the output."""
         h = tokens
-        p = self.plan
+        p = self.layout
         for s in range(p.num_stages):
             owner = p.stage_owner(s)
             if owner != self.pp_rank:
@@ -325,70 +179,46 @@ def _timed(pipeline: Pipeline, fn):
     return wrapper
 
 
-def build_pipeline(plan: PipelinePlan, args, dims, mesh, checkpointing, precision: str, compile: bool,
-                   device: torch.device, seed: int, loss_fn) -> Pipeline:
-    """Cut the model into this rank's stages, lay each out (TP, AC, compile, FSDP), wrap them and build the schedule."""
-    import dataclasses
+class StageGroup(nn.Module):
+    """This rank's parameters across its stages, under the names a whole Transformer gives them (no forward: the
+    stages run in the schedule)."""
 
+    def __init__(self, modules: dict[int, nn.Module]):
+        super().__init__()
+        first = modules.get(0)
+        last = next((m for m in modules.values() if m.output is not None), None)  # the final stage, if ours
+        self.tok_embeddings = first.tok_embeddings if first is not None else None
+        owned = {key: block for m in modules.values() for key, block in m.layers.items()}
+        self.layers = nn.ModuleDict({k: owned[k] for k in sorted(owned, key=int)})
+        self.norm = last.norm if last is not None else None
+        self.output = last.output if last is not None else None
+
+
+def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str, compile: bool,
+                   device: torch.device, seed: int, loss_fn) -> Pipeline:
+    """Cut the meta-device `model` into this rank's stages, lay each out with `parallelize`, wrap them and build
+    the schedule. `loss_fn(logits, targets)` is the last stage's loss per microbatch."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as S
 
-    from paratrain.distributed.parallelize import (apply_activation_checkpointing, apply_compile, apply_fsdp,
-                                                   apply_tp, fsdp_mesh, uses_fsdp)
-    from paratrain.models.init import init_weights
-    from paratrain.models.llama import Transformer
+    from paratrain.distributed.parallelize import parallelize
 
-    pp_mesh = mesh["pp"]
-    pp_rank, group = pp_mesh.get_local_rank(), pp_mesh.get_group()
-    with torch.device("meta"):
-        full = Transformer(args)
-    seq_shards = dims.tp if dims.tp > 1 and dims.sequence_parallel else 1
+    layout = dims.layout
+    pp_rank, group = dims.pp_rank, dims.pp_group
     modules: dict[int, nn.Module] = {}
-    for s in plan.local_stages(pp_rank):
-        m = prune(copy.deepcopy(full), plan.stage_layers(s), s == 0, s == plan.num_stages - 1)
-        m.seq_shards = seq_shards  # a later stage receives the residual stream split along the sequence
-        modules[s] = m
-    if len(modules) == 1:
-        rank_model = next(iter(modules.values()))
-    else:
-        # One model over all of this rank's stages, sharing their modules (and so their parameters).
-        rank_model = copy.deepcopy(full)
-        owned = {str(i): mod.layers[str(i)] for mod in modules.values() for i in [int(k) for k in mod.layers]}
-        rank_model.layers = nn.ModuleDict({k: owned[k] for k in sorted(owned, key=int)})
-        rank_model.tok_embeddings = modules[0].tok_embeddings if 0 in modules else None
-        last = modules.get(plan.num_stages - 1)
-        rank_model.norm = last.norm if last is not None else None
-        rank_model.output = last.output if last is not None else None
+    for s in layout.local_stages(pp_rank):
+        stage = prune(copy.deepcopy(model), layout.stage_layers(s), s == 0, s == layout.num_stages - 1)
+        modules[s] = parallelize(stage, dims, activation_checkpoint, precision, compile, device, seed)
+    rank_model = next(iter(modules.values())) if len(modules) == 1 else StageGroup(modules)
 
-    # The logits of the last stage stay whole (no loss parallelism): the schedule's loss sees a plain tensor.
-    stage_dims = dataclasses.replace(dims, loss_parallel=False)
-    for m in modules.values():
-        if dims.tp_enabled:
-            with warnings.catch_warnings():  # the plan names modules a stage does not have
-                warnings.simplefilter("ignore")
-                apply_tp(m, mesh["tp"], dims.sequence_parallel, False)
-        apply_activation_checkpointing(m, checkpointing)
-        if compile:
-            apply_compile(m)
-        if uses_fsdp(stage_dims):
-            apply_fsdp(m, fsdp_mesh(mesh, stage_dims), stage_dims, precision)
-    for m in modules.values():
-        m.to_empty(device=device)
-    if rank_model not in modules.values():
-        for name, buf in list(rank_model.named_buffers(recurse=False)):
-            setattr(rank_model, name, torch.empty_like(buf, device=device))
-    init_weights(rank_model, seed)
-    for m in modules.values():
-        m.reset_buffers()
-
-    stages = [PipelineStage(modules[s], s, plan.num_stages, device, group=group) for s in sorted(modules)]
+    stages = [PipelineStage(modules[s], s, layout.num_stages, device, group=group) for s in sorted(modules)]
     cls = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "interleaved_1f1b": S.ScheduleInterleaved1F1B,
-           "interleaved_zero_bubble": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble}[plan.schedule]
+           "interleaved_zero_bubble": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble}[layout.pp_schedule]
     # Each microbatch's loss is a mean; scale_grads divides the summed gradients by the microbatch count, so
     # the gradient is the mean over this rank's batch (FSDP then averages over data-parallel ranks).
-    schedule = cls(stages[0] if plan.schedule not in MULTI_STAGE else stages, n_microbatches=plan.microbatches,
-                   loss_fn=loss_fn, scale_grads=True)
-    pipe = Pipeline(plan, rank_model, modules, stages, schedule, group, pp_rank, device)
+    schedule = cls(stages[0] if layout.pp_schedule not in MULTI_STAGE else stages,
+                   n_microbatches=layout.pp_microbatches, loss_fn=loss_fn, scale_grads=True)
+    pipe = Pipeline(layout, rank_model, modules, stages, schedule, group, pp_rank, device)
     for st in stages:
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             if hasattr(st, name):

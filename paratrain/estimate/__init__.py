@@ -34,32 +34,26 @@ def estimate_for_run(plan, device: str | None = None, gpu_bytes: int | None = No
     """
     import torch
 
-    cfg, dims = plan.cfg, plan.dims
+    cfg, lay = plan.cfg, plan.layout
     if device is None:
         device = "cuda" if torch.cuda.is_available() and cfg.training.device != "cpu" else "cpu"
     if gpu_bytes is None and device == "cuda" and torch.cuda.is_available():
         gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    p, t = cfg.parallel, cfg.training
-    pp = getattr(dims, "pp", 1)
+    t = cfg.training
     micro, pipe = t.micro_batch, {}
-    if pp > 1:
-        # The pipeline's own plan (schedule, stages per rank, blocks per stage, micro-batches of the rank's batch).
-        from paratrain.distributed.pipeline import plan_pipeline
-
-        per_dp = plan.global_batch // dims.dp
-        pplan = plan_pipeline(p, plan.model_args, per_dp, dims)
-        pipe = dict(pp_schedule=pplan.schedule, microbatches=pplan.microbatches, pp_virtual=pplan.virtual,
-                    pp_split=tuple(pplan.split))
-        micro = max(1, per_dp // pplan.microbatches)
-    layout = resolve_layout(world_size=dims.world_size, dp_mode=dims.dp_mode, dp_replicate=dims.dp_replicate,
-                            dp_shard=dims.dp_shard, tp=dims.tp, pp=pp, ep=getattr(dims, "ep", getattr(p, "ep", 1)),
-                            sequence_parallel=dims.sequence_parallel, loss_parallel=dims.loss_parallel, **pipe)
+    if lay.pp > 1:
+        pipe = dict(pp_schedule=lay.pp_schedule, microbatches=lay.pp_microbatches, pp_virtual=lay.pp_virtual,
+                    pp_split=tuple(lay.pp_split))
+        micro = max(1, plan.global_batch // lay.dp // lay.pp_microbatches)
+    layout = resolve_layout(world_size=lay.world_size, dp_mode=lay.dp_mode, dp_replicate=lay.dp_replicate,
+                            dp_shard=lay.dp_shard, tp=lay.tp, pp=lay.pp, ep=lay.ep,
+                            sequence_parallel=lay.sequence_parallel, loss_parallel=lay.loss_parallel, **pipe)
     impl = cfg.optimizer.impl
     if impl == "auto":
-        impl = "fused" if device == "cuda" else "foreach"  # as paratrain.optim._impl_kwargs
+        impl = "fused" if device == "cuda" else "foreach"  # as paratrain.training.optim._impl_kwargs
     inputs = EstimateInputs(plan.model_args, layout, model_name=cfg.model.preset, precision=t.precision,
-                            optimizer="adamw", optimizer_impl=impl, checkpointing=cfg.checkpointing.mode,
-                            every_k=cfg.checkpointing.every_k, micro_batch=micro, seq_len=t.seq_len,
+                            optimizer="adamw", optimizer_impl=impl, checkpointing=cfg.activation_checkpoint.mode,
+                            every_k=cfg.activation_checkpoint.every_k, micro_batch=micro, seq_len=t.seq_len,
                             accum_steps=plan.accum_steps, gpu_name=None, gpu_bytes=gpu_bytes,
                             overhead_bytes=None if device == "cuda" else 0, device=device)
     return estimate(inputs, suggest=gpu_bytes is not None)

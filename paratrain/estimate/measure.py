@@ -297,35 +297,72 @@ def _fsdp_labels(tracker: StorageTracker):
             setattr(FSDPParamGroup, name, orig)
 
 
-def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measurement:
-    """Build the model for `spec` on this process (a rank of an initialised gloo group, or alone), run
-    `spec.steps` training steps with the tracker on, and return the last step's peak and breakdown."""
-    import torch.distributed as dist
-    import torch.nn.functional as F
+class _PhaseLabels:
+    """Probe for the shared TrainStep: labels allocations by phase (activations during forward, logits/loss from
+    the final norm to the end of the loss backward) and snapshots what is live at the end of the measured forward."""
 
-    from paratrain.config import CheckpointingConfig, OptimizerConfig, ParallelConfig
-    from paratrain.distributed.grad_norm import clip_grad_norm
+    def __init__(self, tracker: StorageTracker, model, accum_steps: int):
+        self.tracker, self.model, self.accum = tracker, model, accum_steps
+        self.micro, self.measuring, self.forward_end = 0, False, {}
+
+        def set_label(label):
+            def hook(*_):
+                tracker.label = label
+            return hook
+
+        def on_head_input(mod, inp, out):
+            # When the gradient reaches the last block's output, the loss and output layer are done.
+            if inp[0].requires_grad:
+                inp[0].register_hook(set_label(TEMP))
+
+        self.hooks = [model.tok_embeddings.register_forward_pre_hook(set_label(ACTS)),
+                      model.norm.register_forward_pre_hook(set_label(LOGITS)),
+                      model.norm.register_forward_hook(on_head_input)]
+
+    def micro_start(self, x, y) -> None:
+        self.tracker.label = ACTS
+        self.tracker.track(x, ACTS)
+        self.tracker.track(y, ACTS)
+
+    def forward_done(self) -> None:
+        self.micro += 1
+        if self.measuring and self.micro % self.accum == 0:  # the last micro-step of the measured step
+            self.forward_end = self.tracker.snapshot()
+        self.tracker.label = LOGITS  # loss backward, until the gradient reaches the last block
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measurement:
+    """Build the model for `spec` as the trainer does (parallelize + build_optimizer) on this process (a rank of an
+    initialised gloo group, or alone), run `spec.steps` steps of the trainer's own TrainStep with the tracker on,
+    and return the last step's peak and breakdown."""
+    import torch.distributed as dist
+
+    from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
     from paratrain.distributed.parallel_dims import ParallelDims
-    from paratrain.distributed.parallelize import PRECISION_DTYPES, parallelize, unwrap, uses_fsdp
+    from paratrain.distributed.parallelize import parallelize, unwrap
+    from paratrain.layout import Layout
     from paratrain.models.llama import ModelArgs, Transformer
-    from paratrain.optim import build_optimizer
+    from paratrain.training.optim import build_optimizer
+    from paratrain.training.step import TrainStep, make_scaler
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    pcfg = ParallelConfig(dp_mode=spec.dp_mode, dp_replicate=spec.dp_replicate, dp_shard=spec.dp_shard, tp=spec.tp,
-                          sequence_parallel=spec.sequence_parallel, loss_parallel=spec.loss_parallel)
-    if spec.ep > 1:
-        pcfg.ep = spec.ep
-    dims = ParallelDims.from_config(pcfg, world)
+    layout = Layout.resolve(world, dp_mode=spec.dp_mode, dp_replicate=spec.dp_replicate, dp_shard=spec.dp_shard,
+                            tp=spec.tp, ep=spec.ep, sequence_parallel=spec.sequence_parallel,
+                            loss_parallel=spec.loss_parallel)
     args = ModelArgs(**spec.model)
-    dims.validate_model(args)
-    key = (dims.dp_replicate, dims.dp_shard, dims.tp)
+    layout = layout.validate(args, world)
+    key = (layout.dp_replicate, layout.dp_shard, layout.tp)
     if mesh_cache is not None and key in mesh_cache:
-        mesh, dpm = mesh_cache[key]
+        dims = ParallelDims(layout, *mesh_cache[key])
     else:
-        mesh, dpm = dims.build_mesh("cpu")
+        dims = ParallelDims.build(layout, "cpu")
         if mesh_cache is not None:
-            mesh_cache[key] = (mesh, dpm)
+            mesh_cache[key] = (dims.mesh, dims.dp_mesh)
     device = torch.device("cpu")
     ddp_buckets: list = []  # weak references to DDP's flat bucket storages
     tracker = StorageTracker()
@@ -334,10 +371,10 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
         tracker.label = PARAMS
         with torch.device("meta"):
             model = Transformer(args)
-        model = parallelize(model, dims, mesh, dpm, CheckpointingConfig(spec.checkpointing, spec.every_k),
-                            spec.precision, False, device, seed=0)
-        zero1 = dpm.get_group() if (dims.dp > 1 and dims.dp_mode == "zero1") else None
-        optimizer = build_optimizer(unwrap(model), OptimizerConfig(impl=spec.optimizer_impl), device, zero1)
+        model = parallelize(model, dims, ActivationCheckpointConfig(spec.checkpointing, spec.every_k), spec.precision,
+                            False, device, seed=0)
+        optimizer = build_optimizer(unwrap(model), OptimizerConfig(impl=spec.optimizer_impl), device,
+                                    dims.dp_group if layout.zero1 else None)
         if hasattr(model, "register_comm_hook"):
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -347,78 +384,33 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
                         ddp_buckets.append(weakref.ref(st))
                 return allreduce_hook(state, bucket)
 
-            model.register_comm_hook(dpm.get_group(), hook)
+            model.register_comm_hook(dims.dp_group, hook)
         tracker.identify = lambda: _identity_map(unwrap(model), optimizer, ddp_buckets)
         tracker.param_storages = {id(st) for p in unwrap(model).parameters() for st in _storages(_local(p))}
-        autocast = spec.precision != "fp32" and not uses_fsdp(dims)
-        loss_parallel = dims.tp_enabled and dims.loss_parallel
         inner = unwrap(model)
-
-        # Labels by region: blocks and embedding -> activations; final norm, output, loss -> logits/loss.
-        def set_label(label):
-            def hook(*_):
-                tracker.label = label
-            return hook
-
-        hooks = [inner.tok_embeddings.register_forward_pre_hook(set_label(ACTS)),
-                 inner.norm.register_forward_pre_hook(set_label(LOGITS))]
-        def on_head_input(mod, inp, out):
-            # When the gradient reaches the last block's output, the loss and output layer are done.
-            if inp[0].requires_grad:
-                inp[0].register_hook(set_label(TEMP))
-
+        probe = _PhaseLabels(tracker, inner, spec.accum_steps)
+        step = TrainStep(model, optimizer, layout, spec.precision, device, grad_clip=1.0,
+                         scaler=make_scaler(layout, spec.precision, device), probe=probe)
         gen = torch.Generator().manual_seed(1234)
-        forward_end = {}
         # DDP rebuilds its buckets (in gradient-ready order) in the second iteration: measure after that.
         steps = max(spec.steps, 3) if hasattr(model, "register_comm_hook") else spec.steps
-        for step in range(steps):
-            measured = step == steps - 1
-            if measured:
+        for i in range(steps):
+            if i == steps - 1:
                 tracker.reset_peak()
-                tracker.recording = True
-            for micro in range(spec.accum_steps):
-                tracker.label = ACTS
-                x = torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), generator=gen)
-                y = torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), generator=gen)
-                tracker.track(x, ACTS)
-                tracker.track(y, ACTS)
-                stack = contextlib.ExitStack()
-                sync = micro == spec.accum_steps - 1
-                with stack:
-                    if not sync and hasattr(model, "no_sync"):
-                        stack.enter_context(model.no_sync())
-                    if autocast:
-                        stack.enter_context(torch.autocast("cpu", dtype=PRECISION_DTYPES[spec.precision]))
-                    if loss_parallel:
-                        from torch.distributed.tensor.parallel import loss_parallel as lp
-
-                        stack.enter_context(lp())
-                    hook_handle = inner.norm.register_forward_hook(on_head_input)
-                    logits = model(x)
-                    hook_handle.remove()
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / spec.accum_steps
-                    del logits
-                    aux = [m.aux_loss_coef * m.aux_loss for m in inner.modules() if hasattr(m, "aux_loss_coef")]
-                    if aux:  # mixture of experts: the trainer adds the load-balancing loss (MoEMeter.collect)
-                        loss = loss + torch.stack(aux).sum() / spec.accum_steps
-                    if measured and sync:
-                        forward_end = tracker.snapshot()
-                        if tracker.debug and rank == 0:
-                            for info in list(tracker._info.values()):
-                                if info[0] and info[1] in (ACTS, LOGITS):
-                                    print("FORWARD-END", info[1], info[0], info[3])
-                    tracker.label = LOGITS  # loss backward, until the gradient reaches the last block
-                    loss.backward()
-                    del loss
+                tracker.recording = probe.measuring = True
+            micro = [(torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), generator=gen),
+                      torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), generator=gen))
+                     for _ in range(spec.accum_steps)]
+            step.forward_backward(micro)
+            del micro
             tracker.label = TEMP
-            clip_grad_norm(model.parameters(), 1.0)
-            optimizer.step()
+            step.clip()
+            step.update(finite=True)
             grad_bytes = _nbytes_unique([p.grad for g in optimizer.param_groups for p in g["params"]
                                          if p.grad is not None])
-            optimizer.zero_grad(set_to_none=True)
+            step.zero_grad()
             tracker.recording = False
-        for h in hooks:
-            h.remove()
+        probe.remove()
         # Exact model-state bytes on this rank: parameters (+ buffers), optimizer state, and the gradients
         # the optimizer saw in the measured step.
         opt = optimizer.optim if hasattr(optimizer, "optim") else optimizer
@@ -433,9 +425,9 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
         for (cat, n, f), c in sorted(Counter(tracker.peak_debug).items()):
             if cat in (TEMP, LOGITS, GRADS, COMM):
                 print("PEAK", cat, n, f, "x", c)
-    result = Measurement(rank, tracker.peak, tracker.peak_label, tracker.peak_breakdown, forward_end, states,
+    result = Measurement(rank, tracker.peak, tracker.peak_label, tracker.peak_breakdown, probe.forward_end, states,
                          asdict(spec))
-    del model, optimizer
+    del model, optimizer, step
     return result
 
 

@@ -228,3 +228,8 @@ class MoE(nn.Module):
 
 def moe_modules(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def balance_loss(modules: list[MoE]) -> torch.Tensor:
+    """The weighted load-balancing loss of the forward just run, summed over MoE layers (added to the LM loss)."""
+    return torch.stack([m.aux_loss_coef * m.aux_loss for m in modules]).sum()

@@ -13,11 +13,14 @@ finished writing (synchronously, or in the background with `async_save`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
 import sys
+import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,7 +48,7 @@ def _is_zero1(optimizer) -> bool:
 
 
 def _fqns(model: nn.Module) -> dict[int, str]:
-    from paratrain.models.init import canonical_name
+    from paratrain.distributed.initialize import canonical_name
 
     return {id(p): canonical_name(n) for n, p in model.named_parameters()}
 
@@ -265,6 +268,19 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer) -> dict:
     return trainer_state
 
 
+def full_weights(model: nn.Module, pp_group=None) -> dict:
+    """Every parameter's whole value, by name, on every rank (a collective); pipeline stages are merged over the
+    pp group."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if pp_group is None:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    mine = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    parts = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(parts, {k: v.detach().cpu() for k, v in mine.items()}, group=pp_group)
+    return {k: v for part in parts for k, v in part.items()}
+
+
 def export_safetensors(model: nn.Module, out_file: Path, is_main: bool) -> Path | None:
     """Consolidated (unsharded) weights as one safetensors file; every rank takes part in the gather."""
     from safetensors.torch import save_file
@@ -284,3 +300,101 @@ def export_safetensors(model: nn.Module, out_file: Path, is_main: bool) -> Path 
     save_file(tensors, str(tmp), metadata={"format": "pt", "tied": ",".join(sorted(set(full) - set(tensors)))})
     os.replace(tmp, out_file)
     return out_file
+
+
+# -- the run's side of checkpointing ------------------------------------------------------------
+
+@dataclass
+class Progress:
+    """Where a run is, beyond its weights: saved in every checkpoint so a resumed run continues exactly."""
+
+    micro_batch: int  # the batch split can change at run time (out-of-memory adaptation); the global batch never
+    accum_steps: int
+    data_step: int = 0  # the next batch to read: optimizer step t reads batch data_step
+    skip_batches: set = field(default_factory=set)  # batches a rollback found bad; never read again
+    skipped: int = 0  # updates skipped for a non-finite loss or gradient norm
+
+    def next_batch(self) -> int:
+        while self.data_step in self.skip_batches:
+            self.data_step += 1
+        return self.data_step
+
+    def state(self) -> dict:
+        return {"data_step": self.data_step, "skip_batches": sorted(self.skip_batches), "micro_batch": self.micro_batch,
+                "accum_steps": self.accum_steps, "skipped_steps": self.skipped}
+
+    def load(self, state: dict, step: int) -> None:
+        self.data_step = int(state.get("data_step", step))
+        self.skip_batches |= set(int(b) for b in state.get("skip_batches", []))
+        self.skipped = int(state.get("skipped_steps", 0))
+        if "micro_batch" in state and int(state["micro_batch"]) < self.micro_batch:
+            # an earlier out-of-memory adaptation of this run still applies
+            self.micro_batch, self.accum_steps = int(state["micro_batch"]), int(state["accum_steps"])
+
+
+class Checkpointer:
+    """Saves, resumes and rolls back one run's training state (model, optimizer, progress, RNG, config)."""
+
+    def __init__(self, spec, model: nn.Module, optimizer, progress: Progress, is_main: bool, tokenizer, config_toml: str,
+                 notice=print, warn=None):
+        cfg = spec.cfg
+        self.spec, self.model, self.optimizer, self.progress = spec, model, optimizer, progress
+        self.root, self.config_toml, self.notice = cfg.run_dir / "checkpoints", config_toml, notice
+        self.warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.writer = CheckpointWriter(self.root, cfg.checkpoint.keep, is_main, cfg.checkpoint.async_save, tokenizer)
+        self.last_save_s: float | None = None  # reported once in the next step's metrics record
+
+    def due(self, step: int) -> bool:
+        every = self.spec.cfg.checkpoint.every
+        return bool(every) and step % every == 0 and step < self.spec.cfg.training.steps
+
+    def save(self, next_step: int) -> Path:
+        start = time.perf_counter()
+        path = self.writer.save(next_step, self.model, self.optimizer, self._state(next_step))
+        self.last_save_s = time.perf_counter() - start
+        return path
+
+    def _state(self, next_step: int) -> dict:
+        state = {"step": next_step, **self.progress.state(), "rng_cpu": torch.get_rng_state(),
+                 "seq_len": self.spec.cfg.training.seq_len, "config_toml": self.config_toml,
+                 "model_args": dataclasses.asdict(self.spec.model_args)}
+        if torch.cuda.is_available():
+            state["rng_cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def restore(self, path: Path) -> int:
+        """Load a checkpoint (saved on any layout) into this run; returns its step."""
+        state = load_checkpoint(path, self.model, self.optimizer)
+        step = int(state["step"])
+        self.progress.load(state, step)
+        torch.set_rng_state(state["rng_cpu"])
+        return step
+
+    def resume(self, restarted: bool) -> int:
+        """The step to start from: checkpoint.resume (auto after a relaunch), else 0."""
+        resume = self.spec.cfg.checkpoint.resume
+        if resume == "none" and restarted:
+            resume = "auto"  # a relaunch after a crash continues from the newest checkpoint
+        path = resolve_resume(resume, self.root, warn=self.warn)
+        if path is None:
+            return 0
+        step = self.restore(path)
+        self.notice(f"resumed from {path} at step {step}")
+        return step
+
+    def rollback(self, bad_batches: list[int]) -> int | None:
+        """After repeated non-finite steps: reload the newest checkpoint and never use those batches again."""
+        self.writer.finish()
+        path = newest_valid_checkpoint(self.root, warn=self.warn)
+        if path is None:
+            return None
+        self.progress.skip_batches |= set(bad_batches)
+        step = self.restore(path)  # adds the checkpoint's own skip list to ours
+        self.notice(f"rolled back to {path} (step {step}); skipping batches {sorted(bad_batches)}")
+        return step
+
+    def poll(self) -> None:
+        self.writer.poll()
+
+    def finish(self) -> None:
+        self.writer.finish()

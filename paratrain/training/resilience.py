@@ -1,4 +1,5 @@
-"""Keeping a run alive: preemption notices, out-of-memory detection and the activation-memory budget."""
+"""Keeping a run alive: preemption notices, out-of-memory adaptation, the activation-memory budget, and the
+guard the training loop consults once per step (`ResilienceGuard`)."""
 
 from __future__ import annotations
 
@@ -124,3 +125,66 @@ def mark_preempted(run_dir, step: int) -> None:
 def preempted_since(run_dir, since: float) -> bool:
     marker = run_dir / PREEMPTED_MARKER
     return marker.exists() and marker.stat().st_mtime >= since
+
+
+class ResilienceGuard:
+    """The loop's one contact for what can go wrong in a step: preemption (SIGTERM), out-of-memory (halve the
+    micro-batch, double accumulation: same global batch, same loss), and non-finite steps (skip the update;
+    after `max_bad_steps` in a row, ask for a rollback)."""
+
+    def __init__(self, cfg, progress, device: torch.device, notice=print):
+        self.cfg, self.progress, self.device, self.notice = cfg, progress, device, notice
+        self.preemption = PreemptionWatch(cfg.preempt_grace_s)
+        self.bad_streak: list[int] = []  # data batches of the current run of consecutive non-finite steps
+
+    def __enter__(self):
+        self.preemption.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.preemption.__exit__(*exc)
+
+    def preempted(self) -> bool:
+        """True on every rank, at the same step boundary, once any rank got SIGTERM."""
+        return self.preemption.agreed()
+
+    def with_oom_adaptation(self, run_step, zero_grad):
+        """`run_step()` until it fits: on out-of-memory every rank halves the micro-batch and tries again."""
+        while True:
+            try:
+                return run_step()
+            except Exception as e:  # noqa: BLE001 - only out-of-memory errors are handled, the rest re-raised
+                if not is_out_of_memory(e):
+                    raise
+                failed = e
+            zero_grad()
+            self._adapt(failed)
+
+    def _adapt(self, error: Exception) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        p = self.progress
+        if p.micro_batch == 1:
+            raise OutOfMemory(f"out of memory at micro-batch 1 ({error}); the layout does not fit: use more "
+                              "sharding, tensor parallelism or activation checkpointing")
+        old = (p.micro_batch, p.accum_steps)
+        p.micro_batch, p.accum_steps = p.micro_batch // 2, p.accum_steps * 2
+        if p.micro_batch * p.accum_steps != old[0] * old[1]:
+            raise OutOfMemory(f"out of memory at micro-batch {old[0]}, which cannot be halved evenly")
+        self.notice(f"out of memory ({type(error).__name__}): micro-batch {old[0]} x accumulation {old[1]} "
+                    f"-> {p.micro_batch} x {p.accum_steps} (global batch unchanged)")
+
+    def after_update(self, step: int, finite: bool, data_step: int) -> list[int] | None:
+        """Count a non-finite step (its update was skipped on every rank: loss and norm are global). Returns the bad
+        batches to roll back past once `max_bad_steps` came in a row, else None."""
+        if finite:
+            self.bad_streak = []
+            return None
+        self.progress.skipped += 1
+        self.bad_streak.append(data_step)
+        self.notice(f"step {step + 1}: non-finite loss or gradient norm, update skipped "
+                    f"({self.progress.skipped} skipped so far)")
+        if len(self.bad_streak) < self.cfg.max_bad_steps:
+            return None
+        bad, self.bad_streak = self.bad_streak, []
+        return bad

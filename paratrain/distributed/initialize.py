@@ -1,4 +1,4 @@
-"""Deterministic, layout-independent weight initialisation.
+"""Deterministic, layout-independent weight initialisation of a parallelised model.
 
 Each parameter's full value is drawn from a generator seeded by (seed, parameter name), so a model
 sharded over any mesh starts from exactly the weights a single process would have. A sharded
@@ -32,7 +32,7 @@ def init_weights(model: nn.Module, seed: int, std_for=None) -> None:
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    std_for = std_for or model.param_init_std
+    std_for = std_for or model.param_init_std  # the model says what each parameter's distribution is
     seen: set[int] = set()
     for raw_name, param in model.named_parameters():
         if id(param) in seen:  # tied weights: initialised once, under their first name

@@ -1,0 +1,108 @@
+"""Resolving a run: config + world size (+ the prepared data's vocabulary) -> a `RunSpec`, once per process.
+
+Everything that can be decided before a process group or a model exists is decided here, and every rule it
+applies lives in one place: the layout's in `paratrain/layout.py`, the config's in `paratrain/config.py`, the
+model's dimensions in `model_args_from`. The launcher resolves before starting ranks (so bad input is one line
+before anything starts); each rank resolves again from the same config and the prepared data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from paratrain.config import Config
+from paratrain.data import DEFAULT_CORPUS, ensure_prepared
+from paratrain.errors import ConfigError
+from paratrain.layout import Batch, Layout
+from paratrain.models import ModelArgs, preset_args
+
+VOCAB_PAD = 64  # pad small vocabularies so embedding/output split evenly over tensor-parallel ranks
+MODEL_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len", "rope_theta",
+                   "tie_embeddings")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a run is, decided before any process group or model exists."""
+
+    cfg: Config
+    layout: Layout  # validated against the model and the batch; pipeline microbatches and split filled in
+    model_args: ModelArgs
+    data_dir: Path
+    global_batch: int  # sequences per optimizer step
+    accum_steps: int  # micro-steps per optimizer step (1 with a pipeline)
+    batch_fixed: str  # which of global batch / accumulation the user fixed
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.cfg.training.seq_len
+
+
+def model_args_from(cfg: Config, data_vocab: int | None = None) -> ModelArgs:
+    """The model's dimensions: the preset, then `[model]` overrides. A preset whose vocabulary comes from the data
+    gets `data_vocab` padded to a multiple of VOCAB_PAD; `data_vocab=None` before the data is prepared checks the
+    rest with a placeholder vocabulary."""
+    m = cfg.model
+    overrides = {k: getattr(m, k) for k in MODEL_OVERRIDES}
+    overrides.update({k: v for k, v in vars(m).items() if k.startswith("moe_")})  # mixture-of-experts settings
+    vocab = m.vocab_size if m.vocab_size is not None else math.ceil((data_vocab or 1) / VOCAB_PAD) * VOCAB_PAD
+    args = preset_args(m.preset, vocab_size=vocab, **overrides)
+    if data_vocab is not None and args.vocab_size < data_vocab:
+        raise ConfigError(f"model vocab size {args.vocab_size} is smaller than the dataset's {data_vocab}")
+    if args.dim % args.n_heads or args.n_heads % args.n_kv_heads:
+        raise ConfigError(f"model.dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={args.n_kv_heads}: "
+                          "dim must divide by n_heads and n_heads by n_kv_heads")
+    return args
+
+
+def batch_of(cfg: Config, layout: Layout) -> tuple[Batch, str]:
+    """The batch the layout must divide, and which of global batch / accumulation the user fixed."""
+    t = cfg.training
+    if t.global_batch is not None:
+        return Batch(t.global_batch, t.micro_batch, t.seq_len), "global batch fixed; accumulation derived"
+    return (Batch(t.micro_batch * t.accum_steps * layout.dp, t.micro_batch, t.seq_len),
+            "accumulation fixed; global batch derived")
+
+
+def check(cfg: Config, world_size: int) -> Layout:
+    """Every check that needs neither the data nor a process: run before preparing data or launching ranks.
+    The vocabulary is a placeholder divisible by tp, so only the vocabulary checks wait for the data."""
+    layout = Layout.from_config(cfg.parallel, world_size)
+    return _validated(cfg, layout, model_args_from(cfg, VOCAB_PAD * layout.tp), world_size)
+
+
+def resolve(cfg: Config, world_size: int, data_vocab: int) -> RunSpec:
+    """The whole run, validated against the world size and the prepared data's vocabulary."""
+    layout = Layout.from_config(cfg.parallel, world_size)
+    batch, fixed = batch_of(cfg, layout)
+    args = model_args_from(cfg, data_vocab)
+    layout = _validated(cfg, layout, args, world_size)
+    return RunSpec(cfg, layout, args, Path(cfg.data.dir), batch.global_batch, layout.accumulation(batch), fixed)
+
+
+def _validated(cfg: Config, layout: Layout, args: ModelArgs, world_size: int) -> Layout:
+    if layout.pipelined and cfg.checkpoint.export_safetensors:
+        raise ConfigError("checkpoint.export_safetensors is not supported with parallel.pp > 1 yet "
+                          "(the DCP checkpoint loads on any layout)")
+    return layout.validate(args, world_size, batch_of(cfg, layout)[0])
+
+
+def data_source(cfg: Config) -> Path:
+    return DEFAULT_CORPUS if cfg.data.source == "tinyshakespeare" else Path(cfg.data.source)
+
+
+def prepare_data(cfg: Config) -> dict:
+    """Prepare `[data]` into data.dir unless it already holds this corpus and tokenizer; returns its meta."""
+    tokenizer, path = cfg.data.tokenizer, None
+    if tokenizer.endswith(".json"):
+        tokenizer, path = "tokenizer.json", tokenizer
+    return ensure_prepared(data_source(cfg), cfg.data.dir, tokenizer=tokenizer, vocab_size=cfg.data.vocab_size,
+                           tokenizer_path=path, val_fraction=cfg.data.val_fraction)
+
+
+def resolve_run(cfg: Config, world_size: int) -> RunSpec:
+    """Check the config, prepare the data (first use only), and resolve: what a launcher does before starting ranks."""
+    check(cfg, world_size)
+    return resolve(cfg, world_size, prepare_data(cfg)["vocab_size"])

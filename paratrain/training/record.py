@@ -1,0 +1,52 @@
+"""The metrics record of one optimizer step: what `MetricsLog` hands to every sink (progress display, JSONL,
+TensorBoard, Prometheus). Built on every rank: the MoE, pipeline and memory numbers are collectives."""
+
+from __future__ import annotations
+
+import torch
+
+from paratrain.sysmetrics import PhaseTimer, gather_rank_stats
+
+
+class StepRecorder:
+    def __init__(self, spec, step, env, peak_flops: float, flops_per_token: float, restarts: int, dp_group):
+        self.spec, self.step, self.env, self.dp_group = spec, step, env, dp_group
+        self.peak, self.flops_per_token, self.restarts = peak_flops, flops_per_token, restarts
+        self.timer = PhaseTimer()  # splits each step into data wait / comm wait / compute
+        self.bubble_history: list[list[float]] = []  # pipeline: measured idle fraction per stage rank, per step
+
+    def start(self) -> float:
+        return self.timer.start()
+
+    def record(self, step: int, loss: float, lr: float, grad_norm: torch.Tensor, seconds: float, progress,
+               checkpoint_save_s: float | None) -> dict:
+        tokens = self.spec.tokens_per_step
+        world = self.env.world_size
+        tok_s = tokens / seconds
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+                  "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / world,
+                  "mfu": self.flops_per_token * tok_s / (self.peak * world), "step_time_s": seconds,
+                  "skipped_steps": progress.skipped, "tokens": (step + 1) * tokens,
+                  "micro_batch": progress.micro_batch, "restarts": self.restarts, **self.timer.split(seconds)}
+        if self.step.moe:  # every rank: one small all-reduce of the step's expert load
+            record.update(self.step.moe.step_metrics(self.dp_group))
+        if self.step.pipeline is not None:  # every rank: one tiny all-gather over the pp group
+            idle = self.step.pipeline.measured_bubble()
+            self.bubble_history.append(idle)
+            record.update(pp_bubble_measured=sum(idle) / len(idle), pp_bubble_per_stage=idle,
+                          pp_bubble_predicted=self.spec.layout.predicted_bubble())
+        if checkpoint_save_s is not None:
+            record["checkpoint_save_s"] = checkpoint_save_s
+        return record
+
+    def add_rank_stats(self, record: dict) -> None:
+        """Every rank's memory (one all-gather): on log steps only."""
+        record.update(gather_rank_stats(self.env.device))
+
+    def bubble_summary(self) -> str | None:
+        if not self.bubble_history:
+            return None
+        history = self.bubble_history[1:] or self.bubble_history  # the first step warms up
+        idle = [sum(h[s] for h in history) / len(history) for s in range(self.spec.layout.pp)]
+        return (f"pipeline bubble: predicted {self.spec.layout.predicted_bubble():.1%}; measured idle per stage rank "
+                + ", ".join(f"{s}: {v:.1%}" for s, v in enumerate(idle)))

@@ -1,0 +1,159 @@
+"""One training step: forward, loss (cross-entropy + the MoE balance loss), backward over the micro-batches,
+gradient clipping, and the optimizer (or fp16 gradient scaler) update.
+
+The trainer and the memory measurement harness (`paratrain/estimate/measure.py`) both run this class, so the
+estimator's accuracy bench measures the code users train with. A pipelined model presents the same interface:
+`forward_backward` hands this rank's slice of the batch to the schedule, which runs forward and backward of its
+microbatches; evaluation and sampling run the stages forward one after the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.distributed.expert_parallel import MoEMeter
+from paratrain.distributed.grad_norm import clip_grad_norm
+from paratrain.distributed.parallelize import PRECISION_DTYPES, unwrap
+from paratrain.distributed.pipeline import Pipeline, PipelineSampler
+from paratrain.distributed.tensors import full_tensor
+from paratrain.layout import Layout
+from paratrain.models.moe import balance_loss, moe_modules
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # (B*T, V) vs (B*T,)
+
+
+def make_scaler(layout: Layout, precision: str, device: torch.device):
+    """fp16's dynamic loss scaler (None otherwise). With DTensor gradients the sharded scaler unscales local
+    shards and agrees on overflow across ranks."""
+    if precision != "fp16":
+        return None
+    if layout.uses_fsdp or layout.tp_enabled or layout.pipelined:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)
+
+
+def schedule_loss(scaler):
+    """The loss a pipeline schedule backpropagates from the last stage, per microbatch (scaled for fp16)."""
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        value = cross_entropy(logits, targets)
+        return scaler.scale(value) if scaler is not None else value
+
+    return loss
+
+
+class StepProbe:
+    """Hooks into a step for measurement (the memory harness labels allocations by phase); no-ops here."""
+
+    def micro_start(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        pass
+
+    def forward_done(self) -> None:
+        """After the micro-step's loss is computed, before its backward."""
+
+
+class TrainStep:
+    def __init__(self, model: nn.Module, optimizer, layout: Layout, precision: str, device: torch.device,
+                 grad_clip: float, scaler=None, pipeline: Pipeline | None = None, pp_group=None,
+                 memory_budget=None, probe: StepProbe | None = None):
+        self.model, self.optimizer, self.layout, self.device = model, optimizer, layout, device
+        self.precision, self.grad_clip, self.scaler = precision, grad_clip, scaler
+        self.pipeline, self.pp_group = pipeline, pp_group
+        self.memory_budget, self.probe = memory_budget, probe or StepProbe()
+        # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does the low-precision compute.
+        self.autocast = precision != "fp32" and not layout.uses_fsdp
+        self.moe_layers = moe_modules(unwrap(model))
+        self.moe = MoEMeter(unwrap(model)) if self.moe_layers else None  # expert load statistics
+
+    def contexts(self, sync: bool = True) -> contextlib.ExitStack:
+        """No gradient all-reduce on DDP's accumulation micro-steps, autocast, and loss parallelism."""
+        stack = contextlib.ExitStack()
+        if not sync and hasattr(self.model, "no_sync"):
+            stack.enter_context(self.model.no_sync())
+        if self.autocast:
+            stack.enter_context(torch.autocast(self.device.type, dtype=PRECISION_DTYPES[self.precision]))
+        if self.layout.uses_loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            stack.enter_context(loss_parallel())
+        return stack
+
+    def forward_backward(self, micro_batches, poisoned: bool = False) -> torch.Tensor:
+        """Gradients of this rank's share of the global batch; returns its mean loss (poisoned: NaN, for tests)."""
+        if self.moe:
+            self.moe.reset()
+        if self.pipeline is not None:
+            loss = self._pipeline_forward_backward(micro_batches)
+            return loss * float("nan") if poisoned else loss
+        accum = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)  # (B, T)
+            self.probe.micro_start(x, y)
+            with self.contexts(sync=i == accum - 1):
+                with self.memory_budget.track() if self.memory_budget else contextlib.nullcontext():
+                    loss = cross_entropy(self.model(x), y) / accum  # mean over this rank's share of the batch
+                    aux = None
+                    if self.moe_layers:  # the balance loss, same scaling; recorded before backward recomputes
+                        aux = balance_loss(self.moe_layers) / accum
+                        self.moe.record()
+                if poisoned:
+                    loss = loss * float("nan")
+                self.probe.forward_done()
+                # The balance loss is a second root: the loss may be a DTensor (loss parallel), aux never is.
+                roots = [loss] if aux is None else [loss, aux]
+                torch.autograd.backward([self.scaler.scale(r) for r in roots] if self.scaler else roots)
+            if self.memory_budget:
+                self.memory_budget.check()
+            total += full_tensor(loss.detach())
+        return total
+
+    def _pipeline_forward_backward(self, micro_batches) -> torch.Tensor:
+        (x, y), = micro_batches  # this data-parallel rank's whole slice; the schedule cuts the microbatches
+        if self.scaler:
+            self.scaler.scale(torch.ones((), device=self.device))  # stages without the loss need the scale too
+        with self.contexts():
+            loss = self.pipeline.train_step(x.to(self.device), y.to(self.device))
+        return loss / self.scaler.get_scale() if self.scaler else loss
+
+    def clip(self) -> torch.Tensor:
+        """Clip the gradients to training.grad_clip (0: measure only); returns the global norm."""
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        return clip_grad_norm(self.model.parameters(), self.grad_clip or float("inf"), pp_group=self.pp_group)
+
+    def update(self, finite: bool) -> None:
+        """Apply the gradients (a non-finite step is skipped; the fp16 scaler decides that itself)."""
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif finite:
+            self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward only: the mean loss of (x, y), the whole value on every rank."""
+        x, y = x.to(self.device), y.to(self.device)
+        with self.contexts():
+            if self.pipeline is not None:  # stage by stage; the loss comes from the last stage
+                return self.pipeline.eval_loss(x, y, cross_entropy)
+            return full_tensor(cross_entropy(self.model(x), y))
+
+    def sampler(self, vocab_size: int) -> nn.Module:
+        """A callable model for `generate.sample`."""
+        return PipelineSampler(self.pipeline, vocab_size) if self.pipeline is not None else self.model
+
+    def eval_chunk(self, micro_batch: int, per_rank: int) -> int:
+        """Sequences per forward in evaluation: the training micro-batch, or a pipeline microbatch."""
+        return per_rank // self.layout.pp_microbatches if self.pipeline is not None else micro_batch
