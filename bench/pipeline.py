@@ -55,17 +55,20 @@ def single(a) -> float:
 def ranked(a, pp: int, schedule: str, m: int):
     import torch.distributed as dist
 
-    from paratrain.config import CheckpointingConfig, ParallelConfig
+    from paratrain.config import ActivationCheckpointConfig
     from paratrain.distributed.parallel_dims import ParallelDims
-    from paratrain.distributed.pipeline import build_pipeline, plan_pipeline
+    from paratrain.distributed.pipeline import build_pipeline
+    from paratrain.layout import Batch, Layout
+    from paratrain.models.llama import Transformer
 
     dist.init_process_group("gloo")
-    cfg = ParallelConfig(pp=pp, pp_schedule=schedule, pp_microbatches=m)
-    dims = ParallelDims.from_config(cfg, pp)
     margs = _model_args(a)
-    plan = plan_pipeline(cfg, margs, a["batch"], dims)
-    mesh, _ = dims.build_mesh("cpu")
-    pipe = build_pipeline(plan, margs, dims, mesh, CheckpointingConfig(), "fp32", False, torch.device("cpu"), 0, _loss)
+    layout = Layout.resolve(pp, pp=pp, pp_schedule=schedule, pp_microbatches=m).validate(
+        margs, pp, Batch(a["batch"], a["batch"], a["seq_len"]))
+    dims = ParallelDims.build(layout, "cpu")
+    with torch.device("meta"):
+        model = Transformer(margs)
+    pipe = build_pipeline(dims, model, ActivationCheckpointConfig(), "fp32", False, torch.device("cpu"), 0, _loss)
     opt = torch.optim.AdamW(pipe.model.parameters(), lr=1e-3)
     X, Y = _data(a, a["steps"])
     times, bubbles = [], []
@@ -80,7 +83,7 @@ def ranked(a, pp: int, schedule: str, m: int):
     dist.destroy_process_group()
     steady = bubbles[2:]
     return (sum(times[2:]) / len(times[2:]), [sum(b[s] for b in steady) / len(steady) for s in range(pp)],
-            plan.predicted_bubble())
+            layout.predicted_bubble())
 
 
 def main() -> None:
