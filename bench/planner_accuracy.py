@@ -76,7 +76,7 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     from paratrain.config import load_config
-    from paratrain.planner import _parser, build_context, config_for
+    from paratrain.planner import config_for, context_from_argv
     from paratrain.planner.hardware import calibrate
     from paratrain.planner.search import rank_all
 
@@ -92,7 +92,7 @@ def main() -> int:
             "--profile-dir", str(tmp / "profiles"), "--seq", str(a.seq), "--global-batch-tokens",
             str(a.global_batch_tokens), "--dp-modes", a.dp_modes, "--checkpointing", a.checkpointing,
             "--micro-batches", a.micro_batches, "--schedules", a.schedules]
-    ctx, world, opts, _ = build_context(_parser().parse_args(argv))
+    ctx, world, opts, _ = context_from_argv(argv)
     results = [r for r in rank_all(ctx, world, opts) if r.ok]
     print(f"paratrain plan {' '.join(argv)}\n{len(results)} feasible layouts")
     if len(results) > a.max_candidates:  # keep the planner's first choice, spread the rest over the ranking

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.config import Config
-from paratrain.data import DEFAULT_CORPUS, ensure_prepared
 from paratrain.errors import ConfigError
 from paratrain.layout import Batch, Layout
-from paratrain.models import ModelArgs, preset_args
+from paratrain.models.args import ModelArgs
+from paratrain.models.presets import preset_args, preset_fields
 
 VOCAB_PAD = 64  # pad small vocabularies so embedding/output split evenly over tensor-parallel ranks
 MODEL_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len", "rope_theta",
@@ -40,14 +40,21 @@ class RunSpec:
         return self.global_batch * self.cfg.training.seq_len
 
 
-def model_args_from(cfg: Config, data_vocab: int | None = None) -> ModelArgs:
-    """The model's dimensions: the preset, then `[model]` overrides. A preset whose vocabulary comes from the data
-    gets `data_vocab` padded to a multiple of VOCAB_PAD; `data_vocab=None` before the data is prepared checks the
-    rest with a placeholder vocabulary."""
+def model_args_from(cfg, data_vocab: int | None = None) -> ModelArgs:
+    """The model's dimensions from a config (`config.Config`): the preset, then the `[model]` overrides.
+
+    The vocabulary is `model.vocab_size` when set, else the preset's, else the data's (`data_vocab`, the
+    tokenizer's size) padded to a multiple of VOCAB_PAD. data_vocab=None (no data prepared): a preset that takes its
+    vocabulary from the data then needs `model.vocab_size`, or it is a ConfigError. The sequence length is checked
+    against max_seq_len with the batch, by `Layout.validate`."""
     m = cfg.model
     overrides = {k: getattr(m, k) for k in MODEL_OVERRIDES}
     overrides.update({k: v for k, v in vars(m).items() if k.startswith("moe_")})  # mixture-of-experts settings
-    vocab = m.vocab_size if m.vocab_size is not None else math.ceil((data_vocab or 1) / VOCAB_PAD) * VOCAB_PAD
+    vocab = m.vocab_size
+    if vocab is None and data_vocab is not None:
+        vocab = math.ceil(data_vocab / VOCAB_PAD) * VOCAB_PAD
+    if vocab is None and preset_fields(m.preset)["vocab_size"] is None:
+        raise ConfigError(f"model preset '{m.preset}' takes its vocab size from the dataset: set model.vocab_size")
     args = preset_args(m.preset, vocab_size=vocab, **overrides)
     if data_vocab is not None and args.vocab_size < data_vocab:
         raise ConfigError(f"model vocab size {args.vocab_size} is smaller than the dataset's {data_vocab}")
@@ -90,11 +97,15 @@ def _validated(cfg: Config, layout: Layout, args: ModelArgs, world_size: int) ->
 
 
 def data_source(cfg: Config) -> Path:
+    from paratrain.data import DEFAULT_CORPUS
+
     return DEFAULT_CORPUS if cfg.data.source == "tinyshakespeare" else Path(cfg.data.source)
 
 
 def prepare_data(cfg: Config) -> dict:
     """Prepare `[data]` into data.dir unless it already holds this corpus and tokenizer; returns its meta."""
+    from paratrain.data import ensure_prepared
+
     tokenizer, path = cfg.data.tokenizer, None
     if tokenizer.endswith(".json"):
         tokenizer, path = "tokenizer.json", tokenizer

@@ -9,12 +9,13 @@ import math
 import pytest
 
 from paratrain.cli import main
-from paratrain.estimate import EstimateInputs, estimate, gpu_memory, parse_memory, resolve_layout
+from paratrain.estimate import EstimateInputs, estimate, gpu_memory, parse_memory
 from paratrain.estimate.core import forward_end_bytes, in_flight
 from paratrain.estimate.measure import MeasureSpec, inputs_for_spec, measure
 from paratrain.estimate.model_states import model_params, state_bytes, zero_table, zero1_worst_numel
 from paratrain.errors import UserError
-from paratrain.models import count_params, preset_args
+from paratrain.layout import Layout
+from paratrain.models import ModelArgs, count_params, preset_args
 
 TINY = dict(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176, max_seq_len=64)
 LLAMA8B_PARAMS = 8_030_261_248
@@ -47,7 +48,7 @@ def test_classic_breakdown_llama3_8b_and_zero_division():
     assert rows["total"]["zero3"] == 2 * n
 
     # The same numbers in the estimate's table, one rank, classic accounting.
-    est = estimate(EstimateInputs(llama8b(), resolve_layout(world_size=1), precision="bf16", accounting="classic"),
+    est = estimate(EstimateInputs(llama8b(), Layout.resolve(1), precision="bf16", accounting="classic"),
                    suggest=False)
     assert est.at_peak["parameters"] == 2 * n and est.at_peak["gradients"] == 2 * n
     assert est.at_peak["optimizer"] == 8 * n and est.at_peak["master"] == 4 * n
@@ -58,7 +59,7 @@ def test_classic_breakdown_llama3_8b_and_zero_division():
 @pytest.mark.parametrize("mode, replicate", [("fsdp", 1), ("zero2", 1), ("hsdp", 2)])
 def test_classic_zero_stages_in_the_estimate(mode, replicate):
     n = LLAMA8B_PARAMS
-    lay = resolve_layout(world_size=8, dp_mode=mode, dp_replicate=replicate)
+    lay = Layout.resolve(8, dp_mode=mode, dp_replicate=replicate)
     st = state_bytes(llama8b(), lay, "bf16", "adamw", "classic")
     shards = 8 // replicate
     assert st.optimizer == 8 * math.ceil(n / shards) and st.master == 4 * math.ceil(n / shards)
@@ -67,38 +68,36 @@ def test_classic_zero_stages_in_the_estimate(mode, replicate):
 
 
 def test_paratrain_states_exact_per_dp_mode():
-    from paratrain.models.llama import ModelArgs
-
     args = ModelArgs(**TINY)
     P = count_params(args)
     tensors = len(model_params(args))
-    one = state_bytes(args, resolve_layout(world_size=1), "bf16", "adamw", "paratrain")
+    one = state_bytes(args, Layout.resolve(1), "bf16", "adamw", "paratrain")
     assert (one.params, one.grads, one.optimizer, one.master) == (4 * P, 4 * P, 8 * P + 4 * tensors, 0)
     matmul = sum(p.numel for p in model_params(args) if p.matmul)  # autocast's bf16 weight copies
     assert one.autocast_copies == 2 * matmul
-    ddp = state_bytes(args, resolve_layout(world_size=4, dp_mode="ddp"), "bf16", "adamw", "paratrain")
+    ddp = state_bytes(args, Layout.resolve(4, dp_mode="ddp"), "bf16", "adamw", "paratrain")
     assert (ddp.params, ddp.optimizer) == (one.params, one.optimizer)
     # ZeRO-1: whole parameters, greedy, largest first: the worst rank holds more than a quarter.
-    z1 = state_bytes(args, resolve_layout(world_size=4, dp_mode="zero1"), "bf16", "adamw", "paratrain")
+    z1 = state_bytes(args, Layout.resolve(4, dp_mode="zero1"), "bf16", "adamw", "paratrain")
     shapes = [(p, p.numel) for p in model_params(args)]
     assert z1.optimizer == 8 * zero1_worst_numel(shapes, 4) + 4 * math.ceil(tensors / 4)
     assert zero1_worst_numel(shapes, 4) >= P / 4
     # FSDP: dim 0 in ceil(rows / 4) chunks on every rank; fp32 params are the master weights, no autocast.
-    f4 = state_bytes(args, resolve_layout(world_size=4, dp_mode="fsdp"), "bf16", "adamw", "paratrain")
+    f4 = state_bytes(args, Layout.resolve(4, dp_mode="fsdp"), "bf16", "adamw", "paratrain")
     sharded = sum(math.ceil(p.shape[0] / 4) * math.prod(p.shape[1:]) for p in model_params(args))
     assert (f4.params, f4.grads, f4.autocast_copies, f4.master) == (4 * sharded, 4 * sharded, 0, 0)
     assert f4.optimizer == 8 * sharded + 4 * tensors
     # HSDP shards over dp_shard only; tp splits first.
-    h = state_bytes(args, resolve_layout(world_size=4, dp_mode="hsdp", dp_replicate=2), "fp32", "adamw", "paratrain")
+    h = state_bytes(args, Layout.resolve(4, dp_mode="hsdp", dp_replicate=2), "fp32", "adamw", "paratrain")
     assert h.params == 4 * sum(math.ceil(p.shape[0] / 2) * math.prod(p.shape[1:]) for p in model_params(args))
-    t = state_bytes(args, resolve_layout(world_size=2, tp=2), "fp32", "sgd", "paratrain")
+    t = state_bytes(args, Layout.resolve(2, tp=2), "fp32", "sgd", "paratrain")
     norms = sum(p.numel for p in model_params(args) if len(p.shape) == 1)
     assert t.params == 4 * ((P - norms) // 2 + norms) and t.optimizer == t.params  # sgd: one momentum buffer
 
 
 def test_pipeline_in_flight_per_schedule():
-    def lay(schedule, m=8, v=2):
-        return resolve_layout(world_size=4, pp=4, pp_schedule=schedule, microbatches=m, pp_virtual=v)
+    def lay(schedule, m=8):  # interleaved schedules and zbv: 2 stages per rank
+        return Layout.resolve(4, pp=4, pp_schedule=schedule, pp_microbatches=m)
 
     assert [in_flight(lay("1f1b"), s) for s in range(4)] == [4, 3, 2, 1]
     assert in_flight(lay("gpipe"), 0) == 8 and in_flight(lay("gpipe"), 3) == 8
@@ -119,10 +118,10 @@ def test_moe_expert_parallel_divides_experts():
     if "mixtral-8x7b" not in PRESETS:
         pytest.skip("no MoE presets in this tree")
     args = preset_args("mixtral-8x7b")
-    one = state_bytes(args, resolve_layout(world_size=8, dp_mode="fsdp"), "bf16", "adamw", "paratrain")
-    ep = state_bytes(args, resolve_layout(world_size=8, dp_mode="fsdp", ep=8), "bf16", "adamw", "paratrain")
+    one = state_bytes(args, Layout.resolve(8, dp_mode="fsdp"), "bf16", "adamw", "paratrain")
+    ep = state_bytes(args, Layout.resolve(8, dp_mode="fsdp", ep=8), "bf16", "adamw", "paratrain")
     assert ep.params == pytest.approx(one.params, rel=0.02)  # fsdp over 8 vs experts over ep=8: same share
-    e = estimate(EstimateInputs(args, resolve_layout(world_size=8, dp_mode="fsdp", ep=8), seq_len=4096,
+    e = estimate(EstimateInputs(args, Layout.resolve(8, dp_mode="fsdp", ep=8), seq_len=4096,
                                 checkpointing="full"), suggest=False)
     assert e.peak_bytes > ep.params + ep.optimizer
 
@@ -197,14 +196,14 @@ def test_cli_json_and_memory_string(capsys):
 @pytest.mark.parametrize("argv, match", [
     (["--gpu", "H1000"], "unknown GPU 'H1000'"),
     (["--gpu-memory", "lots"], "cannot read memory size 'lots'"),
-    (["--tp", "3", "--world-size", "3"], "n_heads=32 is not divisible by tp=3"),
+    (["--tp", "3", "--world-size", "3"], "n_heads=32 is not divisible by parallel.tp=3"),
     (["--world-size", "6", "--tp", "4"], "does not divide the world size 6"),
     (["--dp-shard", "3", "--world-size", "8"], "but the world size is 8"),
-    (["--pp", "64", "--world-size", "64"], "32 layers cannot fill 64 pipeline stages"),
+    (["--pp", "64", "--world-size", "64"], "64 pipeline stages, but the model has only 32 blocks"),
     (["--ep", "2", "--world-size", "2"], "needs a mixture-of-experts model"),
     (["--model", "llama9"], "unknown model preset 'llama9'"),
     (["--checkpointing", "some"], "--checkpointing 'some' is not one of"),
-    (["--seq-len", "100000"], "exceeds the model's max_seq_len"),
+    (["--seq-len", "100000"], "longer than the model's max_seq_len"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_cli_bad_inputs_are_one_line(argv, match, capsys):

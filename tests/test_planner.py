@@ -9,14 +9,15 @@ import pytest
 from paratrain.cli import main
 from paratrain.config import load_config
 from paratrain.errors import UserError
-from paratrain.planner import _parser, build_context
+from paratrain.layout import Layout
+from paratrain.planner import context_from_argv
 from paratrain.planner.cost import (Candidate, all_gather_time, all_reduce_time, bubble_fraction, p2p_time, predict)
 from paratrain.planner.hardware import Hardware, Link, fit_alpha_beta, gpu_profile, resolve_hardware
 from paratrain.planner.search import candidates, explain, structural_reason
 
 
 def ctx_for(*argv):
-    return build_context(_parser().parse_args(list(argv)))
+    return context_from_argv(argv)
 
 
 def test_collective_formulas():
@@ -70,26 +71,26 @@ def test_enumeration_respects_constraints():
     for c in cands:
         assert c.dp * c.tp * c.pp == world
         assert ctx.global_seqs % (c.dp * c.micro_batch) == 0
-        if c.dp_mode in ("ddp", "zero1"):
+        if c.layout.uses_ddp:
             assert c.tp == 1 and c.pp == 1
         if structural_reason(c, ctx) is None:
             assert 32 % c.tp == 0 and 8 % c.tp == 0  # heads and kv heads divisible
-    big = Candidate(world, "fsdp", 1, 1, 16, 1)
+    big = Candidate(Layout.resolve(world, tp=16))
     assert "crosses nodes" in structural_reason(big, ctx)
-    odd = Candidate(world, "fsdp", 1, 16, 1, 1, micro_batch=3)
+    odd = Candidate(Layout.resolve(world, dp_shard=16), micro_batch=3)
     assert "does not divide" in structural_reason(odd, ctx)
 
 
 def test_prediction_is_sane():
     ctx, world, opts, _ = ctx_for("--model", "llama3-8b", "--gpus", "8", "--gpu", "H100", "--seq", "8192",
                                   "--global-batch-tokens", str(8192 * 64))
-    base = Candidate(8, "fsdp", 1, 8, 1, 1, microbatches=8, ac="none", micro_batch=1)
+    base = Candidate(Layout.resolve(8, dp_shard=8), ac="none", micro_batch=1)  # 8 accumulation steps
     p = predict(base, ctx)
     assert 0.2 < p.mfu < 0.8
     assert p.step_s == pytest.approx(p.compute_s + p.comm_exposed_s + p.bubble_s + p.recompute_s + p.optimizer_s)
-    full = predict(Candidate(8, "fsdp", 1, 8, 1, 1, microbatches=8, ac="full", micro_batch=1), ctx)
+    full = predict(Candidate(Layout.resolve(8, dp_shard=8), ac="full", micro_batch=1), ctx)
     assert full.recompute_s > 0.2 * p.compute_s and full.step_s > p.step_s
-    piped = predict(Candidate(8, "fsdp", 1, 4, 1, 2, "1f1b", 1, 16, 1, "none", 2, 1), ctx)
+    piped = predict(Candidate(Layout.resolve(8, dp_shard=4, pp=2, pp_schedule="1f1b", pp_microbatches=16)), ctx)
     assert piped.bubble_s > 0
 
 

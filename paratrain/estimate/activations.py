@@ -40,7 +40,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from paratrain.estimate.layout import Layout, _expert_hidden
+from paratrain.layout import Layout
+from paratrain.models.args import ModelArgs
 
 FP32, INT64 = 4, 8
 
@@ -88,7 +89,7 @@ class ActDims:
         return self.s * self.D * 2 if (self.regime == "pure" and self.fsdp and self.L == 2) else 0
 
 
-def act_dims(args, layout: Layout, precision: str, accounting: str, micro_batch: int, seq_len: int,
+def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, micro_batch: int, seq_len: int,
              device: str = "cuda") -> ActDims:
     if precision == "fp32":
         regime = "fp32"
@@ -98,7 +99,7 @@ def act_dims(args, layout: Layout, precision: str, accounting: str, micro_batch:
         regime = "autocast"
     t = layout.tp
     D = args.dim // args.n_heads
-    lp = t > 1 and layout.loss_parallel and layout.pp == 1  # pipelines compute whole logits on the last stage
+    lp = layout.uses_loss_parallel  # pipelines compute whole logits on the last stage
     return ActDims(micro_batch, seq_len, args.dim, args.n_heads // t, args.n_kv_heads // t, D, args.ffn_hidden // t,
                    args.vocab_size // t if lp else args.vocab_size, t, layout.sp, regime,
                    layout.uses_fsdp and accounting != "classic", args.n_kv_heads != args.n_heads, lp, device == "cuda")
@@ -145,16 +146,16 @@ class MoEDims:
     routed: int  # assignments this rank's experts compute (expected, times the imbalance factor)
 
 
-def moe_dims(args, layout: Layout, micro_batch: int, seq_len: int, imbalance: float) -> MoEDims:
+def moe_dims(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, imbalance: float) -> MoEDims:
     E, k = args.moe_experts, args.moe_top_k
     N = micro_batch * seq_len
     assignments = N * k
-    if getattr(args, "moe_capacity_factor", 0) > 0:
+    if args.moe_capacity_factor > 0:
         cap = max(1, math.ceil(args.moe_capacity_factor * seq_len * k / E))
         assignments = min(assignments, micro_batch * cap * E)
         imbalance = min(imbalance, args.moe_capacity_factor)
     routed = int(math.ceil(assignments * max(imbalance, 1.0))) if layout.ep > 1 else assignments
-    H = _expert_hidden(args)
+    H = args.expert_hidden
     return MoEDims(E, k, H, H * args.moe_shared_experts // layout.tp, E // layout.ep, routed)
 
 

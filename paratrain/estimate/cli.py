@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
-from paratrain.errors import UserError
+from paratrain.errors import OneLineArgumentParser, UserError
 
 EPILOG = """examples:
   paratrain estimate --model llama3-8b --gpu H100 --dp-shard 8 --micro-batch 2 --seq-len 8192 --checkpointing full
@@ -27,8 +28,8 @@ runtime overhead (not in torch.cuda.max_memory_allocated): CUDA context + alloca
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="paratrain estimate", description=__doc__.splitlines()[0], epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineArgumentParser(prog="paratrain estimate", description=__doc__.splitlines()[0], epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3-8b", help="a preset name, or a config TOML (its [model] section)")
     p.add_argument("--vocab-size", type=int, help="for presets that take the vocabulary from the data")
     for name in ("dim", "n-layers", "n-heads", "n-kv-heads", "ffn-hidden", "max-seq-len", "moe-experts", "moe-top-k",
@@ -70,79 +71,69 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad argument as one UserError line instead of usage + message."""
-
-    def error(self, message):
-        raise UserError(f"{self.prog}: {message}")
+MODEL_FLAGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len", "moe_experts", "moe_top_k",
+               "moe_shared_experts", "moe_ffn_hidden", "moe_first_dense_layers")
 
 
-def _model_from(args) -> tuple[str, object, dict]:
-    """(name, ModelArgs, defaults from a config file) from --model (preset or TOML) and overrides."""
+def _model_from(args):
+    """(name, ModelArgs, the config or None) from --model (a preset, or a config TOML) and the model flags, which
+    override the preset's or the config's [model] values."""
     from paratrain.models import preset_args
 
-    overrides = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
-                                               "moe_experts", "moe_top_k", "moe_shared_experts", "moe_ffn_hidden",
-                                               "moe_first_dense_layers")}
-    defaults: dict = {}
+    overrides = {k: getattr(args, k) for k in MODEL_FLAGS}
     name = args.model
-    if name.endswith(".toml") or Path(name).is_file():
-        from paratrain.config import load_config
+    if not (name.endswith(".toml") or Path(name).is_file()):
+        try:
+            return name, preset_args(name, vocab_size=args.vocab_size, **overrides), None
+        except TypeError as e:  # an override the model does not have
+            raise UserError(f"--model {args.model}: {e}") from None
+    from paratrain.config import load_config
+    from paratrain.spec import model_args_from
 
-        cfg = load_config(name)
-        m = cfg.model
-        name = f"{Path(args.model).name} ({m.preset})"
-        for key, value in vars(m).items():
-            if key not in ("preset", "vocab_size") and value is not None and overrides.get(key) is None:
-                overrides[key] = value
-        vocab = args.vocab_size or m.vocab_size
-        t, pc = cfg.training, cfg.parallel
-        defaults = dict(precision=t.precision, micro_batch=t.micro_batch, seq_len=t.seq_len, accum_steps=t.accum_steps,
-                        checkpointing=cfg.checkpointing.mode, every_k=cfg.checkpointing.every_k, dp_mode=pc.dp_mode,
-                        dp_shard=pc.dp_shard, dp_replicate=pc.dp_replicate, tp=pc.tp, pp=pc.pp, ep=pc.ep,
-                        sequence_parallel=pc.sequence_parallel, loss_parallel=pc.loss_parallel,
-                        pp_schedule=getattr(pc, "pp_schedule", "1f1b"),
-                        pp_virtual=max(2, getattr(pc, "pp_virtual_stages", 2)),
-                        pp_split=getattr(pc, "pp_split", "") or None,
-                        microbatches=getattr(pc, "pp_microbatches", 0) or None)
-        preset = m.preset
-    else:
-        preset, vocab = name, args.vocab_size
-    try:
-        model_args = preset_args(preset, vocab_size=vocab, **overrides)
-    except TypeError as e:  # an override the model does not have
-        raise UserError(f"--model {args.model}: {e}") from None
-    return name, model_args, defaults
+    cfg = load_config(name)
+    for key, value in {**overrides, "vocab_size": args.vocab_size}.items():
+        if value is not None:
+            setattr(cfg.model, key, value)
+    return f"{Path(name).name} ({cfg.model.preset})", model_args_from(cfg), cfg
 
 
 def inputs_from_argv(argv: list[str]):
-    """Parse `paratrain estimate` arguments into EstimateInputs (UserError on bad input)."""
+    """Parse `paratrain estimate` arguments into EstimateInputs (UserError on bad input). Flags override a config
+    file's values."""
+    from paratrain.config import Config
     from paratrain.estimate.core import EstimateInputs
     from paratrain.estimate.gpus import GiB, gpu_memory, parse_memory
-    from paratrain.estimate.layout import resolve_layout
+    from paratrain.layout import Layout
 
     args = _parser().parse_args(argv)
-    name, model_args, d = _model_from(args)
+    name, model_args, cfg = _model_from(args)
+    from_file = cfg is not None
+    cfg = cfg or Config()
+    p, t, ac = cfg.parallel, cfg.training, cfg.activation_checkpoint
 
-    def pick(flag, key, default):
-        return flag if flag is not None else d.get(key, default)
+    def pick(flag, configured, default):
+        """The flag, else the config file's value, else the estimator's default."""
+        return flag if flag is not None else (configured if from_file else default)
 
-    split = pick(args.pp_split, "pp_split", None)
-    if split is not None:
-        try:
-            split = tuple(int(x) for x in str(split).split(","))
-        except ValueError:
-            raise UserError(f"--pp-split must be comma-separated block counts, got {split!r}") from None
-    pp = pick(args.pp, "pp", 1)
-    layout = resolve_layout(
-        world_size=args.world_size, dp_mode=pick(args.dp_mode, "dp_mode", "fsdp"),
-        dp_replicate=pick(args.dp_replicate, "dp_replicate", 1), dp_shard=pick(args.dp_shard, "dp_shard", -1),
-        tp=pick(args.tp, "tp", 1), pp=pp, ep=pick(args.ep, "ep", 1),
-        sequence_parallel=not args.no_sequence_parallel and d.get("sequence_parallel", True),
-        loss_parallel=not args.no_loss_parallel and d.get("loss_parallel", True),
-        pp_schedule=pick(args.pp_schedule, "pp_schedule", "1f1b"),
-        microbatches=pick(args.microbatches, "microbatches", 2 * pp if pp > 1 else None),
-        pp_virtual=pick(args.pp_virtual, "pp_virtual", 2), pp_split=split)
+    for flag, value in (("--world-size", args.world_size), ("--microbatches", args.microbatches)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    pp = pick(args.pp, p.pp, 1)
+    tp = pick(args.tp, p.tp, 1)
+    dp_replicate, dp_shard = pick(args.dp_replicate, p.dp_replicate, 1), pick(args.dp_shard, p.dp_shard, -1)
+    # Without --world-size: the product of the degrees (dp_shard=-1 counts 1; Layout.resolve names a bad degree).
+    world = args.world_size or math.prod(max(d, 1) for d in (dp_replicate, dp_shard, tp, pp))
+    # Pipeline microbatches per step: --microbatches, else the config's parallel.pp_microbatches, else 2 x pp
+    # (pp for a config file that leaves them automatic, as before Layout: the estimate has no global batch to cut).
+    microbatches = args.microbatches or (p.pp_microbatches if from_file else 0) or (pp if from_file else 2 * pp)
+    layout = Layout.resolve(
+        world, dp_mode=pick(args.dp_mode, p.dp_mode, "fsdp"), dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
+        pp=pp, ep=pick(args.ep, p.ep, 1),
+        sequence_parallel=not args.no_sequence_parallel and (p.sequence_parallel or not from_file),
+        loss_parallel=not args.no_loss_parallel and (p.loss_parallel or not from_file),
+        pp_schedule=pick(args.pp_schedule, p.pp_schedule, "1f1b"),
+        pp_virtual=pick(args.pp_virtual, p.pp_virtual_stages, 1), pp_microbatches=microbatches,
+        pp_split=pick(args.pp_split, p.pp_split, None) or None)
     gpu_name = gpu_bytes = None
     if args.gpu:
         gpu_name, gpu_bytes = gpu_memory(args.gpu)
@@ -153,13 +144,13 @@ def inputs_from_argv(argv: list[str]):
         if args.overhead_gib < 0:
             raise UserError(f"--overhead-gib must be >= 0, got {args.overhead_gib}")
         overhead = int(args.overhead_gib * GiB)
-    seq = pick(args.seq_len, "seq_len", min(model_args.max_seq_len, 2048))
     return EstimateInputs(
-        model_args=model_args, layout=layout, model_name=name, precision=pick(args.precision, "precision", "bf16"),
+        model_args=model_args, layout=layout, model_name=name, precision=pick(args.precision, t.precision, "bf16"),
         optimizer=args.optimizer, optimizer_impl=args.optimizer_impl,
-        checkpointing=pick(args.checkpointing, "checkpointing", "none"), every_k=pick(args.every_k, "every_k", 2),
-        micro_batch=pick(args.micro_batch, "micro_batch", 1), seq_len=seq,
-        accum_steps=pick(args.accum_steps, "accum_steps", 1), accounting=args.accounting, gpu_name=gpu_name,
+        checkpointing=pick(args.checkpointing, ac.mode, "none"), every_k=pick(args.every_k, ac.every_k, 2),
+        micro_batch=pick(args.micro_batch, t.micro_batch, 1),
+        seq_len=pick(args.seq_len, t.seq_len, min(model_args.max_seq_len, 2048)),
+        accum_steps=pick(args.accum_steps, t.accum_steps, 1), accounting=args.accounting, gpu_name=gpu_name,
         gpu_bytes=gpu_bytes, overhead_bytes=overhead, moe_imbalance=args.moe_imbalance), args
 
 

@@ -20,12 +20,13 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from paratrain.errors import UserError
+from paratrain.errors import ConfigError, UserError
 from paratrain.estimate import activations as A
 from paratrain.estimate.gpus import GB, GiB, fmt_bytes
-from paratrain.estimate.layout import Layout, _is_moe, check_model
-from paratrain.estimate.model_states import (BF16, FP32, Param, fsdp_numel, local_shape, model_params, stage_layers,
+from paratrain.estimate.model_states import (BF16, FP32, Param, fsdp_numel, local_shape, model_params, rank_layers,
                                              stage_of, state_bytes, zero_table)
+from paratrain.layout import Batch, Layout
+from paratrain.models.args import ModelArgs
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
 # not see): the CUDA context and kernels (~0.5-0.8 GiB with lazy module loading), cuBLAS/cuDNN workspaces and
@@ -54,8 +55,8 @@ ACCOUNTINGS = ("paratrain", "classic")
 
 @dataclass
 class EstimateInputs:
-    model_args: object  # paratrain.models.ModelArgs
-    layout: Layout
+    model_args: ModelArgs
+    layout: Layout  # pp > 1: with pp_microbatches (validation fills in a balanced pp_split)
     model_name: str = "model"
     precision: str = "bf16"
     optimizer: str = "adamw"
@@ -64,7 +65,7 @@ class EstimateInputs:
     every_k: int = 2
     micro_batch: int = 1
     seq_len: int = 2048
-    accum_steps: int = 1  # gradient accumulation micro-steps (pp > 1: layout.microbatches instead)
+    accum_steps: int = 1  # gradient accumulation micro-steps (pp > 1: layout.pp_microbatches instead)
     accounting: str = "paratrain"  # paratrain | classic
     gpu_name: str | None = None
     gpu_bytes: int | None = None
@@ -141,7 +142,7 @@ class Estimate:
                  f" | {i.optimizer} ({i.optimizer_impl}) | checkpointing {mode}",
                  f"micro-batch {i.micro_batch} x seq {i.seq_len}"
                  + (f" x accumulation {i.accum_steps}" if lay.pp == 1 and i.accum_steps > 1 else "")
-                 + (f" | pipeline {lay.pp_schedule}, {lay.microbatches} micro-batches" if lay.pp > 1 else "")]
+                 + (f" | pipeline {lay.pp_schedule}, {lay.pp_microbatches} micro-batches" if lay.pp > 1 else "")]
         where = f"peak: {self.phase}" + (f" on pipeline stage {self.stage} (worst of {lay.pp})" if lay.pp > 1 else "")
         lines.append(f"per rank ({'worst rank' if lay.world_size > 1 else 'one rank'}), {where}; units {units} "
                      f"({'2^30' if units == 'GiB' else '10^9'} bytes)")
@@ -203,7 +204,9 @@ def default_overhead(layout: Layout, device: str = "cuda") -> int:
     return int((CONTEXT_OVERHEAD_GIB + (NCCL_OVERHEAD_GIB if layout.world_size > 1 else 0.0)) * GiB)
 
 
-def _validate(i: EstimateInputs) -> None:
+def _validate(i: EstimateInputs) -> EstimateInputs:
+    """Check the inputs (UserError; the layout's ConfigError names the setting); returns them with the layout
+    validated against the model and the batch (a pipeline's blocks per stage filled in)."""
     for name, value, options in (("--precision", i.precision, PRECISIONS), ("--optimizer", i.optimizer, OPTIMIZERS),
                                  ("--checkpointing", i.checkpointing, CHECKPOINTING),
                                  ("--accounting", i.accounting, ACCOUNTINGS),
@@ -216,11 +219,18 @@ def _validate(i: EstimateInputs) -> None:
         raise UserError(f"--accum-steps must be >= 1, got {i.accum_steps}")
     if i.moe_imbalance < 1:
         raise UserError(f"--moe-imbalance must be >= 1 (1 = perfectly balanced), got {i.moe_imbalance}")
-    args = i.model_args
+    if i.micro_batch < 1 or i.seq_len < 1:
+        raise UserError("--micro-batch and --seq-len must be >= 1")
+    args, lay = i.model_args, i.layout
     if args.dim % args.n_heads or args.n_heads % args.n_kv_heads:
         raise UserError(f"model dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={args.n_kv_heads}: dim must "
                         "divide by n_heads and n_heads by n_kv_heads")
-    check_model(i.layout, args, i.seq_len, i.micro_batch)
+    if lay.pp > 1 and lay.pp_microbatches < 1:
+        raise UserError("a pipeline's estimate needs its microbatches per step (--microbatches, "
+                        "Layout.pp_microbatches)")
+    steps = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
+    batch = Batch(global_batch=i.micro_batch * steps * lay.dp, micro_batch=i.micro_batch, seq_len=i.seq_len)
+    return i.replace(layout=lay.validate(args, lay.world_size, batch))
 
 
 def block_modes(n_layers: int, checkpointing: str, every_k: int) -> list[str]:
@@ -239,7 +249,7 @@ def in_flight(layout: Layout, stage: int) -> float:
     stage's memory). Zero-bubble schedules defer weight gradients, which keeps their inputs a little longer;
     that is not counted.
     """
-    p, m, r, v = layout.pp, layout.microbatches, stage, layout.pp_virtual
+    p, m, r, v = layout.pp, layout.pp_microbatches, stage, layout.pp_virtual
     if p == 1:
         return 1.0
     if layout.pp_schedule == "gpipe":
@@ -269,11 +279,11 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
     args, lay = i.model_args, i.layout
     st = state_bytes(args, lay, i.precision, i.optimizer, i.accounting, stage, layers_by_stage)
     d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device)
-    moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if getattr(args, "moe_experts", 0) else None
+    moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if args.moe_experts else None
     my_layers = layers_by_stage[stage]
     first, last = stage == 0, stage == lay.pp - 1
     modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
-    moe_of = {l: (moe if _is_moe(args, l) else None) for l in my_layers}
+    moe_of = {l: (moe if args.is_moe_layer(l) else None) for l in my_layers}
     stored = {l: A.block_stored(d, modes[l], moe_of[l]) for l in my_layers}
     params = [p for p in model_params(args) if stage in stage_of(p, lay, layers_by_stage)]
     by_layer = {l: [p for p in params if p.layer == l] for l in my_layers}
@@ -281,8 +291,9 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
     head_params = [p for p in root if p.where == "head"]
     low = i.precision != "fp32"
     classic = i.accounting == "classic" and low
+    zero2 = lay.uses_fsdp and not lay.reshard_after_forward  # gathered parameters kept from forward to backward
     # FSDP's unsharded working copies (classic ZeRO-2 keeps whole bf16 parameters in its parameters row instead).
-    fsdp = lay.uses_fsdp and not (classic and lay.dp_mode == "zero2")
+    fsdp = lay.uses_fsdp and not (classic and zero2)
     pbytes = BF16 if (low and (fsdp or classic)) else FP32  # dtype the unsharded params compute in
     gbytes = BF16 if classic else FP32  # gradient dtype held by the optimizer
 
@@ -291,9 +302,7 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
 
     def grad_bytes(ps):  # this rank's final gradients of these params
         if classic:
-            n = lay.dp if lay.dp_mode in ("zero2", "fsdp", "hsdp") and lay.dp > 1 else 1
-            n = lay.dp_shard if lay.dp_mode == "hsdp" else n
-            return math.ceil(local_numel(ps) / n) * gbytes
+            return math.ceil(local_numel(ps) / lay.shard_degree) * gbytes
         if fsdp:
             return sum(fsdp_numel(p, lay) for p in ps) * FP32
         return local_numel(ps) * FP32
@@ -305,7 +314,7 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
         return local_numel(ps)
 
     grads_full = st.grads
-    accum = lay.microbatches if lay.pp > 1 else i.accum_steps
+    accum = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
     # Megatron/DeepSpeed allocate their gradient buffers up front (classic accounting): always live.
     g_prev = grads_full if ((accum > 1 and lay.pp == 1) or classic) else 0
     # DDP's flat bucket buffers are a second copy of the gradients (gradient_as_bucket_view=False); classic
@@ -322,7 +331,6 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
     # FSDP bookkeeping: unsharded bytes per block, root, reduce-scatter buffers.
     unsh = {l: _fsdp_bytes(by_layer[l], lay, pbytes) for l in my_layers} if fsdp else {}
     root_unsh = _fsdp_bytes(root, lay, pbytes)[0] if (fsdp and root) else 0
-    zero2 = lay.dp_mode == "zero2"
     head_unsh_grads = local_numel(head_params) * pbytes if fsdp else 0
 
     cands = []
@@ -410,7 +418,7 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
         # _multi_tensor_adam: torch._foreach_sqrt(exp_avg_sqs) per parameter group (matrices, then norm gains)
         opt_temp = max(grads_full - grad_bytes([p for p in params if len(p.shape) < 2]),
                        grad_bytes([p for p in params if len(p.shape) < 2])) * (FP32 // gbytes)
-        if lay.dp_mode == "zero1" and lay.uses_ddp:
+        if lay.zero1:
             opt_temp = math.ceil(st.optimizer / 2)
     add("optimizer step", **base, gradients=grads_full, comm_buffers=ddp_buckets, temporaries=opt_temp)
 
@@ -426,9 +434,9 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
 
 def estimate(i: EstimateInputs, suggest: bool = True) -> Estimate:
     """The per-rank memory estimate for one configuration (UserError on inputs that cannot run)."""
-    _validate(i)
+    i = _validate(i)
     lay, args = i.layout, i.model_args
-    layers_by_stage = stage_layers(args.n_layers, lay, args)
+    layers_by_stage = rank_layers(lay, args)
     walks = [_stage_walk(i, s, layers_by_stage) for s in range(lay.pp)]
     worst = max(range(lay.pp), key=lambda s: walks[s]["peak"])
     w = walks[worst]
@@ -471,29 +479,54 @@ def forward_end_bytes(i: EstimateInputs) -> dict[str, int]:
     norm / output / loss tensors kept for backward. What activation checkpointing is about."""
     args, lay = i.model_args, i.layout
     d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device)
-    moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if getattr(args, "moe_experts", 0) else None
-    layers = stage_layers(args.n_layers, lay, args)[lay.pp - 1]
+    moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if args.moe_experts else None
+    layers = rank_layers(lay, args)[lay.pp - 1]
     modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
-    acts = sum(A.block_stored(d, modes[l], moe if _is_moe(args, l) else None) for l in layers)
+    acts = sum(A.block_stored(d, modes[l], moe if args.is_moe_layer(l) else None) for l in layers)
     return {"activations": acts + A.final_residual(d) + A.inputs_bytes(d),
             "logits_loss": sum(b for _, b in A.head_saved(d))}
 
 
 # ---------------------------------------------------------------------------------------------
+ZERO_MODES = ("ddp", "zero1", "zero2", "fsdp")  # by ZeRO stage: what data parallelism shards
+
+
+def _changed(lay: Layout, **changes) -> Layout | None:
+    """The layout with `changes` (checked again), or None where that is no layout paratrain can run."""
+    try:
+        return lay.replace(**changes)
+    except ConfigError:
+        return None
+
+
+def _shard_ranks(lay: Layout) -> int:
+    """Ranks FSDP would shard over if this layout's data parallelism became FSDP (hsdp: within a replica)."""
+    return lay.dp_shard if lay.hybrid else lay.dp
+
+
+def _sharded(lay: Layout, n: int) -> Layout | None:
+    """The layout with FSDP over n ranks (hsdp keeps its replicas, other modes become fsdp); tp and pp kept."""
+    if lay.hybrid:
+        return _changed(lay, dp_shard=n)
+    return _changed(lay, dp_mode="fsdp", dp_replicate=1, dp_shard=n)
+
+
 def _candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]]:
     """(cost, change, why, inputs) for single changes that keep the number of GPUs, then ones that add GPUs."""
     lay, out = i.layout, []
     world = lay.world_size
-    order = ["ddp", "zero1", "zero2", "fsdp"]
-    if lay.dp > 1 and lay.dp_mode in order and lay.dp_mode != "fsdp":
-        for step, mode in enumerate(order[order.index(lay.dp_mode) + 1:]):
-            new = dataclasses.replace(lay, dp_mode=mode, dp_shard=lay.dp, dp_replicate=1)
-            out.append((0.5 + 0.1 * step, f"--dp-mode {mode}", "more sharding over the same GPUs, more communication",
-                        i.replace(layout=new)))
-    if lay.dp_mode == "hsdp" and lay.dp_replicate > 1:
-        new = dataclasses.replace(lay, dp_mode="fsdp", dp_shard=lay.dp, dp_replicate=1)
-        out.append((0.6, "--dp-mode fsdp (shard over all data-parallel ranks)", "sharding across nodes",
-                    i.replace(layout=new)))
+
+    def add(cost, change, why, layout):
+        if layout is not None:
+            out.append((cost, change, why, i.replace(layout=layout)))
+
+    if lay.dp > 1 and lay.zero_stage < 3:
+        for step, mode in enumerate(ZERO_MODES[lay.zero_stage + 1:]):
+            add(0.5 + 0.1 * step, f"--dp-mode {mode}", "more sharding over the same GPUs, more communication",
+                _changed(lay, dp_mode=mode, dp_replicate=1, dp_shard=lay.dp))
+    if lay.hybrid:
+        add(0.6, "--dp-mode fsdp (shard over all data-parallel ranks)", "sharding across nodes",
+            _changed(lay, dp_mode="fsdp", dp_replicate=1, dp_shard=lay.dp))
     if i.checkpointing in ("none", "every_k"):
         out.append((1.0, "--checkpointing selective", "recomputes element-wise ops (a few % slower)",
                     i.replace(checkpointing="selective")))
@@ -503,24 +536,22 @@ def _candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs
     if i.checkpointing != "full":
         out.append((2.0, "--checkpointing full", "recomputes each block's forward (~1/3 more compute)",
                     i.replace(checkpointing="full")))
-    if lay.tp * 2 <= 8 and lay.dp_shard % 2 == 0 and lay.dp_mode not in ("ddp", "zero1"):
-        new = dataclasses.replace(lay, tp=lay.tp * 2, dp_shard=lay.dp_shard // 2)
-        out.append((2.5, f"--tp {lay.tp * 2} (dp_shard {lay.dp_shard // 2})", "tensor-parallel communication per block",
-                    i.replace(layout=new)))
+    if lay.tp * 2 <= 8 and lay.uses_fsdp and lay.dp_shard % 2 == 0:
+        add(2.5, f"--tp {lay.tp * 2} (dp_shard {lay.dp_shard // 2})", "tensor-parallel communication per block",
+            _changed(lay, tp=lay.tp * 2, dp_shard=lay.dp_shard // 2))
     if lay.dp_shard % 2 == 0 and lay.dp_shard > 1:
-        new = dataclasses.replace(lay, pp=lay.pp * 2, dp_shard=lay.dp_shard // 2,
-                                  microbatches=max(lay.microbatches, lay.pp * 2))
-        out.append((3.0, f"--pp {lay.pp * 2} (dp_shard {lay.dp_shard // 2})", "pipeline bubble",
-                    i.replace(layout=new)))
+        add(3.0, f"--pp {lay.pp * 2} (dp_shard {lay.dp_shard // 2})", "pipeline bubble",
+            _changed(lay, pp=lay.pp * 2, dp_shard=lay.dp_shard // 2, pp_split=None,
+                     pp_microbatches=max(lay.pp_microbatches, lay.pp * 2)))
     # More GPUs.
-    mode = "fsdp" if lay.dp_mode in ("ddp", "zero1", "zero2") else lay.dp_mode
-    new = dataclasses.replace(lay, dp_mode=mode, dp_shard=max(lay.dp_shard, 1) * 2)
-    out.append((4.0, f"--dp-mode {mode} --dp-shard {new.dp_shard} ({new.world_size} GPUs instead of {world})",
-                "more GPUs", i.replace(layout=new)))
-    if lay.tp * 2 <= 8 and lay.dp_mode not in ("ddp", "zero1") or (lay.dp == 1 and lay.tp * 2 <= 8):
-        new = dataclasses.replace(lay, tp=lay.tp * 2)
-        out.append((4.5, f"--tp {lay.tp * 2} ({new.world_size} GPUs instead of {world})", "more GPUs",
-                    i.replace(layout=new)))
+    new = _sharded(lay, _shard_ranks(lay) * 2)
+    if new is not None:
+        add(4.0, f"--dp-mode {new.dp_mode} --dp-shard {new.dp_shard} ({new.world_size} GPUs instead of {world})",
+            "more GPUs", new)
+    if lay.tp * 2 <= 8 and not lay.uses_ddp:
+        new = _changed(lay, tp=lay.tp * 2)
+        if new is not None:
+            add(4.5, f"--tp {lay.tp * 2} ({new.world_size} GPUs instead of {world})", "more GPUs", new)
     return out
 
 
@@ -554,13 +585,13 @@ def suggest_changes(i: EstimateInputs) -> tuple[dict | None, list[dict]]:
         lay = i.layout
         for ckpt in (i.checkpointing, "full"):
             for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
-                if n <= lay.dp_shard:
+                more = _sharded(lay, n) if n > _shard_ranks(lay) else None
+                if more is None:
                     continue
-                mode = "hsdp" if lay.dp_mode == "hsdp" else "fsdp"
-                c = i.replace(layout=dataclasses.replace(lay, dp_mode=mode, dp_shard=n), checkpointing=ckpt)
+                c = i.replace(layout=more, checkpointing=ckpt)
                 e = fits(c)
                 if e is not None:
-                    change = f"--dp-mode {mode} --dp-shard {n} ({c.layout.world_size} GPUs)" + (
+                    change = f"--dp-mode {more.dp_mode} --dp-shard {n} ({more.world_size} GPUs)" + (
                         f" --checkpointing {ckpt}" if ckpt != i.checkpointing else "")
                     found.append({"change": change, "why": "more GPUs", "cost": 10.0, "total_bytes": e.total_bytes,
                                   "inputs": _describe_inputs(c)})

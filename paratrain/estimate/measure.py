@@ -206,6 +206,14 @@ class MeasureSpec:
     steps: int = 2  # the last one is measured (the first creates the optimizer state)
     name: str = ""
 
+    def layout(self, world_size: int):
+        """The spec's parallel layout on `world_size` ranks (paratrain.layout.Layout; ConfigError if it cannot run)."""
+        from paratrain.layout import Layout
+
+        return Layout.resolve(world_size, dp_mode=self.dp_mode, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
+                              tp=self.tp, ep=self.ep, sequence_parallel=self.sequence_parallel,
+                              loss_parallel=self.loss_parallel)
+
 
 @dataclass
 class Measurement:
@@ -474,13 +482,9 @@ def device_peak_bytes(device: torch.device | str | None = None) -> int:
 def inputs_for_spec(spec: MeasureSpec, world_size: int):
     """The estimator's inputs for a measured configuration (CPU: no runtime overhead, foreach optimizer)."""
     from paratrain.estimate.core import EstimateInputs
-    from paratrain.estimate.layout import resolve_layout
-    from paratrain.models.llama import ModelArgs
+    from paratrain.models.args import ModelArgs
 
-    layout = resolve_layout(world_size=world_size, dp_mode=spec.dp_mode, dp_replicate=spec.dp_replicate,
-                            dp_shard=spec.dp_shard, tp=spec.tp, ep=spec.ep, sequence_parallel=spec.sequence_parallel,
-                            loss_parallel=spec.loss_parallel)
-    return EstimateInputs(ModelArgs(**spec.model), layout, model_name=spec.name or "bench", precision=spec.precision,
-                          optimizer="adamw", optimizer_impl=spec.optimizer_impl, checkpointing=spec.checkpointing,
-                          every_k=spec.every_k, micro_batch=spec.micro_batch, seq_len=spec.seq_len,
-                          accum_steps=spec.accum_steps, device="cpu", overhead_bytes=0)
+    return EstimateInputs(ModelArgs(**spec.model), spec.layout(world_size), model_name=spec.name or "bench",
+                          precision=spec.precision, optimizer="adamw", optimizer_impl=spec.optimizer_impl,
+                          checkpointing=spec.checkpointing, every_k=spec.every_k, micro_batch=spec.micro_batch,
+                          seq_len=spec.seq_len, accum_steps=spec.accum_steps, device="cpu", overhead_bytes=0)

@@ -16,10 +16,12 @@ Every parameter of `paratrain.models` is listed with its shape and how each layo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from paratrain.estimate.layout import Layout, _expert_hidden, _is_moe
+from paratrain.layout import Layout, balanced_split
+from paratrain.models.args import ModelArgs
 
 # Bytes per element.
 FP32, BF16 = 4, 2
@@ -40,7 +42,7 @@ class Param:
         return math.prod(self.shape)
 
 
-def model_params(args) -> list[Param]:
+def model_params(args: ModelArgs) -> list[Param]:
     """Every parameter in named_parameters() order (tied output weight listed once)."""
     C, hd = args.dim, args.dim // args.n_heads
     out = [Param("tok_embeddings.weight", (args.vocab_size, C), 0, None, "embedding")]
@@ -52,8 +54,8 @@ def model_params(args) -> list[Param]:
                 Param(p + "attention.wv.weight", (args.n_kv_heads * hd, C), 0, i, "block", matmul=True),
                 Param(p + "attention.wo.weight", (C, args.n_heads * hd), 1, i, "block", matmul=True),
                 Param(p + "ffn_norm.weight", (C,), None, i, "block")]
-        if _is_moe(args, i):
-            E, H = args.moe_experts, _expert_hidden(args)
+        if args.is_moe_layer(i):
+            E, H = args.moe_experts, args.expert_hidden
             out += [Param(p + "feed_forward.router.weight", (E, C), None, i, "block"),
                     Param(p + "feed_forward.experts.w1", (E, C, H), None, i, "block", expert=True, matmul=True),
                     Param(p + "feed_forward.experts.w2", (E, H, C), None, i, "block", expert=True, matmul=True),
@@ -96,45 +98,25 @@ def fsdp_numel(p: Param, layout: Layout, shard: int | None = None) -> int:
     return math.prod(shape)
 
 
-def stage_of(p: Param, layout: Layout, stage_layers: list[list[int]]) -> list[int]:
-    """Pipeline stages (rank positions along pp) holding this parameter."""
+def stage_of(p: Param, layout: Layout, rank_layers: list[list[int]]) -> list[int]:
+    """Pipeline ranks (positions along pp) holding this parameter."""
     if layout.pp == 1:
         return [0]
     if p.where == "embedding":
         return [0]
     if p.where == "head":
         return [layout.pp - 1]
-    return [s for s, layers in enumerate(stage_layers) if p.layer in layers]
+    return [s for s, layers in enumerate(rank_layers) if p.layer in layers]
 
 
-def stage_layers(n_layers: int, layout: Layout, args=None) -> list[list[int]]:
-    """Blocks held by each pipeline rank, as paratrain/distributed/pipeline.py places them: pp x v stages of
-    contiguous blocks (`pp_split`, else balanced by parameter count with the embedding on the first stage and the
-    output on the last), stage s on rank s mod pp, or for zbv (V-shape) stages r and 2pp-1-r on rank r."""
-    pp, v = layout.pp, layout.pp_virtual
-    if pp == 1:
-        return [list(range(n_layers))]
-    n_stages = pp * v
-    split = layout.pp_split
-    if split is None and args is not None:
-        try:
-            from paratrain.distributed.pipeline import balanced_split
-
-            split = tuple(balanced_split(args, n_stages))
-        except ImportError:  # pragma: no cover - older trees without pipeline support
-            split = None
-    if split is None:
-        base, extra = divmod(n_layers, n_stages)
-        split = tuple(base + (1 if c < extra else 0) for c in range(n_stages))
-    chunks, start = [], 0
-    for size in split:
-        chunks.append(list(range(start, start + size)))
-        start += size
-    ranks = []
-    for r in range(pp):
-        own = [r, 2 * pp - 1 - r] if layout.pp_schedule == "zbv" else [r + k * pp for k in range(v)]
-        ranks.append(sorted(layer for c in own for layer in chunks[c]))
-    return ranks
+def rank_layers(layout: Layout, args: ModelArgs) -> list[list[int]]:
+    """Blocks held by each pipeline rank, as the layout places its stages (`Layout.local_stages`): blocks per stage
+    from `pp_split`, else balanced by parameter count as `Layout.validate` fills it in."""
+    if layout.pp == 1:
+        return [list(range(args.n_layers))]
+    if layout.pp_split is None:
+        layout = dataclasses.replace(layout, pp_split=balanced_split(args, layout.num_stages))
+    return [sorted(b for s in layout.local_stages(r) for b in layout.stage_layers(s)) for r in range(layout.pp)]
 
 
 def zero1_worst_numel(params: list[tuple[Param, int]], ranks: int) -> int:
@@ -168,7 +150,7 @@ class StateBytes:
 OPTIMIZER_STATE_BYTES = {"adamw": 2 * FP32, "adam": 2 * FP32, "sgd": FP32, "sgd-nomomentum": 0}
 
 
-def state_bytes(args, layout: Layout, precision: str, optimizer: str, accounting: str, stage: int = 0,
+def state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str, accounting: str, stage: int = 0,
                 layers: list[list[int]] | None = None) -> StateBytes:
     """Model states of the worst rank of pipeline stage `stage`.
 
@@ -179,7 +161,7 @@ def state_bytes(args, layout: Layout, precision: str, optimizer: str, accounting
     fp32 master copy and fp32 optimizer moments (2 + 2 + 4 + 8 = 16 bytes per parameter with Adam);
     ZeRO-1 splits master + moments, ZeRO-2 also gradients, ZeRO-3 also parameters.
     """
-    layers = layers or stage_layers(args.n_layers, layout, args)
+    layers = layers or rank_layers(layout, args)
     params = [p for p in model_params(args) if stage in stage_of(p, layout, layers)]
     unsharded = [(p, math.prod(local_shape(p, layout))) for p in params]
     local_numel = sum(n for _, n in unsharded)
@@ -189,9 +171,9 @@ def state_bytes(args, layout: Layout, precision: str, optimizer: str, accounting
     notes = []
     dp = layout.dp
     if accounting == "classic" and low:
-        # Stage by dp_mode: ddp = none, zero1 = optimizer+master, zero2 = + grads, fsdp/hsdp = + params.
-        n = layout.dp_shard if layout.dp_mode == "hsdp" else dp
-        stage_n = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "hsdp": 3}[layout.dp_mode] if dp > 1 else 0
+        # By ZeRO stage: ddp = none, zero1 = optimizer+master, zero2 = + grads, fsdp/hsdp = + params.
+        n = layout.dp_shard if layout.hybrid else dp
+        stage_n = layout.zero_stage
         full = local_numel
 
         def div(k: int) -> int:
@@ -210,7 +192,7 @@ def state_bytes(args, layout: Layout, precision: str, optimizer: str, accounting
         numel = local_numel
         grads_numel = numel
         opt_numel = numel
-        if layout.uses_ddp and layout.dp_mode == "zero1":
+        if layout.zero1:
             opt_numel = zero1_worst_numel(unsharded, dp)
             notes.append(f"ZeRO-1 partitions whole parameters over {dp} ranks (worst rank shown)")
     autocast = 0
@@ -227,14 +209,14 @@ def state_bytes(args, layout: Layout, precision: str, optimizer: str, accounting
         notes.append("tensor parallel: the embedding's gradient is whole (V x C) on each rank")
     # Adam keeps a step count per parameter tensor (a 4-byte fp32 tensor each; ZeRO-1: its partition's share).
     steps = len(unsharded) * FP32 if optimizer in ("adamw", "adam") else 0
-    if steps and layout.uses_ddp and layout.dp_mode == "zero1":
+    if steps and layout.zero1:
         steps = math.ceil(len(unsharded) / layout.dp) * FP32
     return StateBytes(params=numel * FP32, grads=grads_numel * FP32, optimizer=opt_numel * per_opt + steps, master=0,
                       autocast_copies=autocast, param_numel=numel, unsharded_numel=local_numel, rope_buffers=rope,
                       notes=tuple(notes))
 
 
-def zero_table(args, ranks: int, optimizer: str = "adamw") -> list[dict]:
+def zero_table(args: ModelArgs, ranks: int, optimizer: str = "adamw") -> list[dict]:
     """The classic mixed-precision breakdown (bf16 params/grads, fp32 master, fp32 moments) for one rank and
     ZeRO-1/2/3 over `ranks` ranks: bytes per row per stage."""
     n = sum(p.numel for p in model_params(args))

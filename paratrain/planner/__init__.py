@@ -11,19 +11,18 @@ rank_all / explain, and write_outputs (TOML + launch command).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
-from paratrain.errors import UserError
+from paratrain.errors import OneLineArgumentParser, UserError
 
-__all__ = ["build_context", "main_plan", "write_outputs", "config_for", "launch_command"]
+__all__ = ["build_context", "context_from_argv", "main_plan", "write_outputs", "config_for", "launch_command"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from paratrain.estimate.cli import _Parser  # argparse errors as one UserError line
-
-    p = _Parser(prog="paratrain plan", description=__doc__.splitlines()[0],
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineArgumentParser(prog="paratrain plan", description=__doc__.splitlines()[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3-8b", help="a preset name or a config TOML (its [model] section)")
     p.add_argument("--vocab-size", type=int, default=128, help="for presets that take the vocabulary from the data")
     p.add_argument("--gpus", type=int, help="number of GPUs (ranks) in all")
@@ -68,15 +67,17 @@ def _csv(text, allowed=None, cast=str, flag=""):
 
 
 def _model(spec: str, vocab: int):
+    """(name, ModelArgs, the config or None) from --model: a preset, or a config TOML. `vocab` (--vocab-size) is the
+    vocabulary of presets that take it from the data, unless the config sets model.vocab_size."""
     from paratrain.models import preset_args
 
     if spec.endswith(".toml") or Path(spec).is_file():
         from paratrain.config import load_config
+        from paratrain.spec import model_args_from
 
         cfg = load_config(spec)
-        m = cfg.model
-        over = {k: v for k, v in vars(m).items() if k not in ("preset", "vocab_size") and v is not None}
-        return f"{Path(spec).name} ({m.preset})", preset_args(m.preset, vocab_size=m.vocab_size or vocab, **over), cfg
+        m = cfg.model if cfg.model.vocab_size is not None else dataclasses.replace(cfg.model, vocab_size=vocab)
+        return f"{Path(spec).name} ({m.preset})", model_args_from(dataclasses.replace(cfg, model=m)), cfg
     return spec, preset_args(spec, vocab_size=vocab), None
 
 
@@ -116,6 +117,11 @@ def build_context(args) -> tuple:
     return ctx, args.gpus, opts, base
 
 
+def context_from_argv(argv: list[str]) -> tuple:
+    """build_context for `paratrain plan` arguments (tests and benchmarks)."""
+    return build_context(_parser().parse_args(list(argv)))
+
+
 def _posint(x: str) -> int:
     try:
         v = int(x)
@@ -133,21 +139,20 @@ def config_for(c, ctx, base=None, model_spec: str | None = None):
     cfg = base if base is not None else Config()
     if base is None and model_spec is not None:
         cfg.model.preset = model_spec
-    t, p = cfg.training, cfg.parallel
+    t, p, lay = cfg.training, cfg.parallel, c.layout
     t.seq_len, t.micro_batch, t.global_batch, t.accum_steps = ctx.seq_len, c.micro_batch, ctx.global_seqs, 1
     t.precision = ctx.precision
     if ctx.hw.device == "cpu":
         t.device = "cpu"
-    p.dp_mode = c.dp_mode
-    p.dp_replicate = c.dp_replicate if c.dp_mode == "hsdp" else 1
+    p.dp_mode = lay.dp_mode
+    p.dp_replicate = lay.dp_replicate if lay.hybrid else 1  # else one data-parallel axis: dp_shard=-1 fills it
     p.dp_shard = -1
-    p.tp, p.pp, p.ep = c.tp, c.pp, c.ep
+    p.tp, p.pp, p.ep = lay.tp, lay.pp, lay.ep
     p.sequence_parallel = True
-    p.loss_parallel = c.pp == 1  # the last pipeline stage computes whole logits
-    if c.pp > 1:
-        p.pp_schedule, p.pp_microbatches = c.schedule, c.microbatches
-        p.pp_virtual_stages = c.virtual if c.virtual > 1 else 1
-    cfg.checkpointing.mode, cfg.checkpointing.every_k = c.ac, c.every_k
+    p.loss_parallel = lay.pp == 1  # the last pipeline stage computes whole logits
+    if lay.pp > 1:
+        p.pp_schedule, p.pp_microbatches, p.pp_virtual_stages = lay.pp_schedule, lay.pp_microbatches, lay.pp_virtual
+    cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every_k = c.ac, c.every_k
     validate(cfg)
     return cfg
 

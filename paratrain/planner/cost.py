@@ -39,7 +39,7 @@ Calibrated profiles carry `compute_scale`: the measured training step of a fixed
 being planned) over what these formulas predict for it on the same profile; it multiplies compute, recompute and
 the optimizer step (what the terms above miss: autograd bookkeeping, the loss, allocator). Datasheet profiles: 1.
 
-Pipeline bubble: (p-1)/(m+p-1)/v of the pipelined time (`paratrain.distributed.pipeline.predicted_bubble`: gpipe
+Pipeline bubble: (p-1)/(m+p-1)/v of the pipelined time (`paratrain.layout.predicted_bubble`: gpipe
 and 1f1b v=1; interleaved schedules v stages per rank; zbv v=2), i.e. bubble = work x b / (1 - b).
 
 Recompute: full = one more forward of every block (GEMMs, element-wise and operators); every_k = 1/k of that;
@@ -51,6 +51,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from paratrain.layout import Batch, Layout, predicted_bubble
+from paratrain.models.args import ModelArgs
 from paratrain.planner.hardware import Hardware, Link
 
 ELEMWISE_VALUES_PER_TOKEN = (80, 20)  # x dim, x ffn/tp: values read+written per token and block, fwd+bwd
@@ -66,62 +68,66 @@ ATTENTION_EFFICIENCY = 0.5  # fused attention reaches about half the GEMM rate a
 
 @dataclass(frozen=True)
 class Candidate:
-    """One layout the planner considers (all degrees resolved)."""
+    """One configuration the planner considers: a parallel layout (degrees, dp mode, pipeline schedule and
+    microbatches) and what is not layout: activation checkpointing and the micro-batch."""
 
-    world: int
-    dp_mode: str  # ddp | zero1 | zero2 | fsdp | hsdp ("fsdp" also stands for no data parallelism)
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int = 1
-    schedule: str = "1f1b"
-    virtual: int = 1
-    microbatches: int = 1  # pp > 1: pipeline micro-batches; pp = 1: accumulation steps
-    ep: int = 1
+    layout: Layout
     ac: str = "none"  # none | full | selective | every_k
     every_k: int = 2
     micro_batch: int = 1  # sequences per micro-step (per pipeline micro-batch with pp)
 
     @property
+    def world(self) -> int:
+        return self.layout.world_size
+
+    @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.layout.dp
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    def micro_steps(self, ctx: "Context") -> int:
+        """Micro-batches per rank and optimizer step: the pipeline's, else gradient accumulation steps."""
+        if self.layout.pipelined:
+            return self.layout.pp_microbatches
+        return self.layout.accumulation(Batch(ctx.global_seqs, self.micro_batch, ctx.seq_len))
 
     @property
     def name(self) -> str:
-        parts = [self.dp_mode if self.dp > 1 else "nodp"]
-        if self.dp_mode == "hsdp":
-            parts.append(f"rep={self.dp_replicate}")
-        if self.tp > 1:
-            parts.append(f"tp={self.tp}")
-        if self.pp > 1:
-            parts.append(f"pp={self.pp}")
-            parts.append(f"sched={self.schedule}")
-        if self.ep > 1:
-            parts.append(f"ep={self.ep}")
+        lay = self.layout
+        parts = [lay.dp_mode if lay.dp > 1 else "nodp"]
+        if lay.hybrid:
+            parts.append(f"rep={lay.dp_replicate}")
+        if lay.tp > 1:
+            parts.append(f"tp={lay.tp}")
+        if lay.pp > 1:
+            parts.append(f"pp={lay.pp}")
+            parts.append(f"sched={lay.pp_schedule}")
+        if lay.ep > 1:
+            parts.append(f"ep={lay.ep}")
         parts.append(f"ac={self.ac}" + (f"{self.every_k}" if self.ac == "every_k" else ""))
         parts.append(f"mb={self.micro_batch}")
         return ",".join(parts)
 
     def describe(self) -> str:
-        bits = []
-        if self.pp > 1:
-            bits.append(f"pp{self.pp} {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "")
-                        + f" m={self.microbatches}")
-        if self.dp > 1:
-            bits.append(f"{self.dp_mode} {self.dp_replicate}x{self.dp_shard}" if self.dp_mode == "hsdp"
-                        else f"{self.dp_mode} {self.dp}")
-        if self.tp > 1:
-            bits.append(f"tp{self.tp}")
-        if self.ep > 1:
-            bits.append(f"ep{self.ep}")
-        return " x ".join(bits) or "1 rank"
+        return self.layout.short_name()
 
 
 @dataclass
 class Context:
     """What every candidate shares: model, sequence, batch, hardware, topology."""
 
-    args: object  # ModelArgs
+    args: ModelArgs
     seq_len: int
     global_seqs: int  # sequences per optimizer step
     hw: Hardware
@@ -173,8 +179,6 @@ def p2p_time(nbytes: float, link: Link) -> float:
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual: int = 1) -> float:
-    from paratrain.distributed.pipeline import predicted_bubble
-
     return predicted_bubble(pp, microbatches, virtual) if pp > 1 else 0.0
 
 
@@ -194,10 +198,10 @@ def _act_bytes(ctx: Context) -> int:
 def predict(c: Candidate, ctx: Context) -> Prediction:
     from paratrain.models.presets import count_params, flops_per_token
 
-    a, hw, S = ctx.args, ctx.hw, ctx.seq_len
+    a, hw, S, lay = ctx.args, ctx.hw, ctx.seq_len, c.layout
     t, ab = c.tp, _act_bytes(ctx)
     T = c.micro_batch * S  # tokens per micro-step per rank (tp ranks share them)
-    n_micro = c.microbatches
+    n_micro = c.micro_steps(ctx)
     layers = math.ceil(a.n_layers / c.pp)  # the busiest stage
     moe_layers = sum(1 for i in range(a.n_layers) if a.is_moe_layer(i))
     moe_frac = moe_layers / a.n_layers
@@ -247,8 +251,7 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     # routed experts are sharded over ep (and FSDP-gathered only over dp_shard / ep): count them once per ep group
     experts = moe_layers * a.moe_experts * 3 * a.dim * a.expert_hidden if moe_layers else 0
     P_stage = (P - experts + experts / c.ep) / c.pp / t
-    shard = c.dp_shard if c.dp_mode in ("zero2", "fsdp", "hsdp") else 1
-    opt_params = P_stage / (shard if shard > 1 else (c.dp if c.dp_mode == "zero1" else 1))
+    opt_params = P_stage / lay.optimizer_shards
     optimizer = opt_params * 4 * 4 * 2 / hw.mem_bandwidth + 20 * hw.op_overhead_s
     # a calibrated profile's correction from a reference model's measured training step (1.0 for datasheets)
     compute, recompute, optimizer = (x * hw.compute_scale for x in (compute, recompute, optimizer))
@@ -256,33 +259,33 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     # communication
     pbytes = 4 if ctx.precision == "fp32" else 2
     tp_link = group_link(ctx, 1, t)
-    shard_link = group_link(ctx, t, c.dp_shard)
+    shard_link = group_link(ctx, t, lay.dp_shard)
     dp_link = group_link(ctx, t, c.dp)
-    rep_link = group_link(ctx, t * c.dp_shard, c.dp_replicate)
+    rep_link = group_link(ctx, t * lay.dp_shard, lay.dp_replicate)
     pp_link = group_link(ctx, t * c.dp, c.pp)
     comm = {}
     overlappable = 0.0
     nblk = layers + 1
     min_exposed = 0.0
     if c.dp > 1:
-        if c.dp_mode in ("ddp", "zero1"):
+        if lay.uses_ddp:
             g = P_stage * 4
             buckets = max(1, math.ceil(g / DDP_BUCKET_BYTES))
             ar = buckets * all_reduce_time(g / buckets, c.dp, dp_link)
             overlappable += ar
             min_exposed += ar / buckets
-            if c.dp_mode == "zero1":
+            if lay.zero1:
                 comm["zero1 param all-gather"] = all_gather_time(P_stage * 4, c.dp, dp_link)
         else:
-            gathers = 1 if c.dp_mode == "zero2" else 2
+            gathers = 2 if lay.reshard_after_forward else 1  # zero2 keeps forward's gathered parameters
             rounds = n_micro if c.pp == 1 else 1  # pipelined stages keep their gathered parameters for the step
             group = FSDP_GROUP_OPS * hw.op_overhead_s
-            ag = rounds * gathers * nblk * (all_gather_time(P_stage * pbytes / nblk, c.dp_shard, shard_link) + group)
-            rs = rounds * nblk * (reduce_scatter_time(P_stage * 4 / nblk, c.dp_shard, shard_link) + group)
+            ag = rounds * gathers * nblk * (all_gather_time(P_stage * pbytes / nblk, lay.dp_shard, shard_link) + group)
+            rs = rounds * nblk * (reduce_scatter_time(P_stage * 4 / nblk, lay.dp_shard, shard_link) + group)
             overlappable += ag + rs
             min_exposed += (ag + rs) / (rounds * nblk)
-            if c.dp_mode == "hsdp":
-                hr = rounds * nblk * (all_reduce_time(P_stage * 4 / c.dp_shard / nblk, c.dp_replicate, rep_link)
+            if lay.hybrid:
+                hr = rounds * nblk * (all_reduce_time(P_stage * 4 / lay.dp_shard / nblk, lay.dp_replicate, rep_link)
                                       + group)
                 overlappable += hr
                 min_exposed += hr / (rounds * nblk)
@@ -299,7 +302,7 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
         comm["tensor-parallel"] = n_micro * (layers * per_block_f * (2 + extra) + emb)
     if c.pp > 1:
         act = T * a.dim * ab / (t if t > 1 else 1)
-        comm["pipeline p2p"] = 2 * c.virtual * n_micro * p2p_time(act, pp_link)
+        comm["pipeline p2p"] = 2 * lay.pp_virtual * n_micro * p2p_time(act, pp_link)
     if c.ep > 1 and moe_layers:
         ep_link = group_link(ctx, t, c.ep)  # an ep group is ep consecutive dp_shard ranks
         a2a = all_to_all_time(T * a.moe_top_k * a.dim * ab, c.ep, ep_link) + all_to_all_time(64, c.ep, ep_link)
@@ -307,7 +310,7 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     comm_total += sum(v for k, v in comm.items() if k not in ("data-parallel",))
     exposed = sum(comm.values())
 
-    b = bubble_fraction(c.pp, c.microbatches, c.virtual)
+    b = bubble_fraction(c.pp, n_micro, lay.pp_virtual)
     pipelined = compute + recompute + comm.get("tensor-parallel", 0.0) + comm.get("pipeline p2p", 0.0) \
         + comm.get("expert all-to-all", 0.0)
     bubble = pipelined * b / (1 - b) if b < 1 else float("inf")

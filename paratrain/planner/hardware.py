@@ -341,9 +341,10 @@ def calibrate(name: str, nproc: int, profile_dir: str | Path | None = None, seco
                   "cuda" if cuda else "cpu", "bf16" if cuda else "fp32", f"calibrated with {n} local ranks",
                   [f"all-reduce points {r['allreduce']}", f"all-gather points {r['allgather']}"])
     # compute_scale: the reference step measured against what the cost model predicts for it on this profile
+    from paratrain.layout import Layout
     from paratrain.planner.cost import Candidate, Context, predict
 
-    ref = predict(Candidate(1, "fsdp", 1, 1, 1, micro_batch=REF_BATCH),
+    ref = predict(Candidate(Layout.resolve(1), micro_batch=REF_BATCH),
                   Context(reference_args(), REF_SEQ, REF_BATCH, hw, 1, hw.precision, "reference"))
     hw.compute_scale = max(1.0, r["reference_step_s"] / (ref.compute_s + ref.optimizer_s))
     hw.notes.append(f"reference step {r['reference_step_s'] * 1e3:.2f} ms measured, "

@@ -3,14 +3,15 @@ headroom), predict the step time of the rest (paratrain/planner/cost.py) and ran
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from paratrain.errors import UserError
+from paratrain.errors import ConfigError, UserError
+from paratrain.layout import DP_MODES, Batch, Layout
 from paratrain.planner.cost import Candidate, Context, Prediction, predict
 
-DP_MODES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")  # the planner's choice of paratrain.layout.SCHEDULES
 AC_MODES = ("none", "selective", "every_k", "full")
 
 
@@ -54,54 +55,30 @@ def _divisors(n: int) -> list[int]:
 
 
 def structural_reason(c: Candidate, ctx: Context) -> str | None:
-    """Why paratrain cannot run this layout here (None: it can, memory aside)."""
-    from paratrain.estimate.layout import check_model, resolve_layout
-
-    a = ctx.args
+    """Why paratrain cannot run this layout here (None: it can, memory aside): the planner's placement rules, then
+    the layout's own checks against the model and the batch (`Layout.validate`)."""
     if c.tp > ctx.gpus_per_node:
         return f"tp={c.tp} crosses nodes ({ctx.gpus_per_node} GPUs per node): tensor parallelism stays within a node"
     if ctx.gpus_per_node % c.tp:
         return f"tp={c.tp} does not divide the {ctx.gpus_per_node} GPUs per node"
-    if c.world != c.dp * c.tp * c.pp:
-        return f"dp {c.dp} x tp {c.tp} x pp {c.pp} = {c.dp * c.tp * c.pp}, not the {c.world} GPUs"
-    if c.dp_mode in ("ddp", "zero1") and c.dp > 1 and (c.tp > 1 or c.pp > 1 or c.ep > 1):
-        return f"dp_mode {c.dp_mode} does not compose with tp, pp or ep in paratrain (use fsdp, zero2 or hsdp)"
-    if c.pp > 1 and getattr(a, "moe_experts", 0):
-        return "pipeline parallelism does not support mixture-of-experts models yet"
-    if c.ep > 1 and not getattr(a, "moe_experts", 0):
-        return f"ep={c.ep} needs a mixture-of-experts model"
-    if c.pp > 1 and c.schedule != "gpipe" and c.microbatches < c.pp:
-        return f"{c.schedule} needs at least pp={c.pp} micro-batches, the batch gives {c.microbatches}"
-    if c.pp > 1 and c.schedule in ("interleaved_1f1b", "zbv") and c.microbatches % c.pp:
-        return f"{c.schedule} needs micro-batches ({c.microbatches}) divisible by pp={c.pp}"
     if ctx.global_seqs % (c.dp * c.micro_batch):
         return (f"the global batch ({ctx.global_seqs} sequences) does not divide into micro-batch {c.micro_batch} x "
                 f"data-parallel degree {c.dp}")
     try:
-        lay = resolve_layout(world_size=c.world, dp_mode=c.dp_mode, dp_replicate=c.dp_replicate,
-                             dp_shard=c.dp_shard if c.dp_mode not in ("ddp", "zero1") else -1, tp=c.tp, pp=c.pp,
-                             ep=c.ep, pp_schedule=c.schedule, microbatches=c.microbatches if c.pp > 1 else None,
-                             pp_virtual=max(2, c.virtual))
-        check_model(lay, a, ctx.seq_len, c.micro_batch)
-        if c.pp > 1 and c.pp * c.virtual > a.n_layers:
-            return f"{c.pp} x {c.virtual} pipeline stages need more than the model's {a.n_layers} blocks"
-    except UserError as e:
+        c.layout.validate(ctx.args, c.world, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
+    except ConfigError as e:
         return str(e)
     return None
 
 
 def memory(c: Candidate, ctx: Context):
     """The memory estimator's verdict for a candidate: an Estimate (worst rank)."""
-    from paratrain.estimate import EstimateInputs, estimate, resolve_layout
+    from paratrain.estimate import EstimateInputs, estimate
 
-    lay = resolve_layout(world_size=c.world, dp_mode=c.dp_mode, dp_replicate=c.dp_replicate,
-                         dp_shard=c.dp_shard if c.dp_mode not in ("ddp", "zero1") else -1, tp=c.tp, pp=c.pp, ep=c.ep,
-                         pp_schedule=c.schedule, microbatches=c.microbatches if c.pp > 1 else None,
-                         pp_virtual=max(2, c.virtual))
-    inputs = EstimateInputs(ctx.args, lay, model_name=ctx.model_name, precision=ctx.precision,
+    inputs = EstimateInputs(ctx.args, c.layout, model_name=ctx.model_name, precision=ctx.precision,
                             optimizer="adamw", optimizer_impl="fused" if ctx.hw.device == "cuda" else "foreach",
                             checkpointing=c.ac, every_k=c.every_k, micro_batch=c.micro_batch, seq_len=ctx.seq_len,
-                            accum_steps=c.microbatches if c.pp == 1 else 1, gpu_name=ctx.hw.name,
+                            accum_steps=1 if c.layout.pipelined else c.micro_steps(ctx), gpu_name=ctx.hw.name,
                             gpu_bytes=ctx.hw.memory_bytes, overhead_bytes=None if ctx.hw.device == "cuda" else 0,
                             device=ctx.hw.device)
     return estimate(inputs, suggest=False)
@@ -123,7 +100,7 @@ def memory_reason(est, ctx: Context, headroom: float) -> str | None:
 
 def candidates(ctx: Context, world: int, opts: Options) -> list[Candidate]:
     a = ctx.args
-    moe = bool(getattr(a, "moe_experts", 0))
+    moe = a.moe_experts > 0
     out = []
     mbs = opts.micro_batches or tuple(2**i for i in range(5))
     for tp in _divisors(math.gcd(world, ctx.gpus_per_node)):
@@ -141,24 +118,23 @@ def candidates(ctx: Context, world: int, opts: Options) -> list[Candidate]:
                     continue
                 if mode == "hsdp":
                     modes += [("hsdp", r, dp // r) for r in _divisors(dp) if 1 < r < dp]
-                elif mode in ("ddp", "zero1"):
-                    if tp == 1 and pp == 1:
-                        modes.append((mode, 1, dp))
                 else:
                     modes.append((mode, 1, dp))
             for mode, rep, shard in modes:
-                eps = [e for e in _divisors(shard) if moe and a.moe_experts % e == 0 and mode != "ddp"
-                       and mode != "zero1"] if moe else [1]
-                for ep in eps or [1]:
+                for ep in [e for e in _divisors(shard) if a.moe_experts % e == 0] if moe else [1]:
+                    try:  # the layouts paratrain runs (ddp and zero1: no tp, pp or ep)
+                        layout = Layout.resolve(world, dp_mode=mode, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp,
+                                                ep=ep)
+                    except ConfigError:
+                        continue
                     for mb in mbs:
                         if ctx.global_seqs % (dp * mb):
                             continue
-                        m = ctx.global_seqs // (dp * mb)
-                        scheds = [("1f1b", 1)] if pp == 1 else [
-                            (s, 2 if s in ("interleaved_1f1b", "zbv") else 1) for s in opts.schedules]
-                        for sched, v in scheds:
+                        m = ctx.global_seqs // (dp * mb)  # pipeline microbatches (pp > 1)
+                        for sched in ("1f1b",) if pp == 1 else opts.schedules:
+                            lay = layout.replace(pp_schedule=sched, pp_microbatches=m) if pp > 1 else layout
                             for ac in opts.ac_modes:
-                                out.append(Candidate(world, mode, rep, shard, tp, pp, sched, v, m, ep, ac, 2, mb))
+                                out.append(Candidate(lay, ac, 2, mb))
     return out
 
 
@@ -220,8 +196,10 @@ MEM_ORDER = {"full": 0, "every_k": 1, "selective": 1, "none": 2}
 
 def _dominated(c: Candidate, miss: Candidate) -> bool:
     """c needs at least the memory of `miss` (same layout, a micro-batch no smaller, no more recomputation)."""
-    if (c.dp_mode, c.dp_replicate, c.tp, c.pp, c.schedule, c.ep) != (miss.dp_mode, miss.dp_replicate, miss.tp,
-                                                                    miss.pp, miss.schedule, miss.ep):
+    def sans_microbatches(lay: Layout) -> Layout:  # a smaller micro-batch makes more of them
+        return dataclasses.replace(lay, pp_microbatches=0)
+
+    if sans_microbatches(c.layout) != sans_microbatches(miss.layout):
         return False
     if c.micro_batch < miss.micro_batch:
         return False
@@ -270,7 +248,8 @@ def no_fit_message(ctx: Context, world: int, opts: Options, results: list[Result
 # -- names <-> candidates ------------------------------------------------------------------------------------------
 
 def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
-    """'fsdp,tp=2,pp=2,sched=1f1b,ac=full,mb=2' (the names `paratrain plan` prints) -> a Candidate."""
+    """'fsdp,tp=2,pp=2,sched=1f1b,ac=full,mb=2' (the names `paratrain plan` prints) -> a Candidate. UserError on
+    bad syntax; ConfigError (a UserError) when the text names no layout paratrain can run."""
     tokens = [t.strip() for t in text.split(",") if t.strip()]
     if not tokens:
         raise UserError("--explain needs a layout, e.g. fsdp,tp=2,ac=selective,mb=2 (as in the plan's table)")
@@ -298,24 +277,20 @@ def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
     sched = kv["sched"]
     if sched not in SCHEDULES + ("interleaved_zero_bubble",):
         raise UserError(f"--explain '{text}': sched must be one of {', '.join(SCHEDULES)}")
-    v = 2 if sched in ("interleaved_1f1b", "interleaved_zero_bubble", "zbv") else 1
-    rest = world // (tp * pp) if world % (tp * pp) == 0 else 0
-    if rest == 0:
-        return Candidate(world, mode, 1, 1, tp, pp, sched, v, 1, ep, ac, k, mb)
-    if mode != "hsdp":
-        rep = 1
-    shard = max(1, rest // rep)
-    dp = rep * shard
+    dp = max(1, world // (tp * pp))  # Layout.resolve says when tp x pp does not divide the world
     m = max(1, ctx.global_seqs // (dp * mb))
-    return Candidate(world, mode, rep, shard, tp, pp, sched, v, m, ep, ac, k, mb)
+    layout = Layout.resolve(world, dp_mode=mode, dp_replicate=rep if mode == "hsdp" else 1, tp=tp, pp=pp, ep=ep,
+                            pp_schedule=sched, pp_microbatches=m)
+    return Candidate(layout, ac, k, mb)
 
 
 def explain(text: str, ctx: Context, world: int, opts: Options) -> str:
     from paratrain.estimate.gpus import fmt_bytes
 
-    c = parse_layout(text, ctx, world)
-    if c.dp_mode in ("ddp", "zero1") and c.dp_replicate > 1:
-        c = replace(c, dp_replicate=1, dp_shard=c.dp)
+    try:
+        c = parse_layout(text, ctx, world)
+    except ConfigError as e:  # no layout paratrain can run
+        return f"layout {text} on {world} x {ctx.hw.name}:\n  rejected: {e}"
     r = evaluate(c, ctx, opts.headroom)
     head = f"layout {c.name} ({c.describe()}) on {world} x {ctx.hw.name}:"
     if r.reason:
