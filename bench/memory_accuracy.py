@@ -161,17 +161,18 @@ def report(results: list[dict]) -> str:
 
 
 def run_cuda(rows) -> list[dict]:
-    """1-rank configurations on the GPU: estimate vs torch.cuda.max_memory_allocated (no tracker)."""
+    """1-rank configurations on the GPU: estimate vs torch.cuda.max_memory_allocated (no tracker), measured
+    through the trainer's own TrainStep."""
     import torch
-    import torch.nn.functional as F
 
-    from paratrain.config import CheckpointingConfig, OptimizerConfig, ParallelConfig
-    from paratrain.distributed.grad_norm import clip_grad_norm
+    from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
     from paratrain.distributed.parallel_dims import ParallelDims
-    from paratrain.distributed.parallelize import PRECISION_DTYPES, parallelize
+    from paratrain.distributed.parallelize import parallelize
     from paratrain.estimate import estimate
+    from paratrain.layout import Layout
     from paratrain.models.llama import ModelArgs, Transformer
     from paratrain.training.optim import build_optimizer
+    from paratrain.training.step import TrainStep, make_scaler
 
     dev = torch.device("cuda")
     out = []
@@ -182,33 +183,32 @@ def run_cuda(rows) -> list[dict]:
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(dev)
         args = ModelArgs(**spec.model)
-        dims = ParallelDims.from_config(ParallelConfig(), 1)
+        layout = Layout.resolve(1)
         with torch.device("meta"):
             model = Transformer(args)
-        model = parallelize(model, dims, None, None, CheckpointingConfig(spec.checkpointing, spec.every_k),
+        model = parallelize(model, ParallelDims(layout), ActivationCheckpointConfig(spec.checkpointing, spec.every_k),
                             spec.precision, False, dev, seed=0)
         opt = build_optimizer(model, OptimizerConfig(impl="fused"), dev)
+        step = TrainStep(model, opt, layout, spec.precision, dev, 1.0, make_scaler(layout, spec.precision, dev))
         gen = torch.Generator(device=dev).manual_seed(0)
-        for step in range(3):
-            if step == 2:
+        for i in range(3):
+            if i == 2:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(dev)
-            for _ in range(spec.accum_steps):
-                x = torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), device=dev, generator=gen)
-                y = torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), device=dev, generator=gen)
-                with torch.autocast("cuda", dtype=PRECISION_DTYPES[spec.precision], enabled=spec.precision != "fp32"):
-                    loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) / spec.accum_steps
-                    loss.backward()
-            clip_grad_norm(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            micro = [(torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), device=dev, generator=gen),
+                      torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), device=dev, generator=gen))
+                     for _ in range(spec.accum_steps)]
+            step.forward_backward(micro)
+            step.clip()
+            step.update(finite=True)
+            step.zero_grad()
         torch.cuda.synchronize()
         measured = torch.cuda.max_memory_allocated(dev) - base
         inputs = inputs_for_spec(spec, 1).replace(optimizer_impl="fused", device="cuda", overhead_bytes=0)
         est = estimate(inputs, suggest=False)
         out.append({"config": spec.name, "measured_peak": measured, "predicted_peak": est.peak_bytes,
                     "total_err": (est.peak_bytes - measured) / measured, "predicted_phase": est.phase})
-        del model, opt
+        del model, opt, step
     return out
 
 

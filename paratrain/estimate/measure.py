@@ -352,18 +352,14 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
     from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
     from paratrain.distributed.parallel_dims import ParallelDims
     from paratrain.distributed.parallelize import parallelize, unwrap
-    from paratrain.layout import Layout
     from paratrain.models.llama import ModelArgs, Transformer
     from paratrain.training.optim import build_optimizer
     from paratrain.training.step import TrainStep, make_scaler
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    layout = Layout.resolve(world, dp_mode=spec.dp_mode, dp_replicate=spec.dp_replicate, dp_shard=spec.dp_shard,
-                            tp=spec.tp, ep=spec.ep, sequence_parallel=spec.sequence_parallel,
-                            loss_parallel=spec.loss_parallel)
     args = ModelArgs(**spec.model)
-    layout = layout.validate(args, world)
+    layout = spec.layout(world).validate(args, world)
     key = (layout.dp_replicate, layout.dp_shard, layout.tp)
     if mesh_cache is not None and key in mesh_cache:
         dims = ParallelDims(layout, *mesh_cache[key])
