@@ -34,12 +34,12 @@ from paratrain.distributed.pipeline import PipelinePlan, PipelineSampler, build_
 from paratrain.errors import ConfigError, UserError
 from paratrain.faults import ATTEMPT_ENV, FaultInjector
 from paratrain.resilience import MemoryBudget, OutOfMemory, PreemptionWatch, is_out_of_memory, mark_preempted
-from paratrain.flops import peak_flops
+from paratrain.observe.flops import peak_flops
 from paratrain.generate import sample
-from paratrain.metrics import MetricsLog, build_sinks, check_metrics_config
+from paratrain.observe.metrics import MetricsLog, build_sinks, check_metrics_config
 from paratrain.models import ModelArgs, Transformer, count_active_params, count_params, flops_per_token, preset_args
 from paratrain.optim import build_optimizer, lr_at
-from paratrain.sysmetrics import PhaseTimer, gather_rank_stats
+from paratrain.observe.sysmetrics import PhaseTimer, gather_rank_stats
 
 VOCAB_PAD = 64  # pad small vocabularies so embedding/output split evenly over tensor-parallel ranks
 

@@ -2,7 +2,7 @@
 overhead) and the links between devices (bandwidth, latency), either from datasheet tables or measured on this
 machine by `paratrain plan --calibrate` and saved as JSON.
 
-Memory sizes come from `paratrain.estimate.gpus` and dense bf16 peaks from `paratrain.flops` (one table each);
+Memory sizes come from `paratrain.estimate.gpus` and dense bf16 peaks from `paratrain.observe.flops` (one table each);
 this module only adds what the cost model needs on top: HBM bandwidth, the achievable fraction of peak, and links.
 """
 
@@ -112,7 +112,7 @@ def default_profile_dir() -> Path:
 def gpu_profile(name: str, intra: str | None = None, inter: str | None = None) -> Hardware:
     """A datasheet profile for a named GPU; UserError for an unknown one (naming the closest)."""
     from paratrain.estimate.gpus import GPUS, gpu_memory
-    from paratrain.flops import gpu_peak_flops
+    from paratrain.observe.flops import gpu_peak_flops
 
     canonical, memory = gpu_memory(name)
     peak = gpu_peak_flops(GPUS[canonical][1])
@@ -324,7 +324,7 @@ def calibrate(name: str, nproc: int, profile_dir: str | Path | None = None, seco
     gemm = [(f, rate) for f, rate in r["gemm"]]
     if cuda:
         memory = int(r["memory_bytes"])
-        from paratrain.flops import gpu_peak_flops
+        from paratrain.observe.flops import gpu_peak_flops
 
         peak = gpu_peak_flops(r["device_name"]) or max(rate for _, rate in gemm)
     else:

@@ -53,7 +53,7 @@ def check_metrics_config(m) -> None:
 
 def build_sinks(cfg, env) -> list:
     """The sinks this rank feeds: Prometheus on local rank 0 (or every rank, per_rank), TensorBoard on rank 0."""
-    from paratrain.sysmetrics import node_index
+    from paratrain.observe.sysmetrics import node_index
 
     m, sinks = cfg.metrics, []
     check_metrics_config(m)
