@@ -328,10 +328,9 @@ def calibrate(name: str, nproc: int, profile_dir: str | Path | None = None, seco
 
         peak = gpu_peak_flops(r["device_name"]) or max(rate for _, rate in gemm)
     else:
-        try:
-            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // nproc
-        except (ValueError, OSError):
-            memory = 8 * 2**30
+        import psutil
+
+        memory = psutil.virtual_memory().total // nproc
         peak = max(rate for _, rate in gemm)
     cores = os.cpu_count() or 1
     # On a CPU, gloo's collectives run on threads that compete with the compute of nproc ranks: with no spare core
