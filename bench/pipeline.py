@@ -56,10 +56,11 @@ def ranked(a, pp: int, schedule: str, m: int):
     import torch.distributed as dist
 
     from paratrain.config import CheckpointingConfig, ParallelConfig
+    from paratrain.distributed.env import init_process_group
     from paratrain.distributed.parallel_dims import ParallelDims
     from paratrain.distributed.pipeline import build_pipeline, plan_pipeline
 
-    dist.init_process_group("gloo")
+    init_process_group(torch.device("cpu"), timeout_s=1800)  # gloo with torch's default timeout
     cfg = ParallelConfig(pp=pp, pp_schedule=schedule, pp_microbatches=m)
     dims = ParallelDims.from_config(cfg, pp)
     margs = _model_args(a)

@@ -174,21 +174,17 @@ def _calibrate_worker(sizes: list[int], msg_sizes: list[int], seconds: float) ->
     several sizes, memory bandwidth, per-operator overhead, and all-reduce / all-gather times by message size."""
     import time
     import warnings
-    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
+    from paratrain.distributed.env import init_process_group, world_from_env
+
     warnings.filterwarnings("ignore", category=FutureWarning)
     cuda = torch.cuda.is_available()
-    if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timedelta(seconds=120), device_id=device)
-        dtype = torch.bfloat16
-    else:
-        device, dtype = torch.device("cpu"), torch.float32
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    device = torch.device("cuda", world_from_env()[2]) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    init_process_group(device, timeout_s=120)
 
     def sync():
         if cuda:
