@@ -56,12 +56,13 @@ def ranked(a, pp: int, schedule: str, m: int):
     import torch.distributed as dist
 
     from paratrain.config import ActivationCheckpointConfig
+    from paratrain.distributed.env import init_process_group
     from paratrain.distributed.parallel_dims import ParallelDims
     from paratrain.distributed.pipeline import build_pipeline
     from paratrain.layout import Batch, Layout
     from paratrain.models.llama import Transformer
 
-    dist.init_process_group("gloo")
+    init_process_group(torch.device("cpu"), timeout_s=1800)  # gloo with torch's default timeout
     margs = _model_args(a)
     layout = Layout.resolve(pp, pp=pp, pp_schedule=schedule, pp_microbatches=m).validate(
         margs, pp, Batch(a["batch"], a["batch"], a["seq_len"]))

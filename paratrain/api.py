@@ -37,7 +37,7 @@ def train_rank(cfg: Config, want_final_weights: bool = False):
 
     from paratrain.data import read_meta
     from paratrain.distributed.env import init_distributed, shutdown_distributed, world_from_env
-    from paratrain.metrics import check_metrics_config
+    from paratrain.observe.metrics import check_metrics_config
     from paratrain.spec import check, prepare_data, resolve
     from paratrain.training.loop import Trainer
 

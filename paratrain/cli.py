@@ -84,8 +84,8 @@ LAZY_COMMANDS = {
     "verify": ("paratrain.verify", "main_verify"),
     "estimate": ("paratrain.estimate", "main_estimate"),
     "plan": ("paratrain.planner", "main_plan"),
-    "report": ("paratrain.report", "main_report"),
-    "doctor": ("paratrain.doctor", "main_doctor"),
+    "report": ("paratrain.observe.report", "main_report"),
+    "doctor": ("paratrain.observe.doctor", "main_doctor"),
 }
 
 

@@ -18,6 +18,8 @@ except ModuleNotFoundError:  # Python 3.10
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import tomli_w
+
 from paratrain.errors import ConfigError
 from paratrain.layout import DPModeOption, Schedule
 
@@ -339,19 +341,7 @@ def validate(cfg: Config) -> None:
 
 
 def dump_toml(cfg: Config) -> str:
-    """The resolved config as TOML, saved beside each run so it can be replayed exactly."""
-    lines = []
-    for section, table in cfg.to_dict().items():
-        lines.append(f"[{section}]")
-        for key, value in table.items():
-            if value is None:
-                continue
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            elif isinstance(value, str):
-                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-            else:
-                text = repr(value)
-            lines.append(f"{key} = {text}")
-        lines.append("")
-    return "\n".join(lines)
+    """The resolved config as TOML, saved beside each run so it can be replayed exactly (None values are left out:
+    TOML has no null, and a missing key loads as its default, None)."""
+    return tomli_w.dumps({section: {key: value for key, value in table.items() if value is not None}
+                          for section, table in cfg.to_dict().items()})

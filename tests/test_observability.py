@@ -193,7 +193,7 @@ def test_prometheus_two_ranks_labelled_by_rank(two_rank_run):
 
 def test_per_rank_endpoints():
     """per_rank: each rank's endpoint shows its own memory (and the job-wide values)."""
-    from paratrain.metrics import PrometheusSink
+    from paratrain.observe.metrics import PrometheusSink
 
     rows = [{"rank": r, "node": 0, "rss_bytes": 100 + r} for r in range(2)]
     record = {"time": time.time(), "step": 3, "loss": 1.5, "rank_memory": rows}
@@ -214,7 +214,7 @@ def test_per_rank_endpoints():
 
 def test_moe_expert_load_reaches_prometheus_and_report(char_data, runs_dir, tmp_path):
     """A mixture-of-experts run: the trainer's per-step expert load goes to the endpoint and the report."""
-    from paratrain.report import write_report
+    from paratrain.observe.report import write_report
     from paratrain.api import train_rank as train
 
     port = free_port()
@@ -240,7 +240,7 @@ def test_moe_expert_load_reaches_prometheus_and_report(char_data, runs_dir, tmp_
 
 
 def test_rank_stats_and_phase_timer():
-    from paratrain.sysmetrics import PhaseTimer, gather_rank_stats
+    from paratrain.observe.sysmetrics import PhaseTimer, gather_rank_stats
 
     out = gather_rank_stats(torch.device("cpu"))
     assert [row["rank"] for row in out["rank_memory"]] == [0] and out["rank_memory"][0]["rss_bytes"] > 0
@@ -281,7 +281,7 @@ def png_size(path) -> tuple[int, int]:
 def test_report_plots_and_summary(single_run, two_rank_run, tmp_path):
     from PIL import Image
 
-    from paratrain.report import load_run, plot_loss, plot_memory
+    from paratrain.observe.report import load_run, plot_loss, plot_memory
 
     one, two = single_run[0].run_dir, two_rank_run[0].run_dir
     out = tmp_path / "report"
@@ -349,7 +349,7 @@ def test_doctor_runs_cleanly_on_cpu(tmp_path, monkeypatch, capsys):
 
 
 def test_doctor_bad_nccl_socket_ifname(monkeypatch, capsys):
-    from paratrain.doctor import interfaces
+    from paratrain.observe.doctor import interfaces
 
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "nosuchif7")
     code = cli.main(["doctor", "--nproc", "0"])
@@ -361,7 +361,7 @@ def test_doctor_bad_nccl_socket_ifname(monkeypatch, capsys):
 
 
 def test_ifname_syntax_and_topology():
-    from paratrain.doctor import describe_topology, ifname_matches, parse_topology
+    from paratrain.observe.doctor import describe_topology, ifname_matches, parse_topology
 
     have = ["docker0", "eth0", "eth1", "ib0", "lo"]
     assert ifname_matches("eth", have) == ["eth0", "eth1"]

@@ -12,7 +12,8 @@ from paratrain.errors import UserError
 from paratrain.layout import Layout
 from paratrain.planner import context_from_argv
 from paratrain.planner.cost import (Candidate, all_gather_time, all_reduce_time, bubble_fraction, p2p_time, predict)
-from paratrain.planner.hardware import Hardware, Link, fit_alpha_beta, gpu_profile, resolve_hardware
+from paratrain.planner.hardware import fit_alpha_beta, gpu_profile, resolve_hardware
+from paratrain.planner.profile import Hardware, Link
 from paratrain.planner.search import candidates, explain, structural_reason
 
 

@@ -468,11 +468,9 @@ def device_peak_bytes(device: torch.device | str | None = None) -> int:
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    import resource
-    import sys
+    from paratrain.observe.sysmetrics import rss_peak_bytes
 
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
+    return rss_peak_bytes()
 
 
 def inputs_for_spec(spec: MeasureSpec, world_size: int):

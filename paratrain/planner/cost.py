@@ -1,6 +1,7 @@
 """The planner's cost model: predicted time of one optimizer step for a layout, split into compute, exposed
 communication, pipeline bubble and recompute. Every term is a formula of the model's sizes, the layout and the
-hardware profile (paratrain/planner/hardware.py); nothing here is fitted to a particular run.
+hardware profile (paratrain/planner/profile.py, made by paratrain/planner/hardware.py); nothing here is fitted to
+a particular run.
 
 Compute. Each rank runs its share of every block's GEMMs (q, k, v, o, w1, w2, w3; the output head on the last
 stage; routed experts with ep) for each micro-step; a GEMM of F FLOPs takes F / rate(F), where rate() is the
@@ -53,7 +54,7 @@ from dataclasses import dataclass, field
 
 from paratrain.layout import Batch, Layout, predicted_bubble
 from paratrain.models.args import ModelArgs
-from paratrain.planner.hardware import Hardware, Link
+from paratrain.planner.profile import Hardware, Link
 
 ELEMWISE_VALUES_PER_TOKEN = (80, 20)  # x dim, x ffn/tp: values read+written per token and block, fwd+bwd
 OPS_PER_BLOCK = 35  # operators in one block's forward (backward: twice)

@@ -2,19 +2,20 @@
 overhead) and the links between devices (bandwidth, latency), either from datasheet tables or measured on this
 machine by `paratrain plan --calibrate` and saved as JSON.
 
-Memory sizes come from `paratrain.estimate.gpus` and dense bf16 peaks from `paratrain.flops` (one table each);
-this module only adds what the cost model needs on top: HBM bandwidth, the achievable fraction of peak, and links.
+Memory sizes come from `paratrain.estimate.gpus` and dense bf16 peaks from `paratrain.observe.flops` (one table
+each); this module only adds what the cost model needs on top: HBM bandwidth, the achievable fraction of peak, and
+links. The `Hardware` and `Link` types live in `planner/profile.py` (the cost model reads them; calibration here
+runs the cost model).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from paratrain.errors import UserError
+from paratrain.planner.profile import GPU_OVERLAP, Hardware, Link
 
 # Link name -> (bandwidth per GPU and direction in bytes/s, latency per message step in s). Bandwidth is the
 # datasheet number; the cost model multiplies it by LINK_EFFICIENCY (what NCCL's bus bandwidth reaches).
@@ -46,54 +47,6 @@ GPU_EXTRA: dict[str, tuple[float, str]] = {
 GPU_GEMM_FRACTION = 0.75
 GPU_GEMM_HALF_FLOP = 2 * 1024**3
 GPU_OP_OVERHEAD_S = 1.5e-6  # exposed launch cost per kernel (mostly hidden by asynchronous launches)
-GPU_OVERLAP = 0.8  # fraction of overlappable communication NCCL hides under compute (separate streams)
-
-
-@dataclass
-class Link:
-    name: str
-    bandwidth: float  # bytes/s per rank and direction, effective (after LINK_EFFICIENCY for datasheet links)
-    latency: float  # seconds per message step (alpha)
-
-
-@dataclass
-class Hardware:
-    name: str
-    memory_bytes: int
-    peak_flops: float  # dense peak (bf16 for GPUs; measured fp32 matmul for CPUs) for MFU
-    gemm: list[tuple[float, float]]  # (FLOPs of one GEMM, achieved FLOP/s): achieved rate grows with size
-    mem_bandwidth: float  # bytes/s, for element-wise work
-    op_overhead_s: float  # exposed fixed cost per operator (launch / dispatch)
-    intra: Link
-    inter: Link | None = None
-    overlap: float = GPU_OVERLAP
-    device: str = "cuda"  # cuda | cpu: the estimator counts CUDA/NCCL overhead only on cuda
-    precision: str = "bf16"
-    source: str = "datasheet"
-    notes: list[str] = field(default_factory=list)
-    compute_scale: float = 1.0  # measured / predicted time of a reference model's training step (calibration)
-
-    def gemm_rate(self, flop: float) -> float:
-        """Achieved FLOP/s for one GEMM of `flop` FLOPs: log-log interpolation of the curve, flat outside it."""
-        pts = sorted(self.gemm)
-        if flop <= pts[0][0]:
-            return pts[0][1]
-        for (f0, r0), (f1, r1) in zip(pts, pts[1:]):
-            if flop <= f1:
-                w = (math.log(flop) - math.log(f0)) / (math.log(f1) - math.log(f0))
-                return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
-        return pts[-1][1]
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> "Hardware":
-        d = dict(d)
-        d["intra"] = Link(**d["intra"])
-        d["inter"] = Link(**d["inter"]) if d.get("inter") else None
-        d["gemm"] = [tuple(x) for x in d["gemm"]]
-        return cls(**d)
 
 
 def link(name: str, gpu: str | None = None) -> Link:
@@ -112,7 +65,7 @@ def default_profile_dir() -> Path:
 def gpu_profile(name: str, intra: str | None = None, inter: str | None = None) -> Hardware:
     """A datasheet profile for a named GPU; UserError for an unknown one (naming the closest)."""
     from paratrain.estimate.gpus import GPUS, gpu_memory
-    from paratrain.flops import gpu_peak_flops
+    from paratrain.observe.flops import gpu_peak_flops
 
     canonical, memory = gpu_memory(name)
     peak = gpu_peak_flops(GPUS[canonical][1])
@@ -174,21 +127,17 @@ def _calibrate_worker(sizes: list[int], msg_sizes: list[int], seconds: float) ->
     several sizes, memory bandwidth, per-operator overhead, and all-reduce / all-gather times by message size."""
     import time
     import warnings
-    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
+    from paratrain.distributed.env import init_process_group, world_from_env
+
     warnings.filterwarnings("ignore", category=FutureWarning)
     cuda = torch.cuda.is_available()
-    if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timedelta(seconds=120), device_id=device)
-        dtype = torch.bfloat16
-    else:
-        device, dtype = torch.device("cpu"), torch.float32
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    device = torch.device("cuda", world_from_env()[2]) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    init_process_group(device, timeout_s=120)
 
     def sync():
         if cuda:
@@ -324,14 +273,13 @@ def calibrate(name: str, nproc: int, profile_dir: str | Path | None = None, seco
     gemm = [(f, rate) for f, rate in r["gemm"]]
     if cuda:
         memory = int(r["memory_bytes"])
-        from paratrain.flops import gpu_peak_flops
+        from paratrain.observe.flops import gpu_peak_flops
 
         peak = gpu_peak_flops(r["device_name"]) or max(rate for _, rate in gemm)
     else:
-        try:
-            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // nproc
-        except (ValueError, OSError):
-            memory = 8 * 2**30
+        import psutil
+
+        memory = psutil.virtual_memory().total // nproc
         peak = max(rate for _, rate in gemm)
     cores = os.cpu_count() or 1
     # On a CPU, gloo's collectives run on threads that compete with the compute of nproc ranks: with no spare core

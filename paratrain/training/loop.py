@@ -28,9 +28,9 @@ from paratrain.distributed.pipeline import build_pipeline
 from paratrain.distributed.tensors import local_tensor
 from paratrain.errors import UserError
 from paratrain.faults import ATTEMPT_ENV, FaultInjector
-from paratrain.flops import peak_flops
+from paratrain.observe.flops import peak_flops
 from paratrain.generate import sample
-from paratrain.metrics import MetricsLog, build_sinks
+from paratrain.observe.metrics import MetricsLog, build_sinks
 from paratrain.models import Transformer, count_active_params, count_params, flops_per_token
 from paratrain.spec import RunSpec
 from paratrain.training.checkpoint import Checkpointer, Progress, export_safetensors, full_weights

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.sysmetrics import PhaseTimer, gather_rank_stats
+from paratrain.observe.sysmetrics import PhaseTimer, gather_rank_stats
 
 
 class StepRecorder:

@@ -1,4 +1,8 @@
-"""Peak throughput by device name, for MFU. Dense (no sparsity) bf16 tensor-core figures from vendor datasheets."""
+"""Peak throughput by device name, for MFU. Dense (no sparsity) bf16 tensor-core figures from vendor datasheets.
+
+Owns the one table of device peaks (`GPU_PEAK_BF16`) and `peak_flops`, the denominator of the trainer's MFU; the
+planner's GPU profiles read the same table. Without a datasheet entry (a CPU) the peak is a short matmul measurement.
+"""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from paratrain.errors import UserError
-from paratrain.metrics import imbalance
+from paratrain.observe.metrics import imbalance
 
 MIB = 2**20
 

@@ -1,7 +1,8 @@
 """Per-rank system numbers (memory) and the one collective that brings them to every rank; the step-time split.
 
 What is measured, and how:
-- CPU: the process's resident set size (`rss_bytes`, /proc/self/statm) and its peak (`rss_peak_bytes`, getrusage).
+- CPU: the process's resident set size (`rss_bytes`, psutil) and its peak (`rss_peak_bytes`, getrusage: psutil has no
+  portable peak).
 - CUDA: `torch.cuda.memory_stats` of the rank's device: allocated, reserved and peak allocated bytes, the caching
   allocator's retries (a cudaMalloc failed, the cache was flushed and the allocation retried: a sign of memory
   pressure and fragmentation) and its OOM count.
@@ -18,10 +19,9 @@ import resource
 import socket
 import time
 
+import psutil
 import torch
 import torch.distributed as dist
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def node_index(rank: int | None = None) -> int:
@@ -33,14 +33,12 @@ def node_index(rank: int | None = None) -> int:
 
 
 def rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, IndexError, ValueError):
-        return rss_peak_bytes()
+    """This process's resident set size now, in bytes."""
+    return psutil.Process().memory_info().rss
 
 
 def rss_peak_bytes() -> int:
+    """This process's peak resident set size so far, in bytes."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if os.uname().sysname == "Darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 

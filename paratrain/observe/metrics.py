@@ -53,7 +53,7 @@ def check_metrics_config(m) -> None:
 
 def build_sinks(cfg, env) -> list:
     """The sinks this rank feeds: Prometheus on local rank 0 (or every rank, per_rank), TensorBoard on rank 0."""
-    from paratrain.sysmetrics import node_index
+    from paratrain.observe.sysmetrics import node_index
 
     m, sinks = cfg.metrics, []
     check_metrics_config(m)
@@ -169,10 +169,7 @@ class PrometheusSink:
 
     def __init__(self, host: str, port: int, run: str, rank: int = 0, node: int = 0, world_size: int = 1,
                  per_rank: bool = False, linger_s: float = 0.0):
-        from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
-        from socketserver import ThreadingMixIn
-
-        from prometheus_client import CollectorRegistry, make_wsgi_app
+        from prometheus_client import CollectorRegistry, start_http_server
 
         self.run, self.rank, self.node, self.world_size, self.per_rank = run, rank, node, world_size, per_rank
         self.linger_s = linger_s
@@ -185,43 +182,16 @@ class PrometheusSink:
         self._last_step_time: float | None = None
         self._closing = threading.Event()
         self._final_scraped = threading.Event()
+        self._final_scrape_thread: threading.Thread | None = None
 
         self.registry = CollectorRegistry()
         self.registry.register(self)
-        app = make_wsgi_app(self.registry)
-        sink = self
-
-        class _Body(list):
-            def __init__(self, parts, final):
-                super().__init__(parts)
-                self.final = final
-
-            def close(self):  # wsgiref calls this once the response has been written
-                if self.final:
-                    sink._final_scraped.set()
-
-        def counted_app(environ, start_response):
-            final = sink._closing.is_set()  # values are final once close() began: nothing writes after that
-            return _Body(app(environ, start_response), final)
-
-        class _Server(ThreadingMixIn, WSGIServer):
-            daemon_threads = True
-
-        class _Quiet(WSGIRequestHandler):
-            timeout = 10
-
-            def log_message(self, *args):
-                pass
-
         try:
-            self.server = make_server(host, port, counted_app, _Server, handler_class=_Quiet)
+            self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as e:
             raise UserError(f"metrics.prometheus_port: cannot serve metrics on {host}:{port} "
                             f"({e.strerror or e}); choose another port") from None
         self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1},
-                                       name=f"paratrain-prometheus-{port}", daemon=True)
-        self.thread.start()
         scope = "rank" if per_rank else "node"
         self.description = (f"prometheus: http://{host}:{self.port}/metrics ({scope} endpoint, served by rank {rank}"
                             + ("; other ranks on port + local rank)" if per_rank else ")"))
@@ -246,11 +216,13 @@ class PrometheusSink:
 
     # -- the collector protocol ------------------------------------------------------------------
     def collect(self):
+        """Called by the registry on each scrape, in the server thread that answers it."""
         from prometheus_client.core import GaugeMetricFamily
 
         with self._lock:
             scalars, phases, memory = dict(self._scalars), dict(self._phases), list(self._memory)
             experts, last = list(self._experts), self._last_step_time
+        final = self._closing.is_set()  # values are final once close() began: nothing writes after that
         run = [self.run]
         info = GaugeMetricFamily("paratrain_run_info", "Which run this endpoint belongs to and what it covers.",
                                  labels=["run", "world_size", "scope", "exporter_rank", "node", "host"])
@@ -289,11 +261,14 @@ class PrometheusSink:
             yield _gauge("paratrain_moe_layer_imbalance", "Per MoE layer: busiest expert's tokens over the mean.",
                          ["run", "moe_layer"], [(run + [str(i)], v) for i, v in enumerate(map(imbalance, experts))
                                                 if v is not None])
+        if final:
+            self._final_scrape_thread = threading.current_thread()
+            self._final_scraped.set()
 
     def close(self) -> None:
         self._closing.set()
-        if self.linger_s > 0:
-            self._final_scraped.wait(self.linger_s)
+        if self.linger_s > 0 and self._final_scraped.wait(self.linger_s):
+            self._final_scrape_thread.join(timeout=5)  # the handler ends once that response is written
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=5)

@@ -318,19 +318,14 @@ def _allreduce_worker(backend: str, nbytes: int, iters: int) -> dict:
 
 
 def _allreduce(backend: str, nbytes: int, iters: int) -> dict:
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timedelta(seconds=60), device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    from paratrain.distributed.env import init_process_group, world_from_env
+
+    rank, world, local_rank = world_from_env()
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    init_process_group(device, timeout_s=60)
     try:
         x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         dist.all_reduce(x)  # warm-up (and correctness: every element must equal the world size)

@@ -1,0 +1,254 @@
+"""Architecture rules, checked on the source: the import graph of `paratrain` has no cycle, no module reaches into
+another module's private names, the data-parallel mode is switched on in one module only, and that module is light.
+
+The graph is read with `ast`, not by importing: an edge A -> B for every `import` / `from ... import` in A (at
+module level or inside a function: a lazy import still ties the two together), and for every string literal in A
+that is exactly the name of a paratrain module (`importlib.import_module("paratrain.x")`, tables of such names
+like cli.py's LAZY_COMMANDS, `__import__("paratrain.x")`). Importing `paratrain.a.b` counts as an edge to
+`paratrain.a.b` only, not to the packages above it (Python has those half-initialised already, so they do not
+make a cycle).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "paratrain"
+# Where rule (b) looks for importers: the package, the tests and the benchmarks. cli.py is the exception.
+IMPORTERS = (PACKAGE, ROOT / "tests", ROOT / "bench")
+PRIVATE_IMPORTS_ALLOWED_IN = {PACKAGE / "cli.py"}
+
+
+def module_name(path: Path) -> str:
+    """paratrain/a/b.py -> paratrain.a.b; paratrain/a/__init__.py -> paratrain.a; tests/x.py -> tests.x."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def python_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+MODULES: dict[str, Path] = {module_name(p): p for p in python_files(PACKAGE)}
+
+
+def parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def is_package(name: str) -> bool:
+    return name in MODULES and MODULES[name].name == "__init__.py"
+
+
+def absolute_from(importer: str, node: ast.ImportFrom) -> str:
+    """The absolute module a `from X import ...` names, resolving relative imports against the importer."""
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".")
+    if not is_package(importer):
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+@dataclass(frozen=True)
+class Edge:
+    source: str
+    target: str
+    line: int
+    how: str  # the import statement or string, for the failure message
+
+    def __str__(self) -> str:
+        return f"{self.source} -> {self.target}  ({MODULES[self.source].relative_to(ROOT)}:{self.line}: {self.how})"
+
+
+def imported_modules(importer: str, tree: ast.Module):
+    """(target module, line, how) for every paratrain module `importer` loads, by statement or by name string."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in MODULES:
+                    yield alias.name, node.lineno, f"import {alias.name}"
+        elif isinstance(node, ast.ImportFrom):
+            module = absolute_from(importer, node)
+            for alias in node.names:
+                sub = f"{module}.{alias.name}"
+                if sub in MODULES:  # `from paratrain.x import y` where y is a submodule
+                    yield sub, node.lineno, f"from {module} import {alias.name}"
+                elif module in MODULES:
+                    yield module, node.lineno, f"from {module} import {alias.name}"
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in MODULES:
+            yield node.value, node.lineno, repr(node.value)
+
+
+def import_graph() -> dict[str, list[Edge]]:
+    graph: dict[str, list[Edge]] = {name: [] for name in MODULES}
+    for name, path in MODULES.items():
+        seen = set()
+        for target, line, how in imported_modules(name, parse(path)):
+            if target != name and target not in seen:
+                seen.add(target)
+                graph[name].append(Edge(name, target, line, how))
+    return graph
+
+
+def cycles(graph: dict[str, list[Edge]]) -> list[tuple[set[str], list[Edge]]]:
+    """For each strongly connected component of more than one module (Tarjan): its modules and one shortest cycle
+    through it, as edges."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:  # recursive: the package has ~60 modules
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for e in graph[v]:
+            if e.target not in index:
+                visit(e.target)
+                low[v] = min(low[v], low[e.target])
+            elif e.target in on_stack:
+                low[v] = min(low[v], index[e.target])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    found = []
+    for component in components:
+        start = min(component)
+        # breadth-first inside the component: the shortest way from `start` back to itself
+        paths, queue = {start: []}, [start]
+        while queue:
+            v = queue.pop(0)
+            for e in graph[v]:
+                if e.target not in component:
+                    continue
+                if e.target == start:
+                    found.append((component, paths[v] + [e]))
+                    queue = []
+                    break
+                if e.target not in paths:
+                    paths[e.target] = paths[v] + [e]
+                    queue.append(e.target)
+    return found
+
+
+def test_import_graph_has_no_cycle():
+    found = cycles(import_graph())
+    text = "\n\n".join(f"modules that import each other: {', '.join(sorted(component))}; a cycle:\n"
+                       + " ->\n".join(f"  {e}" for e in cycle) for component, cycle in found)
+    assert not found, f"{len(found)} import cycle(s) in paratrain:\n{text}"
+
+
+def test_cycle_finder_sees_function_level_and_string_edges():
+    """The detector itself: a lazy import inside a function and a module name in a string table both count."""
+    tree_a = ast.parse("def f():\n    from paratrain.errors import UserError\n")
+    tree_b = ast.parse("TABLE = {'x': ('paratrain.cli', 'main')}\n")
+    assert [t for t, *_ in imported_modules("paratrain.config", tree_a)] == ["paratrain.errors"]
+    assert [t for t, *_ in imported_modules("paratrain.errors", tree_b)] == ["paratrain.cli"]
+    graph = {"paratrain.config": [Edge("paratrain.config", "paratrain.errors", 2, "lazy")],
+             "paratrain.errors": [Edge("paratrain.errors", "paratrain.config", 1, "string")]}
+    assert [[e.target for e in c] for _, c in cycles(graph)] == [["paratrain.errors", "paratrain.config"]]
+
+
+# -- private names -----------------------------------------------------------------------------------------------
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_uses(path: Path) -> list[str]:
+    """`from paratrain.x import _y` and `paratrain.x._y` (through an imported module) in one file."""
+    return find_private_uses(module_name(path), parse(path), path.relative_to(ROOT))
+
+
+def find_private_uses(importer: str, tree: ast.Module, where) -> list[str]:
+    found = []
+    bound: dict[str, str] = {}  # local name -> paratrain module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("paratrain"):
+                    if alias.asname:
+                        bound[alias.asname] = alias.name
+                    else:
+                        bound["paratrain"] = "paratrain"
+        elif isinstance(node, ast.ImportFrom):
+            module = absolute_from(importer, node)
+            if module != "paratrain" and not module.startswith("paratrain."):
+                continue
+            for alias in node.names:
+                sub = f"{module}.{alias.name}"
+                if sub in MODULES:
+                    bound[alias.asname or alias.name] = sub
+                elif is_private(alias.name) and module != importer:
+                    found.append(f"{where}:{node.lineno}: {importer} imports {module}.{alias.name}")
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain, base = [node.attr], node.value
+        while isinstance(base, ast.Attribute):
+            chain.insert(0, base.attr)
+            base = base.value
+        if not isinstance(base, ast.Name) or base.id not in bound:
+            continue
+        module, i = bound[base.id], 0
+        while i < len(chain) and f"{module}.{chain[i]}" in MODULES:  # paratrain.x.y: walk down to the module
+            module, i = f"{module}.{chain[i]}", i + 1
+        if i < len(chain) and is_private(chain[i]) and module != importer:
+            found.append(f"{where}:{node.lineno}: {importer} uses {module}.{chain[i]}")
+    return sorted(set(found))
+
+
+def test_no_private_names_from_other_modules():
+    found = [line for folder in IMPORTERS for path in python_files(folder)
+             if path not in PRIVATE_IMPORTS_ALLOWED_IN for line in private_uses(path)]
+    assert not found, "private names used across modules (make them public or move them):\n" + "\n".join(found)
+
+
+def test_private_finder_sees_imports_and_attributes():
+    source = ("from paratrain.cli import _rank_main, main\n"
+              "import paratrain.models.moe\n"
+              "from paratrain.models import moe as m\n"
+              "def f(monkeypatch):\n"
+              "    monkeypatch.setattr(paratrain.models.moe, 'x', paratrain.models.moe._use_grouped_mm)\n"
+              "    return m._use_grouped_mm, m.MoE, m.__name__\n")
+    found = find_private_uses("tests.x", ast.parse(source), "tests/x.py")
+    assert found == ["tests/x.py:1: tests.x imports paratrain.cli._rank_main",
+                     "tests/x.py:5: tests.x uses paratrain.models.moe._use_grouped_mm",
+                     "tests/x.py:6: tests.x uses paratrain.models.moe._use_grouped_mm"]
+
+
+# -- the data-parallel mode ------------------------------------------------------------------------------------------
+
+def test_dp_mode_is_switched_on_in_layout_only():
+    """Like `grep -rn "dp_mode ==" paratrain/`: only paratrain/layout.py decides by comparing the mode."""
+    hits = []
+    for path in sorted(PACKAGE.rglob("*")):
+        if not path.is_file() or "__pycache__" in path.parts:
+            continue
+        for number, line in enumerate(path.read_bytes().decode("utf-8", "replace").splitlines(), 1):
+            if "dp_mode ==" in line and path != PACKAGE / "layout.py":
+                hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not hits, "`dp_mode ==` outside paratrain/layout.py:\n" + "\n".join(hits)
+
+
+def test_layout_does_not_import_torch():
+    code = "import sys, paratrain.layout; assert 'torch' not in sys.modules, 'paratrain.layout imported torch'"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.stdout
