@@ -18,3 +18,8 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         raise UserError(f"{self.prog}: {message}")
+
+
+def one_line(msg) -> str:
+    """A message squeezed onto one line: messages from libraries (the Rust side of `tokenizers`) may span lines."""
+    return " ".join(str(msg).split())

@@ -108,11 +108,11 @@ def test_gradients_match_the_dense_computation():
 @pytest.mark.parametrize("grouped", [True, False])
 def test_grouped_mm_equals_per_expert_matmuls(monkeypatch, grouped):
     if not grouped:
-        monkeypatch.setattr(moe_lib, "_use_grouped_mm", lambda x, w: False)  # the segment-loop fallback
+        monkeypatch.setattr(moe_lib, "use_grouped_mm", lambda x, w: False)  # the segment-loop fallback
     counts = torch.tensor([3, 0, 5, 1, 0])  # empty experts included
     x = torch.randn(int(counts.sum()), 8, requires_grad=True)
     w = torch.randn(5, 8, 4, requires_grad=True)
-    assert moe_lib._use_grouped_mm(x, w) == (grouped and hasattr(torch, "_grouped_mm"))
+    assert moe_lib.use_grouped_mm(x, w) == (grouped and hasattr(torch, "_grouped_mm"))
     y = grouped_mm(x, w, counts)
     y.sum().backward()  # an expanded (zero-stride) gradient
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
@@ -131,8 +131,8 @@ def test_grouped_mm_equals_per_expert_matmuls(monkeypatch, grouped):
 def test_grouped_gemm_needs_aligned_rows():
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch without _grouped_mm: the segment loop is used")
-    assert moe_lib._use_grouped_mm(torch.randn(4, 8), torch.randn(2, 8, 8))
-    assert not moe_lib._use_grouped_mm(torch.randn(4, 6), torch.randn(2, 6, 8))  # 24-byte rows: segment loop
+    assert moe_lib.use_grouped_mm(torch.randn(4, 8), torch.randn(2, 8, 8))
+    assert not moe_lib.use_grouped_mm(torch.randn(4, 6), torch.randn(2, 6, 8))  # 24-byte rows: segment loop
 
 
 # ---------------------------------------------------------------------------- capacity

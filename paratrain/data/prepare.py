@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from paratrain.errors import UserError
-from paratrain.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, _one_line
+from paratrain.errors import UserError, one_line
+from paratrain.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer
 
 DATASET_FILES = {"train.bin", "val.bin", "meta.json", "chars.json", "tokenizer.json"}
 CHUNK_CHARS = 1 << 20  # encode ~1M characters at a time so the token list never holds the corpus
@@ -79,7 +79,7 @@ def _jsonl_texts(path: Path, text: str) -> list:
         try:
             obj = json.loads(line)
         except ValueError as e:
-            raise UserError(f"{path} line {lineno}: not valid JSON ({_one_line(getattr(e, 'msg', e))})") from None
+            raise UserError(f"{path} line {lineno}: not valid JSON ({one_line(getattr(e, 'msg', e))})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise UserError(f'{path} line {lineno}: expected a JSON object with a string "text" field')
         docs.append(obj["text"])
@@ -244,7 +244,7 @@ def read_meta(data_dir) -> dict:
         meta = json.loads((data_dir / "meta.json").read_text())
         meta["tokenizer"], meta["vocab_size"], meta["dtype"]  # the keys everything else relies on
     except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{data_dir / 'meta.json'} is damaged ({_one_line(e)}); prepare the dataset again with --overwrite") from None
+        raise UserError(f"{data_dir / 'meta.json'} is damaged ({one_line(e)}); prepare the dataset again with --overwrite") from None
     return meta
 
 

@@ -12,14 +12,9 @@ from pathlib import Path
 
 import tokenizers as hf  # HuggingFace `tokenizers` (absolute import, not this module)
 
-from paratrain.errors import UserError
+from paratrain.errors import UserError, one_line
 
 KINDS = ("byte", "char", "bpe", "tokenizer.json")
-
-
-def _one_line(msg) -> str:
-    # Messages from libraries (the Rust side of `tokenizers`) may span lines; the CLI wants one.
-    return " ".join(str(msg).split())
 
 
 def _update_meta(directory: Path, **fields):
@@ -129,7 +124,7 @@ class HFTokenizer(Tokenizer):
             tok = hf.Tokenizer.from_file(str(path))
             return cls(tok, kind, source_file=path)
         except Exception as e:  # the Rust side raises plain Exception on bad JSON / unknown model
-            raise UserError(f"cannot read tokenizer file {path}: {_one_line(e)}") from None
+            raise UserError(f"cannot read tokenizer file {path}: {one_line(e)}") from None
 
     def encode(self, text):
         # No BOS/EOS: we build one flat token stream, not padded documents.
@@ -158,14 +153,14 @@ def load_tokenizer(directory) -> Tokenizer:
     try:
         kind = json.loads(meta_path.read_text())["tokenizer"]
     except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{meta_path} is not a valid dataset meta file ({_one_line(e)})") from None
+        raise UserError(f"{meta_path} is not a valid dataset meta file ({one_line(e)})") from None
     if kind == "byte":
         return ByteTokenizer()
     if kind == "char":
         try:
             chars = json.loads((directory / "chars.json").read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
-            raise UserError(f"cannot read {directory / 'chars.json'}: {_one_line(e)}") from None
+            raise UserError(f"cannot read {directory / 'chars.json'}: {one_line(e)}") from None
         return CharTokenizer(chars)
     if kind in ("bpe", "tokenizer.json"):
         tok = HFTokenizer.from_file(directory / "tokenizer.json", kind=kind)

@@ -51,7 +51,7 @@ class _GroupedMM(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+def use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     if not _HAS_GROUPED_MM or x.dtype != w.dtype:
         return False
     # Rows (and the transposed operands of the backward) must be 16-byte aligned.
@@ -78,7 +78,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
         # No tokens here this step: still a graph to the expert weights (a zero gradient), so every rank
         # reduces the same set of gradients.
         return x @ w[0]
-    if _use_grouped_mm(x, w):
+    if use_grouped_mm(x, w):
         offs = counts.cumsum(0).to(torch.int32)
         return _GroupedMM.apply(x.contiguous(), w, offs)
     return torch.cat([seg @ w[e] for e, seg in enumerate(x.split(counts.tolist())) if seg.shape[0]])
