@@ -97,7 +97,7 @@ def act_dims(args, layout: Layout, precision: str, accounting: str, micro_batch:
     else:
         regime = "autocast"
     t = layout.tp
-    D = args.dim // args.n_heads
+    D = args.head_dim
     lp = t > 1 and layout.loss_parallel and layout.pp == 1  # pipelines compute whole logits on the last stage
     return ActDims(micro_batch, seq_len, args.dim, args.n_heads // t, args.n_kv_heads // t, D, args.ffn_hidden // t,
                    args.vocab_size // t if lp else args.vocab_size, t, layout.sp, regime,
