@@ -78,24 +78,39 @@ def prepare_data(cfg: Config) -> dict:
     tokenizer, path = cfg.data.tokenizer, None
     if tokenizer.endswith(".json"):
         tokenizer, path = "tokenizer.json", tokenizer
-    return ensure_prepared(data_source(cfg), cfg.data.dir, tokenizer=tokenizer, vocab_size=cfg.data.vocab_size,
+    if cfg.model.init_from:  # an imported Hugging Face model reads the ids of its own tokenizer
+        from paratrain import hf
+
+        tokenizer, path = "tokenizer.json", hf.dataset_tokenizer(cfg)
+    meta = ensure_prepared(data_source(cfg), cfg.data.dir, tokenizer=tokenizer, vocab_size=cfg.data.vocab_size,
                            tokenizer_path=path, val_fraction=cfg.data.val_fraction)
+    if cfg.model.init_from:
+        hf.check_dataset(cfg, cfg.data.dir)
+    return meta
 
 
 def model_args_for(cfg: Config, data_vocab: int) -> ModelArgs:
     m = cfg.model
-    padded = math.ceil(data_vocab / VOCAB_PAD) * VOCAB_PAD
-    overrides = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
-                                             "rope_theta", "tie_embeddings")}
-    overrides.update({k: v for k, v in vars(m).items() if k.startswith("moe_")})  # mixture-of-experts settings
-    if m.vocab_size is not None:
-        padded = m.vocab_size
-    args = preset_args(m.preset, vocab_size=padded, **overrides)
-    if args.vocab_size < data_vocab:
-        raise ConfigError(f"model vocab size {args.vocab_size} is smaller than the dataset's {data_vocab}")
-    if args.dim % args.n_heads or args.n_heads % args.n_kv_heads:
+    if m.init_from:  # a Hugging Face model: architecture and exact vocabulary from its config.json
+        from paratrain import hf
+
+        args = hf.model_args(cfg)
+    else:
+        padded = math.ceil(data_vocab / VOCAB_PAD) * VOCAB_PAD
+        # every model key but the preset's name and the vocabulary (dimensions, rope, norm, moe_* settings)
+        overrides = {k: v for k, v in vars(m).items() if k not in ("preset", "vocab_size", "init_from")}
+        if m.vocab_size is not None:
+            padded = m.vocab_size
+        args = preset_args(m.preset, vocab_size=padded, **overrides)
+        if args.vocab_size < data_vocab:
+            raise ConfigError(f"model vocab size {args.vocab_size} is smaller than the dataset's {data_vocab}")
+    if cfg.checkpoint.export_hf:  # the export at the end must be possible: checked before training
+        from paratrain.hf import check_run
+
+        check_run(cfg, args)
+    if (m.head_dim is None and not m.init_from and args.dim % args.n_heads) or args.n_heads % args.n_kv_heads:
         raise ConfigError(f"model.dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={args.n_kv_heads}: "
-                          "dim must divide by n_heads and n_heads by n_kv_heads")
+                          "dim must divide by n_heads (or set model.head_dim) and n_heads by n_kv_heads")
     if cfg.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len={cfg.training.seq_len} is longer than the model's max_seq_len="
                           f"{args.max_seq_len}")
@@ -395,6 +410,11 @@ class Trainer:
             resume = "auto"  # a relaunch after a crash continues from the newest checkpoint
         path = resolve_resume(resume, self.cfg.run_dir / "checkpoints", warn=self.warn)
         if path is None:
+            if self.cfg.model.init_from:  # a Hugging Face model's weights onto this layout; the optimizer is fresh
+                from paratrain import hf
+
+                folder = hf.load_initial_weights(unwrap(self.model), self.cfg, self.plan.model_args)
+                self.notice(f"initialised from Hugging Face folder {folder}")
             return
         self.start_step = self._restore(path)
         self.notice(f"resumed from {path} at step {self.start_step}")
@@ -441,7 +461,8 @@ class Trainer:
         self.maybe_resume()
         n_params, n_active = count_params(p.model_args), count_active_params(p.model_args)
         active = f" ({n_active:,} active per token)" if n_active != n_params else ""  # mixture of experts
-        log.message(f"model {cfg.model.preset}: {n_params:,} parameters{active} | layout {p.dims.describe()} | "
+        name = cfg.model.init_from or cfg.model.preset
+        log.message(f"model {name}: {n_params:,} parameters{active} | layout {p.dims.describe()} | "
                     f"global batch {p.global_batch} x {cfg.training.seq_len} tokens "
                     f"(micro {self.micro_batch} x accum {self.accum_steps} x dp {p.dims.dp}; {p.batch_fixed}) | "
                     f"{cfg.training.precision} on {env.device.type} | peak {self.peak / 1e12:.2f} TFLOP/s per device "
@@ -557,6 +578,11 @@ class Trainer:
             out = export_safetensors(self.model, cfg.run_dir / "model.safetensors", env.is_main)
             if out:
                 log.message(f"consolidated weights: {out}")
+        if cfg.checkpoint.export_hf:  # the final checkpoint as a Hugging Face folder, RUN_DIR/hf
+            from paratrain import hf
+
+            self.writer.finish()
+            log.message(f"Hugging Face model: {hf.export_final(cfg, env.rank, env.world_size)}")
         if self.pipeline is not None and self.pipeline.bubble_history:
             history = self.pipeline.bubble_history[1:] or self.pipeline.bubble_history  # the first step warms up
             idle = [sum(h[s] for h in history) / len(history) for s in range(p.dims.pp)]
