@@ -7,7 +7,7 @@ import sys
 
 from paratrain.errors import UserError
 
-COMMANDS = ("train", "prepare", "generate", "verify", "estimate", "plan", "report", "doctor")
+COMMANDS = ("train", "prepare", "generate", "verify", "estimate", "plan", "report", "doctor", "export")
 
 
 def split_overrides(argv: list[str], flags_with_value: set[str]) -> tuple[dict, list[str]]:
@@ -86,6 +86,7 @@ LAZY_COMMANDS = {
     "plan": ("paratrain.planner", "main_plan"),
     "report": ("paratrain.observe.report", "main_report"),
     "doctor": ("paratrain.observe.doctor", "main_doctor"),
+    "export": ("paratrain.hf", "main_export"),
 }
 
 
@@ -110,6 +111,7 @@ commands:
   plan       rank parallel layouts by predicted speed: paratrain plan --model llama3-8b --gpus 8 --gpu H100
   report     plots and a summary of finished runs: paratrain report RUN_DIR [RUN_DIR ...]
   doctor     check the environment (torch, CUDA, NCCL, interconnect, disk, a collective test)
+  export     a checkpoint as a Hugging Face model: paratrain export RUN_DIR --format hf --out DIR [--dtype bf16]
 """
 
 

@@ -40,6 +40,16 @@ class ModelConfig:
     max_seq_len: int | None = None
     rope_theta: float | None = None
     tie_embeddings: bool | None = None
+    head_dim: int | None = None  # default dim // n_heads
+    norm_eps: float | None = None  # RMSNorm epsilon (default 1e-5)
+    rope_scaling: Literal["none", "llama3"] | None = None  # (Llama 3.1/3.2 long-context scaling, with the four keys below)
+    rope_scaling_factor: float | None = None
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_max_seq_len: int | None = None
+    # "hf:PATH": start from a Hugging Face model folder (config.json + safetensors; architecture, weights and
+    # tokenizer come from it, the preset and dimension keys are ignored) with a fresh optimizer at step 0.
+    init_from: str = ""
     # Mixture of experts (override the preset's; moe_experts > 0 turns a dense preset into an MoE)
     moe_experts: int | None = None  # routed experts per MoE layer (0: dense)
     moe_top_k: int | None = None  # experts per token
@@ -125,6 +135,8 @@ class CheckpointConfig:
     save_final: bool = True
     async_save: bool = False  # write in the background; committed at a later step boundary
     export_safetensors: bool = False  # also write consolidated weights to RUN_DIR/model.safetensors at the end
+    export_hf: bool = False  # at the end, also export the final checkpoint as a Hugging Face folder RUN_DIR/hf
+    export_hf_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
 
 
 @dataclass
@@ -324,6 +336,10 @@ def validate(cfg: Config) -> None:
     _require(cfg.activation_checkpoint.every_k >= 1, "activation_checkpoint.every_k must be >= 1")
     _require(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 saves only at the end)")
     _require(cfg.checkpoint.keep >= 2, "checkpoint.keep must be >= 2 so a bad save never leaves no checkpoint")
+    _require(not cfg.checkpoint.export_hf or cfg.checkpoint.save_final,
+             "checkpoint.export_hf exports the final checkpoint: it needs checkpoint.save_final=true")
+    _require(not cfg.model.init_from or cfg.model.init_from.startswith("hf:"),
+             f"model.init_from must be hf:PATH (a Hugging Face model folder), got '{cfg.model.init_from}'")
     r = cfg.resilience
     _require(r.max_restarts >= 0, "resilience.max_restarts must be >= 0")
     _require(r.collective_timeout_s > 0, "resilience.collective_timeout_s must be positive")

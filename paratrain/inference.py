@@ -30,6 +30,13 @@ def load_for_generation(path: str | Path, device: torch.device | None = None):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    from paratrain.hf.arch import is_hf_folder
+
+    if is_hf_folder(Path(path)) and checkpoint_problem(Path(path)) is not None:  # a Hugging Face model folder
+        from paratrain.hf.load import load_hf_model
+
+        model, args, tokenizer = load_hf_model(path, device or "cpu")
+        return model, tokenizer, args, args.max_seq_len
     ckpt = find_checkpoint(path)
     state = load_trainer_state(ckpt)
     if "model_args" not in state:

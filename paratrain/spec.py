@@ -19,8 +19,6 @@ from paratrain.models.args import ModelArgs
 from paratrain.models.presets import preset_args, preset_fields
 
 VOCAB_PAD = 64  # pad small vocabularies so embedding/output split evenly over tensor-parallel ranks
-MODEL_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len", "rope_theta",
-                   "tie_embeddings")
 
 
 @dataclass(frozen=True)
@@ -41,26 +39,36 @@ class RunSpec:
 
 
 def model_args_from(cfg, data_vocab: int | None = None) -> ModelArgs:
-    """The model's dimensions from a config (`config.Config`): the preset, then the `[model]` overrides.
+    """The model's dimensions from a config (`config.Config`): an imported Hugging Face model's config.json, or the
+    preset, then the `[model]` overrides.
 
     The vocabulary is `model.vocab_size` when set, else the preset's, else the data's (`data_vocab`, the
     tokenizer's size) padded to a multiple of VOCAB_PAD. data_vocab=None (no data prepared): a preset that takes its
     vocabulary from the data then needs `model.vocab_size`, or it is a ConfigError. The sequence length is checked
     against max_seq_len with the batch, by `Layout.validate`."""
     m = cfg.model
-    overrides = {k: getattr(m, k) for k in MODEL_OVERRIDES}
-    overrides.update({k: v for k, v in vars(m).items() if k.startswith("moe_")})  # mixture-of-experts settings
-    vocab = m.vocab_size
-    if vocab is None and data_vocab is not None:
-        vocab = math.ceil(data_vocab / VOCAB_PAD) * VOCAB_PAD
-    if vocab is None and preset_fields(m.preset)["vocab_size"] is None:
-        raise ConfigError(f"model preset '{m.preset}' takes its vocab size from the dataset: set model.vocab_size")
-    args = preset_args(m.preset, vocab_size=vocab, **overrides)
-    if data_vocab is not None and args.vocab_size < data_vocab:
-        raise ConfigError(f"model vocab size {args.vocab_size} is smaller than the dataset's {data_vocab}")
-    if args.dim % args.n_heads or args.n_heads % args.n_kv_heads:
+    if m.init_from:  # a Hugging Face model: architecture and exact vocabulary from its config.json
+        from paratrain import hf
+
+        args = hf.model_args(cfg)
+    else:
+        # every model key but the preset's name and the vocabulary (dimensions, rope, norm, moe_* settings)
+        overrides = {k: v for k, v in vars(m).items() if k not in ("preset", "vocab_size", "init_from")}
+        vocab = m.vocab_size
+        if vocab is None and data_vocab is not None:
+            vocab = math.ceil(data_vocab / VOCAB_PAD) * VOCAB_PAD
+        if vocab is None and preset_fields(m.preset)["vocab_size"] is None:
+            raise ConfigError(f"model preset '{m.preset}' takes its vocab size from the dataset: set model.vocab_size")
+        args = preset_args(m.preset, vocab_size=vocab, **overrides)
+        if data_vocab is not None and args.vocab_size < data_vocab:
+            raise ConfigError(f"model vocab size {args.vocab_size} is smaller than the dataset's {data_vocab}")
+    if cfg.checkpoint.export_hf:  # the export at the end must be possible: checked before training
+        from paratrain.hf import check_run
+
+        check_run(cfg, args)
+    if (m.head_dim is None and not m.init_from and args.dim % args.n_heads) or args.n_heads % args.n_kv_heads:
         raise ConfigError(f"model.dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={args.n_kv_heads}: "
-                          "dim must divide by n_heads and n_heads by n_kv_heads")
+                          "dim must divide by n_heads (or set model.head_dim) and n_heads by n_kv_heads")
     return args
 
 
@@ -109,8 +117,15 @@ def prepare_data(cfg: Config) -> dict:
     tokenizer, path = cfg.data.tokenizer, None
     if tokenizer.endswith(".json"):
         tokenizer, path = "tokenizer.json", tokenizer
-    return ensure_prepared(data_source(cfg), cfg.data.dir, tokenizer=tokenizer, vocab_size=cfg.data.vocab_size,
+    if cfg.model.init_from:  # an imported Hugging Face model reads the ids of its own tokenizer
+        from paratrain import hf
+
+        tokenizer, path = "tokenizer.json", hf.dataset_tokenizer(cfg)
+    meta = ensure_prepared(data_source(cfg), cfg.data.dir, tokenizer=tokenizer, vocab_size=cfg.data.vocab_size,
                            tokenizer_path=path, val_fraction=cfg.data.val_fraction)
+    if cfg.model.init_from:
+        hf.check_dataset(cfg, cfg.data.dir)
+    return meta
 
 
 def resolve_run(cfg: Config, world_size: int) -> RunSpec:

@@ -63,8 +63,11 @@ def test_count_params_matches_meta_model(name):
 
 @pytest.mark.parametrize("name, expected", [
     ("llama3.2-1b", 1_235_814_400),
+    ("llama3.2-3b", 3_212_749_824),
     ("llama3-8b", 8_030_261_248),
+    ("llama3.1-8b", 8_030_261_248),
     ("llama3-70b", 70_553_706_496),
+    ("llama3.1-405b", 405_853_388_800),
 ])
 def test_published_llama_sizes(name, expected):
     assert count_params(preset_args(name)) == expected
@@ -201,15 +204,42 @@ def test_rope_preserves_norm_and_is_relative():
     assert r.shape == x.shape and r.dtype == x.dtype
     torch.testing.assert_close(r.norm(dim=-1), x.norm(dim=-1), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(r[:, 0], x[:, 0])  # position 0: no rotation
-    # Each pair (x[2i], x[2i+1]) is rotated on its own: the norm of every pair is preserved too.
-    torch.testing.assert_close(r.unflatten(-1, (-1, 2)).norm(dim=-1), x.unflatten(-1, (-1, 2)).norm(dim=-1),
-                               rtol=1e-5, atol=1e-6)
+    # Each pair (x[i], x[i + D/2]) is rotated on its own (split halves, as transformers' Llama): the norm of
+    # every pair is preserved too.
+    def pairs(t):
+        return t.unflatten(-1, (2, -1)).norm(dim=-2)
+
+    torch.testing.assert_close(pairs(r), pairs(x), rtol=1e-5, atol=1e-6)
     # <rope(q, m), rope(k, n)> depends on m - n only.
     q, k = torch.randn(D, generator=g), torch.randn(D, generator=g)
     qs = apply_rope(q.expand(1, T, 1, D), cos, sin)[0, :, 0]
     ks = apply_rope(k.expand(1, T, 1, D), cos, sin)[0, :, 0]
     torch.testing.assert_close(qs[7] @ ks[4], qs[12] @ ks[9], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(qs[3] @ ks[3], q @ k, rtol=1e-4, atol=1e-5)
+
+
+def test_llama3_rope_scaling_stretches_low_frequencies_only():
+    args = tiny_args(rope_theta=500000.0, rope_scaling="llama3", rope_scaling_factor=8.0,
+                     rope_original_max_seq_len=64)
+    D, T = args.head_dim, args.max_seq_len
+    plain_cos, _ = rope_tables(D, T, args.rope_theta)
+    cos, sin = rope_tables(D, T, args.rope_theta, args=args)
+    assert torch.equal(cos[:, 0], plain_cos[:, 0])  # the highest frequency is kept
+    plain_angle = torch.outer(torch.arange(T, dtype=torch.float32), torch.tensor([500000.0 ** (-(D - 2) / D)]))
+    torch.testing.assert_close(torch.atan2(sin[:, -1], cos[:, -1]), (plain_angle[:, 0] / 8.0))  # lowest / factor
+
+
+def test_explicit_head_dim_and_norm_eps():
+    args = tiny_args(head_dim=32, norm_eps=1e-6)
+    model = Transformer(args)
+    assert model.layers["0"].attention.wq.weight.shape == (4 * 32, args.dim)
+    assert model.layers["0"].attention.wo.weight.shape == (args.dim, 4 * 32)
+    assert model.norm.eps == 1e-6 and numel(model) == count_params(args)
+    assert model(tokens(1, 8)).shape == (1, 8, VOCAB)
+    with pytest.raises(UserError, match="head_dim=7 must be even"):
+        tiny_args(head_dim=7)
+    with pytest.raises(UserError, match="rope_scaling: 'yarn'"):
+        tiny_args(rope_scaling="yarn")
 
 
 def test_rope_bf16_keeps_dtype():

@@ -98,7 +98,7 @@ def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, m
     else:
         regime = "autocast"
     t = layout.tp
-    D = args.dim // args.n_heads
+    D = args.head_dim
     lp = layout.uses_loss_parallel  # pipelines compute whole logits on the last stage
     return ActDims(micro_batch, seq_len, args.dim, args.n_heads // t, args.n_kv_heads // t, D, args.ffn_hidden // t,
                    args.vocab_size // t if lp else args.vocab_size, t, layout.sp, regime,

@@ -44,7 +44,7 @@ class Param:
 
 def model_params(args: ModelArgs) -> list[Param]:
     """Every parameter in named_parameters() order (tied output weight listed once)."""
-    C, hd = args.dim, args.dim // args.n_heads
+    C, hd = args.dim, args.head_dim
     out = [Param("tok_embeddings.weight", (args.vocab_size, C), 0, None, "embedding")]
     for i in range(args.n_layers):
         p = f"layers.{i}."
@@ -167,7 +167,7 @@ def state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str,
     local_numel = sum(n for _, n in unsharded)
     per_opt = OPTIMIZER_STATE_BYTES[optimizer]
     low = precision != "fp32"
-    rope = 2 * args.max_seq_len * ((args.dim // args.n_heads) // 2) * FP32  # rope_cos, rope_sin buffers
+    rope = 2 * args.max_seq_len * (args.head_dim // 2) * FP32  # rope_cos, rope_sin buffers
     notes = []
     dp = layout.dp
     if accounting == "classic" and low:

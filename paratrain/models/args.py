@@ -20,6 +20,14 @@ class ModelArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    head_dim: int | None = None  # None: dim // n_heads (resolved on construction)
+    # Rotary scaling for long context: "none", or "llama3" (Llama 3.1/3.2: low frequencies divided by
+    # `rope_scaling_factor`, high ones kept, a smooth blend between; Hugging Face's rope_type "llama3").
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
     # Mixture of experts (0 experts = dense everywhere). The MoE block replaces the dense MLP in
     # every layer from `moe_first_dense_layers` on; `moe_ffn_hidden` is each expert's hidden size.
     moe_experts: int = 0
@@ -31,9 +39,11 @@ class ModelArgs:
     moe_aux_loss_coef: float = 0.01
     moe_capacity_factor: float = 0.0  # 0: no capacity limit (no token dropping)
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def __post_init__(self):
+        # Resolved once so that saved dimensions (trainer.pt) carry it; dataclasses.replace(dim=...) keeps the
+        # resolved value, pass head_dim=None with it to derive it again.
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
 
     @property
     def expert_hidden(self) -> int:

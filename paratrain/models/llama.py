@@ -32,20 +32,46 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, each (max_seq_len, head_dim // 2), in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                  original_max_seq_len: int) -> torch.Tensor:
+    """Llama 3.1's rotary frequency scaling (Meta's `apply_scaling`, Hugging Face's rope_type "llama3"):
+    wavelengths longer than original_max_seq_len / low_freq_factor are stretched by `factor`, shorter than
+    original_max_seq_len / high_freq_factor kept, and the band between interpolated smoothly."""
+    low_freq_wavelen = original_max_seq_len / low_freq_factor
+    high_freq_wavelen = original_max_seq_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_seq_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None,
+                args: ModelArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each (max_seq_len, head_dim // 2), in fp32; `args` supplies rotary scaling."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponent)
+    if args is not None and args.rope_scaling == "llama3":
+        inv_freq = llama3_scaled(inv_freq, args.rope_scaling_factor, args.rope_low_freq_factor,
+                                 args.rope_high_freq_factor, args.rope_original_max_seq_len)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x (B, T, H, D) by the position angle (Llama's interleaved layout)."""
-    xf = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
-    x0, x1 = xf[..., 0], xf[..., 1]
+    """Rotate pairs (x[i], x[i + D/2]) of x (B, T, H, D) by the position angle of frequency i.
+
+    The "split halves" layout of Hugging Face's Llama (`rotate_half`), so q/k projections map to and from
+    transformers by name, without permuting rows. (Meta's reference code rotates interleaved pairs
+    (x[2i], x[2i+1]); its checkpoints differ from these by a fixed permutation of the q and k rows.)
+    """
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, D/2)
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).type_as(x)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.type_as(x)
 
 
 class Attention(nn.Module):
@@ -118,7 +144,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Rotary tables are derived, not learned: non-persistent, rebuilt by reset_buffers().
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args=args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -131,7 +157,8 @@ class Transformer(nn.Module):
 
     def reset_buffers(self) -> None:
         """Recompute the rotary tables on the current device (after materialising from meta)."""
-        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=self.rope_cos.device)
+        a = self.args
+        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=self.rope_cos.device, args=a)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 

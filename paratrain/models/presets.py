@@ -9,6 +9,10 @@ from paratrain.errors import ConfigError, UserError
 from paratrain.models.args import SCORE_FUNCS, ModelArgs
 
 LLAMA3_VOCAB = 128256
+LLAMA31_ROPE = dict(norm_eps=1e-5, rope_scaling="llama3", rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+                    rope_high_freq_factor=4.0, rope_original_max_seq_len=8192)
+LLAMA32_ROPE = dict(LLAMA31_ROPE, rope_scaling_factor=32.0)
+ROPE_SCALINGS = ("none", "llama3")
 
 # vocab_size None means "take it from the prepared dataset" (small models trained on our corpora).
 PRESETS: dict[str, dict] = {
@@ -16,16 +20,25 @@ PRESETS: dict[str, dict] = {
     # nanoGPT's CPU recipe for tinyshakespeare (4 layers, 4 heads, width 128, context 64),
     # with a SwiGLU hidden size chosen to match its 4*C two-matrix MLP in parameters.
     "shakespeare-char": dict(vocab_size=None, dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden=352, max_seq_len=256),
+    # Meta's Llama 3 family (params.json / Hugging Face config.json). Llama 3 (8B, 70B): 8k context, no rotary
+    # scaling. Llama 3.1 (8B, 70B, 405B) and 3.2 (1B, 3B): 128k context through rope_type "llama3" scaling
+    # (factor 8 for 3.1, 32 for 3.2, from an original 8192), norm eps 1e-5, 3.2 with tied embeddings.
     "llama3.2-1b": dict(vocab_size=LLAMA3_VOCAB, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
-                        max_seq_len=131072, rope_theta=500000.0, tie_embeddings=True),
+                        max_seq_len=131072, rope_theta=500000.0, tie_embeddings=True, **LLAMA32_ROPE),
     "llama3.2-3b": dict(vocab_size=LLAMA3_VOCAB, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_hidden=8192,
-                        max_seq_len=131072, rope_theta=500000.0, tie_embeddings=True),
+                        max_seq_len=131072, rope_theta=500000.0, tie_embeddings=True, **LLAMA32_ROPE),
     "llama3-8b": dict(vocab_size=LLAMA3_VOCAB, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
                       max_seq_len=8192, rope_theta=500000.0),
     "llama3-70b": dict(vocab_size=LLAMA3_VOCAB, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
                        max_seq_len=8192, rope_theta=500000.0),
     "llama3-405b": dict(vocab_size=LLAMA3_VOCAB, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248,
                         max_seq_len=8192, rope_theta=500000.0),
+    "llama3.1-8b": dict(vocab_size=LLAMA3_VOCAB, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                        max_seq_len=131072, rope_theta=500000.0, **LLAMA31_ROPE),
+    "llama3.1-70b": dict(vocab_size=LLAMA3_VOCAB, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
+                         max_seq_len=131072, rope_theta=500000.0, **LLAMA31_ROPE),
+    "llama3.1-405b": dict(vocab_size=LLAMA3_VOCAB, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                          ffn_hidden=53248, max_seq_len=131072, rope_theta=500000.0, **LLAMA31_ROPE),
     # Mixture of experts. tiny-moe is for tests and `paratrain verify`: one dense layer, then 4 experts
     # (top-2) plus a shared expert.
     "tiny-moe": dict(vocab_size=None, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176, max_seq_len=256,
@@ -60,8 +73,25 @@ def preset_args(name: str, vocab_size: int | None = None, **overrides) -> ModelA
             raise UserError(f"preset '{name}' takes its vocab size from the dataset; none was given")
         fields["vocab_size"] = vocab_size
     args = ModelArgs(**fields)
+    validate_args(args)
     validate_moe(args)
     return args
+
+
+def validate_args(args: ModelArgs) -> None:
+    """One-line errors for impossible dense-model settings (named by their config keys)."""
+    if args.head_dim < 2 or args.head_dim % 2:
+        raise ConfigError(f"model.head_dim={args.head_dim} must be even and >= 2 (rotary embeddings rotate pairs)")
+    if args.norm_eps <= 0:
+        raise ConfigError(f"model.norm_eps must be positive, got {args.norm_eps}")
+    if args.rope_scaling not in ROPE_SCALINGS:
+        raise ConfigError(f"model.rope_scaling: '{args.rope_scaling}' is not one of {', '.join(ROPE_SCALINGS)}")
+    if args.rope_scaling == "llama3":
+        if args.rope_scaling_factor <= 0 or args.rope_original_max_seq_len < 1:
+            raise ConfigError("model.rope_scaling_factor and model.rope_original_max_seq_len must be positive")
+        if not 0 < args.rope_low_freq_factor < args.rope_high_freq_factor:
+            raise ConfigError(f"model.rope_low_freq_factor={args.rope_low_freq_factor} must be positive and below "
+                              f"model.rope_high_freq_factor={args.rope_high_freq_factor}")
 
 
 def validate_moe(args: ModelArgs) -> None:

@@ -153,17 +153,23 @@ class CheckpointWriter:
                 self.tokenizer.save(tmp)
             _fsync_dir(tmp)
             (tmp / MARKER).write_text(f"{step}\n")
-            if final.exists():  # the same step saved again (after a rollback): move the old one aside first
-                aside = self.root / f".step-{step}.old"
-                shutil.rmtree(aside, ignore_errors=True)
-                os.replace(final, aside)
-                os.replace(tmp, final)
-                shutil.rmtree(aside, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
+            replace_dir(tmp, final)  # the same step may be saved again (after a rollback)
             prune(self.root, self.keep)
         _barrier()
         return final
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Rename the folder tmp to final. An existing final is moved aside (.NAME.old) first and deleted only once
+    the new one is in place."""
+    if final.exists():
+        aside = final.parent / f".{final.name}.old"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -180,7 +186,9 @@ def checkpoint_problem(path: Path) -> str | None:
     if not path.is_dir():
         return "not a folder"
     if not (path / MARKER).exists():
-        return f"no {MARKER} marker (the save was interrupted)"
+        from paratrain.hf.arch import resume_hint
+
+        return resume_hint(path) or f"no {MARKER} marker (the save was interrupted)"
     if not (path / "trainer.pt").exists():
         return "missing trainer.pt"
     try:

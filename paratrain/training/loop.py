@@ -107,6 +107,11 @@ class Trainer:
         self.log = MetricsLog(cfg.run_dir / "metrics.jsonl", t.steps, 0, cfg.metrics.progress, enabled=env.is_main,
                               sinks=build_sinks(cfg, env))
         start = step = self.checkpointer.resume(restarted=self.restarts > 0)
+        if start == 0 and cfg.model.init_from:  # a Hugging Face model's weights onto this layout; a fresh optimizer
+            from paratrain import hf
+
+            folder = hf.load_initial_weights(unwrap(self.step.model), cfg, spec.model_args)
+            self.notice(f"initialised from Hugging Face folder {folder}")
         self._print_header()
         memory_rows = None
         self.step.model.train()
@@ -183,7 +188,7 @@ class Trainer:
         cfg, spec, t = self.cfg, self.spec, self.cfg.training
         n_params, n_active = count_params(spec.model_args), count_active_params(spec.model_args)
         active = f" ({n_active:,} active per token)" if n_active != n_params else ""  # mixture of experts
-        self.log.message(f"model {cfg.model.preset}: {n_params:,} parameters{active} | layout {spec.layout.describe()} | "
+        self.log.message(f"model {cfg.model.init_from or cfg.model.preset}: {n_params:,} parameters{active} | layout {spec.layout.describe()} | "
                          f"global batch {spec.global_batch} x {t.seq_len} tokens (micro {self.progress.micro_batch} x "
                          f"accum {self.progress.accum_steps} x dp {spec.layout.dp}; {spec.batch_fixed}) | "
                          f"{t.precision} on {self.env.device.type} | peak {self.peak / 1e12:.2f} TFLOP/s per device "
@@ -212,6 +217,11 @@ class Trainer:
             out = export_safetensors(self.step.model, cfg.run_dir / "model.safetensors", env.is_main)
             if out:
                 log.message(f"consolidated weights: {out}")
+        if cfg.checkpoint.export_hf:  # the final checkpoint as a Hugging Face folder, RUN_DIR/hf
+            from paratrain import hf
+
+            self.checkpointer.finish()
+            log.message(f"Hugging Face model: {hf.export_final(cfg, env.rank, env.world_size)}")
         bubble = self.recorder.bubble_summary()
         if bubble:
             log.message(bubble)

@@ -1,0 +1,309 @@
+"""Export: a paratrain checkpoint (DCP, any layout) -> a Hugging Face model folder.
+
+    paratrain export RUN_DIR|step-N --format hf --out DIR [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]
+
+One process and no process group, whatever layout saved the checkpoint (fsdp, tp, pp, ep): DCP reads one whole
+parameter at a time from the checkpoint's shard files; it is renamed (experts unstacked and transposed for
+Mixtral), trimmed to the tokenizer's vocabulary, cast, and kept until its output file is written. Peak memory
+follows --max-shard-size, not the model: one output file's tensors, the bytes safetensors serialises them into,
+and one parameter in the checkpoint's dtype (a 393 MiB model: +102 MiB with 50MB files, +285 MiB as one bf16 file).
+Written into a hidden folder beside --out and renamed into place at the end, so a failure writes nothing.
+With `checkpoint.export_hf = true` the trainer does the same at the end of training, the ranks writing
+different output shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from paratrain.training.checkpoint import replace_dir
+from paratrain.errors import UserError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from paratrain.hf.arch import hf_config_from_args
+from paratrain.hf.files import INDEX, SINGLE
+from paratrain.hf.names import VOCAB_PARAMS, Piece, param_shapes, pieces
+from paratrain.hf.tokenizer import special_tokens, write_tokenizer
+from paratrain.models.llama import ModelArgs
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SOURCE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'5GB' (10^9, as transformers counts), '2GiB', '500MB', or bytes."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise UserError(f"--max-shard-size: cannot read '{text}' (e.g. 5GB, 500MB, 2GiB)")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    size = int(float(m.group(1)) * scale)
+    if size < 1:
+        raise UserError("--max-shard-size must be positive")
+    return size
+
+
+@dataclass
+class ExportPlan:
+    ckpt: Path
+    args: ModelArgs
+    dtype: str
+    vocab: int  # vocabulary rows written (the tokenizer's, or the imported model's)
+    shards: list[list[Piece]]
+    config: dict
+    tokenizer: object
+    source: Path | None  # the Hugging Face folder the run started from, if it is there with the same tokenizer
+    saved_dtypes: dict  # parameter name -> dtype in the checkpoint
+
+    @property
+    def files(self) -> list[str]:
+        n = len(self.shards)
+        return [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def _run_config(state: dict) -> dict:
+    try:
+        return tomllib.loads(state.get("config_toml", ""))
+    except tomllib.TOMLDecodeError:
+        return {}
+
+
+def _source_tokenizer_matches(source: Path, tokenizer) -> bool:
+    """The imported folder's tokenizer is the one the run trained with (then its files are copied as they are)."""
+    import tokenizers as hf
+
+    if not hasattr(tokenizer, "tok") or not (source / "tokenizer.json").is_file():
+        return False
+    try:
+        return hf.Tokenizer.from_file(str(source / "tokenizer.json")).to_str() == tokenizer.tok.to_str()
+    except Exception:  # noqa: BLE001 - an unreadable file is simply not the same tokenizer
+        return False
+
+
+def plan_export(ckpt: Path, dtype: str = "bf16", max_shard_bytes: int = 5 * 10**9) -> ExportPlan:
+    """Everything checked and decided before a byte is written."""
+    import torch.distributed.checkpoint as dcp
+
+    from paratrain.training.checkpoint import load_trainer_state
+    from paratrain.data import load_tokenizer
+
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    state = load_trainer_state(ckpt)
+    if "model_args" not in state:
+        raise UserError(f"{ckpt}: trainer.pt has no model dimensions")
+    args = ModelArgs(**state["model_args"])
+    run_cfg = _run_config(state)
+    model_cfg = run_cfg.get("model", {})
+    init_from = model_cfg.get("init_from") or ""
+    source = Path(init_from[3:]) if init_from.startswith("hf:") else None
+    tokenizer = load_tokenizer(ckpt)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise UserError(f"{ckpt}: the tokenizer has {tokenizer.vocab_size} ids but the model only {args.vocab_size}")
+    # paratrain pads a vocabulary it chose (to a multiple of 64, for tensor parallelism): those rows are never
+    # trained targets, so they are cut and generation cannot emit an id the tokenizer lacks. An imported
+    # model keeps the vocabulary it came with.
+    vocab = args.vocab_size if source is not None else tokenizer.vocab_size
+    specials = special_tokens(tokenizer)
+    bos = specials.get("bos", (None,))[0]
+    eos = specials.get("eos", (None,))[0]
+    source_cfg = {}
+    if source is not None and (source / "config.json").is_file() and _source_tokenizer_matches(source, tokenizer):
+        try:
+            source_cfg = json.loads((source / "config.json").read_text())
+        except ValueError:
+            source_cfg = {}
+        bos, eos = source_cfg.get("bos_token_id", bos), source_cfg.get("eos_token_id", eos)
+    else:
+        source = None
+    config = hf_config_from_args(args, vocab, dtype, bos, eos, name=f"model {model_cfg.get('preset', '')} in {ckpt}")
+
+    try:
+        metadata = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - a damaged checkpoint is a user-facing problem
+        raise UserError(f"{ckpt}: unreadable DCP metadata ({type(e).__name__})") from None
+    all_pieces = pieces(args, vocab)
+    saved_dtypes = {}
+    for param, want in param_shapes(args).items():
+        entry = metadata.get(f"model.{param}")
+        if entry is None or tuple(getattr(entry, "size", ())) != tuple(want):
+            raise UserError(f"{ckpt}: the checkpoint has no model.{param} of shape {list(want)}")
+        saved_dtypes[param] = entry.properties.dtype
+
+    itemsize = DTYPES[dtype].itemsize
+    shards: list[list[Piece]] = [[]]
+    size = 0
+    for piece in all_pieces:
+        n = itemsize * _numel(piece.shape)
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(piece)
+        size += n
+    return ExportPlan(ckpt, args, dtype, vocab, shards, config, tokenizer, source, saved_dtypes)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _checkpoint_reader(ckpt: Path):
+    """A DCP reader that parses the checkpoint's metadata once for the many loads of an export."""
+    import torch.distributed.checkpoint as dcp
+
+    class CachedMetadataReader(dcp.FileSystemReader):
+        _metadata = None
+
+        def read_metadata(self):
+            if self._metadata is None:
+                self._metadata = super().read_metadata()
+            return self._metadata
+
+    return CachedMetadataReader(str(ckpt))
+
+
+def _load_param(plan: ExportPlan, reader, name: str) -> torch.Tensor:
+    """One whole parameter from the DCP checkpoint, read in this process alone (no collectives, even inside a
+    training job): DCP assembles it from the shards of whatever layout saved it."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {name: torch.empty(param_shapes(plan.args)[name], dtype=plan.saved_dtypes[name])}}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state["model"][name]
+
+
+def _hf_tensor(piece: Piece, source: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    t = source if piece.expert is None else source[piece.expert].T
+    if piece.param in VOCAB_PARAMS:
+        t = t[:vocab]
+    return t.to(dtype).contiguous()
+
+
+def write_shard(plan: ExportPlan, index: int, folder: Path, reader=None) -> None:
+    """One output file. Parameters are loaded one at a time and dropped once converted, so memory is this
+    file's tensors plus one parameter (a tensor split over two files is loaded by both)."""
+    from safetensors.torch import save_file
+
+    reader = reader or _checkpoint_reader(plan.ckpt)
+    shard, tensors = plan.shards[index], {}
+    for name in dict.fromkeys(p.param for p in shard):
+        source = _load_param(plan, reader, name)
+        tensors.update({p.hf: _hf_tensor(p, source, plan.vocab, DTYPES[plan.dtype]) for p in shard if p.param == name})
+        del source
+    path = folder / plan.files[index]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o644)
+
+
+def _write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    os.chmod(path, 0o644)
+
+
+def write_metadata(plan: ExportPlan, folder: Path) -> None:
+    """config.json, generation_config.json, tokenizer files and (when sharded) the safetensors index."""
+    _write_json(folder / "config.json", plan.config)
+    if plan.source is not None:  # the imported model's own tokenizer files, byte for byte
+        shutil.copyfile(plan.source / "tokenizer.json", folder / "tokenizer.json")
+        for name in SOURCE_FILES:
+            if (plan.source / name).is_file():
+                shutil.copyfile(plan.source / name, folder / name)
+    else:
+        write_tokenizer(plan.tokenizer, folder, plan.args.max_seq_len)
+    if not (folder / "generation_config.json").exists():
+        generation = {k: plan.config[k] for k in ("bos_token_id", "eos_token_id") if plan.config.get(k) is not None}
+        _write_json(folder / "generation_config.json", generation)
+    if len(plan.shards) > 1:
+        itemsize = DTYPES[plan.dtype].itemsize
+        total = sum(itemsize * _numel(p.shape) for shard in plan.shards for p in shard)
+        weight_map = {p.hf: plan.files[i] for i, shard in enumerate(plan.shards) for p in shard}
+        _write_json(folder / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    for f in folder.iterdir():
+        os.chmod(f, 0o644)
+    os.chmod(folder, 0o755)
+
+
+def export_hf(ckpt: Path, out: Path, dtype: str = "bf16", max_shard_bytes: int = 5 * 10**9,
+              overwrite: bool = False) -> ExportPlan:
+    """Export in this process; `out` appears complete or not at all."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
+        raise UserError(f"--out {out} exists and is not empty (pass --overwrite to replace it)")
+    plan = plan_export(ckpt, dtype, max_shard_bytes)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        reader = _checkpoint_reader(ckpt)
+        for i in range(len(plan.shards)):
+            write_shard(plan, i, tmp, reader)
+        write_metadata(plan, tmp)
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return plan
+
+
+def export_at_end(ckpt: Path, out: Path, dtype: str, rank: int, world: int) -> Path:
+    """`checkpoint.export_hf`: every rank of the finished training job writes every world-th output shard of
+    the final checkpoint; rank 0 writes the rest and renames the folder into place."""
+    import torch.distributed as dist
+
+    def barrier():
+        if dist.is_initialized():
+            dist.barrier()
+
+    plan = plan_export(ckpt, dtype)
+    tmp = out.parent / f".{out.name}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    reader = _checkpoint_reader(ckpt)
+    for i in range(rank, len(plan.shards), world):
+        write_shard(plan, i, tmp, reader)
+    barrier()
+    if rank == 0:
+        write_metadata(plan, tmp)
+        replace_dir(tmp, out)
+    barrier()
+    return out
+
+
+def main_export(argv: list[str]) -> int:
+    from paratrain.inference import find_checkpoint
+
+    p = argparse.ArgumentParser(prog="paratrain export",
+                                description="Write a checkpoint as a Hugging Face model folder.")
+    p.add_argument("checkpoint", help="a run folder (its newest complete checkpoint) or a step-N folder")
+    p.add_argument("--format", required=True, choices=["hf"], help="hf: transformers / vLLM / llama.cpp layout")
+    p.add_argument("--out", required=True, help="folder to create")
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    a = p.parse_args(argv)
+    max_shard = parse_size(a.max_shard_size)
+    ckpt = find_checkpoint(a.checkpoint)
+    plan = export_hf(ckpt, Path(a.out), a.dtype, max_shard, a.overwrite)
+    arch = plan.config["architectures"][0]
+    print(f"exported {ckpt} -> {a.out}: {arch}, {len(plan.shards)} safetensors file(s), {a.dtype}, "
+          f"vocab {plan.vocab:,}")
+    return 0
