@@ -402,6 +402,7 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
             if i == steps - 1:
                 tracker.reset_peak()
                 tracker.recording = probe.measuring = True
+            tracker.label = ACTS  # the batch is part of the forward's inputs
             micro = [(torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), generator=gen),
                       torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), generator=gen))
                      for _ in range(spec.accum_steps)]

@@ -88,7 +88,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, Hq, D); Hq is local under TP
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
         v = self.wv(x).view(B, T, -1, self.head_dim)
-        q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])  # positions 0..T-1
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         if k.shape[1] != q.shape[1]:
             # Grouped-query attention: each KV head serves Hq/Hkv query heads.
@@ -174,20 +174,19 @@ class Transformer(nn.Module):
             return 0.02 / math.sqrt(2 * self.args.n_layers)
         return 0.02
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab).
 
         A pipeline stage is this model with pieces removed (set to None): without `tok_embeddings` the input
-        is already the hidden states, without `output` the hidden states are returned. Each attention takes
-        the rotary angles of its own sequence length from the full tables."""
-        if self.tok_embeddings is not None:
-            if tokens.shape[1] > self.args.max_seq_len:
-                raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len {self.args.max_seq_len}")
-            h = self.tok_embeddings(tokens)  # (B, T, C)
-        else:
-            h = tokens  # (B, T, C) from the previous stage
+        is already the hidden states, without `output` the hidden states are returned. `seq_len` is the length of
+        the sequences the input belongs to, when the input holds only part of each (default: its own length)."""
+        T = seq_len or tokens.shape[1]
+        if T > self.args.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}")
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, C)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, D/2): rotary angles of positions 0..T-1
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin)
         if self.output is None:
             return h  # (B, T, C) to the next stage
         return self.output(self.norm(h))  # (B, T, V)
