@@ -49,6 +49,9 @@ class DataConfig:
     tokenizer: str = "char"  # byte | char | bpe | path/to/tokenizer.json
     vocab_size: int | None = None  # for bpe
     val_fraction: float = 0.1
+    mode: str = "random"  # random windows | sequential (every window once per epoch, seeded shuffled order)
+    # A mixture of prepared datasets sampled by weight (replaces dir/source): [{dir = "data/a", weight = 0.7}, ...]
+    sources: list = field(default_factory=list)
 
 
 @dataclass
@@ -181,6 +184,7 @@ class Config:
 
 
 CHOICES = {
+    "data.mode": ("random", "sequential"),
     "training.precision": ("fp32", "bf16", "fp16"),
     "training.device": ("auto", "cpu", "cuda"),
     "optimizer.impl": ("auto", "fused", "foreach", "for"),
@@ -199,6 +203,14 @@ def _suggest(name: str, options) -> str:
 def _coerce(key: str, value, annotation):
     """Check (TOML values) or parse (command-line strings) one value against its annotation."""
     types_allowed = _allowed_types(annotation)
+    if list in types_allowed:  # a TOML array, or on the command line the same written inline
+        if isinstance(value, str):
+            try:
+                value = tomllib.loads(f"v = {value}")["v"]
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{key}: expected a TOML array like [{{dir = \"data/a\", weight = 0.7}}] ({e})") from None
+        if isinstance(value, list):
+            return value
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in types_allowed):
         if type(None) in types_allowed:
             return None
@@ -233,7 +245,7 @@ def _parse_scalar(key: str, text: str, t: type):
 
 
 def _allowed_types(annotation: str) -> tuple:
-    names = {"int": int, "float": float, "str": str, "bool": bool, "None": type(None)}
+    names = {"int": int, "float": float, "str": str, "bool": bool, "None": type(None), "list": list}
     return tuple(names[part.strip()] for part in annotation.split("|"))
 
 
@@ -321,6 +333,10 @@ def validate(cfg: Config) -> None:
     _require(p.pp_virtual_stages >= 1, "parallel.pp_virtual_stages must be >= 1")
     _require(p.ddp_bucket_mb > 0, "parallel.ddp_bucket_mb must be positive")
     _require(0 < cfg.data.val_fraction <= 0.5, "data.val_fraction must be in (0, 0.5]")
+    if cfg.data.sources:
+        from paratrain.data.mixture import parse_sources
+
+        parse_sources(cfg.data.sources)  # dirs, weights >= 0, not all zero, distinct names
     s = cfg.sample
     _require(s.max_new_tokens >= 0, "sample.max_new_tokens must be >= 0")
     _require(s.temperature >= 0, "sample.temperature must be >= 0 (0 is greedy)")
@@ -336,12 +352,19 @@ def dump_toml(cfg: Config) -> str:
         for key, value in table.items():
             if value is None:
                 continue
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            elif isinstance(value, str):
-                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-            else:
-                text = repr(value)
+            text = _toml_value(value)
             lines.append(f"{key} = {text}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(value, list):  # data.sources: an array of inline tables
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    return repr(value)

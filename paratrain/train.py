@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from paratrain.checkpoint import (CheckpointWriter, export_safetensors, load_checkpoint, newest_valid_checkpoint,
                                   resolve_resume)
 from paratrain.config import Config, dump_toml
-from paratrain.data import DEFAULT_CORPUS, TokenData, ensure_prepared, load_tokenizer, read_meta
+from paratrain.data import DEFAULT_CORPUS, dataset_meta, load_tokenizer, open_split, prepare_for_config
 from paratrain.distributed.env import DistEnv, init_distributed, register_process, shutdown_distributed
 from paratrain.distributed.expert_parallel import MoEMeter
 from paratrain.distributed.grad_norm import clip_grad_norm
@@ -75,11 +75,8 @@ def data_source(cfg: Config) -> Path:
 
 
 def prepare_data(cfg: Config) -> dict:
-    tokenizer, path = cfg.data.tokenizer, None
-    if tokenizer.endswith(".json"):
-        tokenizer, path = "tokenizer.json", tokenizer
-    return ensure_prepared(data_source(cfg), cfg.data.dir, tokenizer=tokenizer, vocab_size=cfg.data.vocab_size,
-                           tokenizer_path=path, val_fraction=cfg.data.val_fraction)
+    """Prepare (or reuse) the dataset, or check a mixture's datasets; meta["dir"] holds the tokenizer."""
+    return prepare_for_config(cfg.data, data_source(cfg))
 
 
 def model_args_for(cfg: Config, data_vocab: int) -> ModelArgs:
@@ -129,7 +126,7 @@ def plan_run(cfg: Config, world_size: int, meta: dict | None = None) -> RunPlan:
         pipeline, accum = plan_pipeline(cfg.parallel, args, global_batch // dims.dp, dims), 1
     else:
         pipeline, accum = None, dims.validate_batch(global_batch, t.micro_batch, t.seq_len)
-    return RunPlan(cfg, dims, args, Path(cfg.data.dir), global_batch, accum, fixed, pipeline)
+    return RunPlan(cfg, dims, args, Path(meta.get("dir", cfg.data.dir)), global_batch, accum, fixed, pipeline)
 
 
 def _dp_mean(value: torch.Tensor, group) -> float:
@@ -153,8 +150,8 @@ class Trainer:
         self.dp_group = dpm.get_group() if dpm is not None else None
         self.dp_rank = dpm.get_local_rank() if dpm is not None else 0
 
-        self.train_data = TokenData(plan.data_dir, "train", cfg.training.seq_len)
-        self.val_data = TokenData(plan.data_dir, "val", cfg.training.seq_len)
+        self.train_data = open_split(cfg.data, "train", cfg.training.seq_len)  # one dataset or a mixture
+        self.val_data = open_split(cfg.data, "val", cfg.training.seq_len)
         self.tokenizer = load_tokenizer(plan.data_dir)
         self.prompt_ids = self.tokenizer.encode(cfg.sample.prompt)  # fails now, not after training
 
@@ -518,6 +515,7 @@ class Trainer:
                           "mfu": self.flops_per_token * tok_s / (self.peak * env.world_size), "step_time_s": dt,
                           "skipped_steps": self.skipped, "tokens": (step + 1) * tokens_per_step,
                           "micro_batch": self.micro_batch, "restarts": self.restart_count, **self.timer.split(dt)}
+                record.update(self.train_data.progress(data_step + 1, p.global_batch))  # epochs, tokens per source
                 if self.moe:  # every rank: one small all-reduce of the step's expert load
                     record.update(self.moe.step_metrics(self.dp_group))
                 if self.pipeline is not None:  # every rank: one tiny all-gather over the pp group
@@ -616,7 +614,7 @@ def train(cfg: Config, want_final_weights: bool = False) -> TrainResult:
         dist.broadcast_object_list(box, src=0)
         if box[0] is not None:
             raise UserError(box[0])
-        meta = read_meta(cfg.data.dir)
+        meta = dataset_meta(cfg.data)
     else:
         meta = prepare_data(cfg)
     plan = plan_run(cfg, env.world_size, meta)
