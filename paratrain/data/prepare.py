@@ -469,7 +469,7 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
         meta.update(format=FORMAT, dtype=dtype, train_tokens=train["tokens"], val_tokens=val["tokens"],
                     train_documents=train["documents"], val_documents=val["documents"],
                     val_fraction=None if val_sources else val_fraction, val_split=val_split,
-                    splits={"train": train, "val": val}, shard_tokens=int(shard_tokens), text_field=text_field,
+                    text_characters=progress.chars, splits={"train": train, "val": val}, shard_tokens=int(shard_tokens), text_field=text_field,
                     source=[str(s) for s in source] if isinstance(source, (list, tuple)) else str(source),
                     source_sha256=combined_checksum(records), sources=records,
                     source_fingerprint=source_fingerprint(sources),
