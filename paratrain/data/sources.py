@@ -180,20 +180,14 @@ class Source:
         if text_field not in names:
             raise UserError(f"{self.path}: no column {text_field!r} (columns: {', '.join(names) or 'none'}); "
                             "choose one with --text-field")
-        row = 0
+        rows = [0]
         try:
-            batches = pf.iter_batches(batch_size=1024, columns=[text_field])
-            for batch in batches:
-                for value in batch.column(0).to_pylist():
-                    row += 1
-                    if not isinstance(value, str):
-                        raise UserError(f"{self.path} row {row}: column {text_field!r} holds "
-                                        f"{'null' if value is None else type(value).__name__}, not a string")
-                    yield _split_long(value)
+            batches = (b.column(0).to_pylist() for b in pf.iter_batches(batch_size=1024, columns=[text_field]))
+            yield from self._column(batches, text_field, rows)
         except UserError:
             raise
         except Exception as e:
-            raise UserError(f"{self.path}: cannot read parquet data after row {row} ({_one_line(e)})") from None
+            raise UserError(f"{self.path}: cannot read parquet data after row {rows[0]} ({_one_line(e)})") from None
         self.bytes, self.sha256 = self.path.stat().st_size, self.checksum()
 
     def _saved(self, text_field):
@@ -211,15 +205,20 @@ class Source:
         if text_field not in ds.column_names:
             raise UserError(f"{self.path}: no column {text_field!r} (columns: {', '.join(ds.column_names)}); "
                             "choose one with --text-field")
-        row = 0
-        for batch in ds.select_columns([text_field]).iter(batch_size=1024):
-            for value in batch[text_field]:
-                row += 1
+        batches = (b[text_field] for b in ds.select_columns([text_field]).iter(batch_size=1024))
+        yield from self._column(batches, text_field, [0])
+        self.bytes, self.sha256 = sum(f.stat().st_size for f in self.files), self.checksum()
+
+
+    def _column(self, batches, text_field, rows):
+        """Documents from batches of column values; rows[0] counts the rows read (for error messages)."""
+        for values in batches:
+            for value in values:
+                rows[0] += 1
                 if not isinstance(value, str):
-                    raise UserError(f"{self.path} row {row}: column {text_field!r} holds "
+                    raise UserError(f"{self.path} row {rows[0]}: column {text_field!r} holds "
                                     f"{'null' if value is None else type(value).__name__}, not a string")
                 yield _split_long(value)
-        self.bytes, self.sha256 = sum(f.stat().st_size for f in self.files), self.checksum()
 
 
 class _HashingReader(io.RawIOBase):

@@ -119,16 +119,16 @@ class CharTokenizer(Tokenizer):
     def from_text(cls, text: str):
         return cls(sorted(set(text)))
 
-    def _unknown(self, text):
+    def _unknown(self, text, what="text"):
         bad = list(dict.fromkeys(c for c in text if c not in self.stoi))  # unique, in order
         shown = ", ".join(repr(c) for c in bad[:10]) + (", ..." if len(bad) > 10 else "")
-        return UserError(f"text contains characters not in the char-level vocabulary: {shown}")
+        return UserError(f"{what} contains characters not in the char-level vocabulary: {shown}")
 
     def encode(self, text):
         try:
             return [self.stoi[c] for c in text]
         except KeyError:
-            raise self._unknown(text) from None
+            raise self._unknown(text, "prompt") from None  # encode() serves prompts; prepare uses encode_arrays
 
     def encode_arrays(self, texts):
         out = []
