@@ -585,21 +585,30 @@ def test_mixture_trains_and_logs_tokens_per_source(mixture_dirs, tmp_path):
 
 # ---------------------------------------------------------------------------- training on shards
 
-def test_sequential_resume_mid_epoch_is_exact(tmp_path):
-    """Sequential mode over a dataset of 4 steps per epoch: 10 straight steps vs 5 + resume + 5 (the
-    checkpoint falls mid-epoch, the run crosses two epoch boundaries) give bitwise the same losses."""
+def test_sequential_crash_mid_epoch_and_resume_is_exact(tmp_path):
+    """Sequential mode over a dataset of 4 steps per epoch: a run SIGKILLed before step 7 (checkpoint at step 5,
+    mid-epoch) and resumed gives bitwise the losses of a straight 10-step run that crosses two epoch ends."""
+    from paratrain.config import load_config
     from paratrain.train import train
+
+    from conftest import fast_overrides
 
     d = tmp_path / "small"
     src = write(tmp_path / "a.txt", CORPUS[:600])
     prepare_dataset(src, d, tokenizer="char", shard_tokens=100)
-    common = [f"data.source={src}", "data.mode=sequential", "training.steps=10", "training.eval_every=0", "optimizer.warmup_steps=2"]
-    straight = train(fast_config(d, tmp_path, "straight", *common, "checkpoint.every=5"))
+    common = [f"data.source={src}", "data.mode=sequential", "training.steps=10", "training.eval_every=0",
+              "optimizer.warmup_steps=2", "checkpoint.every=5"]
+    straight = train(fast_config(d, tmp_path, "straight", *common))
     records = [json.loads(line) for line in (straight.run_dir / "metrics.jsonl").open() if '"loss"' in line]
     epochs = [r["data_epoch"] for r in records]
-    assert epochs[4] == 5 / 4 and epochs[-1] == 10 / 4  # 16 windows of 32, 4 per step: a mid-epoch save
-    ckpt = straight.run_dir / "checkpoints" / "step-5"
-    resumed = train(fast_config(d, tmp_path, "resumed", *common, f"checkpoint.resume={ckpt}"))
+    assert epochs[4] == 5 / 4 and epochs[-1] == 10 / 4  # 16 windows of 32, 4 per step: the save is mid-epoch
+
+    overrides = ["--" + o for o in fast_overrides(d, tmp_path, "crashed", *common)]
+    env = {**os.environ, "PARATRAIN_FAULTS": "kill@7", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "paratrain", "train", *overrides], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and (tmp_path / "crashed" / "checkpoints" / "step-5").is_dir(), proc.stderr[-2000:]
+    resumed = train(load_config(None, fast_overrides(d, tmp_path, "crashed", *common, "checkpoint.resume=auto")))
     assert resumed.losses == straight.losses[5:]  # bitwise
     assert resumed.val_loss == straight.val_loss
 

@@ -548,8 +548,8 @@ def main_prepare(argv) -> int:
     p.add_argument("--text-field", default="text", help="JSON field / parquet column holding the document text")
     p.add_argument("--val-fraction", type=float, default=0.1, help="fraction of documents held out for validation")
     p.add_argument("--val-input", action="append", default=None, help="validation documents instead of --val-fraction")
-    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: the machine's cores; 0: "
-                                                              "this process)")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: the machine's cores, or this "
+                                                              "process for an input under 4 MB; 0: this process)")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file at most")
     p.add_argument("--dtype", choices=["uint16", "uint32"], default=None, help="token dtype (default: by vocab size)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
