@@ -162,11 +162,12 @@ import tokenizers
 tok = tokenizers.Tokenizer.from_file({str(tokenizer)!r})
 texts = json.load(open(sys.argv[1]))
 encode = tok.encode_batch_fast if {fast} else tok.encode_batch
-n, size, start = 0, sum(len(t.encode()) for t in texts), time.perf_counter()
+n, size = 0, sum(len(t.encode()) for t in texts)
+start, cpu = time.perf_counter(), time.process_time()
 for i in range(0, len(texts), 256):
     n += sum(len(e.ids) for e in encode(texts[i:i + 256], add_special_tokens=False))
-wall = time.perf_counter() - start
-print(json.dumps([size / 1e6 / wall, n / wall]))
+wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+print(json.dumps([size / 1e6 / wall, n / wall, size / 1e6 / cpu]))
 """
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(texts, f)
@@ -184,7 +185,7 @@ def main() -> None:
     parser.add_argument("--workers", default=f"1,{os.cpu_count()}", help="worker counts, comma-separated")
     parser.add_argument("--vocab-size", type=int, default=16384)
     parser.add_argument("--raw-mb", type=float, default=200, help="text for the raw encode_batch rate")
-    parser.add_argument("--runs", default="", help="only these size:workers pairs, e.g. 1:1,1:2,3:2")
+    parser.add_argument("--runs", default="", help="only these size:workers pairs, e.g. 1:1,1:2,3:2 ('none': raw rate only)")
     args = parser.parse_args()
     root = Path(args.corpus_dir)
     sizes = [float(s) for s in args.sizes_gb.split(",")]
@@ -208,11 +209,13 @@ HFTokenizer.train_bpe(_sample_texts(resolve_inputs({str(paths[0])!r}), 'text', 3
     raw = {(p, f): raw_rate(tokenizer, texts, p, f) for p in (False, True) for f in (False, True)}
     del texts
     print(f"raw tokenizer rate on {args.raw_mb:.0f} MB of the same text, one process:")
-    for (p, f), (mbs, toks) in raw.items():
+    for (p, f), (mbs, toks, per_cpu) in raw.items():
         print(f"  {'encode_batch_fast' if f else 'encode_batch':<18} {'library threads (all cores)' if p else '1 thread':<28}"
-              f" {mbs:6.2f} MB/s {toks:12,.0f} tokens/s")
+              f" {mbs:6.2f} MB/s {toks:12,.0f} tokens/s {per_cpu:6.2f} MB per CPU s")
 
     pairs = [(s, w) for s in sizes for w in workers]
+    if args.runs == "none":
+        return
     if args.runs:
         pairs = [(float(a), int(b)) for a, b in (r.split(":") for r in args.runs.split(","))]
     rows = []
@@ -239,7 +242,8 @@ HFTokenizer.train_bpe(_sample_texts(resolve_inputs({str(paths[0])!r}), 'text', 3
               f"{tokens:,} | {w} | {r['wall']:.0f} | {text_mb / r['wall']:.2f} | {tokens / r['wall']:,.0f} | "
               f"{r['peak'] / 2**20:,.0f} MiB | {r['cpu']:,.0f} | {text_mb / r['cpu']:.2f} | {r['load']:.1f} |")
     one = raw[(False, True)]
-    print(f"| raw encode_batch_fast, 1 thread, {args.raw_mb:.0f} MB | | | | | | 1 | | {one[0]:.2f} | {one[1]:,.0f} | | | | |")
+    print(f"| raw encode_batch_fast, 1 thread, {args.raw_mb:.0f} MB | | | | | | 1 | | {one[0]:.2f} | {one[1]:,.0f} | | "
+          f"| {one[2]:.2f} | |")
 
 
 if __name__ == "__main__":
