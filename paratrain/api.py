@@ -35,7 +35,7 @@ def train_rank(cfg: Config, want_final_weights: bool = False):
     import torch
     import torch.distributed as dist
 
-    from paratrain.data import read_meta
+    from paratrain.data import dataset_meta
     from paratrain.distributed.env import init_distributed, shutdown_distributed, world_from_env
     from paratrain.observe.metrics import check_metrics_config
     from paratrain.spec import check, prepare_data, resolve
@@ -57,10 +57,10 @@ def train_rank(cfg: Config, want_final_weights: bool = False):
         dist.broadcast_object_list(box, src=0)
         if box[0] is not None:
             raise UserError(box[0])
-        meta = read_meta(cfg.data.dir)
+        meta = dataset_meta(cfg.data)
     else:
         meta = prepare_data(cfg)
-    spec = resolve(cfg, env.world_size, meta["vocab_size"])
+    spec = resolve(cfg, env.world_size, meta)
     torch.manual_seed(cfg.training.seed)
     result = Trainer(spec, env, want_final_weights).fit()
     shutdown_distributed()  # every rank got here at the same step: leave the process group cleanly

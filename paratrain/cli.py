@@ -104,7 +104,7 @@ USAGE = """usage: paratrain <command> [options]
 
 commands:
   train      train a model: paratrain train [--config FILE.toml] [--nproc N] [--section.key=value ...]
-  prepare    tokenize text into train.bin / val.bin: paratrain prepare --input PATH --out DIR [--tokenizer char]
+  prepare    tokenize a corpus into token shards: paratrain prepare --input PATH|'GLOB' --out DIR [--tokenizer char] [--workers N]
   generate   sample from a checkpoint: paratrain generate --checkpoint DIR --prompt "..." [--max-new-tokens N]
   verify     prove parallel layouts match one process: paratrain verify [--layouts ddp2,fsdp2,...] [--steps 20]
   estimate   memory per rank before launch: paratrain estimate --model llama3-8b --gpu H100 [layout options]

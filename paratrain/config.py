@@ -68,6 +68,9 @@ class DataConfig:
     tokenizer: str = "char"  # byte | char | bpe | path/to/tokenizer.json
     vocab_size: int | None = None  # for bpe
     val_fraction: float = 0.1
+    mode: Literal["random", "sequential"] = "random"  # random windows | sequential (every window once per epoch, seeded shuffled order)
+    # A mixture of prepared datasets sampled by weight (replaces dir/source): [{dir = "data/a", weight = 0.7}, ...]
+    sources: list = field(default_factory=list)
 
 
 @dataclass
@@ -215,6 +218,14 @@ def _coerce(key: str, value, annotation):
     options = _members(annotation)
     allowed = tuple(o for o in options if isinstance(o, type))
     choices = tuple(o for o in options if not isinstance(o, type))  # Literal values
+    if list in allowed:  # a TOML array, or on the command line the same written inline
+        if isinstance(value, str):
+            try:
+                value = tomllib.loads(f"v = {value}")["v"]
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{key}: expected a TOML array like [{{dir = \"data/a\", weight = 0.7}}] ({e})") from None
+        if isinstance(value, list):
+            return value
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in allowed):
         if type(None) in allowed:
             return None
@@ -349,6 +360,10 @@ def validate(cfg: Config) -> None:
     p = cfg.parallel  # the degrees are checked against the world size by paratrain.layout.Layout
     _require(p.ddp_bucket_mb > 0, "parallel.ddp_bucket_mb must be positive")
     _require(0 < cfg.data.val_fraction <= 0.5, "data.val_fraction must be in (0, 0.5]")
+    if cfg.data.sources:
+        from paratrain.data.mixture import parse_sources
+
+        parse_sources(cfg.data.sources)  # dirs, weights >= 0, not all zero, distinct names
     s = cfg.sample
     _require(s.max_new_tokens >= 0, "sample.max_new_tokens must be >= 0")
     _require(s.temperature >= 0, "sample.temperature must be >= 0 (0 is greedy)")

@@ -88,13 +88,15 @@ def check(cfg: Config, world_size: int) -> Layout:
     return _validated(cfg, layout, model_args_from(cfg, VOCAB_PAD * layout.tp), world_size)
 
 
-def resolve(cfg: Config, world_size: int, data_vocab: int) -> RunSpec:
-    """The whole run, validated against the world size and the prepared data's vocabulary."""
+def resolve(cfg: Config, world_size: int, data_meta: dict) -> RunSpec:
+    """The whole run, validated against the world size and the prepared data (its meta: vocabulary, and the
+    folder holding the tokenizer)."""
     layout = Layout.from_config(cfg.parallel, world_size)
     batch, fixed = batch_of(cfg, layout)
-    args = model_args_from(cfg, data_vocab)
+    args = model_args_from(cfg, data_meta["vocab_size"])
     layout = _validated(cfg, layout, args, world_size)
-    return RunSpec(cfg, layout, args, Path(cfg.data.dir), batch.global_batch, layout.accumulation(batch), fixed)
+    data_dir = Path(data_meta.get("dir", cfg.data.dir))
+    return RunSpec(cfg, layout, args, data_dir, batch.global_batch, layout.accumulation(batch), fixed)
 
 
 def _validated(cfg: Config, layout: Layout, args: ModelArgs, world_size: int) -> Layout:
@@ -111,18 +113,18 @@ def data_source(cfg: Config) -> Path:
 
 
 def prepare_data(cfg: Config) -> dict:
-    """Prepare `[data]` into data.dir unless it already holds this corpus and tokenizer; returns its meta."""
-    from paratrain.data import ensure_prepared
+    """Prepare `[data]` into data.dir unless it already holds this corpus and tokenizer (or check a mixture's
+    datasets); returns the meta, whose "dir" holds the tokenizer."""
+    import dataclasses
 
-    tokenizer, path = cfg.data.tokenizer, None
-    if tokenizer.endswith(".json"):
-        tokenizer, path = "tokenizer.json", tokenizer
+    from paratrain.data import prepare_for_config
+
+    data = cfg.data
     if cfg.model.init_from:  # an imported Hugging Face model reads the ids of its own tokenizer
         from paratrain import hf
 
-        tokenizer, path = "tokenizer.json", hf.dataset_tokenizer(cfg)
-    meta = ensure_prepared(data_source(cfg), cfg.data.dir, tokenizer=tokenizer, vocab_size=cfg.data.vocab_size,
-                           tokenizer_path=path, val_fraction=cfg.data.val_fraction)
+        data = dataclasses.replace(cfg.data, tokenizer=str(hf.dataset_tokenizer(cfg)))
+    meta = prepare_for_config(data, data_source(cfg))
     if cfg.model.init_from:
         hf.check_dataset(cfg, cfg.data.dir)
     return meta
@@ -131,4 +133,4 @@ def prepare_data(cfg: Config) -> dict:
 def resolve_run(cfg: Config, world_size: int) -> RunSpec:
     """Check the config, prepare the data (first use only), and resolve: what a launcher does before starting ranks."""
     check(cfg, world_size)
-    return resolve(cfg, world_size, prepare_data(cfg)["vocab_size"])
+    return resolve(cfg, world_size, prepare_data(cfg))

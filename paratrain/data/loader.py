@@ -1,61 +1,184 @@
-"""Deterministic random-window batches from a prepared dataset.
+"""Deterministic batches from prepared datasets: many memory-mapped shards, one or several datasets.
 
-A batch is a pure function of (seed, step, split): window offsets come from a fresh
-torch.Generator seeded from those three numbers only. So a resumed run, or the same run laid
-out over a different number of data-parallel ranks / accumulation steps, sees exactly the
-same global batches, and each rank reads only its own rows of them.
+Sample k of the run (k = step * global_batch + row) is a pure function of (seed, split, k):
+
+    mixture     which dataset sample k comes from, and that dataset's own sample counter c
+                (`mixture.assign`: exact proportions, no state)
+    "random"    a window starting at hash(seed, split, dataset, c) mod (tokens - seq_len)      (today's default)
+    "sequential" window number perm_epoch(c mod W), epoch = c // W, of the W = (tokens - 1) // seq_len
+                non-overlapping windows: every token once per epoch, in a seeded shuffled order that
+                changes every epoch (a Feistel permutation: no table, O(1) memory for any corpus size)
+
+So a resumed run, or the same run laid out over any number of data-parallel ranks and accumulation
+steps, sees exactly the same global batches, and each rank computes and reads only its own rows.
+Windows may cross shard boundaries; the shards of a split are one token stream.
 """
 
-import os
+from __future__ import annotations
+
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from paratrain.errors import UserError
+from paratrain.data.mixture import Mixture, parse_sources
 from paratrain.data.prepare import read_meta
 
 _SPLIT_SALT = {"train": 0, "val": 0x5EED_5EED_5EED}  # keeps val windows unrelated to train's
-_MASK63 = (1 << 63) - 1
+MODES = ("random", "sequential")
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic): a well-mixed hash."""
+    x = x.astype(np.uint64, copy=True)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def _key(*parts: int) -> int:
+    """Fold integers into one 64-bit key."""
+    k = 0x9E3779B97F4A7C15
+    for p in parts:
+        k = int(_mix64(np.array([(k ^ (int(p) & _M64)) & _M64], dtype=np.uint64))[0])
+    return k
+
+
+def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
+    """A seeded bijection of [0, n): a 4-round Feistel network on the smallest even power of two >= n,
+    cycle-walking until the value falls inside [0, n)."""
+    index = np.asarray(index, dtype=np.uint64)
+    if n <= 1:
+        return np.zeros_like(index)
+    bits = max(2, (n - 1).bit_length())
+    bits += bits & 1
+    half, mask = np.uint64(bits // 2), np.uint64((1 << (bits // 2)) - 1)
+    round_keys = [np.uint64(_key(key, r)) for r in range(4)]
+
+    def feistel(v):
+        left, right = v >> half, v & mask
+        for rk in round_keys:
+            left, right = right, left ^ (_mix64(right ^ rk) & mask)
+        return (left << half) | right
+
+    out = feistel(index)
+    outside = out >= np.uint64(n)
+    while outside.any():
+        out[outside] = feistel(out[outside])
+        outside = out >= np.uint64(n)
+    return out
+
+
+class Shards:
+    """One split of one prepared dataset: its shard files as a single memory-mapped token stream."""
+
+    def __init__(self, data_dir: Path, split: str, meta: dict):
+        self.data_dir, self.dtype = Path(data_dir), np.dtype(meta["dtype"])
+        entries = [s for s in meta["splits"][split]["shards"] if s["tokens"] > 0]
+        self.files = [self.data_dir / s["file"] for s in entries]
+        self.sizes = np.array([s["tokens"] for s in entries], dtype=np.int64)
+        self.ends = np.cumsum(self.sizes)
+        self.n_tokens = int(self.ends[-1]) if len(self.ends) else 0
+        self._maps = {}  # opened on first use: cheap to construct, safe to pickle / fork
+
+    def __getstate__(self):
+        return {**self.__dict__, "_maps": {}}
+
+    def _map(self, i: int) -> np.memmap:
+        if i not in self._maps:
+            self._maps[i] = np.memmap(self.files[i], dtype=self.dtype, mode="r", shape=(int(self.sizes[i]),))
+        return self._maps[i]
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) of the stream, across shard boundaries if need be."""
+        parts, i = [], int(np.searchsorted(self.ends, start, side="right"))
+        while length > 0:
+            local = start - (int(self.ends[i - 1]) if i else 0)
+            take = min(length, int(self.sizes[i]) - local)
+            parts.append(self._map(i)[local:local + take])
+            start, length, i = start + take, length - take, i + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def document_ends(self) -> np.ndarray:
+        """Offsets (in the stream) just after every document's EOS, from the .docs files of the index."""
+        out, base = [], 0
+        for f, size in zip(self.files, self.sizes.tolist()):
+            out.append(np.fromfile(f.with_suffix(".docs"), dtype="<u8").astype(np.int64) + base)
+            base += size
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
 class TokenData:
-    def __init__(self, data_dir, split: str, seq_len: int):
+    """Batches of one split: `TokenData(dir, "train", seq_len)`, or a mixture of prepared datasets
+    `TokenData([{"dir": a, "weight": 0.7}, {"dir": b, "weight": 0.3}], "train", seq_len)`."""
+
+    def __init__(self, data_dir, split: str, seq_len: int, mode: str = "random"):
         if split not in _SPLIT_SALT:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        self.data_dir, self.split, self.seq_len = Path(data_dir), split, int(seq_len)
-        self.meta = read_meta(self.data_dir)
-        self.dtype = np.dtype(self.meta["dtype"])
-        self.path = self.data_dir / f"{split}.bin"
-        self.n_tokens = os.path.getsize(self.path) // self.dtype.itemsize
-        if self.n_tokens <= self.seq_len + 1:
-            raise UserError(f"the {split} split of {self.data_dir} has {self.n_tokens} tokens but seq_len {self.seq_len} "
-                            f"needs more than {self.seq_len + 1}; use a shorter seq_len or more text")
-        self._data = None  # opened on first use: cheap to construct, safe to pickle / fork
+        if mode not in MODES:
+            raise UserError(f"data mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.split, self.seq_len, self.mode = split, int(seq_len), mode
+        if isinstance(data_dir, (list, tuple)):
+            self.mixture = parse_sources(data_dir)
+        else:
+            self.mixture = Mixture([Path(data_dir)], [1.0], [Path(data_dir).name])
+        self.data_dir = self.mixture.dirs[0]
+        metas = [read_meta(d) for d in self.mixture.dirs]
+        self.meta = metas[0]
+        self.mixture.check_tokenizers(metas)
+        self.streams = [Shards(d, split, m) for d, m in zip(self.mixture.dirs, metas)]
+        for d, s, w in zip(self.mixture.dirs, self.streams, self.mixture.weights):
+            if w > 0 and s.n_tokens <= self.seq_len + 1:
+                raise UserError(f"the {split} split of {d} has {s.n_tokens} tokens but seq_len {self.seq_len} "
+                                f"needs more than {self.seq_len + 1}; use a shorter seq_len or more text")
+        self.n_tokens = sum(s.n_tokens for s in self.streams)
+        self.windows = [max(1, (s.n_tokens - 1) // self.seq_len) for s in self.streams]  # sequential mode
 
-    @property
-    def data(self) -> np.ndarray:
-        if self._data is None:
-            self._data = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
-        return self._data
-
-    def __getstate__(self):
-        return {**self.__dict__, "_data": None}
+    # -- which windows -------------------------------------------------------------------------
+    def windows_for(self, samples: np.ndarray, seed: int):
+        """(dataset index, window start) of each global sample index."""
+        which, counter = self.mixture.assign(samples)
+        starts = np.zeros(len(samples), dtype=np.int64)
+        salt = _SPLIT_SALT[self.split]
+        for i, stream in enumerate(self.streams):
+            rows = which == i
+            if not rows.any():
+                continue
+            c = counter[rows].astype(np.uint64)
+            if self.mode == "random":
+                h = _mix64(c ^ np.uint64(_key(seed, salt, i)))
+                starts[rows] = (h % np.uint64(stream.n_tokens - self.seq_len)).astype(np.int64)
+            else:
+                w = self.windows[i]
+                epoch, pos = c // np.uint64(w), c % np.uint64(w)
+                out = np.zeros(len(c), dtype=np.int64)
+                for e in np.unique(epoch).tolist():
+                    sel = epoch == e
+                    out[sel] = permute(pos[sel], w, _key(seed, salt, i, e)).astype(np.int64)
+                starts[rows] = out * self.seq_len
+        return which, starts
 
     def offsets(self, step: int, global_batch_size: int, seed: int) -> torch.Tensor:
-        """Start of every window of the global batch; depends on (seed, step, split) only."""
-        g = torch.Generator()
-        g.manual_seed(((seed * 1_000_003 + step) ^ _SPLIT_SALT[self.split]) & _MASK63)
-        return torch.randint(0, self.n_tokens - self.seq_len, (global_batch_size,), generator=g)
+        """Start of every window of the global batch (in its dataset's stream); depends on (seed, step, split) only."""
+        samples = np.arange(step * global_batch_size, (step + 1) * global_batch_size, dtype=np.int64)
+        return torch.from_numpy(self.windows_for(samples, seed)[1])
 
-    def _read(self, offsets):
+    def _read(self, which, starts):
         # Each window is seq_len+1 tokens: x is the first seq_len, y the same shifted by one.
-        w = np.stack([self.data[o:o + self.seq_len + 1] for o in offsets.tolist()]).astype(np.int64)
-        w = torch.from_numpy(w)
+        w = np.stack([self.streams[i].read(o, self.seq_len + 1) for i, o in zip(which.tolist(), starts.tolist())])
+        w = torch.from_numpy(w.astype(np.int64))
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
+    def _rows(self, first: int, count: int, seed: int):
+        return self._read(*self.windows_for(np.arange(first, first + count, dtype=np.int64), seed))
+
     def global_batch(self, step: int, global_batch_size: int, seed: int):
-        return self._read(self.offsets(step, global_batch_size, seed))
+        return self._rows(step * global_batch_size, global_batch_size, seed)
 
     def micro_batches(self, step, global_batch_size, seed, dp_rank, dp_size, accum_steps):
         """Rank dp_rank's contiguous slice of the global batch, cut into accum_steps equal parts."""
@@ -66,10 +189,24 @@ class TokenData:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
         per_rank = global_batch_size // dp_size
         mb = per_rank // accum_steps
-        mine = self.offsets(step, global_batch_size, seed)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        return [self._read(mine[i * mb:(i + 1) * mb]) for i in range(accum_steps)]
+        first = step * global_batch_size + dp_rank * per_rank
+        return [self._rows(first + i * mb, mb, seed) for i in range(accum_steps)]
 
     def eval_batches(self, num_batches: int, batch_size: int, seed: int = 0):
         """A fixed list of batches (meant for the val split): identical on every call, so eval
         losses of different steps and runs are comparable."""
         return [self.global_batch(i, batch_size, seed) for i in range(num_batches)]
+
+    # -- how far the run has got ---------------------------------------------------------------
+    def progress(self, steps_done: int, global_batch_size: int) -> dict:
+        """Tokens and epochs seen per dataset after `steps_done` global batches (for the metrics)."""
+        counts = self.mixture.counts(steps_done * global_batch_size)
+        tokens = {name: int(c) * self.seq_len for name, c in zip(self.mixture.names, counts)}
+        if self.mode == "sequential":
+            epochs = [c / w for c, w in zip(counts, self.windows)]
+        else:
+            epochs = [c * self.seq_len / s.n_tokens for c, s in zip(counts, self.streams)]
+        out = {"data_epoch": max(epochs), "data_tokens": tokens}
+        if len(self.streams) > 1:
+            out["data_epochs"] = {name: e for name, e in zip(self.mixture.names, epochs)}
+        return out

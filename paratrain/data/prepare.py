@@ -1,11 +1,28 @@
-"""Turn text into train.bin / val.bin token files (nanoGPT's prepare.py, made safe).
+"""Turn a corpus into a folder of token shards, streamed: memory does not grow with the corpus.
 
-    paratrain prepare --input corpus.txt --out data/shakespeare --tokenizer char
+    paratrain prepare --input 'corpus/*.jsonl.gz' --out data/mycorpus --tokenizer bpe --vocab-size 32000
 
-A dataset folder holds train.bin and val.bin (flat uint16/uint32 arrays, raw `tofile`),
-meta.json and the tokenizer file(s). It is built in a hidden sibling folder and renamed into
-place at the end, so a crash or a bad input never leaves a half-written dataset behind.
+Documents are read one at a time (`sources.py`), tokenized in `--workers` processes (the tokenizers
+library's batch encoding inside each), and appended to shards of at most `--shard-tokens` tokens:
+
+    out/
+      meta.json            the index: tokenizer, vocab size, eos/bos ids, dtype, per split its shards with
+                           token and document counts, every source with its size and sha256
+      train-00000.bin      tokens (flat uint16/uint32, raw), BOS (if any) + document + EOS, document after document
+      train-00000.docs     uint64 end offset (inside the shard, just after the EOS) of every document ending there
+      val-00000.bin ...
+      chars.json | tokenizer.json
+
+Validation is whole documents: every round(1/val_fraction)-th document (spread over the corpus), or all of
+`--val-input`. A corpus of a single document (one text file) is the exception: its last val_fraction of
+tokens becomes the validation split, as before.
+
+The dataset is built in a hidden sibling folder `.NAME.partial` and renamed into place at the end, so a
+crash or a bad input never leaves a dataset that looks complete; a restarted prepare removes what an
+interrupted one left and starts clean.
 """
+
+from __future__ import annotations
 
 import argparse
 import hashlib
@@ -13,17 +30,27 @@ import json
 import os
 import re
 import shutil
+import socket
+import sys
 import tempfile
+import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
 
 from paratrain.errors import UserError, one_line
-from paratrain.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer
+from paratrain.data.sources import resolve_inputs
+from paratrain.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, from_spec
 
-DATASET_FILES = {"train.bin", "val.bin", "meta.json", "chars.json", "tokenizer.json"}
-CHUNK_CHARS = 1 << 20  # encode ~1M characters at a time so the token list never holds the corpus
-_CUT = re.compile(r"(?<=\S\n)(?=\S)")  # a lone newline between two non-space characters
+FORMAT = "paratrain-shards-1"
+SPLITS = ("train", "val")
+DEFAULT_SHARD_TOKENS = 1 << 28  # 256 Mi tokens: 512 MiB of uint16 per shard
+TASK_CHARS = 1 << 20  # characters handed to a worker at a time
+SMALL_INPUT_BYTES = 4 << 20  # below this, tokenizing in this process beats starting workers
+DEFAULT_SAMPLE_MB = 64  # text the BPE trainer sees
+_SHARD_FILE = re.compile(r"^(train|val)(-\d{5})?\.(bin|docs)$")
+DATASET_FILES = {"meta.json", "chars.json", "tokenizer.json", "tokenizer_config.json"}
 
 
 def choose_dtype(vocab_size: int, dtype=None) -> str:
@@ -37,82 +64,30 @@ def choose_dtype(vocab_size: int, dtype=None) -> str:
     return dtype
 
 
-# ---------------------------------------------------------------------------- reading the source
-
-def _source_files(source: Path) -> list:
-    if not source.exists():
-        raise UserError(f"input not found: {source}")
-    if source.is_dir():
-        files = sorted(p for p in source.glob("*.txt") if p.is_file())
-        if not files:
-            raise UserError(f"input folder {source} has no .txt files")
-        return files
-    return [source]
+def _is_dataset_file(name: str) -> bool:
+    return name in DATASET_FILES or bool(_SHARD_FILE.match(name))
 
 
-def source_checksum(source) -> str:
-    """sha256 of the raw input bytes (and file names, for a folder): detects a changed corpus."""
-    source = Path(source)
+# ---------------------------------------------------------------------------- sources and checksums
+
+def source_fingerprint(sources) -> list:
+    return [fp for s in sources for fp in s.fingerprint()]
+
+
+def combined_checksum(records) -> str:
     h = hashlib.sha256()
-    for f in _source_files(source):
-        if source.is_dir():
-            h.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
+    for r in records:
+        h.update(f"{Path(r['path']).name}\0{r['sha256']}\0".encode())
     return h.hexdigest()
 
 
-def _decode_utf8(path: Path) -> str:
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path} is not valid UTF-8 text: bad byte 0x{data[e.start]:02x} at byte offset {e.start}") from None
+def source_checksum(source) -> str:
+    """One sha256 for a whole input (file, folder or pattern): detects a changed corpus."""
+    sources = resolve_inputs(source)
+    return combined_checksum([{"path": str(s.path), "sha256": s.checksum()} for s in sources])
 
 
-def _jsonl_texts(path: Path, text: str) -> list:
-    docs = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue  # blank lines (a trailing newline, say) are harmless
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            raise UserError(f"{path} line {lineno}: not valid JSON ({one_line(getattr(e, 'msg', e))})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            raise UserError(f'{path} line {lineno}: expected a JSON object with a string "text" field')
-        docs.append(obj["text"])
-    return docs
-
-
-def read_source(source) -> str:
-    """The whole corpus as one string: a text file, a folder of .txt files, or a .jsonl file."""
-    source = Path(source)
-    files = _source_files(source)
-    if source.suffix == ".jsonl" and source.is_file():
-        docs = _jsonl_texts(source, _decode_utf8(source))
-    else:
-        docs = [_decode_utf8(f) for f in files]
-    text = "\n".join(docs)  # documents are separated by a newline, nothing fancier
-    if not text.strip():
-        raise UserError(f"input {source} is empty (no text to tokenize)")
-    return text
-
-
-def _chunks(text: str, size: int = 0):
-    """Split at a lone newline between non-space characters. Our byte-level BPE pre-tokenizer
-    always cuts there, so chunk-by-chunk encoding equals whole-text encoding (exactly for
-    byte/char/bpe; a foreign tokenizer.json may differ by a token at each ~1M-char cut)."""
-    size, start = size or CHUNK_CHARS, 0
-    while start < len(text):
-        m = _CUT.search(text, start + size)
-        end = m.start() if m else len(text)
-        yield text[start:end]
-        start = end
-
-
-# ---------------------------------------------------------------------------- building a dataset
+# ---------------------------------------------------------------------------- tokenizers
 
 def _tokenizer_kind(tokenizer: str, tokenizer_path):
     """Normalize `tokenizer` to (kind, path): a path ending in .json means an existing tokenizer.json."""
@@ -125,21 +100,220 @@ def _tokenizer_kind(tokenizer: str, tokenizer_path):
     raise UserError(f"unknown tokenizer {tokenizer!r} (expected byte, char, bpe or a path to a tokenizer.json file)")
 
 
-def _build_tokenizer(kind, path, vocab_size, text):
+def _check_vocab_args(kind, vocab_size):
     if vocab_size is not None and kind != "bpe":
         raise UserError(f"--vocab-size only applies to --tokenizer bpe (got tokenizer {kind})")
+    if kind == "bpe":
+        if vocab_size is None:
+            raise UserError("--tokenizer bpe needs --vocab-size (at least 257: 256 bytes plus end-of-text)")
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 257:
+            raise UserError(f"bpe vocab size must be an integer of at least 257 (256 bytes plus end-of-text), "
+                            f"got {vocab_size!r}")
+
+
+def _sample_texts(sources, text_field: str, budget_chars: int):
+    """A bounded, streamed sample for BPE training: the first budget/len(sources) characters of each source."""
+    per_source = max(1 << 16, budget_chars // len(sources))
+    for src in sources:
+        taken = 0
+        gen = src.pieces(text_field)
+        for text, _, _ in gen:
+            yield text[:per_source - taken]
+            taken += len(text)
+            if taken >= per_source:
+                gen.close()
+                break
+
+
+def _build_tokenizer(kind, path, vocab_size, sources, text_field, sample_chars, echo):
     if kind == "byte":
         return ByteTokenizer()
     if kind == "char":
-        return CharTokenizer.from_text(text)
+        chars = set()  # one streamed pass: the vocabulary is every character of the corpus
+        for src in sources:
+            for text, _, _ in src.pieces(text_field):
+                chars.update(text)
+        return CharTokenizer(sorted(chars))
     if kind == "bpe":
-        if vocab_size is None:
-            raise UserError("--tokenizer bpe needs --vocab-size (at least 257: 256 bytes plus merges)")
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 257:
-            raise UserError(f"bpe vocab size must be an integer of at least 257 (256 bytes plus merges), got {vocab_size!r}")
-        return HFTokenizer.train_bpe(_chunks(text), vocab_size)
+        echo(f"training BPE (vocab {vocab_size}) on a sample of at most {sample_chars / 1e6:.0f}M characters")
+        return HFTokenizer.train_bpe(_sample_texts(sources, text_field, sample_chars), vocab_size)
     return HFTokenizer.from_file(path)
 
+
+# ---------------------------------------------------------------------------- writing shards
+
+class SplitWriter:
+    """Appends one split's tokens to shards of at most shard_tokens, and document ends to .docs files."""
+
+    def __init__(self, folder: Path, split: str, dtype: str, shard_tokens: int):
+        self.folder, self.split, self.dtype, self.shard_tokens = folder, split, np.dtype(dtype), shard_tokens
+        self.shards, self.tokens, self.documents = [], 0, 0
+        self._f = self._docs_f = None
+        self._n = self._shard_docs = 0
+        self._ends = []
+
+    def _roll(self):
+        self._close_shard()
+        name = f"{self.split}-{len(self.shards):05d}"
+        self._f = open(self.folder / f"{name}.bin", "wb")
+        self._docs_f = open(self.folder / f"{name}.docs", "wb")
+        self._n = self._shard_docs = 0
+        self.shards.append({"file": f"{name}.bin", "docs_file": f"{name}.docs", "tokens": 0, "documents": 0})
+
+    def write(self, ids: np.ndarray, ends_document: bool):
+        if self._f is None:
+            self._roll()
+        while len(ids):
+            if self._n == self.shard_tokens:
+                self._roll()
+            take = min(len(ids), self.shard_tokens - self._n)
+            ids[:take].astype(self.dtype, copy=False).tofile(self._f)
+            self._n, self.tokens, ids = self._n + take, self.tokens + take, ids[take:]
+        if ends_document:  # the last token written is in the open shard
+            self._ends.append(self._n)
+            self._shard_docs += 1
+            self.documents += 1
+            if len(self._ends) >= 1 << 16:
+                self._flush_ends()
+
+    def _flush_ends(self):
+        if self._ends:
+            np.asarray(self._ends, dtype="<u8").tofile(self._docs_f)
+            self._ends = []
+
+    def _close_shard(self):
+        if self._f is None:
+            return
+        self._flush_ends()
+        for f in (self._f, self._docs_f):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        self.shards[-1].update(tokens=self._n, documents=self._shard_docs)
+        self._f = self._docs_f = None
+
+    def close(self) -> dict:
+        self._close_shard()
+        return {"tokens": self.tokens, "documents": self.documents, "shards": self.shards}
+
+
+def _move_tail(folder: Path, train: dict, val: SplitWriter, n_val: int, dtype: str):
+    """Single-document corpus: move the last n_val tokens of train's shards to val (the old token split)."""
+    cut = train["tokens"] - n_val
+    start = 0
+    for shard in train["shards"]:
+        end = start + shard["tokens"]
+        if end > cut:
+            local = max(0, cut - start)
+            data = np.memmap(folder / shard["file"], dtype=dtype, mode="r", shape=(shard["tokens"],))
+            for i in range(local, shard["tokens"], 1 << 22):
+                val.write(np.array(data[i:i + (1 << 22)]), ends_document=False)
+            del data
+        start = end
+    val._ends.append(val._n)  # the document's end moved with its tail
+    val._shard_docs += 1
+    val.documents += 1
+    kept, start = [], 0
+    for shard in train["shards"]:
+        end, local = start + shard["tokens"], cut - start
+        if local <= 0:
+            (folder / shard["file"]).unlink()
+            (folder / shard["docs_file"]).unlink()
+        else:
+            if local < shard["tokens"]:
+                os.truncate(folder / shard["file"], local * np.dtype(dtype).itemsize)
+            open(folder / shard["docs_file"], "wb").close()  # the only document no longer ends in train
+            kept.append({**shard, "tokens": min(local, shard["tokens"]), "documents": 0})
+        start = end
+    return {"tokens": cut, "documents": 0, "shards": kept}
+
+
+# ---------------------------------------------------------------------------- tokenizing in workers
+
+_WORKER_TOK = None
+
+
+def _init_worker(spec):
+    global _WORKER_TOK
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker; the workers are the parallelism
+    _WORKER_TOK = from_spec(spec)
+
+
+def _encode(tok, texts, flags):
+    """Token ids of each piece with BOS before a document's first piece and EOS after its last."""
+    bos, eos = tok.bos_id, tok.eos_id
+    out = []
+    for ids, (first, last) in zip(tok.encode_arrays(texts), flags):
+        if (first and bos is not None) or (last and eos is not None):
+            ids = np.concatenate([[bos]] * (first and bos is not None) + [ids] + [[eos]] * (last and eos is not None))
+        out.append(ids)
+    lengths = np.array([len(a) for a in out], dtype=np.int64)
+    return (np.concatenate(out) if out else np.zeros(0, np.int64)).astype(np.uint32), lengths
+
+
+def _encode_task(texts, flags):
+    return _encode(_WORKER_TOK, texts, flags)
+
+
+def _tasks(stream):
+    """Group (text, first, last, split) pieces into tasks of about TASK_CHARS characters."""
+    texts, meta, size = [], [], 0
+    for text, first, last, split in stream:
+        texts.append(text)
+        meta.append((first, last, split))
+        size += len(text)
+        if size >= TASK_CHARS:
+            yield texts, meta
+            texts, meta, size = [], [], 0
+    if texts:
+        yield texts, meta
+
+
+class _Progress:
+    def __init__(self, echo, every_s: float = 10.0):
+        self.echo, self.every_s, self.start = echo, every_s, time.perf_counter()
+        self.last, self.chars, self.docs, self.tokens = self.start, 0, 0, 0
+
+    def add(self, texts, meta, n_tokens):
+        self.chars += sum(len(t) for t in texts)
+        self.docs += sum(1 for _, last, _ in meta if last)
+        self.tokens += n_tokens
+        now = time.perf_counter()
+        if now - self.last >= self.every_s:
+            self.last = now
+            self.echo(f"  {self.docs:,} documents, {self.tokens:,} tokens, {self.chars / 1e6:,.0f}M characters "
+                      f"({self.chars / 1e6 / (now - self.start):.1f}M chars/s)")
+
+
+def _tokenize_into(stream, tok, writers, workers: int, progress: _Progress):
+    def consume(texts, meta, result):
+        ids, lengths = result
+        progress.add(texts, meta, len(ids))
+        pos = 0
+        for (first, last, split), n in zip(meta, lengths.tolist()):
+            writers[split].write(ids[pos:pos + n], last)
+            pos += n
+
+    if workers == 0:
+        for texts, meta in _tasks(stream):
+            consume(texts, meta, _encode(tok, texts, [(f, l) for f, l, _ in meta]))
+        return
+    import multiprocessing as mp
+
+    # spawn: workers start clean (no inherited threads, tokenizer state or process groups)
+    with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(tok.spec(),)) as pool:
+        pending = deque()
+        for texts, meta in _tasks(stream):
+            pending.append((texts, meta, pool.apply_async(_encode_task, (texts, [(f, l) for f, l, _ in meta]))))
+            while len(pending) > 2 * workers:  # bounded: the reader never runs far ahead of the workers
+                t, m, r = pending.popleft()
+                consume(t, m, r.get())
+        while pending:
+            t, m, r = pending.popleft()
+            consume(t, m, r.get())
+
+
+# ---------------------------------------------------------------------------- the output folder
 
 def _check_out_dir(out_dir: Path, overwrite: bool):
     """Refuse early, before any work, if writing out_dir could destroy something."""
@@ -147,39 +321,41 @@ def _check_out_dir(out_dir: Path, overwrite: bool):
         raise UserError(f"output path {out_dir} exists and is not a folder")
     if not out_dir.is_dir():
         return
-    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in DATASET_FILES)
+    foreign = sorted(p.name for p in out_dir.iterdir() if not _is_dataset_file(p.name))
     if foreign:  # replacing the folder would delete these: never do that
         raise UserError(f"output folder {out_dir} holds files that are not part of a dataset ({', '.join(foreign[:3])}); choose another --out")
-    if (out_dir / "train.bin").exists() and not overwrite:
+    if any(p.name == "meta.json" or p.suffix == ".bin" for p in out_dir.iterdir()) and not overwrite:
         raise UserError(f"output folder {out_dir} already holds a prepared dataset; pass --overwrite to replace it")
 
 
-def _write_tokens(tok, text, path: Path, dtype: str) -> int:
-    n = 0
-    with open(path, "wb") as f:
-        chunks = list(_chunks(text))
-        for i in range(0, len(chunks), 16):  # batches of chunks let HF tokenizers use all cores
-            for ids in tok.encode_batch(chunks[i:i + 16]):
-                np.asarray(ids, dtype=dtype).tofile(f)
-                n += len(ids)
-        f.flush()
-        os.fsync(f.fileno())
-    return n
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
-def _split(tmp: Path, n: int, dtype: str, val_fraction: float):
-    """Move the last val_fraction of the stream from train.bin to val.bin (copy tail, truncate)."""
-    n_val = int(n * val_fraction)
-    if n_val < 1 or n - n_val < 1:
-        raise UserError(f"input is too small: {n} tokens cannot be split into non-empty train and val sets (val fraction {val_fraction})")
-    itemsize = np.dtype(dtype).itemsize
-    val = np.fromfile(tmp / "train.bin", dtype=dtype, count=n_val, offset=(n - n_val) * itemsize)
-    with open(tmp / "val.bin", "wb") as f:
-        val.tofile(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.truncate(tmp / "train.bin", (n - n_val) * itemsize)
-    return n - n_val, n_val
+def _claim_partial(out_dir: Path, echo) -> Path:
+    """The hidden build folder `.NAME.partial`; what an interrupted prepare left there is removed."""
+    tmp = out_dir.parent / f".{out_dir.name}.partial"
+    if tmp.exists():
+        try:
+            owner = json.loads((tmp / "owner.json").read_text())
+        except (OSError, ValueError):
+            owner = {}
+        if owner.get("host") == socket.gethostname() and _pid_alive(int(owner.get("pid", -1))) \
+                and int(owner.get("pid", -1)) != os.getpid():
+            raise UserError(f"another paratrain prepare (pid {owner['pid']}) is writing {out_dir}; wait for it, "
+                            f"or stop it and remove {tmp}")
+        echo(f"removing the unfinished dataset an interrupted prepare left in {tmp}; starting clean")
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    (tmp / "owner.json").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                "started": time.time()}))
+    return tmp
 
 
 def _swap_into_place(tmp: Path, out_dir: Path):
@@ -198,34 +374,113 @@ def _swap_into_place(tmp: Path, out_dir: Path):
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _tokenizer_checksum(folder: Path, tok) -> str:
+    h = hashlib.sha256(tok.kind.encode())
+    for name in tok.files:
+        h.update((folder / name).read_bytes())
+    h.update(json.dumps([tok.vocab_size, tok.eos_id, tok.bos_id]).encode())
+    return h.hexdigest()
+
+
+def is_validation_doc(doc: int, fraction: float) -> bool:
+    """Every 1/fraction-th document, evenly spread: floor((i+1) f) > floor(i f)."""
+    return int((doc + 1) * fraction) > int(doc * fraction)
+
+
+def _document_stream(sources, val_sources, text_field, val_fraction, counters):
+    for src in sources:
+        for text, first, last in src.pieces(text_field):
+            doc = counters["docs"]
+            counters["text"] = counters["text"] or not text.isspace()
+            yield text, first, last, ("train" if val_sources else "val" if is_validation_doc(doc, val_fraction) else "train")
+            if last:
+                counters["docs"] += 1
+    for src in val_sources:
+        for text, first, last in src.pieces(text_field):
+            counters["text"] = counters["text"] or not text.isspace()
+            yield text, first, last, "val"
+
+
+def default_workers(sources) -> int:
+    size = sum(f.stat().st_size for s in sources for f in s.stat_files())
+    return 0 if size < SMALL_INPUT_BYTES else (os.cpu_count() or 1)
+
+
 def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenizer_path=None,
-                    val_fraction=0.1, dtype=None, overwrite=False) -> dict:
-    source, out_dir = Path(source), Path(out_dir)
+                    val_fraction=0.1, dtype=None, overwrite=False, *, val_input=None, text_field="text",
+                    workers=None, shard_tokens=DEFAULT_SHARD_TOKENS, sample_mb=DEFAULT_SAMPLE_MB, echo=None) -> dict:
+    """Tokenize `source` (file, folder, glob pattern, or a list of them) into a sharded dataset in out_dir.
+    workers: tokenizer processes (0: this process; None: the machine's cores, or 0 for a small input)."""
+    echo = echo or (lambda *_: None)
+    out_dir = Path(out_dir)
     kind, tok_path = _tokenizer_kind(tokenizer, tokenizer_path)
+    _check_vocab_args(kind, vocab_size)
     if not (isinstance(val_fraction, (int, float)) and 0 < val_fraction <= 0.5):
         raise UserError(f"val fraction must be in (0, 0.5], got {val_fraction!r}")
+    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise UserError(f"shard tokens must be a positive integer, got {shard_tokens!r}")
+    if isinstance(sample_mb, bool) or not isinstance(sample_mb, (int, float)) or not sample_mb > 0:
+        raise UserError(f"--sample-mb must be positive, got {sample_mb!r}")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+        raise UserError(f"workers must be an integer >= 0 (0: tokenize in this process), got {workers!r}")
+    if not text_field:
+        raise UserError("--text-field must not be empty")
     choose_dtype(0, dtype)  # reject a bad dtype name before the slow part
+    sources = resolve_inputs(source)
+    val_sources = resolve_inputs(val_input, "validation input") if val_input else []
     _check_out_dir(out_dir, overwrite)
-    text = read_source(source)
-    tok = _build_tokenizer(kind, tok_path, vocab_size, text)
+    tok = _build_tokenizer(kind, tok_path, vocab_size, sources + val_sources, text_field, int(sample_mb * 1e6), echo)
     dtype = choose_dtype(tok.vocab_size, dtype)
+    workers = default_workers(sources + val_sources) if workers is None else workers
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the dataset should read like any folder
+    tmp = _claim_partial(out_dir, echo)
     try:
-        n = _write_tokens(tok, text, tmp / "train.bin", dtype)
-        n_train, n_val = _split(tmp, n, dtype, val_fraction)
+        start = time.perf_counter()
+        writers = {s: SplitWriter(tmp, s, dtype, int(shard_tokens)) for s in SPLITS}
+        counters = {"docs": 0, "text": False}
+        progress = _Progress(echo)
+        stream = _document_stream(sources, val_sources, text_field, val_fraction, counters)
+        _tokenize_into(stream, tok, writers, workers, progress)
+        if not counters["text"]:
+            raise UserError(f"input {source} is empty (no text to tokenize)")
+        train, val = writers["train"].close(), writers["val"]
+        n_docs = counters["docs"]
+        if val_sources:
+            val_split = "val-input"
+        elif n_docs == 1:  # one document (a single text file): cut it, its tail is the validation split
+            n = train["tokens"]
+            n_val = int(n * val_fraction)
+            if n_val < 1 or n - n_val < 1:
+                raise UserError(f"input is too small: {n} tokens cannot be split into non-empty train and val sets "
+                                f"(val fraction {val_fraction})")
+            train, val_split = _move_tail(tmp, train, val, n_val, dtype), "tokens of the single document"
+        else:
+            val_split = "documents"
+        val = val.close()
+        if val["tokens"] == 0:
+            raise UserError(f"--val-fraction {val_fraction} of {n_docs} documents leaves no validation document; "
+                            "use a larger --val-fraction, more documents, or --val-input")
+        if train["tokens"] == 0:
+            raise UserError(f"no training documents left ({n_docs} documents in the input)")
         tok.save(tmp)
-        meta = json.loads((tmp / "meta.json").read_text())  # tokenizer + vocab_size from save()
-        meta.update(dtype=dtype, train_tokens=n_train, val_tokens=n_val, val_fraction=val_fraction,
-                    source=str(source.resolve()), source_sha256=source_checksum(source),
-                    tokenizer_files=list(tok.files))
+        records = [s.record() for s in sources]
+        meta = json.loads((tmp / "meta.json").read_text())  # tokenizer, vocab_size, eos_id, bos_id from save()
+        meta.update(format=FORMAT, dtype=dtype, train_tokens=train["tokens"], val_tokens=val["tokens"],
+                    train_documents=train["documents"], val_documents=val["documents"],
+                    val_fraction=None if val_sources else val_fraction, val_split=val_split,
+                    text_characters=progress.chars, splits={"train": train, "val": val}, shard_tokens=int(shard_tokens), text_field=text_field,
+                    source=[str(s) for s in source] if isinstance(source, (list, tuple)) else str(source),
+                    source_sha256=combined_checksum(records), sources=records,
+                    source_fingerprint=source_fingerprint(sources),
+                    val_sources=[s.record() for s in val_sources], tokenizer_files=list(tok.files),
+                    tokenizer_sha256=_tokenizer_checksum(tmp, tok), seconds=round(time.perf_counter() - start, 3))
         if tok_path is not None:
             meta["tokenizer_source"] = str(tok_path.resolve())
         if kind == "bpe":  # BPE may stop short of the asked size; remember what was asked
             meta["requested_vocab_size"] = vocab_size
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        (tmp / "owner.json").unlink()
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")  # written last: the commit point
         _check_out_dir(out_dir, overwrite)  # again: someone may have written there meanwhile
         _swap_into_place(tmp, out_dir)
     except BaseException:
@@ -234,45 +489,79 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
     return meta
 
 
+# ---------------------------------------------------------------------------- reading the index
+
 def read_meta(data_dir) -> dict:
-    """meta.json of a prepared dataset folder, or a UserError saying how to make one."""
+    """The index (meta.json) of a prepared dataset folder, or a UserError saying how to make one."""
     data_dir = Path(data_dir)
-    for name in ("meta.json", "train.bin", "val.bin"):
-        if not (data_dir / name).is_file():
-            raise UserError(f"{data_dir} is not a prepared dataset (no {name}); run: paratrain prepare --input TEXT --out {data_dir}")
+    redo = f"paratrain prepare --input TEXT --out {data_dir} --overwrite"
+    if not (data_dir / "meta.json").is_file():
+        raise UserError(f"{data_dir} is not a prepared dataset (no meta.json); run: paratrain prepare --input TEXT --out {data_dir}")
     try:
         meta = json.loads((data_dir / "meta.json").read_text())
         meta["tokenizer"], meta["vocab_size"], meta["dtype"]  # the keys everything else relies on
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{data_dir / 'meta.json'} is damaged ({one_line(e)}); prepare the dataset again with --overwrite") from None
+    if meta.get("format") != FORMAT:
+        raise UserError(f"{data_dir} was prepared by an older paratrain (one train.bin, no shard index); prepare it "
+                        f"again: {redo}")
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for split in SPLITS:
+        for shard in meta["splits"][split]["shards"]:
+            path = data_dir / shard["file"]
+            if not path.is_file() or path.stat().st_size != shard["tokens"] * itemsize:
+                raise UserError(f"{path} is missing or has the wrong size; prepare the dataset again: {redo}")
     return meta
 
 
 def ensure_prepared(source, out_dir, tokenizer="char", **kw) -> dict:
-    """Prepare out_dir from source unless it already holds this exact corpus and tokenizer."""
+    """Prepare out_dir from source unless it already holds this exact corpus and tokenizer (an older
+    format is prepared again)."""
     kind, _ = _tokenizer_kind(tokenizer, kw.get("tokenizer_path"))
     try:
         meta = read_meta(out_dir)
     except UserError:
         meta = None
-    if meta is not None and meta.get("tokenizer") == kind and meta.get("source_sha256") == source_checksum(source):
+    if meta is not None and meta.get("tokenizer") == kind and _same_corpus(meta, source):
         if kind != "bpe" or meta.get("requested_vocab_size") == kw.get("vocab_size"):
             return meta
     return prepare_dataset(source, out_dir, tokenizer=tokenizer, overwrite=True, **kw)
 
 
+def _same_corpus(meta: dict, source) -> bool:
+    sources = resolve_inputs(source)
+    if meta.get("source_fingerprint") == source_fingerprint(sources):
+        return True  # same files, sizes and modification times
+    return meta.get("source_sha256") == source_checksum(source)
+
+
 def main_prepare(argv) -> int:
-    p = argparse.ArgumentParser(prog="paratrain prepare", description="Tokenize text into train.bin / val.bin.")
-    p.add_argument("--input", required=True, help="a text file, a folder of .txt files, or a .jsonl file with a 'text' field")
+    p = argparse.ArgumentParser(prog="paratrain prepare", description="Tokenize a corpus into a folder of token shards.")
+    p.add_argument("--input", required=True, action="append",
+                   help="a file (.txt .jsonl .jsonl.gz .jsonl.zst .parquet), a folder (searched recursively, or one "
+                        "written by datasets' save_to_disk), or a quoted glob pattern; may be repeated")
     p.add_argument("--out", required=True, help="dataset folder to create")
     p.add_argument("--tokenizer", default="char", help="byte, char, bpe, or a path to an existing tokenizer.json")
     p.add_argument("--vocab-size", type=int, default=None, help="vocab size for --tokenizer bpe (>= 257)")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="last fraction of tokens held out for validation")
+    p.add_argument("--sample-mb", type=float, default=DEFAULT_SAMPLE_MB,
+                   help="text sampled (spread over the input files) to train --tokenizer bpe on")
+    p.add_argument("--text-field", default="text", help="JSON field / parquet column holding the document text")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="fraction of documents held out for validation")
+    p.add_argument("--val-input", action="append", default=None, help="validation documents instead of --val-fraction")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: the machine's cores, or this "
+                                                              "process for an input under 4 MB; 0: this process)")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file at most")
     p.add_argument("--dtype", choices=["uint16", "uint32"], default=None, help="token dtype (default: by vocab size)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     a = p.parse_args(argv)
-    meta = prepare_dataset(a.input, a.out, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
-                           val_fraction=a.val_fraction, dtype=a.dtype, overwrite=a.overwrite)
-    print(f"prepared {a.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens, "
-          f"{meta['tokenizer']} tokenizer, vocab {meta['vocab_size']:,}, {meta['dtype']}")
+    echo = (lambda *_: None) if a.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    meta = prepare_dataset(a.input if len(a.input) > 1 else a.input[0], a.out, tokenizer=a.tokenizer,
+                           vocab_size=a.vocab_size, val_fraction=a.val_fraction, dtype=a.dtype, overwrite=a.overwrite,
+                           val_input=a.val_input, text_field=a.text_field, workers=a.workers,
+                           shard_tokens=a.shard_tokens, sample_mb=a.sample_mb, echo=echo)
+    n_shards = sum(len(meta["splits"][s]["shards"]) for s in SPLITS)
+    print(f"prepared {a.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
+          f"({meta['train_documents']:,} + {meta['val_documents']:,} documents, {n_shards} shards), "
+          f"{meta['tokenizer']} tokenizer, vocab {meta['vocab_size']:,}, {meta['dtype']}, {meta['seconds']:.1f}s")
     return 0

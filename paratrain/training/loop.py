@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.config import dump_toml
-from paratrain.data import TokenData, load_tokenizer
+from paratrain.data import load_tokenizer, open_split
 from paratrain.distributed.env import DistEnv, register_process
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize, unwrap
@@ -59,7 +59,7 @@ class Trainer:
         self.want_final_weights = want_final_weights
         cfg, dev, t = spec.cfg, env.device, spec.cfg.training
         self.dims = ParallelDims.build(spec.layout, dev.type)
-        self.train_data = TokenData(spec.data_dir, "train", t.seq_len)
+        self.train_data = open_split(cfg.data, "train", t.seq_len)  # one dataset or a mixture
         self.tokenizer = load_tokenizer(spec.data_dir)
         self.prompt_ids = self.tokenizer.encode(cfg.sample.prompt)  # fails now, not after training
 
@@ -86,11 +86,11 @@ class Trainer:
         self.guard = ResilienceGuard(cfg.resilience, self.progress, dev, notice=self.notice)
         self.checkpointer = Checkpointer(spec, model, optimizer, self.progress, env.is_main, self.tokenizer,
                                          dump_toml(cfg), notice=self.notice, warn=self.warn)
-        self.evaluate = Evaluator(TokenData(spec.data_dir, "val", t.seq_len), self.step, spec, self.dims.dp_rank,
+        self.evaluate = Evaluator(open_split(cfg.data, "val", t.seq_len), self.step, spec, self.dims.dp_rank,
                                   self.dims.dp_group)
         self.peak, self.peak_source = peak_flops(dev, cfg.metrics.peak_tflops)
         self.restarts = int(os.environ.get(ATTEMPT_ENV, "0"))
-        self.recorder = StepRecorder(spec, self.step, env, self.peak, flops_per_token(spec.model_args, t.seq_len),
+        self.recorder = StepRecorder(spec, self.step, self.train_data, env, self.peak, flops_per_token(spec.model_args, t.seq_len),
                                      self.restarts, self.dims.dp_group)
         self.faults = FaultInjector(env.rank)
         if env.world_size > 1:

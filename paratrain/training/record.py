@@ -9,8 +9,8 @@ from paratrain.observe.sysmetrics import PhaseTimer, gather_rank_stats
 
 
 class StepRecorder:
-    def __init__(self, spec, step, env, peak_flops: float, flops_per_token: float, restarts: int, dp_group):
-        self.spec, self.step, self.env, self.dp_group = spec, step, env, dp_group
+    def __init__(self, spec, step, train_data, env, peak_flops: float, flops_per_token: float, restarts: int, dp_group):
+        self.spec, self.step, self.train_data, self.env, self.dp_group = spec, step, train_data, env, dp_group
         self.peak, self.flops_per_token, self.restarts = peak_flops, flops_per_token, restarts
         self.timer = PhaseTimer()  # splits each step into data wait / comm wait / compute
         self.bubble_history: list[list[float]] = []  # pipeline: measured idle fraction per stage rank, per step
@@ -20,6 +20,7 @@ class StepRecorder:
 
     def record(self, step: int, loss: float, lr: float, grad_norm: torch.Tensor, seconds: float, progress,
                checkpoint_save_s: float | None) -> dict:
+        """`progress` is the run's Progress, after this step's batch (data_step already advanced)."""
         tokens = self.spec.tokens_per_step
         world = self.env.world_size
         tok_s = tokens / seconds
@@ -28,6 +29,7 @@ class StepRecorder:
                   "mfu": self.flops_per_token * tok_s / (self.peak * world), "step_time_s": seconds,
                   "skipped_steps": progress.skipped, "tokens": (step + 1) * tokens,
                   "micro_batch": progress.micro_batch, "restarts": self.restarts, **self.timer.split(seconds)}
+        record.update(self.train_data.progress(progress.data_step, self.spec.global_batch))  # epochs, tokens/source
         if self.step.moe:  # every rank: one small all-reduce of the step's expert load
             record.update(self.step.moe.step_metrics(self.dp_group))
         if self.step.pipeline is not None:  # every rank: one tiny all-gather over the pp group

@@ -1,0 +1,46 @@
+"""What the trainer asks of the data package, given the `[data]` config section.
+
+    prepare_for_config(cfg.data, source)   rank 0, before launch: prepare (or reuse) the dataset; or check
+                                           the datasets of a mixture. Returns the meta (with "dir": the
+                                           folder the tokenizer is loaded from)
+    dataset_meta(cfg.data)                 the same meta, read-only (the other ranks)
+    open_split(cfg.data, split, seq_len)   the TokenData of a split (one dataset or the mixture)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from paratrain.data.loader import TokenData
+from paratrain.data.mixture import parse_sources
+from paratrain.data.prepare import ensure_prepared, read_meta
+
+
+def _mixture_meta(data_cfg) -> dict:
+    mixture = parse_sources(data_cfg.sources)
+    metas = [read_meta(d) for d in mixture.dirs]
+    mixture.check_tokenizers(metas)
+    return {**metas[0], "dir": str(mixture.dirs[0]), "mixture": [
+        {"dir": str(d), "weight": w, "name": n} for d, w, n in zip(mixture.dirs, mixture.weights, mixture.names)]}
+
+
+def prepare_for_config(data_cfg, source) -> dict:
+    if getattr(data_cfg, "sources", None):
+        return _mixture_meta(data_cfg)  # a mixture uses datasets prepared beforehand
+    tokenizer, path = data_cfg.tokenizer, None
+    if tokenizer.endswith(".json"):
+        tokenizer, path = "tokenizer.json", tokenizer
+    meta = ensure_prepared(source, data_cfg.dir, tokenizer=tokenizer, vocab_size=data_cfg.vocab_size,
+                           tokenizer_path=path, val_fraction=data_cfg.val_fraction)
+    return {**meta, "dir": str(data_cfg.dir)}
+
+
+def dataset_meta(data_cfg) -> dict:
+    if getattr(data_cfg, "sources", None):
+        return _mixture_meta(data_cfg)
+    return {**read_meta(data_cfg.dir), "dir": str(data_cfg.dir)}
+
+
+def open_split(data_cfg, split: str, seq_len: int) -> TokenData:
+    where = list(data_cfg.sources) if getattr(data_cfg, "sources", None) else Path(data_cfg.dir)
+    return TokenData(where, split, seq_len, mode=getattr(data_cfg, "mode", "random"))
