@@ -129,7 +129,7 @@ def test_gradient_accumulation_matches_big_batch(char_data, tmp_path):
         assert abs(x - y) < 1e-5 and abs(x - z) < 1e-5
     for k, v in big.final_weights.items():
         # Adam turns a rounding-level gradient difference on a rarely seen embedding row into a step-sized one:
-        # at lr 1e-2 one element of the sharded-data batches lands at 1.09e-5, hence 2e-5.
+        # at lr 1e-2 one element of the batches of the hashed-offset loader lands at 1.09e-5, hence 2e-5.
         torch.testing.assert_close(acc.final_weights[k], v, rtol=0, atol=2e-5)
     assert not (tmp_path / "big" / "checkpoints").exists()  # save_final=false
 
