@@ -208,7 +208,7 @@ def test_single_text_file_gets_one_eos_and_a_token_split(tmp_path):
     meta = prepare_dataset(write(tmp_path / "a.txt", CORPUS), tmp_path / "d", tokenizer="char")
     train, val = tokens(tmp_path / "d")
     assert meta["dtype"] == "uint16" and train.dtype == np.uint16 and meta["val_split"].startswith("tokens")
-    assert (meta["train_tokens"], meta["val_tokens"]) == (len(train), len(val)) == (18_001, 2_000)
+    assert (meta["train_tokens"], meta["val_tokens"]) == (len(train), len(val)) == (18_000, 2_001)
     tok = load_tokenizer(tmp_path / "d")
     stream = np.concatenate([train, val])
     assert stream[-1] == tok.eos_id and (stream == tok.eos_id).sum() == 1
@@ -356,7 +356,7 @@ def test_old_format_is_prepared_again(tmp_path):
     raises_one_line(read_meta, old, match="older paratrain.*prepare it again")
     raises_one_line(TokenData, old, "train", 16, match="older paratrain")
     meta = ensure_prepared(src, old)
-    assert meta["format"] == prep.FORMAT and not (old / "train.bin").exists() and read_meta(old)["train_tokens"] == 18_001
+    assert meta["format"] == prep.FORMAT and not (old / "train.bin").exists() and read_meta(old)["train_tokens"] == 18_000
 
 
 def test_truncated_shard_is_detected(tmp_path):
@@ -422,7 +422,7 @@ def test_interrupted_prepare_starts_clean(tmp_path):
 def test_main_prepare(tmp_path, capsys):
     src = write(tmp_path / "a.txt", CORPUS)
     assert prep.main_prepare(["--input", str(src), "--out", str(tmp_path / "d"), "--tokenizer", "byte", "--quiet"]) == 0
-    assert "byte" in capsys.readouterr().out and read_meta(tmp_path / "d")["train_tokens"] == 18_001
+    assert "byte" in capsys.readouterr().out and read_meta(tmp_path / "d")["train_tokens"] == 18_000
     with pytest.raises(UserError):
         prep.main_prepare(["--input", str(src), "--out", str(tmp_path / "d")])
 
@@ -483,7 +483,7 @@ def test_sequential_visits_every_window_once_per_epoch(tmp_path):
     prepare_dataset(write(tmp_path / "a.txt", CORPUS), tmp_path / "d", tokenizer="char", shard_tokens=3000)
     data = TokenData(tmp_path / "d", "train", 32, "sequential")
     n_windows = data.windows[0]
-    assert n_windows == (18_001 - 1) // 32
+    assert n_windows == (18_000 - 1) // 32
     batch = 8
     steps = 3 * n_windows // batch + 1
     starts = np.concatenate([data.offsets(s, batch, seed=3).numpy() for s in range(steps)])
@@ -538,12 +538,12 @@ def test_mixture_weights_hold(mixture_dirs):
             {"dir": str(mixture_dirs["c"]), "weight": 0.1}]
     data = TokenData(spec, "train", 16)
     batch, steps = 8, 1000
-    which = np.concatenate([data.windows_for(np.arange(s * batch, (s + 1) * batch), seed=0)[0] for s in range(steps)])
+    which = np.concatenate([data.windows_for(np.arange(s * batch, (s + 1) * batch), 0, batch)[0] for s in range(steps)])
     share = np.bincount(which, minlength=3) / (batch * steps)
     assert np.abs(share - [0.6, 0.3, 0.1]).max() < 0.02
     # rows really come from their dataset: c is upper-case text, b is reversed
     x, _ = data.global_batch(0, 10, seed=0)
-    w, starts = data.windows_for(np.arange(10), seed=0)
+    w, starts = data.windows_for(np.arange(10), 0, 10)
     for row, (i, o) in enumerate(zip(w.tolist(), starts.tolist())):
         assert x[row].tolist() == data.streams[i].read(o, 17)[:16].tolist()
     p = data.progress(steps, batch)
@@ -581,6 +581,10 @@ def test_mixture_trains_and_logs_tokens_per_source(mixture_dirs, tmp_path):
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").open() if '"loss"' in line]
     assert records[-1]["data_tokens"] == {"a": 3 * 4 * 32 * 3 // 4, "b": 3 * 4 * 32 // 4}
     assert 0 < records[-1]["data_epoch"] < 1 and result.val_loss is not None
+    from paratrain.config import load_config
+
+    saved = load_config(result.run_dir / "config.toml").data.sources  # the run's config.toml replays the mixture
+    assert saved == [{"dir": str(mixture_dirs["a"]), "weight": 3}, {"dir": str(mixture_dirs["b"]), "weight": 1}]
 
 
 # ---------------------------------------------------------------------------- training on shards

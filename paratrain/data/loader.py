@@ -4,7 +4,9 @@ Sample k of the run (k = step * global_batch + row) is a pure function of (seed,
 
     mixture     which dataset sample k comes from, and that dataset's own sample counter c
                 (`mixture.assign`: exact proportions, no state)
-    "random"    a window starting at hash(seed, split, dataset, c) mod (tokens - seq_len)      (today's default)
+    "random"    a window at a uniform random offset: row r of step s reads value r of a torch.randint draw
+                seeded by (seed, split, step, dataset) (for one dataset exactly the offsets of the loader
+                before shards existed, so the default run's batches did not change)
     "sequential" window number perm_epoch(c mod W), epoch = c // W, of the W = (tokens - 1) // seq_len
                 non-overlapping windows: every token once per epoch, in a seeded shuffled order that
                 changes every epoch (a Feistel permutation: no table, O(1) memory for any corpus size)
@@ -28,6 +30,7 @@ from paratrain.data.prepare import read_meta
 _SPLIT_SALT = {"train": 0, "val": 0x5EED_5EED_5EED}  # keeps val windows unrelated to train's
 MODES = ("random", "sequential")
 _M64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -140,8 +143,18 @@ class TokenData:
         self.windows = [max(1, (s.n_tokens - 1) // self.seq_len) for s in self.streams]  # sequential mode
 
     # -- which windows -------------------------------------------------------------------------
-    def windows_for(self, samples: np.ndarray, seed: int):
-        """(dataset index, window start) of each global sample index."""
+    def _random_offsets(self, step: int, dataset: int, global_batch_size: int, seed: int) -> np.ndarray:
+        """A start for every row of the step's global batch, drawn for one dataset."""
+        salt = _SPLIT_SALT[self.split]
+        g = torch.Generator()
+        g.manual_seed(((seed * 1_000_003 + step) ^ salt) & _MASK63 if dataset == 0 else
+                      _key(seed, salt, step, dataset) & _MASK63)
+        high = self.streams[dataset].n_tokens - self.seq_len
+        return torch.randint(0, high, (global_batch_size,), generator=g).numpy()
+
+    def windows_for(self, samples: np.ndarray, seed: int, global_batch_size: int):
+        """(dataset index, window start) of each global sample index (sample = step * global batch + row)."""
+        samples = np.asarray(samples, dtype=np.int64)
         which, counter = self.mixture.assign(samples)
         starts = np.zeros(len(samples), dtype=np.int64)
         salt = _SPLIT_SALT[self.split]
@@ -151,8 +164,12 @@ class TokenData:
                 continue
             c = counter[rows].astype(np.uint64)
             if self.mode == "random":
-                h = _mix64(c ^ np.uint64(_key(seed, salt, i)))
-                starts[rows] = (h % np.uint64(stream.n_tokens - self.seq_len)).astype(np.int64)
+                steps, cols = np.divmod(samples[rows], global_batch_size)
+                out = np.zeros(len(steps), dtype=np.int64)
+                for step in np.unique(steps).tolist():
+                    sel = steps == step
+                    out[sel] = self._random_offsets(step, i, global_batch_size, seed)[cols[sel]]
+                starts[rows] = out
             else:
                 w = self.windows[i]
                 epoch, pos = c // np.uint64(w), c % np.uint64(w)
@@ -166,7 +183,7 @@ class TokenData:
     def offsets(self, step: int, global_batch_size: int, seed: int) -> torch.Tensor:
         """Start of every window of the global batch (in its dataset's stream); depends on (seed, step, split) only."""
         samples = np.arange(step * global_batch_size, (step + 1) * global_batch_size, dtype=np.int64)
-        return torch.from_numpy(self.windows_for(samples, seed)[1])
+        return torch.from_numpy(self.windows_for(samples, seed, global_batch_size)[1])
 
     def _read(self, which, starts):
         # Each window is seq_len+1 tokens: x is the first seq_len, y the same shifted by one.
@@ -174,11 +191,11 @@ class TokenData:
         w = torch.from_numpy(w.astype(np.int64))
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
-    def _rows(self, first: int, count: int, seed: int):
-        return self._read(*self.windows_for(np.arange(first, first + count, dtype=np.int64), seed))
+    def _rows(self, first: int, count: int, seed: int, global_batch_size: int):
+        return self._read(*self.windows_for(np.arange(first, first + count, dtype=np.int64), seed, global_batch_size))
 
     def global_batch(self, step: int, global_batch_size: int, seed: int):
-        return self._rows(step * global_batch_size, global_batch_size, seed)
+        return self._rows(step * global_batch_size, global_batch_size, seed, global_batch_size)
 
     def micro_batches(self, step, global_batch_size, seed, dp_rank, dp_size, accum_steps):
         """Rank dp_rank's contiguous slice of the global batch, cut into accum_steps equal parts."""
@@ -190,7 +207,7 @@ class TokenData:
         per_rank = global_batch_size // dp_size
         mb = per_rank // accum_steps
         first = step * global_batch_size + dp_rank * per_rank
-        return [self._rows(first + i * mb, mb, seed) for i in range(accum_steps)]
+        return [self._rows(first + i * mb, mb, seed, global_batch_size) for i in range(accum_steps)]
 
     def eval_batches(self, num_batches: int, batch_size: int, seed: int = 0):
         """A fixed list of batches (meant for the val split): identical on every call, so eval

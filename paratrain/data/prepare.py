@@ -449,12 +449,13 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
         if val_sources:
             val_split = "val-input"
         elif n_docs == 1:  # one document (a single text file): cut it, its tail is the validation split
-            n = train["tokens"]
-            n_val = int(n * val_fraction)
+            n = train["tokens"] - (tok.bos_id is not None) - (tok.eos_id is not None)  # the text's own tokens
+            n_val = int(n * val_fraction)  # as before EOS existed: the same train tokens, val gains the EOS
             if n_val < 1 or n - n_val < 1:
                 raise UserError(f"input is too small: {n} tokens cannot be split into non-empty train and val sets "
                                 f"(val fraction {val_fraction})")
-            train, val_split = _move_tail(tmp, train, val, n_val, dtype), "tokens of the single document"
+            tail = n_val + (tok.eos_id is not None)
+            train, val_split = _move_tail(tmp, train, val, tail, dtype), "tokens of the single document"
         else:
             val_split = "documents"
         val = val.close()
