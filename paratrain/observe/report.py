@@ -69,13 +69,13 @@ def load_run(path: str | Path) -> Run:
     by_step: dict[int, dict] = {}
     vals: dict[int, float] = {}
     bad = 0
-    for line in log.read_text().splitlines():
-        if not line.strip():
+    for raw in log.read_bytes().splitlines():
+        if not raw.strip():
             continue
         try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1  # e.g. the last line of a run killed mid-write
+            r = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            bad += 1  # e.g. the last line of a run killed mid-write, or bytes that are not text
             continue
         if not isinstance(r, dict) or not isinstance(r.get("step"), int):
             continue
@@ -84,12 +84,12 @@ def load_run(path: str | Path) -> Run:
         if _finite(r.get("val_loss")):
             vals[r["step"]] = r["val_loss"]
     if not by_step:
-        raise UserError(f"{log}: no training steps logged")
+        raise UserError(f"{log}: no training steps logged" + (f" ({bad} unreadable lines: not UTF-8 JSON)" if bad else ""))
     config = {}
     if (path / "config.toml").is_file():
         try:
             config = tomllib.loads((path / "config.toml").read_text())
-        except tomllib.TOMLDecodeError:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError):
             config = {}
     name = config.get("run", {}).get("name", path.name)
     return Run(name, path, [by_step[s] for s in sorted(by_step)], sorted(vals.items()), config, bad)
