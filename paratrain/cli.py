@@ -74,10 +74,10 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 0 or not args.temperature >= 0 or args.top_k < 0:  # `not >=`: NaN too
-        raise UserError("--max-new-tokens, --temperature and --top-k must be >= 0")
-    if args.temperature == float("inf"):
-        raise UserError("--temperature must be finite (0 is greedy)")
+    if args.max_new_tokens < 0 or args.top_k < 0:
+        raise UserError("--max-new-tokens and --top-k must be >= 0")
+    if args.temperature < 0:  # NaN and infinity are refused by the parser
+        raise UserError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     from paratrain.inference import load_for_generation
     from paratrain.generate import sample
 

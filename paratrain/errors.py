@@ -20,6 +20,16 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(f"{self.prog}: {message}")
 
+    def parse_known_args(self, args=None, namespace=None):
+        """Also refuses NaN and infinity for every float option: no command can use them."""
+        import math
+
+        namespace, rest = super().parse_known_args(args, namespace)
+        for key, value in vars(namespace).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                self.error(f"argument --{key.replace('_', '-')}: must be a finite number, got {value}")
+        return namespace, rest
+
 
 def one_line(msg) -> str:
     """A message squeezed onto one line: messages from libraries (the Rust side of `tokenizers`) may span lines."""

@@ -33,9 +33,9 @@ def max_cpu_ranks() -> int:
     return max(CPU_RANKS_ALWAYS_ALLOWED, CPU_RANKS_PER_CORE * available_cores())
 
 
-def check_nproc(device: str, nproc: int, oversubscribe: bool = False, what: str = "--nproc") -> None:
+def check_nproc(device: str, nproc: int, oversubscribe: bool | None = False, what: str = "--nproc") -> None:
     """`nproc` local ranks fit this machine: at most one per GPU on CUDA; on CPU at most max_cpu_ranks() unless
-    oversubscribe."""
+    oversubscribe (None: the command has no --oversubscribe)."""
     if nproc <= 1:
         return
     import torch
@@ -48,9 +48,10 @@ def check_nproc(device: str, nproc: int, oversubscribe: bool = False, what: str 
         return
     limit, cores = max_cpu_ranks(), available_cores()
     if nproc > limit and not oversubscribe:
+        hint = "; pass --oversubscribe to start them anyway" if oversubscribe is not None else ""
         raise ConfigError(f"{what} {nproc} is more than this machine's {cores} CPU core(s) can run "
                           f"(at most {limit} CPU ranks: {CPU_RANKS_PER_CORE} per core, or "
-                          f"{CPU_RANKS_ALWAYS_ALLOWED}); pass --oversubscribe to start them anyway")
+                          f"{CPU_RANKS_ALWAYS_ALLOWED}){hint}")
 
 
 def nearest_existing(path: Path) -> Path:
@@ -119,31 +120,39 @@ def check_ports(m, nproc: int) -> None:
 
 
 def check_launch(cfg, nproc: int, oversubscribe: bool = False) -> None:
-    """Everything about the machine a run can be refused for before anything is written."""
+    """Everything about the machine and the paths a run can be refused for before anything is written (the data
+    included)."""
     check_nproc(cfg.training.device, nproc, oversubscribe)
     check_run_folder(cfg)
     check_ports(cfg.metrics, nproc)
+    _resume_path(cfg)
 
 
-def check_resume(cfg, model_args) -> None:
-    """The checkpoint `checkpoint.resume` names (or the newest complete one, for auto) holds this run's model.
-    Checksums are left to the ranks (they verify before loading, and fall back for auto)."""
-    from paratrain.training.checkpoint import (checkpoint_problem, complete_checkpoints, load_trainer_state,
-                                               model_mismatch)
+def _resume_path(cfg) -> Path | None:
+    """The checkpoint a run would resume from, at a quick look (marker, files, sizes; checksums are left to the
+    ranks, which verify before loading and, for auto, fall back to an older one)."""
+    from paratrain.training.checkpoint import checkpoint_problem, complete_checkpoints
 
     resume = cfg.checkpoint.resume
     if resume == "none":
-        return
+        return None
     if resume == "auto":
         found = complete_checkpoints(cfg.run_dir / "checkpoints")
-        if not found:
-            return
-        path = found[-1]
-    else:
-        path = Path(resume)
-        problem = checkpoint_problem(path, checksums=False)
-        if problem:
-            raise UserError(f"checkpoint.resume={path} is not a usable paratrain checkpoint: {problem}")
+        return found[-1] if found else None
+    path = Path(resume)
+    problem = checkpoint_problem(path, checksums=False)
+    if problem:
+        raise UserError(f"checkpoint.resume={path} is not a usable paratrain checkpoint: {problem}")
+    return path
+
+
+def check_resume(cfg, model_args) -> None:
+    """The checkpoint `checkpoint.resume` names (or the newest complete one, for auto) holds this run's model."""
+    from paratrain.training.checkpoint import load_trainer_state, model_mismatch
+
+    path = _resume_path(cfg)
+    if path is None:
+        return
     mismatch = model_mismatch(load_trainer_state(path), model_args)
     if mismatch:
         raise UserError(f"cannot resume from {path}: {mismatch}; resume from a checkpoint of this model, or give "
@@ -167,6 +176,10 @@ def warn_disk(cfg, model_args, warn) -> None:
         return
     keep = cfg.checkpoint.keep + 1  # the ones kept, and the one being written
     if free < need * keep:
-        warn(f"warning: {where} has {free / 2**30:.2f} GiB free; one checkpoint of this model is about "
-             f"{need / 2**30:.2f} GiB and checkpoint.keep={cfg.checkpoint.keep} keeps {keep - 1} plus the one being "
-             f"written: saves may fail with a full disk")
+        warn(f"warning: {where} has {_size(free)} free; one checkpoint of this model is about {_size(need)} and "
+             f"checkpoint.keep={cfg.checkpoint.keep} keeps {keep - 1} plus the one being written: saves may fail with "
+             f"a full disk")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -7,7 +7,6 @@ meta.json and the tokenizer file(s). It is built in a hidden sibling folder and 
 place at the end, so a crash or a bad input never leaves a half-written dataset behind.
 """
 
-import argparse
 import hashlib
 import json
 import os
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paratrain.errors import UserError, one_line
+from paratrain.errors import OneLineArgumentParser, UserError, one_line
 from paratrain.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer
 
 DATASET_FILES = {"train.bin", "val.bin", "meta.json", "chars.json", "tokenizer.json"}
@@ -262,7 +261,7 @@ def ensure_prepared(source, out_dir, tokenizer="char", **kw) -> dict:
 
 
 def main_prepare(argv) -> int:
-    p = argparse.ArgumentParser(prog="paratrain prepare", description="Tokenize text into train.bin / val.bin.")
+    p = OneLineArgumentParser(prog="paratrain prepare", description="Tokenize text into train.bin / val.bin.")
     p.add_argument("--input", required=True, help="a text file, a folder of .txt files, or a .jsonl file with a 'text' field")
     p.add_argument("--out", required=True, help="dataset folder to create")
     p.add_argument("--tokenizer", default="char", help="byte, char, bpe, or a path to an existing tokenizer.json")

@@ -5,7 +5,7 @@ broken process group or are told to stop by the launcher, exit quietly with the 
 is settled in the process group's store (an atomic counter), so the line appears once even when every rank raises
 the same error (DCP gathers a failed write to all ranks). Exit codes tell the launcher whether a restart can help:
 
-    1  a crash (a bug, a dead peer, a lost node): restarted by --max-restarts, traceback printed
+    1  a crash (a bug: traceback printed; a rank killed: the launcher names it): restarted by --max-restarts
     2  bad input or environment (config, data, paths, a full or read-only disk): never restarted
     3  a collective timed out (resilience.collective_timeout_s): restarted
 """
@@ -65,9 +65,8 @@ def classify(error: BaseException, collective_timeout_s: float) -> Failure:
         return Failure(EXIT_COLLECTIVE_TIMEOUT,
                        f"a collective did not complete within resilience.collective_timeout_s={collective_timeout_s:g} "
                        f"s; another rank is stuck or dead ({_first_line(error)})")
-    if _peer_lost(error):
-        return Failure(EXIT_CRASH, f"lost contact with another rank, which died or was killed ({_first_line(error)})",
-                       own=False)
+    if _peer_lost(error):  # another rank died: it, or the launcher when it was killed, reports that
+        return Failure(EXIT_CRASH, None, own=False)
     return Failure(EXIT_CRASH, None)
 
 
@@ -115,15 +114,14 @@ def report(error: BaseException, rank: int, world: int, collective_timeout_s: fl
     code."""
     failure = classify(error, collective_timeout_s)
     store = _store()
-    if not failure.own:
-        deadline = time.monotonic() + 3  # the rank that failed is writing its record
+    if not failure.own:  # quiet, with the exit code of the rank that failed (it wrote its record before exiting)
+        deadline = time.monotonic() + 1
         while time.monotonic() < deadline:
             code = _first_failure(store)
             if code is not None:
                 return code
             time.sleep(0.05)
-        if failure.line is None:
-            return failure.code
+        return failure.code
     prefix = f"[rank {rank}] " if world > 1 and store is not None else ""
     if _claim(store, rank, failure.code) or (failure.line is None and failure.code == EXIT_CRASH):
         if failure.line is not None:

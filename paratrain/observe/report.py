@@ -13,7 +13,6 @@ A step logged twice (a resumed or rolled-back run appends to the same log) keeps
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -21,7 +20,7 @@ from paratrain.config import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from paratrain.errors import UserError
+from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.observe.metrics import imbalance
 
 MIB = 2**20
@@ -371,7 +370,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> d
 
 
 def main_report(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="paratrain report",
+    parser = OneLineArgumentParser(prog="paratrain report",
                                      description="Plots and a markdown summary of finished runs.")
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (runs/<name>) holding metrics.jsonl")
     parser.add_argument("--out", default=None,
