@@ -92,8 +92,17 @@ def run_rank(cfg: Config, want_final_weights: bool = False):
             code = failure.report(e, rank, world, cfg.resilience.collective_timeout_s)
             if code == failure.EXIT_COLLECTIVE_TIMEOUT:
                 kill_local_peers()  # a frozen peer would hold the launcher for its whole shutdown timeout
-            sys.stdout.flush()
-            sys.exit(code)
+            exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    """End this process with `code` at once: stdio flushed, no interpreter teardown (seconds with torch loaded on a
+    busy machine, while the launcher, its peers and a scheduler wait)."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def leave_promptly() -> None:
@@ -102,14 +111,8 @@ def leave_promptly() -> None:
     atexit handlers run last-registered first, so this one ends the process before the slow part; the exit status
     stays 0, as a normal end would leave it."""
     import atexit
-    import os
 
-    def leave():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-    atexit.register(leave)
+    atexit.register(exit_now, 0)
 
 
 def launch_ranks(entrypoint, args: tuple, nproc: int, max_restarts: int = 0, grace_s: float = 30.0):

@@ -53,9 +53,13 @@ def cmd_train(argv: list[str]) -> int:
     if "--max-restarts" in own:
         overrides.append(f"resilience.max_restarts={_int_flag(own, '--max-restarts', 0)}")
     cfg = load_config(own.get("--config"), overrides)
-    result = train(cfg, nproc=_int_flag(own, "--nproc", 1), oversubscribe=oversubscribe)
+    global _LEAVE_PROMPTLY
+    try:
+        result = train(cfg, nproc=_int_flag(own, "--nproc", 1), oversubscribe=oversubscribe)
+    except UserError:
+        _LEAVE_PROMPTLY = _int_flag(own, "--nproc", 1) > 1  # launched ranks failed: the job ends now (see main)
+        raise
     if result is None or getattr(result, "preempted", False):
-        global _LEAVE_PROMPTLY
         _LEAVE_PROMPTLY = True  # a scheduler is waiting for this process to end (see main)
     return 0
 
@@ -131,10 +135,10 @@ commands:
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the program itself (not a call from Python): after a preemption, end without the teardown
         code = _main(sys.argv[1:])
-        if _LEAVE_PROMPTLY and code == 0:
-            from paratrain.api import leave_promptly
+        if _LEAVE_PROMPTLY:
+            from paratrain.api import exit_now
 
-            leave_promptly()
+            exit_now(code)
         return code
     return _main(argv)
 

@@ -98,6 +98,9 @@ def check_run_folder(cfg) -> None:
 
 def check_ports(m, nproc: int) -> None:
     """The Prometheus port(s) the run will serve on are free now (checked again when bound)."""
+    from paratrain.observe.metrics import check_metrics_config
+
+    check_metrics_config(m)  # the port's range, the host, prometheus_client installed
     if not m.prometheus_port:
         return
     ports = [m.prometheus_port + i for i in range(nproc)] if m.prometheus_per_rank else [m.prometheus_port]

@@ -18,20 +18,20 @@ from paratrain.training.checkpoint import MARKER, checkpoint_problem, step_folde
 _LEFTOVER = re.compile(r"^\.step-\d+\.(tmp|old)$")
 
 
-def _targets(path: Path) -> tuple[list[Path], list[Path]]:
-    """(checkpoint folders, leftovers of interrupted saves) under `path`."""
+def _targets(path: Path) -> tuple[list[Path], list[Path], bool]:
+    """(checkpoint folders, leftovers of interrupted saves, whether path is a run or checkpoints folder)."""
     if not path.exists():
         raise UserError(f"{path}: no such folder")
     if not path.is_dir():
         raise UserError(f"{path} is a file, not a checkpoint folder")
     if (path / MARKER).exists() or step_of(path) >= 0 or (path / integrity.CHECKSUMS).exists():
-        return [path], []
+        return [path], [], False
     for root in (path / "checkpoints", path):
         if root.is_dir():
             found = step_folders(root)
             leftovers = sorted(p for p in root.iterdir() if _LEFTOVER.match(p.name))
             if found or leftovers:
-                return found, leftovers
+                return found, leftovers, True
     raise UserError(f"{path} holds no paratrain checkpoint (no step-N folders, no {MARKER} marker)")
 
 
@@ -41,7 +41,7 @@ def _size(folder: Path) -> int:
 
 def verify(path: Path, out=print) -> bool:
     """Print one line per checkpoint under path; True when all are OK."""
-    checkpoints, leftovers = _targets(path)
+    checkpoints, leftovers, several = _targets(path)
     ok, newest_good = True, None
     for ckpt in checkpoints:
         problem = checkpoint_problem(ckpt)
@@ -56,7 +56,7 @@ def verify(path: Path, out=print) -> bool:
         out(f"OK   {ckpt}: {how}, {_size(ckpt) / 2**20:.1f} MiB")
     for p in leftovers:
         out(f"note {p}: left by an interrupted save; never loaded, removed when the run starts again")
-    if len(checkpoints) > 1:
+    if several:
         out(f"resume=auto would use {newest_good}" if newest_good else "resume=auto would find no usable checkpoint")
     return ok
 
