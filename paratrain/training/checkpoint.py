@@ -67,17 +67,20 @@ def _on_main(is_main: bool, fn) -> None:
         raise PeerFailed("rank 0 failed while committing a checkpoint")
 
 
-def _gather_digests(folder: Path) -> dict[str, str]:
-    """SHA-256 of every file in folder, each rank hashing its share; every rank gets all of them (or raises)."""
-    names = integrity.listed_files(folder)
+def _hash_my_share(folder: Path) -> dict | OSError:
+    """SHA-256 of this rank's share of the files DCP wrote (every rank lists the same files once the save is done)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     try:
-        mine: dict | Exception = integrity.hash_files(folder, integrity.share(names, rank, world))
+        return integrity.hash_files(folder, integrity.share(integrity.listed_files(folder), rank, world))
     except OSError as e:
-        mine = e
+        return e
+
+
+def _gather_digests(mine: dict | OSError) -> dict[str, str]:
+    """Every rank's share of the digests, on every rank (or the same error everywhere)."""
     parts = [mine]
-    if world > 1:
-        parts = [None] * world
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
     if isinstance(mine, Exception):
         raise mine
@@ -155,13 +158,13 @@ def model_optim_state(model: nn.Module, optimizer) -> dict:
 # -- saving -------------------------------------------------------------------------------------
 
 class CheckpointWriter:
-    """Saves step-N folders; with `async_save`, the write happens in the background and the folder is
-    committed (marker + rename) at a later step boundary once every rank has finished."""
+    """Saves step-N folders; with `async_save`, the write and the hashing happen in the background and the folder is
+    committed (checksums + marker + rename) at a later step boundary once every rank has finished both."""
 
     def __init__(self, ckpt_root: Path, keep: int, is_main: bool, async_save: bool = False, tokenizer=None):
         self.root, self.keep, self.is_main, self.async_save = ckpt_root, keep, is_main, async_save
         self.tokenizer = tokenizer
-        self.pending = None  # (future, step, tmp folder, trainer_state)
+        self.pending: _PendingSave | None = None
         # Background writes run their own collectives: on the training group they would interleave with
         # the training step's collectives and deadlock, so they get a dedicated gloo group.
         self.group = dist.new_group(backend="gloo") if (async_save and dist.is_initialized()) else None
@@ -180,63 +183,86 @@ class CheckpointWriter:
             state = model_optim_state(model, optimizer)
             if self.async_save:
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
-                self.pending = (future, step, tmp, trainer_state)
+                self.pending = _PendingSave(future, step, tmp, trainer_state)
                 return self.root / f"step-{step}"
-            dcp.save(state, checkpoint_id=str(tmp))
+            dcp.save(state, checkpoint_id=str(tmp))  # returns on every rank once all shards and .metadata are written
+            digests = _gather_digests(_hash_my_share(tmp))  # each rank hashes a share, read back from the page cache
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             raise self._failed(step, tmp, e) from None
-        return self._commit(step, tmp, trainer_state)
+        return self._commit(step, tmp, trainer_state, digests)
 
     def poll(self) -> None:
-        """At a step boundary: commit a background save if every rank has finished writing it."""
-        if self.pending is None:
+        """At a step boundary: commit a background save once every rank has written and hashed its part."""
+        p = self.pending
+        if p is None:
             return
-        done = torch.tensor([1.0 if self.pending[0].done() else 0.0])
+        p.start_hashing_when_written()
+        done = torch.tensor([1.0 if p.settled() else 0.0])
         if dist.is_initialized():
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done.item() == 1.0:
             self.finish()
 
     def finish(self) -> None:
-        if self.pending is None:
+        p, self.pending = self.pending, None
+        if p is None:
             return
-        future, step, tmp, trainer_state = self.pending
-        self.pending = None
         try:
-            future.result()
+            p.future.result()
+            p.start_hashing_when_written()
+            digests = _gather_digests(p.hashing.result())
         except BaseException as e:
-            raise self._failed(step, tmp, e) from None
-        self._commit(step, tmp, trainer_state)
+            raise self._failed(p.step, p.tmp, e) from None
+        self._commit(p.step, p.tmp, p.trainer_state, digests)
 
     def _failed(self, step: int, tmp: Path, error: BaseException) -> BaseException:
         """A save failed on some rank: every rank removes what was written (the folder is shared) and raises."""
         shutil.rmtree(tmp, ignore_errors=True)
         return save_failure(self.root / f"step-{step}", tmp, error)
 
-    def _commit(self, step: int, tmp: Path, trainer_state: dict) -> Path:
+    def _commit(self, step: int, tmp: Path, trainer_state: dict, digests: dict[str, str]) -> Path:
+        """Rank 0 adds trainer.pt and the tokenizer, lists every file's checksum, writes the marker and renames."""
         final = self.root / f"step-{step}"
 
-        def write_extras():
+        def publish():
             torch.save(trainer_state, tmp / "trainer.pt")
             if self.tokenizer is not None:
                 self.tokenizer.save(tmp)
             _fsync_dir(tmp)
-
-        def publish(digests):
-            integrity.write_checksums(tmp, digests)
+            extras = [n for n in integrity.listed_files(tmp) if n not in digests]
+            integrity.write_checksums(tmp, {**digests, **integrity.hash_files(tmp, extras)})
             (tmp / MARKER).write_text(f"{step}\n")
             replace_dir(tmp, final)  # the same step may be saved again (after a rollback)
             prune(self.root, self.keep, final)
 
         try:
-            _barrier()  # every rank's shards are on disk
-            _on_main(self.is_main, write_extras)
-            digests = _gather_digests(tmp)  # each rank hashes a share of the files, read back from the page cache
-            _on_main(self.is_main, lambda: publish(digests))
+            _on_main(self.is_main, publish)
         except BaseException as e:
             raise self._failed(step, tmp, e) from None
         _barrier()
         return final
+
+
+class _PendingSave:
+    """A background save: DCP's future, then this rank's hashing of its share in a thread of its own."""
+
+    def __init__(self, future, step: int, tmp: Path, trainer_state: dict):
+        self.future, self.step, self.tmp, self.trainer_state = future, step, tmp, trainer_state
+        self.hashing = None
+
+    def start_hashing_when_written(self) -> None:
+        if self.hashing is None and self.future.done() and self.future.exception() is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = ThreadPoolExecutor(1, thread_name_prefix="paratrain-checksums")
+            self.hashing = pool.submit(_hash_my_share, self.tmp)
+            pool.shutdown(wait=False)
+
+    def settled(self) -> bool:
+        """Written and hashed, or failed (finish() then raises on every rank)."""
+        if not self.future.done():
+            return False
+        return self.future.exception() is not None or (self.hashing is not None and self.hashing.done())
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
