@@ -7,8 +7,9 @@
     result.losses, result.val_loss
 
 `train_rank(cfg)` is one rank's whole run (process group, data, resolve, train); `run_rank(cfg)` is the same with
-the error handling of a launched rank (one `error:` line and exit code 2 for bad input, 3 for a collective
-timeout); `train(cfg, nproc)` validates everything, then runs one process or launches `nproc` ranks.
+the error handling of a launched rank (one `error:` line from the rank that failed; exit code 2 for bad input or
+environment, 3 for a collective timeout, 1 for a crash); `train(cfg, nproc)` validates everything, then runs one
+process or launches `nproc` ranks.
 """
 
 from __future__ import annotations
@@ -67,68 +68,113 @@ def train_rank(cfg: Config, want_final_weights: bool = False):
     return result
 
 
-def _is_collective_timeout(error: BaseException) -> bool:
-    text = str(error).lower()
-    return "timed out" in text or "timeout" in text and ("gloo" in text or "nccl" in text or "collective" in text)
-
-
 def run_rank(cfg: Config, want_final_weights: bool = False):
-    """What every launched rank runs: user errors become one line and exit code 2, a collective timeout one line
-    naming the timeout and exit code 3; a bug prints its traceback with the rank."""
-    from paratrain.distributed.env import kill_local_peers, world_from_env
-    from paratrain.distributed.launch import EXIT_COLLECTIVE_TIMEOUT
+    """What every launched rank runs. SIGTERM is watched from the first line (a notice during start-up is kept).
+    Any failure ends in `paratrain.distributed.failure.report`: the rank that failed prints one `error:` line (a bug:
+    its traceback), its peers stop quietly, and the exit code is 2 for bad input or environment (never retried),
+    3 for a collective timeout, 1 for a crash."""
+    from paratrain.training.preemption import watching
 
-    rank = world_from_env()[0]
-    try:
-        return train_rank(cfg, want_final_weights)
-    except UserError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
-    except Exception as e:
-        if _is_collective_timeout(e):
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"error: [rank {rank}] a collective did not complete within resilience.collective_timeout_s="
-                  f"{cfg.resilience.collective_timeout_s:g} s; another rank is stuck or dead ({first})",
-                  file=sys.stderr, flush=True)
-            kill_local_peers()
-            sys.exit(EXIT_COLLECTIVE_TIMEOUT)
-        # A bug, not bad input: the launcher would swallow the traceback, so print it with the rank.
-        import traceback
+    with watching(cfg.resilience.preempt_grace_s) as watch:
+        from paratrain.distributed import failure
 
-        print(f"[rank {rank}] " + traceback.format_exc(), file=sys.stderr, flush=True)
-        raise
+        watch.on_signal.append(failure.stop_if_peer_failed)
+        try:
+            result = train_rank(cfg, want_final_weights)
+            leave_promptly()
+            return result
+        except SystemExit:
+            raise
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            from paratrain.distributed.env import kill_local_peers, world_from_env
+
+            rank, world, _ = world_from_env()
+            code = failure.report(e, rank, world, cfg.resilience.collective_timeout_s)
+            if code == failure.EXIT_COLLECTIVE_TIMEOUT:
+                kill_local_peers()  # a frozen peer would hold the launcher for its whole shutdown timeout
+            exit_now(code)
 
 
-def launch_ranks(entrypoint, args: tuple, nproc: int, max_restarts: int = 0):
-    """Run `entrypoint(*args)` on `nproc` local ranks (torch elastic); returns rank 0's return value."""
+def exit_now(code: int) -> None:
+    """End this process with `code` at once: stdio flushed, no interpreter teardown (seconds with torch loaded on a
+    busy machine, while the launcher, its peers and a scheduler wait)."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def leave_promptly() -> None:
+    """Once this process's work is done and its files closed: skip the interpreter's teardown at exit (with torch
+    loaded it takes seconds on a busy machine, which a preempted job waiting on its ranks cannot spare). Python's
+    atexit handlers run last-registered first, so this one ends the process before the slow part; the exit status
+    stays 0, as a normal end would leave it."""
+    import atexit
+
+    atexit.register(exit_now, 0)
+
+
+def launch_ranks(entrypoint, args: tuple, nproc: int, max_restarts: int = 0, grace_s: float = 30.0):
+    """Run `entrypoint(*args)` on `nproc` local ranks (torch elastic); returns rank 0's return value. SIGTERM to
+    this process is passed on to the ranks, which get `grace_s` seconds to save and stop."""
     from paratrain.distributed.launch import launch
 
-    return launch(entrypoint, args, nproc, max_restarts)
+    return launch(entrypoint, args, nproc, max_restarts, grace_s)
 
 
-def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False):
+def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversubscribe: bool = False):
     """Validate, prepare the data, and train on this process (nproc=1, no restarts) or on `nproc` local ranks
-    (relaunched from the newest checkpoint up to resilience.max_restarts times). Returns rank 0's TrainResult."""
+    (relaunched from the newest checkpoint up to resilience.max_restarts times). Returns rank 0's TrainResult.
+
+    Before anything is written or started: the run folder must be writable, the metrics ports free, nproc within
+    the machine's GPUs or cores (`oversubscribe` lifts the CPU limit), and a checkpoint to resume from must hold this
+    model; a disk too small for the checkpoints is a warning."""
     from paratrain.distributed.launch import inside_launcher
+    from paratrain.preflight import check_launch, check_resume, warn_disk
     from paratrain.spec import resolve_run
 
     if nproc < 1:
         raise UserError("--nproc must be >= 1")
     if inside_launcher():
         return run_rank(cfg, want_final_weights)
+    check_launch(cfg, nproc, oversubscribe)
     if nproc == 1 and cfg.resilience.max_restarts == 0:
-        return train_rank(cfg, want_final_weights)
-    resolve_run(cfg, nproc)  # everything is checked and the data prepared before any process starts
+        return _train_here(cfg, want_final_weights)
+    spec = resolve_run(cfg, nproc)  # everything is checked and the data prepared before any process starts
+    check_resume(cfg, spec.model_args)
+    warn_disk(cfg, spec.model_args, lambda text: print(text, file=sys.stderr, flush=True))
     started = time.time()
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from paratrain.training.resilience import preempted_since
 
     try:
-        return launch_ranks(run_rank, (cfg, want_final_weights), nproc, cfg.resilience.max_restarts)
+        return launch_ranks(run_rank, (cfg, want_final_weights), nproc, cfg.resilience.max_restarts,
+                            cfg.resilience.preempt_grace_s)
     except SignalException as e:
-        # The launcher itself was told to stop (SIGTERM to the whole job): the ranks saved and exited.
+        # The launcher itself was told to stop (SIGINT, SIGHUP: torch elastic stops the ranks).
         if preempted_since(cfg.run_dir, started):
             return None
         raise UserError(f"stopped by signal {getattr(e, 'sigval', '')} before a checkpoint was saved") from None
+
+
+def _train_here(cfg: Config, want_final_weights: bool):
+    """One process, no launcher: a failure caused by the environment (full disk, read-only folder) is one line."""
+    from paratrain.errors import environment_problem
+    from paratrain.preflight import warn_disk
+    from paratrain.spec import VOCAB_PAD, model_args_from
+
+    try:
+        warn_disk(cfg, model_args_from(cfg, VOCAB_PAD), lambda text: print(text, file=sys.stderr, flush=True))
+    except UserError:
+        pass  # train_rank reports it
+    try:
+        return train_rank(cfg, want_final_weights)
+    except (UserError, SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # DCP's CheckpointException derives from BaseException
+        problem = environment_problem(e)
+        if problem is None:
+            raise
+        raise UserError(problem) from None

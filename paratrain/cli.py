@@ -7,7 +7,7 @@ import sys
 
 from paratrain.errors import UserError
 
-COMMANDS = ("train", "prepare", "generate", "verify", "estimate", "plan", "report", "doctor", "export")
+COMMANDS = ("train", "prepare", "generate", "verify", "estimate", "plan", "report", "doctor", "export", "checkpoint")
 
 
 def split_overrides(argv: list[str], flags_with_value: set[str]) -> tuple[dict, list[str]]:
@@ -48,16 +48,29 @@ def cmd_train(argv: list[str]) -> int:
     from paratrain.api import train
     from paratrain.config import load_config
 
-    own, overrides = split_overrides(argv, {"--config", "--nproc", "--max-restarts"})
+    oversubscribe = "--oversubscribe" in argv  # more CPU ranks than paratrain.preflight allows by default
+    own, overrides = split_overrides([a for a in argv if a != "--oversubscribe"], {"--config", "--nproc", "--max-restarts"})
     if "--max-restarts" in own:
         overrides.append(f"resilience.max_restarts={_int_flag(own, '--max-restarts', 0)}")
     cfg = load_config(own.get("--config"), overrides)
-    train(cfg, nproc=_int_flag(own, "--nproc", 1))
+    global _LEAVE_PROMPTLY
+    try:
+        result = train(cfg, nproc=_int_flag(own, "--nproc", 1), oversubscribe=oversubscribe)
+    except UserError:
+        _LEAVE_PROMPTLY = _int_flag(own, "--nproc", 1) > 1  # launched ranks failed: the job ends now (see main)
+        raise
+    if result is None or getattr(result, "preempted", False):
+        _LEAVE_PROMPTLY = True  # a scheduler is waiting for this process to end (see main)
     return 0
 
 
+_LEAVE_PROMPTLY = False
+
+
 def cmd_generate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="paratrain generate")
+    from paratrain.errors import OneLineArgumentParser
+
+    parser = OneLineArgumentParser(prog="paratrain generate")
     parser.add_argument("--checkpoint", required=True, help="a step-N checkpoint folder, or a run folder (newest checkpoint)")
     parser.add_argument("--prompt", default="\n")
     parser.add_argument("--max-new-tokens", type=int, default=200)
@@ -65,8 +78,10 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0:
-        raise UserError("--max-new-tokens, --temperature and --top-k must be >= 0")
+    if args.max_new_tokens < 0 or args.top_k < 0:
+        raise UserError("--max-new-tokens and --top-k must be >= 0")
+    if args.temperature < 0:  # NaN and infinity are refused by the parser
+        raise UserError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     from paratrain.inference import load_for_generation
     from paratrain.generate import sample
 
@@ -87,6 +102,7 @@ LAZY_COMMANDS = {
     "report": ("paratrain.observe.report", "main_report"),
     "doctor": ("paratrain.observe.doctor", "main_doctor"),
     "export": ("paratrain.hf", "main_export"),
+    "checkpoint": ("paratrain.training.checkpoint_cli", "main_checkpoint"),
 }
 
 
@@ -103,7 +119,7 @@ def _lazy(command: str):
 USAGE = """usage: paratrain <command> [options]
 
 commands:
-  train      train a model: paratrain train [--config FILE.toml] [--nproc N] [--section.key=value ...]
+  train      train a model: paratrain train [--config FILE.toml] [--nproc N] [--oversubscribe] [--section.key=value ...]
   prepare    tokenize a corpus into token shards: paratrain prepare --input PATH|'GLOB' --out DIR [--tokenizer char] [--workers N]
   generate   sample from a checkpoint: paratrain generate --checkpoint DIR --prompt "..." [--max-new-tokens N]
   verify     prove parallel layouts match one process: paratrain verify [--layouts ddp2,fsdp2,...] [--steps 20]
@@ -112,11 +128,22 @@ commands:
   report     plots and a summary of finished runs: paratrain report RUN_DIR [RUN_DIR ...]
   doctor     check the environment (torch, CUDA, NCCL, interconnect, disk, a collective test)
   export     a checkpoint as a Hugging Face model: paratrain export RUN_DIR --format hf --out DIR [--dtype bf16]
+  checkpoint check checkpoints against their checksums: paratrain checkpoint verify RUN_DIR|step-N [...]
 """
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    if argv is None:  # the program itself (not a call from Python): after a preemption, end without the teardown
+        code = _main(sys.argv[1:])
+        if _LEAVE_PROMPTLY:
+            from paratrain.api import exit_now
+
+            exit_now(code)
+        return code
+    return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
@@ -137,6 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BaseException as e:
+        # A full disk, a read-only or missing folder: the environment, not a bug (DCP's CheckpointException, a
+        # BaseException, wraps them when it reads or writes).
+        from paratrain.errors import environment_problem
+
+        problem = None if isinstance(e, SystemExit) else environment_problem(e)
+        if problem is None:
+            raise
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

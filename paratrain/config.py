@@ -330,6 +330,8 @@ def validate(cfg: Config) -> None:
         for key, annotation in typing.get_type_hints(type(table)).items():
             if get_origin(annotation) is Literal:
                 _coerce(f"{section.name}.{key}", getattr(table, key), annotation)
+    _check_numbers_and_paths(cfg)
+    check_run_name(cfg.run.name)
     t, o = cfg.training, cfg.optimizer
     for dotted in ("training.steps", "training.seq_len", "training.micro_batch", "training.accum_steps",
                    "training.eval_batches", "training.log_every"):
@@ -368,7 +370,42 @@ def validate(cfg: Config) -> None:
     _require(s.max_new_tokens >= 0, "sample.max_new_tokens must be >= 0")
     _require(s.temperature >= 0, "sample.temperature must be >= 0 (0 is greedy)")
     _require(s.top_k >= 0, "sample.top_k must be >= 0 (0 disables)")
-    _require(cfg.run.name and "/" not in cfg.run.name, "run.name must be a plain folder name")
+    _require(r.collective_timeout_s <= MAX_TIMEOUT_S, f"resilience.collective_timeout_s must be at most "
+             f"{MAX_TIMEOUT_S} s (a week), got {r.collective_timeout_s:g}")
+
+
+# -- checks of every value of a kind (reliability) ------------------------------------------------------------------
+MAX_RUN_NAME = 100  # characters of run.name: one folder name, well inside NAME_MAX (255 bytes) in UTF-8
+MAX_TIMEOUT_S = 7 * 86400
+
+
+def check_run_name(name: str) -> None:
+    """run.name is one folder under run.out_dir: never a path, never '.' or '..' (which would write the run's files
+    into run.out_dir itself or above it)."""
+    import os
+
+    _require(bool(name) and name.strip() == name, f"run.name must be a folder name without leading or trailing "
+             f"spaces, got {name!r}")
+    _require(name not in (".", "..") and "/" not in name and os.sep not in name and "\\" not in name,
+             f"run.name must be a single folder name (no '/', not '.' or '..'), got {name!r}")
+    _require(len(name) <= MAX_RUN_NAME and len(name.encode("utf-8", "surrogateescape")) <= 255,
+             f"run.name is {len(name)} characters long; at most {MAX_RUN_NAME}")
+    _require(name.isprintable(), f"run.name must not contain control characters, got {name!r}")
+
+
+def _check_numbers_and_paths(cfg: Config) -> None:
+    """No NaN or infinity in any number (an `inf` learning rate trains NaN weights and saves them), no NUL byte in a
+    path."""
+    import math
+
+    for section in dataclasses.fields(cfg):
+        table = getattr(cfg, section.name)
+        for f in dataclasses.fields(table):
+            value, key = getattr(table, f.name), f"{section.name}.{f.name}"
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{key} must be a finite number, got {value}")
+            if isinstance(value, str) and "\0" in value:
+                raise ConfigError(f"{key} must not contain a NUL byte")
 
 
 def dump_toml(cfg: Config) -> str:

@@ -1,6 +1,7 @@
 """Errors that reach the user as one line, never as a traceback."""
 
 import argparse
+import errno
 
 
 class UserError(Exception):
@@ -19,7 +20,67 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(f"{self.prog}: {message}")
 
+    def parse_known_args(self, args=None, namespace=None):
+        """Also refuses NaN and infinity for every float option: no command can use them."""
+        import math
+
+        namespace, rest = super().parse_known_args(args, namespace)
+        for key, value in vars(namespace).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                self.error(f"argument --{key.replace('_', '-')}: must be a finite number, got {value}")
+        return namespace, rest
+
 
 def one_line(msg) -> str:
     """A message squeezed onto one line: messages from libraries (the Rust side of `tokenizers`) may span lines."""
     return " ".join(str(msg).split())
+
+
+# -- failures after launch: which are the environment's (exit 2, never retried) ---------------------------------
+
+# An OSError with one of these is the machine's state or the user's paths, not a bug: a retry fails the same way.
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
+                                errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENOENT,
+                                errno.EFBIG, errno.EMFILE, errno.ENFILE, errno.ELOOP})
+
+
+def causes(error: BaseException):
+    """The error, what it wraps (DCP's CheckpointException keeps every rank's exception in `failures`), and its
+    __cause__ / __context__ chain; each once."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):  # torch.distributed.checkpoint.api.CheckpointException: rank -> (exc, trace)
+            for item in failures.values():
+                todo.append(item[0] if isinstance(item, tuple) else item if isinstance(item, BaseException) else None)
+        todo += [e.__cause__, e.__context__]
+
+
+def describe_os_error(e: OSError, where=None) -> str:
+    text = e.strerror or str(e)
+    if e.filename is not None:
+        text += f": {e.filename}"
+        if e.filename2 is not None:
+            text += f" -> {e.filename2}"
+    elif where is not None:
+        text += f" (writing in {where})"
+    return text
+
+
+def environment_problem(error: BaseException, where=None) -> str | None:
+    """One line for an error caused by the environment (full disk, read-only or missing path, permissions, a name
+    too long) anywhere in `error`'s chain, else None."""
+    for e in causes(error):
+        if isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS:
+            return describe_os_error(e, where)
+    return None
+
+
+class PeerFailed(Exception):
+    """Raised on the ranks that did not fail themselves when another rank's part of a shared step failed: that rank
+    reports the error; these stop quietly with its exit code."""

@@ -6,23 +6,30 @@ from pathlib import Path
 
 import torch
 
-from paratrain.training.checkpoint import checkpoint_problem, complete_checkpoints, load_trainer_state
+from paratrain.training.checkpoint import (MARKER, checkpoint_problem, load_trainer_state, newest_valid_checkpoint,
+                                           step_folders, step_of)
 from paratrain.data import load_tokenizer
 from paratrain.errors import UserError
 from paratrain.models import ModelArgs, Transformer
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """A step-N folder, or a run folder / checkpoints folder (its newest complete checkpoint)."""
+def find_checkpoint(path: str | Path, warn=None) -> Path:
+    """A step-N folder (which must pass its checks, checksums included), or a run folder / checkpoints folder: its
+    newest intact checkpoint, each newer one skipped with a warning naming the reason."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"checkpoint not found: {path}")
-    if checkpoint_problem(path) is None:
+    if (path / MARKER).exists() or step_of(path) >= 0:
+        problem = checkpoint_problem(path)
+        if problem:
+            raise UserError(f"{path} is not a usable paratrain checkpoint: {problem}")
         return path
     for root in (path / "checkpoints", path):
-        found = complete_checkpoints(root)
-        if found:
-            return found[-1]
+        if step_folders(root):
+            found = newest_valid_checkpoint(root, warn)
+            if found is None:
+                raise UserError(f"{path}: none of its checkpoints is intact (see the warnings above)")
+            return found
     raise UserError(f"{path} is not a paratrain checkpoint: {checkpoint_problem(path)}")
 
 
@@ -46,7 +53,9 @@ def load_for_generation(path: str | Path, device: torch.device | None = None):
     sd = {"model": get_model_state_dict(model)}
     try:
         dcp.load(sd, checkpoint_id=str(ckpt))
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign checkpoint
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - a foreign checkpoint (DCP's CheckpointException is a BaseException)
         raise UserError(f"{ckpt}: cannot load model weights ({type(e).__name__})") from None
     set_model_state_dict(model, sd["model"])
     # Sample with the context the model was trained on: positions beyond it were never trained.

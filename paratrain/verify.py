@@ -7,7 +7,6 @@ differences left are the order of floating-point reductions: a correct layout st
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
@@ -16,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paratrain.config import load_config
-from paratrain.errors import UserError
+from paratrain.errors import OneLineArgumentParser, UserError
 
 MOE_PRESET = "model.preset=tiny-moe"  # with the base's model.n_layers=4: 1 dense + 3 MoE layers
 
@@ -186,7 +185,7 @@ def format_row(r: Row, tolerance: float, judged: bool = True) -> str:
 
 
 def main_verify(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX),
                         help=f"comma-separated layout names (known: {', '.join(LAYOUTS)})")
     parser.add_argument("--steps", type=int, default=20)

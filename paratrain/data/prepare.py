@@ -24,7 +24,6 @@ interrupted one left and starts clean.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paratrain.errors import UserError, one_line
+from paratrain.errors import OneLineArgumentParser, UserError, one_line
 from paratrain.data.sources import resolve_inputs
 from paratrain.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, from_spec
 
@@ -537,7 +536,7 @@ def _same_corpus(meta: dict, source) -> bool:
 
 
 def main_prepare(argv) -> int:
-    p = argparse.ArgumentParser(prog="paratrain prepare", description="Tokenize a corpus into a folder of token shards.")
+    p = OneLineArgumentParser(prog="paratrain prepare", description="Tokenize a corpus into a folder of token shards.")
     p.add_argument("--input", required=True, action="append",
                    help="a file (.txt .jsonl .jsonl.gz .jsonl.zst .parquet), a folder (searched recursively, or one "
                         "written by datasets' save_to_disk), or a quoted glob pattern; may be repeated")

@@ -75,7 +75,8 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 600.0) 
     return DistEnv(rank, world, local_rank, device)
 
 
-def _store():
+def default_store():
+    """The process group's key-value store (under a launcher, the launcher's: it outlives any rank)."""
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
@@ -84,7 +85,7 @@ def _store():
 def register_process() -> None:
     """Publish host and pid in the rendezvous store so a rank that finds the group broken can stop its peers."""
     if dist.is_initialized():
-        _store().set(f"paratrain/pid/{dist.get_rank()}", f"{socket.gethostname()}:{os.getpid()}")
+        default_store().set(f"paratrain/pid/{dist.get_rank()}", f"{socket.gethostname()}:{os.getpid()}")
 
 
 def kill_local_peers() -> list[int]:
@@ -93,7 +94,7 @@ def kill_local_peers() -> list[int]:
     if not dist.is_initialized():
         return []
     killed, me, host = [], dist.get_rank(), socket.gethostname()
-    store = _store()
+    store = default_store()
     store.set_timeout(timedelta(seconds=5))
     for rank in range(dist.get_world_size()):
         if rank == me:

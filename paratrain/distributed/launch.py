@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
+import signal
 import socket
 import sys
+import threading
+import time
 import uuid
 
+from paratrain.distributed.failure import EXIT_COLLECTIVE_TIMEOUT, EXIT_USER_ERROR
 from paratrain.errors import UserError
 
 
@@ -22,47 +27,77 @@ def inside_launcher() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-# Exit codes of a rank: 2 is bad input (deterministic: never restarted), 3 a collective timeout.
-EXIT_USER_ERROR = 2
-EXIT_COLLECTIVE_TIMEOUT = 3
+class Preempted(UserError):
+    """The launcher got SIGTERM and the ranks did not save and stop in time (exit code 143 = 128 + SIGTERM)."""
+
+    exit_code = 143
 
 
-def launch(entrypoint, args: tuple, nproc: int, max_restarts: int = 0):
+def launch(entrypoint, args: tuple, nproc: int, max_restarts: int = 0, grace_s: float = 30.0):
     """Run `entrypoint(*args)` on `nproc` local ranks; returns rank 0's return value.
 
     When a rank dies (a crash, SIGKILL, a timeout), all ranks are stopped and launched again, up to
     `max_restarts` times; the relaunched ranks see PARATRAIN_ATTEMPT > 0 and resume from the newest
     checkpoint. Bad input (exit code 2) is never retried: it would fail the same way.
+
+    SIGTERM to this process (a scheduler stopping the job) is passed on to the ranks, which save and exit; the
+    launcher waits at most `grace_s` seconds for them, then kills them (torch elastic would wait 30 s).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from paratrain.faults import ATTEMPT_ENV
 
-    for attempt in range(max_restarts + 1):
-        os.environ[ATTEMPT_ENV] = str(attempt)
-        try:
-            return _launch_once(entrypoint, args, nproc)
-        except ChildFailedError as e:
-            codes = sorted({f.exitcode for f in e.failures.values()})
-            if codes == [EXIT_USER_ERROR]:
-                raise LaunchedUserError() from None
-            summary = f"{len(e.failures)} of {nproc} ranks failed (exit codes {codes})"
-            if attempt == max_restarts:
-                hint = "" if max_restarts else "; --max-restarts N relaunches from the last checkpoint"
-                raise UserError(f"{summary}; see their messages above{hint}") from None
-            print(f"warning: {summary}; restarting all ranks from the last checkpoint "
-                  f"(restart {attempt + 1} of {max_restarts})", file=sys.stderr, flush=True)
-        finally:
-            os.environ.pop(ATTEMPT_ENV, None)
+    with SigtermRelay(grace_s) as relay:
+        for attempt in range(max_restarts + 1):
+            os.environ[ATTEMPT_ENV] = str(attempt)
+            try:
+                return _launch_once(entrypoint, args, nproc, grace_s)
+            except ChildFailedError as e:
+                codes = sorted({f.exitcode for f in e.failures.values()})
+                if relay.expired:
+                    raise Preempted(f"the ranks did not save and stop within resilience.preempt_grace_s="
+                                    f"{grace_s:g} s after SIGTERM; they were killed") from None
+                if relay.noticed_at is not None:
+                    raise Preempted(f"stopped by SIGTERM before a checkpoint was saved (exit codes {codes})") from None
+                if codes == [EXIT_USER_ERROR]:
+                    raise LaunchedUserError() from None
+                summary = _describe(e.failures, nproc)
+                if attempt == max_restarts:
+                    if codes == [EXIT_COLLECTIVE_TIMEOUT]:  # the rank that noticed printed the one line
+                        raise LaunchedUserError(EXIT_COLLECTIVE_TIMEOUT) from None
+                    hint = "" if max_restarts else "; --max-restarts N relaunches from the last checkpoint"
+                    raise LaunchedCrash(f"{summary}{hint}") from None
+                print(f"warning: {summary}; restarting all ranks from the last checkpoint "
+                      f"(restart {attempt + 1} of {max_restarts})", file=sys.stderr, flush=True)
+            finally:
+                os.environ.pop(ATTEMPT_ENV, None)
 
 
-def _launch_once(entrypoint, args: tuple, nproc: int):
+def _describe(failures: dict, nproc: int) -> str:
+    """'rank 1 was killed by SIGKILL' / 'rank 0 crashed (exit code 1; its traceback is above)'."""
+    parts = []
+    for local_rank, f in sorted(failures.items()):
+        if f.exitcode < 0:
+            try:
+                name = signal.Signals(-f.exitcode).name
+            except ValueError:
+                name = f"signal {-f.exitcode}"
+            parts.append(f"rank {local_rank} was killed by {name}")
+        else:
+            parts.append(f"rank {local_rank} failed with exit code {f.exitcode} (its message is above)")
+    return f"{'; '.join(parts)} ({nproc} ranks)"
+
+
+def _launch_once(entrypoint, args: tuple, nproc: int, grace_s: float):
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # N ranks on one host must not each take every core
+    # SIGTERM is ours (SigtermRelay); elastic keeps the other stop signals, and waits for the ranks at most the
+    # grace period before killing them (its default is 30 s, whatever the scheduler allows).
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"paratrain-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-                          monitor_interval=0.1)
+                          monitor_interval=0.1, signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
+                          shutdown_timeout=max(1, math.ceil(grace_s)))
     quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher",
                                                   "torch.multiprocessing")]
     levels = [q.level for q in quiet]
@@ -76,8 +111,78 @@ def _launch_once(entrypoint, args: tuple, nproc: int):
     return results.get(0)
 
 
-class LaunchedUserError(UserError):
-    """The ranks already printed the user error; the parent only sets the exit code."""
+def _rank_processes() -> list:
+    """This launcher's rank processes (its multiprocessing-spawned children)."""
+    import psutil
 
-    def __init__(self):
+    found = []
+    for child in psutil.Process().children():
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            continue
+    return found
+
+
+class SigtermRelay:
+    """While ranks run: SIGTERM to this launcher is handed to every rank (which saves at its next step boundary and
+    exits 0, so the launcher returns normally), instead of torch elastic's shutdown that waits 30 s for ranks that
+    are waiting for it. Ranks still starting up get the signal too. Past the grace period the ranks are killed."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.noticed_at: float | None = None
+        self.expired = False
+        self._previous = None
+        self._done = threading.Event()
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self.noticed_at is None:
+            self.noticed_at = time.monotonic()
+            threading.Thread(target=self._relay, name="paratrain-sigterm-relay", daemon=True).start()
+
+    def _relay(self) -> None:
+        told: set[int] = set()
+        deadline = self.noticed_at + self.grace_s
+        while not self._done.is_set() and time.monotonic() < deadline:
+            for proc in _rank_processes():
+                if proc.pid not in told:
+                    told.add(proc.pid)
+                    try:
+                        proc.send_signal(signal.SIGTERM)
+                    except Exception:  # noqa: BLE001 - it exited meanwhile
+                        pass
+            self._done.wait(0.1)
+        if self._done.is_set():
+            return
+        self.expired = True
+        for proc in _rank_processes():
+            try:
+                proc.kill()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class LaunchedUserError(UserError):
+    """The ranks already printed the one error line; the parent only sets the exit code."""
+
+    def __init__(self, exit_code: int = EXIT_USER_ERROR):
         super().__init__("")
+        self.exit_code = exit_code
+
+
+class LaunchedCrash(UserError):
+    """Ranks crashed (their tracebacks are above) and no restart is left: exit code 1, not 2."""
+
+    exit_code = 1

@@ -14,7 +14,6 @@ different output shards.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from paratrain.training.checkpoint import replace_dir
-from paratrain.errors import UserError
+from paratrain.errors import OneLineArgumentParser, UserError
 
 try:
     import tomllib
@@ -247,6 +246,9 @@ def export_hf(ckpt: Path, out: Path, dtype: str = "bf16", max_shard_bytes: int =
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
         raise UserError(f"--out {out} exists and is not empty (pass --overwrite to replace it)")
+    from paratrain.preflight import check_writable_folder
+
+    check_writable_folder(out, "--out")
     plan = plan_export(ckpt, dtype, max_shard_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
@@ -291,7 +293,7 @@ def export_at_end(ckpt: Path, out: Path, dtype: str, rank: int, world: int) -> P
 def main_export(argv: list[str]) -> int:
     from paratrain.inference import find_checkpoint
 
-    p = argparse.ArgumentParser(prog="paratrain export",
+    p = OneLineArgumentParser(prog="paratrain export",
                                 description="Write a checkpoint as a Hugging Face model folder.")
     p.add_argument("checkpoint", help="a run folder (its newest complete checkpoint) or a step-N folder")
     p.add_argument("--format", required=True, choices=["hf"], help="hf: transformers / vLLM / llama.cpp layout")

@@ -11,7 +11,6 @@ all-reduce across N local ranks (NCCL on GPUs, gloo on CPU) with its bus bandwid
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -22,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.errors import UserError
+from paratrain.errors import OneLineArgumentParser, UserError
 
 GIB = 2**30
 MIN_TORCH = (2, 6)
@@ -399,13 +398,20 @@ def run_checks(nproc: int | None, checkpoint_dir: str | Path):
 
 
 def main_doctor(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="paratrain doctor", description="Check the environment for training.")
+    parser = OneLineArgumentParser(prog="paratrain doctor", description="Check the environment for training.")
     parser.add_argument("--nproc", type=int, default=None,
                         help="local ranks for the all-reduce test (default: the number of GPUs, or 2 on CPU; 0 skips)")
     parser.add_argument("--checkpoint-dir", default="runs", help="where checkpoints will go (default: runs)")
+    parser.add_argument("--oversubscribe", action="store_true", help="allow more CPU ranks than paratrain train does")
     args = parser.parse_args(argv)
     if args.nproc is not None and args.nproc < 0:
         raise UserError("--nproc must be >= 0")
+    if args.nproc:
+        from paratrain.preflight import check_nproc
+
+        check_nproc("auto", args.nproc, args.oversubscribe)
+    if os.path.isfile(args.checkpoint_dir):
+        raise UserError(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a folder")
     print("paratrain doctor", flush=True)
     results = []
     for r in run_checks(args.nproc, args.checkpoint_dir):

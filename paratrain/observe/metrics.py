@@ -114,12 +114,14 @@ class MetricsLog:
         elif self.mode != "none":
             print(text, flush=True)
 
-    def close(self) -> None:
+    def close(self, linger: bool = True) -> None:
         if self.progress is not None:
             self.progress.stop()
         if self.file:
             self.file.close()
         for sink in self.sinks:
+            if not linger and hasattr(sink, "linger_s"):
+                sink.linger_s = 0
             sink.close()
 
 

@@ -13,7 +13,6 @@ A step logged twice (a resumed or rolled-back run appends to the same log) keeps
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -21,7 +20,7 @@ from paratrain.config import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from paratrain.errors import UserError
+from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.observe.metrics import imbalance
 
 MIB = 2**20
@@ -69,13 +68,13 @@ def load_run(path: str | Path) -> Run:
     by_step: dict[int, dict] = {}
     vals: dict[int, float] = {}
     bad = 0
-    for line in log.read_text().splitlines():
-        if not line.strip():
+    for raw in log.read_bytes().splitlines():
+        if not raw.strip():
             continue
         try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1  # e.g. the last line of a run killed mid-write
+            r = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            bad += 1  # e.g. the last line of a run killed mid-write, or bytes that are not text
             continue
         if not isinstance(r, dict) or not isinstance(r.get("step"), int):
             continue
@@ -84,12 +83,12 @@ def load_run(path: str | Path) -> Run:
         if _finite(r.get("val_loss")):
             vals[r["step"]] = r["val_loss"]
     if not by_step:
-        raise UserError(f"{log}: no training steps logged")
+        raise UserError(f"{log}: no training steps logged" + (f" ({bad} unreadable lines: not UTF-8 JSON)" if bad else ""))
     config = {}
     if (path / "config.toml").is_file():
         try:
             config = tomllib.loads((path / "config.toml").read_text())
-        except tomllib.TOMLDecodeError:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError):
             config = {}
     name = config.get("run", {}).get("name", path.name)
     return Run(name, path, [by_step[s] for s in sorted(by_step)], sorted(vals.items()), config, bad)
@@ -371,7 +370,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> d
 
 
 def main_report(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="paratrain report",
+    parser = OneLineArgumentParser(prog="paratrain report",
                                      description="Plots and a markdown summary of finished runs.")
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (runs/<name>) holding metrics.jsonl")
     parser.add_argument("--out", default=None,

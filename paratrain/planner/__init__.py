@@ -223,6 +223,9 @@ def main_plan(argv: list[str]) -> int:
         import torch
 
         nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
+        from paratrain.preflight import check_nproc
+
+        check_nproc("auto", nproc, oversubscribe=None)
         hw, path = calibrate(args.name, nproc, args.profile_dir)
         print(f"profile '{hw.name}' ({hw.source}) saved to {path}")
         print("  matmul: " + ", ".join(f"{(f / 2) ** (1 / 3):.0f}^3 {r / 1e9:.2f} GFLOP/s" for f, r in hw.gemm))

@@ -5,10 +5,14 @@ Layout of a run's checkpoints:  RUN_DIR/checkpoints/step-N/
                            the ranks, so a checkpoint saved on one layout loads on any other
     trainer.pt             step, data position, RNG states, config, model dimensions (weights_only loads it)
     meta.json + tokenizer  the tokenizer, so generation needs nothing but this folder
+    CHECKSUMS              SHA-256 of every file above (`sha256sum -c CHECKSUMS` format; integrity.py)
     COMPLETE               written last; a folder without it was interrupted and is never loaded
 
 A save is written to a hidden temporary folder and renamed into place only after every rank has
-finished writing (synchronously, or in the background with `async_save`).
+finished writing (synchronously, or in the background with `async_save`) and the files have been hashed.
+A save that fails (a full disk, a read-only folder) removes its temporary folder and is one error line naming the
+cause. A checkpoint is trusted only when its marker is there, its shards are present at full length and every file
+matches its checksum; older complete checkpoints are pruned only once a newer one is committed.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from paratrain.errors import UserError
+from paratrain.errors import PeerFailed, UserError, environment_problem
+from paratrain.training import integrity
 
 MARKER = "COMPLETE"
 # DCP warns when used without a process group; one process is a supported layout here, not a mistake.
@@ -39,6 +44,59 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _on_main(is_main: bool, fn) -> None:
+    """Run fn on rank 0 while the others wait; if it fails, every rank raises (rank 0 its error, the others
+    PeerFailed), so no rank is left waiting for a dead one."""
+    error = None
+    if is_main:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others have been told
+            error = e
+    if dist.is_initialized():
+        box = [error is not None]
+        dist.broadcast_object_list(box, src=0)
+        failed = box[0]
+    else:
+        failed = error is not None
+    if error is not None:
+        raise error
+    if failed:
+        raise PeerFailed("rank 0 failed while committing a checkpoint")
+
+
+def _hash_my_share(folder: Path) -> dict | OSError:
+    """SHA-256 of this rank's share of the files DCP wrote (every rank lists the same files once the save is done)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    try:
+        return integrity.hash_files(folder, integrity.share(integrity.listed_files(folder), rank, world))
+    except OSError as e:
+        return e
+
+
+def _gather_digests(mine: dict | OSError) -> dict[str, str]:
+    """Every rank's share of the digests, on every rank (or the same error everywhere)."""
+    parts = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+    if isinstance(mine, Exception):
+        raise mine
+    if any(isinstance(p, Exception) for p in parts):
+        raise PeerFailed("another rank could not hash its part of the checkpoint")
+    return {k: v for p in parts for k, v in p.items()}
+
+
+def save_failure(final: Path, tmp: Path, error: BaseException) -> BaseException:
+    """The error to raise for a failed save: one line naming the cause and the file when the environment is to
+    blame (full disk, read-only or missing folder, permissions), else the error itself (a bug)."""
+    problem = environment_problem(error, where=tmp)
+    if problem is None or isinstance(error, PeerFailed):
+        return error
+    return UserError(f"cannot save checkpoint {final.name} in {final.parent}: {problem}; "
+                     f"the partial save {tmp.name} was removed")
 
 
 # -- what is saved ------------------------------------------------------------------------------
@@ -100,13 +158,13 @@ def model_optim_state(model: nn.Module, optimizer) -> dict:
 # -- saving -------------------------------------------------------------------------------------
 
 class CheckpointWriter:
-    """Saves step-N folders; with `async_save`, the write happens in the background and the folder is
-    committed (marker + rename) at a later step boundary once every rank has finished."""
+    """Saves step-N folders; with `async_save`, the write and the hashing happen in the background and the folder is
+    committed (checksums + marker + rename) at a later step boundary once every rank has finished both."""
 
     def __init__(self, ckpt_root: Path, keep: int, is_main: bool, async_save: bool = False, tokenizer=None):
         self.root, self.keep, self.is_main, self.async_save = ckpt_root, keep, is_main, async_save
         self.tokenizer = tokenizer
-        self.pending = None  # (future, step, tmp folder, trainer_state)
+        self.pending: _PendingSave | None = None
         # Background writes run their own collectives: on the training group they would interleave with
         # the training step's collectives and deadlock, so they get a dedicated gloo group.
         self.group = dist.new_group(backend="gloo") if (async_save and dist.is_initialized()) else None
@@ -114,49 +172,97 @@ class CheckpointWriter:
     def save(self, step: int, model: nn.Module, optimizer, trainer_state: dict) -> Path:
         self.finish()  # never two saves in flight
         tmp = self.root / f".step-{step}.tmp"
-        if self.is_main:
+
+        def prepare():
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
-        _barrier()
-        state = model_optim_state(model, optimizer)
-        if self.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
-            self.pending = (future, step, tmp, trainer_state)
-            return self.root / f"step-{step}"
-        dcp.save(state, checkpoint_id=str(tmp))
-        return self._commit(step, tmp, trainer_state)
+
+        try:
+            _on_main(self.is_main, prepare)
+            _barrier()
+            state = model_optim_state(model, optimizer)
+            if self.async_save:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+                self.pending = _PendingSave(future, step, tmp, trainer_state)
+                return self.root / f"step-{step}"
+            dcp.save(state, checkpoint_id=str(tmp))  # returns on every rank once all shards and .metadata are written
+            digests = _gather_digests(_hash_my_share(tmp))  # each rank hashes a share, read back from the page cache
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            raise self._failed(step, tmp, e) from None
+        return self._commit(step, tmp, trainer_state, digests)
 
     def poll(self) -> None:
-        """At a step boundary: commit a background save if every rank has finished writing it."""
-        if self.pending is None:
+        """At a step boundary: commit a background save once every rank has written and hashed its part."""
+        p = self.pending
+        if p is None:
             return
-        done = torch.tensor([1.0 if self.pending[0].done() else 0.0])
+        p.start_hashing_when_written()
+        done = torch.tensor([1.0 if p.settled() else 0.0])
         if dist.is_initialized():
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done.item() == 1.0:
             self.finish()
 
     def finish(self) -> None:
-        if self.pending is None:
+        p, self.pending = self.pending, None
+        if p is None:
             return
-        future, step, tmp, trainer_state = self.pending
-        self.pending = None
-        future.result()
-        self._commit(step, tmp, trainer_state)
+        try:
+            p.future.result()
+            p.start_hashing_when_written()
+            digests = _gather_digests(p.hashing.result())
+        except BaseException as e:
+            raise self._failed(p.step, p.tmp, e) from None
+        self._commit(p.step, p.tmp, p.trainer_state, digests)
 
-    def _commit(self, step: int, tmp: Path, trainer_state: dict) -> Path:
+    def _failed(self, step: int, tmp: Path, error: BaseException) -> BaseException:
+        """A save failed on some rank: every rank removes what was written (the folder is shared) and raises."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        return save_failure(self.root / f"step-{step}", tmp, error)
+
+    def _commit(self, step: int, tmp: Path, trainer_state: dict, digests: dict[str, str]) -> Path:
+        """Rank 0 adds trainer.pt and the tokenizer, lists every file's checksum, writes the marker and renames."""
         final = self.root / f"step-{step}"
-        _barrier()  # every rank's shards are on disk
-        if self.is_main:
+
+        def publish():
             torch.save(trainer_state, tmp / "trainer.pt")
             if self.tokenizer is not None:
                 self.tokenizer.save(tmp)
             _fsync_dir(tmp)
+            extras = [n for n in integrity.listed_files(tmp) if n not in digests]
+            integrity.write_checksums(tmp, {**digests, **integrity.hash_files(tmp, extras)})
             (tmp / MARKER).write_text(f"{step}\n")
             replace_dir(tmp, final)  # the same step may be saved again (after a rollback)
-            prune(self.root, self.keep)
+            prune(self.root, self.keep, final)
+
+        try:
+            _on_main(self.is_main, publish)
+        except BaseException as e:
+            raise self._failed(step, tmp, e) from None
         _barrier()
         return final
+
+
+class _PendingSave:
+    """A background save: DCP's future, then this rank's hashing of its share in a thread of its own."""
+
+    def __init__(self, future, step: int, tmp: Path, trainer_state: dict):
+        self.future, self.step, self.tmp, self.trainer_state = future, step, tmp, trainer_state
+        self.hashing = None
+
+    def start_hashing_when_written(self) -> None:
+        if self.hashing is None and self.future.done() and self.future.exception() is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = ThreadPoolExecutor(1, thread_name_prefix="paratrain-checksums")
+            self.hashing = pool.submit(_hash_my_share, self.tmp)
+            pool.shutdown(wait=False)
+
+    def settled(self) -> bool:
+        """Written and hashed, or failed (finish() then raises on every rank)."""
+        if not self.future.done():
+            return False
+        return self.future.exception() is not None or (self.hashing is not None and self.hashing.done())
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
@@ -181,16 +287,30 @@ def _fsync_dir(path: Path) -> None:
 
 # -- finding a checkpoint to resume -------------------------------------------------------------
 
-def checkpoint_problem(path: Path) -> str | None:
-    """Why `path` is not a loadable checkpoint, or None if it is complete and its files are intact."""
+def checkpoint_problem(path: Path, index: int = 0, count: int = 1, checksums: bool = True) -> str | None:
+    """Why `path` is not a loadable checkpoint, or None if it is complete and its files are intact: the marker,
+    trainer.pt, the DCP metadata (its checksum first: it is a pickle), every shard present at full length, and every
+    file against CHECKSUMS. With count > 1 this call hashes only its share (index) of the files; checksums=False
+    leaves out all but the metadata's (a quick look)."""
     if not path.is_dir():
-        return "not a folder"
+        return "not a folder" if path.exists() else "no such folder"
     if not (path / MARKER).exists():
         from paratrain.hf.arch import resume_hint
 
         return resume_hint(path) or f"no {MARKER} marker (the save was interrupted)"
     if not (path / "trainer.pt").exists():
         return "missing trainer.pt"
+    digests = integrity.read_checksums(path)
+    if isinstance(digests, str):
+        return digests
+    names = []
+    if digests is not None:
+        names = sorted(digests)
+        if ".metadata" in digests:
+            problems = integrity.verify_files(path, digests, [".metadata"])
+            if problems:
+                return problems[0]
+            names.remove(".metadata")
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 - any unreadable metadata is the same problem to the user
@@ -204,6 +324,13 @@ def checkpoint_problem(path: Path) -> str | None:
             return f"missing shard {name}"
         if f.stat().st_size < size:
             return f"truncated shard {name} ({f.stat().st_size} of {size} bytes)"
+    if digests is None or not checksums:
+        return None  # saved before checksums: sizes are all that can be checked
+    if missing := sorted(set(needed) - set(digests)):
+        return f"{integrity.CHECKSUMS} does not list shard {missing[0]}"
+    problems = integrity.verify_files(path, digests, integrity.share(names, index, count))
+    if problems:
+        return "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
     return None
 
 
@@ -218,33 +345,76 @@ def complete_checkpoints(ckpt_root: Path) -> list[Path]:
     return [p for p in step_folders(ckpt_root) if (p / MARKER).exists()]
 
 
-def prune(ckpt_root: Path, keep: int) -> None:
-    for old in complete_checkpoints(ckpt_root)[:-keep]:
+def step_of(path: Path) -> int:
+    m = _STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
+def prune(ckpt_root: Path, keep: int, current: Path) -> None:
+    """After `current` was committed: delete the complete checkpoints older than the `keep` newest up to it. Never
+    `current`, and never a newer one (left when a run resumed from an older checkpoint, e.g. because the newer ones
+    failed their checksums): the last good checkpoint is never deleted."""
+    upto = [p for p in complete_checkpoints(ckpt_root) if step_of(p) <= step_of(current)]
+    for old in upto[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def newest_valid_checkpoint(ckpt_root: Path, warn=None) -> Path | None:
+def tidy(ckpt_root: Path, warn) -> None:
+    """At the start of a run (rank 0): remove the temporary folders of interrupted saves, and put back a checkpoint
+    that a save of the same step had moved aside when it was interrupted before the new one was in place."""
+    if not ckpt_root.is_dir():
+        return
+    for p in sorted(ckpt_root.iterdir()):
+        m = re.match(r"^\.(step-\d+)\.(tmp|old)$", p.name)
+        if not m or not p.is_dir():
+            continue
+        final = ckpt_root / m.group(1)
+        if m.group(2) == "old" and not final.exists() and (p / MARKER).exists():
+            os.replace(p, final)
+            warn(f"warning: restored {final} (a save of the same step was interrupted)")
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+            if m.group(2) == "tmp":
+                warn(f"warning: removed {p.name}, the partial folder of an interrupted save")
+
+
+def newest_valid_checkpoint(ckpt_root: Path, warn=None, problem=checkpoint_problem) -> Path | None:
     """The newest loadable checkpoint; each newer one that is skipped is reported with its reason."""
     warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
     for path in reversed(step_folders(ckpt_root)):
-        problem = checkpoint_problem(path)
-        if problem is None:
+        why = problem(path)
+        if why is None:
             return path
-        warn(f"warning: skipping checkpoint {path}: {problem}")
+        warn(f"warning: skipping checkpoint {path}: {why}")
     return None
 
 
-def resolve_resume(resume: str, ckpt_root: Path, warn=None) -> Path | None:
+def resolve_resume(resume: str, ckpt_root: Path, warn=None, problem=checkpoint_problem) -> Path | None:
     """`none` -> None, `auto` -> newest valid checkpoint (None if there is none), else a path that must be valid."""
     if resume == "none":
         return None
     if resume == "auto":
-        return newest_valid_checkpoint(ckpt_root, warn)
+        return newest_valid_checkpoint(ckpt_root, warn, problem)
     path = Path(resume)
-    problem = checkpoint_problem(path)
-    if problem:
-        raise UserError(f"{path} is not a paratrain checkpoint: {problem}")
+    why = problem(path)
+    if why:
+        raise UserError(f"checkpoint.resume={path} is not a usable paratrain checkpoint: {why}")
     return path
+
+
+# Model dimensions that decide the parameters' shapes: a checkpoint loads only into a model that agrees on them.
+ARCHITECTURE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
+                     "tie_embeddings", "moe_experts", "moe_shared_experts", "moe_ffn_hidden", "moe_first_dense_layers")
+
+
+def model_mismatch(trainer_state: dict, model_args) -> str | None:
+    """How the model saved in a checkpoint differs from `model_args` (a ModelArgs), or None."""
+    saved = trainer_state.get("model_args")
+    if not isinstance(saved, dict):
+        return "its trainer.pt has no model dimensions"
+    ours = dataclasses.asdict(model_args)
+    diffs = [f"{k} {saved.get(k)} (this run: {ours.get(k)})" for k in ARCHITECTURE_KEYS if saved.get(k) != ours.get(k)]
+    return "it holds another model: " + ", ".join(diffs) if diffs else None
 
 
 # -- loading ------------------------------------------------------------------------------------
@@ -372,18 +542,40 @@ class Checkpointer:
 
     def restore(self, path: Path) -> int:
         """Load a checkpoint (saved on any layout) into this run; returns its step."""
-        state = load_checkpoint(path, self.model, self.optimizer)
+        mismatch = model_mismatch(load_trainer_state(path), self.spec.model_args)
+        if mismatch:
+            raise UserError(f"cannot resume from {path}: {mismatch}; resume from a checkpoint of this model, or "
+                            "give this run another run.name")
+        try:
+            state = load_checkpoint(path, self.model, self.optimizer)
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            problem = environment_problem(e)
+            if problem is None:
+                raise
+            raise UserError(f"cannot read checkpoint {path}: {problem}") from None
         step = int(state["step"])
         self.progress.load(state, step)
         torch.set_rng_state(state["rng_cpu"])
         return step
+
+    def problem(self, path: Path) -> str | None:
+        """checkpoint_problem agreed by every rank, each hashing a share of the files."""
+        if not dist.is_initialized():
+            return checkpoint_problem(path)
+        mine = checkpoint_problem(path, dist.get_rank(), dist.get_world_size())
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return next((p for p in every if p), None)
 
     def resume(self, restarted: bool) -> int:
         """The step to start from: checkpoint.resume (auto after a relaunch), else 0."""
         resume = self.spec.cfg.checkpoint.resume
         if resume == "none" and restarted:
             resume = "auto"  # a relaunch after a crash continues from the newest checkpoint
-        path = resolve_resume(resume, self.root, warn=self.warn)
+        if self.writer.is_main:
+            tidy(self.root, self.warn)
+        _barrier()
+        path = resolve_resume(resume, self.root, warn=self.warn, problem=self.problem)
         if path is None:
             return 0
         step = self.restore(path)
@@ -393,7 +585,7 @@ class Checkpointer:
     def rollback(self, bad_batches: list[int]) -> int | None:
         """After repeated non-finite steps: reload the newest checkpoint and never use those batches again."""
         self.writer.finish()
-        path = newest_valid_checkpoint(self.root, warn=self.warn)
+        path = newest_valid_checkpoint(self.root, warn=self.warn, problem=self.problem)
         if path is None:
             return None
         self.progress.skip_batches |= set(bad_batches)

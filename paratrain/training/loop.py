@@ -101,12 +101,13 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg, spec, env, t = self.cfg, self.spec, self.env, self.cfg.training
         result = TrainResult(run_dir=cfg.run_dir)
+        # The checkpoint to resume from is found, verified and loaded before this run writes anything.
+        start = step = self.checkpointer.resume(restarted=self.restarts > 0)
         if env.is_main:
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
             (cfg.run_dir / "config.toml").write_text(dump_toml(cfg))
         self.log = MetricsLog(cfg.run_dir / "metrics.jsonl", t.steps, 0, cfg.metrics.progress, enabled=env.is_main,
                               sinks=build_sinks(cfg, env))
-        start = step = self.checkpointer.resume(restarted=self.restarts > 0)
         if start == 0 and cfg.model.init_from:  # a Hugging Face model's weights onto this layout; a fresh optimizer
             from paratrain import hf
 
@@ -120,7 +121,7 @@ class Trainer:
                 if self.faults:
                     self.faults.before_step(step)
                 if self.guard.preempted():  # every rank stops at the same step boundary
-                    self._save_preempted(step)
+                    self._save_preempted(step, start)
                     result.preempted = True
                     break
                 self.checkpointer.poll()
@@ -170,7 +171,7 @@ class Trainer:
             if not result.preempted:
                 self._finish(result, start, memory_rows)
             self.checkpointer.finish()
-        self.log.close()
+        self.log.close(linger=not result.preempted)  # preempted: no time to wait for a last scrape
         return result
 
     def _forward_backward(self, step: int, data_step: int) -> torch.Tensor:
@@ -197,9 +198,15 @@ class Trainer:
             self.log.message(spec.layout.describe_pipeline())
         self.mem_estimate = self._print_memory_estimate()
 
-    def _save_preempted(self, step: int) -> None:
+    def _save_preempted(self, step: int, start: int) -> None:
         self.checkpointer.finish()
+        if step == start:  # stopped before the first step: the state is the one this run started from
+            if self.env.is_main:
+                mark_preempted(self.cfg.run_dir, step)
+            self.notice(f"preempted at step {step} before any progress: nothing new to save")
+            return
         path = self.checkpointer.save(step)
+        self.guard.preemption.saved_step = step
         if self.env.is_main:
             mark_preempted(self.cfg.run_dir, step)
         self.notice(f"preempted: saved {path} at step {step}; resume with --checkpoint.resume=auto")

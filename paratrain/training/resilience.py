@@ -4,10 +4,6 @@ guard the training loop consults once per step (`ResilienceGuard`)."""
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import sys
-import threading
 
 import torch
 import torch.distributed as dist
@@ -15,6 +11,7 @@ import torch.distributed as dist
 from paratrain.distributed.tensors import local_tensor
 from paratrain.errors import UserError
 from paratrain.faults import InjectedOOM
+from paratrain.training.preemption import PreemptionWatch, watching
 
 PREEMPTED_MARKER = "PREEMPTED"
 
@@ -69,55 +66,6 @@ class MemoryBudget:
                                        f"{self.budget / 2**20:.1f} MiB")
 
 
-class PreemptionWatch:
-    """SIGTERM sets a flag (nothing else happens in the handler); ranks agree on it at step boundaries.
-
-    After the notice a watchdog gives the run `grace_s` seconds to save and exit; past that it exits
-    non-zero so the scheduler knows the checkpoint was not written.
-    """
-
-    def __init__(self, grace_s: float, group=None):
-        self.grace_s, self.group = grace_s, group
-        self.requested = False
-        self._previous = None
-        self._watchdog: threading.Timer | None = None
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self.requested = True
-        if self._watchdog is None:
-            self._watchdog = threading.Timer(self.grace_s, self._expired)
-            self._watchdog.daemon = True
-            self._watchdog.start()
-
-    def _expired(self) -> None:
-        print(f"error: preemption grace period of {self.grace_s:.0f} s expired before the checkpoint was saved",
-              file=sys.stderr, flush=True)
-        os._exit(143)
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-
-    def agreed(self) -> bool:
-        """True on every rank once any rank has been told to stop (one tiny all-reduce per step)."""
-        if not dist.is_initialized():
-            return self.requested
-        flag = torch.tensor([1.0 if self.requested else 0.0])
-        if dist.get_backend(self.group) == "nccl":
-            flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if flag.item() > 0 and not self.requested:
-            self._on_sigterm(None, None)  # start this rank's grace period too
-        return flag.item() > 0
-
-
 def mark_preempted(run_dir, step: int) -> None:
     (run_dir / PREEMPTED_MARKER).write_text(f"{step}\n")
 
@@ -132,21 +80,33 @@ class ResilienceGuard:
     micro-batch, double accumulation: same global batch, same loss), and non-finite steps (skip the update;
     after `max_bad_steps` in a row, ask for a rollback)."""
 
-    def __init__(self, cfg, progress, device: torch.device, notice=print):
-        self.cfg, self.progress, self.device, self.notice = cfg, progress, device, notice
-        self.preemption = PreemptionWatch(cfg.preempt_grace_s)
+    def __init__(self, cfg, progress, device: torch.device, notice=print, group=None):
+        self.cfg, self.progress, self.device, self.notice, self.group = cfg, progress, device, notice, group
+        self.preemption: PreemptionWatch | None = None
+        self._watching = None
         self.bad_streak: list[int] = []  # data batches of the current run of consecutive non-finite steps
 
     def __enter__(self):
-        self.preemption.__enter__()
+        self._watching = watching(self.cfg.preempt_grace_s)
+        self.preemption = self._watching.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.preemption.__exit__(*exc)
+        self._watching.__exit__(*exc)
 
     def preempted(self) -> bool:
-        """True on every rank, at the same step boundary, once any rank got SIGTERM."""
-        return self.preemption.agreed()
+        """True on every rank, at the same step boundary, once any rank got SIGTERM (one tiny all-reduce per
+        step); a rank that learns of it this way starts its own grace period too."""
+        requested = self.preemption.requested
+        if not dist.is_initialized():
+            return requested
+        flag = torch.tensor([1.0 if requested else 0.0])
+        if dist.get_backend(self.group) == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() > 0 and not requested:
+            self.preemption.notice()
+        return flag.item() > 0
 
     def with_oom_adaptation(self, run_step, zero_grad):
         """`run_step()` until it fits: on out-of-memory every rank halves the micro-batch and tries again."""

@@ -1,0 +1,188 @@
+"""Checks of the machine and of the paths a run will use, made before any file is written or any rank started.
+
+`paratrain.api.train` calls `check_launch` (run folder writable, metrics ports free, ranks vs cores or GPUs) before
+the data is prepared, and `check_resume` + `warn_disk` once the model is resolved. The config's own values (finite
+numbers, run names) are checked earlier, by `paratrain.config.validate`.
+
+Ranks per machine: one rank per GPU on CUDA (NCCL cannot share a GPU between ranks). CPU ranks (gloo, one thread
+each) may oversubscribe the cores a little; up to max(8, 4 x cores) are started without asking (the test suite and
+`paratrain verify` run 8 ranks on 2 cores), more only with `--oversubscribe`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from paratrain.errors import ConfigError, UserError
+
+CPU_RANKS_PER_CORE = 4
+CPU_RANKS_ALWAYS_ALLOWED = 8
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def max_cpu_ranks() -> int:
+    return max(CPU_RANKS_ALWAYS_ALLOWED, CPU_RANKS_PER_CORE * available_cores())
+
+
+def check_nproc(device: str, nproc: int, oversubscribe: bool | None = False, what: str = "--nproc") -> None:
+    """`nproc` local ranks fit this machine: at most one per GPU on CUDA; on CPU at most max_cpu_ranks() unless
+    oversubscribe (None: the command has no --oversubscribe)."""
+    if nproc <= 1:
+        return
+    import torch
+
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        gpus = torch.cuda.device_count()
+        if nproc > gpus:
+            raise ConfigError(f"{what} {nproc} but this machine has {gpus} GPU(s): one rank per GPU (NCCL cannot "
+                              f"share a GPU between ranks); use {what} {gpus}, or training.device=cpu")
+        return
+    limit, cores = max_cpu_ranks(), available_cores()
+    if nproc > limit and not oversubscribe:
+        hint = "; pass --oversubscribe to start them anyway" if oversubscribe is not None else ""
+        raise ConfigError(f"{what} {nproc} is more than this machine's {cores} CPU core(s) can run "
+                          f"(at most {limit} CPU ranks: {CPU_RANKS_PER_CORE} per core, or "
+                          f"{CPU_RANKS_ALWAYS_ALLOWED}){hint}")
+
+
+def nearest_existing(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable_folder(folder: Path, key: str) -> None:
+    """`folder` can be created (or exists as a folder) and written to; names the path that is in the way."""
+    folder = Path(folder)
+    probe = Path(os.path.abspath(folder))
+    parts = [probe, *probe.parents]
+    for p in reversed(parts):  # from the root down: a file where a folder should be
+        if p.exists() and not p.is_dir():
+            raise UserError(f"{key}: {p} is a file, not a folder")
+        if not p.exists():
+            break
+    existing = nearest_existing(folder)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        reason = "is on a read-only file system" if _read_only(existing) else "is not writable"
+        raise UserError(f"{key}: {existing} {reason}")
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def check_run_folder(cfg) -> None:
+    """The run folder and its checkpoints folder can be written; its existing files are files."""
+    run_dir = cfg.run_dir
+    check_writable_folder(run_dir / "checkpoints", "run.out_dir")
+    for name in ("config.toml", "metrics.jsonl"):
+        f = run_dir / name
+        if f.is_dir():
+            raise UserError(f"{f} is a folder; the run writes a file there")
+        if f.exists() and not os.access(f, os.W_OK):
+            raise UserError(f"{f} is not writable")
+
+
+def check_ports(m, nproc: int) -> None:
+    """The Prometheus port(s) the run will serve on are free now (checked again when bound)."""
+    from paratrain.observe.metrics import check_metrics_config
+
+    check_metrics_config(m)  # the port's range, the host, prometheus_client installed
+    if not m.prometheus_port:
+        return
+    ports = [m.prometheus_port + i for i in range(nproc)] if m.prometheus_per_rank else [m.prometheus_port]
+    if ports[-1] > 65535:
+        raise ConfigError(f"metrics.prometheus_port={m.prometheus_port} with prometheus_per_rank and {nproc} ranks "
+                          f"needs ports up to {ports[-1]}, above 65535")
+    for port in ports:
+        try:
+            infos = socket.getaddrinfo(m.prometheus_host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise ConfigError(f"metrics.prometheus_host={m.prometheus_host}: cannot resolve it ({e.strerror})") from None
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the metrics server does
+            try:
+                s.bind(address)
+            except OSError as e:
+                raise ConfigError(f"metrics.prometheus_port: cannot serve metrics on {m.prometheus_host}:{port} "
+                                  f"({e.strerror}); choose another port or set it to 0") from None
+
+
+def check_launch(cfg, nproc: int, oversubscribe: bool = False) -> None:
+    """Everything about the machine and the paths a run can be refused for before anything is written (the data
+    included)."""
+    check_nproc(cfg.training.device, nproc, oversubscribe)
+    check_run_folder(cfg)
+    check_ports(cfg.metrics, nproc)
+    _resume_path(cfg)
+
+
+def _resume_path(cfg) -> Path | None:
+    """The checkpoint a run would resume from, at a quick look (marker, files, sizes; checksums are left to the
+    ranks, which verify before loading and, for auto, fall back to an older one)."""
+    from paratrain.training.checkpoint import checkpoint_problem, complete_checkpoints
+
+    resume = cfg.checkpoint.resume
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(cfg.run_dir / "checkpoints")
+        return found[-1] if found else None
+    path = Path(resume)
+    problem = checkpoint_problem(path, checksums=False)
+    if problem:
+        raise UserError(f"checkpoint.resume={path} is not a usable paratrain checkpoint: {problem}")
+    return path
+
+
+def check_resume(cfg, model_args) -> None:
+    """The checkpoint `checkpoint.resume` names (or the newest complete one, for auto) holds this run's model."""
+    from paratrain.training.checkpoint import load_trainer_state, model_mismatch
+
+    path = _resume_path(cfg)
+    if path is None:
+        return
+    mismatch = model_mismatch(load_trainer_state(path), model_args)
+    if mismatch:
+        raise UserError(f"cannot resume from {path}: {mismatch}; resume from a checkpoint of this model, or give "
+                        "this run another run.name")
+
+
+def checkpoint_bytes(model_args) -> int:
+    """About one checkpoint: fp32 weights and AdamW's two fp32 moments (12 bytes per parameter)."""
+    from paratrain.models.presets import count_params
+
+    return 12 * count_params(model_args)
+
+
+def warn_disk(cfg, model_args, warn) -> None:
+    """A warning when the run folder's disk cannot hold the checkpoints the run will keep."""
+    need = checkpoint_bytes(model_args)
+    where = nearest_existing(cfg.run_dir)
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return
+    keep = cfg.checkpoint.keep + 1  # the ones kept, and the one being written
+    if free < need * keep:
+        warn(f"warning: {where} has {_size(free)} free; one checkpoint of this model is about {_size(need)} and "
+             f"checkpoint.keep={cfg.checkpoint.keep} keeps {keep - 1} plus the one being written: saves may fail with "
+             f"a full disk")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,131 @@
+"""SIGTERM in a training process: a preemption notice with a deadline.
+
+The Python handler only sets a flag; the ranks agree on it at the next step boundary, save, and exit
+(`ResilienceGuard.preempted`). The deadline must hold even when the main thread is blocked inside a collective
+(Python runs signal handlers only between bytecodes of the main thread), so the signal is also written to a wakeup
+pipe that a small thread reads the moment it arrives: it starts the grace-period watchdog and runs the `on_signal`
+hooks (a launched rank uses one to stop at once when another rank has already failed).
+
+A launched rank arms the watch first thing (`watching` in `paratrain.api.run_rank`), so a notice that arrives while
+it is still starting up is not lost; the training loop then finds the same watch. Torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+
+EXIT_PREEMPT_EXPIRED = 143  # 128 + SIGTERM: what a scheduler expects from a job that did not stop in time
+
+
+class PreemptionWatch:
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.requested = False
+        self.noticed_at: float | None = None
+        self.saved_step: int | None = None  # set once the preemption checkpoint is committed
+        self.on_signal: list = []  # called from the watcher thread on every SIGTERM
+        self._lock = threading.Lock()
+        self._watchdog: threading.Timer | None = None
+        self._previous = None
+        self._previous_fd = -1
+        self._pipe: tuple[int, int] | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- the notice -------------------------------------------------------------------------------
+    def notice(self) -> None:
+        """A SIGTERM arrived here, or another rank got one: the grace period starts (once)."""
+        self.requested = True
+        with self._lock:
+            if self._watchdog is not None:
+                return
+            self.noticed_at = time.monotonic()
+            self._watchdog = threading.Timer(self.grace_s, self._expired)
+            self._watchdog.daemon = True
+            self._watchdog.start()
+
+    def _expired(self) -> None:
+        # Under paratrain's own launcher the launcher reports the expiry (one line for the job); alone, or under
+        # torchrun, rank 0 does.
+        from paratrain.faults import ATTEMPT_ENV
+
+        if ATTEMPT_ENV not in os.environ and int(os.environ.get("RANK", "0")) == 0:
+            done = (f"; the checkpoint of step {self.saved_step} was saved" if self.saved_step is not None
+                    else " before the checkpoint was saved")
+            print(f"error: did not stop within the preemption grace period "
+                  f"(resilience.preempt_grace_s={self.grace_s:g} s){done}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_PREEMPT_EXPIRED)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.notice()
+
+    def _watch_pipe(self, read_fd: int) -> None:
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data:  # stop() closed the write end
+                return
+            if signal.SIGTERM in data:
+                self.notice()
+                for hook in list(self.on_signal):
+                    hook()
+
+    # -- installing -------------------------------------------------------------------------------
+    def start(self) -> "PreemptionWatch":
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers can only be installed by the main thread; the caller's own stay
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self._pipe = (read_fd, write_fd)
+        try:
+            self._previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except ValueError:  # not the main interpreter
+            self._previous_fd = None
+        self._thread = threading.Thread(target=self._watch_pipe, args=(read_fd,), name="paratrain-sigterm",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+        if self._pipe is not None:
+            if self._previous_fd is not None:
+                signal.set_wakeup_fd(self._previous_fd)
+            read_fd, write_fd = self._pipe
+            self._pipe = None
+            os.close(write_fd)  # the watcher reads EOF and ends
+            if self._thread is not None:
+                self._thread.join(timeout=1)
+            os.close(read_fd)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+
+_ACTIVE: PreemptionWatch | None = None
+
+
+@contextlib.contextmanager
+def watching(grace_s: float):
+    """The process's PreemptionWatch for the block: the one already armed by an enclosing block (a launched rank
+    arms it before anything else), or a new one."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        yield _ACTIVE
+        return
+    watch = PreemptionWatch(grace_s).start()
+    _ACTIVE = watch
+    try:
+        yield watch
+    finally:
+        _ACTIVE = None
+        watch.stop()

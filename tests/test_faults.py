@@ -1,0 +1,202 @@
+"""Faults from outside the process tree, as a scheduler or an operator causes them (no PARATRAIN_FAULTS):
+SIGTERM to the launcher, to its whole process group, or to one rank; SIGKILL in the middle of a save; a disk that
+fills up during a save; a checkpoint changed in place without changing its size.
+
+Signals go only to processes these tests started (the launcher is started in its own session, so its process group
+holds just it and its ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from conftest import fast_overrides
+from mounts import small_disk
+from paratrain import cli
+from paratrain.api import train_rank
+from paratrain.config import load_config
+from paratrain.training.checkpoint import checkpoint_problem, complete_checkpoints
+
+GRACE_S = 10
+
+
+class Job:
+    """`paratrain train ...` in its own session, its output collected with the time each line arrived."""
+
+    def __init__(self, args: list[str], preexec_fn=None):
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env.pop("PARATRAIN_FAULTS", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "paratrain", "train", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                                     preexec_fn=preexec_fn)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.readers = [threading.Thread(target=self._read, args=(s, lines), daemon=True)
+                        for s, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for r in self.readers:
+            r.start()
+
+    @staticmethod
+    def _read(stream, lines):
+        for line in stream:
+            lines.append(line)
+
+    def wait_for(self, pattern: str, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(re.search(pattern, line) for line in self.out):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"never printed {pattern!r}:\n{self.text()[-3000:]}")
+            time.sleep(0.02)
+
+    def ranks(self) -> list[psutil.Process]:
+        return sorted((c for c in psutil.Process(self.proc.pid).children()
+                       if "spawn_main" in " ".join(c.cmdline())), key=lambda p: p.pid)
+
+    def finish(self, timeout: float = 240) -> int:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        for r in self.readers:
+            r.join(5)
+        return rc
+
+    def kill(self) -> None:
+        for p in [*self.ranks(), psutil.Process(self.proc.pid)]:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+    def text(self) -> str:
+        return "".join(self.out) + "".join(self.err)
+
+
+def train_args(data, out, name, *extra) -> list[str]:
+    return [f"--{o}" for o in fast_overrides(data, out, name, "training.eval_every=0", "training.log_every=1",
+                                              "metrics.progress=lines", *extra)]
+
+
+@pytest.mark.parametrize("target", ["launcher", "group", "rank"])
+def test_sigterm_from_outside_saves_and_exits_within_grace(char_data, tmp_path, target):
+    job = Job(["--nproc", "2", *train_args(char_data, tmp_path, "job", "training.steps=100000",
+                                           f"resilience.preempt_grace_s={GRACE_S}")])
+    job.wait_for(r"^step +2 ")
+    ranks = job.ranks()
+    assert len(ranks) == 2
+    sent = time.monotonic()
+    if target == "launcher":
+        os.kill(job.proc.pid, signal.SIGTERM)
+    elif target == "group":
+        os.killpg(job.proc.pid, signal.SIGTERM)  # what Slurm and Kubernetes send: every process of the job
+    else:
+        ranks[1].send_signal(signal.SIGTERM)  # not rank 0: the others learn of it at the next step boundary
+    rc = job.finish()
+    took = time.monotonic() - sent
+    assert rc == 0, job.text()[-3000:]
+    assert took < GRACE_S, f"took {took:.1f} s to stop after SIGTERM"
+    assert "Traceback" not in job.text() and "error" not in "".join(job.err).lower(), job.text()[-3000:]
+    saved = complete_checkpoints(tmp_path / "job" / "checkpoints")
+    assert len(saved) == 1 and checkpoint_problem(saved[0]) is None
+    step = int(saved[0].name.split("-")[1])
+    assert step >= 2 and (tmp_path / "job" / "PREEMPTED").read_text().strip() == str(step)
+    assert f"preempted: saved {saved[0]}" in job.text()
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+
+
+def test_sigkill_during_save_keeps_the_previous_checkpoint(char_data, tmp_path, capsys):
+    # A model big enough that a save takes a while (about 40 MB with the optimizer state), saved every step.
+    model = ["model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4", "model.ffn_hidden=1024"]
+    job = Job(train_args(char_data, tmp_path, "job", "training.steps=200", "checkpoint.every=1", *model))
+    ckpts = tmp_path / "job" / "checkpoints"
+    deadline = time.monotonic() + 240
+    while True:  # SIGKILL the moment a save is under way (its temporary folder exists) once one is committed
+        if time.monotonic() > deadline or job.proc.poll() is not None:
+            job.kill()
+            raise AssertionError("no save was caught in progress:\n" + job.text()[-3000:])
+        if ckpts.is_dir() and complete_checkpoints(ckpts) and any(p.name.endswith(".tmp") for p in ckpts.iterdir()):
+            os.kill(job.proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    job.finish()
+    torn = [p for p in ckpts.iterdir() if p.name.endswith(".tmp")]
+    good = complete_checkpoints(ckpts)[-1]
+    assert torn and checkpoint_problem(good) is None
+    rc = cli.main(["checkpoint", "verify", str(tmp_path / "job")])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"resume=auto would use {good}" in out and "interrupted save" in out
+    # The next start removes the torn save and continues from the newest complete checkpoint.
+    step = int(good.name.split("-")[1])
+    cfg = load_config(None, fast_overrides(char_data, tmp_path, "job", "checkpoint.resume=auto", "training.eval_every=0",
+                                           f"training.steps={step + 1}", *model))
+    result = train_rank(cfg)
+    out, err = capsys.readouterr()
+    assert f"resumed from {good}" in out and "removed .step-" in err
+    assert len(result.losses) == 1 and not any(p.name.endswith(".tmp") for p in ckpts.iterdir())
+
+
+def test_full_disk_during_save_is_one_line_and_leaves_nothing(char_data, tmp_path):
+    # Room for the run's config and metrics, not for a checkpoint (1.4 MiB for the tiny model and its optimizer).
+    with small_disk(tmp_path / "disk", 600 * 1024) as (disk, limit):
+        job = Job(["--nproc", "2", *train_args(char_data, disk, "job", "training.steps=4", "checkpoint.every=2")],
+                  preexec_fn=limit)
+        rc = job.finish()
+        err = [line for line in job.err if line.strip() and not line.startswith("warning:")]
+        assert rc == 2, job.text()[-3000:]
+        assert "Traceback" not in job.text()
+        assert len(err) == 1 and err[0].startswith("error: "), job.text()[-3000:]
+        assert re.search(r"cannot save checkpoint step-2 in .*checkpoints: (No space left on device|File too large)",
+                         err[0]) and "the partial save .step-2.tmp was removed" in err[0]
+        assert os.listdir(disk / "job" / "checkpoints") == []
+        assert (disk / "job" / "config.toml").is_file()
+
+
+def test_same_size_corruption_is_caught_everywhere(char_data, tmp_path, capsys):
+    """A shard changed in place: resume=auto falls back naming the reason, verify and generate refuse it, and pruning
+    never deletes the last good checkpoint while newer, damaged ones are still around."""
+    base = ["training.eval_every=0", "checkpoint.every=2", "checkpoint.keep=2"]
+    run = train_rank(load_config(None, fast_overrides(char_data, tmp_path, "r", *base, "training.steps=4")))
+    ckpts = run.run_dir / "checkpoints"
+    good, bad = ckpts / "step-2", ckpts / "step-4"
+    for name in ("step-6", "step-8"):  # two newer damaged ones: the old pruning would have deleted step-2 and more
+        shutil.copytree(bad, ckpts / name)
+    for folder, victim in ((bad, "__0_0.distcp"), (ckpts / "step-6", ".metadata"), (ckpts / "step-8", "trainer.pt")):
+        f = folder / victim
+        data = bytearray(f.read_bytes())
+        data[len(data) // 3] ^= 0x01  # one bit, same size
+        f.write_bytes(bytes(data))
+    capsys.readouterr()
+
+    assert cli.main(["checkpoint", "verify", str(run.run_dir)]) == 1
+    out = capsys.readouterr().out
+    assert f"OK   {good}" in out and f"resume=auto would use {good}" in out
+    for name, victim in (("step-4", "__0_0.distcp"), ("step-6", ".metadata"), ("step-8", "trainer.pt")):
+        assert re.search(rf"BAD  {re.escape(str(ckpts / name))}: checksum mismatch in {re.escape(victim)}", out), out
+
+    assert cli.main(["generate", "--checkpoint", str(bad), "--max-new-tokens", "3"]) == 2
+    assert "checksum mismatch in __0_0.distcp" in capsys.readouterr().err
+    assert cli.main(["generate", "--checkpoint", str(run.run_dir), "--max-new-tokens", "3"]) == 0
+    assert f"skipping checkpoint {ckpts / 'step-8'}: checksum mismatch" in capsys.readouterr().err
+
+    resumed = train_rank(load_config(None, fast_overrides(char_data, tmp_path, "r", *base, "training.steps=5",
+                                                          "checkpoint.resume=auto")))
+    out, err = capsys.readouterr()
+    assert f"skipping checkpoint {bad}: checksum mismatch in __0_0.distcp" in err
+    assert f"resumed from {good} at step 2" in out
+    assert resumed.losses == run.losses[2:4] + resumed.losses[2:]  # bitwise the same steps 3 and 4
+    # step-4 was saved again (replacing the damaged one) and step-5 written; step-6 and step-8 are newer than the run
+    # and stay for the operator, so the last good checkpoints are never the ones deleted.
+    assert [p.name for p in complete_checkpoints(ckpts)] == ["step-4", "step-5", "step-6", "step-8"]
+    assert checkpoint_problem(ckpts / "step-4") is None and checkpoint_problem(ckpts / "step-5") is None
