@@ -1,7 +1,8 @@
 """Turn a plain Transformer into a parallel one, in a fixed order:
 
-    tensor/sequence parallel -> expert parallel -> activation checkpointing -> torch.compile -> FSDP
-    -> materialise + deterministic init -> DDP / ZeRO-1 wrapping (DDP needs real weights)
+    tensor/sequence parallel -> context parallel (ring attention) -> expert parallel -> activation checkpointing
+    -> torch.compile -> FSDP (over dp_shard x cp) -> materialise + deterministic init -> DDP / ZeRO-1 wrapping
+    (DDP needs real weights)
 
 The model file stays free of parallel code. The rules of the layout live in `paratrain/layout.py`, its mesh in
 `parallel_dims.py`; pipeline stages (`pipeline.py`) are each laid out by this same `parallelize`.
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from paratrain.config import ActivationCheckpointConfig
+from paratrain.distributed.context_parallel import apply_context_parallel, context_for
 from paratrain.distributed.expert_parallel import distribute_experts, shard_experts
 from paratrain.distributed.initialize import init_weights
 from paratrain.distributed.parallel_dims import ParallelDims
@@ -189,6 +191,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
     layout = dims.layout
     if layout.tp_enabled:
         apply_tp(model, dims.tp_mesh, layout.sequence_parallel, layout.uses_loss_parallel)
+    if layout.cp_enabled:  # each rank attends over its chunks of every sequence by ring attention
+        apply_context_parallel(model, context_for(dims))
     # Mixture of experts: experts sharded over ep / replicated over tp, all-to-all token routing when ep > 1.
     expert_dp_mesh = distribute_experts(model, dims)
     apply_activation_checkpointing(model, activation_checkpoint)
