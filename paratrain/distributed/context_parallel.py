@@ -6,7 +6,7 @@ so that causal attention costs every rank the same. Everything that sees positio
 the loss is the mean over this rank's tokens, and since every rank holds as many, the mean over dp x cp ranks
 (which the trainer takes for the loss and FSDP for the gradients) is the mean over the global batch.
 
-Ring attention (`RingAttention`, an autograd Function): each rank keeps its queries and passes its K/V block
+Ring attention (`ring_attention`, an operator with its own backward): each rank keeps its queries and passes its K/V block
 around the cp group (send to rank+1, receive from rank-1, overlapped with the attention of the block in hand), so
 after cp steps every query has met every key. Each step's partial result is merged by its log-sum-exp (online
 softmax), so the output is exact. Which (query, key) chunk pairs a step computes follows from the chunk layout:
@@ -158,6 +158,7 @@ class Ring:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self.index = None  # position in _RINGS once used by the operator
 
     def start(self, t: torch.Tensor):
         """Begin passing `t` on; returns (the buffer that will hold rank-1's, the requests to wait for)."""
@@ -186,7 +187,7 @@ def ring_forward(q, k, v, ring: Ring, scale: float):
         if step == 0:
             o, lse = block_forward(q, kb, vb, True, scale)
             out.copy_(o)
-            lse = lse.float()
+            lse = lse.float().clone()  # merged in place below
         elif src < ring.rank:  # all our queries attend to its early chunk
             o, l = block_forward(q, kb[:, :, :c], vb[:, :, :c], False, scale)
             merge(out, lse, o, l)
@@ -243,26 +244,47 @@ def ring_backward(dout, q, k, v, out, lse, ring: Ring, scale: float):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class RingAttention(torch.autograd.Function):
-    """Causal attention over a sequence split into load-balanced chunks across the cp group (see the module)."""
+# The ring as one operator (`torch.ops.paratrain.ring_attention`): selective activation checkpointing saves its
+# output like SDPA's (parallelize._SAVE_OPS) instead of caching every block inside it, torch.compile treats it as one
+# opaque call, and its backward is the ring backward above. Operators take no process groups: a ring is named by
+# its index in _RINGS.
+_RINGS: list[Ring] = []
 
-    @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, scale: float):
-        out, lse = ring_forward(q, k, v, ring, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale = ring, scale
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, ctx.scale)
-        return dq, dk, dv, None, None
+@torch.library.custom_op("paratrain::ring_attention", mutates_args=())
+def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: int,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention over the cp group's chunks: (out like q, lse fp32 (B, Hq, T))."""
+    return ring_forward(q, k, v, _RINGS[ring], scale)
+
+
+@ring_attention_op.register_fake
+def _ring_attention_shapes(q, k, v, ring, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _save(ctx, inputs, output):
+    q, k, v, ring, scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.ring, ctx.scale = ring, scale
+
+
+def _ring_attention_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_backward(dout, q, k, v, out, lse, _RINGS[ctx.ring], ctx.scale)
+    return dq, dk, dv, None, None
+
+
+ring_attention_op.register_autograd(_ring_attention_backward, setup_context=_save)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
     """Causal attention of q (B, Hq, T, D) over k, v (B, Hkv, T, D), T this rank's two chunks."""
-    return RingAttention.apply(q, k, v, ring, q.shape[-1] ** -0.5)
+    if ring.index is None:  # one entry per process group
+        ring.index = next((i for i, r in enumerate(_RINGS) if r.group is ring.group), len(_RINGS))
+        if ring.index == len(_RINGS):
+            _RINGS.append(ring)
+    return ring_attention_op(q, k, v, ring.index, q.shape[-1] ** -0.5)[0]
 
 
 # -- the model seam --------------------------------------------------------------------------------------------------

@@ -130,6 +130,7 @@ _SAVE_OPS = {
 }
 if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
     _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+_SAVE_OPS.add(torch.ops.paratrain.ring_attention.default)  # context parallel attention (its output and lse)
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)  # the experts' matmuls
 

@@ -21,6 +21,11 @@ One dense block saves ("none" checkpointing), in forward order:
   ffn_norm         as attention_norm, on h = x + attention
   SwiGLU           w1 x, silu(w1 x), w3 x, and their product (the w2 input): 4 N F L
 
+Context parallelism (cp ranks share each sequence) makes N this rank's tokens, micro_batch x seq_len / cp, for
+every tensor above and the logits. Its ring attention (distributed/context_parallel.py) saves q, k and v without
+the GQA repetition (N Hkv D L each for k and v), the merged output and logsumexp, and each block's attention
+gathers the rotary angles of the rank's positions (2 x N/b x D/2 in the tables' dtype), which rope saves.
+
 R is the residual dtype (4 B, or 2 B in "pure"), L the compute dtype (4 B fp32, else 2 B). Tensor parallel
 divides the head and hidden dimensions by tp; sequence parallel also divides the norm and residual tensors
 (the q/k/v and w1/w3 inputs are all-gathered, so those stay whole). FSDP's mixed precision casts each block's
@@ -67,6 +72,7 @@ class ActDims:
     gqa: bool  # k, v repeated to Hq heads
     loss_parallel: bool
     cuda: bool = True  # CUDA kernels (vs CPU): only changes how autocast treats the MoE experts' grouped matmul
+    cp: int = 1  # context parallel: s is this rank's share of the sequence; ring attention
 
     @property
     def N(self) -> int:
@@ -86,7 +92,19 @@ class ActDims:
 
     @property
     def rope_copies(self) -> int:
-        return self.s * self.D * 2 if (self.regime == "pure" and self.fsdp and self.L == 2) else 0
+        return self.s * self.cp * self.D * 2 if (self.regime == "pure" and self.fsdp and self.L == 2) else 0
+
+    @property
+    def rope_gathered(self) -> int:
+        """Rotary angles gathered at this rank's positions per block (context parallel; else views of the tables)."""
+        if self.cp == 1:
+            return 0
+        return 2 * self.s * (self.D // 2) * (2 if self.rope_copies else FP32)
+
+    @property
+    def kv_heads_saved(self) -> int:
+        """K/V heads attention saves: SDPA saves them repeated to the query heads, ring attention does not."""
+        return self.Hq if (self.gqa and self.cp == 1) else self.Hkv
 
 
 def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, micro_batch: int, seq_len: int,
@@ -100,9 +118,10 @@ def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, m
     t = layout.tp
     D = args.head_dim
     lp = layout.uses_loss_parallel  # pipelines compute whole logits on the last stage
-    return ActDims(micro_batch, seq_len, args.dim, args.n_heads // t, args.n_kv_heads // t, D, args.ffn_hidden // t,
-                   args.vocab_size // t if lp else args.vocab_size, t, layout.sp, regime,
-                   layout.uses_fsdp and accounting != "classic", args.n_kv_heads != args.n_heads, lp, device == "cuda")
+    return ActDims(micro_batch, seq_len // layout.cp, args.dim, args.n_heads // t, args.n_kv_heads // t, D,
+                   args.ffn_hidden // t, args.vocab_size // t if lp else args.vocab_size, t, layout.sp, regime,
+                   layout.uses_fsdp and accounting != "classic", args.n_kv_heads != args.n_heads, lp, device == "cuda",
+                   layout.cp)
 
 
 def _norm(d: ActDims) -> list[tuple[str, int]]:
@@ -120,15 +139,18 @@ def _matmul_inputs(d: ActDims, n_linears: int) -> int:
 
 def attention_saved(d: ActDims) -> list[tuple[str, int]]:
     N, L = d.N, d.L
-    kv_heads = d.Hq if d.gqa else d.Hkv
+    kv_heads = d.kv_heads_saved
+    repeated = kv_heads != d.Hkv
     out = _norm(d) + [("q/k/v input", _matmul_inputs(d, 3)),
                       ("q (rope)", N * d.Hq * d.D * L),
-                      ("k (rope, repeated)" if d.gqa else "k (rope)", N * kv_heads * d.D * L),
-                      ("v (repeated)" if d.gqa else "v", N * kv_heads * d.D * L),
+                      ("k (rope, repeated)" if repeated else "k (rope)", N * kv_heads * d.D * L),
+                      ("v (repeated)" if repeated else "v", N * kv_heads * d.D * L),
                       ("attention output", N * d.Hq * d.D * L),
                       ("logsumexp", N * d.Hq * FP32)]
     if d.rope_copies:
         out.append(("rope tables (bf16, FSDP input cast)", d.rope_copies))
+    if d.rope_gathered:
+        out.append(("rope angles at this rank's positions", d.rope_gathered))
     return out
 
 
