@@ -63,13 +63,21 @@ def test_cuda_flash_block_calls_match_their_schemas():
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
 
 
-def _ring_rank():
-    """One of 4 ranks: ring attention over the whole group (cp=4) and over pairs (cp=2: ranks 0-1 and 2-3) against
-    full attention over the whole sequence; returns every rank's max errors of out, dq, dk, dv."""
+# A small dense model (no GQA, so attention and MLP activations are plain per-token tensors) for the memory test.
+MEMORY_MODEL = dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=352, max_seq_len=512)
+MEMORY_BATCH = dict(micro_batch=2, seq_len=256, precision="fp32", checkpointing="none")
+
+
+def _four_ranks():
+    """One launch of 4 gloo ranks for the ring-attention and memory tests: ring attention over the whole group
+    (cp=4) and over pairs (cp=2: ranks 0-1 and 2-3) against full attention; then the memory harness's measurement of
+    a training step with cp=4 and with cp=2 x dp_shard=2. Returns, per rank, the attention errors and the
+    measurements."""
     import torch.distributed as dist
 
     from paratrain.distributed.context_parallel import ContextParallel
     from paratrain.distributed.env import init_distributed
+    from paratrain.estimate.measure import MeasureSpec, measure_step
 
     torch.set_num_threads(1)
     init_distributed("cpu")
@@ -86,17 +94,115 @@ def _ring_rank():
         out.backward(shard_sequence(dout, cp, rank, dim=2))
         errors = [(out - shard_sequence(ref.detach(), cp, rank, dim=2)).abs().max().item()]
         errors += [(t.grad - shard_sequence(r.grad, cp, rank, dim=2)).abs().max().item() for t, r in zip(local, leaves)]
-        result[cp] = errors
+        result[f"ring{cp}"] = errors
+    for cp in (4, 2):
+        m = measure_step(MeasureSpec(MEMORY_MODEL, cp=cp, steps=1, **MEMORY_BATCH))
+        result[f"memory{cp}"] = m.forward_end["activations"]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     return gathered
 
 
-def test_ring_attention_matches_full_attention():
-    """Forward and dq, dk, dv of ring attention (GQA, load-balanced causal chunks) on 2 and 4 gloo ranks."""
+@pytest.fixture(scope="module")
+def four_ranks():
     from paratrain.distributed.launch import launch
 
-    per_rank = launch(_ring_rank, (), 4)
+    return launch(_four_ranks, (), 4)
+
+
+def test_ring_attention_matches_full_attention(four_ranks):
+    """Forward and dq, dk, dv of ring attention (GQA, load-balanced causal chunks) on 2 and 4 gloo ranks."""
     for cp in (2, 4):
-        for errors in per_rank:
-            assert max(errors[cp]) < TOL, (cp, per_rank)
+        for per_rank in four_ranks:
+            assert max(per_rank[f"ring{cp}"]) < TOL, (cp, four_ranks)
+
+
+def test_activation_memory_per_rank_falls_by_cp(four_ranks):
+    """The attention and MLP activations a rank stores for backward (measured: every tensor alive at the end of the
+    forward) fall by about cp x with context parallelism, and the estimator predicts them."""
+    from paratrain.estimate import estimate
+    from paratrain.estimate.activations import act_dims, attention_saved, dense_ffn_saved
+    from paratrain.estimate.core import forward_end_bytes
+    from paratrain.estimate.measure import MeasureSpec, inputs_for_spec, measure_step
+    from paratrain.layout import Layout
+    from paratrain.models.args import ModelArgs
+
+    one = measure_step(MeasureSpec(MEMORY_MODEL, steps=1, **MEMORY_BATCH)).forward_end["activations"]
+    args = ModelArgs(**MEMORY_MODEL)
+    for cp, world in ((2, 4), (4, 4)):
+        measured = max(r[f"memory{cp}"] for r in four_ranks)
+        assert 0.85 * cp <= one / measured <= 1.15 * cp, (cp, one, measured)
+        spec = MeasureSpec(MEMORY_MODEL, cp=cp, **MEMORY_BATCH)
+        predicted = forward_end_bytes(estimate(inputs_for_spec(spec, world), suggest=False).inputs)["activations"]
+        assert abs(predicted - measured) <= 0.01 * measured, (cp, predicted, measured)
+        # per block, attention and MLP separately
+        d1 = act_dims(args, Layout.resolve(1), "fp32", "paratrain", 2, 256, "cpu")
+        dc = act_dims(args, Layout.resolve(world, cp=cp), "fp32", "paratrain", 2, 256, "cpu")
+        for part in (attention_saved, dense_ffn_saved):
+            whole, split = sum(b for _, b in part(d1)), sum(b for _, b in part(dc))
+            assert 0.9 * cp <= whole / split <= 1.1 * cp, (part.__name__, cp, whole, split)
+
+
+CP_SUITE = ["cp2", "cp2xfsdp2", "cp2xtp2", "cp2xpp2", "cp4-seq256"]
+
+
+def test_verify_cp_rows(char_data):
+    """The context-parallel verify rows against one process, 10 steps: cp alone, with FSDP, tensor parallel (+sp) and
+    a pipeline, and a 256-token sequence over 4 ranks (the CLI's long row, cp4-seq1024, takes longer: bench/RESULTS.md)."""
+    from paratrain.verify import CP_MATRIX, run_verify
+
+    assert set(CP_SUITE) - {"cp4-seq256"} <= set(CP_MATRIX) and "cp4-seq1024" in CP_MATRIX
+    rows, _ = run_verify(CP_SUITE, steps=10, tolerance=TOL, extra_args=[f"data.dir={char_data}"], echo=lambda line: None)
+    report = "\n".join(f"{r.layout}: dloss {r.max_loss_diff:.2e} dweight {r.max_weight_diff:.2e} {r.note}" for r in rows)
+    for r in rows:
+        assert len(r.losses) == 10 and r.passed, report
+
+
+def test_cp_evaluates_and_samples_like_one_process(char_data, tmp_path):
+    """Evaluation cuts the held-out batches the same way (val loss as one process's) and sampling runs whole prompts
+    on every rank (the same greedy text)."""
+    from conftest import fast_config
+
+    from paratrain.api import run_rank, train_rank
+    from paratrain.distributed.launch import launch
+
+    extra = ["training.steps=3", "training.global_batch=4", "training.micro_batch=4", "training.eval_every=2",
+             "training.eval_batches=2", "sample.max_new_tokens=6", "sample.temperature=0", "optimizer.eps=1e-6",
+             "checkpoint.save_final=false"]
+    one = train_rank(fast_config(char_data, tmp_path, "one", *extra))
+    cp = launch(run_rank, (fast_config(char_data, tmp_path, "cp", *extra, "parallel.cp=2"),), 2)
+    assert max(abs(a - b) for a, b in zip(one.losses, cp.losses)) <= TOL and len(cp.losses) == 3
+    assert abs(one.val_loss - cp.val_loss) <= TOL
+    assert cp.sample_text == one.sample_text and len(cp.sample_text) > 0
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (2, ["parallel.cp=2", "training.seq_len=30"], "training.seq_len=30 is not divisible by 2 x parallel.cp = 4"),
+    (4, ["parallel.cp=4", "training.seq_len=36"], "is not divisible by 2 x parallel.cp = 8"),
+    (8, ["parallel.cp=2", "parallel.tp=4", "model.n_kv_heads=4", "training.seq_len=36"],
+     "is not divisible by parallel.tp=4 x parallel.cp=2 (sequence parallel"),
+    (2, ["parallel.cp=2", "model.preset=tiny-moe"], "parallel.cp=2 does not support mixture-of-experts models"),
+    (2, ["parallel.cp=2", "parallel.dp_mode=ddp"], "parallel.cp=2 needs dp_mode fsdp, zero2 or hsdp"),
+    (2, ["parallel.cp=2", "parallel.dp_mode=zero1"], "parallel.cp=2 needs dp_mode fsdp, zero2 or hsdp"),
+    (3, ["parallel.cp=2"], "x parallel.cp (2) does not divide the world size 3"),
+    (2, ["parallel.cp=0"], "parallel.cp must be >= 1"),
+])
+def test_bad_cp_layouts_fail_before_launch(char_data, tmp_path, world, overrides, message):
+    from conftest import assert_plan_rejected
+
+    assert_plan_rejected(char_data, tmp_path, world, overrides, message)
+
+
+def test_cli_refuses_bad_cp_with_one_line(char_data, tmp_path, capsys, monkeypatch):
+    from paratrain import cli
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    from conftest import fast_overrides
+
+    argv = ["train", "--nproc", "2", *[f"--{o}" for o in fast_overrides(char_data, tmp_path, "bad")],
+            "--parallel.cp=2", "--training.seq_len=30"]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith("error: ") and "2 x parallel.cp" in err, err
+    assert not (tmp_path / "bad").exists()
