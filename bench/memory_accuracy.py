@@ -65,6 +65,18 @@ CONFIGS = [
     ("hsdp2x2 fp32 full", 4, dict(dp_mode="hsdp", dp_replicate=2), "fp32", "full", 4, 128, 1, MODEL),
     ("fsdp2xtp2 bf16", 4, dict(dp_mode="fsdp", tp=2), "bf16", "none", 4, 128, 1, MODEL),
     ("fsdp2xtp2 fp32 selective", 4, dict(dp_mode="fsdp", tp=2), "fp32", "selective", 2, 256, 1, MODEL),
+    # Context parallelism: each sequence split over cp ranks (ring attention), FSDP over dp_shard x cp.
+    ("cp2 fp32", 2, dict(cp=2), "fp32", "none", 4, 128, 1, MODEL),
+    ("cp2 bf16", 2, dict(cp=2), "bf16", "none", 2, 256, 1, MODEL),
+    ("cp2 fp32 full", 2, dict(cp=2), "fp32", "full", 4, 128, 1, MODEL),
+    ("cp2 bf16 selective", 2, dict(cp=2), "bf16", "selective", 2, 256, 1, MODEL),
+    ("cp2 fp32 odd", 2, dict(cp=2), "fp32", "none", 2, 96, 1, ODD),
+    ("cp4 fp32 seq512", 4, dict(cp=4), "fp32", "none", 1, 512, 1, MODEL),
+    ("cp4 bf16 full seq512", 4, dict(cp=4), "bf16", "full", 1, 512, 1, MODEL),
+    ("cp2xfsdp2 bf16", 4, dict(dp_mode="fsdp", cp=2), "bf16", "none", 2, 256, 1, MODEL),
+    ("cp2xtp2 fp32", 4, dict(dp_mode="fsdp", cp=2, tp=2), "fp32", "none", 4, 128, 1, MODEL),
+    ("cp2xhsdp2 fp32 selective", 4, dict(dp_mode="hsdp", dp_replicate=2, cp=2), "fp32", "selective", 2, 128, 1,
+     MODEL),
 ]
 QUICK = {"1rank fp32", "1rank bf16 selective", "ddp2 bf16 full", "zero2x2 bf16", "fsdp2 fp32", "tp2+sp fp32 full",
          "fsdp4 bf16 odd", "fsdp2xtp2 bf16"}

@@ -117,6 +117,7 @@ class ParallelConfig:
     pp_virtual_stages: int = 1  # stages per rank for the interleaved schedules (1: automatic, 2)
     pp_split: str = ""  # blocks per stage, e.g. "3,2,2,1"; empty: balanced by parameter count
     ep: int = 1
+    cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention; seq_len divisible by 2 x cp)
     ddp_bucket_mb: float = 25.0
 
 

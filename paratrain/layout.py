@@ -1,7 +1,8 @@
 """The parallel layout: one torch-free description of how a run is spread over ranks, and every rule about it.
 
 The trainer, the memory estimator and the planner all use this one type. A `Layout` holds the resolved
-degrees (world = pp x dp_replicate x dp_shard x tp; expert parallelism borrows `ep` ranks from dp_shard),
+degrees (world = pp x dp_replicate x dp_shard x cp x tp; expert parallelism borrows `ep` ranks from dp_shard;
+context parallelism, cp, splits every sequence over cp ranks),
 the data-parallel mode, and the pipeline's schedule, stages per rank, microbatches and blocks per stage.
 Questions about a layout ("does FSDP hold the parameters?", "which ranks shard the optimizer?") are
 answered by its predicates, so no other module compares mode strings.
@@ -58,13 +59,14 @@ class Layout:
     pp_virtual: int = 1  # stages per pp rank
     pp_microbatches: int = 0  # per optimizer step and data-parallel rank; 0 until validate() picks it
     pp_split: tuple[int, ...] | None = None  # blocks per stage; None until validate() balances them
+    cp: int = 1  # context parallel: each sequence split over cp ranks (2 x cp chunks, load-balanced)
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
     def resolve(cls, world_size: int, *, dp_mode: str = "fsdp", dp_replicate: int = 1, dp_shard: int = -1,
                 tp: int = 1, pp: int = 1, ep: int = 1, sequence_parallel: bool = True, loss_parallel: bool = True,
                 pp_schedule: str = "1f1b", pp_virtual: int = 1, pp_microbatches: int = 0,
-                pp_split: str | tuple[int, ...] | None = None) -> "Layout":
+                pp_split: str | tuple[int, ...] | None = None, cp: int = 1) -> "Layout":
         """Fill in the automatic degrees (dp_shard=-1: the rest of the world) and check them against the world size.
 
         pp_virtual=1 with an interleaved schedule means "automatic" (2); pp_microbatches=0 is chosen from the batch
@@ -74,7 +76,7 @@ class Layout:
         mode = "fsdp" if dp_mode == "zero3" else dp_mode
         if world_size < 1:
             raise ConfigError(f"world size must be >= 1, got {world_size}")
-        for key, value in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp), ("ep", ep),
+        for key, value in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp),
                            ("pp_virtual_stages", pp_virtual)):
             if value < 1:
                 raise ConfigError(f"parallel.{key} must be >= 1, got {value}")
@@ -82,9 +84,10 @@ class Layout:
             raise ConfigError(f"parallel.dp_shard must be >= 1, or -1 for the rest of the world, got {dp_shard}")
         if pp_microbatches < 0:
             raise ConfigError(f"parallel.pp_microbatches must be >= 0 (0: automatic), got {pp_microbatches}")
-        rest, r = divmod(world_size, tp * pp)
+        rest, r = divmod(world_size, tp * pp * cp)
         if r:
-            raise ConfigError(f"parallel.tp ({tp}) x parallel.pp ({pp}) does not divide the world size {world_size}")
+            raise ConfigError(f"parallel.tp ({tp}) x parallel.pp ({pp})" + (f" x parallel.cp ({cp})" if cp > 1 else "")
+                              + f" does not divide the world size {world_size}")
         replicate, shard = dp_replicate, dp_shard
         if _ZERO_STAGE[mode] < 2:
             # One flat, replicated data-parallel axis; either degree may name it.
@@ -100,14 +103,19 @@ class Layout:
         if shard == -1:
             shard, r = divmod(rest, replicate)
             if r or shard < 1:
-                raise ConfigError(f"parallel.dp_replicate ({replicate}) does not divide the {rest} ranks left by tp x pp")
-        product = replicate * shard * tp * pp
+                raise ConfigError(f"parallel.dp_replicate ({replicate}) does not divide the {rest} ranks left by tp x pp"
+                                  + (" x cp" if cp > 1 else ""))
+        product = replicate * shard * cp * tp * pp
         if product != world_size:
-            raise ConfigError(f"parallel degrees dp_replicate={replicate} x dp_shard={shard} x tp={tp} x pp={pp} = "
-                              f"{product}, but the world size is {world_size}")
+            raise ConfigError(f"parallel degrees dp_replicate={replicate} x dp_shard={shard} x "
+                              + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp} x pp={pp} = {product}, but the world "
+                              f"size is {world_size}")
         dp = replicate * shard
         if dp > 1 and _ZERO_STAGE[mode] < 2 and (tp > 1 or pp > 1):
             raise ConfigError(f"dp_mode={mode} does not compose with tp or pp; use dp_mode=fsdp, zero2 or hsdp")
+        if cp > 1 and _ZERO_STAGE[mode] < 2:
+            raise ConfigError(f"parallel.cp={cp} needs dp_mode fsdp, zero2 or hsdp (parameters and gradients are "
+                              f"sharded over dp_shard x cp), not {mode}")
         if ep > 1:
             if _ZERO_STAGE[mode] < 2:
                 raise ConfigError(f"parallel.ep={ep} needs dp_mode fsdp, zero2 or hsdp (experts are sharded over the "
@@ -120,7 +128,7 @@ class Layout:
         if split is not None and len(split) != pp * virtual:
             raise ConfigError(_split_error(split, pp * virtual))
         return cls(mode, replicate, shard, tp, pp, ep, sequence_parallel, loss_parallel, pp_schedule, virtual,
-                   pp_microbatches if pp > 1 else 0, split)
+                   pp_microbatches if pp > 1 else 0, split, cp=cp)
 
     @classmethod
     def from_config(cls, parallel, world_size: int) -> "Layout":
@@ -129,12 +137,12 @@ class Layout:
         return cls.resolve(world_size, dp_mode=p.dp_mode, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp,
                            pp=p.pp, ep=p.ep, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel,
                            pp_schedule=p.pp_schedule, pp_virtual=p.pp_virtual_stages,
-                           pp_microbatches=p.pp_microbatches, pp_split=p.pp_split or None)
+                           pp_microbatches=p.pp_microbatches, pp_split=p.pp_split or None, cp=p.cp)
 
     def replace(self, **changes) -> "Layout":
         """A changed copy, checked again (for the estimator's and planner's what-ifs)."""
         fields = {**dataclasses.asdict(self), **changes}
-        world = fields["dp_replicate"] * fields["dp_shard"] * fields["tp"] * fields["pp"]
+        world = fields["dp_replicate"] * fields["dp_shard"] * fields["cp"] * fields["tp"] * fields["pp"]
         virtual = fields.pop("pp_virtual")
         if "pp_schedule" in changes and "pp_virtual" not in changes:
             virtual = 1  # automatic for the new schedule
@@ -143,7 +151,7 @@ class Layout:
     # -- what the layout is ----------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -151,9 +159,19 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def dp_cp(self) -> int:
+        """Ranks that hold different tokens of a step (dp x cp): gradients and the loss are averaged over them."""
+        return self.dp * self.cp
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
     def zero_stage(self) -> int:
-        """What data parallelism shards (0: nothing, 1: optimizer state, 2: + gradients, 3: + parameters)."""
-        return _ZERO_STAGE[self.dp_mode] if self.dp > 1 else 0
+        """What data parallelism shards (0: nothing, 1: optimizer state, 2: + gradients, 3: + parameters); context
+        parallel ranks hold different tokens, so they share FSDP's sharding like data-parallel ones."""
+        return _ZERO_STAGE[self.dp_mode] if self.dp_cp > 1 else 0
 
     @property
     def uses_fsdp(self) -> bool:
@@ -181,14 +199,14 @@ class Layout:
         return self.dp_mode != "zero2"
 
     @property
-    def fsdp_axes(self) -> tuple[str, ...]:
-        """Mesh axes FSDP shards (and for HSDP replicates) over."""
-        return ("dp_replicate", "dp_shard") if self.hybrid else ("dp_shard",)
+    def fsdp_shard_axes(self) -> tuple[str, ...]:
+        """Mesh axes FSDP shards over (flattened into one when there are two: dp_shard x cp, as torchtitan does)."""
+        return tuple(name for name, size in (("dp_shard", self.dp_shard), ("cp", self.cp)) if size > 1)
 
     @property
     def shard_degree(self) -> int:
-        """Ranks each parameter, gradient and optimizer state is split over by FSDP."""
-        return self.dp_shard if self.uses_fsdp else 1
+        """Ranks each parameter, gradient and optimizer state is split over by FSDP (dp_shard x cp)."""
+        return self.dp_shard * self.cp if self.uses_fsdp else 1
 
     @property
     def optimizer_shards(self) -> int:
@@ -218,8 +236,10 @@ class Layout:
         return self.tp > 1 and self.loss_parallel and self.pp == 1
 
     def mesh_axes(self) -> list[tuple[str, int]]:
-        """Named mesh axes, outermost first; only those of size > 1 (a single process has none)."""
-        axes = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp)]
+        """Named mesh axes, outermost first; only those of size > 1 (a single process has none). Why this order:
+        see paratrain/distributed/parallel_dims.py."""
+        axes = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("cp", self.cp),
+                ("tp", self.tp)]
         return [(name, size) for name, size in axes if size > 1]
 
     # -- pipeline stages -------------------------------------------------------------------------
@@ -309,14 +329,23 @@ class Layout:
             if args.moe_experts:
                 raise ConfigError("pipeline parallelism does not support mixture-of-experts models yet (parallel.pp > 1 "
                                   "with model.moe_experts > 0)")
+        if self.cp > 1 and args.moe_experts:
+            raise ConfigError(f"parallel.cp={self.cp} does not support mixture-of-experts models (model.moe_experts > 0): "
+                              "routing capacity and the balance loss are computed over whole sequences")
 
     def _check_batch(self, args, batch: Batch) -> "Layout":
         if batch.seq_len > args.max_seq_len:
             raise ConfigError(f"training.seq_len={batch.seq_len} is longer than the model's max_seq_len="
                               f"{args.max_seq_len}")
-        if self.sp and batch.seq_len % self.tp:
+        if self.cp > 1 and batch.seq_len % (2 * self.cp):
+            raise ConfigError(f"training.seq_len={batch.seq_len} is not divisible by 2 x parallel.cp = {2 * self.cp} "
+                              f"(context parallelism cuts each sequence into 2 x cp chunks; rank i holds chunks i and "
+                              f"2cp-1-i, so causal attention costs every rank the same)")
+        if self.sp and batch.seq_len % (self.tp * self.cp):
             raise ConfigError(f"training.seq_len={batch.seq_len} is not divisible by parallel.tp={self.tp} "
-                              "(sequence parallel)")
+                              + ("(sequence parallel)" if self.cp == 1 else
+                                 f"x parallel.cp={self.cp} (sequence parallel splits each context-parallel rank's "
+                                 f"{batch.seq_len // self.cp} tokens over tp)"))
         if self.pp == 1:
             self.accumulation(batch)
             return self
@@ -345,7 +374,7 @@ class Layout:
         parts = [f"{n}={s}" for n, s in self.mesh_axes()] or ["single process"]
         if self.ep > 1:
             parts.append(f"ep={self.ep} (within dp_shard)")
-        return f"{' x '.join(parts)} ({self.dp_mode if self.dp > 1 else 'no data parallelism'})"
+        return f"{' x '.join(parts)} ({self.dp_mode if self.dp_cp > 1 else 'no data parallelism'})"
 
     def describe_pipeline(self) -> str:
         return (f"pipeline: {self.pp_schedule}, {self.pp} ranks x {self.pp_virtual} stage(s) = {self.num_stages} "
@@ -353,7 +382,7 @@ class Layout:
                 f"predicted bubble {self.predicted_bubble():.1%}")
 
     def short_name(self) -> str:
-        """Compact form for tables: `pp2 1f1b m=8 x fsdp 4 x tp2 x ep2`."""
+        """Compact form for tables: `pp2 1f1b m=8 x fsdp 4 x cp2 x tp2 x ep2`."""
         bits = []
         if self.pp > 1:
             bits.append(f"pp{self.pp} {self.pp_schedule}" + (f" v={self.pp_virtual}" if self.pp_virtual > 1 else "")
@@ -361,6 +390,8 @@ class Layout:
         if self.dp > 1:
             bits.append(f"{self.dp_mode} {self.dp_replicate}x{self.dp_shard}" if self.hybrid
                         else f"{self.dp_mode} {self.dp}")
+        if self.cp > 1:
+            bits.append(f"cp{self.cp}")
         if self.tp > 1:
             bits.append(f"tp{self.tp}")
         if self.ep > 1:

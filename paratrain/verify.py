@@ -18,6 +18,7 @@ from paratrain.config import load_config
 from paratrain.errors import OneLineArgumentParser, UserError
 
 MOE_PRESET = "model.preset=tiny-moe"  # with the base's model.n_layers=4: 1 dense + 3 MoE layers
+LONG_MODEL = "model.max_seq_len=1024"  # the tiny model with room for long sequences
 
 # name -> (ranks, overrides). Batch settings are filled in by `layout_overrides`.
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -59,21 +60,41 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"]),
     "pp2xdp2xtp2": (8, ["parallel.pp=2", "parallel.dp_mode=fsdp", "parallel.tp=2"]),
     "pp2+full": (2, ["parallel.pp=2", "activation_checkpoint.mode=full"]),
+    # Context parallelism: every sequence split over cp ranks (ring attention), FSDP over dp_shard x cp.
+    "cp2": (2, ["parallel.cp=2"]),
+    "cp2xfsdp2": (4, ["parallel.cp=2", "parallel.dp_mode=fsdp"]),
+    "cp2xtp2": (4, ["parallel.cp=2", "parallel.tp=2"]),
+    "cp2xpp2": (4, ["parallel.cp=2", "parallel.pp=2"]),
+    "cp4-seq1024": (4, ["parallel.cp=4", LONG_MODEL, "training.seq_len=1024"]),  # the long-sequence row
+    "cp4-seq256": (4, ["parallel.cp=4", "training.seq_len=256"]),  # a shorter long-sequence row for the test suite
+    "cp4": (4, ["parallel.cp=4"]),
+    "cp2xhsdp2": (4, ["parallel.cp=2", "parallel.dp_mode=hsdp", "parallel.dp_replicate=2"]),
+    "cp2+selective": (2, ["parallel.cp=2", "activation_checkpoint.mode=selective"]),
+    "cp2+full": (2, ["parallel.cp=2", "activation_checkpoint.mode=full"]),
+    "cp2+accum": (2, ["parallel.cp=2", "training.micro_batch=2"]),
 }
 DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
                   "fsdp2+every_k", "fsdp2+selective", "accum"]
 # Layouts that change the model (model.* overrides) are compared with one process training that model.
 MOE_MATRIX = ["ep2", "ep4", "ep2xfsdp2", "ep2xtp2"]
 PP_MATRIX = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2-zb", "pp2xdp2", "pp2xtp2", "pp2xdp2xtp2"]
+CP_MATRIX = ["cp2", "cp2xfsdp2", "cp2xtp2", "cp2xpp2", "cp4-seq1024"]
 
 GLOBAL_BATCH = 8
 
 
 def base_overrides(steps: int, out_dir: str, precision: str) -> list[str]:
-    """A tiny model, fp32, no eval/checkpoints/samples: only the numerics matter here."""
+    """A tiny model, fp32, no eval/checkpoints/samples: only the numerics matter here.
+
+    Adam's eps is 1e-6 rather than 1e-8: Adam's first update moves every weight by about lr x g / (|g| + eps), so for
+    the few gradient elements near 1e-8 a rounding-level difference (1e-9, as large as one process's own fp32 error
+    against float64) would become a weight difference of lr x 1e-2 ~ 1e-5, whatever the layout. Layouts that change
+    the attention arithmetic (ring attention under context parallelism) hit that; eps=1e-6 keeps the comparison
+    about the layout (it shrinks those differences 40x and changes nothing else)."""
     return ["model.preset=tiny", "model.n_layers=4", f"training.steps={steps}", "training.seq_len=32",
             f"training.global_batch={GLOBAL_BATCH}", f"training.precision={precision}", "training.eval_every=0",
             "training.eval_batches=1", "optimizer.warmup_steps=2", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4",
+            "optimizer.eps=1e-6",
             "checkpoint.save_final=false", "sample.max_new_tokens=0", "metrics.progress=none",
             "metrics.peak_tflops=1", f"run.out_dir={out_dir}"]
 
@@ -88,7 +109,8 @@ def layout_overrides(name: str) -> tuple[int, list[str]]:
     nproc, extra = LAYOUTS[name]
     tp = next((int(i.split("=")[1]) for i in extra if i.startswith("parallel.tp=")), 1)
     pp = next((int(i.split("=")[1]) for i in extra if i.startswith("parallel.pp=")), 1)
-    data_parallel = nproc // (tp * pp)
+    cp = next((int(i.split("=")[1]) for i in extra if i.startswith("parallel.cp=")), 1)
+    data_parallel = nproc // (tp * pp * cp)
     if not any(i.startswith("training.micro_batch=") for i in extra):
         extra = extra + [f"training.micro_batch={GLOBAL_BATCH // data_parallel}"]
     return nproc, extra
@@ -130,8 +152,9 @@ def compare(reference, result) -> tuple[float, float]:
 
 
 def reference_overrides(layout_extra: list[str]) -> list[str]:
-    """The model settings a layout changes (e.g. the MoE preset): its reference is one process training that model."""
-    return [o for o in layout_extra if o.startswith("model.")]
+    """The model settings and sequence length a layout changes (e.g. the MoE preset, a long sequence): its reference
+    is one process training that model on those sequences."""
+    return [o for o in layout_extra if o.startswith(("model.", "training.seq_len="))]
 
 
 def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str = "fp32",
@@ -186,7 +209,7 @@ def format_row(r: Row, tolerance: float, judged: bool = True) -> str:
 
 def main_verify(argv: list[str]) -> int:
     parser = OneLineArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX),
+    parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX + CP_MATRIX),
                         help=f"comma-separated layout names (known: {', '.join(LAYOUTS)})")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tolerance", type=float, default=1e-5)

@@ -1,7 +1,8 @@
 """Turn a plain Transformer into a parallel one, in a fixed order:
 
-    tensor/sequence parallel -> expert parallel -> activation checkpointing -> torch.compile -> FSDP
-    -> materialise + deterministic init -> DDP / ZeRO-1 wrapping (DDP needs real weights)
+    tensor/sequence parallel -> context parallel (ring attention) -> expert parallel -> activation checkpointing
+    -> torch.compile -> FSDP (over dp_shard x cp) -> materialise + deterministic init -> DDP / ZeRO-1 wrapping
+    (DDP needs real weights)
 
 The model file stays free of parallel code. The rules of the layout live in `paratrain/layout.py`, its mesh in
 `parallel_dims.py`; pipeline stages (`pipeline.py`) are each laid out by this same `parallelize`.
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from paratrain.config import ActivationCheckpointConfig
+from paratrain.distributed.context_parallel import apply_context_parallel, context_for
 from paratrain.distributed.expert_parallel import distribute_experts, shard_experts
 from paratrain.distributed.initialize import init_weights
 from paratrain.distributed.parallel_dims import ParallelDims
@@ -128,6 +130,7 @@ _SAVE_OPS = {
 }
 if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
     _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+_SAVE_OPS.add(torch.ops.paratrain.ring_attention.default)  # context parallel attention (its output and lse)
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)  # the experts' matmuls
 
@@ -182,6 +185,19 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_m
     fully_shard(model, mesh=dims.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
 
 
+def _whole_length(layout):
+    from paratrain.distributed.context_parallel import attention_modules
+
+    def hook(module, args, kwargs):
+        shards = layout.tp if layout.sp and module.tok_embeddings is None else 1
+        attentions = attention_modules([module])
+        if attentions:  # ring attention holds cp chunks; sampling may put whole sequences back for a while
+            shards *= getattr(attentions[0].sequence, "cp", 1)
+        return args, {**kwargs, "seq_len": args[0].shape[1] * shards}
+
+    return hook
+
+
 def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: ActivationCheckpointConfig,
                 precision: str, compile: bool, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0) -> nn.Module:
     """Apply the layout to a model or pipeline stage built on the meta device; returns the module to train
@@ -189,6 +205,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
     layout = dims.layout
     if layout.tp_enabled:
         apply_tp(model, dims.tp_mesh, layout.sequence_parallel, layout.uses_loss_parallel)
+    if layout.cp_enabled:  # each rank attends over its chunks of every sequence by ring attention
+        apply_context_parallel(model, context_for(dims))
+    if layout.cp_enabled or (layout.sp and model.tok_embeddings is None):
+        # The input holds part of each sequence (cp chunks; a later pipeline stage's residual stream split over tp
+        # under sequence parallelism): tell the model the whole length, so its rotary angles cover every position.
+        model.register_forward_pre_hook(_whole_length(layout), with_kwargs=True)
     # Mixture of experts: experts sharded over ep / replicated over tp, all-to-all token routing when ep > 1.
     expert_dp_mesh = distribute_experts(model, dims)
     apply_activation_checkpointing(model, activation_checkpoint)

@@ -179,13 +179,6 @@ def _timed(pipeline: Pipeline, fn):
     return wrapper
 
 
-def _whole_sequence(shards: int):
-    def hook(module, args, kwargs):
-        return args, {**kwargs, "seq_len": args[0].shape[1] * shards}
-
-    return hook
-
-
 class StageGroup(nn.Module):
     """This rank's parameters across its stages, under the names a whole Transformer gives them (no forward: the
     stages run in the schedule)."""
@@ -216,10 +209,6 @@ def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str
     for s in layout.local_stages(pp_rank):
         stage = prune(copy.deepcopy(model), layout.stage_layers(s), s == 0, s == layout.num_stages - 1)
         modules[s] = parallelize(stage, dims, activation_checkpoint, precision, compile, device, seed)
-        if s > 0 and layout.sp:
-            # Later stages receive the residual stream split along the sequence over tp: tell the stage the
-            # whole length, so its rotary angles cover every position.
-            modules[s].register_forward_pre_hook(_whole_sequence(layout.tp), with_kwargs=True)
     rank_model = next(iter(modules.values())) if len(modules) == 1 else StageGroup(modules)
 
     stages = [PipelineStage(modules[s], s, layout.num_stages, device, group=group) for s in sorted(modules)]

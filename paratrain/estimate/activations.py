@@ -21,10 +21,16 @@ One dense block saves ("none" checkpointing), in forward order:
   ffn_norm         as attention_norm, on h = x + attention
   SwiGLU           w1 x, silu(w1 x), w3 x, and their product (the w2 input): 4 N F L
 
+Context parallelism (cp ranks share each sequence) makes N this rank's tokens, micro_batch x seq_len / cp, for
+every tensor above and the logits. Its ring attention (distributed/context_parallel.py) saves q, k and v without
+the GQA repetition (N Hkv D L each for k and v), the merged output and logsumexp, and each block's attention
+gathers the rotary angles of the rank's positions (2 x N/b x D/2 in the tables' dtype), which rope saves.
+
 R is the residual dtype (4 B, or 2 B in "pure"), L the compute dtype (4 B fp32, else 2 B). Tensor parallel
 divides the head and hidden dimensions by tp; sequence parallel also divides the norm and residual tensors
 (the q/k/v and w1/w3 inputs are all-gathered, so those stay whole). FSDP's mixed precision casts each block's
-forward inputs, which adds bf16 copies of the rotary tables (2 x T x D/2 x 2 B per block).
+forward inputs, which adds bf16 copies of the whole rotary tables (2 x max_seq_len x D/2 x 2 B per block), kept by
+rope's views of them or by an activation checkpoint.
 
 Checkpointing (parallelize.apply_activation_checkpointing): "full" keeps only each block's input (N C R/sp);
 "every_k" does that for blocks 0, k, 2k, ...; "selective" keeps the outputs of matmuls and attention
@@ -67,6 +73,8 @@ class ActDims:
     gqa: bool  # k, v repeated to Hq heads
     loss_parallel: bool
     cuda: bool = True  # CUDA kernels (vs CPU): only changes how autocast treats the MoE experts' grouped matmul
+    cp: int = 1  # context parallel: s is this rank's share of the sequence; ring attention
+    max_seq: int = 0  # the model's max_seq_len: the rotary tables' rows
 
     @property
     def N(self) -> int:
@@ -85,8 +93,33 @@ class ActDims:
         return self.tp if self.sp else 1
 
     @property
+    def _rope_cast(self) -> bool:
+        """FSDP's mixed precision casts each block's inputs, the rotary tables among them, to bf16."""
+        return self.regime == "pure" and self.fsdp and self.L == 2
+
+    @property
+    def rope_tables(self) -> int:
+        """Bytes of a block's bf16 copies of the two whole (max_seq_len x D/2) rotary tables, when FSDP casts them;
+        an activation checkpoint holds them with the block's inputs."""
+        return 2 * self.max_seq * (self.D // 2) * 2 if self._rope_cast else 0
+
+    @property
     def rope_copies(self) -> int:
-        return self.s * self.D * 2 if (self.regime == "pure" and self.fsdp and self.L == 2) else 0
+        """The cast tables a block keeps without checkpointing: rope's saved views of them (context parallelism saves
+        the rows it gathers instead)."""
+        return self.rope_tables if self.cp == 1 else 0
+
+    @property
+    def rope_gathered(self) -> int:
+        """Rotary angles gathered at this rank's positions per block (context parallel; else views of the tables)."""
+        if self.cp == 1:
+            return 0
+        return 2 * self.s * (self.D // 2) * (2 if self._rope_cast else FP32)
+
+    @property
+    def kv_heads_saved(self) -> int:
+        """K/V heads attention saves: SDPA saves them repeated to the query heads, ring attention does not."""
+        return self.Hq if (self.gqa and self.cp == 1) else self.Hkv
 
 
 def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, micro_batch: int, seq_len: int,
@@ -100,9 +133,10 @@ def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, m
     t = layout.tp
     D = args.head_dim
     lp = layout.uses_loss_parallel  # pipelines compute whole logits on the last stage
-    return ActDims(micro_batch, seq_len, args.dim, args.n_heads // t, args.n_kv_heads // t, D, args.ffn_hidden // t,
-                   args.vocab_size // t if lp else args.vocab_size, t, layout.sp, regime,
-                   layout.uses_fsdp and accounting != "classic", args.n_kv_heads != args.n_heads, lp, device == "cuda")
+    return ActDims(micro_batch, seq_len // layout.cp, args.dim, args.n_heads // t, args.n_kv_heads // t, D,
+                   args.ffn_hidden // t, args.vocab_size // t if lp else args.vocab_size, t, layout.sp, regime,
+                   layout.uses_fsdp and accounting != "classic", args.n_kv_heads != args.n_heads, lp, device == "cuda",
+                   layout.cp, args.max_seq_len)
 
 
 def _norm(d: ActDims) -> list[tuple[str, int]]:
@@ -120,15 +154,18 @@ def _matmul_inputs(d: ActDims, n_linears: int) -> int:
 
 def attention_saved(d: ActDims) -> list[tuple[str, int]]:
     N, L = d.N, d.L
-    kv_heads = d.Hq if d.gqa else d.Hkv
+    kv_heads = d.kv_heads_saved
+    repeated = kv_heads != d.Hkv
     out = _norm(d) + [("q/k/v input", _matmul_inputs(d, 3)),
                       ("q (rope)", N * d.Hq * d.D * L),
-                      ("k (rope, repeated)" if d.gqa else "k (rope)", N * kv_heads * d.D * L),
-                      ("v (repeated)" if d.gqa else "v", N * kv_heads * d.D * L),
+                      ("k (rope, repeated)" if repeated else "k (rope)", N * kv_heads * d.D * L),
+                      ("v (repeated)" if repeated else "v", N * kv_heads * d.D * L),
                       ("attention output", N * d.Hq * d.D * L),
                       ("logsumexp", N * d.Hq * FP32)]
     if d.rope_copies:
         out.append(("rope tables (bf16, FSDP input cast)", d.rope_copies))
+    if d.rope_gathered:
+        out.append(("rope angles at this rank's positions", d.rope_gathered))
     return out
 
 
@@ -224,8 +261,8 @@ def sac_saved(d: ActDims, moe: MoEDims | None = None) -> list[tuple[str, int]]:
             out += [("shared w1, w3 outputs", 2 * N * moe.shared * L), ("shared w2 output", N * d.C * L)]
     else:
         out += [("w1, w3 outputs", 2 * N * d.F * L), ("w2 output (partial sum)", N * d.C * L)]
-    if d.rope_copies:
-        out.append(("rope tables (bf16, FSDP input cast)", d.rope_copies))
+    if d.rope_tables:
+        out.append(("rope tables (bf16, FSDP input cast)", d.rope_tables))
     return out
 
 
@@ -234,7 +271,7 @@ def block_stored(d: ActDims, mode: str, moe: MoEDims | None = None) -> int:
     if mode == "none":
         return sum(b for _, b in block_saved(d, moe))
     if mode == "full":
-        return block_input(d) + d.rope_copies
+        return block_input(d) + d.rope_tables
     if mode == "selective":
         return sum(b for _, b in sac_saved(d, moe))
     raise ValueError(mode)
@@ -270,7 +307,7 @@ def block_backward_live(d: ActDims, mode: str, moe: MoEDims | None = None) -> tu
         return saved - product, grads + product  # the product (w2's saved input) is freed by w2's backward
     pure_extra = block_input(d) if d.regime == "pure" else 0
     if mode == "full":
-        kept = block_input(d) + d.rope_copies
+        kept = block_input(d) + d.rope_tables
         return kept, saved + grads + pure_extra - kept
     N, L = d.N, d.L
     if moe:
@@ -280,7 +317,7 @@ def block_backward_live(d: ActDims, mode: str, moe: MoEDims | None = None) -> tu
     else:
         leftover = N * d.C * L
         reused = 2 * N * d.F * L
-    kept = (block_input(d) + N * d.Hq * d.D * L + N * d.Hq * FP32 + reused + leftover + d.rope_copies
+    kept = (block_input(d) + N * d.Hq * d.D * L + N * d.Hq * FP32 + reused + leftover + d.rope_tables
             + (0 if d.gqa else N * d.Hkv * d.D * L))
     return kept, saved + grads + leftover + pure_extra - kept
 
@@ -296,6 +333,48 @@ def recompute_end(d: ActDims, mode: str, moe: MoEDims | None = None) -> tuple[in
     gathered = d.N * d.C * FP32 if (d.sp and d.regime == "autocast") else 0
     grad_gathered = d.N * d.C * d.L if d.sp else 0
     return acts, temps + normed + gathered + grad_gathered
+
+
+def ring_backward_block(d: ActDims, mode: str) -> int:
+    """Bytes of a block's tensors alive when its ring attention's backward runs (its MLP's are freed by then): the
+    attention's saved tensors (recomputed under checkpointing: then the checkpoint also holds the block input, in
+    "pure" precision beside the fp32 copy its norm makes, and the cast rotary tables). Selective checkpointing's
+    cache has handed out its entries by then, except v, the attention output and logsumexp (saved by the ring's
+    backward, counted with the attention) and the w2 output, which the early-stopping recomputation never read."""
+    attn = sum(b for _, b in attention_saved(d))
+    if mode == "none":
+        return attn
+    extra_input = block_input(d) if d.regime == "pure" else 0  # in fp32 the norm's input is the block input
+    leftover = d.N * d.C * d.L if mode == "selective" else 0
+    return attn + extra_input + d.rope_tables + leftover
+
+
+def ring_backward_temps(d: ActDims) -> int:
+    """Transient bytes of ring attention's backward (distributed/context_parallel.ring_backward) at its peak, in a
+    step after the first: the fp32 dQ accumulator; two K/V buffers (the block in hand and the next one arriving, or at
+    the last step the previous one, still held by its send); the late chunk's copies of dout, q, out (L) and lse;
+    three fp32 dK/dV buffers (this block's, the previous block's still being sent, the accumulator received); and one
+    block's kernel backward: GQA's repeated K/V inputs, its outputs (L) with their fp32 copies (L = 2 B; under GQA
+    dk's copy is folded and freed before dv's is made) and the dK/dV folded back onto the KV heads. The worst step type counts: rank 0's (the late half of the queries against
+    a whole K/V block) or the last rank's (all queries against half a block)."""
+    N, L, D = d.N, d.L, d.D
+    q_elems, kv_elems = N * d.Hq * D, 2 * N * d.Hkv * D
+    gqa = d.Hq != d.Hkv
+
+    def kernel(nq: int, nk: int) -> int:  # one block's backward: nq queries, nk keys (tokens)
+        repeated = 2 * nk * d.Hq * D * L if gqa else 0
+        outputs = (nq + 2 * nk) * d.Hq * D
+        if L == FP32:
+            copies = 0
+        else:  # GQA folds dk's fp32 copy before dv's is made
+            copies = (nq + (nk if gqa else 2 * nk)) * d.Hq * D * FP32
+        folded = 2 * nk * d.Hkv * D * FP32 if gqa else 0
+        return repeated + outputs * L + copies + folded
+
+    common = q_elems * FP32 + 2 * kv_elems * L + 3 * (q_elems // 2) * L + (N // 2) * d.Hq * FP32
+    later = common + 3 * kv_elems * FP32 + max(kernel(N // 2, N), kernel(N, N // 2))
+    first = common + kv_elems * FP32 + kernel(N, N)
+    return max(later, first)
 
 
 def head_saved(d: ActDims) -> list[tuple[str, int]]:

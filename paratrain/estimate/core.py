@@ -198,6 +198,10 @@ class Estimate:
 
 
 # ---------------------------------------------------------------------------------------------
+# Parameters whose gradients a block's backward makes after its attention (the q/k/v projections and their norm).
+_ATTENTION_INPUT = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention_norm.weight")
+
+
 def default_overhead(layout: Layout, device: str = "cuda") -> int:
     if device != "cuda":
         return 0
@@ -381,6 +385,20 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
         add(f"backward of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
             activations=stored_below + b_acts + tokens, pipeline=max(extra, 0),
             logits_loss=from_head, comm_buffers=comm, temporaries=temps - from_head)
+        if lay.cp > 1:
+            # Ring attention's backward (context parallel): the block's MLP is done (its gradients exist, unsharded
+            # under FSDP), its attention tensors are still saved, the ring's buffers are live beside the incoming
+            # gradients (the residual's and the attention output's).
+            # (Under checkpointing the recomputed tensors count as temporaries, what the checkpoint holds as
+            # activations.)
+            live = A.ring_backward_block(d, modes[l])
+            kept = live if modes[l] == "none" else min(live, stored[l])
+            done = sum(local_numel([p]) for p in by_layer[l] if not p.name.endswith(_ATTENTION_INPUT)) * pbytes
+            dout = d.N * d.Hq * d.D * d.L
+            add(f"ring attention backward of block {l}", **base, gradients=grads_now if lay.pp == 1 else grads_full,
+                autocast_copies=autocast, activations=stored_below + kept + tokens, pipeline=max(extra, 0),
+                logits_loss=0, comm_buffers=comm,
+                temporaries=live - kept + A.ring_backward_temps(d) + dout + A.block_input(d) + done + head_unsh_grads)
         if modes[l] != "none":
             r_acts, r_temps = A.recompute_end(d, modes[l], moe_of[l])
             add(f"recomputation of block {l}", **base, gradients=grads_above if not g_prev else g_prev,

@@ -22,6 +22,7 @@ op, shapes and call site that allocated each (slow; for finding what a formula m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -194,6 +195,7 @@ class MeasureSpec:
     dp_shard: int = -1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
     sequence_parallel: bool = True
     loss_parallel: bool = True
     precision: str = "fp32"
@@ -211,7 +213,7 @@ class MeasureSpec:
         from paratrain.layout import Layout
 
         return Layout.resolve(world_size, dp_mode=self.dp_mode, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
-                              tp=self.tp, ep=self.ep, sequence_parallel=self.sequence_parallel,
+                              tp=self.tp, ep=self.ep, cp=self.cp, sequence_parallel=self.sequence_parallel,
                               loss_parallel=self.loss_parallel)
 
 
@@ -350,6 +352,7 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
     import torch.distributed as dist
 
     from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
+    from paratrain.distributed.context_parallel import context_for
     from paratrain.distributed.parallel_dims import ParallelDims
     from paratrain.distributed.parallelize import parallelize, unwrap
     from paratrain.models.llama import ModelArgs, Transformer
@@ -360,13 +363,13 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
     rank = dist.get_rank() if dist.is_initialized() else 0
     args = ModelArgs(**spec.model)
     layout = spec.layout(world).validate(args, world)
-    key = (layout.dp_replicate, layout.dp_shard, layout.tp)
+    key = (layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
     if mesh_cache is not None and key in mesh_cache:
-        dims = ParallelDims(layout, *mesh_cache[key])
+        dims = dataclasses.replace(mesh_cache[key], layout=layout)
     else:
         dims = ParallelDims.build(layout, "cpu")
         if mesh_cache is not None:
-            mesh_cache[key] = (dims.mesh, dims.dp_mesh)
+            mesh_cache[key] = dims
     device = torch.device("cpu")
     ddp_buckets: list = []  # weak references to DDP's flat bucket storages
     tracker = StorageTracker()
@@ -394,7 +397,7 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
         inner = unwrap(model)
         probe = _PhaseLabels(tracker, inner, spec.accum_steps)
         step = TrainStep(model, optimizer, layout, spec.precision, device, grad_clip=1.0,
-                         scaler=make_scaler(layout, spec.precision, device), probe=probe)
+                         scaler=make_scaler(layout, spec.precision, device), probe=probe, context=context_for(dims))
         gen = torch.Generator().manual_seed(1234)
         # DDP rebuilds its buckets (in gradient-ready order) in the second iteration: measure after that.
         steps = max(spec.steps, 3) if hasattr(model, "register_comm_hook") else spec.steps

@@ -74,6 +74,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+class WholeSequence:
+    """What an `Attention` holds of each sequence, and how it attends over it: here all of it, positions 0..T-1,
+    causal fused attention. This is the model's seam for context parallelism (like MoE's `dispatcher`):
+    paratrain/distributed/context_parallel.py swaps in an object holding a slice of every sequence, which gives
+    that slice's global positions and runs ring attention over the other slices."""
+
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary angles of this process's `length` tokens from the full (max_seq_len, D/2) tables."""
+        return cos[:length], sin[:length]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of q (B, Hq, T, D) over k, v (B, Hkv, T, D) -> (B, Hq, T, D)."""
+        if k.shape[1] != q.shape[1]:
+            # Grouped-query attention: each KV head serves Hq/Hkv query heads.
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+WHOLE_SEQUENCE = WholeSequence()
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -82,19 +104,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.sequence = WHOLE_SEQUENCE  # seam: positions and attention over the sequence (see WholeSequence)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, Hq, D); Hq is local under TP
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
         v = self.wv(x).view(B, T, -1, self.head_dim)
+        cos, sin = self.sequence.rope(cos, sin, T)  # the angles of these tokens' positions
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        if k.shape[1] != q.shape[1]:
-            # Grouped-query attention: each KV head serves Hq/Hkv query heads.
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, Hq, T, D)
+        y = self.sequence.attend(q, k, v)  # (B, Hq, T, D)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 

@@ -16,9 +16,10 @@ def dp_mean(value: torch.Tensor, group) -> float:
 
 
 class Evaluator:
-    def __init__(self, val_data, step, spec, dp_rank: int, dp_group):
+    def __init__(self, val_data, step, spec, dp_rank: int, group):
+        """`group`: the ranks the loss is averaged over (data-parallel x context-parallel)."""
         self.val_data, self.step, self.spec = val_data, step, spec
-        self.dp_rank, self.dp_group = dp_rank, dp_group
+        self.dp_rank, self.group = dp_rank, group
 
     @torch.no_grad()
     def __call__(self, micro_batch: int) -> float:
@@ -34,4 +35,4 @@ class Evaluator:
             for xs, ys in zip(x[rows].split(size), y[rows].split(size)):
                 total += self.step.eval_loss(xs, ys) * xs.shape[0] / per_rank
         model.train()
-        return dp_mean(total / len(batches), self.dp_group)
+        return dp_mean(total / len(batches), self.group)

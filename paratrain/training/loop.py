@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from paratrain.config import dump_toml
 from paratrain.data import load_tokenizer, open_split
+from paratrain.distributed.context_parallel import context_for
 from paratrain.distributed.env import DistEnv, register_process
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize, unwrap
@@ -80,14 +81,15 @@ class Trainer:
                                     self.dims.dp_group if spec.layout.zero1 else None)
         budget = cfg.resilience.memory_budget_gib
         self.step = TrainStep(model, optimizer, spec.layout, t.precision, dev, t.grad_clip, scaler, pipeline,
-                              self.dims.pp_group, MemoryBudget(int(budget * 2**30)) if budget > 0 else None)
+                              self.dims.pp_group, MemoryBudget(int(budget * 2**30)) if budget > 0 else None,
+                              context=context_for(self.dims))  # cp: batches cut to this rank's chunks
 
         self.progress = Progress(t.micro_batch, spec.accum_steps)
         self.guard = ResilienceGuard(cfg.resilience, self.progress, dev, notice=self.notice)
         self.checkpointer = Checkpointer(spec, model, optimizer, self.progress, env.is_main, self.tokenizer,
                                          dump_toml(cfg), notice=self.notice, warn=self.warn)
         self.evaluate = Evaluator(open_split(cfg.data, "val", t.seq_len), self.step, spec, self.dims.dp_rank,
-                                  self.dims.dp_group)
+                                  self.dims.loss_group)
         self.peak, self.peak_source = peak_flops(dev, cfg.metrics.peak_tflops)
         self.restarts = int(os.environ.get(ATTEMPT_ENV, "0"))
         self.recorder = StepRecorder(spec, self.step, self.train_data, env, self.peak, flops_per_token(spec.model_args, t.seq_len),
@@ -134,7 +136,7 @@ class Trainer:
                                                       self.step.zero_grad)
                 grad_norm = self.step.clip()
                 with self.recorder.timer("comm_time_s", env.device):
-                    loss_value = dp_mean(loss, self.dims.dp_group)
+                    loss_value = dp_mean(loss, self.dims.loss_group)  # over dp x cp
                 finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
                 self.step.update(finite)
                 if step == t.steps - 1:

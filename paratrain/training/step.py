@@ -4,7 +4,8 @@ gradient clipping, and the optimizer (or fp16 gradient scaler) update.
 The trainer and the memory measurement harness (`paratrain/estimate/measure.py`) both run this class, so the
 estimator's accuracy bench measures the code users train with. A pipelined model presents the same interface:
 `forward_backward` hands this rank's slice of the batch to the schedule, which runs forward and backward of its
-microbatches; evaluation and sampling run the stages forward one after the other.
+microbatches; evaluation and sampling run the stages forward one after the other. Under context parallelism
+(`context`) every batch of whole sequences is cut to this rank's chunks first, and sampling runs whole prompts.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler
 from paratrain.distributed.expert_parallel import MoEMeter
 from paratrain.distributed.grad_norm import clip_grad_norm
 from paratrain.distributed.parallelize import PRECISION_DTYPES, unwrap
@@ -63,8 +65,9 @@ class StepProbe:
 class TrainStep:
     def __init__(self, model: nn.Module, optimizer, layout: Layout, precision: str, device: torch.device,
                  grad_clip: float, scaler=None, pipeline: Pipeline | None = None, pp_group=None,
-                 memory_budget=None, probe: StepProbe | None = None):
+                 memory_budget=None, probe: StepProbe | None = None, context: ContextParallel | None = None):
         self.model, self.optimizer, self.layout, self.device = model, optimizer, layout, device
+        self.context = context  # context parallelism: this rank's chunks of each sequence
         self.precision, self.grad_clip, self.scaler = precision, grad_clip, scaler
         self.pipeline, self.pp_group = pipeline, pp_group
         self.memory_budget, self.probe = memory_budget, probe or StepProbe()
@@ -96,11 +99,13 @@ class TrainStep:
         accum = len(micro_batches)
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro_batches):
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)  # (B, T)
+            x, y = self._local(x), self._local(y)  # (B, T), T this rank's tokens under context parallelism
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             self.probe.micro_start(x, y)
             with self.contexts(sync=i == accum - 1):
                 with self.memory_budget.track() if self.memory_budget else contextlib.nullcontext():
-                    loss = cross_entropy(self.model(x), y) / accum  # mean over this rank's share of the batch
+                    # mean over this rank's share of the batch (dp x cp ranks hold as many tokens each)
+                    loss = cross_entropy(self.model(x), y) / accum
                     aux = None
                     if self.moe_layers:  # the balance loss, same scaling; recorded before backward recomputes
                         aux = balance_loss(self.moe_layers) / accum
@@ -121,7 +126,7 @@ class TrainStep:
         if self.scaler:
             self.scaler.scale(torch.ones((), device=self.device))  # stages without the loss need the scale too
         with self.contexts():
-            loss = self.pipeline.train_step(x.to(self.device), y.to(self.device))
+            loss = self.pipeline.train_step(self._local(x).to(self.device), self._local(y).to(self.device))
         return loss / self.scaler.get_scale() if self.scaler else loss
 
     def clip(self) -> torch.Tensor:
@@ -141,18 +146,26 @@ class TrainStep:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        return self.context.shard(t) if self.context is not None else t
+
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward only: the mean loss of (x, y), the whole value on every rank."""
-        x, y = x.to(self.device), y.to(self.device)
+        """Forward only: the mean loss of (x, y), the same on every tp/pp rank; under context parallelism the mean
+        over this rank's chunks (the evaluator averages over dp x cp)."""
+        x, y = self._local(x).to(self.device), self._local(y).to(self.device)
         with self.contexts():
             if self.pipeline is not None:  # stage by stage; the loss comes from the last stage
                 return self.pipeline.eval_loss(x, y, cross_entropy)
             return full_tensor(cross_entropy(self.model(x), y))
 
     def sampler(self, vocab_size: int) -> nn.Module:
-        """A callable model for `generate.sample`."""
-        return PipelineSampler(self.pipeline, vocab_size) if self.pipeline is not None else self.model
+        """A callable model for `generate.sample` (whole prompts on every rank, also under context parallelism)."""
+        sampler = PipelineSampler(self.pipeline, vocab_size) if self.pipeline is not None else self.model
+        if self.context is None:
+            return sampler
+        modules = self.pipeline.modules.values() if self.pipeline is not None else [self.model]
+        return WholeSequenceSampler(sampler, modules)
 
     def eval_chunk(self, micro_batch: int, per_rank: int) -> int:
         """Sequences per forward in evaluation: the training micro-batch, or a pipeline microbatch."""
