@@ -29,7 +29,7 @@ gathers the rotary angles of the rank's positions (2 x N/b x D/2 in the tables' 
 R is the residual dtype (4 B, or 2 B in "pure"), L the compute dtype (4 B fp32, else 2 B). Tensor parallel
 divides the head and hidden dimensions by tp; sequence parallel also divides the norm and residual tensors
 (the q/k/v and w1/w3 inputs are all-gathered, so those stay whole). FSDP's mixed precision casts each block's
-forward inputs, which adds bf16 copies of the whole rotary tables (2 x max_seq_len x D/2 x 2 B per block), kept by
+forward inputs, which adds bf16 copies of the rotary tables (2 x T x D/2 x 2 B per block, T the whole sequence), kept by
 rope's views of them or by an activation checkpoint.
 
 Checkpointing (parallelize.apply_activation_checkpointing): "full" keeps only each block's input (N C R/sp);
@@ -74,7 +74,7 @@ class ActDims:
     loss_parallel: bool
     cuda: bool = True  # CUDA kernels (vs CPU): only changes how autocast treats the MoE experts' grouped matmul
     cp: int = 1  # context parallel: s is this rank's share of the sequence; ring attention
-    max_seq: int = 0  # the model's max_seq_len: the rotary tables' rows
+    max_seq: int = 0  # the whole sequence's length: the rows of the rotary tables the model hands each block
 
     @property
     def N(self) -> int:
@@ -99,7 +99,7 @@ class ActDims:
 
     @property
     def rope_tables(self) -> int:
-        """Bytes of a block's bf16 copies of the two whole (max_seq_len x D/2) rotary tables, when FSDP casts them;
+        """Bytes of a block's bf16 copies of the two (T x D/2) rotary tables, when FSDP casts them;
         an activation checkpoint holds them with the block's inputs."""
         return 2 * self.max_seq * (self.D // 2) * 2 if self._rope_cast else 0
 
@@ -136,7 +136,7 @@ def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, m
     return ActDims(micro_batch, seq_len // layout.cp, args.dim, args.n_heads // t, args.n_kv_heads // t, D,
                    args.ffn_hidden // t, args.vocab_size // t if lp else args.vocab_size, t, layout.sp, regime,
                    layout.uses_fsdp and accounting != "classic", args.n_kv_heads != args.n_heads, lp, device == "cuda",
-                   layout.cp, args.max_seq_len)
+                   layout.cp, seq_len)
 
 
 def _norm(d: ActDims) -> list[tuple[str, int]]:
