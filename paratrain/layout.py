@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -413,6 +414,13 @@ def balanced_split(args, num_stages: int) -> tuple[int, ...]:
     cost = [block_param_count(args, i) for i in range(n)]
     cost[0] += args.vocab_size * args.dim
     cost[-1] += args.vocab_size * args.dim + args.dim
+    return _balanced_split(tuple(cost), num_stages)
+
+
+@functools.lru_cache(maxsize=512)
+def _balanced_split(cost: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
+    """The dynamic program behind `balanced_split` (cached: the planner validates thousands of layouts)."""
+    n = len(cost)
     prefix = [0]
     for c in cost:
         prefix.append(prefix[-1] + c)

@@ -206,3 +206,53 @@ def test_cli_refuses_bad_cp_with_one_line(char_data, tmp_path, capsys, monkeypat
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and err.startswith("error: ") and "2 x parallel.cp" in err, err
     assert not (tmp_path / "bad").exists()
+
+
+PLAN_405B = ["--model", "llama3-405b", "--gpus", "1024", "--gpu", "H100", "--seq", "131072",
+             "--global-batch-tokens", "16777216"]
+NARROW = ["--dp-modes", "fsdp", "--checkpointing", "full", "--micro-batches", "1"]
+
+
+def test_planner_fits_llama3_405b_at_128k_with_cp_only(tmp_path, capsys):
+    """`paratrain plan --model llama3-405b --gpus 1024 --gpu H100 --seq 131072 ...`: no layout fits without context
+    parallelism; with it the best fits, and its config (parallel.cp, model.max_seq_len) loads. (The full command is
+    in bench/RESULTS.md; the test narrows the dp modes, checkpointing and micro-batches to stay fast.)"""
+    from paratrain.cli import main
+    from paratrain.config import load_config
+    from paratrain.errors import UserError
+    from paratrain.planner import context_from_argv
+    from paratrain.planner.search import plan
+
+    ctx, world, opts, _ = context_from_argv(PLAN_405B + NARROW + ["--schedules", "1f1b", "--max-cp", "1"])
+    with pytest.raises(UserError, match="no layout fits llama3-405b on 1024"):
+        plan(ctx, world, opts)
+    out = tmp_path / "plan"
+    assert main(["plan", *PLAN_405B, *NARROW, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "planned as long-context training" in text
+    cfg = load_config(out / "config.toml")
+    assert cfg.parallel.cp > 1 and cfg.model.max_seq_len == 131072 and cfg.training.seq_len == 131072
+    best = text.split("best: ")[1].splitlines()[0]
+    assert f"cp{cfg.parallel.cp}" in best
+
+
+def test_planner_explains_the_ring(capsys):
+    from paratrain.cli import main
+    from paratrain.planner import context_from_argv
+    from paratrain.planner.cost import RING, predict
+    from paratrain.planner.search import parse_layout
+
+    assert main(["plan", *PLAN_405B, *NARROW, "--explain", "fsdp,cp=8,tp=2,ac=full,mb=1"]) == 0
+    text = capsys.readouterr().out
+    assert "context-parallel ring over 8 ranks" in text and "point-to-point steps" in text and "exposed" in text
+    ctx, world, opts, _ = context_from_argv(PLAN_405B)
+    c = parse_layout("fsdp,cp=8,tp=2,ac=full,mb=1", ctx, world)
+    hidden, bare = predict(c, ctx), predict(c, ctx.__class__(**{**ctx.__dict__, "hw": _no_overlap(ctx.hw)}))
+    assert 0 < hidden.comm[RING] < bare.comm[RING]  # the attention compute hides part of the ring
+    assert bare.comm_total_s == pytest.approx(hidden.comm_total_s, rel=0.05)
+
+
+def _no_overlap(hw):
+    import dataclasses
+
+    return dataclasses.replace(hw, overlap=0.0)

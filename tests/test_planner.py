@@ -70,7 +70,7 @@ def test_enumeration_respects_constraints():
     assert cands
     assert {c.tp for c in cands} <= {1, 2, 4, 8}  # within a node
     for c in cands:
-        assert c.dp * c.tp * c.pp == world
+        assert c.dp * c.cp * c.tp * c.pp == world
         assert ctx.global_seqs % (c.dp * c.micro_batch) == 0
         if c.layout.uses_ddp:
             assert c.tp == 1 and c.pp == 1

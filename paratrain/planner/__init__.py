@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--schedules", help="comma-separated pipeline schedules (default gpipe,1f1b,interleaved_1f1b,zbv)")
     p.add_argument("--max-tp", type=int)
     p.add_argument("--max-pp", type=int)
+    p.add_argument("--max-cp", type=int, help="largest context-parallel degree to try (default: any that leaves each "
+                   "rank 1024 tokens or more of a sequence)")
     p.add_argument("--out", default="plan", help="folder for the best layout's config.toml and launch script")
     p.add_argument("--no-write", action="store_true", help="print the plan only")
     p.add_argument("--explain", metavar="LAYOUT", help="why LAYOUT (as printed, e.g. fsdp,tp=2,ac=full,mb=1) is "
@@ -99,21 +101,24 @@ def build_context(args) -> tuple:
     hw = resolve_hardware(args.gpu, args.intra, args.inter, args.profile_dir)
     name, margs, base = _model(args.model, args.vocab_size)
     seq = args.seq or min(margs.max_seq_len, 4096)
-    if seq < 1 or seq > margs.max_seq_len:
-        raise UserError(f"--seq {seq} must be between 1 and the model's max_seq_len {margs.max_seq_len}")
+    if seq < 1:
+        raise UserError(f"--seq must be >= 1, got {seq}")
+    native = None
+    if seq > margs.max_seq_len:  # a long-context stage: the model trained on longer sequences than its preset's
+        native, margs = margs.max_seq_len, dataclasses.replace(margs, max_seq_len=seq)
     tokens = args.global_batch_tokens or min(4 * 2**20, 512 * seq)
     if tokens % seq:
         raise UserError(f"--global-batch-tokens {tokens} is not a multiple of --seq {seq}")
     precision = args.precision or ("fp32" if hw.device == "cpu" else "bf16")
     if precision not in ("fp32", "bf16", "fp16"):
         raise UserError(f"--precision '{precision}' is not one of fp32, bf16, fp16")
-    ctx = Context(margs, seq, tokens // seq, hw, min(args.gpus_per_node, args.gpus), precision, name)
+    ctx = Context(margs, seq, tokens // seq, hw, min(args.gpus_per_node, args.gpus), precision, name, native)
     opts = Options(
         dp_modes=_csv(args.dp_modes, DP_MODES, flag="--dp-modes") or DP_MODES,
         schedules=_csv(args.schedules, SCHEDULES, flag="--schedules") or SCHEDULES,
         ac_modes=_csv(args.checkpointing, AC_MODES, flag="--checkpointing") or AC_MODES,
         micro_batches=_csv(args.micro_batches, cast=_posint, flag="--micro-batches"),
-        max_tp=args.max_tp, max_pp=args.max_pp, headroom=args.headroom)
+        max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp, headroom=args.headroom)
     return ctx, args.gpus, opts, base
 
 
@@ -142,12 +147,14 @@ def config_for(c, ctx, base=None, model_spec: str | None = None):
     t, p, lay = cfg.training, cfg.parallel, c.layout
     t.seq_len, t.micro_batch, t.global_batch, t.accum_steps = ctx.seq_len, c.micro_batch, ctx.global_seqs, 1
     t.precision = ctx.precision
+    if ctx.native_max_seq_len:  # planned beyond the preset's context: the config says so
+        cfg.model.max_seq_len = ctx.args.max_seq_len
     if ctx.hw.device == "cpu":
         t.device = "cpu"
     p.dp_mode = lay.dp_mode
     p.dp_replicate = lay.dp_replicate if lay.hybrid else 1  # else one data-parallel axis: dp_shard=-1 fills it
     p.dp_shard = -1
-    p.tp, p.pp, p.ep = lay.tp, lay.pp, lay.ep
+    p.tp, p.pp, p.ep, p.cp = lay.tp, lay.pp, lay.ep, lay.cp
     p.sequence_parallel = True
     p.loss_parallel = lay.pp == 1  # the last pipeline stage computes whole logits
     if lay.pp > 1:
@@ -249,6 +256,9 @@ def main_plan(argv: list[str]) -> int:
           f"intra {hw.intra.name}" + (f", inter {hw.inter.name}" if hw.inter and world > ctx.gpus_per_node else "")
           + f"), seq {ctx.seq_len}, {ctx.global_seqs} sequences = {ctx.global_seqs * ctx.seq_len:,} tokens per step, "
           f"{ctx.precision}")
+    if ctx.native_max_seq_len:
+        print(f"note: --seq {ctx.seq_len} is longer than {ctx.model_name}'s max_seq_len {ctx.native_max_seq_len}: "
+              f"planned as long-context training (model.max_seq_len={ctx.seq_len} in the written config)")
     print(f"{p.considered} layouts considered: {len(p.rejected)} rejected, {len(p.ranked)} fit among the fastest "
           f"predicted (memory: paratrain estimate, {opts.headroom:.0%} headroom)")
     print(format_table(p.ranked[: args.top], ctx))

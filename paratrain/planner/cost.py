@@ -4,10 +4,12 @@ hardware profile (paratrain/planner/profile.py, made by paratrain/planner/hardwa
 a particular run.
 
 Compute. Each rank runs its share of every block's GEMMs (q, k, v, o, w1, w2, w3; the output head on the last
-stage; routed experts with ep) for each micro-step; a GEMM of F FLOPs takes F / rate(F), where rate() is the
+stage; routed experts with ep) for each micro-step, on micro_batch x seq / cp tokens (context parallelism splits
+every sequence over cp ranks); a GEMM of F FLOPs takes F / rate(F), where rate() is the
 profile's achieved matmul rate at that size (small GEMMs — tp-split, small micro-batches — run slower). Backward
 is twice the forward. Attention adds 4 x seq x dim / tp FLOPs per token forward (the 12 L C T term of
-`flops_per_token`; causal: half of it is computed) at ATTENTION_EFFICIENCY of the GEMM rate. Element-wise work (norms, rotary, SwiGLU, softmax, residuals, loss) is memory-bound:
+`flops_per_token`; causal: half of it is computed; under cp each rank computes its 1/cp, in blocks of seq/cp) at
+ATTENTION_EFFICIENCY of the GEMM rate. Element-wise work (norms, rotary, SwiGLU, softmax, residuals, loss) is memory-bound:
 ELEMWISE_VALUES_PER_TOKEN values per token and block read/written at the profile's memory bandwidth. Each operator
 also costs the profile's fixed per-operator overhead (launch/dispatch; large on a CPU, mostly hidden on a GPU),
 OPS_PER_BLOCK per block forward and twice that backward (DTensor under tp multiplies it by TP_DISPATCH; each FSDP
@@ -20,8 +22,8 @@ Communication (alpha-beta, ring algorithms, p ranks, n bytes, link latency a and
   reduce-scatter  (p-1) a + (p-1)/p n / B      (n: the input size)
   all-to-all      (p-1) a + (p-1)/p n / B
   point-to-point  a + n / B
-A group uses the intra-node link when its ranks are on one node (mesh order pp, dp_replicate, dp_shard, tp,
-ranks numbered node by node), else the inter-node link. Per step:
+A group uses the intra-node link when its ranks are on one node (mesh order pp, dp_replicate, dp_shard, cp, tp,
+ranks numbered node by node), else the inter-node link. FSDP shards over dp_shard x cp. Per step:
   ddp/zero1  all-reduce of the fp32 gradients once per step (DDP skips sync on accumulation micro-steps), in
              buckets of 25 MB; zero1 adds an all-gather of the updated parameters after the step;
   zero2      per micro-step one all-gather of the parameters (compute dtype) and one reduce-scatter of the fp32
@@ -31,7 +33,12 @@ ranks numbered node by node), else the inter-node link. Per step:
              activations forward and again backward (without: 2 all-reduces each way), plus the vocabulary-
              parallel embedding/loss; recomputation repeats the forward ones;
   pp         one send of the activations per micro-batch and stage boundary forward and one backward;
-  ep         all-to-all dispatch and combine per MoE layer, forward and backward.
+  ep         all-to-all dispatch and combine per MoE layer, forward and backward;
+  cp         ring attention, per block and micro-step: forward cp-1 point-to-point steps, each passing a K/V block
+             (2 x tokens x kv heads x head_dim / tp in the compute dtype) to the next rank; backward the same plus
+             the fp32 dK/dV accumulators, cp steps. Each step overlaps the attention of the block in hand by the
+             profile's `overlap` fraction (a step's attention is 1/cp of the rank's); the rest is exposed.
+             Full checkpointing repeats the forward ring (selective keeps the ring's output).
 Data-parallel collectives overlap compute by the profile's `overlap` fraction (separate streams on a GPU; none on
 a CPU whose cores are all busy computing), but at least one block's worth stays exposed; tp, ep and pp
 communication is on the critical path (paratrain has no asynchronous TP), so it is all exposed.
@@ -65,6 +72,7 @@ TP_DISPATCH = {"cpu": 30.0, "cuda": 3.0}
 FSDP_GROUP_OPS = 150
 DDP_BUCKET_BYTES = 25 * 2**20
 ATTENTION_EFFICIENCY = 0.5  # fused attention reaches about half the GEMM rate at the same size (backward worse)
+RING = "context-parallel ring"  # the exposed part of ring attention's point-to-point traffic
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,10 @@ class Candidate:
     def ep(self) -> int:
         return self.layout.ep
 
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
+
     def micro_steps(self, ctx: "Context") -> int:
         """Micro-batches per rank and optimizer step: the pipeline's, else gradient accumulation steps."""
         if self.layout.pipelined:
@@ -106,9 +118,11 @@ class Candidate:
     @property
     def name(self) -> str:
         lay = self.layout
-        parts = [lay.dp_mode if lay.dp > 1 else "nodp"]
+        parts = [lay.dp_mode if lay.dp_cp > 1 else "nodp"]
         if lay.hybrid:
             parts.append(f"rep={lay.dp_replicate}")
+        if lay.cp > 1:
+            parts.append(f"cp={lay.cp}")
         if lay.tp > 1:
             parts.append(f"tp={lay.tp}")
         if lay.pp > 1:
@@ -135,6 +149,7 @@ class Context:
     gpus_per_node: int
     precision: str = "bf16"
     model_name: str = "model"
+    native_max_seq_len: int | None = None  # the model's own max_seq_len when seq_len goes beyond it (long context)
 
 
 @dataclass
@@ -200,8 +215,8 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     from paratrain.models.presets import count_params, flops_per_token
 
     a, hw, S, lay = ctx.args, ctx.hw, ctx.seq_len, c.layout
-    t, ab = c.tp, _act_bytes(ctx)
-    T = c.micro_batch * S  # tokens per micro-step per rank (tp ranks share them)
+    t, ab, cp = c.tp, _act_bytes(ctx), lay.cp
+    T = c.micro_batch * S // cp  # tokens per micro-step per rank (tp ranks share them, cp ranks split them)
     n_micro = c.micro_steps(ctx)
     layers = math.ceil(a.n_layers / c.pp)  # the busiest stage
     moe_layers = sum(1 for i in range(a.n_layers) if a.is_moe_layer(i))
@@ -215,8 +230,8 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     # forward of one block, one micro-step
     attn = (gemm(T, a.dim, a.n_heads * hd / t) + 2 * gemm(T, a.dim, a.n_kv_heads * hd / t)
             + gemm(T, a.n_heads * hd / t, a.dim))
-    sdpa_flop = 4.0 * T * S * a.dim / t / 2  # causal: about half the square is computed
-    attn += sdpa_flop / (ATTENTION_EFFICIENCY * hw.gemm_rate(2.0 * S * S * hd))
+    sdpa = attention_time(ctx, c, T)
+    attn += sdpa
     dense_mlp = gemm(T, a.dim, a.ffn_hidden / t, 3)
     if moe_layers:
         eh, E = a.expert_hidden, a.moe_experts
@@ -259,16 +274,17 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
 
     # communication
     pbytes = 4 if ctx.precision == "fp32" else 2
+    shard = lay.dp_shard * cp  # FSDP's group: dp_shard x cp, contiguous in the mesh
     tp_link = group_link(ctx, 1, t)
-    shard_link = group_link(ctx, t, lay.dp_shard)
+    shard_link = group_link(ctx, t, shard)
     dp_link = group_link(ctx, t, c.dp)
-    rep_link = group_link(ctx, t * lay.dp_shard, lay.dp_replicate)
-    pp_link = group_link(ctx, t * c.dp, c.pp)
+    rep_link = group_link(ctx, t * shard, lay.dp_replicate)
+    pp_link = group_link(ctx, t * c.dp * cp, c.pp)
     comm = {}
     overlappable = 0.0
     nblk = layers + 1
     min_exposed = 0.0
-    if c.dp > 1:
+    if lay.dp_cp > 1:
         if lay.uses_ddp:
             g = P_stage * 4
             buckets = max(1, math.ceil(g / DDP_BUCKET_BYTES))
@@ -281,12 +297,12 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
             gathers = 2 if lay.reshard_after_forward else 1  # zero2 keeps forward's gathered parameters
             rounds = n_micro if c.pp == 1 else 1  # pipelined stages keep their gathered parameters for the step
             group = FSDP_GROUP_OPS * hw.op_overhead_s
-            ag = rounds * gathers * nblk * (all_gather_time(P_stage * pbytes / nblk, lay.dp_shard, shard_link) + group)
-            rs = rounds * nblk * (reduce_scatter_time(P_stage * 4 / nblk, lay.dp_shard, shard_link) + group)
+            ag = rounds * gathers * nblk * (all_gather_time(P_stage * pbytes / nblk, shard, shard_link) + group)
+            rs = rounds * nblk * (reduce_scatter_time(P_stage * 4 / nblk, shard, shard_link) + group)
             overlappable += ag + rs
             min_exposed += (ag + rs) / (rounds * nblk)
             if lay.hybrid:
-                hr = rounds * nblk * (all_reduce_time(P_stage * 4 / lay.dp_shard / nblk, lay.dp_replicate, rep_link)
+                hr = rounds * nblk * (all_reduce_time(P_stage * 4 / shard / nblk, lay.dp_replicate, rep_link)
                                       + group)
                 overlappable += hr
                 min_exposed += hr / (rounds * nblk)
@@ -308,15 +324,44 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
         ep_link = group_link(ctx, t, c.ep)  # an ep group is ep consecutive dp_shard ranks
         a2a = all_to_all_time(T * a.moe_top_k * a.dim * ab, c.ep, ep_link) + all_to_all_time(64, c.ep, ep_link)
         comm["expert all-to-all"] = n_micro * math.ceil(moe_layers / c.pp) * 4 * a2a
+    if cp > 1:
+        ring_total, comm[RING] = ring_time(ctx, c, T, sdpa)
+        comm_total += ring_total - comm[RING]  # the hidden part (the exposed part is added below)
     comm_total += sum(v for k, v in comm.items() if k not in ("data-parallel",))
     exposed = sum(comm.values())
 
     b = bubble_fraction(c.pp, n_micro, lay.pp_virtual)
     pipelined = compute + recompute + comm.get("tensor-parallel", 0.0) + comm.get("pipeline p2p", 0.0) \
-        + comm.get("expert all-to-all", 0.0)
+        + comm.get("expert all-to-all", 0.0) + comm.get(RING, 0.0)
     bubble = pipelined * b / (1 - b) if b < 1 else float("inf")
     step = compute + recompute + exposed + bubble + optimizer
     tokens = ctx.global_seqs * S
     tok_s = tokens / step
     mfu = flops_per_token(a, S) * tok_s / (c.world * hw.peak_flops)
     return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm)
+
+
+def attention_time(ctx: Context, c: Candidate, tokens: int) -> float:
+    """Forward time of one block's fused attention for `tokens` queries per rank over the whole (causal) sequence:
+    4 x tokens x seq x dim / tp FLOPs, half of them computed, at ATTENTION_EFFICIENCY of the GEMM rate for blocks
+    of seq / cp."""
+    a, S, cp = ctx.args, ctx.seq_len, c.layout.cp
+    flop = 4.0 * tokens * S * a.dim / c.tp / 2
+    return flop / (ATTENTION_EFFICIENCY * ctx.hw.gemm_rate(2.0 * (S // cp) ** 2 * a.head_dim))
+
+
+def ring_time(ctx: Context, c: Candidate, tokens: int, attention_s: float) -> tuple[float, float]:
+    """(total, exposed) seconds of ring attention's point-to-point traffic per optimizer step (see the module doc):
+    `tokens` per rank and micro-step, `attention_s` the forward attention time of one block and micro-step."""
+    a, hw, lay = ctx.args, ctx.hw, c.layout
+    cp = lay.cp
+    link = group_link(ctx, c.tp, cp)  # the cp axis sits just outside tp
+    kv = 2 * tokens * a.n_kv_heads * a.head_dim / c.tp * _act_bytes(ctx)  # one K/V block
+    step_kv, step_dkv = p2p_time(kv, link), p2p_time(kv / _act_bytes(ctx) * 4, link)  # dK/dV travel in fp32
+    hide_f, hide_b = hw.overlap * attention_s / cp, hw.overlap * 2 * attention_s / cp  # per ring step
+    fwd, fwd_exposed = (cp - 1) * step_kv, (cp - 1) * max(0.0, step_kv - hide_f)
+    bwd = (cp - 1) * step_kv + cp * step_dkv
+    bwd_exposed = (cp - 1) * max(0.0, step_kv + step_dkv - hide_b) + step_dkv  # the last hop home is not hidden
+    repeat = 1.0 if c.ac == "full" else (1.0 / c.every_k if c.ac == "every_k" else 0.0)
+    blocks = c.micro_steps(ctx) * math.ceil(a.n_layers / c.pp)
+    return blocks * (fwd * (1 + repeat) + bwd), blocks * (fwd_exposed * (1 + repeat) + bwd_exposed)

@@ -13,6 +13,9 @@ from paratrain.planner.cost import Candidate, Context, Prediction, predict
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")  # the planner's choice of paratrain.layout.SCHEDULES
 AC_MODES = ("none", "selective", "every_k", "full")
+# Context parallelism is enumerated while each rank keeps at least this many tokens of a sequence: below it a ring
+# step's attention is too short to hide the K/V transfer, so more cp only adds exposed communication.
+MIN_CP_TOKENS = 1024
 
 
 @dataclass
@@ -23,6 +26,7 @@ class Options:
     micro_batches: tuple[int, ...] | None = None  # None: powers of two up to 16
     max_tp: int | None = None
     max_pp: int | None = None
+    max_cp: int | None = None  # None: any degree leaving each rank at least MIN_CP_TOKENS of a sequence
     headroom: float = 0.10  # fraction of device memory kept free
     estimate_limit: int = 120  # memory estimates run (cheapest predicted first) before giving up
 
@@ -98,6 +102,17 @@ def memory_reason(est, ctx: Context, headroom: float) -> str | None:
             f"{fmt_bytes(biggest[1])}{where} at the {est.phase}")
 
 
+def cp_degrees(ctx: Context, ranks: int, tp: int, opts: Options) -> list[int]:
+    """Context-parallel degrees to try among `ranks`: dense models only, dividing the sequence into 2 x cp chunks
+    (and each rank's share over tp for sequence parallelism), each rank keeping MIN_CP_TOKENS or more."""
+    if ctx.args.moe_experts:
+        return [1]
+    S = ctx.seq_len
+    return [cp for cp in _divisors(ranks) if cp == 1 or (
+        S % (2 * cp) == 0 and S % (cp * tp) == 0 and S // cp >= MIN_CP_TOKENS
+        and (opts.max_cp is None or cp <= opts.max_cp))]
+
+
 def candidates(ctx: Context, world: int, opts: Options) -> list[Candidate]:
     a = ctx.args
     moe = a.moe_experts > 0
@@ -109,32 +124,40 @@ def candidates(ctx: Context, world: int, opts: Options) -> list[Candidate]:
         for pp in _divisors(world // tp):
             if pp > a.n_layers or (opts.max_pp and pp > opts.max_pp) or (pp > 1 and moe):
                 continue
-            dp = world // tp // pp
-            modes = []
-            for mode in opts.dp_modes:
-                if dp == 1:
-                    if not modes:
-                        modes.append(("fsdp", 1, 1))
+            for cp in cp_degrees(ctx, world // tp // pp, tp, opts):
+                out += _with_cp(ctx, world, opts, tp, pp, cp, mbs)
+    return out
+
+
+def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int, mbs) -> list[Candidate]:
+    a = ctx.args
+    out = []
+    dp = world // tp // pp // cp
+    modes = []
+    for mode in opts.dp_modes:
+        if dp == 1:
+            if not modes:
+                modes.append(("fsdp", 1, 1))
+            continue
+        if mode == "hsdp":
+            modes += [("hsdp", r, dp // r) for r in _divisors(dp) if 1 < r < dp]
+        else:
+            modes.append((mode, 1, dp))
+    for mode, rep, shard in modes:
+        for ep in [e for e in _divisors(shard) if a.moe_experts % e == 0] if a.moe_experts else [1]:
+            try:  # the layouts paratrain runs (ddp and zero1: no tp, pp, cp or ep)
+                layout = Layout.resolve(world, dp_mode=mode, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, ep=ep,
+                                        cp=cp)
+            except ConfigError:
+                continue
+            for mb in mbs:
+                if ctx.global_seqs % (dp * mb):
                     continue
-                if mode == "hsdp":
-                    modes += [("hsdp", r, dp // r) for r in _divisors(dp) if 1 < r < dp]
-                else:
-                    modes.append((mode, 1, dp))
-            for mode, rep, shard in modes:
-                for ep in [e for e in _divisors(shard) if a.moe_experts % e == 0] if moe else [1]:
-                    try:  # the layouts paratrain runs (ddp and zero1: no tp, pp or ep)
-                        layout = Layout.resolve(world, dp_mode=mode, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp,
-                                                ep=ep)
-                    except ConfigError:
-                        continue
-                    for mb in mbs:
-                        if ctx.global_seqs % (dp * mb):
-                            continue
-                        m = ctx.global_seqs // (dp * mb)  # pipeline microbatches (pp > 1)
-                        for sched in ("1f1b",) if pp == 1 else opts.schedules:
-                            lay = layout.replace(pp_schedule=sched, pp_microbatches=m) if pp > 1 else layout
-                            for ac in opts.ac_modes:
-                                out.append(Candidate(lay, ac, 2, mb))
+                m = ctx.global_seqs // (dp * mb)  # pipeline microbatches (pp > 1)
+                for sched in ("1f1b",) if pp == 1 else opts.schedules:
+                    lay = layout.replace(pp_schedule=sched, pp_microbatches=m) if pp > 1 else layout
+                    for ac in opts.ac_modes:
+                        out.append(Candidate(lay, ac, 2, mb))
     return out
 
 
@@ -239,7 +262,7 @@ def no_fit_message(ctx: Context, world: int, opts: Options, results: list[Result
     acts = sum(at.get(k, 0) for k in ("activations", "pipeline", "logits_loss"))
     what = (f"model states alone take {fmt_bytes(states)} per rank: about {math.ceil(factor * world)} GPUs or GPUs "
             f"with {fmt_bytes(best.total_bytes / (1 - opts.headroom))}" if states >= acts else
-            f"activations take {fmt_bytes(acts)} per rank: a shorter --seq, or more GPUs for tp/pp")
+            f"activations take {fmt_bytes(acts)} per rank: a shorter --seq, or more GPUs for tp/pp/cp")
     return (f"no layout fits {ctx.model_name} on {world} x {ctx.hw.name}: nearest miss {best.cand.name} needs "
             f"{fmt_bytes(best.total_bytes)} per rank, {fmt_bytes(short)} more than the {fmt_bytes(limit)} usable "
             f"({opts.headroom:.0%} headroom); it lacks memory: {what}")
@@ -257,17 +280,17 @@ def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
     if mode not in DP_MODES + ("nodp", "zero3"):
         raise UserError(f"--explain '{text}': the first item must be a dp mode ({', '.join(DP_MODES)}) or nodp")
     mode = {"zero3": "fsdp", "nodp": "fsdp"}.get(mode, mode)
-    kv = {"tp": "1", "pp": "1", "ep": "1", "rep": "1", "sched": "1f1b", "ac": "none", "mb": "1"}
+    kv = {"tp": "1", "pp": "1", "ep": "1", "cp": "1", "rep": "1", "sched": "1f1b", "ac": "none", "mb": "1"}
     for tok in tokens[1:]:
         k, eq, v = tok.partition("=")
         if not eq or k not in kv:
-            raise UserError(f"--explain '{text}': unknown item '{tok}' (use tp=, pp=, sched=, rep=, ep=, ac=, mb=)")
+            raise UserError(f"--explain '{text}': unknown item '{tok}' (use tp=, pp=, cp=, sched=, rep=, ep=, ac=, mb=)")
         kv[k] = v
     try:
-        tp, pp, ep, rep, mb = (int(kv[k]) for k in ("tp", "pp", "ep", "rep", "mb"))
+        tp, pp, ep, cp, rep, mb = (int(kv[k]) for k in ("tp", "pp", "ep", "cp", "rep", "mb"))
     except ValueError:
-        raise UserError(f"--explain '{text}': tp, pp, ep, rep and mb must be integers") from None
-    if min(tp, pp, ep, rep, mb) < 1:
+        raise UserError(f"--explain '{text}': tp, pp, cp, ep, rep and mb must be integers") from None
+    if min(tp, pp, ep, cp, rep, mb) < 1:
         raise UserError(f"--explain '{text}': degrees and mb must be >= 1")
     ac, k = kv["ac"], 2
     if ac.startswith("every_k"):
@@ -277,10 +300,10 @@ def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
     sched = kv["sched"]
     if sched not in SCHEDULES + ("interleaved_zero_bubble",):
         raise UserError(f"--explain '{text}': sched must be one of {', '.join(SCHEDULES)}")
-    dp = max(1, world // (tp * pp))  # Layout.resolve says when tp x pp does not divide the world
+    dp = max(1, world // (tp * pp * cp))  # Layout.resolve says when tp x pp x cp does not divide the world
     m = max(1, ctx.global_seqs // (dp * mb))
     layout = Layout.resolve(world, dp_mode=mode, dp_replicate=rep if mode == "hsdp" else 1, tp=tp, pp=pp, ep=ep,
-                            pp_schedule=sched, pp_microbatches=m)
+                            cp=cp, pp_schedule=sched, pp_microbatches=m)
     return Candidate(layout, ac, k, mb)
 
 
@@ -305,6 +328,8 @@ def explain(text: str, ctx: Context, world: int, opts: Options) -> str:
              f"  {r.pred.breakdown()}"]
     if r.pred.comm:
         lines.append("  exposed communication: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r.pred.comm.items()))
+    if c.cp > 1:
+        lines.append("  " + ring_line(c, ctx))
     p = plan(ctx, world, opts, top=1)
     best = p.ranked[0]
     if best.cand == c:
@@ -332,3 +357,20 @@ def _diff(p: Prediction, best: Prediction) -> str:
         if abs(a - b) > 0.01 * best.step_s:
             parts.append(f"{label} {(a - b) * 1e3:+.1f} ms")
     return ", ".join(parts) or "about the same"
+
+
+def ring_line(c: Candidate, ctx: Context) -> str:
+    """What ring attention costs a context-parallel layout: its point-to-point traffic and how much the attention
+    compute hides (cost.ring_time)."""
+    from paratrain.planner.cost import attention_time, group_link, ring_time
+
+    a, lay = ctx.args, c.layout
+    tokens = c.micro_batch * ctx.seq_len // lay.cp
+    pred = predict(c, ctx)
+    total, exposed = ring_time(ctx, c, tokens, attention_time(ctx, c, tokens))
+    link = group_link(ctx, c.tp, lay.cp)
+    kv = 2 * tokens * a.n_kv_heads * a.head_dim / c.tp * (4 if ctx.precision == "fp32" else 2)
+    return (f"context-parallel ring over {lay.cp} ranks ({link.name}): per block, {lay.cp - 1} point-to-point steps "
+            f"of a {kv / 2**20:.1f} MiB K/V block forward, {lay.cp - 1} + {lay.cp} (fp32 dK/dV) backward; "
+            f"{total * 1e3:.1f} ms per step, {exposed * 1e3:.1f} ms exposed after overlapping the attention "
+            f"({ctx.hw.overlap:.0%} overlap); {exposed / pred.step_s:.1%} of the step")
