@@ -72,13 +72,39 @@ def describe_os_error(e: OSError, where=None) -> str:
     return text
 
 
+# torch's file writer (torch.save, which DCP uses for non-tensor items) reports a short write without its errno.
+_SHORT_WRITE = ("unexpected pos", "file write failed", "failed writing file")
+
+
 def environment_problem(error: BaseException, where=None) -> str | None:
     """One line for an error caused by the environment (full disk, read-only or missing path, permissions, a name
-    too long) anywhere in `error`'s chain, else None."""
+    too long) anywhere in `error`'s chain, else None. `where`: the folder being written, if any."""
     for e in causes(error):
         if isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS:
             return describe_os_error(e, where)
+    for e in causes(error):
+        if isinstance(e, RuntimeError) and any(s in str(e) for s in _SHORT_WRITE):
+            return _short_write(e, where)
     return None
+
+
+def _short_write(e: BaseException, where) -> str:
+    import shutil
+    from pathlib import Path
+
+    detail = " ".join(str(e).split())[:160]
+    place = f" (writing in {where})" if where is not None else ""
+    if where is not None:
+        folder = Path(where)
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            free = None
+        if free is not None and free < 2**20:
+            return f"No space left on device ({free // 1024} KiB free){place}"
+    return f"a write stopped short{place}: {detail}"
 
 
 class PeerFailed(Exception):

@@ -58,7 +58,7 @@ def launch(entrypoint, args: tuple, nproc: int, max_restarts: int = 0, grace_s: 
                     raise Preempted(f"the ranks did not save and stop within resilience.preempt_grace_s="
                                     f"{grace_s:g} s after SIGTERM; they were killed") from None
                 if relay.noticed_at is not None:
-                    raise Preempted(f"stopped by SIGTERM before a checkpoint was saved (exit codes {codes})") from None
+                    raise Preempted(f"stopped by SIGTERM before the ranks had finished (exit codes {codes})") from None
                 if codes == [EXIT_USER_ERROR]:
                     raise LaunchedUserError() from None
                 summary = _describe(e.failures, nproc)

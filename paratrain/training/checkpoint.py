@@ -217,8 +217,9 @@ class CheckpointWriter:
 
     def _failed(self, step: int, tmp: Path, error: BaseException) -> BaseException:
         """A save failed on some rank: every rank removes what was written (the folder is shared) and raises."""
+        failure = save_failure(self.root / f"step-{step}", tmp, error)  # before the removal frees the disk again
         shutil.rmtree(tmp, ignore_errors=True)
-        return save_failure(self.root / f"step-{step}", tmp, error)
+        return failure
 
     def _commit(self, step: int, tmp: Path, trainer_state: dict, digests: dict[str, str]) -> Path:
         """Rank 0 adds trainer.pt and the tokenizer, lists every file's checksum, writes the marker and renames."""
