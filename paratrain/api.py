@@ -30,8 +30,9 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def train_rank(cfg: Config, want_final_weights: bool = False):
-    """One rank's run (or a single process's): everything after the launch. Returns a TrainResult."""
+def train_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool = False):
+    """One rank's run (or a single process's): everything after the launch. Returns a TrainResult.
+    keep_group: leave the process group up for another run by the same ranks (tests run several runs per launch)."""
     import torch
     import torch.distributed as dist
 
@@ -63,7 +64,10 @@ def train_rank(cfg: Config, want_final_weights: bool = False):
     spec = resolve(cfg, env.world_size, meta["vocab_size"])
     torch.manual_seed(cfg.training.seed)
     result = Trainer(spec, env, want_final_weights).fit()
-    shutdown_distributed()  # every rank got here at the same step: leave the process group cleanly
+    if keep_group and dist.is_initialized():
+        dist.barrier()
+    else:
+        shutdown_distributed()  # every rank got here at the same step: leave the process group cleanly
     return result
 
 
@@ -72,7 +76,7 @@ def _is_collective_timeout(error: BaseException) -> bool:
     return "timed out" in text or "timeout" in text and ("gloo" in text or "nccl" in text or "collective" in text)
 
 
-def run_rank(cfg: Config, want_final_weights: bool = False):
+def run_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool = False):
     """What every launched rank runs: user errors become one line and exit code 2, a collective timeout one line
     naming the timeout and exit code 3; a bug prints its traceback with the rank."""
     from paratrain.distributed.env import kill_local_peers, world_from_env
@@ -80,7 +84,7 @@ def run_rank(cfg: Config, want_final_weights: bool = False):
 
     rank = world_from_env()[0]
     try:
-        return train_rank(cfg, want_final_weights)
+        return train_rank(cfg, want_final_weights, keep_group)
     except UserError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -7,7 +7,7 @@ import sys
 
 from paratrain.errors import UserError
 
-COMMANDS = ("train", "prepare", "generate", "verify", "estimate", "plan", "report", "doctor", "export")
+COMMANDS = ("train", "profile", "prepare", "generate", "verify", "estimate", "plan", "report", "doctor", "export")
 
 
 def split_overrides(argv: list[str], flags_with_value: set[str]) -> tuple[dict, list[str]]:
@@ -53,6 +53,26 @@ def cmd_train(argv: list[str]) -> int:
         overrides.append(f"resilience.max_restarts={_int_flag(own, '--max-restarts', 0)}")
     cfg = load_config(own.get("--config"), overrides)
     train(cfg, nproc=_int_flag(own, "--nproc", 1))
+    return 0
+
+
+def cmd_profile(argv: list[str]) -> int:
+    """A few training steps under torch.profiler: traces per rank and the compute / communication split."""
+    from paratrain.api import train
+    from paratrain.config import load_config
+    from paratrain.observe.profile import USAGE, profile_overrides
+
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: " + USAGE)
+        return 0
+    own, overrides = split_overrides(argv, {"--config", "--nproc", "--steps", "--warmup"})
+    steps, warmup = _int_flag(own, "--steps", 3), _int_flag(own, "--warmup", 1)
+    if steps < 1:
+        raise UserError("--steps must be >= 1")
+    cfg = load_config(own.get("--config"), profile_overrides(steps, warmup, overrides))
+    train(cfg, nproc=_int_flag(own, "--nproc", 1))
+    print(f"traces: {cfg.run_dir / 'profile'}/rank<r>.json (https://ui.perfetto.dev); summary: "
+          f"{cfg.run_dir / 'profile' / 'summary.json'}")
     return 0
 
 
@@ -104,6 +124,7 @@ USAGE = """usage: paratrain <command> [options]
 
 commands:
   train      train a model: paratrain train [--config FILE.toml] [--nproc N] [--section.key=value ...]
+  profile    a few steps under torch.profiler: paratrain profile [train options] [--steps 3] [--warmup 1]
   prepare    tokenize text into train.bin / val.bin: paratrain prepare --input PATH --out DIR [--tokenizer char]
   generate   sample from a checkpoint: paratrain generate --checkpoint DIR --prompt "..." [--max-new-tokens N]
   verify     prove parallel layouts match one process: paratrain verify [--layouts ddp2,fsdp2,...] [--steps 20]
@@ -121,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    handlers = {"train": cmd_train, "generate": cmd_generate, **{name: _lazy(name) for name in LAZY_COMMANDS}}
+    handlers = {"train": cmd_train, "profile": cmd_profile, "generate": cmd_generate, **{name: _lazy(name) for name in LAZY_COMMANDS}}
     if command not in handlers:
         import difflib
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from paratrain.config import dump_toml
 from paratrain.data import TokenData, load_tokenizer
+from paratrain.distributed.compression import GradComm
 from paratrain.distributed.env import DistEnv, register_process
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize, unwrap
@@ -68,14 +69,16 @@ class Trainer:
         with torch.device(dev if spec.model_args.tie_embeddings else "meta"):
             model = Transformer(spec.model_args)
         scaler = make_scaler(spec.layout, t.precision, dev)
+        self.comm = GradComm(cfg.parallel, self.dims, dev, t.seed)  # gradient compression, buckets, prefetching
         pipeline = None
         if spec.layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
             pipeline = build_pipeline(self.dims, model, cfg.activation_checkpoint, t.precision, t.compile, dev, t.seed,
-                                      schedule_loss(scaler))
+                                      schedule_loss(scaler), self.comm)
             model = pipeline.model
         else:
             model = parallelize(model, self.dims, cfg.activation_checkpoint, t.precision, t.compile, dev, t.seed,
-                                cfg.parallel.ddp_bucket_mb)
+                                comm=self.comm)
+        self.comm.prepare()
         optimizer = build_optimizer(unwrap(model), cfg.optimizer, dev,
                                     self.dims.dp_group if spec.layout.zero1 else None)
         budget = cfg.resilience.memory_budget_gib
@@ -85,13 +88,13 @@ class Trainer:
         self.progress = Progress(t.micro_batch, spec.accum_steps)
         self.guard = ResilienceGuard(cfg.resilience, self.progress, dev, notice=self.notice)
         self.checkpointer = Checkpointer(spec, model, optimizer, self.progress, env.is_main, self.tokenizer,
-                                         dump_toml(cfg), notice=self.notice, warn=self.warn)
+                                         dump_toml(cfg), notice=self.notice, warn=self.warn, comm=self.comm)
         self.evaluate = Evaluator(TokenData(spec.data_dir, "val", t.seq_len), self.step, spec, self.dims.dp_rank,
                                   self.dims.dp_group)
         self.peak, self.peak_source = peak_flops(dev, cfg.metrics.peak_tflops)
         self.restarts = int(os.environ.get(ATTEMPT_ENV, "0"))
         self.recorder = StepRecorder(spec, self.step, env, self.peak, flops_per_token(spec.model_args, t.seq_len),
-                                     self.restarts, self.dims.dp_group)
+                                     self.restarts, self.dims.dp_group, self.comm, self.notice)
         self.faults = FaultInjector(env.rank)
         if env.world_size > 1:
             register_process()
@@ -162,10 +165,13 @@ class Trainer:
                 show = (step + 1) % t.log_every == 0 or step == start or is_eval
                 if show:
                     self.recorder.add_rank_stats(record)
-                self.log.log(record, show=show)
+                for held, shown in self.recorder.release(record, show):  # profiled steps wait for their trace
+                    self.log.log(held, show=shown)
                 step += 1
                 if self.checkpointer.due(step):
                     self.checkpointer.save(step)
+            for held, shown in self.recorder.close():
+                self.log.log(held, show=shown)
             result.skipped_steps = self.progress.skipped
             if not result.preempted:
                 self._finish(result, start, memory_rows)
