@@ -84,63 +84,90 @@ class CommMeter:
 
 # -- sign_ef ----------------------------------------------------------------------------------------------------------
 
-_BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
-    """(..., C) -> (..., C/8) uint8: bit set where x >= 0 (C a multiple of 8)."""
-    bits = (x >= 0).to(torch.uint8).unflatten(-1, (-1, 8))
-    return (bits * _BITS.to(x.device)).sum(-1, dtype=torch.uint8)
+    """(rows, C) -> (rows, C/8) uint8, the bit set where x >= 0, most significant bit first (C a multiple of 8)."""
+    if x.device.type == "cpu":
+        import numpy as np
+
+        return torch.from_numpy(np.packbits((x >= 0).numpy(), axis=-1))
+    bits = (x >= 0).to(torch.uint8).unflatten(-1, (-1, 8)) << _SHIFTS.to(x.device)
+    return bits.sum(-1, dtype=torch.uint8)
 
 
 def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
-    """(..., C/8) uint8 -> (..., C) float32 of +1 / -1."""
-    bits = (packed.unsqueeze(-1) & _BITS.to(packed.device)) != 0
-    return bits.flatten(-2).float() * 2 - 1
+    """(rows, C/8) uint8 -> (rows, C) bool: True where the value was >= 0."""
+    if packed.device.type == "cpu":
+        import numpy as np
+
+        return torch.from_numpy(np.unpackbits(packed.numpy(), axis=-1).view(np.bool_))
+    return ((packed.unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 1).flatten(-2).bool()
 
 
 class _Plan:
-    """How a flat buffer of named segments is laid out as p pieces per segment (cached per segment list).
+    """How a flat buffer of named segments (parameters) is laid out for sign_ef (cached per segment list).
 
-    Segment k of n_k elements is padded to m_k (a multiple of 8p) and cut into p pieces of c_k = m_k/p; the
-    matrix X (p, C = sum c_k) holds in row j the j-th piece of every segment, column block k for segment k."""
+    Segment k of n_k elements is zero-padded to p x c_k and cut into p pieces of c_k; the matrix X (p, C = sum c_k)
+    holds in row j the j-th piece of every segment (columns [start_k, start_k + c_k) for segment k): row j is what
+    rank j averages. Each piece has scale groups: one (block = 0: c_k a multiple of 8) or c_k / block of `block`
+    elements each (c_k a multiple of block)."""
 
-    def __init__(self, segments: tuple[tuple[str, int], ...], p: int, device):
+    def __init__(self, segments: tuple[tuple[str, int], ...], p: int, block: int, device):
         self.names = [name for name, _ in segments]
         self.sizes = [n for _, n in segments]
-        self.p = p
-        pieces = [-(-n // (8 * p)) * 8 for n in self.sizes]  # c_k, a multiple of 8
-        self.pieces = pieces
-        self.C = sum(pieces)
-        starts = torch.tensor([0] + pieces[:-1]).cumsum(0)
-        seg_of_col = torch.repeat_interleave(torch.arange(len(pieces)), torch.tensor(pieces))
-        self.seg_of_col = seg_of_col.to(device)
-        # dst[i]: where element i of the flat buffer sits in X.view(-1)
-        dst = []
-        for k, n in enumerate(self.sizes):
-            o = torch.arange(n)
-            dst.append((o // pieces[k]) * self.C + starts[k] + o % pieces[k])
-        self.dst = torch.cat(dst).to(device) if dst else torch.zeros(0, dtype=torch.long, device=device)
-        valid = torch.zeros(p * self.C, dtype=torch.bool)
-        valid[self.dst.cpu()] = True
-        self.valid = valid.view(p, self.C).to(device)
-        self.counts = torch.zeros(p, len(pieces)).index_add_(1, seg_of_col, self.valid.float().cpu()).to(device)
+        self.p, self.block = p, block
+        unit = block if block else 8
+        self.pieces = [-(-n // (unit * p)) * unit for n in self.sizes]  # c_k
+        self.starts = [0]
+        for c in self.pieces:
+            self.starts.append(self.starts[-1] + c)
+        self.C = self.starts[-1]
+        self.groups = self.C // block if block else len(self.sizes)
+        valid = self.to_matrix([torch.ones(n, device=device) for n in self.sizes])
+        self.valid = valid > 0  # (p, C): real elements, not padding
+        if block:
+            self.counts = valid.view(p, self.groups, block).sum(-1)
+        else:
+            self.widths = torch.tensor(self.pieces, device=device)
+            self.counts = torch.stack([valid[:, a:b].sum(-1) for a, b in zip(self.starts, self.starts[1:])], dim=1)
 
-    def scales(self, x: torch.Tensor, row_valid: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Mean |x| of each segment piece over its real elements: (rows, C) -> (rows, K)."""
-        total = torch.zeros(x.shape[0], len(self.sizes), device=x.device).index_add_(1, self.seg_of_col,
-                                                                                      x.abs() * row_valid)
+    def to_matrix(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Per-segment flat tensors -> X (p, C)."""
+        p = self.p
+        return torch.cat([torch.nn.functional.pad(t, (0, p * c - t.numel())).view(p, c)
+                          for t, c in zip(tensors, self.pieces)], dim=1)
+
+    def from_matrix(self, X: torch.Tensor) -> list[torch.Tensor]:
+        """X (p, C) -> the per-segment flat tensors (padding dropped)."""
+        return [X[:, a:b].reshape(-1)[:n] for a, b, n in zip(self.starts, self.starts[1:], self.sizes)]
+
+    def scales(self, X: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Mean |x| of each scale group of rows X (padding must be 0): (rows, C) -> (rows, groups), the scale that
+        minimises the squared error of scale x sign(x)."""
+        a = X.abs()
+        if self.block:
+            total = a.view(X.shape[0], self.groups, self.block).sum(-1)
+        else:
+            total = torch.stack([a[:, s:e].sum(-1) for s, e in zip(self.starts, self.starts[1:])], dim=1)
         return total / counts.clamp(min=1)
 
-    def expand(self, signs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return signs * scales.index_select(-1, self.seg_of_col)
+    def expand(self, positive: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Decompress: +scale where positive, -scale elsewhere: (rows, C) bool, (rows, groups) -> (rows, C)."""
+        rows = positive.shape[0]
+        if self.block:
+            s = scales.unsqueeze(-1).expand(rows, self.groups, self.block).reshape(rows, self.C)
+        else:
+            s = scales.repeat_interleave(self.widths, dim=1)
+        return torch.where(positive, s, -s)
 
 
 class SignEF:
     """1-bit sign compression with error feedback (the 1-bit Adam compressed all-reduce), per named parameter."""
 
-    def __init__(self, group, meter: CommMeter):
-        self.group, self.meter = group, meter
+    def __init__(self, group, meter: CommMeter, block: int = 0):
+        self.group, self.meter, self.block = group, meter, block
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.worker: dict[str, torch.Tensor] = {}  # this rank's residual of each parameter's gradient (numel)
         self.server: dict[str, torch.Tensor] = {}  # this rank's residual of its piece of each parameter (c_k)
@@ -155,49 +182,44 @@ class SignEF:
         key = tuple(segments)
         plan = self.plans.get(key)
         if plan is None:
-            plan = self.plans[key] = _Plan(key, self.p, flat.device)
-        p, C, dev = self.p, plan.C, flat.device
-        x = flat.detach().float()
-        x = x + torch.cat([self.worker.get(name, torch.zeros(n, device=dev)) for name, n in segments])
-        X = torch.zeros(p * C, device=dev)
-        X[plan.dst] = x
-        X = X.view(p, C)
-        scales = plan.scales(X, plan.valid, plan.counts)  # (p, K)
+            plan = self.plans[key] = _Plan(key, self.p, self.block, flat.device)
+        p = self.p
+        grads = flat.detach().float().split(plan.sizes)
+        X = plan.to_matrix([g + self.worker[name] if name in self.worker else g
+                            for (name, _), g in zip(segments, grads)])  # (p, C), padding 0
+        scales = plan.scales(X, plan.counts)  # (p, groups)
         packed = pack_signs(X)  # (p, C/8)
-        residual = (X - plan.expand(unpack_signs(packed), scales)).view(-1)[plan.dst]
-        for (name, _), r in zip(segments, residual.split(plan.sizes)):
-            self.worker[name] = r.clone()
-        send = torch.cat([packed, scales.contiguous().view(torch.uint8)], dim=1)  # (p, C/8 + 4K) bytes
+        residual = X - plan.expand(unpack_signs(packed), scales)
+        for name, r in zip(plan.names, plan.from_matrix(residual)):
+            self.worker[name] = r
+        send = torch.cat([packed.to(flat.device), scales.view(torch.uint8)], dim=1)  # (p, C/8 + 4 groups) bytes
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
         self.meter.add(scatter_wire(send.numel(), p) + gather_wire(send.shape[1], p),
                        all_reduce_wire(4 * flat.numel(), p))
-        return work, flat, segments, plan, recv
+        return work, flat, plan, recv
 
-    def finish(self, work, flat, segments, plan: _Plan, recv) -> torch.Tensor:
+    def finish(self, work, flat, plan: _Plan, recv) -> torch.Tensor:
         """Phase 2: average this rank's piece, server error feedback, compress, all-gather, decompress."""
         work.wait()
-        p, C, j = self.p, plan.C, self.rank
-        K = len(plan.sizes)
-        signs = unpack_signs(recv[:, : C // 8])
-        scales = recv[:, C // 8:].contiguous().view(torch.float32).view(p, K)
-        avg = plan.expand(signs, scales).mean(0)  # (C,)
-        mine = plan.valid[j]
-        offsets = torch.tensor([0] + plan.pieces).cumsum(0).tolist()
-        avg = avg + torch.cat([self.server.get(name, torch.zeros(c, device=flat.device))
-                               for name, c in zip(plan.names, plan.pieces)])
+        p, C, G, j, dev = self.p, plan.C, plan.groups, self.rank, flat.device
+        mine = plan.valid[j:j + 1]  # (1, C)
+        received = plan.expand(unpack_signs(recv[:, : C // 8]), recv[:, C // 8:].contiguous().view(torch.float32))
+        avg = received.mean(0, keepdim=True)  # (1, C): the mean of everyone's piece j
+        if plan.names[0] in self.server:
+            avg = avg + torch.cat([self.server[name] for name in plan.names]).unsqueeze(0)
         avg = avg * mine
-        scale2 = plan.scales(avg.unsqueeze(0), mine.unsqueeze(0), plan.counts[j:j + 1])  # (1, K)
-        packed2 = pack_signs(avg.unsqueeze(0))  # (1, C/8)
-        err = (avg - plan.expand(unpack_signs(packed2), scale2)[0]) * mine
-        for k, name in enumerate(plan.names):
-            self.server[name] = err[offsets[k]:offsets[k + 1]].clone()
-        send = torch.cat([packed2, scale2.view(torch.uint8)], dim=1)[0]
-        out = torch.empty(p * send.numel(), dtype=torch.uint8, device=flat.device)
+        scale2 = plan.scales(avg, plan.counts[j:j + 1])  # (1, groups)
+        packed2 = pack_signs(avg)  # (1, C/8)
+        err = (avg - plan.expand(unpack_signs(packed2), scale2)) * mine
+        for name, e in zip(plan.names, err[0].split(plan.pieces)):
+            self.server[name] = e
+        send = torch.cat([packed2.to(dev), scale2.view(torch.uint8)], dim=1)[0]
+        out = torch.empty(p * send.numel(), dtype=torch.uint8, device=dev)
         dist.all_gather_single(out, send, group=self.group)
         out = out.view(p, -1)
-        Y = plan.expand(unpack_signs(out[:, : C // 8]), out[:, C // 8:].contiguous().view(torch.float32).view(p, K))
-        flat.copy_(Y.view(-1)[plan.dst].to(flat.dtype))
+        Y = plan.expand(unpack_signs(out[:, : C // 8]), out[:, C // 8:].contiguous().view(torch.float32).view(p, G))
+        flat.copy_(torch.cat(plan.from_matrix(Y)).to(flat.dtype))
         return flat
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -305,6 +327,7 @@ class GradComm:
         self.bucket_mb = parallel.ddp_bucket_mb
         self.forward_prefetch, self.backward_prefetch = parallel.fsdp_forward_prefetch, parallel.fsdp_backward_prefetch
         self.powersgd_rank, self.powersgd_warmup = parallel.powersgd_rank, parallel.powersgd_warmup_steps
+        self.sign_block = parallel.sign_ef_block
         self.meter = CommMeter()
         self.compressor: SignEF | PowerSGD | None = None
         self.models: list[nn.Module] = []  # what was laid out (a pipeline rank: its stages)
@@ -340,7 +363,7 @@ class GradComm:
         if self.site == "replicate_hook":
             group = self.dims.mesh["dp_replicate"].get_group()
             if self.compressor is None:
-                self.compressor = SignEF(group, self.meter)
+                self.compressor = SignEF(group, self.meter, self.sign_block)
             for module in [model, *blocks]:
                 module.set_all_reduce_hook(self._fsdp_hook(module))
         self.models.append(model)
@@ -385,7 +408,7 @@ class GradComm:
                     fut.wait()
                 return fut
         else:
-            self.compressor = SignEF(group, meter)
+            self.compressor = SignEF(group, meter, self.sign_block)
 
             def hook(state, bucket):
                 sign_ef = self.compressor
