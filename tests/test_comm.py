@@ -16,6 +16,7 @@ from paratrain.api import run_rank
 from paratrain.config import load_config
 from paratrain.distributed.launch import launch
 from paratrain.errors import ConfigError
+from paratrain.estimate.compression import Compression, compression_cost
 from paratrain.layout import Layout, grad_compression_site
 
 from conftest import assert_plan_rejected, fast_overrides
@@ -83,6 +84,14 @@ def test_sign_ef_resume_is_bitwise_and_sends_a_thirtieth(char_data, tmp_path):
     assert power_resumed.losses == powersgd.losses[4:] and power_resumed.val_loss == powersgd.val_loss
     records = _records(sign_ef.run_dir)
     assert all(r["compression_ratio"] < 0.05 and r["comm_bytes"] > 0 for r in records)  # ~1/32 of fp32
+    # the planner's and estimator's model of the same reduction (pieces are padded to whole bytes at run time)
+    from paratrain.data import read_meta
+    from paratrain.estimate.model_states import model_params
+    from paratrain.spec import model_args_from
+
+    shapes = [q.shape for q in model_params(model_args_from(cfgs[0], read_meta(char_data)["vocab_size"]))]
+    predicted = compression_cost(Compression("sign_ef"), shapes, 2).wire_fraction
+    assert abs(records[-1]["compression_ratio"] - predicted) < 0.05 * predicted
     power_ratios = [r["compression_ratio"] for r in _records(powersgd.run_dir)]
     assert power_ratios[:2] == [1.0, 1.0] and max(power_ratios[2:]) < 0.5  # plain all-reduce while warming up
 
@@ -136,3 +145,46 @@ def test_profile_command(char_data, tmp_path):
     assert (tmp_path / "p" / "profile" / "rank0.json").is_file() and not (tmp_path / "p" / "checkpoints").exists()
     bad = subprocess.run([sys.executable, "-m", "paratrain", "profile", "--steps", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --steps must be >= 1"
+
+
+def test_planner_and_estimator_know_compression():
+    """Bytes times the wire fraction plus the compress/decompress compute in the planner; the error-feedback state
+    in the estimator."""
+    from paratrain.estimate.cli import inputs_from_argv
+    from paratrain.estimate.core import estimate
+    from paratrain.planner import context_from_argv
+    from paratrain.planner.cost import Candidate, predict
+
+    shapes = [(512, 256), (256,), (64, 64), (8, 8)]
+    numel = 512 * 256 + 256 + 64 * 64 + 64
+    sign = compression_cost(Compression("sign_ef"), shapes, 4)
+    assert sign.wire_fraction == (numel / 8 + 4 * len(shapes) * 4) / (4 * numel)
+    assert sign.state_bytes == 4 * numel + numel  # worker residual + this rank's quarter (server residual)
+    blocks = compression_cost(Compression("sign_ef", sign_ef_block=64), shapes, 4)
+    assert blocks.wire_fraction == 1 / 32 + 1 / 64
+    power = compression_cost(Compression("powersgd", powersgd_rank=4), shapes, 4)
+    # 512x256 and 64x64 compressed at rank 4; the vector and the 8x8 matrix sent as they are
+    assert power.wire_fraction == (4 * (512 + 256) + 4 * (64 + 64) + 256 + 64) / numel
+    assert compression_cost(Compression("bf16"), shapes, 4).wire_fraction == 0.5
+
+    plan = ["--model", "llama3.2-1b", "--gpus", "16", "--gpu", "H100", "--inter", "eth25", "--seq", "2048",
+            "--global-batch-tokens", "1048576"]
+    preds = {}
+    for method in ("none", "bf16", "powersgd", "sign_ef"):
+        ctx = context_from_argv([*plan, "--grad-compression", method])[0]
+        from paratrain.layout import Layout
+
+        preds[method] = predict(Candidate(Layout.resolve(16, dp_mode="ddp"), "none", 2, 4), ctx)
+    assert preds["none"].compress_s == 0 and all(preds[m].compress_s > 0 for m in ("bf16", "powersgd", "sign_ef"))
+    exposed = {m: p.comm_exposed_s for m, p in preds.items()}
+    assert exposed["sign_ef"] < exposed["powersgd"] < exposed["bf16"] < exposed["none"]
+    assert preds["sign_ef"].step_s < preds["none"].step_s  # 25 Gb/s between nodes: compression pays
+
+    est = {m: estimate(inputs_from_argv(["--model", "llama3.2-1b", "--dp-mode", "ddp", "--dp-shard", "8",
+                                         "--gpu", "H100", "--grad-compression", m])[0], suggest=False)
+           for m in ("none", "sign_ef")}
+    grads = est["none"].sizes["gradients"]
+    assert "compression" not in est["none"].sizes
+    assert est["sign_ef"].sizes["compression"] == grads + grads // 8
+    with pytest.raises(ConfigError, match="only bf16 applies"):
+        estimate(inputs_from_argv(["--model", "llama3.2-1b", "--dp-shard", "8", "--grad-compression", "sign_ef"])[0])

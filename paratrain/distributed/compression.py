@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.distributed.initialize import canonical_name
+from paratrain.estimate.compression import powersgd_matrix
 from paratrain.layout import grad_compression_site
 
 STATE_PREFIX = "grad_comm"  # checkpoint keys: grad_comm/<method>/w<world>/rank<r>/<parameter>|<kind>
@@ -248,17 +249,16 @@ class PowerSGD:
         self.q: dict[str, torch.Tensor] = {}  # per compressed parameter, (m x r), the same on every rank
 
     def _layout(self, tensors, names):
-        """PowerSGD's own split of a bucket: (compressed [(name, n, m, r)] in its Q order, uncompressed numel)."""
-        st = self.state
+        """PowerSGD's own split of a bucket: (compressed [(name, n, m, r)] in the order of its Q buffer, which groups
+        tensors by shape, uncompressed numel)."""
         by_shape: dict = {}
         uncompressed = 0
         for t, name in zip(tensors, names):
-            n, m = t.shape[0], t.numel() // t.shape[0]
-            r = min(n, m, st.matrix_approximation_rank)
-            if t.dim() > 1 and self.ps._should_compress(n, m, r, st.min_compression_rate)[0]:
-                by_shape.setdefault((n, m), []).append((name, n, m, r))
-            else:
+            matrix = powersgd_matrix(tuple(t.shape), self.state.matrix_approximation_rank)
+            if matrix is None:
                 uncompressed += t.numel()
+            else:
+                by_shape.setdefault(matrix[:2], []).append((name, *matrix))
         return [c for group in by_shape.values() for c in group], uncompressed
 
     def hook(self, names_of: dict[int, str], bucket):
@@ -411,14 +411,13 @@ class GradComm:
             self.compressor = SignEF(group, meter, self.sign_block)
 
             def hook(state, bucket):
-                sign_ef = self.compressor
+                # Both phases here, in order: on gloo a collective issued from a completion callback could overtake
+                # the next bucket's; on NCCL the collectives are ordered on the streams and the CPU does not wait.
+                flat = bucket.buffer()
                 segments = [(names[id(q)], q.numel()) for q in bucket.parameters()]
-                if sync:  # gloo: both phases here, in order (a collective issued from a callback could overtake)
-                    fut = torch.futures.Future()
-                    fut.set_result(sign_ef.mean_(bucket.buffer(), segments))
-                    return fut
-                started = sign_ef.start(bucket.buffer(), segments)
-                return started[0].get_future().then(lambda _: sign_ef.finish(*started))
+                fut = torch.futures.Future(devices=[flat.device] if flat.is_cuda else None)
+                fut.set_result(self.compressor.mean_(flat, segments))
+                return fut
         ddp.register_comm_hook(group, hook)
 
     # -- per step -------------------------------------------------------------------------------------------------
