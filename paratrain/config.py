@@ -122,7 +122,7 @@ class ParallelConfig:
     powersgd_rank: int = 4  # PowerSGD's matrix approximation rank
     powersgd_warmup_steps: int = 10  # plain all-reduce for the first steps (>= 2: DDP rebuilds its buckets at step 1)
     sign_ef_block: int = 0  # sign_ef: one scale per this many elements (a multiple of 8; 0: one per tensor piece)
-    fsdp_forward_prefetch: int = 1  # blocks whose all-gather is issued ahead in forward (0: FSDP2's implicit order)
+    fsdp_forward_prefetch: int = 0  # blocks whose all-gather is issued ahead in forward (0: FSDP2's implicit order)
     fsdp_backward_prefetch: int = 1  # blocks prefetched ahead in backward (1: FSDP2's default, the previous block)
 
 

@@ -98,13 +98,14 @@ def test_sign_ef_resume_is_bitwise_and_sends_a_thirtieth(char_data, tmp_path):
 
 def test_profile_ddp2_and_fsdp2(char_data, tmp_path):
     """Profiled steps write Chrome traces per rank that parse, with a compute / exposed-communication split that
-    adds up; profiling, and the FSDP prefetch defaults, leave the losses bitwise those of an unprofiled run with
+    adds up; profiling, and prefetching two blocks ahead, leave the losses bitwise those of an unprofiled run with
     FSDP2's own prefetching."""
     steps = ["training.steps=4", "checkpoint.save_final=false", "sample.max_new_tokens=0"]
     profiled = ["metrics.profile_steps=3", "metrics.profile_start=1"]
     plain_fsdp = ["parallel.fsdp_forward_prefetch=0", "parallel.fsdp_backward_prefetch=1"]
     cfgs = (_config(char_data, tmp_path, "ddp", "parallel.dp_mode=ddp", *steps, *profiled),
-            _config(char_data, tmp_path, "fsdp", "parallel.dp_mode=fsdp", *steps, *profiled),
+            _config(char_data, tmp_path, "fsdp", "parallel.dp_mode=fsdp", *steps, *profiled,
+                    "parallel.fsdp_forward_prefetch=2", "parallel.fsdp_backward_prefetch=2"),
             _config(char_data, tmp_path, "ddp-plain", "parallel.dp_mode=ddp", *steps),
             _config(char_data, tmp_path, "fsdp-plain", "parallel.dp_mode=fsdp", *steps, *plain_fsdp))
     ddp, fsdp, ddp_plain, fsdp_plain = launch(_runs, cfgs, 2)

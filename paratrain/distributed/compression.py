@@ -336,11 +336,10 @@ class GradComm:
 
     @classmethod
     def default(cls, dims, device: torch.device, ddp_bucket_mb: float = 25.0) -> "GradComm":
-        """Today's behaviour: no compression, FSDP2's default prefetching (the memory harness and benches)."""
+        """The `[parallel]` defaults: no compression, FSDP2's own prefetching (the memory harness and benches)."""
         from paratrain.config import ParallelConfig
 
-        return cls(ParallelConfig(ddp_bucket_mb=ddp_bucket_mb, fsdp_forward_prefetch=0, fsdp_backward_prefetch=1),
-                   dims, device)
+        return cls(ParallelConfig(ddp_bucket_mb=ddp_bucket_mb), dims, device)
 
     # -- FSDP -----------------------------------------------------------------------------------------------------
     @property
