@@ -31,8 +31,9 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def train_rank(cfg: Config, want_final_weights: bool = False):
-    """One rank's run (or a single process's): everything after the launch. Returns a TrainResult."""
+def train_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool = False):
+    """One rank's run (or a single process's): everything after the launch. Returns a TrainResult.
+    keep_group: leave the process group up for another run by the same ranks (tests run several runs per launch)."""
     import torch
     import torch.distributed as dist
 
@@ -64,11 +65,14 @@ def train_rank(cfg: Config, want_final_weights: bool = False):
     spec = resolve(cfg, env.world_size, meta)
     torch.manual_seed(cfg.training.seed)
     result = Trainer(spec, env, want_final_weights).fit()
-    shutdown_distributed()  # every rank got here at the same step: leave the process group cleanly
+    if keep_group and dist.is_initialized():
+        dist.barrier()
+    else:
+        shutdown_distributed()  # every rank got here at the same step: leave the process group cleanly
     return result
 
 
-def run_rank(cfg: Config, want_final_weights: bool = False):
+def run_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool = False):
     """What every launched rank runs. SIGTERM is watched from the first line (a notice during start-up is kept).
     Any failure ends in `paratrain.distributed.failure.report`: the rank that failed prints one `error:` line (a bug:
     its traceback), its peers stop quietly, and the exit code is 2 for bad input or environment (never retried),
@@ -80,7 +84,7 @@ def run_rank(cfg: Config, want_final_weights: bool = False):
 
         watch.on_signal.append(failure.stop_if_peer_failed)
         try:
-            result = train_rank(cfg, want_final_weights)
+            result = train_rank(cfg, want_final_weights, keep_group)
             leave_promptly()
             return result
         except SystemExit:

@@ -7,7 +7,8 @@ import sys
 
 from paratrain.errors import UserError
 
-COMMANDS = ("train", "prepare", "generate", "verify", "estimate", "plan", "report", "doctor", "export", "checkpoint")
+COMMANDS = ("train", "profile", "prepare", "generate", "verify", "estimate", "plan", "report", "doctor", "export",
+            "checkpoint")
 
 
 def split_overrides(argv: list[str], flags_with_value: set[str]) -> tuple[dict, list[str]]:
@@ -67,6 +68,28 @@ def cmd_train(argv: list[str]) -> int:
 _LEAVE_PROMPTLY = False
 
 
+def cmd_profile(argv: list[str]) -> int:
+    """A few training steps under torch.profiler: traces per rank and the compute / communication split."""
+    from paratrain.api import train
+    from paratrain.config import load_config
+    from paratrain.observe.profile import USAGE, profile_overrides
+
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: " + USAGE)
+        return 0
+    oversubscribe = "--oversubscribe" in argv
+    own, overrides = split_overrides([a for a in argv if a != "--oversubscribe"],
+                                     {"--config", "--nproc", "--steps", "--warmup"})
+    steps, warmup = _int_flag(own, "--steps", 3), _int_flag(own, "--warmup", 1)
+    if steps < 1:
+        raise UserError("--steps must be >= 1")
+    cfg = load_config(own.get("--config"), profile_overrides(steps, warmup, overrides))
+    train(cfg, nproc=_int_flag(own, "--nproc", 1), oversubscribe=oversubscribe)
+    print(f"traces: {cfg.run_dir / 'profile'}/rank<r>.json (https://ui.perfetto.dev); summary: "
+          f"{cfg.run_dir / 'profile' / 'summary.json'}")
+    return 0
+
+
 def cmd_generate(argv: list[str]) -> int:
     from paratrain.errors import OneLineArgumentParser
 
@@ -120,6 +143,7 @@ USAGE = """usage: paratrain <command> [options]
 
 commands:
   train      train a model: paratrain train [--config FILE.toml] [--nproc N] [--oversubscribe] [--section.key=value ...]
+  profile    a few steps under torch.profiler: paratrain profile [train options] [--steps 3] [--warmup 1]
   prepare    tokenize a corpus into token shards: paratrain prepare --input PATH|'GLOB' --out DIR [--tokenizer char] [--workers N]
   generate   sample from a checkpoint: paratrain generate --checkpoint DIR --prompt "..." [--max-new-tokens N]
   verify     prove parallel layouts match one process: paratrain verify [--layouts ddp2,fsdp2,...] [--steps 20]
@@ -148,7 +172,7 @@ def _main(argv: list[str]) -> int:
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    handlers = {"train": cmd_train, "generate": cmd_generate, **{name: _lazy(name) for name in LAZY_COMMANDS}}
+    handlers = {"train": cmd_train, "profile": cmd_profile, "generate": cmd_generate, **{name: _lazy(name) for name in LAZY_COMMANDS}}
     if command not in handlers:
         import difflib
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import tomli_w
 
 from paratrain.errors import ConfigError
-from paratrain.layout import DPModeOption, Schedule
+from paratrain.layout import DPModeOption, GradCompression, Schedule
 
 Precision = Literal["fp32", "bf16", "fp16"]
 ActivationCheckpointMode = Literal["none", "full", "every_k", "selective"]
@@ -119,6 +119,15 @@ class ParallelConfig:
     ep: int = 1
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention; seq_len divisible by 2 x cp)
     ddp_bucket_mb: float = 25.0
+    # -- communication (README "Communication") --
+    # Compress the data-parallel gradient all-reduce: ddp/zero1 (DDP comm hook), hsdp's replicate dimension (sign_ef:
+    # FSDP all-reduce hook; bf16: reduce dtype); bf16 also reduce-scatters fsdp/zero2 gradients in bf16.
+    grad_compression: GradCompression = "none"
+    powersgd_rank: int = 4  # PowerSGD's matrix approximation rank
+    powersgd_warmup_steps: int = 10  # plain all-reduce for the first steps (>= 2: DDP rebuilds its buckets at step 1)
+    sign_ef_block: int = 0  # sign_ef: one scale per this many elements (a multiple of 8; 0: one per tensor piece)
+    fsdp_forward_prefetch: int = 0  # blocks whose all-gather is issued ahead in forward (0: FSDP2's implicit order)
+    fsdp_backward_prefetch: int = 1  # blocks prefetched ahead in backward (1: FSDP2's default, the previous block)
 
 
 @dataclass
@@ -165,6 +174,10 @@ class MetricsConfig:
     prometheus_per_rank: bool = False
     prometheus_linger_s: float = 0.0  # at the end, keep serving until one scrape has read the final values (max s)
     tensorboard: bool = False  # scalars under run_dir/tensorboard (needs tensorboard)
+    # torch.profiler over steps [profile_start, profile_start + profile_steps) of the run (0: off); traces and the
+    # compute / exposed-communication split in run_dir/profile (what `paratrain profile` sets)
+    profile_steps: int = 0
+    profile_start: int = 1  # step 0 warms up (lazy initialisation, DDP's bucket rebuild)
 
 
 @dataclass
@@ -362,6 +375,15 @@ def validate(cfg: Config) -> None:
     _require(r.memory_budget_gib >= 0, "resilience.memory_budget_gib must be >= 0 (0 disables)")
     p = cfg.parallel  # the degrees are checked against the world size by paratrain.layout.Layout
     _require(p.ddp_bucket_mb > 0, "parallel.ddp_bucket_mb must be positive")
+    _require(p.powersgd_rank >= 1, "parallel.powersgd_rank must be >= 1")
+    _require(p.sign_ef_block >= 0 and p.sign_ef_block % 8 == 0,
+             "parallel.sign_ef_block must be 0 (one scale per tensor piece) or a positive multiple of 8")
+    _require(p.powersgd_warmup_steps >= 2, "parallel.powersgd_warmup_steps must be >= 2 (DDP rebuilds its gradient "
+             "buckets after the first step; PowerSGD's state is kept per bucket)")
+    _require(p.fsdp_forward_prefetch >= 0 and p.fsdp_backward_prefetch >= 1,
+             "parallel.fsdp_forward_prefetch must be >= 0 and parallel.fsdp_backward_prefetch >= 1")
+    _require(cfg.metrics.profile_steps >= 0 and cfg.metrics.profile_start >= 0,
+             "metrics.profile_steps and metrics.profile_start must be >= 0")
     _require(0 < cfg.data.val_fraction <= 0.5, "data.val_fraction must be in (0, 0.5]")
     if cfg.data.sources:
         from paratrain.data.mixture import parse_sources

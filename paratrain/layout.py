@@ -27,8 +27,10 @@ from paratrain.errors import ConfigError
 DPMode = Literal["ddp", "zero1", "zero2", "fsdp", "hsdp"]
 DPModeOption = Literal["ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]  # zero3 is another name for fsdp
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"]
+GradCompression = Literal["none", "bf16", "powersgd", "sign_ef"]
 DP_MODES: tuple[str, ...] = get_args(DPMode)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
+GRAD_COMPRESSIONS: tuple[str, ...] = get_args(GradCompression)
 INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")  # pp_virtual stages per rank, round robin
 MULTI_STAGE = (*INTERLEAVED, "zbv")  # several stages per rank (zbv: exactly 2, V-shaped)
 
@@ -398,6 +400,41 @@ class Layout:
         if self.ep > 1:
             bits.append(f"ep{self.ep}")
         return " x ".join(bits) or "1 rank"
+
+
+# -- gradient compression ------------------------------------------------------------------------------------------
+def grad_compression_site(layout: Layout, method: str) -> str:
+    """Where `parallel.grad_compression` acts on this layout, or a ConfigError naming what would work:
+
+      "none"            no compression
+      "ddp_hook"        ddp / zero1: a DDP communication hook replaces the gradient all-reduce (every method)
+      "replicate_hook"  hsdp: FSDP reduce-scatters within a replica uncompressed, then a hook all-reduces the shard
+                        over dp_replicate compressed (sign_ef)
+      "reduce_dtype"    bf16 with FSDP (zero2, fsdp, hsdp, also under tp/pp/ep): MixedPrecisionPolicy(reduce_dtype=
+                        bf16) reduce-scatters (and for hsdp all-reduces) the gradients in bf16
+    """
+    _check_choice("parallel.grad_compression", method, GRAD_COMPRESSIONS)
+    if method == "none":
+        return "none"
+    key = f"parallel.grad_compression={method}"
+    if layout.dp_cp == 1:
+        raise ConfigError(f"{key} compresses the data-parallel gradient reduction, but {layout.describe()} has no data "
+                          "parallelism; use it with dp_mode ddp, zero1 or hsdp over several ranks")
+    if layout.uses_ddp:
+        return "ddp_hook"
+    if method == "bf16":
+        return "reduce_dtype"
+    if not layout.hybrid:
+        raise ConfigError(f"{key} compresses all-reduces (ddp, zero1, hsdp's dp_replicate dimension); dp_mode="
+                          f"{layout.dp_mode} reduce-scatters its gradients, where only bf16 applies (reduce-scatter in "
+                          "bf16); use dp_mode=ddp or zero1, or hsdp with dp_replicate > 1")
+    if method == "powersgd":
+        raise ConfigError(f"{key} is PyTorch's DDP hook and needs whole gradient matrices; hsdp's replicate all-reduce "
+                          "sees flat shards: use sign_ef or bf16 with hsdp, or powersgd with dp_mode=ddp or zero1")
+    if layout.tp > 1 or layout.pp > 1 or layout.ep > 1 or layout.cp > 1:
+        raise ConfigError(f"{key} with hsdp supports no tp, pp, ep or cp yet (the hook needs one FSDP mesh of dense "
+                          "blocks); use bf16 there, or hsdp alone")
+    return "replicate_hook"
 
 
 def predicted_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from paratrain.config import Config
 from paratrain.errors import ConfigError
-from paratrain.layout import Batch, Layout
+from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.models.args import ModelArgs
 from paratrain.models.presets import preset_args, preset_fields
 
@@ -103,6 +103,7 @@ def _validated(cfg: Config, layout: Layout, args: ModelArgs, world_size: int) ->
     if layout.pipelined and cfg.checkpoint.export_safetensors:
         raise ConfigError("checkpoint.export_safetensors is not supported with parallel.pp > 1 yet "
                           "(the DCP checkpoint loads on any layout)")
+    grad_compression_site(layout, cfg.parallel.grad_compression)  # where compression applies, or a ConfigError
     return layout.validate(args, world_size, batch_of(cfg, layout)[0])
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from paratrain.config import ActivationCheckpointConfig
 from paratrain.distributed.context_parallel import apply_context_parallel, context_for
+from paratrain.distributed.compression import GradComm
 from paratrain.distributed.expert_parallel import distribute_experts, shard_experts
 from paratrain.distributed.initialize import init_weights
 from paratrain.distributed.parallel_dims import ParallelDims
@@ -169,10 +170,14 @@ def apply_compile(model: nn.Module) -> None:
         block.compile()
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_mesh=None) -> None:
+def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_mesh=None,
+               comm: GradComm | None = None) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=PRECISION_DTYPES[precision], reduce_dtype=torch.float32)
+    comm = comm or GradComm.default(dims, torch.device("cpu"))
+    # Gradients are reduced in fp32, or in bf16 with parallel.grad_compression=bf16.
+    mp = MixedPrecisionPolicy(param_dtype=PRECISION_DTYPES[precision], reduce_dtype=comm.reduce_dtype)
+    mesh = comm.fsdp_mesh()  # hsdp compressing its replicate all-reduce shards over dp_shard only
     # zero2: gradients and optimizer state sharded, parameters kept gathered from forward to backward.
     reshard = dims.layout.reshard_after_forward
     if expert_dp_mesh is not None:
@@ -181,8 +186,9 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_m
     layers = list(model.layers.values())
     for i, block in enumerate(layers):
         # The last block is resharded by the root right after forward anyway; skip the extra work.
-        fully_shard(block, mesh=dims.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(layers) - 1)
-    fully_shard(model, mesh=dims.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    comm.attach_fsdp(model, layers)  # prefetching; hsdp's compressed replicate all-reduce
 
 
 def _whole_length(layout):
@@ -199,10 +205,13 @@ def _whole_length(layout):
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: ActivationCheckpointConfig,
-                precision: str, compile: bool, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0) -> nn.Module:
+                precision: str, compile: bool, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0,
+                comm: GradComm | None = None) -> nn.Module:
     """Apply the layout to a model or pipeline stage built on the meta device; returns the module to train
-    (maybe a DDP wrapper)."""
+    (maybe a DDP wrapper). `comm` carries the gradient communication settings (`[parallel]`: compression, DDP
+    buckets, FSDP prefetching); None: no compression, FSDP2's default prefetching, `ddp_bucket_mb` buckets."""
     layout = dims.layout
+    comm = comm or GradComm.default(dims, device, ddp_bucket_mb)
     if layout.tp_enabled:
         apply_tp(model, dims.tp_mesh, layout.sequence_parallel, layout.uses_loss_parallel)
     if layout.cp_enabled:  # each rank attends over its chunks of every sequence by ring attention
@@ -217,15 +226,16 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
     if compile:
         apply_compile(model)
     if layout.uses_fsdp:
-        apply_fsdp(model, dims, precision, expert_dp_mesh)
+        apply_fsdp(model, dims, precision, expert_dp_mesh, comm)
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         model.to_empty(device=device)
     init_weights(model, seed)
     if layout.uses_ddp:
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model, process_group=dims.dp_group, bucket_cap_mb=ddp_bucket_mb,
+        model = DistributedDataParallel(model, process_group=dims.dp_group, bucket_cap_mb=comm.bucket_mb,
                                         device_ids=[device.index] if device.type == "cuda" else None)
+        comm.attach_ddp(model)  # the compression hook, if any
     return model
 
 

@@ -54,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
                    "--micro-batch is the size of each")
     p.add_argument("--ep", type=int, default=None)
     p.add_argument("--moe-imbalance", type=float, default=1.0, help="routed tokens per ep rank / balanced share")
+    p.add_argument("--grad-compression", default=None, help="none | bf16 | powersgd | sign_ef (error-feedback state)")
+    p.add_argument("--powersgd-rank", type=int, default=None)
+    p.add_argument("--sign-ef-block", type=int, default=None)
+    p.add_argument("--fsdp-backward-prefetch", type=int, default=None, help="blocks gathered ahead in backward (1)")
     p.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 (default bf16)")
     p.add_argument("--accounting", default="paratrain", help="paratrain | classic (see below)")
     p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | sgd-nomomentum")
@@ -144,7 +148,15 @@ def inputs_from_argv(argv: list[str]):
         if args.overhead_gib < 0:
             raise UserError(f"--overhead-gib must be >= 0, got {args.overhead_gib}")
         overhead = int(args.overhead_gib * GiB)
+    from paratrain.estimate.compression import Compression
+    from paratrain.layout import GRAD_COMPRESSIONS
+
+    compression = Compression(pick(args.grad_compression, p.grad_compression, "none"),
+                              pick(args.powersgd_rank, p.powersgd_rank, 4), pick(args.sign_ef_block, p.sign_ef_block, 0))
+    if compression.method not in GRAD_COMPRESSIONS:
+        raise UserError(f"--grad-compression '{compression.method}' is not one of {', '.join(GRAD_COMPRESSIONS)}")
     return EstimateInputs(
+        compression=compression, fsdp_backward_prefetch=pick(args.fsdp_backward_prefetch, p.fsdp_backward_prefetch, 1),
         model_args=model_args, layout=layout, model_name=name, precision=pick(args.precision, t.precision, "bf16"),
         optimizer=args.optimizer, optimizer_impl=args.optimizer_impl,
         checkpointing=pick(args.checkpointing, ac.mode, "none"), every_k=pick(args.every_k, ac.every_k, 2),

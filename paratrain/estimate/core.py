@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 
 from paratrain.errors import ConfigError, UserError
 from paratrain.estimate import activations as A
+from paratrain.estimate.compression import Compression, compression_cost
 from paratrain.estimate.gpus import GB, GiB, fmt_bytes
 from paratrain.estimate.model_states import (BF16, FP32, Param, fsdp_numel, local_shape, model_params, rank_layers,
                                              stage_of, state_bytes, zero_table)
-from paratrain.layout import Batch, Layout
+from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.models.args import ModelArgs
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
@@ -44,6 +45,7 @@ ROWS = [  # (key, label)
     ("pipeline", "pipeline in-flight micro-batches"),
     ("logits_loss", "logits and loss"),
     ("comm_buffers", "communication buffers"),
+    ("compression", "gradient compression state"),
     ("temporaries", "backward/optimizer temporaries"),
     ("overhead", "runtime overhead (CUDA, NCCL)"),
 ]
@@ -72,6 +74,8 @@ class EstimateInputs:
     overhead_bytes: int | None = None  # None: CONTEXT_OVERHEAD_GIB (+ NCCL_OVERHEAD_GIB if world > 1)
     moe_imbalance: float = 1.0  # routed tokens per ep rank relative to the balanced share
     device: str = "cuda"  # cuda: counts runtime overhead; cpu: tensors only
+    compression: Compression = field(default_factory=Compression)  # parallel.grad_compression and its settings
+    fsdp_backward_prefetch: int = 1  # blocks whose parameters backward gathers ahead (FSDP2's default: 1)
 
     def replace(self, **kw) -> "EstimateInputs":
         return dataclasses.replace(self, **kw)
@@ -232,8 +236,11 @@ def _validate(i: EstimateInputs) -> EstimateInputs:
     if lay.pp > 1 and lay.pp_microbatches < 1:
         raise UserError("a pipeline's estimate needs its microbatches per step (--microbatches, "
                         "Layout.pp_microbatches)")
+    if i.fsdp_backward_prefetch < 1:
+        raise UserError(f"--fsdp-backward-prefetch must be >= 1, got {i.fsdp_backward_prefetch}")
     steps = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
     batch = Batch(global_batch=i.micro_batch * steps * lay.dp, micro_batch=i.micro_batch, seq_len=i.seq_len)
+    grad_compression_site(lay, i.compression.method)  # ConfigError where it cannot apply
     return i.replace(layout=lay.validate(args, lay.world_size, batch))
 
 
@@ -266,15 +273,16 @@ def in_flight(layout: Layout, stage: int) -> float:
     return float(min(p, m))  # zbv
 
 
-def _fsdp_bytes(params: list[Param], layout: Layout, pbytes: int) -> tuple[int, int]:
-    """(unsharded bytes in the compute dtype, reduce-scatter input bytes in fp32) of an FSDP group: each
-    parameter padded to a multiple of the ranks it is sharded over (experts under ep: dp_shard / ep)."""
+def _fsdp_bytes(params: list[Param], layout: Layout, pbytes: int, rbytes: int = FP32) -> tuple[int, int]:
+    """(unsharded bytes in the compute dtype, reduce-scatter input bytes in the reduce dtype: fp32, or bf16 with
+    grad_compression=bf16) of an FSDP group: each parameter padded to a multiple of the ranks it is sharded over
+    (experts under ep: dp_shard / ep)."""
     unsh = rs = 0
     for p in params:
         n = max(1, layout.dp_shard // layout.ep) if (p.expert and layout.ep > 1) else layout.shard_degree
         padded = math.prod(local_shape(p, layout)) if n == 1 else fsdp_numel(p, layout) * n
         unsh += padded * pbytes
-        rs += padded * FP32
+        rs += padded * rbytes
     return unsh, rs
 
 
@@ -333,7 +341,21 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
     loss_extra = A.loss_backward_extra(d) if last else 0
 
     # FSDP bookkeeping: unsharded bytes per block, root, reduce-scatter buffers.
-    unsh = {l: _fsdp_bytes(by_layer[l], lay, pbytes) for l in my_layers} if fsdp else {}
+    site = grad_compression_site(lay, i.compression.method)
+    rbytes = BF16 if site == "reduce_dtype" else FP32
+    unsh = {l: _fsdp_bytes(by_layer[l], lay, pbytes, rbytes) for l in my_layers} if fsdp else {}
+    ahead = max(1, i.fsdp_backward_prefetch)  # blocks gathered ahead of the one in backward
+
+    def prefetched(idx):  # unsharded bytes of the blocks backward has gathered ahead of block my_layers[idx]
+        return sum(unsh[my_layers[j]][0] for j in range(max(0, idx - ahead), idx))
+
+    # Gradient compression: error feedback kept between steps; the hook's temporaries (DDP: at the end of backward).
+    comp = None
+    if site in ("ddp_hook", "replicate_hook"):
+        shapes = [local_shape(q, lay) for q in params]
+        if site == "replicate_hook":
+            shapes = [(math.ceil(sh[0] / lay.dp_shard), *sh[1:]) for sh in shapes]
+        comp = compression_cost(i.compression, shapes, lay.dp if site == "ddp_hook" else lay.dp_replicate)
     root_unsh = _fsdp_bytes(root, lay, pbytes)[0] if (fsdp and root) else 0
     head_unsh_grads = local_numel(head_params) * pbytes if fsdp else 0
 
@@ -342,7 +364,8 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
     def add(phase, **cats):
         cands.append((sum(cats.values()), phase, cats))
 
-    base = dict(parameters=st.params + st.rope_buffers, optimizer=st.optimizer, master=st.master)
+    base = dict(parameters=st.params + st.rope_buffers, optimizer=st.optimizer, master=st.master,
+                compression=comp.state_bytes if comp else 0)
     # L: the loss's backward (last stage), or the end of the in-flight forwards (other stages)
     if lay.pp == 1 or last:
         comm = ddp_buckets
@@ -369,7 +392,7 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
         comm = ddp_buckets + p2p
         temps = b_temps
         if fsdp:
-            comm += unsh[l][0] + (unsh[my_layers[idx - 1]][0] if idx > 0 else 0) + rs_kept
+            comm += unsh[l][0] + prefetched(idx) + rs_kept
             comm += root_unsh if (first or last or zero2) else 0
             if zero2:
                 comm += sum(unsh[m][0] for m in my_layers[:idx - 1] if idx > 1)
@@ -418,7 +441,7 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
             # reduce-scatter input, the sharded output allocated (gloo also copies the input: CPU runs only).
             rs_in = unsh[l][1]
             rs_out = rs_in // lay.shard_degree
-            comm = (ddp_buckets + p2p + (unsh[my_layers[idx - 1]][0] if idx > 0 else 0) + rs_in + rs_out
+            comm = (ddp_buckets + p2p + prefetched(idx) + rs_in + rs_out
                     + (rs_in if i.device == "cpu" else 0) + (root_unsh if (first or last or zero2) else 0))
             if zero2:
                 comm += sum(unsh[m][0] for m in my_layers[:idx - 1] if idx > 1)
@@ -438,6 +461,9 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
                        grad_bytes([p for p in params if len(p.shape) < 2])) * (FP32 // gbytes)
         if lay.zero1:
             opt_temp = math.ceil(st.optimizer / 2)
+    if comp is not None and site == "ddp_hook":  # the hook compresses the last bucket: every gradient is there
+        add("gradient compression (DDP hook)", **base, gradients=grads_full, comm_buffers=ddp_buckets,
+            temporaries=comp.transient_bytes)
     add("optimizer step", **base, gradients=grads_full, comm_buffers=ddp_buckets, temporaries=opt_temp)
 
     peak, phase, cats = max(cands, key=lambda c: c[0])

@@ -40,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpointing", help="comma-separated subset of none,selective,every_k,full")
     p.add_argument("--micro-batches", help="comma-separated micro-batch sizes to try (default 1,2,4,8,16)")
     p.add_argument("--schedules", help="comma-separated pipeline schedules (default gpipe,1f1b,interleaved_1f1b,zbv)")
+    p.add_argument("--grad-compression", default="none", help="none | bf16 | powersgd | sign_ef: plan only the layouts "
+                   "it applies to, with its bytes and compute (see README, Communication)")
+    p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--sign-ef-block", type=int, default=0)
+    p.add_argument("--ddp-bucket-mb", type=float, default=25.0)
     p.add_argument("--max-tp", type=int)
     p.add_argument("--max-pp", type=int)
     p.add_argument("--max-cp", type=int, help="largest context-parallel degree to try (default: any that leaves each "
@@ -112,7 +117,15 @@ def build_context(args) -> tuple:
     precision = args.precision or ("fp32" if hw.device == "cpu" else "bf16")
     if precision not in ("fp32", "bf16", "fp16"):
         raise UserError(f"--precision '{precision}' is not one of fp32, bf16, fp16")
-    ctx = Context(margs, seq, tokens // seq, hw, min(args.gpus_per_node, args.gpus), precision, name, native)
+    from paratrain.estimate.compression import Compression
+    from paratrain.layout import GRAD_COMPRESSIONS
+
+    if args.grad_compression not in GRAD_COMPRESSIONS:
+        raise UserError(f"--grad-compression '{args.grad_compression}' is not one of {', '.join(GRAD_COMPRESSIONS)}")
+    if args.powersgd_rank < 1 or args.sign_ef_block < 0 or args.sign_ef_block % 8 or args.ddp_bucket_mb <= 0:
+        raise UserError("--powersgd-rank must be >= 1, --sign-ef-block 0 or a multiple of 8, --ddp-bucket-mb > 0")
+    ctx = Context(margs, seq, tokens // seq, hw, min(args.gpus_per_node, args.gpus), precision, name, native,
+                  Compression(args.grad_compression, args.powersgd_rank, args.sign_ef_block), args.ddp_bucket_mb)
     opts = Options(
         dp_modes=_csv(args.dp_modes, DP_MODES, flag="--dp-modes") or DP_MODES,
         schedules=_csv(args.schedules, SCHEDULES, flag="--schedules") or SCHEDULES,
@@ -156,6 +169,9 @@ def config_for(c, ctx, base=None, model_spec: str | None = None):
     p.dp_shard = -1
     p.tp, p.pp, p.ep, p.cp = lay.tp, lay.pp, lay.ep, lay.cp
     p.sequence_parallel = True
+    comp = ctx.compression
+    p.grad_compression, p.powersgd_rank, p.sign_ef_block = comp.method, comp.powersgd_rank, comp.sign_ef_block
+    p.ddp_bucket_mb = ctx.ddp_bucket_mb
     p.loss_parallel = lay.pp == 1  # the last pipeline stage computes whole logits
     if lay.pp > 1:
         p.pp_schedule, p.pp_microbatches, p.pp_virtual_stages = lay.pp_schedule, lay.pp_microbatches, lay.pp_virtual

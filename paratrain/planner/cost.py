@@ -39,6 +39,12 @@ ranks numbered node by node), else the inter-node link. FSDP shards over dp_shar
              the fp32 dK/dV accumulators, cp steps. Each step overlaps the attention of the block in hand by the
              profile's `overlap` fraction (a step's attention is 1/cp of the rank's); the rest is exposed.
              Full checkpointing repeats the forward ring (selective keeps the ring's output).
+Gradient compression (`--grad-compression`, `[parallel] grad_compression`; paratrain/estimate/compression.py): the
+compressed collective sends its bytes times the method's wire fraction (bf16 1/2, powersgd sum r(n+m) / sum nm over
+the matrices it compresses, sign_ef ~1/32) and pays its latency per collective (powersgd 3 all-reduces per bucket,
+sign_ef an all-to-all and an all-gather); compressing and decompressing is compute on the critical path
+(`compress_s`): PowerSGD's matrix products at the GEMM rate, the element-wise passes at memory bandwidth, and an
+operator overhead per launch. bf16 with FSDP halves the reduce-scatter (and hsdp's all-reduce).
 Data-parallel collectives overlap compute by the profile's `overlap` fraction (separate streams on a GPU; none on
 a CPU whose cores are all busy computing), but at least one block's worth stays exposed; tp, ep and pp
 communication is on the critical path (paratrain has no asynchronous TP), so it is all exposed.
@@ -59,7 +65,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from paratrain.layout import Batch, Layout, predicted_bubble
+from paratrain.estimate.compression import Compression, compression_cost
+from paratrain.layout import Batch, Layout, grad_compression_site, predicted_bubble
 from paratrain.models.args import ModelArgs
 from paratrain.planner.profile import Hardware, Link
 
@@ -70,7 +77,6 @@ OPS_PER_BLOCK = 35  # operators in one block's forward (backward: twice)
 TP_DISPATCH = {"cpu": 30.0, "cuda": 3.0}
 # FSDP's per-group work around each collective (hooks, copy-in/copy-out, stream waits), in operators.
 FSDP_GROUP_OPS = 150
-DDP_BUCKET_BYTES = 25 * 2**20
 ATTENTION_EFFICIENCY = 0.5  # fused attention reaches about half the GEMM rate at the same size (backward worse)
 RING = "context-parallel ring"  # the exposed part of ring attention's point-to-point traffic
 
@@ -150,6 +156,8 @@ class Context:
     precision: str = "bf16"
     model_name: str = "model"
     native_max_seq_len: int | None = None  # the model's own max_seq_len when seq_len goes beyond it (long context)
+    compression: Compression = field(default_factory=Compression)  # gradient compression, where a layout allows it
+    ddp_bucket_mb: float = 25.0
 
 
 @dataclass
@@ -164,11 +172,13 @@ class Prediction:
     tokens_per_s: float
     mfu: float
     comm: dict[str, float] = field(default_factory=dict)  # exposed seconds by kind
+    compress_s: float = 0.0  # compressing and decompressing gradients (grad_compression)
 
     def breakdown(self) -> str:
         return (f"compute {self.compute_s * 1e3:.1f} ms + exposed comm {self.comm_exposed_s * 1e3:.1f} ms + bubble "
                 f"{self.bubble_s * 1e3:.1f} ms + recompute {self.recompute_s * 1e3:.1f} ms + optimizer "
-                f"{self.optimizer_s * 1e3:.1f} ms")
+                f"{self.optimizer_s * 1e3:.1f} ms" + (f" + compression {self.compress_s * 1e3:.1f} ms"
+                                                       if self.compress_s else ""))
 
 
 # -- collectives ---------------------------------------------------------------------------------------------------
@@ -272,6 +282,21 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     # a calibrated profile's correction from a reference model's measured training step (1.0 for datasheets)
     compute, recompute, optimizer = (x * hw.compute_scale for x in (compute, recompute, optimizer))
 
+    # gradient compression: what the compressed collective sends, and the compute it costs
+    site = grad_compression_site(lay, ctx.compression.method)
+    comp_frac, comp_lat, compress = 1.0, 1, 0.0
+    if site in ("ddp_hook", "replicate_hook"):
+        from paratrain.estimate.model_states import local_shape, model_params
+
+        shapes = [local_shape(q, lay) for q in model_params(a)]  # (compression hooks run without pp or tp)
+        if site == "replicate_hook":  # the FSDP shard of each parameter (dim 0 over dp_shard)
+            shapes = [(math.ceil(s[0] / lay.dp_shard), *s[1:]) for s in shapes]
+        cost = compression_cost(ctx.compression, shapes, c.dp if site == "ddp_hook" else lay.dp_replicate)
+        comp_frac, comp_lat = cost.wire_fraction, cost.collectives
+        compress = (cost.gemm_flops / hw.gemm_rate(max(cost.gemm_flops / max(cost.ops, 1), 1.0))
+                    if cost.gemm_flops else 0.0) + cost.memory_bytes / hw.mem_bandwidth + cost.ops * hw.op_overhead_s
+    rs_frac = 0.5 if site == "reduce_dtype" else 1.0  # bf16 through FSDP's reduce dtype
+
     # communication
     pbytes = 4 if ctx.precision == "fp32" else 2
     shard = lay.dp_shard * cp  # FSDP's group: dp_shard x cp, contiguous in the mesh
@@ -287,8 +312,9 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     if lay.dp_cp > 1:
         if lay.uses_ddp:
             g = P_stage * 4
-            buckets = max(1, math.ceil(g / DDP_BUCKET_BYTES))
-            ar = buckets * all_reduce_time(g / buckets, c.dp, dp_link)
+            buckets = max(1, math.ceil(g / (ctx.ddp_bucket_mb * 2**20)))
+            latency = all_reduce_time(0.0, c.dp, dp_link)  # per collective; a compressed bucket may need several
+            ar = buckets * (comp_lat * latency + all_reduce_time(g * comp_frac / buckets, c.dp, dp_link) - latency)
             overlappable += ar
             min_exposed += ar / buckets
             if lay.zero1:
@@ -298,12 +324,14 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
             rounds = n_micro if c.pp == 1 else 1  # pipelined stages keep their gathered parameters for the step
             group = FSDP_GROUP_OPS * hw.op_overhead_s
             ag = rounds * gathers * nblk * (all_gather_time(P_stage * pbytes / nblk, shard, shard_link) + group)
-            rs = rounds * nblk * (reduce_scatter_time(P_stage * 4 / nblk, shard, shard_link) + group)
+            rs = rounds * nblk * (reduce_scatter_time(P_stage * 4 * rs_frac / nblk, shard, shard_link) + group)
             overlappable += ag + rs
             min_exposed += (ag + rs) / (rounds * nblk)
             if lay.hybrid:
-                hr = rounds * nblk * (all_reduce_time(P_stage * 4 / shard / nblk, lay.dp_replicate, rep_link)
-                                      + group)
+                frac = rs_frac if site == "reduce_dtype" else comp_frac
+                latency = all_reduce_time(0.0, lay.dp_replicate, rep_link)
+                hr = rounds * nblk * (all_reduce_time(P_stage * 4 * frac / shard / nblk, lay.dp_replicate,
+                                                      rep_link) + (comp_lat - 1) * latency + group)
                 overlappable += hr
                 min_exposed += hr / (rounds * nblk)
     comm_total = overlappable
@@ -334,11 +362,12 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     pipelined = compute + recompute + comm.get("tensor-parallel", 0.0) + comm.get("pipeline p2p", 0.0) \
         + comm.get("expert all-to-all", 0.0) + comm.get(RING, 0.0)
     bubble = pipelined * b / (1 - b) if b < 1 else float("inf")
-    step = compute + recompute + exposed + bubble + optimizer
+    compress *= n_micro if site == "replicate_hook" else 1  # hsdp reduces every micro-step, DDP once per step
+    step = compute + recompute + exposed + bubble + optimizer + compress
     tokens = ctx.global_seqs * S
     tok_s = tokens / step
     mfu = flops_per_token(a, S) * tok_s / (c.world * hw.peak_flops)
-    return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm)
+    return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm, compress)
 
 
 def attention_time(ctx: Context, c: Candidate, tokens: int) -> float:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from paratrain.errors import ConfigError, UserError
-from paratrain.layout import DP_MODES, Batch, Layout
+from paratrain.layout import DP_MODES, Batch, Layout, grad_compression_site
 from paratrain.planner.cost import Candidate, Context, Prediction, predict
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")  # the planner's choice of paratrain.layout.SCHEDULES
@@ -70,6 +70,7 @@ def structural_reason(c: Candidate, ctx: Context) -> str | None:
                 f"data-parallel degree {c.dp}")
     try:
         c.layout.validate(ctx.args, c.world, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
+        grad_compression_site(c.layout, ctx.compression.method)  # --grad-compression applies to this layout
     except ConfigError as e:
         return str(e)
     return None
@@ -82,6 +83,7 @@ def memory(c: Candidate, ctx: Context):
     inputs = EstimateInputs(ctx.args, c.layout, model_name=ctx.model_name, precision=ctx.precision,
                             optimizer="adamw", optimizer_impl="fused" if ctx.hw.device == "cuda" else "foreach",
                             checkpointing=c.ac, every_k=c.every_k, micro_batch=c.micro_batch, seq_len=ctx.seq_len,
+                            compression=ctx.compression,
                             accum_steps=1 if c.layout.pipelined else c.micro_steps(ctx), gpu_name=ctx.hw.name,
                             gpu_bytes=ctx.hw.memory_bytes, overhead_bytes=None if ctx.hw.device == "cuda" else 0,
                             device=ctx.hw.device)

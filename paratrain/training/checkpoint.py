@@ -169,7 +169,8 @@ class CheckpointWriter:
         # the training step's collectives and deadlock, so they get a dedicated gloo group.
         self.group = dist.new_group(backend="gloo") if (async_save and dist.is_initialized()) else None
 
-    def save(self, step: int, model: nn.Module, optimizer, trainer_state: dict) -> Path:
+    def save(self, step: int, model: nn.Module, optimizer, trainer_state: dict, extra: dict | None = None) -> Path:
+        """`extra`: more tensors under their own top-level keys (this rank's gradient-compression state)."""
         self.finish()  # never two saves in flight
         tmp = self.root / f".step-{step}.tmp"
 
@@ -180,7 +181,7 @@ class CheckpointWriter:
         try:
             _on_main(self.is_main, prepare)
             _barrier()
-            state = model_optim_state(model, optimizer)
+            state = {**model_optim_state(model, optimizer), **(extra or {})}
             if self.async_save:
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
                 self.pending = _PendingSave(future, step, tmp, trainer_state)
@@ -515,9 +516,10 @@ class Checkpointer:
     """Saves, resumes and rolls back one run's training state (model, optimizer, progress, RNG, config)."""
 
     def __init__(self, spec, model: nn.Module, optimizer, progress: Progress, is_main: bool, tokenizer, config_toml: str,
-                 notice=print, warn=None):
+                 notice=print, warn=None, comm=None):
         cfg = spec.cfg
         self.spec, self.model, self.optimizer, self.progress = spec, model, optimizer, progress
+        self.comm = comm  # distributed.compression.GradComm: error feedback and PowerSGD state, saved per rank
         self.root, self.config_toml, self.notice = cfg.run_dir / "checkpoints", config_toml, notice
         self.warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.writer = CheckpointWriter(self.root, cfg.checkpoint.keep, is_main, cfg.checkpoint.async_save, tokenizer)
@@ -529,7 +531,8 @@ class Checkpointer:
 
     def save(self, next_step: int) -> Path:
         start = time.perf_counter()
-        path = self.writer.save(next_step, self.model, self.optimizer, self._state(next_step))
+        extra = self.comm.state_dict() if self.comm is not None else None
+        path = self.writer.save(next_step, self.model, self.optimizer, self._state(next_step), extra)
         self.last_save_s = time.perf_counter() - start
         return path
 
@@ -549,6 +552,7 @@ class Checkpointer:
                             "give this run another run.name")
         try:
             state = load_checkpoint(path, self.model, self.optimizer)
+            self._restore_comm(path)
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             problem = environment_problem(e)
             if problem is None:
@@ -567,6 +571,22 @@ class Checkpointer:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         return next((p for p in every if p), None)
+    def _restore_comm(self, path: Path) -> None:
+        """This rank's compression state, when the checkpoint was saved by the same method on the same world size
+        (error feedback is per rank); otherwise it starts from zero, said once."""
+        if self.comm is None or self.comm.compressor is None:
+            return
+        saved = self.comm.saved_keys(dcp.FileSystemReader(str(path)).read_metadata())
+        found = torch.tensor([1.0 if saved else 0.0])
+        if dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MIN)
+        if found.item() == 0.0:
+            self.notice(f"{path}: no {self.comm.method} state for this layout (saved with another compression or "
+                        "world size): error feedback starts from zero")
+            return
+        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()}
+        dcp.load(state, checkpoint_id=str(path))
+        self.comm.load_state_dict(state)
 
     def resume(self, restarted: bool) -> int:
         """The step to start from: checkpoint.resume (auto after a relaunch), else 0."""

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from paratrain.config import dump_toml
 from paratrain.data import load_tokenizer, open_split
+from paratrain.distributed.compression import GradComm
 from paratrain.distributed.context_parallel import context_for
 from paratrain.distributed.env import DistEnv, register_process
 from paratrain.distributed.parallel_dims import ParallelDims
@@ -69,14 +70,16 @@ class Trainer:
         with torch.device(dev if spec.model_args.tie_embeddings else "meta"):
             model = Transformer(spec.model_args)
         scaler = make_scaler(spec.layout, t.precision, dev)
+        self.comm = GradComm(cfg.parallel, self.dims, dev, t.seed)  # gradient compression, buckets, prefetching
         pipeline = None
         if spec.layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
             pipeline = build_pipeline(self.dims, model, cfg.activation_checkpoint, t.precision, t.compile, dev, t.seed,
-                                      schedule_loss(scaler))
+                                      schedule_loss(scaler), self.comm)
             model = pipeline.model
         else:
             model = parallelize(model, self.dims, cfg.activation_checkpoint, t.precision, t.compile, dev, t.seed,
-                                cfg.parallel.ddp_bucket_mb)
+                                comm=self.comm)
+        self.comm.prepare()
         optimizer = build_optimizer(unwrap(model), cfg.optimizer, dev,
                                     self.dims.dp_group if spec.layout.zero1 else None)
         budget = cfg.resilience.memory_budget_gib
@@ -87,13 +90,14 @@ class Trainer:
         self.progress = Progress(t.micro_batch, spec.accum_steps)
         self.guard = ResilienceGuard(cfg.resilience, self.progress, dev, notice=self.notice)
         self.checkpointer = Checkpointer(spec, model, optimizer, self.progress, env.is_main, self.tokenizer,
-                                         dump_toml(cfg), notice=self.notice, warn=self.warn)
+                                         dump_toml(cfg), notice=self.notice, warn=self.warn, comm=self.comm)
         self.evaluate = Evaluator(open_split(cfg.data, "val", t.seq_len), self.step, spec, self.dims.dp_rank,
                                   self.dims.loss_group)
         self.peak, self.peak_source = peak_flops(dev, cfg.metrics.peak_tflops)
         self.restarts = int(os.environ.get(ATTEMPT_ENV, "0"))
-        self.recorder = StepRecorder(spec, self.step, self.train_data, env, self.peak, flops_per_token(spec.model_args, t.seq_len),
-                                     self.restarts, self.dims.dp_group)
+        self.recorder = StepRecorder(spec, self.step, self.train_data, env, self.peak,
+                                     flops_per_token(spec.model_args, t.seq_len), self.restarts, self.dims.dp_group,
+                                     self.comm, self.notice)
         self.faults = FaultInjector(env.rank)
         if env.world_size > 1:
             register_process()
@@ -165,10 +169,13 @@ class Trainer:
                 show = (step + 1) % t.log_every == 0 or step == start or is_eval
                 if show:
                     self.recorder.add_rank_stats(record)
-                self.log.log(record, show=show)
+                for held, shown in self.recorder.release(record, show):  # profiled steps wait for their trace
+                    self.log.log(held, show=shown)
                 step += 1
                 if self.checkpointer.due(step):
                     self.checkpointer.save(step)
+            for held, shown in self.recorder.close():
+                self.log.log(held, show=shown)
             result.skipped_steps = self.progress.skipped
             if not result.preempted:
                 self._finish(result, start, memory_rows)

@@ -34,9 +34,11 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
         return torch.optim.AdamW(groups, **kwargs)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    # ZeRO-1: each rank keeps Adam moments only for its partition of the parameters.
+    # ZeRO-1: each rank keeps Adam moments only for its partition of the parameters. After the step each rank
+    # broadcasts its partition as one flat bucket (parameters_as_bucket_view), not one broadcast per parameter.
+    # (overlap_with_ddp is not used: see README "Communication".)
     opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW, process_group=zero1_group,
-                                  weight_decay=groups[0]["weight_decay"], **kwargs)
+                                  parameters_as_bucket_view=True, weight_decay=groups[0]["weight_decay"], **kwargs)
     opt.add_param_group(groups[1])
     return opt
 

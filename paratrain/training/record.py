@@ -9,18 +9,33 @@ from paratrain.observe.sysmetrics import PhaseTimer, gather_rank_stats
 
 
 class StepRecorder:
-    def __init__(self, spec, step, train_data, env, peak_flops: float, flops_per_token: float, restarts: int, dp_group):
+    def __init__(self, spec, step, train_data, env, peak_flops: float, flops_per_token: float, restarts: int,
+                 dp_group, comm=None, message=print):
         self.spec, self.step, self.train_data, self.env, self.dp_group = spec, step, train_data, env, dp_group
+        self.comm = comm  # distributed.compression.GradComm: bytes of the gradient reduction
+        m = spec.cfg.metrics
+        self.profiler = None  # torch.profiler over a window of steps (metrics.profile_steps)
+        if m.profile_steps > 0:
+            from paratrain.observe.profile import StepProfiler, gather_rows
+
+            self.profiler = StepProfiler(spec.cfg.run_dir, env.rank, env.world_size, m.profile_start, m.profile_steps,
+                                         env.device, message, gather_rows)
         self.peak, self.flops_per_token, self.restarts = peak_flops, flops_per_token, restarts
         self.timer = PhaseTimer()  # splits each step into data wait / comm wait / compute
         self.bubble_history: list[list[float]] = []  # pipeline: measured idle fraction per stage rank, per step
 
     def start(self) -> float:
+        if self.comm is not None:
+            self.comm.start_step()
+        if self.profiler is not None:
+            self.profiler.begin()
         return self.timer.start()
 
     def record(self, step: int, loss: float, lr: float, grad_norm: torch.Tensor, seconds: float, progress,
                checkpoint_save_s: float | None) -> dict:
         """`progress` is the run's Progress, after this step's batch (data_step already advanced)."""
+        if self.profiler is not None:
+            self.profiler.end()
         tokens = self.spec.tokens_per_step
         world = self.env.world_size
         tok_s = tokens / seconds
@@ -30,6 +45,8 @@ class StepRecorder:
                   "skipped_steps": progress.skipped, "tokens": (step + 1) * tokens,
                   "micro_batch": progress.micro_batch, "restarts": self.restarts, **self.timer.split(seconds)}
         record.update(self.train_data.progress(progress.data_step, self.spec.global_batch))  # epochs, tokens/source
+        if self.comm is not None:  # comm_bytes, compression_ratio
+            record.update(self.comm.step_metrics(progress.accum_steps))
         if self.step.moe:  # every rank: one small all-reduce of the step's expert load
             record.update(self.step.moe.step_metrics(self.dp_group))
         if self.step.pipeline is not None:  # every rank: one tiny all-gather over the pp group
@@ -40,6 +57,15 @@ class StepRecorder:
         if checkpoint_save_s is not None:
             record["checkpoint_save_s"] = checkpoint_save_s
         return record
+
+    def release(self, record: dict, show: bool) -> list[tuple[dict, bool]]:
+        """The records to log now: this one, or while profiling none until the window's trace has been read (then
+        all of them, with the profiler's compute / communication split)."""
+        return [(record, show)] if self.profiler is None else self.profiler.hold(record, show)
+
+    def close(self) -> list[tuple[dict, bool]]:
+        """At the end of the run: a profiling window cut short (fewer steps, preemption) is written and released."""
+        return self.profiler.finish() if self.profiler is not None else []
 
     def add_rank_stats(self, record: dict) -> None:
         """Every rank's memory (one all-gather): on log steps only."""

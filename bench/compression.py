@@ -1,0 +1,80 @@
+"""Gradient compression on the tinyshakespeare recipe: bytes on the wire against the validation loss.
+
+Trains bench/shakespeare_cpu.py's recipe (nanoGPT's CPU settings: 4 layers, 4 heads, width 128, context 64, batch 12,
+lr 1e-3 -> 1e-4) on 2 ranks with dp_mode=ddp (each rank 6 sequences of the global batch of 12), once per
+`parallel.grad_compression`, and prints per method: gradient bytes this rank sends per step (mean over the run, and
+after any warm-up), the reduction against none, the final validation loss, its gap to none, wall time and tokens/s.
+Goals (issue 15): powersgd and sign_ef send >= 90% fewer bytes than none; final val loss within 2% of none.
+
+    python bench/compression.py [--steps 1000] [--methods none,bf16,powersgd,sign_ef] [--powersgd-rank 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from paratrain.api import train
+from paratrain.config import load_config
+
+METHODS = ("none", "bf16", "powersgd", "sign_ef")
+
+
+def recipe(steps: int, eval_every: int, out: str, name: str, extra: list[str]) -> list[str]:
+    return ["model.preset=shakespeare-char", "training.seq_len=64", "training.global_batch=12",
+            "training.micro_batch=6", f"training.steps={steps}", f"training.eval_every={eval_every}",
+            "training.eval_batches=17", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "optimizer.warmup_steps=100",
+            "optimizer.beta2=0.99", "optimizer.weight_decay=0.1", "parallel.dp_mode=ddp",
+            "checkpoint.save_final=false", "sample.max_new_tokens=0", "metrics.progress=none", "training.device=cpu",
+            f"run.out_dir={out}", f"run.name={name}", *extra]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--eval-every", type=int, default=250)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--powersgd-rank", type=int, default=4)
+    parser.add_argument("--powersgd-warmup", type=int, default=10)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    args = parser.parse_args()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    rows = []
+    with tempfile.TemporaryDirectory() as out:
+        for method in methods:
+            extra = [f"parallel.grad_compression={method}", f"parallel.powersgd_rank={args.powersgd_rank}",
+                     f"parallel.powersgd_warmup_steps={args.powersgd_warmup}", *args.set]
+            cfg = load_config(None, recipe(args.steps, args.eval_every, out, method, extra))
+            start = time.perf_counter()
+            result = train(cfg, nproc=args.nproc)
+            wall = time.perf_counter() - start
+            records = [json.loads(line) for line in (Path(out) / method / "metrics.jsonl").open()]
+            steps = [r for r in records if "comm_bytes" in r]
+            late = steps[args.powersgd_warmup:] or steps
+            evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+            tok_s = sorted(r["tokens_per_s"] for r in steps)
+            rows.append({"method": method, "bytes": sum(r["comm_bytes"] for r in steps) / len(steps),
+                         "bytes_late": sum(r["comm_bytes"] for r in late) / len(late), "val": result.val_loss,
+                         "wall": wall, "tok_s": tok_s[len(tok_s) // 2], "evals": evals})
+            print(f"{method}: val {result.val_loss:.4f}, {rows[-1]['bytes']:,.0f} B/step, {wall:.0f} s", flush=True)
+    base = next((r for r in rows if r["method"] == "none"), None)
+    print()
+    print(f"{args.nproc} ranks (ddp), {args.steps} steps, global batch 12 x 64 tokens")
+    print(f"| method | bytes/step (mean) | bytes/step (after warm-up) | reduction vs none | val loss | gap vs none "
+          f"| wall s | tokens/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        red = f"{1 - r['bytes'] / base['bytes']:.1%}" if base else "-"
+        gap = f"{(r['val'] - base['val']) / base['val']:+.2%}" if base else "-"
+        print(f"| {r['method']} | {r['bytes']:,.0f} | {r['bytes_late']:,.0f} | {red} | {r['val']:.4f} | {gap} "
+              f"| {r['wall']:.0f} | {r['tok_s']:,.0f} |")
+    for r in rows:
+        print(f"{r['method']} val loss by step: " + ", ".join(f"{s}:{v:.3f}" for s, v in r["evals"]))
+
+
+if __name__ == "__main__":
+    main()
