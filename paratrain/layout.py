@@ -29,6 +29,7 @@ DP_MODES: tuple[str, ...] = get_args(DPMode)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")  # pp_virtual stages per rank, round robin
 MULTI_STAGE = (*INTERLEAVED, "zbv")  # several stages per rank (zbv: exactly 2, V-shaped)
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")  # backward split into input- and weight-gradient steps
 
 # Data-parallel modes by what they shard (ZeRO stages): ddp nothing, zero1 the optimizer state, zero2 also the
 # gradients, fsdp/hsdp also the parameters (hsdp within a replica).
@@ -177,8 +178,41 @@ class Layout:
 
     @property
     def reshard_after_forward(self) -> bool:
-        """zero2 keeps the gathered parameters from forward to backward; zero3/fsdp/hsdp free them."""
-        return self.dp_mode != "zero2"
+        """Whether FSDP frees each block's gathered parameters after its forward: zero3/fsdp/hsdp do, zero2 keeps
+        them to the backward. Inside a pipeline step no mode does: the schedule runs every micro-batch's forward and
+        backward within the step, and torch.distributed.pipelining already keeps parameters gathered after each
+        micro-batch's backward and holds the reduce-scatter back to the last one; resharding after forward would
+        re-gather every block once per micro-batch (torchtitan makes the same choice)."""
+        return self.dp_mode != "zero2" and not self.pipelined
+
+    def fsdp_groups(self, blocks: int, moe_blocks: int = 0) -> int:
+        """FSDP parameter groups on a rank holding `blocks` blocks (`moe_blocks` of them mixture-of-experts):
+        one per block, one per expert-parallel experts module, and one root per model or pipeline stage."""
+        if not self.uses_fsdp:
+            return 0
+        return blocks + (moe_blocks if self.ep > 1 else 0) + (self.pp_virtual if self.pipelined else 1)
+
+    def fsdp_all_gathers(self, micro_steps: int, groups: int) -> int:
+        """All-gathers of FSDP parameter groups per optimizer step, with `groups` groups on the rank (a block each,
+        expert-parallel experts their own, and the root) and `micro_steps` micro-batches per rank and step. The
+        trainer does this (bench/memory_accuracy.py counts them in its step), and the memory estimator and the
+        planner's cost model count with this one rule: pipelined, each group once per step (gathered at its first
+        forward and kept to the end of the step); zero2, once per micro-step; otherwise twice per micro-step
+        (forward, backward), except the last block, which stays gathered from its forward to its backward."""
+        if not self.uses_fsdp or groups <= 0:
+            return 0
+        if self.pipelined:
+            return groups
+        if not self.reshard_after_forward:
+            return micro_steps * groups
+        return micro_steps * (2 * groups - 1)
+
+    def fsdp_reduce_scatters(self, micro_steps: int, groups: int) -> int:
+        """Gradient reduce-scatters per optimizer step: each group once per micro-step; pipelined, once per step
+        (torch.distributed.pipelining accumulates the micro-batches' gradients unsharded)."""
+        if not self.uses_fsdp or groups <= 0:
+            return 0
+        return groups if self.pipelined else micro_steps * groups
 
     @property
     def fsdp_axes(self) -> tuple[str, ...]:
@@ -338,6 +372,17 @@ class Layout:
             raise ConfigError(f"parallel.pp_schedule={self.pp_schedule}: {m} microbatches must be a multiple of the "
                               f"{m // self.pp} rounds of {self.pp} (choose a multiple of parallel.pp)")
         return dataclasses.replace(self, pp_microbatches=m)
+
+    def check_checkpointing(self, mode: str) -> None:
+        """Activation checkpointing (`activation_checkpoint.mode`) against the pipeline schedule: the zero-bubble
+        schedules split each backward into an input-gradient and a weight-gradient step over one kept graph, which
+        selective checkpointing refuses ("backward an extra time") and which keeps every micro-batch's recomputed
+        forward to the end of the step (measured with torch 2.13: zbv with full checkpointing peaks 22% above zbv
+        without), so checkpointing only costs there."""
+        if self.pp > 1 and self.pp_schedule in ZERO_BUBBLE and mode != "none":
+            raise ConfigError(f"activation_checkpoint.mode={mode} does not work with parallel.pp_schedule="
+                              f"{self.pp_schedule} (the zero-bubble backward keeps the recomputed activations to the end "
+                              "of the step); use pp_schedule=1f1b or interleaved_1f1b, or mode=none")
 
     # -- description -----------------------------------------------------------------------------
     def describe(self) -> str:

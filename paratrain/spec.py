@@ -98,6 +98,7 @@ def resolve(cfg: Config, world_size: int, data_vocab: int) -> RunSpec:
 
 
 def _validated(cfg: Config, layout: Layout, args: ModelArgs, world_size: int) -> Layout:
+    layout.check_checkpointing(cfg.activation_checkpoint.mode)
     if layout.pipelined and cfg.checkpoint.export_safetensors:
         raise ConfigError("checkpoint.export_safetensors is not supported with parallel.pp > 1 yet "
                           "(the DCP checkpoint loads on any layout)")

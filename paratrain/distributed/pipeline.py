@@ -72,10 +72,11 @@ class Pipeline:
         self.busy_s = 0.0
         start = time.perf_counter()
         target = y if self.has_last else None
+        # return_outputs=False: the last stage would otherwise keep every microbatch's logits to the end of the step
         if self.has_first:
-            self.schedule.step(x, target=target, losses=losses)
+            self.schedule.step(x, target=target, losses=losses, return_outputs=False)
         else:
-            self.schedule.step(target=target, losses=losses)
+            self.schedule.step(target=target, losses=losses, return_outputs=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.step_s = time.perf_counter() - start

@@ -103,9 +103,9 @@ def stage_of(p: Param, layout: Layout, rank_layers: list[list[int]]) -> list[int
     if layout.pp == 1:
         return [0]
     if p.where == "embedding":
-        return [0]
+        return [layout.stage_owner(0)]
     if p.where == "head":
-        return [layout.pp - 1]
+        return [layout.stage_owner(layout.num_stages - 1)]  # zbv: the V puts the last stage on rank 0
     return [s for s, layers in enumerate(rank_layers) if p.layer in layers]
 
 

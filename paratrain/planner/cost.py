@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from paratrain.estimate.model_states import rank_layers
 from paratrain.layout import Batch, Layout, predicted_bubble
 from paratrain.models.args import ModelArgs
 from paratrain.planner.profile import Hardware, Link
@@ -149,6 +150,7 @@ class Prediction:
     tokens_per_s: float
     mfu: float
     comm: dict[str, float] = field(default_factory=dict)  # exposed seconds by kind
+    fsdp_all_gathers: int = 0  # FSDP parameter all-gathers per step on the busiest rank (Layout.fsdp_all_gathers)
 
     def breakdown(self) -> str:
         return (f"compute {self.compute_s * 1e3:.1f} ms + exposed comm {self.comm_exposed_s * 1e3:.1f} ms + bubble "
@@ -203,7 +205,7 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     t, ab = c.tp, _act_bytes(ctx)
     T = c.micro_batch * S  # tokens per micro-step per rank (tp ranks share them)
     n_micro = c.micro_steps(ctx)
-    layers = math.ceil(a.n_layers / c.pp)  # the busiest stage
+    layers = max(len(x) for x in rank_layers(lay, a))  # the busiest pipeline rank's blocks
     moe_layers = sum(1 for i in range(a.n_layers) if a.is_moe_layer(i))
     moe_frac = moe_layers / a.n_layers
     hd = a.head_dim
@@ -266,8 +268,8 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     pp_link = group_link(ctx, t * c.dp, c.pp)
     comm = {}
     overlappable = 0.0
-    nblk = layers + 1
     min_exposed = 0.0
+    fsdp_gathers = 0
     if c.dp > 1:
         if lay.uses_ddp:
             g = P_stage * 4
@@ -278,18 +280,20 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
             if lay.zero1:
                 comm["zero1 param all-gather"] = all_gather_time(P_stage * 4, c.dp, dp_link)
         else:
-            gathers = 2 if lay.reshard_after_forward else 1  # zero2 keeps forward's gathered parameters
-            rounds = n_micro if c.pp == 1 else 1  # pipelined stages keep their gathered parameters for the step
+            # The one rule the trainer follows and the estimator uses (Layout.fsdp_all_gathers): pipelined stages
+            # gather each group once per step and reduce-scatter once; otherwise per micro-step.
+            groups = lay.fsdp_groups(layers, math.ceil(moe_layers / c.pp))
+            n_ag, n_rs = lay.fsdp_all_gathers(n_micro, groups), lay.fsdp_reduce_scatters(n_micro, groups)
+            fsdp_gathers = n_ag
             group = FSDP_GROUP_OPS * hw.op_overhead_s
-            ag = rounds * gathers * nblk * (all_gather_time(P_stage * pbytes / nblk, lay.dp_shard, shard_link) + group)
-            rs = rounds * nblk * (reduce_scatter_time(P_stage * 4 / nblk, lay.dp_shard, shard_link) + group)
+            ag = n_ag * (all_gather_time(P_stage * pbytes / groups, lay.dp_shard, shard_link) + group)
+            rs = n_rs * (reduce_scatter_time(P_stage * 4 / groups, lay.dp_shard, shard_link) + group)
             overlappable += ag + rs
-            min_exposed += (ag + rs) / (rounds * nblk)
+            min_exposed += ag / n_ag + rs / n_rs  # one group's worth stays exposed
             if lay.hybrid:
-                hr = rounds * nblk * (all_reduce_time(P_stage * 4 / lay.dp_shard / nblk, lay.dp_replicate, rep_link)
-                                      + group)
+                hr = n_rs * (all_reduce_time(P_stage * 4 / lay.dp_shard / groups, lay.dp_replicate, rep_link) + group)
                 overlappable += hr
-                min_exposed += hr / (rounds * nblk)
+                min_exposed += hr / n_rs
     comm_total = overlappable
     if overlappable:
         hidden = min(overlappable - min_exposed, hw.overlap * (compute + recompute))
@@ -319,4 +323,5 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     tokens = ctx.global_seqs * S
     tok_s = tokens / step
     mfu = flops_per_token(a, S) * tok_s / (c.world * hw.peak_flops)
-    return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm)
+    return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm,
+                      fsdp_gathers)
