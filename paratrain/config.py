@@ -113,6 +113,7 @@ class ParallelConfig:
     pp_microbatches: int = 0  # per optimizer step and data-parallel rank; 0: automatic
     pp_virtual_stages: int = 1  # stages per rank for the interleaved schedules (1: automatic, 2)
     pp_split: str = ""  # blocks per stage, e.g. "3,2,2,1"; empty: balanced by parameter count
+    pp_stage_gpus: str = ""  # GPU type of each pipeline rank (heterogeneous clusters, written by paratrain plan)
     ep: int = 1
     ddp_bucket_mb: float = 25.0
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -423,10 +424,24 @@ def balanced_split(args, num_stages: int) -> tuple[int, ...]:
     stage, norm + output on the last)."""
     from paratrain.models.presets import block_param_count
 
-    n = args.n_layers
-    cost = [block_param_count(args, i) for i in range(n)]
-    cost[0] += args.vocab_size * args.dim
-    cost[-1] += args.vocab_size * args.dim + args.dim
+    key = tuple(vars(args).values())
+    cost = _BLOCK_COSTS.get(key)
+    if cost is None:
+        n = args.n_layers
+        cost = [block_param_count(args, i) for i in range(n)]
+        cost[0] += args.vocab_size * args.dim
+        cost[-1] += args.vocab_size * args.dim + args.dim
+        cost = _BLOCK_COSTS[key] = tuple(cost)
+    return _min_max_split(cost, num_stages)
+
+
+_BLOCK_COSTS: dict[tuple, tuple[int, ...]] = {}
+
+
+@functools.lru_cache(maxsize=1024)
+def _min_max_split(cost: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
+    """Contiguous parts of `cost` minimising the largest part's sum (the planner asks for the same ones often)."""
+    n = len(cost)
     prefix = [0]
     for c in cost:
         prefix.append(prefix[-1] + c)

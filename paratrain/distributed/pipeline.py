@@ -165,7 +165,44 @@ def _recv(src: int, group, device) -> torch.Tensor:
     return t
 
 
-def _timed(pipeline: Pipeline, fn):
+SLOWDOWN_ENV = "PARATRAIN_SIM_SLOWDOWN"
+
+
+def simulated_slowdown(rank: int) -> float:
+    """Benchmarks and tests only (bench/heterogeneous.py): PARATRAIN_SIM_SLOWDOWN="1,1,3,3" makes global rank r's
+    pipeline compute take that many times as long (it waits (factor - 1) x each chunk's compute time after it),
+    standing in for a slower GPU type on CPU ranks. Unset: 1."""
+    import os
+
+    text = os.environ.get(SLOWDOWN_ENV, "").strip()
+    if not text:
+        return 1.0
+    factors = [float(x) for x in text.split(",")]
+    return factors[rank] if rank < len(factors) else 1.0
+
+
+def check_stage_gpu(expected: list[str], pp_rank: int, device: torch.device) -> None:
+    """`parallel.pp_stage_gpus`: on CUDA, this rank must run on its pipeline stage's GPU type (a node order other than
+    the plan's would put the large stages on the slow GPUs). CPU ranks are not checked."""
+    if not expected or device.type != "cuda":
+        return
+    from paratrain.errors import UserError
+    from paratrain.estimate.gpus import GPUS, gpu_memory
+
+    want = expected[pp_rank]
+    name = torch.cuda.get_device_name(device)
+    try:
+        canonical = gpu_memory(want)[0]
+        words = GPUS[canonical][1].lower().replace("nvidia ", "").split()[:2]
+        ok = all(w in name.lower() for w in words)
+    except UserError:
+        ok = want.lower() in name.lower()  # a calibrated profile's name
+    if not ok:
+        raise UserError(f"pipeline rank {pp_rank} runs on {name}, but parallel.pp_stage_gpus puts a {want} there: "
+                        "start the nodes in the plan's order (its launch lines give each node's rank)")
+
+
+def _timed(pipeline: Pipeline, fn, slowdown: float = 1.0):
     def wrapper(*args, **kwargs):
         if pipeline.device.type == "cuda":
             torch.cuda.synchronize(pipeline.device)
@@ -175,7 +212,11 @@ def _timed(pipeline: Pipeline, fn):
         finally:
             if pipeline.device.type == "cuda":
                 torch.cuda.synchronize(pipeline.device)
-            pipeline.busy_s += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            if slowdown > 1:
+                time.sleep((slowdown - 1) * spent)
+                spent *= slowdown
+            pipeline.busy_s += spent
 
     return wrapper
 
@@ -220,8 +261,9 @@ def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str
     schedule = cls(stages[0] if layout.pp_schedule not in MULTI_STAGE else stages,
                    n_microbatches=layout.pp_microbatches, loss_fn=loss_fn, scale_grads=True)
     pipe = Pipeline(layout, rank_model, modules, stages, schedule, group, pp_rank, device)
+    slowdown = simulated_slowdown(dist.get_rank())
     for st in stages:
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             if hasattr(st, name):
-                setattr(st, name, _timed(pipe, getattr(st, name)))
+                setattr(st, name, _timed(pipe, getattr(st, name), slowdown))
     return pipe

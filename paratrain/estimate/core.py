@@ -24,6 +24,7 @@ from paratrain.errors import ConfigError, UserError
 from paratrain.estimate import activations as A
 from paratrain.estimate.gpus import GB, GiB, fmt_bytes
 from paratrain.estimate.model_states import (BF16, FP32, Param, fsdp_numel, local_shape, model_params, rank_layers,
+                                             rank_params,
                                              stage_of, state_bytes, zero_table)
 from paratrain.layout import MULTI_STAGE, Batch, Layout
 from paratrain.models.args import ModelArgs
@@ -251,9 +252,22 @@ def in_flight(layout: Layout, rank: int) -> float:
     return max_in_flight(layout.pp_schedule, layout.pp, layout.pp_virtual, layout.pp_microbatches, rank)
 
 
+_FSDP_BYTES: dict = {}
+
+
 def _fsdp_bytes(params: list[Param], layout: Layout, pbytes: int) -> tuple[int, int]:
     """(unsharded bytes in the compute dtype, reduce-scatter input bytes in fp32) of an FSDP group: each
     parameter padded to a multiple of the ranks it is sharded over (experts under ep: dp_shard / ep)."""
+    key = (tuple((p.shape, p.tp_dim, p.expert) for p in params), layout, pbytes)
+    hit = _FSDP_BYTES.get(key)
+    if hit is None:
+        if len(_FSDP_BYTES) > 4096:
+            _FSDP_BYTES.clear()
+        hit = _FSDP_BYTES[key] = _fsdp_bytes_of(params, layout, pbytes)
+    return hit
+
+
+def _fsdp_bytes_of(params: list[Param], layout: Layout, pbytes: int) -> tuple[int, int]:
     unsh = rs = 0
     for p in params:
         n = max(1, layout.dp_shard // layout.ep) if (p.expert and layout.ep > 1) else layout.shard_degree
@@ -274,8 +288,11 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
     modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
     moe_of = {l: (moe if args.is_moe_layer(l) else None) for l in my_layers}
     stored = {l: A.block_stored(d, modes[l], moe_of[l]) for l in my_layers}
-    params = [p for p in model_params(args) if stage in stage_of(p, lay, layers_by_stage)]
-    by_layer = {l: [p for p in params if p.layer == l] for l in my_layers}
+    params = rank_params(args, lay, stage, layers_by_stage)
+    by_layer = {l: [] for l in my_layers}
+    for p in params:
+        if p.layer is not None:
+            by_layer[p.layer].append(p)
     root = [p for p in params if p.layer is None]
     head_params = [p for p in root if p.where == "head"]
     low = i.precision != "fp32"
@@ -445,8 +462,11 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     layers_of = {s: lay.stage_layers(s) for s in stages}
     modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
     stored = {l: A.block_stored(d, modes[l], None) for s in stages for l in layers_of[s]}
-    params = [p for p in model_params(args) if rank in stage_of(p, lay, layers_by_stage)]
-    by_layer = {l: [p for p in params if p.layer == l] for s in stages for l in layers_of[s]}
+    params = rank_params(args, lay, rank, layers_by_stage)
+    by_layer = {l: [] for s in stages for l in layers_of[s]}
+    for p in params:
+        if p.layer is not None:
+            by_layer[p.layer].append(p)
     root = [p for p in params if p.layer is None]
     emb_params = [p for p in root if p.where == "embedding"]
     head_params = [p for p in root if p.where == "head"]
@@ -501,7 +521,9 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
              for s in stages}
 
     grads_done: set[int] = set()
-    seen = set()
+    local: dict = {}
+    block_grads = {s: {l: step_grads(by_layer[l]) for l in layers_of[s]} for s in stages}
+    dw2_bytes = {s: {l: dw2(l) * pbytes for l in layers_of[s]} if fsdp else None for s in stages}
     # The multi-stage schedules wait for their sends only at the end of the step, and a send keeps its tensor: every
     # stage output sent to another rank (once its micro-batch is backwarded, no longer counted in `hold`) and every
     # input gradient sent back stays allocated to the end of the step.
@@ -522,17 +544,25 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
         if kind == "W":
             others -= inter[stage]
         first_bwd = stage not in grads_done
-        key = (stage, kind, others, others_head, first_bwd, frozenset(grads_done))
-        if key not in seen:
-            seen.add(key)
-            _backward_points(add, base, d, stage, kind, layers_of[stage], stored, modes, stage == last_stage,
-                             stage > 0 and shared_input, others=(others, others_head), tokens=tokens,
-                             comm=p2p + gathered + sent_grads, grads_before=g_const + sum(stage_grads[s] for s in grads_done),
-                             block_grads={l: step_grads(by_layer[l]) for l in layers_of[stage]},
+        grads_before = g_const + sum(stage_grads[s] for s in grads_done)
+        # The stage's own walk is the same at every micro-batch (what else is held only adds to each of its
+        # candidates): walked once per (stage, kind, first backward), shifted by this point's additions.
+        key = (stage, kind, first_bwd)
+        if key not in local:
+            found = []
+            _backward_points(lambda phase, **cats: found.append((sum(cats.values()), phase, cats)), base, d, stage,
+                             kind, layers_of[stage], stored, modes, stage == last_stage, stage > 0 and shared_input,
+                             tokens=tokens, comm=p2p + gathered, block_grads=block_grads[stage],
                              head_grads=step_grads(head_params) if stage == last_stage else 0,
                              stage_grads=stage_grads[stage], first_bwd=first_bwd,
-                             out=binp if stage != last_stage else logits, head=head,
-                             dw2={l: dw2(l) * pbytes for l in layers_of[stage]} if fsdp else None)
+                             out=binp if stage != last_stage else logits, head=head, dw2=dw2_bytes[stage])
+            local[key] = max(found, key=lambda c: c[0])
+        _, phase, cats = local[key]
+        shifted = dict(cats)
+        for cat, extra in (("pipeline", others), ("logits_loss", others_head), ("gradients", grads_before),
+                           ("comm_buffers", sent_grads)):
+            shifted[cat] = shifted.get(cat, 0) + extra
+        add(phase, **shifted)
         if kind in ("I", "B") and stash_sends and remote_prev[stage]:
             sent_grads += binp
         if kind == "I":
@@ -584,8 +614,8 @@ def _zb_head_intermediates(d: A.ActDims) -> int:
 ZB_NORM_BACKWARD_VALUES = 6
 
 
-def _backward_points(add, base, d, stage, kind, layers, stored, modes, last, shared, *, others, tokens, comm,
-                     grads_before, block_grads, head_grads, stage_grads, first_bwd, out, head, dw2) -> None:
+def _backward_points(add, base, d, stage, kind, layers, stored, modes, last, shared, *, tokens, comm, block_grads,
+                     head_grads, stage_grads, first_bwd, out, head, dw2, others=(0, 0), grads_before=0) -> None:
     """Candidate peaks of one stage's backward of one micro-batch on top of `others` (what the other in-flight
     micro-batches hold) and what the whole step holds: "B" (the whole backward) block by block, last to first;
     the zero-bubble input-gradient step "I" (nothing is freed: the graph is kept for "W", and each block leaves the
@@ -644,14 +674,28 @@ def _backward_points(add, base, d, stage, kind, layers, stored, modes, last, sha
             grads_now += block_grads[l]
 
 
-def estimate(i: EstimateInputs, suggest: bool = True) -> Estimate:
-    """The per-rank memory estimate for one configuration (UserError on inputs that cannot run)."""
+def candidate_ranks(lay: Layout, layers_by_stage: list[list[int]]) -> list[int]:
+    """The pipeline ranks that can hold the most (the planner estimates only these): the first two and the last two
+    (the first holds the most micro-batches in flight, the last the logits, and with an even split the next ones hold
+    the most blocks), the owners of the first and last stage, and every rank with the most blocks."""
+    most = max(len(b) for b in layers_by_stage)
+    ranks = {0, min(1, lay.pp - 1), max(lay.pp - 2, 0), lay.pp - 1, lay.stage_owner(0),
+             lay.stage_owner(lay.num_stages - 1)}
+    ranks |= {r for r, b in enumerate(layers_by_stage) if len(b) == most and r <= 2}
+    return sorted(ranks)
+
+
+def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) -> Estimate:
+    """The per-rank memory estimate for one configuration (UserError on inputs that cannot run). all_ranks=False
+    walks only the pipeline ranks that can be the worst (`candidate_ranks`; the planner's shortcut): same worst
+    rank, `stages` then lists only those."""
     i = _validate(i)
     lay, args = i.layout, i.model_args
     layers_by_stage = rank_layers(lay, args)
     walk = _pipeline_walk if lay.pp > 1 else _stage_walk
-    walks = [walk(i, s, layers_by_stage) for s in range(lay.pp)]
-    worst = max(range(lay.pp), key=lambda s: walks[s]["peak"])
+    ranks = range(lay.pp) if (all_ranks or lay.pp <= 4) else candidate_ranks(lay, layers_by_stage)
+    walks = {s: walk(i, s, layers_by_stage) for s in ranks}
+    worst = max(walks, key=lambda s: walks[s]["peak"])
     w = walks[worst]
     overhead = i.overhead_bytes if i.overhead_bytes is not None else default_overhead(lay, i.device)
     at = {k: int(v) for k, v in w["at_peak"].items() if v}
@@ -683,7 +727,7 @@ def estimate(i: EstimateInputs, suggest: bool = True) -> Estimate:
                    per_block=A.block_saved(d, None), fsdp_all_gathers=gathers)
     if lay.pp > 1:
         est.stages = [{"stage": s, "tensor_peak_bytes": int(x["peak"]), "total_bytes": int(x["peak"]) + overhead,
-                       "phase": x["phase"]} for s, x in enumerate(walks)]
+                       "phase": x["phase"]} for s, x in walks.items()]
     if i.precision != "fp32" and i.optimizer in ("adamw", "adam"):
         est.zero_ranks = lay.dp if lay.dp > 1 else 8
         est.zero = zero_table(args, est.zero_ranks, i.optimizer)

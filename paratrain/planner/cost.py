@@ -65,7 +65,9 @@ TP_DISPATCH = {"cpu": 30.0, "cuda": 3.0}
 # FSDP's per-group work around each collective (hooks, copy-in/copy-out, stream waits), in operators.
 FSDP_GROUP_OPS = 150
 DDP_BUCKET_BYTES = 25 * 2**20
-ATTENTION_EFFICIENCY = 0.5  # fused attention reaches about half the GEMM rate at the same size (backward worse)
+# Profiles without an attention rate (CPU calibrations without a model): fused attention at half the GEMM rate.
+ATTENTION_EFFICIENCY = 0.5
+FLOAT8_CAST_VALUES = 6  # float8 what-if: values per token and width read/written by amax + cast, fwd + bwd
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,14 @@ class Context:
     gpus_per_node: int
     precision: str = "bf16"
     model_name: str = "model"
+    mode: str = "eager"  # eager | compile (training.compile): the profile's factor on the non-matmul time
+    float8: bool = False  # what-if: the blocks' linear layers as float8 GEMMs (the profile's float8 rate)
+    stage_hw: list[Hardware] | None = None  # heterogeneous clusters: the hardware of each pipeline rank, in order
+    cluster: list | None = None  # heterogeneous clusters: the GPU groups in rank order (planner/hetero.py GpuGroup)
+    cache: dict = field(default_factory=dict, repr=False, compare=False)  # per-shape compute terms (block_costs)
+
+    def rank_hw(self, pp_rank: int) -> Hardware:
+        return self.stage_hw[pp_rank] if self.stage_hw else self.hw
 
 
 @dataclass
@@ -198,6 +208,86 @@ def _act_bytes(ctx: Context) -> int:
     return 4 if ctx.precision == "fp32" else 2
 
 
+@dataclass(frozen=True)
+class BlockCosts:
+    """Seconds of one micro-step on one rank, for a hardware profile and a shape (tp, micro-batch, ep, mode)."""
+
+    forward: float  # one block's forward
+    backward: float  # one block's backward
+    recompute: float  # one checkpointed block's recomputation under the candidate's mode (0: none)
+    head: float  # the output head and the loss, forward + backward (the last stage)
+
+
+def block_costs(ctx: Context, hw: Hardware, tp: int, micro_batch: int, ep: int, ac: str) -> BlockCosts:
+    """The compute terms of the cost model for one shape, cached per context: the planner asks for the same shape
+    for every data-parallel mode, schedule and replicate degree."""
+    key = (id(hw), tp, micro_batch, ep, ac, ctx.mode, ctx.float8, ctx.seq_len, ctx.precision)
+    hit = ctx.cache.get(key)
+    if hit is None:
+        hit = ctx.cache[key] = _block_costs(ctx, hw, tp, micro_batch, ep, ac)
+    return hit
+
+
+def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, ac: str) -> BlockCosts:
+    a, S = ctx.args, ctx.seq_len
+    ab = _act_bytes(ctx)
+    T = micro_batch * S  # tokens per micro-step per rank (tp ranks share them)
+    moe_layers = sum(1 for i in range(a.n_layers) if a.is_moe_layer(i))
+    moe_frac = moe_layers / a.n_layers
+    hd = a.head_dim
+    f8 = ctx.float8 and bool(hw.float8_gemm)
+
+    def gemm(m, k, n, count=1.0, linear=True):
+        f = 2.0 * m * k * n
+        if f <= 0:
+            return 0.0
+        rate = hw.float8_rate(f) if (f8 and linear) else hw.gemm_rate(f)
+        return count * f / rate
+
+    # forward of one block, one micro-step
+    attn = (gemm(T, a.dim, a.n_heads * hd / t) + 2 * gemm(T, a.dim, a.n_kv_heads * hd / t)
+            + gemm(T, a.n_heads * hd / t, a.dim))
+    sdpa_flop = 4.0 * T * S * a.n_heads * hd / t / 2  # causal: about half the square is computed
+    attn += sdpa_flop / (hw.attention_rate(sdpa_flop) or ATTENTION_EFFICIENCY * hw.gemm_rate(2.0 * S * S * hd))
+    dense_mlp = gemm(T, a.dim, a.ffn_hidden / t, 3)
+    if moe_layers:
+        eh, E = a.expert_hidden, a.moe_experts
+        tok_per_expert = T * a.moe_top_k / E * ep  # each ep rank holds E/ep experts, tokens from ep ranks
+        moe_mlp = gemm(tok_per_expert, a.dim, eh, 3 * E / ep) + gemm(T, a.dim, eh * a.moe_shared_experts / t, 3) \
+            + gemm(T, a.dim, E)
+    else:
+        moe_mlp = 0.0
+    mlp = (1 - moe_frac) * dense_mlp + moe_frac * moe_mlp
+    ffn_w = a.ffn_hidden if not moe_layers else a.expert_hidden * (a.moe_top_k + a.moe_shared_experts)
+    ew_values = ELEMWISE_VALUES_PER_TOKEN[0] * a.dim / (t if t > 1 else 1) + ELEMWISE_VALUES_PER_TOKEN[1] * ffn_w / t
+    if f8:  # dynamic scaling: each linear's input and output gradient read for the scale and cast to fp8
+        ew_values += FLOAT8_CAST_VALUES * (a.dim + ffn_w / t)
+    mode = hw.mode_factor(ctx.mode)  # eager 1; compiled blocks fuse their element-wise kernels
+    elemwise_fb = mode * T * ew_values * ab / hw.mem_bandwidth  # fwd + bwd
+    op_cost = mode * hw.op_overhead_s * (TP_DISPATCH.get(hw.device, 3.0) if t > 1 else 1.0)
+    block_f = attn + mlp + elemwise_fb / 3 + OPS_PER_BLOCK * op_cost
+    block_b = 2 * (attn + mlp) + 2 * elemwise_fb / 3 + 2 * OPS_PER_BLOCK * op_cost
+    # the output head stays bf16 under float8 (as torchao/torchtitan leave it)
+    head = 3 * gemm(T, a.dim, a.vocab_size / t, linear=False) + 3 * T * a.vocab_size / t * 4 * 3 / hw.mem_bandwidth
+    rec = {"full": block_f, "every_k": block_f, "selective": elemwise_fb / 3 + OPS_PER_BLOCK * op_cost}.get(ac, 0.0)
+    scale = hw.compute_scale  # a calibrated profile's correction (1.0 for datasheets)
+    return BlockCosts(block_f * scale, block_b * scale, rec * scale, head * scale)
+
+
+def rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
+    """(compute, recompute) seconds of one micro-step on each pipeline rank: its blocks, and the head on the rank
+    holding the last stage, each on the rank's own hardware (`Context.stage_hw`, heterogeneous clusters)."""
+    lay, a = c.layout, ctx.args
+    out = []
+    last_owner = lay.stage_owner(lay.num_stages - 1) if lay.pp > 1 else 0
+    for r, blocks in enumerate(rank_layers(lay, a)):
+        bc = block_costs(ctx, ctx.rank_hw(r), c.tp, c.micro_batch, c.ep, c.ac)
+        n = len(blocks)
+        rec_blocks = math.ceil(n / c.every_k) if c.ac == "every_k" else (n if c.ac != "none" else 0)
+        out.append((n * (bc.forward + bc.backward) + (bc.head if r == last_owner else 0.0), rec_blocks * bc.recompute))
+    return out
+
+
 def predict(c: Candidate, ctx: Context) -> Prediction:
     from paratrain.models.presets import count_params, flops_per_token
 
@@ -207,57 +297,22 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     n_micro = c.micro_steps(ctx)
     layers = max(len(x) for x in rank_layers(lay, a))  # the busiest pipeline rank's blocks
     moe_layers = sum(1 for i in range(a.n_layers) if a.is_moe_layer(i))
-    moe_frac = moe_layers / a.n_layers
-    hd = a.head_dim
-
-    def gemm(m, k, n, count=1.0):
-        f = 2.0 * m * k * n
-        return count * f / hw.gemm_rate(f) if f > 0 else 0.0
-
-    # forward of one block, one micro-step
-    attn = (gemm(T, a.dim, a.n_heads * hd / t) + 2 * gemm(T, a.dim, a.n_kv_heads * hd / t)
-            + gemm(T, a.n_heads * hd / t, a.dim))
-    sdpa_flop = 4.0 * T * S * a.dim / t / 2  # causal: about half the square is computed
-    attn += sdpa_flop / (ATTENTION_EFFICIENCY * hw.gemm_rate(2.0 * S * S * hd))
-    dense_mlp = gemm(T, a.dim, a.ffn_hidden / t, 3)
-    if moe_layers:
-        eh, E = a.expert_hidden, a.moe_experts
-        tok_per_expert = T * a.moe_top_k / E * c.ep  # each ep rank holds E/ep experts, tokens from ep ranks
-        moe_mlp = gemm(tok_per_expert, a.dim, eh, 3 * E / c.ep) + gemm(T, a.dim, eh * a.moe_shared_experts / t, 3) \
-            + gemm(T, a.dim, E)
-    else:
-        moe_mlp = 0.0
-    mlp = (1 - moe_frac) * dense_mlp + moe_frac * moe_mlp
-    ffn_w = a.ffn_hidden if not moe_layers else a.expert_hidden * (a.moe_top_k + a.moe_shared_experts)
-    ew_values = ELEMWISE_VALUES_PER_TOKEN[0] * a.dim / (t if c.tp > 1 else 1) + ELEMWISE_VALUES_PER_TOKEN[1] * ffn_w / t
-    elemwise_fb = T * ew_values * ab / hw.mem_bandwidth  # fwd + bwd
-    op_cost = hw.op_overhead_s * (TP_DISPATCH.get(hw.device, 3.0) if t > 1 else 1.0)
-    block_f = attn + mlp + elemwise_fb / 3 + OPS_PER_BLOCK * op_cost
-    block_b = 2 * (attn + mlp) + 2 * elemwise_fb / 3 + 2 * OPS_PER_BLOCK * op_cost
-    head = 3 * gemm(T, a.dim, a.vocab_size / t) + 3 * T * a.vocab_size / t * 4 * 3 / hw.mem_bandwidth
-    per_micro = layers * (block_f + block_b) + head  # the last stage carries the head
-    compute = n_micro * per_micro
-
-    if c.ac == "full":
-        rec_block = block_f
-        rec_layers = layers
-    elif c.ac == "every_k":
-        rec_block, rec_layers = block_f, math.ceil(layers / c.every_k)
-    elif c.ac == "selective":
-        rec_block, rec_layers = elemwise_fb / 3 + OPS_PER_BLOCK * op_cost, layers
-    else:
-        rec_block, rec_layers = 0.0, 0
-    recompute = n_micro * rec_layers * rec_block
+    per_rank = rank_compute(c, ctx)
+    slowest = max(range(len(per_rank)), key=lambda r: sum(per_rank[r]))
+    compute, recompute = (n_micro * x for x in per_rank[slowest])
+    # the pipeline's fill and drain: the other ranks' work per micro-batch, relative to the slowest's
+    # (p - 1 with equal stages, so the bubble is the (p-1)/(m+p-1)/v of Layout.predicted_bubble)
+    fill = sum(sum(x) for x in per_rank) / sum(per_rank[slowest]) - 1 if lay.pp > 1 else 0.0
 
     # parameters of this rank's stage, before data-parallel sharding
-    P = count_params(a)
+    P = ctx.cache.get("params")
+    if P is None:
+        P = ctx.cache["params"] = count_params(a)
     # routed experts are sharded over ep (and FSDP-gathered only over dp_shard / ep): count them once per ep group
     experts = moe_layers * a.moe_experts * 3 * a.dim * a.expert_hidden if moe_layers else 0
     P_stage = (P - experts + experts / c.ep) / c.pp / t
     opt_params = P_stage / lay.optimizer_shards
-    optimizer = opt_params * 4 * 4 * 2 / hw.mem_bandwidth + 20 * hw.op_overhead_s
-    # a calibrated profile's correction from a reference model's measured training step (1.0 for datasheets)
-    compute, recompute, optimizer = (x * hw.compute_scale for x in (compute, recompute, optimizer))
+    optimizer = (opt_params * 4 * 4 * 2 / hw.mem_bandwidth + 20 * hw.op_overhead_s) * hw.compute_scale
 
     # communication
     pbytes = 4 if ctx.precision == "fp32" else 2
@@ -315,13 +370,13 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     comm_total += sum(v for k, v in comm.items() if k not in ("data-parallel",))
     exposed = sum(comm.values())
 
-    b = bubble_fraction(c.pp, n_micro, lay.pp_virtual)
     pipelined = compute + recompute + comm.get("tensor-parallel", 0.0) + comm.get("pipeline p2p", 0.0) \
         + comm.get("expert all-to-all", 0.0)
-    bubble = pipelined * b / (1 - b) if b < 1 else float("inf")
+    bubble = pipelined * fill / (n_micro * lay.pp_virtual) if c.pp > 1 else 0.0
     step = compute + recompute + exposed + bubble + optimizer
     tokens = ctx.global_seqs * S
     tok_s = tokens / step
-    mfu = flops_per_token(a, S) * tok_s / (c.world * hw.peak_flops)
+    peak = sum(h.peak_flops for h in ctx.stage_hw) / len(ctx.stage_hw) if ctx.stage_hw else hw.peak_flops
+    mfu = flops_per_token(a, S) * tok_s / (c.world * peak)
     return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm,
                       fsdp_gathers)

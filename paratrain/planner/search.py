@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from paratrain.errors import ConfigError, UserError
-from paratrain.layout import DP_MODES, Batch, Layout
+from paratrain.layout import DP_MODES, ZERO_BUBBLE, Batch, Layout
 from paratrain.planner.cost import Candidate, Context, Prediction, predict
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")  # the planner's choice of paratrain.layout.SCHEDULES
@@ -34,6 +34,8 @@ class Result:
     reason: str | None = None  # why it was rejected
     total_bytes: int | None = None  # memory per rank (estimator total, worst rank)
     estimate: object = None
+    stage_hw: list | None = None  # heterogeneous clusters: each pipeline rank's hardware
+    even: Prediction | None = None  # heterogeneous clusters: the same layout with the even (balanced) split
 
     @property
     def ok(self) -> bool:
@@ -66,13 +68,15 @@ def structural_reason(c: Candidate, ctx: Context) -> str | None:
                 f"data-parallel degree {c.dp}")
     try:
         c.layout.validate(ctx.args, c.world, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
+        c.layout.check_checkpointing(c.ac)
     except ConfigError as e:
         return str(e)
     return None
 
 
-def memory(c: Candidate, ctx: Context):
-    """The memory estimator's verdict for a candidate: an Estimate (worst rank)."""
+def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
+    """The memory estimator's verdict for a candidate: an Estimate (worst rank; all_ranks: every pipeline rank's
+    total in `stages`, for stages on different GPUs)."""
     from paratrain.estimate import EstimateInputs, estimate
 
     inputs = EstimateInputs(ctx.args, c.layout, model_name=ctx.model_name, precision=ctx.precision,
@@ -81,7 +85,7 @@ def memory(c: Candidate, ctx: Context):
                             accum_steps=1 if c.layout.pipelined else c.micro_steps(ctx), gpu_name=ctx.hw.name,
                             gpu_bytes=ctx.hw.memory_bytes, overhead_bytes=None if ctx.hw.device == "cuda" else 0,
                             device=ctx.hw.device)
-    return estimate(inputs, suggest=False)
+    return estimate(inputs, suggest=False, all_ranks=all_ranks)
 
 
 def memory_reason(est, ctx: Context, headroom: float) -> str | None:
@@ -134,6 +138,8 @@ def candidates(ctx: Context, world: int, opts: Options) -> list[Candidate]:
                         for sched in ("1f1b",) if pp == 1 else opts.schedules:
                             lay = layout.replace(pp_schedule=sched, pp_microbatches=m) if pp > 1 else layout
                             for ac in opts.ac_modes:
+                                if ac != "none" and pp > 1 and sched in ZERO_BUBBLE:
+                                    continue  # Layout.check_checkpointing
                                 out.append(Candidate(lay, ac, 2, mb))
     return out
 
@@ -160,14 +166,20 @@ def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) ->
         r = evaluate(c, ctx, opts.headroom, with_memory=False)
         (results if r.reason is None else rejected).append(r)
     results.sort(key=lambda r: r.pred.step_s)
-    ranked, checked, misses = [], 0, []
+    ranked, checked = [], 0
+    misses: dict = {}  # memory key -> [(micro-batch, MEM_ORDER)] of layouts that did not fit
     need = max(top, 1)
     for r in results:
         if len(ranked) >= need:
             break  # the rest are predicted slower than `top` layouts that fit
-        if any(_dominated(r.cand, x.cand) for x in misses):
+        key = _memory_key(r.cand)
+        if any(_dominated(r.cand, mb, ac) for mb, ac in misses.get(key, ())):
             r.reason = "does not fit: needs at least the memory of a smaller layout that does not fit"
             rejected.append(r)
+            continue
+        if _states_exceed(r, ctx, opts):  # model states alone exceed the memory: no estimate needed
+            rejected.append(r)
+            misses.setdefault(key, []).append((r.cand.micro_batch, r.cand.ac))
             continue
         if checked >= opts.estimate_limit:
             break
@@ -175,11 +187,12 @@ def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) ->
         checked += 1
         (ranked if r.reason is None else rejected).append(r)
         if r.reason:
-            misses.append(r)
+            misses.setdefault(key, []).append((r.cand.micro_batch, r.cand.ac))
     if not ranked:
         # the most memory-frugal layouts (full checkpointing, the smallest micro-batch) may fit though slower
+        smallest = min((x.cand.micro_batch for x in results), default=1)
         frugal = [r for r in results if r.total_bytes is None and r.cand.ac == "full"
-                  and r.cand.micro_batch == min(x.cand.micro_batch for x in results)]
+                  and r.cand.micro_batch == smallest]
         for r in frugal[: opts.estimate_limit]:
             _check(r, ctx, opts)
             (ranked if r.reason is None else rejected).append(r)
@@ -194,16 +207,43 @@ def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) ->
 MEM_ORDER = {"full": 0, "every_k": 1, "selective": 1, "none": 2}
 
 
-def _dominated(c: Candidate, miss: Candidate) -> bool:
-    """c needs at least the memory of `miss` (same layout, a micro-batch no smaller, no more recomputation)."""
-    def sans_microbatches(lay: Layout) -> Layout:  # a smaller micro-batch makes more of them
-        return dataclasses.replace(lay, pp_microbatches=0)
+def _memory_key(c: Candidate) -> Layout:
+    """Candidates with the same key differ only in micro-batch (a smaller one makes more pipeline micro-batches) and
+    checkpointing: a larger micro-batch with no more recomputation needs at least as much memory."""
+    return dataclasses.replace(c.layout, pp_microbatches=0)
 
-    if sans_microbatches(c.layout) != sans_microbatches(miss.layout):
+
+def _dominated(c: Candidate, miss_micro_batch: int, miss_ac: str) -> bool:
+    """c needs at least the memory of a miss with the same `_memory_key`: a micro-batch no smaller and no more
+    recomputation."""
+    if c.micro_batch < miss_micro_batch:
         return False
-    if c.micro_batch < miss.micro_batch:
+    return c.ac == miss_ac or MEM_ORDER[c.ac] > MEM_ORDER[miss_ac]
+
+
+def _states_exceed(r: Result, ctx: Context, opts: Options) -> bool:
+    """Parameters, gradients and optimizer states of the worst pipeline rank (exact, cheap) already over the usable
+    memory: rejected without walking the step."""
+    from paratrain.estimate.gpus import fmt_bytes
+    from paratrain.estimate.model_states import rank_layers, state_bytes
+
+    lay = r.cand.layout
+    limit = ctx.hw.memory_bytes * (1 - opts.headroom)
+    ranks = range(lay.pp) if lay.pp <= 4 else sorted({0, lay.pp - 1, lay.stage_owner(lay.num_stages - 1)})
+    layers = rank_layers(lay, ctx.args)
+    worst = max(ranks, key=lambda s: sum(_states(state_bytes(ctx.args, lay, ctx.precision, "adamw", "paratrain", s,
+                                                                  layers))))
+    total = sum(_states(state_bytes(ctx.args, lay, ctx.precision, "adamw", "paratrain", worst, layers)))
+    if total <= limit:
         return False
-    return c.ac == miss.ac or MEM_ORDER[c.ac] > MEM_ORDER[miss.ac]
+    r.total_bytes = total
+    r.reason = (f"does not fit: model states alone take {fmt_bytes(total)} per rank > {fmt_bytes(limit)} "
+                f"({ctx.hw.name} less {opts.headroom:.0%} headroom)")
+    return True
+
+
+def _states(st) -> tuple[int, ...]:
+    return (st.params, st.grads, st.optimizer, st.master)
 
 
 def _check(r: Result, ctx: Context, opts: Options) -> None:
