@@ -218,53 +218,20 @@ def report(results: list[dict]) -> str:
 
 def run_cuda(rows) -> list[dict]:
     """1-rank configurations on the GPU: estimate vs torch.cuda.max_memory_allocated (no tracker), measured
-    through the trainer's own TrainStep."""
-    import torch
-
-    from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
-    from paratrain.distributed.parallel_dims import ParallelDims
-    from paratrain.distributed.parallelize import parallelize
+    through the trainer's own TrainStep (paratrain.estimate.measure.device_step_peaks)."""
     from paratrain.estimate import estimate
-    from paratrain.layout import Layout
-    from paratrain.models.llama import ModelArgs, Transformer
-    from paratrain.training.optim import build_optimizer
-    from paratrain.training.step import TrainStep, make_scaler
+    from paratrain.estimate.measure import device_step_peaks
 
-    dev = torch.device("cuda")
     out = []
     for row in rows:
         spec = spec_of(row)
         if row[1] != 1:
             continue
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated(dev)
-        args = ModelArgs(**spec.model)
-        layout = Layout.resolve(1)
-        with torch.device("meta"):
-            model = Transformer(args)
-        model = parallelize(model, ParallelDims(layout), ActivationCheckpointConfig(spec.checkpointing, spec.every_k),
-                            spec.precision, False, dev, seed=0)
-        opt = build_optimizer(model, OptimizerConfig(impl="fused"), dev)
-        step = TrainStep(model, opt, layout, spec.precision, dev, 1.0, make_scaler(layout, spec.precision, dev))
-        gen = torch.Generator(device=dev).manual_seed(0)
-        for i in range(3):
-            if i == 2:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats(dev)
-            micro = [(torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), device=dev, generator=gen),
-                      torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), device=dev, generator=gen))
-                     for _ in range(spec.accum_steps)]
-            step.forward_backward(micro)
-            step.clip()
-            step.update(finite=True)
-            step.zero_grad()
-        torch.cuda.synchronize()
-        measured = torch.cuda.max_memory_allocated(dev) - base
+        measured = device_step_peaks(spec, "cuda")["allocated"]
         inputs = inputs_for_spec(spec, 1).replace(optimizer_impl="fused", device="cuda", overhead_bytes=0)
         est = estimate(inputs, suggest=False)
         out.append({"config": spec.name, "measured_peak": measured, "predicted_peak": est.peak_bytes,
                     "total_err": (est.peak_bytes - measured) / measured, "predicted_phase": est.phase})
-        del model, opt, step
     return out
 
 

@@ -282,6 +282,14 @@ def _set(cfg: Config, dotted: str, value) -> None:
     setattr(section, key, _coerce(dotted, value, typing.get_type_hints(type(section))[key]))
 
 
+def read_toml(p: Path) -> dict:
+    """A TOML file's tables; ConfigError (one line) when it is not TOML."""
+    try:
+        return tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: not valid TOML ({e})") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults <- TOML file <- `section.key=value` overrides, then validate."""
     cfg = Config()
@@ -289,10 +297,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        try:
-            data = tomllib.loads(p.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{p}: not valid TOML ({e})") from None
+        data = read_toml(p)
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{p}: top-level key '{section}' must be a [section] table")

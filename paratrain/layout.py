@@ -199,7 +199,9 @@ class Layout:
         trainer does this (bench/memory_accuracy.py counts them in its step), and the memory estimator and the
         planner's cost model count with this one rule: pipelined, each group once per step (gathered at its first
         forward and kept to the end of the step); zero2, once per micro-step; otherwise twice per micro-step
-        (forward, backward), except the last block, which stays gathered from its forward to its backward."""
+        (forward, backward), except the last block, which stays gathered from its forward to its backward.
+        (torch.distributed.pipelining's multi-stage runtime keeps at most 3 of a rank's stages gathered: with more
+        than 3 stages per rank it gathers evicted ones again and this is a lower bound; the planner uses 2 or 3.)"""
         if not self.uses_fsdp or groups <= 0:
             return 0
         if self.pipelined:
@@ -441,23 +443,32 @@ _BLOCK_COSTS: dict[tuple, tuple[int, ...]] = {}
 @functools.lru_cache(maxsize=1024)
 def _min_max_split(cost: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
     """Contiguous parts of `cost` minimising the largest part's sum (the planner asks for the same ones often)."""
-    n = len(cost)
     prefix = [0]
     for c in cost:
         prefix.append(prefix[-1] + c)
+    return min_max_partition(len(cost), num_stages, lambda s, j, i: prefix[i] - prefix[j])
+
+
+def min_max_partition(n: int, parts: int, part_cost, max_size=None) -> tuple[int, ...] | None:
+    """Cut items 0..n-1 into `parts` contiguous parts of at least one item (at most max_size[p] for part p) minimising
+    the largest part_cost(p, start, end) (items start..end-1 as part p); the sizes, or None when the limits leave no
+    cut. Dynamic programming over (parts, items): O(parts x n^2)."""
     inf = float("inf")
-    # best[s][i]: the smallest max-stage cost of the first i blocks cut into s stages
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    # best[s][i]: the smallest largest part cost of the first i items cut into s parts
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0
-    for s in range(1, num_stages + 1):
+    for s in range(1, parts + 1):
+        low = 0 if max_size is None else max_size[s - 1]
         for i in range(s, n + 1):
-            for j in range(s - 1, i):
-                value = max(best[s - 1][j], prefix[i] - prefix[j])
+            for j in range(max(s - 1, i - low) if low else s - 1, i):
+                value = max(best[s - 1][j], part_cost(s - 1, j, i))
                 if value < best[s][i]:
                     best[s][i], cut[s][i] = value, j
+    if best[parts][n] == inf:
+        return None
     sizes, i = [], n
-    for s in range(num_stages, 0, -1):
+    for s in range(parts, 0, -1):
         j = cut[s][i]
         sizes.append(i - j)
         i = j

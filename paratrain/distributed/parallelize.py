@@ -160,10 +160,11 @@ def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointCo
         model.layers[key] = checkpoint_wrapper(block, **kwargs)
 
 
-def apply_compile(model: nn.Module) -> None:
-    # Per block, in place (Module.compile keeps parameter names); blocks share one compiled graph.
+def apply_compile(model: nn.Module, backend: str | None = None) -> None:
+    # Per block, in place (Module.compile keeps parameter names); blocks share one compiled graph. `backend`: torch's
+    # default (inductor) unless given (bench/gpu.py checks the path on a CPU with "aot_eager").
     for block in model.layers.values():
-        block.compile()
+        block.compile(**({"backend": backend} if backend else {}))
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_mesh=None) -> None:
@@ -183,9 +184,10 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_m
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: ActivationCheckpointConfig,
-                precision: str, compile: bool, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0) -> nn.Module:
+                precision: str, compile: bool | str, device: torch.device, seed: int,
+                ddp_bucket_mb: float = 25.0) -> nn.Module:
     """Apply the layout to a model or pipeline stage built on the meta device; returns the module to train
-    (maybe a DDP wrapper)."""
+    (maybe a DDP wrapper). compile: True for torch.compile's default backend, or a backend name."""
     layout = dims.layout
     if layout.tp_enabled:
         apply_tp(model, dims.tp_mesh, layout.sequence_parallel, layout.uses_loss_parallel)
@@ -193,7 +195,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
     expert_dp_mesh = distribute_experts(model, dims)
     apply_activation_checkpointing(model, activation_checkpoint)
     if compile:
-        apply_compile(model)
+        apply_compile(model, compile if isinstance(compile, str) else None)
     if layout.uses_fsdp:
         apply_fsdp(model, dims, precision, expert_dp_mesh)
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):

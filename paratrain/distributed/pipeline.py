@@ -187,14 +187,13 @@ def check_stage_gpu(expected: list[str], pp_rank: int, device: torch.device) -> 
     if not expected or device.type != "cuda":
         return
     from paratrain.errors import UserError
-    from paratrain.estimate.gpus import GPUS, gpu_memory
+    from paratrain.estimate.gpus import gpu_from_device_name, gpu_memory
 
     want = expected[pp_rank]
     name = torch.cuda.get_device_name(device)
-    try:
-        canonical = gpu_memory(want)[0]
-        words = GPUS[canonical][1].lower().replace("nvidia ", "").split()[:2]
-        ok = all(w in name.lower() for w in words)
+    have = gpu_from_device_name(name, torch.cuda.get_device_properties(device).total_memory)
+    try:  # the same GPU model (H100, A100, ...); a variant (PCIe, 40GB) is not checked
+        ok = have is not None and gpu_memory(want)[0].split("-")[0] == have.split("-")[0]
     except UserError:
         ok = want.lower() in name.lower()  # a calibrated profile's name
     if not ok:

@@ -328,6 +328,22 @@ def _fsdp_labels(tracker: StorageTracker):
             setattr(FSDPParamGroup, name, orig)
 
 
+def _labeller(tracker: StorageTracker, label: str):
+    """A hook that sets the tracker's label (allocations from then on are counted under it)."""
+    def hook(*_):
+        tracker.label = label
+    return hook
+
+
+def _head_done(tracker: StorageTracker):
+    """A forward hook on the final norm: when the gradient reaches its input (the last block's output), the loss and
+    the output layer's backward are done and what follows is temporaries."""
+    def hook(mod, inp, out):
+        if inp[0].requires_grad:
+            inp[0].register_hook(_labeller(tracker, TEMP))
+    return hook
+
+
 class _PhaseLabels:
     """Probe for the shared TrainStep: labels allocations by phase (activations during forward, logits/loss from
     the final norm to the end of the loss backward) and snapshots what is live at the end of the measured forward."""
@@ -336,19 +352,10 @@ class _PhaseLabels:
         self.tracker, self.model, self.accum = tracker, model, accum_steps
         self.micro, self.measuring, self.forward_end = 0, False, {}
 
-        def set_label(label):
-            def hook(*_):
-                tracker.label = label
-            return hook
-
-        def on_head_input(mod, inp, out):
-            # When the gradient reaches the last block's output, the loss and output layer are done.
-            if inp[0].requires_grad:
-                inp[0].register_hook(set_label(TEMP))
-
+        set_label = partial(_labeller, tracker)
         self.hooks = [model.tok_embeddings.register_forward_pre_hook(set_label(ACTS)),
                       model.norm.register_forward_pre_hook(set_label(LOGITS)),
-                      model.norm.register_forward_hook(on_head_input)]
+                      model.norm.register_forward_hook(_head_done(tracker))]
 
     def micro_start(self, x, y) -> None:
         self.tracker.label = ACTS
@@ -374,20 +381,12 @@ class _PipelinePhases:
     def __init__(self, tracker: StorageTracker, pipeline):
         self.tracker, self.forward_end, self.hooks = tracker, {}, []
 
-        def set_label(label):
-            def hook(*_):
-                tracker.label = label
-            return hook
-
-        def on_head_input(mod, inp, out):
-            if inp[0].requires_grad:
-                inp[0].register_hook(set_label(TEMP))
-
+        set_label = partial(_labeller, tracker)
         for module in pipeline.modules.values():
             self.hooks.append(module.register_forward_pre_hook(set_label(ACTS)))
             if module.norm is not None:
                 self.hooks += [module.norm.register_forward_pre_hook(set_label(LOGITS)),
-                               module.norm.register_forward_hook(on_head_input)]
+                               module.norm.register_forward_hook(_head_done(tracker))]
         for stage in pipeline.stages:
             label = LOGITS if stage.is_last else TEMP
             for name in ("backward_one_chunk", "backward_weight_one_chunk"):
@@ -598,6 +597,50 @@ def device_peak_bytes(device: torch.device | str | None = None) -> int:
     from paratrain.observe.sysmetrics import rss_peak_bytes
 
     return rss_peak_bytes()
+
+
+def device_step_peaks(spec: MeasureSpec, device, compile: bool | str = False, steps: int = 3) -> dict:
+    """One process: the trainer's own step (parallelize + build_optimizer + TrainStep) for a 1-rank spec on `device`,
+    without the tracker; the peak of the last step. On CUDA torch.cuda.max_memory_allocated and
+    max_memory_reserved above what was allocated before; on a CPU (no caching allocator) the tracker's peak of live
+    tensor bytes (`measure_step`) and no reserved figure."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {"allocated": measure_step(spec).peak, "reserved": None}
+    from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
+    from paratrain.distributed.parallel_dims import ParallelDims
+    from paratrain.distributed.parallelize import parallelize
+    from paratrain.models.llama import ModelArgs, Transformer
+    from paratrain.training.optim import build_optimizer
+    from paratrain.training.step import TrainStep, make_scaler
+
+    torch.cuda.empty_cache()
+    base, base_reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    args = ModelArgs(**spec.model)
+    layout = spec.layout(1)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = parallelize(model, ParallelDims(layout), ActivationCheckpointConfig(spec.checkpointing, spec.every_k),
+                        spec.precision, compile, device, seed=0)
+    opt = build_optimizer(model, OptimizerConfig(impl="fused"), device)
+    step = TrainStep(model, opt, layout, spec.precision, device, 1.0, make_scaler(layout, spec.precision, device))
+    gen = torch.Generator(device=device).manual_seed(0)
+    for i in range(steps):
+        if i == steps - 1:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        micro = [tuple(torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), device=device, generator=gen)
+                       for _ in range(2)) for _ in range(spec.accum_steps)]
+        step.forward_backward(micro)
+        step.clip()
+        step.update(finite=True)
+        step.zero_grad()
+    torch.cuda.synchronize(device)
+    out = {"allocated": torch.cuda.max_memory_allocated(device) - base,
+           "reserved": torch.cuda.max_memory_reserved(device) - base_reserved}
+    del model, opt, step
+    torch.cuda.empty_cache()
+    return out
 
 
 def inputs_for_spec(spec: MeasureSpec, world_size: int):

@@ -1,14 +1,19 @@
 """The planner's cost model: predicted time of one optimizer step for a layout, split into compute, exposed
 communication, pipeline bubble and recompute. Every term is a formula of the model's sizes, the layout and the
-hardware profile (paratrain/planner/profile.py, made by paratrain/planner/hardware.py); nothing here is fitted to
-a particular run.
+hardware profile (paratrain/planner/profile.py, made by paratrain/planner/hardware.py); what is fitted to published
+runs is the profile's efficiency model (hardware.py: achieved GEMM and attention rates by GPU generation, element-wise
+bandwidth, execution-mode factors, each with its source), not these formulas.
 
 Compute. Each rank runs its share of every block's GEMMs (q, k, v, o, w1, w2, w3; the output head on the last
 stage; routed experts with ep) for each micro-step; a GEMM of F FLOPs takes F / rate(F), where rate() is the
-profile's achieved matmul rate at that size (small GEMMs — tp-split, small micro-batches — run slower). Backward
+profile's achieved matmul rate at that size (small GEMMs — tp-split, small micro-batches — run slower); with
+`Context.float8` the blocks' linear layers at the profile's float8 rate (a what-if; the head stays bf16). Backward
 is twice the forward. Attention adds 4 x seq x dim / tp FLOPs per token forward (the 12 L C T term of
-`flops_per_token`; causal: half of it is computed) at ATTENTION_EFFICIENCY of the GEMM rate. Element-wise work (norms, rotary, SwiGLU, softmax, residuals, loss) is memory-bound:
-ELEMWISE_VALUES_PER_TOKEN values per token and block read/written at the profile's memory bandwidth. Each operator
+`flops_per_token`; causal: half of it is computed) at the profile's attention rate (profiles without one: at
+ATTENTION_EFFICIENCY of the GEMM rate). Element-wise work (norms, rotary, SwiGLU, softmax, residuals, loss) is
+memory-bound: ELEMWISE_VALUES_PER_TOKEN values per token and block read/written at the profile's memory bandwidth.
+The element-wise and per-operator time is multiplied by the execution mode's factor (`Context.mode`: eager 1, compile
+the profile's, from fusion). Each operator
 also costs the profile's fixed per-operator overhead (launch/dispatch; large on a CPU, mostly hidden on a GPU),
 OPS_PER_BLOCK per block forward and twice that backward (DTensor under tp multiplies it by TP_DISPATCH; each FSDP
 collective adds FSDP_GROUP_OPS operators of hooks and copies). The
@@ -25,7 +30,9 @@ ranks numbered node by node), else the inter-node link. Per step:
   ddp/zero1  all-reduce of the fp32 gradients once per step (DDP skips sync on accumulation micro-steps), in
              buckets of 25 MB; zero1 adds an all-gather of the updated parameters after the step;
   zero2      per micro-step one all-gather of the parameters (compute dtype) and one reduce-scatter of the fp32
-             gradients, block by block;  fsdp: two all-gathers (forward, backward) and one reduce-scatter;
+             gradients, block by block;  fsdp: two all-gathers (forward, backward) and one reduce-scatter; under a
+             pipeline one all-gather and one reduce-scatter per group and step (Layout.fsdp_all_gathers: the count the
+             trainer runs and the estimator uses);
   hsdp       fsdp over dp_shard plus an all-reduce of the gradient shards over dp_replicate;
   tp         per block and micro-step, with sequence parallelism 2 all-gathers + 2 reduce-scatters of the
              activations forward and again backward (without: 2 all-reduces each way), plus the vocabulary-
@@ -41,7 +48,10 @@ being planned) over what these formulas predict for it on the same profile; it m
 the optimizer step (what the terms above miss: autograd bookkeeping, the loss, allocator). Datasheet profiles: 1.
 
 Pipeline bubble: (p-1)/(m+p-1)/v of the pipelined time (`paratrain.layout.predicted_bubble`: gpipe
-and 1f1b v=1; interleaved schedules v stages per rank; zbv v=2), i.e. bubble = work x b / (1 - b).
+and 1f1b v=1; interleaved schedules v stages per rank; zbv v=2), i.e. bubble = work x b / (1 - b). Each pipeline
+rank's time per micro-batch is its own blocks (and the head on the last stage) on its own hardware
+(`Context.stage_hw`, heterogeneous clusters); the slowest rank sets the step and the fill/drain is the other ranks'
+time relative to it: with equal stages that is the formula above.
 
 Recompute: full = one more forward of every block (GEMMs, element-wise and operators); every_k = 1/k of that;
 selective = the element-wise work and operators of the forward (matmul and attention outputs are kept).
@@ -117,6 +127,8 @@ class Candidate:
         if lay.pp > 1:
             parts.append(f"pp={lay.pp}")
             parts.append(f"sched={lay.pp_schedule}")
+            if lay.pp_virtual > 2:
+                parts.append(f"v={lay.pp_virtual}")  # (2 is the interleaved schedules' default)
         if lay.ep > 1:
             parts.append(f"ep={lay.ep}")
         parts.append(f"ac={self.ac}" + (f"{self.every_k}" if self.ac == "every_k" else ""))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.errors import UserError
-from paratrain.layout import Layout
+from paratrain.layout import Layout, min_max_partition
 from paratrain.planner.profile import Hardware
 
 HETERO_SCHEDULES = ("gpipe", "1f1b")
@@ -64,16 +64,12 @@ def parse_gpus(text: str) -> list[tuple[int, str]] | None:
 
 def read_cluster(path: str) -> list[dict]:
     """A cluster file: [[group]] tables with gpu, count and optionally gpus_per_node, intra (in rank order)."""
-    from paratrain.config import tomllib
+    from paratrain.config import read_toml
 
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--cluster {path}: no such file")
-    try:
-        data = tomllib.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"--cluster {path}: not valid TOML ({e})") from None
-    groups = data.get("group")
+    groups = read_toml(p).get("group")
     if not isinstance(groups, list) or not groups:
         raise UserError(f"--cluster {path}: needs [[group]] tables (gpu = \"H100\", count = 8)")
     out = []
@@ -137,25 +133,7 @@ def uneven_split(ctx, c, stage_hw: list[Hardware], caps: list[int] | None = None
         rec = bc.recompute / c.every_k if c.ac == "every_k" else bc.recompute
         per_block.append(bc.forward + bc.backward + rec)
         fixed.append(bc.head if r == pp - 1 else 0.0)
-    inf = float("inf")
-    # best[r][k]: the smallest max stage time for the first k blocks over the first r stages
-    best = [[inf] * (n + 1) for _ in range(pp + 1)]
-    cut = [[0] * (n + 1) for _ in range(pp + 1)]
-    best[0][0] = 0.0
-    for r in range(1, pp + 1):
-        for k in range(r, n + 1):
-            for j in range(max(r - 1, k - caps[r - 1]), k):
-                value = max(best[r - 1][j], fixed[r - 1] + (k - j) * per_block[r - 1])
-                if value < best[r][k]:
-                    best[r][k], cut[r][k] = value, j
-    if best[pp][n] == inf:
-        return None
-    sizes, k = [], n
-    for r in range(pp, 0, -1):
-        j = cut[r][k]
-        sizes.append(k - j)
-        k = j
-    return tuple(reversed(sizes))
+    return min_max_partition(n, pp, lambda r, j, k: fixed[r] + (k - j) * per_block[r], caps)
 
 
 def place(ctx, c, stage_hw: list[Hardware], headroom: float, rounds: int = 6):

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from paratrain.errors import ConfigError, UserError
-from paratrain.layout import DP_MODES, ZERO_BUBBLE, Batch, Layout
+from paratrain.layout import DP_MODES, INTERLEAVED, ZERO_BUBBLE, Batch, Layout
 from paratrain.planner.cost import Candidate, Context, Prediction, predict
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")  # the planner's choice of paratrain.layout.SCHEDULES
@@ -36,6 +36,7 @@ class Result:
     estimate: object = None
     stage_hw: list | None = None  # heterogeneous clusters: each pipeline rank's hardware
     even: Prediction | None = None  # heterogeneous clusters: the same layout with the even (balanced) split
+    bound: dict | None = None  # when only a lower bound of its memory was computed: {"states", "activations"}
 
     @property
     def ok(self) -> bool:
@@ -136,11 +137,21 @@ def candidates(ctx: Context, world: int, opts: Options) -> list[Candidate]:
                             continue
                         m = ctx.global_seqs // (dp * mb)  # pipeline microbatches (pp > 1)
                         for sched in ("1f1b",) if pp == 1 else opts.schedules:
-                            lay = layout.replace(pp_schedule=sched, pp_microbatches=m) if pp > 1 else layout
-                            for ac in opts.ac_modes:
-                                if ac != "none" and pp > 1 and sched in ZERO_BUBBLE:
-                                    continue  # Layout.check_checkpointing
-                                out.append(Candidate(lay, ac, 2, mb))
+                            # interleaved: 2 stages per rank, and 3 where the blocks allow (a smaller bubble for
+                            # more point-to-point traffic; torch's runtime keeps at most 3 stages' FSDP parameters
+                            # gathered, so with more they would be gathered again within a step)
+                            for v in ((2, 3) if (pp > 1 and sched in INTERLEAVED) else (1,)):
+                                if pp * v > a.n_layers:
+                                    continue
+                                try:
+                                    lay = layout.replace(pp_schedule=sched, pp_microbatches=m,
+                                                         pp_virtual=v) if pp > 1 else layout
+                                except ConfigError:
+                                    continue
+                                for ac in opts.ac_modes:
+                                    if ac != "none" and pp > 1 and sched in ZERO_BUBBLE:
+                                        continue  # Layout.check_checkpointing
+                                    out.append(Candidate(lay, ac, 2, mb))
     return out
 
 
@@ -177,7 +188,7 @@ def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) ->
             r.reason = "does not fit: needs at least the memory of a smaller layout that does not fit"
             rejected.append(r)
             continue
-        if _states_exceed(r, ctx, opts):  # model states alone exceed the memory: no estimate needed
+        if _lower_bound_exceeds(r, ctx, opts):  # states + stored activations already exceed it: no estimate needed
             rejected.append(r)
             misses.setdefault(key, []).append((r.cand.micro_batch, r.cand.ac))
             continue
@@ -221,24 +232,35 @@ def _dominated(c: Candidate, miss_micro_batch: int, miss_ac: str) -> bool:
     return c.ac == miss_ac or MEM_ORDER[c.ac] > MEM_ORDER[miss_ac]
 
 
-def _states_exceed(r: Result, ctx: Context, opts: Options) -> bool:
-    """Parameters, gradients and optimizer states of the worst pipeline rank (exact, cheap) already over the usable
-    memory: rejected without walking the step."""
+def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
+    """A lower bound of the worst rank's peak already over the usable memory: rejected without walking the step.
+    The bound is the rank's exact model states plus what its blocks store for one micro-batch, times the most
+    micro-batches the rank holds at once (a pipeline's schedule); the real peak holds at least that."""
+    from paratrain.estimate import activations as A
+    from paratrain.estimate.core import block_modes, in_flight
     from paratrain.estimate.gpus import fmt_bytes
     from paratrain.estimate.model_states import rank_layers, state_bytes
 
-    lay = r.cand.layout
+    lay, a, c = r.cand.layout, ctx.args, r.cand
     limit = ctx.hw.memory_bytes * (1 - opts.headroom)
-    ranks = range(lay.pp) if lay.pp <= 4 else sorted({0, lay.pp - 1, lay.stage_owner(lay.num_stages - 1)})
-    layers = rank_layers(lay, ctx.args)
-    worst = max(ranks, key=lambda s: sum(_states(state_bytes(ctx.args, lay, ctx.precision, "adamw", "paratrain", s,
-                                                                  layers))))
-    total = sum(_states(state_bytes(ctx.args, lay, ctx.precision, "adamw", "paratrain", worst, layers)))
-    if total <= limit:
+    ranks = range(lay.pp) if lay.pp <= 4 else sorted({0, 1, lay.pp - 1, lay.stage_owner(lay.num_stages - 1)})
+    layers = rank_layers(lay, a)
+    d = A.act_dims(a, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, ctx.hw.device)
+    moe = A.moe_dims(a, lay, c.micro_batch, ctx.seq_len, 1.0) if a.moe_experts else None
+    modes = block_modes(a.n_layers, c.ac, c.every_k)
+    best = None
+    for s in ranks:
+        states = sum(_states(state_bytes(a, lay, ctx.precision, "adamw", "paratrain", s, layers)))
+        stored = sum(A.block_stored(d, modes[l], moe if a.is_moe_layer(l) else None) for l in layers[s])
+        acts = int(in_flight(lay, s) * stored)
+        if best is None or states + acts > sum(best):
+            best = (states, acts)
+    if sum(best) <= limit:
         return False
-    r.total_bytes = total
-    r.reason = (f"does not fit: model states alone take {fmt_bytes(total)} per rank > {fmt_bytes(limit)} "
-                f"({ctx.hw.name} less {opts.headroom:.0%} headroom)")
+    r.total_bytes, r.bound = sum(best), {"states": best[0], "activations": best[1]}
+    r.reason = (f"does not fit: at least {fmt_bytes(sum(best))} per rank (model states {fmt_bytes(best[0])}, stored "
+                f"activations {fmt_bytes(best[1])}) > {fmt_bytes(limit)} ({ctx.hw.name} less {opts.headroom:.0%} "
+                "headroom)")
     return True
 
 
@@ -274,9 +296,12 @@ def no_fit_message(ctx: Context, world: int, opts: Options, results: list[Result
     limit = ctx.hw.memory_bytes * (1 - opts.headroom)
     short = best.total_bytes - limit
     factor = best.total_bytes / limit
-    at = best.estimate.at_peak if best.estimate is not None else {}
-    states = sum(at.get(k, 0) for k in ("parameters", "gradients", "optimizer", "master", "autocast_copies"))
-    acts = sum(at.get(k, 0) for k in ("activations", "pipeline", "logits_loss"))
+    if best.estimate is not None:
+        at = best.estimate.at_peak
+        states = sum(at.get(k, 0) for k in ("parameters", "gradients", "optimizer", "master", "autocast_copies"))
+        acts = sum(at.get(k, 0) for k in ("activations", "pipeline", "logits_loss"))
+    else:  # only its lower bound was computed
+        states, acts = best.bound["states"], best.bound["activations"]
     what = (f"model states alone take {fmt_bytes(states)} per rank: about {math.ceil(factor * world)} GPUs or GPUs "
             f"with {fmt_bytes(best.total_bytes / (1 - opts.headroom))}" if states >= acts else
             f"activations take {fmt_bytes(acts)} per rank: a shorter --seq, or more GPUs for tp/pp")
@@ -297,17 +322,17 @@ def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
     if mode not in DP_MODES + ("nodp", "zero3"):
         raise UserError(f"--explain '{text}': the first item must be a dp mode ({', '.join(DP_MODES)}) or nodp")
     mode = {"zero3": "fsdp", "nodp": "fsdp"}.get(mode, mode)
-    kv = {"tp": "1", "pp": "1", "ep": "1", "rep": "1", "sched": "1f1b", "ac": "none", "mb": "1"}
+    kv = {"tp": "1", "pp": "1", "ep": "1", "rep": "1", "sched": "1f1b", "v": "1", "ac": "none", "mb": "1"}
     for tok in tokens[1:]:
         k, eq, v = tok.partition("=")
         if not eq or k not in kv:
-            raise UserError(f"--explain '{text}': unknown item '{tok}' (use tp=, pp=, sched=, rep=, ep=, ac=, mb=)")
+            raise UserError(f"--explain '{text}': unknown item '{tok}' (use tp=, pp=, sched=, v=, rep=, ep=, ac=, mb=)")
         kv[k] = v
     try:
-        tp, pp, ep, rep, mb = (int(kv[k]) for k in ("tp", "pp", "ep", "rep", "mb"))
+        tp, pp, ep, rep, mb, virtual = (int(kv[k]) for k in ("tp", "pp", "ep", "rep", "mb", "v"))
     except ValueError:
-        raise UserError(f"--explain '{text}': tp, pp, ep, rep and mb must be integers") from None
-    if min(tp, pp, ep, rep, mb) < 1:
+        raise UserError(f"--explain '{text}': tp, pp, v, ep, rep and mb must be integers") from None
+    if min(tp, pp, ep, rep, mb, virtual) < 1:
         raise UserError(f"--explain '{text}': degrees and mb must be >= 1")
     ac, k = kv["ac"], 2
     if ac.startswith("every_k"):
@@ -320,7 +345,7 @@ def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
     dp = max(1, world // (tp * pp))  # Layout.resolve says when tp x pp does not divide the world
     m = max(1, ctx.global_seqs // (dp * mb))
     layout = Layout.resolve(world, dp_mode=mode, dp_replicate=rep if mode == "hsdp" else 1, tp=tp, pp=pp, ep=ep,
-                            pp_schedule=sched, pp_microbatches=m)
+                            pp_schedule=sched, pp_microbatches=m, pp_virtual=virtual)
     return Candidate(layout, ac, k, mb)
 
 
