@@ -47,7 +47,9 @@ CPU_MODELS = [("tiny 1b-shaped", "llama3.2-1b", dict(dim=64, n_layers=2, n_heads
 def model_args(preset: str, overrides: dict, vocab: int):
     from paratrain.models import preset_args
 
-    return preset_args(preset, vocab_size=vocab, **overrides)
+    over = {k: v for k, v in overrides.items() if k != "vocab_size"}
+    args = preset_args(preset, vocab_size=vocab, **over)  # (a preset's own vocabulary wins over `vocab`)
+    return dataclasses.replace(args, vocab_size=overrides["vocab_size"]) if "vocab_size" in overrides else args
 
 
 def fitting_config(args, seq: int, device: str, gpu_bytes: int | None, precision: str) -> tuple[int, str]:
@@ -230,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     def pct(x):
         return "-" if x is None else f"{x:.1%}"
 
+    unit, scale = ("GiB", 2**30) if cuda else ("MiB", 2**20)
+
     def gib(x):
-        return "-" if x is None else f"{x / 2**30:.3f}"
+        return "-" if x is None else f"{x / scale:.3f}"
 
     print()
     print(f"| measurement | configuration | measured | paratrain's figure | error | second figure |")
@@ -245,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{err} | {pct(q)} (calibrated profile) |")
     for m in report["memory"]:
         err = (m["estimate"] - m["allocated"]) / m["allocated"]
-        second = f"{gib(m['reserved'])} GiB reserved" if m["reserved"] is not None else "-"
-        print(f"| memory, {mem_args.n_layers}-block model | {m['config']} | {gib(m['allocated'])} GiB allocated | "
-              f"{gib(m['estimate'])} GiB estimated | {err:+.1%} | {second} |")
+        second = f"{gib(m['reserved'])} {unit} reserved" if m["reserved"] is not None else "-"
+        print(f"| memory, {mem_args.n_layers}-block model | {m['config']} | {gib(m['allocated'])} {unit} allocated | "
+              f"{gib(m['estimate'])} {unit} estimated | {err:+.1%} | {second} |")
     if report["calibration"]:
         c = report["calibration"]
         modes_txt = ", ".join(f"{k} {v:.2f}" for k, v in c["modes"].items())

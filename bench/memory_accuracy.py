@@ -153,8 +153,12 @@ def compare(rows_measured: list[dict], spec: MeasureSpec, world: int) -> dict:
     # FSDP parameter all-gathers per step: measured in the trainer's step against the rule the cost model uses
     lay = spec.layout(world).validate(est.inputs.model_args, world, spec.batch(world))
     micro = lay.pp_microbatches if lay.pipelined else spec.accum_steps
-    groups = worst.get("fsdp_groups", 0)
-    out["fsdp_gathers"] = {"measured": worst.get("fsdp_all_gathers", 0), "groups": groups,
+    from paratrain.estimate.model_states import rank_layers
+
+    pp_rank = worst["rank"] // (world // lay.pp)  # pp is the outermost mesh axis
+    blocks = rank_layers(lay, est.inputs.model_args)[pp_rank]
+    groups = lay.fsdp_groups(len(blocks), sum(map(est.inputs.model_args.is_moe_layer, blocks)), pp_rank)
+    out["fsdp_gathers"] = {"measured": worst.get("fsdp_all_gathers", 0), "groups": worst.get("fsdp_groups", 0),
                            "rule": lay.fsdp_all_gathers(micro, groups)}
     return out
 

@@ -186,12 +186,18 @@ class Layout:
         re-gather every block once per micro-batch (torchtitan makes the same choice)."""
         return self.dp_mode != "zero2" and not self.pipelined
 
-    def fsdp_groups(self, blocks: int, moe_blocks: int = 0) -> int:
-        """FSDP parameter groups on a rank holding `blocks` blocks (`moe_blocks` of them mixture-of-experts):
-        one per block, one per expert-parallel experts module, and one root per model or pipeline stage."""
+    def fsdp_groups(self, blocks: int, moe_blocks: int = 0, pp_rank: int = 0) -> int:
+        """FSDP parameter groups that all-gather on pipeline rank `pp_rank`, holding `blocks` blocks (`moe_blocks` of
+        them mixture-of-experts): one per block, one per expert-parallel experts module when the experts are
+        sharded over more than one rank (dp_shard / ep > 1), and the root of the model, or of each pipeline stage
+        that holds parameters of its own (the first stage's embedding, the last stage's norm and output)."""
         if not self.uses_fsdp:
             return 0
-        return blocks + (moe_blocks if self.ep > 1 else 0) + (self.pp_virtual if self.pipelined else 1)
+        experts = moe_blocks if (self.ep > 1 and self.dp_shard // self.ep > 1) else 0
+        if not self.pipelined:
+            return blocks + experts + 1
+        roots = sum(1 for s in (0, self.num_stages - 1) if self.stage_owner(s) == pp_rank)
+        return blocks + experts + (1 if self.num_stages == 1 else roots)
 
     def fsdp_all_gathers(self, micro_steps: int, groups: int) -> int:
         """All-gathers of FSDP parameter groups per optimizer step, with `groups` groups on the rank (a block each,

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from paratrain.errors import ConfigError, UserError
 from paratrain.estimate import activations as A
 from paratrain.estimate.gpus import GB, GiB, fmt_bytes
-from paratrain.estimate.model_states import (BF16, FP32, Param, fsdp_numel, local_shape, model_params, rank_layers,
+from paratrain.estimate.model_states import (BF16, FP32, Param, fsdp_gathers_per_step, fsdp_numel, local_shape,
+                                             model_params, rank_layers,
                                              rank_params,
                                              stage_of, state_bytes, zero_table)
 from paratrain.layout import MULTI_STAGE, Batch, Layout
@@ -716,8 +717,7 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
                      f"({lay.pp_schedule}; its order of forwards and backwards walked, checked against measurement in "
                      "bench/memory_accuracy.py)")
     micro = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
-    gathers = max(lay.fsdp_all_gathers(micro, lay.fsdp_groups(len(mine), sum(args.is_moe_layer(l) for l in mine)))
-                  for mine in layers_by_stage)
+    gathers = fsdp_gathers_per_step(lay, args, micro)
     if gathers:
         notes.append(f"FSDP: {gathers} parameter all-gathers per step on the rank with the most blocks"
                      + (" (each group gathered once per pipeline step and kept to its end)" if lay.pp > 1 else ""))

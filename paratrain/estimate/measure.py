@@ -242,7 +242,7 @@ class Measurement:
     model_states: dict  # exact bytes: parameters (+buffers), gradients, optimizer
     spec: dict = field(default_factory=dict)
     fsdp_all_gathers: int = 0  # FSDP all-gathers (foreach_all_gather calls) this rank ran in the measured step
-    fsdp_groups: int = 0  # FSDP parameter groups on this rank (blocks + roots)
+    fsdp_groups: int = 0  # FSDP parameter groups with parameters on this rank (blocks, experts, roots)
 
 
 def _identity_map(model, optimizer, ddp_buckets, extra=None, pipelined: bool = False) -> dict[int, str]:
@@ -555,8 +555,9 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
         for (cat, n, f), c in sorted(Counter(tracker.peak_debug).items()):
             if cat in (TEMP, LOGITS, GRADS, COMM):
                 print("PEAK", cat, n, f, "x", c)
+    roots = list(pipeline.modules.values()) if pipeline is not None else [inner]  # a pipeline: each stage's root
     result = Measurement(rank, tracker.peak, tracker.peak_label, tracker.peak_breakdown, probe.forward_end, states,
-                         asdict(spec), gathers[0], _fsdp_group_count(inner))
+                         asdict(spec), gathers[0], sum(_fsdp_group_count(m) for m in roots))
     del model, optimizer, step, pipeline
     return result
 

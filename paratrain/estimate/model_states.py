@@ -153,6 +153,14 @@ def _rank_layers(pp: int, virtual: int, schedule: str, split: tuple[int, ...]) -
     return tuple(tuple(sorted(b)) for b in out)
 
 
+def fsdp_gathers_per_step(layout: Layout, args: ModelArgs, micro_steps: int) -> int:
+    """FSDP parameter all-gathers per optimizer step on the pipeline rank that runs the most
+    (`Layout.fsdp_all_gathers` over `Layout.fsdp_groups` of each rank's blocks): the count the memory estimator and
+    the planner's cost model both report."""
+    return max(layout.fsdp_all_gathers(micro_steps, layout.fsdp_groups(len(b), sum(map(args.is_moe_layer, b)), r))
+               for r, b in enumerate(rank_layers(layout, args)))
+
+
 def zero1_worst_numel(params: list[tuple[Param, int]], ranks: int) -> int:
     """ZeroRedundancyOptimizer's greedy partition (largest first, to the least-loaded rank, over the
     decay group then the no-decay group); returns the largest per-rank element count."""

@@ -62,7 +62,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from paratrain.estimate.model_states import rank_layers
+from paratrain.estimate.model_states import fsdp_gathers_per_step, rank_layers
 from paratrain.layout import Batch, Layout, predicted_bubble
 from paratrain.models.args import ModelArgs
 from paratrain.planner.profile import Hardware, Link
@@ -349,9 +349,11 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
         else:
             # The one rule the trainer follows and the estimator uses (Layout.fsdp_all_gathers): pipelined stages
             # gather each group once per step and reduce-scatter once; otherwise per micro-step.
-            groups = lay.fsdp_groups(layers, math.ceil(moe_layers / c.pp))
+            blocks = rank_layers(lay, a)
+            busiest = max(range(len(blocks)), key=lambda r: len(blocks[r]))
+            groups = lay.fsdp_groups(layers, sum(map(a.is_moe_layer, blocks[busiest])), busiest)
             n_ag, n_rs = lay.fsdp_all_gathers(n_micro, groups), lay.fsdp_reduce_scatters(n_micro, groups)
-            fsdp_gathers = n_ag
+            fsdp_gathers = fsdp_gathers_per_step(lay, a, n_micro)
             group = FSDP_GROUP_OPS * hw.op_overhead_s
             ag = n_ag * (all_gather_time(P_stage * pbytes / groups, lay.dp_shard, shard_link) + group)
             rs = n_rs * (reduce_scatter_time(P_stage * 4 / groups, lay.dp_shard, shard_link) + group)

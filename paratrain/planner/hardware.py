@@ -269,18 +269,20 @@ def _calibrate_worker(sizes: list[int], msg_sizes: list[int], seconds: float, sh
             torch.cuda.synchronize(device)
 
     def timed(fn, min_s):
-        """Local work: as many iterations as fit in min_s (each rank on its own, all at the same time)."""
+        """Local work: as many iterations as fit in min_s (each rank on its own, all at the same time); the median
+        iteration (robust to the odd pause of a shared machine)."""
         fn()
         sync()
         dist.barrier()
-        n, t0 = 0, time.perf_counter()
+        times, t0 = [], time.perf_counter()
         while True:
+            t1 = time.perf_counter()
             fn()
-            n += 1
             sync()
-            el = time.perf_counter() - t0
-            if el >= min_s and n >= 3:
-                return el / n
+            t2 = time.perf_counter()
+            times.append(t2 - t1)
+            if t2 - t0 >= min_s and len(times) >= 3:
+                return sorted(times)[len(times) // 2]
 
     def timed_collective(fn, iters):
         """Collectives: the same number of iterations on every rank; the median."""
