@@ -78,6 +78,42 @@ CONFIGS = [
     ("cp2xhsdp2 fp32 selective", 4, dict(dp_mode="hsdp", dp_replicate=2, cp=2), "fp32", "selective", 2, 128, 1,
      MODEL),
 ]
+# Pipeline rows: every schedule, 2-4 stages, several micro-batch counts (the trainer's own stages and schedule,
+# distributed/pipeline.build_pipeline); the 8-block model gives pp4 with 2 stages per rank a block per stage.
+MODEL8 = dict(MODEL, n_layers=8)
+
+
+def _pp(name, world, pp, schedule, m, precision="fp32", ckpt="none", mb=2, seq=128, model=MODEL, **layout):
+    return (name, world, dict(pp=pp, pp_schedule=schedule, pp_microbatches=m, **layout), precision, ckpt, mb, seq, 1,
+            model)
+
+
+PP_CONFIGS = [
+    _pp("pp2 gpipe m4 fp32", 2, 2, "gpipe", 4),
+    _pp("pp2 gpipe m8 bf16", 2, 2, "gpipe", 8, "bf16", mb=1),
+    _pp("pp2 1f1b m2 fp32", 2, 2, "1f1b", 2, mb=4, seq=64),
+    _pp("pp2 1f1b m4 fp32", 2, 2, "1f1b", 4),
+    _pp("pp2 1f1b m8 bf16 full", 2, 2, "1f1b", 8, "bf16", "full", seq=64),
+    _pp("pp2 interleaved_1f1b m4 fp32", 2, 2, "interleaved_1f1b", 4),
+    _pp("pp2 interleaved_1f1b m8 bf16 selective", 2, 2, "interleaved_1f1b", 8, "bf16", "selective", mb=1),
+    _pp("pp2 interleaved_zero_bubble m4 fp32", 2, 2, "interleaved_zero_bubble", 4),
+    _pp("pp2 zbv m4 fp32", 2, 2, "zbv", 4),
+    _pp("pp2 zbv m6 bf16", 2, 2, "zbv", 6, "bf16", mb=1),
+    _pp("pp3 1f1b m6 fp32", 3, 3, "1f1b", 6, mb=1, model=dict(MODEL, n_layers=6)),
+    _pp("pp3 gpipe m3 bf16 every_k", 3, 3, "gpipe", 3, "bf16", "every_k", model=dict(MODEL, n_layers=6)),
+    _pp("pp4 1f1b m8 fp32", 4, 4, "1f1b", 8, mb=1),
+    _pp("pp4 1f1b m4 bf16", 4, 4, "1f1b", 4, "bf16"),
+    _pp("pp4 gpipe m4 fp32", 4, 4, "gpipe", 4, mb=1),
+    _pp("pp4 interleaved_1f1b m8 fp32", 4, 4, "interleaved_1f1b", 8, mb=1, model=MODEL8),
+    _pp("pp4 interleaved_zero_bubble m8 fp32", 4, 4, "interleaved_zero_bubble", 8, mb=1, model=MODEL8),
+    _pp("pp4 zbv m8 bf16", 4, 4, "zbv", 8, "bf16", mb=1, model=MODEL8),
+    _pp("pp2xfsdp2 1f1b m4 fp32", 4, 2, "1f1b", 4, dp_mode="fsdp"),
+    _pp("pp2xfsdp2 gpipe m4 bf16", 4, 2, "gpipe", 4, "bf16", dp_mode="fsdp"),
+    _pp("pp2xfsdp2 interleaved_1f1b m4 bf16", 4, 2, "interleaved_1f1b", 4, "bf16", dp_mode="fsdp"),
+    _pp("pp2xtp2 1f1b m4 fp32", 4, 2, "1f1b", 4, tp=2),
+]
+CONFIGS += PP_CONFIGS
+
 QUICK = {"1rank fp32", "1rank bf16 selective", "ddp2 bf16 full", "zero2x2 bf16", "fsdp2 fp32", "tp2+sp fp32 full",
          "fsdp4 bf16 odd", "fsdp2xtp2 bf16"}
 # Estimator rows that the measurement reports under another name.
@@ -123,8 +159,19 @@ def compare(rows_measured: list[dict], spec: MeasureSpec, world: int) -> dict:
         err = (e - m) / peak if small else (e - m) / max(m, 1)
         out["categories"][c] = {"measured": m, "predicted": e, "err": err, "of_peak": small}
     fe = worst["forward_end"]
-    out["fwd_activations"] = {"measured": fe.get("activations", 0), "predicted": fwd_acts}
-    out["fwd_logits_loss"] = {"measured": fe.get("logits_loss", 0), "predicted": fwd_head}
+    if spec.pp == 1:  # (a pipeline's schedule interleaves forwards and backwards: no "end of forward")
+        out["fwd_activations"] = {"measured": fe.get("activations", 0), "predicted": fwd_acts}
+        out["fwd_logits_loss"] = {"measured": fe.get("logits_loss", 0), "predicted": fwd_head}
+    # FSDP parameter all-gathers per step: measured in the trainer's step against the rule the cost model uses
+    lay = spec.layout(world).validate(est.inputs.model_args, world, spec.batch(world))
+    micro = lay.pp_microbatches if lay.pipelined else spec.accum_steps
+    from paratrain.estimate.model_states import rank_layers
+
+    pp_rank = worst["rank"] // (world // lay.pp)  # pp is the outermost mesh axis
+    blocks = rank_layers(lay, est.inputs.model_args)[pp_rank]
+    groups = lay.fsdp_groups(len(blocks), sum(map(est.inputs.model_args.is_moe_layer, blocks)), pp_rank)
+    out["fsdp_gathers"] = {"measured": worst.get("fsdp_all_gathers", 0), "groups": worst.get("fsdp_groups", 0),
+                           "rule": lay.fsdp_all_gathers(micro, groups)}
     return out
 
 
@@ -144,14 +191,15 @@ def report(results: list[dict]) -> str:
         cats = r["categories"]
         wc = max(cats, key=lambda c: abs(cats[c]["err"])) if cats else "-"
         wtxt = f"{short.get(wc, wc)} {100 * cats[wc]['err']:+.1f}%{' of peak' if cats[wc]['of_peak'] else ''}" if cats else "-"
-        fa = r["fwd_activations"]
-        fa_err = (fa["predicted"] - fa["measured"]) / max(fa["measured"], 1)
+        fa = r.get("fwd_activations")
+        fa_txt = f"{100 * (fa['predicted'] - fa['measured']) / max(fa['measured'], 1):+.2f}%" if fa else "-"
         lines.append(f"| {r['config']} | {r['world']} | {mib(r['measured_peak'])} | {mib(r['predicted_peak'])} | "
-                     f"{100 * r['total_err']:+.2f}% | {r['predicted_phase']} | {wtxt} | {100 * fa_err:+.2f}% |")
+                     f"{100 * r['total_err']:+.2f}% | {r['predicted_phase']} | {wtxt} | {fa_txt} |")
     lines.append("")
     lines.append("| category | configs | worst error | where |")
     lines.append("| --- | ---: | ---: | --- |")
-    for scope, subset in (("", results), (" (dense models)", [r for r in results if "moe" not in r["config"]])):
+    for scope, subset in (("", results), (" (dense models)", [r for r in results if "moe" not in r["config"]]),
+                          (" (pipeline rows)", [r for r in results if r["config"].startswith("pp")])):
         if not subset or (scope and len(subset) == len(results)):
             continue
         worst_total = max(subset, key=lambda r: abs(r["total_err"]))
@@ -164,63 +212,42 @@ def report(results: list[dict]) -> str:
             name, e = max(entries, key=lambda x: abs(x[1]["err"]))
             unit = "% of peak" if e["of_peak"] else "%"
             lines.append(f"| {c}{scope} | {len(entries)} | {100 * e['err']:+.2f}{unit} | {name} |")
-        fwd = max(subset, key=lambda r: abs(r["fwd_activations"]["predicted"] - r["fwd_activations"]["measured"])
-                  / max(r["fwd_activations"]["measured"], 1))
-        fa = fwd["fwd_activations"]
-        lines.append(f"| activations stored at end of forward{scope} | {len(subset)} | "
-                     f"{100 * (fa['predicted'] - fa['measured']) / max(fa['measured'], 1):+.2f}% | {fwd['config']} |")
+        with_fwd = [r for r in subset if "fwd_activations" in r]
+        if with_fwd:
+            fwd = max(with_fwd, key=lambda r: abs(r["fwd_activations"]["predicted"] - r["fwd_activations"]["measured"])
+                      / max(r["fwd_activations"]["measured"], 1))
+            fa = fwd["fwd_activations"]
+            lines.append(f"| activations stored at end of forward{scope} | {len(with_fwd)} | "
+                         f"{100 * (fa['predicted'] - fa['measured']) / max(fa['measured'], 1):+.2f}% | {fwd['config']} |")
+    gathered = [r for r in results if r["fsdp_gathers"]["groups"]]
+    if gathered:
+        lines.append("")
+        lines.append("| config | FSDP groups on the worst rank | all-gathers in the step, measured | "
+                     "Layout.fsdp_all_gathers (estimator and cost model) | agree |")
+        lines.append("| --- | ---: | ---: | ---: | --- |")
+        for r in gathered:
+            g = r["fsdp_gathers"]
+            lines.append(f"| {r['config']} | {g['groups']} | {g['measured']} | {g['rule']} | "
+                         f"{'yes' if g['measured'] == g['rule'] else 'NO'} |")
     return "\n".join(lines)
 
 
 def run_cuda(rows) -> list[dict]:
     """1-rank configurations on the GPU: estimate vs torch.cuda.max_memory_allocated (no tracker), measured
-    through the trainer's own TrainStep."""
-    import torch
-
-    from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
-    from paratrain.distributed.parallel_dims import ParallelDims
-    from paratrain.distributed.parallelize import parallelize
+    through the trainer's own TrainStep (paratrain.estimate.measure.device_step_peaks)."""
     from paratrain.estimate import estimate
-    from paratrain.layout import Layout
-    from paratrain.models.llama import ModelArgs, Transformer
-    from paratrain.training.optim import build_optimizer
-    from paratrain.training.step import TrainStep, make_scaler
+    from paratrain.estimate.measure import device_step_peaks
 
-    dev = torch.device("cuda")
     out = []
     for row in rows:
         spec = spec_of(row)
         if row[1] != 1:
             continue
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated(dev)
-        args = ModelArgs(**spec.model)
-        layout = Layout.resolve(1)
-        with torch.device("meta"):
-            model = Transformer(args)
-        model = parallelize(model, ParallelDims(layout), ActivationCheckpointConfig(spec.checkpointing, spec.every_k),
-                            spec.precision, False, dev, seed=0)
-        opt = build_optimizer(model, OptimizerConfig(impl="fused"), dev)
-        step = TrainStep(model, opt, layout, spec.precision, dev, 1.0, make_scaler(layout, spec.precision, dev))
-        gen = torch.Generator(device=dev).manual_seed(0)
-        for i in range(3):
-            if i == 2:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats(dev)
-            micro = [(torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), device=dev, generator=gen),
-                      torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), device=dev, generator=gen))
-                     for _ in range(spec.accum_steps)]
-            step.forward_backward(micro)
-            step.clip()
-            step.update(finite=True)
-            step.zero_grad()
-        torch.cuda.synchronize()
-        measured = torch.cuda.max_memory_allocated(dev) - base
+        measured = device_step_peaks(spec, "cuda")["allocated"]
         inputs = inputs_for_spec(spec, 1).replace(optimizer_impl="fused", device="cuda", overhead_bytes=0)
         est = estimate(inputs, suggest=False)
         out.append({"config": spec.name, "measured_peak": measured, "predicted_peak": est.peak_bytes,
                     "total_err": (est.peak_bytes - measured) / measured, "predicted_phase": est.phase})
-        del model, opt, step
     return out
 
 

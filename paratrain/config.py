@@ -116,6 +116,7 @@ class ParallelConfig:
     pp_microbatches: int = 0  # per optimizer step and data-parallel rank; 0: automatic
     pp_virtual_stages: int = 1  # stages per rank for the interleaved schedules (1: automatic, 2)
     pp_split: str = ""  # blocks per stage, e.g. "3,2,2,1"; empty: balanced by parameter count
+    pp_stage_gpus: str = ""  # GPU type of each pipeline rank (heterogeneous clusters, written by paratrain plan)
     ep: int = 1
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention; seq_len divisible by 2 x cp)
     ddp_bucket_mb: float = 25.0
@@ -306,6 +307,14 @@ def _set(cfg: Config, dotted: str, value) -> None:
     setattr(section, key, _coerce(dotted, value, typing.get_type_hints(type(section))[key]))
 
 
+def read_toml(p: Path) -> dict:
+    """A TOML file's tables; ConfigError (one line) when it is not TOML."""
+    try:
+        return tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: not valid TOML ({e})") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults <- TOML file <- `section.key=value` overrides, then validate."""
     cfg = Config()
@@ -313,10 +322,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        try:
-            data = tomllib.loads(p.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{p}: not valid TOML ({e})") from None
+        data = read_toml(p)
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{p}: top-level key '{section}' must be a [section] table")

@@ -33,6 +33,7 @@ SCHEDULES: tuple[str, ...] = get_args(Schedule)
 GRAD_COMPRESSIONS: tuple[str, ...] = get_args(GradCompression)
 INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")  # pp_virtual stages per rank, round robin
 MULTI_STAGE = (*INTERLEAVED, "zbv")  # several stages per rank (zbv: exactly 2, V-shaped)
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")  # backward split into input- and weight-gradient steps
 
 # Data-parallel modes by what they shard (ZeRO stages): ddp nothing, zero1 the optimizer state, zero2 also the
 # gradients, fsdp/hsdp also the parameters (hsdp within a replica).
@@ -198,8 +199,49 @@ class Layout:
 
     @property
     def reshard_after_forward(self) -> bool:
-        """zero2 keeps the gathered parameters from forward to backward; zero3/fsdp/hsdp free them."""
-        return self.dp_mode != "zero2"
+        """Whether FSDP frees each block's gathered parameters after its forward: zero3/fsdp/hsdp do, zero2 keeps
+        them to the backward. Inside a pipeline step no mode does: the schedule runs every micro-batch's forward and
+        backward within the step, and torch.distributed.pipelining already keeps parameters gathered after each
+        micro-batch's backward and holds the reduce-scatter back to the last one; resharding after forward would
+        re-gather every block once per micro-batch (torchtitan makes the same choice)."""
+        return self.dp_mode != "zero2" and not self.pipelined
+
+    def fsdp_groups(self, blocks: int, moe_blocks: int = 0, pp_rank: int = 0) -> int:
+        """FSDP parameter groups that all-gather on pipeline rank `pp_rank`, holding `blocks` blocks (`moe_blocks` of
+        them mixture-of-experts): one per block, one per expert-parallel experts module when the experts are
+        sharded over more than one rank (dp_shard / ep > 1), and the root of the model, or of each pipeline stage
+        that holds parameters of its own (the first stage's embedding, the last stage's norm and output)."""
+        if not self.uses_fsdp:
+            return 0
+        experts = moe_blocks if (self.ep > 1 and self.dp_shard // self.ep > 1) else 0
+        if not self.pipelined:
+            return blocks + experts + 1
+        roots = sum(1 for s in (0, self.num_stages - 1) if self.stage_owner(s) == pp_rank)
+        return blocks + experts + (1 if self.num_stages == 1 else roots)
+
+    def fsdp_all_gathers(self, micro_steps: int, groups: int) -> int:
+        """All-gathers of FSDP parameter groups per optimizer step, with `groups` groups on the rank (a block each,
+        expert-parallel experts their own, and the root) and `micro_steps` micro-batches per rank and step. The
+        trainer does this (bench/memory_accuracy.py counts them in its step), and the memory estimator and the
+        planner's cost model count with this one rule: pipelined, each group once per step (gathered at its first
+        forward and kept to the end of the step); zero2, once per micro-step; otherwise twice per micro-step
+        (forward, backward), except the last block, which stays gathered from its forward to its backward.
+        (torch.distributed.pipelining's multi-stage runtime keeps at most 3 of a rank's stages gathered: with more
+        than 3 stages per rank it gathers evicted ones again and this is a lower bound; the planner uses 2 or 3.)"""
+        if not self.uses_fsdp or groups <= 0:
+            return 0
+        if self.pipelined:
+            return groups
+        if not self.reshard_after_forward:
+            return micro_steps * groups
+        return micro_steps * (2 * groups - 1)
+
+    def fsdp_reduce_scatters(self, micro_steps: int, groups: int) -> int:
+        """Gradient reduce-scatters per optimizer step: each group once per micro-step; pipelined, once per step
+        (torch.distributed.pipelining accumulates the micro-batches' gradients unsharded)."""
+        if not self.uses_fsdp or groups <= 0:
+            return 0
+        return groups if self.pipelined else micro_steps * groups
 
     @property
     def fsdp_shard_axes(self) -> tuple[str, ...]:
@@ -371,6 +413,17 @@ class Layout:
                               f"{m // self.pp} rounds of {self.pp} (choose a multiple of parallel.pp)")
         return dataclasses.replace(self, pp_microbatches=m)
 
+    def check_checkpointing(self, mode: str) -> None:
+        """Activation checkpointing (`activation_checkpoint.mode`) against the pipeline schedule: the zero-bubble
+        schedules split each backward into an input-gradient and a weight-gradient step over one kept graph, which
+        selective checkpointing refuses ("backward an extra time") and which keeps every micro-batch's recomputed
+        forward to the end of the step (measured with torch 2.13: zbv with full checkpointing peaks 22% above zbv
+        without), so checkpointing only costs there."""
+        if self.pp > 1 and self.pp_schedule in ZERO_BUBBLE and mode != "none":
+            raise ConfigError(f"activation_checkpoint.mode={mode} does not work with parallel.pp_schedule="
+                              f"{self.pp_schedule} (the zero-bubble backward keeps the recomputed activations to the end "
+                              "of the step); use pp_schedule=1f1b or interleaved_1f1b, or mode=none")
+
     # -- description -----------------------------------------------------------------------------
     def describe(self) -> str:
         """One line for logs: `pp=2 x dp_shard=2 x tp=2 (fsdp)`."""
@@ -447,33 +500,49 @@ def balanced_split(args, num_stages: int) -> tuple[int, ...]:
     stage, norm + output on the last)."""
     from paratrain.models.presets import block_param_count
 
-    n = args.n_layers
-    cost = [block_param_count(args, i) for i in range(n)]
-    cost[0] += args.vocab_size * args.dim
-    cost[-1] += args.vocab_size * args.dim + args.dim
-    return _balanced_split(tuple(cost), num_stages)
+    key = tuple(vars(args).values())
+    cost = _BLOCK_COSTS.get(key)
+    if cost is None:
+        n = args.n_layers
+        cost = [block_param_count(args, i) for i in range(n)]
+        cost[0] += args.vocab_size * args.dim
+        cost[-1] += args.vocab_size * args.dim + args.dim
+        cost = _BLOCK_COSTS[key] = tuple(cost)
+    return _min_max_split(cost, num_stages)
 
 
-@functools.lru_cache(maxsize=512)
-def _balanced_split(cost: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
-    """The dynamic program behind `balanced_split` (cached: the planner validates thousands of layouts)."""
-    n = len(cost)
+_BLOCK_COSTS: dict[tuple, tuple[int, ...]] = {}
+
+
+@functools.lru_cache(maxsize=1024)
+def _min_max_split(cost: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
+    """Contiguous parts of `cost` minimising the largest part's sum (the planner asks for the same ones often)."""
     prefix = [0]
     for c in cost:
         prefix.append(prefix[-1] + c)
+    return min_max_partition(len(cost), num_stages, lambda s, j, i: prefix[i] - prefix[j])
+
+
+def min_max_partition(n: int, parts: int, part_cost, max_size=None) -> tuple[int, ...] | None:
+    """Cut items 0..n-1 into `parts` contiguous parts of at least one item (at most max_size[p] for part p) minimising
+    the largest part_cost(p, start, end) (items start..end-1 as part p); the sizes, or None when the limits leave no
+    cut. Dynamic programming over (parts, items): O(parts x n^2)."""
     inf = float("inf")
-    # best[s][i]: the smallest max-stage cost of the first i blocks cut into s stages
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    # best[s][i]: the smallest largest part cost of the first i items cut into s parts
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0
-    for s in range(1, num_stages + 1):
+    for s in range(1, parts + 1):
+        low = 0 if max_size is None else max_size[s - 1]
         for i in range(s, n + 1):
-            for j in range(s - 1, i):
-                value = max(best[s - 1][j], prefix[i] - prefix[j])
+            for j in range(max(s - 1, i - low) if low else s - 1, i):
+                value = max(best[s - 1][j], part_cost(s - 1, j, i))
                 if value < best[s][i]:
                     best[s][i], cut[s][i] = value, j
+    if best[parts][n] == inf:
+        return None
     sizes, i = [], n
-    for s in range(num_stages, 0, -1):
+    for s in range(parts, 0, -1):
         j = cut[s][i]
         sizes.append(i - j)
         i = j

@@ -100,11 +100,26 @@ def resolve(cfg: Config, world_size: int, data_meta: dict) -> RunSpec:
 
 
 def _validated(cfg: Config, layout: Layout, args: ModelArgs, world_size: int) -> Layout:
+    layout.check_checkpointing(cfg.activation_checkpoint.mode)
+    stage_gpus(cfg, layout)
     if layout.pipelined and cfg.checkpoint.export_safetensors:
         raise ConfigError("checkpoint.export_safetensors is not supported with parallel.pp > 1 yet "
                           "(the DCP checkpoint loads on any layout)")
     grad_compression_site(layout, cfg.parallel.grad_compression)  # where compression applies, or a ConfigError
     return layout.validate(args, world_size, batch_of(cfg, layout)[0])
+
+
+def stage_gpus(cfg: Config, layout: Layout) -> list[str]:
+    """`parallel.pp_stage_gpus`: the GPU type each pipeline rank runs on (empty: not given). ConfigError unless it
+    names one type per pipeline rank."""
+    text = cfg.parallel.pp_stage_gpus.strip()
+    if not text:
+        return []
+    names = [x.strip() for x in text.split(",")]
+    if layout.pp == 1 or len(names) != layout.pp or not all(names):
+        raise ConfigError(f"parallel.pp_stage_gpus='{text}' must name one GPU type per pipeline rank "
+                          f"(parallel.pp={layout.pp})")
+    return names
 
 
 def data_source(cfg: Config) -> Path:

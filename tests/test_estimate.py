@@ -109,7 +109,7 @@ def test_pipeline_in_flight_per_schedule():
     assert e.stages[0]["tensor_peak_bytes"] > e.stages[1]["tensor_peak_bytes"] > e.stages[2]["tensor_peak_bytes"]
     # With full checkpointing the in-flight activations shrink and the last stage's logits are the worst.
     e = estimate(EstimateInputs(llama8b(), lay("1f1b"), seq_len=4096, checkpointing="full"), suggest=False)
-    assert e.stage == 3 and e.phase == "loss backward" and e.at_peak["logits_loss"] > 0
+    assert e.stage == 3 and e.phase.startswith("loss backward") and e.at_peak["logits_loss"] > 0
 
 
 def test_moe_expert_parallel_divides_experts():

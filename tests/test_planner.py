@@ -145,12 +145,19 @@ def test_explain_rejected_and_ranked():
 def test_calibrate_saves_a_profile_plans_can_use(tmp_path, capsys):
     from paratrain.planner.hardware import calibrate
 
-    hw, path = calibrate("cpu-test", 2, tmp_path, seconds=0.02)
+    from paratrain.models import preset_args
+
+    # with a model: also at its shapes (its GEMMs, its attention, one of its blocks timed eagerly)
+    hw, path = calibrate("cpu-test", 2, tmp_path, seconds=0.02, model=preset_args("tiny", vocab_size=128), seq=32,
+                         micro_batches=(1,))
     assert path == tmp_path / "cpu-test.json" and path.is_file()
     assert hw.device == "cpu" and hw.intra.bandwidth > 0 and hw.compute_scale >= 1.0
     assert all(rate > 0 for _, rate in hw.gemm)
+    assert hw.attention and hw.modes["eager"] > 0 and any(k.startswith("block eager") for k in hw.shapes)
+    assert not hw.float8_gemm  # no float8 on a CPU
     back = resolve_hardware("cpu-test", profile_dir=tmp_path)
     assert back.gemm == hw.gemm and back.compute_scale == hw.compute_scale
+    assert back.attention == hw.attention and back.modes == hw.modes
     assert main(["plan", "--model", "tiny", "--gpus", "2", "--gpus-per-node", "2", "--gpu", "cpu-test",
                  "--profile-dir", str(tmp_path), "--seq", "32", "--global-batch-tokens", "256",
                  "--out", str(tmp_path / "plan")]) == 0

@@ -164,10 +164,11 @@ def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointCo
         model.layers[key] = checkpoint_wrapper(block, **kwargs)
 
 
-def apply_compile(model: nn.Module) -> None:
-    # Per block, in place (Module.compile keeps parameter names); blocks share one compiled graph.
+def apply_compile(model: nn.Module, backend: str | None = None) -> None:
+    # Per block, in place (Module.compile keeps parameter names); blocks share one compiled graph. `backend`: torch's
+    # default (inductor) unless given (bench/gpu.py checks the path on a CPU with "aot_eager").
     for block in model.layers.values():
-        block.compile()
+        block.compile(**({"backend": backend} if backend else {}))
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_mesh=None,
@@ -205,11 +206,12 @@ def _whole_length(layout):
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: ActivationCheckpointConfig,
-                precision: str, compile: bool, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0,
+                precision: str, compile: bool | str, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0,
                 comm: GradComm | None = None) -> nn.Module:
     """Apply the layout to a model or pipeline stage built on the meta device; returns the module to train
-    (maybe a DDP wrapper). `comm` carries the gradient communication settings (`[parallel]`: compression, DDP
-    buckets, FSDP prefetching); None: no compression, FSDP2's default prefetching, `ddp_bucket_mb` buckets."""
+    (maybe a DDP wrapper). compile: True for torch.compile's default backend, or a backend name. `comm` carries the
+    gradient communication settings (`[parallel]`: compression, DDP buckets, FSDP prefetching); None: no
+    compression, FSDP2's default prefetching, `ddp_bucket_mb` buckets."""
     layout = dims.layout
     comm = comm or GradComm.default(dims, device, ddp_bucket_mb)
     if layout.tp_enabled:
@@ -224,7 +226,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
     expert_dp_mesh = distribute_experts(model, dims)
     apply_activation_checkpointing(model, activation_checkpoint)
     if compile:
-        apply_compile(model)
+        apply_compile(model, compile if isinstance(compile, str) else None)
     if layout.uses_fsdp:
         apply_fsdp(model, dims, precision, expert_dp_mesh, comm)
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):

@@ -72,10 +72,11 @@ class Pipeline:
         self.busy_s = 0.0
         start = time.perf_counter()
         target = y if self.has_last else None
+        # return_outputs=False: the last stage would otherwise keep every microbatch's logits to the end of the step
         if self.has_first:
-            self.schedule.step(x, target=target, losses=losses)
+            self.schedule.step(x, target=target, losses=losses, return_outputs=False)
         else:
-            self.schedule.step(target=target, losses=losses)
+            self.schedule.step(target=target, losses=losses, return_outputs=False)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.step_s = time.perf_counter() - start
@@ -164,7 +165,43 @@ def _recv(src: int, group, device) -> torch.Tensor:
     return t
 
 
-def _timed(pipeline: Pipeline, fn):
+SLOWDOWN_ENV = "PARATRAIN_SIM_SLOWDOWN"
+
+
+def simulated_slowdown(rank: int) -> float:
+    """Benchmarks and tests only (bench/heterogeneous.py): PARATRAIN_SIM_SLOWDOWN="1,1,3,3" makes global rank r's
+    pipeline compute take that many times as long (it waits (factor - 1) x each chunk's compute time after it),
+    standing in for a slower GPU type on CPU ranks. Unset: 1."""
+    import os
+
+    text = os.environ.get(SLOWDOWN_ENV, "").strip()
+    if not text:
+        return 1.0
+    factors = [float(x) for x in text.split(",")]
+    return factors[rank] if rank < len(factors) else 1.0
+
+
+def check_stage_gpu(expected: list[str], pp_rank: int, device: torch.device) -> None:
+    """`parallel.pp_stage_gpus`: on CUDA, this rank must run on its pipeline stage's GPU type (a node order other than
+    the plan's would put the large stages on the slow GPUs). CPU ranks are not checked."""
+    if not expected or device.type != "cuda":
+        return
+    from paratrain.errors import UserError
+    from paratrain.estimate.gpus import gpu_from_device_name, gpu_memory
+
+    want = expected[pp_rank]
+    name = torch.cuda.get_device_name(device)
+    have = gpu_from_device_name(name, torch.cuda.get_device_properties(device).total_memory)
+    try:  # the same GPU model (H100, A100, ...); a variant (PCIe, 40GB) is not checked
+        ok = have is not None and gpu_memory(want)[0].split("-")[0] == have.split("-")[0]
+    except UserError:
+        ok = want.lower() in name.lower()  # a calibrated profile's name
+    if not ok:
+        raise UserError(f"pipeline rank {pp_rank} runs on {name}, but parallel.pp_stage_gpus puts a {want} there: "
+                        "start the nodes in the plan's order (its launch lines give each node's rank)")
+
+
+def _timed(pipeline: Pipeline, fn, slowdown: float = 1.0):
     def wrapper(*args, **kwargs):
         if pipeline.device.type == "cuda":
             torch.cuda.synchronize(pipeline.device)
@@ -174,7 +211,11 @@ def _timed(pipeline: Pipeline, fn):
         finally:
             if pipeline.device.type == "cuda":
                 torch.cuda.synchronize(pipeline.device)
-            pipeline.busy_s += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            if slowdown > 1:
+                time.sleep((slowdown - 1) * spent)
+                spent *= slowdown
+            pipeline.busy_s += spent
 
     return wrapper
 
@@ -219,8 +260,9 @@ def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str
     schedule = cls(stages[0] if layout.pp_schedule not in MULTI_STAGE else stages,
                    n_microbatches=layout.pp_microbatches, loss_fn=loss_fn, scale_grads=True)
     pipe = Pipeline(layout, rank_model, modules, stages, schedule, group, pp_rank, device)
+    slowdown = simulated_slowdown(dist.get_rank())
     for st in stages:
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             if hasattr(st, name):
-                setattr(st, name, _timed(pipe, getattr(st, name)))
+                setattr(st, name, _timed(pipe, getattr(st, name), slowdown))
     return pipe

@@ -43,6 +43,8 @@ tests/test_estimate.py); the MoE layer's formula follows paratrain/models/moe.py
 
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass
 
@@ -237,6 +239,7 @@ def _experts_use_mm(d: ActDims) -> bool:
     return d.regime == "autocast" or not d.cuda
 
 
+@functools.lru_cache(maxsize=8192)
 def block_saved(d: ActDims, moe: MoEDims | None = None) -> list[tuple[str, int]]:
     """All tensors one block saves with no checkpointing."""
     return attention_saved(d) + (moe_ffn_saved(d, moe) if moe else dense_ffn_saved(d))
@@ -266,6 +269,7 @@ def sac_saved(d: ActDims, moe: MoEDims | None = None) -> list[tuple[str, int]]:
     return out
 
 
+@functools.lru_cache(maxsize=8192)
 def block_stored(d: ActDims, mode: str, moe: MoEDims | None = None) -> int:
     """Bytes a block keeps from its forward to its backward under checkpointing `mode`."""
     if mode == "none":
@@ -289,6 +293,7 @@ def _swiglu_backward(d: ActDims, moe: MoEDims | None) -> tuple[int, int]:
     return 2 * width, width
 
 
+@functools.lru_cache(maxsize=8192)
 def block_backward_live(d: ActDims, mode: str, moe: MoEDims | None = None) -> tuple[int, int]:
     """(activations, temporaries) of one block at the peak of its own backward, beyond the other blocks' bytes.
 
@@ -322,6 +327,7 @@ def block_backward_live(d: ActDims, mode: str, moe: MoEDims | None = None) -> tu
     return kept, saved + grads + leftover + pure_extra - kept
 
 
+@functools.lru_cache(maxsize=8192)
 def recompute_end(d: ActDims, mode: str, moe: MoEDims | None = None) -> tuple[int, int]:
     """(activations, temporaries) of a checkpointed block when its recomputation stops, before the SwiGLU backward:
     the recomputed forward's frame still holds the last norm's output (and under sequence parallelism its

@@ -24,9 +24,11 @@ from paratrain.errors import ConfigError, UserError
 from paratrain.estimate import activations as A
 from paratrain.estimate.compression import Compression, compression_cost
 from paratrain.estimate.gpus import GB, GiB, fmt_bytes
-from paratrain.estimate.model_states import (BF16, FP32, Param, fsdp_numel, local_shape, model_params, rank_layers,
+from paratrain.estimate.model_states import (BF16, FP32, Param, fsdp_gathers_per_step, fsdp_numel, local_shape,
+                                             model_params, rank_layers,
+                                             rank_params,
                                              stage_of, state_bytes, zero_table)
-from paratrain.layout import Batch, Layout, grad_compression_site
+from paratrain.layout import MULTI_STAGE, Batch, Layout, grad_compression_site
 from paratrain.models.args import ModelArgs
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
@@ -98,6 +100,7 @@ class Estimate:
     alternatives: list[dict] = field(default_factory=list)
     searched: bool = False  # whether suggestions were looked for
     stages: list[dict] = field(default_factory=list)  # per pipeline stage: peak and phase
+    fsdp_all_gathers: int = 0  # FSDP parameter all-gathers per step on the worst rank (Layout.fsdp_all_gathers)
 
     @property
     def total_bytes(self) -> int:
@@ -131,7 +134,7 @@ class Estimate:
             "total_bytes": self.total_bytes, "headroom_bytes": self.headroom_bytes, "fits": self.fits,
             "notes": self.notes, "block_activation_bytes": dict(self.per_block),
             "zero_breakdown": {"ranks": self.zero_ranks, "rows": self.zero, "units": "bytes"},
-            "stages": self.stages,
+            "stages": self.stages, "fsdp_all_gathers_per_step": self.fsdp_all_gathers,
             "suggestion": self.suggestion, "alternatives": self.alternatives,
         }
 
@@ -238,6 +241,7 @@ def _validate(i: EstimateInputs) -> EstimateInputs:
                         "Layout.pp_microbatches)")
     if i.fsdp_backward_prefetch < 1:
         raise UserError(f"--fsdp-backward-prefetch must be >= 1, got {i.fsdp_backward_prefetch}")
+    lay.check_checkpointing(i.checkpointing)
     steps = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
     batch = Batch(global_batch=i.micro_batch * steps * lay.dp, micro_batch=i.micro_batch, seq_len=i.seq_len)
     grad_compression_site(lay, i.compression.method)  # ConfigError where it cannot apply
@@ -250,33 +254,33 @@ def block_modes(n_layers: int, checkpointing: str, every_k: int) -> list[str]:
     return [checkpointing] * n_layers
 
 
-def in_flight(layout: Layout, stage: int) -> float:
-    """Micro-batches whose activations a pipeline rank holds at its peak, in units of all its blocks.
-
-    gpipe: all m. 1f1b: min(pp - stage, m) (warm-up forwards before the first backward). interleaved_1f1b and
-    interleaved_zero_bubble with v stages per rank (torch.distributed.pipelining's warm-up): (v - 1) pp +
-    2 (pp - 1 - stage) stage-forwards plus one, each holding one stage (1/v of the rank's blocks), at most m v.
-    zbv: like 1f1b, pp micro-batches of the rank's blocks (the V-shape gives every rank about the first
-    stage's memory). Zero-bubble schedules defer weight gradients, which keeps their inputs a little longer;
-    that is not counted.
-    """
-    p, m, r, v = layout.pp, layout.pp_microbatches, stage, layout.pp_virtual
-    if p == 1:
+def in_flight(layout: Layout, rank: int) -> float:
+    """The most micro-batches whose activations pipeline rank `rank` holds at once, in units of all its blocks, from
+    its schedule's order of forwards and backwards (paratrain/estimate/schedule.py). 1 without a pipeline."""
+    if layout.pp == 1:
         return 1.0
-    if layout.pp_schedule == "gpipe":
-        return float(m)
-    if layout.pp_schedule == "1f1b":
-        return float(min(p - r, m))
-    if layout.pp_schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
-        warm = (v - 1) * p + 2 * (p - 1 - r)
-        return min(warm + 1, m * v) / v
-    return float(min(p, m))  # zbv
+    from paratrain.estimate.schedule import max_in_flight
+
+    return max_in_flight(layout.pp_schedule, layout.pp, layout.pp_virtual, layout.pp_microbatches, rank)
+
+
+_FSDP_BYTES: dict = {}
 
 
 def _fsdp_bytes(params: list[Param], layout: Layout, pbytes: int, rbytes: int = FP32) -> tuple[int, int]:
     """(unsharded bytes in the compute dtype, reduce-scatter input bytes in the reduce dtype: fp32, or bf16 with
     grad_compression=bf16) of an FSDP group: each parameter padded to a multiple of the ranks it is sharded over
-    (experts under ep: dp_shard / ep)."""
+    (experts under ep: dp_shard / ep). Cached: the planner asks for the same groups thousands of times."""
+    key = (tuple((p.shape, p.tp_dim, p.expert) for p in params), layout, pbytes, rbytes)
+    hit = _FSDP_BYTES.get(key)
+    if hit is None:
+        if len(_FSDP_BYTES) > 4096:
+            _FSDP_BYTES.clear()
+        hit = _FSDP_BYTES[key] = _fsdp_bytes_of(params, layout, pbytes, rbytes)
+    return hit
+
+
+def _fsdp_bytes_of(params: list[Param], layout: Layout, pbytes: int, rbytes: int) -> tuple[int, int]:
     unsh = rs = 0
     for p in params:
         n = max(1, layout.dp_shard // layout.ep) if (p.expert and layout.ep > 1) else layout.shard_degree
@@ -297,8 +301,11 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
     modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
     moe_of = {l: (moe if args.is_moe_layer(l) else None) for l in my_layers}
     stored = {l: A.block_stored(d, modes[l], moe_of[l]) for l in my_layers}
-    params = [p for p in model_params(args) if stage in stage_of(p, lay, layers_by_stage)]
-    by_layer = {l: [p for p in params if p.layer == l] for l in my_layers}
+    params = rank_params(args, lay, stage, layers_by_stage)
+    by_layer = {l: [] for l in my_layers}
+    for p in params:
+        if p.layer is not None:
+            by_layer[p.layer].append(p)
     root = [p for p in params if p.layer is None]
     head_params = [p for p in root if p.where == "head"]
     low = i.precision != "fp32"
@@ -476,13 +483,264 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
     return {"peak": peak, "phase": phase, "at_peak": cats, "sizes": sizes, "states": st, "dims": d, "moe": moe}
 
 
-def estimate(i: EstimateInputs, suggest: bool = True) -> Estimate:
-    """The per-rank memory estimate for one configuration (UserError on inputs that cannot run)."""
+def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]]) -> dict:
+    """Peak of pipeline rank `rank`: its schedule's actions in order (paratrain/estimate/schedule.py), each backward
+    walked block by block (as `_stage_walk` walks a whole model) on top of what the rest of the schedule holds then.
+
+    Held per micro-batch from its forward to its backward (its weight-gradient step "W" in the zero-bubble
+    schedules): each block's saved tensors; a stage's output, which the stage keeps for its backward (on the last
+    stage: the logits, the final norm's and the loss's saved tensors). A non-first stage's first block saves its
+    received input, which is the stage's receive buffer when the residual stream is fp32 (not counted twice).
+    Between "I" and "W" the zero-bubble schedules also keep the gradients of each weight's output.
+    Held for the whole step: the whole batch's token ids and targets (every rank), the stages' receive buffers (one
+    activation and one gradient buffer per micro-batch and stage boundary, `PipelineStage` preallocates them), and
+    under FSDP every block's gathered parameters and its gradients accumulated unsharded in fp32
+    (`Layout.reshard_after_forward`: gathered once per step; reduce-scattered after the last micro-batch).
+    Gradients of a stage exist from its first backward on."""
+    from paratrain.estimate.schedule import rank_actions
+
+    args, lay = i.model_args, i.layout
+    st = state_bytes(args, lay, i.precision, i.optimizer, i.accounting, rank, layers_by_stage)
+    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device)
+    m, last_stage = lay.pp_microbatches, lay.num_stages - 1
+    stages = lay.local_stages(rank)
+    layers_of = {s: lay.stage_layers(s) for s in stages}
+    modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
+    stored = {l: A.block_stored(d, modes[l], None) for s in stages for l in layers_of[s]}
+    params = rank_params(args, lay, rank, layers_by_stage)
+    by_layer = {l: [] for s in stages for l in layers_of[s]}
+    for p in params:
+        if p.layer is not None:
+            by_layer[p.layer].append(p)
+    root = [p for p in params if p.layer is None]
+    emb_params = [p for p in root if p.where == "embedding"]
+    head_params = [p for p in root if p.where == "head"]
+    low = i.precision != "fp32"
+    classic = i.accounting == "classic" and low
+    fsdp = lay.uses_fsdp and not (classic and lay.zero_stage == 2)
+    pbytes = BF16 if (low and (fsdp or classic)) else FP32
+
+    def local_numel(ps):
+        return sum(math.prod(local_shape(p, lay)) for p in ps)
+
+    def step_grads(ps):  # gradient bytes these params hold during the step (before the final reduce-scatter)
+        if classic:
+            return 0  # preallocated buffers, counted in full below
+        if fsdp:
+            return _fsdp_bytes(ps, lay, pbytes)[1]  # accumulated unsharded, fp32
+        return local_numel(ps) * FP32
+
+    def dw2(layer):
+        return local_numel([p for p in by_layer[layer] if p.name.endswith("feed_forward.w2.weight")])
+
+    g_const = st.grads if classic else 0
+    stage_grads = {s: step_grads([p for l in layers_of[s] for p in by_layer[l]]
+                                 + (emb_params if s == 0 else []) + (head_params if s == last_stage else []))
+                   for s in stages}
+    binp = A.block_input(d)
+    head = sum(b for _, b in A.head_saved(d))
+    logits = d.N * d.V * d.L  # the last stage's output, kept by the stage until its backward
+    shared_input = binp if d.R == FP32 else 0  # the first block saves the receive buffer itself (fp32 residual)
+    hold, hold_head = {}, {}  # per in-flight micro-batch: activations, and the last stage's logits and loss tensors
+    for s in stages:
+        h = sum(stored[l] for l in layers_of[s])
+        h += A.final_residual(d) if s == last_stage else binp
+        hold[s] = h - (shared_input if s > 0 else 0)
+        hold_head[s] = head + logits if s == last_stage else 0
+    tokens = m * A.inputs_bytes(d)  # the whole batch of this data-parallel rank
+    p2p = sum(((s > 0) + (s < last_stage)) * m * binp for s in stages)
+    unsh = {l: _fsdp_bytes(by_layer[l], lay, pbytes) for l in by_layer} if fsdp else {}
+    gathered = (sum(u for u, _ in unsh.values()) + _fsdp_bytes(root, lay, pbytes)[0]) if fsdp else 0
+    autocast = st.autocast_copies
+    base = dict(parameters=st.params + st.rope_buffers * len(stages), optimizer=st.optimizer, master=st.master,
+                autocast_copies=autocast)
+    cands = []
+
+    def add(phase, **cats):
+        cands.append((sum(cats.values()), phase, cats))
+
+    in_flight = dict.fromkeys(stages, 0)  # micro-batches forwarded and not yet (weight-)backwarded
+    pending = dict.fromkeys(stages, 0)  # zero bubble: input gradients done, weight gradients not yet
+    # what an input-gradient step leaves for the weight-gradient step, per stage
+    inter = {s: len(layers_of[s]) * _zb_intermediates(d) + (_zb_head_intermediates(d) if s == last_stage else 0)
+             for s in stages}
+
+    grads_done: set[int] = set()
+    local: dict = {}
+    block_grads = {s: {l: step_grads(by_layer[l]) for l in layers_of[s]} for s in stages}
+    dw2_bytes = {s: {l: dw2(l) * pbytes for l in layers_of[s]} if fsdp else None for s in stages}
+    # The multi-stage schedules wait for their sends only at the end of the step, and a send keeps its tensor: every
+    # stage output sent to another rank (once its micro-batch is backwarded, no longer counted in `hold`) and every
+    # input gradient sent back stays allocated to the end of the step.
+    stash_sends = lay.pp_schedule in MULTI_STAGE
+    remote_next = {s: s < last_stage and lay.stage_owner(s + 1) != rank for s in stages}
+    remote_prev = {s: s > 0 and lay.stage_owner(s - 1) != rank for s in stages}
+    sent_out = sent_grads = 0
+    for stage, kind, mb in rank_actions(lay.pp_schedule, lay.pp, lay.pp_virtual, m, rank):
+        if kind == "F":
+            in_flight[stage] += 1
+            continue
+        if kind == "I" and stage == 0:
+            continue  # the first stage has no input gradients: its "W" runs the whole backward
+        if kind == "W" and stage == 0:
+            kind = "B"
+        others = sum(in_flight[s] * hold[s] + pending[s] * inter[s] for s in stages) - hold[stage] + sent_out
+        others_head = sum(in_flight[s] * hold_head[s] for s in stages) - hold_head[stage]
+        if kind == "W":
+            others -= inter[stage]
+        first_bwd = stage not in grads_done
+        grads_before = g_const + sum(stage_grads[s] for s in grads_done)
+        # The stage's own walk is the same at every micro-batch (what else is held only adds to each of its
+        # candidates): walked once per (stage, kind, first backward), shifted by this point's additions.
+        key = (stage, kind, first_bwd)
+        if key not in local:
+            found = []
+            _backward_points(lambda phase, **cats: found.append((sum(cats.values()), phase, cats)), base, d, stage,
+                             kind, layers_of[stage], stored, modes, stage == last_stage, stage > 0 and shared_input,
+                             tokens=tokens, comm=p2p + gathered, block_grads=block_grads[stage],
+                             head_grads=step_grads(head_params) if stage == last_stage else 0,
+                             stage_grads=stage_grads[stage], first_bwd=first_bwd,
+                             out=binp if stage != last_stage else logits, head=head, dw2=dw2_bytes[stage])
+            local[key] = max(found, key=lambda c: c[0])
+        _, phase, cats = local[key]
+        shifted = dict(cats)
+        for cat, extra in (("pipeline", others), ("logits_loss", others_head), ("gradients", grads_before),
+                           ("comm_buffers", sent_grads)):
+            shifted[cat] = shifted.get(cat, 0) + extra
+        add(phase, **shifted)
+        if kind in ("I", "B") and stash_sends and remote_prev[stage]:
+            sent_grads += binp
+        if kind == "I":
+            pending[stage] += 1
+        else:
+            in_flight[stage] -= 1
+            grads_done.add(stage)
+            if kind == "W":
+                pending[stage] -= 1
+            if stash_sends and remote_next[stage]:
+                sent_out += binp
+    # the end of the step: FSDP reshards and reduce-scatters each group's accumulated gradients (the largest
+    # group's buffers at the worst time: all gradients still unsharded)
+    if fsdp and unsh:
+        rs_in = max(r for _, r in unsh.values())
+        add("reduce-scatter after the last micro-batch", **base, gradients=sum(stage_grads.values()),
+            comm_buffers=p2p + gathered + rs_in // lay.shard_degree + (rs_in if i.device == "cpu" else 0),
+            activations=tokens)
+    opt_temp = 0
+    if i.optimizer_impl != "fused" and i.optimizer in ("adamw", "adam"):
+        gb = BF16 if classic else FP32
+        small = [p for p in params if len(p.shape) < 2]
+        small_bytes = (sum(fsdp_numel(p, lay) for p in small) if lay.uses_fsdp else local_numel(small)) * gb
+        opt_temp = max(st.grads - small_bytes, small_bytes) * (FP32 // gb)
+    add("optimizer step", **base, gradients=st.grads, comm_buffers=p2p, temporaries=opt_temp)
+
+    peak, phase, cats = max(cands, key=lambda c: c[0])
+    sizes = {}
+    for _, _, c in cands:
+        for key, v in c.items():
+            sizes[key] = max(sizes.get(key, 0), v)
+    return {"peak": peak, "phase": phase, "at_peak": cats, "sizes": sizes, "states": st, "dims": d, "moe": None}
+
+
+def _zb_intermediates(d: A.ActDims) -> int:
+    """What a zero-bubble input-gradient step keeps of one block for its weight-gradient step: the gradient of each
+    weight's output (q, k, v, o, w1, w3, w2 in the matmul dtype, the two norm gains' in the residual dtype)."""
+    N = d.N
+    return N * (d.Hq * d.D + 2 * d.Hkv * d.D + 2 * d.C + 2 * d.F) * d.L + 2 * N // d.seq_div * d.C * d.R
+
+
+def _zb_head_intermediates(d: A.ActDims) -> int:
+    """The last stage's: the logits' gradient (the output weight's) and the final norm gain's."""
+    return d.N * d.V * FP32 + d.N // d.seq_div * d.C * d.R
+
+
+# The end of a block's input-gradient step: the attention norm's backward in fp32 (x^2, mean, rsqrt products) beside
+# the incoming gradient, in units of N x C fp32 values (measured: bench/memory_accuracy.py zero-bubble rows).
+ZB_NORM_BACKWARD_VALUES = 6
+
+
+def _backward_points(add, base, d, stage, kind, layers, stored, modes, last, shared, *, tokens, comm, block_grads,
+                     head_grads, stage_grads, first_bwd, out, head, dw2, others=(0, 0), grads_before=0) -> None:
+    """Candidate peaks of one stage's backward of one micro-batch on top of `others` (what the other in-flight
+    micro-batches hold) and what the whole step holds: "B" (the whole backward) block by block, last to first;
+    the zero-bubble input-gradient step "I" (nothing is freed: the graph is kept for "W", and each block leaves the
+    gradients of its weights' outputs), and the weight-gradient step "W" (at its start, and at its end when the
+    stage's gradients exist)."""
+    others, others_head = others
+    stage_acts = sum(stored[l] for l in layers) - shared
+    keep = out if not last else 0  # the stage's output stays referenced to the end of its backward
+    if kind == "W":
+        add(f"weight gradients (stage {stage})", **base, gradients=grads_before, activations=stage_acts + tokens + keep,
+            pipeline=others, logits_loss=others_head + (head + out if last else 0), comm_buffers=comm,
+            temporaries=len(layers) * _zb_intermediates(d) + (_zb_head_intermediates(d) if last else 0))
+        add(f"end of weight gradients (stage {stage})", **base,
+            gradients=grads_before + (stage_grads if first_bwd else 0), activations=tokens, pipeline=others,
+            logits_loss=others_head, comm_buffers=comm)
+        return
+    weights = kind == "B"
+    grads_now = grads_before
+    held = 0  # zero bubble: the weights' output gradients kept so far
+    if last:
+        add(f"loss backward (stage {stage})", **base, gradients=grads_now,
+            activations=stage_acts + A.final_residual(d) + tokens, pipeline=others,
+            logits_loss=head + out + A.loss_backward_extra(d) + others_head, comm_buffers=comm)
+        if weights and first_bwd:
+            grads_now += head_grads
+        if not weights:
+            held += _zb_head_intermediates(d)
+    stored_below = stage_acts
+    for idx in reversed(range(len(layers))):
+        l = layers[idx]
+        stored_below -= stored[l] - (shared if idx == 0 else 0)
+        b_acts, b_temps = A.block_backward_live(d, modes[l], None)
+        b_acts -= shared if idx == 0 else 0
+        from_head = A.block_input(d) if (last and idx == len(layers) - 1) else 0
+        what = f"block {l} (stage {stage}{', input gradients' if not weights else ''})"
+        if weights:
+            temps = b_temps + (dw2[l] if dw2 is not None else 0)
+            add(f"backward of {what}", **base, gradients=grads_now, activations=stored_below + b_acts + tokens + keep,
+                pipeline=others, logits_loss=from_head + others_head, comm_buffers=comm, temporaries=temps - from_head)
+        else:  # nothing of the block is freed; its weights' output gradients accumulate
+            current_head = head + out if last else 0  # the last stage's logits and loss tensors are kept too
+            add(f"backward of {what}", **base, gradients=grads_now, activations=stage_acts + tokens + keep,
+                pipeline=others, logits_loss=from_head + others_head + current_head, comm_buffers=comm,
+                temporaries=held + b_temps - (stored[l] - shared * (idx == 0) - b_acts) - from_head)
+            held += _zb_intermediates(d)
+            add(f"end of {what}", **base, gradients=grads_now, activations=stage_acts + tokens + keep,
+                pipeline=others, logits_loss=others_head + current_head, comm_buffers=comm,
+                temporaries=held + (ZB_NORM_BACKWARD_VALUES * d.N // d.seq_div * d.C - d.N // d.seq_div * d.C) * FP32
+                + A.block_input(d))
+        if modes[l] != "none":
+            r_acts, r_temps = A.recompute_end(d, modes[l], None)
+            add(f"recomputation of {what}", **base, gradients=grads_now,
+                activations=stored_below + r_acts + tokens + keep - (shared if idx == 0 else 0), pipeline=others,
+                logits_loss=from_head + others_head, comm_buffers=comm, temporaries=held + r_temps - from_head)
+        if weights and first_bwd:
+            grads_now += block_grads[l]
+
+
+def candidate_ranks(lay: Layout, layers_by_stage: list[list[int]]) -> list[int]:
+    """The pipeline ranks that can hold the most (the planner estimates only these): the first two and the last two
+    (the first holds the most micro-batches in flight, the last the logits, and with an even split the next ones hold
+    the most blocks), the owners of the first and last stage, and every rank with the most blocks."""
+    most = max(len(b) for b in layers_by_stage)
+    ranks = {0, min(1, lay.pp - 1), max(lay.pp - 2, 0), lay.pp - 1, lay.stage_owner(0),
+             lay.stage_owner(lay.num_stages - 1)}
+    ranks |= {r for r, b in enumerate(layers_by_stage) if len(b) == most and r <= 2}
+    return sorted(ranks)
+
+
+def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) -> Estimate:
+    """The per-rank memory estimate for one configuration (UserError on inputs that cannot run). all_ranks=False
+    walks only the pipeline ranks that can be the worst (`candidate_ranks`; the planner's shortcut): same worst
+    rank, `stages` then lists only those."""
     i = _validate(i)
     lay, args = i.layout, i.model_args
     layers_by_stage = rank_layers(lay, args)
-    walks = [_stage_walk(i, s, layers_by_stage) for s in range(lay.pp)]
-    worst = max(range(lay.pp), key=lambda s: walks[s]["peak"])
+    walk = _pipeline_walk if lay.pp > 1 else _stage_walk
+    ranks = range(lay.pp) if (all_ranks or lay.pp <= 4) else candidate_ranks(lay, layers_by_stage)
+    walks = {s: walk(i, s, layers_by_stage) for s in ranks}
+    worst = max(walks, key=lambda s: walks[s]["peak"])
     w = walks[worst]
     overhead = i.overhead_bytes if i.overhead_bytes is not None else default_overhead(lay, i.device)
     at = {k: int(v) for k, v in w["at_peak"].items() if v}
@@ -499,15 +757,21 @@ def estimate(i: EstimateInputs, suggest: bool = True) -> Estimate:
         notes.append("MoE layers: activation formula from paratrain/models/moe.py, not yet checked against "
                      f"measurement; routed-token imbalance x{i.moe_imbalance:g}")
     if lay.pp > 1:
-        notes.append(f"pipeline: {in_flight(lay, worst):g} micro-batches in flight on stage {worst} "
-                     f"({lay.pp_schedule}); pipeline memory is a formula, not yet checked against measurement")
+        notes.append(f"pipeline: at most {in_flight(lay, worst):g} micro-batches in flight on pp rank {worst} "
+                     f"({lay.pp_schedule}; its order of forwards and backwards walked, checked against measurement in "
+                     "bench/memory_accuracy.py)")
+    micro = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
+    gathers = fsdp_gathers_per_step(lay, args, micro)
+    if gathers:
+        notes.append(f"FSDP: {gathers} parameter all-gathers per step on the rank with the most blocks"
+                     + (" (each group gathered once per pipeline step and kept to its end)" if lay.pp > 1 else ""))
     if lay.uses_ddp and i.accounting != "classic":
         notes.append("DDP keeps flat gradient buckets as large as the gradients (gradient_as_bucket_view=False)")
     est = Estimate(i, int(w["peak"]), overhead, at, sizes, w["phase"], worst, notes,
-                   per_block=A.block_saved(d, None))
+                   per_block=A.block_saved(d, None), fsdp_all_gathers=gathers)
     if lay.pp > 1:
         est.stages = [{"stage": s, "tensor_peak_bytes": int(x["peak"]), "total_bytes": int(x["peak"]) + overhead,
-                       "phase": x["phase"]} for s, x in enumerate(walks)]
+                       "phase": x["phase"]} for s, x in walks.items()]
     if i.precision != "fp32" and i.optimizer in ("adamw", "adam"):
         est.zero_ranks = lay.dp if lay.dp > 1 else 8
         est.zero = zero_table(args, est.zero_ranks, i.optimizer)

@@ -73,6 +73,27 @@ def gpu_memory(name: str) -> tuple[str, int]:
     raise UserError(f"unknown GPU '{name}'{hint}; known: {', '.join(GPUS)}; or give --gpu-memory SIZE (e.g. 24GiB)")
 
 
+def gpu_from_device_name(device_name: str, total_bytes: int | None = None) -> str | None:
+    """The table's name for a device as torch.cuda.get_device_name() reports it ("NVIDIA H100 80GB HBM3" ->
+    "H100-SXM", "NVIDIA A100-SXM4-40GB" -> "A100-40GB"): the longest model id (the part before the first dash)
+    found in the name, then the variant named in it, else the one closest in memory, else the usual one."""
+    key = _key(device_name)
+    models: dict[str, list[str]] = {}
+    for name in GPUS:
+        models.setdefault(_key(name.split("-")[0]), []).append(name)
+    found = [m for m in models if m in key]
+    if not found:
+        return None
+    options = models[max(found, key=len)]
+    named = [o for o in options if "-" in o and _key(o.split("-", 1)[1]) in key]
+    if named:
+        return max(named, key=len)
+    if total_bytes and len(options) > 1:
+        return min(options, key=lambda o: abs(GPUS[o][0] - total_bytes))
+    default = _BY_KEY.get(_key(options[0].split("-")[0]))
+    return default if default in options else options[0]
+
+
 _UNITS = {"B": 1, "KB": 10**3, "KIB": 2**10, "MB": 10**6, "MIB": 2**20, "GB": GB, "GIB": GiB, "TB": 10**12,
           "TIB": 2**40, "K": 2**10, "M": 2**20, "G": GiB, "T": 2**40}
 

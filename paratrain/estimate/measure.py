@@ -207,6 +207,12 @@ class MeasureSpec:
     optimizer_impl: str = "foreach"
     steps: int = 2  # the last one is measured (the first creates the optimizer state)
     name: str = ""
+    # pipeline: stages, schedule, microbatches per step (micro_batch sequences each), stages per rank, split
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0
+    pp_virtual: int = 1
+    pp_split: str = ""
 
     def layout(self, world_size: int):
         """The spec's parallel layout on `world_size` ranks (paratrain.layout.Layout; ConfigError if it cannot run)."""
@@ -214,7 +220,18 @@ class MeasureSpec:
 
         return Layout.resolve(world_size, dp_mode=self.dp_mode, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
                               tp=self.tp, ep=self.ep, cp=self.cp, sequence_parallel=self.sequence_parallel,
-                              loss_parallel=self.loss_parallel)
+                              loss_parallel=self.loss_parallel and self.pp == 1, pp=self.pp,
+                              pp_schedule=self.pp_schedule, pp_virtual=self.pp_virtual,
+                              pp_microbatches=self.pp_microbatches if self.pp > 1 else 0,
+                              pp_split=self.pp_split or None)
+
+    def batch(self, world_size: int):
+        """The batch the spec's layout must divide (a pipeline: micro_batch x pp_microbatches per data rank)."""
+        from paratrain.layout import Batch
+
+        lay = self.layout(world_size)
+        steps = self.pp_microbatches if self.pp > 1 else self.accum_steps
+        return Batch(self.micro_batch * steps * lay.dp, self.micro_batch, self.seq_len)
 
 
 @dataclass
@@ -226,9 +243,11 @@ class Measurement:
     forward_end: dict  # live bytes by category right after the loss of the last micro-step's forward
     model_states: dict  # exact bytes: parameters (+buffers), gradients, optimizer
     spec: dict = field(default_factory=dict)
+    fsdp_all_gathers: int = 0  # FSDP all-gathers (foreach_all_gather calls) this rank ran in the measured step
+    fsdp_groups: int = 0  # FSDP parameter groups with parameters on this rank (blocks, experts, roots)
 
 
-def _identity_map(model, optimizer, ddp_buckets) -> dict[int, str]:
+def _identity_map(model, optimizer, ddp_buckets, extra=None, pipelined: bool = False) -> dict[int, str]:
     ids: dict[int, str] = {}
 
     def put(t, cat):
@@ -236,9 +255,12 @@ def _identity_map(model, optimizer, ddp_buckets) -> dict[int, str]:
             for st in _storages(_local(t)):
                 ids.setdefault(id(st), cat)
 
+    for t, cat in (extra() if extra else []):
+        put(t, cat)
     for b in model.buffers():
         put(b, PARAMS)
-    # FSDP2: unsharded parameters and all-gather outputs are communication buffers.
+    # FSDP2: unsharded parameters and all-gather outputs are communication buffers; gradients accumulated
+    # unsharded between micro-batches (a pipeline step) are gradients.
     for mod in model.modules():
         state = getattr(mod, "_get_fsdp_state", None)
         if state is None:
@@ -249,10 +271,11 @@ def _identity_map(model, optimizer, ddp_buckets) -> dict[int, str]:
         for fp in group.fsdp_params:
             for t in getattr(fp, "all_gather_outputs", []):
                 put(t, COMM)
+            put(getattr(fp, "unsharded_accumulated_grad", None), GRADS)
             if hasattr(fp, "_unsharded_param"):
                 put(fp._unsharded_param, COMM)
-                if fp._unsharded_param.grad is not None:
-                    put(fp._unsharded_param.grad, TEMP)
+                if fp._unsharded_param.grad is not None:  # accumulated over a pipeline step's micro-batches
+                    put(fp._unsharded_param.grad, GRADS if pipelined else TEMP)
     opt = optimizer.optim if hasattr(optimizer, "optim") else optimizer
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -307,6 +330,22 @@ def _fsdp_labels(tracker: StorageTracker):
             setattr(FSDPParamGroup, name, orig)
 
 
+def _labeller(tracker: StorageTracker, label: str):
+    """A hook that sets the tracker's label (allocations from then on are counted under it)."""
+    def hook(*_):
+        tracker.label = label
+    return hook
+
+
+def _head_done(tracker: StorageTracker):
+    """A forward hook on the final norm: when the gradient reaches its input (the last block's output), the loss and
+    the output layer's backward are done and what follows is temporaries."""
+    def hook(mod, inp, out):
+        if inp[0].requires_grad:
+            inp[0].register_hook(_labeller(tracker, TEMP))
+    return hook
+
+
 class _PhaseLabels:
     """Probe for the shared TrainStep: labels allocations by phase (activations during forward, logits/loss from
     the final norm to the end of the loss backward) and snapshots what is live at the end of the measured forward."""
@@ -315,19 +354,10 @@ class _PhaseLabels:
         self.tracker, self.model, self.accum = tracker, model, accum_steps
         self.micro, self.measuring, self.forward_end = 0, False, {}
 
-        def set_label(label):
-            def hook(*_):
-                tracker.label = label
-            return hook
-
-        def on_head_input(mod, inp, out):
-            # When the gradient reaches the last block's output, the loss and output layer are done.
-            if inp[0].requires_grad:
-                inp[0].register_hook(set_label(TEMP))
-
+        set_label = partial(_labeller, tracker)
         self.hooks = [model.tok_embeddings.register_forward_pre_hook(set_label(ACTS)),
                       model.norm.register_forward_pre_hook(set_label(LOGITS)),
-                      model.norm.register_forward_hook(on_head_input)]
+                      model.norm.register_forward_hook(_head_done(tracker))]
 
     def micro_start(self, x, y) -> None:
         self.tracker.label = ACTS
@@ -345,6 +375,84 @@ class _PhaseLabels:
             h.remove()
 
 
+class _PipelinePhases:
+    """The probe for a pipelined step: a stage's forward is activations (its final norm, output and loss:
+    logits/loss), a backward chunk is temporaries (the last stage's: logits/loss until the gradient reaches the
+    last block). The schedule runs the micro-batches itself, so micro_start/forward_done are not called."""
+
+    def __init__(self, tracker: StorageTracker, pipeline):
+        self.tracker, self.forward_end, self.hooks = tracker, {}, []
+
+        set_label = partial(_labeller, tracker)
+        for module in pipeline.modules.values():
+            self.hooks.append(module.register_forward_pre_hook(set_label(ACTS)))
+            if module.norm is not None:
+                self.hooks += [module.norm.register_forward_pre_hook(set_label(LOGITS)),
+                               module.norm.register_forward_hook(_head_done(tracker))]
+        for stage in pipeline.stages:
+            label = LOGITS if stage.is_last else TEMP
+            for name in ("backward_one_chunk", "backward_weight_one_chunk"):
+                if hasattr(stage, name):
+                    setattr(stage, name, self._labelled(getattr(stage, name), TEMP if "weight" in name else label))
+
+    def _labelled(self, fn, label):
+        def wrapper(*a, **k):
+            self.tracker.label = label
+            return fn(*a, **k)
+        return wrapper
+
+    def micro_start(self, x, y) -> None:
+        self.tracker.label = ACTS
+        self.tracker.track(x, ACTS)
+        self.tracker.track(y, ACTS)
+
+    def forward_done(self) -> None:
+        pass
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+def _pipeline_buffers(pipeline):
+    """The stages' preallocated receive buffers (activations forward, gradients backward): communication."""
+    out = []
+    for stage in pipeline.stages:
+        for infos in list(stage.args_recv_info.values()) + list(stage.grad_recv_info.values()):
+            for info in infos:
+                buf = getattr(info, "buffer", None)
+                if torch.is_tensor(buf):
+                    out.append((buf, COMM))
+    return out
+
+
+@contextlib.contextmanager
+def _count_fsdp_all_gathers(counter: list):
+    """Counts FSDP2's parameter all-gathers (one `foreach_all_gather` per parameter group and gather)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
+
+    orig = group_mod.foreach_all_gather
+
+    def counted(*a, **k):
+        counter[0] += 1
+        return orig(*a, **k)
+
+    group_mod.foreach_all_gather = counted
+    try:
+        yield
+    finally:
+        group_mod.foreach_all_gather = orig
+
+
+def _fsdp_group_count(model) -> int:
+    n = 0
+    for mod in model.modules():
+        state = getattr(mod, "_get_fsdp_state", None)
+        if state is not None and state()._fsdp_param_group is not None:
+            n += 1
+    return n
+
+
 def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measurement:
     """Build the model for `spec` as the trainer does (parallelize + build_optimizer) on this process (a rank of an
     initialised gloo group, or alone), run `spec.steps` steps of the trainer's own TrainStep with the tracker on,
@@ -357,13 +465,17 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
     from paratrain.distributed.parallelize import parallelize, unwrap
     from paratrain.models.llama import ModelArgs, Transformer
     from paratrain.training.optim import build_optimizer
-    from paratrain.training.step import TrainStep, make_scaler
+    from paratrain.distributed.pipeline import build_pipeline
+    from paratrain.training.step import TrainStep, make_scaler, schedule_loss
 
+    import gc
+
+    gc.collect()  # what earlier configurations left for the collector is not this one's memory
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     args = ModelArgs(**spec.model)
-    layout = spec.layout(world).validate(args, world)
-    key = (layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
+    layout = spec.layout(world).validate(args, world, spec.batch(world))
+    key = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
     if mesh_cache is not None and key in mesh_cache:
         dims = dataclasses.replace(mesh_cache[key], layout=layout)
     else:
@@ -374,12 +486,19 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
     ddp_buckets: list = []  # weak references to DDP's flat bucket storages
     tracker = StorageTracker()
     tracker.debug = bool(os.environ.get("PARATRAIN_MEM_DEBUG"))
-    with tracker, _fsdp_labels(tracker):
+    gathers = [0]
+    with tracker, _fsdp_labels(tracker), _count_fsdp_all_gathers(gathers):
         tracker.label = PARAMS
         with torch.device("meta"):
             model = Transformer(args)
-        model = parallelize(model, dims, ActivationCheckpointConfig(spec.checkpointing, spec.every_k), spec.precision,
-                            False, device, seed=0)
+        ac = ActivationCheckpointConfig(spec.checkpointing, spec.every_k)
+        scaler = make_scaler(layout, spec.precision, device)
+        pipeline = None
+        if layout.pipelined:  # the trainer's own stages and schedule
+            pipeline = build_pipeline(dims, model, ac, spec.precision, False, device, 0, schedule_loss(scaler))
+            model = pipeline.model
+        else:
+            model = parallelize(model, dims, ac, spec.precision, False, device, seed=0)
         optimizer = build_optimizer(unwrap(model), OptimizerConfig(impl=spec.optimizer_impl), device,
                                     dims.dp_group if layout.zero1 else None)
         if hasattr(model, "register_comm_hook"):
@@ -392,23 +511,31 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
                 return allreduce_hook(state, bucket)
 
             model.register_comm_hook(dims.dp_group, hook)
-        tracker.identify = lambda: _identity_map(unwrap(model), optimizer, ddp_buckets)
+        extra = (lambda: _pipeline_buffers(pipeline)) if pipeline is not None else None
+        tracker.identify = lambda: _identity_map(unwrap(model), optimizer, ddp_buckets, extra, pipeline is not None)
         tracker.param_storages = {id(st) for p in unwrap(model).parameters() for st in _storages(_local(p))}
         inner = unwrap(model)
-        probe = _PhaseLabels(tracker, inner, spec.accum_steps)
-        step = TrainStep(model, optimizer, layout, spec.precision, device, grad_clip=1.0,
-                         scaler=make_scaler(layout, spec.precision, device), probe=probe, context=context_for(dims))
+        probe = (_PipelinePhases(tracker, pipeline) if pipeline is not None
+                 else _PhaseLabels(tracker, inner, spec.accum_steps))
+        step = TrainStep(model, optimizer, layout, spec.precision, device, grad_clip=1.0, scaler=scaler,
+                         pipeline=pipeline, pp_group=dims.pp_group, probe=probe, context=context_for(dims))
         gen = torch.Generator().manual_seed(1234)
+        rows = spec.micro_batch * (layout.pp_microbatches if pipeline is not None else 1)
+        chunks = 1 if pipeline is not None else spec.accum_steps
         # DDP rebuilds its buckets (in gradient-ready order) in the second iteration: measure after that.
         steps = max(spec.steps, 3) if hasattr(model, "register_comm_hook") else spec.steps
         for i in range(steps):
             if i == steps - 1:
                 tracker.reset_peak()
                 tracker.recording = probe.measuring = True
-            tracker.label = ACTS  # the batch is part of the forward's inputs
-            micro = [(torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), generator=gen),
-                      torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), generator=gen))
-                     for _ in range(spec.accum_steps)]
+                gathers[0] = 0
+            if pipeline is None:
+                tracker.label = ACTS  # the batch is part of the forward's inputs
+            micro = [(torch.randint(0, args.vocab_size, (rows, spec.seq_len), generator=gen),
+                      torch.randint(0, args.vocab_size, (rows, spec.seq_len), generator=gen))
+                     for _ in range(chunks)]
+            if pipeline is not None:
+                probe.micro_start(*micro[0])
             step.forward_backward(micro)
             del micro
             tracker.label = TEMP
@@ -433,9 +560,10 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
         for (cat, n, f), c in sorted(Counter(tracker.peak_debug).items()):
             if cat in (TEMP, LOGITS, GRADS, COMM):
                 print("PEAK", cat, n, f, "x", c)
+    roots = list(pipeline.modules.values()) if pipeline is not None else [inner]  # a pipeline: each stage's root
     result = Measurement(rank, tracker.peak, tracker.peak_label, tracker.peak_breakdown, probe.forward_end, states,
-                         asdict(spec))
-    del model, optimizer, step
+                         asdict(spec), gathers[0], sum(_fsdp_group_count(m) for m in roots))
+    del model, optimizer, step, pipeline
     return result
 
 
@@ -475,6 +603,50 @@ def device_peak_bytes(device: torch.device | str | None = None) -> int:
     from paratrain.observe.sysmetrics import rss_peak_bytes
 
     return rss_peak_bytes()
+
+
+def device_step_peaks(spec: MeasureSpec, device, compile: bool | str = False, steps: int = 3) -> dict:
+    """One process: the trainer's own step (parallelize + build_optimizer + TrainStep) for a 1-rank spec on `device`,
+    without the tracker; the peak of the last step. On CUDA torch.cuda.max_memory_allocated and
+    max_memory_reserved above what was allocated before; on a CPU (no caching allocator) the tracker's peak of live
+    tensor bytes (`measure_step`) and no reserved figure."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {"allocated": measure_step(spec).peak, "reserved": None}
+    from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
+    from paratrain.distributed.parallel_dims import ParallelDims
+    from paratrain.distributed.parallelize import parallelize
+    from paratrain.models.llama import ModelArgs, Transformer
+    from paratrain.training.optim import build_optimizer
+    from paratrain.training.step import TrainStep, make_scaler
+
+    torch.cuda.empty_cache()
+    base, base_reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    args = ModelArgs(**spec.model)
+    layout = spec.layout(1)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = parallelize(model, ParallelDims(layout), ActivationCheckpointConfig(spec.checkpointing, spec.every_k),
+                        spec.precision, compile, device, seed=0)
+    opt = build_optimizer(model, OptimizerConfig(impl="fused"), device)
+    step = TrainStep(model, opt, layout, spec.precision, device, 1.0, make_scaler(layout, spec.precision, device))
+    gen = torch.Generator(device=device).manual_seed(0)
+    for i in range(steps):
+        if i == steps - 1:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        micro = [tuple(torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), device=device, generator=gen)
+                       for _ in range(2)) for _ in range(spec.accum_steps)]
+        step.forward_backward(micro)
+        step.clip()
+        step.update(finite=True)
+        step.zero_grad()
+    torch.cuda.synchronize(device)
+    out = {"allocated": torch.cuda.max_memory_allocated(device) - base,
+           "reserved": torch.cuda.max_memory_reserved(device) - base_reserved}
+    del model, opt, step
+    torch.cuda.empty_cache()
+    return out
 
 
 def inputs_for_spec(spec: MeasureSpec, world_size: int):

@@ -17,6 +17,7 @@ Every parameter of `paratrain.models` is listed with its shape and how each layo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -42,8 +43,20 @@ class Param:
         return math.prod(self.shape)
 
 
+_PARAMS: dict[tuple, tuple[Param, ...]] = {}
+
+
 def model_params(args: ModelArgs) -> list[Param]:
     """Every parameter in named_parameters() order (tied output weight listed once)."""
+    key = tuple(vars(args).values())
+    if key not in _PARAMS:
+        if len(_PARAMS) > 256:
+            _PARAMS.clear()
+        _PARAMS[key] = tuple(_model_params(args))
+    return list(_PARAMS[key])
+
+
+def _model_params(args: ModelArgs) -> list[Param]:
     C, hd = args.dim, args.head_dim
     out = [Param("tok_embeddings.weight", (args.vocab_size, C), 0, None, "embedding")]
     for i in range(args.n_layers):
@@ -103,10 +116,21 @@ def stage_of(p: Param, layout: Layout, rank_layers: list[list[int]]) -> list[int
     if layout.pp == 1:
         return [0]
     if p.where == "embedding":
-        return [0]
+        return [layout.stage_owner(0)]
     if p.where == "head":
-        return [layout.pp - 1]
+        return [layout.stage_owner(layout.num_stages - 1)]  # zbv: the V puts the last stage on rank 0
     return [s for s, layers in enumerate(rank_layers) if p.layer in layers]
+
+
+def rank_params(args: ModelArgs, layout: Layout, rank: int, layers: list[list[int]]) -> list[Param]:
+    """The parameters pipeline rank `rank` holds (all of them without a pipeline)."""
+    params = model_params(args)
+    if layout.pp == 1:
+        return params
+    mine = set(layers[rank])
+    first, last = layout.stage_owner(0) == rank, layout.stage_owner(layout.num_stages - 1) == rank
+    return [p for p in params if (p.layer in mine if p.layer is not None else (first if p.where == "embedding"
+                                                                               else last))]
 
 
 def rank_layers(layout: Layout, args: ModelArgs) -> list[list[int]]:
@@ -116,7 +140,25 @@ def rank_layers(layout: Layout, args: ModelArgs) -> list[list[int]]:
         return [list(range(args.n_layers))]
     if layout.pp_split is None:
         layout = dataclasses.replace(layout, pp_split=balanced_split(args, layout.num_stages))
-    return [sorted(b for s in layout.local_stages(r) for b in layout.stage_layers(s)) for r in range(layout.pp)]
+    return [list(b) for b in _rank_layers(layout.pp, layout.pp_virtual, layout.pp_schedule, layout.pp_split)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_layers(pp: int, virtual: int, schedule: str, split: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    starts = [sum(split[:s]) for s in range(len(split))]
+    owner = (lambda s: s if s < pp else 2 * pp - 1 - s) if schedule == "zbv" else (lambda s: s % pp)
+    out = [[] for _ in range(pp)]
+    for s, n in enumerate(split):
+        out[owner(s)] += range(starts[s], starts[s] + n)
+    return tuple(tuple(sorted(b)) for b in out)
+
+
+def fsdp_gathers_per_step(layout: Layout, args: ModelArgs, micro_steps: int) -> int:
+    """FSDP parameter all-gathers per optimizer step on the pipeline rank that runs the most
+    (`Layout.fsdp_all_gathers` over `Layout.fsdp_groups` of each rank's blocks): the count the memory estimator and
+    the planner's cost model both report."""
+    return max(layout.fsdp_all_gathers(micro_steps, layout.fsdp_groups(len(b), sum(map(args.is_moe_layer, b)), r))
+               for r, b in enumerate(rank_layers(layout, args)))
 
 
 def zero1_worst_numel(params: list[tuple[Param, int]], ranks: int) -> int:
@@ -150,8 +192,25 @@ class StateBytes:
 OPTIMIZER_STATE_BYTES = {"adamw": 2 * FP32, "adam": 2 * FP32, "sgd": FP32, "sgd-nomomentum": 0}
 
 
+_STATES: dict = {}
+
+
 def state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str, accounting: str, stage: int = 0,
                 layers: list[list[int]] | None = None) -> StateBytes:
+    """Model states of the worst rank of pipeline stage `stage` (see `_state_bytes`; cached: the planner asks for the
+    same ones often)."""
+    layers = layers or rank_layers(layout, args)
+    key = (tuple(vars(args).values()), layout, precision, optimizer, accounting, stage, tuple(map(tuple, layers)))
+    hit = _STATES.get(key)
+    if hit is None:
+        if len(_STATES) > 4096:
+            _STATES.clear()
+        hit = _STATES[key] = _state_bytes(args, layout, precision, optimizer, accounting, stage, layers)
+    return hit
+
+
+def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str, accounting: str, stage: int,
+                 layers: list[list[int]]) -> StateBytes:
     """Model states of the worst rank of pipeline stage `stage`.
 
     accounting="paratrain": what our trainer allocates. fp32 parameters and gradients everywhere (they are
@@ -162,7 +221,7 @@ def state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str,
     ZeRO-1 splits master + moments, ZeRO-2 also gradients, ZeRO-3 also parameters.
     """
     layers = layers or rank_layers(layout, args)
-    params = [p for p in model_params(args) if stage in stage_of(p, layout, layers)]
+    params = rank_params(args, layout, stage, layers)
     unsharded = [(p, math.prod(local_shape(p, layout))) for p in params]
     local_numel = sum(n for _, n in unsharded)
     per_opt = OPTIMIZER_STATE_BYTES[optimizer]

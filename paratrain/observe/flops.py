@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 # Substring of torch.cuda.get_device_name() -> peak dense bf16 FLOP/s. Longest match wins.
 GPU_PEAK_BF16 = {
     "H200": 989e12,
@@ -42,8 +40,12 @@ def gpu_peak_flops(device_name: str) -> float | None:
     return GPU_PEAK_BF16[max(matches, key=len)] if matches else None
 
 
-def measure_matmul_flops(device: torch.device, size: int = 512, dtype=torch.float32, seconds: float = 0.3) -> float:
-    """Achieved matmul FLOP/s on this device: the CPU 'peak' when no datasheet applies."""
+def measure_matmul_flops(device, size: int = 512, dtype=None, seconds: float = 0.3) -> float:
+    """Achieved matmul FLOP/s on this device: the CPU 'peak' when no datasheet applies. (torch is imported here,
+    not at module level: the planner reads the peak table without it.)"""
+    import torch
+
+    dtype = dtype or torch.float32
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     a @ b  # warm-up
@@ -56,8 +58,10 @@ def measure_matmul_flops(device: torch.device, size: int = 512, dtype=torch.floa
     return 2 * size**3 * iters / (time.perf_counter() - start)
 
 
-def peak_flops(device: torch.device, configured_tflops: float = 0.0) -> tuple[float, str]:
+def peak_flops(device, configured_tflops: float = 0.0) -> tuple[float, str]:
     """(peak FLOP/s per device, where the number came from)."""
+    import torch
+
     if configured_tflops > 0:
         return configured_tflops * 1e12, "configured"
     if device.type == "cuda":

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
 from paratrain.errors import OneLineArgumentParser, UserError
 
-__all__ = ["build_context", "context_from_argv", "main_plan", "write_outputs", "config_for", "launch_command"]
+__all__ = ["build_context", "context_from_argv", "main_plan", "write_outputs", "config_for", "launch_command",
+           "plan_json"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,9 +27,18 @@ def _parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3-8b", help="a preset name or a config TOML (its [model] section)")
     p.add_argument("--vocab-size", type=int, default=128, help="for presets that take the vocabulary from the data")
-    p.add_argument("--gpus", type=int, help="number of GPUs (ranks) in all")
+    p.add_argument("--gpus", help="number of GPUs (ranks) in all, or GPU groups in rank order for a heterogeneous "
+                   "cluster: 8xH100,8xA100 (each a GPU name or a saved profile)")
+    p.add_argument("--cluster", help="a heterogeneous cluster as a TOML file of [[group]] tables (gpu, count, "
+                   "optionally gpus_per_node, intra), in rank order")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu", default="H100", help="GPU name from the table, or a saved calibration profile name")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="plan for training.compile=true (compiled blocks; default: the --model config's setting)")
+    p.add_argument("--float8", action="store_true",
+                   help="what-if: predict the blocks' linear layers as float8 GEMMs where the GPU has them "
+                        "(paratrain trains them in bf16; the written config is bf16)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON document (see README)")
     p.add_argument("--intra", help="intra-node link: nvlink | pcie4 | pcie5 (default: the GPU's usual one)")
     p.add_argument("--inter", help="inter-node link: ib400 (default) | ib200 | eth100 | eth25")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: min(max_seq_len, 4096))")
@@ -53,7 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-write", action="store_true", help="print the plan only")
     p.add_argument("--explain", metavar="LAYOUT", help="why LAYOUT (as printed, e.g. fsdp,tp=2,ac=full,mb=1) is "
                    "rejected, or how it ranks")
-    p.add_argument("--calibrate", action="store_true", help="measure this machine and save a profile")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine and save a profile (with --model: "
+                   "also at that model's shapes, --seq and --micro-batches)")
+    p.add_argument("--calibrate-modes", help="execution modes to time a block in: eager,compile (default: both on "
+                   "CUDA, eager on a CPU)")
+    p.add_argument("--calibrate-tp", type=int, default=1, help="tensor-parallel degree of the shapes to calibrate")
     p.add_argument("--name", default="local", help="profile name for --calibrate")
     p.add_argument("--nproc", type=int, default=None, help="local ranks for --calibrate (default: GPUs, or 4)")
     p.add_argument("--profile-dir", help="where profiles live (default ~/.cache/paratrain/profiles)")
@@ -94,16 +109,34 @@ def build_context(args) -> tuple:
     from paratrain.planner.hardware import resolve_hardware
     from paratrain.planner.search import AC_MODES, DP_MODES, SCHEDULES, Options
 
-    if args.gpus is None:
-        raise UserError("--gpus N is required (the number of GPUs to plan for)")
-    if args.gpus < 1 or args.gpus_per_node < 1:
-        raise UserError("--gpus and --gpus-per-node must be >= 1")
-    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
-        raise UserError(f"--gpus {args.gpus} is not divisible by --gpus-per-node {args.gpus_per_node} "
-                        "(whole nodes only)")
+    from paratrain.planner.hetero import build_groups, parse_gpus, read_cluster, slowest_first
+
+    if args.gpus is None and not args.cluster:
+        raise UserError("--gpus N is required (the number of GPUs to plan for, or groups like 8xH100,8xA100)")
+    if args.gpus is not None and args.cluster:
+        raise UserError("give --gpus or --cluster, not both")
+    if args.gpus_per_node < 1:
+        raise UserError("--gpus-per-node must be >= 1")
+    spec = read_cluster(args.cluster) if args.cluster else parse_gpus(args.gpus)
+    groups = None
+    if spec is None:
+        world = int(args.gpus)
+        if world < 1:
+            raise UserError("--gpus and --gpus-per-node must be >= 1")
+        if world > args.gpus_per_node and world % args.gpus_per_node:
+            raise UserError(f"--gpus {world} is not divisible by --gpus-per-node {args.gpus_per_node} "
+                            "(whole nodes only)")
+        hw = resolve_hardware(args.gpu, args.intra, args.inter, args.profile_dir)
+        per_node = min(args.gpus_per_node, world)
+    else:
+        groups = build_groups(spec, args.gpus_per_node, args.intra, args.inter, args.profile_dir)
+        world = sum(g.count for g in groups)
+        hw = slowest_first(groups)
+        per_node = min(g.gpus_per_node for g in groups)
+        if len(groups) == 1:
+            groups = None  # one type: the ordinary planner
     if not 0 <= args.headroom < 1:
         raise UserError(f"--headroom must be in [0, 1), got {args.headroom}")
-    hw = resolve_hardware(args.gpu, args.intra, args.inter, args.profile_dir)
     name, margs, base = _model(args.model, args.vocab_size)
     seq = args.seq or min(margs.max_seq_len, 4096)
     if seq < 1:
@@ -124,15 +157,18 @@ def build_context(args) -> tuple:
         raise UserError(f"--grad-compression '{args.grad_compression}' is not one of {', '.join(GRAD_COMPRESSIONS)}")
     if args.powersgd_rank < 1 or args.sign_ef_block < 0 or args.sign_ef_block % 8 or args.ddp_bucket_mb <= 0:
         raise UserError("--powersgd-rank must be >= 1, --sign-ef-block 0 or a multiple of 8, --ddp-bucket-mb > 0")
-    ctx = Context(margs, seq, tokens // seq, hw, min(args.gpus_per_node, args.gpus), precision, name, native,
-                  Compression(args.grad_compression, args.powersgd_rank, args.sign_ef_block), args.ddp_bucket_mb)
+    compile_ = args.compile if args.compile is not None else bool(base is not None and base.training.compile)
+    ctx = Context(margs, seq, tokens // seq, hw, per_node, precision, name, native_max_seq_len=native,
+                  compression=Compression(args.grad_compression, args.powersgd_rank, args.sign_ef_block),
+                  ddp_bucket_mb=args.ddp_bucket_mb, mode="compile" if compile_ else "eager", float8=args.float8,
+                  cluster=groups)
     opts = Options(
         dp_modes=_csv(args.dp_modes, DP_MODES, flag="--dp-modes") or DP_MODES,
         schedules=_csv(args.schedules, SCHEDULES, flag="--schedules") or SCHEDULES,
         ac_modes=_csv(args.checkpointing, AC_MODES, flag="--checkpointing") or AC_MODES,
         micro_batches=_csv(args.micro_batches, cast=_posint, flag="--micro-batches"),
         max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp, headroom=args.headroom)
-    return ctx, args.gpus, opts, base
+    return ctx, world, opts, base
 
 
 def context_from_argv(argv: list[str]) -> tuple:
@@ -175,6 +211,12 @@ def config_for(c, ctx, base=None, model_spec: str | None = None):
     p.loss_parallel = lay.pp == 1  # the last pipeline stage computes whole logits
     if lay.pp > 1:
         p.pp_schedule, p.pp_microbatches, p.pp_virtual_stages = lay.pp_schedule, lay.pp_microbatches, lay.pp_virtual
+        if ctx.cluster:  # the uneven split for the stages' GPU types, and which type each pipeline rank runs on
+            from paratrain.planner.hetero import stage_hardware
+
+            p.pp_split = ",".join(map(str, lay.pp_split))
+            p.pp_stage_gpus = ",".join(h.name for h in stage_hardware(ctx.cluster, lay.pp))
+    t.compile = ctx.mode == "compile"
     cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every_k = c.ac, c.every_k
     validate(cfg)
     return cfg
@@ -186,6 +228,16 @@ def launch_command(c, ctx, world: int, config_path: str) -> tuple[str, str | Non
     nodes = max(1, world // gpn)
     if ctx.hw.device == "cpu":
         return f"paratrain train --nproc {world} --config {config_path}", None
+    if ctx.cluster:  # one torchrun per node, node ranks in the groups' order (the stages' GPU types follow it)
+        lines, node = [], 0
+        total = sum(g.count // g.gpus_per_node for g in ctx.cluster)
+        for g in ctx.cluster:
+            for _ in range(g.count // g.gpus_per_node):
+                lines.append(f"# node {node} ({g.name}): torchrun --nnodes {total} --node-rank {node} "
+                             f"--nproc-per-node {g.gpus_per_node} --rdzv-backend c10d --rdzv-endpoint HEAD:29500 "
+                             f"-m paratrain train --config {config_path}")
+                node += 1
+        return "\n".join(lines), None
     if nodes == 1:
         return f"torchrun --standalone --nproc-per-node {world} -m paratrain train --config {config_path}", None
     script = f"""#!/bin/bash
@@ -249,8 +301,20 @@ def main_plan(argv: list[str]) -> int:
         from paratrain.preflight import check_nproc
 
         check_nproc("auto", nproc, oversubscribe=None)
-        hw, path = calibrate(args.name, nproc, args.profile_dir)
+        model_given = any(a == "--model" or a.startswith("--model=") for a in argv)
+        margs = _model(args.model, args.vocab_size)[1] if model_given else None
+        mbs = _csv(args.micro_batches, cast=_posint, flag="--micro-batches") or (1, 2)
+        modes = _csv(args.calibrate_modes, ("eager", "compile"), flag="--calibrate-modes")
+        hw, path = calibrate(args.name, nproc, args.profile_dir, model=margs, seq=args.seq, micro_batches=mbs,
+                             tp=args.calibrate_tp, modes=modes)
+        if args.json:
+            print(json.dumps({"profile": str(path), **hw.to_json()}, indent=2))
+            return 0
         print(f"profile '{hw.name}' ({hw.source}) saved to {path}")
+        if hw.shapes:
+            print("  at the model's shapes: " + "; ".join(f"{k} {v * 1e3:.3f} ms" for k, v in hw.shapes.items()))
+            print("  execution modes (factor on the non-matmul time): "
+                  + ", ".join(f"{m} {f:.2f}" for m, f in hw.modes.items()))
         print("  matmul: " + ", ".join(f"{(f / 2) ** (1 / 3):.0f}^3 {r / 1e9:.2f} GFLOP/s" for f, r in hw.gemm))
         print(f"  memory bandwidth {hw.mem_bandwidth / 1e9:.2f} GB/s, per-operator overhead "
               f"{hw.op_overhead_s * 1e6:.1f} us; compute scale {hw.compute_scale:.2f} (reference model step, measured / "
@@ -260,29 +324,106 @@ def main_plan(argv: list[str]) -> int:
         print(f"  plan with: paratrain plan --gpu {hw.name} --gpus {nproc} --gpus-per-node {nproc}"
               + (f" --profile-dir {args.profile_dir}" if args.profile_dir else "") + " ...")
         return 0
+    import time
+
     from paratrain.planner.search import explain, plan
 
     ctx, world, opts, base = build_context(args)
     if args.explain:
+        if ctx.cluster:
+            raise UserError("--explain plans one GPU type; for a heterogeneous cluster run the plan and read its stages")
         print(explain(args.explain, ctx, world, opts))
         return 0
-    p = plan(ctx, world, opts, top=args.top)
+    started = time.perf_counter()
+    if ctx.cluster:
+        from paratrain.planner.hetero import plan_hetero
+
+        p = plan_hetero(ctx, opts, top=args.top)
+    else:
+        p = plan(ctx, world, opts, top=args.top)
+    elapsed = time.perf_counter() - started
+    best = p.ranked[0]
+    written = None
+    if not args.no_write:
+        path, cmd, sb = write_outputs(best, ctx, world, args.out, base, None if base else args.model)
+        written = {"config": str(path), "launch": cmd, "sbatch": str(sb) if sb else None}
+    if args.json:
+        print(json.dumps(plan_json(p, ctx, world, elapsed, written, args.top), indent=2))
+        return 0
     hw = ctx.hw
-    print(f"plan: {ctx.model_name} on {world} x {hw.name} ({hw.source}; {ctx.gpus_per_node} per node, "
+    where = (" + ".join(f"{g.count} x {g.name}" for g in ctx.cluster) if ctx.cluster else f"{world} x {hw.name}")
+    print(f"plan: {ctx.model_name} on {where} ({hw.source}; {ctx.gpus_per_node} per node, "
           f"intra {hw.intra.name}" + (f", inter {hw.inter.name}" if hw.inter and world > ctx.gpus_per_node else "")
           + f"), seq {ctx.seq_len}, {ctx.global_seqs} sequences = {ctx.global_seqs * ctx.seq_len:,} tokens per step, "
-          f"{ctx.precision}")
+          f"{ctx.precision}, {ctx.mode}" + (", float8 linears (what-if)" if ctx.float8 else ""))
     if ctx.native_max_seq_len:
         print(f"note: --seq {ctx.seq_len} is longer than {ctx.model_name}'s max_seq_len {ctx.native_max_seq_len}: "
               f"planned as long-context training (model.max_seq_len={ctx.seq_len} in the written config)")
     print(f"{p.considered} layouts considered: {len(p.rejected)} rejected, {len(p.ranked)} fit among the fastest "
-          f"predicted (memory: paratrain estimate, {opts.headroom:.0%} headroom)")
+          f"predicted (memory: paratrain estimate, {opts.headroom:.0%} headroom); planned in {elapsed:.2f} s")
     print(format_table(p.ranked[: args.top], ctx))
-    best = p.ranked[0]
     print(f"best: {best.cand.describe()} -- {best.pred.breakdown()}")
-    if not args.no_write:
-        path, cmd, sb = write_outputs(best, ctx, world, args.out, base, None if base else args.model)
-        print(f"wrote {path}" + (f" and {sb}" if sb else ""))
-        print(f"launch: {cmd}")
+    if best.stage_hw:
+        split = best.cand.layout.pp_split
+        print("stages: " + ", ".join(f"{r}: {split[r]} blocks on {h.name}" for r, h in enumerate(best.stage_hw))
+              + f"; the even split {','.join(map(str, _even(best, ctx)))} is predicted "
+              f"{best.even.step_s / best.pred.step_s - 1:+.0%} slower ({best.even.tokens_per_s:,.0f} tokens/s)")
+    if ctx.float8:
+        print("note: --float8 predicts float8 linear layers; paratrain trains them in bf16 (the written config is bf16)")
+    if written:
+        print(f"wrote {written['config']}" + (f" and {written['sbatch']}" if written["sbatch"] else ""))
+        print(f"launch: {written['launch']}")
     sys.stdout.flush()
     return 0
+
+
+def _even(r, ctx) -> tuple[int, ...]:
+    from paratrain.layout import balanced_split
+
+    return balanced_split(ctx.args, r.cand.layout.num_stages)
+
+
+def _prediction_json(pred) -> dict:
+    return {"step_s": pred.step_s, "tokens_per_s": pred.tokens_per_s, "mfu": pred.mfu, "compute_s": pred.compute_s,
+            "exposed_comm_s": pred.comm_exposed_s, "bubble_s": pred.bubble_s, "recompute_s": pred.recompute_s,
+            "optimizer_s": pred.optimizer_s, "compress_s": pred.compress_s,
+            "exposed_comm_by_kind_s": dict(pred.comm),
+            "fsdp_all_gathers_per_step": pred.fsdp_all_gathers}
+
+
+def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int = 5) -> dict:
+    """The plan as one JSON document (`paratrain plan --json`; the schema is in README.md)."""
+    from paratrain.models.presets import count_params
+
+    def layout_json(r) -> dict:
+        lay = r.cand.layout
+        out = {"name": r.cand.name, "description": r.cand.describe(), "dp_mode": lay.dp_mode,
+               "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp, "ep": lay.ep,
+               "cp": lay.cp,
+               "pp_schedule": lay.pp_schedule if lay.pp > 1 else None,
+               "pp_microbatches": lay.pp_microbatches if lay.pp > 1 else None,
+               "pp_virtual_stages": lay.pp_virtual if lay.pp > 1 else None,
+               "pp_split": list(lay.pp_split) if (lay.pp > 1 and lay.pp_split) else None,
+               "activation_checkpoint": r.cand.ac, "micro_batch": r.cand.micro_batch,
+               "predicted": _prediction_json(r.pred), "memory_bytes_per_rank": r.total_bytes}
+        if r.stage_hw:
+            out["stages"] = [{"pp_rank": i, "gpu": h.name, "blocks": lay.pp_split[i],
+                              "memory_bytes": next((s["total_bytes"] for s in r.estimate.stages if s["stage"] == i),
+                                                   None)} for i, h in enumerate(r.stage_hw)]
+            out["even_split"] = {"pp_split": list(_even(r, ctx)), "predicted": _prediction_json(r.even)}
+        return out
+
+    hw = ctx.hw
+    return {
+        "model": ctx.model_name, "parameters": count_params(ctx.args), "gpus": world,
+        "gpu": None if ctx.cluster else hw.name,
+        "cluster": [{"gpu": g.name, "count": g.count, "gpus_per_node": g.gpus_per_node} for g in ctx.cluster]
+        if ctx.cluster else None,
+        "profile_source": hw.source, "gpus_per_node": ctx.gpus_per_node, "seq_len": ctx.seq_len,
+        "global_batch_sequences": ctx.global_seqs, "tokens_per_step": ctx.global_seqs * ctx.seq_len,
+        "precision": ctx.precision, "execution_mode": ctx.mode, "float8_what_if": ctx.float8,
+        "grad_compression": ctx.compression.method,
+        "considered": p.considered, "rejected": len(p.rejected), "planning_seconds": elapsed,
+        "ranked": [layout_json(r) for r in p.ranked[:top]],
+        "written": written,
+    }

@@ -1,16 +1,20 @@
 """The planner's cost model: predicted time of one optimizer step for a layout, split into compute, exposed
 communication, pipeline bubble and recompute. Every term is a formula of the model's sizes, the layout and the
-hardware profile (paratrain/planner/profile.py, made by paratrain/planner/hardware.py); nothing here is fitted to
-a particular run.
+hardware profile (paratrain/planner/profile.py, made by paratrain/planner/hardware.py); what is fitted to published
+runs is the profile's efficiency model (hardware.py: achieved GEMM and attention rates by GPU generation, element-wise
+bandwidth, execution-mode factors, each with its source), not these formulas.
 
 Compute. Each rank runs its share of every block's GEMMs (q, k, v, o, w1, w2, w3; the output head on the last
 stage; routed experts with ep) for each micro-step, on micro_batch x seq / cp tokens (context parallelism splits
-every sequence over cp ranks); a GEMM of F FLOPs takes F / rate(F), where rate() is the
-profile's achieved matmul rate at that size (small GEMMs — tp-split, small micro-batches — run slower). Backward
-is twice the forward. Attention adds 4 x seq x dim / tp FLOPs per token forward (the 12 L C T term of
-`flops_per_token`; causal: half of it is computed; under cp each rank computes its 1/cp, in blocks of seq/cp) at
-ATTENTION_EFFICIENCY of the GEMM rate. Element-wise work (norms, rotary, SwiGLU, softmax, residuals, loss) is memory-bound:
-ELEMWISE_VALUES_PER_TOKEN values per token and block read/written at the profile's memory bandwidth. Each operator
+every sequence over cp ranks); a GEMM of F FLOPs takes F / rate(F), where rate() is the profile's achieved matmul
+rate at that size (small GEMMs — tp-split, small micro-batches — run slower); with `Context.float8` the blocks'
+linear layers at the profile's float8 rate (a what-if; the head stays bf16). Backward is twice the forward. Attention
+adds 4 x seq x dim / tp FLOPs per token forward (the 12 L C T term of `flops_per_token`; causal: half of it is
+computed; under cp each rank computes its 1/cp, in blocks of seq/cp) at the profile's attention rate (profiles
+without one: at ATTENTION_EFFICIENCY of the GEMM rate). Element-wise work (norms, rotary, SwiGLU, softmax, residuals,
+loss) is memory-bound: ELEMWISE_VALUES_PER_TOKEN values per token and block read/written at the profile's memory
+bandwidth. The element-wise and per-operator time is multiplied by the execution mode's factor (`Context.mode`: eager
+1, compile the profile's, from fusion). Each operator
 also costs the profile's fixed per-operator overhead (launch/dispatch; large on a CPU, mostly hidden on a GPU),
 OPS_PER_BLOCK per block forward and twice that backward (DTensor under tp multiplies it by TP_DISPATCH; each FSDP
 collective adds FSDP_GROUP_OPS operators of hooks and copies). The
@@ -27,7 +31,9 @@ ranks numbered node by node), else the inter-node link. FSDP shards over dp_shar
   ddp/zero1  all-reduce of the fp32 gradients once per step (DDP skips sync on accumulation micro-steps), in
              buckets of 25 MB; zero1 adds an all-gather of the updated parameters after the step;
   zero2      per micro-step one all-gather of the parameters (compute dtype) and one reduce-scatter of the fp32
-             gradients, block by block;  fsdp: two all-gathers (forward, backward) and one reduce-scatter;
+             gradients, block by block;  fsdp: two all-gathers (forward, backward) and one reduce-scatter; under a
+             pipeline one all-gather and one reduce-scatter per group and step (Layout.fsdp_all_gathers: the count the
+             trainer runs and the estimator uses);
   hsdp       fsdp over dp_shard plus an all-reduce of the gradient shards over dp_replicate;
   tp         per block and micro-step, with sequence parallelism 2 all-gathers + 2 reduce-scatters of the
              activations forward and again backward (without: 2 all-reduces each way), plus the vocabulary-
@@ -54,7 +60,10 @@ being planned) over what these formulas predict for it on the same profile; it m
 the optimizer step (what the terms above miss: autograd bookkeeping, the loss, allocator). Datasheet profiles: 1.
 
 Pipeline bubble: (p-1)/(m+p-1)/v of the pipelined time (`paratrain.layout.predicted_bubble`: gpipe
-and 1f1b v=1; interleaved schedules v stages per rank; zbv v=2), i.e. bubble = work x b / (1 - b).
+and 1f1b v=1; interleaved schedules v stages per rank; zbv v=2), i.e. bubble = work x b / (1 - b). Each pipeline
+rank's time per micro-batch is its own blocks (and the head on the last stage) on its own hardware
+(`Context.stage_hw`, heterogeneous clusters); the slowest rank sets the step and the fill/drain is the other ranks'
+time relative to it: with equal stages that is the formula above.
 
 Recompute: full = one more forward of every block (GEMMs, element-wise and operators); every_k = 1/k of that;
 selective = the element-wise work and operators of the forward (matmul and attention outputs are kept).
@@ -66,6 +75,7 @@ import math
 from dataclasses import dataclass, field
 
 from paratrain.estimate.compression import Compression, compression_cost
+from paratrain.estimate.model_states import fsdp_gathers_per_step, rank_layers
 from paratrain.layout import Batch, Layout, grad_compression_site, predicted_bubble
 from paratrain.models.args import ModelArgs
 from paratrain.planner.profile import Hardware, Link
@@ -77,7 +87,9 @@ OPS_PER_BLOCK = 35  # operators in one block's forward (backward: twice)
 TP_DISPATCH = {"cpu": 30.0, "cuda": 3.0}
 # FSDP's per-group work around each collective (hooks, copy-in/copy-out, stream waits), in operators.
 FSDP_GROUP_OPS = 150
-ATTENTION_EFFICIENCY = 0.5  # fused attention reaches about half the GEMM rate at the same size (backward worse)
+# Profiles without an attention rate (CPU calibrations without a model): fused attention at half the GEMM rate.
+ATTENTION_EFFICIENCY = 0.5
+FLOAT8_CAST_VALUES = 6  # float8 what-if: values per token and width read/written by amax + cast, fwd + bwd
 RING = "context-parallel ring"  # the exposed part of ring attention's point-to-point traffic
 
 
@@ -134,6 +146,8 @@ class Candidate:
         if lay.pp > 1:
             parts.append(f"pp={lay.pp}")
             parts.append(f"sched={lay.pp_schedule}")
+            if lay.pp_virtual > 2:
+                parts.append(f"v={lay.pp_virtual}")  # (2 is the interleaved schedules' default)
         if lay.ep > 1:
             parts.append(f"ep={lay.ep}")
         parts.append(f"ac={self.ac}" + (f"{self.every_k}" if self.ac == "every_k" else ""))
@@ -158,6 +172,14 @@ class Context:
     native_max_seq_len: int | None = None  # the model's own max_seq_len when seq_len goes beyond it (long context)
     compression: Compression = field(default_factory=Compression)  # gradient compression, where a layout allows it
     ddp_bucket_mb: float = 25.0
+    mode: str = "eager"  # eager | compile (training.compile): the profile's factor on the non-matmul time
+    float8: bool = False  # what-if: the blocks' linear layers as float8 GEMMs (the profile's float8 rate)
+    stage_hw: list[Hardware] | None = None  # heterogeneous clusters: the hardware of each pipeline rank, in order
+    cluster: list | None = None  # heterogeneous clusters: the GPU groups in rank order (planner/hetero.py GpuGroup)
+    cache: dict = field(default_factory=dict, repr=False, compare=False)  # per-shape compute terms (block_costs)
+
+    def rank_hw(self, pp_rank: int) -> Hardware:
+        return self.stage_hw[pp_rank] if self.stage_hw else self.hw
 
 
 @dataclass
@@ -173,6 +195,7 @@ class Prediction:
     mfu: float
     comm: dict[str, float] = field(default_factory=dict)  # exposed seconds by kind
     compress_s: float = 0.0  # compressing and decompressing gradients (grad_compression)
+    fsdp_all_gathers: int = 0  # FSDP parameter all-gathers per step on the busiest rank (Layout.fsdp_all_gathers)
 
     def breakdown(self) -> str:
         return (f"compute {self.compute_s * 1e3:.1f} ms + exposed comm {self.comm_exposed_s * 1e3:.1f} ms + bubble "
@@ -221,6 +244,89 @@ def _act_bytes(ctx: Context) -> int:
     return 4 if ctx.precision == "fp32" else 2
 
 
+@dataclass(frozen=True)
+class BlockCosts:
+    """Seconds of one micro-step on one rank, for a hardware profile and a shape (tp, micro-batch, ep, mode)."""
+
+    forward: float  # one block's forward
+    backward: float  # one block's backward
+    recompute: float  # one checkpointed block's recomputation under the candidate's mode (0: none)
+    head: float  # the output head and the loss, forward + backward (the last stage)
+    attention: float = 0.0  # one block's fused attention, forward (what ring attention's transfers hide behind)
+
+
+def block_costs(ctx: Context, hw: Hardware, tp: int, micro_batch: int, ep: int, ac: str, cp: int = 1) -> BlockCosts:
+    """The compute terms of the cost model for one shape, cached per context: the planner asks for the same shape
+    for every data-parallel mode, schedule and replicate degree."""
+    key = (id(hw), tp, micro_batch, ep, ac, cp, ctx.mode, ctx.float8, ctx.seq_len, ctx.precision)
+    hit = ctx.cache.get(key)
+    if hit is None:
+        hit = ctx.cache[key] = _block_costs(ctx, hw, tp, micro_batch, ep, ac, cp)
+    return hit
+
+
+def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, ac: str, cp: int) -> BlockCosts:
+    a, S = ctx.args, ctx.seq_len
+    ab = _act_bytes(ctx)
+    T = micro_batch * S // cp  # tokens per micro-step per rank (tp ranks share them, cp ranks split them)
+    moe_layers = sum(1 for i in range(a.n_layers) if a.is_moe_layer(i))
+    moe_frac = moe_layers / a.n_layers
+    hd = a.head_dim
+    f8 = ctx.float8 and bool(hw.float8_gemm)
+
+    def gemm(m, k, n, count=1.0, linear=True):
+        f = 2.0 * m * k * n
+        if f <= 0:
+            return 0.0
+        rate = hw.float8_rate(f) if (f8 and linear) else hw.gemm_rate(f)
+        return count * f / rate
+
+    # forward of one block, one micro-step
+    attn = (gemm(T, a.dim, a.n_heads * hd / t) + 2 * gemm(T, a.dim, a.n_kv_heads * hd / t)
+            + gemm(T, a.n_heads * hd / t, a.dim))
+    # causal: about half the square is computed; under cp, in blocks of seq / cp
+    sdpa_flop = 4.0 * T * S * a.n_heads * hd / t / 2
+    sdpa = sdpa_flop / (hw.attention_rate(sdpa_flop) or ATTENTION_EFFICIENCY * hw.gemm_rate(2.0 * (S // cp) ** 2 * hd))
+    attn += sdpa
+    dense_mlp = gemm(T, a.dim, a.ffn_hidden / t, 3)
+    if moe_layers:
+        eh, E = a.expert_hidden, a.moe_experts
+        tok_per_expert = T * a.moe_top_k / E * ep  # each ep rank holds E/ep experts, tokens from ep ranks
+        moe_mlp = gemm(tok_per_expert, a.dim, eh, 3 * E / ep) + gemm(T, a.dim, eh * a.moe_shared_experts / t, 3) \
+            + gemm(T, a.dim, E)
+    else:
+        moe_mlp = 0.0
+    mlp = (1 - moe_frac) * dense_mlp + moe_frac * moe_mlp
+    ffn_w = a.ffn_hidden if not moe_layers else a.expert_hidden * (a.moe_top_k + a.moe_shared_experts)
+    ew_values = ELEMWISE_VALUES_PER_TOKEN[0] * a.dim / (t if t > 1 else 1) + ELEMWISE_VALUES_PER_TOKEN[1] * ffn_w / t
+    if f8:  # dynamic scaling: each linear's input and output gradient read for the scale and cast to fp8
+        ew_values += FLOAT8_CAST_VALUES * (a.dim + ffn_w / t)
+    mode = hw.mode_factor(ctx.mode)  # eager 1; compiled blocks fuse their element-wise kernels
+    elemwise_fb = mode * T * ew_values * ab / hw.mem_bandwidth  # fwd + bwd
+    op_cost = mode * hw.op_overhead_s * (TP_DISPATCH.get(hw.device, 3.0) if t > 1 else 1.0)
+    block_f = attn + mlp + elemwise_fb / 3 + OPS_PER_BLOCK * op_cost
+    block_b = 2 * (attn + mlp) + 2 * elemwise_fb / 3 + 2 * OPS_PER_BLOCK * op_cost
+    # the output head stays bf16 under float8 (as torchao/torchtitan leave it)
+    head = 3 * gemm(T, a.dim, a.vocab_size / t, linear=False) + 3 * T * a.vocab_size / t * 4 * 3 / hw.mem_bandwidth
+    rec = {"full": block_f, "every_k": block_f, "selective": elemwise_fb / 3 + OPS_PER_BLOCK * op_cost}.get(ac, 0.0)
+    scale = hw.compute_scale  # a calibrated profile's correction (1.0 for datasheets)
+    return BlockCosts(block_f * scale, block_b * scale, rec * scale, head * scale, sdpa * scale)
+
+
+def rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
+    """(compute, recompute) seconds of one micro-step on each pipeline rank: its blocks, and the head on the rank
+    holding the last stage, each on the rank's own hardware (`Context.stage_hw`, heterogeneous clusters)."""
+    lay, a = c.layout, ctx.args
+    out = []
+    last_owner = lay.stage_owner(lay.num_stages - 1) if lay.pp > 1 else 0
+    for r, blocks in enumerate(rank_layers(lay, a)):
+        bc = block_costs(ctx, ctx.rank_hw(r), c.tp, c.micro_batch, c.ep, c.ac, c.layout.cp)
+        n = len(blocks)
+        rec_blocks = math.ceil(n / c.every_k) if c.ac == "every_k" else (n if c.ac != "none" else 0)
+        out.append((n * (bc.forward + bc.backward) + (bc.head if r == last_owner else 0.0), rec_blocks * bc.recompute))
+    return out
+
+
 def predict(c: Candidate, ctx: Context) -> Prediction:
     from paratrain.models.presets import count_params, flops_per_token
 
@@ -228,59 +334,24 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     t, ab, cp = c.tp, _act_bytes(ctx), lay.cp
     T = c.micro_batch * S // cp  # tokens per micro-step per rank (tp ranks share them, cp ranks split them)
     n_micro = c.micro_steps(ctx)
-    layers = math.ceil(a.n_layers / c.pp)  # the busiest stage
+    layers = max(len(x) for x in rank_layers(lay, a))  # the busiest pipeline rank's blocks
     moe_layers = sum(1 for i in range(a.n_layers) if a.is_moe_layer(i))
-    moe_frac = moe_layers / a.n_layers
-    hd = a.head_dim
-
-    def gemm(m, k, n, count=1.0):
-        f = 2.0 * m * k * n
-        return count * f / hw.gemm_rate(f) if f > 0 else 0.0
-
-    # forward of one block, one micro-step
-    attn = (gemm(T, a.dim, a.n_heads * hd / t) + 2 * gemm(T, a.dim, a.n_kv_heads * hd / t)
-            + gemm(T, a.n_heads * hd / t, a.dim))
-    sdpa = attention_time(ctx, c, T)
-    attn += sdpa
-    dense_mlp = gemm(T, a.dim, a.ffn_hidden / t, 3)
-    if moe_layers:
-        eh, E = a.expert_hidden, a.moe_experts
-        tok_per_expert = T * a.moe_top_k / E * c.ep  # each ep rank holds E/ep experts, tokens from ep ranks
-        moe_mlp = gemm(tok_per_expert, a.dim, eh, 3 * E / c.ep) + gemm(T, a.dim, eh * a.moe_shared_experts / t, 3) \
-            + gemm(T, a.dim, E)
-    else:
-        moe_mlp = 0.0
-    mlp = (1 - moe_frac) * dense_mlp + moe_frac * moe_mlp
-    ffn_w = a.ffn_hidden if not moe_layers else a.expert_hidden * (a.moe_top_k + a.moe_shared_experts)
-    ew_values = ELEMWISE_VALUES_PER_TOKEN[0] * a.dim / (t if c.tp > 1 else 1) + ELEMWISE_VALUES_PER_TOKEN[1] * ffn_w / t
-    elemwise_fb = T * ew_values * ab / hw.mem_bandwidth  # fwd + bwd
-    op_cost = hw.op_overhead_s * (TP_DISPATCH.get(hw.device, 3.0) if t > 1 else 1.0)
-    block_f = attn + mlp + elemwise_fb / 3 + OPS_PER_BLOCK * op_cost
-    block_b = 2 * (attn + mlp) + 2 * elemwise_fb / 3 + 2 * OPS_PER_BLOCK * op_cost
-    head = 3 * gemm(T, a.dim, a.vocab_size / t) + 3 * T * a.vocab_size / t * 4 * 3 / hw.mem_bandwidth
-    per_micro = layers * (block_f + block_b) + head  # the last stage carries the head
-    compute = n_micro * per_micro
-
-    if c.ac == "full":
-        rec_block = block_f
-        rec_layers = layers
-    elif c.ac == "every_k":
-        rec_block, rec_layers = block_f, math.ceil(layers / c.every_k)
-    elif c.ac == "selective":
-        rec_block, rec_layers = elemwise_fb / 3 + OPS_PER_BLOCK * op_cost, layers
-    else:
-        rec_block, rec_layers = 0.0, 0
-    recompute = n_micro * rec_layers * rec_block
+    per_rank = rank_compute(c, ctx)
+    slowest = max(range(len(per_rank)), key=lambda r: sum(per_rank[r]))
+    compute, recompute = (n_micro * x for x in per_rank[slowest])
+    # the pipeline's fill and drain: the other ranks' work per micro-batch, relative to the slowest's
+    # (p - 1 with equal stages, so the bubble is the (p-1)/(m+p-1)/v of Layout.predicted_bubble)
+    fill = sum(sum(x) for x in per_rank) / sum(per_rank[slowest]) - 1 if lay.pp > 1 else 0.0
 
     # parameters of this rank's stage, before data-parallel sharding
-    P = count_params(a)
+    P = ctx.cache.get("params")
+    if P is None:
+        P = ctx.cache["params"] = count_params(a)
     # routed experts are sharded over ep (and FSDP-gathered only over dp_shard / ep): count them once per ep group
     experts = moe_layers * a.moe_experts * 3 * a.dim * a.expert_hidden if moe_layers else 0
     P_stage = (P - experts + experts / c.ep) / c.pp / t
     opt_params = P_stage / lay.optimizer_shards
-    optimizer = opt_params * 4 * 4 * 2 / hw.mem_bandwidth + 20 * hw.op_overhead_s
-    # a calibrated profile's correction from a reference model's measured training step (1.0 for datasheets)
-    compute, recompute, optimizer = (x * hw.compute_scale for x in (compute, recompute, optimizer))
+    optimizer = (opt_params * 4 * 4 * 2 / hw.mem_bandwidth + 20 * hw.op_overhead_s) * hw.compute_scale
 
     # gradient compression: what the compressed collective sends, and the compute it costs
     site = grad_compression_site(lay, ctx.compression.method)
@@ -307,8 +378,8 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     pp_link = group_link(ctx, t * c.dp * cp, c.pp)
     comm = {}
     overlappable = 0.0
-    nblk = layers + 1
     min_exposed = 0.0
+    fsdp_gathers = 0
     if lay.dp_cp > 1:
         if lay.uses_ddp:
             g = P_stage * 4
@@ -320,20 +391,25 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
             if lay.zero1:
                 comm["zero1 param all-gather"] = all_gather_time(P_stage * 4, c.dp, dp_link)
         else:
-            gathers = 2 if lay.reshard_after_forward else 1  # zero2 keeps forward's gathered parameters
-            rounds = n_micro if c.pp == 1 else 1  # pipelined stages keep their gathered parameters for the step
+            # The one rule the trainer follows and the estimator uses (Layout.fsdp_all_gathers): pipelined stages
+            # gather each group once per step and reduce-scatter once; otherwise per micro-step.
+            blocks = rank_layers(lay, a)
+            busiest = max(range(len(blocks)), key=lambda r: len(blocks[r]))
+            groups = lay.fsdp_groups(layers, sum(map(a.is_moe_layer, blocks[busiest])), busiest)
+            n_ag, n_rs = lay.fsdp_all_gathers(n_micro, groups), lay.fsdp_reduce_scatters(n_micro, groups)
+            fsdp_gathers = fsdp_gathers_per_step(lay, a, n_micro)
             group = FSDP_GROUP_OPS * hw.op_overhead_s
-            ag = rounds * gathers * nblk * (all_gather_time(P_stage * pbytes / nblk, shard, shard_link) + group)
-            rs = rounds * nblk * (reduce_scatter_time(P_stage * 4 * rs_frac / nblk, shard, shard_link) + group)
+            ag = n_ag * (all_gather_time(P_stage * pbytes / groups, shard, shard_link) + group)
+            rs = n_rs * (reduce_scatter_time(P_stage * 4 * rs_frac / groups, shard, shard_link) + group)
             overlappable += ag + rs
-            min_exposed += (ag + rs) / (rounds * nblk)
+            min_exposed += ag / n_ag + rs / n_rs  # one group's worth stays exposed
             if lay.hybrid:
                 frac = rs_frac if site == "reduce_dtype" else comp_frac
                 latency = all_reduce_time(0.0, lay.dp_replicate, rep_link)
-                hr = rounds * nblk * (all_reduce_time(P_stage * 4 * frac / shard / nblk, lay.dp_replicate,
-                                                      rep_link) + (comp_lat - 1) * latency + group)
+                hr = n_rs * (all_reduce_time(P_stage * 4 * frac / shard / groups, lay.dp_replicate, rep_link)
+                             + (comp_lat - 1) * latency + group)
                 overlappable += hr
-                min_exposed += hr / (rounds * nblk)
+                min_exposed += hr / n_rs
     comm_total = overlappable
     if overlappable:
         hidden = min(overlappable - min_exposed, hw.overlap * (compute + recompute))
@@ -353,30 +429,27 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
         a2a = all_to_all_time(T * a.moe_top_k * a.dim * ab, c.ep, ep_link) + all_to_all_time(64, c.ep, ep_link)
         comm["expert all-to-all"] = n_micro * math.ceil(moe_layers / c.pp) * 4 * a2a
     if cp > 1:
-        ring_total, comm[RING] = ring_time(ctx, c, T, sdpa)
+        ring_total, comm[RING] = ring_time(ctx, c, T, attention_time(ctx, c))
         comm_total += ring_total - comm[RING]  # the hidden part (the exposed part is added below)
     comm_total += sum(v for k, v in comm.items() if k not in ("data-parallel",))
     exposed = sum(comm.values())
 
-    b = bubble_fraction(c.pp, n_micro, lay.pp_virtual)
     pipelined = compute + recompute + comm.get("tensor-parallel", 0.0) + comm.get("pipeline p2p", 0.0) \
         + comm.get("expert all-to-all", 0.0) + comm.get(RING, 0.0)
-    bubble = pipelined * b / (1 - b) if b < 1 else float("inf")
+    bubble = pipelined * fill / (n_micro * lay.pp_virtual) if c.pp > 1 else 0.0
     compress *= n_micro if site == "replicate_hook" else 1  # hsdp reduces every micro-step, DDP once per step
     step = compute + recompute + exposed + bubble + optimizer + compress
     tokens = ctx.global_seqs * S
     tok_s = tokens / step
-    mfu = flops_per_token(a, S) * tok_s / (c.world * hw.peak_flops)
-    return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm, compress)
+    peak = sum(h.peak_flops for h in ctx.stage_hw) / len(ctx.stage_hw) if ctx.stage_hw else hw.peak_flops
+    mfu = flops_per_token(a, S) * tok_s / (c.world * peak)
+    return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm, compress,
+                      fsdp_gathers)
 
 
-def attention_time(ctx: Context, c: Candidate, tokens: int) -> float:
-    """Forward time of one block's fused attention for `tokens` queries per rank over the whole (causal) sequence:
-    4 x tokens x seq x dim / tp FLOPs, half of them computed, at ATTENTION_EFFICIENCY of the GEMM rate for blocks
-    of seq / cp."""
-    a, S, cp = ctx.args, ctx.seq_len, c.layout.cp
-    flop = 4.0 * tokens * S * a.dim / c.tp / 2
-    return flop / (ATTENTION_EFFICIENCY * ctx.hw.gemm_rate(2.0 * (S // cp) ** 2 * a.head_dim))
+def attention_time(ctx: Context, c: Candidate) -> float:
+    """Forward seconds of one block's fused attention on one rank and micro-step (see the module doc)."""
+    return block_costs(ctx, ctx.hw, c.tp, c.micro_batch, c.ep, c.ac, c.layout.cp).attention
 
 
 def ring_time(ctx: Context, c: Candidate, tokens: int, attention_s: float) -> tuple[float, float]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.errors import UserError
@@ -42,11 +43,70 @@ GPU_EXTRA: dict[str, tuple[float, str]] = {
     "V100-16GB": (0.9e12, "nvlink"), "V100-32GB": (0.9e12, "nvlink"), "T4": (0.32e12, "pcie4"),
     "MI300X": (5.3e12, "nvlink"), "MI250X-GCD": (1.6e12, "nvlink"), "MI325X": (6.0e12, "nvlink"),
 }
-# Large bf16 GEMMs reach about this fraction of the dense datasheet peak (cuBLAS on H100 ~ 0.7-0.8); a GEMM
-# of GEMM_HALF_FLOP reaches half of that (small matmuls cannot fill the device).
-GPU_GEMM_FRACTION = 0.75
-GPU_GEMM_HALF_FLOP = 2 * 1024**3
+GPU_GEMM_HALF_FLOP = 2 * 1024**3  # a GEMM of this many FLOPs reaches half the large-GEMM rate (small ones can't fill
 GPU_OP_OVERHEAD_S = 1.5e-6  # exposed launch cost per kernel (mostly hidden by asynchronous launches)
+
+
+# -- the efficiency model ----------------------------------------------------------------------------------------------
+# What a training step reaches of the datasheet, by GPU generation and execution mode. The cost model (cost.py) times
+# each GEMM at the profile's rate for its size, attention at its own rate, and the rest (element-wise kernels, launch
+# and dispatch) from memory traffic and operator counts, scaled by the execution mode's factor (GPU_MODES).
+#
+#   gemm         bf16 GEMMs of a training step, fraction of the dense bf16 peak (a GEMM of GPU_GEMM_HALF_FLOP FLOPs
+#                reaches half of it). Not what a GEMM benchmark reaches alone (cuBLAS: ~0.7 on H100), but what they
+#                reach inside a step, beside what the model does not count (FSDP's copies on the critical path, NCCL
+#                kernels taking SMs and memory bandwidth, allocator, clocks under power capping).
+#   attention    PyTorch's fused attention (SDPA) forward + backward, fraction of the dense bf16 peak
+#   float8       fp8 GEMMs (dynamic scaling), fraction of the fp8 dense peak (2x the bf16 one); None: no fp8 cores
+#   elementwise  fraction of the HBM bandwidth that eager element-wise kernels reach
+#
+# Sources (numbers as published; no text copied):
+#   hopper  torchtitan, benchmarks/llama3_h100_202412_torchtitan.md: Llama 3.1 8B, FSDP over 8 H100, local batch 2,
+#           seq 8192, selective checkpointing: 5,762 tokens/s/GPU eager, 6,667 with torch.compile (+16%), 8,532
+#           compiled with float8 linears (+28%); those H100s ran at 500 W, and the page's footnote puts their peak
+#           between the SXM's and the NVL's, so the targets here are its numbers x 989/912 (the midpoint). gemm,
+#           elementwise, GPU_MODES["compile"] and float8 are fitted to those three rows (grid search, bench/RESULTS.md);
+#           attention keeps FlashAttention-3's ratio (Shah et al. 2024, arXiv 2407.08608: FlashAttention-2, which SDPA
+#           runs on H100, reaches about 35% of the peak where GEMMs reach about 62%).
+#   ampere  torchtitan, docs/performance.md: FSDP on 64 A100 80GB, local batch 1, seq 8192: Llama 3 8B with
+#           selective checkpointing 2,973 tokens/s/GPU (58% MFU), 70B with full checkpointing 331 (51.7%): gemm fitted
+#           to both (+5% / -5%); attention at FlashAttention-2's reach on A100 relative to GEMMs (Dao 2023, arXiv
+#           2307.08691: 50-73% of the peak forward, less backward). Megatron-LM (Narayanan et al., SC'21) reports 52%
+#           of peak end to end on 3,072 A100: the same range.
+#   cdna3   SemiAnalysis, "MI300X vs H100 vs H200 Benchmark Part 1: Training" (Dec 2024): MI300X BF16 GEMMs reach well
+#           under half of the datasheet peak with the public ROCm stack, about 2/3 of what H100's reach: hopper's
+#           numbers x 2/3.
+#   blackwell, ada: hopper's; volta, turing, cdna2: below ampere's. No public measurement verified here; calibrate on
+#           the machine (`paratrain plan --calibrate --model M`) to replace them.
+@dataclass(frozen=True)
+class Efficiency:
+    gemm: float
+    attention: float
+    float8: float | None
+    elementwise: float = 0.5
+
+
+EFFICIENCY: dict[str, Efficiency] = {
+    "hopper": Efficiency(0.46, 0.26, 0.35, 0.5),
+    "blackwell": Efficiency(0.46, 0.26, 0.35, 0.5),
+    "ada": Efficiency(0.46, 0.26, 0.35, 0.5),
+    "ampere": Efficiency(0.68, 0.47, None, 0.5),
+    "volta": Efficiency(0.55, 0.30, None, 0.5),
+    "turing": Efficiency(0.45, 0.25, None, 0.5),
+    "cdna3": Efficiency(0.30, 0.17, 0.23, 0.5),
+    "cdna2": Efficiency(0.35, 0.20, None, 0.5),
+}
+GENERATION = {
+    "A100-40GB": "ampere", "A100-80GB": "ampere", "A10": "ampere", "A10G": "ampere", "A6000": "ampere",
+    "RTX3090": "ampere", "H100-SXM": "hopper", "H100-PCIe": "hopper", "H100-NVL": "hopper", "H200": "hopper",
+    "GH200": "hopper", "B200": "blackwell", "L40S": "ada", "L40": "ada", "L4": "ada", "RTX6000-Ada": "ada",
+    "RTX4090": "ada", "V100-16GB": "volta", "V100-32GB": "volta", "T4": "turing", "MI300X": "cdna3",
+    "MI325X": "cdna3", "MI250X-GCD": "cdna2",
+}
+# Execution mode -> factor on the non-matmul time (element-wise traffic and per-kernel cost). torch.compile fuses a
+# block's norms, rotary, SwiGLU and residual adds into a few kernels; the factor is set so the cost model reproduces
+# torchtitan's eager -> compile gain on H100 (+16%, above). Calibration measures it at the model's shapes.
+GPU_MODES = {"eager": 1.0, "compile": 0.30}
 
 
 def link(name: str, gpu: str | None = None) -> Link:
@@ -75,11 +135,17 @@ def gpu_profile(name: str, intra: str | None = None, inter: str | None = None) -
     if canonical == "MI250X-GCD":
         peak /= 2  # the table's MI250X figure is for both dies
     bw, default_intra = GPU_EXTRA[canonical]
-    half = GPU_GEMM_HALF_FLOP
-    f = GPU_GEMM_FRACTION * peak
-    curve = [(x, f * x / (x + half)) for x in (half / 64, half / 8, half, 8 * half, 64 * half, 512 * half)]
-    return Hardware(canonical, memory, peak, curve, bw, GPU_OP_OVERHEAD_S, link(intra or default_intra, canonical),
-                    link(inter or "ib400", canonical), GPU_OVERLAP, "cuda", "bf16", "datasheet")
+    generation = GENERATION[canonical]
+    eff = EFFICIENCY[generation]
+
+    def curve(rate):  # a GEMM of x FLOPs reaches rate * x / (x + half)
+        half = GPU_GEMM_HALF_FLOP
+        return [(x, rate * x / (x + half)) for x in (half / 64, half / 8, half, 8 * half, 64 * half, 512 * half)]
+
+    return Hardware(canonical, memory, peak, curve(eff.gemm * peak), bw * eff.elementwise, GPU_OP_OVERHEAD_S,
+                    link(intra or default_intra, canonical), link(inter or "ib400", canonical), GPU_OVERLAP, "cuda",
+                    "bf16", "datasheet", generation=generation, attention=curve(eff.attention * peak),
+                    float8_gemm=curve(eff.float8 * 2 * peak) if eff.float8 else [], modes=dict(GPU_MODES))
 
 
 def load_profile(name: str, profile_dir: str | Path | None = None) -> Hardware | None:
@@ -122,7 +188,66 @@ def reference_args():
                        max_seq_len=REF_SEQ)
 
 
-def _calibrate_worker(sizes: list[int], msg_sizes: list[int], seconds: float) -> dict:
+def model_shapes(args, seq: int, micro_batches: tuple[int, ...], tp: int = 1) -> dict:
+    """What a calibration measures at a model's own shapes: each micro-batch's GEMMs (q/k/v/o, w1/w3/w2, the output
+    head; tp-split), its attention (heads / tp) and one block (for the execution modes' factor)."""
+    hd, t = args.head_dim, tp
+    gemms, attention = [], []
+    for mb in micro_batches:
+        T = mb * seq
+        for k, n in ((args.dim, args.n_heads * hd // t), (args.dim, args.n_kv_heads * hd // t),
+                     (args.n_heads * hd // t, args.dim), (args.dim, args.ffn_hidden // t),
+                     (args.ffn_hidden // t, args.dim), (args.dim, args.vocab_size // t)):
+            gemms.append((T, k, n))
+        attention.append((mb, args.n_heads // t, seq, hd))
+    block = dict(dim=args.dim, n_heads=args.n_heads // t, n_kv_heads=max(1, args.n_kv_heads // t), head_dim=hd,
+                 ffn_hidden=args.ffn_hidden // t, vocab_size=args.vocab_size, n_layers=1, max_seq_len=seq,
+                 norm_eps=args.norm_eps, rope_theta=args.rope_theta)
+    return {"gemms": sorted(set(gemms)), "attention": sorted(set(attention)), "block": block,
+            "block_batch": micro_batches[0], "seq": seq}
+
+
+def _measure_model_shapes(job: dict, modes: tuple[str, ...], device, dtype, timed) -> dict:
+    """GEMM, float8 GEMM, attention and one block forward+backward (per execution mode) at a model's shapes."""
+    import torch
+    import torch.nn.functional as F
+
+    out = {"gemm": [], "float8": [], "attention": [], "block": {}}
+    for m, k, n in job["gemms"]:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        out["gemm"].append((2.0 * m * k * n, 2.0 * m * k * n / timed(lambda: a @ b)))
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9) and k % 16 == 0 and n % 16 == 0:
+            a8 = a.to(torch.float8_e4m3fn)
+            b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major second operand
+            one = torch.ones((), device=device)
+            t8 = timed(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+            out["float8"].append((2.0 * m * k * n, 2.0 * m * k * n / t8))
+    for b, h, s, d in job["attention"]:
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+
+        def fwd_bwd():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        fwd = 4.0 * b * s * s * h * d / 2  # causal: half the square (the cost model's count)
+        out["attention"].append((fwd, 3 * fwd / timed(fwd_bwd)))
+    from paratrain.models.args import ModelArgs
+    from paratrain.models.llama import TransformerBlock, rope_tables
+
+    args = ModelArgs(**job["block"])
+    block = TransformerBlock(args).to(device=device, dtype=dtype)
+    cos, sin = (x.to(device) for x in rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args=args))
+    x = torch.randn(job["block_batch"], job["seq"], args.dim, device=device, dtype=dtype, requires_grad=True)
+    for mode in modes:
+        run = block if mode == "eager" else torch.compile(block)
+
+        def step():
+            run(x, cos, sin).sum().backward()
+        out["block"][mode] = timed(step)
+    return out
+
+
+def _calibrate_worker(sizes: list[int], msg_sizes: list[int], seconds: float, shapes: dict | None = None,
+                      modes: tuple[str, ...] = ("eager",)) -> dict:
     """On each local rank at once (so the rates are what a rank gets when all ranks compute): matmul rate at
     several sizes, memory bandwidth, per-operator overhead, and all-reduce / all-gather times by message size."""
     import time
@@ -144,18 +269,20 @@ def _calibrate_worker(sizes: list[int], msg_sizes: list[int], seconds: float) ->
             torch.cuda.synchronize(device)
 
     def timed(fn, min_s):
-        """Local work: as many iterations as fit in min_s (each rank on its own, all at the same time)."""
+        """Local work: as many iterations as fit in min_s (each rank on its own, all at the same time); the median
+        iteration (robust to the odd pause of a shared machine)."""
         fn()
         sync()
         dist.barrier()
-        n, t0 = 0, time.perf_counter()
+        times, t0 = [], time.perf_counter()
         while True:
+            t1 = time.perf_counter()
             fn()
-            n += 1
             sync()
-            el = time.perf_counter() - t0
-            if el >= min_s and n >= 3:
-                return el / n
+            t2 = time.perf_counter()
+            times.append(t2 - t1)
+            if t2 - t0 >= min_s and len(times) >= 3:
+                return sorted(times)[len(times) // 2]
 
     def timed_collective(fn, iters):
         """Collectives: the same number of iterations on every rank; the median."""
@@ -204,6 +331,8 @@ def _calibrate_worker(sizes: list[int], msg_sizes: list[int], seconds: float) ->
             opt.step()
             opt.zero_grad(set_to_none=True)
         out["reference_step_s"] = timed(train_step, 2 * seconds)
+        if shapes is not None:
+            out["shapes"] = _measure_model_shapes(shapes, modes, device, dtype, lambda fn: timed(fn, seconds))
         world = dist.get_world_size()
         for nbytes in msg_sizes:
             v = torch.ones(nbytes // 4, device=device)
@@ -235,6 +364,38 @@ def _calibrate_worker(sizes: list[int], msg_sizes: list[int], seconds: float) ->
         dist.destroy_process_group()
 
 
+def _apply_model_shapes(hw: Hardware, measured: dict, model, shapes: dict, tp: int) -> None:
+    """Fold what was measured at a model's shapes into the profile (see `calibrate`)."""
+    import dataclasses
+
+    from paratrain.layout import Layout
+    from paratrain.planner.cost import Candidate, Context, block_costs
+
+    hw.gemm = sorted(set(hw.gemm) | {tuple(x) for x in measured["gemm"]})
+    hw.attention = sorted(tuple(x) for x in measured["attention"])
+    hw.float8_gemm = sorted(tuple(x) for x in measured["float8"])
+    block_args = dataclasses.replace(model, **{k: shapes["block"][k] for k in ("n_heads", "n_kv_heads", "ffn_hidden")},
+                                     head_dim=model.head_dim)
+    seq, mb = shapes["seq"], shapes["block_batch"]
+    for mode, seconds in measured["block"].items():
+        # the cost model's block at this shape, with and without its non-matmul part (mode factor 1 and 0)
+        times = []
+        for factor in (1.0, 0.0):
+            probe = dataclasses.replace(hw, modes={"eager": factor}, compute_scale=1.0)
+            ctx = Context(block_args, seq, mb, probe, 1, hw.precision, "calibration")
+            bc = block_costs(ctx, probe, 1, mb, 1, "none")
+            times.append(bc.forward + bc.backward)
+        full, matmul = times
+        hw.modes[mode] = min(20.0, max(0.05, (seconds - matmul) / max(full - matmul, 1e-12)))
+        hw.shapes[f"block {mode} (micro-batch {mb} x seq {seq}, tp {tp})"] = seconds
+    for flop, rate in measured["gemm"]:
+        hw.shapes[f"gemm {flop / 1e9:.3g} GFLOP"] = flop / rate
+    for flop, rate in measured["attention"]:
+        hw.shapes[f"attention {flop / 1e9:.3g} GFLOP forward"] = 3 * flop / rate
+    hw.notes.append(f"calibrated at the shapes of {model.n_layers}-block dim-{model.dim} model, seq {seq}, tp {tp}; "
+                    + ", ".join(f"{m} non-matmul factor {f:.2f}" for m, f in hw.modes.items()))
+
+
 def fit_alpha_beta(points: list[tuple[int, float]], steps: float, volume: float) -> tuple[float, float]:
     """Least squares for t = steps * alpha + volume * nbytes / bw over (nbytes, t): returns (alpha, bw)."""
     xs = [volume * n for n, _ in points]
@@ -248,20 +409,39 @@ def fit_alpha_beta(points: list[tuple[int, float]], steps: float, volume: float)
     return max(intercept, 0.0) / max(steps, 1), 1.0 / slope
 
 
-def calibrate(name: str, nproc: int, profile_dir: str | Path | None = None, seconds: float = 0.25) -> tuple[Hardware, Path]:
-    """Measure this machine with `nproc` local ranks and save the profile as NAME.json."""
+def calibrate(name: str, nproc: int, profile_dir: str | Path | None = None, seconds: float = 0.25, model=None,
+              seq: int | None = None, micro_batches: tuple[int, ...] = (1, 2), tp: int = 1,
+              modes: tuple[str, ...] | None = None) -> tuple[Hardware, Path]:
+    """Measure this machine with `nproc` local ranks and save the profile as NAME.json.
+
+    With `model` (ModelArgs), also at that model's own shapes (sequence `seq`, `micro_batches`, `tp`): its GEMMs (and
+    float8 GEMMs where the GPU has them) join the GEMM curve, its attention gives the attention curve, and one of its
+    blocks, timed forward + backward in each execution mode (`modes`; default eager and compile on CUDA, eager on a
+    CPU), gives each mode's factor on the non-matmul time: (measured - the GEMMs and attention at the measured
+    rates) / what the cost model counts for the rest."""
     import torch
 
     from paratrain.distributed.launch import launch
+    from paratrain.planner.profile import EXECUTION_MODES
 
     if nproc < 1:
         raise UserError("--nproc must be >= 1")
     if not name or "/" in name:
         raise UserError(f"profile name '{name}' must be a plain name (it becomes NAME.json)")
     cuda = torch.cuda.is_available()
+    modes = tuple(modes or (("eager", "compile") if cuda else ("eager",)))
+    bad = [m for m in modes if m not in EXECUTION_MODES]
+    if bad:
+        raise UserError(f"calibration mode '{bad[0]}' is not one of {', '.join(EXECUTION_MODES)}")
+    shapes = None
+    if model is not None:
+        seq = seq or min(model.max_seq_len, 4096)
+        if seq < 1 or seq > model.max_seq_len or tp < 1:
+            raise UserError(f"--seq {seq} must be between 1 and the model's max_seq_len {model.max_seq_len}")
+        shapes = model_shapes(model, seq, tuple(micro_batches), tp)
     sizes = [256, 1024, 4096, 8192] if cuda else [32, 64, 128, 256, 512]
     msgs = [2**12, 2**16, 2**20, 2**24] if cuda else [2**12, 2**15, 2**18, 2**20, 2**22]
-    r = launch(_calibrate_worker, (sizes, msgs, seconds), nproc)
+    r = launch(_calibrate_worker, (sizes, msgs, seconds, shapes, modes), nproc)
     n = r["world"]
     # ring all-reduce: 2(n-1) steps moving 2(n-1)/n of the buffer; all-gather: (n-1) steps, (n-1)/n
     if n > 1:
@@ -288,6 +468,8 @@ def calibrate(name: str, nproc: int, profile_dir: str | Path | None = None, seco
     hw = Hardware(name, memory, peak, gemm, r["mem_bandwidth"], r["op_overhead_s"], intra, None, overlap,
                   "cuda" if cuda else "cpu", "bf16" if cuda else "fp32", f"calibrated with {n} local ranks",
                   [f"all-reduce points {r['allreduce']}", f"all-gather points {r['allgather']}"])
+    if shapes is not None:
+        _apply_model_shapes(hw, r["shapes"], model, shapes, tp)
     # compute_scale: the reference step measured against what the cost model predicts for it on this profile
     from paratrain.layout import Layout
     from paratrain.planner.cost import Candidate, Context, predict

@@ -11,6 +11,21 @@ import math
 from dataclasses import asdict, dataclass, field
 
 GPU_OVERLAP = 0.8  # fraction of overlappable communication NCCL hides under compute (separate streams)
+EXECUTION_MODES = ("eager", "compile")  # training.compile = false | true
+
+
+def interpolate(points, x: float) -> float:
+    """Log-log interpolation of (x, y) points, flat outside them."""
+    pts = sorted(points)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            if x1 == x0:
+                return y1
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
+    return pts[-1][1]
 
 
 @dataclass
@@ -36,17 +51,28 @@ class Hardware:
     source: str = "datasheet"
     notes: list[str] = field(default_factory=list)
     compute_scale: float = 1.0  # measured / predicted time of a reference model's training step (calibration)
+    generation: str = ""  # GPU generation of a datasheet profile (hopper, ampere, ...; planner/hardware.py)
+    # fused attention (SDPA) forward+backward: (forward FLOPs of one micro-step's attention on a rank, achieved
+    # FLOP/s); empty: ATTENTION_EFFICIENCY x the GEMM rate (CPU profiles without a model calibration)
+    attention: list[tuple[float, float]] = field(default_factory=list)
+    float8_gemm: list[tuple[float, float]] = field(default_factory=list)  # fp8 GEMMs; empty: no fp8 tensor cores
+    # execution mode -> factor on the non-matmul time (element-wise traffic and per-operator cost); eager is 1
+    modes: dict[str, float] = field(default_factory=lambda: {"eager": 1.0})
+    shapes: dict[str, float] = field(default_factory=dict)  # calibration at a model's shapes: what -> seconds
 
     def gemm_rate(self, flop: float) -> float:
         """Achieved FLOP/s for one GEMM of `flop` FLOPs: log-log interpolation of the curve, flat outside it."""
-        pts = sorted(self.gemm)
-        if flop <= pts[0][0]:
-            return pts[0][1]
-        for (f0, r0), (f1, r1) in zip(pts, pts[1:]):
-            if flop <= f1:
-                w = (math.log(flop) - math.log(f0)) / (math.log(f1) - math.log(f0))
-                return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
-        return pts[-1][1]
+        return interpolate(self.gemm, flop)
+
+    def float8_rate(self, flop: float) -> float | None:
+        return interpolate(self.float8_gemm, flop) if self.float8_gemm else None
+
+    def attention_rate(self, forward_flop: float) -> float | None:
+        return interpolate(self.attention, forward_flop) if self.attention else None
+
+    def mode_factor(self, mode: str) -> float:
+        """The non-matmul time factor of an execution mode (a mode this profile does not know: eager's)."""
+        return self.modes.get(mode, self.modes.get("eager", 1.0))
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -56,5 +82,6 @@ class Hardware:
         d = dict(d)
         d["intra"] = Link(**d["intra"])
         d["inter"] = Link(**d["inter"]) if d.get("inter") else None
-        d["gemm"] = [tuple(x) for x in d["gemm"]]
+        for key in ("gemm", "attention", "float8_gemm"):
+            d[key] = [tuple(x) for x in d.get(key, [])]
         return cls(**d)

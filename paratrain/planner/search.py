@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from paratrain.errors import ConfigError, UserError
-from paratrain.layout import DP_MODES, Batch, Layout, grad_compression_site
+from paratrain.layout import DP_MODES, INTERLEAVED, ZERO_BUBBLE, Batch, Layout, grad_compression_site
 from paratrain.planner.cost import Candidate, Context, Prediction, predict
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")  # the planner's choice of paratrain.layout.SCHEDULES
@@ -38,6 +38,9 @@ class Result:
     reason: str | None = None  # why it was rejected
     total_bytes: int | None = None  # memory per rank (estimator total, worst rank)
     estimate: object = None
+    stage_hw: list | None = None  # heterogeneous clusters: each pipeline rank's hardware
+    even: Prediction | None = None  # heterogeneous clusters: the same layout with the even (balanced) split
+    bound: dict | None = None  # when only a lower bound of its memory was computed: {"states", "activations"}
 
     @property
     def ok(self) -> bool:
@@ -71,13 +74,15 @@ def structural_reason(c: Candidate, ctx: Context) -> str | None:
     try:
         c.layout.validate(ctx.args, c.world, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
         grad_compression_site(c.layout, ctx.compression.method)  # --grad-compression applies to this layout
+        c.layout.check_checkpointing(c.ac)
     except ConfigError as e:
         return str(e)
     return None
 
 
-def memory(c: Candidate, ctx: Context):
-    """The memory estimator's verdict for a candidate: an Estimate (worst rank)."""
+def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
+    """The memory estimator's verdict for a candidate: an Estimate (worst rank; all_ranks: every pipeline rank's
+    total in `stages`, for stages on different GPUs)."""
     from paratrain.estimate import EstimateInputs, estimate
 
     inputs = EstimateInputs(ctx.args, c.layout, model_name=ctx.model_name, precision=ctx.precision,
@@ -87,7 +92,7 @@ def memory(c: Candidate, ctx: Context):
                             accum_steps=1 if c.layout.pipelined else c.micro_steps(ctx), gpu_name=ctx.hw.name,
                             gpu_bytes=ctx.hw.memory_bytes, overhead_bytes=None if ctx.hw.device == "cuda" else 0,
                             device=ctx.hw.device)
-    return estimate(inputs, suggest=False)
+    return estimate(inputs, suggest=False, all_ranks=all_ranks)
 
 
 def memory_reason(est, ctx: Context, headroom: float) -> str | None:
@@ -157,9 +162,21 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                     continue
                 m = ctx.global_seqs // (dp * mb)  # pipeline microbatches (pp > 1)
                 for sched in ("1f1b",) if pp == 1 else opts.schedules:
-                    lay = layout.replace(pp_schedule=sched, pp_microbatches=m) if pp > 1 else layout
-                    for ac in opts.ac_modes:
-                        out.append(Candidate(lay, ac, 2, mb))
+                    # interleaved: 2 stages per rank, and 3 where the blocks allow (a smaller bubble for more
+                    # point-to-point traffic; torch's runtime keeps at most 3 stages' FSDP parameters gathered, so
+                    # with more they would be gathered again within a step)
+                    for v in ((2, 3) if (pp > 1 and sched in INTERLEAVED) else (1,)):
+                        if pp * v > a.n_layers:
+                            continue
+                        try:
+                            lay = layout.replace(pp_schedule=sched, pp_microbatches=m, pp_virtual=v) if pp > 1 \
+                                else layout
+                        except ConfigError:
+                            continue
+                        for ac in opts.ac_modes:
+                            if ac != "none" and pp > 1 and sched in ZERO_BUBBLE:
+                                continue  # Layout.check_checkpointing
+                            out.append(Candidate(lay, ac, 2, mb))
     return out
 
 
@@ -185,14 +202,20 @@ def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) ->
         r = evaluate(c, ctx, opts.headroom, with_memory=False)
         (results if r.reason is None else rejected).append(r)
     results.sort(key=lambda r: r.pred.step_s)
-    ranked, checked, misses = [], 0, []
+    ranked, checked = [], 0
+    misses: dict = {}  # memory key -> [(micro-batch, MEM_ORDER)] of layouts that did not fit
     need = max(top, 1)
     for r in results:
         if len(ranked) >= need:
             break  # the rest are predicted slower than `top` layouts that fit
-        if any(_dominated(r.cand, x.cand) for x in misses):
+        key = _memory_key(r.cand)
+        if any(_dominated(r.cand, mb, ac) for mb, ac in misses.get(key, ())):
             r.reason = "does not fit: needs at least the memory of a smaller layout that does not fit"
             rejected.append(r)
+            continue
+        if _lower_bound_exceeds(r, ctx, opts):  # states + stored activations already exceed it: no estimate needed
+            rejected.append(r)
+            misses.setdefault(key, []).append((r.cand.micro_batch, r.cand.ac))
             continue
         if checked >= opts.estimate_limit:
             break
@@ -200,11 +223,12 @@ def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) ->
         checked += 1
         (ranked if r.reason is None else rejected).append(r)
         if r.reason:
-            misses.append(r)
+            misses.setdefault(key, []).append((r.cand.micro_batch, r.cand.ac))
     if not ranked:
         # the most memory-frugal layouts (full checkpointing, the smallest micro-batch) may fit though slower
+        smallest = min((x.cand.micro_batch for x in results), default=1)
         frugal = [r for r in results if r.total_bytes is None and r.cand.ac == "full"
-                  and r.cand.micro_batch == min(x.cand.micro_batch for x in results)]
+                  and r.cand.micro_batch == smallest]
         for r in frugal[: opts.estimate_limit]:
             _check(r, ctx, opts)
             (ranked if r.reason is None else rejected).append(r)
@@ -219,16 +243,54 @@ def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) ->
 MEM_ORDER = {"full": 0, "every_k": 1, "selective": 1, "none": 2}
 
 
-def _dominated(c: Candidate, miss: Candidate) -> bool:
-    """c needs at least the memory of `miss` (same layout, a micro-batch no smaller, no more recomputation)."""
-    def sans_microbatches(lay: Layout) -> Layout:  # a smaller micro-batch makes more of them
-        return dataclasses.replace(lay, pp_microbatches=0)
+def _memory_key(c: Candidate) -> Layout:
+    """Candidates with the same key differ only in micro-batch (a smaller one makes more pipeline micro-batches) and
+    checkpointing: a larger micro-batch with no more recomputation needs at least as much memory."""
+    return dataclasses.replace(c.layout, pp_microbatches=0)
 
-    if sans_microbatches(c.layout) != sans_microbatches(miss.layout):
+
+def _dominated(c: Candidate, miss_micro_batch: int, miss_ac: str) -> bool:
+    """c needs at least the memory of a miss with the same `_memory_key`: a micro-batch no smaller and no more
+    recomputation."""
+    if c.micro_batch < miss_micro_batch:
         return False
-    if c.micro_batch < miss.micro_batch:
+    return c.ac == miss_ac or MEM_ORDER[c.ac] > MEM_ORDER[miss_ac]
+
+
+def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
+    """A lower bound of the worst rank's peak already over the usable memory: rejected without walking the step.
+    The bound is the rank's exact model states plus what its blocks store for one micro-batch, times the most
+    micro-batches the rank holds at once (a pipeline's schedule); the real peak holds at least that."""
+    from paratrain.estimate import activations as A
+    from paratrain.estimate.core import block_modes, in_flight
+    from paratrain.estimate.gpus import fmt_bytes
+    from paratrain.estimate.model_states import rank_layers, state_bytes
+
+    lay, a, c = r.cand.layout, ctx.args, r.cand
+    limit = ctx.hw.memory_bytes * (1 - opts.headroom)
+    ranks = range(lay.pp) if lay.pp <= 4 else sorted({0, 1, lay.pp - 1, lay.stage_owner(lay.num_stages - 1)})
+    layers = rank_layers(lay, a)
+    d = A.act_dims(a, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, ctx.hw.device)
+    moe = A.moe_dims(a, lay, c.micro_batch, ctx.seq_len, 1.0) if a.moe_experts else None
+    modes = block_modes(a.n_layers, c.ac, c.every_k)
+    best = None
+    for s in ranks:
+        states = sum(_states(state_bytes(a, lay, ctx.precision, "adamw", "paratrain", s, layers)))
+        stored = sum(A.block_stored(d, modes[l], moe if a.is_moe_layer(l) else None) for l in layers[s])
+        acts = int(in_flight(lay, s) * stored)
+        if best is None or states + acts > sum(best):
+            best = (states, acts)
+    if sum(best) <= limit:
         return False
-    return c.ac == miss.ac or MEM_ORDER[c.ac] > MEM_ORDER[miss.ac]
+    r.total_bytes, r.bound = sum(best), {"states": best[0], "activations": best[1]}
+    r.reason = (f"does not fit: at least {fmt_bytes(sum(best))} per rank (model states {fmt_bytes(best[0])}, stored "
+                f"activations {fmt_bytes(best[1])}) > {fmt_bytes(limit)} ({ctx.hw.name} less {opts.headroom:.0%} "
+                "headroom)")
+    return True
+
+
+def _states(st) -> tuple[int, ...]:
+    return (st.params, st.grads, st.optimizer, st.master)
 
 
 def _check(r: Result, ctx: Context, opts: Options) -> None:
@@ -259,9 +321,12 @@ def no_fit_message(ctx: Context, world: int, opts: Options, results: list[Result
     limit = ctx.hw.memory_bytes * (1 - opts.headroom)
     short = best.total_bytes - limit
     factor = best.total_bytes / limit
-    at = best.estimate.at_peak if best.estimate is not None else {}
-    states = sum(at.get(k, 0) for k in ("parameters", "gradients", "optimizer", "master", "autocast_copies"))
-    acts = sum(at.get(k, 0) for k in ("activations", "pipeline", "logits_loss"))
+    if best.estimate is not None:
+        at = best.estimate.at_peak
+        states = sum(at.get(k, 0) for k in ("parameters", "gradients", "optimizer", "master", "autocast_copies"))
+        acts = sum(at.get(k, 0) for k in ("activations", "pipeline", "logits_loss"))
+    else:  # only its lower bound was computed
+        states, acts = best.bound["states"], best.bound["activations"]
     what = (f"model states alone take {fmt_bytes(states)} per rank: about {math.ceil(factor * world)} GPUs or GPUs "
             f"with {fmt_bytes(best.total_bytes / (1 - opts.headroom))}" if states >= acts else
             f"activations take {fmt_bytes(acts)} per rank: a shorter --seq, or more GPUs for tp/pp/cp")
@@ -282,17 +347,18 @@ def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
     if mode not in DP_MODES + ("nodp", "zero3"):
         raise UserError(f"--explain '{text}': the first item must be a dp mode ({', '.join(DP_MODES)}) or nodp")
     mode = {"zero3": "fsdp", "nodp": "fsdp"}.get(mode, mode)
-    kv = {"tp": "1", "pp": "1", "ep": "1", "cp": "1", "rep": "1", "sched": "1f1b", "ac": "none", "mb": "1"}
+    kv = {"tp": "1", "pp": "1", "ep": "1", "cp": "1", "rep": "1", "sched": "1f1b", "v": "1", "ac": "none", "mb": "1"}
     for tok in tokens[1:]:
         k, eq, v = tok.partition("=")
         if not eq or k not in kv:
-            raise UserError(f"--explain '{text}': unknown item '{tok}' (use tp=, pp=, cp=, sched=, rep=, ep=, ac=, mb=)")
+            raise UserError(f"--explain '{text}': unknown item '{tok}' (use tp=, pp=, cp=, sched=, v=, rep=, ep=, ac=, "
+                            "mb=)")
         kv[k] = v
     try:
-        tp, pp, ep, cp, rep, mb = (int(kv[k]) for k in ("tp", "pp", "ep", "cp", "rep", "mb"))
+        tp, pp, ep, cp, rep, mb, virtual = (int(kv[k]) for k in ("tp", "pp", "ep", "cp", "rep", "mb", "v"))
     except ValueError:
-        raise UserError(f"--explain '{text}': tp, pp, cp, ep, rep and mb must be integers") from None
-    if min(tp, pp, ep, cp, rep, mb) < 1:
+        raise UserError(f"--explain '{text}': tp, pp, cp, v, ep, rep and mb must be integers") from None
+    if min(tp, pp, ep, cp, rep, mb, virtual) < 1:
         raise UserError(f"--explain '{text}': degrees and mb must be >= 1")
     ac, k = kv["ac"], 2
     if ac.startswith("every_k"):
@@ -305,7 +371,7 @@ def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
     dp = max(1, world // (tp * pp * cp))  # Layout.resolve says when tp x pp x cp does not divide the world
     m = max(1, ctx.global_seqs // (dp * mb))
     layout = Layout.resolve(world, dp_mode=mode, dp_replicate=rep if mode == "hsdp" else 1, tp=tp, pp=pp, ep=ep,
-                            cp=cp, pp_schedule=sched, pp_microbatches=m)
+                            cp=cp, pp_schedule=sched, pp_microbatches=m, pp_virtual=virtual)
     return Candidate(layout, ac, k, mb)
 
 
@@ -369,7 +435,7 @@ def ring_line(c: Candidate, ctx: Context) -> str:
     a, lay = ctx.args, c.layout
     tokens = c.micro_batch * ctx.seq_len // lay.cp
     pred = predict(c, ctx)
-    total, exposed = ring_time(ctx, c, tokens, attention_time(ctx, c, tokens))
+    total, exposed = ring_time(ctx, c, tokens, attention_time(ctx, c))
     link = group_link(ctx, c.tp, lay.cp)
     kv = 2 * tokens * a.n_kv_heads * a.head_dim / c.tp * (4 if ctx.precision == "fp32" else 2)
     return (f"context-parallel ring over {lay.cp} ranks ({link.name}): per block, {lay.cp - 1} point-to-point steps "

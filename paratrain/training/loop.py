@@ -26,7 +26,7 @@ from paratrain.distributed.context_parallel import context_for
 from paratrain.distributed.env import DistEnv, register_process
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize, unwrap
-from paratrain.distributed.pipeline import build_pipeline
+from paratrain.distributed.pipeline import build_pipeline, check_stage_gpu
 from paratrain.distributed.tensors import local_tensor
 from paratrain.errors import UserError
 from paratrain.faults import ATTEMPT_ENV, FaultInjector
@@ -34,7 +34,7 @@ from paratrain.observe.flops import peak_flops
 from paratrain.generate import sample
 from paratrain.observe.metrics import MetricsLog, build_sinks
 from paratrain.models import Transformer, count_active_params, count_params, flops_per_token
-from paratrain.spec import RunSpec
+from paratrain.spec import RunSpec, stage_gpus
 from paratrain.training.checkpoint import Checkpointer, Progress, export_safetensors, full_weights
 from paratrain.training.evaluation import Evaluator, dp_mean
 from paratrain.training.optim import build_optimizer, lr_at
@@ -73,6 +73,7 @@ class Trainer:
         self.comm = GradComm(cfg.parallel, self.dims, dev, t.seed)  # gradient compression, buckets, prefetching
         pipeline = None
         if spec.layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
+            check_stage_gpu(stage_gpus(cfg, spec.layout), self.dims.pp_rank, dev)  # heterogeneous clusters
             pipeline = build_pipeline(self.dims, model, cfg.activation_checkpoint, t.precision, t.compile, dev, t.seed,
                                       schedule_loss(scaler), self.comm)
             model = pipeline.model
