@@ -189,3 +189,30 @@ def test_planner_and_estimator_know_compression():
     assert est["sign_ef"].sizes["compression"] == grads + grads // 8
     with pytest.raises(ConfigError, match="only bf16 applies"):
         estimate(inputs_from_argv(["--model", "llama3.2-1b", "--dp-shard", "8", "--grad-compression", "sign_ef"])[0])
+
+
+def test_none_leaves_ddp_and_fsdp_as_they_were():
+    """grad_compression = none (the default) registers no DDP hook, no FSDP all-reduce hook and no prefetching, and
+    keeps FSDP's fp32 reduction: the runs are those of paratrain before compression existed (verify's 1e-6 checks
+    every layout with it)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from paratrain.config import ParallelConfig
+    from paratrain.distributed.compression import GradComm
+
+    class Untouchable(torch.nn.Module):
+        def __getattr__(self, name):
+            if name.startswith(("register_comm_hook", "set_")):
+                raise AssertionError(f"grad_compression=none called {name}")
+            return super().__getattr__(name)
+
+    for mode in ("ddp", "zero1", "fsdp", "zero2"):
+        comm = GradComm(ParallelConfig(), SimpleNamespace(layout=Layout.resolve(2, dp_mode=mode)), torch.device("cpu"))
+        assert comm.site == "none" and comm.reduce_dtype == torch.float32
+        if mode in ("ddp", "zero1"):
+            comm.attach_ddp(Untouchable())
+        else:
+            comm.attach_fsdp(Untouchable(), [Untouchable()] * 3)
+        assert comm.compressor is None and comm.state_dict() == {}

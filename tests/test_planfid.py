@@ -139,10 +139,12 @@ def test_plan_json_and_compile(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["gpus"] == 16 and doc["gpu"] == "H100-SXM" and doc["execution_mode"] == "compile"
     assert doc["tokens_per_step"] == 1048576 and doc["planning_seconds"] >= 0 and len(doc["ranked"]) == 3
+    assert doc["grad_compression"] == "none"
     best = doc["ranked"][0]
-    for key in ("name", "dp_mode", "tp", "pp", "activation_checkpoint", "micro_batch", "memory_bytes_per_rank"):
+    for key in ("name", "dp_mode", "tp", "pp", "cp", "activation_checkpoint", "micro_batch", "memory_bytes_per_rank"):
         assert key in best
-    for key in ("step_s", "tokens_per_s", "mfu", "exposed_comm_s", "bubble_s", "fsdp_all_gathers_per_step"):
+    for key in ("step_s", "tokens_per_s", "mfu", "exposed_comm_s", "bubble_s", "compress_s",
+                "fsdp_all_gathers_per_step"):
         assert key in best["predicted"]
     assert doc["written"]["config"] == str(out / "config.toml")
     assert load_config(out / "config.toml").training.compile is True
