@@ -127,6 +127,7 @@ class ParallelConfig:
     powersgd_rank: int = 4  # PowerSGD's matrix approximation rank
     powersgd_warmup_steps: int = 10  # plain all-reduce for the first steps (>= 2: DDP rebuilds its buckets at step 1)
     sign_ef_block: int = 0  # sign_ef: one scale per this many elements (a multiple of 8; 0: one per tensor piece)
+    sign_ef_warmup_steps: int = 0  # sign_ef: plain fp32 all-reduce for the first steps (1-bit Adam's warm-up stage)
     fsdp_forward_prefetch: int = 0  # blocks whose all-gather is issued ahead in forward (0: FSDP2's implicit order)
     fsdp_backward_prefetch: int = 1  # blocks prefetched ahead in backward (1: FSDP2's default, the previous block)
 
@@ -382,6 +383,7 @@ def validate(cfg: Config) -> None:
     p = cfg.parallel  # the degrees are checked against the world size by paratrain.layout.Layout
     _require(p.ddp_bucket_mb > 0, "parallel.ddp_bucket_mb must be positive")
     _require(p.powersgd_rank >= 1, "parallel.powersgd_rank must be >= 1")
+    _require(p.sign_ef_warmup_steps >= 0, "parallel.sign_ef_warmup_steps must be >= 0")
     _require(p.sign_ef_block >= 0 and p.sign_ef_block % 8 == 0,
              "parallel.sign_ef_block must be 0 (one scale per tensor piece) or a positive multiple of 8")
     _require(p.powersgd_warmup_steps >= 2, "parallel.powersgd_warmup_steps must be >= 2 (DDP rebuilds its gradient "

@@ -69,8 +69,9 @@ def test_where_compression_applies():
 
 def test_sign_ef_resume_is_bitwise_and_sends_a_thirtieth(char_data, tmp_path):
     """10 + resume + 10 steps with sign_ef on ddp2 give the losses of 20 straight steps, bit for bit: the error
-    feedback residuals are in the checkpoint. PowerSGD's state likewise (warm-up 2, resumed at step 4 of 8)."""
-    sign = ["parallel.dp_mode=ddp", "parallel.grad_compression=sign_ef", "training.steps=20"]
+    feedback residuals are in the checkpoint (here after a 3-step uncompressed warm-up). PowerSGD's state likewise (warm-up 2, resumed at step 4 of 8)."""
+    sign = ["parallel.dp_mode=ddp", "parallel.grad_compression=sign_ef", "training.steps=20",
+            "parallel.sign_ef_warmup_steps=3"]  # 3 uncompressed steps, then compressed
     power = ["parallel.dp_mode=ddp", "parallel.grad_compression=powersgd", "parallel.powersgd_warmup_steps=2",
              "parallel.powersgd_rank=2", "training.steps=8"]
     cfgs = (_config(char_data, tmp_path, "sign", *sign, "checkpoint.every=10"),
@@ -83,7 +84,8 @@ def test_sign_ef_resume_is_bitwise_and_sends_a_thirtieth(char_data, tmp_path):
     assert sign_resumed.losses == sign_ef.losses[10:] and sign_resumed.val_loss == sign_ef.val_loss  # ==: bitwise
     assert power_resumed.losses == powersgd.losses[4:] and power_resumed.val_loss == powersgd.val_loss
     records = _records(sign_ef.run_dir)
-    assert all(r["compression_ratio"] < 0.05 and r["comm_bytes"] > 0 for r in records)  # ~1/32 of fp32
+    assert [r["compression_ratio"] for r in records[:3]] == [1.0] * 3  # the warm-up's plain all-reduce
+    assert all(r["compression_ratio"] < 0.05 and r["comm_bytes"] > 0 for r in records[3:])  # ~1/32 of fp32
     # the planner's and estimator's model of the same reduction (pieces are padded to whole bytes at run time)
     from paratrain.data import read_meta
     from paratrain.estimate.model_states import model_params
@@ -216,3 +218,4 @@ def test_none_leaves_ddp_and_fsdp_as_they_were():
         else:
             comm.attach_fsdp(Untouchable(), [Untouchable()] * 3)
         assert comm.compressor is None and comm.state_dict() == {}
+

@@ -167,15 +167,21 @@ class _Plan:
 class SignEF:
     """1-bit sign compression with error feedback (the 1-bit Adam compressed all-reduce), per named parameter."""
 
-    def __init__(self, group, meter: CommMeter, block: int = 0):
-        self.group, self.meter, self.block = group, meter, block
+    def __init__(self, group, meter: CommMeter, block: int = 0, warmup_steps: int = 0):
+        self.group, self.meter, self.block, self.warmup_steps = group, meter, block, warmup_steps
+        self.step = 0  # the optimizer step being reduced (GradComm.start_step)
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.worker: dict[str, torch.Tensor] = {}  # this rank's residual of each parameter's gradient (numel)
         self.server: dict[str, torch.Tensor] = {}  # this rank's residual of its piece of each parameter (c_k)
         self.plans: dict[tuple, _Plan] = {}
 
     def mean_(self, flat: torch.Tensor, segments: list[tuple[str, int]]) -> torch.Tensor:
-        """Replace `flat` (the concatenated gradients named by `segments`) with the compressed mean over the group."""
+        """Replace `flat` (the concatenated gradients named by `segments`) with the compressed mean over the group;
+        during the warm-up steps, with the exact mean (a plain all-reduce; the residuals stay zero)."""
+        if self.step < self.warmup_steps:
+            dist.all_reduce(flat, group=self.group)
+            self.meter.add(all_reduce_wire(4 * flat.numel(), self.p), all_reduce_wire(4 * flat.numel(), self.p))
+            return flat.div_(self.p)
         return self.finish(*self.start(flat, segments))
 
     def start(self, flat: torch.Tensor, segments: list[tuple[str, int]]):
@@ -327,7 +333,7 @@ class GradComm:
         self.bucket_mb = parallel.ddp_bucket_mb
         self.forward_prefetch, self.backward_prefetch = parallel.fsdp_forward_prefetch, parallel.fsdp_backward_prefetch
         self.powersgd_rank, self.powersgd_warmup = parallel.powersgd_rank, parallel.powersgd_warmup_steps
-        self.sign_block = parallel.sign_ef_block
+        self.sign_block, self.sign_warmup = parallel.sign_ef_block, parallel.sign_ef_warmup_steps
         self.meter = CommMeter()
         self.compressor: SignEF | PowerSGD | None = None
         self.models: list[nn.Module] = []  # what was laid out (a pipeline rank: its stages)
@@ -362,7 +368,7 @@ class GradComm:
         if self.site == "replicate_hook":
             group = self.dims.mesh["dp_replicate"].get_group()
             if self.compressor is None:
-                self.compressor = SignEF(group, self.meter, self.sign_block)
+                self.compressor = SignEF(group, self.meter, self.sign_block, self.sign_warmup)
             for module in [model, *blocks]:
                 module.set_all_reduce_hook(self._fsdp_hook(module))
         self.models.append(model)
@@ -407,7 +413,7 @@ class GradComm:
                     fut.wait()
                 return fut
         else:
-            self.compressor = SignEF(group, meter, self.sign_block)
+            self.compressor = SignEF(group, meter, self.sign_block, self.sign_warmup)
 
             def hook(state, bucket):
                 # Both phases here, in order: on gloo a collective issued from a completion callback could overtake
@@ -446,8 +452,11 @@ class GradComm:
         else:
             self.plain_per_micro, self.full_per_micro = sent, full
 
-    def start_step(self) -> None:
+    def start_step(self, step: int) -> None:
+        """Before optimizer step `step` (0-based, the run's own count: a resumed run continues it)."""
         self.meter.take()
+        if isinstance(self.compressor, SignEF):
+            self.compressor.step = step
 
     def step_metrics(self, micro_steps: int) -> dict:
         """comm_bytes and compression_ratio of the step just finished (data-parallel layouts only)."""

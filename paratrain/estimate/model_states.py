@@ -242,7 +242,10 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
                           master=div(1) * FP32, autocast_copies=0, param_numel=div(3), unsharded_numel=full,
                           rope_buffers=0, notes=("classic mixed-precision accounting (Megatron/DeepSpeed style)",))
     if layout.uses_fsdp:
-        numel = sum(fsdp_numel(p, layout) for p, _ in unsharded)
+        kinds: dict[tuple, list] = {}  # a model repeats a few shapes many times: pad each shape once
+        for p, _ in unsharded:
+            kinds.setdefault((p.shape, p.tp_dim, p.expert), [p, 0])[1] += 1
+        numel = sum(count * fsdp_numel(p, layout) for p, count in kinds.values())
         opt_numel = numel
         grads_numel = numel
         if low:

@@ -18,6 +18,8 @@ tests/test_planfid.py checks that both agree for every schedule over a grid of s
 
 from __future__ import annotations
 
+import functools
+
 from functools import lru_cache
 
 Action = tuple[int, str, int]  # (stage, kind: F | B | I | W, micro-batch)
@@ -146,6 +148,7 @@ def torch_order(schedule: str, pp: int, virtual: int, m: int, rank: int) -> tupl
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of its arguments; the planner asks for the same ones often
 def max_in_flight(schedule: str, pp: int, virtual: int, microbatches: int, rank: int) -> float:
     """The most micro-batches whose activations rank `rank` holds at once, in units of all its stages (a stage is
     1/virtual of the rank's blocks)."""

@@ -397,7 +397,7 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
             busiest = max(range(len(blocks)), key=lambda r: len(blocks[r]))
             groups = lay.fsdp_groups(layers, sum(map(a.is_moe_layer, blocks[busiest])), busiest)
             n_ag, n_rs = lay.fsdp_all_gathers(n_micro, groups), lay.fsdp_reduce_scatters(n_micro, groups)
-            fsdp_gathers = fsdp_gathers_per_step(lay, a, n_micro)
+            fsdp_gathers = cached(ctx, ("gathers", lay, n_micro), lambda: fsdp_gathers_per_step(lay, a, n_micro))
             group = FSDP_GROUP_OPS * hw.op_overhead_s
             ag = n_ag * (all_gather_time(P_stage * pbytes / groups, shard, shard_link) + group)
             rs = n_rs * (reduce_scatter_time(P_stage * 4 * rs_frac / groups, shard, shard_link) + group)
@@ -442,9 +442,17 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     tokens = ctx.global_seqs * S
     tok_s = tokens / step
     peak = sum(h.peak_flops for h in ctx.stage_hw) / len(ctx.stage_hw) if ctx.stage_hw else hw.peak_flops
-    mfu = flops_per_token(a, S) * tok_s / (c.world * peak)
+    mfu = cached(ctx, ("flops_per_token", S), lambda: flops_per_token(a, S)) * tok_s / (c.world * peak)
     return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm, compress,
                       fsdp_gathers)
+
+
+def cached(ctx: Context, key, compute):
+    """`compute()` once per context and key (the planner predicts tens of thousands of layouts of one model)."""
+    hit = ctx.cache.get(key)
+    if hit is None:
+        hit = ctx.cache[key] = compute()
+    return hit
 
 
 def attention_time(ctx: Context, c: Candidate) -> float:

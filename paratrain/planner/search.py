@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from paratrain.errors import ConfigError, UserError
 from paratrain.layout import DP_MODES, INTERLEAVED, ZERO_BUBBLE, Batch, Layout, grad_compression_site
-from paratrain.planner.cost import Candidate, Context, Prediction, predict
+from paratrain.planner.cost import Candidate, Context, Prediction, cached, predict
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")  # the planner's choice of paratrain.layout.SCHEDULES
 AC_MODES = ("none", "selective", "every_k", "full")
@@ -265,6 +265,7 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     from paratrain.estimate.core import block_modes, in_flight
     from paratrain.estimate.gpus import fmt_bytes
     from paratrain.estimate.model_states import rank_layers, state_bytes
+    from paratrain.models.presets import block_param_count
 
     lay, a, c = r.cand.layout, ctx.args, r.cand
     limit = ctx.hw.memory_bytes * (1 - opts.headroom)
@@ -273,11 +274,22 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     d = A.act_dims(a, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, ctx.hw.device)
     moe = A.moe_dims(a, lay, c.micro_batch, ctx.seq_len, 1.0) if a.moe_experts else None
     modes = block_modes(a.n_layers, c.ac, c.every_k)
+    # A pipelined FSDP stage holds its blocks gathered (compute dtype) with their gradients accumulated unsharded
+    # (fp32) through the step (Layout.fsdp_all_gathers): at least that much on top of the sharded states.
+    unsharded = (4 if ctx.precision == "fp32" else 2) + 4 if (lay.pipelined and lay.uses_fsdp) else 0
+    def recv_buffers(rank: int) -> int:
+        # torch.distributed.pipelining allocates a receive buffer per micro-batch for each stage input and each
+        # stage output's gradient that comes from another stage
+        stages = [s for s in range(lay.num_stages) if lay.stage_owner(s) == rank]
+        return sum((s > 0) + (s < lay.num_stages - 1) for s in stages) * lay.pp_microbatches * A.block_input(d)
+
     best = None
     for s in ranks:
-        states = sum(_states(state_bytes(a, lay, ctx.precision, "adamw", "paratrain", s, layers)))
+        states = cached(ctx, ("states", dataclasses.replace(lay, pp_microbatches=0), s), lambda: sum(
+            _states(state_bytes(a, lay, ctx.precision, "adamw", "paratrain", s, layers)))
+            + unsharded * sum(block_param_count(a, l) for l in layers[s]) // lay.tp)
         stored = sum(A.block_stored(d, modes[l], moe if a.is_moe_layer(l) else None) for l in layers[s])
-        acts = int(in_flight(lay, s) * stored)
+        acts = int(in_flight(lay, s) * stored) + recv_buffers(s)
         if best is None or states + acts > sum(best):
             best = (states, acts)
     if sum(best) <= limit:

@@ -133,7 +133,7 @@ class Trainer:
                     break
                 self.checkpointer.poll()
                 data_step = self.progress.next_batch()
-                t0 = self.recorder.start()
+                t0 = self.recorder.start(step)
                 lr = lr_at(step, cfg.optimizer, t.steps)
                 for group in self.step.optimizer.param_groups:
                     group["lr"] = lr

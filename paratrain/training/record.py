@@ -24,9 +24,9 @@ class StepRecorder:
         self.timer = PhaseTimer()  # splits each step into data wait / comm wait / compute
         self.bubble_history: list[list[float]] = []  # pipeline: measured idle fraction per stage rank, per step
 
-    def start(self) -> float:
+    def start(self, step: int) -> float:
         if self.comm is not None:
-            self.comm.start_step()
+            self.comm.start_step(step)
         if self.profiler is not None:
             self.profiler.begin()
         return self.timer.start()
