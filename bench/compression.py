@@ -1,8 +1,8 @@
 """Gradient compression on the tinyshakespeare recipe: bytes on the wire against the validation loss.
 
 Trains bench/shakespeare_cpu.py's recipe (nanoGPT's CPU settings: 4 layers, 4 heads, width 128, context 64, batch 12,
-lr 1e-3 -> 1e-4, 2000 iterations) on 2 ranks with dp_mode=ddp (each rank 6 sequences of the global batch of 12), once per
-`parallel.grad_compression`, and prints per method: gradient bytes this rank sends per step (mean over the run, and
+lr 1e-3 -> 1e-4, 2000 iterations) on 2 ranks with dp_mode=ddp (each rank 6 sequences of the global batch of 12), once
+per `parallel.grad_compression`, and prints per method: gradient bytes this rank sends per step (mean over the run, and
 after any warm-up), the reduction against none, the final validation loss, its gap to none, wall time and tokens/s.
 Goals (issue 15): powersgd and sign_ef send >= 90% fewer bytes than none; final val loss within 2% of none.
 

@@ -86,7 +86,8 @@ def main() -> int:
     print(f"calibrated in {time.time() - t0:.0f} s ({path}): matmul "
           + ", ".join(f"{(f / 2) ** (1 / 3):.0f}^3 {r / 1e9:.2f}" for f, r in hw.gemm) + " GFLOP/s per rank; "
           f"memory {hw.mem_bandwidth / 1e9:.1f} GB/s; operator {hw.op_overhead_s * 1e6:.1f} us; collectives "
-          f"alpha {hw.intra.latency * 1e6:.0f} us, {hw.intra.bandwidth / 1e9:.2f} GB/s; overlap {hw.overlap}; compute "
+          f"alpha {hw.intra.latency * 1e6:.0f} us, {hw.intra.bandwidth / 1e9:.2f} GB/s, reduce-scatter x"
+          f"{hw.intra.reduce_scatter_factor:.2f}; overlap {hw.overlap}; compute "
           f"scale {hw.compute_scale:.2f}")
     argv = ["--model", MODEL, "--gpus", str(a.nproc), "--gpus-per-node", str(a.nproc), "--gpu", "bench-cpu",
             "--profile-dir", str(tmp / "profiles"), "--seq", str(a.seq), "--global-batch-tokens",

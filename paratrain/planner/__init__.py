@@ -320,7 +320,8 @@ def main_plan(argv: list[str]) -> int:
               f"{hw.op_overhead_s * 1e6:.1f} us; compute scale {hw.compute_scale:.2f} (reference model step, measured / "
               "predicted)")
         print(f"  collectives over {nproc} ranks: latency {hw.intra.latency * 1e6:.1f} us per step, bandwidth "
-              f"{hw.intra.bandwidth / 1e9:.2f} GB/s (alpha-beta fit of all-reduce and all-gather)")
+              f"{hw.intra.bandwidth / 1e9:.2f} GB/s (alpha-beta fit of all-reduce and all-gather); reduce-scatter "
+              f"x{hw.intra.reduce_scatter_factor:.2f} the ring formula")
         print(f"  plan with: paratrain plan --gpu {hw.name} --gpus {nproc} --gpus-per-node {nproc}"
               + (f" --profile-dir {args.profile_dir}" if args.profile_dir else "") + " ...")
         return 0

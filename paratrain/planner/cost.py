@@ -219,7 +219,11 @@ def all_gather_time(nbytes: float, p: int, link: Link) -> float:
     return (p - 1) * link.latency + (p - 1) / p * nbytes / link.bandwidth
 
 
-reduce_scatter_time = all_gather_time
+def reduce_scatter_time(nbytes: float, p: int, link: Link) -> float:
+    """nbytes: the input size; the ring's cost, times what a calibration measured for this link."""
+    return all_gather_time(nbytes, p, link) * link.reduce_scatter_factor
+
+
 all_to_all_time = all_gather_time
 
 

@@ -10,6 +10,7 @@ runs the cost model).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -297,7 +298,7 @@ def _calibrate_worker(sizes: list[int], msg_sizes: list[int], seconds: float, sh
             times.append(time.perf_counter() - t0)
         return sorted(times)[len(times) // 2]
 
-    out = {"gemm": [], "allreduce": [], "allgather": []}
+    out = {"gemm": [], "allreduce": [], "allgather": [], "reducescatter": []}
     try:
         for s in sizes:
             a = torch.randn(s, s, device=device, dtype=dtype)
@@ -341,18 +342,20 @@ def _calibrate_worker(sizes: list[int], msg_sizes: list[int], seconds: float, sh
             part = torch.ones(nbytes // 4 // world, device=device)
             res = torch.empty(part.numel() * world, device=device)
             out["allgather"].append((nbytes, timed_collective(lambda: dist.all_gather_into_tensor(res, part), iters)))
+            out["reducescatter"].append((nbytes, timed_collective(lambda: dist.reduce_scatter_tensor(part, v), iters)))
         # every rank's numbers: the slowest rank decides
         vec = torch.tensor([r for _, r in out["gemm"]] + [out["mem_bandwidth"]], dtype=torch.float64, device=device)
         dist.all_reduce(vec, op=dist.ReduceOp.MIN)
         out["gemm"] = [(f, float(r)) for (f, _), r in zip(out["gemm"], vec[:-1].tolist())]
         out["mem_bandwidth"] = float(vec[-1])
-        times = torch.tensor([t for _, t in out["allreduce"] + out["allgather"]]
+        times = torch.tensor([t for _, t in out["allreduce"] + out["allgather"] + out["reducescatter"]]
                              + [out["reference_step_s"], out["op_overhead_s"]], dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         k = len(msg_sizes)
         tl = times.tolist()
         out["allreduce"] = [(n, tl[i]) for i, n in enumerate(msg_sizes)]
         out["allgather"] = [(n, tl[k + i]) for i, n in enumerate(msg_sizes)]
+        out["reducescatter"] = [(n, tl[2 * k + i]) for i, n in enumerate(msg_sizes)]
         out["op_overhead_s"] = tl[-1]
         out["reference_step_s"] = tl[-2]
         out["world"], out["cuda"] = world, cuda
@@ -447,7 +450,12 @@ def calibrate(name: str, nproc: int, profile_dir: str | Path | None = None, seco
     if n > 1:
         a_ar, bw_ar = fit_alpha_beta(r["allreduce"], 2 * (n - 1), 2 * (n - 1) / n)
         a_ag, bw_ag = fit_alpha_beta(r["allgather"], n - 1, (n - 1) / n)
-        intra = Link("measured", (bw_ar + bw_ag) / 2, (a_ar + a_ag) / 2)
+        from paratrain.planner.cost import all_gather_time
+
+        ring = Link("measured", (bw_ar + bw_ag) / 2, (a_ar + a_ag) / 2)
+        # the reduce-scatter against the ring formula with these alpha and beta (median over the sizes)
+        ratios = sorted(t / all_gather_time(nbytes, n, ring) for nbytes, t in r["reducescatter"])
+        intra = dataclasses.replace(ring, reduce_scatter_factor=max(1.0, ratios[len(ratios) // 2]))
     else:
         intra = Link("measured", 1e12, 0.0)
     gemm = [(f, rate) for f, rate in r["gemm"]]
@@ -467,7 +475,8 @@ def calibrate(name: str, nproc: int, profile_dir: str | Path | None = None, seco
     overlap = GPU_OVERLAP if cuda else (0.5 if cores >= 2 * nproc else 0.0)
     hw = Hardware(name, memory, peak, gemm, r["mem_bandwidth"], r["op_overhead_s"], intra, None, overlap,
                   "cuda" if cuda else "cpu", "bf16" if cuda else "fp32", f"calibrated with {n} local ranks",
-                  [f"all-reduce points {r['allreduce']}", f"all-gather points {r['allgather']}"])
+                  [f"all-reduce points {r['allreduce']}", f"all-gather points {r['allgather']}",
+                   f"reduce-scatter points {r['reducescatter']} (x{intra.reduce_scatter_factor:.2f} the ring formula)"])
     if shapes is not None:
         _apply_model_shapes(hw, r["shapes"], model, shapes, tp)
     # compute_scale: the reference step measured against what the cost model predicts for it on this profile

@@ -33,6 +33,9 @@ class Link:
     name: str
     bandwidth: float  # bytes/s per rank and direction, effective (after LINK_EFFICIENCY for datasheet links)
     latency: float  # seconds per message step (alpha)
+    # measured reduce-scatter time over the ring formula's (calibrated links; 1 for datasheet links): gloo runs a
+    # reduce-scatter as more than an all-reduce (bench/RESULTS.md), NCCL as the ring
+    reduce_scatter_factor: float = 1.0
 
 
 @dataclass
