@@ -259,8 +259,9 @@ def _dominated(c: Candidate, miss_micro_batch: int, miss_ac: str) -> bool:
 
 def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     """A lower bound of the worst rank's peak already over the usable memory: rejected without walking the step.
-    The bound is the rank's exact model states plus what its blocks store for one micro-batch, times the most
-    micro-batches the rank holds at once (a pipeline's schedule); the real peak holds at least that."""
+    The bound is the rank's exact model states (with FSDP under a pipeline, also its gathered parameters and unsharded
+    gradients), plus what its blocks store for one micro-batch times the most micro-batches the rank holds at once (a
+    pipeline's schedule), plus a pipeline's receive buffers; the real peak holds at least that."""
     from paratrain.estimate import activations as A
     from paratrain.estimate.core import block_modes, in_flight
     from paratrain.estimate.gpus import fmt_bytes
@@ -277,6 +278,7 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     # A pipelined FSDP stage holds its blocks gathered (compute dtype) with their gradients accumulated unsharded
     # (fp32) through the step (Layout.fsdp_all_gathers): at least that much on top of the sharded states.
     unsharded = (4 if ctx.precision == "fp32" else 2) + 4 if (lay.pipelined and lay.uses_fsdp) else 0
+
     def recv_buffers(rank: int) -> int:
         # torch.distributed.pipelining allocates a receive buffer per micro-batch for each stage input and each
         # stage output's gradient that comes from another stage
@@ -296,7 +298,7 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
         return False
     r.total_bytes, r.bound = sum(best), {"states": best[0], "activations": best[1]}
     r.reason = (f"does not fit: at least {fmt_bytes(sum(best))} per rank (model states {fmt_bytes(best[0])}, stored "
-                f"activations {fmt_bytes(best[1])}) > {fmt_bytes(limit)} ({ctx.hw.name} less {opts.headroom:.0%} "
+                f"activations and pipeline buffers {fmt_bytes(best[1])}) > {fmt_bytes(limit)} ({ctx.hw.name} less {opts.headroom:.0%} "
                 "headroom)")
     return True
 
