@@ -259,14 +259,19 @@ class BlockCosts:
     attention: float = 0.0  # one block's fused attention, forward (what ring attention's transfers hide behind)
 
 
+def cached(ctx: Context, key, compute):
+    """`compute()` once per context and key (the planner predicts tens of thousands of layouts of one model)."""
+    hit = ctx.cache.get(key)
+    if hit is None:
+        hit = ctx.cache[key] = compute()
+    return hit
+
+
 def block_costs(ctx: Context, hw: Hardware, tp: int, micro_batch: int, ep: int, ac: str, cp: int = 1) -> BlockCosts:
     """The compute terms of the cost model for one shape, cached per context: the planner asks for the same shape
     for every data-parallel mode, schedule and replicate degree."""
     key = (id(hw), tp, micro_batch, ep, ac, cp, ctx.mode, ctx.float8, ctx.seq_len, ctx.precision)
-    hit = ctx.cache.get(key)
-    if hit is None:
-        hit = ctx.cache[key] = _block_costs(ctx, hw, tp, micro_batch, ep, ac, cp)
-    return hit
+    return cached(ctx, key, lambda: _block_costs(ctx, hw, tp, micro_batch, ep, ac, cp))
 
 
 def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, ac: str, cp: int) -> BlockCosts:
@@ -348,9 +353,7 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     fill = sum(sum(x) for x in per_rank) / sum(per_rank[slowest]) - 1 if lay.pp > 1 else 0.0
 
     # parameters of this rank's stage, before data-parallel sharding
-    P = ctx.cache.get("params")
-    if P is None:
-        P = ctx.cache["params"] = count_params(a)
+    P = cached(ctx, "params", lambda: count_params(a))
     # routed experts are sharded over ep (and FSDP-gathered only over dp_shard / ep): count them once per ep group
     experts = moe_layers * a.moe_experts * 3 * a.dim * a.expert_hidden if moe_layers else 0
     P_stage = (P - experts + experts / c.ep) / c.pp / t
@@ -449,14 +452,6 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     mfu = cached(ctx, ("flops_per_token", S), lambda: flops_per_token(a, S)) * tok_s / (c.world * peak)
     return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm, compress,
                       fsdp_gathers)
-
-
-def cached(ctx: Context, key, compute):
-    """`compute()` once per context and key (the planner predicts tens of thousands of layouts of one model)."""
-    hit = ctx.cache.get(key)
-    if hit is None:
-        hit = ctx.cache[key] = compute()
-    return hit
 
 
 def attention_time(ctx: Context, c: Candidate) -> float:
