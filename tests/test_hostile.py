@@ -172,6 +172,27 @@ CASES = [
     ("plan-headroom", lambda w: ["plan", "--gpus", "8", "--headroom", "nan", "--no-write"], "must be a finite number"),
     ("plan-nodes", lambda w: ["plan", "--gpus", "8", "--gpus-per-node", "3", "--no-write"], "not divisible"),
     ("plan-calibrate-nproc", lambda w: ["plan", "--calibrate", "--nproc", "5000"], "--nproc 5000 is more than"),
+    ("plan-compression", lambda w: ["plan", "--model", "llama3-8b", "--gpus", "8", "--grad-compression", "zip",
+                                    "--no-write"], "--grad-compression 'zip' is not one of none, bf16"),
+    ("plan-powersgd-rank", lambda w: ["plan", "--model", "llama3-8b", "--gpus", "8", "--powersgd-rank", "0",
+                                      "--no-write"], "--powersgd-rank must be >= 1"),
+    ("plan-gpu-groups", lambda w: ["plan", "--model", "llama3-8b", "--gpus", "8xH100,xA100", "--no-write"],
+     "each group is COUNTxGPU"),
+    ("plan-gpu-group-unknown", lambda w: ["plan", "--model", "llama3-8b", "--gpus", "8xB999", "--no-write"],
+     "unknown GPU 'B999'"),
+    ("plan-cluster-missing", lambda w: ["plan", "--model", "llama3-8b", "--cluster", f"{w.root}/none.toml",
+                                        "--no-write"], "no such file"),
+    ("plan-gpus-and-cluster", lambda w: ["plan", "--model", "llama3-8b", "--gpus", "8", "--cluster", str(w.afile),
+                                         "--no-write"], "give --gpus or --cluster, not both"),
+    ("estimate-compression-fsdp", lambda w: ["estimate", "--model", "llama3-8b", "--dp-shard", "8",
+                                             "--grad-compression", "sign_ef"], "only bf16 applies"),
+    # -- profile
+    ("profile-steps", lambda w: ["profile", "--steps", "0"], "--steps must be >= 1"),
+    ("profile-steps-text", lambda w: ["profile", "--steps", "two"], "--steps must be an integer, got 'two'"),
+    ("profile-compression-fsdp", lambda w: ["profile", "--nproc", "2", "--parallel.dp_mode=fsdp",
+                                            "--parallel.grad_compression=sign_ef"], "only bf16 applies"),
+    ("train-sign-ef-warmup", lambda w: ["train", "--parallel.sign_ef_warmup_steps=-1"],
+     "parallel.sign_ef_warmup_steps must be >= 0"),
     # -- report
     ("report-not-utf8", lambda w: ["report", str(w.garbled)], "no training steps logged .*not UTF-8"),
     ("report-file", lambda w: ["report", str(w.afile)], "no such run folder"),
@@ -196,8 +217,8 @@ def single_process(monkeypatch):
 def test_enough_cases():
     assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)
     commands = {c[1](World(*[Path("/x")] * 11, 1))[0] for c in CASES}
-    assert commands >= {"train", "prepare", "generate", "checkpoint", "export", "estimate", "plan", "report", "doctor",
-                        "verify"}
+    assert commands >= {"train", "profile", "prepare", "generate", "checkpoint", "export", "estimate", "plan", "report",
+                        "doctor", "verify"}
 
 
 @pytest.mark.parametrize("name, argv, pattern", CASES, ids=[c[0] for c in CASES])
