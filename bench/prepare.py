@@ -197,10 +197,10 @@ def main() -> None:
     if not (tok_dir / "tokenizer.json").exists():
         start = time.perf_counter()
         subprocess.run([sys.executable, "-c", f"""
-from paratrain.data.prepare import _sample_texts
+from paratrain.data.prepare import sample_texts
 from paratrain.data.sources import resolve_inputs
 from paratrain.data.tokenizers import HFTokenizer
-HFTokenizer.train_bpe(_sample_texts(resolve_inputs({str(paths[0])!r}), 'text', 32_000_000), {args.vocab_size}).save({str(tok_dir)!r})
+HFTokenizer.train_bpe(sample_texts(resolve_inputs({str(paths[0])!r}), 'text', 32_000_000), {args.vocab_size}).save({str(tok_dir)!r})
 """], check=True)
         print(f"trained BPE {args.vocab_size} on 32 MB in {time.perf_counter() - start:.0f}s", flush=True)
     tokenizer = tok_dir / "tokenizer.json"

@@ -110,7 +110,7 @@ def _check_vocab_args(kind, vocab_size):
                             f"got {vocab_size!r}")
 
 
-def _sample_texts(sources, text_field: str, budget_chars: int):
+def sample_texts(sources, text_field: str, budget_chars: int):
     """A bounded, streamed sample for BPE training: the first budget/len(sources) characters of each source."""
     per_source = max(1 << 16, budget_chars // len(sources))
     for src in sources:
@@ -135,7 +135,7 @@ def _build_tokenizer(kind, path, vocab_size, sources, text_field, sample_chars, 
         return CharTokenizer(sorted(chars))
     if kind == "bpe":
         echo(f"training BPE (vocab {vocab_size}) on a sample of at most {sample_chars / 1e6:.0f}M characters")
-        return HFTokenizer.train_bpe(_sample_texts(sources, text_field, sample_chars), vocab_size)
+        return HFTokenizer.train_bpe(sample_texts(sources, text_field, sample_chars), vocab_size)
     return HFTokenizer.from_file(path)
 
 
