@@ -149,12 +149,10 @@ def inputs_from_argv(argv: list[str]):
             raise UserError(f"--overhead-gib must be >= 0, got {args.overhead_gib}")
         overhead = int(args.overhead_gib * GiB)
     from paratrain.estimate.compression import Compression
-    from paratrain.layout import GRAD_COMPRESSIONS
 
     compression = Compression(pick(args.grad_compression, p.grad_compression, "none"),
-                              pick(args.powersgd_rank, p.powersgd_rank, 4), pick(args.sign_ef_block, p.sign_ef_block, 0))
-    if compression.method not in GRAD_COMPRESSIONS:
-        raise UserError(f"--grad-compression '{compression.method}' is not one of {', '.join(GRAD_COMPRESSIONS)}")
+                              pick(args.powersgd_rank, p.powersgd_rank, 4),
+                              pick(args.sign_ef_block, p.sign_ef_block, 0)).check_flags()
     return EstimateInputs(
         compression=compression, fsdp_backward_prefetch=pick(args.fsdp_backward_prefetch, p.fsdp_backward_prefetch, 1),
         model_args=model_args, layout=layout, model_name=name, precision=pick(args.precision, t.precision, "bf16"),

@@ -38,6 +38,17 @@ class Compression:
     def from_config(cls, parallel) -> "Compression":
         return cls(parallel.grad_compression, parallel.powersgd_rank, parallel.sign_ef_block)
 
+    def check_flags(self) -> "Compression":
+        """These settings as command-line flags (`plan`, `estimate`): a one-line error where no run could use them."""
+        from paratrain.errors import UserError
+        from paratrain.layout import GRAD_COMPRESSIONS
+
+        if self.method not in GRAD_COMPRESSIONS:
+            raise UserError(f"--grad-compression '{self.method}' is not one of {', '.join(GRAD_COMPRESSIONS)}")
+        if self.powersgd_rank < 1 or self.sign_ef_block < 0 or self.sign_ef_block % 8:
+            raise UserError("--powersgd-rank must be >= 1 and --sign-ef-block 0 or a multiple of 8")
+        return self
+
 
 @dataclass(frozen=True)
 class CompressionCost:

@@ -151,15 +151,13 @@ def build_context(args) -> tuple:
     if precision not in ("fp32", "bf16", "fp16"):
         raise UserError(f"--precision '{precision}' is not one of fp32, bf16, fp16")
     from paratrain.estimate.compression import Compression
-    from paratrain.layout import GRAD_COMPRESSIONS
 
-    if args.grad_compression not in GRAD_COMPRESSIONS:
-        raise UserError(f"--grad-compression '{args.grad_compression}' is not one of {', '.join(GRAD_COMPRESSIONS)}")
-    if args.powersgd_rank < 1 or args.sign_ef_block < 0 or args.sign_ef_block % 8 or args.ddp_bucket_mb <= 0:
-        raise UserError("--powersgd-rank must be >= 1, --sign-ef-block 0 or a multiple of 8, --ddp-bucket-mb > 0")
+    compression = Compression(args.grad_compression, args.powersgd_rank, args.sign_ef_block).check_flags()
+    if args.ddp_bucket_mb <= 0:
+        raise UserError(f"--ddp-bucket-mb must be > 0, got {args.ddp_bucket_mb}")
     compile_ = args.compile if args.compile is not None else bool(base is not None and base.training.compile)
     ctx = Context(margs, seq, tokens // seq, hw, per_node, precision, name, native_max_seq_len=native,
-                  compression=Compression(args.grad_compression, args.powersgd_rank, args.sign_ef_block),
+                  compression=compression,
                   ddp_bucket_mb=args.ddp_bucket_mb, mode="compile" if compile_ else "eager", float8=args.float8,
                   cluster=groups)
     opts = Options(
