@@ -377,9 +377,10 @@ def main_plan(argv: list[str]) -> int:
 
 
 def _even(r, ctx) -> tuple[int, ...]:
-    from paratrain.layout import balanced_split
+    """The even split a heterogeneous plan is compared with (the one `plan_hetero` predicted)."""
+    from paratrain.planner.hetero import even_split_layout
 
-    return balanced_split(ctx.args, r.cand.layout.num_stages)
+    return even_split_layout(r.cand.layout, ctx.args).pp_split
 
 
 def _prediction_json(pred) -> dict:
