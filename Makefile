@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/paratrain train
+	$(VENV)/bin/paratrain train --checkpoint.resume=auto  # a second `make run` continues runs/default
 
 test: $(STAMP)
 	$(PY) -m pytest

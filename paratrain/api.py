@@ -40,6 +40,7 @@ def train_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool =
     from paratrain.data import dataset_meta
     from paratrain.distributed.env import init_distributed, shutdown_distributed, world_from_env
     from paratrain.observe.metrics import check_metrics_config
+    from paratrain.preflight import check_new_run, check_overwrite, start_over
     from paratrain.spec import check, prepare_data, resolve
     from paratrain.training.loop import Trainer
 
@@ -47,6 +48,10 @@ def train_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool =
     # Checks that need only the config run before the process group exists and before data is written.
     check(cfg, world)
     check_metrics_config(cfg.metrics)
+    first_launch = not relaunched()
+    if first_launch:  # every rank looks before any of them can write (they meet in init_distributed first)
+        check_new_run(cfg)
+        check_overwrite(cfg)
     env = init_distributed(cfg.training.device, cfg.resilience.collective_timeout_s)
     if world > 1:
         # One rank prepares the data; the others wait, then read it or raise the same error.
@@ -63,6 +68,10 @@ def train_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool =
     else:
         meta = prepare_data(cfg)
     spec = resolve(cfg, env.world_size, meta)
+    if first_launch and env.is_main:
+        start_over(cfg)  # run.overwrite: only now that every check has passed
+    if first_launch and cfg.run.overwrite and world > 1:
+        dist.barrier()
     torch.manual_seed(cfg.training.seed)
     result = Trainer(spec, env, want_final_weights).fit()
     if keep_group and dist.is_initialized():
@@ -70,6 +79,15 @@ def train_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool =
     else:
         shutdown_distributed()  # every rank got here at the same step: leave the process group cleanly
     return result
+
+
+def relaunched() -> bool:
+    """This rank belongs to a restart (paratrain's launcher or torchrun's --max-restarts), not the first launch."""
+    import os
+
+    from paratrain.faults import ATTEMPT_ENV
+
+    return int(os.environ.get(ATTEMPT_ENV, "0") or 0) > 0 or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
 def run_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool = False):
@@ -142,6 +160,9 @@ def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversub
         raise UserError("--nproc must be >= 1")
     if inside_launcher():
         return run_rank(cfg, want_final_weights)
+    from paratrain.spec import check
+
+    check(cfg, nproc)  # the layout against the world size and the model: needs no torch, so it answers at once
     check_launch(cfg, nproc, oversubscribe)
     if nproc == 1 and cfg.resilience.max_restarts == 0:
         return _train_here(cfg, want_final_weights)

@@ -49,6 +49,11 @@ def cmd_train(argv: list[str]) -> int:
     from paratrain.api import train
     from paratrain.config import load_config
 
+    if argv and argv[0] in ("-h", "--help"):
+        from paratrain.config import config_keys_help
+
+        print(TRAIN_USAGE + config_keys_help())
+        return 0
     oversubscribe = "--oversubscribe" in argv  # more CPU ranks than paratrain.preflight allows by default
     own, overrides = split_overrides([a for a in argv if a != "--oversubscribe"], {"--config", "--nproc", "--max-restarts"})
     if "--max-restarts" in own:
@@ -66,6 +71,18 @@ def cmd_train(argv: list[str]) -> int:
 
 
 _LEAVE_PROMPTLY = False
+
+TRAIN_USAGE = """usage: paratrain train [--config FILE.toml] [--nproc N] [--oversubscribe] [--max-restarts N] [--section.key=value ...]
+
+  --config FILE.toml   a config file (e.g. a run's config.toml, or plan/config.toml); overrides win over it
+  --nproc N            start N local ranks (one per GPU; on CPU gloo ranks)
+  --oversubscribe      allow more CPU ranks than the machine's cores comfortably run
+  --max-restarts N     relaunch failed ranks from the newest checkpoint up to N times
+
+Examples: paratrain train --nproc 4 --parallel.tp=2;  paratrain train --checkpoint.resume=auto
+
+config keys (section.key=default):
+"""
 
 
 def cmd_profile(argv: list[str]) -> int:
@@ -106,10 +123,10 @@ def cmd_generate(argv: list[str]) -> int:
     if args.temperature < 0:  # NaN and infinity are refused by the parser
         raise UserError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     from paratrain.inference import load_for_generation
-    from paratrain.generate import sample
+    from paratrain.generate import prompt_ids, sample
 
     model, tokenizer, _, context = load_for_generation(args.checkpoint)
-    ids = tokenizer.encode(args.prompt)
+    ids = prompt_ids(tokenizer, args.prompt)
     out = sample(model, ids, args.max_new_tokens, context, args.temperature, args.top_k, args.seed,
                  vocab_limit=tokenizer.vocab_size)
     print(args.prompt + tokenizer.decode(out))
@@ -188,6 +205,11 @@ def _main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the output went to a pipe that closed (`paratrain train --help | head`)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except BaseException as e:
         # A full disk, a read-only or missing folder: the environment, not a bug (DCP's CheckpointException, a
         # BaseException, wraps them when it reads or writes).

@@ -24,6 +24,7 @@ from paratrain.errors import ConfigError
 from paratrain.layout import DPModeOption, GradCompression, Schedule
 
 Precision = Literal["fp32", "bf16", "fp16"]
+DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
 ActivationCheckpointMode = Literal["none", "full", "every_k", "selective"]
 
 
@@ -63,9 +64,11 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "tinyshakespeare"  # a path, or the name of a corpus bundled in paratrain/assets
-    dir: str = "data/cache/tinyshakespeare-char"  # prepared token files; prepared from `source` if missing
-    tokenizer: str = "char"  # byte | char | bpe | path/to/tokenizer.json
+    # A dataset already prepared in `dir` is used as it is: source, tokenizer and vocab_size default to its own
+    # (meta.json), and one that contradicts it is an error. An empty or missing `dir` is prepared from `source`.
+    source: str | None = None  # a path, or "tinyshakespeare" (bundled; the default for the default dir)
+    dir: str = DEFAULT_DATA_DIR  # prepared token files
+    tokenizer: str | None = None  # byte | char | bpe | path/to/tokenizer.json (preparing: char)
     vocab_size: int | None = None  # for bpe
     val_fraction: float = 0.1
     mode: Literal["random", "sequential"] = "random"  # random windows | sequential (every window once per epoch, seeded shuffled order)
@@ -196,6 +199,9 @@ class SampleConfig:
 class RunConfig:
     name: str = "default"
     out_dir: str = "runs"
+    # A new run (checkpoint.resume = "none") into a run folder that holds files is an error; true deletes that
+    # folder first (after every check has passed) and starts over.
+    overwrite: bool = False
 
 
 @dataclass
@@ -437,6 +443,22 @@ def _check_numbers_and_paths(cfg: Config) -> None:
                 raise ConfigError(f"{key} must be a finite number, got {value}")
             if isinstance(value, str) and "\0" in value:
                 raise ConfigError(f"{key} must not contain a NUL byte")
+
+
+def config_keys_help() -> str:
+    """Every config key with its default and, for a choice, the allowed values (for `paratrain train --help`)."""
+    lines = []
+    for section in dataclasses.fields(Config):
+        table = getattr(Config(), section.name)
+        hints = typing.get_type_hints(type(table))
+        lines.append(f"[{section.name}]")
+        for f in dataclasses.fields(table):
+            default = getattr(table, f.name)
+            choices = [str(c) for c in _members(hints[f.name]) if not isinstance(c, type)]
+            shown = ("unset" if default is None else repr(default) if isinstance(default, str)
+                     else str(default).lower() if isinstance(default, bool) else str(default))
+            lines.append(f"  --{section.name}.{f.name}={shown}" + (f"   ({' | '.join(choices)})" if choices else ""))
+    return "\n".join(lines)
 
 
 def dump_toml(cfg: Config) -> str:

@@ -96,6 +96,51 @@ def check_run_folder(cfg) -> None:
             raise UserError(f"{f} is not writable")
 
 
+def existing_run_files(cfg) -> list[str]:
+    """What an earlier run left in this run's folder (empty: a new folder)."""
+    run_dir = cfg.run_dir
+    if not run_dir.is_dir():
+        return []
+    return sorted(p.name for p in run_dir.iterdir())
+
+
+def check_new_run(cfg) -> None:
+    """A new run (no resume) never writes into the folder of an earlier run: its config.toml, metrics.jsonl and
+    checkpoints would be mixed with this one's. run.overwrite=true is the consent to delete that folder."""
+    if cfg.checkpoint.resume != "none" or cfg.run.overwrite:
+        return
+    found = existing_run_files(cfg)
+    if found:
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise UserError(f"{cfg.run_dir} already holds a run ({shown}): continue it with --checkpoint.resume=auto, "
+                        f"start over with --run.overwrite=true (deletes it), or choose another --run.name")
+
+
+def check_overwrite(cfg) -> None:
+    """run.overwrite deletes the run folder: never one that holds this run's own inputs."""
+    if not cfg.run.overwrite or not cfg.run_dir.exists():
+        return
+    run_dir = Path(os.path.realpath(cfg.run_dir))
+    inputs = {"data.dir": cfg.data.dir, "checkpoint.resume": cfg.checkpoint.resume,
+              "model.init_from": cfg.model.init_from.removeprefix("hf:")}
+    inputs.update({f"data.sources[{i}]": s.get("dir", "") for i, s in enumerate(cfg.data.sources)
+                   if isinstance(s, dict)})
+    if cfg.data.source and cfg.data.source != "tinyshakespeare":
+        inputs["data.source"] = cfg.data.source
+    for key, value in inputs.items():
+        if value and value not in ("none", "auto"):
+            path = Path(os.path.realpath(value))
+            if path == run_dir or run_dir in path.parents:
+                raise UserError(f"run.overwrite=true would delete {cfg.run_dir}, which holds {key}={value}; "
+                                "move it out of the run folder first")
+
+
+def start_over(cfg) -> None:
+    """run.overwrite=true on a first launch: delete what an earlier run left in the run folder."""
+    if cfg.run.overwrite and cfg.checkpoint.resume == "none" and existing_run_files(cfg):
+        shutil.rmtree(cfg.run_dir)
+
+
 def check_ports(m, nproc: int) -> None:
     """The Prometheus port(s) the run will serve on are free now (checked again when bound)."""
     from paratrain.observe.metrics import check_metrics_config
@@ -127,6 +172,8 @@ def check_launch(cfg, nproc: int, oversubscribe: bool = False) -> None:
     included)."""
     check_nproc(cfg.training.device, nproc, oversubscribe)
     check_run_folder(cfg)
+    check_new_run(cfg)
+    check_overwrite(cfg)
     check_ports(cfg.metrics, nproc)
     _resume_path(cfg)
 

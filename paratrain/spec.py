@@ -122,25 +122,34 @@ def stage_gpus(cfg: Config, layout: Layout) -> list[str]:
     return names
 
 
-def data_source(cfg: Config) -> Path:
+def data_source(cfg: Config) -> Path | None:
+    """data.source as a path; None when not given, except for the default data folder, which holds the bundled
+    corpus."""
+    from paratrain.config import DEFAULT_DATA_DIR
     from paratrain.data import DEFAULT_CORPUS
 
-    return DEFAULT_CORPUS if cfg.data.source == "tinyshakespeare" else Path(cfg.data.source)
+    source = cfg.data.source
+    if source is None and Path(cfg.data.dir) == Path(DEFAULT_DATA_DIR):
+        source = "tinyshakespeare"
+    if source is None:
+        return None
+    return DEFAULT_CORPUS if source == "tinyshakespeare" else Path(source)
 
 
 def prepare_data(cfg: Config) -> dict:
-    """Prepare `[data]` into data.dir unless it already holds this corpus and tokenizer (or check a mixture's
-    datasets); returns the meta, whose "dir" holds the tokenizer."""
-    import dataclasses
+    """Use the dataset in data.dir, or prepare it there when the folder is empty (or check a mixture's datasets);
+    returns the meta, whose "dir" holds the tokenizer."""
+    import sys
 
     from paratrain.data import prepare_for_config
 
-    data = cfg.data
+    tokenizer, name = None, "data.tokenizer"
     if cfg.model.init_from:  # an imported Hugging Face model reads the ids of its own tokenizer
         from paratrain import hf
 
-        data = dataclasses.replace(cfg.data, tokenizer=str(hf.dataset_tokenizer(cfg)))
-    meta = prepare_for_config(data, data_source(cfg))
+        tokenizer, name = str(hf.dataset_tokenizer(cfg)), f"the tokenizer of model.init_from ({cfg.model.init_from})"
+    meta = prepare_for_config(cfg.data, data_source(cfg), tokenizer, name,
+                              echo=lambda text: print(text, file=sys.stderr, flush=True))
     if cfg.model.init_from:
         hf.check_dataset(cfg, cfg.data.dir)
     return meta

@@ -514,18 +514,90 @@ def read_meta(data_dir) -> dict:
     return meta
 
 
-def ensure_prepared(source, out_dir, tokenizer="char", **kw) -> dict:
-    """Prepare out_dir from source unless it already holds this exact corpus and tokenizer (an older
-    format is prepared again)."""
-    kind, _ = _tokenizer_kind(tokenizer, kw.get("tokenizer_path"))
-    try:
-        meta = read_meta(out_dir)
-    except UserError:
-        meta = None
-    if meta is not None and meta.get("tokenizer") == kind and _same_corpus(meta, source):
-        if kind != "bpe" or meta.get("requested_vocab_size") == kw.get("vocab_size"):
+def ensure_prepared(source, out_dir, tokenizer="char", vocab_size=None, tokenizer_path=None, echo=None,
+                    names=None, **kw) -> dict:
+    """The dataset in out_dir, prepared from `source` only when out_dir is empty (or missing), or holds a dataset of
+    the same source files with the same tokenizer whose text changed (or of an older format). None for `source`,
+    `tokenizer` or `vocab_size`: not given, the dataset's own is used. A dataset that contradicts a given option is a
+    UserError naming it (`names` maps "source", "tokenizer", "vocab_size" to the option names the user knows);
+    nothing the user made is replaced."""
+    names = {"source": "--input", "tokenizer": "--tokenizer", "vocab_size": "--vocab-size", **(names or {})}
+    echo = echo or (lambda *_: None)
+    out_dir = Path(out_dir)
+    meta, problem = _existing_dataset(out_dir)
+    if meta is None and problem is None:  # nothing there yet
+        if source is None:
+            raise UserError(f"{out_dir} holds no prepared dataset and {names['source']} is not given: prepare one "
+                            f"(paratrain prepare --input TEXT --out {out_dir}) or give {names['source']}")
+        kind = _tokenizer_kind(tokenizer or "char", tokenizer_path)[0]
+        if kind == "bpe" and vocab_size is None:
+            raise UserError(f"{names['tokenizer']}=bpe needs {names['vocab_size']} (at least 257: 256 bytes plus "
+                            "end-of-text)")
+        echo(f"preparing {out_dir} from {source} ({kind} tokenizer)")
+        return prepare_dataset(source, out_dir, tokenizer=tokenizer or "char", vocab_size=vocab_size,
+                               tokenizer_path=tokenizer_path, echo=echo, **kw)
+    redo = f"choose another data folder, or replace it: paratrain prepare --input ... --out {out_dir} --overwrite"
+    if problem is not None:
+        if not problem.startswith("older") or source is None:
+            raise UserError(f"{out_dir}: {problem}")
+    else:
+        clash = _contradiction(meta, out_dir, tokenizer, vocab_size, tokenizer_path, names)
+        if clash:
+            raise UserError(f"{out_dir} holds a dataset prepared from {_described_source(meta)} with the "
+                            f"{meta['tokenizer']} tokenizer (vocab {meta['vocab_size']}); {clash}: leave it unset to "
+                            f"use that dataset, or {redo}")
+        if source is None or _same_corpus(meta, source):
             return meta
-    return prepare_dataset(source, out_dir, tokenizer=tokenizer, overwrite=True, **kw)
+        if sorted(r["path"] for r in meta.get("sources", [])) != sorted(s.record_path() for s in resolve_inputs(source)):
+            raise UserError(f"{out_dir} holds a dataset prepared from {_described_source(meta)}; "
+                            f"{names['source']}={source} is another corpus: {redo}")
+        problem = f"{source} changed since it was prepared"
+    kind = meta["tokenizer"] if meta else None
+    echo(f"preparing {out_dir} again from {source}: {problem}")
+    return prepare_dataset(source, out_dir, tokenizer=tokenizer or kind or "char", vocab_size=vocab_size,
+                           tokenizer_path=tokenizer_path, overwrite=True, echo=echo, **kw)
+
+
+def _existing_dataset(out_dir: Path) -> tuple[dict | None, str | None]:
+    """(meta, None) for a complete dataset, (None, None) for a missing or empty folder, (None, why) otherwise."""
+    if not out_dir.exists():
+        return None, None
+    if not out_dir.is_dir():
+        return None, "is a file, not a dataset folder"
+    if not any(out_dir.iterdir()):
+        return None, None
+    try:
+        return read_meta(out_dir), None
+    except UserError as e:
+        why = str(e)
+        return None, ("older format" if "older paratrain" in why else why)
+
+
+def _contradiction(meta: dict, out_dir: Path, tokenizer, vocab_size, tokenizer_path, names) -> str:
+    """What a given option says that the prepared dataset contradicts ('' when nothing)."""
+    def said(key, value):  # an option as the user wrote it, or a description such as "the imported model's"
+        return names[key] if " " in names[key] else f"{names[key]}={value}"
+
+    if tokenizer is not None:
+        kind, path = _tokenizer_kind(tokenizer, tokenizer_path)
+        if kind != meta["tokenizer"] or (path is not None and
+                                         _tokenizer_text(path) != _tokenizer_text(out_dir / "tokenizer.json")):
+            return f"{said('tokenizer', tokenizer_path or tokenizer)} is another tokenizer"
+    if vocab_size is not None and vocab_size not in (meta.get("requested_vocab_size"), meta["vocab_size"]):
+        return f"{said('vocab_size', vocab_size)} contradicts it"
+    return ""
+
+
+def _tokenizer_text(path: Path) -> str | None:
+    try:
+        return HFTokenizer.from_file(path).tok.to_str()
+    except UserError:
+        return None
+
+
+def _described_source(meta: dict) -> str:
+    paths = [Path(r["path"]).name for r in meta.get("sources", [])]
+    return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "") if paths else "an unknown source"
 
 
 def _same_corpus(meta: dict, source) -> bool:

@@ -24,14 +24,21 @@ def _mixture_meta(data_cfg) -> dict:
         {"dir": str(d), "weight": w, "name": n} for d, w, n in zip(mixture.dirs, mixture.weights, mixture.names)]}
 
 
-def prepare_for_config(data_cfg, source) -> dict:
+CONFIG_NAMES = {"source": "data.source", "tokenizer": "data.tokenizer", "vocab_size": "data.vocab_size"}
+
+
+def prepare_for_config(data_cfg, source, tokenizer=None, tokenizer_name: str = "data.tokenizer", echo=None) -> dict:
+    """`source`: data.source resolved to a path (None: not given). `tokenizer`: data.tokenizer, or the one a run
+    must use (an imported model's tokenizer.json, named `tokenizer_name`)."""
     if getattr(data_cfg, "sources", None):
         return _mixture_meta(data_cfg)  # a mixture uses datasets prepared beforehand
-    tokenizer, path = data_cfg.tokenizer, None
-    if tokenizer.endswith(".json"):
+    tokenizer = data_cfg.tokenizer if tokenizer is None else tokenizer
+    path = None
+    if tokenizer is not None and str(tokenizer).endswith(".json"):
         tokenizer, path = "tokenizer.json", tokenizer
     meta = ensure_prepared(source, data_cfg.dir, tokenizer=tokenizer, vocab_size=data_cfg.vocab_size,
-                           tokenizer_path=path, val_fraction=data_cfg.val_fraction)
+                           tokenizer_path=path, val_fraction=data_cfg.val_fraction, echo=echo,
+                           names={**CONFIG_NAMES, "tokenizer": tokenizer_name})
     return {**meta, "dir": str(data_cfg.dir)}
 
 

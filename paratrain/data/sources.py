@@ -64,8 +64,11 @@ class Source:
     documents: int = 0
     files: list = field(default_factory=list)  # a saved dataset: the files it is made of
 
+    def record_path(self) -> str:
+        return str(self.path.resolve())
+
     def record(self) -> dict:
-        return {"path": str(self.path.resolve()), "format": self.fmt, "bytes": self.bytes, "sha256": self.sha256,
+        return {"path": self.record_path(), "format": self.fmt, "bytes": self.bytes, "sha256": self.sha256,
                 "documents": self.documents}
 
     def stat_files(self) -> list:

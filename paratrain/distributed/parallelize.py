@@ -21,6 +21,7 @@ from paratrain.distributed.compression import GradComm
 from paratrain.distributed.expert_parallel import distribute_experts, shard_experts
 from paratrain.distributed.initialize import init_weights
 from paratrain.distributed.parallel_dims import ParallelDims
+from paratrain.distributed.tensors import full_tensor, right_pad
 from paratrain.models.moe import MoE
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -95,6 +96,23 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
             if not moe:
                 plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)
+
+
+class SequenceParallelSampler(nn.Module):
+    """A callable model for `generate.sample` under sequence parallelism, whose forward needs a sequence length that
+    divides by tp: prompts are right-padded (causal attention hides the padding) and the logits cut back."""
+
+    def __init__(self, model: nn.Module, tp: int):
+        super().__init__()
+        self._model, self._tp = model, tp
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self._model.train(mode)
+        return self
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
+        return full_tensor(self._model(right_pad(tokens, self._tp)))[:, :tokens.shape[1]]
 
 
 def _moe_tp_plan(moe: MoE, sequence_parallel: bool) -> dict:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.distributed.tensors import full_tensor
+from paratrain.distributed.tensors import full_tensor, right_pad
 from paratrain.layout import MULTI_STAGE, Layout
 
 
@@ -119,10 +119,11 @@ class Pipeline:
         loss = full_tensor(loss_fn(out, y)).detach().float() if self.has_last else torch.zeros((), device=self.device)
         return self._from_last(loss)
 
-    def last_logits(self, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    def last_logits(self, tokens: torch.Tensor, vocab: int, position: int = -1) -> torch.Tensor:
+        """(B, 1, V) logits at `position` on every pp rank."""
         out = self.forward(tokens)
         if self.has_last:
-            logits = full_tensor(out)[:, -1:, :].float().contiguous()
+            logits = full_tensor(out)[:, position, :].unsqueeze(1).float().contiguous()
         else:
             logits = torch.zeros(tokens.shape[0], 1, vocab, device=self.device)
         return self._from_last(logits)
@@ -131,9 +132,9 @@ class Pipeline:
 class PipelineSampler(nn.Module):
     """A callable model for `generate.sample`: last-position logits on every rank, stage by stage."""
 
-    def __init__(self, pipeline: Pipeline, vocab: int):
+    def __init__(self, pipeline: Pipeline, vocab: int, length_multiple: int = 1):
         super().__init__()
-        self._pipeline, self._vocab = pipeline, vocab
+        self._pipeline, self._vocab, self._multiple = pipeline, vocab, length_multiple
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -141,8 +142,8 @@ class PipelineSampler(nn.Module):
             m.train(mode)
         return self
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self._pipeline.last_logits(tokens, self._vocab)
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, 1, V)
+        return self._pipeline.last_logits(right_pad(tokens, self._multiple), self._vocab, tokens.shape[1] - 1)
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]

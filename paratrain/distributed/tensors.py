@@ -13,3 +13,10 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor, or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def right_pad(tokens: torch.Tensor, multiple: int) -> torch.Tensor:
+    """(B, T) token ids padded at the end to a multiple of `multiple` (sequence parallelism splits the sequence over
+    tp ranks). Causal attention keeps every real position's output independent of the padding after it."""
+    extra = -tokens.shape[1] % multiple
+    return torch.nn.functional.pad(tokens, (0, extra)) if extra else tokens

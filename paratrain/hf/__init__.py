@@ -63,7 +63,7 @@ def dataset_tokenizer(cfg) -> Path:
 
     path = hf_tokenizer_file(init_folder(cfg))
     chosen = cfg.data.tokenizer
-    if chosen != "char" and (not chosen.endswith(".json") or Path(chosen).resolve() != path.resolve()):
+    if chosen is not None and (not chosen.endswith(".json") or Path(chosen).resolve() != path.resolve()):
         raise ConfigError(f"data.tokenizer={chosen} conflicts with model.init_from: an imported model reads the "
                           f"ids of its own tokenizer ({path}); leave data.tokenizer unset")
     return path

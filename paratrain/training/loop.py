@@ -31,7 +31,7 @@ from paratrain.distributed.tensors import local_tensor
 from paratrain.errors import UserError
 from paratrain.faults import ATTEMPT_ENV, FaultInjector
 from paratrain.observe.flops import peak_flops
-from paratrain.generate import sample
+from paratrain.generate import prompt_ids, sample
 from paratrain.observe.metrics import MetricsLog, build_sinks
 from paratrain.models import Transformer, count_active_params, count_params, flops_per_token
 from paratrain.spec import RunSpec, stage_gpus
@@ -63,7 +63,7 @@ class Trainer:
         self.dims = ParallelDims.build(spec.layout, dev.type)
         self.train_data = open_split(cfg.data, "train", t.seq_len)  # one dataset or a mixture
         self.tokenizer = load_tokenizer(spec.data_dir)
-        self.prompt_ids = self.tokenizer.encode(cfg.sample.prompt)  # fails now, not after training
+        self.prompt_ids = prompt_ids(self.tokenizer, cfg.sample.prompt)  # fails now, not after training
 
         # Build on the meta device (no memory) and materialise after sharding. Tied embeddings are the
         # exception: materialising from meta would untie them, so those models are built for real.

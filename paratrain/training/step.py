@@ -19,7 +19,7 @@ from torch import nn
 from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler
 from paratrain.distributed.expert_parallel import MoEMeter
 from paratrain.distributed.grad_norm import clip_grad_norm
-from paratrain.distributed.parallelize import PRECISION_DTYPES, unwrap
+from paratrain.distributed.parallelize import PRECISION_DTYPES, SequenceParallelSampler, unwrap
 from paratrain.distributed.pipeline import Pipeline, PipelineSampler
 from paratrain.distributed.tensors import full_tensor
 from paratrain.layout import Layout
@@ -161,7 +161,11 @@ class TrainStep:
 
     def sampler(self, vocab_size: int) -> nn.Module:
         """A callable model for `generate.sample` (whole prompts on every rank, also under context parallelism)."""
-        sampler = PipelineSampler(self.pipeline, vocab_size) if self.pipeline is not None else self.model
+        multiple = self.layout.tp if self.layout.sp else 1  # sequence parallelism splits the sequence over tp
+        if self.pipeline is not None:
+            sampler = PipelineSampler(self.pipeline, vocab_size, multiple)
+        else:
+            sampler = SequenceParallelSampler(self.model, multiple) if multiple > 1 else self.model
         if self.context is None:
             return sampler
         modules = self.pipeline.modules.values() if self.pipeline is not None else [self.model]

@@ -1,0 +1,394 @@
+"""The README's commands, run as a new user pastes them: each in a fresh working folder, through the real CLI, to the
+end of the run (final eval, sample, export), at tiny sizes on CPU ranks.
+
+Every command of a ```bash block in README.md belongs to one journey below (JOURNEYS); a README command that no
+journey runs fails `test_every_readme_command_has_a_journey`, and a journey may only run commands the README holds
+(`Journey.readme`), so the two cannot drift apart. Sizes are made tiny by config overrides put *before* the
+README's own options (the README's choices win), and by a few forced ones after them (steps, sequence length).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paratrain.data import DEFAULT_CORPUS
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+# Which journey runs each README command (the command as shlex reads it: comments and line continuations gone).
+JOURNEYS = {
+    "make": [
+        "make run",
+        "make test",
+    ],
+    "default_run": [
+        "paratrain train --training.steps=500 --run.name=short",
+        "paratrain train --checkpoint.resume=auto",
+        "paratrain train --run.name=short --run.overwrite=true",
+        'paratrain generate --checkpoint runs/default --prompt "ROMEO:" --max-new-tokens 300',
+        'paratrain generate --checkpoint runs/default --prompt "" --max-new-tokens 100',
+        "paratrain checkpoint verify runs/default",
+        "paratrain estimate --model runs/default/config.toml --gpu-memory 24GiB --json",
+    ],
+    "layouts": [
+        "paratrain train --nproc 4 --parallel.dp_mode=fsdp --run.name=fsdp4",
+        "paratrain train --nproc 4 --parallel.tp=2 --run.name=tp2",
+        "paratrain train --nproc 2 --parallel.tp=2 --parallel.sequence_parallel=false --run.name=tp2-nosp",
+        "paratrain train --nproc 4 --parallel.dp_mode=hsdp --parallel.dp_replicate=2 --run.name=hsdp",
+        "paratrain train --nproc 2 --parallel.pp=2 --run.name=pp2",
+        "paratrain train --nproc 2 --model.preset=tiny-moe --parallel.ep=2 --run.name=ep2",
+        "paratrain train --nproc 2 --parallel.cp=2 --run.name=cp2",
+        "paratrain report runs/default runs/fsdp4 runs/tp2 --out report",
+    ],
+    "custom_corpus": [
+        "paratrain prepare --input corpus.jsonl --out data/mycorpus --tokenizer bpe --vocab-size 8000",
+        "paratrain train --data.dir=data/mycorpus --run.name=mine",
+        "paratrain train --data.dir=data/mycorpus --run.name=mine --checkpoint.resume=auto",
+    ],
+    "prepare_formats": [
+        "paratrain prepare --input fineweb/*.jsonl.gz --out data/web --tokenizer bpe --vocab-size 32000",
+        "paratrain prepare --input dolma/ --out data/dolma --tokenizer data/web/tokenizer.json --text-field text",
+        "paratrain prepare --input corpus.parquet --out data/c --tokenizer byte --val-input heldout.jsonl",
+    ],
+    "hugging_face": [
+        "paratrain train --nproc 2 --model.init_from=hf:llama-3.2-1b --data.source=corpus.jsonl "
+        "--data.dir=data/corpus-llama --training.seq_len=1024 --training.precision=bf16 --optimizer.lr=2e-5 "
+        "--optimizer.warmup_steps=20 --run.name=ft",
+        "paratrain export runs/ft --format hf --out ft-hf --dtype bf16",
+        'python -c "from transformers import pipeline; print(pipeline(\'text-generation\', \'ft-hf\')(\'Hello\')'
+        '[0][\'generated_text\'])"',
+    ],
+    "profile": [
+        "paratrain profile --nproc 2 --parallel.dp_mode=fsdp --steps 3",
+    ],
+    "verify": [
+        "paratrain verify",
+    ],
+    "estimate": [
+        "paratrain estimate --model llama3-8b --gpu H100 --dp-shard 8 --seq-len 8192 --checkpointing selective",
+        "paratrain estimate --model llama3-8b --accounting classic",
+    ],
+    "plan": [
+        "paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576",
+        "paratrain plan --model llama3-70b --gpus 64 --gpu H100 --intra nvlink --inter ib400 --seq 8192 "
+        "--global-batch-tokens 4194304",
+        "paratrain plan ... --compile",
+        "paratrain plan ... --json",
+        "paratrain plan ... --explain fsdp,tp=16",
+        "paratrain plan ... --explain ddp,ac=none,mb=2",
+        "paratrain plan --model llama3-8b --gpus 8xH100,8xA100 --seq 4096 --global-batch-tokens 1048576",
+        "paratrain plan --model llama3-405b --gpus 8192 --gpu H100 --seq 8192 --global-batch-tokens 16777216",
+    ],
+    "calibrate": [
+        "paratrain plan --calibrate --name mybox --nproc 4",
+        "paratrain plan --calibrate --name mybox --nproc 1 --model llama3.2-1b --seq 2048 --micro-batches 1,2",
+    ],
+}
+
+# Small and quick: put before the README's options, which win.
+TINY = ["--model.preset=tiny", "--training.seq_len=32", "--training.micro_batch=2", "--training.eval_batches=1",
+"--sample.max_new_tokens=16", "--metrics.progress=lines", "--training.device=cpu"]
+STEPS = ["--training.steps=4"]  # forced after the README's options
+
+
+def canonical(command: str) -> str:
+    """A shell command without comments, with its words quoted one way."""
+    return shlex.join(shlex.split(command, comments=True))
+
+
+def readme_commands() -> list[str]:
+    """Every command of the README's ```bash blocks, one string each (comments and continuations removed)."""
+    text = README.read_text()
+    out = []
+    for body in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in body.replace("\\\n", " ").splitlines():
+            if shlex.split(line, comments=True):
+                out.append(canonical(line))
+    return out
+
+
+def test_every_readme_command_has_a_journey():
+    covered = [canonical(c) for commands in JOURNEYS.values() for c in commands]
+    missing = [c for c in readme_commands() if c not in covered]
+    assert not missing, f"README commands that no journey runs (add them to tests/test_journeys.py): {missing}"
+    stale = [c for c in covered if c not in readme_commands()]
+    assert not stale, f"journeys run commands the README no longer shows: {stale}"
+
+
+class Journey:
+    """A fresh working folder and the README's commands run there as subprocesses."""
+
+    def __init__(self, name: str, folder: Path):
+        self.name, self.cwd = name, folder
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                    "XDG_CACHE_HOME": str(folder / ".cache"), "PYTHONUNBUFFERED": "1",
+                    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+    def readme(self, command: str, before: list[str] = (), after: list[str] = (), expect: int = 0,
+               timeout: float = 300) -> subprocess.CompletedProcess:
+        """Run README command `command` (as listed for this journey), with `before` inserted right after the
+        subcommand and `after` appended."""
+        assert canonical(command) in map(canonical, JOURNEYS[self.name]), \
+            f"{command!r} is not one of journey {self.name}'s README commands"
+        assert canonical(command) in readme_commands(), f"{command!r} is not in README.md"
+        words = shlex.split(command)
+        if words[0] == "paratrain":
+            sub = 3 if words[1] == "checkpoint" else 2
+            words = [sys.executable, "-m", "paratrain", *words[1:sub], *before, *words[sub:], *after]
+        elif words[0] == "python":
+            words = [sys.executable, *words[1:]]
+        done = subprocess.run(words, cwd=self.cwd, env=self.env, capture_output=True, text=True, timeout=timeout)
+        output = done.stdout + done.stderr
+        assert done.returncode == expect, f"{command}: exit {done.returncode}\n{output[-4000:]}"
+        assert "Traceback" not in output, f"{command}: a traceback\n{output[-4000:]}"
+        return done
+
+    def train(self, command: str, *extra: str, **kw) -> subprocess.CompletedProcess:
+        """A README train command at tiny size; it must end with a validation loss and a sample."""
+        done = self.readme(command, TINY, [*STEPS, *extra], **kw)
+        if kw.get("expect", 0) == 0:
+            out = done.stdout + done.stderr
+            assert re.search(r"val loss \d+\.\d+", out), f"{command}: no final validation loss\n{out[-3000:]}"
+            assert "sample:" in out, f"{command}: no final sample\n{out[-3000:]}"
+        return done
+
+    def files(self, folder: str) -> dict[str, bytes]:
+        root = self.cwd / folder
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def journey(request, tmp_path):
+    name = request.node.name.removeprefix("test_journey_").split("[")[0]
+    return Journey(name, tmp_path)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------- journeys
+
+def test_journey_make():
+    """`make run` trains the default config (continuing runs/default when run again); `make test` is this suite."""
+    makefile = (ROOT / "Makefile").read_text()
+    run_recipe = re.search(r"^run:.*\n\t(.*)", makefile, re.M).group(1)
+    assert shlex.split(run_recipe, comments=True) == ["$(VENV)/bin/paratrain", "train", "--checkpoint.resume=auto"]
+    assert "TORCH_VERSION ?= 2.13.0" in makefile and re.search(r"^test:.*\n\t\$\(PY\) -m pytest", makefile, re.M)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "make test" in ci
+
+
+def test_journey_default_run(journey):
+    """make run's training (tiny), then resume, generate (also from an empty prompt), checkpoint verify, estimate
+    on the written config, and a reused run name: refused, then started over."""
+    j = journey
+    j.readme("paratrain train --checkpoint.resume=auto", TINY, ["--training.steps=3"])
+    first = metrics(j.cwd / "runs" / "default")
+    # the same command again: continues runs/default from its final checkpoint (nothing left to train)
+    done = j.train("paratrain train --checkpoint.resume=auto", "--training.steps=3")
+    assert "resumed from" in done.stdout + done.stderr
+    assert [r["step"] for r in metrics(j.cwd / "runs" / "default") if "loss" in r] == \
+        [r["step"] for r in first if "loss" in r]  # no step trained twice
+    out = j.readme('paratrain generate --checkpoint runs/default --prompt "ROMEO:" --max-new-tokens 300').stdout
+    assert out.startswith("ROMEO:") and len(out) > 100
+    out = j.readme('paratrain generate --checkpoint runs/default --prompt "" --max-new-tokens 100').stdout
+    assert len(out.strip()) > 20
+    out = j.readme("paratrain checkpoint verify runs/default").stdout
+    assert "OK" in out and "step-3" in out
+    report = json.loads(j.readme("paratrain estimate --model runs/default/config.toml --gpu-memory 24GiB --json").stdout)
+    assert report["fits"] is True and report["per_rank_bytes"] > 0
+
+    # a new run under an existing name: one line, nothing touched; --run.overwrite=true starts over
+    j.train("paratrain train --training.steps=500 --run.name=short", "--training.steps=2")
+    before = j.files("runs/short")
+    done = j.readme("paratrain train --training.steps=500 --run.name=short", TINY, expect=2)
+    assert done.stderr.count("\n") == 1 and "--checkpoint.resume=auto" in done.stderr and "--run.overwrite" in done.stderr
+    assert j.files("runs/short") == before
+    j.train("paratrain train --run.name=short --run.overwrite=true", "--model.preset=tiny-moe")
+    steps = [r["step"] for r in metrics(j.cwd / "runs" / "short") if "loss" in r]
+    assert steps == sorted(set(steps)) and sorted(p.name for p in (j.cwd / "runs/short/checkpoints").iterdir()) == ["step-4"]
+
+
+LAYOUT_RUNS = {
+    "paratrain train --nproc 4 --parallel.dp_mode=fsdp --run.name=fsdp4": {"dp_shard": 4},
+    "paratrain train --nproc 4 --parallel.tp=2 --run.name=tp2": {"dp_shard": 2, "tp": 2},
+    "paratrain train --nproc 2 --parallel.tp=2 --parallel.sequence_parallel=false --run.name=tp2-nosp": {"tp": 2},
+    "paratrain train --nproc 4 --parallel.dp_mode=hsdp --parallel.dp_replicate=2 --run.name=hsdp":
+        {"dp_replicate": 2, "dp_shard": 2},
+    "paratrain train --nproc 2 --parallel.pp=2 --run.name=pp2": {"pp": 2},
+    "paratrain train --nproc 2 --model.preset=tiny-moe --parallel.ep=2 --run.name=ep2": {"dp_shard": 2},
+    "paratrain train --nproc 2 --parallel.cp=2 --run.name=cp2": {"cp": 2},
+}
+
+
+def test_journey_layouts(journey):
+    """Every layout example trains to its final sample; the same seed gives every layout the same val loss;
+    the report reads the runs."""
+    j = journey
+    j.readme("paratrain train --nproc 4 --parallel.dp_mode=fsdp --run.name=fsdp4", TINY,
+             [*STEPS, "--run.name=default"])  # the report below reads runs/default too
+    val = {}
+    for command, mesh in LAYOUT_RUNS.items():
+        done = j.train(command, "--sample.prompt=ROMEO:")
+        out = done.stdout + done.stderr
+        for axis, size in mesh.items():
+            assert f"'{axis}': {size - 1}" in out, f"{command}: no rank at {axis}={size - 1}\n{out[-2000:]}"
+        val[command] = float(re.search(r"val loss (\d+\.\d+)", out).group(1))
+        assert "ROMEO:" in out.split("sample:")[-1]
+    dense = [v for c, v in val.items() if "moe" not in c]
+    assert max(dense) - min(dense) < 1e-3, f"layouts disagree about the validation loss: {val}"
+    done = j.readme("paratrain report runs/default runs/fsdp4 runs/tp2 --out report")
+    assert (j.cwd / "report" / "report.md").is_file() and (j.cwd / "report" / "loss.png").is_file()
+
+
+def write_corpus(path: Path, docs: int = 400) -> Path:
+    text = DEFAULT_CORPUS.read_text()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i in range(docs):
+            f.write(json.dumps({"text": text[i * 400:(i + 1) * 400]}) + "\n")
+    return path
+
+
+def test_journey_custom_corpus(journey):
+    """prepare -> train -> resume on a custom corpus; --data.dir alone uses the prepared dataset as it is, and a
+    contradicting option leaves every file of it byte-identical."""
+    j = journey
+    write_corpus(j.cwd / "corpus.jsonl")
+    j.readme("paratrain prepare --input corpus.jsonl --out data/mycorpus --tokenizer bpe --vocab-size 8000")
+    prepared = j.files("data/mycorpus")
+    j.train("paratrain train --data.dir=data/mycorpus --run.name=mine")
+    # options that agree with the dataset are fine
+    j.train("paratrain train --data.dir=data/mycorpus --run.name=mine", "--data.source=corpus.jsonl",
+            "--data.tokenizer=bpe", "--data.vocab_size=8000", "--run.name=agree", "--training.steps=1")
+    assert j.files("data/mycorpus") == prepared
+    saved = (j.cwd / "runs/mine/checkpoints/step-4").is_dir()
+    assert saved
+    done = j.train("paratrain train --data.dir=data/mycorpus --run.name=mine --checkpoint.resume=auto",
+                   "--training.steps=6")
+    assert "resumed from" in done.stdout + done.stderr
+    assert [r["step"] for r in metrics(j.cwd / "runs/mine") if "loss" in r][-1] == 6
+    for wrong in ("--data.tokenizer=char", "--data.vocab_size=500", "--data.source=tinyshakespeare"):
+        done = j.readme("paratrain train --data.dir=data/mycorpus --run.name=mine", TINY, [wrong, "--run.name=x"],
+                        expect=2)
+        assert done.stderr.startswith("error: data/mycorpus holds a dataset") and done.stderr.count("\n") == 1
+        assert not (j.cwd / "runs" / "x").exists()
+    assert j.files("data/mycorpus") == prepared
+    (j.cwd / "data/empty").mkdir()
+    done = j.readme("paratrain train --data.dir=data/mycorpus --run.name=mine", TINY,
+                    ["--data.dir=data/empty", "--run.name=y"], expect=2)
+    assert "holds no prepared dataset" in done.stderr and not any((j.cwd / "data/empty").iterdir())
+
+
+def test_journey_prepare_formats(journey):
+    """The three prepare examples on tiny inputs of their formats."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    j = journey
+    text = DEFAULT_CORPUS.read_text()
+    (j.cwd / "fineweb").mkdir()
+    for k in range(2):
+        with gzip.open(j.cwd / "fineweb" / f"part{k}.jsonl.gz", "wt") as f:
+            for i in range(100):
+                f.write(json.dumps({"text": text[(k * 100 + i) * 300:(k * 100 + i + 1) * 300]}) + "\n")
+    (j.cwd / "dolma" / "a").mkdir(parents=True)
+    write_corpus(j.cwd / "dolma" / "a" / "docs.jsonl", 50)
+    pq.write_table(pa.table({"text": [text[i * 500:(i + 1) * 500] for i in range(60)]}), j.cwd / "corpus.parquet")
+    write_corpus(j.cwd / "heldout.jsonl", 5)
+    j.readme("paratrain prepare --input fineweb/*.jsonl.gz --out data/web --tokenizer bpe --vocab-size 32000")
+    j.readme("paratrain prepare --input dolma/ --out data/dolma --tokenizer data/web/tokenizer.json --text-field text")
+    j.readme("paratrain prepare --input corpus.parquet --out data/c --tokenizer byte --val-input heldout.jsonl")
+    web, dolma, c = (json.loads((j.cwd / "data" / d / "meta.json").read_text()) for d in ("web", "dolma", "c"))
+    assert web["train_documents"] + web["val_documents"] == 200 and web["tokenizer"] == "bpe"
+    assert dolma["tokenizer"] == "tokenizer.json" and dolma["vocab_size"] == web["vocab_size"]
+    assert c["tokenizer"] == "byte" and c["val_documents"] == 5 and c["train_documents"] == 60
+
+
+def test_journey_hugging_face(journey):
+    """A local Hugging Face folder -> train on 2 ranks (bf16) -> export -> transformers loads and generates."""
+    from test_hf import make_llama
+
+    j = journey
+    make_llama(j.cwd / "llama-3.2-1b")
+    write_corpus(j.cwd / "corpus.jsonl")
+    done = j.readme("paratrain train --nproc 2 --model.init_from=hf:llama-3.2-1b --data.source=corpus.jsonl "
+                    "--data.dir=data/corpus-llama --training.seq_len=1024 --training.precision=bf16 --optimizer.lr=2e-5 "
+                    "--optimizer.warmup_steps=20 --run.name=ft", TINY, [*STEPS, "--training.seq_len=32"])
+    out = done.stdout + done.stderr
+    assert "initialised from Hugging Face folder" in out and "sample:" in out and "val loss" in out
+    assert "0.000 B" not in out
+    j.readme("paratrain export runs/ft --format hf --out ft-hf --dtype bf16")
+    config = json.loads((j.cwd / "ft-hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype" if "torch_dtype" in config
+                                                                        else "dtype"] == "bfloat16"
+    out = j.readme(JOURNEYS["hugging_face"][-1]).stdout
+    assert out.startswith("Hello")
+
+
+def test_journey_profile(journey):
+    j = journey
+    j.readme("paratrain profile --nproc 2 --parallel.dp_mode=fsdp --steps 3", TINY)
+    run = j.cwd / "runs" / "default" / "profile"
+    assert (run / "rank0.json").is_file() and (run / "rank1.json").is_file()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary
+
+
+def test_journey_verify(journey):
+    """`paratrain verify` at a tiny size: two rows, a few steps (the whole matrix runs in tests/test_distributed.py)."""
+    out = journey.readme("paratrain verify", after=["--layouts", "ddp2,tp2", "--steps", "3"]).stdout
+    assert out.count("PASS") >= 2 and "FAIL" not in out
+
+
+def test_journey_estimate(journey):
+    out = journey.readme("paratrain estimate --model llama3-8b --gpu H100 --dp-shard 8 --seq-len 8192 "
+                         "--checkpointing selective").stdout
+    assert "FITS" in out or "DOES NOT FIT" in out
+    out = journey.readme("paratrain estimate --model llama3-8b --accounting classic").stdout
+    assert "GiB" in out or "GB" in out
+
+
+PLAN = "paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576"
+
+
+def test_journey_plan(journey):
+    """The planner's examples; its written config is estimated to the same per-rank memory and loads in train."""
+    j = journey
+    out = j.readme(PLAN).stdout
+    assert (j.cwd / "plan" / "config.toml").is_file()
+    j.readme("paratrain plan --model llama3-70b --gpus 64 --gpu H100 --intra nvlink --inter ib400 --seq 8192 "
+             "--global-batch-tokens 4194304", after=["--out", "plan70"])
+    plan_args = shlex.split(PLAN)[2:]
+    j.readme("paratrain plan ... --compile", after=[*plan_args, "--out", "plan-compile"])
+    assert "compile = true" in (j.cwd / "plan-compile" / "config.toml").read_text()
+    plan = json.loads(j.readme("paratrain plan ... --json", after=[*plan_args, "--out", "plan-json"]).stdout)
+    assert plan
+    out = j.readme("paratrain plan ... --explain fsdp,tp=16", after=[*plan_args, "--out", "plan-x1"]).stdout
+    assert "tp=16" in out
+    out = j.readme("paratrain plan ... --explain ddp,ac=none,mb=2", after=[*plan_args, "--out", "plan-x2"]).stdout
+    assert "does not fit" in out
+    j.readme("paratrain plan --model llama3-8b --gpus 8xH100,8xA100 --seq 4096 --global-batch-tokens 1048576",
+             after=["--out", "plan-hetero"])
+    j.readme("paratrain plan --model llama3-405b --gpus 8192 --gpu H100 --seq 8192 --global-batch-tokens 16777216",
+             after=["--out", "plan405"])
+    assert "gpus" in out or out
+
+
+def test_journey_calibrate(journey):
+    j = journey
+    j.readme("paratrain plan --calibrate --name mybox --nproc 4")
+    assert (j.cwd / ".cache" / "paratrain" / "profiles" / "mybox.json").is_file()
+    j.readme("paratrain plan --calibrate --name mybox --nproc 1 --model llama3.2-1b --seq 2048 --micro-batches 1,2")
