@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch-tokens", type=int, default=None,
                    help="tokens per optimizer step (default: 512 sequences or 4Mi tokens, whichever is smaller)")
     p.add_argument("--precision", default=None, help="bf16 (GPUs) | fp32 (default on a CPU profile)")
-    p.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory kept free (0.10)")
+    p.add_argument("--headroom", type=float, default=None, help="fraction of device memory kept free (0.10, as "
+                   "paratrain estimate: the allocator's fragmentation and NCCL buffers)")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--dp-modes", help="comma-separated subset of ddp,zero1,zero2,fsdp,hsdp")
     p.add_argument("--checkpointing", help="comma-separated subset of none,selective,every_k,full")
@@ -135,8 +136,9 @@ def build_context(args) -> tuple:
         per_node = min(g.gpus_per_node for g in groups)
         if len(groups) == 1:
             groups = None  # one type: the ordinary planner
-    if not 0 <= args.headroom < 1:
-        raise UserError(f"--headroom must be in [0, 1), got {args.headroom}")
+    from paratrain.estimate.gpus import HEADROOM, check_headroom
+
+    headroom = check_headroom(HEADROOM if args.headroom is None else args.headroom)
     name, margs, base = _model(args.model, args.vocab_size)
     seq = args.seq or min(margs.max_seq_len, 4096)
     if seq < 1:
@@ -165,7 +167,7 @@ def build_context(args) -> tuple:
         schedules=_csv(args.schedules, SCHEDULES, flag="--schedules") or SCHEDULES,
         ac_modes=_csv(args.checkpointing, AC_MODES, flag="--checkpointing") or AC_MODES,
         micro_batches=_csv(args.micro_batches, cast=_posint, flag="--micro-batches"),
-        max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp, headroom=args.headroom)
+        max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp, headroom=headroom)
     return ctx, world, opts, base
 
 
@@ -358,8 +360,11 @@ def main_plan(argv: list[str]) -> int:
     if ctx.native_max_seq_len:
         print(f"note: --seq {ctx.seq_len} is longer than {ctx.model_name}'s max_seq_len {ctx.native_max_seq_len}: "
               f"planned as long-context training (model.max_seq_len={ctx.seq_len} in the written config)")
+    from paratrain.estimate.gpus import limit_text
+
     print(f"{p.considered} layouts considered: {len(p.rejected)} rejected, {len(p.ranked)} fit among the fastest "
-          f"predicted (memory: paratrain estimate, {opts.headroom:.0%} headroom); planned in {elapsed:.2f} s")
+          f"predicted (memory: paratrain estimate, {limit_text(hw.memory_bytes, opts.headroom)}); planned in "
+          f"{elapsed:.2f} s")
     print(format_table(p.ranked[: args.top], ctx))
     print(f"best: {best.cand.describe()} -- {best.pred.breakdown()}")
     if best.stage_hw:
