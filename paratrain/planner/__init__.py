@@ -19,7 +19,7 @@ from pathlib import Path
 from paratrain.errors import OneLineArgumentParser, UserError
 
 __all__ = ["build_context", "context_from_argv", "main_plan", "write_outputs", "config_for", "launch_command",
-           "plan_json"]
+           "job_name", "plan_json"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -201,8 +201,9 @@ def config_for(c, ctx, base=None, model_spec: str | None = None):
     if ctx.hw.device == "cpu":
         t.device = "cpu"
     p.dp_mode = lay.dp_mode
-    p.dp_replicate = lay.dp_replicate if lay.hybrid else 1  # else one data-parallel axis: dp_shard=-1 fills it
-    p.dp_shard = -1
+    # Every degree written out (no dp_shard=-1): the file names its layout and world size, so `paratrain estimate
+    # --model plan/config.toml` estimates the planned layout and the trainer refuses another world size.
+    p.dp_replicate, p.dp_shard = lay.dp_replicate, lay.dp_shard
     p.tp, p.pp, p.ep, p.cp = lay.tp, lay.pp, lay.ep, lay.cp
     p.sequence_parallel = True
     comp = ctx.compression
@@ -220,6 +221,20 @@ def config_for(c, ctx, base=None, model_spec: str | None = None):
     cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every_k = c.ac, c.every_k
     validate(cfg)
     return cfg
+
+
+def job_name(layout) -> str:
+    """A short Slurm job name for a layout, only [A-Za-z0-9._-]: `paratrain-pp4-zero2x2-cp2-tp4` (pipeline stages,
+    the data-parallel mode x its degree (hsdp: replicas x shards), then cp, tp and ep where > 1)."""
+    import re
+
+    bits = [f"pp{layout.pp}"] if layout.pp > 1 else []
+    if layout.dp > 1:
+        bits.append(f"{layout.dp_mode}{layout.dp_replicate}x{layout.dp_shard}" if layout.hybrid
+                    else f"{layout.dp_mode}x{layout.dp}")
+    bits += [f"{name}{degree}" for name, degree in (("cp", layout.cp), ("tp", layout.tp), ("ep", layout.ep))
+             if degree > 1]
+    return re.sub(r"[^A-Za-z0-9._-]", "", "-".join(["paratrain", *bits] if bits else ["paratrain", "1rank"]))
 
 
 def launch_command(c, ctx, world: int, config_path: str) -> tuple[str, str | None]:
@@ -241,7 +256,7 @@ def launch_command(c, ctx, world: int, config_path: str) -> tuple[str, str | Non
     if nodes == 1:
         return f"torchrun --standalone --nproc-per-node {world} -m paratrain train --config {config_path}", None
     script = f"""#!/bin/bash
-#SBATCH --job-name=paratrain-{c.describe().replace(' ', '')[:40]}
+#SBATCH --job-name={job_name(c.layout)}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node={gpn}
