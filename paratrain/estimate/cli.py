@@ -176,9 +176,7 @@ def _layout_and_batch(cfg, args, model_args, from_file: bool):
     batch, _ = batch_of(cfg, layout)
     layout.check_checkpointing(cfg.activation_checkpoint.mode)
     layout = layout.validate(model_args, world, batch)
-    if layout.pipelined:  # each data-parallel rank's batch cut into the schedule's micro-batches
-        return layout, batch.global_batch // layout.dp // layout.pp_microbatches, 1
-    return layout, t.micro_batch, layout.accumulation(batch)
+    return layout, layout.forward_batch(batch), layout.accumulation(batch)
 
 
 def inputs_from_argv(argv: list[str]):
