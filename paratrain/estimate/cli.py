@@ -14,7 +14,8 @@ EPILOG = """examples:
   paratrain estimate --model llama3-8b --gpu H100 --dp-shard 8 --micro-batch 2 --seq-len 8192 --checkpointing full
   paratrain estimate --model llama3-70b --gpu H100 --world-size 64 --tp 8 --dp-mode fsdp --json
   paratrain estimate --model llama3-8b --precision bf16 --accounting classic   # the 16/16/64/32 GB breakdown
-  paratrain estimate --model runs/default/config.toml --gpu-memory 24GiB
+  paratrain estimate --model runs/default/config.toml --world-size 8 --gpu-memory 24GiB
+  paratrain estimate --model plan/config.toml --gpu H100      # the layout paratrain plan chose: its memory per rank
   paratrain estimate --model llama3-70b --gpu H100 --world-size 32 --pp 4 --tp 8 --pp-schedule interleaved_1f1b
 
 model overrides: --dim, --n-layers, --n-heads, --n-kv-heads, --ffn-hidden, --max-seq-len, --moe-experts,
@@ -103,7 +104,18 @@ def _model_from(args):
     for key, value in {**overrides, "vocab_size": args.vocab_size}.items():
         if value is not None:
             setattr(cfg.model, key, value)
-    return f"{Path(name).name} ({cfg.model.preset})", model_args_from(cfg), cfg
+    data_vocab = None
+    if cfg.model.vocab_size is None and (Path(cfg.data.dir) / "meta.json").is_file():
+        # a preset that takes its vocabulary from the data (a run's config): the prepared data's, as the trainer's
+        from paratrain.data.prepare import read_meta
+
+        data_vocab = read_meta(cfg.data.dir)["vocab_size"]
+    try:
+        return f"{Path(name).name} ({cfg.model.preset})", model_args_from(cfg, data_vocab), cfg
+    except UserError as e:
+        if "takes its vocab size from the dataset" in str(e):
+            raise UserError(f"{e} (or --vocab-size N), or prepare data.dir={cfg.data.dir}") from None
+        raise
 
 
 def _estimate_defaults(model_args):
