@@ -54,7 +54,8 @@ def model_args(preset: str, overrides: dict, vocab: int):
 
 def fitting_config(args, seq: int, device: str, gpu_bytes: int | None, precision: str) -> tuple[int, str]:
     """(micro-batch, checkpointing) for one GPU: the largest micro-batch up to 8 that the estimator says fits with
-    10% headroom, without checkpointing if possible, else selective, else full."""
+    the headroom rule estimate and plan share (estimate.gpus), without checkpointing if possible, else selective, else
+    full."""
     from paratrain.estimate import EstimateInputs, estimate
     from paratrain.layout import Layout
 
@@ -65,7 +66,7 @@ def fitting_config(args, seq: int, device: str, gpu_bytes: int | None, precision
             est = estimate(EstimateInputs(args, Layout.resolve(1), precision=precision, checkpointing=ac,
                                           micro_batch=mb, seq_len=seq, device=device, gpu_bytes=gpu_bytes),
                            suggest=False)
-            if est.total_bytes <= 0.9 * gpu_bytes:
+            if est.fits:
                 return mb, ac
     return 1, "full"
 

@@ -327,6 +327,13 @@ class Layout:
             layout = layout._check_batch(args, batch)
         return layout
 
+    def forward_batch(self, batch: Batch) -> int:
+        """Sequences in one forward on a rank: the micro-batch, or with a pipeline one of its microbatches (the
+        rank's share of the global batch cut into pp_microbatches)."""
+        if self.pp > 1:
+            return max(1, batch.global_batch // self.dp // max(self.pp_microbatches, 1))
+        return batch.micro_batch
+
     def accumulation(self, batch: Batch) -> int:
         """Micro-steps per optimizer step: global batch = micro_batch x accumulation x dp (1 with a pipeline,
         whose schedule cuts the rank's batch into microbatches itself)."""

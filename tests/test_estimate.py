@@ -234,3 +234,27 @@ def test_estimate_for_run_and_device_peak(char_data, tmp_path):
     assert "activations" in est.format_table() and est.inputs.optimizer_impl == "foreach"
     assert device_peak_bytes("cpu") > 0
     assert "measured" in est.compare_line(est.peak_bytes)
+
+
+def test_cli_reads_a_run_config_as_the_trainer_does(char_data, tmp_path, capsys):
+    """A run's config.toml: [parallel], [training] and [activation_checkpoint] as the trainer resolves them (the same
+    estimate as estimate_for_run of the resolved run), the vocabulary from its prepared data; flags win."""
+    from conftest import fast_config
+
+    from paratrain.config import dump_toml
+    from paratrain.estimate import estimate_for_run
+    from paratrain.spec import resolve_run
+
+    cfg = fast_config(char_data, tmp_path, "est", "parallel.dp_shard=2", "parallel.cp=2", "training.precision=bf16",
+                      "training.global_batch=8", "training.micro_batch=2", "activation_checkpoint.mode=selective")
+    path = tmp_path / "config.toml"
+    path.write_text(dump_toml(cfg))
+    trainer = estimate_for_run(resolve_run(cfg, 4), device="cuda", gpu_bytes=24 * 2**30)
+    assert main(["estimate", "--model", str(path), "--gpu-memory", "24GiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["layout"]["world_size"] == 4 and data["layout"]["cp"] == 2 and data["accum_steps"] == 2
+    assert data["checkpointing"] == "selective" and data["precision"] == "bf16" and data["micro_batch"] == 2
+    assert data["total_bytes"] == trainer.total_bytes
+    assert main(["estimate", "--model", str(path), "--cp", "1", "--dp-shard", "4", "--accum-steps", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["layout"]["cp"] == 1 and data["layout"]["dp_shard"] == 4 and data["accum_steps"] == 1

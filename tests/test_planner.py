@@ -113,6 +113,9 @@ def test_multi_node_plan_writes_sbatch(tmp_path, capsys):
                  "--checkpointing", "selective,full", "--micro-batches", "1,2"]) == 0
     script = (out / "plan.sbatch").read_text()
     assert "#SBATCH --nodes=2" in script and "--nnodes 2" in script and "paratrain train --config" in script
+    import re
+
+    assert re.search(r"^#SBATCH --job-name=paratrain-[A-Za-z0-9._-]+$", script, re.M), script
     load_config(out / "config.toml")
 
 
@@ -165,3 +168,127 @@ def test_calibrate_saves_a_profile_plans_can_use(tmp_path, capsys):
     assert "paratrain train --nproc 2" in out
     cfg = load_config(tmp_path / "plan" / "config.toml")
     assert cfg.training.device == "cpu" and cfg.training.precision == "fp32"
+
+
+# -- one layout, one answer: plan -> estimate -----------------------------------------------------------------------
+PLAN_8B = ["--model", "llama3-8b", "--gpus", "8", "--gpus-per-node", "8", "--gpu", "H100", "--seq", "8192",
+           "--global-batch-tokens", "1048576"]
+PLAN_70B = ["--model", "llama3-70b", "--gpus", "64", "--gpu", "H100", "--intra", "nvlink", "--inter", "ib400",
+            "--seq", "8192", "--global-batch-tokens", "4194304"]
+PLAN_HSDP = ["--model", "llama3-8b", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "A100-80GB", "--seq", "4096",
+             "--global-batch-tokens", str(4096 * 64), "--dp-modes", "hsdp", "--max-cp", "1", "--max-tp", "1"]
+
+
+def _plan_json(capsys, out, argv):
+    assert main(["plan", *argv, "--out", str(out), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["ranked"][0]
+
+
+@pytest.mark.parametrize("argv, gpu, expect", [
+    (PLAN_8B, "H100", {"cp": 2, "pp": 1, "tp": 1}),
+    (PLAN_70B, "H100", {"cp": 2, "pp": 4, "tp": 4}),
+    (PLAN_HSDP, "A100-80GB", {"dp_mode": "hsdp", "cp": 1}),
+], ids=["8b-8xh100-cp2", "70b-64xh100-pp4-tp4", "8b-16xa100-hsdp"])
+def test_estimate_of_the_plans_config_matches_the_plan(argv, gpu, expect, tmp_path, capsys):
+    """`paratrain plan` then `paratrain estimate --model plan/config.toml`: the same layout, the same memory per rank."""
+    best = _plan_json(capsys, tmp_path / "plan", argv)
+    assert {k: best[k] for k in expect} == expect
+    assert main(["estimate", "--model", str(tmp_path / "plan" / "config.toml"), "--gpu", gpu, "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    lay = est["layout"]
+    for key in ("dp_mode", "dp_replicate", "dp_shard", "tp", "pp", "ep", "cp"):
+        assert lay[key] == best[key], key
+    assert lay["world_size"] == int(argv[argv.index("--gpus") + 1])
+    assert est["checkpointing"] == best["activation_checkpoint"] and est["fits"] is True
+    assert abs(est["total_bytes"] - best["memory_bytes_per_rank"]) <= 0.01 * best["memory_bytes_per_rank"]
+    if best["pp"] > 1:
+        return  # (the table of a 256-micro-batch pipeline: walked again, a few seconds)
+    assert main(["estimate", "--model", str(tmp_path / "plan" / "config.toml"), "--gpu", gpu]) == 0
+    text = capsys.readouterr().out
+    assert "=> FITS:" in text and "limit 90%" in text and "single process" not in text
+
+
+def test_estimate_flags_win_over_the_config(tmp_path, capsys):
+    best = _plan_json(capsys, tmp_path / "plan", PLAN_8B)
+    assert best["cp"] == 2
+    config = str(tmp_path / "plan" / "config.toml")
+    assert main(["estimate", "--model", config, "--gpu", "H100", "--cp", "1", "--dp-shard", "8", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["layout"]["cp"] == 1 and est["layout"]["dp_shard"] == 8 and est["layout"]["world_size"] == 8
+    assert est["total_bytes"] > best["memory_bytes_per_rank"]  # each rank holds the whole sequence's activations
+    # --cp on a preset is the same layout as the plan's config
+    assert main(["estimate", "--model", "llama3-8b", "--gpu", "H100", "--dp-mode", "zero2", "--dp-shard", "4", "--cp",
+                 "2", "--seq-len", "8192", "--global-batch", "128", "--json"]) == 0
+    flags = json.loads(capsys.readouterr().out)
+    assert flags["layout"]["cp"] == 2 and flags["total_bytes"] == best["memory_bytes_per_rank"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--cp", "0"], "--cp must be >= 1, got 0"),
+    (["--cp", "3", "--world-size", "8"], "does not divide the world size 8"),
+    (["--cp", "2", "--world-size", "2", "--seq-len", "1001"], "not divisible by 2 x parallel.cp"),
+    (["--headroom", "1.5"], "--headroom must be in [0, 1)"),
+])
+def test_estimate_layout_flags_bad_input_one_line(argv, words, capsys):
+    assert main(["estimate", "--model", "llama3-8b", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("parallel, words", [
+    ('dp_mode = "zero9"', "parallel.dp_mode"),
+    ("cp = 0", "parallel.cp must be >= 1"),
+    ('cp = "two"', "parallel.cp"),
+    ("tp = 3\ndp_shard = 1", "not divisible by parallel.tp=3"),
+])
+def test_estimate_config_with_a_bad_parallel_section_one_line(parallel, words, tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text(f'[model]\npreset = "llama3-8b"\n\n[parallel]\n{parallel}\n')
+    assert main(["estimate", "--model", str(path), "--gpu", "H100"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
+
+
+def test_one_headroom_rule_for_estimate_and_plan(capsys):
+    """A layout at 95% of the GPU's memory does not fit in either; at 85% it fits in both (limit 90%)."""
+    import dataclasses
+
+    from paratrain.estimate.gpus import HEADROOM, fits
+    from paratrain.planner.search import evaluate, parse_layout
+
+    ctx, world, opts, _ = ctx_for(*PLAN_8B)
+    assert opts.headroom == HEADROOM == 0.10
+    c = parse_layout("zero2,cp=2,ac=none,mb=1", ctx, world)
+    total = evaluate(c, ctx, opts.headroom).total_bytes
+    est_argv = ["estimate", "--model", "llama3-8b", "--dp-mode", "zero2", "--dp-shard", "4", "--cp", "2",
+                "--seq-len", "8192", "--global-batch", "128", "--no-suggest"]
+    for fraction, ok in ((0.95, False), (0.85, True)):
+        gpu = int(total / fraction)
+        assert fits(total, gpu) is ok
+        small = dataclasses.replace(ctx, hw=dataclasses.replace(ctx.hw, memory_bytes=gpu))
+        r = evaluate(c, small, opts.headroom)
+        assert r.total_bytes == total and (r.reason is None) is ok, r.reason
+        if not ok:
+            assert "(95%, limit 90%" in r.reason and "NCCL buffers" in r.reason
+        assert main([*est_argv, "--gpu-memory", f"{gpu}B", "--json"]) == 0
+        est = json.loads(capsys.readouterr().out)
+        assert est["total_bytes"] == total and est["fits"] is ok and est["usable_bytes"] == int(gpu * 0.9)
+        assert main([*est_argv, "--gpu-memory", f"{gpu}B"]) == 0
+        text = capsys.readouterr().out
+        assert ("=> FITS:" if ok else "=> DOES NOT FIT:") in text and "limit 90%" in text
+
+
+def test_slurm_job_names_are_short_and_valid():
+    import re
+
+    from paratrain.planner import job_name
+
+    cases = {
+        Layout.resolve(64, dp_mode="zero2", tp=4, pp=4, cp=2, pp_microbatches=256): "paratrain-pp4-zero2x2-cp2-tp4",
+        Layout.resolve(16, dp_mode="hsdp", dp_replicate=2): "paratrain-hsdp2x8",
+        Layout.resolve(16, dp_mode="ddp"): "paratrain-ddpx16",
+        Layout.resolve(1): "paratrain-1rank",
+        Layout.resolve(64, dp_mode="fsdp", ep=8, tp=8): "paratrain-fsdpx8-tp8-ep8",
+    }
+    for layout, name in cases.items():
+        assert job_name(layout) == name and re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name)

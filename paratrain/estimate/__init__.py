@@ -41,8 +41,10 @@ def estimate_for_run(plan, device: str | None = None, gpu_bytes: int | None = No
     if gpu_bytes is None and device == "cuda" and torch.cuda.is_available():
         gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     t, ac = cfg.training, cfg.activation_checkpoint
+    from paratrain.layout import Batch
+
     # A pipeline cuts each data-parallel rank's batch into the layout's microbatches (no accumulation loop).
-    micro = max(1, plan.global_batch // lay.dp // lay.pp_microbatches) if lay.pp > 1 else t.micro_batch
+    micro = lay.forward_batch(Batch(plan.global_batch, t.micro_batch, t.seq_len))
     impl = cfg.optimizer.impl
     if impl == "auto":
         impl = "fused" if device == "cuda" else "foreach"  # as paratrain.training.optim.build_optimizer

@@ -14,7 +14,8 @@ EPILOG = """examples:
   paratrain estimate --model llama3-8b --gpu H100 --dp-shard 8 --micro-batch 2 --seq-len 8192 --checkpointing full
   paratrain estimate --model llama3-70b --gpu H100 --world-size 64 --tp 8 --dp-mode fsdp --json
   paratrain estimate --model llama3-8b --precision bf16 --accounting classic   # the 16/16/64/32 GB breakdown
-  paratrain estimate --model runs/default/config.toml --gpu-memory 24GiB
+  paratrain estimate --model runs/default/config.toml --world-size 8 --gpu-memory 24GiB
+  paratrain estimate --model plan/config.toml --gpu H100      # the layout paratrain plan chose: its memory per rank
   paratrain estimate --model llama3-70b --gpu H100 --world-size 32 --pp 4 --tp 8 --pp-schedule interleaved_1f1b
 
 model overrides: --dim, --n-layers, --n-heads, --n-kv-heads, --ffn-hidden, --max-seq-len, --moe-experts,
@@ -43,15 +44,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-shard", type=int, default=None, help="-1: the rest of the world (default)")
     p.add_argument("--dp-replicate", type=int, default=None)
     p.add_argument("--tp", type=int, default=None)
+    p.add_argument("--cp", type=int, default=None, help="context parallel: each sequence split over cp ranks")
     p.add_argument("--no-sequence-parallel", action="store_true")
     p.add_argument("--no-loss-parallel", action="store_true")
     p.add_argument("--pp", type=int, default=None)
     p.add_argument("--pp-schedule", default=None,
                    help="gpipe | 1f1b (default) | interleaved_1f1b | interleaved_zero_bubble | zbv")
-    p.add_argument("--pp-virtual", type=int, default=None, help="stages per rank for the interleaved schedules (2)")
+    p.add_argument("--pp-virtual", "--pp-virtual-stages", dest="pp_virtual", type=int, default=None,
+                   help="stages per rank for the interleaved schedules (2)")
     p.add_argument("--pp-split", help="blocks per stage, e.g. 9,8,8,7 (default: balanced by parameter count)")
-    p.add_argument("--microbatches", type=int, help="pipeline micro-batches per step (default 2 x pp); "
-                   "--micro-batch is the size of each")
+    p.add_argument("--microbatches", "--pp-microbatches", dest="microbatches", type=int,
+                   help="pipeline micro-batches per step (default 2 x pp); --micro-batch is the size of each")
     p.add_argument("--ep", type=int, default=None)
     p.add_argument("--moe-imbalance", type=float, default=1.0, help="routed tokens per ep rank / balanced share")
     p.add_argument("--grad-compression", default=None, help="none | bf16 | powersgd | sign_ef (error-feedback state)")
@@ -61,15 +64,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 (default bf16)")
     p.add_argument("--accounting", default="paratrain", help="paratrain | classic (see below)")
     p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | sgd-nomomentum")
-    p.add_argument("--optimizer-impl", default="fused", help="fused (default on GPUs) | foreach | for")
+    p.add_argument("--optimizer-impl", default=None, help="fused (default on GPUs) | foreach | for")
     p.add_argument("--checkpointing", default=None, help="none | full | every_k | selective")
     p.add_argument("--every-k", type=int, default=None)
     p.add_argument("--micro-batch", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--accum-steps", type=int, default=None, help="gradient accumulation micro-steps")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (accumulation derived)")
     p.add_argument("--overhead-gib", type=float, help="runtime overhead per rank, GiB (default 1.0, +0.5 with NCCL)")
     p.add_argument("--units", choices=("GiB", "GB"), help="GiB (2^30; default) or GB (10^9; default for --accounting "
                    "classic)")
+    p.add_argument("--headroom", type=float, default=None, help="fraction of the GPU's memory kept free (0.10, as "
+                   "paratrain plan: the allocator's fragmentation and NCCL buffers)")
     p.add_argument("--no-suggest", action="store_true", help="do not search for a change that fits")
     p.add_argument("--json", action="store_true")
     return p
@@ -98,46 +104,110 @@ def _model_from(args):
     for key, value in {**overrides, "vocab_size": args.vocab_size}.items():
         if value is not None:
             setattr(cfg.model, key, value)
-    return f"{Path(name).name} ({cfg.model.preset})", model_args_from(cfg), cfg
+    data_vocab = None
+    if cfg.model.vocab_size is None and (Path(cfg.data.dir) / "meta.json").is_file():
+        # a preset that takes its vocabulary from the data (a run's config): the prepared data's, as the trainer's
+        from paratrain.data.prepare import read_meta
+
+        data_vocab = read_meta(cfg.data.dir)["vocab_size"]
+    try:
+        return f"{Path(name).name} ({cfg.model.preset})", model_args_from(cfg, data_vocab), cfg
+    except UserError as e:
+        if "takes its vocab size from the dataset" in str(e):
+            raise UserError(f"{e} (or --vocab-size N), or prepare data.dir={cfg.data.dir}") from None
+        raise
+
+
+def _estimate_defaults(model_args):
+    """The config a preset is estimated with: the trainer's defaults, but bf16, one sequence per micro-batch and the
+    preset's context up to 2,048 tokens."""
+    from paratrain.config import Config
+
+    cfg = Config()
+    t = cfg.training
+    t.precision, t.micro_batch, t.accum_steps, t.seq_len = "bf16", 1, 1, min(model_args.max_seq_len, 2048)
+    return cfg
+
+
+# flag (argparse dest) -> [parallel] key: every layout option of the trainer (Layout.from_config reads these)
+PARALLEL_FLAGS = {"dp_mode": "dp_mode", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "tp": "tp",
+                  "pp": "pp", "cp": "cp", "ep": "ep", "pp_schedule": "pp_schedule", "pp_virtual": "pp_virtual_stages",
+                  "pp_split": "pp_split", "microbatches": "pp_microbatches", "grad_compression": "grad_compression",
+                  "powersgd_rank": "powersgd_rank", "sign_ef_block": "sign_ef_block",
+                  "fsdp_backward_prefetch": "fsdp_backward_prefetch"}
+TRAINING_FLAGS = {"precision": "precision", "micro_batch": "micro_batch", "seq_len": "seq_len",
+                  "accum_steps": "accum_steps", "global_batch": "global_batch"}
+CHECKPOINTING_FLAGS = {"checkpointing": "mode", "every_k": "every_k"}
+
+
+def _with_flags(cfg, args):
+    """The config with the command line's flags written over its [parallel], [training] and [activation_checkpoint]
+    values (explicit flags win). A flag that fixes the accumulation (--accum-steps) or a pipeline's micro-batches
+    (--micro-batch / --microbatches) replaces the config's global batch, which is then derived from them."""
+    p, t, ac = cfg.parallel, cfg.training, cfg.activation_checkpoint
+    for flag in ("world_size", "microbatches", "tp", "pp", "cp", "ep", "dp_replicate", "pp_virtual", "micro_batch",
+                 "seq_len", "accum_steps", "global_batch", "every_k"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.dp_shard is not None and args.dp_shard != -1 and args.dp_shard < 1:
+        raise UserError(f"--dp-shard must be >= 1, or -1 for the rest of the world, got {args.dp_shard}")
+    for section, flags in ((p, PARALLEL_FLAGS), (t, TRAINING_FLAGS), (ac, CHECKPOINTING_FLAGS)):
+        for flag, key in flags.items():
+            if getattr(args, flag) is not None:
+                setattr(section, key, getattr(args, flag))
+    if args.no_sequence_parallel:
+        p.sequence_parallel = False
+    if args.no_loss_parallel:
+        p.loss_parallel = False
+    if args.accum_steps is not None and args.global_batch is None:
+        t.global_batch = None
+    return cfg
+
+
+def world_of(parallel) -> int:
+    """The world size a [parallel] section names when its degrees are all given (dp_shard=-1 counts 1)."""
+    return math.prod(max(d, 1) for d in (parallel.dp_replicate, parallel.dp_shard, parallel.cp, parallel.tp,
+                                         parallel.pp))
+
+
+def _layout_and_batch(cfg, args, model_args, from_file: bool):
+    """(layout validated against the model and the batch, micro-batch size, accumulation steps), as the trainer
+    resolves them (`Layout.from_config`, `spec.batch_of`, `Layout.validate`). A pipeline estimated from a preset, or
+    with --micro-batch / --microbatches, runs --microbatches (default 2 x pp) micro-batches of --micro-batch."""
+    from paratrain.layout import Layout
+    from paratrain.spec import batch_of
+
+    p, t = cfg.parallel, cfg.training
+    world = args.world_size or world_of(p)
+    layout = Layout.from_config(p, world)
+    if layout.pipelined and (not from_file or args.micro_batch is not None or args.microbatches is not None):
+        p.pp_microbatches = p.pp_microbatches or 2 * layout.pp
+        t.global_batch = t.micro_batch * p.pp_microbatches * layout.dp
+        layout = Layout.from_config(p, world)
+    batch, _ = batch_of(cfg, layout)
+    layout.check_checkpointing(cfg.activation_checkpoint.mode)
+    layout = layout.validate(model_args, world, batch)
+    return layout, layout.forward_batch(batch), layout.accumulation(batch)
 
 
 def inputs_from_argv(argv: list[str]):
-    """Parse `paratrain estimate` arguments into EstimateInputs (UserError on bad input). Flags override a config
-    file's values."""
-    from paratrain.config import Config
+    """Parse `paratrain estimate` arguments into EstimateInputs (UserError on bad input). A config file's [parallel],
+    [training] and [activation_checkpoint] sections are read as the trainer reads them; flags override them."""
+    from paratrain.estimate.compression import Compression
     from paratrain.estimate.core import EstimateInputs
-    from paratrain.estimate.gpus import GiB, gpu_memory, parse_memory
-    from paratrain.layout import Layout
+    from paratrain.estimate.gpus import HEADROOM, GiB, check_headroom, gpu_memory, parse_memory
 
     args = _parser().parse_args(argv)
     name, model_args, cfg = _model_from(args)
     from_file = cfg is not None
-    cfg = cfg or Config()
+    cfg = _with_flags(cfg or _estimate_defaults(model_args), args)
     p, t, ac = cfg.parallel, cfg.training, cfg.activation_checkpoint
-
-    def pick(flag, configured, default):
-        """The flag, else the config file's value, else the estimator's default."""
-        return flag if flag is not None else (configured if from_file else default)
-
-    for flag, value in (("--world-size", args.world_size), ("--microbatches", args.microbatches)):
-        if value is not None and value < 1:
-            raise UserError(f"{flag} must be >= 1, got {value}")
-    pp = pick(args.pp, p.pp, 1)
-    tp = pick(args.tp, p.tp, 1)
-    dp_replicate, dp_shard = pick(args.dp_replicate, p.dp_replicate, 1), pick(args.dp_shard, p.dp_shard, -1)
-    # Without --world-size: the product of the degrees (dp_shard=-1 counts 1; Layout.resolve names a bad degree).
-    world = args.world_size or math.prod(max(d, 1) for d in (dp_replicate, dp_shard, tp, pp))
-    # Pipeline microbatches per step: --microbatches, else the config's parallel.pp_microbatches, else 2 x pp
-    # (pp for a config file that leaves them automatic, as before Layout: the estimate has no global batch to cut).
-    microbatches = args.microbatches or (p.pp_microbatches if from_file else 0) or (pp if from_file else 2 * pp)
-    layout = Layout.resolve(
-        world, dp_mode=pick(args.dp_mode, p.dp_mode, "fsdp"), dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
-        pp=pp, ep=pick(args.ep, p.ep, 1),
-        sequence_parallel=not args.no_sequence_parallel and (p.sequence_parallel or not from_file),
-        loss_parallel=not args.no_loss_parallel and (p.loss_parallel or not from_file),
-        pp_schedule=pick(args.pp_schedule, p.pp_schedule, "1f1b"),
-        pp_virtual=pick(args.pp_virtual, p.pp_virtual_stages, 1), pp_microbatches=microbatches,
-        pp_split=pick(args.pp_split, p.pp_split, None) or None)
+    layout, micro_batch, accum_steps = _layout_and_batch(cfg, args, model_args, from_file)
+    args.notes = []
+    if from_file and p.dp_shard == -1 and not args.world_size:
+        args.notes.append(f"{args.model} leaves parallel.dp_shard = -1 (the rest of the world): estimated for "
+                          f"{layout.world_size} rank(s); give --world-size N (or --dp-shard) for the run's")
     gpu_name = gpu_bytes = None
     if args.gpu:
         gpu_name, gpu_bytes = gpu_memory(args.gpu)
@@ -148,20 +218,15 @@ def inputs_from_argv(argv: list[str]):
         if args.overhead_gib < 0:
             raise UserError(f"--overhead-gib must be >= 0, got {args.overhead_gib}")
         overhead = int(args.overhead_gib * GiB)
-    from paratrain.estimate.compression import Compression
-
-    compression = Compression(pick(args.grad_compression, p.grad_compression, "none"),
-                              pick(args.powersgd_rank, p.powersgd_rank, 4),
-                              pick(args.sign_ef_block, p.sign_ef_block, 0)).check_flags()
+    impl = args.optimizer_impl or (cfg.optimizer.impl if cfg.optimizer.impl != "auto" else "fused")
     return EstimateInputs(
-        compression=compression, fsdp_backward_prefetch=pick(args.fsdp_backward_prefetch, p.fsdp_backward_prefetch, 1),
-        model_args=model_args, layout=layout, model_name=name, precision=pick(args.precision, t.precision, "bf16"),
-        optimizer=args.optimizer, optimizer_impl=args.optimizer_impl,
-        checkpointing=pick(args.checkpointing, ac.mode, "none"), every_k=pick(args.every_k, ac.every_k, 2),
-        micro_batch=pick(args.micro_batch, t.micro_batch, 1),
-        seq_len=pick(args.seq_len, t.seq_len, min(model_args.max_seq_len, 2048)),
-        accum_steps=pick(args.accum_steps, t.accum_steps, 1), accounting=args.accounting, gpu_name=gpu_name,
-        gpu_bytes=gpu_bytes, overhead_bytes=overhead, moe_imbalance=args.moe_imbalance), args
+        compression=Compression.from_config(p).check_flags(), fsdp_backward_prefetch=p.fsdp_backward_prefetch,
+        model_args=model_args, layout=layout, model_name=name, precision=t.precision,
+        optimizer=args.optimizer, optimizer_impl=impl, checkpointing=ac.mode, every_k=ac.every_k,
+        micro_batch=micro_batch, seq_len=t.seq_len, accum_steps=accum_steps, accounting=args.accounting,
+        gpu_name=gpu_name, gpu_bytes=gpu_bytes, headroom=check_headroom(HEADROOM if args.headroom is None
+                                                                         else args.headroom),
+        overhead_bytes=overhead, moe_imbalance=args.moe_imbalance), args
 
 
 def main_estimate(argv: list[str]) -> int:
@@ -169,6 +234,7 @@ def main_estimate(argv: list[str]) -> int:
 
     inputs, args = inputs_from_argv(argv)
     est = estimate(inputs, suggest=not args.no_suggest)
+    est.notes.extend(args.notes)
     if args.json:
         print(json.dumps(est.to_dict(), indent=2))
     else:

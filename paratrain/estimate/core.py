@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from paratrain.errors import ConfigError, UserError
 from paratrain.estimate import activations as A
 from paratrain.estimate.compression import Compression, compression_cost
-from paratrain.estimate.gpus import GB, GiB, fmt_bytes
+from paratrain.estimate.gpus import GB, HEADROOM, GiB, check_headroom, fits, fmt_bytes, usable_bytes, verdict_text
 from paratrain.estimate.model_states import (BF16, FP32, Param, fsdp_gathers_per_step, fsdp_numel, local_shape,
                                              model_params, rank_layers,
                                              rank_params,
@@ -73,6 +73,7 @@ class EstimateInputs:
     accounting: str = "paratrain"  # paratrain | classic
     gpu_name: str | None = None
     gpu_bytes: int | None = None
+    headroom: float = HEADROOM  # fraction of gpu_bytes kept free (estimate.gpus: the rule plan and estimate share)
     overhead_bytes: int | None = None  # None: CONTEXT_OVERHEAD_GIB (+ NCCL_OVERHEAD_GIB if world > 1)
     moe_imbalance: float = 1.0  # routed tokens per ep rank relative to the balanced share
     device: str = "cuda"  # cuda: counts runtime overhead; cpu: tensors only
@@ -111,12 +112,18 @@ class Estimate:
         return self.inputs.gpu_bytes
 
     @property
+    def usable_bytes(self) -> int | None:
+        """The GPU's memory less the headroom (estimate.gpus.usable_bytes): the most a rank may use."""
+        return None if self.gpu_bytes is None else usable_bytes(self.gpu_bytes, self.inputs.headroom)
+
+    @property
     def fits(self) -> bool | None:
-        return None if self.gpu_bytes is None else self.total_bytes <= self.gpu_bytes
+        return None if self.gpu_bytes is None else fits(self.total_bytes, self.gpu_bytes, self.inputs.headroom)
 
     @property
     def headroom_bytes(self) -> int | None:
-        return None if self.gpu_bytes is None else self.gpu_bytes - self.total_bytes
+        """Memory left below the usable limit (negative: over it)."""
+        return None if self.gpu_bytes is None else self.usable_bytes - self.total_bytes
 
     def to_dict(self) -> dict:
         i = self.inputs
@@ -127,7 +134,8 @@ class Estimate:
             "precision": i.precision, "accounting": i.accounting, "optimizer": i.optimizer,
             "optimizer_impl": i.optimizer_impl, "checkpointing": i.checkpointing, "every_k": i.every_k,
             "micro_batch": i.micro_batch, "seq_len": i.seq_len, "accum_steps": i.accum_steps,
-            "gpu": i.gpu_name, "gpu_bytes": i.gpu_bytes,
+            "gpu": i.gpu_name, "gpu_bytes": i.gpu_bytes, "headroom_fraction": i.headroom,
+            "usable_bytes": self.usable_bytes,
             "peak_phase": self.phase, "worst_stage": self.stage,
             "at_peak_bytes": self.at_peak, "size_bytes": self.sizes,
             "tensor_peak_bytes": self.peak_bytes, "overhead_bytes": self.overhead_bytes,
@@ -168,9 +176,9 @@ class Estimate:
         if self.gpu_bytes is not None:
             name = f"{i.gpu_name} " if i.gpu_name else ""
             lines.append(f"  {'GPU memory ' + name:<{w}} {fb(self.gpu_bytes):>12}")
-            lines.append(f"  {'headroom':<{w}} {fb(self.headroom_bytes):>12}")
-            lines.append(f"  => {'FITS' if self.fits else 'DOES NOT FIT'}"
-                         f" ({100 * self.total_bytes / self.gpu_bytes:.0f}% of {fb(self.gpu_bytes)})")
+            lines.append(f"  {f'usable ({1 - i.headroom:.0%})':<{w}} {fb(self.usable_bytes):>12}")
+            lines.append(f"  {'left below the limit':<{w}} {fb(self.headroom_bytes):>12}")
+            lines.append(f"  => {verdict_text(self.total_bytes, self.gpu_bytes, i.headroom, units)}")
         if lay.pp > 1 and self.stages:
             lines.append("  per pipeline stage: " + ", ".join(
                 f"{s['stage']}: {fb(s['total_bytes'])}" for s in self.stages))
@@ -188,8 +196,8 @@ class Estimate:
             lines.append("")
             if self.suggestion:
                 s = self.suggestion
-                lines.append(f"would fit: {s['change']} -> {fb(s['total_bytes'])} of {fb(self.gpu_bytes)} "
-                             f"(cost: {s['why']})")
+                lines.append(f"would fit: {s['change']} -> {fb(s['total_bytes'])} of {fb(self.gpu_bytes)}, within "
+                             f"{fb(self.usable_bytes)} (cost: {s['why']})")
                 for alt in self.alternatives[:4]:
                     lines.append(f"  also fits: {alt['change']} -> {fb(alt['total_bytes'])}")
             else:
@@ -241,6 +249,7 @@ def _validate(i: EstimateInputs) -> EstimateInputs:
                         "Layout.pp_microbatches)")
     if i.fsdp_backward_prefetch < 1:
         raise UserError(f"--fsdp-backward-prefetch must be >= 1, got {i.fsdp_backward_prefetch}")
+    check_headroom(i.headroom)
     lay.check_checkpointing(i.checkpointing)
     steps = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
     batch = Batch(global_batch=i.micro_batch * steps * lay.dp, micro_batch=i.micro_batch, seq_len=i.seq_len)

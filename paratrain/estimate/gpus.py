@@ -118,3 +118,41 @@ def fmt_bytes(n: float, unit: str = "GiB") -> str:
     if abs(n) >= big or n == 0:
         return f"{n / big:.2f} {unit}"
     return f"{n / small:.1f} {small_unit}"
+
+
+# -- the headroom rule ------------------------------------------------------------------------------------------------
+# One rule for `paratrain estimate` (FITS / DOES NOT FIT), `paratrain plan` (which layouts it keeps) and the trainer's
+# estimate: a rank fits when its estimated total is at most this fraction of the device's memory. The rest is left
+# for what the estimate does not count: the caching allocator's fragmentation and NCCL's buffers that grow with the
+# communicators a run creates.
+HEADROOM = 0.10
+HEADROOM_WHY = "headroom for the allocator's fragmentation and NCCL buffers"
+
+
+def check_headroom(headroom: float, flag: str = "--headroom") -> float:
+    """The fraction of device memory kept free, checked (UserError unless 0 <= headroom < 1)."""
+    if not 0 <= headroom < 1:
+        raise UserError(f"{flag} must be in [0, 1), got {headroom}")
+    return headroom
+
+
+def usable_bytes(gpu_bytes: int, headroom: float = HEADROOM) -> int:
+    """The memory a rank may use on a device of `gpu_bytes`: all of it less the headroom."""
+    return int(gpu_bytes * (1 - headroom))
+
+
+def fits(total_bytes: int, gpu_bytes: int, headroom: float = HEADROOM) -> bool:
+    """The headroom rule: a rank's estimated total fits when it is at most the usable memory."""
+    return total_bytes <= usable_bytes(gpu_bytes, headroom)
+
+
+def limit_text(gpu_bytes: int, headroom: float = HEADROOM, unit: str = "GiB") -> str:
+    """'limit 90% = 71.68 GiB: headroom for ...', as estimate and plan print it."""
+    return (f"limit {1 - headroom:.0%} = {fmt_bytes(usable_bytes(gpu_bytes, headroom), unit)}: {HEADROOM_WHY}")
+
+
+def verdict_text(total_bytes: int, gpu_bytes: int, headroom: float = HEADROOM, unit: str = "GiB") -> str:
+    """'FITS: 61.96 GiB of 79.65 GiB (78%, limit 90% = 71.68 GiB: headroom for ...)' (or DOES NOT FIT)."""
+    word = "FITS" if fits(total_bytes, gpu_bytes, headroom) else "DOES NOT FIT"
+    return (f"{word}: {fmt_bytes(total_bytes, unit)} of {fmt_bytes(gpu_bytes, unit)} "
+            f"({100 * total_bytes / gpu_bytes:.0f}%, {limit_text(gpu_bytes, headroom, unit)})")

@@ -19,7 +19,7 @@ from pathlib import Path
 from paratrain.errors import OneLineArgumentParser, UserError
 
 __all__ = ["build_context", "context_from_argv", "main_plan", "write_outputs", "config_for", "launch_command",
-           "plan_json"]
+           "job_name", "plan_json"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch-tokens", type=int, default=None,
                    help="tokens per optimizer step (default: 512 sequences or 4Mi tokens, whichever is smaller)")
     p.add_argument("--precision", default=None, help="bf16 (GPUs) | fp32 (default on a CPU profile)")
-    p.add_argument("--headroom", type=float, default=0.10, help="fraction of device memory kept free (0.10)")
+    p.add_argument("--headroom", type=float, default=None, help="fraction of device memory kept free (0.10, as "
+                   "paratrain estimate: the allocator's fragmentation and NCCL buffers)")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--dp-modes", help="comma-separated subset of ddp,zero1,zero2,fsdp,hsdp")
     p.add_argument("--checkpointing", help="comma-separated subset of none,selective,every_k,full")
@@ -135,8 +136,9 @@ def build_context(args) -> tuple:
         per_node = min(g.gpus_per_node for g in groups)
         if len(groups) == 1:
             groups = None  # one type: the ordinary planner
-    if not 0 <= args.headroom < 1:
-        raise UserError(f"--headroom must be in [0, 1), got {args.headroom}")
+    from paratrain.estimate.gpus import HEADROOM, check_headroom
+
+    headroom = check_headroom(HEADROOM if args.headroom is None else args.headroom)
     name, margs, base = _model(args.model, args.vocab_size)
     seq = args.seq or min(margs.max_seq_len, 4096)
     if seq < 1:
@@ -165,7 +167,7 @@ def build_context(args) -> tuple:
         schedules=_csv(args.schedules, SCHEDULES, flag="--schedules") or SCHEDULES,
         ac_modes=_csv(args.checkpointing, AC_MODES, flag="--checkpointing") or AC_MODES,
         micro_batches=_csv(args.micro_batches, cast=_posint, flag="--micro-batches"),
-        max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp, headroom=args.headroom)
+        max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp, headroom=headroom)
     return ctx, world, opts, base
 
 
@@ -199,8 +201,9 @@ def config_for(c, ctx, base=None, model_spec: str | None = None):
     if ctx.hw.device == "cpu":
         t.device = "cpu"
     p.dp_mode = lay.dp_mode
-    p.dp_replicate = lay.dp_replicate if lay.hybrid else 1  # else one data-parallel axis: dp_shard=-1 fills it
-    p.dp_shard = -1
+    # Every degree written out (no dp_shard=-1): the file names its layout and world size, so `paratrain estimate
+    # --model plan/config.toml` estimates the planned layout and the trainer refuses another world size.
+    p.dp_replicate, p.dp_shard = lay.dp_replicate, lay.dp_shard
     p.tp, p.pp, p.ep, p.cp = lay.tp, lay.pp, lay.ep, lay.cp
     p.sequence_parallel = True
     comp = ctx.compression
@@ -218,6 +221,20 @@ def config_for(c, ctx, base=None, model_spec: str | None = None):
     cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every_k = c.ac, c.every_k
     validate(cfg)
     return cfg
+
+
+def job_name(layout) -> str:
+    """A short Slurm job name for a layout, only [A-Za-z0-9._-]: `paratrain-pp4-zero2x2-cp2-tp4` (pipeline stages,
+    the data-parallel mode x its degree (hsdp: replicas x shards), then cp, tp and ep where > 1)."""
+    import re
+
+    bits = [f"pp{layout.pp}"] if layout.pp > 1 else []
+    if layout.dp > 1:
+        bits.append(f"{layout.dp_mode}{layout.dp_replicate}x{layout.dp_shard}" if layout.hybrid
+                    else f"{layout.dp_mode}x{layout.dp}")
+    bits += [f"{name}{degree}" for name, degree in (("cp", layout.cp), ("tp", layout.tp), ("ep", layout.ep))
+             if degree > 1]
+    return re.sub(r"[^A-Za-z0-9._-]", "", "-".join(["paratrain", *bits] if bits else ["paratrain", "1rank"]))
 
 
 def launch_command(c, ctx, world: int, config_path: str) -> tuple[str, str | None]:
@@ -239,7 +256,7 @@ def launch_command(c, ctx, world: int, config_path: str) -> tuple[str, str | Non
     if nodes == 1:
         return f"torchrun --standalone --nproc-per-node {world} -m paratrain train --config {config_path}", None
     script = f"""#!/bin/bash
-#SBATCH --job-name=paratrain-{c.describe().replace(' ', '')[:40]}
+#SBATCH --job-name={job_name(c.layout)}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node={gpn}
@@ -358,8 +375,11 @@ def main_plan(argv: list[str]) -> int:
     if ctx.native_max_seq_len:
         print(f"note: --seq {ctx.seq_len} is longer than {ctx.model_name}'s max_seq_len {ctx.native_max_seq_len}: "
               f"planned as long-context training (model.max_seq_len={ctx.seq_len} in the written config)")
+    from paratrain.estimate.gpus import limit_text
+
     print(f"{p.considered} layouts considered: {len(p.rejected)} rejected, {len(p.ranked)} fit among the fastest "
-          f"predicted (memory: paratrain estimate, {opts.headroom:.0%} headroom); planned in {elapsed:.2f} s")
+          f"predicted (memory: paratrain estimate, {limit_text(hw.memory_bytes, opts.headroom)}); planned in "
+          f"{elapsed:.2f} s")
     print(format_table(p.ranked[: args.top], ctx))
     print(f"best: {best.cand.describe()} -- {best.pred.breakdown()}")
     if best.stage_hw:

@@ -139,6 +139,7 @@ def uneven_split(ctx, c, stage_hw: list[Hardware], caps: list[int] | None = None
 def place(ctx, c, stage_hw: list[Hardware], headroom: float, rounds: int = 6):
     """The candidate with the split for its stages' hardware and memory: (candidate, estimate) or (candidate with
     the last split tried, reason it does not fit)."""
+    from paratrain.estimate.gpus import fits
     from paratrain.planner.search import memory
 
     caps = [ctx.args.n_layers] * len(stage_hw)
@@ -150,7 +151,7 @@ def place(ctx, c, stage_hw: list[Hardware], headroom: float, rounds: int = 6):
         c = dataclasses.replace(c, layout=dataclasses.replace(lay, pp_split=split))
         est = memory(c, ctx, all_ranks=True)
         over = [s["stage"] for s in est.stages
-                if s["total_bytes"] > stage_hw[s["stage"]].memory_bytes * (1 - headroom)]
+                if not fits(s["total_bytes"], stage_hw[s["stage"]].memory_bytes, headroom)]
         if not over:
             return c, est
         for r in over:  # fewer blocks where the memory is short

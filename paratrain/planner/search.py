@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from paratrain.errors import ConfigError, UserError
+from paratrain.estimate.gpus import HEADROOM
 from paratrain.layout import DP_MODES, INTERLEAVED, ZERO_BUBBLE, Batch, Layout, grad_compression_site
 from paratrain.planner.cost import Candidate, Context, Prediction, cached, predict
 
@@ -27,7 +28,7 @@ class Options:
     max_tp: int | None = None
     max_pp: int | None = None
     max_cp: int | None = None  # None: any degree leaving each rank at least MIN_CP_TOKENS of a sequence
-    headroom: float = 0.10  # fraction of device memory kept free
+    headroom: float = HEADROOM  # fraction of device memory kept free (estimate.gpus: the rule estimate uses too)
     estimate_limit: int = 120  # memory estimates run (cheapest predicted first) before giving up
 
 
@@ -96,17 +97,16 @@ def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
 
 
 def memory_reason(est, ctx: Context, headroom: float) -> str | None:
-    from paratrain.estimate.gpus import fmt_bytes
+    from paratrain.estimate.gpus import fits, fmt_bytes, limit_text
 
-    limit = ctx.hw.memory_bytes * (1 - headroom)
-    if est.total_bytes <= limit:
+    if fits(est.total_bytes, ctx.hw.memory_bytes, headroom):
         return None
     biggest = max(est.at_peak.items(), key=lambda kv: kv[1])
     label = dict(__import__("paratrain.estimate.core", fromlist=["ROWS"]).ROWS).get(biggest[0], biggest[0])
     where = f" on stage {est.stage}" if est.inputs.layout.pp > 1 else ""
-    return (f"does not fit: {fmt_bytes(est.total_bytes)} per rank > {fmt_bytes(limit)} ({ctx.hw.name} "
-            f"{fmt_bytes(ctx.hw.memory_bytes)} less {headroom:.0%} headroom); largest: {label} "
-            f"{fmt_bytes(biggest[1])}{where} at the {est.phase}")
+    return (f"does not fit: {fmt_bytes(est.total_bytes)} per rank of {ctx.hw.name} {fmt_bytes(ctx.hw.memory_bytes)} "
+            f"({100 * est.total_bytes / ctx.hw.memory_bytes:.0f}%, {limit_text(ctx.hw.memory_bytes, headroom)}); "
+            f"largest: {label} {fmt_bytes(biggest[1])}{where} at the {est.phase}")
 
 
 def cp_degrees(ctx: Context, ranks: int, tp: int, opts: Options) -> list[int]:
@@ -264,12 +264,12 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     pipeline's schedule), plus a pipeline's receive buffers; the real peak holds at least that."""
     from paratrain.estimate import activations as A
     from paratrain.estimate.core import block_modes, in_flight
-    from paratrain.estimate.gpus import fmt_bytes
+    from paratrain.estimate.gpus import fmt_bytes, limit_text, usable_bytes
     from paratrain.estimate.model_states import rank_layers, state_bytes
     from paratrain.models.presets import block_param_count
 
     lay, a, c = r.cand.layout, ctx.args, r.cand
-    limit = ctx.hw.memory_bytes * (1 - opts.headroom)
+    limit = usable_bytes(ctx.hw.memory_bytes, opts.headroom)
     ranks = range(lay.pp) if lay.pp <= 4 else sorted({0, 1, lay.pp - 1, lay.stage_owner(lay.num_stages - 1)})
     layers = rank_layers(lay, a)
     d = A.act_dims(a, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, ctx.hw.device)
@@ -298,8 +298,8 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
         return False
     r.total_bytes, r.bound = sum(best), {"states": best[0], "activations": best[1]}
     r.reason = (f"does not fit: at least {fmt_bytes(sum(best))} per rank (model states {fmt_bytes(best[0])}, stored "
-                f"activations and pipeline buffers {fmt_bytes(best[1])}) > {fmt_bytes(limit)} ({ctx.hw.name} less {opts.headroom:.0%} "
-                "headroom)")
+                f"activations and pipeline buffers {fmt_bytes(best[1])}) of {ctx.hw.name} {fmt_bytes(ctx.hw.memory_bytes)} "
+                f"({limit_text(ctx.hw.memory_bytes, opts.headroom)})")
     return True
 
 
@@ -322,7 +322,7 @@ def rank_all(ctx: Context, world: int, opts: Options | None = None) -> list[Resu
 
 
 def no_fit_message(ctx: Context, world: int, opts: Options, results: list[Result], rejected: list[Result]) -> str:
-    from paratrain.estimate.gpus import fmt_bytes
+    from paratrain.estimate.gpus import fmt_bytes, usable_bytes
 
     if not results:
         why = rejected[0].reason if rejected else "no candidate layouts"
@@ -332,7 +332,7 @@ def no_fit_message(ctx: Context, world: int, opts: Options, results: list[Result
         why = rejected[0].reason if rejected else "no candidate layouts"
         return f"no layout of {world} GPUs can run {ctx.model_name}: e.g. {why}"
     best = min(checked, key=lambda r: r.total_bytes)
-    limit = ctx.hw.memory_bytes * (1 - opts.headroom)
+    limit = usable_bytes(ctx.hw.memory_bytes, opts.headroom)
     short = best.total_bytes - limit
     factor = best.total_bytes / limit
     if best.estimate is not None:
@@ -390,7 +390,7 @@ def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
 
 
 def explain(text: str, ctx: Context, world: int, opts: Options) -> str:
-    from paratrain.estimate.gpus import fmt_bytes
+    from paratrain.estimate.gpus import fmt_bytes, limit_text
 
     try:
         c = parse_layout(text, ctx, world)
@@ -405,7 +405,8 @@ def explain(text: str, ctx: Context, world: int, opts: Options) -> str:
                          f"{r.pred.breakdown()})")
         return "\n".join(lines)
     everything = rank_all(ctx, world, opts) if _small(ctx, world, opts) else None
-    lines = [head, f"  fits: {fmt_bytes(r.total_bytes)} per rank of {fmt_bytes(ctx.hw.memory_bytes)}",
+    lines = [head, f"  fits: {fmt_bytes(r.total_bytes)} per rank of {fmt_bytes(ctx.hw.memory_bytes)} "
+             f"({100 * r.total_bytes / ctx.hw.memory_bytes:.0f}%, {limit_text(ctx.hw.memory_bytes, opts.headroom)})",
              f"  predicted step {r.pred.step_s * 1e3:.1f} ms, {r.pred.tokens_per_s:,.0f} tokens/s, MFU {r.pred.mfu:.1%}",
              f"  {r.pred.breakdown()}"]
     if r.pred.comm:
