@@ -9,8 +9,9 @@ from paratrain.observe.sysmetrics import PhaseTimer, gather_rank_stats
 
 
 class StepRecorder:
-    def __init__(self, spec, step, train_data, env, peak_flops: float, flops_per_token: float, restarts: int,
+    def __init__(self, spec, step, train_data, env, peak_flops: float | None, flops_per_token: float, restarts: int,
                  dp_group, comm=None, message=print):
+        """peak_flops: a device peak (datasheet or metrics.peak_tflops) for MFU; None records `mfu` as null."""
         self.spec, self.step, self.train_data, self.env, self.dp_group = spec, step, train_data, env, dp_group
         self.comm = comm  # distributed.compression.GradComm: bytes of the gradient reduction
         m = spec.cfg.metrics
@@ -41,7 +42,8 @@ class StepRecorder:
         tok_s = tokens / seconds
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                   "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / world,
-                  "mfu": self.flops_per_token * tok_s / (self.peak * world), "step_time_s": seconds,
+                  "mfu": self.flops_per_token * tok_s / (self.peak * world) if self.peak else None,
+                  "step_time_s": seconds,
                   "skipped_steps": progress.skipped, "tokens": (step + 1) * tokens,
                   "micro_batch": progress.micro_batch, "restarts": self.restarts, **self.timer.split(seconds)}
         record.update(self.train_data.progress(progress.data_step, self.spec.global_batch))  # epochs, tokens/source
