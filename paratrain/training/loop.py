@@ -163,8 +163,7 @@ class Trainer:
                     torch.cuda.synchronize(env.device)
                 result.losses.append(loss_value)
                 record = self.recorder.record(step, loss_value, lr, grad_norm, time.perf_counter() - t0,
-                                              self.progress, self.checkpointer.last_save_s)
-                self.checkpointer.last_save_s = None
+                                              self.progress, self.checkpointer.take_save())
                 is_eval = t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps
                 if is_eval:
                     record["val_loss"] = self.evaluate(self.progress.micro_batch)
@@ -182,6 +181,9 @@ class Trainer:
             if not result.preempted:
                 self._finish(result, start, memory_rows)
             self.checkpointer.finish()
+            # The run's last record: how it ended, and the save made after the last step's record (if any).
+            self.log.log({"step": step, "end": "preempted" if result.preempted else "finished",
+                          **self.checkpointer.take_save()}, show=False)
         self.log.close(linger=not result.preempted)  # preempted: no time to wait for a last scrape
         return result
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from paratrain.models import count_params
 from paratrain.observe.sysmetrics import PhaseTimer, gather_rank_stats
 
 
@@ -23,6 +24,7 @@ class StepRecorder:
                                          env.device, message, gather_rows)
         self.peak, self.flops_per_token, self.restarts = peak_flops, flops_per_token, restarts
         self.timer = PhaseTimer()  # splits each step into data wait / comm wait / compute
+        self.first = True
         self.bubble_history: list[list[float]] = []  # pipeline: measured idle fraction per stage rank, per step
 
     def start(self, step: int) -> float:
@@ -33,8 +35,9 @@ class StepRecorder:
         return self.timer.start()
 
     def record(self, step: int, loss: float, lr: float, grad_norm: torch.Tensor, seconds: float, progress,
-               checkpoint_save_s: float | None) -> dict:
-        """`progress` is the run's Progress, after this step's batch (data_step already advanced)."""
+               saved: dict) -> dict:
+        """`progress` is the run's Progress, after this step's batch (data_step already advanced); `saved` the
+        checkpoint save made since the previous record (checkpoint_save_s, checkpoint_step), if any."""
         if self.profiler is not None:
             self.profiler.end()
         tokens = self.spec.tokens_per_step
@@ -56,8 +59,11 @@ class StepRecorder:
             self.bubble_history.append(idle)
             record.update(pp_bubble_measured=sum(idle) / len(idle), pp_bubble_per_stage=idle,
                           pp_bubble_predicted=self.spec.layout.predicted_bubble())
-        if checkpoint_save_s is not None:
-            record["checkpoint_save_s"] = checkpoint_save_s
+        record.update(saved)
+        if self.first:  # the first record of each process says what runs (for `paratrain report`)
+            self.first = False
+            record.update(layout=self.spec.layout.short_name(), world_size=world, model=self.spec.model_name,
+                          params=count_params(self.spec.model_args))
         return record
 
     def release(self, record: dict, show: bool) -> list[tuple[dict, bool]]:
