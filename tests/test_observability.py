@@ -134,7 +134,7 @@ def two_rank_run(char_data, runs_dir):
 
     port = free_port()
     cfg = fast_config(char_data, runs_dir, "two", *RUN, f"metrics.prometheus_port={port}",
-                      "parallel.dp_mode=ddp")
+                      "parallel.dp_mode=ddp", "training.micro_batch=2")  # the global batch of "one": one scaling curve
     scraper = Scraper(port)
     scraper.start()
     launch(run_rank, (cfg,), 2)
