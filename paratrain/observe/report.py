@@ -61,26 +61,32 @@ class Run:
         the trainer logged it, else resolved from config.toml's [parallel] and the world size (older logs)."""
         if isinstance(self.info.get("layout"), str):
             return self.info["layout"]
-        p = self.config.get("parallel", {})
+        p = self.section("parallel")
         known = {f.name for f in dataclasses.fields(ParallelConfig)}
         try:
             lay = Layout.from_config(ParallelConfig(**{k: v for k, v in p.items() if k in known}), self.world_size)
-        except (ConfigError, TypeError):
+        except (ConfigError, TypeError, ValueError):
             return "?"
         return lay.short_name().replace(" m=0", "")  # pipeline microbatches: unknown without the model
 
     @property
     def total_steps(self) -> int | None:
-        steps = self.config.get("training", {}).get("steps")
-        return steps if isinstance(steps, int) else None
+        steps = self.section("training").get("steps")
+        return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+
+    def section(self, name: str) -> dict:
+        """A section of config.toml ({} when absent or not a table)."""
+        v = self.config.get(name)
+        return v if isinstance(v, dict) else {}
 
     @property
     def model(self) -> str:
         """What was trained: the logged model name and parameter count, else config.toml's [model] section."""
-        if self.info.get("model"):
-            return f"{self.info['model']} ({self.info.get('params', 0):,} parameters)"
-        m = self.config.get("model", {})
-        return m.get("init_from") or m.get("preset", "?") + "".join(
+        if isinstance(self.info.get("model"), str):
+            params = self.info.get("params")
+            return self.info["model"] + (f" ({params:,} parameters)" if isinstance(params, int) else "")
+        m = self.section("model")
+        return str(m.get("init_from") or m.get("preset", "?")) + "".join(
             f" {k}={v}" for k, v in sorted(m.items()) if k not in ("preset", "init_from"))
 
     @property
