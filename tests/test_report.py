@@ -118,6 +118,18 @@ def fake_run(root, name: str, world: int, model: str = "tiny", params: int = 108
     return d
 
 
+def test_report_marks_a_preempted_run_and_its_resumption(tmp_path):
+    d = fake_run(tmp_path, "pre", 1)
+    records = read_jsonl(d / "metrics.jsonl")[:2] + [{"step": 2, "end": "preempted", "checkpoint_save_s": 0.5,
+                                                        "checkpoint_step": 2}]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = load_run(d)
+    assert run.status == "preempted at step 2 of 3 (resumable)" and run.saves == {2: 0.5}
+    resumed = records + [{"step": 3, "loss": 3.0, "tokens": 384}]  # resumed, then killed: no end record
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in resumed))
+    assert load_run(d).status == "unfinished (no final record; stopped at step 3 of 3)"
+
+
 def test_scaling_curve_compares_one_model_and_batch(tmp_path):
     runs = [fake_run(tmp_path, "a1", 1), fake_run(tmp_path, "a2", 2, tok_s=900.0),
             fake_run(tmp_path, "b4", 4, model="shakespeare-char", params=812_000),
