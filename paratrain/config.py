@@ -170,7 +170,7 @@ class ResilienceConfig:
 
 @dataclass
 class MetricsConfig:
-    peak_tflops: float = 0.0  # device peak for MFU; 0 looks the device up (CPU: a quick matmul measurement)
+    peak_tflops: float = 0.0  # device peak for MFU; 0 looks the device up (no datasheet entry, e.g. a CPU: no MFU)
     progress: Literal["auto", "bar", "lines", "none"] = "auto"
     # Prometheus endpoint (needs prometheus_client): 0 = off. One endpoint per node (local rank 0, every rank's
     # memory labelled rank="N"), or with prometheus_per_rank one per rank on port + local_rank.

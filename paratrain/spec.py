@@ -34,8 +34,22 @@ class RunSpec:
     batch_fixed: str  # which of global batch / accumulation the user fixed
 
     @property
+    def model_name(self) -> str:
+        return model_name(self.cfg)
+
+    @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.cfg.training.seq_len
+
+
+def model_name(cfg) -> str:
+    """What the run trains, for headers and tables: the preset's name, or `hf:PATH (LlamaForCausalLM)` for an
+    imported Hugging Face model (whose architecture replaces the preset)."""
+    if cfg.model.init_from:
+        from paratrain import hf
+
+        return f"{cfg.model.init_from} ({hf.architecture(hf.init_folder(cfg))})"
+    return cfg.model.preset
 
 
 def model_args_from(cfg, data_vocab: int | None = None) -> ModelArgs:

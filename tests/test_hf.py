@@ -418,3 +418,21 @@ def test_export_refuses_a_non_empty_out(trained_run, tmp_path, capsys):
         from paratrain.hf.export import parse_size
 
         parse_size("five")
+
+
+def test_run_header_names_the_imported_model(hf_models, tmp_path, capsys):
+    """The training header and the memory estimate name the Hugging Face folder and its architecture, with the
+    parameter count transformers gives (M units), not the unused preset's name."""
+    from paratrain.api import train_rank as train
+    from paratrain.models import format_params
+
+    folder = hf_models["untied"]
+    cfg = fast_config(tmp_path / "data", tmp_path, "ft", f"model.init_from=hf:{folder}", "training.steps=1",
+                      "checkpoint.save_final=false", "metrics.progress=lines")
+    train(cfg)
+    out = capsys.readouterr().out
+    n = hf_model(folder).num_parameters()
+    name = f"hf:{folder} (LlamaForCausalLM)"
+    assert f"model {name}: {format_params(n)} parameters |" in out and format_params(n).endswith("M")
+    assert f"model {name}: {format_params(n)} parameters ({n:,})" in out  # the memory estimate's table
+    assert "shakespeare-char" not in out

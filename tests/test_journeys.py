@@ -96,7 +96,7 @@ JOURNEYS = {
 
 # Small and quick: put before the README's options, which win.
 TINY = ["--model.preset=tiny", "--training.seq_len=32", "--training.micro_batch=2", "--training.eval_batches=1",
-"--sample.max_new_tokens=16", "--metrics.progress=lines", "--training.device=cpu"]
+        "--sample.max_new_tokens=16", "--metrics.progress=lines", "--training.device=cpu"]
 STEPS = ["--training.steps=4"]  # forced after the README's options
 
 

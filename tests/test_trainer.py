@@ -56,7 +56,9 @@ def test_metrics_log(short_run):
     assert steps[0]["lr"] == pytest.approx(5e-3)  # warmup: step 1 of 2
     lrs = [r["lr"] for r in steps[2:]]
     assert all(x > y for x, y in zip(lrs, lrs[1:])) and 1e-3 <= lrs[-1] < 1.1e-3  # cosine decay towards min_lr
-    assert records[-1] == {"time": records[-1]["time"], "step": 24, "val_loss": result.val_loss}
+    assert records[-2] == {"time": records[-2]["time"], "step": 24, "val_loss": result.val_loss}
+    assert {k: v for k, v in records[-1].items() if k != "time"} == {  # the last record: how the run ended
+        "step": 24, "end": "finished", "checkpoint_save_s": records[-1]["checkpoint_save_s"], "checkpoint_step": 24}
     assert (cfg.run_dir / "config.toml").is_file()
 
 

@@ -50,7 +50,7 @@ def estimate_for_run(plan, device: str | None = None, gpu_bytes: int | None = No
         impl = "fused" if device == "cuda" else "foreach"  # as paratrain.training.optim.build_optimizer
     from paratrain.estimate.compression import Compression
 
-    inputs = EstimateInputs(plan.model_args, lay, model_name=cfg.model.preset, precision=t.precision,
+    inputs = EstimateInputs(plan.model_args, lay, model_name=plan.model_name, precision=t.precision,
                             compression=Compression.from_config(cfg.parallel),
                             fsdp_backward_prefetch=cfg.parallel.fsdp_backward_prefetch,
                             optimizer="adamw", optimizer_impl=impl, checkpointing=ac.mode, every_k=ac.every_k,

@@ -30,6 +30,7 @@ from paratrain.estimate.model_states import (BF16, FP32, Param, fsdp_gathers_per
                                              stage_of, state_bytes, zero_table)
 from paratrain.layout import MULTI_STAGE, Batch, Layout, grad_compression_site
 from paratrain.models.args import ModelArgs
+from paratrain.models.presets import format_params
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
 # not see): the CUDA context and kernels (~0.5-0.8 GiB with lazy module loading), cuBLAS/cuDNN workspaces and
@@ -152,7 +153,7 @@ class Estimate:
         fb = lambda n: fmt_bytes(n, units)  # noqa: E731
         n_params = sum(p.numel for p in model_params(i.model_args))
         mode = i.checkpointing + (f" (k={i.every_k})" if i.checkpointing == "every_k" else "")
-        lines = [f"model {i.model_name}: {n_params / 1e9:.3f} B parameters ({n_params:,})",
+        lines = [f"model {i.model_name}: {format_params(n_params)} parameters ({n_params:,})",
                  f"layout {lay.describe()} | {i.precision} ({'classic mixed-precision accounting' if i.accounting == 'classic' else 'as paratrain trains it'})"
                  f" | {i.optimizer} ({i.optimizer_impl}) | checkpointing {mode}",
                  f"micro-batch {i.micro_batch} x seq {i.seq_len}"

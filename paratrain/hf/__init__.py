@@ -16,7 +16,7 @@ import dataclasses
 from pathlib import Path
 
 from paratrain.errors import ConfigError, UserError
-from paratrain.hf.arch import is_hf_folder, mixtral_mismatch
+from paratrain.hf.arch import architecture, is_hf_folder, mixtral_mismatch
 
 # Model keys an imported model may still set: how it is trained, not what it computes.
 TRAINING_KEYS = ("max_seq_len", "moe_aux_loss_coef", "moe_capacity_factor")
@@ -54,7 +54,7 @@ def check_run(cfg, args) -> None:
     if cfg.checkpoint.export_hf and args.moe_experts:
         why = mixtral_mismatch(args)
         if why:
-            raise ConfigError(f"checkpoint.export_hf: model {cfg.model.preset} has {why}")
+            raise ConfigError(f"checkpoint.export_hf: model {cfg.model.init_from or cfg.model.preset} has {why}")
 
 
 def dataset_tokenizer(cfg) -> Path:
@@ -105,5 +105,5 @@ def main_export(argv: list[str]) -> int:
     return run(argv)
 
 
-__all__ = ["init_folder", "model_args", "check_run", "dataset_tokenizer", "check_dataset", "load_initial_weights",
+__all__ = ["architecture", "init_folder", "model_args", "check_run", "dataset_tokenizer", "check_dataset", "load_initial_weights",
            "export_final", "main_export"]

@@ -46,6 +46,12 @@ def read_hf_config(folder: str | Path) -> dict:
     return cfg
 
 
+def architecture(folder: str | Path) -> str:
+    """The importable architecture a Hugging Face folder holds (e.g. LlamaForCausalLM), or a one-line UserError."""
+    folder = Path(folder)
+    return _architecture(read_hf_config(folder), str(folder / "config.json"))
+
+
 def _architecture(cfg: dict, where: str) -> str:
     archs = cfg.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else None

@@ -5,9 +5,9 @@ and named sizes with exact parameter and FLOP counts (presets.py).
 load torch (the layout, estimator and planner reason about models without it)."""
 
 from paratrain.models.args import ModelArgs
-from paratrain.models.presets import PRESETS, count_active_params, count_params, flops_per_token, preset_args
+from paratrain.models.presets import PRESETS, count_active_params, count_params, flops_per_token, format_params, preset_args
 
-__all__ = ["ModelArgs", "Transformer", "PRESETS", "count_params", "count_active_params", "flops_per_token", "preset_args"]
+__all__ = ["ModelArgs", "Transformer", "PRESETS", "count_params", "count_active_params", "flops_per_token", "format_params", "preset_args"]
 
 
 def __getattr__(name: str):

@@ -138,6 +138,13 @@ def count_params(args: ModelArgs, include_embedding: bool = True, active: bool =
     return total if include_embedding else total - embedding
 
 
+def format_params(n: int) -> str:
+    """A parameter count for headers: `0.11M`, `124.4M`, `6.74B` (B from 1e9 up, M below)."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    return f"{n / 1e6:.1f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
+
+
 def count_active_params(args: ModelArgs, include_embedding: bool = True) -> int:
     """Parameters used per token: shared + top_k routed experts in MoE layers; the total for a dense model."""
     return count_params(args, include_embedding, active=True)

@@ -1,7 +1,9 @@
 """Peak throughput by device name, for MFU. Dense (no sparsity) bf16 tensor-core figures from vendor datasheets.
 
 Owns the one table of device peaks (`GPU_PEAK_BF16`) and `peak_flops`, the denominator of the trainer's MFU; the
-planner's GPU profiles read the same table. Without a datasheet entry (a CPU) the peak is a short matmul measurement.
+planner's GPU profiles read the same table. Without a datasheet entry (a CPU) the peak is a short matmul measurement,
+which is no peak: `is_datasheet_peak` says so, and the trainer then reports no MFU (throughput against a measured
+matmul rate can exceed 100%).
 """
 
 from __future__ import annotations
@@ -58,16 +60,25 @@ def measure_matmul_flops(device, size: int = 512, dtype=None, seconds: float = 0
     return 2 * size**3 * iters / (time.perf_counter() - start)
 
 
+CONFIGURED, DATASHEET = "configured", "datasheet"  # the sources of a real peak (metrics.peak_tflops, the table)
+
+
+def is_datasheet_peak(source: str) -> bool:
+    """Whether `peak_flops`'s number is a device peak (a datasheet entry or metrics.peak_tflops), so that MFU
+    against it means something; a measured matmul rate is not."""
+    return source.split(" ")[0] in (CONFIGURED, DATASHEET)
+
+
 def peak_flops(device, configured_tflops: float = 0.0) -> tuple[float, str]:
     """(peak FLOP/s per device, where the number came from)."""
     import torch
 
     if configured_tflops > 0:
-        return configured_tflops * 1e12, "configured"
+        return configured_tflops * 1e12, CONFIGURED
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = gpu_peak_flops(name)
         if peak is not None:
-            return peak, f"datasheet ({name})"
+            return peak, f"{DATASHEET} ({name})"
         return measure_matmul_flops(device, 4096, torch.bfloat16), f"measured ({name} not in table)"
     return measure_matmul_flops(device), "measured CPU matmul"

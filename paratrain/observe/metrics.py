@@ -9,9 +9,11 @@ The trainer builds one `record` dict per step and hands it to `MetricsLog.log`. 
 
 Record keys (all optional but `step`): loss, val_loss, lr, grad_norm, tokens_per_s, tokens_per_s_per_device, mfu,
 step_time_s and its split data_time_s / compute_time_s / comm_time_s, skipped_steps, restarts, tokens, rank_memory
-(list of per-rank dicts, log steps only), checkpoint_save_s (duration of the save made since the previous record),
-and with a mixture-of-experts model moe_aux_loss, moe_imbalance, moe_dropped_tokens, moe_tokens_per_expert (one list
-per MoE layer; from MoEMeter in distributed/expert_parallel.py).
+(list of per-rank dicts, log steps only), checkpoint_save_s and checkpoint_step (duration and step of the save made
+since the previous record), on the first record of each process layout, world_size, model and params, and with a
+mixture-of-experts model moe_aux_loss, moe_imbalance, moe_dropped_tokens, moe_tokens_per_expert (one list
+per MoE layer; from MoEMeter in distributed/expert_parallel.py). mfu is null without a device peak (observe/flops.py).
+The run's last record is {"step", "end": "finished" | "preempted"} with the save made after the last step, if any.
 """
 
 from __future__ import annotations

@@ -1,26 +1,31 @@
-"""`paratrain report RUN_DIR [RUN_DIR ...] [--out DIR]`: PNG plots and a markdown summary of finished runs.
+"""`paratrain report RUN_DIR [RUN_DIR ...] [--out DIR]`: PNG plots and a markdown summary of runs.
 
 Reads each run's `metrics.jsonl` (and `config.toml` for the layout) and writes into the output folder:
 - `loss.png`: training loss and validation loss against step and against tokens;
 - `throughput.png`: tokens/s against step, and each run's mean step time split into compute / data wait / comm wait;
 - `memory.png`: memory per rank against step (CUDA allocated where logged, else process RSS);
-- `scaling.png` (two or more runs): tokens/s against the number of devices, with linear scaling from the smallest run;
+- `scaling.png` (two or more runs): tokens/s against the number of devices, with linear scaling from the smallest run,
+  for the runs of one model and one global batch in tokens (the others are named as left out, with the reason);
 - `report.md`: the numbers (final and best losses, throughput, MFU, step-time split, peak memory per rank, skipped
   steps, restarts, checkpoint save times, expert load, scaling efficiency), and `summary.json` with the same numbers.
 
-A step logged twice (a resumed or rolled-back run appends to the same log) keeps its last record.
+A step logged twice (a resumed or rolled-back run appends to the same log) keeps its last record; a checkpoint step
+saved twice counts once. The layout is the trainer's logged `Layout.short_name()`; a run without the trainer's last
+record (`"end": "finished"`) or with fewer steps than planned is marked unfinished.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
-from paratrain.config import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from paratrain.errors import OneLineArgumentParser, UserError
+from paratrain.config import ParallelConfig, tomllib
+from paratrain.errors import ConfigError, OneLineArgumentParser, UserError
+from paratrain.layout import Layout
 from paratrain.observe.metrics import imbalance
 
 MIB = 2**20
@@ -34,9 +39,14 @@ class Run:
     vals: list[tuple[int, float]]  # (step, val loss)
     config: dict = field(default_factory=dict)
     bad_lines: int = 0
+    saves: dict[int, float] = field(default_factory=dict)  # checkpoint step -> save duration (s)
+    end: dict | None = None  # the run's last record ({"end": "finished" | "preempted"}), when it wrote one
+    info: dict = field(default_factory=dict)  # what the last process said it ran: layout, world_size, model, params
 
     @property
     def world_size(self) -> int:
+        if isinstance(self.info.get("world_size"), int):
+            return self.info["world_size"]
         for r in reversed(self.steps):
             if r.get("rank_memory"):
                 return len(r["rank_memory"])
@@ -47,15 +57,58 @@ class Run:
 
     @property
     def layout(self) -> str:
-        p = self.config.get("parallel", {})
-        if self.world_size == 1:
-            return "single process"
-        parts = [p.get("dp_mode", "?")]
-        if p.get("tp", 1) > 1:
-            parts.append(f"tp={p['tp']}")
-        if p.get("dp_replicate", 1) > 1:
-            parts.append(f"replicate={p['dp_replicate']}")
-        return " ".join(parts) + f" x{self.world_size}"
+        """The layout's canonical short name (`Layout.short_name`: `fsdp 2 x tp2`, `pp2 1f1b m=4`, `1 rank`): as
+        the trainer logged it, else resolved from config.toml's [parallel] and the world size (older logs)."""
+        if isinstance(self.info.get("layout"), str):
+            return self.info["layout"]
+        p = self.section("parallel")
+        known = {f.name for f in dataclasses.fields(ParallelConfig)}
+        try:
+            lay = Layout.from_config(ParallelConfig(**{k: v for k, v in p.items() if k in known}), self.world_size)
+        except (ConfigError, TypeError, ValueError):
+            return "?"
+        return lay.short_name().replace(" m=0", "")  # pipeline microbatches: unknown without the model
+
+    @property
+    def total_steps(self) -> int | None:
+        steps = self.section("training").get("steps")
+        return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+
+    def section(self, name: str) -> dict:
+        """A section of config.toml ({} when absent or not a table)."""
+        v = self.config.get(name)
+        return v if isinstance(v, dict) else {}
+
+    @property
+    def model(self) -> str:
+        """What was trained: the logged model name and parameter count, else config.toml's [model] section."""
+        if isinstance(self.info.get("model"), str):
+            params = self.info.get("params")
+            return self.info["model"] + (f" ({params:,} parameters)" if isinstance(params, int) else "")
+        m = self.section("model")
+        return str(m.get("init_from") or m.get("preset", "?")) + "".join(
+            f" {k}={v}" for k, v in sorted(m.items()) if k not in ("preset", "init_from"))
+
+    @property
+    def tokens_per_step(self) -> int | None:
+        """Global batch in tokens (sequences x length), from the first logged step."""
+        r = self.steps[0]
+        return r["tokens"] // r["step"] if isinstance(r.get("tokens"), int) and r["step"] > 0 else None
+
+    @property
+    def status(self) -> str:
+        """`finished`, `preempted at step N (resumable)`, or `unfinished (...)` for a run that crashed or is still
+        going: no final record, or fewer steps than planned."""
+        last, total = self.steps[-1]["step"], self.total_steps
+        of = f" of {total}" if total else ""
+        end = self.end if self.end is not None and self.end["step"] >= last else None
+        if end is not None and end.get("end") == "finished":
+            return "finished"
+        if end is not None and end.get("end") == "preempted":
+            return f"preempted at step {end['step']}{of} (resumable)"
+        if end is None and not self.info and total and last >= total and any(s >= total for s, _ in self.vals):
+            return "finished"  # an older log: no end record, but the final evaluation is there
+        return f"unfinished (no final record; stopped at step {last}{of})"
 
 
 def load_run(path: str | Path) -> Run:
@@ -67,6 +120,8 @@ def load_run(path: str | Path) -> Run:
         raise UserError(f"{path}: no metrics.jsonl (is this a run folder, e.g. runs/default?)")
     by_step: dict[int, dict] = {}
     vals: dict[int, float] = {}
+    saves: dict[int, float] = {}
+    end, info = None, {}
     bad = 0
     for raw in log.read_bytes().splitlines():
         if not raw.strip():
@@ -82,6 +137,13 @@ def load_run(path: str | Path) -> Run:
             by_step[r["step"]] = r
         if _finite(r.get("val_loss")):
             vals[r["step"]] = r["val_loss"]
+        if _finite(r.get("checkpoint_save_s")):  # a save made before this record; a step saved twice counts once
+            at = r.get("checkpoint_step")
+            saves[at if isinstance(at, int) else r["step"]] = r["checkpoint_save_s"]
+        if "end" in r:
+            end = r
+        if "layout" in r:  # the first record of each process (a resumed run: the last process's)
+            info = {k: r[k] for k in ("layout", "world_size", "model", "params") if k in r}
     if not by_step:
         raise UserError(f"{log}: no training steps logged" + (f" ({bad} unreadable lines: not UTF-8 JSON)" if bad else ""))
     config = {}
@@ -91,7 +153,7 @@ def load_run(path: str | Path) -> Run:
         except (tomllib.TOMLDecodeError, UnicodeDecodeError):
             config = {}
     name = config.get("run", {}).get("name", path.name)
-    return Run(name, path, [by_step[s] for s in sorted(by_step)], sorted(vals.items()), config, bad)
+    return Run(name, path, [by_step[s] for s in sorted(by_step)], sorted(vals.items()), config, bad, saves, end, info)
 
 
 def _finite(v) -> bool:
@@ -123,11 +185,12 @@ def summarize(run: Run) -> dict:
                         "cuda_peak_allocated_bytes", "cuda_alloc_retries", "cuda_ooms"):
                 if _finite(row.get(key)):
                     m[key] = max(m.get(key, 0), row[key])
-    saves = [r["checkpoint_save_s"] for r in steps if _finite(r.get("checkpoint_save_s"))]
+    saves = [run.saves[k] for k in sorted(run.saves)]
     moe = next((r for r in reversed(steps) if r.get("moe_tokens_per_expert")), None)
     return {
         "name": run.name, "path": str(run.path), "world_size": run.world_size, "layout": run.layout,
-        "steps": last["step"], "tokens": last.get("tokens"),
+        "model": run.model, "tokens_per_step": run.tokens_per_step, "status": run.status,
+        "steps": last["step"], "total_steps": run.total_steps, "tokens": last.get("tokens"),
         "final_loss": last["loss"],
         "best_val_loss": best[1] if best else None, "best_val_step": best[0] if best else None,
         "final_val_loss": run.vals[-1][1] if run.vals else None, "final_val_step": run.vals[-1][0] if run.vals else None,
@@ -236,6 +299,26 @@ def plot_memory(runs: list[Run]):
     return fig
 
 
+def scaling_runs(summaries: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The runs one scaling curve may compare: those of the same model and global batch in tokens (the largest such
+    group; on a tie, the first run's), and the rest as [{"run": name, "reason": ...}]."""
+    key = lambda s: (s["model"], s["tokens_per_step"])  # noqa: E731
+    groups: dict[tuple, list[dict]] = {}
+    for s in summaries:
+        groups.setdefault(key(s), []).append(s)
+    chosen = max(groups.values(), key=len)  # max keeps the first of equal groups: the first run's
+    model, tokens = key(chosen[0])
+    left_out = []
+    for s in summaries:
+        if key(s) == (model, tokens):
+            continue
+        why = ([f"model {s['model']}, not {model}"] if s["model"] != model else []) + (
+            [f"global batch {_f(s['tokens_per_step'], '{:,}')} tokens per step, not {_f(tokens, '{:,}')}"]
+            if s["tokens_per_step"] != tokens else [])
+        left_out.append({"run": s["name"], "reason": "; ".join(why)})
+    return chosen, left_out
+
+
 def scaling_points(summaries: list[dict]) -> list[dict]:
     """Best tokens/s at each device count, and the efficiency against linear scaling from the smallest count."""
     best: dict[int, dict] = {}
@@ -276,18 +359,24 @@ def _f(v, fmt: str = "{:.4f}", none: str = "-") -> str:
     return fmt.format(v) if _finite(v) else none
 
 
-def render_markdown(summaries: list[dict], points: list[dict], plots: list[str]) -> str:
+def render_markdown(summaries: list[dict], points: list[dict], plots: list[str],
+                    left_out: list[dict] | None = None) -> str:
     lines = ["# Training report", ""]
-    lines += ["| run | devices | layout | steps | tokens | final loss | best val loss (step) | final val loss | "
-              "tokens/s | tokens/s per device | MFU | skipped steps | restarts |",
-              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["| run | model | devices | layout | status | steps | tokens | final loss | best val loss (step) | "
+              "final val loss | tokens/s | tokens/s per device | MFU | skipped steps | restarts |",
+              "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summaries:
         best = f"{_f(s['best_val_loss'])} ({s['best_val_step']})" if s["best_val_loss"] is not None else "-"
-        lines.append(f"| {s['name']} | {s['world_size']} | {s['layout']} | {s['steps']} | {_f(s['tokens'], '{:,}')} | "
+        lines.append(f"| {s['name']} | {s['model']} | {s['world_size']} | {s['layout']} | {s['status']} | "
+                     f"{s['steps']} | {_f(s['tokens'], '{:,}')} | "
                      f"{_f(s['final_loss'])} | {best} | {_f(s['final_val_loss'])} | {_f(s['tokens_per_s'], '{:,.0f}')} | "
                      f"{_f(s['tokens_per_s_per_device'], '{:,.0f}')} | {_f(s['mfu'], '{:.2%}')} | "
                      f"{s['skipped_steps']} | {s['restarts']} |")
-    lines += ["", "Throughput and MFU are medians over steps (the first step of the log is left out as warm-up).", "",
+    unfinished = [s for s in summaries if s["status"] != "finished"]
+    lines += [""] + [f"Note: {s['name']} is {s['status']}: its numbers are those of the steps it logged."
+                     for s in unfinished] + [""] * bool(unfinished)
+    lines += ["Throughput and MFU are medians over steps (the first step of the log is left out as warm-up). MFU is "
+              "against a datasheet peak or metrics.peak_tflops; `-` where there is none (e.g. on a CPU).", "",
               "## Step time", "",
               "| run | step | compute | data wait | comm wait |", "|---|---:|---:|---:|---:|"]
     for s in summaries:
@@ -314,7 +403,7 @@ def render_markdown(summaries: list[dict], points: list[dict], plots: list[str])
                              f"{m.get('cuda_alloc_retries', '-')} | {m.get('cuda_ooms', '-')} |")
         lines.append("")
     if any(s["checkpoint_saves"] for s in summaries):
-        lines += ["## Checkpoint saves", "", "| run | saves logged | mean | max |", "|---|---:|---:|---:|"]
+        lines += ["## Checkpoint saves", "", "| run | saves | mean | max |", "|---|---:|---:|---:|"]
         lines += [f"| {s['name']} | {s['checkpoint_saves']} | {_f(s['checkpoint_save_s_mean'], '{:.3f} s')} | "
                   f"{_f(s['checkpoint_save_s_max'], '{:.3f} s')} |" for s in summaries if s["checkpoint_saves"]]
         lines.append("")
@@ -332,6 +421,9 @@ def render_markdown(summaries: list[dict], points: list[dict], plots: list[str])
         lines += [f"| {p['devices']} | {p['run']} | {p['tokens_per_s']:,.0f} | {p['tokens_per_s_per_device']:,.0f} | "
                   f"{p['efficiency']:.0%} |" for p in points]
         lines += ["", "Efficiency: tokens/s against linear scaling from the smallest run.", ""]
+    if left_out:
+        lines += ["Left out of the scaling curve (it compares runs of one model and one global batch only): "
+                  + "; ".join(f"{x['run']} ({x['reason']})" for x in left_out) + ".", ""]
     bad = [s for s in summaries if s["unreadable_lines"]]
     for s in bad:
         lines.append(f"Note: {s['name']}: {s['unreadable_lines']} unreadable line(s) in metrics.jsonl were skipped.")
@@ -352,7 +444,8 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> d
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     summaries = [summarize(r) for r in runs]
-    points = scaling_points(summaries) if len(runs) > 1 else []
+    comparable, left_out = scaling_runs(summaries)
+    points = scaling_points(comparable) if len(comparable) > 1 else []
     figures = {"loss.png": plot_loss(runs), "throughput.png": plot_throughput(runs)}
     if any(s["memory"] for s in summaries):
         figures["memory.png"] = plot_memory(runs)
@@ -363,8 +456,9 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> d
         fig.savefig(out / name, dpi=100, metadata={"Software": "paratrain report"})
         plt.close(fig)
         files[name] = out / name
-    (out / "report.md").write_text(render_markdown(summaries, points, list(figures)))
-    (out / "summary.json").write_text(json.dumps({"runs": summaries, "scaling": points}, indent=2))
+    (out / "report.md").write_text(render_markdown(summaries, points, list(figures), left_out))
+    (out / "summary.json").write_text(json.dumps({"runs": summaries, "scaling": points,
+                                                  "scaling_left_out": left_out}, indent=2))
     files["report.md"], files["summary.json"] = out / "report.md", out / "summary.json"
     return files
 

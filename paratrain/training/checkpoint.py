@@ -523,7 +523,7 @@ class Checkpointer:
         self.root, self.config_toml, self.notice = cfg.run_dir / "checkpoints", config_toml, notice
         self.warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.writer = CheckpointWriter(self.root, cfg.checkpoint.keep, is_main, cfg.checkpoint.async_save, tokenizer)
-        self.last_save_s: float | None = None  # reported once in the next step's metrics record
+        self.last_save: dict | None = None  # the last save's duration and step, reported once in the next record
 
     def due(self, step: int) -> bool:
         every = self.spec.cfg.checkpoint.every
@@ -533,8 +533,13 @@ class Checkpointer:
         start = time.perf_counter()
         extra = self.comm.state_dict() if self.comm is not None else None
         path = self.writer.save(next_step, self.model, self.optimizer, self._state(next_step), extra)
-        self.last_save_s = time.perf_counter() - start
+        self.last_save = {"checkpoint_save_s": time.perf_counter() - start, "checkpoint_step": next_step}
         return path
+
+    def take_save(self) -> dict:
+        """The keys of the save made since the last call ({} if none), for the metrics record."""
+        saved, self.last_save = self.last_save or {}, None
+        return saved
 
     def _state(self, next_step: int) -> dict:
         state = {"step": next_step, **self.progress.state(), "rng_cpu": torch.get_rng_state(),

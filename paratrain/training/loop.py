@@ -30,10 +30,10 @@ from paratrain.distributed.pipeline import build_pipeline, check_stage_gpu
 from paratrain.distributed.tensors import local_tensor
 from paratrain.errors import UserError
 from paratrain.faults import ATTEMPT_ENV, FaultInjector
-from paratrain.observe.flops import peak_flops
+from paratrain.observe.flops import is_datasheet_peak, peak_flops
 from paratrain.generate import prompt_ids, sample
 from paratrain.observe.metrics import MetricsLog, build_sinks
-from paratrain.models import Transformer, count_active_params, count_params, flops_per_token
+from paratrain.models import Transformer, count_active_params, count_params, flops_per_token, format_params
 from paratrain.spec import RunSpec, stage_gpus
 from paratrain.training.checkpoint import Checkpointer, Progress, export_safetensors, full_weights
 from paratrain.training.evaluation import Evaluator, dp_mean
@@ -96,7 +96,8 @@ class Trainer:
                                   self.dims.loss_group)
         self.peak, self.peak_source = peak_flops(dev, cfg.metrics.peak_tflops)
         self.restarts = int(os.environ.get(ATTEMPT_ENV, "0"))
-        self.recorder = StepRecorder(spec, self.step, self.train_data, env, self.peak,
+        mfu_peak = self.peak if is_datasheet_peak(self.peak_source) else None  # no MFU against a measured matmul
+        self.recorder = StepRecorder(spec, self.step, self.train_data, env, mfu_peak,
                                      flops_per_token(spec.model_args, t.seq_len), self.restarts, self.dims.dp_group,
                                      self.comm, self.notice)
         self.faults = FaultInjector(env.rank)
@@ -162,8 +163,7 @@ class Trainer:
                     torch.cuda.synchronize(env.device)
                 result.losses.append(loss_value)
                 record = self.recorder.record(step, loss_value, lr, grad_norm, time.perf_counter() - t0,
-                                              self.progress, self.checkpointer.last_save_s)
-                self.checkpointer.last_save_s = None
+                                              self.progress, self.checkpointer.take_save())
                 is_eval = t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps
                 if is_eval:
                     record["val_loss"] = self.evaluate(self.progress.micro_batch)
@@ -181,6 +181,9 @@ class Trainer:
             if not result.preempted:
                 self._finish(result, start, memory_rows)
             self.checkpointer.finish()
+            # The run's last record: how it ended, and the save made after the last step's record (if any).
+            self.log.log({"step": step, "end": "preempted" if result.preempted else "finished",
+                          **self.checkpointer.take_save()}, show=False)
         self.log.close(linger=not result.preempted)  # preempted: no time to wait for a last scrape
         return result
 
@@ -198,15 +201,21 @@ class Trainer:
     def _print_header(self) -> None:
         cfg, spec, t = self.cfg, self.spec, self.cfg.training
         n_params, n_active = count_params(spec.model_args), count_active_params(spec.model_args)
-        active = f" ({n_active:,} active per token)" if n_active != n_params else ""  # mixture of experts
-        self.log.message(f"model {cfg.model.init_from or cfg.model.preset}: {n_params:,} parameters{active} | layout {spec.layout.describe()} | "
+        active = f" ({format_params(n_active)} active per token)" if n_active != n_params else ""  # mixture of experts
+        self.log.message(f"model {spec.model_name}: {format_params(n_params)} parameters{active} | "
+                         f"layout {spec.layout.describe()} | "
                          f"global batch {spec.global_batch} x {t.seq_len} tokens (micro {self.progress.micro_batch} x "
                          f"accum {self.progress.accum_steps} x dp {spec.layout.dp}; {spec.batch_fixed}) | "
-                         f"{t.precision} on {self.env.device.type} | peak {self.peak / 1e12:.2f} TFLOP/s per device "
-                         f"({self.peak_source})")
+                         f"{t.precision} on {self.env.device.type} | {self._peak_text()}")
         if spec.layout.pipelined:
             self.log.message(spec.layout.describe_pipeline())
         self.mem_estimate = self._print_memory_estimate()
+
+    def _peak_text(self) -> str:
+        if is_datasheet_peak(self.peak_source):
+            return f"peak {self.peak / 1e12:.2f} TFLOP/s per device ({self.peak_source})"
+        return (f"MFU n/a on {self.env.device.type}: no datasheet peak (measured matmul {self.peak / 1e12:.2f} TFLOP/s "
+                f"is not one; set metrics.peak_tflops for MFU)")
 
     def _save_preempted(self, step: int, start: int) -> None:
         self.checkpointer.finish()

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from paratrain.models import count_params
 from paratrain.observe.sysmetrics import PhaseTimer, gather_rank_stats
 
 
 class StepRecorder:
-    def __init__(self, spec, step, train_data, env, peak_flops: float, flops_per_token: float, restarts: int,
+    def __init__(self, spec, step, train_data, env, peak_flops: float | None, flops_per_token: float, restarts: int,
                  dp_group, comm=None, message=print):
+        """peak_flops: a device peak (datasheet or metrics.peak_tflops) for MFU; None records `mfu` as null."""
         self.spec, self.step, self.train_data, self.env, self.dp_group = spec, step, train_data, env, dp_group
         self.comm = comm  # distributed.compression.GradComm: bytes of the gradient reduction
         m = spec.cfg.metrics
@@ -22,6 +24,7 @@ class StepRecorder:
                                          env.device, message, gather_rows)
         self.peak, self.flops_per_token, self.restarts = peak_flops, flops_per_token, restarts
         self.timer = PhaseTimer()  # splits each step into data wait / comm wait / compute
+        self.first = True
         self.bubble_history: list[list[float]] = []  # pipeline: measured idle fraction per stage rank, per step
 
     def start(self, step: int) -> float:
@@ -32,8 +35,9 @@ class StepRecorder:
         return self.timer.start()
 
     def record(self, step: int, loss: float, lr: float, grad_norm: torch.Tensor, seconds: float, progress,
-               checkpoint_save_s: float | None) -> dict:
-        """`progress` is the run's Progress, after this step's batch (data_step already advanced)."""
+               saved: dict) -> dict:
+        """`progress` is the run's Progress, after this step's batch (data_step already advanced); `saved` the
+        checkpoint save made since the previous record (checkpoint_save_s, checkpoint_step), if any."""
         if self.profiler is not None:
             self.profiler.end()
         tokens = self.spec.tokens_per_step
@@ -41,7 +45,8 @@ class StepRecorder:
         tok_s = tokens / seconds
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                   "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / world,
-                  "mfu": self.flops_per_token * tok_s / (self.peak * world), "step_time_s": seconds,
+                  "mfu": self.flops_per_token * tok_s / (self.peak * world) if self.peak else None,
+                  "step_time_s": seconds,
                   "skipped_steps": progress.skipped, "tokens": (step + 1) * tokens,
                   "micro_batch": progress.micro_batch, "restarts": self.restarts, **self.timer.split(seconds)}
         record.update(self.train_data.progress(progress.data_step, self.spec.global_batch))  # epochs, tokens/source
@@ -54,8 +59,11 @@ class StepRecorder:
             self.bubble_history.append(idle)
             record.update(pp_bubble_measured=sum(idle) / len(idle), pp_bubble_per_stage=idle,
                           pp_bubble_predicted=self.spec.layout.predicted_bubble())
-        if checkpoint_save_s is not None:
-            record["checkpoint_save_s"] = checkpoint_save_s
+        record.update(saved)
+        if self.first:  # the first record of each process says what runs (for `paratrain report`)
+            self.first = False
+            record.update(layout=self.spec.layout.short_name(), world_size=world, model=self.spec.model_name,
+                          params=count_params(self.spec.model_args))
         return record
 
     def release(self, record: dict, show: bool) -> list[tuple[dict, bool]]:
