@@ -97,13 +97,17 @@ class TrainingConfig:
 @dataclass
 class OptimizerConfig:
     lr: float = 1e-3
-    min_lr: float = 1e-4
+    min_lr: float | None = None  # where the cosine ends; unset: lr / 10
     warmup_steps: int = 100
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.99
     eps: float = 1e-8
     impl: Literal["auto", "fused", "foreach", "for"] = "auto"
+
+    @property
+    def final_lr(self) -> float:
+        return self.lr / 10 if self.min_lr is None else self.min_lr
 
 
 @dataclass
@@ -368,7 +372,8 @@ def validate(cfg: Config) -> None:
     _require(t.eval_every >= 0, "training.eval_every must be >= 0 (0 disables)")
     _require(t.grad_clip >= 0, "training.grad_clip must be >= 0 (0 disables)")
     _require(o.lr > 0, f"optimizer.lr must be positive, got {o.lr}")
-    _require(0 <= o.min_lr <= o.lr, f"optimizer.min_lr must be between 0 and optimizer.lr ({o.lr}), got {o.min_lr}")
+    _require(o.min_lr is None or 0 <= o.min_lr <= o.lr,
+             f"optimizer.min_lr must be between 0 and optimizer.lr ({o.lr}), got {o.min_lr}")
     _require(o.warmup_steps >= 0, "optimizer.warmup_steps must be >= 0")
     _require(o.weight_decay >= 0, "optimizer.weight_decay must be >= 0")
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1 and optimizer.beta2 must be in [0, 1)")

@@ -76,6 +76,7 @@ JOURNEYS = {
     "estimate": [
         "paratrain estimate --model llama3-8b --gpu H100 --dp-shard 8 --seq-len 8192 --checkpointing selective",
         "paratrain estimate --model llama3-8b --accounting classic",
+        "paratrain estimate --model plan/config.toml --gpu H100",
     ],
     "plan": [
         "paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576",
@@ -141,6 +142,9 @@ class Journey:
             f"{command!r} is not one of journey {self.name}'s README commands"
         assert canonical(command) in readme_commands(), f"{command!r} is not in README.md"
         words = shlex.split(command)
+        if "..." in words:  # "paratrain plan ... --json": the options of the example before it, given as `before`
+            assert before, f"{command}: say what '...' stands for"
+            words.remove("...")
         if words[0] == "paratrain":
             sub = 3 if words[1] == "checkpoint" else 2
             words = [sys.executable, "-m", "paratrain", *words[1:sub], *before, *words[sub:], *after]
@@ -206,7 +210,7 @@ def test_journey_default_run(journey):
     out = j.readme("paratrain checkpoint verify runs/default").stdout
     assert "OK" in out and "step-3" in out
     report = json.loads(j.readme("paratrain estimate --model runs/default/config.toml --gpu-memory 24GiB --json").stdout)
-    assert report["fits"] is True and report["per_rank_bytes"] > 0
+    assert report["fits"] is True and report["total_bytes"] > 0 and report["layout"]["world_size"] == 1
 
     # a new run under an existing name: one line, nothing touched; --run.overwrite=true starts over
     j.train("paratrain train --training.steps=500 --run.name=short", "--training.steps=2")
@@ -239,14 +243,15 @@ def test_journey_layouts(journey):
              [*STEPS, "--run.name=default"])  # the report below reads runs/default too
     val = {}
     for command, mesh in LAYOUT_RUNS.items():
-        done = j.train(command, "--sample.prompt=ROMEO:")
+        # one global batch for all (micro-batches and accumulation follow): the same training on every layout
+        done = j.train(command, "--sample.prompt=ROMEO:", "--training.micro_batch=1", "--training.global_batch=4")
         out = done.stdout + done.stderr
         for axis, size in mesh.items():
             assert f"'{axis}': {size - 1}" in out, f"{command}: no rank at {axis}={size - 1}\n{out[-2000:]}"
         val[command] = float(re.search(r"val loss (\d+\.\d+)", out).group(1))
         assert "ROMEO:" in out.split("sample:")[-1]
     dense = [v for c, v in val.items() if "moe" not in c]
-    assert max(dense) - min(dense) < 1e-3, f"layouts disagree about the validation loss: {val}"
+    assert max(dense) - min(dense) <= 2e-4, f"layouts disagree about the validation loss: {val}"
     done = j.readme("paratrain report runs/default runs/fsdp4 runs/tp2 --out report")
     assert (j.cwd / "report" / "report.md").is_file() and (j.cwd / "report" / "loss.png").is_file()
 
@@ -354,6 +359,15 @@ def test_journey_verify(journey):
 
 
 def test_journey_estimate(journey):
+    """The estimate examples; estimating the plan's config.toml gives the per-rank memory the plan printed."""
+    plan = journey.cwd / "plan"
+    out = subprocess.run([sys.executable, "-m", "paratrain", *shlex.split(PLAN)[1:], "--top", "1"],
+                         cwd=journey.cwd, env=journey.env, capture_output=True, text=True, timeout=120).stdout
+    planned = float(re.search(r"^ 1 \S+\s+[\d,]+\s+[\d.]+%\s+([\d.]+) GiB", out, re.M).group(1))
+    out = journey.readme("paratrain estimate --model plan/config.toml --gpu H100").stdout
+    estimated = float(re.search(r"^  total\s+([\d.]+) GiB", out, re.M).group(1))
+    assert abs(estimated - planned) <= 0.01 * planned and "FITS" in out and "limit 90%" in out
+    assert (plan / "config.toml").is_file()
     out = journey.readme("paratrain estimate --model llama3-8b --gpu H100 --dp-shard 8 --seq-len 8192 "
                          "--checkpointing selective").stdout
     assert "FITS" in out or "DOES NOT FIT" in out
@@ -372,13 +386,13 @@ def test_journey_plan(journey):
     j.readme("paratrain plan --model llama3-70b --gpus 64 --gpu H100 --intra nvlink --inter ib400 --seq 8192 "
              "--global-batch-tokens 4194304", after=["--out", "plan70"])
     plan_args = shlex.split(PLAN)[2:]
-    j.readme("paratrain plan ... --compile", after=[*plan_args, "--out", "plan-compile"])
+    j.readme("paratrain plan ... --compile", before=plan_args, after=["--out", "plan-compile"])
     assert "compile = true" in (j.cwd / "plan-compile" / "config.toml").read_text()
-    plan = json.loads(j.readme("paratrain plan ... --json", after=[*plan_args, "--out", "plan-json"]).stdout)
+    plan = json.loads(j.readme("paratrain plan ... --json", before=plan_args, after=["--out", "plan-json"]).stdout)
     assert plan
-    out = j.readme("paratrain plan ... --explain fsdp,tp=16", after=[*plan_args, "--out", "plan-x1"]).stdout
+    out = j.readme("paratrain plan ... --explain fsdp,tp=16", before=plan_args, after=["--out", "plan-x1"]).stdout
     assert "tp=16" in out
-    out = j.readme("paratrain plan ... --explain ddp,ac=none,mb=2", after=[*plan_args, "--out", "plan-x2"]).stdout
+    out = j.readme("paratrain plan ... --explain ddp,ac=none,mb=2", before=plan_args, after=["--out", "plan-x2"]).stdout
     assert "does not fit" in out
     j.readme("paratrain plan --model llama3-8b --gpus 8xH100,8xA100 --seq 4096 --global-batch-tokens 1048576",
              after=["--out", "plan-hetero"])

@@ -63,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
                    "rank 1024 tokens or more of a sequence)")
     p.add_argument("--out", default="plan", help="folder for the best layout's config.toml and launch script")
     p.add_argument("--no-write", action="store_true", help="print the plan only")
+    p.add_argument("--overwrite", action="store_true", help="replace the plan an earlier run wrote into --out")
     p.add_argument("--explain", metavar="LAYOUT", help="why LAYOUT (as printed, e.g. fsdp,tp=2,ac=full,mb=1) is "
                    "rejected, or how it ranks")
     p.add_argument("--calibrate", action="store_true", help="measure this machine and save a profile (with --model: "
@@ -271,6 +272,19 @@ srun torchrun --nnodes {nodes} --nproc-per-node {gpn} \\
     return "sbatch plan.sbatch", script
 
 
+PLAN_FILES = ("config.toml", "plan.sbatch")
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """--out is a folder this plan may write its files into: never over an earlier plan without --overwrite."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder")
+    earlier = [name for name in PLAN_FILES if (out / name).exists()]
+    if earlier and not overwrite:
+        raise UserError(f"--out {out} already holds a plan ({', '.join(earlier)}): pass --overwrite to replace it, "
+                        "or choose another --out")
+
+
 def write_outputs(best, ctx, world: int, out_dir, base=None, model_spec=None) -> tuple[Path, str, Path | None]:
     from paratrain.config import dump_toml
 
@@ -283,6 +297,8 @@ def write_outputs(best, ctx, world: int, out_dir, base=None, model_spec=None) ->
     path.write_text(head + dump_toml(cfg))
     cmd, script = launch_command(best.cand, ctx, world, str(path))
     sb = None
+    if (out / "plan.sbatch").exists():  # from an earlier plan (--overwrite): it would launch another layout
+        (out / "plan.sbatch").unlink()
     if script:
         sb = out / "plan.sbatch"
         sb.write_text(script)
@@ -345,6 +361,8 @@ def main_plan(argv: list[str]) -> int:
     from paratrain.planner.search import explain, plan
 
     ctx, world, opts, base = build_context(args)
+    if not args.no_write and not args.explain:
+        check_out(Path(args.out), args.overwrite)
     if args.explain:
         if ctx.cluster:
             raise UserError("--explain plans one GPU type; for a heterogeneous cluster run the plan and read its stages")

@@ -43,6 +43,15 @@ from paratrain.training.resilience import MemoryBudget, ResilienceGuard, mark_pr
 from paratrain.training.step import TrainStep, make_scaler, schedule_loss
 
 
+def resolved_config(cfg, layout):
+    """The config as this run ran it: the data-parallel degrees written out (no -1), so the file says the world size
+    it was trained on (`paratrain estimate --model RUN/config.toml`, `paratrain train --config` replay it)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp_shard=layout.dp_shard,
+                                                                 dp_replicate=layout.dp_replicate))
+
+
 @dataclass
 class TrainResult:
     losses: list[float] = field(default_factory=list)
@@ -113,7 +122,7 @@ class Trainer:
         start = step = self.checkpointer.resume(restarted=self.restarts > 0)
         if env.is_main:
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
-            (cfg.run_dir / "config.toml").write_text(dump_toml(cfg))
+            (cfg.run_dir / "config.toml").write_text(dump_toml(resolved_config(cfg, spec.layout)))
         self.log = MetricsLog(cfg.run_dir / "metrics.jsonl", t.steps, 0, cfg.metrics.progress, enabled=env.is_main,
                               sinks=build_sinks(cfg, env))
         if start == 0 and cfg.model.init_from:  # a Hugging Face model's weights onto this layout; a fresh optimizer

@@ -49,4 +49,4 @@ def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     span = max(1, total_steps - 1 - cfg.warmup_steps)  # the last step index is total_steps - 1
     progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+    return cfg.final_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.final_lr)
