@@ -167,7 +167,7 @@ def test_cp_evaluates_and_samples_like_one_process(char_data, tmp_path):
     from paratrain.distributed.launch import launch
 
     extra = ["training.steps=3", "training.global_batch=4", "training.micro_batch=4", "training.eval_every=2",
-             "training.eval_batches=2", "sample.max_new_tokens=6", "sample.temperature=0", "optimizer.eps=1e-6",
+             "training.eval_sequences=8", "sample.max_new_tokens=6", "sample.temperature=0", "optimizer.eps=1e-6",
              "checkpoint.save_final=false"]
     one = train_rank(fast_config(char_data, tmp_path, "one", *extra))
     cp = launch(run_rank, (fast_config(char_data, tmp_path, "cp", *extra, "parallel.cp=2"),), 2)
