@@ -144,7 +144,8 @@ def train_and_evaluate(train_cfg, eval_cfg):
 def _run_layout(overrides: list[str], eval_overrides: list[str], nproc: int, extra_args: list[str]):
     from paratrain.api import launch_ranks, train_rank
 
-    train_cfg, eval_cfg = (load_config(None, o + extra_args) for o in (overrides, overrides + eval_overrides))
+    train_cfg = load_config(None, overrides + extra_args)
+    eval_cfg = load_config(None, overrides + extra_args + eval_overrides)
     if nproc == 1:
         return train_rank(train_cfg, want_final_weights=True), train_rank(eval_cfg).val_loss
     return launch_ranks(train_and_evaluate, (train_cfg, eval_cfg), nproc)
@@ -187,9 +188,9 @@ def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str 
                 from paratrain.api import train_rank
 
                 start = time.perf_counter()
-                run_name = "reference" + "".join("_" + o.split("=", 1)[1].replace("/", "_") for o in key)
+                run_name = "reference" + "".join("_" + o.split("=", 1)[1] for o in key)
                 cfg = load_config(None, base + list(key) + [f"training.micro_batch={GLOBAL_BATCH}", f"run.name={run_name}",
-                                                            "checkpoint.save_final=true", *extra_args])
+                                                            *extra_args, "checkpoint.save_final=true"])
                 result = train_rank(cfg, want_final_weights=True)
                 seconds = time.perf_counter() - start
                 ref_seconds += seconds
