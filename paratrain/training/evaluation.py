@@ -41,14 +41,14 @@ class Evaluator:
     def __call__(self, micro_batch: int) -> float:
         spec, cfg = self.spec, self.spec.cfg.training
         first, length, real = eval_share(cfg.eval_sequences, spec.layout.dp, self.dp_rank)
-        x, y = self.val_data.eval_sequences(first, length, seed=cfg.seed)
         size = min(length, self.step.eval_chunk(micro_batch, spec.global_batch // spec.layout.dp))
         model = self.step.model
         model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.step.device)
-        for start in range(0, length, size):
+        for start in range(0, length, size):  # read chunk by chunk: the set may be large
+            x, y = self.val_data.eval_sequences(first + start, min(size, length - start), seed=cfg.seed)
             rows = min(size, max(0, real - start))  # the chunk's rows in the set; forwards of padding count nothing
-            total += self.step.eval_loss_sum(x[start:start + size], y[start:start + size], rows)
+            total += self.step.eval_loss_sum(x, y, rows)
         model.train()
         if self.group is not None:
             dist.all_reduce(total, group=self.group)
