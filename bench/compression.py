@@ -26,7 +26,7 @@ METHODS = ("none", "bf16", "powersgd", "sign_ef")
 def recipe(steps: int, eval_every: int, out: str, name: str, extra: list[str]) -> list[str]:
     return ["model.preset=shakespeare-char", "training.seq_len=64", "training.global_batch=12",
             "training.micro_batch=6", f"training.steps={steps}", f"training.eval_every={eval_every}",
-            "training.eval_batches=17", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "optimizer.warmup_steps=100",
+            "training.eval_sequences=204", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "optimizer.warmup_steps=100",
             "optimizer.beta2=0.99", "optimizer.weight_decay=0.1", "parallel.dp_mode=ddp",
             "checkpoint.save_final=false", "sample.max_new_tokens=0", "metrics.progress=none", "training.device=cpu",
             f"run.out_dir={out}", f"run.name={name}", *extra]

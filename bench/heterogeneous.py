@@ -92,7 +92,7 @@ def main() -> int:
 
     planned = load_config(plan_cfg)
     even = ",".join(map(str, balanced_split(margs, 2)))
-    common = [f"training.steps={a.steps}", "training.eval_every=0", "training.eval_batches=1", "training.device=cpu",
+    common = [f"training.steps={a.steps}", "training.eval_every=0", "training.eval_sequences=8", "training.device=cpu",
               "sample.max_new_tokens=0", "metrics.progress=none", "metrics.peak_tflops=1",
               "checkpoint.save_final=false", "data.source=tinyshakespeare",
               f"data.dir={tmp / 'data'}", f"run.out_dir={tmp / 'runs'}"]

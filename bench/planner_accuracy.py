@@ -103,7 +103,7 @@ def main() -> int:
     # one throw-away run first: the first launch on a cold machine is slower (page cache, allocator, imports)
     for i, r in [(-1, results[0])] + list(enumerate(results)):
         cfg = config_for(r.cand, ctx, None, MODEL)
-        over = [f"training.steps={a.steps}", "training.eval_every=0", "training.eval_batches=1",
+        over = [f"training.steps={a.steps}", "training.eval_every=0", "training.eval_sequences=8",
                 "sample.max_new_tokens=0", "metrics.progress=none", "metrics.peak_tflops=1",
                 "checkpoint.save_final=false", f"run.out_dir={tmp / 'runs'}", f"run.name=c{i + 1}"]
         cfg_path = tmp / f"c{i + 1}.toml"

@@ -24,14 +24,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--eval-every", type=int, default=100)
-    parser.add_argument("--eval-batches", type=int, default=17, help="global batches of 12 (17 x 12 ~ nanoGPT's 200)")
+    parser.add_argument("--eval-sequences", type=int, default=204, help="validation sequences (17 x 12 ~ nanoGPT's 200)")
     parser.add_argument("--target", type=float, default=1.88)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(None, [
             "model.preset=shakespeare-char", "training.seq_len=64", "training.micro_batch=12",
             f"training.steps={args.steps}", f"training.eval_every={args.eval_every}",
-            f"training.eval_batches={args.eval_batches}", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4",
+            f"training.eval_sequences={args.eval_sequences}", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4",
             "optimizer.warmup_steps=100", "optimizer.beta2=0.99", "optimizer.weight_decay=0.1",
             "checkpoint.save_final=false", "sample.max_new_tokens=0", "metrics.progress=none",
             f"run.out_dir={out}", "run.name=shakespeare-cpu"])

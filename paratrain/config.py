@@ -88,7 +88,7 @@ class TrainingConfig:
     precision: Precision = "fp32"
     grad_clip: float = 1.0  # 0 disables
     eval_every: int = 250
-    eval_batches: int = 20
+    eval_sequences: int = 240  # the validation set: this many fixed sequences of the val split, split over dp ranks
     log_every: int = 10
     compile: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -232,6 +232,9 @@ class Config:
 
 # Sections that were renamed: the old name is an error that names the new one.
 RENAMED_SECTIONS = {"checkpointing": "activation_checkpoint"}
+# Keys that were replaced: the old key is an error that names the new one (and what changed).
+REPLACED_KEYS = {"training.eval_batches": ("training.eval_sequences", "a number of sequences, the same on every layout, "
+                                           "not of global batches: N batches of B sequences -> N x B")}
 
 
 def _suggest(name: str, options) -> str:
@@ -307,6 +310,9 @@ def _set(cfg: Config, dotted: str, value) -> None:
     if section_name in RENAMED_SECTIONS:
         raise ConfigError(f"config section '{section_name}' is now called '{RENAMED_SECTIONS[section_name]}' "
                           f"({section_name}.{key} -> {RENAMED_SECTIONS[section_name]}.{key})")
+    if dotted in REPLACED_KEYS:
+        new_key, why = REPLACED_KEYS[dotted]
+        raise ConfigError(f"config key '{dotted}' is now '{new_key}' ({why})")
     if section_name not in sections:
         raise ConfigError(f"unknown config section '{section_name}'{_suggest(section_name, sections)}")
     section = getattr(cfg, section_name)
@@ -365,7 +371,7 @@ def validate(cfg: Config) -> None:
     check_run_name(cfg.run.name)
     t, o = cfg.training, cfg.optimizer
     for dotted in ("training.steps", "training.seq_len", "training.micro_batch", "training.accum_steps",
-                   "training.eval_batches", "training.log_every"):
+                   "training.eval_sequences", "training.log_every"):
         section, key = dotted.split(".")
         _require(getattr(getattr(cfg, section), key) > 0, f"{dotted} must be positive")
     _require(t.global_batch is None or t.global_batch > 0, "training.global_batch must be positive")

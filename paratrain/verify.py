@@ -3,6 +3,8 @@
 Every layout sees the same global batches (the loader is a pure function of (seed, step)) and starts
 from the same weights (initialisation is per parameter name, not per shard), so in fp32 the only
 differences left are the order of floating-point reductions: a correct layout stays within 1e-5.
+Then each layout's ranks evaluate the single-process reference's final checkpoint: the same weights on the same
+validation sequences, so its val loss must equal the reference's within 1e-6.
 """
 
 from __future__ import annotations
@@ -81,10 +83,12 @@ PP_MATRIX = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2-zb", "pp2xdp2", "p
 CP_MATRIX = ["cp2", "cp2xfsdp2", "cp2xtp2", "cp2xpp2", "cp4-seq1024"]
 
 GLOBAL_BATCH = 8
+EVAL_SEQUENCES = 13  # not divisible by 2, 4 or 8: the data-parallel shares of the validation set are padded
+VAL_TOLERANCE = 1e-6  # one checkpoint's val loss on a layout against one process
 
 
 def base_overrides(steps: int, out_dir: str, precision: str) -> list[str]:
-    """A tiny model, fp32, no eval/checkpoints/samples: only the numerics matter here.
+    """A tiny model, fp32, no checkpoints/samples and only the final evaluation: only the numerics matter here.
 
     Adam's eps is 1e-6 rather than 1e-8: Adam's first update moves every weight by about lr x g / (|g| + eps), so for
     the few gradient elements near 1e-8 a rounding-level difference (1e-9, as large as one process's own fp32 error
@@ -93,7 +97,7 @@ def base_overrides(steps: int, out_dir: str, precision: str) -> list[str]:
     about the layout (it shrinks those differences 40x and changes nothing else)."""
     return ["model.preset=tiny", "model.n_layers=4", f"training.steps={steps}", "training.seq_len=32",
             f"training.global_batch={GLOBAL_BATCH}", f"training.precision={precision}", "training.eval_every=0",
-            "training.eval_batches=1", "optimizer.warmup_steps=2", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4",
+            f"training.eval_sequences={EVAL_SEQUENCES}", "optimizer.warmup_steps=2", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4",
             "optimizer.eps=1e-6",
             "checkpoint.save_final=false", "sample.max_new_tokens=0", "metrics.progress=none",
             "metrics.peak_tflops=1", f"run.out_dir={out_dir}"]
@@ -122,19 +126,29 @@ class Row:
     ranks: int
     max_loss_diff: float
     max_weight_diff: float
+    val_diff: float  # |val loss of the reference's final checkpoint on this layout - on one process|
     seconds: float
     passed: bool
     note: str = ""
     losses: list[float] = field(default_factory=list)
 
 
-def _run(overrides: list[str], nproc: int, extra_args: list[str]):
-    from paratrain.api import launch_ranks, run_rank, train_rank
+def train_and_evaluate(train_cfg, eval_cfg):
+    """What each launched rank of a layout runs: the training (its result, with the final weights), then, by the same
+    process group, the evaluation of the reference's final checkpoint (its val loss)."""
+    from paratrain.api import run_rank
 
-    cfg = load_config(None, overrides + extra_args)
+    return run_rank(train_cfg, True, keep_group=True), run_rank(eval_cfg).val_loss
+
+
+def _run_layout(overrides: list[str], eval_overrides: list[str], nproc: int, extra_args: list[str]):
+    from paratrain.api import launch_ranks, train_rank
+
+    train_cfg = load_config(None, overrides + extra_args)
+    eval_cfg = load_config(None, overrides + extra_args + eval_overrides)
     if nproc == 1:
-        return train_rank(cfg, want_final_weights=True)
-    return launch_ranks(run_rank, (cfg, True), nproc)
+        return train_rank(train_cfg, want_final_weights=True), train_rank(eval_cfg).val_loss
+    return launch_ranks(train_and_evaluate, (train_cfg, eval_cfg), nproc)
 
 
 def compare(reference, result) -> tuple[float, float]:
@@ -158,7 +172,7 @@ def reference_overrides(layout_extra: list[str]) -> list[str]:
 
 
 def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str = "fp32",
-               extra_args: list[str] = (), echo=print) -> tuple[list[Row], float]:
+               extra_args: list[str] = (), echo=print, val_tolerance: float = VAL_TOLERANCE) -> tuple[list[Row], float]:
     for name in layouts:
         layout_overrides(name)  # unknown names fail before anything runs
     with tempfile.TemporaryDirectory(prefix="paratrain-verify-") as out_dir:
@@ -166,45 +180,56 @@ def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str 
         references, ref_seconds = {}, 0.0
 
         def reference_for(model_overrides: list[str]):
-            # One single-process reference per model (the dense tiny model, or e.g. the MoE preset).
+            # One single-process reference per model (the dense tiny model, or e.g. the MoE preset), with its final
+            # checkpoint (which every layout of that model evaluates) and that checkpoint's val loss.
             nonlocal ref_seconds
             key = tuple(model_overrides)
             if key not in references:
+                from paratrain.api import train_rank
+
                 start = time.perf_counter()
                 run_name = "reference" + "".join("_" + o.split("=", 1)[1] for o in key)
-                references[key] = _run(base + list(key) + [f"training.micro_batch={GLOBAL_BATCH}", f"run.name={run_name}"],
-                                       1, list(extra_args))
+                cfg = load_config(None, base + list(key) + [f"training.micro_batch={GLOBAL_BATCH}", f"run.name={run_name}",
+                                                            *extra_args, "checkpoint.save_final=true"])
+                result = train_rank(cfg, want_final_weights=True)
                 seconds = time.perf_counter() - start
                 ref_seconds += seconds
                 echo(f"reference{' (' + ' '.join(key) + ')' if key else ''}: 1 process, {steps} steps, final loss "
-                     f"{references[key].losses[-1]:.6f} ({seconds:.1f}s)")
+                     f"{result.losses[-1]:.6f}, val loss {result.val_loss:.6f} ({seconds:.1f}s)")
+                references[key] = result, cfg.run_dir / "checkpoints" / f"step-{steps}"
             return references[key]
 
         rows = []
         for name in layouts:
             nproc, extra = layout_overrides(name)
-            reference = reference_for(reference_overrides(extra))
+            reference, checkpoint = reference_for(reference_overrides(extra))
             start = time.perf_counter()
+            run_name = name.replace("+", "_")
+            # The evaluation only: resumed at the last step from the reference's checkpoint, nothing left to train.
+            evaluation = [f"run.name={run_name}-eval", f"checkpoint.resume={checkpoint}", "training.eval_every=1"]
             try:
-                result = _run(base + extra + [f"run.name={name.replace('+', '_')}"], nproc, list(extra_args))
+                result, val_loss = _run_layout(base + extra + [f"run.name={run_name}"], evaluation, nproc,
+                                               list(extra_args))
                 loss_diff, weight_diff = compare(reference, result)
+                val_diff = abs(val_loss - reference.val_loss)
                 note, losses = "", result.losses
             except UserError as e:
-                loss_diff = weight_diff = float("inf")
+                loss_diff = weight_diff = val_diff = float("inf")
                 note, losses = str(e) or "ranks failed (see above)", []
-            passed = loss_diff <= tolerance and weight_diff <= tolerance
-            rows.append(Row(name, nproc, loss_diff, weight_diff, time.perf_counter() - start, passed, note, losses))
+            passed = loss_diff <= tolerance and weight_diff <= tolerance and val_diff <= val_tolerance
+            rows.append(Row(name, nproc, loss_diff, weight_diff, val_diff, time.perf_counter() - start, passed, note,
+                            losses))
             echo(format_row(rows[-1], tolerance, judged=precision == "fp32"))
     return rows, ref_seconds
 
 
-HEADER = f"{'layout':<18} {'ranks':>5} {'max |dloss|':>12} {'max |dweight|':>14} {'time':>7}  result"
+HEADER = f"{'layout':<18} {'ranks':>5} {'max |dloss|':>12} {'max |dweight|':>14} {'|dval|':>9} {'time':>7}  result"
 
 
 def format_row(r: Row, tolerance: float, judged: bool = True) -> str:
     verdict = ("PASS" if r.passed else "FAIL") if judged else ("reported" if r.note == "" else "FAIL")
     note = f"  ({r.note})" if r.note else ""
-    return f"{r.layout:<18} {r.ranks:>5} {r.max_loss_diff:>12.2e} {r.max_weight_diff:>14.2e} {r.seconds:>6.1f}s  {verdict}{note}"
+    return f"{r.layout:<18} {r.ranks:>5} {r.max_loss_diff:>12.2e} {r.max_weight_diff:>14.2e} {r.val_diff:>9.2e} {r.seconds:>6.1f}s  {verdict}{note}"
 
 
 def main_verify(argv: list[str]) -> int:

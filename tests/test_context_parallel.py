@@ -153,7 +153,8 @@ def test_verify_cp_rows(char_data):
 
     assert set(CP_SUITE) - {"cp4-seq256"} <= set(CP_MATRIX) and "cp4-seq1024" in CP_MATRIX
     rows, _ = run_verify(CP_SUITE, steps=10, tolerance=TOL, extra_args=[f"data.dir={char_data}"], echo=lambda line: None)
-    report = "\n".join(f"{r.layout}: dloss {r.max_loss_diff:.2e} dweight {r.max_weight_diff:.2e} {r.note}" for r in rows)
+    report = "\n".join(f"{r.layout}: dloss {r.max_loss_diff:.2e} dweight {r.max_weight_diff:.2e} dval {r.val_diff:.2e} "
+                       f"{r.note}" for r in rows)
     for r in rows:
         assert len(r.losses) == 10 and r.passed, report
 
@@ -167,7 +168,7 @@ def test_cp_evaluates_and_samples_like_one_process(char_data, tmp_path):
     from paratrain.distributed.launch import launch
 
     extra = ["training.steps=3", "training.global_batch=4", "training.micro_batch=4", "training.eval_every=2",
-             "training.eval_batches=2", "sample.max_new_tokens=6", "sample.temperature=0", "optimizer.eps=1e-6",
+             "training.eval_sequences=8", "sample.max_new_tokens=6", "sample.temperature=0", "optimizer.eps=1e-6",
              "checkpoint.save_final=false"]
     one = train_rank(fast_config(char_data, tmp_path, "one", *extra))
     cp = launch(run_rank, (fast_config(char_data, tmp_path, "cp", *extra, "parallel.cp=2"),), 2)

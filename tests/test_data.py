@@ -511,11 +511,15 @@ def test_loader_errors(data_dir, tmp_path):
     raises_one_line(TokenData, data_dir, "train", 16, "shuffled", match="data mode")
 
 
-def test_eval_batches_fixed(data_dir):
+def test_eval_sequences_fixed(data_dir):
+    """The evaluation set is a pure function of (seed, index): any slice of it reads the same sequences."""
     data = TokenData(data_dir, "val", 32)
-    a, b = data.eval_batches(3, 4), data.eval_batches(3, 4)
-    assert len(a) == 3 and all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(a, b))
-    assert not torch.equal(a[0][0], a[1][0])
+    x, y = data.eval_sequences(0, 150)
+    assert torch.equal(x, data.eval_sequences(0, 150)[0]) and torch.equal(x[:, 1:], y[:, :-1])
+    for first, count in ((0, 7), (5, 90), (63, 2), (100, 50)):  # across the read blocks
+        xs, ys = data.eval_sequences(first, count)
+        assert torch.equal(xs, x[first:first + count]) and torch.equal(ys, y[first:first + count])
+    assert not torch.equal(x[0], x[1]) and not torch.equal(x, data.eval_sequences(0, 150, seed=1)[0])
 
 
 # ---------------------------------------------------------------------------- mixtures

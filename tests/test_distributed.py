@@ -18,15 +18,17 @@ from paratrain.verify import DEFAULT_MATRIX, MOE_MATRIX, run_verify
 from conftest import assert_plan_rejected, fast_overrides
 
 TOL = 1e-5
+VAL_TOL = 1e-6  # one checkpoint's val loss on the layout against one process
 
 
 def check_matrix(matrix: list[str], char_data) -> None:
     rows, _ = run_verify(matrix, steps=20, tolerance=TOL, extra_args=[f"data.dir={char_data}"], echo=lambda line: None)
-    report = "\n".join(f"{r.layout}: dloss {r.max_loss_diff:.2e} dweight {r.max_weight_diff:.2e} {r.note}" for r in rows)
+    report = "\n".join(f"{r.layout}: dloss {r.max_loss_diff:.2e} dweight {r.max_weight_diff:.2e} dval {r.val_diff:.2e} "
+                       f"{r.note}" for r in rows)
     assert [r.layout for r in rows] == matrix
     for r in rows:
         assert len(r.losses) == 20, report
-        assert r.max_loss_diff <= TOL and r.max_weight_diff <= TOL, report
+        assert r.max_loss_diff <= TOL and r.max_weight_diff <= TOL and r.val_diff <= VAL_TOL, report
 
 
 def test_verify_default_matrix(char_data):

@@ -13,17 +13,19 @@ from paratrain.errors import ConfigError
 from conftest import assert_plan_rejected, fast_overrides
 
 TOL = 1e-5
+VAL_TOL = 1e-6  # one checkpoint's val loss on the layout against one process
 
 
 def check_rows(layouts, char_data, steps=20):
     from paratrain.verify import run_verify
 
     rows, _ = run_verify(layouts, steps=steps, tolerance=TOL, extra_args=[f"data.dir={char_data}"], echo=lambda line: None)
-    report = "\n".join(f"{r.layout}: dloss {r.max_loss_diff:.2e} dweight {r.max_weight_diff:.2e} {r.note}" for r in rows)
+    report = "\n".join(f"{r.layout}: dloss {r.max_loss_diff:.2e} dweight {r.max_weight_diff:.2e} dval {r.val_diff:.2e} "
+                       f"{r.note}" for r in rows)
     assert [r.layout for r in rows] == layouts
     for r in rows:
         assert len(r.losses) == steps, report
-        assert r.max_loss_diff <= TOL and r.max_weight_diff <= TOL, report
+        assert r.max_loss_diff <= TOL and r.max_weight_diff <= TOL and r.val_diff <= VAL_TOL, report
 
 
 def test_verify_pp_schedules(char_data):

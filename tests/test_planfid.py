@@ -204,7 +204,7 @@ def test_heterogeneous_plan_places_stages_by_speed_and_train_accepts_it(char_dat
     assert cfg.parallel.pp == 2 and split[0] > split[1] and sum(split) == 6, text
     assert cfg.parallel.pp_stage_gpus == "fast,slow" and "the even split" in text
     over = [f"data.dir={char_data}", f"run.out_dir={tmp_path / 'runs'}", "run.name=hetero", "training.steps=2",
-            "training.eval_every=0", "training.eval_batches=1", "sample.max_new_tokens=0", "metrics.progress=none",
+            "training.eval_every=0", "training.eval_sequences=8", "sample.max_new_tokens=0", "metrics.progress=none",
             "metrics.peak_tflops=1", "checkpoint.save_final=false"]
     os.environ["PARATRAIN_SIM_SLOWDOWN"] = "1,3"
     try:

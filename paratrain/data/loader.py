@@ -31,6 +31,7 @@ _SPLIT_SALT = {"train": 0, "val": 0x5EED_5EED_5EED}  # keeps val windows unrelat
 MODES = ("random", "sequential")
 _M64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
+EVAL_BLOCK = 64  # the evaluation set is read as batches of this many sequences (a constant: never the run's batch)
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -209,10 +210,12 @@ class TokenData:
         first = step * global_batch_size + dp_rank * per_rank
         return [self._rows(first + i * mb, mb, seed, global_batch_size) for i in range(accum_steps)]
 
-    def eval_batches(self, num_batches: int, batch_size: int, seed: int = 0):
-        """A fixed list of batches (meant for the val split): identical on every call, so eval
-        losses of different steps and runs are comparable."""
-        return [self.global_batch(i, batch_size, seed) for i in range(num_batches)]
+    def eval_sequences(self, first: int, count: int, seed: int = 0):
+        """Sequences first .. first + count - 1 of the fixed evaluation set (meant for the val split): sequence i is
+        a pure function of (seed, i), whatever the layout, the batch or how many are asked for, so evaluations of
+        different steps, runs and layouts score the same sequences (sequence i is row i % EVAL_BLOCK of the split's
+        batch i // EVAL_BLOCK)."""
+        return self._rows(first, count, seed, EVAL_BLOCK)
 
     # -- how far the run has got ---------------------------------------------------------------
     def progress(self, steps_done: int, global_batch_size: int) -> dict:

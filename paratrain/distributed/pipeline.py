@@ -115,8 +115,12 @@ class Pipeline:
         return h if self.has_last else None
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
+        """loss_fn(logits, targets) -> a float64 scalar, computed on the last stage and sent to every pp rank."""
         out = self.forward(x)
-        loss = full_tensor(loss_fn(out, y)).detach().float() if self.has_last else torch.zeros((), device=self.device)
+        if self.has_last:
+            loss = full_tensor(loss_fn(out, y)).detach().double()
+        else:
+            loss = torch.zeros((), dtype=torch.float64, device=self.device)
         return self._from_last(loss)
 
     def last_logits(self, tokens: torch.Tensor, vocab: int, position: int = -1) -> torch.Tensor:

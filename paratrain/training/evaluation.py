@@ -1,4 +1,12 @@
-"""Validation loss: the same held-out batches for every layout, each data-parallel rank evaluating its slice."""
+"""Validation loss: one fixed set of `training.eval_sequences` sequences for every layout, split over the
+data-parallel ranks.
+
+Sequence i of the set is a pure function of (seed, i) (`TokenData.eval_sequences`), never of the global batch, so
+one checkpoint scores the same on 1 process and on any layout. Each data-parallel rank evaluates a contiguous share;
+when the count does not divide by dp the last shares are padded to the same length (every rank runs the same
+forwards, which FSDP, expert and pipeline parallelism need) and the padding rows are left out of the sum. The loss is
+the sum of every token's loss over dp x cp (float64), divided by the number of tokens: the mean over the set.
+"""
 
 from __future__ import annotations
 
@@ -15,24 +23,33 @@ def dp_mean(value: torch.Tensor, group) -> float:
     return value.item()
 
 
+def eval_share(sequences: int, dp: int, dp_rank: int) -> tuple[int, int, int]:
+    """(first, length, real) of a data-parallel rank's share of the set: `length` rows from `first`, the same on every
+    rank, of which the first `real` are in the set (the rest is padding)."""
+    length = -(-sequences // dp)
+    first = dp_rank * length
+    return first, length, max(0, min(length, sequences - first))
+
+
 class Evaluator:
     def __init__(self, val_data, step, spec, dp_rank: int, group):
-        """`group`: the ranks the loss is averaged over (data-parallel x context-parallel)."""
+        """`group`: the ranks whose loss sums add up to the whole set's (data-parallel x context-parallel)."""
         self.val_data, self.step, self.spec = val_data, step, spec
         self.dp_rank, self.group = dp_rank, group
 
     @torch.no_grad()
     def __call__(self, micro_batch: int) -> float:
         spec, cfg = self.spec, self.spec.cfg.training
+        first, length, real = eval_share(cfg.eval_sequences, spec.layout.dp, self.dp_rank)
+        size = min(length, self.step.eval_chunk(micro_batch, spec.global_batch // spec.layout.dp))
         model = self.step.model
         model.eval()
-        total = torch.zeros((), device=self.step.device)
-        batches = self.val_data.eval_batches(cfg.eval_batches, spec.global_batch, seed=cfg.seed)
-        per_rank = spec.global_batch // spec.layout.dp
-        rows = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)  # this rank's sequences
-        size = self.step.eval_chunk(micro_batch, per_rank)
-        for x, y in batches:
-            for xs, ys in zip(x[rows].split(size), y[rows].split(size)):
-                total += self.step.eval_loss(xs, ys) * xs.shape[0] / per_rank
+        total = torch.zeros((), dtype=torch.float64, device=self.step.device)
+        for start in range(0, length, size):  # read chunk by chunk: the set may be large
+            x, y = self.val_data.eval_sequences(first + start, min(size, length - start), seed=cfg.seed)
+            rows = min(size, max(0, real - start))  # the chunk's rows in the set; forwards of padding count nothing
+            total += self.step.eval_loss_sum(x, y, rows)
         model.train()
-        return dp_mean(total / len(batches), self.group)
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+        return total.item() / (cfg.eval_sequences * cfg.seq_len)

@@ -11,6 +11,7 @@ microbatches; evaluation and sampling run the stages forward one after the other
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,13 @@ from paratrain.models.moe import balance_loss, moe_modules
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # (B*T, V) vs (B*T,)
+
+
+def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+    """The sum of the per-token losses of the first `rows` sequences, in float64 (evaluation: the rows after them
+    are padding; a sum, unlike a mean, adds up exactly over any split of the sequences)."""
+    per_token = full_tensor(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none"))
+    return per_token.view(targets.shape)[:rows].double().sum()
 
 
 def make_scaler(layout: Layout, precision: str, device: torch.device):
@@ -150,14 +158,15 @@ class TrainStep:
         return self.context.shard(t) if self.context is not None else t
 
     @torch.no_grad()
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward only: the mean loss of (x, y), the same on every tp/pp rank; under context parallelism the mean
-        over this rank's chunks (the evaluator averages over dp x cp)."""
+    def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor, rows: int) -> torch.Tensor:
+        """Forward only: the summed loss (float64) of the first `rows` sequences of (x, y), the same on every tp/pp
+        rank; under context parallelism the sum over this rank's chunks of them (the evaluator sums over dp x cp)."""
         x, y = self._local(x).to(self.device), self._local(y).to(self.device)
+        loss = functools.partial(summed_cross_entropy, rows=rows)
         with self.contexts():
             if self.pipeline is not None:  # stage by stage; the loss comes from the last stage
-                return self.pipeline.eval_loss(x, y, cross_entropy)
-            return full_tensor(cross_entropy(self.model(x), y))
+                return self.pipeline.eval_loss(x, y, loss)
+            return loss(self.model(x), y)
 
     def sampler(self, vocab_size: int) -> nn.Module:
         """A callable model for `generate.sample` (whole prompts on every rank, also under context parallelism)."""
@@ -172,5 +181,6 @@ class TrainStep:
         return WholeSequenceSampler(sampler, modules)
 
     def eval_chunk(self, micro_batch: int, per_rank: int) -> int:
-        """Sequences per forward in evaluation: the training micro-batch, or a pipeline microbatch."""
-        return per_rank // self.layout.pp_microbatches if self.pipeline is not None else micro_batch
+        """Sequences per forward in evaluation: the training micro-batch, or a pipeline microbatch (of `per_rank`,
+        this rank's share of a global batch)."""
+        return max(1, per_rank // self.layout.pp_microbatches) if self.pipeline is not None else micro_batch
