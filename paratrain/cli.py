@@ -101,6 +101,8 @@ def cmd_profile(argv: list[str]) -> int:
     if steps < 1:
         raise UserError("--steps must be >= 1")
     cfg = load_config(own.get("--config"), profile_overrides(steps, warmup, overrides))
+    if not any(o.startswith("run.name=") for o in overrides) and not any(cfg.run_dir.glob("checkpoints/*")):
+        cfg.run.overwrite = True  # the default runs/profile holds an earlier profile (no checkpoints): replace it
     train(cfg, nproc=_int_flag(own, "--nproc", 1), oversubscribe=oversubscribe)
     print(f"traces: {cfg.run_dir / 'profile'}/rank<r>.json (https://ui.perfetto.dev); summary: "
           f"{cfg.run_dir / 'profile' / 'summary.json'}")

@@ -118,8 +118,8 @@ def check_new_run(cfg) -> None:
 
 def check_overwrite(cfg) -> None:
     """run.overwrite deletes the run folder: never one that holds this run's own inputs."""
-    if not cfg.run.overwrite or not cfg.run_dir.exists():
-        return
+    if not cfg.run.overwrite or cfg.checkpoint.resume != "none" or not cfg.run_dir.exists():
+        return  # a resumed run keeps its folder: overwrite applies to a new run only
     run_dir = Path(os.path.realpath(cfg.run_dir))
     inputs = {"data.dir": cfg.data.dir, "checkpoint.resume": cfg.checkpoint.resume,
               "model.init_from": cfg.model.init_from.removeprefix("hf:")}

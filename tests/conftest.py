@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from paratrain.data import DEFAULT_CORPUS, prepare_dataset
@@ -36,8 +38,11 @@ def char_data(tmp_path_factory):
 
 
 def fast_overrides(data_dir, out_dir, name: str = "run", *extra: str) -> list[str]:
-    """Override strings for a fast run of `name` under out_dir; later entries win."""
-    return [*FAST, f"data.dir={data_dir}", f"run.out_dir={out_dir}", f"run.name={name}", *extra]
+    """Override strings for a fast run of `name` under out_dir; later entries win. A data folder that holds no
+    dataset yet is prepared from the bundled corpus."""
+    fresh = not Path(data_dir).is_dir() or not any(Path(data_dir).iterdir())
+    source = ["data.source=tinyshakespeare"] if fresh else []
+    return [*FAST, *source, f"data.dir={data_dir}", f"run.out_dir={out_dir}", f"run.name={name}", *extra]
 
 
 def fast_config(data_dir, out_dir, name: str = "run", *extra: str):

@@ -366,18 +366,28 @@ def test_truncated_shard_is_detected(tmp_path):
 
 
 def test_read_meta_and_ensure_prepared(tmp_path, monkeypatch):
+    """A prepared folder is reused as it is; only the same source files, changed, are prepared again; a folder of
+    another tokenizer, vocabulary or corpus is a one-line error and stays byte-identical."""
     raises_one_line(read_meta, tmp_path, match="not a prepared dataset")
     src = write(tmp_path / "a.txt", CORPUS)
     meta = ensure_prepared(src, tmp_path / "d")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "d").iterdir()}
     calls = []
     monkeypatch.setattr(prep, "prepare_dataset", lambda *a, **k: calls.append(k) or {})
     assert ensure_prepared(src, tmp_path / "d") == meta and not calls  # up to date: reused
+    assert ensure_prepared(None, tmp_path / "d", tokenizer=None) == meta and not calls  # nothing given: its own
     os.utime(src, ns=(0, 0))
     assert ensure_prepared(src, tmp_path / "d") == meta and not calls  # touched, same bytes: still reused
-    ensure_prepared(src, tmp_path / "d", tokenizer="byte")  # other tokenizer: redone
+    raises_one_line(ensure_prepared, src, tmp_path / "d", tokenizer="byte", match="--tokenizer=byte is another tokenizer")
+    raises_one_line(ensure_prepared, src, tmp_path / "d", tokenizer="bpe", vocab_size=300, match="another tokenizer")
+    other = write(tmp_path / "b.txt", CORPUS[:5000])
+    raises_one_line(ensure_prepared, other, tmp_path / "d", match="is another corpus")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "d").iterdir()} == before and not calls
     write(src, CORPUS + "more")
-    ensure_prepared(src, tmp_path / "d")  # changed corpus: redone
-    assert len(calls) == 2 and all(k["overwrite"] for k in calls)
+    ensure_prepared(src, tmp_path / "d")  # the same file, changed: redone
+    assert len(calls) == 1 and calls[0]["overwrite"]
+    (tmp_path / "e").mkdir()
+    raises_one_line(ensure_prepared, None, tmp_path / "e", match="holds no prepared dataset")
 
 
 def test_interrupted_prepare_starts_clean(tmp_path):

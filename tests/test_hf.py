@@ -298,7 +298,7 @@ def test_round_trip_is_bitwise(tmp_path):
 
     for name, folder, dtype in (("llama", make_llama(tmp_path / "llama", tied=True, dtype=torch.bfloat16), "bf16"),
                                 ("mixtral", make_mixtral(tmp_path / "mixtral"), "fp32")):
-        cfg = fast_config(tmp_path / f"data-{name}", tmp_path, name, f"model.init_from=hf:{folder}",
+        cfg = fast_config(tmp_path / f"data-{name}", tmp_path / "runs", name, f"model.init_from=hf:{folder}",
                           "training.steps=1", "optimizer.lr=1e-30", "optimizer.min_lr=0", "training.eval_every=0")
         train(cfg)
         out = tmp_path / f"{name}-out"

@@ -2,8 +2,8 @@
 
 Each case asserts the exit code, exactly one `error:` line on stderr and no traceback, and that every file that
 existed before is byte-identical afterwards with nothing added (the working directory included: `--run.name=..`
-once overwrote a config.toml there). The world the cases run in holds a previous run (its config.toml must survive a
-failed start under the same name), a checkpoint with one shard corrupted at the same size, a read-only folder, a
+once overwrote a config.toml there). The world the cases run in holds a previous run (its files must survive a
+failed start under the same name, even with --run.overwrite=true: nothing is deleted before every check passed), a checkpoint with one shard corrupted at the same size, a read-only folder, a
 busy port, a file where folders are expected, and a metrics file that is not UTF-8.
 """
 
@@ -40,7 +40,8 @@ class World:
     port: int
 
     def train(self, *extra: str) -> list[str]:
-        return ["train", *(f"--{o}" for o in fast_overrides(self.data, self.root / "runs", "prev")), *extra]
+        return ["train", *(f"--{o}" for o in fast_overrides(self.data, self.root / "runs", "prev", "run.overwrite=true")),
+                *extra]
 
 
 @pytest.fixture(scope="module")

@@ -533,6 +533,7 @@ def ensure_prepared(source, out_dir, tokenizer="char", vocab_size=None, tokenize
         if kind == "bpe" and vocab_size is None:
             raise UserError(f"{names['tokenizer']}=bpe needs {names['vocab_size']} (at least 257: 256 bytes plus "
                             "end-of-text)")
+        resolve_inputs(source)  # a missing input is the one line, not after a "preparing" one
         echo(f"preparing {out_dir} from {source} ({kind} tokenizer)")
         return prepare_dataset(source, out_dir, tokenizer=tokenizer or "char", vocab_size=vocab_size,
                                tokenizer_path=tokenizer_path, echo=echo, **kw)

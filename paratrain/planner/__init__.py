@@ -71,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate-modes", help="execution modes to time a block in: eager,compile (default: both on "
                    "CUDA, eager on a CPU)")
     p.add_argument("--calibrate-tp", type=int, default=1, help="tensor-parallel degree of the shapes to calibrate")
+    p.add_argument("--calibrate-seconds", type=float, default=0.25, help="time spent on each measurement (longer: "
+                   "steadier numbers)")
     p.add_argument("--name", default="local", help="profile name for --calibrate")
     p.add_argument("--nproc", type=int, default=None, help="local ranks for --calibrate (default: GPUs, or 4)")
     p.add_argument("--profile-dir", help="where profiles live (default ~/.cache/paratrain/profiles)")
@@ -336,7 +338,9 @@ def main_plan(argv: list[str]) -> int:
         margs = _model(args.model, args.vocab_size)[1] if model_given else None
         mbs = _csv(args.micro_batches, cast=_posint, flag="--micro-batches") or (1, 2)
         modes = _csv(args.calibrate_modes, ("eager", "compile"), flag="--calibrate-modes")
-        hw, path = calibrate(args.name, nproc, args.profile_dir, model=margs, seq=args.seq, micro_batches=mbs,
+        if not 0 < args.calibrate_seconds <= 60:
+            raise UserError(f"--calibrate-seconds must be in (0, 60], got {args.calibrate_seconds}")
+        hw, path = calibrate(args.name, nproc, args.profile_dir, seconds=args.calibrate_seconds, model=margs, seq=args.seq, micro_batches=mbs,
                              tp=args.calibrate_tp, modes=modes)
         if args.json:
             print(json.dumps({"profile": str(path), **hw.to_json()}, indent=2))
