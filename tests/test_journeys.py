@@ -126,6 +126,18 @@ def test_every_readme_command_has_a_journey():
     assert not stale, f"journeys run commands the README no longer shows: {stale}"
 
 
+def test_readme_config_blocks_load(tmp_path):
+    """Every ```toml block of the README is a valid paratrain config (each key exists, each value is accepted)."""
+    from paratrain.config import load_config
+
+    blocks = re.findall(r"```toml\n(.*?)```", README.read_text(), re.S)
+    assert blocks
+    for i, body in enumerate(blocks):
+        path = tmp_path / f"block{i}.toml"
+        path.write_text(body)
+        load_config(path)
+
+
 class Journey:
     """A fresh working folder and the README's commands run there as subprocesses."""
 
