@@ -348,6 +348,10 @@ def test_journey_hugging_face(journey):
     out = done.stdout + done.stderr
     assert "initialised from Hugging Face folder" in out and "sample:" in out and "val loss" in out
     assert "0.000 B" not in out
+    # the same with tensor parallelism (+ sequence parallel): the imported vocabulary and the sample too
+    done = j.readme(JOURNEYS["hugging_face"][0], TINY, [*STEPS, "--training.seq_len=32", "--parallel.tp=2",
+                                                        "--run.name=ft-tp", "--sample.prompt=Hello"])
+    assert "sample:\nHello" in done.stdout + done.stderr
     j.readme("paratrain export runs/ft --format hf --out ft-hf --dtype bf16")
     config = json.loads((j.cwd / "ft-hf" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype" if "torch_dtype" in config
