@@ -156,6 +156,8 @@ CASES = [
      "checksum mismatch"),
     ("export-out-read-only", lambda w: ["export", str(w.prev), "--format", "hf", "--out", f"{w.ro}/x"], "read-only"),
     ("export-out-not-empty", lambda w: ["export", str(w.prev), "--format", "hf", "--out", str(w.prev)],
+     "would delete the checkpoint it reads"),  # not "pass --overwrite": that would delete the checkpoint
+    ("export-out-not-empty-other", lambda w: ["export", str(w.prev), "--format", "hf", "--out", str(w.empty.parent / "garbled")],
      "exists and is not empty"),
     ("export-format", lambda w: ["export", str(w.prev), "--format", "gguf", "--out", f"{w.root}/x"],
      "invalid choice: 'gguf'"),

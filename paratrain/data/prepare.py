@@ -457,7 +457,8 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
     choose_dtype(0, dtype)  # reject a bad dtype name before the slow part
     sources = resolve_inputs(source)
     val_sources = resolve_inputs(val_input, "validation input") if val_input else []
-    _check_keeps_inputs(out_dir, sources, val_sources)
+    if not (out_dir.exists() and not out_dir.is_dir()):  # a file there: _check_out_dir says so
+        _check_keeps_inputs(out_dir, sources, val_sources)
     _check_out_dir(out_dir, overwrite)
     tok = _build_tokenizer(kind, tok_path, vocab_size, sources + val_sources, text_field, int(sample_mb * 1e6), echo)
     dtype = choose_dtype(tok.vocab_size, dtype)
