@@ -109,6 +109,9 @@ def cmd_profile(argv: list[str]) -> int:
     return 0
 
 
+MAX_NEW_TOKENS = 1_000_000
+
+
 def cmd_generate(argv: list[str]) -> int:
     from paratrain.errors import OneLineArgumentParser
 
@@ -122,6 +125,8 @@ def cmd_generate(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 0 or args.top_k < 0:
         raise UserError("--max-new-tokens and --top-k must be >= 0")
+    if args.max_new_tokens > MAX_NEW_TOKENS:  # every token is one forward over the context, and kept in memory
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} is more than {MAX_NEW_TOKENS} (a typo?)")
     if args.temperature < 0:  # NaN and infinity are refused by the parser
         raise UserError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     from paratrain.inference import load_for_generation

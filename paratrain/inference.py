@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from paratrain.training import safe_dcp
 from paratrain.training.checkpoint import (MARKER, checkpoint_problem, load_trainer_state, newest_valid_checkpoint,
                                            step_folders, step_of)
 from paratrain.data import load_tokenizer
@@ -34,7 +35,6 @@ def find_checkpoint(path: str | Path, warn=None) -> Path:
 
 
 def load_for_generation(path: str | Path, device: torch.device | None = None):
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from paratrain.hf.arch import is_hf_folder
@@ -52,9 +52,11 @@ def load_for_generation(path: str | Path, device: torch.device | None = None):
     model = Transformer(args).to(device or "cpu")
     sd = {"model": get_model_state_dict(model)}
     try:
-        dcp.load(sd, checkpoint_id=str(ckpt))
+        safe_dcp.load(sd, ckpt)
     except (KeyboardInterrupt, SystemExit):
         raise
+    except safe_dcp.MetadataProblem as e:
+        raise UserError(f"{ckpt}: {e}") from None
     except BaseException as e:  # noqa: BLE001 - a foreign checkpoint (DCP's CheckpointException is a BaseException)
         raise UserError(f"{ckpt}: cannot load model weights ({type(e).__name__})") from None
     set_model_state_dict(model, sd["model"])

@@ -116,11 +116,16 @@ def check_new_run(cfg) -> None:
                         f"start over with --run.overwrite=true (deletes it), or choose another --run.name")
 
 
+def holds(folder, path) -> bool:
+    """Whether `path` is `folder` or lies inside it (links resolved): deleting folder would delete path."""
+    folder, path = Path(os.path.realpath(folder)), Path(os.path.realpath(path))
+    return path == folder or folder in path.parents
+
+
 def check_overwrite(cfg) -> None:
     """run.overwrite deletes the run folder: never one that holds this run's own inputs."""
     if not cfg.run.overwrite or cfg.checkpoint.resume != "none" or not cfg.run_dir.exists():
         return  # a resumed run keeps its folder: overwrite applies to a new run only
-    run_dir = Path(os.path.realpath(cfg.run_dir))
     inputs = {"data.dir": cfg.data.dir, "checkpoint.resume": cfg.checkpoint.resume,
               "model.init_from": cfg.model.init_from.removeprefix("hf:")}
     inputs.update({f"data.sources[{i}]": s.get("dir", "") for i, s in enumerate(cfg.data.sources)
@@ -129,8 +134,7 @@ def check_overwrite(cfg) -> None:
         inputs["data.source"] = cfg.data.source
     for key, value in inputs.items():
         if value and value not in ("none", "auto"):
-            path = Path(os.path.realpath(value))
-            if path == run_dir or run_dir in path.parents:
+            if holds(cfg.run_dir, value):
                 raise UserError(f"run.overwrite=true would delete {cfg.run_dir}, which holds {key}={value}; "
                                 "move it out of the run folder first")
 

@@ -157,6 +157,8 @@ CASES = [
      "checksum mismatch"),
     ("export-out-read-only", lambda w: ["export", str(w.prev), "--format", "hf", "--out", f"{w.ro}/x"], "read-only"),
     ("export-out-not-empty", lambda w: ["export", str(w.prev), "--format", "hf", "--out", str(w.prev)],
+     "would delete the checkpoint it reads"),  # not "pass --overwrite": that would delete the checkpoint
+    ("export-out-not-empty-other", lambda w: ["export", str(w.prev), "--format", "hf", "--out", str(w.empty.parent / "garbled")],
      "exists and is not empty"),
     ("export-format", lambda w: ["export", str(w.prev), "--format", "gguf", "--out", f"{w.root}/x"],
      "invalid choice: 'gguf'"),
@@ -229,9 +231,14 @@ def test_hostile_input(world, capsys, monkeypatch, name, argv, pattern):
     before = snapshot(world.root)
     rc = cli.main(args)
     out, err = capsys.readouterr()
+    assert_refused(rc, out, err, pattern)
+    assert snapshot(world.root) == before, "files changed"
+
+
+def assert_refused(rc: int, out: str, err: str, pattern: str) -> None:
+    """Exit code 2, no traceback, exactly one line on stderr: `error: ...` matching pattern."""
     assert rc == 2, (rc, out[-2000:], err[-2000:])
     assert "Traceback" not in out + err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert re.search(pattern, lines[0]), lines[0]
-    assert snapshot(world.root) == before, "files changed"

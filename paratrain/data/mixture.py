@@ -100,8 +100,16 @@ def parse_sources(entries) -> Mixture:
         dirs.append(Path(str(e["dir"])))
         weights.append(float(w))
         names.append(str(e.get("name") or Path(str(e["dir"])).name))
-    if sum(weights) <= 0:
+    total = sum(weights)
+    if total <= 0:
         raise ConfigError("data.sources: the weights are all zero; give at least one dataset a positive weight")
+    if not np.isfinite(total):
+        raise ConfigError(f"data.sources: the weights add up to more than a number holds ({' + '.join(map(repr, weights))}); "
+                          "scale them down (only their ratios matter)")
+    for i, w in enumerate(weights):
+        if 0 < w and round(w / total * _ONE) == 0:
+            raise ConfigError(f"data.sources[{i}].weight {w!r} is too small beside the others (below 1/2^32 of their "
+                              "sum): that dataset would never be read; give it 0 or a larger weight")
     if len(set(names)) != len(names):
         raise ConfigError(f"data.sources: two datasets are named {next(n for n in names if names.count(n) > 1)!r}; "
                           "give them distinct 'name's")

@@ -50,6 +50,9 @@ SMALL_INPUT_BYTES = 4 << 20  # below this, tokenizing in this process beats star
 DEFAULT_SAMPLE_MB = 64  # text the BPE trainer sees
 _SHARD_FILE = re.compile(r"^(train|val)(-\d{5})?\.(bin|docs)$")
 DATASET_FILES = {"meta.json", "chars.json", "tokenizer.json", "tokenizer_config.json"}
+MAX_BPE_VOCAB = 1 << 31
+MIN_SHARD_TOKENS = 64  # below this a corpus becomes a file per handful of tokens
+MAX_SHARDS = 100_000  # per split: a --shard-tokens typo must not fill the disk with files
 
 
 def choose_dtype(vocab_size: int, dtype=None) -> str:
@@ -108,6 +111,9 @@ def _check_vocab_args(kind, vocab_size):
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 257:
             raise UserError(f"bpe vocab size must be an integer of at least 257 (256 bytes plus end-of-text), "
                             f"got {vocab_size!r}")
+        if vocab_size > MAX_BPE_VOCAB:
+            raise UserError(f"--vocab-size {vocab_size} is more than {MAX_BPE_VOCAB} (ids are stored as uint32; "
+                            "a typo?)")
 
 
 def sample_texts(sources, text_field: str, budget_chars: int):
@@ -152,6 +158,9 @@ class SplitWriter:
         self._ends = []
 
     def _roll(self):
+        if len(self.shards) >= MAX_SHARDS:
+            raise UserError(f"the {self.split} split needs more than {MAX_SHARDS} shards of --shard-tokens "
+                            f"{self.shard_tokens}; raise --shard-tokens")
         self._close_shard()
         name = f"{self.split}-{len(self.shards):05d}"
         self._f = open(self.folder / f"{name}.bin", "wb")
@@ -327,6 +336,21 @@ def _check_out_dir(out_dir: Path, overwrite: bool):
         raise UserError(f"output folder {out_dir} already holds a prepared dataset; pass --overwrite to replace it")
 
 
+def max_workers() -> int:
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def _check_keeps_inputs(out_dir: Path, sources, val_sources) -> None:
+    """Replacing out_dir must never delete what this prepare reads: an input file or folder inside it."""
+    from paratrain.preflight import holds
+
+    for flag, group in (("--input", sources), ("--val-input", val_sources)):
+        for s in group:
+            if holds(out_dir, s.path):
+                raise UserError(f"--out {out_dir} would delete {flag} {s.path}, which lies inside it: choose another "
+                                "--out, or move the input out of it first")
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -418,15 +442,23 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
         raise UserError(f"val fraction must be in (0, 0.5], got {val_fraction!r}")
     if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
         raise UserError(f"shard tokens must be a positive integer, got {shard_tokens!r}")
+    if shard_tokens < MIN_SHARD_TOKENS:
+        raise UserError(f"--shard-tokens {shard_tokens} is below {MIN_SHARD_TOKENS}: a shard file per handful of "
+                        "tokens (the default is 268435456)")
     if isinstance(sample_mb, bool) or not isinstance(sample_mb, (int, float)) or not sample_mb > 0:
         raise UserError(f"--sample-mb must be positive, got {sample_mb!r}")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
         raise UserError(f"workers must be an integer >= 0 (0: tokenize in this process), got {workers!r}")
+    if workers is not None and workers > max_workers():
+        raise UserError(f"--workers {workers} is more than this machine runs ({max_workers()}: 4 per core, at "
+                        "least 8)")
     if not text_field:
         raise UserError("--text-field must not be empty")
     choose_dtype(0, dtype)  # reject a bad dtype name before the slow part
     sources = resolve_inputs(source)
     val_sources = resolve_inputs(val_input, "validation input") if val_input else []
+    if not (out_dir.exists() and not out_dir.is_dir()):  # a file there: _check_out_dir says so
+        _check_keeps_inputs(out_dir, sources, val_sources)
     _check_out_dir(out_dir, overwrite)
     tok = _build_tokenizer(kind, tok_path, vocab_size, sources + val_sources, text_field, int(sample_mb * 1e6), echo)
     dtype = choose_dtype(tok.vocab_size, dtype)
@@ -505,6 +537,9 @@ def read_meta(data_dir) -> dict:
     if meta.get("format") != FORMAT:
         raise UserError(f"{data_dir} was prepared by an older paratrain (one train.bin, no shard index); prepare it "
                         f"again: {redo}")
+    problem = meta_problem(meta)
+    if problem:
+        raise UserError(f"{data_dir / 'meta.json'}: {problem}; prepare the dataset again: {redo}")
     itemsize = np.dtype(meta["dtype"]).itemsize
     for split in SPLITS:
         for shard in meta["splits"][split]["shards"]:
@@ -512,6 +547,46 @@ def read_meta(data_dir) -> dict:
             if not path.is_file() or path.stat().st_size != shard["tokens"] * itemsize:
                 raise UserError(f"{path} is missing or has the wrong size; prepare the dataset again: {redo}")
     return meta
+
+
+def meta_problem(meta: dict) -> str | None:
+    """What is wrong with a prepared dataset's index, naming the field: the tokenizer fields, the dtype against the
+    vocabulary, and per split its shards (file names inside the folder, token and document counts that add up)."""
+    from paratrain.data.tokenizers import meta_problem as tokenizer_problem
+
+    problem = tokenizer_problem(meta)
+    if problem:
+        return problem
+    if meta["dtype"] not in ("uint16", "uint32"):
+        return f"dtype {meta['dtype']!r} is not uint16 or uint32"
+    if meta["dtype"] == "uint16" and meta["vocab_size"] > 65536:
+        return f"dtype uint16 cannot hold vocab_size {meta['vocab_size']}"
+    splits = meta.get("splits")
+    if not isinstance(splits, dict) or any(not isinstance(splits.get(s), dict) for s in SPLITS):
+        return "splits must hold a train and a val table"
+    for split in SPLITS:
+        table = splits[split]
+        shards = table.get("shards")
+        if not isinstance(shards, list):
+            return f"splits.{split}.shards must be a list"
+        for i, shard in enumerate(shards):
+            where = f"splits.{split}.shards[{i}]"
+            if not isinstance(shard, dict):
+                return f"{where} must be a table"
+            for key in ("file", "docs_file"):
+                name = shard.get(key)
+                if key in shard or key == "file":
+                    if not isinstance(name, str) or not _SHARD_FILE.match(name):
+                        return f"{where}.{key} {name!r} is not a file name of the dataset ({split}-NNNNN.bin)"
+            for key in ("tokens", "documents"):
+                value = shard.get(key, 0)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    return f"{where}.{key} must be an integer >= 0, got {value!r}"
+        for key in ("tokens", "documents"):
+            total = table.get(key)
+            if total is not None and total != sum(sh.get(key, 0) for sh in shards):
+                return f"splits.{split}.{key} {total!r} is not the sum of its shards'"
+    return None
 
 
 def ensure_prepared(source, out_dir, tokenizer="char", vocab_size=None, tokenizer_path=None, echo=None,

@@ -20,7 +20,6 @@ Every bad input is a one-line UserError naming the file and the line, row or byt
 from __future__ import annotations
 
 import glob
-import gzip
 import hashlib
 import io
 import json
@@ -131,22 +130,14 @@ class Source:
     def _jsonl(self, text_field):
         raw, stream = self._open_hashed()
         with stream:
-            if self.fmt == "jsonl.gz":
-                lines, errors, kind = gzip.GzipFile(fileobj=stream, mode="rb"), (OSError, EOFError, zlib.error), "gzip"
-            elif self.fmt == "jsonl.zst":
-                import zstandard
-
-                reader = zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True)
-                lines, errors, kind = io.BufferedReader(reader, READ_BYTES), (zstandard.ZstdError, OSError), "zstd"
-            else:
-                lines, errors, kind = stream, (), ""
+            kind = {"jsonl.gz": "gzip", "jsonl.zst": "zstd"}.get(self.fmt, "")
+            lines = io.BufferedReader(Decompressed(stream, kind, self.path), READ_BYTES) if kind else stream
             lineno, offset = 0, 0
             while True:
                 try:
                     line = lines.readline()
-                except errors as e:
-                    raise UserError(f"{self.path}: corrupt or truncated {kind} data after line {lineno} "
-                                    f"({one_line(e) or type(e).__name__})") from None
+                except CompressedDataError as e:
+                    raise UserError(f"{e} (after line {lineno})") from None
                 if not line:
                     break
                 lineno += 1
@@ -218,6 +209,82 @@ class Source:
                     raise UserError(f"{self.path} row {rows[0]}: column {text_field!r} holds "
                                     f"{'null' if value is None else type(value).__name__}, not a string")
                 yield _split_long(value)
+
+
+class CompressedDataError(Exception):
+    """A compressed stream that is corrupt or cut short: the file and the compressed byte offset."""
+
+
+class Decompressed(io.RawIOBase):
+    """The decompressed bytes of a gzip or zstd file, every member (frame) in turn; the file must end where a member
+    ends, so a transfer cut short is an error, not a shorter corpus. Errors name the file and the compressed byte
+    offset (of the block being decompressed: 64 KiB at most before the fault)."""
+
+    BLOCK = 1 << 16
+
+    def __init__(self, raw, kind: str, path: Path):
+        self.raw, self.kind, self.path = raw, kind, path
+        self.offset = 0  # compressed bytes consumed by finished blocks
+        self.input, self.output = b"", b""
+        self.decoder = None  # the member being decompressed
+        self.done = False
+
+    def readable(self):
+        return True
+
+    def _decoder(self):
+        if self.kind == "gzip":
+            return zlib.decompressobj(wbits=31)  # gzip header, deflate data, CRC-32 and length checked
+        import zstandard
+
+        return zstandard.ZstdDecompressor().decompressobj()
+
+    def _errors(self):
+        if self.kind == "gzip":
+            return (zlib.error,)
+        import zstandard
+
+        return (zstandard.ZstdError,)
+
+    def _step(self) -> None:
+        if not self.input:
+            self.input = self.raw.read(self.BLOCK)
+            if not self.input:
+                if self.decoder is not None:
+                    raise CompressedDataError(f"{self.path}: truncated {self.kind} stream: the file ends at byte "
+                                              f"offset {self.offset} inside a {self._unit()} (cut short in a "
+                                              "transfer?)")
+                self.done = True
+                return
+        if self.decoder is None:
+            if self.kind == "gzip":  # gzip allows zero bytes of padding after its last member
+                stripped = self.input.lstrip(b"\0")
+                self.offset += len(self.input) - len(stripped)
+                self.input = stripped
+                if not stripped:
+                    return
+            self.decoder = self._decoder()
+        data, self.input = self.input, b""
+        try:
+            self.output = self.decoder.decompress(data)
+        except self._errors() as e:
+            raise CompressedDataError(f"{self.path}: corrupt {self.kind} data at compressed byte offset "
+                                      f"{self.offset}..{self.offset + len(data)} ({one_line(e)})") from None
+        if self.decoder.eof:
+            self.input = self.decoder.unused_data
+            self.decoder = None
+        self.offset += len(data) - len(self.input)
+
+    def _unit(self) -> str:
+        return "member" if self.kind == "gzip" else "frame"
+
+    def readinto(self, b):
+        while not self.output and not self.done:
+            self._step()
+        n = min(len(b), len(self.output))
+        b[:n] = self.output[:n]
+        self.output = self.output[n:]
+        return n
 
 
 class _HashingReader(io.RawIOBase):

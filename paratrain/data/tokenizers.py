@@ -168,12 +168,39 @@ def _special_ids(tok: "hf.Tokenizer", path=None):
             c = json.loads(config.read_text())
         except (OSError, ValueError) as e:
             raise UserError(f"cannot read {config}: {one_line(e)}") from None
-        eos, bos = _token_name(c.get("eos_token")), _token_name(c.get("bos_token"))
-        return vocab.get(eos) if eos else None, vocab.get(bos) if bos else None
+        if not isinstance(c, dict):
+            raise UserError(f"{config} is not a JSON object")
+        ids = []
+        for key in ("eos_token", "bos_token"):
+            value = c.get(key)
+            name = _token_name(value)
+            if value is not None and name is None:
+                raise UserError(f"{config}: {key} must be a token (a string or {{\"content\": ...}}), got {value!r}")
+            if name is not None and name not in vocab:
+                raise UserError(f"{config}: {key} {name!r} is not a token of {Path(path).name}")
+            ids.append(vocab[name] if name else None)
+        return ids[0], ids[1]
     special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
     eos = next((vocab[n] for n in EOS_NAMES if n in special), None)
     bos = next((vocab[n] for n in BOS_NAMES if n in special), None)
     return eos, bos
+
+
+def _check_added_tokens(tok: "hf.Tokenizer", path: Path) -> None:
+    """Each added token has the id the file gives it (the tokenizers library silently renumbers an added token whose
+    id is not the next free one: a model trained with the original ids would read other tokens)."""
+    try:
+        added = json.loads(Path(path).read_text(encoding="utf-8")).get("added_tokens") or []
+    except (OSError, ValueError, AttributeError):
+        return  # the library read it: its own format
+    for entry in added if isinstance(added, list) else []:
+        if not isinstance(entry, dict):
+            continue
+        token, wanted = entry.get("content"), entry.get("id")
+        actual = tok.token_to_id(token) if isinstance(token, str) else None
+        if actual is not None and actual != wanted:
+            raise UserError(f"{path}: added_tokens gives {token!r} the id {wanted!r}, but the tokenizer numbers it "
+                            f"{actual} (an id must follow the vocabulary without gaps)")
 
 
 class HFTokenizer(Tokenizer):
@@ -185,7 +212,12 @@ class HFTokenizer(Tokenizer):
         self.tok, self.kind, self.source_file = tok, kind, source_file
         self.eos_id, self.bos_id = eos_id, bos_id
         # max id + 1 rather than get_vocab_size(): some files have holes or added tokens past it.
-        self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+        ids = tok.get_vocab(with_added_tokens=True).values()
+        if not ids:
+            raise UserError(f"tokenizer {source_file or ''} has an empty vocabulary")
+        self.vocab_size = max(ids) + 1
+        if self.vocab_size > MAX_VOCAB:
+            raise UserError(f"tokenizer {source_file or ''} has an id {self.vocab_size - 1}, beyond uint32")
         self._fast = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no character offsets: faster
 
     @classmethod
@@ -212,6 +244,7 @@ class HFTokenizer(Tokenizer):
             tok = hf.Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises plain Exception on bad JSON / unknown model
             raise UserError(f"cannot read tokenizer file {path}: {one_line(e)}") from None
+        _check_added_tokens(tok, path)
         return cls(tok, kind, path, *_special_ids(tok, path))
 
     def encode(self, text):
@@ -258,29 +291,82 @@ def from_spec(spec) -> Tokenizer:
     return HFTokenizer(hf.Tokenizer.from_str(text), kind, eos_id=eos, bos_id=bos)
 
 
+def meta_problem(meta) -> str | None:
+    """What is wrong with the tokenizer fields of a meta.json (naming the field), or None."""
+    if not isinstance(meta, dict):
+        return f"is a JSON {type(meta).__name__}, not an object"
+    kind = meta.get("tokenizer")
+    if kind not in KINDS:
+        return f"tokenizer: unknown kind {kind!r} (expected one of {', '.join(KINDS)})"
+    vocab = meta.get("vocab_size")
+    if not _is_count(vocab) or not 1 <= vocab <= MAX_VOCAB:
+        return f"vocab_size must be an integer from 1 to {MAX_VOCAB}, got {vocab!r}"
+    for key in ("eos_id", "bos_id"):
+        value = meta.get(key)
+        if value is not None and (not _is_count(value) or not 0 <= value < vocab):
+            return f"{key} {value!r} is not an id of the vocabulary (vocab_size {vocab})"
+    return None
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+MAX_VOCAB = (1 << 32) - 1  # ids are stored as uint32 at most
+
+
 def load_tokenizer(directory) -> Tokenizer:
-    """Rebuild the tokenizer a dataset (or anything `save()`d into `directory`) was made with."""
+    """Rebuild the tokenizer a dataset (or anything `save()`d into `directory`) was made with; every field of its
+    meta.json and chars.json is checked, and the rebuilt tokenizer must agree with the vocab_size recorded."""
     directory = Path(directory)
     meta_path = directory / "meta.json"
     if not meta_path.is_file():
         raise UserError(f"no tokenizer in {directory}: meta.json is missing")
     try:
         meta = json.loads(meta_path.read_text())
-        kind = meta["tokenizer"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         raise UserError(f"{meta_path} is not a valid dataset meta file ({one_line(e)})") from None
+    problem = meta_problem(meta)
+    if problem:
+        raise UserError(f"{meta_path}: {problem}")
+    kind = meta["tokenizer"]
     if kind == "byte":
-        return ByteTokenizer(eos=meta.get("vocab_size", 257) > 256)
+        if meta["vocab_size"] not in (256, 257):
+            raise UserError(f"{meta_path}: vocab_size {meta['vocab_size']} is not the byte tokenizer's (256 or 257)")
+        return ByteTokenizer(eos=meta["vocab_size"] > 256)
     if kind == "char":
+        chars_path = directory / "chars.json"
         try:
-            chars = json.loads((directory / "chars.json").read_text(encoding="utf-8"))
+            chars = json.loads(chars_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
-            raise UserError(f"cannot read {directory / 'chars.json'}: {one_line(e)}") from None
-        return CharTokenizer(chars, eos=meta.get("eos_id") is not None)  # older datasets had no EOS
-    if kind in ("bpe", "tokenizer.json"):
+            raise UserError(f"cannot read {chars_path}: {one_line(e)}") from None
+        if not isinstance(chars, list) or not all(isinstance(c, str) and len(c) == 1 for c in chars) \
+                or len(set(chars)) != len(chars):
+            raise UserError(f"{chars_path} must be a list of distinct single characters")
+        tok = CharTokenizer(chars, eos=meta.get("eos_id") is not None)  # older datasets had no EOS
+    else:
         tok = HFTokenizer.from_file(directory / "tokenizer.json", kind=kind)
         tok.source_file = None  # loaded copy: save() re-serializes instead of copying onto itself
         if "eos_id" in meta:  # what prepare recorded wins over detection
             tok.eos_id, tok.bos_id = meta["eos_id"], meta.get("bos_id")
-        return tok
-    raise UserError(f"{meta_path}: unknown tokenizer kind {kind!r} (expected one of {', '.join(KINDS)})")
+    if tok.vocab_size != meta["vocab_size"] or (kind == "char" and meta.get("eos_id") not in (None, tok.eos_id)):
+        raise UserError(f"{meta_path}: vocab_size {meta['vocab_size']} (eos_id {meta.get('eos_id')}) does not match "
+                        f"the tokenizer's files ({tok.vocab_size} ids)")
+    return tok
+
+
+def tokenizer_identity(tok) -> str:
+    """sha256 of what decides the ids: every (token, id) of the vocabulary and the special tokens. Two tokenizers
+    with the same identity encode every text to the same ids."""
+    import hashlib
+
+    if tok.kind == "byte":
+        vocab = [["byte", 256]]
+    elif tok.kind == "char":
+        vocab = [[c, i] for i, c in enumerate(tok.chars)]
+    else:
+        vocab = sorted([t, i] for t, i in tok.tok.get_vocab(with_added_tokens=True).items())
+        vocab.append(["model", json.loads(tok.tok.to_str()).get("model", {}).get("type")])
+    data = json.dumps([tok.kind if tok.kind in ("byte", "char") else "hf", vocab, tok.vocab_size, tok.eos_id,
+                       tok.bos_id], ensure_ascii=False)
+    return hashlib.sha256(data.encode()).hexdigest()

@@ -32,11 +32,14 @@ def init_folder(cfg) -> Path | None:
 def model_args(cfg):
     """ModelArgs of the imported model (config.json), with the training-only keys the run sets; any other
     model key that disagrees with config.json is a ConfigError. The weights are checked against it too."""
-    from paratrain.hf.load import checked_weights, hf_model_args
+    from paratrain.data.tokenizers import HFTokenizer
+    from paratrain.hf.load import check_tokenizer_fits, checked_weights, hf_model_args
 
     folder = init_folder(cfg)
     args = hf_model_args(folder)
     checked_weights(folder, args)  # names, shapes, complete files: from the headers, before anything starts
+    if (folder / "tokenizer.json").is_file():  # every id the dataset will hold has an embedding row
+        check_tokenizer_fits(HFTokenizer.from_file(folder / "tokenizer.json"), args, folder / "tokenizer.json")
     changes = {}
     for key, value in vars(cfg.model).items():
         if value is None or key in _IGNORED_KEYS:

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from paratrain.errors import UserError
-from paratrain.models.args import ModelArgs
+from paratrain.models.args import MAX_COUNT, MAX_DIMENSION, MAX_POSITIONS, MAX_VOCAB, ModelArgs, is_int, is_number
 from paratrain.models.presets import validate_args, validate_moe
 
 LLAMA, MIXTRAL = "LlamaForCausalLM", "MixtralForCausalLM"
@@ -55,8 +55,11 @@ def architecture(folder: str | Path) -> str:
 def _architecture(cfg: dict, where: str) -> str:
     archs = cfg.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else None
+    if arch is not None and not isinstance(arch, str):
+        raise UserError(f"{where}: architectures must be a list of class names, got {archs!r}")
     if arch is None:  # a bare config: the model type says it
-        arch = {v: k for k, v in IMPORTABLE.items()}.get(cfg.get("model_type"))
+        model_type = cfg.get("model_type")
+        arch = {v: k for k, v in IMPORTABLE.items()}.get(model_type) if isinstance(model_type, str) else None
     if arch not in IMPORTABLE:
         name = arch or cfg.get("model_type") or "unknown"
         raise UserError(f"{where}: architecture {name} is not supported (paratrain imports "
@@ -93,6 +96,71 @@ def _rope(cfg: dict, where: str) -> dict:
     return out
 
 
+_REQUIRED_INTS = {"hidden_size": MAX_DIMENSION, "num_hidden_layers": MAX_COUNT, "num_attention_heads": MAX_COUNT,
+                  "intermediate_size": MAX_DIMENSION, "vocab_size": MAX_VOCAB}
+_OPTIONAL_INTS = {"num_key_value_heads": MAX_COUNT, "head_dim": MAX_COUNT, "max_position_embeddings": MAX_POSITIONS,
+                  "num_local_experts": MAX_COUNT, "num_experts_per_tok": MAX_COUNT, "sliding_window": None}
+_POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
+_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+_ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "rope_theta")
+
+
+def _int_problem(key: str, value, upper) -> str | None:
+    if not is_int(value) or value < 1 or (upper is not None and value > upper):
+        bound = f"from 1 to {upper}" if upper is not None else ">= 1"
+        return f"{key} must be an integer {bound}, got {value!r}"
+    return None
+
+
+def check_hf_fields(cfg: dict, where: str) -> None:
+    """Every config.json field paratrain reads: its type and range, one line naming it."""
+    for key, upper in _REQUIRED_INTS.items():
+        problem = _int_problem(key, cfg.get(key), upper)
+        if problem:
+            raise UserError(f"{where}: {problem}")
+    for key, upper in _OPTIONAL_INTS.items():
+        if cfg.get(key) is not None and (problem := _int_problem(key, cfg[key], upper)):
+            raise UserError(f"{where}: {problem}")
+    for key in _POSITIVE_NUMBERS:
+        if key in cfg and cfg[key] is not None and not (is_number(cfg[key]) and cfg[key] > 0):
+            raise UserError(f"{where}: {key} must be a positive number, got {cfg[key]!r}")
+    for key in _BOOLS:
+        if key in cfg and cfg[key] is not None and not isinstance(cfg[key], bool):
+            raise UserError(f"{where}: {key} must be true or false, got {cfg[key]!r}")
+    for key in ("hidden_act", "model_type"):
+        if key in cfg and not isinstance(cfg[key], str):
+            raise UserError(f"{where}: {key} must be a string, got {cfg[key]!r}")
+    if "router_aux_loss_coef" in cfg and not (is_number(cfg["router_aux_loss_coef"])
+                                              and cfg["router_aux_loss_coef"] >= 0):
+        raise UserError(f"{where}: router_aux_loss_coef must be a number >= 0, got {cfg['router_aux_loss_coef']!r}")
+    for table in ("rope_scaling", "rope_parameters"):
+        value = cfg.get(table)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise UserError(f"{where}: {table} must be an object or null, got {value!r}")
+        for key in _ROPE_NUMBERS:
+            if key in value and value[key] is not None and not (is_number(value[key]) and value[key] > 0):
+                raise UserError(f"{where}: {table}.{key} must be a positive number, got {value[key]!r}")
+        if "partial_rotary_factor" in value and not is_number(value["partial_rotary_factor"]):
+            raise UserError(f"{where}: {table}.partial_rotary_factor must be a number")
+        if value.get("original_max_position_embeddings") is not None and (problem := _int_problem(
+                "original_max_position_embeddings", value["original_max_position_embeddings"], MAX_POSITIONS)):
+            raise UserError(f"{where}: {table}.{problem}")
+        for key in ("rope_type", "type"):
+            if key in value and value[key] is not None and not isinstance(value[key], str):
+                raise UserError(f"{where}: {table}.{key} must be a string, got {value[key]!r}")
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    if cfg.get("head_dim") is None and hidden % heads:
+        raise UserError(f"{where}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
+    kv = cfg.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise UserError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+    experts, top_k = cfg.get("num_local_experts"), cfg.get("num_experts_per_tok")
+    if experts is not None and top_k is not None and top_k > experts:
+        raise UserError(f"{where}: num_experts_per_tok={top_k} is more than num_local_experts={experts}")
+
+
 def _refuse_if(condition, where: str, reason: str) -> None:
     if condition:
         raise UserError(f"{where}: {reason}")
@@ -102,6 +170,7 @@ def args_from_hf_config(cfg: dict, where: str = "config.json") -> ModelArgs:
     """ModelArgs for a transformers Llama / Mistral / Mixtral config, or a one-line UserError saying what
     paratrain cannot represent."""
     arch = _architecture(cfg, where)
+    check_hf_fields(cfg, where)
     _refuse_if(cfg.get("quantization_config"), where, "quantized weights are not supported (dequantize first)")
     _refuse_if(cfg.get("hidden_act", "silu") != "silu", where,
                f"activation '{cfg.get('hidden_act')}' is not supported (paratrain's MLP is SwiGLU with silu)")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from paratrain.training import safe_dcp
 from paratrain.training.checkpoint import replace_dir
 from paratrain.errors import OneLineArgumentParser, UserError
 
@@ -77,9 +78,10 @@ class ExportPlan:
 
 def _run_config(state: dict) -> dict:
     try:
-        return tomllib.loads(state.get("config_toml", ""))
+        cfg = tomllib.loads(state.get("config_toml", ""))
     except tomllib.TOMLDecodeError:
         return {}
+    return cfg if isinstance(cfg.get("model", {}), dict) else {}
 
 
 def _source_tokenizer_matches(source: Path, tokenizer) -> bool:
@@ -94,9 +96,19 @@ def _source_tokenizer_matches(source: Path, tokenizer) -> bool:
         return False
 
 
+def _source_folder(ckpt: Path) -> Path | None:
+    """The Hugging Face folder an imported model came from (its tokenizer files are copied), or None."""
+    from paratrain.training.checkpoint import load_trainer_state
+
+    try:
+        init_from = _run_config(load_trainer_state(ckpt)).get("model", {}).get("init_from") or ""
+    except UserError:
+        return None
+    return Path(init_from[3:]) if isinstance(init_from, str) and init_from.startswith("hf:") else None
+
+
 def plan_export(ckpt: Path, dtype: str = "bf16", max_shard_bytes: int = 5 * 10**9) -> ExportPlan:
     """Everything checked and decided before a byte is written."""
-    import torch.distributed.checkpoint as dcp
 
     from paratrain.training.checkpoint import load_trainer_state
     from paratrain.data import load_tokenizer
@@ -133,7 +145,9 @@ def plan_export(ckpt: Path, dtype: str = "bf16", max_shard_bytes: int = 5 * 10**
     config = hf_config_from_args(args, vocab, dtype, bos, eos, name=f"model {model_cfg.get('preset', '')} in {ckpt}")
 
     try:
-        metadata = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+        metadata = safe_dcp.read_metadata(ckpt).state_dict_metadata
+    except safe_dcp.MetadataProblem as e:
+        raise UserError(f"{ckpt}: {e}") from None
     except Exception as e:  # noqa: BLE001 - a damaged checkpoint is a user-facing problem
         raise UserError(f"{ckpt}: unreadable DCP metadata ({type(e).__name__})") from None
     all_pieces = pieces(args, vocab)
@@ -165,27 +179,16 @@ def _numel(shape) -> int:
 
 
 def _checkpoint_reader(ckpt: Path):
-    """A DCP reader that parses the checkpoint's metadata once for the many loads of an export."""
-    import torch.distributed.checkpoint as dcp
-
-    class CachedMetadataReader(dcp.FileSystemReader):
-        _metadata = None
-
-        def read_metadata(self):
-            if self._metadata is None:
-                self._metadata = super().read_metadata()
-            return self._metadata
-
-    return CachedMetadataReader(str(ckpt))
+    """A DCP reader that parses the checkpoint's metadata once (with the allow-list) for the many loads of an
+    export."""
+    return safe_dcp.reader(ckpt)
 
 
 def _load_param(plan: ExportPlan, reader, name: str) -> torch.Tensor:
     """One whole parameter from the DCP checkpoint, read in this process alone (no collectives, even inside a
     training job): DCP assembles it from the shards of whatever layout saved it."""
-    import torch.distributed.checkpoint as dcp
-
     state = {"model": {name: torch.empty(param_shapes(plan.args)[name], dtype=plan.saved_dtypes[name])}}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    safe_dcp.load(state, plan.ckpt, storage_reader=reader, no_dist=True)
     return state["model"][name]
 
 
@@ -244,7 +247,15 @@ def export_hf(ckpt: Path, out: Path, dtype: str = "bf16", max_shard_bytes: int =
               overwrite: bool = False) -> ExportPlan:
     """Export in this process; `out` appears complete or not at all."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
+    from paratrain.preflight import holds
+
+    for what, path in (("the checkpoint it reads", ckpt), ("the model folder it copies the tokenizer from",
+                                                           _source_folder(ckpt))):
+        if path is not None and holds(out, path):
+            raise UserError(f"--out {out} would delete {what} ({path}): choose a folder outside it")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder: choose a folder")
+    if out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"--out {out} exists and is not empty (pass --overwrite to replace it)")
     from paratrain.preflight import check_writable_folder
 

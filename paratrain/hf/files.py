@@ -26,8 +26,15 @@ class TensorInfo:
     dtype: str  # safetensors' name: F32, BF16, ...
 
 
+# Every dtype a safetensors header may name, with its size in bytes (safetensors' own list).
+ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+            "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
 def read_header(path: Path) -> dict:
-    """The JSON header of a safetensors file; a file shorter than its header says is a UserError."""
+    """The JSON header of a safetensors file, every entry checked: its dtype, its shape, and its data_offsets against
+    the shape, the file's size and the other entries; a one-line UserError naming the file and the tensor."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -36,6 +43,8 @@ def read_header(path: Path) -> dict:
         n = struct.unpack("<Q", head)[0]
         if 8 + n > size:
             raise UserError(f"truncated shard {path} ({size} bytes; its header alone needs {8 + n})")
+        if n > MAX_HEADER_BYTES:
+            raise UserError(f"{path}: a header of {n} bytes is larger than safetensors allows ({MAX_HEADER_BYTES})")
         try:
             header = json.loads(f.read(n))
         except ValueError:
@@ -43,13 +52,38 @@ def read_header(path: Path) -> dict:
     if not isinstance(header, dict):
         raise UserError(f"{path} is not a safetensors file (unreadable header)")
     header.pop("__metadata__", None)
-    try:
-        end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
-    except (KeyError, TypeError, ValueError, IndexError):
-        raise UserError(f"{path} is not a safetensors file (bad tensor entries)") from None
+    spans = []
+    for name, info in header.items():
+        where = f"{path}: tensor {name}"
+        if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"}:
+            raise UserError(f"{where}: an entry has dtype, shape and data_offsets only")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in ITEMSIZE:
+            raise UserError(f"{where} has dtype {dtype!r}, not a safetensors dtype")
+        if not isinstance(shape, list) or not all(_count(d) for d in shape):
+            raise UserError(f"{where}: shape {shape!r} is not a list of sizes")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_count(o) for o in offsets) \
+                or offsets[0] > offsets[1]:
+            raise UserError(f"{where}: data_offsets {offsets!r} is not [start, end] with start <= end")
+        need = ITEMSIZE[dtype]
+        for d in shape:
+            need *= d
+        if offsets[1] - offsets[0] != need:
+            raise UserError(f"{where}: shape {shape} of {dtype} needs {need} bytes, data_offsets {offsets} hold "
+                            f"{offsets[1] - offsets[0]}")
+        spans.append((offsets[0], offsets[1], name))
+    spans.sort()
+    for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise UserError(f"{path}: the data of tensors {a} and {b} overlap (bytes {b0} to {min(a1, b1)})")
+    end = spans[-1][1] if spans else 0
     if 8 + n + end > size:
         raise UserError(f"truncated shard {path} ({size} of {8 + n + end} bytes)")
     return header
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class HFWeights:
@@ -62,6 +96,10 @@ class HFWeights:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
+                bad = next((n for n in weight_map.values() if not isinstance(n, str) or "/" in n or "\\" in n
+                            or n in (".", "..")), None) if isinstance(weight_map, dict) else None
+                if bad is not None:
+                    raise UserError(f"{index}: weight_map names {bad!r}, which is not a file of the folder")
                 files = sorted({folder / name for name in weight_map.values()})
             except (ValueError, KeyError, TypeError, AttributeError):
                 raise UserError(f"{index} is not a valid safetensors index (no weight_map)") from None

@@ -104,11 +104,22 @@ def load_hf_model(folder: str | Path, device: str | torch.device = "cpu") -> tup
     args = hf_model_args(folder)
     checked_weights(folder, args)  # before allocating the model
     tokenizer = HFTokenizer.from_file(hf_tokenizer_file(folder))
+    check_tokenizer_fits(tokenizer, args, hf_tokenizer_file(folder))
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
     load_hf_weights(model, folder, args)
     return model, args, tokenizer
+
+
+def check_tokenizer_fits(tokenizer, args: ModelArgs, where: Path) -> None:
+    """Every id the tokenizer can produce has a row in the model's embedding (config.json's vocab_size)."""
+    if tokenizer.vocab_size > args.vocab_size:
+        top = tokenizer.vocab_size - 1
+        name = tokenizer.tok.id_to_token(top) if hasattr(tokenizer, "tok") else None
+        raise UserError(f"{where}: the tokenizer has id {top}{f' ({name})' if name else ''}, beyond config.json's "
+                        f"vocab_size {args.vocab_size}: the model has no embedding row for it (a special token added "
+                        "after the model was made?)")
 
 
 def hf_tokenizer_file(folder: str | Path) -> Path:

@@ -51,3 +51,68 @@ class ModelArgs:
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe_experts > 0 and index >= self.moe_first_dense_layers
+
+
+# -- checking dimensions that come from a file (a checkpoint's trainer.pt) --------------------------------------
+# Upper bounds far beyond any published model: a value above one is a typo or a hostile file, and would make
+# paratrain allocate without bound.
+MAX_DIMENSION = 1 << 22  # dim, ffn_hidden, moe_ffn_hidden
+MAX_COUNT = 1 << 16  # layers, heads, head_dim, experts
+MAX_VOCAB = (1 << 31) - 1
+MAX_POSITIONS = 1 << 26
+_INT_RANGES = {
+    "vocab_size": (1, MAX_VOCAB), "dim": (1, MAX_DIMENSION), "n_layers": (1, MAX_COUNT), "n_heads": (1, MAX_COUNT),
+    "n_kv_heads": (1, MAX_COUNT), "ffn_hidden": (1, MAX_DIMENSION), "max_seq_len": (1, MAX_POSITIONS),
+    "head_dim": (2, MAX_COUNT), "rope_original_max_seq_len": (1, MAX_POSITIONS), "moe_experts": (0, MAX_COUNT),
+    "moe_top_k": (1, MAX_COUNT), "moe_shared_experts": (0, MAX_COUNT), "moe_ffn_hidden": (1, MAX_DIMENSION),
+    "moe_first_dense_layers": (0, MAX_COUNT),
+}
+_OPTIONAL = ("head_dim", "moe_ffn_hidden")
+_POSITIVE = ("rope_theta", "norm_eps", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor")
+_NON_NEGATIVE = ("moe_aux_loss_coef", "moe_capacity_factor")
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and value == value \
+        and abs(value) != float("inf")
+
+
+def fields_problem(fields, prefix: str = "") -> str | None:
+    """What is wrong with saved ModelArgs fields (a dict from a file), naming the field as `prefix` + its name, or
+    None: unknown or missing fields, wrong types, values out of range, heads that do not divide."""
+    from dataclasses import MISSING, fields as dataclass_fields
+
+    if not isinstance(fields, dict):
+        return f"{prefix.rstrip('.') or 'the model dimensions'} is a {type(fields).__name__}, not a table"
+    known = {f.name: f for f in dataclass_fields(ModelArgs)}
+    unknown = sorted(str(k) for k in fields if k not in known)
+    if unknown:
+        return f"{prefix.rstrip('.')} has an unknown field {unknown[0]!r}"
+    missing = [n for n, f in known.items() if f.default is MISSING and n not in fields]
+    if missing:
+        return f"{prefix.rstrip('.')} lacks {missing[0]}"
+    for name, value in fields.items():
+        if name in _INT_RANGES:
+            lo, hi = _INT_RANGES[name]
+            if value is None and name in _OPTIONAL:
+                continue
+            if not is_int(value) or not lo <= value <= hi:
+                return f"{prefix}{name} must be an integer from {lo} to {hi}, got {value!r}"
+        elif name in _POSITIVE and not (is_number(value) and value > 0):
+            return f"{prefix}{name} must be a positive number, got {value!r}"
+        elif name in _NON_NEGATIVE and not (is_number(value) and value >= 0):
+            return f"{prefix}{name} must be a number >= 0, got {value!r}"
+        elif name == "tie_embeddings" and not isinstance(value, bool):
+            return f"{prefix}{name} must be true or false, got {value!r}"
+        elif name in ("rope_scaling", "moe_score_func") and not isinstance(value, str):
+            return f"{prefix}{name} must be a string, got {value!r}"
+    heads, kv = fields["n_heads"], fields.get("n_kv_heads", fields["n_heads"])
+    if heads % kv:
+        return f"{prefix}n_heads={heads} is not a multiple of {prefix}n_kv_heads={kv}"
+    if fields.get("head_dim") is None and fields["dim"] % heads:
+        return f"{prefix}dim={fields['dim']} is not a multiple of {prefix}n_heads={heads}"
+    return None

@@ -123,10 +123,15 @@ def build_context(args) -> tuple:
         raise UserError("--gpus-per-node must be >= 1")
     spec = read_cluster(args.cluster) if args.cluster else parse_gpus(args.gpus)
     groups = None
+    from paratrain.planner.hetero import MAX_GPUS
+
     if spec is None:
         world = int(args.gpus)
         if world < 1:
             raise UserError("--gpus and --gpus-per-node must be >= 1")
+        if world > MAX_GPUS:
+            raise UserError(f"--gpus {world} is more than {MAX_GPUS} GPUs (a typo?); the planner enumerates the "
+                            "layouts of at most that many")
         if world > args.gpus_per_node and world % args.gpus_per_node:
             raise UserError(f"--gpus {world} is not divisible by --gpus-per-node {args.gpus_per_node} "
                             "(whole nodes only)")

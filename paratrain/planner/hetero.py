@@ -62,22 +62,38 @@ def parse_gpus(text: str) -> list[tuple[int, str]] | None:
     return groups
 
 
+MAX_GPUS = 1 << 20  # a million GPUs: beyond any cluster, and the layouts of more would not enumerate in bounded time
+
+
 def read_cluster(path: str) -> list[dict]:
-    """A cluster file: [[group]] tables with gpu, count and optionally gpus_per_node, intra (in rank order)."""
+    """A cluster file: [[group]] tables with gpu, count and optionally gpus_per_node, intra (in rank order). Every
+    field is checked, one line naming the file, the group and the field."""
     from paratrain.config import read_toml
 
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--cluster {path}: no such file")
     groups = read_toml(p).get("group")
-    if not isinstance(groups, list) or not groups:
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
         raise UserError(f"--cluster {path}: needs [[group]] tables (gpu = \"H100\", count = 8)")
-    out = []
-    for g in groups:
-        unknown = set(g) - {"gpu", "count", "gpus_per_node", "intra"}
-        if unknown or "gpu" not in g or not isinstance(g.get("count"), int) or g["count"] < 1:
-            raise UserError(f"--cluster {path}: each [[group]] has gpu (a name) and count (>= 1), optionally "
-                            f"gpus_per_node and intra; got {g}")
+    out, total = [], 0
+    for i, g in enumerate(groups, 1):
+        where = f"--cluster {path}: group {i}"
+        unknown = sorted(set(g) - {"gpu", "count", "gpus_per_node", "intra"})
+        if unknown:
+            raise UserError(f"{where}: unknown key {unknown[0]!r} (a group has gpu, count, gpus_per_node, intra)")
+        if not isinstance(g.get("gpu"), str) or not g["gpu"].strip():
+            raise UserError(f"{where}: gpu must be a GPU name (e.g. \"H100\") or a saved profile, got {g.get('gpu')!r}")
+        for key in ("count", "gpus_per_node"):
+            value = g.get(key, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"{where}: {key} must be an integer >= 1, got {value!r}")
+        if "intra" in g and not isinstance(g["intra"], str):
+            raise UserError(f"{where}: intra must be a link name (e.g. \"nvlink\"), got {g['intra']!r}")
+        total += g["count"]
+        if total > MAX_GPUS:
+            raise UserError(f"--cluster {path}: {total} GPUs is more than {MAX_GPUS} (group {i} has count "
+                            f"{g['count']})")
         out.append(g)
     return out
 
@@ -87,6 +103,9 @@ def build_groups(spec: list[tuple[int, str]] | list[dict], gpus_per_node: int, i
     from paratrain.planner.hardware import resolve_hardware
 
     groups = []
+    total = sum(item["count"] if isinstance(item, dict) else item[0] for item in spec)
+    if total > MAX_GPUS:
+        raise UserError(f"--gpus: {total} GPUs is more than {MAX_GPUS} (a typo?)")
     for item in spec:
         if isinstance(item, dict):
             count, name = item["count"], item["gpu"]

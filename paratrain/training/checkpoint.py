@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from paratrain.errors import PeerFailed, UserError, environment_problem
-from paratrain.training import integrity
+from paratrain.training import integrity, safe_dcp
 
 MARKER = "COMPLETE"
 # DCP warns when used without a process group; one process is a supported layout here, not a mistake.
@@ -137,7 +137,7 @@ def _load_zero1_state(model: nn.Module, optimizer, path: Path) -> None:
     for fqn in template:
         template[fqn]["step"] = torch.zeros((), dtype=torch.float32)
     loaded = {"optim": {"state": template}}
-    dcp.load(loaded, checkpoint_id=str(path))
+    safe_dcp.load(loaded, path)
     for fqn, p in wanted.items():
         entry = loaded["optim"]["state"][fqn]
         local.state[p] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).to(p.device) for k, v in entry.items()}
@@ -314,7 +314,9 @@ def checkpoint_problem(path: Path, index: int = 0, count: int = 1, checksums: bo
                 return problems[0]
             names.remove(".metadata")
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = safe_dcp.read_metadata(path)  # an allow-list unpickler: no code from the file runs
+    except safe_dcp.MetadataProblem as e:
+        return str(e)
     except Exception as e:  # noqa: BLE001 - any unreadable metadata is the same problem to the user
         return f"unreadable DCP metadata ({type(e).__name__})"
     needed: dict[str, int] = {}
@@ -326,6 +328,12 @@ def checkpoint_problem(path: Path, index: int = 0, count: int = 1, checksums: bo
             return f"missing shard {name}"
         if f.stat().st_size < size:
             return f"truncated shard {name} ({f.stat().st_size} of {size} bytes)"
+    try:
+        safe_dcp.check_byte_entries(path, metadata)  # small pickles of plain data, read with weights_only
+    except safe_dcp.MetadataProblem as e:
+        return str(e)
+    except OSError as e:
+        return f"cannot read {Path(e.filename or '').name or 'a shard'} ({e.strerror or e})"
     if digests is None or not checksums:
         return None  # saved before checksums: sizes are all that can be checked
     if missing := sorted(set(needed) - set(digests)):
@@ -334,6 +342,28 @@ def checkpoint_problem(path: Path, index: int = 0, count: int = 1, checksums: bo
     if problems:
         return "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
     return None
+
+
+def run_identity(tokenizer, data_cfg) -> dict:
+    """{"tokenizer_sha256", "data_sha256"}: the hash of the tokenizer's vocabulary and special tokens, and of the
+    data it was applied to (the prepared datasets' sources and token counts)."""
+    import hashlib
+    import json
+
+    from paratrain.data import dataset_meta
+    from paratrain.data.tokenizers import tokenizer_identity
+
+    out = {}
+    if tokenizer is not None:
+        out["tokenizer_sha256"] = tokenizer_identity(tokenizer)
+    try:
+        meta = dataset_meta(data_cfg)
+    except UserError:
+        return out
+    parts = [[m.get("dir"), m.get("weight")] for m in meta.get("mixture", [])] or [[meta.get("source_sha256"),
+                                                                                    meta.get("train_tokens")]]
+    out["data_sha256"] = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+    return out
 
 
 def step_folders(ckpt_root: Path) -> list[Path]:
@@ -422,10 +452,44 @@ def model_mismatch(trainer_state: dict, model_args) -> str | None:
 # -- loading ------------------------------------------------------------------------------------
 
 def load_trainer_state(path: Path) -> dict:
+    """trainer.pt (weights_only: plain data and tensors), every field checked; a one-line UserError naming the field
+    otherwise."""
     try:
-        return torch.load(path / "trainer.pt", weights_only=True)
+        state = torch.load(path / "trainer.pt", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same user-facing problem
         raise UserError(f"{path}: cannot read trainer.pt ({type(e).__name__})") from None
+    problem = trainer_state_problem(state)
+    if problem:
+        raise UserError(f"{path / 'trainer.pt'}{problem}")
+    return state
+
+
+def trainer_state_problem(state) -> str | None:
+    """What is wrong with a trainer.pt's content (': field ...', or ' holds ...'), or None."""
+    from paratrain.models.args import fields_problem, is_int
+
+    if not isinstance(state, dict):
+        return f" holds a {type(state).__name__}, not the trainer's state"
+    counts = {"step": 0, "data_step": 0, "skipped_steps": 0, "micro_batch": 1, "accum_steps": 1, "seq_len": 1}
+    for key, low in counts.items():
+        if key in state or key == "step":
+            value = state.get(key)
+            if not is_int(value) or value < low:
+                return f": {key} must be an integer >= {low}, got {value!r}"
+    if "model_args" in state:
+        why = fields_problem(state["model_args"], "model_args.")
+        if why:
+            return f": {why}"
+    skip = state.get("skip_batches", [])
+    if not isinstance(skip, (list, tuple)) or not all(is_int(b) and b >= 0 for b in skip):
+        return ": skip_batches must be a list of batch numbers"
+    for key in ("config_toml", "tokenizer_sha256", "data_sha256"):
+        if key in state and not isinstance(state[key], str):
+            return f": {key} must be a string, got {type(state[key]).__name__}"
+    for key in ("rng_cpu", "rng_cuda"):
+        if key in state and not (isinstance(state[key], torch.Tensor) and state[key].dtype == torch.uint8):
+            return f": {key} must be a byte tensor (an RNG state)"
+    return None
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer) -> dict:
@@ -435,12 +499,12 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer) -> dict:
     trainer_state = load_trainer_state(path)
     if optimizer is not None and _is_zero1(optimizer):
         state = {"model": model_optim_state(model, None)["model"]}
-        dcp.load(state, checkpoint_id=str(path))
+        safe_dcp.load(state, path)
         set_model_state_dict(model, state["model"])
         _load_zero1_state(model, optimizer, path)
         return trainer_state
     state = model_optim_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
+    safe_dcp.load(state, path)
     if "optim" in state:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
@@ -524,6 +588,8 @@ class Checkpointer:
         self.warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.writer = CheckpointWriter(self.root, cfg.checkpoint.keep, is_main, cfg.checkpoint.async_save, tokenizer)
         self.last_save: dict | None = None  # the last save's duration and step, reported once in the next record
+        # What makes a resumed run the same run: the ids (the tokenizer) and the data they index.
+        self.identity = run_identity(tokenizer, cfg.data)
 
     def due(self, step: int) -> bool:
         every = self.spec.cfg.checkpoint.every
@@ -544,22 +610,27 @@ class Checkpointer:
     def _state(self, next_step: int) -> dict:
         state = {"step": next_step, **self.progress.state(), "rng_cpu": torch.get_rng_state(),
                  "seq_len": self.spec.cfg.training.seq_len, "config_toml": self.config_toml,
-                 "model_args": dataclasses.asdict(self.spec.model_args)}
+                 "model_args": dataclasses.asdict(self.spec.model_args), **self.identity}
         if torch.cuda.is_available():
             state["rng_cuda"] = torch.cuda.get_rng_state()
         return state
 
     def restore(self, path: Path) -> int:
         """Load a checkpoint (saved on any layout) into this run; returns its step."""
-        mismatch = model_mismatch(load_trainer_state(path), self.spec.model_args)
+        saved = load_trainer_state(path)
+        mismatch = model_mismatch(saved, self.spec.model_args) or self._tokenizer_mismatch(saved, path)
         if mismatch:
             raise UserError(f"cannot resume from {path}: {mismatch}; resume from a checkpoint of this model, or "
                             "give this run another run.name")
+        if saved.get("data_sha256") not in (None, self.identity.get("data_sha256")):
+            self.warn(f"warning: {path} was trained on other data than data.dir={self.spec.cfg.data.dir} holds now "
+                      "(another corpus, or the same one prepared again): the batches after the resume differ")
         try:
             state = load_checkpoint(path, self.model, self.optimizer)
             self._restore_comm(path)
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
-            problem = environment_problem(e)
+            refused = safe_dcp.refused_entry(e)
+            problem = str(refused) if refused is not None else environment_problem(e)
             if problem is None:
                 raise
             raise UserError(f"cannot read checkpoint {path}: {problem}") from None
@@ -567,6 +638,26 @@ class Checkpointer:
         self.progress.load(state, step)
         torch.set_rng_state(state["rng_cpu"])
         return step
+
+    def _tokenizer_mismatch(self, saved: dict, path: Path) -> str | None:
+        """Why the checkpoint's tokenizer is not this run's (its ids mean other text), or None. Checkpoints that
+        predate the recorded identity are compared through the tokenizer files saved beside them."""
+        ours = self.identity.get("tokenizer_sha256")
+        theirs = saved.get("tokenizer_sha256")
+        if theirs is None and (path / "meta.json").is_file():
+            from paratrain.data.tokenizers import load_tokenizer, tokenizer_identity
+
+            theirs = tokenizer_identity(load_tokenizer(path))
+        if ours is None or theirs is None or theirs == ours:
+            return None
+        from paratrain.data.tokenizers import load_tokenizer
+
+        tok, mine = load_tokenizer(path) if (path / "meta.json").is_file() else None, self.writer.tokenizer
+        said = f" ({tok.kind}, vocab {tok.vocab_size})" if tok is not None else ""
+        same = " with the same vocabulary size but other ids" if tok is not None and \
+            tok.vocab_size == mine.vocab_size else ""
+        return (f"it was trained with another tokenizer{said} than data.dir={self.spec.cfg.data.dir} uses "
+                f"({mine.kind}, vocab {mine.vocab_size}){same}")
 
     def problem(self, path: Path) -> str | None:
         """checkpoint_problem agreed by every rank, each hashing a share of the files."""
@@ -581,7 +672,7 @@ class Checkpointer:
         (error feedback is per rank); otherwise it starts from zero, said once."""
         if self.comm is None or self.comm.compressor is None:
             return
-        saved = self.comm.saved_keys(dcp.FileSystemReader(str(path)).read_metadata())
+        saved = self.comm.saved_keys(safe_dcp.read_metadata(path))
         found = torch.tensor([1.0 if saved else 0.0])
         if dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MIN)
@@ -590,7 +681,7 @@ class Checkpointer:
                         "world size): error feedback starts from zero")
             return
         state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()}
-        dcp.load(state, checkpoint_id=str(path))
+        safe_dcp.load(state, path)
         self.comm.load_state_dict(state)
 
     def resume(self, restarted: bool) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 CHECKSUMS = "CHECKSUMS"
 ALGORITHM = "sha256"
 _CHUNK = 8 << 20
+MAX_CHECKSUMS_BYTES = 16 << 20
 # Files of a checkpoint folder that are not covered by CHECKSUMS: the marker written after it, and itself.
 UNLISTED = ("COMPLETE", CHECKSUMS)
 
@@ -66,8 +67,12 @@ def write_checksums(folder: Path, digests: dict[str, str]) -> None:
 def read_checksums(folder: Path) -> dict[str, str] | str | None:
     """{name: sha256} from CHECKSUMS; a string saying why it cannot be read; None if there is none (a checkpoint
     saved before paratrain wrote checksums)."""
+    path = folder / CHECKSUMS
     try:
-        text = (folder / CHECKSUMS).read_text(encoding="ascii")
+        size = path.stat().st_size
+        if size > MAX_CHECKSUMS_BYTES:  # one line per file: a few KiB for any real checkpoint
+            return f"{CHECKSUMS} is {size} bytes, larger than any checkpoint's list ({MAX_CHECKSUMS_BYTES} bytes)"
+        text = path.read_text(encoding="ascii")
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as e:
@@ -76,8 +81,10 @@ def read_checksums(folder: Path) -> dict[str, str] | str | None:
     for number, line in enumerate(text.splitlines(), 1):
         digest, sep, name = line.partition("  ")
         if not sep or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest) or not name \
-                or "/" in name or name in UNLISTED:
+                or "/" in name or name in UNLISTED or name in (".", ".."):
             return f"{CHECKSUMS} line {number} is damaged"
+        if name in digests:
+            return f"{CHECKSUMS} lists {name} twice (line {number})"
         digests[name] = digest
     if not digests:
         return f"{CHECKSUMS} is empty"
