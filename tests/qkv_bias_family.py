@@ -44,3 +44,27 @@ def qkv_bias_params(args: ModelArgs):
 FAMILY = register_family(ModelFamily(
     name=NAME, module=f"{__name__}:QKVBiasTransformer", params=qkv_bias_params, sublayers=decoder_sublayers,
     hf=None, description="test only: Llama with q/k/v biases"))
+
+
+def tp_placements(args: ModelArgs) -> dict:
+    """On each of 2 ranks: every parameter's placement after the tensor-parallel plan, without and with sequence
+    parallelism (tests/test_model_family.py)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from paratrain.distributed.tensor_parallel import apply_tp
+    from paratrain.models import build_model
+
+    dist.init_process_group("gloo")
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        out = {}
+        for sp in (False, True):
+            with torch.device("meta"):
+                model = build_model(args)
+            apply_tp(model, mesh, sequence_parallel=sp, loss_parallel=False)
+            out[sp] = {n: ",".join(map(str, p.placements)) for n, p in model.named_parameters()}
+        return out
+    finally:
+        dist.destroy_process_group()
