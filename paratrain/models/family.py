@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Literal, Mapping, get_args
 
 from paratrain.models.args import ModelArgs
@@ -42,37 +42,31 @@ Where = Literal["embedding", "block", "head"]
 
 @dataclass(frozen=True)
 class Param:
-    """One parameter of a model: its name in `named_parameters()`, full shape and tensor-parallel role."""
+    """One parameter of a model: its name in `named_parameters()`, full shape and tensor-parallel role. What follows
+    from the role is set on construction (plain attributes: the planner reads them millions of times)."""
 
     name: str
     shape: tuple[int, ...]
     role: Role
     layer: int | None = None  # block index (None: embedding / final norm / output)
     matmul: bool = False  # used as a matmul weight (autocast makes a low-precision copy of it)
+    tp_dim: int | None = field(init=False)  # the dim tensor parallelism splits (None: replicated)
+    expert: bool = field(init=False)  # a routed-expert weight (split over ep on dim 0)
+    where: Where = field(init=False)  # the pipeline stage holding it: first (embedding), any (block), last (head)
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"{self.name}: unknown tensor-parallel role '{self.role}' (roles: {', '.join(ROLES)})")
+        rowwise_weight = self.role == "rowwise" and len(self.shape) >= 2
+        tp_dim = 0 if self.role in ("embedding", "output", "colwise") else 1 if rowwise_weight else None
+        where = "block" if self.layer is not None else "embedding" if self.role == "embedding" else "head"
+        object.__setattr__(self, "tp_dim", tp_dim)
+        object.__setattr__(self, "expert", self.role == "expert")
+        object.__setattr__(self, "where", where)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-    @property
-    def where(self) -> Where:
-        if self.layer is not None:
-            return "block"
-        return "embedding" if self.role == "embedding" else "head"
-
-    @property
-    def expert(self) -> bool:
-        """A routed-expert weight (split over ep on dim 0)."""
-        return self.role == "expert"
-
-    @property
-    def tp_dim(self) -> int | None:
-        """The dim tensor parallelism splits (None: replicated)."""
-        if self.role in ("embedding", "output", "colwise"):
-            return 0
-        if self.role == "rowwise" and len(self.shape) >= 2:
-            return 1
-        return None
 
     @property
     def module(self) -> str:
