@@ -79,7 +79,7 @@ def train_rate(args, seq: int, mb: int, ac: str, compile_: bool | str, device, s
     from paratrain.distributed.parallel_dims import ParallelDims
     from paratrain.distributed.parallelize import parallelize
     from paratrain.layout import Layout
-    from paratrain.models.llama import Transformer
+    from paratrain.models import build_model
     from paratrain.training.optim import build_optimizer
     from paratrain.training.step import TrainStep, make_scaler
 
@@ -87,7 +87,7 @@ def train_rate(args, seq: int, mb: int, ac: str, compile_: bool | str, device, s
     precision = "bf16" if cuda else "fp32"
     layout = Layout.resolve(1)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build_model(args)
     model = parallelize(model, ParallelDims(layout), ActivationCheckpointConfig(ac), precision, compile_, device, 0)
     opt = build_optimizer(model, OptimizerConfig(impl="fused" if cuda else "foreach"), device)
     step = TrainStep(model, opt, layout, precision, device, 1.0, make_scaler(layout, precision, device))

@@ -22,44 +22,34 @@ import tomli_w
 
 from paratrain.errors import ConfigError
 from paratrain.layout import DPModeOption, GradCompression, Schedule
+from paratrain.models.args import ModelArgs
 
 Precision = Literal["fp32", "bf16", "fp16"]
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
 ActivationCheckpointMode = Literal["none", "full", "every_k", "selective"]
 
 
-@dataclass
-class ModelConfig:
-    preset: str = "shakespeare-char"
-    # Optional overrides of the preset's dimensions; None keeps the preset's value.
-    vocab_size: int | None = None
-    dim: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    ffn_hidden: int | None = None
-    max_seq_len: int | None = None
-    rope_theta: float | None = None
-    tie_embeddings: bool | None = None
-    head_dim: int | None = None  # default dim // n_heads
-    norm_eps: float | None = None  # RMSNorm epsilon (default 1e-5)
-    rope_scaling: Literal["none", "llama3"] | None = None  # (Llama 3.1/3.2 long-context scaling, with the four keys below)
-    rope_scaling_factor: float | None = None
-    rope_low_freq_factor: float | None = None
-    rope_high_freq_factor: float | None = None
-    rope_original_max_seq_len: int | None = None
-    # "hf:PATH": start from a Hugging Face model folder (config.json + safetensors; architecture, weights and
-    # tokenizer come from it, the preset and dimension keys are ignored) with a fresh optimizer at step 0.
-    init_from: str = ""
-    # Mixture of experts (override the preset's; moe_experts > 0 turns a dense preset into an MoE)
-    moe_experts: int | None = None  # routed experts per MoE layer (0: dense)
-    moe_top_k: int | None = None  # experts per token
-    moe_shared_experts: int | None = None  # experts every token goes through
-    moe_ffn_hidden: int | None = None  # hidden size of each expert (default: ffn_hidden)
-    moe_first_dense_layers: int | None = None  # the first N layers keep the dense MLP
-    moe_score_func: Literal["softmax", "sigmoid"] | None = None
-    moe_aux_loss_coef: float | None = None  # weight of the per-sequence load-balancing loss
-    moe_capacity_factor: float | None = None  # 0: no limit; else tokens per expert per sequence <= cf x T x k / E
+def _model_config() -> type:
+    """`[model]`: the preset's name, an override for every `ModelArgs` field (None keeps the preset's value; derived
+    from ModelArgs, so a new dimension is a new key without writing it twice) and `init_from`:
+    "hf:PATH" starts from a Hugging Face model folder (config.json + safetensors; architecture, weights and tokenizer
+    come from it, the preset and dimension keys are ignored) with a fresh optimizer at step 0.
+
+    Defaults when the preset does not set them: head_dim dim // n_heads, norm_eps 1e-5, rope_scaling "none" (or
+    Llama 3.1/3.2's "llama3" with the four rope_* keys), family "llama"; mixture of experts: moe_experts routed
+    experts per MoE layer (0: dense; > 0 turns a dense preset into an MoE), moe_top_k experts per token,
+    moe_shared_experts every token goes through, moe_ffn_hidden each expert's width (default ffn_hidden),
+    moe_first_dense_layers keep the dense MLP, moe_aux_loss_coef weights the per-sequence load-balancing loss,
+    moe_capacity_factor 0: no limit, else tokens per expert per sequence <= cf x T x k / E."""
+    hints = typing.get_type_hints(ModelArgs)
+    overrides = [(f.name, hints[f.name] | None, field(default=None)) for f in dataclasses.fields(ModelArgs)]
+    cls = dataclasses.make_dataclass("ModelConfig", [("preset", str, field(default="shakespeare-char")), *overrides,
+                                                     ("init_from", str, field(default=""))])
+    cls.__module__ = __name__  # pickled with the config to spawned ranks
+    return cls
+
+
+ModelConfig = _model_config()
 
 
 @dataclass

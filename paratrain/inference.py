@@ -11,7 +11,7 @@ from paratrain.training.checkpoint import (MARKER, checkpoint_problem, load_trai
                                            step_folders, step_of)
 from paratrain.data import load_tokenizer
 from paratrain.errors import UserError
-from paratrain.models import ModelArgs, Transformer
+from paratrain.models import ModelArgs, build_model
 
 
 def find_checkpoint(path: str | Path, warn=None) -> Path:
@@ -49,7 +49,7 @@ def load_for_generation(path: str | Path, device: torch.device | None = None):
     if "model_args" not in state:
         raise UserError(f"{ckpt}: trainer.pt has no model dimensions")
     args = ModelArgs(**state["model_args"])
-    model = Transformer(args).to(device or "cpu")
+    model = build_model(args).to(device or "cpu")
     sd = {"model": get_model_state_dict(model)}
     try:
         safe_dcp.load(sd, ckpt)

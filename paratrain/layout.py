@@ -505,20 +505,17 @@ def predicted_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
 def balanced_split(args, num_stages: int) -> tuple[int, ...]:
     """Contiguous blocks per stage minimising the largest stage's parameters (the embedding counts on the first
     stage, norm + output on the last)."""
+    return _min_max_split(_block_costs(args), num_stages)
+
+
+@functools.lru_cache(maxsize=256)
+def _block_costs(args) -> tuple[int, ...]:
     from paratrain.models.presets import block_param_count
 
-    key = tuple(vars(args).values())
-    cost = _BLOCK_COSTS.get(key)
-    if cost is None:
-        n = args.n_layers
-        cost = [block_param_count(args, i) for i in range(n)]
-        cost[0] += args.vocab_size * args.dim
-        cost[-1] += args.vocab_size * args.dim + args.dim
-        cost = _BLOCK_COSTS[key] = tuple(cost)
-    return _min_max_split(cost, num_stages)
-
-
-_BLOCK_COSTS: dict[tuple, tuple[int, ...]] = {}
+    cost = [block_param_count(args, i) for i in range(args.n_layers)]
+    cost[0] += args.vocab_size * args.dim
+    cost[-1] += args.vocab_size * args.dim + args.dim
+    return tuple(cost)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -4,7 +4,8 @@
     -> torch.compile -> FSDP (over dp_shard x cp) -> materialise + deterministic init -> DDP / ZeRO-1 wrapping
     (DDP needs real weights)
 
-The model file stays free of parallel code. The rules of the layout live in `paratrain/layout.py`, its mesh in
+The model file stays free of parallel code; the tensor-parallel plan is read from the model family's parameter roles
+(`tensor_parallel.py`). The rules of the layout live in `paratrain/layout.py`, its mesh in
 `parallel_dims.py`; pipeline stages (`pipeline.py`) are each laid out by this same `parallelize`.
 """
 
@@ -21,81 +22,10 @@ from paratrain.distributed.compression import GradComm
 from paratrain.distributed.expert_parallel import distribute_experts, shard_experts
 from paratrain.distributed.initialize import init_weights
 from paratrain.distributed.parallel_dims import ParallelDims
+from paratrain.distributed.tensor_parallel import apply_tp
 from paratrain.distributed.tensors import full_tensor, right_pad
-from paratrain.models.moe import MoE
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _replicated_style():
-    """Without sequence parallelism the norms see whole activations (and an MoE router always does); still
-    make their weights replicated DTensors, so every parameter is a DTensor and gradient scaling/clipping
-    never mixes the two kinds."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
-    from torch.distributed.tensor.parallel import ParallelStyle
-
-    class ReplicateParallel(ParallelStyle):
-        def _apply(self, module: nn.Module, mesh) -> nn.Module:
-            def to_dtensor(mod, inputs, mesh):
-                return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
-
-            def to_local(mod, outputs, mesh):
-                return outputs.to_local()
-
-            return distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
-
-    return ReplicateParallel()
-
-
-def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
-    """Megatron-style plans: column-wise in, row-wise out, vocab-parallel embedding and output.
-
-    With sequence parallelism the norms and residual stream are sharded along the sequence (Shard(1))
-    and gathered just before each attention / MLP.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
-
-    residual = Shard(1) if sequence_parallel else Replicate()
-    norm_style = SequenceParallel if sequence_parallel else _replicated_style
-    top_plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
-        "output": ColwiseParallel(input_layouts=residual,
-                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
-        "norm": norm_style(),
-    }
-    # A pipeline stage lacks the embedding (all but the first) or the head (all but the last).
-    top_plan = {name: style for name, style in top_plan.items() if getattr(model, name) is not None}
-    parallelize_module(model, tp_mesh, top_plan)
-
-    for block in model.layers.values():
-        plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=residual),
-        }
-        moe = isinstance(block.feed_forward, MoE)
-        if moe:
-            # Mixture of experts: every tp rank routes all of its data-parallel rank's tokens (gathered along the
-            # sequence first under sequence parallelism) through the same replicated router and experts; only the
-            # shared expert is tensor-parallel. Experts are spread by expert parallelism instead.
-            plan.update(_moe_tp_plan(block.feed_forward, sequence_parallel))
-        else:
-            plan.update({
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=residual),
-            })
-        plan.update({"attention_norm": norm_style(), "ffn_norm": norm_style()})
-        if sequence_parallel:
-            plan["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                   desired_input_layouts=(Replicate(), None, None))
-            if not moe:
-                plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        parallelize_module(block, tp_mesh, plan)
 
 
 class SequenceParallelSampler(nn.Module):
@@ -113,22 +43,6 @@ class SequenceParallelSampler(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
         return full_tensor(self._model(right_pad(tokens, self._tp)))[:, :tokens.shape[1]]
-
-
-def _moe_tp_plan(moe: MoE, sequence_parallel: bool) -> dict:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel
-
-    plan = {"feed_forward.router": _replicated_style()}
-    if moe.shared is not None:
-        plan.update({"feed_forward.shared.w1": ColwiseParallel(), "feed_forward.shared.w3": ColwiseParallel(),
-                     "feed_forward.shared.w2": RowwiseParallel(output_layouts=Replicate())})
-    if sequence_parallel:
-        # Whole sequences in (routing and the balance loss are per sequence), the residual's shard out.
-        plan["feed_forward"] = PrepareModuleInputOutput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
-    return plan
 
 
 def _selective_policy(ctx, op, *args, **kwargs):

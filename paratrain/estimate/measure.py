@@ -463,7 +463,7 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
     from paratrain.distributed.context_parallel import context_for
     from paratrain.distributed.parallel_dims import ParallelDims
     from paratrain.distributed.parallelize import parallelize, unwrap
-    from paratrain.models.llama import ModelArgs, Transformer
+    from paratrain.models import ModelArgs, build_model
     from paratrain.training.optim import build_optimizer
     from paratrain.distributed.pipeline import build_pipeline
     from paratrain.training.step import TrainStep, make_scaler, schedule_loss
@@ -490,7 +490,7 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
     with tracker, _fsdp_labels(tracker), _count_fsdp_all_gathers(gathers):
         tracker.label = PARAMS
         with torch.device("meta"):
-            model = Transformer(args)
+            model = build_model(args)
         ac = ActivationCheckpointConfig(spec.checkpointing, spec.every_k)
         scaler = make_scaler(layout, spec.precision, device)
         pipeline = None
@@ -616,7 +616,7 @@ def device_step_peaks(spec: MeasureSpec, device, compile: bool | str = False, st
     from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
     from paratrain.distributed.parallel_dims import ParallelDims
     from paratrain.distributed.parallelize import parallelize
-    from paratrain.models.llama import ModelArgs, Transformer
+    from paratrain.models import ModelArgs, build_model
     from paratrain.training.optim import build_optimizer
     from paratrain.training.step import TrainStep, make_scaler
 
@@ -625,7 +625,7 @@ def device_step_peaks(spec: MeasureSpec, device, compile: bool | str = False, st
     args = ModelArgs(**spec.model)
     layout = spec.layout(1)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build_model(args)
     model = parallelize(model, ParallelDims(layout), ActivationCheckpointConfig(spec.checkpointing, spec.every_k),
                         spec.precision, compile, device, seed=0)
     opt = build_optimizer(model, OptimizerConfig(impl="fused"), device)

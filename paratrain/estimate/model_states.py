@@ -1,10 +1,11 @@
 """Parameters, gradients, optimizer states and master weights per rank, exactly, from the model's shapes.
 
-Every parameter of `paratrain.models` is listed with its shape and how each layout splits it:
+Every parameter comes from the model family's parameter table (`paratrain.models.family`: its shape and
+tensor-parallel role) and each layout splits it:
 
-- tensor parallel (DTensor plans in parallelize.apply_tp): q/k/v, w1/w3 and the vocabulary-parallel
-  embedding and output split dim 0; wo and w2 split dim 1; norm gains (and a mixture of experts' router
-  and routed experts) are replicated;
+- tensor parallel (distributed/tensor_parallel.py plans each role): column-parallel weights and biases and the
+  vocabulary-parallel embedding and output split dim 0; row-parallel weights split dim 1; norm gains, row-parallel
+  biases (and a mixture of experts' router and routed experts) are replicated;
 - expert parallel: routed experts split dim 0 (experts) over ep;
 - FSDP2 (`fully_shard`): dim 0 of the (tensor-parallel local) tensor in chunks of ceil(rows / shard)
   rows; every rank's storage is padded to the full chunk, so the worst rank holds ceil(rows / shard) rows
@@ -23,70 +24,16 @@ from dataclasses import dataclass
 
 from paratrain.layout import Layout, balanced_split
 from paratrain.models.args import ModelArgs
+from paratrain.models.family import Param
+from paratrain.models.registry import parameters
 
 # Bytes per element.
 FP32, BF16 = 4, 2
 
 
-@dataclass(frozen=True)
-class Param:
-    name: str
-    shape: tuple[int, ...]
-    tp_dim: int | None  # dim split by tensor parallelism (None: replicated)
-    layer: int | None  # block index (None: embedding / final norm / output)
-    where: str  # "embedding" | "block" | "head"
-    expert: bool = False  # routed-expert weight (split over ep on dim 0)
-    matmul: bool = False  # used as a matmul weight (autocast makes a low-precision copy of it)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-_PARAMS: dict[tuple, tuple[Param, ...]] = {}
-
-
 def model_params(args: ModelArgs) -> list[Param]:
-    """Every parameter in named_parameters() order (tied output weight listed once)."""
-    key = tuple(vars(args).values())
-    if key not in _PARAMS:
-        if len(_PARAMS) > 256:
-            _PARAMS.clear()
-        _PARAMS[key] = tuple(_model_params(args))
-    return list(_PARAMS[key])
-
-
-def _model_params(args: ModelArgs) -> list[Param]:
-    C, hd = args.dim, args.head_dim
-    out = [Param("tok_embeddings.weight", (args.vocab_size, C), 0, None, "embedding")]
-    for i in range(args.n_layers):
-        p = f"layers.{i}."
-        out += [Param(p + "attention_norm.weight", (C,), None, i, "block"),
-                Param(p + "attention.wq.weight", (args.n_heads * hd, C), 0, i, "block", matmul=True),
-                Param(p + "attention.wk.weight", (args.n_kv_heads * hd, C), 0, i, "block", matmul=True),
-                Param(p + "attention.wv.weight", (args.n_kv_heads * hd, C), 0, i, "block", matmul=True),
-                Param(p + "attention.wo.weight", (C, args.n_heads * hd), 1, i, "block", matmul=True),
-                Param(p + "ffn_norm.weight", (C,), None, i, "block")]
-        if args.is_moe_layer(i):
-            E, H = args.moe_experts, args.expert_hidden
-            out += [Param(p + "feed_forward.router.weight", (E, C), None, i, "block"),
-                    Param(p + "feed_forward.experts.w1", (E, C, H), None, i, "block", expert=True, matmul=True),
-                    Param(p + "feed_forward.experts.w2", (E, H, C), None, i, "block", expert=True, matmul=True),
-                    Param(p + "feed_forward.experts.w3", (E, C, H), None, i, "block", expert=True, matmul=True)]
-            if args.moe_shared_experts:
-                S = H * args.moe_shared_experts
-                out += [Param(p + "feed_forward.shared.w1.weight", (S, C), 0, i, "block", matmul=True),
-                        Param(p + "feed_forward.shared.w2.weight", (C, S), 1, i, "block", matmul=True),
-                        Param(p + "feed_forward.shared.w3.weight", (S, C), 0, i, "block", matmul=True)]
-        else:
-            F = args.ffn_hidden
-            out += [Param(p + "feed_forward.w1.weight", (F, C), 0, i, "block", matmul=True),
-                    Param(p + "feed_forward.w2.weight", (C, F), 1, i, "block", matmul=True),
-                    Param(p + "feed_forward.w3.weight", (F, C), 0, i, "block", matmul=True)]
-    out.append(Param("norm.weight", (C,), None, None, "head"))
-    if not args.tie_embeddings:
-        out.append(Param("output.weight", (args.vocab_size, C), 0, None, "head", matmul=True))
-    return out
+    """Every parameter in named_parameters() order (tied output weight listed once): the family's parameter table."""
+    return list(parameters(args))
 
 
 def local_shape(p: Param, layout: Layout) -> tuple[int, ...]:
@@ -200,7 +147,7 @@ def state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str,
     """Model states of the worst rank of pipeline stage `stage` (see `_state_bytes`; cached: the planner asks for the
     same ones often)."""
     layers = layers or rank_layers(layout, args)
-    key = (tuple(vars(args).values()), layout, precision, optimizer, accounting, stage, tuple(map(tuple, layers)))
+    key = (args, layout, precision, optimizer, accounting, stage, tuple(map(tuple, layers)))
     hit = _STATES.get(key)
     if hit is None:
         if len(_STATES) > 4096:

@@ -16,7 +16,7 @@ import dataclasses
 from pathlib import Path
 
 from paratrain.errors import ConfigError, UserError
-from paratrain.hf.arch import architecture, is_hf_folder, mixtral_mismatch
+from paratrain.hf.arch import architecture, family_mismatch, is_hf_folder, mixtral_mismatch
 
 # Model keys an imported model may still set: how it is trained, not what it computes.
 TRAINING_KEYS = ("max_seq_len", "moe_aux_loss_coef", "moe_capacity_factor")
@@ -54,8 +54,8 @@ def model_args(cfg):
 
 def check_run(cfg, args) -> None:
     """Before launch: an export at the end must be possible."""
-    if cfg.checkpoint.export_hf and args.moe_experts:
-        why = mixtral_mismatch(args)
+    if cfg.checkpoint.export_hf:
+        why = family_mismatch(args) or (args.moe_experts and mixtral_mismatch(args))
         if why:
             raise ConfigError(f"checkpoint.export_hf: model {cfg.model.init_from or cfg.model.preset} has {why}")
 

@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 
 from paratrain.errors import UserError
-from paratrain.models.args import MAX_COUNT, MAX_DIMENSION, MAX_POSITIONS, MAX_VOCAB, ModelArgs, is_int, is_number
+from paratrain.models.args import (DEFAULT_FAMILY, MAX_COUNT, MAX_DIMENSION, MAX_POSITIONS, MAX_VOCAB, ModelArgs,
+                                   is_int, is_number)
 from paratrain.models.presets import validate_args, validate_moe
 
 LLAMA, MIXTRAL = "LlamaForCausalLM", "MixtralForCausalLM"
@@ -212,6 +213,13 @@ def args_from_hf_config(cfg: dict, where: str = "config.json") -> ModelArgs:
     return args
 
 
+def family_mismatch(args: ModelArgs) -> str | None:
+    """Why a model's family has no config mapping here (this file maps the Llama family), or None."""
+    if args.family != DEFAULT_FAMILY:
+        return f"model family '{args.family}' (paratrain maps the {DEFAULT_FAMILY} family to Hugging Face configs)"
+    return None
+
+
 def mixtral_mismatch(args: ModelArgs) -> str | None:
     """Why an MoE model has no MixtralForCausalLM counterpart, or None."""
     reasons = []
@@ -233,10 +241,9 @@ def hf_config_from_args(args: ModelArgs, vocab_size: int, dtype: str, bos_id: in
     """config.json for a paratrain model: LlamaForCausalLM, or MixtralForCausalLM for an MoE model that maps
     to it (UserError naming what does not). Written in transformers 4's keys (`rope_theta`, `rope_scaling`),
     which transformers 5, vLLM and llama.cpp's converter all read."""
-    if args.moe_experts:
-        why = mixtral_mismatch(args)
-        if why:
-            raise UserError(f"{name} cannot be exported as a Hugging Face model: it has {why}")
+    why = family_mismatch(args) or (args.moe_experts and mixtral_mismatch(args))
+    if why:
+        raise UserError(f"{name} cannot be exported as a Hugging Face model: it has {why}")
     cfg = {
         "architectures": [MIXTRAL if args.moe_experts else LLAMA],
         "model_type": "mixtral" if args.moe_experts else "llama",

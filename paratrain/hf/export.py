@@ -35,9 +35,9 @@ except ModuleNotFoundError:  # Python 3.10
 
 from paratrain.hf.arch import hf_config_from_args
 from paratrain.hf.files import INDEX, SINGLE
-from paratrain.hf.names import VOCAB_PARAMS, Piece, param_shapes, pieces
+from paratrain.hf.names import Piece, param_shapes, pieces
 from paratrain.hf.tokenizer import special_tokens, write_tokenizer
-from paratrain.models.llama import ModelArgs
+from paratrain.models.args import ModelArgs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SOURCE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
@@ -194,7 +194,7 @@ def _load_param(plan: ExportPlan, reader, name: str) -> torch.Tensor:
 
 def _hf_tensor(piece: Piece, source: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
     t = source if piece.expert is None else source[piece.expert].T
-    if piece.param in VOCAB_PARAMS:
+    if piece.vocab:
         t = t[:vocab]
     return t.to(dtype).contiguous()
 

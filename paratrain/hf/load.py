@@ -16,7 +16,7 @@ from paratrain.errors import UserError
 from paratrain.hf.arch import args_from_hf_config, read_hf_config
 from paratrain.hf.files import HFWeights
 from paratrain.hf.names import IGNORED_SUFFIXES, pieces, pieces_by_param
-from paratrain.models.llama import ModelArgs
+from paratrain.models.args import ModelArgs
 
 
 def hf_model_args(folder: str | Path) -> ModelArgs:
@@ -98,7 +98,7 @@ def load_hf_weights(model: nn.Module, folder: str | Path, args: ModelArgs) -> No
 def load_hf_model(folder: str | Path, device: str | torch.device = "cpu") -> tuple:
     """(Transformer, ModelArgs, tokenizer) from a Hugging Face folder, on one process (generation, tests)."""
     from paratrain.data.tokenizers import HFTokenizer
-    from paratrain.models.llama import Transformer
+    from paratrain.models import build_model
 
     folder = Path(folder)
     args = hf_model_args(folder)
@@ -106,7 +106,7 @@ def load_hf_model(folder: str | Path, device: str | torch.device = "cpu") -> tup
     tokenizer = HFTokenizer.from_file(hf_tokenizer_file(folder))
     check_tokenizer_fits(tokenizer, args, hf_tokenizer_file(folder))
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build_model(args)
     model.to_empty(device=device)
     load_hf_weights(model, folder, args)
     return model, args, tokenizer

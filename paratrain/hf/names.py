@@ -1,4 +1,5 @@
-"""Which Hugging Face tensor holds which part of which paratrain parameter.
+"""Which Hugging Face tensor holds which part of which paratrain parameter, from the model family's parameter table
+and Hugging Face names (`paratrain.models.family.HFNames`).
 
 Dense parameters map one to one by name (the rotary layout is the same, so q and k need no permutation).
 paratrain stacks the experts of an MoE layer: experts.w1 and w3 are (E, dim, hidden) and w2 (E, hidden, dim),
@@ -11,24 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.models.llama import ModelArgs
+from paratrain.errors import UserError
+from paratrain.models.args import ModelArgs
+from paratrain.models.family import HFNames
+from paratrain.models.registry import family_of, parameters
 
-LAYER = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-DENSE_MLP = {
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-}
-MOE_ROUTER = {"feed_forward.router.weight": "block_sparse_moe.gate.weight"}
-MOE_EXPERTS = ("w1", "w2", "w3")  # feed_forward.experts.{w} <-> block_sparse_moe.experts.{e}.{w}.weight
-VOCAB_PARAMS = ("tok_embeddings.weight", "output.weight")  # rows are token ids
 # Tensors some Hugging Face checkpoints carry that are derived, not learned; ignored on import.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -39,46 +27,32 @@ class Piece:
     param: str  # paratrain parameter name
     shape: tuple  # Hugging Face shape
     expert: int | None = None  # index along dim 0 of a stacked expert parameter; the tensor is w[expert].T
+    vocab: bool = False  # rows are token ids (the embedding and output): trimmed to the tokenizer's vocabulary
+
+
+def hf_names(args: ModelArgs) -> HFNames:
+    """The family's Hugging Face names, or a one-line UserError for a family without a Hugging Face counterpart."""
+    family = family_of(args)
+    if family.hf is None:
+        raise UserError(f"model family '{family.name}' has no Hugging Face counterpart")
+    return family.hf
 
 
 def param_shapes(args: ModelArgs) -> dict[str, tuple]:
-    """paratrain parameter name -> shape, in named_parameters() order (a tied output weight is not listed)."""
-    C, hd, V = args.dim, args.head_dim, args.vocab_size
-    shapes = {"tok_embeddings.weight": (V, C)}
-    for i in range(args.n_layers):
-        p = f"layers.{i}."
-        shapes.update({p + "attention_norm.weight": (C,), p + "attention.wq.weight": (args.n_heads * hd, C),
-                       p + "attention.wk.weight": (args.n_kv_heads * hd, C),
-                       p + "attention.wv.weight": (args.n_kv_heads * hd, C),
-                       p + "attention.wo.weight": (C, args.n_heads * hd), p + "ffn_norm.weight": (C,)})
-        if args.is_moe_layer(i):
-            E, H = args.moe_experts, args.expert_hidden
-            shapes.update({p + "feed_forward.router.weight": (E, C), p + "feed_forward.experts.w1": (E, C, H),
-                           p + "feed_forward.experts.w2": (E, H, C), p + "feed_forward.experts.w3": (E, C, H)})
-        else:
-            F = args.ffn_hidden
-            shapes.update({p + "feed_forward.w1.weight": (F, C), p + "feed_forward.w2.weight": (C, F),
-                           p + "feed_forward.w3.weight": (F, C)})
-    shapes["norm.weight"] = (C,)
-    if not args.tie_embeddings:
-        shapes["output.weight"] = (V, C)
-    return shapes
+    """paratrain parameter name -> shape, in named_parameters() order (a tied output weight is not listed): the
+    family's parameter table."""
+    return {p.name: p.shape for p in parameters(args)}
 
 
-def hf_name(param: str, expert: int | None = None) -> str:
-    if param == "tok_embeddings.weight":
-        return "model.embed_tokens.weight"
-    if param == "norm.weight":
-        return "model.norm.weight"
-    if param == "output.weight":
-        return "lm_head.weight"
+def hf_name(names: HFNames, param: str, expert: int | None = None) -> str:
+    if param in names.top:
+        return names.top[param]
     _, index, rest = param.split(".", 2)  # layers.{i}.rest
     prefix = f"model.layers.{index}."
-    if rest.startswith("feed_forward.experts."):
-        return f"{prefix}block_sparse_moe.experts.{expert}.{rest.rsplit('.', 1)[1]}.weight"
-    for table in (LAYER, DENSE_MLP, MOE_ROUTER):
-        if rest in table:
-            return prefix + table[rest]
+    if expert is not None:
+        return prefix + names.expert.format(e=expert, w=rest.rsplit(".", 1)[1])
+    if rest in names.block:
+        return prefix + names.block[rest]
     raise KeyError(param)
 
 
@@ -86,14 +60,16 @@ def pieces(args: ModelArgs, vocab_size: int | None = None) -> list[Piece]:
     """Every Hugging Face tensor of the model in checkpoint order; `vocab_size` trims the vocabulary rows
     (paratrain pads its vocabulary; the exported model has exactly the tokenizer's ids)."""
     vocab_size = vocab_size or args.vocab_size
+    names = hf_names(args)
     out = []
-    for param, shape in param_shapes(args).items():
-        if param.endswith(tuple(f"experts.{w}" for w in MOE_EXPERTS)):
-            out += [Piece(hf_name(param, e), param, (shape[2], shape[1]), e) for e in range(shape[0])]
+    for p in parameters(args):
+        if p.expert:
+            E, _, _ = p.shape
+            out += [Piece(hf_name(names, p.name, e), p.name, (p.shape[2], p.shape[1]), e) for e in range(E)]
         else:
-            if param in VOCAB_PARAMS:
-                shape = (vocab_size, *shape[1:])
-            out.append(Piece(hf_name(param), param, tuple(shape)))
+            vocab = p.role in ("embedding", "output")
+            shape = (vocab_size, *p.shape[1:]) if vocab else p.shape
+            out.append(Piece(hf_name(names, p.name), p.name, tuple(shape), vocab=vocab))
     return out
 
 

@@ -1,13 +1,19 @@
-"""The model: plain nn.Modules with no parallel code (llama.py, moe.py), its torch-free dimensions (args.py)
-and named sizes with exact parameter and FLOP counts (presets.py).
+"""The model: plain nn.Modules with no parallel code (llama.py, moe.py), its torch-free dimensions (args.py), the
+model families (family.py: what a family gives, its module, parameter table with tensor-parallel roles and Hugging
+Face names; registry.py: the families by name; llama_params.py: the Llama family) and named sizes with exact
+parameter and FLOP counts (presets.py).
 
-`Transformer` is imported lazily so that `from paratrain.models import ModelArgs, preset_args` does not
-load torch (the layout, estimator and planner reason about models without it)."""
+`Transformer` and `build_model`'s modules are imported lazily so that `from paratrain.models import ModelArgs,
+preset_args` does not load torch (the layout, estimator and planner reason about models without it)."""
 
 from paratrain.models.args import ModelArgs
+from paratrain.models.family import HFNames, ModelFamily, Param
+from paratrain.models.registry import FAMILIES, build_model, family_of, get_family, parameters, register_family
 from paratrain.models.presets import PRESETS, count_active_params, count_params, flops_per_token, format_params, preset_args
 
-__all__ = ["ModelArgs", "Transformer", "PRESETS", "count_params", "count_active_params", "flops_per_token", "format_params", "preset_args"]
+__all__ = ["ModelArgs", "Transformer", "PRESETS", "count_params", "count_active_params", "flops_per_token", "format_params",
+           "preset_args", "ModelFamily", "HFNames", "Param", "register_family", "get_family", "family_of", "FAMILIES",
+           "parameters", "build_model"]
 
 
 def __getattr__(name: str):

@@ -1,14 +1,20 @@
-"""Model dimensions: a torch-free dataclass, so the layout, estimator and planner can reason about a model
-without importing torch or building it."""
+"""Model dimensions: a torch-free frozen dataclass, so the layout, estimator and planner can reason about a model
+without importing torch or building it. It is hashable: derived tables (the family's parameter table, block costs)
+are cached on it with `functools.cache`. `config.ModelConfig` is derived from its fields (`[model]` overrides)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-SCORE_FUNCS = ("softmax", "sigmoid")  # MoE router scores
+RopeScaling = Literal["none", "llama3"]
+ScoreFunc = Literal["softmax", "sigmoid"]  # MoE router scores
+ROPE_SCALINGS = get_args(RopeScaling)
+SCORE_FUNCS = get_args(ScoreFunc)
+DEFAULT_FAMILY = "llama"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelArgs:
     vocab_size: int
     dim: int
@@ -23,7 +29,7 @@ class ModelArgs:
     head_dim: int | None = None  # None: dim // n_heads (resolved on construction)
     # Rotary scaling for long context: "none", or "llama3" (Llama 3.1/3.2: low frequencies divided by
     # `rope_scaling_factor`, high ones kept, a smooth blend between; Hugging Face's rope_type "llama3").
-    rope_scaling: str = "none"
+    rope_scaling: RopeScaling = "none"
     rope_scaling_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
@@ -35,15 +41,18 @@ class ModelArgs:
     moe_shared_experts: int = 0
     moe_ffn_hidden: int | None = None
     moe_first_dense_layers: int = 0
-    moe_score_func: str = "softmax"  # softmax | sigmoid
+    moe_score_func: ScoreFunc = "softmax"
     moe_aux_loss_coef: float = 0.01
     moe_capacity_factor: float = 0.0  # 0: no capacity limit (no token dropping)
+    # The model family (`paratrain.models.family`): which module is built and which parameter table, TP plan and
+    # Hugging Face names describe it. The fields above are its dimensions.
+    family: str = DEFAULT_FAMILY
 
     def __post_init__(self):
         # Resolved once so that saved dimensions (trainer.pt) carry it; dataclasses.replace(dim=...) keeps the
         # resolved value, pass head_dim=None with it to derive it again.
         if self.head_dim is None:
-            self.head_dim = self.dim // self.n_heads
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
     @property
     def expert_hidden(self) -> int:

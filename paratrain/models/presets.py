@@ -6,13 +6,13 @@ from __future__ import annotations
 import difflib
 
 from paratrain.errors import ConfigError, UserError
-from paratrain.models.args import SCORE_FUNCS, ModelArgs
+from paratrain.models.args import ROPE_SCALINGS, SCORE_FUNCS, ModelArgs
+from paratrain.models.registry import block_numels, get_family, parameters
 
 LLAMA3_VOCAB = 128256
 LLAMA31_ROPE = dict(norm_eps=1e-5, rope_scaling="llama3", rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
                     rope_high_freq_factor=4.0, rope_original_max_seq_len=8192)
 LLAMA32_ROPE = dict(LLAMA31_ROPE, rope_scaling_factor=32.0)
-ROPE_SCALINGS = ("none", "llama3")
 
 # vocab_size None means "take it from the prepared dataset" (small models trained on our corpora).
 PRESETS: dict[str, dict] = {
@@ -73,6 +73,7 @@ def preset_args(name: str, vocab_size: int | None = None, **overrides) -> ModelA
             raise UserError(f"preset '{name}' takes its vocab size from the dataset; none was given")
         fields["vocab_size"] = vocab_size
     args = ModelArgs(**fields)
+    get_family(args.family)  # a one-line error for an unknown family
     validate_args(args)
     validate_moe(args)
     return args
@@ -112,30 +113,21 @@ def validate_moe(args: ModelArgs) -> None:
 
 
 def block_param_count(args: ModelArgs, index: int, active: bool = False) -> int:
-    """Parameters of block `index` (attention, norms, dense or mixture-of-experts feed-forward).
+    """Parameters of block `index`, from the family's parameter table (`models/family.py`).
 
     active=True counts what one token uses: the router, the shared experts and top_k of the routed experts."""
-    hd = args.head_dim
-    attn = args.dim * args.n_heads * hd * 2 + args.dim * args.n_kv_heads * hd * 2  # wq, wo, wk, wv
-    swiglu = 3 * args.dim  # parameters per unit of SwiGLU width (w1, w2, w3)
-    norms = 2 * args.dim  # two RMSNorm gains
-    if not args.is_moe_layer(index):
-        return attn + swiglu * args.ffn_hidden + norms
-    routed = args.moe_top_k if active else args.moe_experts
-    return attn + args.moe_experts * args.dim + swiglu * args.expert_hidden * (routed + args.moe_shared_experts) + norms
+    return block_numels(args)[index][active]
 
 
 def count_params(args: ModelArgs, include_embedding: bool = True, active: bool = False) -> int:
-    """Exact parameter count from the dimensions, without building the model.
+    """Exact parameter count from the family's parameter table, without building the model.
 
     active=True counts what one token uses: in MoE layers the router, the shared experts and top_k of the
     routed experts instead of all of them (the same as the total for a dense model).
     """
     blocks = sum(block_param_count(args, i, active) for i in range(args.n_layers))
-    embedding = args.vocab_size * args.dim
-    output = 0 if args.tie_embeddings else args.vocab_size * args.dim
-    total = embedding + blocks + args.dim + output
-    return total if include_embedding else total - embedding
+    outside = sum(p.numel for p in parameters(args) if p.layer is None and (include_embedding or p.where != "embedding"))
+    return blocks + outside
 
 
 def format_params(n: int) -> str:

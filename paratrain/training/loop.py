@@ -33,7 +33,7 @@ from paratrain.faults import ATTEMPT_ENV, FaultInjector
 from paratrain.observe.flops import is_datasheet_peak, peak_flops
 from paratrain.generate import prompt_ids, sample
 from paratrain.observe.metrics import MetricsLog, build_sinks
-from paratrain.models import Transformer, count_active_params, count_params, flops_per_token, format_params
+from paratrain.models import build_model, count_active_params, count_params, flops_per_token, format_params
 from paratrain.spec import RunSpec, stage_gpus
 from paratrain.training.checkpoint import Checkpointer, Progress, export_safetensors, full_weights
 from paratrain.training.evaluation import Evaluator, dp_mean
@@ -77,7 +77,7 @@ class Trainer:
         # Build on the meta device (no memory) and materialise after sharding. Tied embeddings are the
         # exception: materialising from meta would untie them, so those models are built for real.
         with torch.device(dev if spec.model_args.tie_embeddings else "meta"):
-            model = Transformer(spec.model_args)
+            model = build_model(spec.model_args)
         scaler = make_scaler(spec.layout, t.precision, dev)
         self.comm = GradComm(cfg.parallel, self.dims, dev, t.seed)  # gradient compression, buckets, prefetching
         pipeline = None

@@ -1,0 +1,132 @@
+"""Tensor and sequence parallelism by parameter role: the family's parameter table (`paratrain.models.family`) says
+what each module is (column- or row-parallel Linear, vocabulary-parallel embedding or output, norm, replicated,
+routed expert) and its sublayers what kind they are (attention, mlp, moe); this file gives each its DTensor style.
+A new model family needs no change here as long as its parameters use these roles.
+
+Megatron-style: column-wise in, row-wise out, vocabulary-parallel embedding and output. With sequence parallelism the
+norms and residual stream are sharded along the sequence (Shard(1)) and gathered just before each sublayer.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from paratrain.models.registry import family_of, parameters
+
+# A sublayer's inputs under sequence parallelism: the residual stream first (gathered), the rest untouched.
+_SUBLAYER_ARITY = {"attention": 3, "mlp": 1}  # attention(x, cos, sin), mlp(x)
+
+
+def replicated_style():
+    """Without sequence parallelism the norms see whole activations (and an MoE router always does); still
+    make their weights replicated DTensors, so every parameter is a DTensor and gradient scaling/clipping
+    never mixes the two kinds."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class ReplicateParallel(ParallelStyle):
+        def _apply(self, module: nn.Module, mesh) -> nn.Module:
+            def to_dtensor(mod, inputs, mesh):
+                return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+            def to_local(mod, outputs, mesh):
+                return outputs.to_local()
+
+            return distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
+
+    return ReplicateParallel()
+
+
+def module_roles(params) -> dict[str, str]:
+    """Module path -> role, in table order; every parameter of one module must share its role."""
+    roles: dict[str, str] = {}
+    for p in params:
+        if roles.setdefault(p.module, p.role) != p.role:
+            raise ValueError(f"{p.name}: role {p.role}, but its module's other parameters are {roles[p.module]}")
+    return roles
+
+
+class _Styles:
+    def __init__(self, sequence_parallel: bool, loss_parallel: bool):
+        from torch.distributed.tensor import Replicate, Shard
+
+        self.sp, self.loss_parallel = sequence_parallel, loss_parallel
+        self.residual = Shard(1) if sequence_parallel else Replicate()
+
+    def of(self, role: str, sublayer_output):
+        """The style of a module with this role; `sublayer_output`: the layout its sublayer hands back."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+        if role == "embedding":
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=self.residual)
+        if role == "output":
+            return ColwiseParallel(input_layouts=self.residual,
+                                   output_layouts=Shard(-1) if self.loss_parallel else Replicate(),
+                                   use_local_output=not self.loss_parallel)
+        if role == "colwise":
+            return ColwiseParallel()
+        if role == "rowwise":
+            return RowwiseParallel(output_layouts=sublayer_output)
+        if role == "norm":
+            return SequenceParallel() if self.sp else replicated_style()
+        if role == "replicated":
+            return replicated_style()
+        if role == "expert":
+            return None  # routed experts are spread by expert parallelism, replicated over tp
+        raise ValueError(f"unknown tensor-parallel role '{role}'")
+
+    def sublayer(self, kind: str):
+        """(the layout a rowwise projection inside hands back, the style preparing the sublayer's input or None)."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput
+
+        if kind == "moe":
+            # Mixture of experts: every tp rank routes all of its data-parallel rank's tokens (gathered along the
+            # sequence first under sequence parallelism) through the same replicated router and experts; only the
+            # shared expert is tensor-parallel. Experts are spread by expert parallelism instead.
+            if not self.sp:
+                return Replicate(), None
+            # Whole sequences in (routing and the balance loss are per sequence), the residual's shard out.
+            return Replicate(), PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+        if kind not in _SUBLAYER_ARITY:
+            raise ValueError(f"unknown sublayer kind '{kind}'")
+        if not self.sp:
+            return self.residual, None
+        rest = (None,) * (_SUBLAYER_ARITY[kind] - 1)
+        return self.residual, PrepareModuleInput(input_layouts=(Shard(1), *rest),
+                                                 desired_input_layouts=(Replicate(), *rest))
+
+
+def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Lay out `model` (a whole model or a pipeline stage, before any other wrapping) over `tp_mesh` by the roles of
+    its family's parameter table."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    args = model.args
+    family, table = family_of(args), parameters(args)
+    styles = _Styles(sequence_parallel, loss_parallel)
+    # A pipeline stage lacks the embedding (all but the first) or the head (all but the last).
+    top = {m: styles.of(r, styles.residual) for m, r in module_roles(p for p in table if p.layer is None).items()
+           if getattr(model, m.split(".")[0]) is not None}
+    parallelize_module(model, tp_mesh, top)
+
+    by_layer: dict[int, list] = {}
+    for p in table:
+        if p.layer is not None:
+            by_layer.setdefault(p.layer, []).append(p)
+    for key, block in model.layers.items():
+        index = int(key)
+        kinds = family.sublayers(args, index)
+        outputs, prepare = {}, {}
+        for name, kind in kinds.items():
+            outputs[name], prepare[name] = styles.sublayer(kind)
+        plan = {}
+        for module, role in module_roles(by_layer[index]).items():
+            style = styles.of(role, outputs.get(module.split(".")[0], styles.residual))
+            if style is not None:
+                plan[module] = style
+        plan.update({name: style for name, style in prepare.items() if style is not None})
+        parallelize_module(block, tp_mesh, plan)

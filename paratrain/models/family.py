@@ -1,0 +1,100 @@
+"""What a model family is: one `ModelFamily` per family, the only description of a model (registry.py knows them).
+
+A family gives
+- `module`: the nn.Module class to build (an import path "package.module:Class", loaded lazily: this file and the
+  tables stay torch-free). It follows the decoder skeleton the parallel code relies on: `args`, `tok_embeddings`,
+  `layers` (a ModuleDict of blocks keyed by index), `norm`, `output` (each may be None in a pipeline stage),
+  `forward(tokens, seq_len=None)`, `param_init_std(name)` and `reset_buffers()` (see models/llama.py);
+- `params(args)`: its parameter table, every parameter in `named_parameters()` order with its shape and its
+  tensor-parallel *role*. The estimator, the presets' counts, the pipeline split and the Hugging Face names all read
+  it, and `paratrain/distributed/tensor_parallel.py` turns roles into the TP/SP plan;
+- `sublayers(args, index)`: the block's sublayers by kind ("attention" called as (x, cos, sin), "mlp" and "moe"
+  called as (x,)), which say where sequence parallelism gathers and scatters the residual stream;
+- `hf`: its Hugging Face tensor names (`HFNames`), or None when it has no Hugging Face counterpart.
+
+Adding a family is one module defining a `ModelFamily` plus one registry line: an entry in `registry.FAMILIES` for a
+family shipped with paratrain, or `registry.register_family(FAMILY)` in the module that defines it (tests do this).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Mapping, get_args
+
+from paratrain.models.args import ModelArgs
+
+# How tensor parallelism treats a parameter (paratrain/distributed/tensor_parallel.py gives each its DTensor style):
+#   embedding  vocabulary-parallel input embedding (rows split)      output  vocabulary-parallel output projection
+#   colwise    column-parallel Linear: weight and bias split on dim 0
+#   rowwise    row-parallel Linear: weight split on dim 1, bias replicated; its output goes back to its sublayer's
+#              output layout (the residual stream; whole inside a mixture of experts)
+#   norm       a norm gain: replicated, sequence-parallel under SP   replicated  replicated whatever the layout
+#   expert     a routed expert's stacked weight (E, ...): not split by tp, split on dim 0 by expert parallelism
+Role = Literal["embedding", "output", "colwise", "rowwise", "norm", "replicated", "expert"]
+ROLES = get_args(Role)
+SublayerKind = Literal["attention", "mlp", "moe"]
+SUBLAYER_KINDS = get_args(SublayerKind)
+# Where a parameter lives, for pipeline stages: the first stage holds the embedding, the last the head.
+Where = Literal["embedding", "block", "head"]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a model: its name in `named_parameters()`, full shape and tensor-parallel role. What follows
+    from the role is set on construction (plain attributes: the planner reads them millions of times)."""
+
+    name: str
+    shape: tuple[int, ...]
+    role: Role
+    layer: int | None = None  # block index (None: embedding / final norm / output)
+    matmul: bool = False  # used as a matmul weight (autocast makes a low-precision copy of it)
+    tp_dim: int | None = field(init=False)  # the dim tensor parallelism splits (None: replicated)
+    expert: bool = field(init=False)  # a routed-expert weight (split over ep on dim 0)
+    where: Where = field(init=False)  # the pipeline stage holding it: first (embedding), any (block), last (head)
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"{self.name}: unknown tensor-parallel role '{self.role}' (roles: {', '.join(ROLES)})")
+        rowwise_weight = self.role == "rowwise" and len(self.shape) >= 2
+        tp_dim = 0 if self.role in ("embedding", "output", "colwise") else 1 if rowwise_weight else None
+        where = "block" if self.layer is not None else "embedding" if self.role == "embedding" else "head"
+        object.__setattr__(self, "tp_dim", tp_dim)
+        object.__setattr__(self, "expert", self.role == "expert")
+        object.__setattr__(self, "where", where)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def module(self) -> str:
+        """The module holding it, relative to its block (to the model for layer None)."""
+        name = self.name.split(".", 2)[2] if self.layer is not None else self.name
+        return name.rsplit(".", 1)[0]
+
+
+@dataclass(frozen=True)
+class HFNames:
+    """A family's Hugging Face tensor names. `top` and `block` map paratrain names (a block's relative to
+    `layers.{i}.`) to Hugging Face ones (relative to `model.layers.{i}.`); a routed-expert stacked weight
+    `<...>.experts.{w}` (E, in, out) is E tensors named `expert.format(e=e, w=w)`, each w[e] transposed."""
+
+    top: Mapping[str, str]
+    block: Mapping[str, str]
+    expert: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    module: str  # "package.module:Class" of the nn.Module
+    params: Callable[[ModelArgs], list[Param]]
+    sublayers: Callable[[ModelArgs, int], Mapping[str, SublayerKind]]
+    hf: HFNames | None = None
+    description: str = ""
+
+    def model_class(self):
+        path, _, attr = self.module.partition(":")
+        return getattr(importlib.import_module(path), attr)
