@@ -57,7 +57,8 @@ class PendingRecord:
     begin: object  # StepClock marks
     end: object
     phases: tuple  # PhaseTimer.take()
-    host: dict  # the record's other host-side numbers (data progress, communication, MoE, pipeline, saves)
+    host: dict  # the record's other host-side numbers (data progress, communication, pipeline, saves)
+    later: list  # callables reading more of the record's numbers from the device (the MoE statistics)
     show: bool = False
 
 
@@ -102,8 +103,9 @@ class StepRecorder:
         host.update(self.train_data.progress(progress.data_step, self.spec.global_batch))  # epochs, tokens/source
         if self.comm is not None:  # comm_bytes, compression_ratio
             host.update(self.comm.step_metrics(progress.accum_steps))
-        if self.train_step.moe:  # every rank: one small all-reduce of the step's expert load (MoE models only)
-            host.update(self.train_step.moe.step_metrics(self.dp_group))
+        later = []  # numbers to read on the host at the settle point
+        if self.train_step.moe:  # every rank: one small all-reduce of the step's expert load, read later
+            later.append(self.train_step.moe.step_stats(self.dp_group))
         if self.train_step.pipeline is not None:  # every rank: one tiny all-gather over the pp group (host times)
             idle = self.train_step.pipeline.measured_bubble()
             self.bubble_history.append(idle)
@@ -111,7 +113,7 @@ class StepRecorder:
                         pp_bubble_predicted=self.spec.layout.predicted_bubble())
         host.update(saved)
         return PendingRecord(step, data_step, lr, progress.micro_batch, loss.detach(), grad_norm.detach(), finite,
-                             begin, end, self.timer.take(), host)
+                             begin, end, self.timer.take(), host, [f for f in later if f is not None])
 
     @staticmethod
     def read(pending: list[PendingRecord]) -> list[StepValues]:
@@ -135,6 +137,8 @@ class StepRecorder:
                   "step_time_s": seconds, "skipped_steps": skipped, "tokens": (p.step + 1) * self.spec.tokens_per_step,
                   "micro_batch": p.micro_batch, "restarts": self.restarts, **self.timer.split(seconds, p.phases),
                   **p.host}
+        for read in p.later:
+            record.update(read())
         if self.first:  # the first record of each process says what runs (for `paratrain report`)
             self.first = False
             record.update(layout=self.spec.layout.short_name(), world_size=world, model=self.spec.model_name,
