@@ -7,7 +7,9 @@ gradient clipping at 1.0 and warmup + cosine learning rate. The plain loop is wh
 cross-entropy, backward, `clip_grad_norm_`, `step`, a LambdaLR, `zero_grad`, the losses kept as tensors. paratrain's
 side is `paratrain.api.train_rank` with the default config (its log steps every 10, the metrics record, the guard,
 the checkpointer's polls: everything but the final evaluation). A step's time is the interval between the starts of
-consecutive steps (all of the loop's own work included); the table gives each side's median after `--warmup` steps.
+consecutive steps (all of the loop's own work included); the table gives each side's median after `--warmup` steps,
+per round, their median over the rounds, and the fastest round of each side (on a shared machine the least
+disturbed figure).
 
     python bench/overhead.py                      # 3 rounds of 200 steps each side (~3 minutes on 2 CPU cores)
     python bench/overhead.py --rounds 5 --steps 300 --device cuda
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     for r, o, p in rows:
         print(f"| {r} | {o * 1e3:.2f} | {p * 1e3:.2f} | {o / p - 1:+.1%} |")
     print(f"| median | {ours * 1e3:.2f} | {plain * 1e3:.2f} | {ours / plain - 1:+.1%} |")
+    best_ours, best_plain = min(row[1] for row in rows), min(row[2] for row in rows)
+    print(f"| fastest round | {best_ours * 1e3:.2f} | {best_plain * 1e3:.2f} | {best_ours / best_plain - 1:+.1%} |")
     print(f"\n{a.steps} steps per round ({a.warmup} warm-up left out), default model, micro-batch "
           f"{cfg.training.micro_batch} x {cfg.training.seq_len} tokens, {a.device}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
