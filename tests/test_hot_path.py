@@ -131,3 +131,16 @@ def test_no_host_reads_outside_log_steps_fsdp2(char_data, tmp_path):
     assert settled == [0, STEPS - 1]
     # the preemption flag: one all-reduce of a CPU tensor per step (gloo on every backend)
     assert reads == {"item resilience.py:preempted": STEPS - 2}, reads
+
+
+def test_build_train_step_keeps_its_grad_comm():
+    """The step carries the GradComm it laid the model out with: the trainer checkpoints its state (error feedback,
+    PowerSGD's Q and step count), tells it each step's index (sign_ef's warm-up) and logs its bytes through it."""
+    from paratrain.distributed.compression import GradComm
+    from paratrain.distributed.parallel_dims import ParallelDims
+    from paratrain.layout import Layout
+    from paratrain.models import preset_args
+    from paratrain.training.step import build_train_step
+
+    step = build_train_step(preset_args("tiny", vocab_size=64), ParallelDims(Layout.resolve(1)), torch.device("cpu"))
+    assert isinstance(step.comm, GradComm)

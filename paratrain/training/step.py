@@ -262,5 +262,5 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
                           dims.dp_group if layout.zero1 else None)
     return TrainStep(model, opt, layout, precision=precision, device=device, grad_clip=grad_clip, scaler=scaler,
                      pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
-                     memory_budget=memory_budget, probe=probe,
+                     memory_budget=memory_budget, probe=probe, comm=comm,
                      context=context_for(dims))  # cp: batches cut to this rank's chunks
