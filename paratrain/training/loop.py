@@ -104,7 +104,8 @@ class Trainer:
                                      self.comm, self.notice)
         self.faults = FaultInjector(env.rank)
         self.pending: list[PendingRecord] = []  # steps run but not yet read back (see the module's docstring)
-        self.logged: list[tuple[dict, bool]] = []  # settled records (and whether to show them), not yet logged
+        self.logged: list[tuple[dict, bool, int | None]] = []  # settled records (whether to show them, profiler
+        # index), not yet logged
         if env.world_size > 1:
             register_process()
             env.print(f"{dev} | mesh position {self.dims.coordinates()} | data shard {self.dims.dp_rank}", all_ranks=True)
@@ -162,7 +163,8 @@ class Trainer:
                 is_eval = t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps
                 show = (step + 1) % t.log_every == 0 or step == start or is_eval
                 self.pending[-1].show = show
-                if show or step + 1 == t.steps or self.checkpointer.due(step + 1):  # a settle point
+                if (show or step + 1 == t.steps or self.checkpointer.due(step + 1)
+                        or self.recorder.profile_closing):  # a settle point
                     back = self._settle(result, start)
                     if back is not None:
                         step = back
@@ -205,12 +207,13 @@ class Trainer:
                 del result.losses[max(0, back - start):]
                 return back
             result.losses.append(values.loss)
-            self.logged.append((self.recorder.finish(entry, values, self.progress.skipped), entry.show))
+            self.logged.append((self.recorder.finish(entry, values, self.progress.skipped), entry.show,
+                                entry.profile_index))
         return None
 
     def _log_settled(self) -> None:
-        for record, show in self.logged:
-            for held, shown in self.recorder.release(record, show):  # profiled steps wait for their trace
+        for record, show, profile_index in self.logged:
+            for held, shown in self.recorder.release(record, show, profile_index):  # profiled steps wait for their trace
                 self.log.log(held, show=shown)
         self.logged = []
 

@@ -60,6 +60,7 @@ class PendingRecord:
     host: dict  # the record's other host-side numbers (data progress, communication, pipeline, saves)
     later: list  # callables reading more of the record's numbers from the device (the MoE statistics)
     show: bool = False
+    profile_index: int | None = None  # metrics.profile_steps: the step's index in the profiler (StepProfiler.count)
 
 
 class StepRecorder:
@@ -113,7 +114,8 @@ class StepRecorder:
                         pp_bubble_predicted=self.spec.layout.predicted_bubble())
         host.update(saved)
         return PendingRecord(step, data_step, lr, progress.micro_batch, loss.detach(), grad_norm.detach(), finite,
-                             begin, end, self.timer.take(), host, [f for f in later if f is not None])
+                             begin, end, self.timer.take(), host, [f for f in later if f is not None],
+                             profile_index=self.profiler.count if self.profiler is not None else None)
 
     @staticmethod
     def read(pending: list[PendingRecord]) -> list[StepValues]:
@@ -145,10 +147,15 @@ class StepRecorder:
                           params=count_params(self.spec.model_args))
         return record
 
-    def release(self, record: dict, show: bool) -> list[tuple[dict, bool]]:
+    def release(self, record: dict, show: bool, profile_index: int | None = None) -> list[tuple[dict, bool]]:
         """The records to log now: this one, or while profiling none until the window's trace has been read (then
-        all of them, with the profiler's compute / communication split)."""
-        return [(record, show)] if self.profiler is None else self.profiler.hold(record, show)
+        all of them, with the profiler's compute / communication split). `profile_index`: its PendingRecord's."""
+        return [(record, show)] if self.profiler is None else self.profiler.hold(record, show, profile_index)
+
+    @property
+    def profile_closing(self) -> bool:
+        """The profiling window's last step has just run: settle now, so its trace is read and written here."""
+        return self.profiler is not None and self.profiler.closing
 
     def close(self) -> list[tuple[dict, bool]]:
         """At the end of the run: a profiling window cut short (fewer steps, preemption) is written and released."""
