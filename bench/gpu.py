@@ -3,7 +3,7 @@ and a calibration at the model's own shapes.
 
 On a single CUDA GPU (about 6-8 minutes on an H100/H200):
 1. MFU of Llama 3.2 1B and 3B (the presets, vocabulary 128,256) in bf16, eager and with torch.compile: the trainer's
-   own step (parallelize + build_optimizer + TrainStep, fused AdamW, selective checkpointing where the estimator
+   own step (`build_train_step`, fused AdamW, selective checkpointing where the estimator
    says it is needed to fit) on random tokens, median step after warm-up; MFU = flops_per_token x tokens/s / the
    datasheet peak (paratrain.observe.flops). Beside it the cost model's prediction for the same configuration with
    the GPU's datasheet profile (planner/hardware.py's efficiency model) and with the profile calibrated in step 3.
@@ -77,20 +77,13 @@ def train_rate(args, seq: int, mb: int, ac: str, compile_: bool | str, device, s
 
     from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
     from paratrain.distributed.parallel_dims import ParallelDims
-    from paratrain.distributed.parallelize import parallelize
     from paratrain.layout import Layout
-    from paratrain.models import build_model
-    from paratrain.training.optim import build_optimizer
-    from paratrain.training.step import TrainStep, make_scaler
+    from paratrain.training.step import build_train_step
 
     cuda = device.type == "cuda"
-    precision = "bf16" if cuda else "fp32"
-    layout = Layout.resolve(1)
-    with torch.device("meta"):
-        model = build_model(args)
-    model = parallelize(model, ParallelDims(layout), ActivationCheckpointConfig(ac), precision, compile_, device, 0)
-    opt = build_optimizer(model, OptimizerConfig(impl="fused" if cuda else "foreach"), device)
-    step = TrainStep(model, opt, layout, precision, device, 1.0, make_scaler(layout, precision, device))
+    step = build_train_step(args, ParallelDims(Layout.resolve(1)), device, precision="bf16" if cuda else "fp32",
+                            activation_checkpoint=ActivationCheckpointConfig(ac), compile=compile_,
+                            optimizer=OptimizerConfig(impl="fused" if cuda else "foreach"))
     gen = torch.Generator(device=device).manual_seed(0)
     times = []
     first = None
@@ -107,7 +100,7 @@ def train_rate(args, seq: int, mb: int, ac: str, compile_: bool | str, device, s
         first = dt if first is None else first
         if i >= warmup:
             times.append(dt)
-    del model, opt, step
+    del step
     if cuda:
         torch.cuda.empty_cache()
     s = statistics.median(times)

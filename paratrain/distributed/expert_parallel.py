@@ -180,17 +180,27 @@ class MoEMeter:
         moe_tokens_per_expert: per MoE layer, top-k assignments per expert over the global batch;
         moe_imbalance: max over layers of (busiest expert's assignments / mean per expert), 1.0 = balanced;
         moe_dropped_tokens: assignments dropped by the capacity limit over the global batch."""
+        pending = self.step_stats(dp_group)
+        return pending() if pending is not None else {}
+
+    def step_stats(self, dp_group=None):
+        """`step_metrics` in two halves: the all-reduce now (on the device, nothing read), then reset; returns a
+        callable that reads the numbers on the host (the trainer calls it on the next log step), or None."""
         if self.tokens is None:
-            return {}
+            return None
         stats = torch.cat([self.tokens.double().flatten(), self.dropped.double().view(1),
                            (self.aux.double() / self.micro).view(1)])
         if dp_group is not None:
             dist.all_reduce(stats, group=dp_group)
             stats[-1] /= dist.get_world_size(dp_group)
-        stats = stats.cpu()
-        tokens = stats[:-2].view(self.tokens.shape).round().long()
-        imbalance = (tokens.max(1).values.double() / tokens.double().mean(1).clamp(min=1e-9)).max().item()
-        out = {"moe_aux_loss": stats[-1].item(), "moe_imbalance": imbalance,
-               "moe_dropped_tokens": int(stats[-2].round().item()), "moe_tokens_per_expert": tokens.tolist()}
+        shape = self.tokens.shape
         self.reset()
-        return out
+
+        def read() -> dict:
+            values = stats.cpu()
+            tokens = values[:-2].view(shape).round().long()
+            imbalance = (tokens.max(1).values.double() / tokens.double().mean(1).clamp(min=1e-9)).max().item()
+            return {"moe_aux_loss": values[-1].item(), "moe_imbalance": imbalance,
+                    "moe_dropped_tokens": int(values[-2].round().item()), "moe_tokens_per_expert": tokens.tolist()}
+
+        return read

@@ -16,7 +16,8 @@ import torch
 
 @torch.no_grad()
 def clip_grad_norm(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
-    """Scale gradients so their global L2 norm is at most max_norm (inf: measure only). Returns the norm."""
+    """Scale gradients so their global L2 norm is at most max_norm (inf: measure only). Returns the norm, a device
+    tensor (never read on the host here)."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -40,9 +41,11 @@ def clip_grad_norm(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
         dist.all_reduce(total, group=pp_group)  # every stage's squares: the norm of the whole model
     total = total.sqrt()
     if math.isfinite(max_norm):
-        coef = max_norm / (total.item() + 1e-6)
-        if coef < 1.0:
-            for group in (*by_mesh.values(), plain):
-                if group:
-                    torch._foreach_mul_(group, coef)
+        # The scale stays on the device (no host read): max_norm / (norm + 1e-6) in float64, as the Python float it
+        # used to be, and 1 where it would not shrink (also for a NaN norm: x * 1.0 is x, bit for bit).
+        coef = max_norm / (total.double() + 1e-6)
+        coef = torch.where(coef < 1.0, coef, torch.ones_like(coef)).float()
+        for group in (*by_mesh.values(), plain):
+            if group:
+                torch._foreach_mul_(group, coef.to(group[0].device))
     return total

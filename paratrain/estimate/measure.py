@@ -9,7 +9,7 @@ all-gather output, a DDP bucket, an autocast copy of a weight) and otherwise the
 was allocated (block forward = activations, the output layer and loss = logits/loss, backward =
 temporaries, ...).
 
-`measure_step(spec)` builds the model exactly as the trainer does (`parallelize` + `build_optimizer`),
+`measure_step(spec)` builds the step exactly as the trainer does (`training.step.build_train_step`),
 runs steps that mirror `Trainer._forward_backward` + clipping + the optimizer step, and returns a
 `Measurement`. It runs in the calling process; `measure(spec, world_size)` launches gloo ranks and
 returns every rank's measurement. This is test/bench machinery for CPU ranks; on a GPU, the number to
@@ -224,6 +224,14 @@ class MeasureSpec:
                               pp_schedule=self.pp_schedule, pp_virtual=self.pp_virtual,
                               pp_microbatches=self.pp_microbatches if self.pp > 1 else 0,
                               pp_split=self.pp_split or None)
+
+    def step_options(self) -> dict:
+        """`build_train_step`'s options for this spec (seed 0, clipping at 1.0, the default `[parallel]`)."""
+        from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
+
+        return dict(precision=self.precision, activation_checkpoint=ActivationCheckpointConfig(self.checkpointing,
+                                                                                                self.every_k),
+                    optimizer=OptimizerConfig(impl=self.optimizer_impl), seed=0, grad_clip=1.0)
 
     def batch(self, world_size: int):
         """The batch the spec's layout must divide (a pipeline: micro_batch x pp_microbatches per data rank)."""
@@ -454,19 +462,15 @@ def _fsdp_group_count(model) -> int:
 
 
 def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measurement:
-    """Build the model for `spec` as the trainer does (parallelize + build_optimizer) on this process (a rank of an
+    """Build the step for `spec` as the trainer does (`build_train_step`) on this process (a rank of an
     initialised gloo group, or alone), run `spec.steps` steps of the trainer's own TrainStep with the tracker on,
     and return the last step's peak and breakdown."""
     import torch.distributed as dist
 
-    from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
-    from paratrain.distributed.context_parallel import context_for
     from paratrain.distributed.parallel_dims import ParallelDims
-    from paratrain.distributed.parallelize import parallelize, unwrap
-    from paratrain.models import ModelArgs, build_model
-    from paratrain.training.optim import build_optimizer
-    from paratrain.distributed.pipeline import build_pipeline
-    from paratrain.training.step import TrainStep, make_scaler, schedule_loss
+    from paratrain.distributed.parallelize import unwrap
+    from paratrain.models import ModelArgs
+    from paratrain.training.step import build_train_step
 
     import gc
 
@@ -489,18 +493,8 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
     gathers = [0]
     with tracker, _fsdp_labels(tracker), _count_fsdp_all_gathers(gathers):
         tracker.label = PARAMS
-        with torch.device("meta"):
-            model = build_model(args)
-        ac = ActivationCheckpointConfig(spec.checkpointing, spec.every_k)
-        scaler = make_scaler(layout, spec.precision, device)
-        pipeline = None
-        if layout.pipelined:  # the trainer's own stages and schedule
-            pipeline = build_pipeline(dims, model, ac, spec.precision, False, device, 0, schedule_loss(scaler))
-            model = pipeline.model
-        else:
-            model = parallelize(model, dims, ac, spec.precision, False, device, seed=0)
-        optimizer = build_optimizer(unwrap(model), OptimizerConfig(impl=spec.optimizer_impl), device,
-                                    dims.dp_group if layout.zero1 else None)
+        step = build_train_step(args, dims, device, **spec.step_options())  # the trainer's own step
+        model, optimizer, pipeline = step.model, step.optimizer, step.pipeline
         if hasattr(model, "register_comm_hook"):
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -517,8 +511,7 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
         inner = unwrap(model)
         probe = (_PipelinePhases(tracker, pipeline) if pipeline is not None
                  else _PhaseLabels(tracker, inner, spec.accum_steps))
-        step = TrainStep(model, optimizer, layout, spec.precision, device, grad_clip=1.0, scaler=scaler,
-                         pipeline=pipeline, pp_group=dims.pp_group, probe=probe, context=context_for(dims))
+        step.probe = probe
         gen = torch.Generator().manual_seed(1234)
         rows = spec.micro_batch * (layout.pp_microbatches if pipeline is not None else 1)
         chunks = 1 if pipeline is not None else spec.accum_steps
@@ -606,30 +599,21 @@ def device_peak_bytes(device: torch.device | str | None = None) -> int:
 
 
 def device_step_peaks(spec: MeasureSpec, device, compile: bool | str = False, steps: int = 3) -> dict:
-    """One process: the trainer's own step (parallelize + build_optimizer + TrainStep) for a 1-rank spec on `device`,
+    """One process: the trainer's own step (`build_train_step`, the spec's optimizer_impl) for a 1-rank spec on `device`,
     without the tracker; the peak of the last step. On CUDA torch.cuda.max_memory_allocated and
     max_memory_reserved above what was allocated before; on a CPU (no caching allocator) the tracker's peak of live
     tensor bytes (`measure_step`) and no reserved figure."""
     device = torch.device(device)
     if device.type != "cuda":
         return {"allocated": measure_step(spec).peak, "reserved": None}
-    from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
     from paratrain.distributed.parallel_dims import ParallelDims
-    from paratrain.distributed.parallelize import parallelize
-    from paratrain.models import ModelArgs, build_model
-    from paratrain.training.optim import build_optimizer
-    from paratrain.training.step import TrainStep, make_scaler
+    from paratrain.models import ModelArgs
+    from paratrain.training.step import build_train_step
 
     torch.cuda.empty_cache()
     base, base_reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
     args = ModelArgs(**spec.model)
-    layout = spec.layout(1)
-    with torch.device("meta"):
-        model = build_model(args)
-    model = parallelize(model, ParallelDims(layout), ActivationCheckpointConfig(spec.checkpointing, spec.every_k),
-                        spec.precision, compile, device, seed=0)
-    opt = build_optimizer(model, OptimizerConfig(impl="fused"), device)
-    step = TrainStep(model, opt, layout, spec.precision, device, 1.0, make_scaler(layout, spec.precision, device))
+    step = build_train_step(args, ParallelDims(spec.layout(1)), device, compile=compile, **spec.step_options())
     gen = torch.Generator(device=device).manual_seed(0)
     for i in range(steps):
         if i == steps - 1:
@@ -644,7 +628,7 @@ def device_step_peaks(spec: MeasureSpec, device, compile: bool | str = False, st
     torch.cuda.synchronize(device)
     out = {"allocated": torch.cuda.max_memory_allocated(device) - base,
            "reserved": torch.cuda.max_memory_reserved(device) - base_reserved}
-    del model, opt, step
+    del step
     torch.cuda.empty_cache()
     return out
 

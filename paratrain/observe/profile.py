@@ -189,8 +189,10 @@ def format_summary(rows: list[dict], window: str) -> str:
 class StepProfiler:
     """Runs `steps` steps from the `start`-th step of this run under torch.profiler (see the module docstring).
 
-    `begin()` at the top of each step, `end()` when the step's record is built; `hold(record, show)` returns the
-    records that can be logged now (those of the window wait until its trace has been read)."""
+    `begin()` at the top of each step, `end()` when the step's record is built; `hold(record, show, index)` returns
+    the records that can be logged now (those of the window wait until its trace has been read). `index` is the
+    step's `count` (steps begun in this run) when it ran: the trainer hands records over at settle points, several
+    at a time and after later steps have begun, so a record is matched to its traced step by it."""
 
     def __init__(self, run_dir: Path, rank: int, world: int, start: int, steps: int, device, message, gather):
         self.dir, self.rank, self.world = Path(run_dir) / "profile", rank, world
@@ -198,7 +200,7 @@ class StepProfiler:
         self.device, self.message, self.gather = device, message, gather
         self.count = -1  # steps begun in this run
         self.prof = self.range = None
-        self.held: list[tuple[dict, bool]] = []
+        self.held: list[tuple[dict, bool, int]] = []
         self.summary: dict | None = None
 
     @property
@@ -227,11 +229,17 @@ class StepProfiler:
             self.range.__exit__(None, None, None)
             self.range = None
 
-    def hold(self, record: dict, show: bool) -> list[tuple[dict, bool]]:
-        if not self.active:
+    @property
+    def closing(self) -> bool:
+        """The window's last step has run (a settle point follows, so its trace is read right after it)."""
+        return self.active and self.count >= self.last
+
+    def hold(self, record: dict, show: bool, index: int | None = None) -> list[tuple[dict, bool]]:
+        index = self.count if index is None else index
+        if not self.active or index < self.first:  # outside the window (before it, or after it was written)
             return [(record, show)]
-        self.held.append((record, show))
-        return self.finish() if self.count >= self.last else []
+        self.held.append((record, show, index))
+        return self.finish() if index >= self.last else []
 
     def finish(self) -> list[tuple[dict, bool]]:
         """Stop, write and read this rank's trace, print every rank's summary; returns the held records."""
@@ -245,9 +253,10 @@ class StepProfiler:
         self.prof = None
         mine = {"rank": self.rank, **summarize(path)}
         by_step = {s["step"]: s for s in mine["steps"]}
-        first = self.count - len(self.held) + 1
-        for i, (record, _) in enumerate(self.held):
-            split = by_step.get(first + i)
+        first = self.held[0][2] if self.held else self.first
+        last = self.held[-1][2] if self.held else self.count
+        for record, _, index in self.held:
+            split = by_step.get(index)
             if split is not None:  # the profiler's measurement replaces the timer's for this step
                 record.update(comm_time_s=split["exposed_comm_s"], comm_total_s=split["comm_s"],
                               compute_time_s=max(0.0, record["step_time_s"] - record.get("data_time_s", 0.0)
@@ -256,10 +265,10 @@ class StepProfiler:
         rows = self.gather(mine)
         self.summary = {"window": {"first_step": first, "steps": len(self.held)}, "ranks": rows}
         if self.rank == 0:
-            window = (f"steps {first}-{self.count} of this run" if self.count > first else f"step {first} of this run")
+            window = f"steps {first}-{last} of this run" if last > first else f"step {first} of this run"
             (self.dir / "summary.json").write_text(json.dumps(self.summary, indent=1))
             self.message(format_summary(rows, window))
-        held, self.held = self.held, []
+        held, self.held = [(record, show) for record, show, _ in self.held], []
         return held
 
 

@@ -78,31 +78,48 @@ class PhaseTimer:
     """Splits a step's wall time into measured phases.
 
     `start()` at the top of a step (returns perf_counter and clears the totals); `with timer("data_time_s"):` around
-    the batch fetch, `with timer("comm_time_s", device):` around an explicit collective (on CUDA it first waits for
-    the queued kernels, so the interval is the collective and the wait for the slowest rank, not our own compute);
-    `split(step_seconds)` gives those totals plus `compute_time_s`, the rest of the step. Collectives that run
-    inside forward/backward (FSDP all-gathers, gradient reduce-scatters, DDP all-reduces, TP) overlap compute and
-    cannot be told apart without a profiler: they count as compute.
+    the batch fetch, `with timer("comm_time_s", device):` around an explicit collective (on CUDA two timing events on
+    the current stream, so the interval is the collective and the wait for the slowest rank, not our own compute,
+    and nothing waits for the device now); `take()` the step's phases, `split(step_seconds, phases)` (once the
+    device has passed the events: on a log step) those totals plus `compute_time_s`, the rest of the step.
+    Collectives that run inside forward/backward (FSDP all-gathers, gradient reduce-scatters, DDP all-reduces, TP)
+    overlap compute and cannot be told apart without a profiler: they count as compute.
     """
 
     def __init__(self):
         self.totals: dict[str, float] = {}
+        self.events: list = []  # (phase, start event, end event) of device phases on CUDA
 
     def start(self) -> float:
-        self.totals = {}
+        self.totals, self.events = {}, []
         return time.perf_counter()
 
     @contextlib.contextmanager
     def __call__(self, phase: str, device: torch.device | None = None):
         if device is not None and device.type == "cuda":
-            torch.cuda.synchronize(device)
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self.events.append((phase, begin, end))
+            return
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - t0
 
-    def split(self, step_seconds: float) -> dict:
-        out = {"data_time_s": self.totals.get("data_time_s", 0.0), "comm_time_s": self.totals.get("comm_time_s", 0.0)}
-        out["compute_time_s"] = max(0.0, step_seconds - sum(self.totals.values()))
+    def take(self) -> tuple[dict, list]:
+        """This step's phases, to `split` later."""
+        return dict(self.totals), list(self.events)
+
+    def split(self, step_seconds: float, phases: tuple[dict, list] | None = None) -> dict:
+        totals, events = phases if phases is not None else (self.totals, self.events)
+        totals = dict(totals)
+        for phase, begin, end in events:
+            totals[phase] = totals.get(phase, 0.0) + begin.elapsed_time(end) / 1000
+        out = {"data_time_s": totals.get("data_time_s", 0.0), "comm_time_s": totals.get("comm_time_s", 0.0)}
+        out["compute_time_s"] = max(0.0, step_seconds - sum(totals.values()))
         return out

@@ -3,7 +3,8 @@
 Layout of a run's checkpoints:  RUN_DIR/checkpoints/step-N/
     *.distcp + .metadata   model and optimizer, keyed by parameter name and sharded as they live on
                            the ranks, so a checkpoint saved on one layout loads on any other
-    trainer.pt             step, data position, RNG states, config, model dimensions (weights_only loads it)
+    trainer.pt             step, data position, learning-rate scheduler, RNG states, config, model dimensions
+                           (weights_only loads it)
     meta.json + tokenizer  the tokenizer, so generation needs nothing but this folder
     CHECKSUMS              SHA-256 of every file above (`sha256sum -c CHECKSUMS` format; integrity.py)
     COMPLETE               written last; a folder without it was interrupted and is never loaded
@@ -583,9 +584,10 @@ class Checkpointer:
     """Saves, resumes and rolls back one run's training state (model, optimizer, progress, RNG, config)."""
 
     def __init__(self, spec, model: nn.Module, optimizer, progress: Progress, is_main: bool, tokenizer, config_toml: str,
-                 notice=print, warn=None, comm=None):
+                 notice=print, warn=None, comm=None, scheduler=None):
         cfg = spec.cfg
         self.spec, self.model, self.optimizer, self.progress = spec, model, optimizer, progress
+        self.scheduler = scheduler  # the learning-rate scheduler (training/optim.py WarmupCosine): saved in trainer.pt
         self.comm = comm  # distributed.compression.GradComm: error feedback and PowerSGD state, saved per rank
         self.root, self.config_toml, self.notice = cfg.run_dir / "checkpoints", config_toml, notice
         self.warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -614,6 +616,8 @@ class Checkpointer:
         state = {"step": next_step, **self.progress.state(), "rng_cpu": torch.get_rng_state(),
                  "seq_len": self.spec.cfg.training.seq_len, "config_toml": self.config_toml,
                  "model_args": dataclasses.asdict(self.spec.model_args), **self.identity}
+        if self.scheduler is not None:
+            state["lr_scheduler"] = self.scheduler.state_dict()
         if torch.cuda.is_available():
             state["rng_cuda"] = torch.cuda.get_rng_state()
         return state
@@ -639,6 +643,8 @@ class Checkpointer:
             raise UserError(f"cannot read checkpoint {path}: {problem}") from None
         step = int(state["step"])
         self.progress.load(state, step)
+        if self.scheduler is not None:  # after the optimizer's state: the lr of the next update, whatever was loaded
+            self.scheduler.load_state_dict(state.get("lr_scheduler", {"last_epoch": step}))  # older: from the step
         torch.set_rng_state(state["rng_cpu"])
         return step
 

@@ -14,15 +14,6 @@ import torch
 import torch.distributed as dist
 
 
-def dp_mean(value: torch.Tensor, group) -> float:
-    """The mean of a scalar over the data-parallel ranks (gloo has no AVG: sum, then divide)."""
-    if group is not None:
-        value = value.clone()
-        dist.all_reduce(value, group=group)
-        value /= dist.get_world_size(group)
-    return value.item()
-
-
 def eval_share(sequences: int, dp: int, dp_rank: int) -> tuple[int, int, int]:
     """(first, length, real) of a data-parallel rank's share of the set: `length` rows from `first`, the same on every
     rank, of which the first `real` are in the set (the rest is padding)."""
@@ -32,24 +23,24 @@ def eval_share(sequences: int, dp: int, dp_rank: int) -> tuple[int, int, int]:
 
 
 class Evaluator:
-    def __init__(self, val_data, step, spec, dp_rank: int, group):
+    def __init__(self, val_data, train_step, spec, dp_rank: int, group):
         """`group`: the ranks whose loss sums add up to the whole set's (data-parallel x context-parallel)."""
-        self.val_data, self.step, self.spec = val_data, step, spec
+        self.val_data, self.train_step, self.spec = val_data, train_step, spec
         self.dp_rank, self.group = dp_rank, group
 
     @torch.no_grad()
     def __call__(self, micro_batch: int) -> float:
         spec, cfg = self.spec, self.spec.cfg.training
         first, length, real = eval_share(cfg.eval_sequences, spec.layout.dp, self.dp_rank)
-        size = min(length, self.step.eval_chunk(micro_batch, spec.global_batch // spec.layout.dp))
-        model = self.step.model
+        size = min(length, self.train_step.eval_chunk(micro_batch, spec.global_batch // spec.layout.dp))
+        model = self.train_step.model
         model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=self.step.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.train_step.device)
         for start in range(0, length, size):  # read chunk by chunk: the set may be large
             x, y = self.val_data.eval_sequences(first + start, min(size, length - start), seed=cfg.seed)
             rows = min(size, max(0, real - start))  # the chunk's rows in the set; forwards of padding count nothing
-            total += self.step.eval_loss_sum(x, y, rows)
+            total += self.train_step.eval_loss_sum(x, y, rows)
         model.train()
         if self.group is not None:
             dist.all_reduce(total, group=self.group)
-        return total.item() / (cfg.eval_sequences * cfg.seq_len)
+        return total.item() / (cfg.eval_sequences * cfg.seq_len)  # evaluation steps are log steps

@@ -1,18 +1,24 @@
 """The training loop: one code path for one process and for every parallel layout.
 
-`Trainer.__init__` builds the run from its `RunSpec`: the mesh, the model on the meta device laid out by
-`parallelize` (or cut into pipeline stages), the optimizer, and the small objects the loop calls once each per
-step: `TrainStep` (forward, loss, backward, clip, update), `ResilienceGuard` (preemption, out-of-memory,
-non-finite steps), `Checkpointer` (save, resume, rollback), `Evaluator` and `StepRecorder` (the metrics record).
-`fit()` reads top to bottom.
+`Trainer.__init__` builds the run from its `RunSpec`: the mesh, then `build_train_step` (the model on the meta device
+laid out by `parallelize` or cut into pipeline stages, the optimizer: a `TrainStep` doing forward, loss, backward,
+clip, update), the learning-rate scheduler (`WarmupCosine`), and the small objects the loop calls once each per step:
+`ResilienceGuard` (preemption, out-of-memory, non-finite steps), `Checkpointer` (save, resume, rollback), `Evaluator`
+and `StepRecorder` (the metrics record). `fit()` reads top to bottom.
+
+The hot path never waits for the device. A step leaves its loss, gradient norm and `finite` flag on the device
+(a non-finite update is skipped there, see training/step.py) and its record pending; at a *settle point* (a log
+step: every training.log_every, the first step, evaluations; before a checkpoint save or a preemption save; the
+last step) one transfer reads every pending step, and in step order the guard counts the non-finite ones (and
+asks for a rollback after resilience.max_bad_steps in a row: the steps after the streak are then discarded, as
+they would not have run), the losses are kept and the records are logged. A crash loses at most the records of the
+steps since the last settle point (a restart replays them from the checkpoint, which is always settled).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,26 +27,24 @@ import torch.distributed as dist
 
 from paratrain.config import dump_toml
 from paratrain.data import load_tokenizer, open_split
-from paratrain.distributed.compression import GradComm
-from paratrain.distributed.context_parallel import context_for
 from paratrain.distributed.env import DistEnv, register_process
 from paratrain.distributed.parallel_dims import ParallelDims
-from paratrain.distributed.parallelize import parallelize, unwrap
-from paratrain.distributed.pipeline import build_pipeline, check_stage_gpu
+from paratrain.distributed.parallelize import unwrap
+from paratrain.distributed.pipeline import check_stage_gpu
 from paratrain.distributed.tensors import local_tensor
 from paratrain.errors import UserError
 from paratrain.faults import ATTEMPT_ENV, FaultInjector
 from paratrain.observe.flops import is_datasheet_peak, peak_flops
 from paratrain.generate import prompt_ids, sample
 from paratrain.observe.metrics import MetricsLog, build_sinks
-from paratrain.models import build_model, count_active_params, count_params, flops_per_token, format_params
+from paratrain.models import count_active_params, count_params, flops_per_token, format_params
 from paratrain.spec import RunSpec, stage_gpus
 from paratrain.training.checkpoint import Checkpointer, Progress, export_safetensors, full_weights
-from paratrain.training.evaluation import Evaluator, dp_mean
-from paratrain.training.optim import build_optimizer, lr_at
-from paratrain.training.record import StepRecorder
+from paratrain.training.evaluation import Evaluator
+from paratrain.training.optim import WarmupCosine
+from paratrain.training.record import PendingRecord, StepRecorder
 from paratrain.training.resilience import MemoryBudget, ResilienceGuard, mark_preempted
-from paratrain.training.step import TrainStep, make_scaler, schedule_loss
+from paratrain.training.step import build_train_step
 
 
 def resolved_config(cfg, layout):
@@ -74,42 +78,34 @@ class Trainer:
         self.tokenizer = load_tokenizer(spec.data_dir)
         self.prompt_ids = prompt_ids(self.tokenizer, cfg.sample.prompt)  # fails now, not after training
 
-        # Build on the meta device (no memory) and materialise after sharding. Tied embeddings are the
-        # exception: materialising from meta would untie them, so those models are built for real.
-        with torch.device(dev if spec.model_args.tie_embeddings else "meta"):
-            model = build_model(spec.model_args)
-        scaler = make_scaler(spec.layout, t.precision, dev)
-        self.comm = GradComm(cfg.parallel, self.dims, dev, t.seed)  # gradient compression, buckets, prefetching
-        pipeline = None
-        if spec.layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
-            check_stage_gpu(stage_gpus(cfg, spec.layout), self.dims.pp_rank, dev)  # heterogeneous clusters
-            pipeline = build_pipeline(self.dims, model, cfg.activation_checkpoint, t.precision, t.compile, dev, t.seed,
-                                      schedule_loss(scaler), self.comm)
-            model = pipeline.model
-        else:
-            model = parallelize(model, self.dims, cfg.activation_checkpoint, t.precision, t.compile, dev, t.seed,
-                                comm=self.comm)
-        self.comm.prepare()
-        optimizer = build_optimizer(unwrap(model), cfg.optimizer, dev,
-                                    self.dims.dp_group if spec.layout.zero1 else None)
+        if spec.layout.pipelined:  # heterogeneous clusters: this rank's stages on the GPU the plan gave them
+            check_stage_gpu(stage_gpus(cfg, spec.layout), self.dims.pp_rank, dev)
         budget = cfg.resilience.memory_budget_gib
-        self.step = TrainStep(model, optimizer, spec.layout, t.precision, dev, t.grad_clip, scaler, pipeline,
-                              self.dims.pp_group, MemoryBudget(int(budget * 2**30)) if budget > 0 else None,
-                              context=context_for(self.dims))  # cp: batches cut to this rank's chunks
+        self.train_step = build_train_step(
+            spec.model_args, self.dims, dev, precision=t.precision, activation_checkpoint=cfg.activation_checkpoint,
+            compile=t.compile, seed=t.seed, optimizer=cfg.optimizer, parallel=cfg.parallel, grad_clip=t.grad_clip,
+            memory_budget=MemoryBudget(int(budget * 2**30)) if budget > 0 else None)
+        model, optimizer = self.train_step.model, self.train_step.optimizer
+        self.comm = self.train_step.comm  # gradient compression, buckets, prefetching
+        self.scheduler = WarmupCosine(optimizer, cfg.optimizer, t.steps)  # the learning rate of each update
 
         self.progress = Progress(t.micro_batch, spec.accum_steps)
         self.guard = ResilienceGuard(cfg.resilience, self.progress, dev, notice=self.notice)
         self.checkpointer = Checkpointer(spec, model, optimizer, self.progress, env.is_main, self.tokenizer,
-                                         dump_toml(cfg), notice=self.notice, warn=self.warn, comm=self.comm)
-        self.evaluate = Evaluator(open_split(cfg.data, "val", t.seq_len), self.step, spec, self.dims.dp_rank,
+                                         dump_toml(cfg), notice=self.notice, warn=self.warn, comm=self.comm,
+                                         scheduler=self.scheduler)
+        self.evaluate = Evaluator(open_split(cfg.data, "val", t.seq_len), self.train_step, spec, self.dims.dp_rank,
                                   self.dims.loss_group)
         self.peak, self.peak_source = peak_flops(dev, cfg.metrics.peak_tflops)
         self.restarts = int(os.environ.get(ATTEMPT_ENV, "0"))
         mfu_peak = self.peak if is_datasheet_peak(self.peak_source) else None  # no MFU against a measured matmul
-        self.recorder = StepRecorder(spec, self.step, self.train_data, env, mfu_peak,
+        self.recorder = StepRecorder(spec, self.train_step, self.train_data, env, mfu_peak,
                                      flops_per_token(spec.model_args, t.seq_len), self.restarts, self.dims.dp_group,
                                      self.comm, self.notice)
         self.faults = FaultInjector(env.rank)
+        self.pending: list[PendingRecord] = []  # steps run but not yet read back (see the module's docstring)
+        self.logged: list[tuple[dict, bool, int | None]] = []  # settled records (whether to show them, profiler
+        # index), not yet logged
         if env.world_size > 1:
             register_process()
             env.print(f"{dev} | mesh position {self.dims.coordinates()} | data shard {self.dims.dp_rank}", all_ranks=True)
@@ -128,59 +124,57 @@ class Trainer:
         if start == 0 and cfg.model.init_from:  # a Hugging Face model's weights onto this layout; a fresh optimizer
             from paratrain import hf
 
-            folder = hf.load_initial_weights(unwrap(self.step.model), cfg, spec.model_args)
+            folder = hf.load_initial_weights(unwrap(self.train_step.model), cfg, spec.model_args)
             self.notice(f"initialised from Hugging Face folder {folder}")
         self._print_header()
         memory_rows = None
-        self.step.model.train()
+        ts = self.train_step
+        ts.model.train()
         with self.guard:
             while step < t.steps:
                 if self.faults:
                     self.faults.before_step(step)
                 if self.guard.preempted():  # every rank stops at the same step boundary
+                    back = self._settle(result, start)
+                    self._log_settled()
+                    step = step if back is None else back
                     self._save_preempted(step, start)
                     result.preempted = True
                     break
                 self.checkpointer.poll()
                 data_step = self.progress.next_batch()
                 t0 = self.recorder.start(step)
-                lr = lr_at(step, cfg.optimizer, t.steps)
-                for group in self.step.optimizer.param_groups:
-                    group["lr"] = lr
-                loss = self.guard.with_oom_adaptation(lambda: self._forward_backward(step, data_step),
-                                                      self.step.zero_grad)
-                grad_norm = self.step.clip()
+                loss = self.guard.with_oom_adaptation(lambda: self._forward_backward(step, data_step), ts.zero_grad)
+                grad_norm = ts.clip()
                 with self.recorder.timer("comm_time_s", env.device):
-                    loss_value = dp_mean(loss, self.dims.loss_group)  # over dp x cp
-                finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
-                self.step.update(finite)
+                    loss = ts.mean_loss(loss)  # over dp x cp
+                finite = ts.finite(loss, grad_norm)  # a device bool: the update is skipped on the device
+                ts.update(finite)
+                lr = self.scheduler.lr
+                self.scheduler.step()
                 if step == t.steps - 1:
                     memory_rows = self.memory_report()
-                self.step.zero_grad()
+                ts.zero_grad()
                 if step == start + 1:
                     self._print_measured_peak()
                 self.progress.data_step += 1
-                bad = self.guard.after_update(step, finite or self.step.scaler is not None, data_step)
-                if bad is not None:
-                    back = self.checkpointer.rollback(bad)
-                    if back is None:
-                        raise UserError(f"{len(bad)} consecutive non-finite steps and no checkpoint to roll back to")
-                    del result.losses[max(0, back - start):]
-                    step = back
-                    continue
-                if env.device.type == "cuda":
-                    torch.cuda.synchronize(env.device)
-                result.losses.append(loss_value)
-                record = self.recorder.record(step, loss_value, lr, grad_norm, time.perf_counter() - t0,
-                                              self.progress, self.checkpointer.take_save())
+                self.pending.append(self.recorder.record(step, data_step, loss, lr, grad_norm, finite, t0,
+                                                         self.progress, self.checkpointer.take_save()))
                 is_eval = t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps
-                if is_eval:
-                    record["val_loss"] = self.evaluate(self.progress.micro_batch)
                 show = (step + 1) % t.log_every == 0 or step == start or is_eval
-                if show:
-                    self.recorder.add_rank_stats(record)
-                for held, shown in self.recorder.release(record, show):  # profiled steps wait for their trace
-                    self.log.log(held, show=shown)
+                self.pending[-1].show = show
+                if (show or step + 1 == t.steps or self.checkpointer.due(step + 1)
+                        or self.recorder.profile_closing):  # a settle point
+                    back = self._settle(result, start)
+                    if back is not None:
+                        step = back
+                        continue
+                    record = self.logged[-1][0]
+                    if is_eval:
+                        record["val_loss"] = self.evaluate(self.progress.micro_batch)
+                    if show:
+                        self.recorder.add_rank_stats(record)
+                    self._log_settled()
                 step += 1
                 if self.checkpointer.due(step):
                     self.checkpointer.save(step)
@@ -196,6 +190,33 @@ class Trainer:
         self.log.close(linger=not result.preempted)  # preempted: no time to wait for a last scrape
         return result
 
+    def _settle(self, result: TrainResult, start: int) -> int | None:
+        """A settle point: read every pending step back (one transfer), then in step order let the guard count the
+        non-finite ones and keep each loss and record (`self.logged`, written by `_log_settled`). Returns the step a
+        rollback went back to (the pending steps after the bad streak are dropped: they would not have run), else
+        None."""
+        pending, self.pending, self.logged = self.pending, [], []
+        for entry, values in zip(pending, self.recorder.read(pending)):
+            ok = values.finite or self.train_step.scaler is not None  # fp16: the scaler skips and adapts its scale
+            bad = self.guard.after_update(entry.step, ok, entry.data_step)
+            if bad is not None:
+                self._log_settled()
+                back = self.checkpointer.rollback(bad)  # also the learning rate (the scheduler's saved state)
+                if back is None:
+                    raise UserError(f"{len(bad)} consecutive non-finite steps and no checkpoint to roll back to")
+                del result.losses[max(0, back - start):]
+                return back
+            result.losses.append(values.loss)
+            self.logged.append((self.recorder.finish(entry, values, self.progress.skipped), entry.show,
+                                entry.profile_index))
+        return None
+
+    def _log_settled(self) -> None:
+        for record, show, profile_index in self.logged:
+            for held, shown in self.recorder.release(record, show, profile_index):  # profiled steps wait for their trace
+                self.log.log(held, show=shown)
+        self.logged = []
+
     def _forward_backward(self, step: int, data_step: int) -> torch.Tensor:
         """This rank's micro-batches of global batch `data_step`, forward and backward (retried on OOM)."""
         spec, p = self.spec, self.progress
@@ -204,7 +225,7 @@ class Trainer:
                                                   self.dims.dp_rank, spec.layout.dp, p.accum_steps)
         if self.faults:
             self.faults.maybe_oom(step)
-        return self.step.forward_backward(micro, poisoned=bool(self.faults) and self.faults.poison(data_step))
+        return self.train_step.forward_backward(micro, poisoned=bool(self.faults) and self.faults.poison(data_step))
 
     # -- start and end ------------------------------------------------------------------------
     def _print_header(self) -> None:
@@ -249,7 +270,7 @@ class Trainer:
         if cfg.checkpoint.save_final and start < steps:
             log.message(f"checkpoint: {self.checkpointer.save(steps)}")
         if cfg.checkpoint.export_safetensors:
-            out = export_safetensors(self.step.model, cfg.run_dir / "model.safetensors", env.is_main)
+            out = export_safetensors(self.train_step.model, cfg.run_dir / "model.safetensors", env.is_main)
             if out:
                 log.message(f"consolidated weights: {out}")
         if cfg.checkpoint.export_hf:  # the final checkpoint as a Hugging Face folder, RUN_DIR/hf
@@ -264,10 +285,10 @@ class Trainer:
             result.memory = memory_rows
             log.message(format_memory_report(memory_rows))
         if self.want_final_weights:
-            weights = full_weights(self.step.model, self.dims.pp_group)
+            weights = full_weights(self.train_step.model, self.dims.pp_group)
             result.final_weights = weights if env.is_main else None
         if cfg.sample.max_new_tokens > 0:
-            ids = sample(self.step.sampler(spec.model_args.vocab_size), self.prompt_ids, cfg.sample.max_new_tokens,
+            ids = sample(self.train_step.sampler(spec.model_args.vocab_size), self.prompt_ids, cfg.sample.max_new_tokens,
                          cfg.training.seq_len, cfg.sample.temperature, cfg.sample.top_k, seed=cfg.training.seed,
                          device=env.device, vocab_limit=self.tokenizer.vocab_size)
             result.sample_text = self.tokenizer.decode(ids)
@@ -319,8 +340,8 @@ class Trainer:
             t = local_tensor(t)
             return t.numel() * t.element_size()
 
-        params = list(self.step.model.parameters())
-        opt = self.step.optimizer
+        params = list(self.train_step.model.parameters())
+        opt = self.train_step.optimizer
         opt = opt.optim if hasattr(opt, "optim") else opt
         mine = {"rank": self.env.rank,
                 "params": sum(nbytes(p) for p in params),

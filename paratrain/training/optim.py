@@ -1,8 +1,10 @@
-"""AdamW with decoupled weight decay on matrices only, and a warmup + cosine learning-rate schedule."""
+"""AdamW with decoupled weight decay on matrices only, and a warmup + cosine learning-rate schedule (`lr_at`, run
+by the `WarmupCosine` scheduler object)."""
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -50,3 +52,41 @@ def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     span = max(1, total_steps - 1 - cfg.warmup_steps)  # the last step index is total_steps - 1
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.final_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.final_lr)
+
+
+class WarmupCosine(torch.optim.lr_scheduler.LRScheduler):
+    """`lr_at` as a torch scheduler: after construction every param group's lr is `lr_at(0)`; `step()` after each
+    optimizer step (skipped or not) moves to the next. `last_epoch` is the optimizer step the next update applies;
+    `state_dict()` holds just that (checkpoints save it in trainer.pt, so a resumed run continues bit for bit).
+    The schedule's own numbers are the config's, not state."""
+
+    def __init__(self, optimizer, cfg: OptimizerConfig, total_steps: int):
+        self.cfg, self.total_steps = cfg, total_steps
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        return [lr_at(self.last_epoch, self.cfg, self.total_steps) for _ in self.optimizer.param_groups]
+
+    def step(self, epoch=None) -> None:
+        with warnings.catch_warnings():
+            # torch warns when the first update was skipped (a non-finite step, an fp16 overflow): expected here
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
+            super().step(epoch)
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.jump_to(int(state["last_epoch"]))
+
+    def jump_to(self, step: int) -> None:
+        """Continue at optimizer step `step` (resume, rollback): set every param group's lr to `lr_at(step)`."""
+        self.last_epoch = step
+        self._last_lr = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next update (a host float: never a device read)."""
+        return self._last_lr[0]

@@ -96,17 +96,19 @@ class ResilienceGuard:
 
     def preempted(self) -> bool:
         """True on every rank, at the same step boundary, once any rank got SIGTERM (one tiny all-reduce per
-        step); a rank that learns of it this way starts its own grace period too."""
+        step); a rank that learns of it this way starts its own grace period too. The flag lives in CPU memory and
+        goes over gloo (a gloo group of its own under nccl), so asking never waits for the device."""
         requested = self.preemption.requested
         if not dist.is_initialized():
             return requested
+        if self.group is None and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")  # every rank asks at the same first step boundary
         flag = torch.tensor([1.0 if requested else 0.0])
-        if dist.get_backend(self.group) == "nccl":
-            flag = flag.cuda()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if flag.item() > 0 and not requested:
+        anyone = flag.item() > 0  # a host read of host memory: no device sync
+        if anyone and not requested:
             self.preemption.notice()
-        return flag.item() > 0
+        return anyone
 
     def with_oom_adaptation(self, run_step, zero_grad):
         """`run_step()` until it fits: on out-of-memory every rank halves the micro-batch and tries again."""

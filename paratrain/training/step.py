@@ -1,8 +1,15 @@
 """One training step: forward, loss (cross-entropy + the MoE balance loss), backward over the micro-batches,
 gradient clipping, and the optimizer (or fp16 gradient scaler) update.
 
-The trainer and the memory measurement harness (`paratrain/estimate/measure.py`) both run this class, so the
-estimator's accuracy bench measures the code users train with. A pipelined model presents the same interface:
+`build_train_step` assembles it (the model on the meta device, laid out by `parallelize` or cut into pipeline
+stages, gradient communication, the optimizer, the fp16 scaler); the trainer, the memory measurement harness
+(`paratrain/estimate/measure.py`) and `bench/gpu.py` all call it, so the estimator's accuracy bench measures the
+code users train with.
+
+The step never reads a device value on the host: the loss (averaged over dp x cp), the gradient norm and the
+`finite` flag stay tensors on the device, clipping scales by a device tensor, and a non-finite step is skipped on
+the device where the optimizer can (fused AdamW's `found_inf`, what `optimizer.impl=auto` picks on CUDA; the fp16
+scaler). The trainer reads them on log steps only (`training/loop.py`). A pipelined model presents the same interface:
 `forward_backward` hands this rank's slice of the batch to the schedule, which runs forward and backward of its
 microbatches; evaluation and sampling run the stages forward one after the other. Under context parallelism
 (`context`) every batch of whole sequences is cut to this rank's chunks first, and sampling runs whole prompts.
@@ -14,14 +21,15 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler
+from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler, context_for
 from paratrain.distributed.expert_parallel import MoEMeter
 from paratrain.distributed.grad_norm import clip_grad_norm
-from paratrain.distributed.parallelize import PRECISION_DTYPES, SequenceParallelSampler, unwrap
-from paratrain.distributed.pipeline import Pipeline, PipelineSampler
+from paratrain.distributed.parallelize import PRECISION_DTYPES, SequenceParallelSampler, parallelize, unwrap
+from paratrain.distributed.pipeline import Pipeline, PipelineSampler, build_pipeline
 from paratrain.distributed.tensors import full_tensor
 from paratrain.layout import Layout
 from paratrain.models.moe import balance_loss, moe_modules
@@ -60,6 +68,16 @@ def schedule_loss(scaler):
     return loss
 
 
+def dp_mean(value: torch.Tensor, group) -> torch.Tensor:
+    """The mean of a scalar over the ranks of `group` (gloo has no AVG: sum, then divide); stays on the device."""
+    if group is None:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, group=group)
+    value /= dist.get_world_size(group)
+    return value
+
+
 class StepProbe:
     """Hooks into a step for measurement (the memory harness labels allocations by phase); no-ops here."""
 
@@ -71,18 +89,23 @@ class StepProbe:
 
 
 class TrainStep:
-    def __init__(self, model: nn.Module, optimizer, layout: Layout, precision: str, device: torch.device,
-                 grad_clip: float, scaler=None, pipeline: Pipeline | None = None, pp_group=None,
-                 memory_budget=None, probe: StepProbe | None = None, context: ContextParallel | None = None):
+    def __init__(self, model: nn.Module, optimizer, layout: Layout, *, precision: str, device: torch.device,
+                 grad_clip: float, scaler=None, pipeline: Pipeline | None = None, pp_group=None, loss_group=None,
+                 memory_budget=None, probe: StepProbe | None = None, context: ContextParallel | None = None,
+                 comm=None):
+        """`loss_group`: the ranks the loss is averaged over (dp x cp); `comm`: the run's GradComm."""
         self.model, self.optimizer, self.layout, self.device = model, optimizer, layout, device
         self.context = context  # context parallelism: this rank's chunks of each sequence
         self.precision, self.grad_clip, self.scaler = precision, grad_clip, scaler
-        self.pipeline, self.pp_group = pipeline, pp_group
+        self.pipeline, self.pp_group, self.loss_group, self.comm = pipeline, pp_group, loss_group, comm
         self.memory_budget, self.probe = memory_budget, probe or StepProbe()
         # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does the low-precision compute.
         self.autocast = precision != "fp32" and not layout.uses_fsdp
         self.moe_layers = moe_modules(unwrap(model))
         self.moe = MoEMeter(unwrap(model)) if self.moe_layers else None  # expert load statistics
+        inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1 wraps the optimizer that steps
+        # fused AdamW takes `found_inf` and skips the update in its kernel (its step counts too): no host read
+        self.skips_on_device = bool(getattr(inner, "_step_supports_amp_scaling", False))
 
     def contexts(self, sync: bool = True) -> contextlib.ExitStack:
         """No gradient all-reduce on DDP's accumulation micro-steps, autocast, and loss parallelism."""
@@ -138,17 +161,38 @@ class TrainStep:
         return loss / self.scaler.get_scale() if self.scaler else loss
 
     def clip(self) -> torch.Tensor:
-        """Clip the gradients to training.grad_clip (0: measure only); returns the global norm."""
+        """Clip the gradients to training.grad_clip (0: measure only); returns the global norm (a device tensor)."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         return clip_grad_norm(self.model.parameters(), self.grad_clip or float("inf"), pp_group=self.pp_group)
 
-    def update(self, finite: bool) -> None:
-        """Apply the gradients (a non-finite step is skipped; the fp16 scaler decides that itself)."""
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss: this rank's mean averaged over the data-parallel x context-parallel ranks (on the device)."""
+        return dp_mean(loss, self.loss_group)
+
+    @staticmethod
+    def finite(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """A device bool: the (global) loss and gradient norm are finite, the same on every rank."""
+        return torch.isfinite(loss) & torch.isfinite(grad_norm.to(loss.device))
+
+    def update(self, finite: torch.Tensor | bool = True) -> None:
+        """Apply the gradients; a non-finite step (`finite` a device bool tensor that is False) is skipped. The fp16
+        scaler decides that itself; fused AdamW skips on the device."""
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        elif finite:
+        elif finite is True:
+            self.optimizer.step()
+        elif self.skips_on_device:
+            inner = getattr(self.optimizer, "optim", self.optimizer)
+            inner.found_inf = (~finite).float()  # 1.0: the kernel leaves parameters, moments and step counts alone
+            try:
+                self.optimizer.step()
+            finally:
+                del inner.found_inf
+        elif bool(finite):
+            # The one host read left on the step: torch's foreach and for AdamW cannot skip an update on the device.
+            # (On CUDA, optimizer.impl=auto picks fused AdamW, which does; on a CPU the flag is host memory.)
             self.optimizer.step()
 
     def zero_grad(self) -> None:
@@ -184,3 +228,39 @@ class TrainStep:
         """Sequences per forward in evaluation: the training micro-batch, or a pipeline microbatch (of `per_rank`,
         this rank's share of a global batch)."""
         return max(1, per_rank // self.layout.pp_microbatches) if self.pipeline is not None else micro_batch
+
+
+def build_train_step(model_args, dims, device: torch.device, *, precision: str = "fp32", activation_checkpoint=None,
+                     compile: bool | str = False, seed: int = 0, optimizer=None, parallel=None, grad_clip: float = 1.0,
+                     memory_budget=None, probe: StepProbe | None = None) -> TrainStep:
+    """The one place a training step is assembled, for the trainer, the memory harness and the benches alike.
+
+    `model_args` (ModelArgs), `dims` (ParallelDims: the layout and its meshes), `activation_checkpoint`
+    (ActivationCheckpointConfig; None: off), `optimizer` (OptimizerConfig; None: the defaults), `parallel`
+    (ParallelConfig: gradient compression, DDP buckets, FSDP prefetching; None: the defaults). The model is built on
+    the meta device and materialised after sharding; tied embeddings are the exception (materialising from meta would
+    untie them), so those models are built for real."""
+    from paratrain.config import ActivationCheckpointConfig, OptimizerConfig, ParallelConfig
+    from paratrain.distributed.compression import GradComm
+    from paratrain.models import build_model
+    from paratrain.training.optim import build_optimizer
+
+    layout = dims.layout
+    ac = activation_checkpoint or ActivationCheckpointConfig()
+    with torch.device(device if model_args.tie_embeddings else "meta"):
+        model = build_model(model_args)
+    scaler = make_scaler(layout, precision, device)
+    comm = GradComm(parallel or ParallelConfig(), dims, device, seed)  # gradient compression, buckets, prefetching
+    pipeline = None
+    if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
+        pipeline = build_pipeline(dims, model, ac, precision, compile, device, seed, schedule_loss(scaler), comm)
+        model = pipeline.model
+    else:
+        model = parallelize(model, dims, ac, precision, compile, device, seed, comm=comm)
+    comm.prepare()
+    opt = build_optimizer(unwrap(model), optimizer or OptimizerConfig(), device,
+                          dims.dp_group if layout.zero1 else None)
+    return TrainStep(model, opt, layout, precision=precision, device=device, grad_clip=grad_clip, scaler=scaler,
+                     pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
+                     memory_budget=memory_budget, probe=probe, comm=comm,
+                     context=context_for(dims))  # cp: batches cut to this rank's chunks

@@ -1,0 +1,128 @@
+"""paratrain's per-step overhead: `paratrain train` against a plain PyTorch loop over the same model, batch and
+optimizer, in one process, rounds alternating.
+
+Both sides train the default model (preset shakespeare-char, context 64, micro-batch 12, fp32, one process) on the
+same batches (paratrain's data reader, seed 1337) with the same AdamW (foreach, the trainer's weight-decay groups),
+gradient clipping at 1.0 and warmup + cosine learning rate. The plain loop is what one would write by hand: forward,
+cross-entropy, backward, `clip_grad_norm_`, `step`, a LambdaLR, `zero_grad`, the losses kept as tensors. paratrain's
+side is `paratrain.api.train_rank` with the default config (its log steps every 10, the metrics record, the guard,
+the checkpointer's polls: everything but the final evaluation). A step's time is the interval between the starts of
+consecutive steps (all of the loop's own work included); the table gives each side's median after `--warmup` steps,
+per round, their median over the rounds, and the fastest round of each side (on a shared machine the least
+disturbed figure).
+
+    python bench/overhead.py                      # 3 rounds of 200 steps each side (~3 minutes on 2 CPU cores)
+    python bench/overhead.py --rounds 5 --steps 300 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+from paratrain.api import train_rank
+from paratrain.config import load_config
+
+
+def config(out: str, steps: int, device: str):
+    return load_config(None, [f"training.steps={steps}", f"training.device={device}", "sample.max_new_tokens=0",
+                              "checkpoint.save_final=false", "metrics.progress=none", f"run.out_dir={out}",
+                              "run.name=overhead", "run.overwrite=true"])
+
+
+def paratrain_steps(cfg) -> list[float]:
+    """`paratrain train` in this process; the intervals between the starts of consecutive steps."""
+    from paratrain.training.record import StepRecorder
+
+    starts: list[float] = []
+    original = StepRecorder.start
+
+    def start(self, step):
+        if self.clock.cuda:
+            torch.cuda.synchronize()  # only to timestamp the interval; never in the trainer itself
+        starts.append(time.perf_counter())
+        return original(self, step)
+
+    StepRecorder.start = start
+    try:
+        train_rank(cfg)
+    finally:
+        StepRecorder.start = original
+    return [b - a for a, b in zip(starts, starts[1:])]
+
+
+def plain_steps(cfg) -> list[float]:
+    """The same training written as a plain PyTorch loop."""
+    from paratrain.data import open_split
+    from paratrain.data import dataset_meta
+    from paratrain.models import Transformer
+    from paratrain.spec import model_args_from
+    from paratrain.training.optim import lr_at, param_groups
+
+    t, o = cfg.training, cfg.optimizer
+    device = torch.device(t.device)
+    torch.manual_seed(t.seed)
+    args = model_args_from(cfg, dataset_meta(cfg.data)["vocab_size"])
+    model = Transformer(args).to(device)
+    data = open_split(cfg.data, "train", t.seq_len)
+    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                            foreach=device.type != "cuda", fused=device.type == "cuda" or None)
+    for group in opt.param_groups:
+        group["initial_lr"] = 1.0  # LambdaLR's factor is then the learning rate itself
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step, o, t.steps))
+    losses, starts = [], []
+    model.train()
+    for step in range(t.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        starts.append(time.perf_counter())
+        (x, y), = data.micro_batches(step, t.micro_batch, t.seed, 0, 1, 1)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip, foreach=True)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    torch.stack(losses).tolist()
+    return [b - a for a, b in zip(starts, starts[1:])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=20, help="steps left out of each round's median")
+    parser.add_argument("--device", default="cpu")
+    a = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as out:
+        cfg = config(out, a.steps, a.device)
+        for r in range(a.rounds):
+            ours = statistics.median(paratrain_steps(cfg)[a.warmup:])
+            plain = statistics.median(plain_steps(cfg)[a.warmup:])
+            rows.append((r + 1, ours, plain))
+            print(f"round {r + 1}: paratrain {ours * 1e3:.2f} ms, plain {plain * 1e3:.2f} ms", flush=True)
+    ours = statistics.median(row[1] for row in rows)
+    plain = statistics.median(row[2] for row in rows)
+    print(f"\n| round | paratrain train (median ms/step) | plain PyTorch loop (median ms/step) | overhead |")
+    print("| --- | ---: | ---: | ---: |")
+    for r, o, p in rows:
+        print(f"| {r} | {o * 1e3:.2f} | {p * 1e3:.2f} | {o / p - 1:+.1%} |")
+    print(f"| median | {ours * 1e3:.2f} | {plain * 1e3:.2f} | {ours / plain - 1:+.1%} |")
+    best_ours, best_plain = min(row[1] for row in rows), min(row[2] for row in rows)
+    print(f"| fastest round | {best_ours * 1e3:.2f} | {best_plain * 1e3:.2f} | {best_ours / best_plain - 1:+.1%} |")
+    print(f"\n{a.steps} steps per round ({a.warmup} warm-up left out), default model, micro-batch "
+          f"{cfg.training.micro_batch} x {cfg.training.seq_len} tokens, {a.device}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
