@@ -98,3 +98,36 @@ def test_a_runs_config_toml_names_its_world(trained_run):
 
     saved = load_config(trained_run / "config.toml")
     assert saved.parallel.dp_shard == 1 and saved.parallel.dp_replicate == 1
+
+
+def test_replace_dir_puts_the_old_folder_back_when_the_rename_fails(tmp_path, monkeypatch):
+    """One replace for datasets, checkpoints and exports: a failure between its two renames restores the old folder,
+    and atomic_dir removes its build folder on any failure."""
+    import paratrain.files as files_mod
+
+    final, tmp = tmp_path / "final", tmp_path / ".final.tmp"
+    final.mkdir()
+    (final / "old.txt").write_text("old")
+    tmp.mkdir()
+    (tmp / "new.txt").write_text("new")
+    real, calls = os.replace, []
+
+    def flaky(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(files_mod.os, "replace", flaky)
+    with pytest.raises(OSError):
+        files_mod.replace_dir(tmp, final)
+    monkeypatch.setattr(files_mod.os, "replace", real)
+    assert files(final) == {"old.txt": b"old"} and sorted(p.name for p in tmp_path.iterdir()) == [".final.tmp", "final"]
+    with pytest.raises(KeyboardInterrupt):
+        with files_mod.atomic_dir(tmp_path / ".b", final) as folder:
+            (folder / "x").write_text("x")
+            raise KeyboardInterrupt
+    assert not (tmp_path / ".b").exists() and files(final) == {"old.txt": b"old"}
+    with files_mod.atomic_dir(tmp_path / ".c", final) as folder:
+        (folder / "y").write_text("y")
+    assert files(final) == {"y": b"y"} and sorted(p.name for p in tmp_path.iterdir()) == [".final.tmp", "final"]

@@ -40,6 +40,7 @@ import numpy as np
 
 from paratrain.errors import OneLineArgumentParser, UserError, one_line
 from paratrain.data.sources import resolve_inputs
+from paratrain.files import atomic_dir
 from paratrain.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, from_spec
 
 FORMAT = "paratrain-shards-1"
@@ -381,22 +382,6 @@ def _claim_partial(out_dir: Path, echo) -> Path:
     return tmp
 
 
-def _swap_into_place(tmp: Path, out_dir: Path):
-    """Rename tmp to out_dir. An old out_dir is moved aside first and only deleted once the new
-    one is in place, so at every moment one complete dataset exists on disk."""
-    if not out_dir.exists():
-        os.rename(tmp, out_dir)
-        return
-    old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
-    os.rename(out_dir, old / "d")
-    try:
-        os.rename(tmp, out_dir)
-    except BaseException:
-        os.rename(old / "d", out_dir)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _tokenizer_checksum(folder: Path, tok) -> str:
     h = hashlib.sha256(tok.kind.encode())
     for name in tok.files:
@@ -466,7 +451,7 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = _claim_partial(out_dir, echo)
-    try:
+    with atomic_dir(tmp, out_dir):  # the dataset appears whole, or not at all (an old one stays until then)
         start = time.perf_counter()
         writers = {s: SplitWriter(tmp, s, dtype, int(shard_tokens)) for s in SPLITS}
         counters = {"docs": 0, "text": False}
@@ -514,10 +499,6 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
         (tmp / "owner.json").unlink()
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")  # written last: the commit point
         _check_out_dir(out_dir, overwrite)  # again: someone may have written there meanwhile
-        _swap_into_place(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return meta
 
 

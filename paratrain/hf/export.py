@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from paratrain.training import safe_dcp
-from paratrain.training.checkpoint import replace_dir
+from paratrain.files import atomic_dir, replace_dir
 from paratrain.errors import OneLineArgumentParser, UserError
 
 try:
@@ -262,16 +262,11 @@ def export_hf(ckpt: Path, out: Path, dtype: str = "bf16", max_shard_bytes: int =
     check_writable_folder(out, "--out")
     plan = plan_export(ckpt, dtype, max_shard_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    with atomic_dir(Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-")), out) as tmp:
         reader = _checkpoint_reader(ckpt)
         for i in range(len(plan.shards)):
             write_shard(plan, i, tmp, reader)
         write_metadata(plan, tmp)
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return plan
 
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from paratrain.errors import PeerFailed, UserError, environment_problem
 from paratrain.models.args import DEFAULT_FAMILY
+from paratrain.files import replace_dir
 from paratrain.training import integrity, safe_dcp
 
 MARKER = "COMPLETE"
@@ -267,19 +268,6 @@ class _PendingSave:
         if not self.future.done():
             return False
         return self.future.exception() is not None or (self.hashing is not None and self.hashing.done())
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Rename the folder tmp to final. An existing final is moved aside (.NAME.old) first and deleted only once
-    the new one is in place."""
-    if final.exists():
-        aside = final.parent / f".{final.name}.old"
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(final, aside)
-        os.replace(tmp, final)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
 
 
 def _fsync_dir(path: Path) -> None:
