@@ -145,7 +145,7 @@ class Layout:
 
     def replace(self, **changes) -> "Layout":
         """A changed copy, checked again (for the estimator's and planner's what-ifs)."""
-        fields = {**dataclasses.asdict(self), **changes}
+        fields = {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes}  # (all immutable)
         world = fields["dp_replicate"] * fields["dp_shard"] * fields["cp"] * fields["tp"] * fields["pp"]
         virtual = fields.pop("pp_virtual")
         if "pp_schedule" in changes and "pp_virtual" not in changes:
@@ -527,13 +527,17 @@ def _min_max_split(cost: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
     prefix = [0]
     for c in cost:
         prefix.append(prefix[-1] + c)
-    return min_max_partition(len(cost), num_stages, lambda s, j, i: prefix[i] - prefix[j])
+    return min_max_partition(len(cost), num_stages, lambda s, j, i: prefix[i] - prefix[j], monotone=True)
 
 
-def min_max_partition(n: int, parts: int, part_cost, max_size=None) -> tuple[int, ...] | None:
+def min_max_partition(n: int, parts: int, part_cost, max_size=None, monotone: bool = False) -> tuple[int, ...] | None:
     """Cut items 0..n-1 into `parts` contiguous parts of at least one item (at most max_size[p] for part p) minimising
     the largest part_cost(p, start, end) (items start..end-1 as part p); the sizes, or None when the limits leave no
-    cut. Dynamic programming over (parts, items): O(parts x n^2)."""
+    cut. Dynamic programming over (parts, items): O(parts x n^2).
+
+    monotone: part_cost is the same for every part, >= 0 and grows with the part (a sum of non-negative item costs),
+    and there is no max_size. Then the best cut of the first j items grows with j, and the scan over the last part's
+    start stops once that alone reaches the best found: the same cut, found much faster."""
     inf = float("inf")
     # best[s][i]: the smallest largest part cost of the first i items cut into s parts
     best = [[inf] * (n + 1) for _ in range(parts + 1)]
@@ -543,6 +547,8 @@ def min_max_partition(n: int, parts: int, part_cost, max_size=None) -> tuple[int
         low = 0 if max_size is None else max_size[s - 1]
         for i in range(s, n + 1):
             for j in range(max(s - 1, i - low) if low else s - 1, i):
+                if monotone and best[s - 1][j] >= best[s][i]:
+                    break  # best[s - 1][j'] >= best[s - 1][j] for every later j': no smaller maximum
                 value = max(best[s - 1][j], part_cost(s - 1, j, i))
                 if value < best[s][i]:
                     best[s][i], cut[s][i] = value, j

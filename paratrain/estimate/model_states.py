@@ -153,12 +153,19 @@ def _rank_layers(pp: int, virtual: int, schedule: str, split: tuple[int, ...]) -
     return tuple(tuple(sorted(b)) for b in out)
 
 
-def fsdp_gathers_per_step(layout: Layout, args: ModelArgs, micro_steps: int) -> int:
+def fsdp_gathers_per_step(layout: Layout, args: ModelArgs, micro_steps: int, layers: list[list[int]] | None = None,
+                          moe_blocks: tuple[int, ...] | None = None) -> int:
     """FSDP parameter all-gathers per optimizer step on the pipeline rank that runs the most
     (`Layout.fsdp_all_gathers` over `Layout.fsdp_groups` of each rank's blocks): the count the memory estimator and
-    the planner's cost model both report."""
-    return max(layout.fsdp_all_gathers(micro_steps, layout.fsdp_groups(len(b), sum(map(args.is_moe_layer, b)), r))
-               for r, b in enumerate(rank_layers(layout, args)))
+    the planner's cost model both report. `layers` (rank_layers) and `moe_blocks` (each rank's mixture-of-experts
+    blocks), when the caller has them."""
+    if not layout.uses_fsdp:
+        return 0
+    layers = layers if layers is not None else rank_layers(layout, args)
+    if moe_blocks is None:
+        moe_blocks = [sum(map(args.is_moe_layer, b)) for b in layers]
+    return max(layout.fsdp_all_gathers(micro_steps, layout.fsdp_groups(len(b), moe, r))
+               for r, (b, moe) in enumerate(zip(layers, moe_blocks)))
 
 
 def zero1_worst_numel(params: list[tuple[Param, int]], ranks: int) -> int:

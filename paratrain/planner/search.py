@@ -72,13 +72,25 @@ def structural_reason(c: Candidate, ctx: Context) -> str | None:
     if ctx.global_seqs % (c.dp * c.micro_batch):
         return (f"the global batch ({ctx.global_seqs} sequences) does not divide into micro-batch {c.micro_batch} x "
                 f"data-parallel degree {c.dp}")
+    reason = cached(ctx, ("layout_reason", c.layout, c.micro_batch), lambda: _layout_reason(c, ctx))
+    if reason:
+        return reason
     try:
-        c.layout.validate(ctx.args, c.world, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
-        grad_compression_site(c.layout, ctx.compression.method)  # --grad-compression applies to this layout
         c.layout.check_checkpointing(c.ac)
     except ConfigError as e:
         return str(e)
     return None
+
+
+def _layout_reason(c: Candidate, ctx: Context) -> str:
+    """The layout's own checks against the model and the batch ("" when it passes; the same for every checkpointing
+    mode, so cached per layout and micro-batch)."""
+    try:
+        c.layout.validate(ctx.args, c.world, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
+        grad_compression_site(c.layout, ctx.compression.method)  # --grad-compression applies to this layout
+    except ConfigError as e:
+        return str(e)
+    return ""
 
 
 def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
