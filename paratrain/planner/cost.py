@@ -71,6 +71,7 @@ selective = the element-wise work and operators of the forward (matmul and atten
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -450,8 +451,10 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
             # gather each group once per step and reduce-scatter once; otherwise per micro-step.
             groups = lay.fsdp_groups(layers, blocks.moe[blocks.busiest], blocks.busiest)
             n_ag, n_rs = lay.fsdp_all_gathers(n_micro, groups), lay.fsdp_reduce_scatters(n_micro, groups)
-            fsdp_gathers = cached(ctx, ("gathers", lay, n_micro),
-                                  lambda: fsdp_gathers_per_step(lay, a, n_micro, blocks.layers, blocks.moe))
+            # (pipelined: each group once per step, whatever the micro-batches: one entry for all of them)
+            key = ("gathers", dataclasses.replace(lay, pp_microbatches=0), 0) if lay.pipelined else ("gathers", lay, n_micro)
+            fsdp_gathers = cached(ctx, key, lambda: fsdp_gathers_per_step(lay, a, n_micro, blocks.layers,
+                                                                          blocks.moe))
             group = FSDP_GROUP_OPS * hw.op_overhead_s
             ag = n_ag * (all_gather_time(P_stage * pbytes / groups, shard, shard_link) + group)
             rs = n_rs * (reduce_scatter_time(P_stage * 4 * rs_frac / groups, shard, shard_link) + group)
