@@ -20,17 +20,14 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from paratrain.errors import ConfigError, UserError
+from paratrain.errors import UserError
 from paratrain.estimate import activations as A
 from paratrain.estimate.compression import Compression, compression_cost
-from paratrain.estimate.gpus import GB, HEADROOM, GiB, check_headroom, fits, fmt_bytes, usable_bytes, verdict_text
+from paratrain.estimate.gpus import HEADROOM, GiB, check_headroom, fits, fmt_bytes, usable_bytes
 from paratrain.estimate.model_states import (BF16, FP32, Param, fsdp_gathers_per_step, fsdp_numel, local_shape,
-                                             model_params, rank_layers,
-                                             rank_params,
-                                             stage_of, state_bytes, zero_table)
+                                             model_params, rank_layers, rank_params, state_bytes, zero_table)
 from paratrain.layout import MULTI_STAGE, Batch, Layout, grad_compression_site
 from paratrain.models.args import ModelArgs
-from paratrain.models.presets import format_params
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
 # not see): the CUDA context and kernels (~0.5-0.8 GiB with lazy module loading), cuBLAS/cuDNN workspaces and
@@ -38,20 +35,6 @@ from paratrain.models.presets import format_params
 CONTEXT_OVERHEAD_GIB = 1.0
 NCCL_OVERHEAD_GIB = 0.5
 
-ROWS = [  # (key, label)
-    ("parameters", "parameters"),
-    ("gradients", "gradients"),
-    ("optimizer", "optimizer states"),
-    ("master", "fp32 master weights"),
-    ("autocast_copies", "autocast bf16 weight copies"),
-    ("activations", "activations (blocks)"),
-    ("pipeline", "pipeline in-flight micro-batches"),
-    ("logits_loss", "logits and loss"),
-    ("comm_buffers", "communication buffers"),
-    ("compression", "gradient compression state"),
-    ("temporaries", "backward/optimizer temporaries"),
-    ("overhead", "runtime overhead (CUDA, NCCL)"),
-]
 CHECKPOINTING = ("none", "full", "every_k", "selective")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-nomomentum")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -147,64 +130,11 @@ class Estimate:
             "suggestion": self.suggestion, "alternatives": self.alternatives,
         }
 
-    # -- text --------------------------------------------------------------------------------
     def format_table(self, units: str = "GiB") -> str:
-        i, lay = self.inputs, self.inputs.layout
-        fb = lambda n: fmt_bytes(n, units)  # noqa: E731
-        n_params = sum(p.numel for p in model_params(i.model_args))
-        mode = i.checkpointing + (f" (k={i.every_k})" if i.checkpointing == "every_k" else "")
-        lines = [f"model {i.model_name}: {format_params(n_params)} parameters ({n_params:,})",
-                 f"layout {lay.describe()} | {i.precision} ({'classic mixed-precision accounting' if i.accounting == 'classic' else 'as paratrain trains it'})"
-                 f" | {i.optimizer} ({i.optimizer_impl}) | checkpointing {mode}",
-                 f"micro-batch {i.micro_batch} x seq {i.seq_len}"
-                 + (f" x accumulation {i.accum_steps}" if lay.pp == 1 and i.accum_steps > 1 else "")
-                 + (f" | pipeline {lay.pp_schedule}, {lay.pp_microbatches} micro-batches" if lay.pp > 1 else "")]
-        where = f"peak: {self.phase}" + (f" on pipeline stage {self.stage} (worst of {lay.pp})" if lay.pp > 1 else "")
-        lines.append(f"per rank ({'worst rank' if lay.world_size > 1 else 'one rank'}), {where}; units {units} "
-                     f"({'2^30' if units == 'GiB' else '10^9'} bytes)")
-        w = 40
-        lines.append(f"  {'':<{w}} {'at peak':>12} {'its max':>12}")
-        for key, label in ROWS:
-            at, size = self.at_peak.get(key, 0), self.sizes.get(key, 0)
-            if key == "master" and not (i.accounting == "classic" and i.precision != "fp32"):
-                label = label + (" (= the fp32 params)" if i.precision != "fp32" else " (none: fp32)")
-            if not at and not size and key not in ("parameters", "gradients", "optimizer", "master", "activations"):
-                continue
-            lines.append(f"  {label:<{w}} {fb(at):>12} {fb(size):>12}")
-        lines.append(f"  {'-' * (w + 26)}")
-        lines.append(f"  {'total':<{w}} {fb(self.total_bytes):>12}"
-                     f"   (sum of the maxima: {fb(sum(self.sizes.values()))})")
-        if self.gpu_bytes is not None:
-            name = f"{i.gpu_name} " if i.gpu_name else ""
-            lines.append(f"  {'GPU memory ' + name:<{w}} {fb(self.gpu_bytes):>12}")
-            lines.append(f"  {f'usable ({1 - i.headroom:.0%})':<{w}} {fb(self.usable_bytes):>12}")
-            lines.append(f"  {'left below the limit':<{w}} {fb(self.headroom_bytes):>12}")
-            lines.append(f"  => {verdict_text(self.total_bytes, self.gpu_bytes, i.headroom, units)}")
-        if lay.pp > 1 and self.stages:
-            lines.append("  per pipeline stage: " + ", ".join(
-                f"{s['stage']}: {fb(s['total_bytes'])}" for s in self.stages))
-        for note in self.notes:
-            lines.append(f"  note: {note}")
-        if self.zero:
-            lines.append("")
-            lines.append(f"classic mixed-precision model states (bf16 params/grads, fp32 master + moments; GB = 10^9 B), "
-                         f"ZeRO over {self.zero_ranks} ranks:")
-            lines.append(f"  {'':<26} {'1 rank':>10} {'ZeRO-1':>10} {'ZeRO-2':>10} {'ZeRO-3':>10}")
-            for row in self.zero:
-                lines.append(f"  {row['row']:<26} " + " ".join(
-                    f"{row[k] / GB:>7.2f} GB" for k in ("one_rank", "zero1", "zero2", "zero3")))
-        if self.fits is False and self.searched:
-            lines.append("")
-            if self.suggestion:
-                s = self.suggestion
-                lines.append(f"would fit: {s['change']} -> {fb(s['total_bytes'])} of {fb(self.gpu_bytes)}, within "
-                             f"{fb(self.usable_bytes)} (cost: {s['why']})")
-                for alt in self.alternatives[:4]:
-                    lines.append(f"  also fits: {alt['change']} -> {fb(alt['total_bytes'])}")
-            else:
-                lines.append("nothing tried fits (more sharding, tp, pp, checkpointing, smaller micro-batch, and "
-                             "pairs of them): this model needs more GPUs or more memory per GPU")
-        return "\n".join(lines)
+        """The table `paratrain estimate` prints (estimate/report.py)."""
+        from paratrain.estimate.report import format_table
+
+        return format_table(self, units)
 
     def compare_line(self, measured_bytes: int, units: str = "GiB", what: str = "torch.cuda.max_memory_allocated") -> str:
         """One line for the trainer's log: the estimated tensor peak against a measured one."""
@@ -786,7 +716,9 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
         est.zero_ranks = lay.dp if lay.dp > 1 else 8
         est.zero = zero_table(args, est.zero_ranks, i.optimizer)
     if suggest and est.fits is False:
-        est.suggestion, est.alternatives = suggest_changes(i)
+        from paratrain.estimate.suggest import suggest_changes
+
+        est.suggestion, est.alternatives = suggest_changes(i, lambda c: estimate(c, suggest=False))
         est.searched = True
     return est
 
@@ -803,129 +735,3 @@ def forward_end_bytes(i: EstimateInputs) -> dict[str, int]:
     acts = sum(A.block_stored(d, modes[l], moe if args.is_moe_layer(l) else None) for l in layers)
     return {"activations": acts + A.final_residual(d) + A.inputs_bytes(d),
             "logits_loss": sum(b for _, b in A.head_saved(d))}
-
-
-# ---------------------------------------------------------------------------------------------
-ZERO_MODES = ("ddp", "zero1", "zero2", "fsdp")  # by ZeRO stage: what data parallelism shards
-
-
-def _changed(lay: Layout, **changes) -> Layout | None:
-    """The layout with `changes` (checked again), or None where that is no layout paratrain can run."""
-    try:
-        return lay.replace(**changes)
-    except ConfigError:
-        return None
-
-
-def _shard_ranks(lay: Layout) -> int:
-    """Ranks FSDP would shard over if this layout's data parallelism became FSDP (hsdp: within a replica)."""
-    return lay.dp_shard if lay.hybrid else lay.dp
-
-
-def _sharded(lay: Layout, n: int) -> Layout | None:
-    """The layout with FSDP over n ranks (hsdp keeps its replicas, other modes become fsdp); tp and pp kept."""
-    if lay.hybrid:
-        return _changed(lay, dp_shard=n)
-    return _changed(lay, dp_mode="fsdp", dp_replicate=1, dp_shard=n)
-
-
-def _candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]]:
-    """(cost, change, why, inputs) for single changes that keep the number of GPUs, then ones that add GPUs."""
-    lay, out = i.layout, []
-    world = lay.world_size
-
-    def add(cost, change, why, layout):
-        if layout is not None:
-            out.append((cost, change, why, i.replace(layout=layout)))
-
-    if lay.dp > 1 and lay.zero_stage < 3:
-        for step, mode in enumerate(ZERO_MODES[lay.zero_stage + 1:]):
-            add(0.5 + 0.1 * step, f"--dp-mode {mode}", "more sharding over the same GPUs, more communication",
-                _changed(lay, dp_mode=mode, dp_replicate=1, dp_shard=lay.dp))
-    if lay.hybrid:
-        add(0.6, "--dp-mode fsdp (shard over all data-parallel ranks)", "sharding across nodes",
-            _changed(lay, dp_mode="fsdp", dp_replicate=1, dp_shard=lay.dp))
-    if i.checkpointing in ("none", "every_k"):
-        out.append((1.0, "--checkpointing selective", "recomputes element-wise ops (a few % slower)",
-                    i.replace(checkpointing="selective")))
-    if i.micro_batch > 1 and lay.pp == 1:
-        out.append((1.5, f"--micro-batch {i.micro_batch // 2} (accumulation x2, same global batch)",
-                    "smaller matmuls", i.replace(micro_batch=i.micro_batch // 2, accum_steps=i.accum_steps * 2)))
-    if i.checkpointing != "full":
-        out.append((2.0, "--checkpointing full", "recomputes each block's forward (~1/3 more compute)",
-                    i.replace(checkpointing="full")))
-    if lay.tp * 2 <= 8 and lay.uses_fsdp and lay.dp_shard % 2 == 0:
-        add(2.5, f"--tp {lay.tp * 2} (dp_shard {lay.dp_shard // 2})", "tensor-parallel communication per block",
-            _changed(lay, tp=lay.tp * 2, dp_shard=lay.dp_shard // 2))
-    if lay.dp_shard % 2 == 0 and lay.dp_shard > 1:
-        add(3.0, f"--pp {lay.pp * 2} (dp_shard {lay.dp_shard // 2})", "pipeline bubble",
-            _changed(lay, pp=lay.pp * 2, dp_shard=lay.dp_shard // 2, pp_split=None,
-                     pp_microbatches=max(lay.pp_microbatches, lay.pp * 2)))
-    # More GPUs.
-    new = _sharded(lay, _shard_ranks(lay) * 2)
-    if new is not None:
-        add(4.0, f"--dp-mode {new.dp_mode} --dp-shard {new.dp_shard} ({new.world_size} GPUs instead of {world})",
-            "more GPUs", new)
-    if lay.tp * 2 <= 8 and not lay.uses_ddp:
-        new = _changed(lay, tp=lay.tp * 2)
-        if new is not None:
-            add(4.5, f"--tp {lay.tp * 2} ({new.world_size} GPUs instead of {world})", "more GPUs", new)
-    return out
-
-
-def suggest_changes(i: EstimateInputs) -> tuple[dict | None, list[dict]]:
-    """The cheapest single change that fits, else the cheapest pair; plus other single changes that fit."""
-    def fits(c):
-        try:
-            e = estimate(c, suggest=False)
-        except UserError:
-            return None
-        return e if e.fits else None
-
-    found = []
-    singles = _candidates(i)
-    for cost, change, why, c in singles:
-        e = fits(c)
-        if e is not None:
-            found.append({"change": change, "why": why, "cost": cost, "total_bytes": e.total_bytes,
-                          "inputs": _describe_inputs(c)})
-    if not found:
-        for cost, change, why, c in singles:
-            for cost2, change2, why2, c2 in _candidates(c):
-                if change2 == change:
-                    continue
-                e = fits(c2)
-                if e is not None:
-                    found.append({"change": f"{change} and {change2}", "why": f"{why}; {why2}", "cost": cost + cost2,
-                                  "total_bytes": e.total_bytes, "inputs": _describe_inputs(c2)})
-    if not found:
-        # How many GPUs would it take? FSDP over more ranks (keeping tp and pp), then also full checkpointing.
-        lay = i.layout
-        for ckpt in (i.checkpointing, "full"):
-            for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
-                more = _sharded(lay, n) if n > _shard_ranks(lay) else None
-                if more is None:
-                    continue
-                c = i.replace(layout=more, checkpointing=ckpt)
-                e = fits(c)
-                if e is not None:
-                    change = f"--dp-mode {more.dp_mode} --dp-shard {n} ({more.world_size} GPUs)" + (
-                        f" --checkpointing {ckpt}" if ckpt != i.checkpointing else "")
-                    found.append({"change": change, "why": "more GPUs", "cost": 10.0, "total_bytes": e.total_bytes,
-                                  "inputs": _describe_inputs(c)})
-                    break
-            if found:
-                break
-    if not found:
-        return None, []
-    found.sort(key=lambda f: (f["cost"], f["total_bytes"]))
-    best = found[0]
-    others = [f for f in found[1:] if f["change"] != best["change"]]
-    return best, others
-
-
-def _describe_inputs(c: EstimateInputs) -> dict:
-    lay = c.layout
-    return {"dp_mode": lay.dp_mode, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp,
-            "pp": lay.pp, "ep": lay.ep, "checkpointing": c.checkpointing, "micro_batch": c.micro_batch,
-            "accum_steps": c.accum_steps, "world_size": lay.world_size}

@@ -110,11 +110,12 @@ def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
 
 def memory_reason(est, ctx: Context, headroom: float) -> str | None:
     from paratrain.estimate.gpus import fits, fmt_bytes, limit_text
+    from paratrain.estimate.report import ROWS
 
     if fits(est.total_bytes, ctx.hw.memory_bytes, headroom):
         return None
     biggest = max(est.at_peak.items(), key=lambda kv: kv[1])
-    label = dict(__import__("paratrain.estimate.core", fromlist=["ROWS"]).ROWS).get(biggest[0], biggest[0])
+    label = dict(ROWS).get(biggest[0], biggest[0])
     where = f" on stage {est.stage}" if est.inputs.layout.pp > 1 else ""
     return (f"does not fit: {fmt_bytes(est.total_bytes)} per rank of {ctx.hw.name} {fmt_bytes(ctx.hw.memory_bytes)} "
             f"({100 * est.total_bytes / ctx.hw.memory_bytes:.0f}%, {limit_text(ctx.hw.memory_bytes, headroom)}); "
