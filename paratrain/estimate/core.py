@@ -24,8 +24,9 @@ from paratrain.errors import UserError
 from paratrain.estimate import activations as A
 from paratrain.estimate.compression import Compression, compression_cost
 from paratrain.estimate.gpus import HEADROOM, GiB, check_headroom, fits, fmt_bytes, usable_bytes
-from paratrain.estimate.model_states import (BF16, FP32, Param, fsdp_gathers_per_step, fsdp_numel, local_shape,
-                                             model_params, rank_layers, rank_params, state_bytes, zero_table)
+from paratrain.estimate.model_states import (BF16, FP32, Param, StateBytes, fsdp_gathers_per_step, fsdp_numel,
+                                             local_shape, model_params, rank_layers, rank_params, state_bytes,
+                                             zero_table)
 from paratrain.layout import MULTI_STAGE, Batch, Layout, grad_compression_site
 from paratrain.models.args import ModelArgs
 
@@ -230,34 +231,80 @@ def _fsdp_bytes_of(params: list[Param], layout: Layout, pbytes: int, rbytes: int
     return unsh, rs
 
 
-def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]]) -> dict:
-    """Peak of one (pipeline) rank: returns {'peak', 'phase', 'at_peak', 'sizes'}."""
+@dataclass
+class _Rank:
+    """What both walkers read of one rank (a whole model, or a pipeline rank's stages): its model states, activation
+    sizes, parameters by block, and the dtypes FSDP works in."""
+
+    i: EstimateInputs
+    st: StateBytes
+    d: A.ActDims
+    params: list[Param]
+    by_layer: dict[int, list[Param]]  # this rank's blocks -> their parameters
+    root: list[Param]  # the parameters outside the blocks (embedding, final norm, output) this rank holds
+    classic: bool  # classic mixed-precision accounting (Megatron/DeepSpeed) in bf16/fp16
+    fsdp: bool  # FSDP's unsharded working copies (classic ZeRO-2 keeps whole bf16 parameters in its parameters row)
+    pbytes: int  # dtype the unsharded parameters compute in
+
+    def local_numel(self, ps) -> int:
+        return sum(math.prod(local_shape(p, self.i.layout)) for p in ps)
+
+    def where(self, where: str) -> list[Param]:
+        return [p for p in self.root if p.where == where]
+
+
+def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers: list[int]) -> _Rank:
     args, lay = i.model_args, i.layout
-    st = state_bytes(args, lay, i.precision, i.optimizer, i.accounting, stage, layers_by_stage)
+    st = state_bytes(args, lay, i.precision, i.optimizer, i.accounting, rank, layers_by_stage)
     d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device)
-    moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if args.moe_experts else None
-    my_layers = layers_by_stage[stage]
-    first, last = stage == 0, stage == lay.pp - 1
-    modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
-    moe_of = {l: (moe if args.is_moe_layer(l) else None) for l in my_layers}
-    stored = {l: A.block_stored(d, modes[l], moe_of[l]) for l in my_layers}
-    params = rank_params(args, lay, stage, layers_by_stage)
-    by_layer = {l: [] for l in my_layers}
+    params = rank_params(args, lay, rank, layers_by_stage)
+    by_layer = {l: [] for l in layers}
     for p in params:
         if p.layer is not None:
             by_layer[p.layer].append(p)
-    root = [p for p in params if p.layer is None]
-    head_params = [p for p in root if p.where == "head"]
     low = i.precision != "fp32"
     classic = i.accounting == "classic" and low
-    zero2 = lay.uses_fsdp and not lay.reshard_after_forward  # gathered parameters kept from forward to backward
-    # FSDP's unsharded working copies (classic ZeRO-2 keeps whole bf16 parameters in its parameters row instead).
-    fsdp = lay.uses_fsdp and not (classic and zero2)
-    pbytes = BF16 if (low and (fsdp or classic)) else FP32  # dtype the unsharded params compute in
-    gbytes = BF16 if classic else FP32  # gradient dtype held by the optimizer
+    fsdp = lay.uses_fsdp and not (classic and lay.zero_stage == 2)
+    pbytes = BF16 if (low and (fsdp or classic)) else FP32
+    return _Rank(i, st, d, params, by_layer, [p for p in params if p.layer is None], classic, fsdp, pbytes)
 
-    def local_numel(ps):
-        return sum(math.prod(local_shape(p, lay)) for p in ps)
+
+class _Peaks:
+    """A walk's candidate peaks, (total, phase, bytes by category) each: the largest is the rank's peak, and each
+    category's own maximum over them is its size."""
+
+    def __init__(self):
+        self.cands: list[tuple[int, str, dict]] = []
+
+    def add(self, phase: str, **cats) -> None:
+        self.cands.append((sum(cats.values()), phase, cats))
+
+    def result(self, r: _Rank, moe=None) -> dict:
+        """{'peak', 'phase', 'at_peak', 'sizes', 'states', 'dims', 'moe'}."""
+        peak, phase, cats = max(self.cands, key=lambda c: c[0])
+        sizes = {}
+        for _, _, c in self.cands:
+            for key, v in c.items():
+                sizes[key] = max(sizes.get(key, 0), v)
+        return {"peak": peak, "phase": phase, "at_peak": cats, "sizes": sizes, "states": r.st, "dims": r.d, "moe": moe}
+
+
+def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> dict:
+    """Peak of a rank without a pipeline (it holds every block): the loss's backward, each block's backward last to
+    first (with FSDP: gathers, prefetches, reduce-scatters; with cp: ring attention's backward; recomputation), the
+    optimizer step."""
+    args, lay = i.model_args, i.layout
+    my_layers = layers_by_stage[0]
+    r = _rank(i, 0, layers_by_stage, my_layers)
+    st, d, by_layer, params = r.st, r.d, r.by_layer, r.params
+    moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if args.moe_experts else None
+    modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
+    moe_of = {l: (moe if args.is_moe_layer(l) else None) for l in my_layers}
+    stored = {l: A.block_stored(d, modes[l], moe_of[l]) for l in my_layers}
+    head_params = r.where("head")
+    classic, fsdp, pbytes, local_numel = r.classic, r.fsdp, r.pbytes, r.local_numel
+    zero2 = lay.uses_fsdp and not lay.reshard_after_forward  # gathered parameters kept from forward to backward
+    gbytes = BF16 if classic else FP32  # gradient dtype held by the optimizer
 
     def grad_bytes(ps):  # this rank's final gradients of these params
         if classic:
@@ -273,19 +320,17 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
         return local_numel(ps)
 
     grads_full = st.grads
-    accum = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
+    accum = i.accum_steps
     # Megatron/DeepSpeed allocate their gradient buffers up front (classic accounting): always live.
-    g_prev = grads_full if ((accum > 1 and lay.pp == 1) or classic) else 0
+    g_prev = grads_full if (accum > 1 or classic) else 0
     # DDP's flat bucket buffers are a second copy of the gradients (gradient_as_bucket_view=False); classic
     # frameworks reduce from one contiguous gradient buffer instead.
     ddp_buckets = local_numel(params) * gbytes if (lay.uses_ddp and not classic) else 0
     autocast = st.autocast_copies
-    tokens = A.inputs_bytes(d) if (first or last) else 0
-    k = in_flight(lay, stage)
-    acts_one = sum(stored.values()) + (A.final_residual(d) if last else 0)
-    p2p = 0 if lay.pp == 1 else (2 if not (first and last) else 0) * A.block_input(d)
-    head = sum(b for _, b in A.head_saved(d)) if last else 0
-    loss_extra = A.loss_backward_extra(d) if last else 0
+    tokens = A.inputs_bytes(d)
+    acts_one = sum(stored.values()) + A.final_residual(d)
+    head = sum(b for _, b in A.head_saved(d))
+    loss_extra = A.loss_backward_extra(d)
 
     # FSDP bookkeeping: unsharded bytes per block, root, reduce-scatter buffers.
     site = grad_compression_site(lay, i.compression.method)
@@ -303,58 +348,48 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
         if site == "replicate_hook":
             shapes = [(math.ceil(sh[0] / lay.dp_shard), *sh[1:]) for sh in shapes]
         comp = compression_cost(i.compression, shapes, lay.dp if site == "ddp_hook" else lay.dp_replicate)
-    root_unsh = _fsdp_bytes(root, lay, pbytes)[0] if (fsdp and root) else 0
+    root_unsh = _fsdp_bytes(r.root, lay, pbytes)[0] if (fsdp and r.root) else 0
     head_unsh_grads = local_numel(head_params) * pbytes if fsdp else 0
 
-    cands = []
-
-    def add(phase, **cats):
-        cands.append((sum(cats.values()), phase, cats))
-
+    peaks = _Peaks()
+    add = peaks.add
     base = dict(parameters=st.params + st.rope_buffers, optimizer=st.optimizer, master=st.master,
                 compression=comp.state_bytes if comp else 0)
-    # L: the loss's backward (last stage), or the end of the in-flight forwards (other stages)
-    if lay.pp == 1 or last:
-        comm = ddp_buckets
-        if fsdp:
-            if zero2:
-                comm += sum(u for u, _ in unsh.values()) + root_unsh
-            elif my_layers:
-                # The last block is not resharded after forward, except expert-parallel experts (their own group).
-                last_block = by_layer[my_layers[-1]]
-                comm += _fsdp_bytes([p for p in last_block if not (p.expert and lay.ep > 1)], lay, pbytes)[0]
-        extra_mb = max(k - 1, 0)
-        add("loss backward" + (f" (micro-step {accum} of {accum})" if accum > 1 and lay.pp == 1 else ""),
-            **base, gradients=grads_full if (g_prev or lay.pp > 1) else 0, autocast_copies=autocast,
-            activations=acts_one + tokens, pipeline=extra_mb * sum(stored.values()),
-            logits_loss=head + loss_extra, comm_buffers=comm + p2p)
+    # L: the loss's backward
+    comm = ddp_buckets
+    if fsdp:
+        if zero2:
+            comm += sum(u for u, _ in unsh.values()) + root_unsh
+        elif my_layers:
+            # The last block is not resharded after forward, except expert-parallel experts (their own group).
+            last_block = by_layer[my_layers[-1]]
+            comm += _fsdp_bytes([p for p in last_block if not (p.expert and lay.ep > 1)], lay, pbytes)[0]
+    add("loss backward" + (f" (micro-step {accum} of {accum})" if accum > 1 else ""),
+        **base, gradients=grads_full if g_prev else 0, autocast_copies=autocast, activations=acts_one + tokens,
+        logits_loss=head + loss_extra, comm_buffers=comm)
     # B_i: each block's backward, last to first
-    grads_above = 0 if lay.pp > 1 else (grad_bytes(head_params) if not fsdp else 0)
+    grads_above = grad_bytes(head_params) if not fsdp else 0
     stored_below = sum(stored.values())
     rs_kept = 0
     for idx in reversed(range(len(my_layers))):
         l = my_layers[idx]
         stored_below -= stored[l]
         b_acts, b_temps = A.block_backward_live(d, modes[l], moe_of[l])
-        comm = ddp_buckets + p2p
+        comm = ddp_buckets
         temps = b_temps
         if fsdp:
-            comm += unsh[l][0] + prefetched(idx) + rs_kept
-            comm += root_unsh if (first or last or zero2) else 0
+            comm += unsh[l][0] + prefetched(idx) + rs_kept + root_unsh
             if zero2:
                 comm += sum(unsh[m][0] for m in my_layers[:idx - 1] if idx > 1)
             temps += dw2(l) * pbytes + head_unsh_grads
             grads_now = grads_above if not g_prev else g_prev
         else:
             grads_now = (grads_above + dw2(l) * gbytes) if not g_prev else g_prev
-        if lay.pp > 1:
-            grads_now = grads_full
-        extra = (k - 1) * (stored_below + stored[l]) if lay.pp > 1 else 0
         # The last block's incoming gradient was made by the loss/output backward.
-        from_head = A.block_input(d) if (last and l == my_layers[-1]) else 0
+        from_head = A.block_input(d) if l == my_layers[-1] else 0
         add(f"backward of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
-            activations=stored_below + b_acts + tokens, pipeline=max(extra, 0),
-            logits_loss=from_head, comm_buffers=comm, temporaries=temps - from_head)
+            activations=stored_below + b_acts + tokens, logits_loss=from_head, comm_buffers=comm,
+            temporaries=temps - from_head)
         if lay.cp > 1:
             # Ring attention's backward (context parallel): the block's MLP is done (its gradients exist, unsharded
             # under FSDP), its attention tensors are still saved, the ring's buffers are live beside the incoming
@@ -365,36 +400,31 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
             kept = live if modes[l] == "none" else min(live, stored[l])
             done = sum(local_numel([p]) for p in by_layer[l] if not p.name.endswith(_ATTENTION_INPUT)) * pbytes
             dout = d.N * d.Hq * d.D * d.L
-            add(f"ring attention backward of block {l}", **base, gradients=grads_now if lay.pp == 1 else grads_full,
-                autocast_copies=autocast, activations=stored_below + kept + tokens, pipeline=max(extra, 0),
-                logits_loss=0, comm_buffers=comm,
+            add(f"ring attention backward of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
+                activations=stored_below + kept + tokens, logits_loss=0, comm_buffers=comm,
                 temporaries=live - kept + A.ring_backward_temps(d) + dout + A.block_input(d) + done + head_unsh_grads)
         if modes[l] != "none":
             r_acts, r_temps = A.recompute_end(d, modes[l], moe_of[l])
             add(f"recomputation of block {l}", **base, gradients=grads_above if not g_prev else g_prev,
-                autocast_copies=autocast, activations=stored_below + r_acts + tokens, pipeline=max(extra, 0),
-                logits_loss=from_head, comm_buffers=comm,
-                temporaries=r_temps - from_head + (head_unsh_grads if fsdp else 0))
+                autocast_copies=autocast, activations=stored_below + r_acts + tokens, logits_loss=from_head,
+                comm_buffers=comm, temporaries=r_temps - from_head + (head_unsh_grads if fsdp else 0))
         if fsdp:
             # The end of block l's backward (its attention backward), before FSDP's post-backward: all its unsharded
             # gradients exist (what dominates when the micro-batch is small); of its activations only the input is
             # left; SDPA's backward has made dq, dk, dv, then the q/k/v input's gradient, beside the incoming one.
             q_size = d.N * d.Hq * d.D * d.L
-            add(f"end of block {l}'s backward", **base, gradients=grads_now if lay.pp == 1 else grads_full,
-                autocast_copies=autocast, activations=stored_below + tokens + A.block_input(d),
-                pipeline=max(extra, 0), logits_loss=0, comm_buffers=comm,
+            add(f"end of block {l}'s backward", **base, gradients=grads_now, autocast_copies=autocast,
+                activations=stored_below + tokens + A.block_input(d), logits_loss=0, comm_buffers=comm,
                 temporaries=A.block_input(d) + 3 * q_size + d.N * d.C * d.L + head_unsh_grads + unsh[l][0])
             # FSDP's post-backward of block l: its parameters resharded, its gradients copied into the fp32
             # reduce-scatter input, the sharded output allocated (gloo also copies the input: CPU runs only).
             rs_in = unsh[l][1]
             rs_out = rs_in // lay.shard_degree
-            comm = (ddp_buckets + p2p + prefetched(idx) + rs_in + rs_out
-                    + (rs_in if i.device == "cpu" else 0) + (root_unsh if (first or last or zero2) else 0))
+            comm = (ddp_buckets + prefetched(idx) + rs_in + rs_out + (rs_in if i.device == "cpu" else 0) + root_unsh)
             if zero2:
                 comm += sum(unsh[m][0] for m in my_layers[:idx - 1] if idx > 1)
-            add(f"reduce-scatter of block {l}", **base, gradients=grads_now if lay.pp == 1 else grads_full,
-                autocast_copies=autocast, activations=stored_below + tokens, pipeline=max(extra, 0),
-                logits_loss=0, comm_buffers=comm,
+            add(f"reduce-scatter of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
+                activations=stored_below + tokens, logits_loss=0, comm_buffers=comm,
                 temporaries=A.block_input(d) + head_unsh_grads + dw2(l) * pbytes)
         # after block l: its gradients are reduced (FSDP: sharded, its reduce-scatter buffer kept)
         grads_above += grad_bytes(by_layer[l])
@@ -413,19 +443,16 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
             temporaries=comp.transient_bytes)
     add("optimizer step", **base, gradients=grads_full, comm_buffers=ddp_buckets, temporaries=opt_temp)
 
-    peak, phase, cats = max(cands, key=lambda c: c[0])
-    sizes = {}
-    for _, _, c in cands:
-        for key, v in c.items():
-            sizes[key] = max(sizes.get(key, 0), v)
+    out = peaks.result(r, moe)
+    sizes = out["sizes"]
     sizes["gradients"] = max(sizes.get("gradients", 0), grads_full)
     sizes["autocast_copies"] = autocast
-    return {"peak": peak, "phase": phase, "at_peak": cats, "sizes": sizes, "states": st, "dims": d, "moe": moe}
+    return out
 
 
 def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]]) -> dict:
     """Peak of pipeline rank `rank`: its schedule's actions in order (paratrain/estimate/schedule.py), each backward
-    walked block by block (as `_stage_walk` walks a whole model) on top of what the rest of the schedule holds then.
+    walked block by block (as `_no_pipeline_walk` walks a whole model) on top of what the rest of the schedule holds then.
 
     Held per micro-batch from its forward to its backward (its weight-gradient step "W" in the zero-bubble
     schedules): each block's saved tensors; a stage's output, which the stage keeps for its backward (on the last
@@ -440,28 +467,15 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     from paratrain.estimate.schedule import rank_actions
 
     args, lay = i.model_args, i.layout
-    st = state_bytes(args, lay, i.precision, i.optimizer, i.accounting, rank, layers_by_stage)
-    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device)
     m, last_stage = lay.pp_microbatches, lay.num_stages - 1
     stages = lay.local_stages(rank)
     layers_of = {s: lay.stage_layers(s) for s in stages}
+    r = _rank(i, rank, layers_by_stage, [l for s in stages for l in layers_of[s]])
+    st, d, params, by_layer, root = r.st, r.d, r.params, r.by_layer, r.root
     modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
     stored = {l: A.block_stored(d, modes[l], None) for s in stages for l in layers_of[s]}
-    params = rank_params(args, lay, rank, layers_by_stage)
-    by_layer = {l: [] for s in stages for l in layers_of[s]}
-    for p in params:
-        if p.layer is not None:
-            by_layer[p.layer].append(p)
-    root = [p for p in params if p.layer is None]
-    emb_params = [p for p in root if p.where == "embedding"]
-    head_params = [p for p in root if p.where == "head"]
-    low = i.precision != "fp32"
-    classic = i.accounting == "classic" and low
-    fsdp = lay.uses_fsdp and not (classic and lay.zero_stage == 2)
-    pbytes = BF16 if (low and (fsdp or classic)) else FP32
-
-    def local_numel(ps):
-        return sum(math.prod(local_shape(p, lay)) for p in ps)
+    emb_params, head_params = r.where("embedding"), r.where("head")
+    classic, fsdp, pbytes, local_numel = r.classic, r.fsdp, r.pbytes, r.local_numel
 
     def step_grads(ps):  # gradient bytes these params hold during the step (before the final reduce-scatter)
         if classic:
@@ -494,10 +508,8 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     autocast = st.autocast_copies
     base = dict(parameters=st.params + st.rope_buffers * len(stages), optimizer=st.optimizer, master=st.master,
                 autocast_copies=autocast)
-    cands = []
-
-    def add(phase, **cats):
-        cands.append((sum(cats.values()), phase, cats))
+    peaks = _Peaks()
+    add = peaks.add
 
     in_flight = dict.fromkeys(stages, 0)  # micro-batches forwarded and not yet (weight-)backwarded
     pending = dict.fromkeys(stages, 0)  # zero bubble: input gradients done, weight gradients not yet
@@ -573,13 +585,7 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
         small_bytes = (sum(fsdp_numel(p, lay) for p in small) if lay.uses_fsdp else local_numel(small)) * gb
         opt_temp = max(st.grads - small_bytes, small_bytes) * (FP32 // gb)
     add("optimizer step", **base, gradients=st.grads, comm_buffers=p2p, temporaries=opt_temp)
-
-    peak, phase, cats = max(cands, key=lambda c: c[0])
-    sizes = {}
-    for _, _, c in cands:
-        for key, v in c.items():
-            sizes[key] = max(sizes.get(key, 0), v)
-    return {"peak": peak, "phase": phase, "at_peak": cats, "sizes": sizes, "states": st, "dims": d, "moe": None}
+    return peaks.result(r)
 
 
 def _zb_intermediates(d: A.ActDims) -> int:
@@ -677,9 +683,11 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     i = _validate(i)
     lay, args = i.layout, i.model_args
     layers_by_stage = rank_layers(lay, args)
-    walk = _pipeline_walk if lay.pp > 1 else _stage_walk
-    ranks = range(lay.pp) if (all_ranks or lay.pp <= 4) else candidate_ranks(lay, layers_by_stage)
-    walks = {s: walk(i, s, layers_by_stage) for s in ranks}
+    if lay.pp == 1:
+        walks = {0: _no_pipeline_walk(i, layers_by_stage)}
+    else:
+        ranks = range(lay.pp) if (all_ranks or lay.pp <= 4) else candidate_ranks(lay, layers_by_stage)
+        walks = {s: _pipeline_walk(i, s, layers_by_stage) for s in ranks}
     worst = max(walks, key=lambda s: walks[s]["peak"])
     w = walks[worst]
     overhead = i.overhead_bytes if i.overhead_bytes is not None else default_overhead(lay, i.device)
