@@ -279,6 +279,9 @@ class _Peaks:
     def add(self, phase: str, **cats) -> None:
         self.cands.append((sum(cats.values()), phase, cats))
 
+    def add_dict(self, phase: str, cats: dict) -> None:
+        self.cands.append((sum(cats.values()), phase, cats))
+
     def result(self, r: _Rank, moe=None) -> dict:
         """{'peak', 'phase', 'at_peak', 'sizes', 'states', 'dims', 'moe'}."""
         peak, phase, cats = max(self.cands, key=lambda c: c[0])
@@ -559,7 +562,7 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
         for cat, extra in (("pipeline", others), ("logits_loss", others_head), ("gradients", grads_before),
                            ("comm_buffers", sent_grads)):
             shifted[cat] = shifted.get(cat, 0) + extra
-        add(phase, **shifted)
+        peaks.add_dict(phase, shifted)
         if kind in ("I", "B") and stash_sends and remote_prev[stage]:
             sent_grads += binp
         if kind == "I":

@@ -71,7 +71,6 @@ selective = the element-wise work and operators of the forward (matmul and atten
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -388,6 +387,13 @@ def _slowest(c: Candidate, ctx: Context) -> tuple[int, tuple[float, float], floa
     return cached(ctx, ("slowest", pipeline_key(lay), c.tp, c.micro_batch, c.ep, c.ac, c.every_k, lay.cp), compute)
 
 
+def _without_microbatches(lay: Layout) -> tuple:
+    """The layout's fields but its pipeline micro-batches (a cache key)."""
+    fields = dict(vars(lay))
+    del fields["pp_microbatches"]
+    return tuple(fields.values())
+
+
 def predict(c: Candidate, ctx: Context) -> Prediction:
     from paratrain.models.presets import count_params, flops_per_token
 
@@ -452,7 +458,7 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
             groups = lay.fsdp_groups(layers, blocks.moe[blocks.busiest], blocks.busiest)
             n_ag, n_rs = lay.fsdp_all_gathers(n_micro, groups), lay.fsdp_reduce_scatters(n_micro, groups)
             # (pipelined: each group once per step, whatever the micro-batches: one entry for all of them)
-            key = ("gathers", dataclasses.replace(lay, pp_microbatches=0), 0) if lay.pipelined else ("gathers", lay, n_micro)
+            key = ("gathers", lay, n_micro) if not lay.pipelined else ("gathers", *_without_microbatches(lay))
             fsdp_gathers = cached(ctx, key, lambda: fsdp_gathers_per_step(lay, a, n_micro, blocks.layers,
                                                                           blocks.moe))
             group = FSDP_GROUP_OPS * hw.op_overhead_s
