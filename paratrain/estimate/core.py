@@ -20,53 +20,20 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from paratrain.errors import UserError
 from paratrain.estimate import activations as A
-from paratrain.estimate.compression import Compression, compression_cost
-from paratrain.estimate.gpus import HEADROOM, GiB, check_headroom, fits, fmt_bytes, usable_bytes
+from paratrain.estimate.compression import compression_cost
+from paratrain.estimate.gpus import GiB, fits, fmt_bytes, usable_bytes
+from paratrain.estimate.inputs import EstimateInputs, validate
 from paratrain.estimate.model_states import (BF16, FP32, Param, StateBytes, fsdp_gathers_per_step, fsdp_numel,
                                              local_shape, model_params, rank_layers, rank_params, state_bytes,
                                              zero_table)
-from paratrain.layout import MULTI_STAGE, Batch, Layout, grad_compression_site
-from paratrain.models.args import ModelArgs
+from paratrain.layout import MULTI_STAGE, Layout, grad_compression_site
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
 # not see): the CUDA context and kernels (~0.5-0.8 GiB with lazy module loading), cuBLAS/cuDNN workspaces and
 # allocator fragmentation headroom (~0.25 GiB), and NCCL's communicator buffers when there is more than one rank.
 CONTEXT_OVERHEAD_GIB = 1.0
 NCCL_OVERHEAD_GIB = 0.5
-
-CHECKPOINTING = ("none", "full", "every_k", "selective")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-nomomentum")
-PRECISIONS = ("fp32", "bf16", "fp16")
-ACCOUNTINGS = ("paratrain", "classic")
-
-
-@dataclass
-class EstimateInputs:
-    model_args: ModelArgs
-    layout: Layout  # pp > 1: with pp_microbatches (validation fills in a balanced pp_split)
-    model_name: str = "model"
-    precision: str = "bf16"
-    optimizer: str = "adamw"
-    optimizer_impl: str = "fused"  # fused | foreach | for (foreach adds one group-sized temporary)
-    checkpointing: str = "none"
-    every_k: int = 2
-    micro_batch: int = 1
-    seq_len: int = 2048
-    accum_steps: int = 1  # gradient accumulation micro-steps (pp > 1: layout.pp_microbatches instead)
-    accounting: str = "paratrain"  # paratrain | classic
-    gpu_name: str | None = None
-    gpu_bytes: int | None = None
-    headroom: float = HEADROOM  # fraction of gpu_bytes kept free (estimate.gpus: the rule plan and estimate share)
-    overhead_bytes: int | None = None  # None: CONTEXT_OVERHEAD_GIB (+ NCCL_OVERHEAD_GIB if world > 1)
-    moe_imbalance: float = 1.0  # routed tokens per ep rank relative to the balanced share
-    device: str = "cuda"  # cuda: counts runtime overhead; cpu: tensors only
-    compression: Compression = field(default_factory=Compression)  # parallel.grad_compression and its settings
-    fsdp_backward_prefetch: int = 1  # blocks whose parameters backward gathers ahead (FSDP2's default: 1)
-
-    def replace(self, **kw) -> "EstimateInputs":
-        return dataclasses.replace(self, **kw)
 
 
 @dataclass
@@ -153,40 +120,6 @@ def default_overhead(layout: Layout, device: str = "cuda") -> int:
     if device != "cuda":
         return 0
     return int((CONTEXT_OVERHEAD_GIB + (NCCL_OVERHEAD_GIB if layout.world_size > 1 else 0.0)) * GiB)
-
-
-def _validate(i: EstimateInputs) -> EstimateInputs:
-    """Check the inputs (UserError; the layout's ConfigError names the setting); returns them with the layout
-    validated against the model and the batch (a pipeline's blocks per stage filled in)."""
-    for name, value, options in (("--precision", i.precision, PRECISIONS), ("--optimizer", i.optimizer, OPTIMIZERS),
-                                 ("--checkpointing", i.checkpointing, CHECKPOINTING),
-                                 ("--accounting", i.accounting, ACCOUNTINGS),
-                                 ("--optimizer-impl", i.optimizer_impl, ("fused", "foreach", "for"))):
-        if value not in options:
-            raise UserError(f"{name} '{value}' is not one of {', '.join(options)}")
-    if i.every_k < 1:
-        raise UserError(f"--every-k must be >= 1, got {i.every_k}")
-    if i.accum_steps < 1:
-        raise UserError(f"--accum-steps must be >= 1, got {i.accum_steps}")
-    if i.moe_imbalance < 1:
-        raise UserError(f"--moe-imbalance must be >= 1 (1 = perfectly balanced), got {i.moe_imbalance}")
-    if i.micro_batch < 1 or i.seq_len < 1:
-        raise UserError("--micro-batch and --seq-len must be >= 1")
-    args, lay = i.model_args, i.layout
-    if args.dim % args.n_heads or args.n_heads % args.n_kv_heads:
-        raise UserError(f"model dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={args.n_kv_heads}: dim must "
-                        "divide by n_heads and n_heads by n_kv_heads")
-    if lay.pp > 1 and lay.pp_microbatches < 1:
-        raise UserError("a pipeline's estimate needs its microbatches per step (--microbatches, "
-                        "Layout.pp_microbatches)")
-    if i.fsdp_backward_prefetch < 1:
-        raise UserError(f"--fsdp-backward-prefetch must be >= 1, got {i.fsdp_backward_prefetch}")
-    check_headroom(i.headroom)
-    lay.check_checkpointing(i.checkpointing)
-    steps = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
-    batch = Batch(global_batch=i.micro_batch * steps * lay.dp, micro_batch=i.micro_batch, seq_len=i.seq_len)
-    grad_compression_site(lay, i.compression.method)  # ConfigError where it cannot apply
-    return i.replace(layout=lay.validate(args, lay.world_size, batch))
 
 
 def block_modes(n_layers: int, checkpointing: str, every_k: int) -> list[str]:
@@ -683,7 +616,7 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     """The per-rank memory estimate for one configuration (UserError on inputs that cannot run). all_ranks=False
     walks only the pipeline ranks that can be the worst (`candidate_ranks`; the planner's shortcut): same worst
     rank, `stages` then lists only those."""
-    i = _validate(i)
+    i = validate(i)
     lay, args = i.layout, i.model_args
     layers_by_stage = rank_layers(lay, args)
     if lay.pp == 1:
