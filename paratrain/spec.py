@@ -175,7 +175,8 @@ def resolve_run(cfg: Config, world_size: int) -> RunSpec:
     return resolve(cfg, world_size, prepare_data(cfg))
 
 
-def model_from(spec: str, vocab_size: int | None = None, overrides: dict | None = None) -> tuple[str, ModelArgs, Config | None]:
+def model_from(spec: str, vocab_size: int | None = None,
+               overrides: dict | None = None) -> tuple[str, ModelArgs, Config | None]:
     """(name, ModelArgs, the config or None) for a `--model` argument, as `paratrain estimate` and `paratrain plan`
     read it: a preset name, or a config TOML (its [model] section: a run's config.toml, plan/config.toml; with
     model.init_from = "hf:PATH", the Hugging Face folder's architecture).

@@ -388,7 +388,8 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
 
 def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]]) -> dict:
     """Peak of pipeline rank `rank`: its schedule's actions in order (paratrain/estimate/schedule.py), each backward
-    walked block by block (as `_no_pipeline_walk` walks a whole model) on top of what the rest of the schedule holds then.
+    walked block by block (as `_no_pipeline_walk` walks a whole model) on top of what the rest of the schedule holds
+    then.
 
     Held per micro-batch from its forward to its backward (its weight-gradient step "W" in the zero-bubble
     schedules): each block's saved tensors; a stage's output, which the stage keeps for its backward (on the last

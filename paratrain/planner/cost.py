@@ -322,6 +322,12 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
     return BlockCosts(block_f * scale, block_b * scale, rec * scale, head * scale, sdpa * scale)
 
 
+def compute_key(ctx: Context) -> tuple:
+    """What a context's compute terms read besides the candidate (`block_costs`' key): a context made with
+    dataclasses.replace shares its cache."""
+    return id(ctx.args), id(ctx.hw), ctx.mode, ctx.float8, ctx.seq_len, ctx.precision
+
+
 def pipeline_key(lay: Layout) -> tuple:
     """What the blocks of each pipeline rank depend on (`rank_layers`): the key of the per-shape caches."""
     return (lay.pp, lay.pp_virtual, lay.pp_schedule, lay.pp_split) if lay.pp > 1 else (1,)
@@ -329,7 +335,8 @@ def pipeline_key(lay: Layout) -> tuple:
 
 @dataclass(frozen=True)
 class RankBlocks:
-    """The blocks of each pipeline rank for one pipeline shape (`rank_layers`), and what the cost model reads of them."""
+    """The blocks of each pipeline rank for one pipeline shape (`rank_layers`), and what the cost model reads of
+    them."""
 
     layers: list  # blocks of each pipeline rank (rank_layers)
     most: int  # blocks of the busiest rank
@@ -345,7 +352,7 @@ def rank_blocks(ctx: Context, lay: Layout) -> RankBlocks:
         return RankBlocks(layers, max(len(x) for x in layers), busiest,
                           tuple(sum(map(ctx.args.is_moe_layer, b)) for b in layers))
 
-    return cached(ctx, ("rank_blocks", pipeline_key(lay)), compute)
+    return cached(ctx, ("rank_blocks", id(ctx.args), pipeline_key(lay)), compute)
 
 
 def rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
@@ -355,7 +362,7 @@ def rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
     if ctx.stage_hw:
         return _rank_compute(c, ctx)
     lay = c.layout
-    key = ("rank_compute", pipeline_key(lay), c.tp, c.micro_batch, c.ep, c.ac, c.every_k, lay.cp)
+    key = ("rank_compute", compute_key(ctx), pipeline_key(lay), c.tp, c.micro_batch, c.ep, c.ac, c.every_k, lay.cp)
     return cached(ctx, key, lambda: _rank_compute(c, ctx))
 
 
@@ -384,7 +391,8 @@ def _slowest(c: Candidate, ctx: Context) -> tuple[int, tuple[float, float], floa
     if ctx.stage_hw:
         return compute()
     lay = c.layout
-    return cached(ctx, ("slowest", pipeline_key(lay), c.tp, c.micro_batch, c.ep, c.ac, c.every_k, lay.cp), compute)
+    key = ("slowest", compute_key(ctx), pipeline_key(lay), c.tp, c.micro_batch, c.ep, c.ac, c.every_k, lay.cp)
+    return cached(ctx, key, compute)
 
 
 def _without_microbatches(lay: Layout) -> tuple:
@@ -403,7 +411,7 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     n_micro = c.micro_steps(ctx)
     blocks = rank_blocks(ctx, lay)
     layers = blocks.most  # the busiest pipeline rank's blocks
-    moe_layers = cached(ctx, "moe_layers", lambda: sum(1 for i in range(a.n_layers) if a.is_moe_layer(i)))
+    moe_layers = cached(ctx, ("moe_layers", id(a)), lambda: sum(1 for i in range(a.n_layers) if a.is_moe_layer(i)))
     slowest, per_step, fill = _slowest(c, ctx)
     compute, recompute = (n_micro * x for x in per_step)
 
@@ -458,7 +466,8 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
             groups = lay.fsdp_groups(layers, blocks.moe[blocks.busiest], blocks.busiest)
             n_ag, n_rs = lay.fsdp_all_gathers(n_micro, groups), lay.fsdp_reduce_scatters(n_micro, groups)
             # (pipelined: each group once per step, whatever the micro-batches: one entry for all of them)
-            key = ("gathers", lay, n_micro) if not lay.pipelined else ("gathers", *_without_microbatches(lay))
+            key = (("gathers", id(a), lay, n_micro) if not lay.pipelined
+                   else ("gathers", id(a), *_without_microbatches(lay)))
             fsdp_gathers = cached(ctx, key, lambda: fsdp_gathers_per_step(lay, a, n_micro, blocks.layers,
                                                                           blocks.moe))
             group = FSDP_GROUP_OPS * hw.op_overhead_s

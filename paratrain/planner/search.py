@@ -72,7 +72,8 @@ def structural_reason(c: Candidate, ctx: Context) -> str | None:
     if ctx.global_seqs % (c.dp * c.micro_batch):
         return (f"the global batch ({ctx.global_seqs} sequences) does not divide into micro-batch {c.micro_batch} x "
                 f"data-parallel degree {c.dp}")
-    reason = cached(ctx, ("layout_reason", c.layout, c.micro_batch), lambda: _layout_reason(c, ctx))
+    key = ("layout_reason", id(ctx.args), ctx.global_seqs, ctx.seq_len, ctx.compression.method, c.layout, c.micro_batch)
+    reason = cached(ctx, key, lambda: _layout_reason(c, ctx))
     if reason:
         return reason
     try:
