@@ -501,7 +501,9 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
         a2a = all_to_all_time(T * a.moe_top_k * a.dim * ab, c.ep, ep_link) + all_to_all_time(64, c.ep, ep_link)
         comm["expert all-to-all"] = n_micro * math.ceil(moe_layers / c.pp) * 4 * a2a
     if cp > 1:
-        ring_total, comm[RING] = ring_time(ctx, c, T, attention_time(ctx, c))
+        key = ("ring", compute_key(ctx), ctx.gpus_per_node, t, cp, c.micro_batch, c.ep, c.ac, c.every_k, n_micro,
+               c.pp)
+        ring_total, comm[RING] = cached(ctx, key, lambda: ring_time(ctx, c, T, attention_time(ctx, c)))
         comm_total += ring_total - comm[RING]  # the hidden part (the exposed part is added below)
     comm_total += sum(v for k, v in comm.items() if k not in ("data-parallel",))
     exposed = sum(comm.values())
