@@ -218,10 +218,15 @@ class _Peaks:
     def result(self, r: _Rank, moe=None) -> dict:
         """{'peak', 'phase', 'at_peak', 'sizes', 'states', 'dims', 'moe'}."""
         peak, phase, cats = max(self.cands, key=lambda c: c[0])
-        sizes = {}
+        sizes: dict = {}
+        get = sizes.get
         for _, _, c in self.cands:
-            for key, v in c.items():
-                sizes[key] = max(sizes.get(key, 0), v)
+            for key, v in c.items():  # sizes[key] = max(sizes.get(key, 0), v)
+                old = get(key)
+                if old is None:
+                    sizes[key] = v if v > 0 else 0
+                elif v > old:
+                    sizes[key] = v
         return {"peak": peak, "phase": phase, "at_peak": cats, "sizes": sizes, "states": r.st, "dims": r.d, "moe": moe}
 
 
@@ -448,8 +453,6 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     peaks = _Peaks()
     add = peaks.add
 
-    in_flight = dict.fromkeys(stages, 0)  # micro-batches forwarded and not yet (weight-)backwarded
-    pending = dict.fromkeys(stages, 0)  # zero bubble: input gradients done, weight gradients not yet
     # what an input-gradient step leaves for the weight-gradient step, per stage
     inter = {s: len(layers_of[s]) * _zb_intermediates(d) + (_zb_head_intermediates(d) if s == last_stage else 0)
              for s in stages}
@@ -465,20 +468,25 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     remote_next = {s: s < last_stage and lay.stage_owner(s + 1) != rank for s in stages}
     remote_prev = {s: s > 0 and lay.stage_owner(s - 1) != rank for s in stages}
     sent_out = sent_grads = 0
+    # What the rank's stages hold as the schedule runs: per micro-batch forwarded and not yet (weight-)backwarded its
+    # `hold` (and the last stage's `hold_head`); per micro-batch of a zero-bubble schedule whose input gradients are
+    # done and weight gradients not yet, its `inter`; and the gradients of the stages that have run a backward.
+    held = held_head = grads_so_far = 0
     for stage, kind, mb in rank_actions(lay.pp_schedule, lay.pp, lay.pp_virtual, m, rank):
         if kind == "F":
-            in_flight[stage] += 1
+            held += hold[stage]
+            held_head += hold_head[stage]
             continue
         if kind == "I" and stage == 0:
             continue  # the first stage has no input gradients: its "W" runs the whole backward
         if kind == "W" and stage == 0:
             kind = "B"
-        others = sum(in_flight[s] * hold[s] + pending[s] * inter[s] for s in stages) - hold[stage] + sent_out
-        others_head = sum(in_flight[s] * hold_head[s] for s in stages) - hold_head[stage]
+        others = held - hold[stage] + sent_out
+        others_head = held_head - hold_head[stage]
         if kind == "W":
             others -= inter[stage]
         first_bwd = stage not in grads_done
-        grads_before = g_const + sum(stage_grads[s] for s in grads_done)
+        grads_before = g_const + grads_so_far
         # The stage's own walk is the same at every micro-batch (what else is held only adds to each of its
         # candidates): walked once per (stage, kind, first backward), shifted by this point's additions.
         key = (stage, kind, first_bwd)
@@ -500,12 +508,15 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
         if kind in ("I", "B") and stash_sends and remote_prev[stage]:
             sent_grads += binp
         if kind == "I":
-            pending[stage] += 1
+            held += inter[stage]
         else:
-            in_flight[stage] -= 1
+            held -= hold[stage]
+            held_head -= hold_head[stage]
+            if first_bwd:
+                grads_so_far += stage_grads[stage]
             grads_done.add(stage)
             if kind == "W":
-                pending[stage] -= 1
+                held -= inter[stage]
             if stash_sends and remote_next[stage]:
                 sent_out += binp
     # the end of the step: FSDP reshards and reduce-scatters each group's accumulated gradients (the largest
