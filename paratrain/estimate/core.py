@@ -12,6 +12,10 @@ With gradient accumulation the last micro-step is the worst (gradients from the 
 With pipeline stages each stage is walked with its own blocks and in-flight micro-batches, and the worst
 stage is reported. Categories are what is live at that moment; `size` is each category's own maximum over
 the step (their sum is the naive upper bound other tools print).
+
+Both walks (`_no_pipeline_walk`, `_pipeline_walk`) read one rank's context (`_Rank`: model states, activation sizes,
+parameters by block, FSDP's dtypes) and collect their candidate peaks in one `_Peaks`. What is asked and its checks
+are inputs.py, the printed table report.py, the change that would fit suggest.py.
 """
 
 from __future__ import annotations
