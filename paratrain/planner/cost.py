@@ -370,8 +370,9 @@ def _rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
     lay = c.layout
     out = []
     last_owner = lay.stage_owner(lay.num_stages - 1) if lay.pp > 1 else 0
+    one = None if ctx.stage_hw else block_costs(ctx, ctx.hw, c.tp, c.micro_batch, c.ep, c.ac, c.layout.cp)
     for r, blocks in enumerate(rank_blocks(ctx, lay).layers):
-        bc = block_costs(ctx, ctx.rank_hw(r), c.tp, c.micro_batch, c.ep, c.ac, c.layout.cp)
+        bc = one or block_costs(ctx, ctx.rank_hw(r), c.tp, c.micro_batch, c.ep, c.ac, c.layout.cp)
         n = len(blocks)
         rec_blocks = math.ceil(n / c.every_k) if c.ac == "every_k" else (n if c.ac != "none" else 0)
         out.append((n * (bc.forward + bc.backward) + (bc.head if r == last_owner else 0.0), rec_blocks * bc.recompute))
