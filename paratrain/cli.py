@@ -145,7 +145,7 @@ LAZY_COMMANDS = {
     "prepare": ("paratrain.data", "main_prepare"),
     "verify": ("paratrain.verify", "main_verify"),
     "estimate": ("paratrain.estimate", "main_estimate"),
-    "plan": ("paratrain.planner", "main_plan"),
+    "plan": ("paratrain.planner.cli", "main_plan"),
     "report": ("paratrain.observe.report", "main_report"),
     "doctor": ("paratrain.observe.doctor", "main_doctor"),
     "export": ("paratrain.hf", "main_export"),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.config import Config
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.models.args import ModelArgs
 from paratrain.models.presets import preset_args, preset_fields
@@ -173,3 +173,42 @@ def resolve_run(cfg: Config, world_size: int) -> RunSpec:
     """Check the config, prepare the data (first use only), and resolve: what a launcher does before starting ranks."""
     check(cfg, world_size)
     return resolve(cfg, world_size, prepare_data(cfg))
+
+
+def model_from(spec: str, vocab_size: int | None = None,
+               overrides: dict | None = None) -> tuple[str, ModelArgs, Config | None]:
+    """(name, ModelArgs, the config or None) for a `--model` argument, as `paratrain estimate` and `paratrain plan`
+    read it: a preset name, or a config TOML (its [model] section: a run's config.toml, plan/config.toml; with
+    model.init_from = "hf:PATH", the Hugging Face folder's architecture).
+
+    `overrides` (model dimensions; None values are unset) replace the preset's or the config's [model] values; the
+    config is returned with them. `vocab_size` (--vocab-size) is the vocabulary of a model that takes it from the
+    data (a preset without one, a config without model.vocab_size); without it a config's prepared data (data.dir)
+    gives it, as the trainer's."""
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if not (spec.endswith(".toml") or Path(spec).is_file()):
+        try:
+            return spec, preset_args(spec, vocab_size=vocab_size, **overrides), None
+        except TypeError as e:  # an override the model does not have
+            raise UserError(f"--model {spec}: {e}") from None
+    import dataclasses
+
+    from paratrain.config import load_config
+
+    cfg = load_config(spec)
+    for key, value in overrides.items():
+        setattr(cfg.model, key, value)
+    resolved, data_vocab = cfg, None
+    if cfg.model.vocab_size is None and vocab_size is not None:
+        resolved = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+    elif cfg.model.vocab_size is None and (Path(cfg.data.dir) / "meta.json").is_file():
+        # a preset that takes its vocabulary from the data (a run's config): the prepared data's, as the trainer's
+        from paratrain.data.prepare import read_meta
+
+        data_vocab = read_meta(cfg.data.dir)["vocab_size"]
+    try:
+        return f"{Path(spec).name} ({cfg.model.preset})", model_args_from(resolved, data_vocab), cfg
+    except UserError as e:
+        if "takes its vocab size from the dataset" in str(e):
+            raise UserError(f"{e} (or --vocab-size N), or prepare data.dir={cfg.data.dir}") from None
+        raise

@@ -292,3 +292,40 @@ def test_slurm_job_names_are_short_and_valid():
     }
     for layout, name in cases.items():
         assert job_name(layout) == name and re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name)
+
+
+def test_balanced_split_is_the_min_max_partition_cut():
+    """balanced_split's bisection makes the cut of the plain dynamic programme (min_max_partition), ties included."""
+    from paratrain.layout import balanced_split, min_max_partition
+    from paratrain.models import preset_args
+    from paratrain.models.presets import block_param_count
+
+    for name in ("llama3-405b", "llama3-8b", "tiny", "tiny-moe", "deepseek-moe-16b"):
+        a = preset_args(name, vocab_size=128)
+        cost = [block_param_count(a, i) for i in range(a.n_layers)]
+        cost[0] += a.vocab_size * a.dim
+        cost[-1] += a.vocab_size * a.dim + a.dim
+        prefix = [0]
+        for c in cost:
+            prefix.append(prefix[-1] + c)
+        for k in sorted({1, 2, 3, 4, 7, 8, 16, 31, 32, a.n_layers // 2, a.n_layers - 1, a.n_layers} - {0}):
+            if k <= a.n_layers:
+                assert balanced_split(a, k) == min_max_partition(a.n_layers, k, lambda s, j, i: prefix[i] - prefix[j])
+
+
+def test_predictions_follow_a_changed_context_sharing_its_cache():
+    """dataclasses.replace(ctx, ...) shares ctx.cache: the cached per-shape terms are keyed by what they read."""
+    import dataclasses
+
+    from paratrain.planner.cost import Context
+
+    ctx, world, opts, _ = ctx_for("--model", "llama3-8b", "--gpus", "16", "--gpu", "H100", "--seq", "4096")
+    cands = [c for c in candidates(ctx, world, opts) if structural_reason(c, ctx) is None][::37]
+    for c in cands:
+        predict(c, ctx)
+    for changes in ({"mode": "compile"}, {"hw": gpu_profile("A100")}, {"seq_len": 2048, "global_seqs": 256}):
+        other = dataclasses.replace(ctx, **changes)
+        fresh = Context(**{**{f.name: getattr(other, f.name) for f in dataclasses.fields(Context)}, "cache": {}})
+        for c in cands:
+            if structural_reason(c, fresh) is None:
+                assert predict(c, other) == predict(c, fresh), (changes, c.name)

@@ -6,7 +6,6 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 
 from paratrain.errors import OneLineArgumentParser, UserError
 
@@ -86,36 +85,10 @@ MODEL_FLAGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_se
 
 
 def _model_from(args):
-    """(name, ModelArgs, the config or None) from --model (a preset, or a config TOML) and the model flags, which
-    override the preset's or the config's [model] values."""
-    from paratrain.models import preset_args
+    """(name, ModelArgs, the config or None) from --model and the model flags (`spec.model_from`)."""
+    from paratrain.spec import model_from
 
-    overrides = {k: getattr(args, k) for k in MODEL_FLAGS}
-    name = args.model
-    if not (name.endswith(".toml") or Path(name).is_file()):
-        try:
-            return name, preset_args(name, vocab_size=args.vocab_size, **overrides), None
-        except TypeError as e:  # an override the model does not have
-            raise UserError(f"--model {args.model}: {e}") from None
-    from paratrain.config import load_config
-    from paratrain.spec import model_args_from
-
-    cfg = load_config(name)
-    for key, value in {**overrides, "vocab_size": args.vocab_size}.items():
-        if value is not None:
-            setattr(cfg.model, key, value)
-    data_vocab = None
-    if cfg.model.vocab_size is None and (Path(cfg.data.dir) / "meta.json").is_file():
-        # a preset that takes its vocabulary from the data (a run's config): the prepared data's, as the trainer's
-        from paratrain.data.prepare import read_meta
-
-        data_vocab = read_meta(cfg.data.dir)["vocab_size"]
-    try:
-        return f"{Path(name).name} ({cfg.model.preset})", model_args_from(cfg, data_vocab), cfg
-    except UserError as e:
-        if "takes its vocab size from the dataset" in str(e):
-            raise UserError(f"{e} (or --vocab-size N), or prepare data.dir={cfg.data.dir}") from None
-        raise
+    return model_from(args.model, args.vocab_size, {k: getattr(args, k) for k in MODEL_FLAGS})
 
 
 def _estimate_defaults(model_args):

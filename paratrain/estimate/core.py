@@ -12,6 +12,10 @@ With gradient accumulation the last micro-step is the worst (gradients from the 
 With pipeline stages each stage is walked with its own blocks and in-flight micro-batches, and the worst
 stage is reported. Categories are what is live at that moment; `size` is each category's own maximum over
 the step (their sum is the naive upper bound other tools print).
+
+Both walks (`_no_pipeline_walk`, `_pipeline_walk`) read one rank's context (`_Rank`: model states, activation sizes,
+parameters by block, FSDP's dtypes) and collect their candidate peaks in one `_Peaks`. What is asked and its checks
+are inputs.py, the printed table report.py, the change that would fit suggest.py.
 """
 
 from __future__ import annotations
@@ -20,69 +24,20 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from paratrain.errors import ConfigError, UserError
 from paratrain.estimate import activations as A
-from paratrain.estimate.compression import Compression, compression_cost
-from paratrain.estimate.gpus import GB, HEADROOM, GiB, check_headroom, fits, fmt_bytes, usable_bytes, verdict_text
-from paratrain.estimate.model_states import (BF16, FP32, Param, fsdp_gathers_per_step, fsdp_numel, local_shape,
-                                             model_params, rank_layers,
-                                             rank_params,
-                                             stage_of, state_bytes, zero_table)
-from paratrain.layout import MULTI_STAGE, Batch, Layout, grad_compression_site
-from paratrain.models.args import ModelArgs
-from paratrain.models.presets import format_params
+from paratrain.estimate.compression import compression_cost
+from paratrain.estimate.gpus import GiB, fits, fmt_bytes, usable_bytes
+from paratrain.estimate.inputs import EstimateInputs, validate
+from paratrain.estimate.model_states import (BF16, FP32, Param, StateBytes, fsdp_gathers_per_step, fsdp_numel,
+                                             local_shape, model_params, rank_layers, rank_params, state_bytes,
+                                             zero_table)
+from paratrain.layout import MULTI_STAGE, Layout, grad_compression_site
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
 # not see): the CUDA context and kernels (~0.5-0.8 GiB with lazy module loading), cuBLAS/cuDNN workspaces and
 # allocator fragmentation headroom (~0.25 GiB), and NCCL's communicator buffers when there is more than one rank.
 CONTEXT_OVERHEAD_GIB = 1.0
 NCCL_OVERHEAD_GIB = 0.5
-
-ROWS = [  # (key, label)
-    ("parameters", "parameters"),
-    ("gradients", "gradients"),
-    ("optimizer", "optimizer states"),
-    ("master", "fp32 master weights"),
-    ("autocast_copies", "autocast bf16 weight copies"),
-    ("activations", "activations (blocks)"),
-    ("pipeline", "pipeline in-flight micro-batches"),
-    ("logits_loss", "logits and loss"),
-    ("comm_buffers", "communication buffers"),
-    ("compression", "gradient compression state"),
-    ("temporaries", "backward/optimizer temporaries"),
-    ("overhead", "runtime overhead (CUDA, NCCL)"),
-]
-CHECKPOINTING = ("none", "full", "every_k", "selective")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-nomomentum")
-PRECISIONS = ("fp32", "bf16", "fp16")
-ACCOUNTINGS = ("paratrain", "classic")
-
-
-@dataclass
-class EstimateInputs:
-    model_args: ModelArgs
-    layout: Layout  # pp > 1: with pp_microbatches (validation fills in a balanced pp_split)
-    model_name: str = "model"
-    precision: str = "bf16"
-    optimizer: str = "adamw"
-    optimizer_impl: str = "fused"  # fused | foreach | for (foreach adds one group-sized temporary)
-    checkpointing: str = "none"
-    every_k: int = 2
-    micro_batch: int = 1
-    seq_len: int = 2048
-    accum_steps: int = 1  # gradient accumulation micro-steps (pp > 1: layout.pp_microbatches instead)
-    accounting: str = "paratrain"  # paratrain | classic
-    gpu_name: str | None = None
-    gpu_bytes: int | None = None
-    headroom: float = HEADROOM  # fraction of gpu_bytes kept free (estimate.gpus: the rule plan and estimate share)
-    overhead_bytes: int | None = None  # None: CONTEXT_OVERHEAD_GIB (+ NCCL_OVERHEAD_GIB if world > 1)
-    moe_imbalance: float = 1.0  # routed tokens per ep rank relative to the balanced share
-    device: str = "cuda"  # cuda: counts runtime overhead; cpu: tensors only
-    compression: Compression = field(default_factory=Compression)  # parallel.grad_compression and its settings
-    fsdp_backward_prefetch: int = 1  # blocks whose parameters backward gathers ahead (FSDP2's default: 1)
-
-    def replace(self, **kw) -> "EstimateInputs":
-        return dataclasses.replace(self, **kw)
 
 
 @dataclass
@@ -147,64 +102,11 @@ class Estimate:
             "suggestion": self.suggestion, "alternatives": self.alternatives,
         }
 
-    # -- text --------------------------------------------------------------------------------
     def format_table(self, units: str = "GiB") -> str:
-        i, lay = self.inputs, self.inputs.layout
-        fb = lambda n: fmt_bytes(n, units)  # noqa: E731
-        n_params = sum(p.numel for p in model_params(i.model_args))
-        mode = i.checkpointing + (f" (k={i.every_k})" if i.checkpointing == "every_k" else "")
-        lines = [f"model {i.model_name}: {format_params(n_params)} parameters ({n_params:,})",
-                 f"layout {lay.describe()} | {i.precision} ({'classic mixed-precision accounting' if i.accounting == 'classic' else 'as paratrain trains it'})"
-                 f" | {i.optimizer} ({i.optimizer_impl}) | checkpointing {mode}",
-                 f"micro-batch {i.micro_batch} x seq {i.seq_len}"
-                 + (f" x accumulation {i.accum_steps}" if lay.pp == 1 and i.accum_steps > 1 else "")
-                 + (f" | pipeline {lay.pp_schedule}, {lay.pp_microbatches} micro-batches" if lay.pp > 1 else "")]
-        where = f"peak: {self.phase}" + (f" on pipeline stage {self.stage} (worst of {lay.pp})" if lay.pp > 1 else "")
-        lines.append(f"per rank ({'worst rank' if lay.world_size > 1 else 'one rank'}), {where}; units {units} "
-                     f"({'2^30' if units == 'GiB' else '10^9'} bytes)")
-        w = 40
-        lines.append(f"  {'':<{w}} {'at peak':>12} {'its max':>12}")
-        for key, label in ROWS:
-            at, size = self.at_peak.get(key, 0), self.sizes.get(key, 0)
-            if key == "master" and not (i.accounting == "classic" and i.precision != "fp32"):
-                label = label + (" (= the fp32 params)" if i.precision != "fp32" else " (none: fp32)")
-            if not at and not size and key not in ("parameters", "gradients", "optimizer", "master", "activations"):
-                continue
-            lines.append(f"  {label:<{w}} {fb(at):>12} {fb(size):>12}")
-        lines.append(f"  {'-' * (w + 26)}")
-        lines.append(f"  {'total':<{w}} {fb(self.total_bytes):>12}"
-                     f"   (sum of the maxima: {fb(sum(self.sizes.values()))})")
-        if self.gpu_bytes is not None:
-            name = f"{i.gpu_name} " if i.gpu_name else ""
-            lines.append(f"  {'GPU memory ' + name:<{w}} {fb(self.gpu_bytes):>12}")
-            lines.append(f"  {f'usable ({1 - i.headroom:.0%})':<{w}} {fb(self.usable_bytes):>12}")
-            lines.append(f"  {'left below the limit':<{w}} {fb(self.headroom_bytes):>12}")
-            lines.append(f"  => {verdict_text(self.total_bytes, self.gpu_bytes, i.headroom, units)}")
-        if lay.pp > 1 and self.stages:
-            lines.append("  per pipeline stage: " + ", ".join(
-                f"{s['stage']}: {fb(s['total_bytes'])}" for s in self.stages))
-        for note in self.notes:
-            lines.append(f"  note: {note}")
-        if self.zero:
-            lines.append("")
-            lines.append(f"classic mixed-precision model states (bf16 params/grads, fp32 master + moments; GB = 10^9 B), "
-                         f"ZeRO over {self.zero_ranks} ranks:")
-            lines.append(f"  {'':<26} {'1 rank':>10} {'ZeRO-1':>10} {'ZeRO-2':>10} {'ZeRO-3':>10}")
-            for row in self.zero:
-                lines.append(f"  {row['row']:<26} " + " ".join(
-                    f"{row[k] / GB:>7.2f} GB" for k in ("one_rank", "zero1", "zero2", "zero3")))
-        if self.fits is False and self.searched:
-            lines.append("")
-            if self.suggestion:
-                s = self.suggestion
-                lines.append(f"would fit: {s['change']} -> {fb(s['total_bytes'])} of {fb(self.gpu_bytes)}, within "
-                             f"{fb(self.usable_bytes)} (cost: {s['why']})")
-                for alt in self.alternatives[:4]:
-                    lines.append(f"  also fits: {alt['change']} -> {fb(alt['total_bytes'])}")
-            else:
-                lines.append("nothing tried fits (more sharding, tp, pp, checkpointing, smaller micro-batch, and "
-                             "pairs of them): this model needs more GPUs or more memory per GPU")
-        return "\n".join(lines)
+        """The table `paratrain estimate` prints (estimate/report.py)."""
+        from paratrain.estimate.report import format_table
+
+        return format_table(self, units)
 
     def compare_line(self, measured_bytes: int, units: str = "GiB", what: str = "torch.cuda.max_memory_allocated") -> str:
         """One line for the trainer's log: the estimated tensor peak against a measured one."""
@@ -222,40 +124,6 @@ def default_overhead(layout: Layout, device: str = "cuda") -> int:
     if device != "cuda":
         return 0
     return int((CONTEXT_OVERHEAD_GIB + (NCCL_OVERHEAD_GIB if layout.world_size > 1 else 0.0)) * GiB)
-
-
-def _validate(i: EstimateInputs) -> EstimateInputs:
-    """Check the inputs (UserError; the layout's ConfigError names the setting); returns them with the layout
-    validated against the model and the batch (a pipeline's blocks per stage filled in)."""
-    for name, value, options in (("--precision", i.precision, PRECISIONS), ("--optimizer", i.optimizer, OPTIMIZERS),
-                                 ("--checkpointing", i.checkpointing, CHECKPOINTING),
-                                 ("--accounting", i.accounting, ACCOUNTINGS),
-                                 ("--optimizer-impl", i.optimizer_impl, ("fused", "foreach", "for"))):
-        if value not in options:
-            raise UserError(f"{name} '{value}' is not one of {', '.join(options)}")
-    if i.every_k < 1:
-        raise UserError(f"--every-k must be >= 1, got {i.every_k}")
-    if i.accum_steps < 1:
-        raise UserError(f"--accum-steps must be >= 1, got {i.accum_steps}")
-    if i.moe_imbalance < 1:
-        raise UserError(f"--moe-imbalance must be >= 1 (1 = perfectly balanced), got {i.moe_imbalance}")
-    if i.micro_batch < 1 or i.seq_len < 1:
-        raise UserError("--micro-batch and --seq-len must be >= 1")
-    args, lay = i.model_args, i.layout
-    if args.dim % args.n_heads or args.n_heads % args.n_kv_heads:
-        raise UserError(f"model dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={args.n_kv_heads}: dim must "
-                        "divide by n_heads and n_heads by n_kv_heads")
-    if lay.pp > 1 and lay.pp_microbatches < 1:
-        raise UserError("a pipeline's estimate needs its microbatches per step (--microbatches, "
-                        "Layout.pp_microbatches)")
-    if i.fsdp_backward_prefetch < 1:
-        raise UserError(f"--fsdp-backward-prefetch must be >= 1, got {i.fsdp_backward_prefetch}")
-    check_headroom(i.headroom)
-    lay.check_checkpointing(i.checkpointing)
-    steps = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
-    batch = Batch(global_batch=i.micro_batch * steps * lay.dp, micro_batch=i.micro_batch, seq_len=i.seq_len)
-    grad_compression_site(lay, i.compression.method)  # ConfigError where it cannot apply
-    return i.replace(layout=lay.validate(args, lay.world_size, batch))
 
 
 def block_modes(n_layers: int, checkpointing: str, every_k: int) -> list[str]:
@@ -300,34 +168,88 @@ def _fsdp_bytes_of(params: list[Param], layout: Layout, pbytes: int, rbytes: int
     return unsh, rs
 
 
-def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]]) -> dict:
-    """Peak of one (pipeline) rank: returns {'peak', 'phase', 'at_peak', 'sizes'}."""
+@dataclass
+class _Rank:
+    """What both walkers read of one rank (a whole model, or a pipeline rank's stages): its model states, activation
+    sizes, parameters by block, and the dtypes FSDP works in."""
+
+    i: EstimateInputs
+    st: StateBytes
+    d: A.ActDims
+    params: list[Param]
+    by_layer: dict[int, list[Param]]  # this rank's blocks -> their parameters
+    root: list[Param]  # the parameters outside the blocks (embedding, final norm, output) this rank holds
+    classic: bool  # classic mixed-precision accounting (Megatron/DeepSpeed) in bf16/fp16
+    fsdp: bool  # FSDP's unsharded working copies (classic ZeRO-2 keeps whole bf16 parameters in its parameters row)
+    pbytes: int  # dtype the unsharded parameters compute in
+
+    def local_numel(self, ps) -> int:
+        return sum(math.prod(local_shape(p, self.i.layout)) for p in ps)
+
+    def where(self, where: str) -> list[Param]:
+        return [p for p in self.root if p.where == where]
+
+
+def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers: list[int]) -> _Rank:
     args, lay = i.model_args, i.layout
-    st = state_bytes(args, lay, i.precision, i.optimizer, i.accounting, stage, layers_by_stage)
+    st = state_bytes(args, lay, i.precision, i.optimizer, i.accounting, rank, layers_by_stage)
     d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device)
-    moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if args.moe_experts else None
-    my_layers = layers_by_stage[stage]
-    first, last = stage == 0, stage == lay.pp - 1
-    modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
-    moe_of = {l: (moe if args.is_moe_layer(l) else None) for l in my_layers}
-    stored = {l: A.block_stored(d, modes[l], moe_of[l]) for l in my_layers}
-    params = rank_params(args, lay, stage, layers_by_stage)
-    by_layer = {l: [] for l in my_layers}
+    params = rank_params(args, lay, rank, layers_by_stage)
+    by_layer = {l: [] for l in layers}
     for p in params:
         if p.layer is not None:
             by_layer[p.layer].append(p)
-    root = [p for p in params if p.layer is None]
-    head_params = [p for p in root if p.where == "head"]
     low = i.precision != "fp32"
     classic = i.accounting == "classic" and low
-    zero2 = lay.uses_fsdp and not lay.reshard_after_forward  # gathered parameters kept from forward to backward
-    # FSDP's unsharded working copies (classic ZeRO-2 keeps whole bf16 parameters in its parameters row instead).
-    fsdp = lay.uses_fsdp and not (classic and zero2)
-    pbytes = BF16 if (low and (fsdp or classic)) else FP32  # dtype the unsharded params compute in
-    gbytes = BF16 if classic else FP32  # gradient dtype held by the optimizer
+    fsdp = lay.uses_fsdp and not (classic and lay.zero_stage == 2)
+    pbytes = BF16 if (low and (fsdp or classic)) else FP32
+    return _Rank(i, st, d, params, by_layer, [p for p in params if p.layer is None], classic, fsdp, pbytes)
 
-    def local_numel(ps):
-        return sum(math.prod(local_shape(p, lay)) for p in ps)
+
+class _Peaks:
+    """A walk's candidate peaks, (total, phase, bytes by category) each: the largest is the rank's peak, and each
+    category's own maximum over them is its size."""
+
+    def __init__(self):
+        self.cands: list[tuple[int, str, dict]] = []
+
+    def add(self, phase: str, **cats) -> None:
+        self.cands.append((sum(cats.values()), phase, cats))
+
+    def add_dict(self, phase: str, cats: dict) -> None:
+        self.cands.append((sum(cats.values()), phase, cats))
+
+    def result(self, r: _Rank, moe=None) -> dict:
+        """{'peak', 'phase', 'at_peak', 'sizes', 'states', 'dims', 'moe'}."""
+        peak, phase, cats = max(self.cands, key=lambda c: c[0])
+        sizes: dict = {}
+        get = sizes.get
+        for _, _, c in self.cands:
+            for key, v in c.items():  # sizes[key] = max(sizes.get(key, 0), v)
+                old = get(key)
+                if old is None:
+                    sizes[key] = v if v > 0 else 0
+                elif v > old:
+                    sizes[key] = v
+        return {"peak": peak, "phase": phase, "at_peak": cats, "sizes": sizes, "states": r.st, "dims": r.d, "moe": moe}
+
+
+def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> dict:
+    """Peak of a rank without a pipeline (it holds every block): the loss's backward, each block's backward last to
+    first (with FSDP: gathers, prefetches, reduce-scatters; with cp: ring attention's backward; recomputation), the
+    optimizer step."""
+    args, lay = i.model_args, i.layout
+    my_layers = layers_by_stage[0]
+    r = _rank(i, 0, layers_by_stage, my_layers)
+    st, d, by_layer, params = r.st, r.d, r.by_layer, r.params
+    moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if args.moe_experts else None
+    modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
+    moe_of = {l: (moe if args.is_moe_layer(l) else None) for l in my_layers}
+    stored = {l: A.block_stored(d, modes[l], moe_of[l]) for l in my_layers}
+    head_params = r.where("head")
+    classic, fsdp, pbytes, local_numel = r.classic, r.fsdp, r.pbytes, r.local_numel
+    zero2 = lay.uses_fsdp and not lay.reshard_after_forward  # gathered parameters kept from forward to backward
+    gbytes = BF16 if classic else FP32  # gradient dtype held by the optimizer
 
     def grad_bytes(ps):  # this rank's final gradients of these params
         if classic:
@@ -343,19 +265,17 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
         return local_numel(ps)
 
     grads_full = st.grads
-    accum = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
+    accum = i.accum_steps
     # Megatron/DeepSpeed allocate their gradient buffers up front (classic accounting): always live.
-    g_prev = grads_full if ((accum > 1 and lay.pp == 1) or classic) else 0
+    g_prev = grads_full if (accum > 1 or classic) else 0
     # DDP's flat bucket buffers are a second copy of the gradients (gradient_as_bucket_view=False); classic
     # frameworks reduce from one contiguous gradient buffer instead.
     ddp_buckets = local_numel(params) * gbytes if (lay.uses_ddp and not classic) else 0
     autocast = st.autocast_copies
-    tokens = A.inputs_bytes(d) if (first or last) else 0
-    k = in_flight(lay, stage)
-    acts_one = sum(stored.values()) + (A.final_residual(d) if last else 0)
-    p2p = 0 if lay.pp == 1 else (2 if not (first and last) else 0) * A.block_input(d)
-    head = sum(b for _, b in A.head_saved(d)) if last else 0
-    loss_extra = A.loss_backward_extra(d) if last else 0
+    tokens = A.inputs_bytes(d)
+    acts_one = sum(stored.values()) + A.final_residual(d)
+    head = sum(b for _, b in A.head_saved(d))
+    loss_extra = A.loss_backward_extra(d)
 
     # FSDP bookkeeping: unsharded bytes per block, root, reduce-scatter buffers.
     site = grad_compression_site(lay, i.compression.method)
@@ -373,58 +293,48 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
         if site == "replicate_hook":
             shapes = [(math.ceil(sh[0] / lay.dp_shard), *sh[1:]) for sh in shapes]
         comp = compression_cost(i.compression, shapes, lay.dp if site == "ddp_hook" else lay.dp_replicate)
-    root_unsh = _fsdp_bytes(root, lay, pbytes)[0] if (fsdp and root) else 0
+    root_unsh = _fsdp_bytes(r.root, lay, pbytes)[0] if (fsdp and r.root) else 0
     head_unsh_grads = local_numel(head_params) * pbytes if fsdp else 0
 
-    cands = []
-
-    def add(phase, **cats):
-        cands.append((sum(cats.values()), phase, cats))
-
+    peaks = _Peaks()
+    add = peaks.add
     base = dict(parameters=st.params + st.rope_buffers, optimizer=st.optimizer, master=st.master,
                 compression=comp.state_bytes if comp else 0)
-    # L: the loss's backward (last stage), or the end of the in-flight forwards (other stages)
-    if lay.pp == 1 or last:
-        comm = ddp_buckets
-        if fsdp:
-            if zero2:
-                comm += sum(u for u, _ in unsh.values()) + root_unsh
-            elif my_layers:
-                # The last block is not resharded after forward, except expert-parallel experts (their own group).
-                last_block = by_layer[my_layers[-1]]
-                comm += _fsdp_bytes([p for p in last_block if not (p.expert and lay.ep > 1)], lay, pbytes)[0]
-        extra_mb = max(k - 1, 0)
-        add("loss backward" + (f" (micro-step {accum} of {accum})" if accum > 1 and lay.pp == 1 else ""),
-            **base, gradients=grads_full if (g_prev or lay.pp > 1) else 0, autocast_copies=autocast,
-            activations=acts_one + tokens, pipeline=extra_mb * sum(stored.values()),
-            logits_loss=head + loss_extra, comm_buffers=comm + p2p)
+    # L: the loss's backward
+    comm = ddp_buckets
+    if fsdp:
+        if zero2:
+            comm += sum(u for u, _ in unsh.values()) + root_unsh
+        elif my_layers:
+            # The last block is not resharded after forward, except expert-parallel experts (their own group).
+            last_block = by_layer[my_layers[-1]]
+            comm += _fsdp_bytes([p for p in last_block if not (p.expert and lay.ep > 1)], lay, pbytes)[0]
+    add("loss backward" + (f" (micro-step {accum} of {accum})" if accum > 1 else ""),
+        **base, gradients=grads_full if g_prev else 0, autocast_copies=autocast, activations=acts_one + tokens,
+        logits_loss=head + loss_extra, comm_buffers=comm)
     # B_i: each block's backward, last to first
-    grads_above = 0 if lay.pp > 1 else (grad_bytes(head_params) if not fsdp else 0)
+    grads_above = grad_bytes(head_params) if not fsdp else 0
     stored_below = sum(stored.values())
     rs_kept = 0
     for idx in reversed(range(len(my_layers))):
         l = my_layers[idx]
         stored_below -= stored[l]
         b_acts, b_temps = A.block_backward_live(d, modes[l], moe_of[l])
-        comm = ddp_buckets + p2p
+        comm = ddp_buckets
         temps = b_temps
         if fsdp:
-            comm += unsh[l][0] + prefetched(idx) + rs_kept
-            comm += root_unsh if (first or last or zero2) else 0
+            comm += unsh[l][0] + prefetched(idx) + rs_kept + root_unsh
             if zero2:
                 comm += sum(unsh[m][0] for m in my_layers[:idx - 1] if idx > 1)
             temps += dw2(l) * pbytes + head_unsh_grads
             grads_now = grads_above if not g_prev else g_prev
         else:
             grads_now = (grads_above + dw2(l) * gbytes) if not g_prev else g_prev
-        if lay.pp > 1:
-            grads_now = grads_full
-        extra = (k - 1) * (stored_below + stored[l]) if lay.pp > 1 else 0
         # The last block's incoming gradient was made by the loss/output backward.
-        from_head = A.block_input(d) if (last and l == my_layers[-1]) else 0
+        from_head = A.block_input(d) if l == my_layers[-1] else 0
         add(f"backward of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
-            activations=stored_below + b_acts + tokens, pipeline=max(extra, 0),
-            logits_loss=from_head, comm_buffers=comm, temporaries=temps - from_head)
+            activations=stored_below + b_acts + tokens, logits_loss=from_head, comm_buffers=comm,
+            temporaries=temps - from_head)
         if lay.cp > 1:
             # Ring attention's backward (context parallel): the block's MLP is done (its gradients exist, unsharded
             # under FSDP), its attention tensors are still saved, the ring's buffers are live beside the incoming
@@ -435,36 +345,31 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
             kept = live if modes[l] == "none" else min(live, stored[l])
             done = sum(local_numel([p]) for p in by_layer[l] if not p.name.endswith(_ATTENTION_INPUT)) * pbytes
             dout = d.N * d.Hq * d.D * d.L
-            add(f"ring attention backward of block {l}", **base, gradients=grads_now if lay.pp == 1 else grads_full,
-                autocast_copies=autocast, activations=stored_below + kept + tokens, pipeline=max(extra, 0),
-                logits_loss=0, comm_buffers=comm,
+            add(f"ring attention backward of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
+                activations=stored_below + kept + tokens, logits_loss=0, comm_buffers=comm,
                 temporaries=live - kept + A.ring_backward_temps(d) + dout + A.block_input(d) + done + head_unsh_grads)
         if modes[l] != "none":
             r_acts, r_temps = A.recompute_end(d, modes[l], moe_of[l])
             add(f"recomputation of block {l}", **base, gradients=grads_above if not g_prev else g_prev,
-                autocast_copies=autocast, activations=stored_below + r_acts + tokens, pipeline=max(extra, 0),
-                logits_loss=from_head, comm_buffers=comm,
-                temporaries=r_temps - from_head + (head_unsh_grads if fsdp else 0))
+                autocast_copies=autocast, activations=stored_below + r_acts + tokens, logits_loss=from_head,
+                comm_buffers=comm, temporaries=r_temps - from_head + (head_unsh_grads if fsdp else 0))
         if fsdp:
             # The end of block l's backward (its attention backward), before FSDP's post-backward: all its unsharded
             # gradients exist (what dominates when the micro-batch is small); of its activations only the input is
             # left; SDPA's backward has made dq, dk, dv, then the q/k/v input's gradient, beside the incoming one.
             q_size = d.N * d.Hq * d.D * d.L
-            add(f"end of block {l}'s backward", **base, gradients=grads_now if lay.pp == 1 else grads_full,
-                autocast_copies=autocast, activations=stored_below + tokens + A.block_input(d),
-                pipeline=max(extra, 0), logits_loss=0, comm_buffers=comm,
+            add(f"end of block {l}'s backward", **base, gradients=grads_now, autocast_copies=autocast,
+                activations=stored_below + tokens + A.block_input(d), logits_loss=0, comm_buffers=comm,
                 temporaries=A.block_input(d) + 3 * q_size + d.N * d.C * d.L + head_unsh_grads + unsh[l][0])
             # FSDP's post-backward of block l: its parameters resharded, its gradients copied into the fp32
             # reduce-scatter input, the sharded output allocated (gloo also copies the input: CPU runs only).
             rs_in = unsh[l][1]
             rs_out = rs_in // lay.shard_degree
-            comm = (ddp_buckets + p2p + prefetched(idx) + rs_in + rs_out
-                    + (rs_in if i.device == "cpu" else 0) + (root_unsh if (first or last or zero2) else 0))
+            comm = (ddp_buckets + prefetched(idx) + rs_in + rs_out + (rs_in if i.device == "cpu" else 0) + root_unsh)
             if zero2:
                 comm += sum(unsh[m][0] for m in my_layers[:idx - 1] if idx > 1)
-            add(f"reduce-scatter of block {l}", **base, gradients=grads_now if lay.pp == 1 else grads_full,
-                autocast_copies=autocast, activations=stored_below + tokens, pipeline=max(extra, 0),
-                logits_loss=0, comm_buffers=comm,
+            add(f"reduce-scatter of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
+                activations=stored_below + tokens, logits_loss=0, comm_buffers=comm,
                 temporaries=A.block_input(d) + head_unsh_grads + dw2(l) * pbytes)
         # after block l: its gradients are reduced (FSDP: sharded, its reduce-scatter buffer kept)
         grads_above += grad_bytes(by_layer[l])
@@ -483,19 +388,17 @@ def _stage_walk(i: EstimateInputs, stage: int, layers_by_stage: list[list[int]])
             temporaries=comp.transient_bytes)
     add("optimizer step", **base, gradients=grads_full, comm_buffers=ddp_buckets, temporaries=opt_temp)
 
-    peak, phase, cats = max(cands, key=lambda c: c[0])
-    sizes = {}
-    for _, _, c in cands:
-        for key, v in c.items():
-            sizes[key] = max(sizes.get(key, 0), v)
+    out = peaks.result(r, moe)
+    sizes = out["sizes"]
     sizes["gradients"] = max(sizes.get("gradients", 0), grads_full)
     sizes["autocast_copies"] = autocast
-    return {"peak": peak, "phase": phase, "at_peak": cats, "sizes": sizes, "states": st, "dims": d, "moe": moe}
+    return out
 
 
 def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]]) -> dict:
     """Peak of pipeline rank `rank`: its schedule's actions in order (paratrain/estimate/schedule.py), each backward
-    walked block by block (as `_stage_walk` walks a whole model) on top of what the rest of the schedule holds then.
+    walked block by block (as `_no_pipeline_walk` walks a whole model) on top of what the rest of the schedule holds
+    then.
 
     Held per micro-batch from its forward to its backward (its weight-gradient step "W" in the zero-bubble
     schedules): each block's saved tensors; a stage's output, which the stage keeps for its backward (on the last
@@ -510,28 +413,15 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     from paratrain.estimate.schedule import rank_actions
 
     args, lay = i.model_args, i.layout
-    st = state_bytes(args, lay, i.precision, i.optimizer, i.accounting, rank, layers_by_stage)
-    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device)
     m, last_stage = lay.pp_microbatches, lay.num_stages - 1
     stages = lay.local_stages(rank)
     layers_of = {s: lay.stage_layers(s) for s in stages}
+    r = _rank(i, rank, layers_by_stage, [l for s in stages for l in layers_of[s]])
+    st, d, params, by_layer, root = r.st, r.d, r.params, r.by_layer, r.root
     modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
     stored = {l: A.block_stored(d, modes[l], None) for s in stages for l in layers_of[s]}
-    params = rank_params(args, lay, rank, layers_by_stage)
-    by_layer = {l: [] for s in stages for l in layers_of[s]}
-    for p in params:
-        if p.layer is not None:
-            by_layer[p.layer].append(p)
-    root = [p for p in params if p.layer is None]
-    emb_params = [p for p in root if p.where == "embedding"]
-    head_params = [p for p in root if p.where == "head"]
-    low = i.precision != "fp32"
-    classic = i.accounting == "classic" and low
-    fsdp = lay.uses_fsdp and not (classic and lay.zero_stage == 2)
-    pbytes = BF16 if (low and (fsdp or classic)) else FP32
-
-    def local_numel(ps):
-        return sum(math.prod(local_shape(p, lay)) for p in ps)
+    emb_params, head_params = r.where("embedding"), r.where("head")
+    classic, fsdp, pbytes, local_numel = r.classic, r.fsdp, r.pbytes, r.local_numel
 
     def step_grads(ps):  # gradient bytes these params hold during the step (before the final reduce-scatter)
         if classic:
@@ -564,13 +454,9 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     autocast = st.autocast_copies
     base = dict(parameters=st.params + st.rope_buffers * len(stages), optimizer=st.optimizer, master=st.master,
                 autocast_copies=autocast)
-    cands = []
+    peaks = _Peaks()
+    add = peaks.add
 
-    def add(phase, **cats):
-        cands.append((sum(cats.values()), phase, cats))
-
-    in_flight = dict.fromkeys(stages, 0)  # micro-batches forwarded and not yet (weight-)backwarded
-    pending = dict.fromkeys(stages, 0)  # zero bubble: input gradients done, weight gradients not yet
     # what an input-gradient step leaves for the weight-gradient step, per stage
     inter = {s: len(layers_of[s]) * _zb_intermediates(d) + (_zb_head_intermediates(d) if s == last_stage else 0)
              for s in stages}
@@ -586,20 +472,25 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     remote_next = {s: s < last_stage and lay.stage_owner(s + 1) != rank for s in stages}
     remote_prev = {s: s > 0 and lay.stage_owner(s - 1) != rank for s in stages}
     sent_out = sent_grads = 0
+    # What the rank's stages hold as the schedule runs: per micro-batch forwarded and not yet (weight-)backwarded its
+    # `hold` (and the last stage's `hold_head`); per micro-batch of a zero-bubble schedule whose input gradients are
+    # done and weight gradients not yet, its `inter`; and the gradients of the stages that have run a backward.
+    held = held_head = grads_so_far = 0
     for stage, kind, mb in rank_actions(lay.pp_schedule, lay.pp, lay.pp_virtual, m, rank):
         if kind == "F":
-            in_flight[stage] += 1
+            held += hold[stage]
+            held_head += hold_head[stage]
             continue
         if kind == "I" and stage == 0:
             continue  # the first stage has no input gradients: its "W" runs the whole backward
         if kind == "W" and stage == 0:
             kind = "B"
-        others = sum(in_flight[s] * hold[s] + pending[s] * inter[s] for s in stages) - hold[stage] + sent_out
-        others_head = sum(in_flight[s] * hold_head[s] for s in stages) - hold_head[stage]
+        others = held - hold[stage] + sent_out
+        others_head = held_head - hold_head[stage]
         if kind == "W":
             others -= inter[stage]
         first_bwd = stage not in grads_done
-        grads_before = g_const + sum(stage_grads[s] for s in grads_done)
+        grads_before = g_const + grads_so_far
         # The stage's own walk is the same at every micro-batch (what else is held only adds to each of its
         # candidates): walked once per (stage, kind, first backward), shifted by this point's additions.
         key = (stage, kind, first_bwd)
@@ -617,16 +508,19 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
         for cat, extra in (("pipeline", others), ("logits_loss", others_head), ("gradients", grads_before),
                            ("comm_buffers", sent_grads)):
             shifted[cat] = shifted.get(cat, 0) + extra
-        add(phase, **shifted)
+        peaks.add_dict(phase, shifted)
         if kind in ("I", "B") and stash_sends and remote_prev[stage]:
             sent_grads += binp
         if kind == "I":
-            pending[stage] += 1
+            held += inter[stage]
         else:
-            in_flight[stage] -= 1
+            held -= hold[stage]
+            held_head -= hold_head[stage]
+            if first_bwd:
+                grads_so_far += stage_grads[stage]
             grads_done.add(stage)
             if kind == "W":
-                pending[stage] -= 1
+                held -= inter[stage]
             if stash_sends and remote_next[stage]:
                 sent_out += binp
     # the end of the step: FSDP reshards and reduce-scatters each group's accumulated gradients (the largest
@@ -643,13 +537,7 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
         small_bytes = (sum(fsdp_numel(p, lay) for p in small) if lay.uses_fsdp else local_numel(small)) * gb
         opt_temp = max(st.grads - small_bytes, small_bytes) * (FP32 // gb)
     add("optimizer step", **base, gradients=st.grads, comm_buffers=p2p, temporaries=opt_temp)
-
-    peak, phase, cats = max(cands, key=lambda c: c[0])
-    sizes = {}
-    for _, _, c in cands:
-        for key, v in c.items():
-            sizes[key] = max(sizes.get(key, 0), v)
-    return {"peak": peak, "phase": phase, "at_peak": cats, "sizes": sizes, "states": st, "dims": d, "moe": None}
+    return peaks.result(r)
 
 
 def _zb_intermediates(d: A.ActDims) -> int:
@@ -744,12 +632,14 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     """The per-rank memory estimate for one configuration (UserError on inputs that cannot run). all_ranks=False
     walks only the pipeline ranks that can be the worst (`candidate_ranks`; the planner's shortcut): same worst
     rank, `stages` then lists only those."""
-    i = _validate(i)
+    i = validate(i)
     lay, args = i.layout, i.model_args
     layers_by_stage = rank_layers(lay, args)
-    walk = _pipeline_walk if lay.pp > 1 else _stage_walk
-    ranks = range(lay.pp) if (all_ranks or lay.pp <= 4) else candidate_ranks(lay, layers_by_stage)
-    walks = {s: walk(i, s, layers_by_stage) for s in ranks}
+    if lay.pp == 1:
+        walks = {0: _no_pipeline_walk(i, layers_by_stage)}
+    else:
+        ranks = range(lay.pp) if (all_ranks or lay.pp <= 4) else candidate_ranks(lay, layers_by_stage)
+        walks = {s: _pipeline_walk(i, s, layers_by_stage) for s in ranks}
     worst = max(walks, key=lambda s: walks[s]["peak"])
     w = walks[worst]
     overhead = i.overhead_bytes if i.overhead_bytes is not None else default_overhead(lay, i.device)
@@ -786,7 +676,9 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
         est.zero_ranks = lay.dp if lay.dp > 1 else 8
         est.zero = zero_table(args, est.zero_ranks, i.optimizer)
     if suggest and est.fits is False:
-        est.suggestion, est.alternatives = suggest_changes(i)
+        from paratrain.estimate.suggest import suggest_changes
+
+        est.suggestion, est.alternatives = suggest_changes(i, lambda c: estimate(c, suggest=False))
         est.searched = True
     return est
 
@@ -803,129 +695,3 @@ def forward_end_bytes(i: EstimateInputs) -> dict[str, int]:
     acts = sum(A.block_stored(d, modes[l], moe if args.is_moe_layer(l) else None) for l in layers)
     return {"activations": acts + A.final_residual(d) + A.inputs_bytes(d),
             "logits_loss": sum(b for _, b in A.head_saved(d))}
-
-
-# ---------------------------------------------------------------------------------------------
-ZERO_MODES = ("ddp", "zero1", "zero2", "fsdp")  # by ZeRO stage: what data parallelism shards
-
-
-def _changed(lay: Layout, **changes) -> Layout | None:
-    """The layout with `changes` (checked again), or None where that is no layout paratrain can run."""
-    try:
-        return lay.replace(**changes)
-    except ConfigError:
-        return None
-
-
-def _shard_ranks(lay: Layout) -> int:
-    """Ranks FSDP would shard over if this layout's data parallelism became FSDP (hsdp: within a replica)."""
-    return lay.dp_shard if lay.hybrid else lay.dp
-
-
-def _sharded(lay: Layout, n: int) -> Layout | None:
-    """The layout with FSDP over n ranks (hsdp keeps its replicas, other modes become fsdp); tp and pp kept."""
-    if lay.hybrid:
-        return _changed(lay, dp_shard=n)
-    return _changed(lay, dp_mode="fsdp", dp_replicate=1, dp_shard=n)
-
-
-def _candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]]:
-    """(cost, change, why, inputs) for single changes that keep the number of GPUs, then ones that add GPUs."""
-    lay, out = i.layout, []
-    world = lay.world_size
-
-    def add(cost, change, why, layout):
-        if layout is not None:
-            out.append((cost, change, why, i.replace(layout=layout)))
-
-    if lay.dp > 1 and lay.zero_stage < 3:
-        for step, mode in enumerate(ZERO_MODES[lay.zero_stage + 1:]):
-            add(0.5 + 0.1 * step, f"--dp-mode {mode}", "more sharding over the same GPUs, more communication",
-                _changed(lay, dp_mode=mode, dp_replicate=1, dp_shard=lay.dp))
-    if lay.hybrid:
-        add(0.6, "--dp-mode fsdp (shard over all data-parallel ranks)", "sharding across nodes",
-            _changed(lay, dp_mode="fsdp", dp_replicate=1, dp_shard=lay.dp))
-    if i.checkpointing in ("none", "every_k"):
-        out.append((1.0, "--checkpointing selective", "recomputes element-wise ops (a few % slower)",
-                    i.replace(checkpointing="selective")))
-    if i.micro_batch > 1 and lay.pp == 1:
-        out.append((1.5, f"--micro-batch {i.micro_batch // 2} (accumulation x2, same global batch)",
-                    "smaller matmuls", i.replace(micro_batch=i.micro_batch // 2, accum_steps=i.accum_steps * 2)))
-    if i.checkpointing != "full":
-        out.append((2.0, "--checkpointing full", "recomputes each block's forward (~1/3 more compute)",
-                    i.replace(checkpointing="full")))
-    if lay.tp * 2 <= 8 and lay.uses_fsdp and lay.dp_shard % 2 == 0:
-        add(2.5, f"--tp {lay.tp * 2} (dp_shard {lay.dp_shard // 2})", "tensor-parallel communication per block",
-            _changed(lay, tp=lay.tp * 2, dp_shard=lay.dp_shard // 2))
-    if lay.dp_shard % 2 == 0 and lay.dp_shard > 1:
-        add(3.0, f"--pp {lay.pp * 2} (dp_shard {lay.dp_shard // 2})", "pipeline bubble",
-            _changed(lay, pp=lay.pp * 2, dp_shard=lay.dp_shard // 2, pp_split=None,
-                     pp_microbatches=max(lay.pp_microbatches, lay.pp * 2)))
-    # More GPUs.
-    new = _sharded(lay, _shard_ranks(lay) * 2)
-    if new is not None:
-        add(4.0, f"--dp-mode {new.dp_mode} --dp-shard {new.dp_shard} ({new.world_size} GPUs instead of {world})",
-            "more GPUs", new)
-    if lay.tp * 2 <= 8 and not lay.uses_ddp:
-        new = _changed(lay, tp=lay.tp * 2)
-        if new is not None:
-            add(4.5, f"--tp {lay.tp * 2} ({new.world_size} GPUs instead of {world})", "more GPUs", new)
-    return out
-
-
-def suggest_changes(i: EstimateInputs) -> tuple[dict | None, list[dict]]:
-    """The cheapest single change that fits, else the cheapest pair; plus other single changes that fit."""
-    def fits(c):
-        try:
-            e = estimate(c, suggest=False)
-        except UserError:
-            return None
-        return e if e.fits else None
-
-    found = []
-    singles = _candidates(i)
-    for cost, change, why, c in singles:
-        e = fits(c)
-        if e is not None:
-            found.append({"change": change, "why": why, "cost": cost, "total_bytes": e.total_bytes,
-                          "inputs": _describe_inputs(c)})
-    if not found:
-        for cost, change, why, c in singles:
-            for cost2, change2, why2, c2 in _candidates(c):
-                if change2 == change:
-                    continue
-                e = fits(c2)
-                if e is not None:
-                    found.append({"change": f"{change} and {change2}", "why": f"{why}; {why2}", "cost": cost + cost2,
-                                  "total_bytes": e.total_bytes, "inputs": _describe_inputs(c2)})
-    if not found:
-        # How many GPUs would it take? FSDP over more ranks (keeping tp and pp), then also full checkpointing.
-        lay = i.layout
-        for ckpt in (i.checkpointing, "full"):
-            for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
-                more = _sharded(lay, n) if n > _shard_ranks(lay) else None
-                if more is None:
-                    continue
-                c = i.replace(layout=more, checkpointing=ckpt)
-                e = fits(c)
-                if e is not None:
-                    change = f"--dp-mode {more.dp_mode} --dp-shard {n} ({more.world_size} GPUs)" + (
-                        f" --checkpointing {ckpt}" if ckpt != i.checkpointing else "")
-                    found.append({"change": change, "why": "more GPUs", "cost": 10.0, "total_bytes": e.total_bytes,
-                                  "inputs": _describe_inputs(c)})
-                    break
-            if found:
-                break
-    if not found:
-        return None, []
-    found.sort(key=lambda f: (f["cost"], f["total_bytes"]))
-    best = found[0]
-    others = [f for f in found[1:] if f["change"] != best["change"]]
-    return best, others
-
-
-def _describe_inputs(c: EstimateInputs) -> dict:
-    lay = c.layout
-    return {"dp_mode": lay.dp_mode, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp,
-            "pp": lay.pp, "ep": lay.ep, "checkpointing": c.checkpointing, "micro_batch": c.micro_batch,
-            "accum_steps": c.accum_steps, "world_size": lay.world_size}

@@ -100,12 +100,19 @@ def _rank_layers(pp: int, virtual: int, schedule: str, split: tuple[int, ...]) -
     return tuple(tuple(sorted(b)) for b in out)
 
 
-def fsdp_gathers_per_step(layout: Layout, args: ModelArgs, micro_steps: int) -> int:
+def fsdp_gathers_per_step(layout: Layout, args: ModelArgs, micro_steps: int, layers: list[list[int]] | None = None,
+                          moe_blocks: tuple[int, ...] | None = None) -> int:
     """FSDP parameter all-gathers per optimizer step on the pipeline rank that runs the most
     (`Layout.fsdp_all_gathers` over `Layout.fsdp_groups` of each rank's blocks): the count the memory estimator and
-    the planner's cost model both report."""
-    return max(layout.fsdp_all_gathers(micro_steps, layout.fsdp_groups(len(b), sum(map(args.is_moe_layer, b)), r))
-               for r, b in enumerate(rank_layers(layout, args)))
+    the planner's cost model both report. `layers` (rank_layers) and `moe_blocks` (each rank's mixture-of-experts
+    blocks), when the caller has them."""
+    if not layout.uses_fsdp:
+        return 0
+    layers = layers if layers is not None else rank_layers(layout, args)
+    if moe_blocks is None:
+        moe_blocks = [sum(map(args.is_moe_layer, b)) for b in layers]
+    return max(layout.fsdp_all_gathers(micro_steps, layout.fsdp_groups(len(b), moe, r))
+               for r, (b, moe) in enumerate(zip(layers, moe_blocks)))
 
 
 def zero1_worst_numel(params: list[tuple[Param, int]], ranks: int) -> int:
@@ -156,6 +163,29 @@ def state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str,
     return hit
 
 
+_KINDS: dict[tuple, tuple[tuple[Param, int], ...]] = {}
+
+
+def _param_kinds(args: ModelArgs, layout: Layout, rank: int, layers: list[list[int]]) -> tuple[tuple[Param, int], ...]:
+    """The parameters of pipeline rank `rank` (`rank_params`) grouped by what the model states read of them (shape,
+    tp split, expert, matmul weight, where): (the first of each kind, how many), in order. A model repeats a few
+    shapes many times: the states count each kind once (cached)."""
+    if layout.pp == 1:
+        key = (tuple(vars(args).values()),)
+    else:
+        key = (tuple(vars(args).values()), tuple(layers[rank]), layout.stage_owner(0) == rank,
+               layout.stage_owner(layout.num_stages - 1) == rank)
+    hit = _KINDS.get(key)
+    if hit is None:
+        kinds: dict[tuple, list] = {}
+        for p in rank_params(args, layout, rank, layers):
+            kinds.setdefault((p.shape, p.tp_dim, p.expert, p.matmul, p.where), [p, 0])[1] += 1
+        if len(_KINDS) > 4096:
+            _KINDS.clear()
+        hit = _KINDS[key] = tuple((p, count) for p, count in kinds.values())
+    return hit
+
+
 def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str, accounting: str, stage: int,
                  layers: list[list[int]]) -> StateBytes:
     """Model states of the worst rank of pipeline stage `stage`.
@@ -168,9 +198,9 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
     ZeRO-1 splits master + moments, ZeRO-2 also gradients, ZeRO-3 also parameters.
     """
     layers = layers or rank_layers(layout, args)
-    params = rank_params(args, layout, stage, layers)
-    unsharded = [(p, math.prod(local_shape(p, layout))) for p in params]
-    local_numel = sum(n for _, n in unsharded)
+    kinds = [(p, count, math.prod(local_shape(p, layout))) for p, count in _param_kinds(args, layout, stage, layers)]
+    local_numel = sum(count * n for _, count, n in kinds)
+    tensors = sum(count for _, count, _ in kinds)
     per_opt = OPTIMIZER_STATE_BYTES[optimizer]
     low = precision != "fp32"
     rope = 2 * args.max_seq_len * (args.head_dim // 2) * FP32  # rope_cos, rope_sin buffers
@@ -189,10 +219,7 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
                           master=div(1) * FP32, autocast_copies=0, param_numel=div(3), unsharded_numel=full,
                           rope_buffers=0, notes=("classic mixed-precision accounting (Megatron/DeepSpeed style)",))
     if layout.uses_fsdp:
-        kinds: dict[tuple, list] = {}  # a model repeats a few shapes many times: pad each shape once
-        for p, _ in unsharded:
-            kinds.setdefault((p.shape, p.tp_dim, p.expert), [p, 0])[1] += 1
-        numel = sum(count * fsdp_numel(p, layout) for p, count in kinds.values())
+        numel = sum(count * fsdp_numel(p, layout) for p, count, _ in kinds)
         opt_numel = numel
         grads_numel = numel
         if low:
@@ -202,24 +229,24 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
         grads_numel = numel
         opt_numel = numel
         if layout.zero1:
-            opt_numel = zero1_worst_numel(unsharded, dp)
+            opt_numel = zero1_worst_numel([(p, n) for p, count, n in kinds for _ in range(count)], dp)
             notes.append(f"ZeRO-1 partitions whole parameters over {dp} ranks (worst rank shown)")
     autocast = 0
     if low and not layout.uses_fsdp:
         # (routed experts' grouped matmul is not an autocast op: no cached copy of them)
-        autocast = sum(n for p, n in unsharded if p.matmul and not p.expert) * BF16
+        autocast = sum(count * n for p, count, n in kinds if p.matmul and not p.expert) * BF16
         notes.append("fp32 parameters are the master weights; autocast caches a bf16 copy of each matmul weight "
                      "from forward to backward")
     if layout.tp > 1 and not layout.uses_fsdp and stage == 0:
         # Measured (torch 2.13): the vocabulary-parallel embedding's gradient comes back whole (V x C) on every
         # tensor-parallel rank, not as its V/tp shard.
-        emb = next(p for p, _ in unsharded if p.where == "embedding")
+        emb = next(p for p, _, _ in kinds if p.where == "embedding")
         grads_numel += emb.numel - math.prod(local_shape(emb, layout))
         notes.append("tensor parallel: the embedding's gradient is whole (V x C) on each rank")
     # Adam keeps a step count per parameter tensor (a 4-byte fp32 tensor each; ZeRO-1: its partition's share).
-    steps = len(unsharded) * FP32 if optimizer in ("adamw", "adam") else 0
+    steps = tensors * FP32 if optimizer in ("adamw", "adam") else 0
     if steps and layout.zero1:
-        steps = math.ceil(len(unsharded) / layout.dp) * FP32
+        steps = math.ceil(tensors / layout.dp) * FP32
     return StateBytes(params=numel * FP32, grads=grads_numel * FP32, optimizer=opt_numel * per_opt + steps, master=0,
                       autocast_copies=autocast, param_numel=numel, unsharded_numel=local_numel, rope_buffers=rope,
                       notes=tuple(notes))

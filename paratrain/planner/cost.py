@@ -322,18 +322,85 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
     return BlockCosts(block_f * scale, block_b * scale, rec * scale, head * scale, sdpa * scale)
 
 
+def compute_key(ctx: Context) -> tuple:
+    """What a context's compute terms read besides the candidate (`block_costs`' key): a context made with
+    dataclasses.replace shares its cache."""
+    return id(ctx.args), id(ctx.hw), ctx.mode, ctx.float8, ctx.seq_len, ctx.precision
+
+
+def pipeline_key(lay: Layout) -> tuple:
+    """What the blocks of each pipeline rank depend on (`rank_layers`): the key of the per-shape caches."""
+    return (lay.pp, lay.pp_virtual, lay.pp_schedule, lay.pp_split) if lay.pp > 1 else (1,)
+
+
+@dataclass(frozen=True)
+class RankBlocks:
+    """The blocks of each pipeline rank for one pipeline shape (`rank_layers`), and what the cost model reads of
+    them."""
+
+    layers: list  # blocks of each pipeline rank (rank_layers)
+    most: int  # blocks of the busiest rank
+    busiest: int  # the first rank holding `most` blocks
+    moe: tuple[int, ...]  # mixture-of-experts blocks of each rank
+
+
+def rank_blocks(ctx: Context, lay: Layout) -> RankBlocks:
+    """`rank_layers` of the layout's pipeline shape and its counts, once per context and shape."""
+    def compute():
+        layers = rank_layers(lay, ctx.args)
+        busiest = max(range(len(layers)), key=lambda r: len(layers[r]))
+        return RankBlocks(layers, max(len(x) for x in layers), busiest,
+                          tuple(sum(map(ctx.args.is_moe_layer, b)) for b in layers))
+
+    return cached(ctx, ("rank_blocks", id(ctx.args), pipeline_key(lay)), compute)
+
+
 def rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
     """(compute, recompute) seconds of one micro-step on each pipeline rank: its blocks, and the head on the rank
-    holding the last stage, each on the rank's own hardware (`Context.stage_hw`, heterogeneous clusters)."""
-    lay, a = c.layout, ctx.args
+    holding the last stage, each on the rank's own hardware (`Context.stage_hw`, heterogeneous clusters). Cached per
+    context and shape (one GPU type; heterogeneous stages: per call)."""
+    if ctx.stage_hw:
+        return _rank_compute(c, ctx)
+    lay = c.layout
+    key = ("rank_compute", compute_key(ctx), pipeline_key(lay), c.tp, c.micro_batch, c.ep, c.ac, c.every_k, lay.cp)
+    return cached(ctx, key, lambda: _rank_compute(c, ctx))
+
+
+def _rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
+    lay = c.layout
     out = []
     last_owner = lay.stage_owner(lay.num_stages - 1) if lay.pp > 1 else 0
-    for r, blocks in enumerate(rank_layers(lay, a)):
-        bc = block_costs(ctx, ctx.rank_hw(r), c.tp, c.micro_batch, c.ep, c.ac, c.layout.cp)
+    one = None if ctx.stage_hw else block_costs(ctx, ctx.hw, c.tp, c.micro_batch, c.ep, c.ac, c.layout.cp)
+    for r, blocks in enumerate(rank_blocks(ctx, lay).layers):
+        bc = one or block_costs(ctx, ctx.rank_hw(r), c.tp, c.micro_batch, c.ep, c.ac, c.layout.cp)
         n = len(blocks)
         rec_blocks = math.ceil(n / c.every_k) if c.ac == "every_k" else (n if c.ac != "none" else 0)
         out.append((n * (bc.forward + bc.backward) + (bc.head if r == last_owner else 0.0), rec_blocks * bc.recompute))
     return out
+
+
+def _slowest(c: Candidate, ctx: Context) -> tuple[int, tuple[float, float], float]:
+    """(the slowest pipeline rank, its (compute, recompute) per micro-step, the pipeline's fill and drain: the other
+    ranks' work per micro-batch relative to the slowest's; p - 1 with equal stages, so the bubble is the
+    (p-1)/(m+p-1)/v of Layout.predicted_bubble)."""
+    def compute():
+        per_rank = rank_compute(c, ctx)
+        slowest = max(range(len(per_rank)), key=lambda r: sum(per_rank[r]))
+        fill = sum(sum(x) for x in per_rank) / sum(per_rank[slowest]) - 1 if c.layout.pp > 1 else 0.0
+        return slowest, per_rank[slowest], fill
+
+    if ctx.stage_hw:
+        return compute()
+    lay = c.layout
+    key = ("slowest", compute_key(ctx), pipeline_key(lay), c.tp, c.micro_batch, c.ep, c.ac, c.every_k, lay.cp)
+    return cached(ctx, key, compute)
+
+
+def _without_microbatches(lay: Layout) -> tuple:
+    """The layout's fields but its pipeline micro-batches (a cache key)."""
+    fields = dict(vars(lay))
+    del fields["pp_microbatches"]
+    return tuple(fields.values())
 
 
 def predict(c: Candidate, ctx: Context) -> Prediction:
@@ -343,14 +410,11 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     t, ab, cp = c.tp, _act_bytes(ctx), lay.cp
     T = c.micro_batch * S // cp  # tokens per micro-step per rank (tp ranks share them, cp ranks split them)
     n_micro = c.micro_steps(ctx)
-    layers = max(len(x) for x in rank_layers(lay, a))  # the busiest pipeline rank's blocks
-    moe_layers = sum(1 for i in range(a.n_layers) if a.is_moe_layer(i))
-    per_rank = rank_compute(c, ctx)
-    slowest = max(range(len(per_rank)), key=lambda r: sum(per_rank[r]))
-    compute, recompute = (n_micro * x for x in per_rank[slowest])
-    # the pipeline's fill and drain: the other ranks' work per micro-batch, relative to the slowest's
-    # (p - 1 with equal stages, so the bubble is the (p-1)/(m+p-1)/v of Layout.predicted_bubble)
-    fill = sum(sum(x) for x in per_rank) / sum(per_rank[slowest]) - 1 if lay.pp > 1 else 0.0
+    blocks = rank_blocks(ctx, lay)
+    layers = blocks.most  # the busiest pipeline rank's blocks
+    moe_layers = cached(ctx, ("moe_layers", id(a)), lambda: sum(1 for i in range(a.n_layers) if a.is_moe_layer(i)))
+    slowest, per_step, fill = _slowest(c, ctx)
+    compute, recompute = (n_micro * x for x in per_step)
 
     # parameters of this rank's stage, before data-parallel sharding
     P = cached(ctx, "params", lambda: count_params(a))
@@ -400,11 +464,13 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
         else:
             # The one rule the trainer follows and the estimator uses (Layout.fsdp_all_gathers): pipelined stages
             # gather each group once per step and reduce-scatter once; otherwise per micro-step.
-            blocks = rank_layers(lay, a)
-            busiest = max(range(len(blocks)), key=lambda r: len(blocks[r]))
-            groups = lay.fsdp_groups(layers, sum(map(a.is_moe_layer, blocks[busiest])), busiest)
+            groups = lay.fsdp_groups(layers, blocks.moe[blocks.busiest], blocks.busiest)
             n_ag, n_rs = lay.fsdp_all_gathers(n_micro, groups), lay.fsdp_reduce_scatters(n_micro, groups)
-            fsdp_gathers = cached(ctx, ("gathers", lay, n_micro), lambda: fsdp_gathers_per_step(lay, a, n_micro))
+            # (pipelined: each group once per step, whatever the micro-batches: one entry for all of them)
+            key = (("gathers", id(a), lay, n_micro) if not lay.pipelined
+                   else ("gathers", id(a), *_without_microbatches(lay)))
+            fsdp_gathers = cached(ctx, key, lambda: fsdp_gathers_per_step(lay, a, n_micro, blocks.layers,
+                                                                          blocks.moe))
             group = FSDP_GROUP_OPS * hw.op_overhead_s
             ag = n_ag * (all_gather_time(P_stage * pbytes / groups, shard, shard_link) + group)
             rs = n_rs * (reduce_scatter_time(P_stage * 4 * rs_frac / groups, shard, shard_link) + group)
@@ -436,7 +502,9 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
         a2a = all_to_all_time(T * a.moe_top_k * a.dim * ab, c.ep, ep_link) + all_to_all_time(64, c.ep, ep_link)
         comm["expert all-to-all"] = n_micro * math.ceil(moe_layers / c.pp) * 4 * a2a
     if cp > 1:
-        ring_total, comm[RING] = ring_time(ctx, c, T, attention_time(ctx, c))
+        key = ("ring", compute_key(ctx), ctx.gpus_per_node, t, cp, c.micro_batch, c.ep, c.ac, c.every_k, n_micro,
+               c.pp)
+        ring_total, comm[RING] = cached(ctx, key, lambda: ring_time(ctx, c, T, attention_time(ctx, c)))
         comm_total += ring_total - comm[RING]  # the hidden part (the exposed part is added below)
     comm_total += sum(v for k, v in comm.items() if k not in ("data-parallel",))
     exposed = sum(comm.values())

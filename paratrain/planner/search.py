@@ -72,13 +72,26 @@ def structural_reason(c: Candidate, ctx: Context) -> str | None:
     if ctx.global_seqs % (c.dp * c.micro_batch):
         return (f"the global batch ({ctx.global_seqs} sequences) does not divide into micro-batch {c.micro_batch} x "
                 f"data-parallel degree {c.dp}")
+    key = ("layout_reason", id(ctx.args), ctx.global_seqs, ctx.seq_len, ctx.compression.method, c.layout, c.micro_batch)
+    reason = cached(ctx, key, lambda: _layout_reason(c, ctx))
+    if reason:
+        return reason
     try:
-        c.layout.validate(ctx.args, c.world, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
-        grad_compression_site(c.layout, ctx.compression.method)  # --grad-compression applies to this layout
         c.layout.check_checkpointing(c.ac)
     except ConfigError as e:
         return str(e)
     return None
+
+
+def _layout_reason(c: Candidate, ctx: Context) -> str:
+    """The layout's own checks against the model and the batch ("" when it passes; the same for every checkpointing
+    mode, so cached per layout and micro-batch)."""
+    try:
+        c.layout.validate(ctx.args, c.world, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
+        grad_compression_site(c.layout, ctx.compression.method)  # --grad-compression applies to this layout
+    except ConfigError as e:
+        return str(e)
+    return ""
 
 
 def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
@@ -98,11 +111,12 @@ def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
 
 def memory_reason(est, ctx: Context, headroom: float) -> str | None:
     from paratrain.estimate.gpus import fits, fmt_bytes, limit_text
+    from paratrain.estimate.report import ROWS
 
     if fits(est.total_bytes, ctx.hw.memory_bytes, headroom):
         return None
     biggest = max(est.at_peak.items(), key=lambda kv: kv[1])
-    label = dict(__import__("paratrain.estimate.core", fromlist=["ROWS"]).ROWS).get(biggest[0], biggest[0])
+    label = dict(ROWS).get(biggest[0], biggest[0])
     where = f" on stage {est.stage}" if est.inputs.layout.pp > 1 else ""
     return (f"does not fit: {fmt_bytes(est.total_bytes)} per rank of {ctx.hw.name} {fmt_bytes(ctx.hw.memory_bytes)} "
             f"({100 * est.total_bytes / ctx.hw.memory_bytes:.0f}%, {limit_text(ctx.hw.memory_bytes, headroom)}); "

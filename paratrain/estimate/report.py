@@ -1,0 +1,83 @@
+"""The estimate as text: the table `paratrain estimate` prints (and the trainer logs), one row per memory category."""
+
+from __future__ import annotations
+
+from paratrain.estimate.gpus import GB, fmt_bytes, verdict_text
+from paratrain.estimate.model_states import model_params
+from paratrain.models.presets import format_params
+
+ROWS = [  # (key, label)
+    ("parameters", "parameters"),
+    ("gradients", "gradients"),
+    ("optimizer", "optimizer states"),
+    ("master", "fp32 master weights"),
+    ("autocast_copies", "autocast bf16 weight copies"),
+    ("activations", "activations (blocks)"),
+    ("pipeline", "pipeline in-flight micro-batches"),
+    ("logits_loss", "logits and loss"),
+    ("comm_buffers", "communication buffers"),
+    ("compression", "gradient compression state"),
+    ("temporaries", "backward/optimizer temporaries"),
+    ("overhead", "runtime overhead (CUDA, NCCL)"),
+]
+
+
+def format_table(est, units: str = "GiB") -> str:
+    """An Estimate (core.py) as the table `paratrain estimate` prints: categories at the peak and their own maxima, the total
+    against the GPU, notes, the classic ZeRO breakdown and the change that would fit."""
+    i, lay = est.inputs, est.inputs.layout
+    fb = lambda n: fmt_bytes(n, units)  # noqa: E731
+    n_params = sum(p.numel for p in model_params(i.model_args))
+    mode = i.checkpointing + (f" (k={i.every_k})" if i.checkpointing == "every_k" else "")
+    lines = [f"model {i.model_name}: {format_params(n_params)} parameters ({n_params:,})",
+             f"layout {lay.describe()} | {i.precision} ({'classic mixed-precision accounting' if i.accounting == 'classic' else 'as paratrain trains it'})"
+             f" | {i.optimizer} ({i.optimizer_impl}) | checkpointing {mode}",
+             f"micro-batch {i.micro_batch} x seq {i.seq_len}"
+             + (f" x accumulation {i.accum_steps}" if lay.pp == 1 and i.accum_steps > 1 else "")
+             + (f" | pipeline {lay.pp_schedule}, {lay.pp_microbatches} micro-batches" if lay.pp > 1 else "")]
+    where = f"peak: {est.phase}" + (f" on pipeline stage {est.stage} (worst of {lay.pp})" if lay.pp > 1 else "")
+    lines.append(f"per rank ({'worst rank' if lay.world_size > 1 else 'one rank'}), {where}; units {units} "
+                 f"({'2^30' if units == 'GiB' else '10^9'} bytes)")
+    w = 40
+    lines.append(f"  {'':<{w}} {'at peak':>12} {'its max':>12}")
+    for key, label in ROWS:
+        at, size = est.at_peak.get(key, 0), est.sizes.get(key, 0)
+        if key == "master" and not (i.accounting == "classic" and i.precision != "fp32"):
+            label = label + (" (= the fp32 params)" if i.precision != "fp32" else " (none: fp32)")
+        if not at and not size and key not in ("parameters", "gradients", "optimizer", "master", "activations"):
+            continue
+        lines.append(f"  {label:<{w}} {fb(at):>12} {fb(size):>12}")
+    lines.append(f"  {'-' * (w + 26)}")
+    lines.append(f"  {'total':<{w}} {fb(est.total_bytes):>12}"
+                 f"   (sum of the maxima: {fb(sum(est.sizes.values()))})")
+    if est.gpu_bytes is not None:
+        name = f"{i.gpu_name} " if i.gpu_name else ""
+        lines.append(f"  {'GPU memory ' + name:<{w}} {fb(est.gpu_bytes):>12}")
+        lines.append(f"  {f'usable ({1 - i.headroom:.0%})':<{w}} {fb(est.usable_bytes):>12}")
+        lines.append(f"  {'left below the limit':<{w}} {fb(est.headroom_bytes):>12}")
+        lines.append(f"  => {verdict_text(est.total_bytes, est.gpu_bytes, i.headroom, units)}")
+    if lay.pp > 1 and est.stages:
+        lines.append("  per pipeline stage: " + ", ".join(
+            f"{s['stage']}: {fb(s['total_bytes'])}" for s in est.stages))
+    for note in est.notes:
+        lines.append(f"  note: {note}")
+    if est.zero:
+        lines.append("")
+        lines.append(f"classic mixed-precision model states (bf16 params/grads, fp32 master + moments; GB = 10^9 B), "
+                     f"ZeRO over {est.zero_ranks} ranks:")
+        lines.append(f"  {'':<26} {'1 rank':>10} {'ZeRO-1':>10} {'ZeRO-2':>10} {'ZeRO-3':>10}")
+        for row in est.zero:
+            lines.append(f"  {row['row']:<26} " + " ".join(
+                f"{row[k] / GB:>7.2f} GB" for k in ("one_rank", "zero1", "zero2", "zero3")))
+    if est.fits is False and est.searched:
+        lines.append("")
+        if est.suggestion:
+            s = est.suggestion
+            lines.append(f"would fit: {s['change']} -> {fb(s['total_bytes'])} of {fb(est.gpu_bytes)}, within "
+                         f"{fb(est.usable_bytes)} (cost: {s['why']})")
+            for alt in est.alternatives[:4]:
+                lines.append(f"  also fits: {alt['change']} -> {fb(alt['total_bytes'])}")
+        else:
+            lines.append("nothing tried fits (more sharding, tp, pp, checkpointing, smaller micro-batch, and "
+                         "pairs of them): this model needs more GPUs or more memory per GPU")
+    return "\n".join(lines)

@@ -1,0 +1,462 @@
+"""`paratrain plan`: rank parallel layouts by predicted step time, write the best as a config and a launch command.
+
+The command line: its arguments, the planning context (`build_context`) they make, the best layout written out
+(`write_outputs`), and the printed table or JSON document (`plan_json`; README: Planner).
+
+    paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576
+    paratrain plan --calibrate --name mybox --nproc 4        # measure this machine; later: --gpu mybox
+    paratrain plan ... --explain fsdp,tp=2,ac=full,mb=1     # why a layout is rejected, or how it ranks
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from paratrain.errors import OneLineArgumentParser, UserError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = OneLineArgumentParser(prog="paratrain plan", description=__doc__.splitlines()[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama3-8b", help="a preset name or a config TOML (its [model] section)")
+    p.add_argument("--vocab-size", type=int, default=128, help="for presets that take the vocabulary from the data")
+    p.add_argument("--gpus", help="number of GPUs (ranks) in all, or GPU groups in rank order for a heterogeneous "
+                   "cluster: 8xH100,8xA100 (each a GPU name or a saved profile)")
+    p.add_argument("--cluster", help="a heterogeneous cluster as a TOML file of [[group]] tables (gpu, count, "
+                   "optionally gpus_per_node, intra), in rank order")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default="H100", help="GPU name from the table, or a saved calibration profile name")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="plan for training.compile=true (compiled blocks; default: the --model config's setting)")
+    p.add_argument("--float8", action="store_true",
+                   help="what-if: predict the blocks' linear layers as float8 GEMMs where the GPU has them "
+                        "(paratrain trains them in bf16; the written config is bf16)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON document (see README)")
+    p.add_argument("--intra", help="intra-node link: nvlink | pcie4 | pcie5 (default: the GPU's usual one)")
+    p.add_argument("--inter", help="inter-node link: ib400 (default) | ib200 | eth100 | eth25")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: min(max_seq_len, 4096))")
+    p.add_argument("--global-batch-tokens", type=int, default=None,
+                   help="tokens per optimizer step (default: 512 sequences or 4Mi tokens, whichever is smaller)")
+    p.add_argument("--precision", default=None, help="bf16 (GPUs) | fp32 (default on a CPU profile)")
+    p.add_argument("--headroom", type=float, default=None, help="fraction of device memory kept free (0.10, as "
+                   "paratrain estimate: the allocator's fragmentation and NCCL buffers)")
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--dp-modes", help="comma-separated subset of ddp,zero1,zero2,fsdp,hsdp")
+    p.add_argument("--checkpointing", help="comma-separated subset of none,selective,every_k,full")
+    p.add_argument("--micro-batches", help="comma-separated micro-batch sizes to try (default 1,2,4,8,16)")
+    p.add_argument("--schedules", help="comma-separated pipeline schedules (default gpipe,1f1b,interleaved_1f1b,zbv)")
+    p.add_argument("--grad-compression", default="none", help="none | bf16 | powersgd | sign_ef: plan only the layouts "
+                   "it applies to, with its bytes and compute (see README, Communication)")
+    p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--sign-ef-block", type=int, default=0)
+    p.add_argument("--ddp-bucket-mb", type=float, default=25.0)
+    p.add_argument("--max-tp", type=int)
+    p.add_argument("--max-pp", type=int)
+    p.add_argument("--max-cp", type=int, help="largest context-parallel degree to try (default: any that leaves each "
+                   "rank 1024 tokens or more of a sequence)")
+    p.add_argument("--out", default="plan", help="folder for the best layout's config.toml and launch script")
+    p.add_argument("--no-write", action="store_true", help="print the plan only")
+    p.add_argument("--overwrite", action="store_true", help="replace the plan an earlier run wrote into --out")
+    p.add_argument("--explain", metavar="LAYOUT", help="why LAYOUT (as printed, e.g. fsdp,tp=2,ac=full,mb=1) is "
+                   "rejected, or how it ranks")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine and save a profile (with --model: "
+                   "also at that model's shapes, --seq and --micro-batches)")
+    p.add_argument("--calibrate-modes", help="execution modes to time a block in: eager,compile (default: both on "
+                   "CUDA, eager on a CPU)")
+    p.add_argument("--calibrate-tp", type=int, default=1, help="tensor-parallel degree of the shapes to calibrate")
+    p.add_argument("--calibrate-seconds", type=float, default=0.25, help="time spent on each measurement (longer: "
+                   "steadier numbers)")
+    p.add_argument("--name", default="local", help="profile name for --calibrate")
+    p.add_argument("--nproc", type=int, default=None, help="local ranks for --calibrate (default: GPUs, or 4)")
+    p.add_argument("--profile-dir", help="where profiles live (default ~/.cache/paratrain/profiles)")
+    return p
+
+
+def _csv(text, allowed=None, cast=str, flag=""):
+    if text is None:
+        return None
+    items = tuple(cast(x.strip()) for x in text.split(",") if x.strip())
+    if allowed is not None:
+        bad = [x for x in items if x not in allowed]
+        if bad:
+            raise UserError(f"{flag}: '{bad[0]}' is not one of {', '.join(allowed)}")
+    if not items:
+        raise UserError(f"{flag} is empty")
+    return items
+
+
+def build_context(args) -> tuple:
+    """(Context, world, Options, base config or None) from parsed arguments; UserError on bad input."""
+    from paratrain.planner.cost import Context
+    from paratrain.planner.hardware import resolve_hardware
+    from paratrain.planner.search import AC_MODES, DP_MODES, SCHEDULES, Options
+
+    from paratrain.planner.hetero import build_groups, parse_gpus, read_cluster, slowest_first
+
+    if args.gpus is None and not args.cluster:
+        raise UserError("--gpus N is required (the number of GPUs to plan for, or groups like 8xH100,8xA100)")
+    if args.gpus is not None and args.cluster:
+        raise UserError("give --gpus or --cluster, not both")
+    if args.gpus_per_node < 1:
+        raise UserError("--gpus-per-node must be >= 1")
+    spec = read_cluster(args.cluster) if args.cluster else parse_gpus(args.gpus)
+    groups = None
+    if spec is None:
+        from paratrain.planner.hetero import MAX_GPUS
+
+        world = int(args.gpus)
+        if world < 1:
+            raise UserError("--gpus and --gpus-per-node must be >= 1")
+        if world > MAX_GPUS:
+            raise UserError(f"--gpus {world} is more than {MAX_GPUS} GPUs (a typo?); the planner enumerates the "
+                            "layouts of at most that many")
+        if world > args.gpus_per_node and world % args.gpus_per_node:
+            raise UserError(f"--gpus {world} is not divisible by --gpus-per-node {args.gpus_per_node} "
+                            "(whole nodes only)")
+        hw = resolve_hardware(args.gpu, args.intra, args.inter, args.profile_dir)
+        per_node = min(args.gpus_per_node, world)
+    else:
+        groups = build_groups(spec, args.gpus_per_node, args.intra, args.inter, args.profile_dir)
+        world = sum(g.count for g in groups)
+        hw = slowest_first(groups)
+        per_node = min(g.gpus_per_node for g in groups)
+        if len(groups) == 1:
+            groups = None  # one type: the ordinary planner
+    from paratrain.estimate.gpus import HEADROOM, check_headroom
+
+    headroom = check_headroom(HEADROOM if args.headroom is None else args.headroom)
+    from paratrain.spec import model_from
+
+    name, margs, base = model_from(args.model, args.vocab_size)
+    seq = args.seq or min(margs.max_seq_len, 4096)
+    if seq < 1:
+        raise UserError(f"--seq must be >= 1, got {seq}")
+    native = None
+    if seq > margs.max_seq_len:  # a long-context stage: the model trained on longer sequences than its preset's
+        native, margs = margs.max_seq_len, dataclasses.replace(margs, max_seq_len=seq)
+    tokens = args.global_batch_tokens or min(4 * 2**20, 512 * seq)
+    if tokens % seq:
+        raise UserError(f"--global-batch-tokens {tokens} is not a multiple of --seq {seq}")
+    precision = args.precision or ("fp32" if hw.device == "cpu" else "bf16")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise UserError(f"--precision '{precision}' is not one of fp32, bf16, fp16")
+    from paratrain.estimate.compression import Compression
+
+    compression = Compression(args.grad_compression, args.powersgd_rank, args.sign_ef_block).check_flags()
+    if args.ddp_bucket_mb <= 0:
+        raise UserError(f"--ddp-bucket-mb must be > 0, got {args.ddp_bucket_mb}")
+    compile_ = args.compile if args.compile is not None else bool(base is not None and base.training.compile)
+    ctx = Context(margs, seq, tokens // seq, hw, per_node, precision, name, native_max_seq_len=native,
+                  compression=compression,
+                  ddp_bucket_mb=args.ddp_bucket_mb, mode="compile" if compile_ else "eager", float8=args.float8,
+                  cluster=groups)
+    opts = Options(
+        dp_modes=_csv(args.dp_modes, DP_MODES, flag="--dp-modes") or DP_MODES,
+        schedules=_csv(args.schedules, SCHEDULES, flag="--schedules") or SCHEDULES,
+        ac_modes=_csv(args.checkpointing, AC_MODES, flag="--checkpointing") or AC_MODES,
+        micro_batches=_csv(args.micro_batches, cast=_posint, flag="--micro-batches"),
+        max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp, headroom=headroom)
+    return ctx, world, opts, base
+
+
+def context_from_argv(argv: list[str]) -> tuple:
+    """build_context for `paratrain plan` arguments (tests and benchmarks)."""
+    return build_context(_parser().parse_args(list(argv)))
+
+
+def _posint(x: str) -> int:
+    try:
+        v = int(x)
+    except ValueError:
+        raise UserError(f"--micro-batches: '{x}' is not an integer") from None
+    if v < 1:
+        raise UserError("--micro-batches must be >= 1")
+    return v
+
+
+def config_for(c, ctx, base=None, model_spec: str | None = None):
+    """A paratrain Config that runs candidate `c` (validated by load_config's rules)."""
+    from paratrain.config import Config, validate
+
+    cfg = base if base is not None else Config()
+    if base is None and model_spec is not None:
+        cfg.model.preset = model_spec
+    t, p, lay = cfg.training, cfg.parallel, c.layout
+    t.seq_len, t.micro_batch, t.global_batch, t.accum_steps = ctx.seq_len, c.micro_batch, ctx.global_seqs, 1
+    t.precision = ctx.precision
+    if ctx.native_max_seq_len:  # planned beyond the preset's context: the config says so
+        cfg.model.max_seq_len = ctx.args.max_seq_len
+    if ctx.hw.device == "cpu":
+        t.device = "cpu"
+    p.dp_mode = lay.dp_mode
+    # Every degree written out (no dp_shard=-1): the file names its layout and world size, so `paratrain estimate
+    # --model plan/config.toml` estimates the planned layout and the trainer refuses another world size.
+    p.dp_replicate, p.dp_shard = lay.dp_replicate, lay.dp_shard
+    p.tp, p.pp, p.ep, p.cp = lay.tp, lay.pp, lay.ep, lay.cp
+    p.sequence_parallel = True
+    comp = ctx.compression
+    p.grad_compression, p.powersgd_rank, p.sign_ef_block = comp.method, comp.powersgd_rank, comp.sign_ef_block
+    p.ddp_bucket_mb = ctx.ddp_bucket_mb
+    p.loss_parallel = lay.pp == 1  # the last pipeline stage computes whole logits
+    if lay.pp > 1:
+        p.pp_schedule, p.pp_microbatches, p.pp_virtual_stages = lay.pp_schedule, lay.pp_microbatches, lay.pp_virtual
+        if ctx.cluster:  # the uneven split for the stages' GPU types, and which type each pipeline rank runs on
+            from paratrain.planner.hetero import stage_hardware
+
+            p.pp_split = ",".join(map(str, lay.pp_split))
+            p.pp_stage_gpus = ",".join(h.name for h in stage_hardware(ctx.cluster, lay.pp))
+    t.compile = ctx.mode == "compile"
+    cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every_k = c.ac, c.every_k
+    validate(cfg)
+    return cfg
+
+
+def job_name(layout) -> str:
+    """A short Slurm job name for a layout, only [A-Za-z0-9._-]: `paratrain-pp4-zero2x2-cp2-tp4` (pipeline stages,
+    the data-parallel mode x its degree (hsdp: replicas x shards), then cp, tp and ep where > 1)."""
+    import re
+
+    bits = [f"pp{layout.pp}"] if layout.pp > 1 else []
+    if layout.dp > 1:
+        bits.append(f"{layout.dp_mode}{layout.dp_replicate}x{layout.dp_shard}" if layout.hybrid
+                    else f"{layout.dp_mode}x{layout.dp}")
+    bits += [f"{name}{degree}" for name, degree in (("cp", layout.cp), ("tp", layout.tp), ("ep", layout.ep))
+             if degree > 1]
+    return re.sub(r"[^A-Za-z0-9._-]", "", "-".join(["paratrain", *bits] if bits else ["paratrain", "1rank"]))
+
+
+def launch_command(c, ctx, world: int, config_path: str) -> tuple[str, str | None]:
+    """(command line, sbatch script or None)."""
+    gpn = ctx.gpus_per_node
+    nodes = max(1, world // gpn)
+    if ctx.hw.device == "cpu":
+        return f"paratrain train --nproc {world} --config {config_path}", None
+    if ctx.cluster:  # one torchrun per node, node ranks in the groups' order (the stages' GPU types follow it)
+        lines, node = [], 0
+        total = sum(g.count // g.gpus_per_node for g in ctx.cluster)
+        for g in ctx.cluster:
+            for _ in range(g.count // g.gpus_per_node):
+                lines.append(f"# node {node} ({g.name}): torchrun --nnodes {total} --node-rank {node} "
+                             f"--nproc-per-node {g.gpus_per_node} --rdzv-backend c10d --rdzv-endpoint HEAD:29500 "
+                             f"-m paratrain train --config {config_path}")
+                node += 1
+        return "\n".join(lines), None
+    if nodes == 1:
+        return f"torchrun --standalone --nproc-per-node {world} -m paratrain train --config {config_path}", None
+    script = f"""#!/bin/bash
+#SBATCH --job-name={job_name(c.layout)}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={gpn}
+#SBATCH --exclusive
+# layout: {c.name}
+set -euo pipefail
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+srun torchrun --nnodes {nodes} --nproc-per-node {gpn} \\
+  --rdzv-backend c10d --rdzv-endpoint "$head:29500" --rdzv-id "$SLURM_JOB_ID" \\
+  -m paratrain train --config {config_path}
+"""
+    return "sbatch plan.sbatch", script
+
+
+PLAN_FILES = ("config.toml", "plan.sbatch")
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """--out is a folder this plan may write its files into: never over an earlier plan without --overwrite."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder")
+    earlier = [name for name in PLAN_FILES if (out / name).exists()]
+    if earlier and not overwrite:
+        raise UserError(f"--out {out} already holds a plan ({', '.join(earlier)}): pass --overwrite to replace it, "
+                        "or choose another --out")
+
+
+def write_outputs(best, ctx, world: int, out_dir, base=None, model_spec=None) -> tuple[Path, str, Path | None]:
+    from paratrain.config import dump_toml
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = config_for(best.cand, ctx, base, model_spec)
+    path = out / "config.toml"
+    head = (f"# paratrain plan: {best.cand.name} ({best.cand.describe()}) on {world} x {ctx.hw.name}\n"
+            f"# predicted {best.pred.tokens_per_s:,.0f} tokens/s, MFU {best.pred.mfu:.1%}; set [data] to your corpus\n")
+    path.write_text(head + dump_toml(cfg))
+    cmd, script = launch_command(best.cand, ctx, world, str(path))
+    sb = None
+    if (out / "plan.sbatch").exists():  # from an earlier plan (--overwrite): it would launch another layout
+        (out / "plan.sbatch").unlink()
+    if script:
+        sb = out / "plan.sbatch"
+        sb.write_text(script)
+        cmd = f"sbatch {sb}"
+    return path, cmd, sb
+
+
+def format_table(results, ctx) -> str:
+    from paratrain.estimate.gpus import fmt_bytes
+
+    head = (f"{'#':>2} {'layout':<44} {'tokens/s':>12} {'MFU':>6} {'mem/rank':>10} {'step':>9} {'compute':>9} "
+            f"{'exp.comm':>9} {'bubble':>8} {'recomp':>8}")
+    lines = [head]
+    for i, r in enumerate(results, 1):
+        p = r.pred
+        ms = lambda s: f"{s * 1e3:.1f}ms" if s < 10 else f"{s:.2f}s"  # noqa: E731
+        lines.append(f"{i:>2} {r.cand.name:<44} {p.tokens_per_s:>12,.0f} {p.mfu:>6.1%} "
+                     f"{fmt_bytes(r.total_bytes) if r.total_bytes is not None else '-':>10} {ms(p.step_s):>9} "
+                     f"{ms(p.compute_s):>9} {ms(p.comm_exposed_s):>9} {ms(p.bubble_s):>8} {ms(p.recompute_s):>8}")
+    return "\n".join(lines)
+
+
+def main_plan(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.calibrate:
+        from paratrain.planner.hardware import calibrate
+
+        import torch
+
+        nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
+        from paratrain.preflight import check_nproc
+
+        check_nproc("auto", nproc, oversubscribe=None)
+        model_given = any(a == "--model" or a.startswith("--model=") for a in argv)
+        from paratrain.spec import model_from
+
+        margs = model_from(args.model, args.vocab_size)[1] if model_given else None
+        mbs = _csv(args.micro_batches, cast=_posint, flag="--micro-batches") or (1, 2)
+        modes = _csv(args.calibrate_modes, ("eager", "compile"), flag="--calibrate-modes")
+        if not 0 < args.calibrate_seconds <= 60:
+            raise UserError(f"--calibrate-seconds must be in (0, 60], got {args.calibrate_seconds}")
+        hw, path = calibrate(args.name, nproc, args.profile_dir, seconds=args.calibrate_seconds, model=margs, seq=args.seq, micro_batches=mbs,
+                             tp=args.calibrate_tp, modes=modes)
+        if args.json:
+            print(json.dumps({"profile": str(path), **hw.to_json()}, indent=2))
+            return 0
+        print(f"profile '{hw.name}' ({hw.source}) saved to {path}")
+        if hw.shapes:
+            print("  at the model's shapes: " + "; ".join(f"{k} {v * 1e3:.3f} ms" for k, v in hw.shapes.items()))
+            print("  execution modes (factor on the non-matmul time): "
+                  + ", ".join(f"{m} {f:.2f}" for m, f in hw.modes.items()))
+        print("  matmul: " + ", ".join(f"{(f / 2) ** (1 / 3):.0f}^3 {r / 1e9:.2f} GFLOP/s" for f, r in hw.gemm))
+        print(f"  memory bandwidth {hw.mem_bandwidth / 1e9:.2f} GB/s, per-operator overhead "
+              f"{hw.op_overhead_s * 1e6:.1f} us; compute scale {hw.compute_scale:.2f} (reference model step, measured / "
+              "predicted)")
+        print(f"  collectives over {nproc} ranks: latency {hw.intra.latency * 1e6:.1f} us per step, bandwidth "
+              f"{hw.intra.bandwidth / 1e9:.2f} GB/s (alpha-beta fit of all-reduce and all-gather); reduce-scatter "
+              f"x{hw.intra.reduce_scatter_factor:.2f} the ring formula")
+        print(f"  plan with: paratrain plan --gpu {hw.name} --gpus {nproc} --gpus-per-node {nproc}"
+              + (f" --profile-dir {args.profile_dir}" if args.profile_dir else "") + " ...")
+        return 0
+    import time
+
+    from paratrain.planner.search import explain, plan
+
+    ctx, world, opts, base = build_context(args)
+    if not args.no_write and not args.explain:
+        check_out(Path(args.out), args.overwrite)
+    if args.explain:
+        if ctx.cluster:
+            raise UserError("--explain plans one GPU type; for a heterogeneous cluster run the plan and read its stages")
+        print(explain(args.explain, ctx, world, opts))
+        return 0
+    started = time.perf_counter()
+    if ctx.cluster:
+        from paratrain.planner.hetero import plan_hetero
+
+        p = plan_hetero(ctx, opts, top=args.top)
+    else:
+        p = plan(ctx, world, opts, top=args.top)
+    elapsed = time.perf_counter() - started
+    best = p.ranked[0]
+    written = None
+    if not args.no_write:
+        path, cmd, sb = write_outputs(best, ctx, world, args.out, base, None if base else args.model)
+        written = {"config": str(path), "launch": cmd, "sbatch": str(sb) if sb else None}
+    if args.json:
+        print(json.dumps(plan_json(p, ctx, world, elapsed, written, args.top), indent=2))
+        return 0
+    hw = ctx.hw
+    where = (" + ".join(f"{g.count} x {g.name}" for g in ctx.cluster) if ctx.cluster else f"{world} x {hw.name}")
+    print(f"plan: {ctx.model_name} on {where} ({hw.source}; {ctx.gpus_per_node} per node, "
+          f"intra {hw.intra.name}" + (f", inter {hw.inter.name}" if hw.inter and world > ctx.gpus_per_node else "")
+          + f"), seq {ctx.seq_len}, {ctx.global_seqs} sequences = {ctx.global_seqs * ctx.seq_len:,} tokens per step, "
+          f"{ctx.precision}, {ctx.mode}" + (", float8 linears (what-if)" if ctx.float8 else ""))
+    if ctx.native_max_seq_len:
+        print(f"note: --seq {ctx.seq_len} is longer than {ctx.model_name}'s max_seq_len {ctx.native_max_seq_len}: "
+              f"planned as long-context training (model.max_seq_len={ctx.seq_len} in the written config)")
+    from paratrain.estimate.gpus import limit_text
+
+    print(f"{p.considered} layouts considered: {len(p.rejected)} rejected, {len(p.ranked)} fit among the fastest "
+          f"predicted (memory: paratrain estimate, {limit_text(hw.memory_bytes, opts.headroom)}); planned in "
+          f"{elapsed:.2f} s")
+    print(format_table(p.ranked[: args.top], ctx))
+    print(f"best: {best.cand.describe()} -- {best.pred.breakdown()}")
+    if best.stage_hw:
+        split = best.cand.layout.pp_split
+        print("stages: " + ", ".join(f"{r}: {split[r]} blocks on {h.name}" for r, h in enumerate(best.stage_hw))
+              + f"; the even split {','.join(map(str, _even(best, ctx)))} is predicted "
+              f"{best.even.step_s / best.pred.step_s - 1:+.0%} slower ({best.even.tokens_per_s:,.0f} tokens/s)")
+    if ctx.float8:
+        print("note: --float8 predicts float8 linear layers; paratrain trains them in bf16 (the written config is bf16)")
+    if written:
+        print(f"wrote {written['config']}" + (f" and {written['sbatch']}" if written["sbatch"] else ""))
+        print(f"launch: {written['launch']}")
+    sys.stdout.flush()
+    return 0
+
+
+def _even(r, ctx) -> tuple[int, ...]:
+    """The even split a heterogeneous plan is compared with (the one `plan_hetero` predicted)."""
+    from paratrain.planner.hetero import even_split_layout
+
+    return even_split_layout(r.cand.layout, ctx.args).pp_split
+
+
+def _prediction_json(pred) -> dict:
+    return {"step_s": pred.step_s, "tokens_per_s": pred.tokens_per_s, "mfu": pred.mfu, "compute_s": pred.compute_s,
+            "exposed_comm_s": pred.comm_exposed_s, "bubble_s": pred.bubble_s, "recompute_s": pred.recompute_s,
+            "optimizer_s": pred.optimizer_s, "compress_s": pred.compress_s,
+            "exposed_comm_by_kind_s": dict(pred.comm),
+            "fsdp_all_gathers_per_step": pred.fsdp_all_gathers}
+
+
+def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int = 5) -> dict:
+    """The plan as one JSON document (`paratrain plan --json`; the schema is in README.md)."""
+    from paratrain.models.presets import count_params
+
+    def layout_json(r) -> dict:
+        lay = r.cand.layout
+        out = {"name": r.cand.name, "description": r.cand.describe(), "dp_mode": lay.dp_mode,
+               "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp, "ep": lay.ep,
+               "cp": lay.cp,
+               "pp_schedule": lay.pp_schedule if lay.pp > 1 else None,
+               "pp_microbatches": lay.pp_microbatches if lay.pp > 1 else None,
+               "pp_virtual_stages": lay.pp_virtual if lay.pp > 1 else None,
+               "pp_split": list(lay.pp_split) if (lay.pp > 1 and lay.pp_split) else None,
+               "activation_checkpoint": r.cand.ac, "micro_batch": r.cand.micro_batch,
+               "predicted": _prediction_json(r.pred), "memory_bytes_per_rank": r.total_bytes}
+        if r.stage_hw:
+            out["stages"] = [{"pp_rank": i, "gpu": h.name, "blocks": lay.pp_split[i],
+                              "memory_bytes": next((s["total_bytes"] for s in r.estimate.stages if s["stage"] == i),
+                                                   None)} for i, h in enumerate(r.stage_hw)]
+            out["even_split"] = {"pp_split": list(_even(r, ctx)), "predicted": _prediction_json(r.even)}
+        return out
+
+    hw = ctx.hw
+    return {
+        "model": ctx.model_name, "parameters": count_params(ctx.args), "gpus": world,
+        "gpu": None if ctx.cluster else hw.name,
+        "cluster": [{"gpu": g.name, "count": g.count, "gpus_per_node": g.gpus_per_node} for g in ctx.cluster]
+        if ctx.cluster else None,
+        "profile_source": hw.source, "gpus_per_node": ctx.gpus_per_node, "seq_len": ctx.seq_len,
+        "global_batch_sequences": ctx.global_seqs, "tokens_per_step": ctx.global_seqs * ctx.seq_len,
+        "precision": ctx.precision, "execution_mode": ctx.mode, "float8_what_if": ctx.float8,
+        "grad_compression": ctx.compression.method,
+        "considered": p.considered, "rejected": len(p.rejected), "planning_seconds": elapsed,
+        "ranked": [layout_json(r) for r in p.ranked[:top]],
+        "written": written,
+    }
