@@ -252,8 +252,6 @@ def test_journey_layouts(journey):
     """Every layout example trains to its final sample; the same seed gives every layout the same val loss;
     the report reads the runs."""
     j = journey
-    j.readme("paratrain train --nproc 4 --parallel.dp_mode=fsdp --run.name=fsdp4", TINY,
-             [*STEPS, "--run.name=default"])  # the report below reads runs/default too
     val = {}
     for command, mesh in LAYOUT_RUNS.items():
         # one global batch for all (micro-batches and accumulation follow): the same training on every layout
@@ -265,6 +263,9 @@ def test_journey_layouts(journey):
         assert "ROMEO:" in out.split("sample:")[-1]
     dense = [v for c, v in val.items() if "moe" not in c]
     assert max(dense) - min(dense) <= 2e-4, f"layouts disagree about the validation loss: {val}"
+    import shutil
+
+    shutil.copytree(j.cwd / "runs" / "pp2", j.cwd / "runs" / "default")  # the report's first run (another model)
     done = j.readme("paratrain report runs/default runs/fsdp4 runs/tp2 --out report")
     assert (j.cwd / "report" / "report.md").is_file() and (j.cwd / "report" / "loss.png").is_file()
 
@@ -286,14 +287,12 @@ def test_journey_custom_corpus(journey):
     j.readme("paratrain prepare --input corpus.jsonl --out data/mycorpus --tokenizer bpe --vocab-size 8000")
     prepared = j.files("data/mycorpus")
     j.train("paratrain train --data.dir=data/mycorpus --run.name=mine")
-    # options that agree with the dataset are fine
-    j.train("paratrain train --data.dir=data/mycorpus --run.name=mine", "--data.source=corpus.jsonl",
-            "--data.tokenizer=bpe", "--data.vocab_size=8000", "--run.name=agree", "--training.steps=1")
     assert j.files("data/mycorpus") == prepared
     saved = (j.cwd / "runs/mine/checkpoints/step-4").is_dir()
     assert saved
     done = j.train("paratrain train --data.dir=data/mycorpus --run.name=mine --checkpoint.resume=auto",
-                   "--training.steps=6")
+                   "--training.steps=6", "--data.source=corpus.jsonl", "--data.tokenizer=bpe",
+                   "--data.vocab_size=8000")  # options that agree with the dataset are fine
     assert "resumed from" in done.stdout + done.stderr
     assert [r["step"] for r in metrics(j.cwd / "runs/mine") if "loss" in r][-1] == 6
     for wrong in ("--data.tokenizer=char", "--data.vocab_size=500", "--data.source=tinyshakespeare"):
@@ -362,8 +361,8 @@ def test_journey_hugging_face(journey):
 
 def test_journey_profile(journey):
     j = journey
-    for _ in range(2):  # again: the earlier profile is replaced
-        out = j.readme("paratrain profile --nproc 2 --parallel.dp_mode=fsdp --steps 3", TINY).stdout
+    for nproc in ("1", "2"):  # again: the earlier profile is replaced
+        out = j.readme("paratrain profile --nproc 2 --parallel.dp_mode=fsdp --steps 3", TINY, ["--nproc", nproc]).stdout
     run = j.cwd / "runs" / "profile" / "profile"
     assert (run / "rank0.json").is_file() and (run / "rank1.json").is_file() and "traces:" in out
     summary = json.loads((run / "summary.json").read_text())
@@ -372,8 +371,8 @@ def test_journey_profile(journey):
 
 def test_journey_verify(journey):
     """`paratrain verify` at a tiny size: two rows, a few steps (the whole matrix runs in tests/test_distributed.py)."""
-    out = journey.readme("paratrain verify", after=["--layouts", "ddp2,tp2", "--steps", "3"]).stdout
-    assert out.count("PASS") >= 2 and "FAIL" not in out
+    out = journey.readme("paratrain verify", after=["--layouts", "tp2", "--steps", "2"]).stdout
+    assert "PASS" in out and "FAIL" not in out
 
 
 def test_journey_estimate(journey):
@@ -421,8 +420,8 @@ def test_journey_plan(journey):
 
 def test_journey_calibrate(journey):
     j = journey
-    quick = ["--calibrate-seconds", "0.02"]
-    j.readme("paratrain plan --calibrate --name mybox --nproc 4", after=quick)
+    quick = ["--calibrate-seconds", "0.005"]
+    j.readme("paratrain plan --calibrate --name mybox --nproc 4", after=[*quick, "--nproc", "2"])  # tiny: 2 ranks
     profile = j.cwd / ".cache" / "paratrain" / "profiles" / "mybox.json"
     assert profile.is_file()
     # the model's own shapes, at a tiny model's size (llama3.2-1b at 2048 tokens takes minutes on a CPU)
