@@ -141,6 +141,17 @@ def train_and_evaluate(train_cfg, eval_cfg):
     return run_rank(train_cfg, True, keep_group=True), run_rank(eval_cfg).val_loss
 
 
+def train_and_evaluate_all(pairs: list):
+    """train_and_evaluate for several layouts of one world size, one after the other by the same launched ranks."""
+    from paratrain.api import run_rank
+
+    out = []
+    for i, (train_cfg, eval_cfg) in enumerate(pairs):
+        result = run_rank(train_cfg, True, keep_group=True)
+        out.append((result, run_rank(eval_cfg, keep_group=i < len(pairs) - 1).val_loss))
+    return out
+
+
 def _run_layout(overrides: list[str], eval_overrides: list[str], nproc: int, extra_args: list[str]):
     from paratrain.api import launch_ranks, train_rank
 
@@ -172,7 +183,11 @@ def reference_overrides(layout_extra: list[str]) -> list[str]:
 
 
 def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str = "fp32",
-               extra_args: list[str] = (), echo=print, val_tolerance: float = VAL_TOLERANCE) -> tuple[list[Row], float]:
+               extra_args: list[str] = (), echo=print, val_tolerance: float = VAL_TOLERANCE,
+               share_launches: bool = False) -> tuple[list[Row], float]:
+    """share_launches: run all layouts of one world size in one launch of the ranks, one after the other in one process
+    group (the test suite's matrices: the ranks' start-up is paid once per world size; a layout that fails then fails
+    the others of its launch too, so `paratrain verify` launches each on its own)."""
     for name in layouts:
         layout_overrides(name)  # unknown names fail before anything runs
     with tempfile.TemporaryDirectory(prefix="paratrain-verify-") as out_dir:
@@ -199,6 +214,29 @@ def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str 
                 references[key] = result, cfg.run_dir / "checkpoints" / f"step-{steps}"
             return references[key]
 
+        shared = {}
+        if share_launches:  # every layout of one world size in one launch of the ranks (the tests' matrices)
+            from paratrain.api import launch_ranks
+
+            groups = {}
+            for name in layouts:
+                nproc, extra = layout_overrides(name)
+                _, checkpoint = reference_for(reference_overrides(extra))
+                if nproc > 1:
+                    run_name = name.replace("+", "_")
+                    groups.setdefault(nproc, []).append((name, (
+                        load_config(None, base + extra + [f"run.name={run_name}"] + list(extra_args)),
+                        load_config(None, base + extra + [f"run.name={run_name}"] + list(extra_args) + [
+                            f"run.name={run_name}-eval", f"checkpoint.resume={checkpoint}", "training.eval_every=1"]))))
+            for nproc, members in groups.items():
+                start = time.perf_counter()
+                try:
+                    outcome = launch_ranks(train_and_evaluate_all, ([pair for _, pair in members],), nproc)
+                except UserError as e:
+                    outcome = [e] * len(members)
+                seconds = (time.perf_counter() - start) / len(members)
+                shared.update({name: (got, seconds) for (name, _), got in zip(members, outcome)})
+
         rows = []
         for name in layouts:
             nproc, extra = layout_overrides(name)
@@ -208,8 +246,15 @@ def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str 
             # The evaluation only: resumed at the last step from the reference's checkpoint, nothing left to train.
             evaluation = [f"run.name={run_name}-eval", f"checkpoint.resume={checkpoint}", "training.eval_every=1"]
             try:
-                result, val_loss = _run_layout(base + extra + [f"run.name={run_name}"], evaluation, nproc,
-                                               list(extra_args))
+                if name in shared:
+                    got, seconds = shared[name]
+                    start -= seconds
+                    if isinstance(got, UserError):
+                        raise got
+                    result, val_loss = got
+                else:
+                    result, val_loss = _run_layout(base + extra + [f"run.name={run_name}"], evaluation, nproc,
+                                                   list(extra_args))
                 loss_diff, weight_diff = compare(reference, result)
                 val_diff = abs(val_loss - reference.val_loss)
                 note, losses = "", result.losses

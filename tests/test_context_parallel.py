@@ -152,7 +152,8 @@ def test_verify_cp_rows(char_data):
     from paratrain.verify import CP_MATRIX, run_verify
 
     assert set(CP_SUITE) - {"cp4-seq256"} <= set(CP_MATRIX) and "cp4-seq1024" in CP_MATRIX
-    rows, _ = run_verify(CP_SUITE, steps=10, tolerance=TOL, extra_args=[f"data.dir={char_data}"], echo=lambda line: None)
+    rows, _ = run_verify(CP_SUITE, steps=10, tolerance=TOL, extra_args=[f"data.dir={char_data}"], echo=lambda line: None,
+                         share_launches=True)
     report = "\n".join(f"{r.layout}: dloss {r.max_loss_diff:.2e} dweight {r.max_weight_diff:.2e} dval {r.val_diff:.2e} "
                        f"{r.note}" for r in rows)
     for r in rows:

@@ -19,7 +19,8 @@ VAL_TOL = 1e-6  # one checkpoint's val loss on the layout against one process
 def check_rows(layouts, char_data, steps=20):
     from paratrain.verify import run_verify
 
-    rows, _ = run_verify(layouts, steps=steps, tolerance=TOL, extra_args=[f"data.dir={char_data}"], echo=lambda line: None)
+    rows, _ = run_verify(layouts, steps=steps, tolerance=TOL, extra_args=[f"data.dir={char_data}"], echo=lambda line: None,
+                         share_launches=True)
     report = "\n".join(f"{r.layout}: dloss {r.max_loss_diff:.2e} dweight {r.max_weight_diff:.2e} dval {r.val_diff:.2e} "
                        f"{r.note}" for r in rows)
     assert [r.layout for r in rows] == layouts
