@@ -152,11 +152,18 @@ def train_and_evaluate_all(pairs: list):
     return out
 
 
-def _run_layout(overrides: list[str], eval_overrides: list[str], nproc: int, extra_args: list[str]):
+def layout_configs(name: str, extra: list[str], base: list[str], extra_args: list[str], checkpoint) -> tuple:
+    """A layout's training config and the config that evaluates the reference's checkpoint on it (resumed at the
+    last step: nothing left to train)."""
+    run_name = name.replace("+", "_")
+    overrides = base + extra + [f"run.name={run_name}"] + list(extra_args)
+    evaluation = [f"run.name={run_name}-eval", f"checkpoint.resume={checkpoint}", "training.eval_every=1"]
+    return load_config(None, overrides), load_config(None, overrides + evaluation)
+
+
+def _run_layout(train_cfg, eval_cfg, nproc: int):
     from paratrain.api import launch_ranks, train_rank
 
-    train_cfg = load_config(None, overrides + extra_args)
-    eval_cfg = load_config(None, overrides + extra_args + eval_overrides)
     if nproc == 1:
         return train_rank(train_cfg, want_final_weights=True), train_rank(eval_cfg).val_loss
     return launch_ranks(train_and_evaluate, (train_cfg, eval_cfg), nproc)
@@ -223,11 +230,8 @@ def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str 
                 nproc, extra = layout_overrides(name)
                 _, checkpoint = reference_for(reference_overrides(extra))
                 if nproc > 1:
-                    run_name = name.replace("+", "_")
-                    groups.setdefault(nproc, []).append((name, (
-                        load_config(None, base + extra + [f"run.name={run_name}"] + list(extra_args)),
-                        load_config(None, base + extra + [f"run.name={run_name}"] + list(extra_args) + [
-                            f"run.name={run_name}-eval", f"checkpoint.resume={checkpoint}", "training.eval_every=1"]))))
+                    groups.setdefault(nproc, []).append((name, layout_configs(name, extra, base, extra_args,
+                                                                              checkpoint)))
             for nproc, members in groups.items():
                 start = time.perf_counter()
                 try:
@@ -242,9 +246,6 @@ def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str 
             nproc, extra = layout_overrides(name)
             reference, checkpoint = reference_for(reference_overrides(extra))
             start = time.perf_counter()
-            run_name = name.replace("+", "_")
-            # The evaluation only: resumed at the last step from the reference's checkpoint, nothing left to train.
-            evaluation = [f"run.name={run_name}-eval", f"checkpoint.resume={checkpoint}", "training.eval_every=1"]
             try:
                 if name in shared:
                     got, seconds = shared[name]
@@ -253,8 +254,7 @@ def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str 
                         raise got
                     result, val_loss = got
                 else:
-                    result, val_loss = _run_layout(base + extra + [f"run.name={run_name}"], evaluation, nproc,
-                                                   list(extra_args))
+                    result, val_loss = _run_layout(*layout_configs(name, extra, base, extra_args, checkpoint), nproc)
                 loss_diff, weight_diff = compare(reference, result)
                 val_diff = abs(val_loss - reference.val_loss)
                 note, losses = "", result.losses
