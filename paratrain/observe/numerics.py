@@ -95,13 +95,13 @@ class _LogitWatch:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._watch.active:
-            self._watch.add_max(self._row, LOGITS, _max_logit(q, k))
+            self._watch.add_max(self._row, LOGITS, max_logit(q, k))
             self._watch.sums[self._row, LOGITS, 1] += 1
         return self._inner.attend(q, k, v)
 
 
 @torch.no_grad()
-def _max_logit(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def max_logit(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """max over causal positions of q.k / sqrt(d): q (B, Hq, T, D), k (B, Hkv, S, D), the last T of S keys being
     q's own positions; scores computed a chunk of queries at a time."""
     q, k = local_tensor(q).float(), local_tensor(k).float()

@@ -402,20 +402,15 @@ def plot_numerics(run: Run):
     fig, axes = plt.subplots(len(panels), 1, figsize=(max(7.0, 0.25 * len(steps) + 3), 2.2 + 0.9 * len(panels) *
                                                                                            max(2.0, len(rows) / 4)))
     for ax, (key, title, log) in zip(axes, panels):
-        def value(r, i):
-            n = r["numerics"]
-            v = n[key[0]][key[1]][i] if isinstance(key, tuple) else n[key][i]
-            if not _is_num(v):
-                return np.nan
-            return v if not log else (np.log10(v) if v > 0 and math.isfinite(v) else (np.inf if v > 0 else np.nan))
-        grid = np.array([[value(r, i) for r in watched] for i in range(len(rows))], dtype=float)
-        bad = ~np.isfinite(grid) & ~np.isnan(grid) if log else np.zeros_like(grid, dtype=bool)
-        shown = np.ma.masked_invalid(grid)
-        cmap = plt.get_cmap("viridis_r" if not log else "magma").copy()
-        cmap.set_bad("lightgrey")
-        image = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap, origin="upper")
-        for i, j in zip(*np.nonzero(bad | (np.isnan(grid) & log))):  # overflowed (inf) or NaN: marked
-            ax.text(j, i, "x", ha="center", va="center", color="red", fontsize="small", fontweight="bold")
+        cells = [[_cell((r["numerics"][key[0]][key[1]] if isinstance(key, tuple) else r["numerics"][key])[i], log)
+                  for r in watched] for i in range(len(rows))]
+        grid = np.array([[v for v, _ in row] for row in cells], dtype=float)
+        cmap = plt.get_cmap("viridis_r" if not log else "magma").with_extremes(bad="lightgrey")
+        image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap=cmap)
+        for i, row in enumerate(cells):
+            for j, (_, overflowed) in enumerate(row):
+                if overflowed:
+                    ax.text(j, i, "x", ha="center", va="center", color="red", fontsize="small", fontweight="bold")
         ax.set_yticks(range(len(rows)), rows, fontsize="small")
         ax.set_xticks(range(len(steps)), steps, fontsize="x-small", rotation=90 if len(steps) > 20 else 0)
         ax.set(xlabel="step", ylabel="layer", title=title)
@@ -423,6 +418,17 @@ def plot_numerics(run: Run):
     fig.suptitle(f"{run.name}: numerics watch (x: inf or NaN)")
     fig.tight_layout()
     return fig
+
+
+def _cell(v, log: bool) -> tuple[float, bool]:
+    """A heat map cell: (value, whether it is inf or NaN); NaN (drawn grey) where nothing was measured."""
+    if not _is_num(v):
+        return math.nan, False
+    if not math.isfinite(v):
+        return math.nan, True
+    if log:
+        return (math.log10(v), False) if v > 0 else (math.nan, False)
+    return v, False
 
 
 def plot_scaling(points: list[dict]):

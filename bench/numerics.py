@@ -1,0 +1,133 @@
+"""What the troubleshooting tools cost a step: the numerics watch on the default run, the collective history on two
+fsdp ranks.
+
+Numerics watch: the default model (preset shakespeare-char, context 64, micro-batch 12, fp32, one process, log every
+10 steps) trained by `paratrain.api.train_rank` with `metrics.numerics_every` = 0 (off: no hooks at all), 100 and 1
+(every step watched), rounds alternating. A step is the interval between the starts of consecutive steps
+(bench/overhead.py's measure: the whole loop, the log steps' reads included), on this process's CPU clock
+(time.process_time: one thread, so the work it did; the wall clock of a machine shared with other test suites moves
+by tens of percent between runs). numerics_every=100 is costed three ways: its mean step against the off run's; its
+watched steps (each ends at a log step) against its other log steps, spread over 100 steps; and the every-step run's
+median against the off run's, spread the same way.
+
+Collective history: two gloo ranks each running --collectives all-reduces of one float with torch's flight recorder
+off (TORCH_FR_BUFFER_SIZE=0) and at paratrain's default (2000 entries, with the Python stack of each): rank 0's CPU
+and wall time per collective, rounds alternating.
+
+    python bench/numerics.py                    # 3 rounds of 300 steps each setting (~6 minutes on 2 quiet cores)
+    python bench/numerics.py --rounds 2 --steps 200 --no-history
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from overhead import config, paratrain_steps  # noqa: E402 - bench/overhead.py's run and measure
+
+EVERY = 100
+
+
+def watch_round(out: str, steps: int) -> dict:
+    """One round: per setting, the CPU seconds of every step (index = step)."""
+    row = {}
+    for every in (0, EVERY, 1):
+        cfg = config(out, steps, "cpu")
+        cfg.metrics.numerics_every = every
+        row[every] = paratrain_steps(cfg, time.process_time)
+    return row
+
+
+def costs(row: dict, warmup: int) -> dict:
+    off, hundred, each = (row[k][warmup:] for k in (0, EVERY, 1))
+    base = statistics.median(off)
+    log_steps = [i for i in range(warmup, len(row[EVERY])) if (i + 1) % 10 == 0]
+    watched = [row[EVERY][i] for i in log_steps if (i + 1) % EVERY == 0]
+    other_logs = [row[EVERY][i] for i in log_steps if (i + 1) % EVERY]
+    per_watch = statistics.median(watched) - statistics.median(other_logs)
+    return {"off_median": base, "off_mean": statistics.fmean(off), "hundred_mean": statistics.fmean(hundred),
+            "each_median": statistics.median(each), "watched": per_watch,
+            "ab": statistics.fmean(hundred) / statistics.fmean(off) - 1,
+            "from_watched": per_watch / EVERY / base,
+            "from_each": (statistics.median(each) - base) / EVERY / base}
+
+
+def _collectives(n: int) -> tuple[float, float]:
+    """On each of two launched ranks: n all-reduces of one float; this rank's CPU and wall seconds per collective."""
+    import torch
+    import torch.distributed as dist
+
+    from paratrain.distributed.env import init_process_group
+
+    init_process_group(torch.device("cpu"), 60)
+    x = torch.ones(1)
+    for _ in range(50):
+        dist.all_reduce(x)
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(n):
+        dist.all_reduce(x)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    dist.destroy_process_group()
+    return cpu / n, wall / n
+
+
+def history_run(entries: int, n: int) -> tuple[float, float]:
+    """Rank 0's seconds per collective with torch's flight recorder keeping `entries` (0: off)."""
+    from paratrain.distributed.launch import launch
+
+    os.environ["TORCH_FR_BUFFER_SIZE"] = str(entries)
+    try:
+        return launch(_collectives, (n,), 2)
+    finally:
+        del os.environ["TORCH_FR_BUFFER_SIZE"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=20, help="steps left out of each run")
+    parser.add_argument("--no-history", action="store_true", help="skip the collective-history rounds")
+    parser.add_argument("--collectives", type=int, default=3000, help="all-reduces per history round and setting")
+    a = parser.parse_args(argv)
+    rows, history = [], []
+    with tempfile.TemporaryDirectory() as out:
+        for r in range(a.rounds):
+            rows.append(costs(watch_round(out, a.steps), a.warmup))
+            c = rows[-1]
+            print(f"round {r + 1}: off {c['off_median'] * 1e3:.2f} ms, a watched step +{c['watched'] * 1e3:.2f} ms, "
+                  f"every {EVERY}: {c['ab']:+.2%} (means)", flush=True)
+    if not a.no_history:
+        for r in range(a.rounds):
+            history.append((history_run(0, a.collectives), history_run(2000, a.collectives)))
+            print(f"history round {r + 1}: off {history[-1][0][0] * 1e6:.1f} us CPU, 2000 entries "
+                  f"{history[-1][1][0] * 1e6:.1f} us CPU per collective", flush=True)
+    print(f"\n| round | off: median / mean CPU ms per step | every {EVERY}: mean | every step: median | a watched "
+          f"step's extra CPU ms | every {EVERY} vs off (means) | from the watched steps | from the every-step run |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for i, c in enumerate(rows):
+        print(f"| {i + 1} | {c['off_median'] * 1e3:.2f} / {c['off_mean'] * 1e3:.2f} | {c['hundred_mean'] * 1e3:.2f} | "
+              f"{c['each_median'] * 1e3:.2f} | {c['watched'] * 1e3:.2f} | {c['ab']:+.2%} | {c['from_watched']:+.3%} | "
+              f"{c['from_each']:+.3%} |")
+    print(f"| median | | | | {statistics.median(c['watched'] for c in rows) * 1e3:.2f} | "
+          f"{statistics.median(c['ab'] for c in rows):+.2%} | {statistics.median(c['from_watched'] for c in rows):+.3%} | "
+          f"{statistics.median(c['from_each'] for c in rows):+.3%} |")
+    if history:
+        print("\n| round | history off: CPU / wall us per all-reduce | 2000 entries: CPU / wall us | CPU difference |")
+        print("| --- | ---: | ---: | ---: |")
+        for i, (off, on) in enumerate(history):
+            print(f"| {i + 1} | {off[0] * 1e6:.1f} / {off[1] * 1e6:.1f} | {on[0] * 1e6:.1f} / {on[1] * 1e6:.1f} | "
+                  f"{(on[0] - off[0]) * 1e6:+.1f} us |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
