@@ -40,7 +40,8 @@ def parse(spec: str) -> list[Fault]:
     for item in filter(None, (s.strip() for s in spec.split(","))):
         kind, _, rest = item.partition("@")
         step, _, rank = rest.partition(":")
-        if kind not in ("kill", "term", "stop", "hang", "oom", "overflow", "nan") or not step.isdigit() or (rank and not rank.isdigit()):
+        kinds = ("kill", "term", "stop", "hang", "oom", "overflow", "nan")
+        if kind not in kinds or not step.isdigit() or (rank and not rank.isdigit()):
             raise ValueError(f"bad {ENV} entry '{item}' (expected KIND@STEP[:RANK])")
         faults.append(Fault(kind, int(step), int(rank) if rank else None))
     return faults

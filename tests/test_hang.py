@@ -97,7 +97,8 @@ def test_a_rank_busy_outside_collectives(tmp_path):
 @pytest.mark.parametrize("content, message", [
     ("not json", "rank0.json: not a JSON hang record"),
     (json.dumps({"rank": 0}), "rank0.json: not a paratrain hang record (field 'paratrain_hang_dump')"),
-    (json.dumps({"paratrain_hang_dump": 1, "rank": 7, "world_size": 4}), "field 'rank' 7 is not a rank of world_size 4"),
+    (json.dumps({"paratrain_hang_dump": 1, "rank": 7, "world_size": 4}),
+     "field 'rank' 7 is not a rank of world_size 4"),
     (json.dumps({"paratrain_hang_dump": 1, "rank": 0, "world_size": 4, "entries": [{"pg_id": "x"}], "pg_status": {},
                  "peers": {}, "groups": {}, "main_stack": []}), "field 'entries' holds an entry without"),
 ])

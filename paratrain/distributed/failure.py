@@ -92,25 +92,27 @@ def _store():
         return None
 
 
-def _first_failure(store) -> int | None:
-    """The exit code of the rank that failed first, if one has said so."""
+def _first_record(store) -> tuple[int, int] | None:
+    """(rank, exit code) of the rank that failed first, once one has said so."""
     try:
         if store is not None and store.check([_RECORD]):
-            return int(store.get(_RECORD).decode().split(":")[1])
+            rank, code = store.get(_RECORD).decode().split(":")
+            return int(rank), int(code)
     except Exception:  # noqa: BLE001 - the store may be gone with the launcher
         pass
     return None
+
+
+def _first_failure(store) -> int | None:
+    """The exit code of the rank that failed first, if one has said so."""
+    first = _first_record(store)
+    return first[1] if first else None
 
 
 def first_failed_rank() -> int | None:
     """The rank that failed first (it reports for the job), once one has said so."""
-    store = _store()
-    try:
-        if store is not None and store.check([_RECORD]):
-            return int(store.get(_RECORD).decode().split(":")[0])
-    except Exception:  # noqa: BLE001 - the store may be gone with the launcher
-        pass
-    return None
+    first = _first_record(_store())
+    return first[0] if first else None
 
 
 def _claim(store, rank: int, code: int) -> bool:

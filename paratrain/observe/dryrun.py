@@ -77,7 +77,8 @@ def offline_spec(cfg, world: int):
         meta = {"vocab_size": VOCAB_PAD * layout.tp}
         from paratrain.models.presets import preset_fields
 
-        if cfg.model.vocab_size is None and not cfg.model.init_from and preset_fields(cfg.model.preset)["vocab_size"] is None:
+        own = cfg.model.vocab_size is not None or cfg.model.init_from or preset_fields(cfg.model.preset)["vocab_size"]
+        if not own:
             notes.append(f"the vocabulary comes from the data, which is not prepared: a placeholder of "
                          f"{meta['vocab_size']} (unless the model has its own); set model.vocab_size for the real one")
     return resolve(cfg, world, meta), notes
@@ -217,15 +218,15 @@ def format_dry_run(d: DryRun) -> str:
     lines += [f"note: {n}" for n in d.notes]
     beyond = [r for r in d.ranks if r.grads_beyond_shards]
     if beyond:
-        lines.append(f"note: the estimate also counts {_mib(beyond[0].grads_beyond_shards)} MiB of gradients beyond the "
-                     f"parameters' shapes on rank {beyond[0].rank} (tensor parallel without FSDP: torch returns the "
-                     "embedding's gradient whole, which only a backward shows); compared without them")
+        lines.append(f"note: the estimate also counts {_mib(beyond[0].grads_beyond_shards)} MiB of gradients "
+                     f"beyond the parameters' shapes on rank {beyond[0].rank} (tensor parallel without FSDP: torch "
+                     "returns the embedding's gradient whole, which only a backward shows); compared without them")
     if d.agrees:
         lines.append(f"built and estimated model states agree within {TOLERANCE:.0%} on every rank built "
                      f"(largest difference {worst.difference:.2%}, rank {worst.rank})")
     else:
-        lines.append(f"DIFFERS: rank {worst.rank}'s model states are {worst.difference:.2%} from the estimate (more than "
-                     f"{TOLERANCE:.0%}): the estimator does not count this layout as torch lays it out")
+        lines.append(f"DIFFERS: rank {worst.rank}'s model states are {worst.difference:.2%} from the estimate "
+                     f"(more than {TOLERANCE:.0%}): the estimator does not count this layout as torch lays it out")
     return "\n".join(lines)
 
 

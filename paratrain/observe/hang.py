@@ -3,16 +3,17 @@
 
 torch's flight recorder keeps the last TORCH_FR_BUFFER_SIZE collectives of each process (op, sizes, dtypes, process
 group, sequence number in the group, the Python stack that issued it), on gloo as on NCCL; paratrain turns it on
-(`distributed/env.py`: COLLECTIVE_HISTORY entries, unless the variable is set) before its process group starts. When a collective fails (a timeout,
-or a peer gone), the rank writes its record to RUN_DIR/hang/rank<r>.json at once, with the step it was in, its main
-thread's Python stack and the state of the ranks on its host (running, stopped, gone: a SIGSTOPped rank cannot write
-its own); it then asks its local peers to write theirs (SIGUSR2: a thread answers it, so a rank blocked inside a
-collective answers too) and waits a few seconds for them before they are stopped. SIGUSR2 from outside
-(`kill -USR2 PID`) makes a running rank write its record the same way, without stopping anything.
+(`distributed/env.py`: COLLECTIVE_HISTORY entries, unless the variable is set) before its process group starts.
+When a collective fails (a timeout, or a peer gone), the rank writes its record to RUN_DIR/hang/rank<r>.json at
+once, with the step it was in, its main thread's Python stack, the process groups it belongs to and the state of
+the ranks on its host (running, stopped, gone: a SIGSTOPped rank cannot write its own); it then asks its local
+peers to write theirs (SIGUSR2: a thread answers it, so a rank blocked inside a collective answers too) and waits a
+few seconds for them before they are stopped. SIGUSR2 from outside (`kill -USR2 PID`) makes a running rank write
+its record the same way, without stopping anything.
 
-`diagnose` reads the records: each rank's oldest collective that has not completed, per process group; the group's
-ranks that never issued it are behind. The rank behind that is not itself waiting for someone (or that wrote
-nothing) is the one to look at.
+`diagnose` reads the records: the op each rank waits in (its newest one the recorder has not seen complete) and
+the ranks of that op's group that have not joined it (no record, or fewer collectives issued in that group); the
+rank among those that waits for no one else (or wrote nothing) is the one to look at.
 """
 
 from __future__ import annotations

@@ -159,8 +159,8 @@ PROM_SCALARS = {
     "moe_imbalance": ("paratrain_moe_imbalance", "Busiest expert's tokens over the mean, worst MoE layer (1 = balanced)."),
     "moe_dropped_tokens": ("paratrain_moe_dropped_tokens", "Expert assignments dropped by the capacity limit, last step."),
     "numerics_headroom_bits": ("paratrain_numerics_min_headroom_bits",
-                               "Least headroom of any layer's largest activation to the bf16 (fp16 runs: fp16) maximum, "
-                               "in bits, at the last watched step (metrics.numerics_every)."),
+                               "Least headroom of any layer's largest activation to the bf16 (fp16 runs: fp16) "
+                               "maximum, in bits, at the last watched step (metrics.numerics_every)."),
 }
 NUMERICS_KINDS = {"act": "activation", "attn_logit": "attention_logit", "mlp": "mlp_hidden", "grad": "gradient",
                   "weight": "weight"}
@@ -294,9 +294,10 @@ class PrometheusSink:
 def _numerics_gauges(run: list[str], n: dict):
     """The last watched step's per-layer statistics (row: embed, the block index, head)."""
     rows = n["rows"]
-    for stat, name, help_text in (("max", "paratrain_numerics_max_abs", "Largest |x| per layer and kind at the last "
-                                   "watched step (attention_logit: the largest logit before softmax)."),
-                                  ("rms", "paratrain_numerics_rms", "RMS per layer and kind at the last watched step.")):
+    stats = (("max", "paratrain_numerics_max_abs", "Largest |x| per layer and kind at the last watched step "
+              "(attention_logit: the largest logit before softmax)."),
+             ("rms", "paratrain_numerics_rms", "RMS per layer and kind at the last watched step."))
+    for stat, name, help_text in stats:
         samples = [(run + [row, label], float(v)) for kind, label in NUMERICS_KINDS.items()
                    for row, v in zip(rows, n.get(f"{kind}_{stat}") or []) if _is_number(v)]
         if samples:

@@ -213,7 +213,8 @@ class NumericsWatch:
         return lambda: self.record(stats.tolist())
 
     def record(self, values: list[float]) -> dict:
-        """The record's numerics from the reduced statistics (max of each row and kind, then sum of squares and count)."""
+        """The record's numerics from the reduced statistics (the max of each row and kind, then the sums of squares
+        and the counts)."""
         R, K = len(self.rows), len(KIND_NAMES)
         maxes = [values[r * K:(r + 1) * K] for r in range(R)]
         sums = values[R * K:]

@@ -36,7 +36,8 @@ def _allocator(device) -> tuple[dict, str]:
     import psutil
 
     rss = psutil.Process().memory_info().rss
-    return {"rss_bytes": rss}, f"not a CUDA device ({device.type}): no allocator snapshot; process RSS {rss / 2**20:.1f} MiB"
+    return {"rss_bytes": rss}, (f"not a CUDA device ({device.type}): no allocator snapshot; process RSS "
+                                f"{rss / 2**20:.1f} MiB")
 
 
 def _snapshot_totals(snapshot: dict) -> dict:

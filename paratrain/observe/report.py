@@ -240,10 +240,12 @@ def numerics_summary(run: Run) -> dict | None:
     out: dict = {"watched_steps": len(watched), "nonfinite": found}
     if watched:
         fmt = _low_format(run)
-        cells = [(v, r["step"], row) for r in watched for row, v in zip(r["numerics"]["rows"],
-                                                                        r["numerics"]["act_max"]) if _is_num(v)]
-        room = [(v, r["step"], row) for r in watched for row, v in zip(r["numerics"]["rows"],
-                                                                       r["numerics"]["headroom_bits"][fmt]) if _is_num(v)]
+        def cells_of(values):
+            return [(v, r["step"], row) for r in watched for row, v in zip(r["numerics"]["rows"], values(r))
+                    if _is_num(v)]
+
+        cells = cells_of(lambda r: r["numerics"]["act_max"])
+        room = cells_of(lambda r: r["numerics"]["headroom_bits"][fmt])
         if cells:
             v, step, row = max(cells, key=lambda c: math.inf if math.isnan(c[0]) else c[0])
             out["largest_activation"] = {"value": v, "step": step, "row": row}

@@ -135,7 +135,8 @@ class StepRecorder:
         seconds = self.clock.seconds(p.begin, p.end)
         world = self.env.world_size
         tok_s = self.spec.tokens_per_step / seconds
-        record = {"step": p.step + 1, "batch": p.data_step, "loss": values.loss, "lr": p.lr, "grad_norm": values.grad_norm,
+        record = {"step": p.step + 1, "batch": p.data_step, "loss": values.loss, "lr": p.lr,
+                  "grad_norm": values.grad_norm,
                   "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / world,
                   "mfu": self.flops_per_token * tok_s / (self.peak * world) if self.peak else None,
                   "step_time_s": seconds, "skipped_steps": skipped, "tokens": (p.step + 1) * self.spec.tokens_per_step,
