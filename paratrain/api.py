@@ -18,7 +18,7 @@ import sys
 import time
 
 from paratrain.config import Config
-from paratrain.errors import UserError
+from paratrain.errors import UserError, environment_error, translated
 
 __all__ = ["train", "train_rank", "run_rank", "launch_ranks", "TrainResult"]
 
@@ -101,20 +101,20 @@ def run_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool = F
         from paratrain.distributed import failure
 
         watch.on_signal.append(failure.stop_if_peer_failed)
-        try:
-            result = train_rank(cfg, want_final_weights, keep_group)
-            leave_promptly()
-            return result
-        except SystemExit:
-            raise
-        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+
+        def report_and_exit(error: BaseException):
             from paratrain.distributed.env import kill_local_peers, world_from_env
 
             rank, world, _ = world_from_env()
-            code = failure.report(e, rank, world, cfg.resilience.collective_timeout_s)
+            code = failure.report(error, rank, world, cfg.resilience.collective_timeout_s)
             if code == failure.EXIT_COLLECTIVE_TIMEOUT:
                 kill_local_peers()  # a frozen peer would hold the launcher for its whole shutdown timeout
             exit_now(code)
+
+        with translated(report_and_exit, untouched=(SystemExit,)):  # an interrupt is reported too (exit 130)
+            result = train_rank(cfg, want_final_weights, keep_group)
+            leave_promptly()
+            return result
 
 
 def exit_now(code: int) -> None:
@@ -186,7 +186,6 @@ def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversub
 
 def _train_here(cfg: Config, want_final_weights: bool):
     """One process, no launcher: a failure caused by the environment (full disk, read-only folder) is one line."""
-    from paratrain.errors import environment_problem
     from paratrain.preflight import warn_disk
     from paratrain.spec import VOCAB_PAD, model_args_from
 
@@ -194,12 +193,5 @@ def _train_here(cfg: Config, want_final_weights: bool):
         warn_disk(cfg, model_args_from(cfg, VOCAB_PAD), lambda text: print(text, file=sys.stderr, flush=True))
     except UserError:
         pass  # train_rank reports it
-    try:
+    with translated(environment_error):
         return train_rank(cfg, want_final_weights)
-    except (UserError, SystemExit, KeyboardInterrupt):
-        raise
-    except BaseException as e:  # DCP's CheckpointException derives from BaseException
-        problem = environment_problem(e)
-        if problem is None:
-            raise
-        raise UserError(problem) from None
