@@ -258,3 +258,21 @@ def test_cli_reads_a_run_config_as_the_trainer_does(char_data, tmp_path, capsys)
     assert main(["estimate", "--model", str(path), "--cp", "1", "--dp-shard", "4", "--accum-steps", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["layout"]["cp"] == 1 and data["layout"]["dp_shard"] == 4 and data["accum_steps"] == 1
+
+
+def test_estimator_and_planner_read_parameters_by_role_not_by_name():
+    """A model family's parameter names are its own (hf/names.py maps them): the estimator and the planner find a
+    block's parameters through the family's table (roles, sublayer kinds), never by a name like `...w2.weight`, and
+    build a model through the registry (`build_model`), never one family's module."""
+    import ast
+    import re
+    from pathlib import Path
+
+    named = re.compile(r"(\.(weight|bias)$)|feed_forward\.|attention\.w|experts\.w")
+    root = Path(__file__).resolve().parents[1] / "paratrain"
+    found = [f"{path.relative_to(root.parent)}:{node.lineno}: {ast.unparse(node)}"
+             for folder in ("estimate", "planner") for path in sorted((root / folder).glob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and named.search(node.value)
+             or isinstance(node, ast.ImportFrom) and node.module == "paratrain.models.llama"]
+    assert not found, "parameter names or a family's module in the estimator or planner:\n" + "\n".join(found)

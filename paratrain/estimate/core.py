@@ -32,6 +32,7 @@ from paratrain.estimate.model_states import (BF16, FP32, Param, StateBytes, fsdp
                                              local_shape, model_params, rank_layers, rank_params, state_bytes,
                                              zero_table)
 from paratrain.layout import MULTI_STAGE, Layout, grad_compression_site
+from paratrain.models.registry import family_of
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
 # not see): the CUDA context and kernels (~0.5-0.8 GiB with lazy module loading), cuBLAS/cuDNN workspaces and
@@ -116,9 +117,6 @@ class Estimate:
 
 
 # ---------------------------------------------------------------------------------------------
-# Parameters whose gradients a block's backward makes after its attention (the q/k/v projections and their norm).
-_ATTENTION_INPUT = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention_norm.weight")
-
 
 def default_overhead(layout: Layout, device: str = "cuda") -> int:
     if device != "cuda":
@@ -189,6 +187,32 @@ class _Rank:
     def where(self, where: str) -> list[Param]:
         return [p for p in self.root if p.where == where]
 
+    # What a block's backward makes first and last, read off the family's table by role and sublayer kind.
+    def ffn_output(self, layer: int) -> int:
+        """Elements of the weights writing block `layer`'s feed-forward output, whose gradients its backward makes
+        first: its mlp's row-parallel projection (a mixture of experts': its shared experts'), else a mixture's
+        routed experts' down projection (the stacked weight writing the model width)."""
+        kinds = ("mlp", "moe")
+        out = [p for p in self.sublayer_params(layer, kinds, role="rowwise") if p.matmul]
+        if not out:
+            out = [p for p in self.sublayer_params(layer, kinds, role="expert")
+                   if p.shape[-1] == self.i.model_args.dim][:1]
+        return self.local_numel(out)
+
+    def after_attention_inputs(self, layer: int) -> int:
+        """Elements of block `layer`'s parameters whose gradients exist once its attention's backward starts: all
+        from the attention's row-parallel output projection on (not the norm before it nor the q/k/v projections,
+        whose gradients come last)."""
+        ps, output = self.by_layer[layer], self.sublayer_params(layer, ("attention",), role="rowwise")[0]
+        return self.local_numel(ps[next(k for k, p in enumerate(ps) if p is output):])
+
+    def sublayer_params(self, layer: int, kinds: tuple[str, ...], role: str | None = None) -> list[Param]:
+        """Block `layer`'s parameters (of this role) in its sublayers of these kinds (the family's `sublayers`)."""
+        args = self.i.model_args
+        names = {name for name, kind in family_of(args).sublayers(args, layer).items() if kind in kinds}
+        return [p for p in self.by_layer[layer]
+                if p.module.split(".", 1)[0] in names and (role is None or p.role == role)]
+
 
 def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers: list[int]) -> _Rank:
     args, lay = i.model_args, i.layout
@@ -258,12 +282,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
             return sum(fsdp_numel(p, lay) for p in ps) * FP32
         return local_numel(ps) * FP32
 
-    def dw2(layer):  # the first weight gradient of a block's backward: w2 (the shared expert's, else the experts')
-        ps = by_layer[layer]
-        ps = ([p for p in ps if p.name.endswith(("feed_forward.w2.weight", "shared.w2.weight"))]
-              or [p for p in ps if p.name.endswith("experts.w2")])
-        return local_numel(ps)
-
+    dw2 = r.ffn_output  # the first weight gradient of a block's backward
     grads_full = st.grads
     accum = i.accum_steps
     # Megatron/DeepSpeed allocate their gradient buffers up front (classic accounting): always live.
@@ -343,7 +362,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
             # activations.)
             live = A.ring_backward_block(d, modes[l])
             kept = live if modes[l] == "none" else min(live, stored[l])
-            done = sum(local_numel([p]) for p in by_layer[l] if not p.name.endswith(_ATTENTION_INPUT)) * pbytes
+            done = r.after_attention_inputs(l) * pbytes
             dout = d.N * d.Hq * d.D * d.L
             add(f"ring attention backward of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
                 activations=stored_below + kept + tokens, logits_loss=0, comm_buffers=comm,
@@ -430,8 +449,7 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
             return _fsdp_bytes(ps, lay, pbytes)[1]  # accumulated unsharded, fp32
         return local_numel(ps) * FP32
 
-    def dw2(layer):
-        return local_numel([p for p in by_layer[layer] if p.name.endswith("feed_forward.w2.weight")])
+    dw2 = r.ffn_output  # the first weight gradient of a block's backward (no mixture of experts in a pipeline)
 
     g_const = st.grads if classic else 0
     stage_grads = {s: step_grads([p for l in layers_of[s] for p in by_layer[l]]
