@@ -158,7 +158,7 @@ def _layout_and_batch(cfg, args, model_args, from_file: bool):
         p.pp_microbatches = p.pp_microbatches or 2 * layout.pp
         t.global_batch = t.micro_batch * p.pp_microbatches * layout.dp
         layout = Layout.from_config(p, world)
-    batch, _ = batch_of(cfg, layout)
+    batch, _ = batch_of(t, layout)
     layout.check_checkpointing(cfg.activation_checkpoint.mode)
     layout = layout.validate(model_args, world, batch)
     return layout, layout.forward_batch(batch), layout.accumulation(batch)
