@@ -395,6 +395,24 @@ def test_import_settings_checked_before_anything_is_written(tmp_path, hf_models,
     assert not (tmp_path / "data").exists() and not (tmp_path / "bad").exists()
 
 
+def test_imported_model_is_read_once_per_process(tmp_path, hf_models, monkeypatch):
+    """spec.check reads the folder (config.json, weights' headers, tokenizer) once; what follows receives the parts:
+    the source's dimensions, its tokenizer for the data, its folder for the initial weights."""
+    import paratrain.hf.load as load
+    from paratrain.spec import check, resolve
+
+    reads = []
+    real = load.hf_model_args
+    monkeypatch.setattr(load, "hf_model_args", lambda folder: reads.append(folder) or real(folder))
+    folder = hf_models["untied"]
+    parts = check(fast_config(tmp_path / "data", tmp_path, "once", f"model.init_from=hf:{folder}"), 1)
+    spec = resolve(parts, {"vocab_size": 1, "dir": str(folder)})
+    assert reads == [folder]
+    assert spec.source.hf_folder == folder and spec.model_args == parts.source.args()
+    assert parts.data.model_tokenizer == folder / "tokenizer.json"
+    assert spec.model_name == f"hf:{folder} (LlamaForCausalLM)"
+
+
 def test_moe_without_mixtral_counterpart(char_data, tmp_path, capsys):
     """tiny-moe (a shared expert, a dense first layer) cannot be a MixtralForCausalLM: refused by export, and
     by checkpoint.export_hf before training."""
