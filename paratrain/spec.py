@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.config import Config
+from paratrain.config import Config, DataConfig, ModelConfig
 from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.models.args import ModelArgs
@@ -36,12 +36,12 @@ class ModelSource:
     and tokenizer when it is read), its safetensors the initial weights and its tokenizer.json the data's ids."""
 
     name: str  # for headers and tables: the preset's, or "hf:PATH (LlamaForCausalLM)"
-    model: object  # the [model] section (config.ModelConfig)
+    model: ModelConfig  # the [model] section
     hf_folder: Path | None = None  # the initial weights and tokenizer; None: a preset, initialised at random
     hf_args: ModelArgs | None = None  # the imported model's dimensions
 
     @classmethod
-    def read(cls, model) -> ModelSource:
+    def read(cls, model: ModelConfig) -> ModelSource:
         if not model.init_from:
             return cls(model.preset, model)
         from paratrain import hf
@@ -90,13 +90,13 @@ class DataSource:
     the corpus that folder is prepared from on first use (None: not given) and, for an imported model, its own
     tokenizer.json (the folder is prepared with it, and must hold it)."""
 
-    data: object  # the [data] section (config.DataConfig)
+    data: DataConfig  # the [data] section
     corpus: Path | None
     model_tokenizer: Path | None = None
     model_tokenizer_name: str = "data.tokenizer"  # how messages name the tokenizer
 
     @classmethod
-    def read(cls, data, source: ModelSource) -> DataSource:
+    def read(cls, data: DataConfig, source: ModelSource) -> DataSource:
         from paratrain.config import DEFAULT_DATA_DIR
         from paratrain.data import DEFAULT_CORPUS
 
@@ -137,8 +137,7 @@ class RunSpec:
     global_batch: int  # sequences per optimizer step
     accum_steps: int  # micro-steps per optimizer step (1 with a pipeline)
     batch_fixed: str  # which of global batch / accumulation the user fixed
-    source: ModelSource
-    folder: RunFolder
+    source: ModelSource  # where the model comes from (its name, an imported model's folder)
 
     @property
     def model_name(self) -> str:
@@ -186,8 +185,7 @@ def resolve(parts: RunParts, data_meta: dict) -> RunSpec:
     args = parts.source.args(data_meta["vocab_size"])
     layout = _validated(cfg, parts.source, parts.layout, args, parts.world_size)
     data_dir = Path(data_meta.get("dir", cfg.data.dir))
-    return RunSpec(cfg, layout, args, data_dir, batch.global_batch, layout.accumulation(batch), fixed, parts.source,
-                   parts.folder)
+    return RunSpec(cfg, layout, args, data_dir, batch.global_batch, layout.accumulation(batch), fixed, parts.source)
 
 
 def _validated(cfg: Config, source: ModelSource, layout: Layout, args: ModelArgs, world_size: int) -> Layout:
