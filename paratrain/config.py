@@ -39,7 +39,8 @@ def _model_config() -> type:
     Llama 3.1/3.2's "llama3" with the four rope_* keys), family "llama"; mixture of experts: moe_experts routed
     experts per MoE layer (0: dense; > 0 turns a dense preset into an MoE), moe_top_k experts per token,
     moe_shared_experts every token goes through, moe_ffn_hidden each expert's width (default ffn_hidden),
-    moe_first_dense_layers keep the dense MLP, moe_aux_loss_coef weights the per-sequence load-balancing loss,
+    moe_first_dense_layers keep the dense MLP and so do the blocks listed in moe_dense_layers (e.g. [1, 3]),
+    moe_norm_topk renormalises the top-k gates to sum to 1, moe_aux_loss_coef weights the per-sequence load-balancing loss,
     moe_capacity_factor 0: no limit, else tokens per expert per sequence <= cf x T x k / E."""
     hints = typing.get_type_hints(ModelArgs)
     overrides = [(f.name, hints[f.name] | None, field(default=None)) for f in dataclasses.fields(ModelArgs)]
@@ -245,6 +246,17 @@ def _coerce(key: str, value, annotation):
                 raise ConfigError(f"{key}: expected a TOML array like [{{dir = \"data/a\", weight = 0.7}}] ({e})") from None
         if isinstance(value, list):
             return value
+    unset = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+    if tuple in allowed and not unset:  # integers (model.moe_dense_layers): a TOML array, inline on a command line
+        wanted = f"{key}: expected a list of integers like [1, 3], got {value!r}"
+        if isinstance(value, str):
+            try:
+                value = tomllib.loads(f"v = {value}")["v"]
+            except tomllib.TOMLDecodeError:
+                raise ConfigError(wanted) from None
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ConfigError(wanted)
+        return tuple(value)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in allowed):
         if type(None) in allowed:
             return None
@@ -276,6 +288,8 @@ def _members(annotation) -> tuple:
         return get_args(annotation)
     if get_origin(annotation) in (Union, types.UnionType):
         return tuple(m for arg in get_args(annotation) for m in _members(arg))
+    if get_origin(annotation) is tuple:  # tuple[int, ...]
+        return (tuple,)
     return (annotation,)
 
 

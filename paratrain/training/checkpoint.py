@@ -421,7 +421,7 @@ def resolve_resume(resume: str, ckpt_root: Path, warn=None, problem=checkpoint_p
 # Model dimensions that decide the parameters' shapes: a checkpoint loads only into a model that agrees on them.
 ARCHITECTURE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
                      "tie_embeddings", "moe_experts", "moe_shared_experts", "moe_ffn_hidden", "moe_first_dense_layers",
-                     "family")
+                     "moe_dense_layers", "family")
 
 
 def model_mismatch(trainer_state: dict, model_args) -> str | None:
@@ -430,7 +430,9 @@ def model_mismatch(trainer_state: dict, model_args) -> str | None:
     if not isinstance(saved, dict):
         return "its trainer.pt has no model dimensions"
     ours = dataclasses.asdict(model_args)
-    saved = {"family": DEFAULT_FAMILY, **saved}  # saved before families had names
+    # saved before families had names, or before blocks could be dense by index
+    saved = {"family": DEFAULT_FAMILY, "moe_dense_layers": (), **saved}
+    saved["moe_dense_layers"] = tuple(saved["moe_dense_layers"])
     diffs = [f"{k} {saved.get(k)} (this run: {ours.get(k)})" for k in ARCHITECTURE_KEYS if saved.get(k) != ours.get(k)]
     return "it holds another model: " + ", ".join(diffs) if diffs else None
 
