@@ -32,6 +32,7 @@ from paratrain.estimate.model_states import (BF16, FP32, Param, StateBytes, fsdp
                                              local_shape, model_params, rank_layers, rank_params, state_bytes,
                                              zero_table)
 from paratrain.layout import MULTI_STAGE, Layout, grad_compression_site
+from paratrain.models.presets import count_active_params
 from paratrain.models.registry import family_of
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
@@ -87,6 +88,7 @@ class Estimate:
         lay = i.layout
         return {
             "model": i.model_name, "parameters": sum(p.numel for p in model_params(i.model_args)),
+            "active_parameters": count_active_params(i.model_args),
             "layout": {**dataclasses.asdict(lay), "world_size": lay.world_size, "description": lay.describe()},
             "precision": i.precision, "accounting": i.accounting, "optimizer": i.optimizer,
             "optimizer_impl": i.optimizer_impl, "checkpointing": i.checkpointing, "every_k": i.every_k,
@@ -560,9 +562,11 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
 
 def _zb_intermediates(d: A.ActDims) -> int:
     """What a zero-bubble input-gradient step keeps of one block for its weight-gradient step: the gradient of each
-    weight's output (q, k, v, o, w1, w3, w2 in the matmul dtype, the two norm gains' in the residual dtype)."""
+    weight's output (q, k, v, o, w1, w3, w2 in the matmul dtype, the two norm gains' in the residual dtype, and the
+    per-head q/k norm gains' in the matmul dtype)."""
     N = d.N
-    return N * (d.Hq * d.D + 2 * d.Hkv * d.D + 2 * d.C + 2 * d.F) * d.L + 2 * N // d.seq_div * d.C * d.R
+    head_norms = (d.Hq + d.Hkv) * d.D if d.qk_norm else 0
+    return N * (d.Hq * d.D + 2 * d.Hkv * d.D + 2 * d.C + 2 * d.F + head_norms) * d.L + 2 * N // d.seq_div * d.C * d.R
 
 
 def _zb_head_intermediates(d: A.ActDims) -> int:
