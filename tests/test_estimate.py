@@ -148,7 +148,9 @@ def _check(rows, spec, world, tol_total=0.05, tol_acts=0.10):
     dict(precision="bf16", checkpointing="selective", micro_batch=1, seq_len=64),
     dict(precision="fp32", checkpointing="every_k"),
     dict(precision="bf16", checkpointing="full", accum_steps=2),
-], ids=["fp32", "bf16-selective", "fp32-every_k", "bf16-full-accum2"])
+    # Qwen3-shaped: per-head q/k norms (their saved tensors), q/k/v/o biases (autocast copies), head_dim != dim / heads
+    dict(precision="bf16", checkpointing="none", model=dict(TINY, head_dim=32, family="qwen3-bias")),
+], ids=["fp32", "bf16-selective", "fp32-every_k", "bf16-full-accum2", "qwen3-bf16"])
 def test_one_process_matches_measurement(kw):
     spec = _spec(**kw)
     [rows] = measure([spec], 1)
