@@ -22,7 +22,7 @@ import tomli_w
 
 from paratrain.errors import ConfigError
 from paratrain.layout import DPModeOption, GradCompression, Schedule
-from paratrain.models.args import ModelArgs
+from paratrain.models.args import ModelArgs, is_int
 
 Precision = Literal["fp32", "bf16", "fp16"]
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
@@ -254,7 +254,7 @@ def _coerce(key: str, value, annotation):
                 value = tomllib.loads(f"v = {value}")["v"]
             except tomllib.TOMLDecodeError:
                 raise ConfigError(wanted) from None
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if not isinstance(value, (list, tuple)) or not all(is_int(v) for v in value):
             raise ConfigError(wanted)
         return tuple(value)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in allowed):

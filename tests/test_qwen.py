@@ -288,4 +288,5 @@ def test_dense_layer_indices_are_checked():
     with pytest.raises(ConfigError, match="model.moe_dense_layers: 7 is not a block of the 2-block model"):
         preset_args("tiny-qwen3-moe", vocab_size=128, moe_dense_layers=(7,))
     saved = {**vars(preset_args("tiny-qwen3-moe", vocab_size=128)), "moe_dense_layers": "1"}
-    assert fields_problem(saved, "model_args.") == "model_args.moe_dense_layers must be a list of layer indices, got '1'"
+    problem = fields_problem(saved, "model_args.")
+    assert problem == "model_args.moe_dense_layers must be a list of layer indices, got '1'"

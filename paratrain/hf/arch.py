@@ -193,10 +193,6 @@ def _value(cfg: dict, arch: HFArch, key: str):
     return cfg[key] if cfg.get(key) is not None else arch.defaults.get(key)
 
 
-def _json(value) -> str:
-    return json.dumps(value)
-
-
 def _family_for(cfg: dict, name: str, where: str) -> tuple[ModelFamily, HFArch]:
     """The family (and its architecture entry) that computes what this config describes: the first whose fixed fields
     it has (e.g. Qwen3's attention_bias picks qwen3 or qwen3-bias), else a one-line UserError naming the field."""
@@ -206,14 +202,15 @@ def _family_for(cfg: dict, name: str, where: str) -> tuple[ModelFamily, HFArch]:
             return family, arch
     _, arch = pairs[0]
     key = next(k for k, v in arch.fixed.items() if _value(cfg, arch, k) != v)
-    raise UserError(f"{where}: {key}={_json(_value(cfg, arch, key))} is not supported (paratrain's {name} has "
-                    f"{key}={_json(arch.fixed[key])})")
+    raise UserError(f"{where}: {key}={json.dumps(_value(cfg, arch, key))} is not supported (paratrain's {name} has "
+                    f"{key}={json.dumps(arch.fixed[key])})")
 
 
 def _moe_fields(cfg: dict, arch: HFArch, where: str) -> dict:
     """The mixture-of-experts dimensions: softmax top-k over routed experts, no shared experts; the dense blocks of
     decoder_sparse_step / mlp_only_layers where the architecture has them."""
-    experts = next((cfg[k] for k in arch.experts_keys if cfg.get(k) is not None), arch.defaults.get(arch.experts_keys[0]))
+    given = [cfg[k] for k in arch.experts_keys if cfg.get(k) is not None]
+    experts = given[0] if given else arch.defaults.get(arch.experts_keys[0])
     top_k = _value(cfg, arch, "num_experts_per_tok")
     renormalised = _value(cfg, arch, arch.norm_topk_key) if arch.norm_topk_key else True
     _refuse_if(renormalised and top_k < 2, where, f"num_experts_per_tok={top_k} with renormalised gates: transformers' "

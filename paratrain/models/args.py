@@ -34,8 +34,8 @@ class ModelArgs:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
-    # Mixture of experts (0 experts = dense everywhere). The MoE block replaces the dense MLP in
-    # every layer from `moe_first_dense_layers` on but `moe_dense_layers`; `moe_ffn_hidden` is each expert's hidden size.
+    # Mixture of experts (0 experts = dense everywhere). The MoE block replaces the dense MLP in every layer from
+    # `moe_first_dense_layers` on but `moe_dense_layers`; `moe_ffn_hidden` is each expert's hidden size.
     moe_experts: int = 0
     moe_top_k: int = 2
     moe_shared_experts: int = 0
