@@ -15,9 +15,10 @@ from paratrain.observe.dryrun import dry_run, format_dry_run
 
 TINY = ["model.preset=tiny", "model.vocab_size=256", "training.seq_len=32", "training.micro_batch=2"]
 LAYOUTS = {  # world, overrides: every data-parallel mode, tp with and without FSDP, each pipeline schedule family,
-    # context and expert parallelism and their compositions, tied embeddings, compression, fp16, compile
+    # context and expert parallelism and their compositions, tied embeddings, compression, fp16, compile, SGD
     "ddp4": (4, ["parallel.dp_mode=ddp", "training.precision=fp16"]),
     "zero1x4": (4, ["parallel.dp_mode=zero1"]),
+    "zero2x2-sgd": (2, ["parallel.dp_mode=zero2", "optimizer.name=sgd"]),
     "hsdp2x2": (4, ["parallel.dp_mode=hsdp", "parallel.dp_replicate=2", "parallel.grad_compression=sign_ef"]),
     "tp2": (2, ["parallel.tp=2"]),
     "pp2-zbv": (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "model.n_layers=4"]),

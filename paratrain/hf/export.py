@@ -40,7 +40,8 @@ from paratrain.hf.tokenizer import special_tokens, write_tokenizer
 from paratrain.models.args import ModelArgs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SOURCE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+SOURCE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja",
+                "vocab.json", "merges.txt")  # the slow tokenizer's files (Qwen ships them beside tokenizer.json)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
 
 

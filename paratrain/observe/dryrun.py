@@ -64,24 +64,22 @@ def offline_spec(cfg, world: int):
     else a placeholder (said in the notes)."""
     from pathlib import Path
 
+    from paratrain.models.presets import preset_fields
     from paratrain.spec import VOCAB_PAD, check, resolve
 
-    layout = check(cfg, world)  # every check that needs no data: one line before anything is built
+    parts = check(cfg, world)  # every check that needs no data: one line before anything is built
     notes = []
-    meta_file = Path(cfg.data.dir) / "meta.json"
-    if meta_file.is_file() and not cfg.data.sources:
+    if (Path(cfg.data.dir) / "meta.json").is_file() and not cfg.data.sources:
         from paratrain.data.prepare import read_meta
 
         meta = read_meta(cfg.data.dir)
     else:
-        meta = {"vocab_size": VOCAB_PAD * layout.tp}
-        from paratrain.models.presets import preset_fields
-
-        own = cfg.model.vocab_size is not None or cfg.model.init_from or preset_fields(cfg.model.preset)["vocab_size"]
-        if not own:
+        meta = {"vocab_size": VOCAB_PAD * parts.layout.tp}
+        m = cfg.model
+        if parts.source.hf_args is None and m.vocab_size is None and preset_fields(m.preset)["vocab_size"] is None:
             notes.append(f"the vocabulary comes from the data, which is not prepared: a placeholder of "
-                         f"{meta['vocab_size']} (unless the model has its own); set model.vocab_size for the real one")
-    return resolve(cfg, world, meta), notes
+                         f"{meta['vocab_size']}; set model.vocab_size for the real one")
+    return resolve(parts, meta), notes
 
 
 def stage_ranks(layout) -> list[int]:

@@ -81,7 +81,7 @@ class Trainer:
         self.prompt_ids = prompt_ids(self.tokenizer, cfg.sample.prompt)  # fails now, not after training
 
         if spec.layout.pipelined:  # heterogeneous clusters: this rank's stages on the GPU the plan gave them
-            check_stage_gpu(stage_gpus(cfg, spec.layout), self.dims.pp_rank, dev)
+            check_stage_gpu(stage_gpus(cfg.parallel, spec.layout), self.dims.pp_rank, dev)
         budget = cfg.resilience.memory_budget_gib
         self.train_step = build_run_step(spec, self.dims, dev,
                                          memory_budget=MemoryBudget(int(budget * 2**30)) if budget > 0 else None)
@@ -123,11 +123,12 @@ class Trainer:
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
             (cfg.run_dir / "config.toml").write_text(dump_toml(resolved_config(cfg, spec.layout)))
         self.log = MetricsLog(cfg.run_dir / "metrics.jsonl", t.steps, 0, cfg.metrics.progress, enabled=env.is_main,
-                              sinks=build_sinks(cfg, env))
-        if start == 0 and cfg.model.init_from:  # a Hugging Face model's weights onto this layout; a fresh optimizer
+                              sinks=build_sinks(cfg.metrics, env, cfg.run.name, cfg.run_dir))
+        folder = spec.source.hf_folder
+        if start == 0 and folder is not None:  # a Hugging Face model's weights onto this layout; a fresh optimizer
             from paratrain import hf
 
-            folder = hf.load_initial_weights(unwrap(self.train_step.model), cfg, spec.model_args)
+            hf.load_initial_weights(unwrap(self.train_step.model), folder, spec.model_args)
             self.notice(f"initialised from Hugging Face folder {folder}")
         self._print_header()
         memory_rows = None
@@ -311,7 +312,8 @@ class Trainer:
             from paratrain import hf
 
             self.checkpointer.finish()
-            log.message(f"Hugging Face model: {hf.export_final(cfg, env.rank, env.world_size)}")
+            out = hf.export_final(cfg.run_dir, steps, cfg.checkpoint.export_hf_dtype, env.rank, env.world_size)
+            log.message(f"Hugging Face model: {out}")
         bubble = self.recorder.bubble_summary()
         if bubble:
             log.message(bubble)
