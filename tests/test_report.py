@@ -166,11 +166,13 @@ def test_layout_label_from_an_older_log(tmp_path):
 
 
 def test_report_labels_tp_ep_pp_runs(char_data, tmp_path):
-    """Three layouts trained by one launch of two ranks: the report names each by its Layout's short name."""
+    """Three layouts trained by one launch of two ranks: the report names each by its Layout's short name. The
+    numerics watch on every step: each row's numbers gathered over the ranks that hold it (a pipeline's first step
+    is not watched: torch's shape inference runs the later stage over uninitialised tensors then)."""
     from paratrain.distributed.launch import launch
 
     base = ["training.steps=2", "training.global_batch=8", "training.eval_every=0", "checkpoint.save_final=false",
-            "resilience.collective_timeout_s=60"]
+            "resilience.collective_timeout_s=60", "metrics.numerics_every=1"]
     cfgs = [fast_config(char_data, tmp_path, "tp", *base, "parallel.tp=2"),
             fast_config(char_data, tmp_path, "ep", *base, "model.preset=tiny-moe", "parallel.ep=2"),
             fast_config(char_data, tmp_path, "pp", *base, "parallel.pp=2")]
@@ -182,6 +184,14 @@ def test_report_labels_tp_ep_pp_runs(char_data, tmp_path):
     assert layouts["pp"].startswith("pp2 1f1b m=") and "m=0" not in layouts["pp"]
     assert "| tp2 |" in row_of(md, "tp") and "| fsdp 2 x ep2 |" in row_of(md, "ep")
     assert all("| 2 |" in row_of(md, n) for n in ("tp", "ep", "pp"))  # devices
+    for name, steps in (("tp", [1, 2]), ("ep", [1, 2]), ("pp", [2])):
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+        watched = [r for r in records if "numerics" in r]
+        assert [r["step"] for r in watched] == steps, name
+        n = watched[-1]["numerics"]
+        assert all(0 < v < 10 for k in ("act_max", "grad_max", "weight_max") for v in n[k]), (name, n)
+        assert all(v is not None for v in n["attn_logit_max"][1:-1]), (name, n)
+        assert (n["mlp_max"][2] is None) == (name == "ep"), (name, n)  # tiny-moe's second block: experts
 
 
 def _train_all(*cfgs):

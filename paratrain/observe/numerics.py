@@ -131,6 +131,7 @@ class NumericsWatch:
         self.active = False
         self.max = self.sums = None
         self.device = train_step.device
+        self.first_step: int | None = None  # this process's first step
         if every > 0:
             self._install()
 
@@ -163,8 +164,9 @@ class NumericsWatch:
     def add(self, row: int, kind: int, x: torch.Tensor | None) -> None:
         if x is None or x.numel() == 0:
             return
-        self.add_max(row, kind, x.abs().amax().float())
-        self.sums[row, kind, 0] += x.float().square().sum()
+        # norms computed in fp32 by the reduction itself: no fp32 copy of a bf16 activation
+        self.add_max(row, kind, torch.linalg.vector_norm(x, math.inf, dtype=torch.float32))
+        self.sums[row, kind, 0] += torch.linalg.vector_norm(x, 2, dtype=torch.float32).square()
         self.sums[row, kind, 1] += x.numel()
 
     def add_max(self, row: int, kind: int, value: torch.Tensor) -> None:
@@ -172,6 +174,12 @@ class NumericsWatch:
 
     # -- a watch step -----------------------------------------------------------------------------
     def due(self, step: int) -> bool:
+        """A watch step. Not the first step of a pipelined process: torch's pipeline infers its stages' shapes then,
+        by a forward of each later stage over uninitialised tensors, which the hooks would measure."""
+        if self.first_step is None:
+            self.first_step = step
+        if self.train_step.pipeline is not None and step == self.first_step:
+            return False
         return self.every > 0 and (step + 1) % self.every == 0
 
     def begin(self, step: int) -> None:
