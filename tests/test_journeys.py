@@ -475,6 +475,10 @@ def test_journey_troubleshooting(journey):
     assert ("step 6: non-finite loss or gradient norm, update skipped (1 skipped so far); first non-finite output: "
             "layers.1.attention.wo (rank 1, step 6, batch 5); replay: paratrain replay runs/watched step-6") in out
     assert "rolled back to runs/watched/checkpoints/step-4" in out
+    bad = [r for r in metrics(j.cwd / "runs/watched") if "nonfinite" in r]
+    assert [r["step"] for r in bad] == [6]  # step 7 (the second bad one) rolled back before it was logged
+    assert bad[0]["nonfinite"] == {"module": "layers.1.attention.wo", "rank": 1, "batch": 5}
+    assert bad[0]["numerics"]["grad_max"][0] is not None  # a watched step: its own numbers, gradients included
     j.readme("paratrain report runs/watched")
     assert (j.cwd / "runs/watched/report/numerics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = j.readme("paratrain replay runs/watched step-6").stdout

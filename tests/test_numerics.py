@@ -80,6 +80,25 @@ def test_heat_map_and_table_from_a_log(tmp_path):
         {"step": 4, "module": "layers.1.attention.wo", "rank": 1, "batch": 3}]
 
 
+def test_a_nonfinite_step_is_named_and_measured_with_the_watch_off(char_data, tmp_path, monkeypatch, capsys):
+    """numerics_every=0: no step is watched, but the step a weight overflowed in is replayed: its line names the
+    module, and its record holds the replay's rows (activations and weights; no gradients, no backward ran)."""
+    from paratrain.api import train_rank
+
+    monkeypatch.setenv("PARATRAIN_FAULTS", "overflow@1")
+    run = train_rank(fast_config(char_data, tmp_path, "nan", "training.steps=2", "training.log_every=1",
+                                 "resilience.max_bad_steps=5", "checkpoint.save_final=false"))
+    out = capsys.readouterr().out
+    assert "step 2: non-finite loss or gradient norm, update skipped (1 skipped so far); first non-finite output: " \
+           f"layers.1.attention.wo (rank 0, step 2, batch 1); replay: paratrain replay {run.run_dir} step-2" in out
+    records = [r for r in map(json.loads, (run.run_dir / "metrics.jsonl").open()) if "loss" in r]
+    assert "numerics" not in records[0] and records[1]["nonfinite"] == {"module": "layers.1.attention.wo", "rank": 0,
+                                                                          "batch": 1}
+    n = records[1]["numerics"]
+    assert math.isfinite(n["act_max"][1]) and not math.isfinite(n["act_max"][2])  # block 0 fine, block 1 overflowed
+    assert n["grad_max"] == [None] * 4 and n["weight_max"][2] >= 1e37  # the scaled weight, in block 1's row
+
+
 def test_out_of_memory_writes_the_snapshot_beside_the_estimate(char_data, tmp_path, monkeypatch, capsys):
     """An out-of-memory error (faked on CPU) writes the estimate and the allocator's state into the run folder,
     names the folder in its line, and the run goes on at half the micro-batch."""

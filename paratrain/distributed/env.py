@@ -99,28 +99,52 @@ def register_process() -> None:
         default_store().set(f"paratrain/pid/{dist.get_rank()}", f"{socket.gethostname()}:{os.getpid()}")
 
 
-def kill_local_peers() -> list[int]:
-    """SIGKILL the other ranks on this host (after a collective timeout the group cannot recover, and a
-    frozen rank would otherwise hold the launcher for its 30 s shutdown grace). Returns the pids killed."""
+def local_peer_pids(timeout_s: float = 5) -> dict[int, int]:
+    """{rank: pid} of the other ranks on this host, as they published them at start ({} without a group or store)."""
     if not dist.is_initialized():
-        return []
-    killed, me, host = [], dist.get_rank(), socket.gethostname()
-    store = default_store()
-    store.set_timeout(timedelta(seconds=5))
+        return {}
+    peers, me, host = {}, dist.get_rank(), socket.gethostname()
+    try:
+        store = default_store()
+        store.set_timeout(timedelta(seconds=timeout_s))
+    except Exception:  # noqa: BLE001 - the store may be gone too; the launcher will clean up
+        return {}
     for rank in range(dist.get_world_size()):
         if rank == me:
             continue
         try:
             peer_host, pid = store.get(f"paratrain/pid/{rank}").decode().rsplit(":", 1)
-        except Exception:  # noqa: BLE001 - the store may be gone too; the launcher will clean up
+        except Exception:  # noqa: BLE001 - as above
             continue
         if peer_host == host:
+            peers[rank] = int(pid)
+    return peers
+
+
+def kill_local_peers_after_exit(code: int) -> None:
+    """End this process with exit code `code`, then SIGKILL the other ranks on this host (after a collective timeout
+    the group cannot recover, and a frozen rank would hold the launcher for its 30 s shutdown grace). The kill comes
+    from a forked child once this process is gone, so the launcher sees this rank's exit code before its peers die
+    (it reports the first failure it sees: a peer killed first would read as a crash)."""
+    import sys
+    import time
+
+    pids = list(local_peer_pids().values())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if pids and os.fork() == 0:  # the child: only waits, kills and exits (nothing else is safe after a fork)
+        parent = os.getppid()
+        deadline = time.monotonic() + 10
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # the launcher polls its ranks every 0.1 s
+        for pid in pids:
             try:
-                os.kill(int(pid), signal.SIGKILL)
-                killed.append(int(pid))
-            except ProcessLookupError:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
                 pass
-    return killed
+        os._exit(0)
+    os._exit(code)
 
 
 def shutdown_distributed() -> None:

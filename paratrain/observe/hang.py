@@ -18,7 +18,6 @@ rank among those that waits for no one else (or wrote nothing) is the one to loo
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import socket
@@ -90,29 +89,18 @@ def _main_stack() -> list[str]:
 
 
 def _local_peers() -> dict[int, dict]:
-    """The ranks on this host other than this one: {rank: {pid, state}} from the pids they published at start."""
+    """The ranks on this host other than this one: {rank: {pid, state}}."""
     import psutil
-    import torch.distributed as dist
 
-    from paratrain.distributed.env import default_store
+    from paratrain.distributed.env import local_peer_pids
 
-    peers, me, host = {}, dist.get_rank(), socket.gethostname()
-    try:
-        store = default_store()
-        store.set_timeout(datetime.timedelta(seconds=2))
-        for rank in range(dist.get_world_size()):
-            if rank == me:
-                continue
-            peer_host, pid = store.get(f"paratrain/pid/{rank}").decode().rsplit(":", 1)
-            if peer_host != host:
-                continue
-            try:
-                state = psutil.Process(int(pid)).status()
-            except psutil.Error:
-                state = "gone"
-            peers[rank] = {"pid": int(pid), "state": state}
-    except Exception:  # noqa: BLE001 - the store may be gone with the launcher: the record goes without peers
-        pass
+    peers = {}
+    for rank, pid in local_peer_pids(timeout_s=2).items():
+        try:
+            state = psutil.Process(pid).status()
+        except psutil.Error:
+            state = "gone"
+        peers[rank] = {"pid": pid, "state": state}
     return peers
 
 

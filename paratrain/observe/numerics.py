@@ -16,7 +16,8 @@ values, for its part of the batch) and are read with the step's other numbers at
 A step whose loss or gradient norm turns out non-finite at the settle point is replayed forward (no gradients) on
 the same batch and the weights of that moment, every module's output checked: the first module in the order outputs
 are produced whose output is non-finite, and the rank that saw it, go into the step's one-line message and record
-(`nonfinite`), with the batch id for `paratrain replay`.
+(`nonfinite`), with the batch id for `paratrain replay`; the replay's rows (activations and weights) are the step's
+numerics, unless it was a watch step (its own, gradients included).
 
 Off, the model has no hooks at all. On, the hooks are installed once and return at once outside watch steps
 (a compiled block then keeps one graph with and one without them).
@@ -133,21 +134,31 @@ class NumericsWatch:
         self.device = train_step.device
         self.first_step: int | None = None  # this process's first step
         if every > 0:
-            self._install()
+            self._install()  # for the whole run
 
     # -- hooks ------------------------------------------------------------------------------------
-    def _install(self) -> None:
+    def _install(self):
+        """Hooks on the rows' modules and a logit watch in each attention; returns what removes them."""
+        handles, watched = [], []
         for name, m in _named(forward_modules(self.train_step)):
             row = row_of(name, self.n_layers)
             if row is None:
                 continue
             parts = name.split(".")
             if name in ("tok_embeddings", "output") or (len(parts) == 2 and parts[0] == "layers"):
-                m.register_forward_hook(self._output_hook(row, ACTIVATIONS))
+                handles.append(m.register_forward_hook(self._output_hook(row, ACTIVATIONS)))
             elif parts[2:] == ["feed_forward", "w2"]:  # the dense SwiGLU's hidden activation is w2's input
-                m.register_forward_pre_hook(self._input_hook(row, MLP))
+                handles.append(m.register_forward_pre_hook(self._input_hook(row, MLP)))
             elif parts[2:] == ["attention"] and hasattr(m, "sequence"):
                 m.sequence = _LogitWatch(m.sequence, self, row)
+                watched.append(m)
+
+        def remove():
+            for h in handles:
+                h.remove()
+            for m in watched:
+                m.sequence = m.sequence._inner
+        return remove
 
     def _output_hook(self, row: int, kind: int):
         def hook(module, args, out):
@@ -184,8 +195,10 @@ class NumericsWatch:
 
     def begin(self, step: int) -> None:
         """Before the step's forward: on a watch step, start measuring."""
-        if not self.due(step):
-            return
+        if self.due(step):
+            self._start()
+
+    def _start(self) -> None:
         self.active = True
         self.max = torch.zeros(len(self.rows), len(KIND_NAMES), device=self.device)
         self.max[:, LOGITS] = -math.inf  # a logit can be negative; the other kinds are absolute values
@@ -256,9 +269,11 @@ class NumericsWatch:
     # -- a non-finite step ------------------------------------------------------------------------
     @torch.no_grad()
     def first_nonfinite(self, batches) -> dict:
-        """Replay `batches` (this rank's micro-batches of the bad step) forward with every module's output checked;
-        every rank calls this together. Returns {"module", "rank"} of the first non-finite output (in the order
-        outputs are produced, blocks in model order across pipeline stages), or {"module": None, "loss_finite"}."""
+        """Replay `batches` (this rank's micro-batches of the bad step) forward with every module's output checked
+        and the rows measured (activations and weights: no backward runs); every rank calls this together. Returns
+        {"module", "rank"} of the first non-finite output (in the order outputs are produced, blocks in model order
+        across pipeline stages), or {"module": None, "loss_finite"}, and the rows' numbers ("numerics": the record's
+        keys)."""
         names, flags, handles = [], [], []
 
         def hook(name):
@@ -271,13 +286,18 @@ class NumericsWatch:
 
         for name, m in _named(forward_modules(self.train_step)):
             handles.append(m.register_forward_hook(hook(name)))
-        was_active, self.active = self.active, False
+        remove = self._install() if self.every == 0 else None  # the rows' hooks, for this replay only
+        self._start()
         try:
             losses = [self.train_step.eval_loss_sum(x, y, len(x)) for x, y in batches]
+            self.after_backward()  # the weights (no gradients: the replay runs no backward)
         finally:
-            self.active = was_active
+            self.active = False
             for h in handles:
                 h.remove()
+            if remove is not None:
+                remove()
+        numbers = self.end()()
         ok = torch.stack([*flags, torch.isfinite(torch.stack(losses).sum())]).tolist()  # one read
         first = next((i for i, good in enumerate(ok[:-1]) if not good), None)
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -289,8 +309,8 @@ class NumericsWatch:
             dist.all_gather_object(found, mine)
         _, _, rank, module, _ = min(found, key=lambda f: (f[0], f[1], f[2]))
         if module is None:
-            return {"module": None, "loss_finite": all(f[4] for f in found)}
-        return {"module": module or "the model's output", "rank": rank}
+            return {"module": None, "loss_finite": all(f[4] for f in found), "numerics": numbers}
+        return {"module": module or "the model's output", "rank": rank, "numerics": numbers}
 
     def _order(self, name: str) -> tuple:
         """Where a module's row comes in the forward (pipeline stages hold different rows)."""
@@ -329,6 +349,7 @@ class Finding:
     rank: int | None
     run_dir: str
     loss_finite: bool = True
+    numerics: dict | None = None  # the rows' numbers on the replay (the record's numerics keys)
 
     def text(self) -> str:
         replay = f"replay: paratrain replay {self.run_dir} step-{self.step + 1}"
@@ -340,4 +361,4 @@ class Finding:
                 f"arose {where} (step {self.step + 1}); {replay}")
 
     def record(self) -> dict:
-        return {"nonfinite": {"module": self.module, "rank": self.rank, "batch": self.batch}}
+        return {"nonfinite": {"module": self.module, "rank": self.rank, "batch": self.batch}, **(self.numerics or {})}

@@ -222,8 +222,8 @@ class Trainer:
                 return back
             result.losses.append(values.loss)
             record = self.recorder.finish(entry, values, self.progress.skipped)
-            if finding:
-                record.update(finding.record())
+            if finding:  # a watch step keeps its own numerics (gradients included); others get the replay's
+                record.update({k: v for k, v in finding.record().items() if k not in record})
             self.logged.append((record, entry.show, entry.profile_index))
         return None
 
@@ -231,7 +231,7 @@ class Trainer:
         """A non-finite step: replay its batch forward on every rank and name the first non-finite output."""
         found = self.numerics.first_nonfinite(self._micro_batches(entry.data_step))
         return Finding(entry.step, entry.data_step, found["module"], found.get("rank"), str(self.cfg.run_dir),
-                       found.get("loss_finite", True))
+                       found.get("loss_finite", True), found["numerics"])
 
     def _log_settled(self) -> None:
         for record, show, profile_index in self.logged:
