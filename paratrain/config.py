@@ -21,12 +21,10 @@ from pathlib import Path
 import tomli_w
 
 from paratrain.errors import ConfigError
-from paratrain.layout import DPModeOption, GradCompression, Schedule
 from paratrain.models.args import ModelArgs
+from paratrain.modes import CheckpointMode, DPModeOption, GradCompression, OptimizerImpl, Precision, Schedule
 
-Precision = Literal["fp32", "bf16", "fp16"]
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
-ActivationCheckpointMode = Literal["none", "full", "every_k", "selective"]
 
 
 def _model_config() -> type:
@@ -93,7 +91,7 @@ class OptimizerConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     eps: float = 1e-8
-    impl: Literal["auto", "fused", "foreach", "for"] = "auto"
+    impl: Literal["auto", OptimizerImpl] = "auto"
 
     @property
     def final_lr(self) -> float:
@@ -133,7 +131,7 @@ class ParallelConfig:
 class ActivationCheckpointConfig:
     """Activation checkpointing (recompute in backward instead of storing)."""
 
-    mode: ActivationCheckpointMode = "none"
+    mode: CheckpointMode = "none"
     every_k: int = 2
 
 
@@ -148,7 +146,7 @@ class CheckpointConfig:
     async_save: bool = False  # write in the background; committed at a later step boundary
     export_safetensors: bool = False  # also write consolidated weights to RUN_DIR/model.safetensors at the end
     export_hf: bool = False  # at the end, also export the final checkpoint as a Hugging Face folder RUN_DIR/hf
-    export_hf_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    export_hf_dtype: Precision = "bf16"  # the dtype of the exported weights
 
 
 @dataclass

@@ -22,10 +22,11 @@ import functools
 import math
 from dataclasses import dataclass
 
-from paratrain.layout import Layout, balanced_split
+from paratrain.layout import Layout, balanced_split, stage_owner
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
 from paratrain.models.registry import parameters
+from paratrain.modes import low_precision
 
 # Bytes per element.
 FP32, BF16 = 4, 2
@@ -93,10 +94,9 @@ def rank_layers(layout: Layout, args: ModelArgs) -> list[list[int]]:
 @functools.lru_cache(maxsize=4096)
 def _rank_layers(pp: int, virtual: int, schedule: str, split: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     starts = [sum(split[:s]) for s in range(len(split))]
-    owner = (lambda s: s if s < pp else 2 * pp - 1 - s) if schedule == "zbv" else (lambda s: s % pp)
     out = [[] for _ in range(pp)]
     for s, n in enumerate(split):
-        out[owner(s)] += range(starts[s], starts[s] + n)
+        out[stage_owner(schedule, pp, s)] += range(starts[s], starts[s] + n)
     return tuple(tuple(sorted(b)) for b in out)
 
 
@@ -202,7 +202,7 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
     local_numel = sum(count * n for _, count, n in kinds)
     tensors = sum(count for _, count, _ in kinds)
     per_opt = OPTIMIZER_STATE_BYTES[optimizer]
-    low = precision != "fp32"
+    low = low_precision(precision)
     rope = 2 * args.max_seq_len * (args.head_dim // 2) * FP32  # rope_cos, rope_sin buffers
     notes = []
     dp = layout.dp

@@ -17,12 +17,12 @@ from paratrain.errors import UserError
 from paratrain.models.args import (DEFAULT_FAMILY, MAX_COUNT, MAX_DIMENSION, MAX_POSITIONS, MAX_VOCAB, ModelArgs,
                                    is_int, is_number)
 from paratrain.models.presets import validate_args, validate_moe
+from paratrain.modes import dtype_name
 
 LLAMA, MIXTRAL = "LlamaForCausalLM", "MixtralForCausalLM"
 # Architectures read on import. Mistral is Llama's layout with an optional sliding window (refused when set).
 IMPORTABLE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral"}
 ROPE_TYPES = ("default", "llama3")
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -266,7 +266,7 @@ def hf_config_from_args(args: ModelArgs, vocab_size: int, dtype: str, bos_id: in
         "use_cache": True,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
-        "torch_dtype": DTYPE_NAMES[dtype],
+        "torch_dtype": dtype_name(dtype),
     }
     if args.rope_scaling == "llama3":
         cfg["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor,
