@@ -232,7 +232,7 @@ def _suggest(name: str, options) -> str:
 
 def _coerce(key: str, value, annotation):
     """Check (TOML values) or parse (command-line strings) one value against its type annotation."""
-    options = _members(annotation)
+    options = annotation_members(annotation)
     allowed = tuple(o for o in options if isinstance(o, type))
     choices = tuple(o for o in options if not isinstance(o, type))  # Literal values
     if list in allowed:  # a TOML array, or on the command line the same written inline
@@ -268,12 +268,12 @@ def _coerce(key: str, value, annotation):
     raise ConfigError(f"{key}: expected {wanted}, got {type(value).__name__} {value!r}")
 
 
-def _members(annotation) -> tuple:
+def annotation_members(annotation) -> tuple:
     """The plain types and Literal values an annotation admits: `Literal['a', 'b'] | None` -> ('a', 'b', NoneType)."""
     if get_origin(annotation) is Literal:
         return get_args(annotation)
     if get_origin(annotation) in (Union, types.UnionType):
-        return tuple(m for arg in get_args(annotation) for m in _members(arg))
+        return tuple(m for arg in get_args(annotation) for m in annotation_members(arg))
     return (annotation,)
 
 
@@ -453,7 +453,7 @@ def config_keys_help() -> str:
         lines.append(f"[{section.name}]")
         for f in dataclasses.fields(table):
             default = getattr(table, f.name)
-            choices = [str(c) for c in _members(hints[f.name]) if not isinstance(c, type)]
+            choices = [str(c) for c in annotation_members(hints[f.name]) if not isinstance(c, type)]
             shown = ("unset" if default is None else repr(default) if isinstance(default, str)
                      else str(default).lower() if isinstance(default, bool) else str(default))
             lines.append(f"  --{section.name}.{f.name}={shown}" + (f"   ({' | '.join(choices)})" if choices else ""))

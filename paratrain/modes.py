@@ -108,9 +108,14 @@ def every_block_whole(mode: str) -> bool:
     return mode == "full"
 
 
+def uniform(mode: str) -> bool:
+    """Every block is checkpointed alike (every_k alternates full and none)."""
+    return mode != "every_k"
+
+
 def block_checkpointing(mode: str, n_layers: int, every_k: int) -> list[str]:
     """How each block is checkpointed: none, full or selective (every_k: full for blocks 0, k, 2k, ...)."""
-    if mode == "every_k":
+    if not uniform(mode):
         return ["full" if i % every_k == 0 else "none" for i in range(n_layers)]
     return [mode] * n_layers
 
@@ -119,12 +124,12 @@ def recomputed_blocks(mode: str, n_blocks: int, every_k: int) -> int:
     """Blocks of `n_blocks` that recompute (all of them for full and selective, 1 in every_k)."""
     if not recomputes(mode):
         return 0
-    return -(-n_blocks // every_k) if mode == "every_k" else n_blocks
+    return n_blocks if uniform(mode) else -(-n_blocks // every_k)
 
 
 def recompute_period(mode: str, every_k: int) -> int:
     """One block in this many recomputes, if any does (every_k: k; the others 1)."""
-    return every_k if mode == "every_k" else 1
+    return 1 if uniform(mode) else every_k
 
 
 def recomputed_share(mode: str, every_k: int) -> float:
@@ -150,7 +155,7 @@ def stored_rank(mode: str) -> int:
 
 def checkpointing_label(mode: str, every_k: int) -> str:
     """The mode as a layout name writes it: every_k with its k (`every_k2`), the others as they are."""
-    return f"{mode}{every_k}" if mode == "every_k" else mode
+    return mode if uniform(mode) else f"{mode}{every_k}"
 
 
 def parse_checkpointing_label(text: str) -> tuple[str, int] | None:
@@ -163,7 +168,7 @@ def parse_checkpointing_label(text: str) -> tuple[str, int] | None:
 
 def describe_checkpointing(mode: str, every_k: int) -> str:
     """For tables: `every_k (k=2)`, the others as they are."""
-    return f"{mode} (k={every_k})" if mode == "every_k" else mode
+    return mode if uniform(mode) else f"{mode} (k={every_k})"
 
 
 # -- precision ---------------------------------------------------------------------------------------------------

@@ -118,11 +118,11 @@ def layout_overrides(name: str) -> tuple[int, list[str]]:
     nproc, text, *extra = LAYOUTS[name]
     named = parse_layout_name(text, f"verify layout {name}")
     layout = named.layout(nproc)
-    settings = {**{f"parallel.{k}": v for k, v in dataclasses.asdict(layout.to_config()).items()},
-                "activation_checkpoint.mode": named.checkpointing, "activation_checkpoint.every_k": named.every_k}
-    defaults = {**{f"parallel.{k}": v for k, v in dataclasses.asdict(ParallelConfig()).items()},
-                **{f"activation_checkpoint.{k}": v for k, v in dataclasses.asdict(ActivationCheckpointConfig()).items()}}
-    changed = [f"{key}={value}" for key, value in settings.items() if value != defaults[key]]
+    ours = {"parallel": (layout.to_config(), ParallelConfig()),
+            "activation_checkpoint": (ActivationCheckpointConfig(named.checkpointing, named.every_k),
+                                      ActivationCheckpointConfig())}
+    changed = [f"{section}.{key}={value}" for section, (mine, default) in ours.items()
+               for key, value in dataclasses.asdict(mine).items() if value != getattr(default, key)]
     micro_batch = named.micro_batch or GLOBAL_BATCH // layout.dp
     return nproc, [*changed, f"training.micro_batch={micro_batch}", *extra]
 

@@ -378,7 +378,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
                        grad_bytes([p for p in params if len(p.shape) < 2])) * (FP32 // gbytes)
         if lay.zero1:
             opt_temp = math.ceil(st.optimizer / 2)
-    if comp is not None and site is CompressionSite.DDP_HOOK:  # the hook compresses the last bucket: every gradient is there
+    if comp is not None and site is CompressionSite.DDP_HOOK:  # the hook compresses the last bucket: all gradients
         add("gradient compression (DDP hook)", **base, gradients=grads_full, comm_buffers=ddp_buckets,
             temporaries=comp.transient_bytes)
     add("optimizer step", **base, gradients=grads_full, comm_buffers=ddp_buckets, temporaries=opt_temp)

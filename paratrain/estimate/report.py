@@ -69,7 +69,7 @@ def format_table(est, units: str = "GiB") -> str:
         lines.append(f"  {'':<26} {'1 rank':>10} {'ZeRO-1':>10} {'ZeRO-2':>10} {'ZeRO-3':>10}")
         for row in est.zero:
             lines.append(f"  {row['row']:<26} " + " ".join(
-                f"{row[k] / GB:>7.2f} GB" for k in ("one_rank", "zero1", "zero2", "zero3")))
+                f"{row[k] / GB:>7.2f} GB" for k in row if k != "row"))  # one rank, then ZeRO-1, 2, 3
     if est.fits is False and est.searched:
         lines.append("")
         if est.suggestion:

@@ -206,10 +206,10 @@ def write_shard(plan: ExportPlan, index: int, folder: Path, reader=None) -> None
     from safetensors.torch import save_file
 
     reader = reader or _checkpoint_reader(plan.ckpt)
-    shard, tensors = plan.shards[index], {}
+    shard, tensors, dtype = plan.shards[index], {}, torch_dtype(plan.dtype)
     for name in dict.fromkeys(p.param for p in shard):
         source = _load_param(plan, reader, name)
-        tensors.update({p.hf: _hf_tensor(p, source, plan.vocab, torch_dtype(plan.dtype)) for p in shard if p.param == name})
+        tensors.update({p.hf: _hf_tensor(p, source, plan.vocab, dtype) for p in shard if p.param == name})
         del source
     path = folder / plan.files[index]
     save_file(tensors, str(path), metadata={"format": "pt"})
