@@ -90,6 +90,7 @@ class Estimate:
             "layout": {**dataclasses.asdict(lay), "world_size": lay.world_size, "description": lay.describe()},
             "precision": i.precision, "accounting": i.accounting, "optimizer": i.optimizer,
             "optimizer_impl": i.optimizer_impl, "checkpointing": i.checkpointing, "every_k": i.every_k,
+            "compression": dataclasses.asdict(i.compression),
             "micro_batch": i.micro_batch, "seq_len": i.seq_len, "accum_steps": i.accum_steps,
             "gpu": i.gpu_name, "gpu_bytes": i.gpu_bytes, "headroom_fraction": i.headroom,
             "usable_bytes": self.usable_bytes,
