@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args, get_origin
 
 from paratrain.errors import UserError
-from paratrain.modes import (DP_MODE_OPTIONS, SCHEDULES, checkpointing_label, dp_mode_of, parse_checkpointing_label,
-                             replicates_shards)
+from paratrain.modes import (CHECKPOINT_MODES, DP_MODE_OPTIONS, SCHEDULES, checkpointing_label, dp_mode_of,
+                             parse_checkpointing_label, replicates_shards)
 
 NO_DATA_PARALLEL = "nodp"
 DEGREES = ("rep", "cp", "tp", "pp", "v", "ep", "mb")
@@ -106,7 +106,7 @@ def parse_layout_name(text: str, what: str = "layout") -> NamedLayout:
         raise UserError(f"{where}: sched must be one of {', '.join(SCHEDULES)}")
     ac = parse_checkpointing_label(items.get("ac", "none"))
     if ac is None:
-        raise UserError(f"{where}: ac must be one of none, selective, every_kK (e.g. every_k2), full")
+        raise UserError(f"{where}: ac must be one of {', '.join(CHECKPOINT_MODES)} (every_k with its k: every_k2)")
     options = dict(dp_mode=mode, dp_replicate=degrees.get("rep", 1) if replicates_shards(mode) else 1,
                    tp=degrees.get("tp", 1), pp=degrees.get("pp", 1), ep=degrees.get("ep", 1),
                    cp=degrees.get("cp", 1), pp_schedule=sched, pp_virtual=degrees.get("v", 1),

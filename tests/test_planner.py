@@ -360,7 +360,7 @@ def test_slurm_job_names_are_short_and_valid():
 
 def test_balanced_split_is_the_min_max_partition_cut():
     """balanced_split's bisection makes the cut of the plain dynamic programme (min_max_partition), ties included."""
-    from paratrain.layout import balanced_split, min_max_partition
+    from paratrain.stage_split import balanced_split, min_max_partition
     from paratrain.models import preset_args
     from paratrain.models.presets import block_param_count
 

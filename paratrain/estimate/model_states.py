@@ -22,11 +22,12 @@ import functools
 import math
 from dataclasses import dataclass
 
-from paratrain.layout import Layout, balanced_split, stage_owner
+from paratrain.layout import Layout, stage_owner
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
 from paratrain.models.registry import parameters
 from paratrain.modes import low_precision
+from paratrain.stage_split import balanced_split
 
 # Bytes per element.
 FP32, BF16 = 4, 2

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.errors import UserError
-from paratrain.layout import Layout, min_max_partition
+from paratrain.layout import Layout
 from paratrain.modes import multi_stage, recompute_period
 from paratrain.planner.profile import Hardware
+from paratrain.stage_split import min_max_partition
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ def place(ctx, c, stage_hw: list[Hardware], headroom: float, rounds: int = 6):
 
 
 def even_split_layout(lay: Layout, args) -> Layout:
-    from paratrain.layout import balanced_split
+    from paratrain.stage_split import balanced_split
 
     return dataclasses.replace(lay, pp_split=balanced_split(args, lay.num_stages))
 
