@@ -124,7 +124,7 @@ class Flag:
 
 # One flag per [parallel] setting a command line may give; their types are config.ParallelConfig's.
 FLAGS = (
-    Flag("dp_mode", ("--dp-mode",), "data parallelism (default fsdp)"),
+    Flag("dp_mode", ("--dp-mode",), "data parallelism"),
     Flag("dp_replicate", ("--dp-replicate",), "replicas (hsdp; ddp and zero1: their data-parallel degree)"),
     Flag("dp_shard", ("--dp-shard",), "ranks each parameter is sharded over (-1: the rest of the world)"),
     Flag("tp", ("--tp",), "tensor parallel degree"),
@@ -132,7 +132,7 @@ FLAGS = (
     Flag("sequence_parallel", ("--no-sequence-parallel",), "tp without sequence parallelism"),
     Flag("loss_parallel", ("--no-loss-parallel",), "tp without loss parallelism"),
     Flag("pp", ("--pp",), "pipeline stages"),
-    Flag("pp_schedule", ("--pp-schedule",), "pipeline schedule (default 1f1b)"),
+    Flag("pp_schedule", ("--pp-schedule",), "pipeline schedule"),
     Flag("pp_virtual_stages", ("--pp-virtual", "--pp-virtual-stages"),
          "stages per rank for the interleaved schedules (2)"),
     Flag("pp_split", ("--pp-split",), "blocks per stage, e.g. 9,8,8,7 (default: balanced by parameter count)"),
@@ -157,8 +157,10 @@ def _annotation(key: str):
     return typing.get_type_hints(ParallelConfig)[key]
 
 
-def add_layout_flags(parser: argparse.ArgumentParser, keys=tuple(FLAG_OF)) -> None:
-    """Add the flags of these `[parallel]` keys (dest: the key; None when not given)."""
+def add_layout_flags(parser: argparse.ArgumentParser, keys=tuple(FLAG_OF), what: str = "") -> None:
+    """Add the flags of these `[parallel]` keys, in a group saying `what` they do (dest: the key; None when not
+    given)."""
+    parser = parser.add_argument_group("layout", what or None)
     for key in keys:
         flag, annotation = FLAG_OF[key], _annotation(key)
         if annotation is bool:

@@ -281,7 +281,8 @@ def test_plan_layout_flags_one_line_errors(capsys):
                         (["--pp-schedule", "zbw"], "--pp-schedule 'zbw' is not one of"),
                         (["--tp", "0"], "--tp must be >= 1, got 0"),
                         (["--tp", "3"], "no layout of 8 GPUs"),
-                        (["--pp-split", "4,4"], "unrecognized arguments: --pp-split")):
+                        (["--pp-split", "4,4"], "unrecognized arguments: --pp-split"),
+                        (["--explain", "fsdp,tp=2,sp=off"], "no sp=off or lp=off")):
         assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--no-write", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("error: ") and words in err and err.count("\n") == 1, err

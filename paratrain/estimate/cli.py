@@ -45,8 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu", help="GPU name (H100, A100-40GB, RTX4090, MI300X, ...)")
     g.add_argument("--gpu-memory", help="memory per GPU, e.g. 24GiB, 80GB, 24576MiB")
     p.add_argument("--world-size", type=int, help="number of ranks (default: the product of the degrees)")
-    # the layout (pipeline: --microbatches micro-batches per step, default 2 x pp, of --micro-batch sequences each)
-    add_layout_flags(p, ESTIMATE_FLAG_KEYS)
+    add_layout_flags(p, ESTIMATE_FLAG_KEYS, "the [parallel] settings, over the --model config's or the defaults\n"
+                     "(a pipeline: --microbatches micro-batches per step, default 2 x pp, of --micro-batch sequences)")
     p.add_argument("--moe-imbalance", type=float, default=1.0, help="routed tokens per ep rank / balanced share")
     p.add_argument("--precision", default=None, help=f"{' | '.join(PRECISIONS)} (default bf16)")
     p.add_argument("--accounting", default="paratrain", help="paratrain | classic (see below)")

@@ -59,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpointing", help=f"comma-separated subset of {','.join(AC_MODES)}")
     p.add_argument("--micro-batches", help="comma-separated micro-batch sizes to try (default 1,2,4,8,16)")
     p.add_argument("--schedules", help=f"comma-separated pipeline schedules (default {','.join(PLANNED_SCHEDULES)})")
-    # --grad-compression: plan only the layouts it applies to, with its bytes and compute (README, Communication)
-    add_layout_flags(p, PLAN_FLAG_KEYS)
+    add_layout_flags(p, PLAN_FLAG_KEYS, "each fixes that setting of every planned layout (--grad-compression: plans "
+                     "the layouts it applies to, with its bytes and compute; README, Communication)")
     p.add_argument("--max-tp", type=int)
     p.add_argument("--max-pp", type=int)
     p.add_argument("--max-cp", type=int, help="largest context-parallel degree to try (default: any that leaves each "

@@ -376,6 +376,9 @@ def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
     paratrain/layout_grammar.py) -> a Candidate, its pipeline micro-batches from the global batch. UserError on bad
     syntax; ConfigError (a UserError) when the text names no layout paratrain can run."""
     named = parse_layout_name(text, "--explain")
+    if any(value is False for value in named.options.values()):  # sp=off, lp=off
+        raise UserError(f"--explain '{text}': the planner predicts tensor parallelism with sequence and loss "
+                        "parallelism only (no sp=off or lp=off)")
     mb = named.micro_batch or 1
     o = named.options
     dp = max(1, world // (o["tp"] * o["pp"] * o["cp"]))  # Layout.resolve says when tp x pp x cp does not divide it
