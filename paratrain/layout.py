@@ -24,9 +24,9 @@ import difflib
 from dataclasses import dataclass
 
 from paratrain.errors import ConfigError
-from paratrain.modes import (DP_MODE_OPTIONS, GRAD_COMPRESSIONS, SCHEDULES, CompressionSite, DPMode, Schedule,
-                             Compression, all_forwards_first, dp_mode_of, multi_stage, recomputes, replicates_shards,
-                             v_shaped, zero_bubble, zero_stage)
+from paratrain.modes import (DP_MODE_OPTIONS, GRAD_COMPRESSIONS, SCHEDULES, ZERO_STAGES, CompressionSite, DPMode,
+                             Schedule, Compression, all_forwards_first, dp_mode_of, multi_stage, recomputes,
+                             replicates_shards, v_shaped, zero_bubble)
 from paratrain.stage_split import balanced_split
 
 
@@ -83,7 +83,7 @@ class Layout:
             raise ConfigError(f"parallel.tp ({tp}) x parallel.pp ({pp})" + (f" x parallel.cp ({cp})" if cp > 1 else "")
                               + f" does not divide the world size {world_size}")
         replicate, shard = dp_replicate, dp_shard
-        if zero_stage(mode) < 2:
+        if ZERO_STAGES[mode] < 2:
             # One flat, replicated data-parallel axis; either degree may name it.
             if replicate > 1 and shard not in (-1, 1):
                 raise ConfigError(f"dp_mode={mode} has one data-parallel degree: give parallel.dp_replicate or "
@@ -105,13 +105,13 @@ class Layout:
                               + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp} x pp={pp} = {product}, but the world "
                               f"size is {world_size}")
         dp = replicate * shard
-        if dp > 1 and zero_stage(mode) < 2 and (tp > 1 or pp > 1):
+        if dp > 1 and ZERO_STAGES[mode] < 2 and (tp > 1 or pp > 1):
             raise ConfigError(f"dp_mode={mode} does not compose with tp or pp; use dp_mode=fsdp, zero2 or hsdp")
-        if cp > 1 and zero_stage(mode) < 2:
+        if cp > 1 and ZERO_STAGES[mode] < 2:
             raise ConfigError(f"parallel.cp={cp} needs dp_mode fsdp, zero2 or hsdp (parameters and gradients are "
                               f"sharded over dp_shard x cp), not {mode}")
         if ep > 1:
-            if zero_stage(mode) < 2:
+            if ZERO_STAGES[mode] < 2:
                 raise ConfigError(f"parallel.ep={ep} needs dp_mode fsdp, zero2 or hsdp (experts are sharded over the "
                                   f"data-parallel ranks), not {mode}")
             if shard % ep:
@@ -172,7 +172,7 @@ class Layout:
     def zero_stage(self) -> int:
         """What data parallelism shards (0: nothing, 1: optimizer state, 2: + gradients, 3: + parameters); context
         parallel ranks hold different tokens, so they share FSDP's sharding like data-parallel ones."""
-        return zero_stage(self.dp_mode) if self.dp_cp > 1 else 0
+        return ZERO_STAGES[self.dp_mode] if self.dp_cp > 1 else 0
 
     @property
     def uses_fsdp(self) -> bool:
@@ -182,7 +182,7 @@ class Layout:
     @property
     def uses_ddp(self) -> bool:
         """DistributedDataParallel wraps the model (ddp, zero1)."""
-        return self.dp > 1 and zero_stage(self.dp_mode) < 2
+        return self.dp > 1 and ZERO_STAGES[self.dp_mode] < 2
 
     @property
     def zero1(self) -> bool:
@@ -201,7 +201,7 @@ class Layout:
         backward within the step, and torch.distributed.pipelining already keeps parameters gathered after each
         micro-batch's backward and holds the reduce-scatter back to the last one; resharding after forward would
         re-gather every block once per micro-batch (torchtitan makes the same choice)."""
-        return zero_stage(self.dp_mode) != 2 and not self.pipelined
+        return ZERO_STAGES[self.dp_mode] != 2 and not self.pipelined
 
     def fsdp_groups(self, blocks: int, moe_blocks: int = 0, pp_rank: int = 0) -> int:
         """FSDP parameter groups that all-gather on pipeline rank `pp_rank`, holding `blocks` blocks (`moe_blocks` of
@@ -290,7 +290,10 @@ class Layout:
         return self.pp * self.pp_virtual
 
     def stage_owner(self, stage: int) -> int:
-        return stage_owner(self.pp_schedule, self.pp, stage)
+        """The pp rank that runs a stage: round robin, or a V for zbv (rank r runs r and 2p-1-r)."""
+        if v_shaped(self.pp_schedule):
+            return stage if stage < self.pp else 2 * self.pp - 1 - stage
+        return stage % self.pp
 
     def local_stages(self, pp_rank: int) -> list[int]:
         return [s for s in range(self.num_stages) if self.stage_owner(s) == pp_rank]
@@ -459,13 +462,6 @@ class Layout:
 # Layout field -> its `[parallel]` key (config.ParallelConfig): the one mapping between the two, both ways.
 CONFIG_KEYS: dict[str, str] = {f.name: {"pp_virtual": "pp_virtual_stages"}.get(f.name, f.name)
                                for f in dataclasses.fields(Layout)}
-
-
-def stage_owner(schedule: str, pp: int, stage: int) -> int:
-    """The pp rank that runs a stage: round robin, or a V for zbv (rank r runs r and 2p-1-r)."""
-    if v_shaped(schedule):
-        return stage if stage < pp else 2 * pp - 1 - stage
-    return stage % pp
 
 
 # -- gradient compression ------------------------------------------------------------------------------------------

@@ -24,7 +24,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal, get_args, get_origin
 
+from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
+from paratrain.layout import CONFIG_KEYS, Layout
 from paratrain.modes import (CHECKPOINT_MODES, DP_MODE_OPTIONS, SCHEDULES, checkpointing_label, dp_mode_of,
                              parse_checkpointing_label, replicates_shards)
 
@@ -69,8 +71,6 @@ class NamedLayout:
 
     def layout(self, world_size: int, **more):
         """The layout on `world_size` ranks (ConfigError when it is none paratrain can run)."""
-        from paratrain.layout import Layout
-
         return Layout.resolve(world_size, **self.options, **more)
 
 
@@ -146,14 +146,11 @@ FLAGS = (
     Flag("ddp_bucket_mb", ("--ddp-bucket-mb",), "DDP's gradient bucket size, MB"),
 )
 FLAG_OF = {f.key: f for f in FLAGS}
-LAYOUT_KEYS = ("dp_mode", "dp_replicate", "dp_shard", "tp", "cp", "sequence_parallel", "loss_parallel", "pp",
-               "pp_schedule", "pp_virtual_stages", "pp_split", "pp_microbatches", "ep")
+LAYOUT_KEYS = tuple(k for k in FLAG_OF if k in CONFIG_KEYS.values())  # the flags of a Layout's fields
 COMPRESSION_KEYS = ("grad_compression", "powersgd_rank", "sign_ef_block")
 
 
 def _annotation(key: str):
-    from paratrain.config import ParallelConfig
-
     return typing.get_type_hints(ParallelConfig)[key]
 
 

@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from paratrain.errors import UserError
+
 # -- data parallelism --------------------------------------------------------------------------------------------
 # In the order of what they shard (ZeRO stages): ddp nothing, zero1 the optimizer state, zero2 also the gradients,
 # fsdp also the parameters, hsdp as fsdp within each replica.
@@ -26,9 +28,9 @@ def dp_mode_of(option: str) -> str:
     return "fsdp" if option == "zero3" else option
 
 
-def zero_stage(mode: str) -> int:
-    """What the mode shards: 0 nothing, 1 the optimizer state, 2 also the gradients, 3 also the parameters."""
-    return min(DP_MODES.index(mode), 3)
+# What each mode shards: 0 nothing, 1 the optimizer state, 2 also the gradients, 3 also the parameters (a table:
+# the planner asks it for every layout it tries).
+ZERO_STAGES: dict[str, int] = {mode: min(i, 3) for i, mode in enumerate(DP_MODES)}
 
 
 def replicates_shards(mode: str) -> bool:
@@ -122,9 +124,9 @@ def block_checkpointing(mode: str, n_layers: int, every_k: int) -> list[str]:
 
 def recomputed_blocks(mode: str, n_blocks: int, every_k: int) -> int:
     """Blocks of `n_blocks` that recompute (all of them for full and selective, 1 in every_k)."""
-    if not recomputes(mode):
+    if mode == "none":
         return 0
-    return n_blocks if uniform(mode) else -(-n_blocks // every_k)
+    return -(-n_blocks // every_k) if mode == "every_k" else n_blocks
 
 
 def recompute_period(mode: str, every_k: int) -> int:
@@ -132,15 +134,12 @@ def recompute_period(mode: str, every_k: int) -> int:
     return 1 if uniform(mode) else every_k
 
 
-def recomputed_share(mode: str, every_k: int) -> float:
-    """The fraction of blocks that recompute."""
-    return 1 / recompute_period(mode, every_k) if recomputes(mode) else 0.0
-
-
 def forward_repeats(mode: str, every_k: int) -> float:
     """How many times more a block's whole forward (and its communication) runs, on average over the blocks: full 1,
     every_k 1/k, selective and none 0 (selective keeps what the communication made)."""
-    return recomputed_share(mode, every_k) if whole_blocks(mode) else 0.0
+    if mode == "full":
+        return 1.0
+    return 1 / every_k if mode == "every_k" else 0.0
 
 
 def recompute_rank(mode: str) -> int:
@@ -188,7 +187,7 @@ def loss_scaled(precision: str) -> bool:
 
 def value_bytes(precision: str) -> int:
     """Bytes of one value computed in this precision."""
-    return 2 if low_precision(precision) else 4
+    return 4 if precision == "fp32" else 2
 
 
 def dtype_name(precision: str) -> str:
@@ -252,8 +251,6 @@ class Compression:
 
     def check_flags(self) -> "Compression":
         """These settings as command-line flags (`plan`, `estimate`): a one-line error where no run could use them."""
-        from paratrain.errors import UserError
-
         if self.method not in GRAD_COMPRESSIONS:
             raise UserError(f"--grad-compression '{self.method}' is not one of {', '.join(GRAD_COMPRESSIONS)}")
         if self.powersgd_rank < 1 or self.sign_ef_block < 0 or self.sign_ef_block % 8:

@@ -70,7 +70,7 @@ def test_bad_names_are_one_line(text, words):
 def test_layout_and_config_map_both_ways_through_one_table():
     assert set(CONFIG_KEYS) == {f.name for f in dataclasses.fields(Layout)}
     assert set(CONFIG_KEYS.values()) <= {f.name for f in dataclasses.fields(ParallelConfig)}
-    assert set(LAYOUT_KEYS) == set(CONFIG_KEYS.values())  # a flag for every layout setting
+    assert set(LAYOUT_KEYS) == set(CONFIG_KEYS.values())  # a flag for every layout setting (FLAGS)
     assert {f.key for f in FLAGS} <= {f.name for f in dataclasses.fields(ParallelConfig)}
     hetero = Layout.resolve(8, pp=4, pp_split="3,3,1,1", pp_microbatches=8, pp_schedule="gpipe")
     section = hetero.to_config(ParallelConfig(grad_compression="bf16", pp_stage_gpus="a,a,b,b"))

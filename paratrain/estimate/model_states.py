@@ -22,7 +22,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from paratrain.layout import Layout, stage_owner
+from paratrain.layout import Layout
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
 from paratrain.models.registry import parameters
@@ -89,15 +89,16 @@ def rank_layers(layout: Layout, args: ModelArgs) -> list[list[int]]:
         return [list(range(args.n_layers))]
     if layout.pp_split is None:
         layout = dataclasses.replace(layout, pp_split=balanced_split(args, layout.num_stages))
-    return [list(b) for b in _rank_layers(layout.pp, layout.pp_virtual, layout.pp_schedule, layout.pp_split)]
+    owners = tuple(layout.stage_owner(s) for s in range(layout.num_stages))
+    return [list(b) for b in _rank_layers(layout.pp, owners, layout.pp_split)]
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_layers(pp: int, virtual: int, schedule: str, split: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+def _rank_layers(pp: int, owners: tuple[int, ...], split: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     starts = [sum(split[:s]) for s in range(len(split))]
     out = [[] for _ in range(pp)]
     for s, n in enumerate(split):
-        out[stage_owner(schedule, pp, s)] += range(starts[s], starts[s] + n)
+        out[owners[s]] += range(starts[s], starts[s] + n)
     return tuple(tuple(sorted(b)) for b in out)
 
 

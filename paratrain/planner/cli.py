@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from paratrain.errors import OneLineArgumentParser, UserError
+from paratrain.layout import CONFIG_KEYS
 from paratrain.layout_grammar import COMPRESSION_KEYS, LAYOUT_KEYS, add_layout_flags, layout_flags
 from paratrain.modes import DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, dp_mode_of
 
@@ -177,8 +178,6 @@ def build_context(args) -> tuple:
 
 def _fixed(flags: dict) -> dict:
     """The Layout fields the layout flags fix (every planned layout has them): dp_shard -1 fixes nothing."""
-    from paratrain.layout import CONFIG_KEYS
-
     field_of = {key: field for field, key in CONFIG_KEYS.items()}
     fixed = {field_of[k]: v for k, v in flags.items() if k in PINNED_KEYS and not (k == "dp_shard" and v == -1)}
     if "dp_mode" in fixed:
