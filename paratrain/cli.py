@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from paratrain.errors import UserError
+from paratrain.errors import UserError, environment_error, translated
 
 COMMANDS = ("train", "profile", "prepare", "generate", "verify", "estimate", "plan", "report", "doctor", "export",
             "checkpoint")
@@ -204,7 +204,8 @@ def _main(argv: list[str]) -> int:
         print(f"error: unknown command '{command}'" + (f" (did you mean '{close[0]}'?)" if close else ""), file=sys.stderr)
         return 2
     try:
-        return handlers[command](rest) or 0
+        with translated(environment_error):  # a full disk, a read-only or missing folder: one line, not a bug
+            return handlers[command](rest) or 0
     except UserError as e:
         if str(e):
             print(f"error: {e}", file=sys.stderr)
@@ -217,16 +218,6 @@ def _main(argv: list[str]) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except BaseException as e:
-        # A full disk, a read-only or missing folder: the environment, not a bug (DCP's CheckpointException, a
-        # BaseException, wraps them when it reads or writes).
-        from paratrain.errors import environment_problem
-
-        problem = None if isinstance(e, SystemExit) else environment_problem(e)
-        if problem is None:
-            raise
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":

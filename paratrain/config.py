@@ -21,8 +21,9 @@ from pathlib import Path
 import tomli_w
 
 from paratrain.errors import ConfigError
-from paratrain.models.args import ModelArgs
+from paratrain.models.args import ModelArgs, is_int
 from paratrain.modes import CheckpointMode, DPModeOption, GradCompression, OptimizerImpl, Precision, Schedule
+from paratrain.optimizers import optimizer_entry
 
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
 
@@ -37,7 +38,8 @@ def _model_config() -> type:
     Llama 3.1/3.2's "llama3" with the four rope_* keys), family "llama"; mixture of experts: moe_experts routed
     experts per MoE layer (0: dense; > 0 turns a dense preset into an MoE), moe_top_k experts per token,
     moe_shared_experts every token goes through, moe_ffn_hidden each expert's width (default ffn_hidden),
-    moe_first_dense_layers keep the dense MLP, moe_aux_loss_coef weights the per-sequence load-balancing loss,
+    moe_first_dense_layers keep the dense MLP and so do the blocks listed in moe_dense_layers (e.g. [1, 3]),
+    moe_norm_topk renormalises the top-k gates to sum to 1, moe_aux_loss_coef weights the per-sequence load-balancing loss,
     moe_capacity_factor 0: no limit, else tokens per expert per sequence <= cf x T x k / E."""
     hints = typing.get_type_hints(ModelArgs)
     overrides = [(f.name, hints[f.name] | None, field(default=None)) for f in dataclasses.fields(ModelArgs)]
@@ -84,11 +86,12 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
+    name: str = "adamw"  # an entry of paratrain/optimizers.py's registry (OPTIMIZER_NAMES)
     lr: float = 1e-3
     min_lr: float | None = None  # where the cosine ends; unset: lr / 10
     warmup_steps: int = 100
     weight_decay: float = 0.1
-    beta1: float = 0.9
+    beta1: float = 0.9  # Adam's first-moment decay; sgd's momentum
     beta2: float = 0.99
     eps: float = 1e-8
     impl: Literal["auto", OptimizerImpl] = "auto"
@@ -243,6 +246,17 @@ def _coerce(key: str, value, annotation):
                 raise ConfigError(f"{key}: expected a TOML array like [{{dir = \"data/a\", weight = 0.7}}] ({e})") from None
         if isinstance(value, list):
             return value
+    unset = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+    if tuple in allowed and not unset:  # integers (model.moe_dense_layers): a TOML array, inline on a command line
+        wanted = f"{key}: expected a list of integers like [1, 3], got {value!r}"
+        if isinstance(value, str):
+            try:
+                value = tomllib.loads(f"v = {value}")["v"]
+            except tomllib.TOMLDecodeError:
+                raise ConfigError(wanted) from None
+        if not isinstance(value, (list, tuple)) or not all(is_int(v) for v in value):
+            raise ConfigError(wanted)
+        return tuple(value)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in allowed):
         if type(None) in allowed:
             return None
@@ -274,6 +288,8 @@ def annotation_members(annotation) -> tuple:
         return get_args(annotation)
     if get_origin(annotation) in (Union, types.UnionType):
         return tuple(m for arg in get_args(annotation) for m in annotation_members(arg))
+    if get_origin(annotation) is tuple:  # tuple[int, ...]
+        return (tuple,)
     return (annotation,)
 
 
@@ -365,6 +381,7 @@ def validate(cfg: Config) -> None:
     _require(t.global_batch is None or t.global_batch > 0, "training.global_batch must be positive")
     _require(t.eval_every >= 0, "training.eval_every must be >= 0 (0 disables)")
     _require(t.grad_clip >= 0, "training.grad_clip must be >= 0 (0 disables)")
+    optimizer_entry(o.name)  # a registered optimizer, or a ConfigError naming them
     _require(o.lr > 0, f"optimizer.lr must be positive, got {o.lr}")
     _require(o.min_lr is None or 0 <= o.min_lr <= o.lr,
              f"optimizer.min_lr must be between 0 and optimizer.lr ({o.lr}), got {o.min_lr}")
@@ -454,6 +471,10 @@ def config_keys_help() -> str:
         for f in dataclasses.fields(table):
             default = getattr(table, f.name)
             choices = [str(c) for c in annotation_members(hints[f.name]) if not isinstance(c, type)]
+            if (section.name, f.name) == ("optimizer", "name"):  # a registry, not a Literal
+                from paratrain.optimizers import OPTIMIZER_NAMES
+
+                choices = list(OPTIMIZER_NAMES)
             shown = ("unset" if default is None else repr(default) if isinstance(default, str)
                      else str(default).lower() if isinstance(default, bool) else str(default))
             lines.append(f"  --{section.name}.{f.name}={shown}" + (f"   ({' | '.join(choices)})" if choices else ""))

@@ -130,15 +130,14 @@ class Layout:
         """From a `[parallel]` config section (config.ParallelConfig), checked against the world size."""
         return cls.resolve(world_size, **{field: getattr(parallel, key) for field, key in CONFIG_KEYS.items()})
 
-    def to_config(self, base=None):
-        """The `[parallel]` section (config.ParallelConfig) this layout resolves from on its world size: every degree
-        written out (dp_shard too), the pipeline's settings where pp > 1 (blocks per stage once chosen), and `base`'s
-        other settings (gradient compression, buckets, prefetching) kept."""
-        from paratrain.config import ParallelConfig
-
+    def to_config(self, base):
+        """`base`, a `[parallel]` section (config.ParallelConfig), with this layout written over it: the section it
+        resolves from on its world size, every degree written out (dp_shard too), the pipeline's settings where
+        pp > 1 (blocks per stage once chosen); base's other settings (gradient compression, buckets, prefetching)
+        kept."""
         values = {key: getattr(self, field) for field, key in CONFIG_KEYS.items()}
         values["pp_split"] = _fmt(self.pp_split) if self.pp_split else ""
-        return dataclasses.replace(base if base is not None else ParallelConfig(), **values)
+        return dataclasses.replace(base, **values)
 
     def replace(self, **changes) -> "Layout":
         """A changed copy, checked again (for the estimator's and planner's what-ifs)."""

@@ -24,6 +24,7 @@ from paratrain.modes import PRECISIONS, low_precision
 
 MOE_PRESET = "model.preset=tiny-moe"  # with the base's model.n_layers=4: 1 dense + 3 MoE layers
 LONG_MODEL = "model.max_seq_len=1024"  # the tiny model with room for long sequences
+QWEN3, QWEN3_MOE = "model.preset=tiny-qwen3", "model.preset=tiny-qwen3-moe"  # q/k norms, q/k/v/o biases, head_dim 32
 
 # name -> (ranks, layout, other overrides...). The layout is written as its name (paratrain/layout_grammar.py): the
 # data-parallel mode, degrees, checkpointing (ac=) and sequences per micro-batch (mb=; default: the global batch
@@ -79,6 +80,12 @@ LAYOUTS: dict[str, tuple] = {
     "cp2+selective": (2, "fsdp,cp=2,ac=selective"),
     "cp2+full": (2, "fsdp,cp=2,ac=full"),
     "cp2+accum": (2, "fsdp,cp=2,mb=2"),
+    # A Qwen3-shaped tiny model (4 blocks; the MoE one routes like Qwen3-MoE, block 1 dense), against one process.
+    "qwen3-fsdp2": (2, "fsdp", QWEN3),
+    "qwen3-tp2+sp": (2, "nodp,tp=2", QWEN3),
+    "qwen3-pp2": (2, "nodp,pp=2,sched=1f1b", QWEN3),
+    "qwen3-cp2": (2, "fsdp,cp=2", QWEN3),
+    "qwen3-moe-ep2xfsdp2": (4, "fsdp,ep=2", QWEN3_MOE),
 }
 DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
                   "fsdp2+every_k", "fsdp2+selective", "accum"]
@@ -86,6 +93,7 @@ DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp
 MOE_MATRIX = ["ep2", "ep4", "ep2xfsdp2", "ep2xtp2"]
 PP_MATRIX = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2-zb", "pp2xdp2", "pp2xtp2", "pp2xdp2xtp2"]
 CP_MATRIX = ["cp2", "cp2xfsdp2", "cp2xtp2", "cp2xpp2", "cp4-seq1024"]
+QWEN_MATRIX = ["qwen3-fsdp2", "qwen3-tp2+sp", "qwen3-pp2", "qwen3-cp2", "qwen3-moe-ep2xfsdp2"]
 
 GLOBAL_BATCH = 8
 EVAL_SEQUENCES = 13  # not divisible by 2, 4 or 8: the data-parallel shares of the validation set are padded
@@ -118,7 +126,7 @@ def layout_overrides(name: str) -> tuple[int, list[str]]:
     nproc, text, *extra = LAYOUTS[name]
     named = parse_layout_name(text, f"verify layout {name}")
     layout = named.layout(nproc)
-    ours = {"parallel": (layout.to_config(), ParallelConfig()),
+    ours = {"parallel": (layout.to_config(ParallelConfig()), ParallelConfig()),
             "activation_checkpoint": (ActivationCheckpointConfig(named.checkpointing, named.every_k),
                                       ActivationCheckpointConfig())}
     changed = [f"{section}.{key}={value}" for section, (mine, default) in ours.items()
@@ -286,7 +294,7 @@ def format_row(r: Row, tolerance: float, judged: bool = True) -> str:
 
 def main_verify(argv: list[str]) -> int:
     parser = OneLineArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX + CP_MATRIX),
+    parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX + CP_MATRIX + QWEN_MATRIX),
                         help=f"comma-separated layout names (known: {', '.join(LAYOUTS)})")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tolerance", type=float, default=1e-5)

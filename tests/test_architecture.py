@@ -1,6 +1,6 @@
 """Architecture rules, checked on the source: the import graph of `paratrain` has no cycle, no module reaches into
 another module's private names, a mode's strings are compared in its owners only (paratrain/modes.py,
-paratrain/layout.py), and the layout is light.
+paratrain/layout.py), the layout is light, and no module but the error path catches BaseException.
 
 The graph is read with `ast`, not by importing: an edge A -> B for every `import` / `from ... import` in A (at
 module level or inside a function: a lazy import still ties the two together), and for every string literal in A
@@ -351,3 +351,48 @@ def test_layout_does_not_import_torch():
     code = "import sys, paratrain.layout; assert 'torch' not in sys.modules, 'paratrain.layout imported torch'"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.stdout
+
+
+# -- the error path ------------------------------------------------------------------------------------------------
+
+# errors.translated is where an exception of any class becomes a one-line error; files.py's restores put the old
+# folder back and re-raise (they translate nothing).
+BASE_EXCEPTION_ALLOWED_IN = {PACKAGE / "errors.py"}
+RESTORE_AND_RAISE_ALLOWED_IN = {PACKAGE / "files.py"}
+
+
+def base_exception_catches(tree: ast.Module, where, restore_and_raise: bool = False) -> list[str]:
+    """Handlers that catch BaseException (`except:`, `except BaseException`, in a tuple too); with
+    restore_and_raise, those whose last statement is a bare `raise` are allowed."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ExceptHandler):
+            continue
+        caught = [] if node.type is None else node.type.elts if isinstance(node.type, ast.Tuple) else [node.type]
+        if node.type is not None and not any(isinstance(c, ast.Name) and c.id == "BaseException" for c in caught):
+            continue
+        last = node.body[-1]
+        if restore_and_raise and isinstance(last, ast.Raise) and last.exc is None:
+            continue
+        found.append(f"{where}:{node.lineno}: except {ast.unparse(node.type) if node.type else ''}".rstrip())
+    return found
+
+
+def test_only_the_error_path_catches_base_exception():
+    found = [line for path in python_files(PACKAGE) if path not in BASE_EXCEPTION_ALLOWED_IN
+             for line in base_exception_catches(parse(path), path.relative_to(ROOT),
+                                                restore_and_raise=path in RESTORE_AND_RAISE_ALLOWED_IN)]
+    assert not found, ("BaseException caught outside paratrain/errors.py (use `with errors.translated(...)`):\n"
+                       + "\n".join(found))
+
+
+def test_base_exception_finder():
+    source = ("try:\n    f()\nexcept BaseException:\n    g()\n"
+              "try:\n    f()\nexcept (OSError, BaseException) as e:\n    raise\n"
+              "try:\n    f()\nexcept:\n    pass\n"
+              "try:\n    f()\nexcept Exception:\n    pass\n")
+    tree = ast.parse(source)
+    assert base_exception_catches(tree, "x.py") == ["x.py:3: except BaseException",
+                                                    "x.py:7: except (OSError, BaseException)", "x.py:11: except"]
+    assert base_exception_catches(tree, "x.py", restore_and_raise=True) == ["x.py:3: except BaseException",
+                                                                            "x.py:11: except"]

@@ -78,6 +78,10 @@ JOURNEYS = {
         "paratrain estimate --model llama3-8b --accounting classic",
         "paratrain estimate --model plan/config.toml --gpu H100",
     ],
+    "qwen": [
+        "paratrain estimate --model qwen3-8b --gpu H100 --dp-shard 8 --seq-len 4096 --checkpointing selective",
+        "paratrain estimate --model qwen3-30b-a3b --gpu H100 --dp-shard 8 --ep 8",
+    ],
     "plan": [
         "paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576",
         "paratrain plan --model llama3-70b --gpus 64 --gpu H100 --intra nvlink --inter ib400 --seq 8192 "
@@ -390,6 +394,14 @@ def test_journey_estimate(journey):
     assert "FITS" in out or "DOES NOT FIT" in out
     out = journey.readme("paratrain estimate --model llama3-8b --accounting classic").stdout
     assert "GiB" in out or "GB" in out
+
+
+def test_journey_qwen(journey):
+    """The Qwen presets' estimates print the published parameter counts (README's table)."""
+    out = journey.readme(JOURNEYS["qwen"][0]).stdout
+    assert "model qwen3-8b: 8.19B parameters (8,190,735,360)" in out and "FITS" in out
+    out = journey.readme(JOURNEYS["qwen"][1]).stdout
+    assert "30.53B parameters (30,532,122,624), 3.35B active per token (3,353,032,704)" in out and "ep=8" in out
 
 
 PLAN = "paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576"

@@ -35,7 +35,7 @@ def test_every_planned_name_parses_back_to_its_candidate_and_config(argv, items)
     assert named >= items, named
     for c in cands:
         assert parse_layout(c.name, ctx, world) == c, c.name
-        assert Layout.from_config(c.layout.to_config(), world) == c.layout, c.name
+        assert Layout.from_config(c.layout.to_config(ParallelConfig()), world) == c.layout, c.name
 
 
 def test_switches_and_modes_in_names():

@@ -15,6 +15,8 @@ One dense block saves ("none" checkpointing), in forward order:
 
   attention_norm   x.float() (the fp32 block input, N C 4 B), rsqrt (N 4 B), x*rsqrt (N C R; the `* weight`
                    saves it), the normed output (the q/k/v input: see above)
+  q/k norms        (families with per-head norms: Qwen3) each the projection's output in fp32 (N H D 4 B; a copy
+                   unless fp32), rsqrt (N H 4 B) and x*rsqrt (N H D L) for q's and k's heads
   apply_rope       its fp32 math saves nothing; q after rope (N Hq D L) is saved by attention
   GQA              k, v after repeat_interleave: N Hq D L each (N Hkv D L when Hkv = Hq)
   SDPA (flash)     output N Hq D L and logsumexp N Hq 4 B (the wo input is a view of the output)
@@ -50,6 +52,7 @@ from dataclasses import dataclass
 
 from paratrain.layout import Layout
 from paratrain.models.args import ModelArgs
+from paratrain.models.registry import roles
 from paratrain.modes import low_precision, recomputes, selective, whole_blocks
 
 FP32, INT64 = 4, 8
@@ -78,6 +81,7 @@ class ActDims:
     cuda: bool = True  # CUDA kernels (vs CPU): only changes how autocast treats the MoE experts' grouped matmul
     cp: int = 1  # context parallel: s is this rank's share of the sequence; ring attention
     max_seq: int = 0  # the whole sequence's length: the rows of the rotary tables the model hands each block
+    qk_norm: bool = False  # per-head RMSNorm on q and k before rotary (the family's "head_norm" parameters: Qwen3)
 
     @property
     def N(self) -> int:
@@ -139,7 +143,7 @@ def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, m
     return ActDims(micro_batch, seq_len // layout.cp, args.dim, args.n_heads // t, args.n_kv_heads // t, D,
                    args.ffn_hidden // t, args.vocab_size // t if lp else args.vocab_size, t, layout.sp, regime,
                    layout.uses_fsdp and accounting != "classic", args.n_kv_heads != args.n_heads, lp, device == "cuda",
-                   layout.cp, seq_len)
+                   layout.cp, seq_len, "head_norm" in roles(args))
 
 
 def _norm(d: ActDims) -> list[tuple[str, int]]:
@@ -155,11 +159,21 @@ def _matmul_inputs(d: ActDims, n_linears: int) -> int:
     return d.N * d.C * d.L
 
 
+def head_norms_saved(d: ActDims) -> list[tuple[str, int]]:
+    """Per-head q and k norms (Qwen3): each saves its input in fp32 (the projection's output itself in fp32, else a
+    copy), the rsqrt per head, and the normed heads in the projection's dtype (the gain's input)."""
+    if not d.qk_norm:
+        return []
+    heads = d.N * (d.Hq + d.Hkv)
+    return [("q/k norm inputs (fp32)", heads * d.D * FP32), ("q/k norm rsqrt", heads * FP32),
+            ("q/k norm x*rsqrt", heads * d.D * d.L)]
+
+
 def attention_saved(d: ActDims) -> list[tuple[str, int]]:
     N, L = d.N, d.L
     kv_heads = d.kv_heads_saved
     repeated = kv_heads != d.Hkv
-    out = _norm(d) + [("q/k/v input", _matmul_inputs(d, 3)),
+    out = _norm(d) + [("q/k/v input", _matmul_inputs(d, 3)), *head_norms_saved(d),
                       ("q (rope)", N * d.Hq * d.D * L),
                       ("k (rope, repeated)" if repeated else "k (rope)", N * kv_heads * d.D * L),
                       ("v (repeated)" if repeated else "v", N * kv_heads * d.D * L),

@@ -10,6 +10,7 @@ import sys
 from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.layout_grammar import FLAG_OF, add_layout_flags, with_layout_flags
 from paratrain.modes import CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS
+from paratrain.optimizers import OPTIMIZER_NAMES
 
 # The layout flags `paratrain estimate` takes (paratrain/layout_grammar.py): every [parallel] setting that changes
 # the memory of a step (not DDP's bucket size: its buckets are as large as the gradients).
@@ -50,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-imbalance", type=float, default=1.0, help="routed tokens per ep rank / balanced share")
     p.add_argument("--precision", default=None, help=f"{' | '.join(PRECISIONS)} (default bf16)")
     p.add_argument("--accounting", default="paratrain", help="paratrain | classic (see below)")
-    p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | sgd-nomomentum")
+    p.add_argument("--optimizer", default=None, help=" | ".join(OPTIMIZER_NAMES) + " (default: the config's, adamw)")
     p.add_argument("--optimizer-impl", default=None, help=f"{' | '.join(OPTIMIZER_IMPLS)} (default fused on GPUs)")
     p.add_argument("--checkpointing", default=None, help=" | ".join(CHECKPOINT_MODES))
     p.add_argument("--every-k", type=int, default=None)
@@ -134,7 +135,7 @@ def _layout_and_batch(cfg, args, model_args, from_file: bool):
         p.pp_microbatches = p.pp_microbatches or 2 * layout.pp
         t.global_batch = t.micro_batch * p.pp_microbatches * layout.dp
         layout = Layout.from_config(p, world)
-    batch, _ = batch_of(cfg, layout)
+    batch, _ = batch_of(t, layout)
     layout.check_checkpointing(cfg.activation_checkpoint.mode)
     layout = layout.validate(model_args, world, batch)
     return layout, layout.forward_batch(batch), layout.accumulation(batch)
@@ -143,9 +144,9 @@ def _layout_and_batch(cfg, args, model_args, from_file: bool):
 def inputs_from_argv(argv: list[str]):
     """Parse `paratrain estimate` arguments into EstimateInputs (UserError on bad input). A config file's [parallel],
     [training] and [activation_checkpoint] sections are read as the trainer reads them; flags override them."""
-    from paratrain.modes import Compression
     from paratrain.estimate.core import EstimateInputs
     from paratrain.estimate.gpus import HEADROOM, GiB, check_headroom, gpu_memory, parse_memory
+    from paratrain.modes import Compression
 
     args = _parser().parse_args(argv)
     name, model_args, cfg = _model_from(args)
@@ -171,7 +172,7 @@ def inputs_from_argv(argv: list[str]):
     return EstimateInputs(
         compression=Compression.from_config(p).check_flags(), fsdp_backward_prefetch=p.fsdp_backward_prefetch,
         model_args=model_args, layout=layout, model_name=name, precision=t.precision,
-        optimizer=args.optimizer, optimizer_impl=impl, checkpointing=ac.mode, every_k=ac.every_k,
+        optimizer=args.optimizer or cfg.optimizer.name, optimizer_impl=impl, checkpointing=ac.mode, every_k=ac.every_k,
         micro_batch=micro_batch, seq_len=t.seq_len, accum_steps=accum_steps, accounting=args.accounting,
         gpu_name=gpu_name, gpu_bytes=gpu_bytes, headroom=check_headroom(HEADROOM if args.headroom is None
                                                                          else args.headroom),

@@ -32,7 +32,10 @@ from paratrain.estimate.model_states import (BF16, FP32, Param, StateBytes, fsdp
                                              local_shape, model_params, rank_layers, rank_params, state_bytes,
                                              zero_table)
 from paratrain.layout import Layout, grad_compression_site
+from paratrain.models.presets import count_active_params
+from paratrain.models.registry import family_of
 from paratrain.modes import CompressionSite, block_checkpointing, low_precision, multi_stage, recomputes
+from paratrain.optimizers import optimizer_entry
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
 # not see): the CUDA context and kernels (~0.5-0.8 GiB with lazy module loading), cuBLAS/cuDNN workspaces and
@@ -87,6 +90,7 @@ class Estimate:
         lay = i.layout
         return {
             "model": i.model_name, "parameters": sum(p.numel for p in model_params(i.model_args)),
+            "active_parameters": count_active_params(i.model_args),
             "layout": {**dataclasses.asdict(lay), "world_size": lay.world_size, "description": lay.describe()},
             "precision": i.precision, "accounting": i.accounting, "optimizer": i.optimizer,
             "optimizer_impl": i.optimizer_impl, "checkpointing": i.checkpointing, "every_k": i.every_k,
@@ -118,9 +122,6 @@ class Estimate:
 
 
 # ---------------------------------------------------------------------------------------------
-# Parameters whose gradients a block's backward makes after its attention (the q/k/v projections and their norm).
-_ATTENTION_INPUT = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention_norm.weight")
-
 
 def default_overhead(layout: Layout, device: str = "cuda") -> int:
     if device != "cuda":
@@ -184,6 +185,32 @@ class _Rank:
 
     def where(self, where: str) -> list[Param]:
         return [p for p in self.root if p.where == where]
+
+    # What a block's backward makes first and last, read off the family's table by role and sublayer kind.
+    def ffn_output(self, layer: int) -> int:
+        """Elements of the weights writing block `layer`'s feed-forward output, whose gradients its backward makes
+        first: its mlp's row-parallel projection (a mixture of experts': its shared experts'), else a mixture's
+        routed experts' down projection (the stacked weight writing the model width)."""
+        kinds = ("mlp", "moe")
+        out = [p for p in self.sublayer_params(layer, kinds, role="rowwise") if p.matmul]
+        if not out:
+            out = [p for p in self.sublayer_params(layer, kinds, role="expert")
+                   if p.shape[-1] == self.i.model_args.dim][:1]
+        return self.local_numel(out)
+
+    def after_attention_inputs(self, layer: int) -> int:
+        """Elements of block `layer`'s parameters whose gradients exist once its attention's backward starts: all
+        from the attention's row-parallel output projection on (not the norm before it nor the q/k/v projections,
+        whose gradients come last)."""
+        ps, output = self.by_layer[layer], self.sublayer_params(layer, ("attention",), role="rowwise")[0]
+        return self.local_numel(ps[next(k for k, p in enumerate(ps) if p is output):])
+
+    def sublayer_params(self, layer: int, kinds: tuple[str, ...], role: str | None = None) -> list[Param]:
+        """Block `layer`'s parameters (of this role) in its sublayers of these kinds (the family's `sublayers`)."""
+        args = self.i.model_args
+        names = {name for name, kind in family_of(args).sublayers(args, layer).items() if kind in kinds}
+        return [p for p in self.by_layer[layer]
+                if p.module.split(".", 1)[0] in names and (role is None or p.role == role)]
 
 
 def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers: list[int]) -> _Rank:
@@ -254,12 +281,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
             return sum(fsdp_numel(p, lay) for p in ps) * FP32
         return local_numel(ps) * FP32
 
-    def dw2(layer):  # the first weight gradient of a block's backward: w2 (the shared expert's, else the experts')
-        ps = by_layer[layer]
-        ps = ([p for p in ps if p.name.endswith(("feed_forward.w2.weight", "shared.w2.weight"))]
-              or [p for p in ps if p.name.endswith("experts.w2")])
-        return local_numel(ps)
-
+    dw2 = r.ffn_output  # the first weight gradient of a block's backward
     grads_full = st.grads
     accum = i.accum_steps
     # Megatron/DeepSpeed allocate their gradient buffers up front (classic accounting): always live.
@@ -339,7 +361,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
             # activations.)
             live = A.ring_backward_block(d, modes[l])
             kept = min(live, stored[l]) if recomputes(modes[l]) else live
-            done = sum(local_numel([p]) for p in by_layer[l] if not p.name.endswith(_ATTENTION_INPUT)) * pbytes
+            done = r.after_attention_inputs(l) * pbytes
             dout = d.N * d.Hq * d.D * d.L
             add(f"ring attention backward of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
                 activations=stored_below + kept + tokens, logits_loss=0, comm_buffers=comm,
@@ -373,7 +395,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
             rs_kept = unsh[l][1]
     # O: the optimizer step
     opt_temp = 0
-    if i.optimizer_impl != "fused" and i.optimizer in ("adamw", "adam"):
+    if i.optimizer_impl != "fused" and optimizer_entry(i.optimizer).foreach_temporary:
         # _multi_tensor_adam: torch._foreach_sqrt(exp_avg_sqs) per parameter group (matrices, then norm gains)
         opt_temp = max(grads_full - grad_bytes([p for p in params if len(p.shape) < 2]),
                        grad_bytes([p for p in params if len(p.shape) < 2])) * (FP32 // gbytes)
@@ -426,8 +448,7 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
             return _fsdp_bytes(ps, lay, pbytes)[1]  # accumulated unsharded, fp32
         return local_numel(ps) * FP32
 
-    def dw2(layer):
-        return local_numel([p for p in by_layer[layer] if p.name.endswith("feed_forward.w2.weight")])
+    dw2 = r.ffn_output  # the first weight gradient of a block's backward (no mixture of experts in a pipeline)
 
     g_const = st.grads if classic else 0
     stage_grads = {s: step_grads([p for l in layers_of[s] for p in by_layer[l]]
@@ -527,7 +548,7 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
             comm_buffers=p2p + gathered + rs_in // lay.shard_degree + (rs_in if i.device == "cpu" else 0),
             activations=tokens)
     opt_temp = 0
-    if i.optimizer_impl != "fused" and i.optimizer in ("adamw", "adam"):
+    if i.optimizer_impl != "fused" and optimizer_entry(i.optimizer).foreach_temporary:
         gb = BF16 if classic else FP32
         small = [p for p in params if len(p.shape) < 2]
         small_bytes = (sum(fsdp_numel(p, lay) for p in small) if lay.uses_fsdp else local_numel(small)) * gb
@@ -538,9 +559,11 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
 
 def _zb_intermediates(d: A.ActDims) -> int:
     """What a zero-bubble input-gradient step keeps of one block for its weight-gradient step: the gradient of each
-    weight's output (q, k, v, o, w1, w3, w2 in the matmul dtype, the two norm gains' in the residual dtype)."""
+    weight's output (q, k, v, o, w1, w3, w2 in the matmul dtype, the two norm gains' in the residual dtype, and the
+    per-head q/k norm gains' in the matmul dtype)."""
     N = d.N
-    return N * (d.Hq * d.D + 2 * d.Hkv * d.D + 2 * d.C + 2 * d.F) * d.L + 2 * N // d.seq_div * d.C * d.R
+    head_norms = (d.Hq + d.Hkv) * d.D if d.qk_norm else 0
+    return N * (d.Hq * d.D + 2 * d.Hkv * d.D + 2 * d.C + 2 * d.F + head_norms) * d.L + 2 * N // d.seq_div * d.C * d.R
 
 
 def _zb_head_intermediates(d: A.ActDims) -> int:
@@ -668,7 +691,7 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     if lay.pp > 1:
         est.stages = [{"stage": s, "tensor_peak_bytes": int(x["peak"]), "total_bytes": int(x["peak"]) + overhead,
                        "phase": x["phase"]} for s, x in walks.items()]
-    if low_precision(i.precision) and i.optimizer in ("adamw", "adam"):
+    if low_precision(i.precision) and optimizer_entry(i.optimizer).state_bytes:
         est.zero_ranks = lay.dp if lay.dp > 1 else 8
         est.zero = zero_table(args, est.zero_ranks, i.optimizer)
     if suggest and est.fits is False:

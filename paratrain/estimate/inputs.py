@@ -7,13 +7,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from paratrain.errors import UserError
-from paratrain.modes import Compression
 from paratrain.estimate.gpus import HEADROOM, check_headroom
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.models.args import ModelArgs
-from paratrain.modes import CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS
+from paratrain.modes import CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS, Compression
+from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-nomomentum")
 ACCOUNTINGS = ("paratrain", "classic")
 
 
@@ -47,7 +46,7 @@ class EstimateInputs:
 def validate(i: EstimateInputs) -> EstimateInputs:
     """Check the inputs (UserError; the layout's ConfigError names the setting); returns them with the layout
     validated against the model and the batch (a pipeline's blocks per stage filled in)."""
-    for name, value, options in (("--precision", i.precision, PRECISIONS), ("--optimizer", i.optimizer, OPTIMIZERS),
+    for name, value, options in (("--precision", i.precision, PRECISIONS), ("--optimizer", i.optimizer, OPTIMIZER_NAMES),
                                  ("--checkpointing", i.checkpointing, CHECKPOINT_MODES),
                                  ("--accounting", i.accounting, ACCOUNTINGS),
                                  ("--optimizer-impl", i.optimizer_impl, OPTIMIZER_IMPLS)):
@@ -75,4 +74,5 @@ def validate(i: EstimateInputs) -> EstimateInputs:
     steps = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
     batch = Batch(global_batch=i.micro_batch * steps * lay.dp, micro_batch=i.micro_batch, seq_len=i.seq_len)
     grad_compression_site(lay, i.compression.method)  # ConfigError where it cannot apply
+    optimizer_entry(i.optimizer).check_layout(lay)
     return i.replace(layout=lay.validate(args, lay.world_size, batch))

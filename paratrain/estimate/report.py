@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from paratrain.estimate.gpus import GB, fmt_bytes, verdict_text
 from paratrain.estimate.model_states import model_params
-from paratrain.models.presets import format_params
+from paratrain.models.presets import count_active_params, format_params
 from paratrain.modes import describe_checkpointing, low_precision
 
 ROWS = [  # (key, label)
@@ -30,7 +30,9 @@ def format_table(est, units: str = "GiB") -> str:
     fb = lambda n: fmt_bytes(n, units)  # noqa: E731
     n_params = sum(p.numel for p in model_params(i.model_args))
     mode = describe_checkpointing(i.checkpointing, i.every_k)
-    lines = [f"model {i.model_name}: {format_params(n_params)} parameters ({n_params:,})",
+    active = count_active_params(i.model_args)
+    per_token = f", {format_params(active)} active per token ({active:,})" if active != n_params else ""
+    lines = [f"model {i.model_name}: {format_params(n_params)} parameters ({n_params:,}){per_token}",
              f"layout {lay.describe()} | {i.precision} ({'classic mixed-precision accounting' if i.accounting == 'classic' else 'as paratrain trains it'})"
              f" | {i.optimizer} ({i.optimizer_impl}) | checkpointing {mode}",
              f"micro-batch {i.micro_batch} x seq {i.seq_len}"

@@ -41,7 +41,8 @@ from paratrain.models.args import ModelArgs
 from paratrain.distributed.tensors import torch_dtype
 from paratrain.modes import PRECISIONS
 
-SOURCE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+SOURCE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja",
+                "vocab.json", "merges.txt")  # the slow tokenizer's files (Qwen ships them beside tokenizer.json)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
 
 

@@ -53,19 +53,20 @@ def check_metrics_config(m) -> None:
             raise ConfigError(f"metrics.tensorboard=true but tensorboard is not installed: {PIP_HINT['tensorboard']}") from None
 
 
-def build_sinks(cfg, env) -> list:
-    """The sinks this rank feeds: Prometheus on local rank 0 (or every rank, per_rank), TensorBoard on rank 0."""
+def build_sinks(m, env, run_name: str, run_dir: Path) -> list:
+    """The sinks this rank feeds (`m`: the `[metrics]` section): Prometheus on local rank 0 (or every rank,
+    per_rank), TensorBoard on rank 0 (in RUN_DIR/tensorboard)."""
     from paratrain.observe.sysmetrics import node_index
 
-    m, sinks = cfg.metrics, []
+    sinks = []
     check_metrics_config(m)
     if m.prometheus_port and (m.prometheus_per_rank or env.local_rank == 0):
         port = m.prometheus_port + (env.local_rank if m.prometheus_per_rank else 0)
-        sinks.append(PrometheusSink(m.prometheus_host, port, run=cfg.run.name, rank=env.rank,
+        sinks.append(PrometheusSink(m.prometheus_host, port, run=run_name, rank=env.rank,
                                     node=node_index(env.rank), world_size=env.world_size,
                                     per_rank=m.prometheus_per_rank, linger_s=m.prometheus_linger_s))
     if m.tensorboard and env.is_main:
-        sinks.append(TensorBoardSink(cfg.run_dir / "tensorboard"))
+        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
     return sinks
 
 

@@ -20,6 +20,7 @@ from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.layout import CONFIG_KEYS
 from paratrain.layout_grammar import COMPRESSION_KEYS, LAYOUT_KEYS, add_layout_flags, layout_flags
 from paratrain.modes import DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, dp_mode_of
+from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
 
 # The layout flags `paratrain plan` takes (paratrain/layout_grammar.py): each fixes that field of every planned
 # layout; the blocks per stage and tp without sequence or loss parallelism are the planner's to choose.
@@ -60,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpointing", help=f"comma-separated subset of {','.join(AC_MODES)}")
     p.add_argument("--micro-batches", help="comma-separated micro-batch sizes to try (default 1,2,4,8,16)")
     p.add_argument("--schedules", help=f"comma-separated pipeline schedules (default {','.join(PLANNED_SCHEDULES)})")
+    p.add_argument("--optimizer", default=None, help=" | ".join(OPTIMIZER_NAMES) + ": its state per rank and its step "
+                   "(default: the --model config's, else adamw)")
     add_layout_flags(p, PLAN_FLAG_KEYS, "each fixes that setting of every planned layout (--grad-compression: plans "
                      "the layouts it applies to, with its bytes and compute; README, Communication)")
     p.add_argument("--max-tp", type=int)
@@ -161,8 +164,9 @@ def build_context(args) -> tuple:
     if parallel.ddp_bucket_mb <= 0:
         raise UserError(f"--ddp-bucket-mb must be > 0, got {parallel.ddp_bucket_mb}")
     compile_ = args.compile if args.compile is not None else bool(base is not None and base.training.compile)
+    optimizer = optimizer_entry(args.optimizer or (base.optimizer.name if base is not None else "adamw")).name
     ctx = Context(margs, seq, tokens // seq, hw, per_node, precision, name, native_max_seq_len=native,
-                  compression=compression,
+                  compression=compression, optimizer=optimizer,
                   ddp_bucket_mb=parallel.ddp_bucket_mb, mode="compile" if compile_ else "eager", float8=args.float8,
                   cluster=groups)
     fixed = _fixed(flags)
@@ -234,6 +238,7 @@ def config_for(c, ctx, base=None, model_spec: str | None = None):
     p = cfg.parallel = dataclasses.replace(lay.to_config(cfg.parallel), grad_compression=comp.method,
                                            powersgd_rank=comp.powersgd_rank, sign_ef_block=comp.sign_ef_block,
                                            ddp_bucket_mb=ctx.ddp_bucket_mb)
+    cfg.optimizer.name = ctx.optimizer
     if ctx.cluster:  # which GPU type each pipeline rank runs on
         from paratrain.planner.hetero import stage_hardware
 
@@ -484,7 +489,7 @@ def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int
         "profile_source": hw.source, "gpus_per_node": ctx.gpus_per_node, "seq_len": ctx.seq_len,
         "global_batch_sequences": ctx.global_seqs, "tokens_per_step": ctx.global_seqs * ctx.seq_len,
         "precision": ctx.precision, "execution_mode": ctx.mode, "float8_what_if": ctx.float8,
-        "grad_compression": ctx.compression.method,
+        "grad_compression": ctx.compression.method, "optimizer": ctx.optimizer,
         "considered": p.considered, "rejected": len(p.rejected), "planning_seconds": elapsed,
         "ranked": [layout_json(r) for r in p.ranked[:top]],
         "written": written,

@@ -14,6 +14,7 @@ from paratrain.layout_grammar import parse_layout_name
 from paratrain.modes import (CHECKPOINT_MODES, DP_MODES, SCHEDULES, block_checkpointing, every_block_whole,
                              interleaved, recompute_rank, recomputes, replicates_shards, stored_rank, value_bytes,
                              zero_bubble)
+from paratrain.optimizers import optimizer_entry
 from paratrain.planner.cost import Candidate, Context, Prediction, cached, predict
 
 # The schedules planned by default: all but interleaved_zero_bubble, which the cost model predicts as interleaved_1f1b
@@ -79,7 +80,8 @@ def structural_reason(c: Candidate, ctx: Context) -> str | None:
     if ctx.global_seqs % (c.dp * c.micro_batch):
         return (f"the global batch ({ctx.global_seqs} sequences) does not divide into micro-batch {c.micro_batch} x "
                 f"data-parallel degree {c.dp}")
-    key = ("layout_reason", id(ctx.args), ctx.global_seqs, ctx.seq_len, ctx.compression.method, c.layout, c.micro_batch)
+    key = ("layout_reason", id(ctx.args), ctx.global_seqs, ctx.seq_len, ctx.compression.method, ctx.optimizer,
+           c.layout, c.micro_batch)
     reason = cached(ctx, key, lambda: _layout_reason(c, ctx))
     if reason:
         return reason
@@ -96,6 +98,7 @@ def _layout_reason(c: Candidate, ctx: Context) -> str:
     try:
         c.layout.validate(ctx.args, c.world, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
         grad_compression_site(c.layout, ctx.compression.method)  # --grad-compression applies to this layout
+        optimizer_entry(ctx.optimizer).check_layout(c.layout)  # and --optimizer
     except ConfigError as e:
         return str(e)
     return ""
@@ -107,7 +110,7 @@ def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
     from paratrain.estimate import EstimateInputs, estimate
 
     inputs = EstimateInputs(ctx.args, c.layout, model_name=ctx.model_name, precision=ctx.precision,
-                            optimizer="adamw", optimizer_impl="fused" if ctx.hw.device == "cuda" else "foreach",
+                            optimizer=ctx.optimizer, optimizer_impl="fused" if ctx.hw.device == "cuda" else "foreach",
                             checkpointing=c.ac, every_k=c.every_k, micro_batch=c.micro_batch, seq_len=ctx.seq_len,
                             compression=ctx.compression,
                             accum_steps=1 if c.layout.pipelined else c.micro_steps(ctx), gpu_name=ctx.hw.name,

@@ -33,10 +33,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from paratrain.errors import PeerFailed, UserError, environment_problem
+from paratrain.errors import PeerFailed, UserError, environment_problem, translated
 from paratrain.models.args import DEFAULT_FAMILY
 from paratrain.files import replace_dir
+from paratrain.optimizers import OPTIMIZERS, OptimizerEntry, optimizer_entry
 from paratrain.training import integrity, safe_dcp
+from paratrain.training.optim import is_zero1
 
 MARKER = "COMPLETE"
 # DCP warns when used without a process group; one process is a supported layout here, not a mistake.
@@ -104,10 +106,6 @@ def save_failure(final: Path, tmp: Path, error: BaseException) -> BaseException:
 
 # -- what is saved ------------------------------------------------------------------------------
 
-def _is_zero1(optimizer) -> bool:
-    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
-
-
 def _fqns(model: nn.Module) -> dict[int, str]:
     from paratrain.distributed.initialize import canonical_name
 
@@ -128,17 +126,17 @@ def _zero1_state(model: nn.Module, optimizer) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def _load_zero1_state(model: nn.Module, optimizer, path: Path) -> None:
-    """Fill this rank's ZeRO-1 partition from a name-keyed optimizer checkpoint (from any layout)."""
+def _load_zero1_state(model: nn.Module, optimizer, path: Path, entry: OptimizerEntry) -> None:
+    """Fill this rank's ZeRO-1 partition from a name-keyed optimizer checkpoint (from any layout); `entry` (the
+    optimizer's registry entry) names the state each parameter has."""
     from torch.distributed.tensor import DTensor
 
     names = _fqns(model)
     local = optimizer.optim
     wanted = {names[id(p)]: p for g in local.param_groups for p in g["params"]}
-    template = {fqn: {k: torch.empty_like(p, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+    template = {fqn: {**{k: torch.empty_like(p, dtype=torch.float32) for k in entry.param_state},
+                      **{k: torch.zeros((), dtype=torch.float32) for k in entry.scalar_state}}
                 for fqn, p in wanted.items()}
-    for fqn in template:
-        template[fqn]["step"] = torch.zeros((), dtype=torch.float32)
     loaded = {"optim": {"state": template}}
     safe_dcp.load(loaded, path)
     for fqn, p in wanted.items():
@@ -152,7 +150,7 @@ def model_optim_state(model: nn.Module, optimizer) -> dict:
 
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
-    if _is_zero1(optimizer):
+    if is_zero1(optimizer):
         return {"model": get_model_state_dict(model), "optim": _zero1_state(model, optimizer)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd}
@@ -181,7 +179,7 @@ class CheckpointWriter:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
 
-        try:
+        with self._saving(step, tmp):
             _on_main(self.is_main, prepare)
             _barrier()
             state = {**model_optim_state(model, optimizer), **(extra or {})}
@@ -191,8 +189,6 @@ class CheckpointWriter:
                 return self.root / f"step-{step}"
             dcp.save(state, checkpoint_id=str(tmp))  # returns on every rank once all shards and .metadata are written
             digests = _gather_digests(_hash_my_share(tmp))  # each rank hashes a share, read back from the page cache
-        except BaseException as e:  # DCP's CheckpointException derives from BaseException
-            raise self._failed(step, tmp, e) from None
         return self._commit(step, tmp, trainer_state, digests)
 
     def poll(self) -> None:
@@ -211,19 +207,17 @@ class CheckpointWriter:
         p, self.pending = self.pending, None
         if p is None:
             return
-        try:
+        with self._saving(p.step, p.tmp):
             p.future.result()
             p.start_hashing_when_written()
             digests = _gather_digests(p.hashing.result())
-        except BaseException as e:
-            raise self._failed(p.step, p.tmp, e) from None
         self._commit(p.step, p.tmp, p.trainer_state, digests)
 
-    def _failed(self, step: int, tmp: Path, error: BaseException) -> BaseException:
-        """A save failed on some rank: every rank removes what was written (the folder is shared) and raises."""
-        failure = save_failure(self.root / f"step-{step}", tmp, error)  # before the removal frees the disk again
-        shutil.rmtree(tmp, ignore_errors=True)
-        return failure
+    def _saving(self, step: int, tmp: Path):
+        """Around each part of a save: when it fails on some rank, every rank removes what was written (the folder
+        is shared) and raises; the cause is read first (the removal frees the disk again)."""
+        return translated(lambda error: save_failure(self.root / f"step-{step}", tmp, error),
+                          cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
 
     def _commit(self, step: int, tmp: Path, trainer_state: dict, digests: dict[str, str]) -> Path:
         """Rank 0 adds trainer.pt and the tokenizer, lists every file's checksum, writes the marker and renames."""
@@ -240,10 +234,8 @@ class CheckpointWriter:
             replace_dir(tmp, final)  # the same step may be saved again (after a rollback)
             prune(self.root, self.keep, final)
 
-        try:
+        with self._saving(step, tmp):
             _on_main(self.is_main, publish)
-        except BaseException as e:
-            raise self._failed(step, tmp, e) from None
         _barrier()
         return final
 
@@ -427,7 +419,7 @@ def resolve_resume(resume: str, ckpt_root: Path, warn=None, problem=checkpoint_p
 # Model dimensions that decide the parameters' shapes: a checkpoint loads only into a model that agrees on them.
 ARCHITECTURE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
                      "tie_embeddings", "moe_experts", "moe_shared_experts", "moe_ffn_hidden", "moe_first_dense_layers",
-                     "family")
+                     "moe_dense_layers", "family")
 
 
 def model_mismatch(trainer_state: dict, model_args) -> str | None:
@@ -436,7 +428,9 @@ def model_mismatch(trainer_state: dict, model_args) -> str | None:
     if not isinstance(saved, dict):
         return "its trainer.pt has no model dimensions"
     ours = dataclasses.asdict(model_args)
-    saved = {"family": DEFAULT_FAMILY, **saved}  # saved before families had names
+    # saved before families had names, or before blocks could be dense by index
+    saved = {"family": DEFAULT_FAMILY, "moe_dense_layers": (), **saved}
+    saved["moe_dense_layers"] = tuple(saved["moe_dense_layers"])
     diffs = [f"{k} {saved.get(k)} (this run: {ours.get(k)})" for k in ARCHITECTURE_KEYS if saved.get(k) != ours.get(k)]
     return "it holds another model: " + ", ".join(diffs) if diffs else None
 
@@ -475,7 +469,7 @@ def trainer_state_problem(state) -> str | None:
     skip = state.get("skip_batches", [])
     if not isinstance(skip, (list, tuple)) or not all(is_int(b) and b >= 0 for b in skip):
         return ": skip_batches must be a list of batch numbers"
-    for key in ("config_toml", "tokenizer_sha256", "data_sha256"):
+    for key in ("config_toml", "tokenizer_sha256", "data_sha256", "optimizer"):
         if key in state and not isinstance(state[key], str):
             return f": {key} must be a string, got {type(state[key]).__name__}"
     for key in ("rng_cpu", "rng_cuda"):
@@ -484,16 +478,17 @@ def trainer_state_problem(state) -> str | None:
     return None
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer) -> dict:
-    """Load model (+ optimizer) in place, whatever layout saved them; returns the trainer state."""
+def load_checkpoint(path: Path, model: nn.Module, optimizer, entry: OptimizerEntry = OPTIMIZERS["adamw"]) -> dict:
+    """Load model (+ optimizer, of registry entry `entry`) in place, whatever layout saved them; returns the trainer
+    state."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     trainer_state = load_trainer_state(path)
-    if optimizer is not None and _is_zero1(optimizer):
+    if optimizer is not None and is_zero1(optimizer):
         state = {"model": model_optim_state(model, None)["model"]}
         safe_dcp.load(state, path)
         set_model_state_dict(model, state["model"])
-        _load_zero1_state(model, optimizer, path)
+        _load_zero1_state(model, optimizer, path, entry)
         return trainer_state
     state = model_optim_state(model, optimizer)
     safe_dcp.load(state, path)
@@ -603,6 +598,7 @@ class Checkpointer:
     def _state(self, next_step: int) -> dict:
         state = {"step": next_step, **self.progress.state(), "rng_cpu": torch.get_rng_state(),
                  "seq_len": self.spec.cfg.training.seq_len, "config_toml": self.config_toml,
+                 "optimizer": self.spec.cfg.optimizer.name,
                  "model_args": dataclasses.asdict(self.spec.model_args), **self.identity}
         if self.scheduler is not None:
             state["lr_scheduler"] = self.scheduler.state_dict()
@@ -617,18 +613,21 @@ class Checkpointer:
         if mismatch:
             raise UserError(f"cannot resume from {path}: {mismatch}; resume from a checkpoint of this model, or "
                             "give this run another run.name")
+        ours, theirs = self.spec.cfg.optimizer.name, saved.get("optimizer", "adamw")  # older: AdamW, the only one
+        if theirs != ours:
+            raise UserError(f"cannot resume from {path}: it holds the state of optimizer.name={theirs} (this run: "
+                            f"{ours}); resume with optimizer.name={theirs}, or give this run another run.name")
         if saved.get("data_sha256") not in (None, self.identity.get("data_sha256")):
             self.warn(f"warning: {path} was trained on other data than data.dir={self.spec.cfg.data.dir} holds now "
                       "(another corpus, or the same one prepared again): the batches after the resume differ")
-        try:
-            state = load_checkpoint(path, self.model, self.optimizer)
+        def unreadable(error: BaseException) -> UserError | None:
+            refused = safe_dcp.refused_entry(error)
+            problem = str(refused) if refused is not None else environment_problem(error)
+            return None if problem is None else UserError(f"cannot read checkpoint {path}: {problem}")
+
+        with translated(unreadable):
+            state = load_checkpoint(path, self.model, self.optimizer, optimizer_entry(ours))
             self._restore_comm(path)
-        except BaseException as e:  # DCP's CheckpointException derives from BaseException
-            refused = safe_dcp.refused_entry(e)
-            problem = str(refused) if refused is not None else environment_problem(e)
-            if problem is None:
-                raise
-            raise UserError(f"cannot read checkpoint {path}: {problem}") from None
         step = int(state["step"])
         self.progress.load(state, step)
         if self.scheduler is not None:  # after the optimizer's state: the lr of the next update, whatever was loaded

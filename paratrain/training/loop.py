@@ -41,7 +41,7 @@ from paratrain.models import count_active_params, count_params, flops_per_token,
 from paratrain.spec import RunSpec, stage_gpus
 from paratrain.training.checkpoint import Checkpointer, Progress, export_safetensors, full_weights
 from paratrain.training.evaluation import Evaluator
-from paratrain.training.optim import WarmupCosine
+from paratrain.training.optim import WarmupCosine, inner_optimizer
 from paratrain.training.record import PendingRecord, StepRecorder
 from paratrain.training.resilience import MemoryBudget, ResilienceGuard, mark_preempted
 from paratrain.training.step import build_train_step
@@ -79,7 +79,7 @@ class Trainer:
         self.prompt_ids = prompt_ids(self.tokenizer, cfg.sample.prompt)  # fails now, not after training
 
         if spec.layout.pipelined:  # heterogeneous clusters: this rank's stages on the GPU the plan gave them
-            check_stage_gpu(stage_gpus(cfg, spec.layout), self.dims.pp_rank, dev)
+            check_stage_gpu(stage_gpus(cfg.parallel, spec.layout), self.dims.pp_rank, dev)
         budget = cfg.resilience.memory_budget_gib
         self.train_step = build_train_step(
             spec.model_args, self.dims, dev, precision=t.precision, activation_checkpoint=cfg.activation_checkpoint,
@@ -120,11 +120,12 @@ class Trainer:
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
             (cfg.run_dir / "config.toml").write_text(dump_toml(resolved_config(cfg, spec.layout)))
         self.log = MetricsLog(cfg.run_dir / "metrics.jsonl", t.steps, 0, cfg.metrics.progress, enabled=env.is_main,
-                              sinks=build_sinks(cfg, env))
-        if start == 0 and cfg.model.init_from:  # a Hugging Face model's weights onto this layout; a fresh optimizer
+                              sinks=build_sinks(cfg.metrics, env, cfg.run.name, cfg.run_dir))
+        folder = spec.source.hf_folder
+        if start == 0 and folder is not None:  # a Hugging Face model's weights onto this layout; a fresh optimizer
             from paratrain import hf
 
-            folder = hf.load_initial_weights(unwrap(self.train_step.model), cfg, spec.model_args)
+            hf.load_initial_weights(unwrap(self.train_step.model), folder, spec.model_args)
             self.notice(f"initialised from Hugging Face folder {folder}")
         self._print_header()
         memory_rows = None
@@ -277,7 +278,8 @@ class Trainer:
             from paratrain import hf
 
             self.checkpointer.finish()
-            log.message(f"Hugging Face model: {hf.export_final(cfg, env.rank, env.world_size)}")
+            out = hf.export_final(cfg.run_dir, steps, cfg.checkpoint.export_hf_dtype, env.rank, env.world_size)
+            log.message(f"Hugging Face model: {out}")
         bubble = self.recorder.bubble_summary()
         if bubble:
             log.message(bubble)
@@ -341,8 +343,7 @@ class Trainer:
             return t.numel() * t.element_size()
 
         params = list(self.train_step.model.parameters())
-        opt = self.train_step.optimizer
-        opt = opt.optim if hasattr(opt, "optim") else opt
+        opt = inner_optimizer(self.train_step.optimizer)
         mine = {"rank": self.env.rank,
                 "params": sum(nbytes(p) for p in params),
                 "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),

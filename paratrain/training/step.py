@@ -34,6 +34,7 @@ from paratrain.distributed.tensors import full_tensor, torch_dtype
 from paratrain.layout import Layout
 from paratrain.modes import loss_scaled, low_precision
 from paratrain.models.moe import balance_loss, moe_modules
+from paratrain.training.optim import build_optimizer, inner_optimizer
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -104,9 +105,9 @@ class TrainStep:
         self.autocast = low_precision(precision) and not layout.uses_fsdp
         self.moe_layers = moe_modules(unwrap(model))
         self.moe = MoEMeter(unwrap(model)) if self.moe_layers else None  # expert load statistics
-        inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1 wraps the optimizer that steps
-        # fused AdamW takes `found_inf` and skips the update in its kernel (its step counts too): no host read
-        self.skips_on_device = bool(getattr(inner, "_step_supports_amp_scaling", False))
+        # fused AdamW (and SGD) take `found_inf` and skip the update in their kernel (AdamW's step counts too): no
+        # host read
+        self.skips_on_device = bool(getattr(inner_optimizer(optimizer), "_step_supports_amp_scaling", False))
 
     def contexts(self, sync: bool = True) -> contextlib.ExitStack:
         """No gradient all-reduce on DDP's accumulation micro-steps, autocast, and loss parallelism."""
@@ -185,7 +186,7 @@ class TrainStep:
         elif finite is True:
             self.optimizer.step()
         elif self.skips_on_device:
-            inner = getattr(self.optimizer, "optim", self.optimizer)
+            inner = inner_optimizer(self.optimizer)
             inner.found_inf = (~finite).float()  # 1.0: the kernel leaves parameters, moments and step counts alone
             try:
                 self.optimizer.step()
@@ -244,7 +245,6 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
     from paratrain.config import ActivationCheckpointConfig, OptimizerConfig, ParallelConfig
     from paratrain.distributed.compression import GradComm
     from paratrain.models import build_model
-    from paratrain.training.optim import build_optimizer
 
     layout = dims.layout
     ac = activation_checkpoint or ActivationCheckpointConfig()
@@ -260,7 +260,7 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
         model = parallelize(model, dims, ac, precision, compile, device, seed, comm=comm)
     comm.prepare()
     opt = build_optimizer(unwrap(model), optimizer or OptimizerConfig(), device,
-                          dims.dp_group if layout.zero1 else None)
+                          dims.dp_group if layout.zero1 else None, comm=comm)
     return TrainStep(model, opt, layout, precision=precision, device=device, grad_clip=grad_clip, scaler=scaler,
                      pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
                      memory_budget=memory_budget, probe=probe, comm=comm,
