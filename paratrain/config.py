@@ -178,6 +178,9 @@ class MetricsConfig:
     # compute / exposed-communication split in run_dir/profile (what `paratrain profile` sets)
     profile_steps: int = 0
     profile_start: int = 1  # step 0 warms up (lazy initialisation, DDP's bucket rebuild)
+    # every N steps: per-block max |x| and RMS of activations, attention logits, MLP hidden, gradients and weights,
+    # and the bf16/fp16 headroom (0: off; a non-finite step is always replayed to name its first non-finite module)
+    numerics_every: int = 0
 
 
 @dataclass
@@ -414,6 +417,7 @@ def validate(cfg: Config) -> None:
              "parallel.fsdp_forward_prefetch must be >= 0 and parallel.fsdp_backward_prefetch >= 1")
     _require(cfg.metrics.profile_steps >= 0 and cfg.metrics.profile_start >= 0,
              "metrics.profile_steps and metrics.profile_start must be >= 0")
+    _require(cfg.metrics.numerics_every >= 0, "metrics.numerics_every must be >= 0 (0: off)")
     _require(0 < cfg.data.val_fraction <= 0.5, "data.val_fraction must be in (0, 0.5]")
     if cfg.data.sources:
         from paratrain.data.mixture import parse_sources

@@ -164,7 +164,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
         apply_fsdp(model, dims, precision, expert_dp_mesh, comm)
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         model.to_empty(device=device)
-    init_weights(model, seed)
+    if device.type != "meta":  # a dry run (`paratrain train --dry-run`) keeps the laid-out model on meta: no values
+        init_weights(model, seed)
     if layout.uses_ddp:
         from torch.nn.parallel import DistributedDataParallel
 

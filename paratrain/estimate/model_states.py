@@ -144,6 +144,7 @@ class StateBytes:
     unsharded_numel: int  # elements of the parameters this rank computes with (after tp/ep/pp, before FSDP)
     rope_buffers: int = 0
     notes: tuple[str, ...] = ()
+    grads_beyond_shards: int = 0  # of `grads`: bytes beyond each parameter's own sharded shape (a whole gradient)
 
 
 _STATES: dict = {}
@@ -232,7 +233,7 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
         if layout.zero1:
             opt_numel = zero1_worst_numel([(p, n) for p, count, n in kinds for _ in range(count)], dp)
             notes.append(f"ZeRO-1 partitions whole parameters over {dp} ranks (worst rank shown)")
-    autocast = 0
+    autocast = whole_numel = 0
     if low and not layout.uses_fsdp:
         # (routed experts' grouped matmul is not an autocast op: no cached copy of them)
         autocast = sum(count * n for p, count, n in kinds if p.matmul and not p.expert) * BF16
@@ -242,7 +243,8 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
         # Measured (torch 2.13): the vocabulary-parallel embedding's gradient comes back whole (V x C) on every
         # tensor-parallel rank, not as its V/tp shard.
         emb = next(p for p, _, _ in kinds if p.where == "embedding")
-        grads_numel += emb.numel - math.prod(local_shape(emb, layout))
+        whole_numel = emb.numel - math.prod(local_shape(emb, layout))
+        grads_numel += whole_numel
         notes.append("tensor parallel: the embedding's gradient is whole (V x C) on each rank")
     # Per parameter tensor: Adam's step count (a 4-byte fp32 tensor each; ZeRO-1: its partition's share).
     steps = tensors * entry.tensor_state_bytes
@@ -250,7 +252,7 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
         steps = math.ceil(tensors / layout.dp) * entry.tensor_state_bytes
     return StateBytes(params=numel * FP32, grads=grads_numel * FP32, optimizer=opt_numel * per_opt + steps, master=0,
                       autocast_copies=autocast, param_numel=numel, unsharded_numel=local_numel, rope_buffers=rope,
-                      notes=tuple(notes))
+                      notes=tuple(notes), grads_beyond_shards=whole_numel * FP32)
 
 
 def zero_table(args: ModelArgs, ranks: int, optimizer: str = "adamw") -> list[dict]:

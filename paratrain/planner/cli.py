@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="plan", help="folder for the best layout's config.toml and launch script")
     p.add_argument("--no-write", action="store_true", help="print the plan only")
     p.add_argument("--overwrite", action="store_true", help="replace the plan an earlier run wrote into --out")
+    p.add_argument("--check", action="store_true", help="build the first choice's layout here (paratrain train "
+                   "--dry-run: fake process group, meta device) and compare its model states with the estimate")
     p.add_argument("--explain", metavar="LAYOUT", help="why LAYOUT (as printed, e.g. fsdp,tp=2,ac=full,mb=1) is "
                    "rejected, or how it ranks")
     p.add_argument("--calibrate", action="store_true", help="measure this machine and save a profile (with --model: "
@@ -410,9 +412,19 @@ def main_plan(argv: list[str]) -> int:
     if not args.no_write:
         path, cmd, sb = write_outputs(best, ctx, world, args.out, base, None if base else args.model)
         written = {"config": str(path), "launch": cmd, "sbatch": str(sb) if sb else None}
+    check = None
+    if args.check:  # the first choice built for real, one rank per pipeline stage
+        from paratrain.observe.dryrun import dry_run
+
+        check = dry_run(config_for(best.cand, ctx, base, None if base else args.model), world)
     if args.json:
-        print(json.dumps(plan_json(p, ctx, world, elapsed, written, args.top), indent=2))
-        return 0
+        doc = plan_json(p, ctx, world, elapsed, written, args.top)
+        if check is not None:
+            doc["check"] = {"agrees": check.agrees, "seconds": check.seconds,
+                            "ranks": [{"rank": r.rank, "built": r.built, "estimated": r.estimated,
+                                       "difference": r.difference} for r in check.ranks]}
+        print(json.dumps(doc, indent=2))
+        return 0 if check is None or check.agrees else 1
     hw = ctx.hw
     where = (" + ".join(f"{g.count} x {g.name}" for g in ctx.cluster) if ctx.cluster else f"{world} x {hw.name}")
     print(f"plan: {ctx.model_name} on {where} ({hw.source}; {ctx.gpus_per_node} per node, "
@@ -439,8 +451,12 @@ def main_plan(argv: list[str]) -> int:
     if written:
         print(f"wrote {written['config']}" + (f" and {written['sbatch']}" if written["sbatch"] else ""))
         print(f"launch: {written['launch']}")
+    if check is not None:
+        from paratrain.observe.dryrun import format_dry_run
+
+        print(format_dry_run(check))
     sys.stdout.flush()
-    return 0
+    return 0 if check is None or check.agrees else 1
 
 
 def _even(r, ctx) -> tuple[int, ...]:

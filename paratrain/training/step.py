@@ -30,7 +30,7 @@ from paratrain.distributed.expert_parallel import MoEMeter
 from paratrain.distributed.grad_norm import clip_grad_norm
 from paratrain.distributed.parallelize import SequenceParallelSampler, parallelize, unwrap
 from paratrain.distributed.pipeline import Pipeline, PipelineSampler, build_pipeline
-from paratrain.distributed.tensors import full_tensor, torch_dtype
+from paratrain.distributed.tensors import full_tensor, local_tensor, torch_dtype
 from paratrain.layout import Layout
 from paratrain.modes import loss_scaled, low_precision
 from paratrain.models.moe import balance_loss, moe_modules
@@ -200,6 +200,18 @@ class TrainStep:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def state_bytes(self) -> dict:
+        """Bytes this rank holds of parameters, gradients and optimizer state (local shards of sharded tensors)."""
+        def nbytes(t):
+            t = local_tensor(t)
+            return t.numel() * t.element_size()
+
+        params = list(self.model.parameters())
+        opt = inner_optimizer(self.optimizer)  # ZeRO-1 wraps the optimizer that holds the state
+        return {"params": sum(nbytes(p) for p in params),
+                "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+                "optimizer": sum(nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))}
+
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         return self.context.shard(t) if self.context is not None else t
 
@@ -265,3 +277,13 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
                      pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
                      memory_budget=memory_budget, probe=probe, comm=comm,
                      context=context_for(dims))  # cp: batches cut to this rank's chunks
+
+
+def build_run_step(spec, dims, device: torch.device, memory_budget=None) -> TrainStep:
+    """The step of the run `spec` (a RunSpec) on this rank: `build_train_step` with the run's settings, as the trainer
+    and the dry run (`paratrain train --dry-run`) build it."""
+    cfg, t = spec.cfg, spec.cfg.training
+    return build_train_step(spec.model_args, dims, device, precision=t.precision,
+                            activation_checkpoint=cfg.activation_checkpoint, compile=t.compile, seed=t.seed,
+                            optimizer=cfg.optimizer, parallel=cfg.parallel, grad_clip=t.grad_clip,
+                            memory_budget=memory_budget)
