@@ -185,6 +185,15 @@ def loss_scaled(precision: str) -> bool:
     return precision == "fp16"
 
 
+LOW_PRECISIONS: tuple[str, ...] = tuple(p for p in PRECISIONS if low_precision(p))  # the 16-bit formats
+
+
+def headroom_format(precision: str) -> str:
+    """The 16-bit format whose range a run's numbers are judged against: fp16 for an fp16 run, else bf16 (what a
+    fp32 run would overflow first if it moved to 16 bits)."""
+    return precision if low_precision(precision) else "bf16"
+
+
 def value_bytes(precision: str) -> int:
     """Bytes of one value computed in this precision."""
     return 4 if precision == "fp32" else 2
