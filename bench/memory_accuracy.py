@@ -23,6 +23,7 @@ import json
 import sys
 import time
 
+from paratrain.config import ParallelConfig
 from paratrain.estimate.measure import CATEGORIES, MeasureSpec, inputs_for_spec, measure
 
 # A small Llama (GQA, SwiGLU) whose activations, parameters and logits are all a visible share of the peak.
@@ -132,8 +133,8 @@ SMALL = 0.02  # categories under 2% of the peak are compared in % of the peak (r
 
 def spec_of(row) -> MeasureSpec:
     name, _, layout, precision, ckpt, mb, seq, accum, model = row
-    return MeasureSpec(model=model, precision=precision, checkpointing=ckpt, micro_batch=mb, seq_len=seq,
-                       accum_steps=accum, name=name, **layout)
+    return MeasureSpec(model=model, parallel=ParallelConfig(**layout), precision=precision, checkpointing=ckpt,
+                       micro_batch=mb, seq_len=seq, accum_steps=accum, name=name)
 
 
 def predicted(spec: MeasureSpec, world: int):
@@ -168,7 +169,7 @@ def compare(rows_measured: list[dict], spec: MeasureSpec, world: int) -> dict:
         err = (e - m) / peak if small else (e - m) / max(m, 1)
         out["categories"][c] = {"measured": m, "predicted": e, "err": err, "of_peak": small}
     fe = worst["forward_end"]
-    if spec.pp == 1:  # (a pipeline's schedule interleaves forwards and backwards: no "end of forward")
+    if spec.parallel.pp == 1:  # (a pipeline's schedule interleaves forwards and backwards: no "end of forward")
         out["fwd_activations"] = {"measured": fe.get("activations", 0), "predicted": fwd_acts}
         out["fwd_logits_loss"] = {"measured": fe.get("logits_loss", 0), "predicted": fwd_head}
     # FSDP parameter all-gathers per step: measured in the trainer's step against the rule the cost model uses

@@ -21,13 +21,11 @@ from pathlib import Path
 import tomli_w
 
 from paratrain.errors import ConfigError
-from paratrain.layout import DPModeOption, GradCompression, Schedule
 from paratrain.models.args import ModelArgs, is_int
+from paratrain.modes import CheckpointMode, DPModeOption, GradCompression, OptimizerImpl, Precision, Schedule
 from paratrain.optimizers import optimizer_entry
 
-Precision = Literal["fp32", "bf16", "fp16"]
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
-ActivationCheckpointMode = Literal["none", "full", "every_k", "selective"]
 
 
 def _model_config() -> type:
@@ -96,7 +94,7 @@ class OptimizerConfig:
     beta1: float = 0.9  # Adam's first-moment decay; sgd's momentum
     beta2: float = 0.99
     eps: float = 1e-8
-    impl: Literal["auto", "fused", "foreach", "for"] = "auto"
+    impl: Literal["auto", OptimizerImpl] = "auto"
 
     @property
     def final_lr(self) -> float:
@@ -136,7 +134,7 @@ class ParallelConfig:
 class ActivationCheckpointConfig:
     """Activation checkpointing (recompute in backward instead of storing)."""
 
-    mode: ActivationCheckpointMode = "none"
+    mode: CheckpointMode = "none"
     every_k: int = 2
 
 
@@ -151,7 +149,7 @@ class CheckpointConfig:
     async_save: bool = False  # write in the background; committed at a later step boundary
     export_safetensors: bool = False  # also write consolidated weights to RUN_DIR/model.safetensors at the end
     export_hf: bool = False  # at the end, also export the final checkpoint as a Hugging Face folder RUN_DIR/hf
-    export_hf_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    export_hf_dtype: Precision = "bf16"  # the dtype of the exported weights
 
 
 @dataclass
@@ -240,7 +238,7 @@ def _suggest(name: str, options) -> str:
 
 def _coerce(key: str, value, annotation):
     """Check (TOML values) or parse (command-line strings) one value against its type annotation."""
-    options = _members(annotation)
+    options = annotation_members(annotation)
     allowed = tuple(o for o in options if isinstance(o, type))
     choices = tuple(o for o in options if not isinstance(o, type))  # Literal values
     if list in allowed:  # a TOML array, or on the command line the same written inline
@@ -287,12 +285,12 @@ def _coerce(key: str, value, annotation):
     raise ConfigError(f"{key}: expected {wanted}, got {type(value).__name__} {value!r}")
 
 
-def _members(annotation) -> tuple:
+def annotation_members(annotation) -> tuple:
     """The plain types and Literal values an annotation admits: `Literal['a', 'b'] | None` -> ('a', 'b', NoneType)."""
     if get_origin(annotation) is Literal:
         return get_args(annotation)
     if get_origin(annotation) in (Union, types.UnionType):
-        return tuple(m for arg in get_args(annotation) for m in _members(arg))
+        return tuple(m for arg in get_args(annotation) for m in annotation_members(arg))
     if get_origin(annotation) is tuple:  # tuple[int, ...]
         return (tuple,)
     return (annotation,)
@@ -476,7 +474,7 @@ def config_keys_help() -> str:
         lines.append(f"[{section.name}]")
         for f in dataclasses.fields(table):
             default = getattr(table, f.name)
-            choices = [str(c) for c in _members(hints[f.name]) if not isinstance(c, type)]
+            choices = [str(c) for c in annotation_members(hints[f.name]) if not isinstance(c, type)]
             if (section.name, f.name) == ("optimizer", "name"):  # a registry, not a Literal
                 from paratrain.optimizers import OPTIMIZER_NAMES
 

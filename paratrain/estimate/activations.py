@@ -3,7 +3,7 @@
 Read with paratrain/models/llama.py open. N = micro_batch x seq_len tokens; C = dim; Hq, Hkv heads of
 D = C / Hq; F = ffn_hidden; V = vocab. Three precision regimes give each saved tensor its dtype:
 
-- "fp32": everything fp32.
+- "single": fp32 training, everything fp32.
 - "autocast" (bf16/fp16 without FSDP: one process, ddp, zero1, tensor parallel only): parameters are fp32,
   `torch.autocast` runs matmuls and attention in bf16. The embedding and RMSNorm are not autocast ops, so the
   residual stream and the norm outputs stay fp32, and every linear casts its input to bf16 separately: q, k, v
@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from paratrain.layout import Layout
 from paratrain.models.args import ModelArgs
 from paratrain.models.registry import roles
+from paratrain.modes import low_precision, recomputes, selective, whole_blocks
 
 FP32, INT64 = 4, 8
 
@@ -73,7 +74,7 @@ class ActDims:
     V: int  # vocabulary seen by the loss on this rank (V / tp with loss parallel)
     tp: int
     sp: bool
-    regime: str  # fp32 | autocast | pure
+    regime: str  # single | autocast | pure
     fsdp: bool  # FSDP mixed precision casts block inputs (rotary tables)
     gqa: bool  # k, v repeated to Hq heads
     loss_parallel: bool
@@ -92,7 +93,7 @@ class ActDims:
 
     @property
     def L(self) -> int:  # matmul / attention outputs
-        return 4 if self.regime == "fp32" else 2
+        return 4 if self.regime == "single" else 2
 
     @property
     def seq_div(self) -> int:  # sequence-parallel division of norm/residual tensors
@@ -130,8 +131,8 @@ class ActDims:
 
 def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, micro_batch: int, seq_len: int,
              device: str = "cuda") -> ActDims:
-    if precision == "fp32":
-        regime = "fp32"
+    if not low_precision(precision):
+        regime = "single"
     elif accounting == "classic" or layout.uses_fsdp:
         regime = "pure"
     else:
@@ -241,7 +242,7 @@ def moe_ffn_saved(d: ActDims, m: MoEDims) -> list[tuple[str, int]]:
     if d.regime == "pure":
         out.append(("router weight (fp32 copy)", m.E * d.C * FP32))
     if m.shared:
-        out += [("shared expert input", 0 if d.regime == "fp32" else _matmul_inputs(d, 2)),
+        out += [("shared expert input", 0 if d.regime == "single" else _matmul_inputs(d, 2)),
                 ("shared SwiGLU", 4 * N * m.shared * d.L)]
     return out
 
@@ -286,11 +287,11 @@ def sac_saved(d: ActDims, moe: MoEDims | None = None) -> list[tuple[str, int]]:
 @functools.lru_cache(maxsize=8192)
 def block_stored(d: ActDims, mode: str, moe: MoEDims | None = None) -> int:
     """Bytes a block keeps from its forward to its backward under checkpointing `mode`."""
-    if mode == "none":
+    if not recomputes(mode):
         return sum(b for _, b in block_saved(d, moe))
-    if mode == "full":
+    if whole_blocks(mode):
         return block_input(d) + d.rope_tables
-    if mode == "selective":
+    if selective(mode):
         return sum(b for _, b in sac_saved(d, moe))
     raise ValueError(mode)
 
@@ -322,10 +323,10 @@ def block_backward_live(d: ActDims, mode: str, moe: MoEDims | None = None) -> tu
     saved = sum(b for _, b in block_saved(d, moe))
     width, product = _swiglu_backward(d, moe)
     grads = width + block_input(d)  # the incoming gradient has the block input's size and dtype
-    if mode == "none":
+    if not recomputes(mode):
         return saved - product, grads + product  # the product (w2's saved input) is freed by w2's backward
     pure_extra = block_input(d) if d.regime == "pure" else 0
-    if mode == "full":
+    if whole_blocks(mode):
         kept = block_input(d) + d.rope_tables
         return kept, saved + grads + pure_extra - kept
     N, L = d.N, d.L
@@ -362,10 +363,10 @@ def ring_backward_block(d: ActDims, mode: str) -> int:
     cache has handed out its entries by then, except v, the attention output and logsumexp (saved by the ring's
     backward, counted with the attention) and the w2 output, which the early-stopping recomputation never read."""
     attn = sum(b for _, b in attention_saved(d))
-    if mode == "none":
+    if not recomputes(mode):
         return attn
     extra_input = block_input(d) if d.regime == "pure" else 0  # in fp32 the norm's input is the block input
-    leftover = d.N * d.C * d.L if mode == "selective" else 0
+    leftover = d.N * d.C * d.L if selective(mode) else 0
     return attn + extra_input + d.rope_tables + leftover
 
 

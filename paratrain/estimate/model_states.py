@@ -22,11 +22,13 @@ import functools
 import math
 from dataclasses import dataclass
 
-from paratrain.layout import Layout, balanced_split
+from paratrain.layout import Layout
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
 from paratrain.models.registry import parameters
+from paratrain.modes import low_precision
 from paratrain.optimizers import optimizer_entry
+from paratrain.stage_split import balanced_split
 
 # Bytes per element.
 FP32, BF16 = 4, 2
@@ -88,16 +90,16 @@ def rank_layers(layout: Layout, args: ModelArgs) -> list[list[int]]:
         return [list(range(args.n_layers))]
     if layout.pp_split is None:
         layout = dataclasses.replace(layout, pp_split=balanced_split(args, layout.num_stages))
-    return [list(b) for b in _rank_layers(layout.pp, layout.pp_virtual, layout.pp_schedule, layout.pp_split)]
+    owners = tuple(layout.stage_owner(s) for s in range(layout.num_stages))
+    return [list(b) for b in _rank_layers(layout.pp, owners, layout.pp_split)]
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_layers(pp: int, virtual: int, schedule: str, split: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+def _rank_layers(pp: int, owners: tuple[int, ...], split: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     starts = [sum(split[:s]) for s in range(len(split))]
-    owner = (lambda s: s if s < pp else 2 * pp - 1 - s) if schedule == "zbv" else (lambda s: s % pp)
     out = [[] for _ in range(pp)]
     for s, n in enumerate(split):
-        out[owner(s)] += range(starts[s], starts[s] + n)
+        out[owners[s]] += range(starts[s], starts[s] + n)
     return tuple(tuple(sorted(b)) for b in out)
 
 
@@ -202,7 +204,7 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
     tensors = sum(count for _, count, _ in kinds)
     entry = optimizer_entry(optimizer)
     per_opt = entry.state_bytes
-    low = precision != "fp32"
+    low = low_precision(precision)
     rope = 2 * args.max_seq_len * (args.head_dim // 2) * FP32  # rope_cos, rope_sin buffers
     notes = []
     dp = layout.dp

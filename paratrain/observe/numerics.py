@@ -33,9 +33,10 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.distributed.initialize import canonical_name
-from paratrain.distributed.tensors import local_tensor
+from paratrain.distributed.tensors import local_tensor, torch_dtype
+from paratrain.modes import LOW_PRECISIONS, headroom_format
 
-FORMATS = {"bf16": torch.finfo(torch.bfloat16).max, "fp16": torch.finfo(torch.float16).max}
+FORMATS = {p: torch.finfo(torch_dtype(p)).max for p in LOW_PRECISIONS}  # the largest finite value of each
 ACTIVATIONS, LOGITS, MLP, GRADS, WEIGHTS = range(5)  # the kinds measured per row
 KIND_NAMES = ("act", "attn_logit", "mlp", "grad", "weight")
 LOGIT_CHUNK = 2**24  # attention scores computed at most this many at a time (T = 8192 would be 2^26 per head)
@@ -127,7 +128,7 @@ class NumericsWatch:
 
     def __init__(self, train_step, n_layers: int, every: int, precision: str):
         self.train_step, self.n_layers, self.every = train_step, n_layers, every
-        self.low_format = "fp16" if precision == "fp16" else "bf16"
+        self.low_format = headroom_format(precision)
         self.rows = row_names(n_layers)
         self.active = False
         self.max = self.sums = None

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from paratrain.errors import OneLineArgumentParser, UserError
+from paratrain.modes import headroom_format
 
 
 def parse_step(text: str) -> int:
@@ -123,7 +124,7 @@ def summary(run_dir: Path, step: int, checkpoint: Path | None, replayed: dict, l
             lines.append(f"note: the replay read another batch: the run rolled back after {start} and skipped "
                          "batches that checkpoint does not know of")
     if replayed.get("numerics"):
-        lines.append(format_numerics(replayed["numerics"], "fp16" if precision == "fp16" else "bf16"))
+        lines.append(format_numerics(replayed["numerics"], headroom_format(precision)))
     found = replayed.get("nonfinite")
     if found:
         lines.append(f"first non-finite output: {found['module']} (rank {found['rank']})" if found.get("module")

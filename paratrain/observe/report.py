@@ -30,6 +30,7 @@ from pathlib import Path
 from paratrain.config import ParallelConfig, tomllib
 from paratrain.errors import ConfigError, OneLineArgumentParser, UserError
 from paratrain.layout import Layout
+from paratrain.modes import LOW_PRECISIONS, headroom_format
 from paratrain.observe.metrics import imbalance
 
 MIB = 2**20
@@ -173,7 +174,7 @@ def _numerics_record(r: dict) -> bool:
     if not isinstance(n, dict) or not isinstance(n.get("rows"), list) or not isinstance(n.get("headroom_bits"), dict):
         return False
     size = len(n["rows"])
-    lists = [n.get("act_max"), n.get("grad_max"), *(n["headroom_bits"].get(f) for f in ("bf16", "fp16"))]
+    lists = [n.get("act_max"), n.get("grad_max"), *(n["headroom_bits"].get(f) for f in LOW_PRECISIONS)]
     return all(isinstance(v, list) and len(v) == size for v in lists)
 
 
@@ -260,7 +261,7 @@ def _is_num(v) -> bool:
 
 
 def _low_format(run: Run) -> str:
-    return "fp16" if run.section("training").get("precision") == "fp16" else "bf16"
+    return headroom_format(run.section("training").get("precision") or "fp32")
 
 
 # -- plots ----------------------------------------------------------------------------------------

@@ -28,10 +28,11 @@ from torch import nn
 from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler, context_for
 from paratrain.distributed.expert_parallel import MoEMeter
 from paratrain.distributed.grad_norm import clip_grad_norm
-from paratrain.distributed.parallelize import PRECISION_DTYPES, SequenceParallelSampler, parallelize, unwrap
+from paratrain.distributed.parallelize import SequenceParallelSampler, parallelize, unwrap
 from paratrain.distributed.pipeline import Pipeline, PipelineSampler, build_pipeline
-from paratrain.distributed.tensors import full_tensor, local_tensor
+from paratrain.distributed.tensors import full_tensor, local_tensor, torch_dtype
 from paratrain.layout import Layout
+from paratrain.modes import loss_scaled, low_precision
 from paratrain.models.moe import balance_loss, moe_modules
 from paratrain.training.optim import build_optimizer, inner_optimizer
 
@@ -50,7 +51,7 @@ def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, rows: int)
 def make_scaler(layout: Layout, precision: str, device: torch.device):
     """fp16's dynamic loss scaler (None otherwise). With DTensor gradients the sharded scaler unscales local
     shards and agrees on overflow across ranks."""
-    if precision != "fp16":
+    if not loss_scaled(precision):
         return None
     if layout.uses_fsdp or layout.tp_enabled or layout.pipelined:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -101,7 +102,7 @@ class TrainStep:
         self.pipeline, self.pp_group, self.loss_group, self.comm = pipeline, pp_group, loss_group, comm
         self.memory_budget, self.probe = memory_budget, probe or StepProbe()
         # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does the low-precision compute.
-        self.autocast = precision != "fp32" and not layout.uses_fsdp
+        self.autocast = low_precision(precision) and not layout.uses_fsdp
         self.moe_layers = moe_modules(unwrap(model))
         self.moe = MoEMeter(unwrap(model)) if self.moe_layers else None  # expert load statistics
         # fused AdamW (and SGD) take `found_inf` and skip the update in their kernel (AdamW's step counts too): no
@@ -114,7 +115,7 @@ class TrainStep:
         if not sync and hasattr(self.model, "no_sync"):
             stack.enter_context(self.model.no_sync())
         if self.autocast:
-            stack.enter_context(torch.autocast(self.device.type, dtype=PRECISION_DTYPES[self.precision]))
+            stack.enter_context(torch.autocast(self.device.type, dtype=torch_dtype(self.precision)))
         if self.layout.uses_loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
 
