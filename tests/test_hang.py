@@ -94,6 +94,16 @@ def test_a_rank_busy_outside_collectives(tmp_path):
            'File "/x/paratrain/training/loop.py", line 150, in fit' in line
 
 
+def test_without_a_history_the_silent_rank_is_still_named(tmp_path):
+    """TORCH_FR_BUFFER_SIZE=0: the records hold no collectives, but rank 0 saw rank 1 stopped."""
+    run = tmp_path / "run"
+    r0 = record(0, [], {}, peers={"1": {"pid": 101, "state": "stopped"}})
+    write(run, [{**r0, "pg_status": {}}])
+    lines = diagnose(run)
+    assert "rank 1 wrote no record: its process (pid 101) was stopped (SIGSTOP, or a debugger)" in lines[1]
+    assert "no history kept" in lines[2]
+
+
 @pytest.mark.parametrize("content, message", [
     ("not json", "rank0.json: not a JSON hang record"),
     (json.dumps({"rank": 0}), "rank0.json: not a paratrain hang record (field 'paratrain_hang_dump')"),

@@ -348,9 +348,12 @@ def diagnose(run_dir: Path) -> list[str]:
                        f"wait{'' if len(ins) > 1 else 's'} in" for op, ins, _ in more)
         lines.append(f"rank {m} is behind: rank{'s' if len(inside) > 1 else ''} {_ranks(inside)} "
                      f"wait{'' if len(inside) > 1 else 's'} in {first.describe()}; {why}{also}")
+    for m in silent:
+        if m not in missing and m in peers:  # no op to tie it to (e.g. no history kept): what its peers saw
+            lines.append(f"rank {m} {_silence(m, peers).removeprefix('it ')}")
     if not missing:
-        lines.append("no rank is missing from the collectives the others wait in (a hang outside collectives, or in "
-                     "one older than this record)")
+        lines.append("no rank is missing from the collectives the others wait in (a hang outside collectives, in one "
+                     "older than this record, or no history kept: TORCH_FR_BUFFER_SIZE=0)")
     for r in sorted(blocked):
         b = blocked[r]
         held = f" for {b.age_s:.1f} s" if b.age_s is not None and b.age_s >= 0 else ""
