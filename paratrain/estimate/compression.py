@@ -20,6 +20,7 @@ decompress, both phases). Each also costs operator launches (per parameter for p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -37,6 +38,14 @@ class Compression:
     @classmethod
     def from_config(cls, parallel) -> "Compression":
         return cls(parallel.grad_compression, parallel.powersgd_rank, parallel.sign_ef_block)
+
+    def of_run(self, optimizer: str) -> "Compression":
+        """The compressed collective a run holds state for: these settings', or its optimizer's own (1-bit Adam and
+        0/1 Adam: sign_ef on the momenta, with `sign_ef_block`)."""
+        from paratrain.optimizers import optimizer_entry
+
+        own = optimizer_entry(optimizer).compression
+        return self if own == "none" else dataclasses.replace(self, method=own)
 
     def check_flags(self) -> "Compression":
         """These settings as command-line flags (`plan`, `estimate`): a one-line error where no run could use them."""
