@@ -22,10 +22,10 @@ from pathlib import Path
 
 from paratrain.api import train
 from paratrain.config import load_config
-from paratrain.layout import GRAD_COMPRESSIONS
+from paratrain.modes import GRAD_COMPRESSIONS, Compression
 from paratrain.optimizers import OPTIMIZERS
 
-OPTIMIZER_METHODS = tuple(name for name, entry in OPTIMIZERS.items() if entry.compression != "none")
+OPTIMIZER_METHODS = tuple(name for name, entry in OPTIMIZERS.items() if entry.communicates)  # 1-bit Adam, 0/1 Adam
 METHODS = (*GRAD_COMPRESSIONS, *OPTIMIZER_METHODS)
 
 
@@ -71,11 +71,12 @@ def main() -> None:
             late = [r for r in steps if r["compression_ratio"] < 1.0] or steps  # after any uncompressed warm-up
             evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
             tok_s = sorted(r["tokens_per_s"] for r in steps)
-            rows.append({"method": method + args.label, "bytes": sum(r["comm_bytes"] for r in steps) / len(steps),
+            rows.append({"method": method, "label": method + args.label, "bytes": sum(r["comm_bytes"] for r in steps) / len(steps),
                          "bytes_late": sum(r["comm_bytes"] for r in late) / len(late), "val": result.val_loss,
                          "wall": wall, "tok_s": tok_s[len(tok_s) // 2], "evals": evals})
             print(f"{method}: val {result.val_loss:.4f}, {rows[-1]['bytes']:,.0f} B/step, {wall:.0f} s", flush=True)
-    base = next((r for r in rows if r["method"] == "none" + args.label), None)
+    # none: AdamW's uncompressed reduction (or, for variants, its numbers from an earlier run)
+    base = next((r for r in rows if r["method"] in GRAD_COMPRESSIONS and not Compression(r["method"]).enabled), None)
     if base is None and args.baseline:
         val, sent = (float(x) for x in args.baseline.split(","))
         base = {"val": val, "bytes": sent}
@@ -87,10 +88,10 @@ def main() -> None:
     for r in rows:
         red = f"{1 - r['bytes'] / base['bytes']:.1%}" if base else "-"
         gap = f"{(r['val'] - base['val']) / base['val']:+.2%}" if base else "-"
-        print(f"| {r['method']} | {r['bytes']:,.0f} | {r['bytes_late']:,.0f} | {red} | {r['val']:.4f} | {gap} "
+        print(f"| {r['label']} | {r['bytes']:,.0f} | {r['bytes_late']:,.0f} | {red} | {r['val']:.4f} | {gap} "
               f"| {r['wall']:.0f} | {r['tok_s']:,.0f} |")
     for r in rows:
-        print(f"{r['method']} val loss by step: " + ", ".join(f"{s}:{v:.3f}" for s, v in r["evals"]))
+        print(f"{r['label']} val loss by step: " + ", ".join(f"{s}:{v:.3f}" for s, v in r["evals"]))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sys
 import time
 
 from paratrain.config import Config
-from paratrain.errors import UserError
+from paratrain.errors import UserError, environment_error, translated
 
 __all__ = ["train", "train_rank", "run_rank", "launch_ranks", "TrainResult"]
 
@@ -34,43 +34,51 @@ def __getattr__(name: str):
 def train_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool = False):
     """One rank's run (or a single process's): everything after the launch. Returns a TrainResult.
     keep_group: leave the process group up for another run by the same ranks (tests run several runs per launch)."""
+    from paratrain.distributed.env import world_from_env
+    from paratrain.spec import check
+
+    _, world, _ = world_from_env()
+    # Checks that need only the config run before the process group exists and before data is written.
+    return _train_parts(check(cfg, world), want_final_weights, keep_group)
+
+
+def _train_parts(parts, want_final_weights: bool, keep_group: bool):
+    """train_rank from the config's parts (`spec.check`, already made in this process)."""
     import torch
     import torch.distributed as dist
 
     from paratrain.data import dataset_meta
-    from paratrain.distributed.env import init_distributed, shutdown_distributed, world_from_env
+    from paratrain.distributed.env import init_distributed, shutdown_distributed
     from paratrain.observe.metrics import check_metrics_config
     from paratrain.preflight import check_new_run, check_overwrite, start_over
-    from paratrain.spec import check, prepare_data, resolve
+    from paratrain.spec import prepare_data, resolve
     from paratrain.training.loop import Trainer
 
-    _, world, _ = world_from_env()
-    # Checks that need only the config run before the process group exists and before data is written.
-    check(cfg, world)
+    cfg, folder, world = parts.cfg, parts.folder, parts.world_size
     check_metrics_config(cfg.metrics)
     first_launch = not relaunched()
     if first_launch:  # every rank looks before any of them can write (they meet in init_distributed first)
-        check_new_run(cfg)
-        check_overwrite(cfg)
+        check_new_run(folder)
+        check_overwrite(folder)
     env = init_distributed(cfg.training.device, cfg.resilience.collective_timeout_s)
     if world > 1:
         # One rank prepares the data; the others wait, then read it or raise the same error.
         box = [None]
         if env.is_main:
             try:
-                prepare_data(cfg)
+                prepare_data(parts.data)
             except UserError as e:
                 box = [str(e)]
         dist.broadcast_object_list(box, src=0)
         if box[0] is not None:
             raise UserError(box[0])
-        meta = dataset_meta(cfg.data)
+        meta = dataset_meta(parts.data.data)
     else:
-        meta = prepare_data(cfg)
-    spec = resolve(cfg, env.world_size, meta)
+        meta = prepare_data(parts.data)
+    spec = resolve(parts, meta)
     if first_launch and env.is_main:
-        start_over(cfg)  # run.overwrite: only now that every check has passed
-    if first_launch and cfg.run.overwrite and world > 1:
+        start_over(folder)  # run.overwrite: only now that every check has passed
+    if first_launch and folder.overwrite and world > 1:
         dist.barrier()
     torch.manual_seed(cfg.training.seed)
     result = Trainer(spec, env, want_final_weights).fit()
@@ -99,22 +107,26 @@ def run_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool = F
 
     with watching(cfg.resilience.preempt_grace_s) as watch:
         from paratrain.distributed import failure
+        from paratrain.observe import hang
 
         watch.on_signal.append(failure.stop_if_peer_failed)
-        try:
-            result = train_rank(cfg, want_final_weights, keep_group)
-            leave_promptly()
-            return result
-        except SystemExit:
-            raise
-        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+        watch.on_dump.append(lambda: hang.dump(cfg.run_dir, "SIGUSR2"))  # its collective history, on request
+
+        def report_and_exit(error: BaseException):
             from paratrain.distributed.env import kill_local_peers, world_from_env
 
             rank, world, _ = world_from_env()
-            code = failure.report(e, rank, world, cfg.resilience.collective_timeout_s)
-            if code == failure.EXIT_COLLECTIVE_TIMEOUT:
+            code = failure.report(error, rank, world, cfg.resilience.collective_timeout_s, cfg.run_dir)
+            if failure.collective_failed(error):  # this rank's collective history, and its local peers'
+                hang.collect(cfg.run_dir, failure.first_line(error))
+            if code == failure.EXIT_COLLECTIVE_TIMEOUT and failure.first_failed_rank() in (None, rank):
                 kill_local_peers()  # a frozen peer would hold the launcher for its whole shutdown timeout
             exit_now(code)
+
+        with translated(report_and_exit, untouched=(SystemExit,)):  # an interrupt is reported too (exit 130)
+            result = train_rank(cfg, want_final_weights, keep_group)
+            leave_promptly()
+            return result
 
 
 def exit_now(code: int) -> None:
@@ -154,21 +166,19 @@ def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversub
     model; a disk too small for the checkpoints is a warning."""
     from paratrain.distributed.launch import inside_launcher
     from paratrain.preflight import check_launch, check_resume, warn_disk
-    from paratrain.spec import resolve_run
+    from paratrain.spec import check, prepare_data, resolve
 
     if nproc < 1:
         raise UserError("--nproc must be >= 1")
     if inside_launcher():
         return run_rank(cfg, want_final_weights)
-    from paratrain.spec import check
-
-    check(cfg, nproc)  # the layout against the world size and the model: needs no torch, so it answers at once
-    check_launch(cfg, nproc, oversubscribe)
+    parts = check(cfg, nproc)  # the layout against the world size and the model: needs no torch, so it answers at once
+    check_launch(parts.folder, cfg.training.device, cfg.metrics, nproc, oversubscribe)
     if nproc == 1 and cfg.resilience.max_restarts == 0:
-        return _train_here(cfg, want_final_weights)
-    spec = resolve_run(cfg, nproc)  # everything is checked and the data prepared before any process starts
-    check_resume(cfg, spec.model_args)
-    warn_disk(cfg, spec.model_args, lambda text: print(text, file=sys.stderr, flush=True))
+        return _train_here(parts, want_final_weights)
+    spec = resolve(parts, prepare_data(parts.data))  # everything is checked and the data prepared before any start
+    check_resume(parts.folder, spec.model_args)
+    warn_disk(parts.folder, spec.model_args, lambda text: print(text, file=sys.stderr, flush=True))
     started = time.time()
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -184,22 +194,11 @@ def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversub
         raise UserError(f"stopped by signal {getattr(e, 'sigval', '')} before a checkpoint was saved") from None
 
 
-def _train_here(cfg: Config, want_final_weights: bool):
+def _train_here(parts, want_final_weights: bool):
     """One process, no launcher: a failure caused by the environment (full disk, read-only folder) is one line."""
-    from paratrain.errors import environment_problem
     from paratrain.preflight import warn_disk
-    from paratrain.spec import VOCAB_PAD, model_args_from
+    from paratrain.spec import VOCAB_PAD
 
-    try:
-        warn_disk(cfg, model_args_from(cfg, VOCAB_PAD), lambda text: print(text, file=sys.stderr, flush=True))
-    except UserError:
-        pass  # train_rank reports it
-    try:
-        return train_rank(cfg, want_final_weights)
-    except (UserError, SystemExit, KeyboardInterrupt):
-        raise
-    except BaseException as e:  # DCP's CheckpointException derives from BaseException
-        problem = environment_problem(e)
-        if problem is None:
-            raise
-        raise UserError(problem) from None
+    warn_disk(parts.folder, parts.source.args(VOCAB_PAD), lambda text: print(text, file=sys.stderr, flush=True))
+    with translated(environment_error):
+        return _train_parts(parts, want_final_weights, keep_group=False)

@@ -21,13 +21,11 @@ from pathlib import Path
 import tomli_w
 
 from paratrain.errors import ConfigError
-from paratrain.layout import DPModeOption, GradCompression, Schedule
-from paratrain.models.args import ModelArgs
+from paratrain.models.args import ModelArgs, is_int
+from paratrain.modes import CheckpointMode, DPModeOption, GradCompression, OptimizerImpl, Precision, Schedule
 from paratrain.optimizers import optimizer_entry
 
-Precision = Literal["fp32", "bf16", "fp16"]
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
-ActivationCheckpointMode = Literal["none", "full", "every_k", "selective"]
 
 
 def _model_config() -> type:
@@ -40,7 +38,8 @@ def _model_config() -> type:
     Llama 3.1/3.2's "llama3" with the four rope_* keys), family "llama"; mixture of experts: moe_experts routed
     experts per MoE layer (0: dense; > 0 turns a dense preset into an MoE), moe_top_k experts per token,
     moe_shared_experts every token goes through, moe_ffn_hidden each expert's width (default ffn_hidden),
-    moe_first_dense_layers keep the dense MLP, moe_aux_loss_coef weights the per-sequence load-balancing loss,
+    moe_first_dense_layers keep the dense MLP and so do the blocks listed in moe_dense_layers (e.g. [1, 3]),
+    moe_norm_topk renormalises the top-k gates to sum to 1, moe_aux_loss_coef weights the per-sequence load-balancing loss,
     moe_capacity_factor 0: no limit, else tokens per expert per sequence <= cf x T x k / E."""
     hints = typing.get_type_hints(ModelArgs)
     overrides = [(f.name, hints[f.name] | None, field(default=None)) for f in dataclasses.fields(ModelArgs)]
@@ -95,7 +94,7 @@ class OptimizerConfig:
     beta1: float = 0.9  # Adam's first-moment decay; sgd's momentum
     beta2: float = 0.99
     eps: float = 1e-8
-    impl: Literal["auto", "fused", "foreach", "for"] = "auto"
+    impl: Literal["auto", OptimizerImpl] = "auto"
     # -- onebit_adam, zero_one_adam (README "Optimizers"; DeepSpeed's names) --
     # onebit_adam: steps of plain AdamW (fp32 all-reduce) before the variance freezes and the momenta go 1-bit;
     # zero_one_adam: the last step that may update the variance. 0: optimizer.warmup_steps (the learning-rate warm-up)
@@ -142,7 +141,7 @@ class ParallelConfig:
 class ActivationCheckpointConfig:
     """Activation checkpointing (recompute in backward instead of storing)."""
 
-    mode: ActivationCheckpointMode = "none"
+    mode: CheckpointMode = "none"
     every_k: int = 2
 
 
@@ -157,7 +156,7 @@ class CheckpointConfig:
     async_save: bool = False  # write in the background; committed at a later step boundary
     export_safetensors: bool = False  # also write consolidated weights to RUN_DIR/model.safetensors at the end
     export_hf: bool = False  # at the end, also export the final checkpoint as a Hugging Face folder RUN_DIR/hf
-    export_hf_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    export_hf_dtype: Precision = "bf16"  # the dtype of the exported weights
 
 
 @dataclass
@@ -186,6 +185,9 @@ class MetricsConfig:
     # compute / exposed-communication split in run_dir/profile (what `paratrain profile` sets)
     profile_steps: int = 0
     profile_start: int = 1  # step 0 warms up (lazy initialisation, DDP's bucket rebuild)
+    # every N steps: per-block max |x| and RMS of activations, attention logits, MLP hidden, gradients and weights,
+    # and the bf16/fp16 headroom (0: off; a non-finite step is always replayed to name its first non-finite module)
+    numerics_every: int = 0
 
 
 @dataclass
@@ -243,7 +245,7 @@ def _suggest(name: str, options) -> str:
 
 def _coerce(key: str, value, annotation):
     """Check (TOML values) or parse (command-line strings) one value against its type annotation."""
-    options = _members(annotation)
+    options = annotation_members(annotation)
     allowed = tuple(o for o in options if isinstance(o, type))
     choices = tuple(o for o in options if not isinstance(o, type))  # Literal values
     if list in allowed:  # a TOML array, or on the command line the same written inline
@@ -254,6 +256,17 @@ def _coerce(key: str, value, annotation):
                 raise ConfigError(f"{key}: expected a TOML array like [{{dir = \"data/a\", weight = 0.7}}] ({e})") from None
         if isinstance(value, list):
             return value
+    unset = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+    if tuple in allowed and not unset:  # integers (model.moe_dense_layers): a TOML array, inline on a command line
+        wanted = f"{key}: expected a list of integers like [1, 3], got {value!r}"
+        if isinstance(value, str):
+            try:
+                value = tomllib.loads(f"v = {value}")["v"]
+            except tomllib.TOMLDecodeError:
+                raise ConfigError(wanted) from None
+        if not isinstance(value, (list, tuple)) or not all(is_int(v) for v in value):
+            raise ConfigError(wanted)
+        return tuple(value)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in allowed):
         if type(None) in allowed:
             return None
@@ -279,12 +292,14 @@ def _coerce(key: str, value, annotation):
     raise ConfigError(f"{key}: expected {wanted}, got {type(value).__name__} {value!r}")
 
 
-def _members(annotation) -> tuple:
+def annotation_members(annotation) -> tuple:
     """The plain types and Literal values an annotation admits: `Literal['a', 'b'] | None` -> ('a', 'b', NoneType)."""
     if get_origin(annotation) is Literal:
         return get_args(annotation)
     if get_origin(annotation) in (Union, types.UnionType):
-        return tuple(m for arg in get_args(annotation) for m in _members(arg))
+        return tuple(m for arg in get_args(annotation) for m in annotation_members(arg))
+    if get_origin(annotation) is tuple:  # tuple[int, ...]
+        return (tuple,)
     return (annotation,)
 
 
@@ -379,7 +394,7 @@ def validate(cfg: Config) -> None:
     entry = optimizer_entry(o.name)  # a registered optimizer, or a ConfigError naming them
     entry.check_compression(cfg.parallel.grad_compression)
     _require(o.freeze_step >= 0, "optimizer.freeze_step must be >= 0 (0: optimizer.warmup_steps)")
-    _require(entry.compression == "none" or (o.freeze_step or o.warmup_steps) > 0,
+    _require(not entry.communicates or (o.freeze_step or o.warmup_steps) > 0,
              f"optimizer.name={o.name} needs a warm-up of plain Adam steps: set optimizer.freeze_step (or "
              "optimizer.warmup_steps) > 0")
     _require(min(o.var_update_scaler, o.local_step_scaler, o.local_step_clipper) >= 1,
@@ -416,6 +431,7 @@ def validate(cfg: Config) -> None:
              "parallel.fsdp_forward_prefetch must be >= 0 and parallel.fsdp_backward_prefetch >= 1")
     _require(cfg.metrics.profile_steps >= 0 and cfg.metrics.profile_start >= 0,
              "metrics.profile_steps and metrics.profile_start must be >= 0")
+    _require(cfg.metrics.numerics_every >= 0, "metrics.numerics_every must be >= 0 (0: off)")
     _require(0 < cfg.data.val_fraction <= 0.5, "data.val_fraction must be in (0, 0.5]")
     if cfg.data.sources:
         from paratrain.data.mixture import parse_sources
@@ -472,7 +488,7 @@ def config_keys_help() -> str:
         lines.append(f"[{section.name}]")
         for f in dataclasses.fields(table):
             default = getattr(table, f.name)
-            choices = [str(c) for c in _members(hints[f.name]) if not isinstance(c, type)]
+            choices = [str(c) for c in annotation_members(hints[f.name]) if not isinstance(c, type)]
             if (section.name, f.name) == ("optimizer", "name"):  # a registry, not a Literal
                 from paratrain.optimizers import OPTIMIZER_NAMES
 

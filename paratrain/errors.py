@@ -2,6 +2,7 @@
 
 import argparse
 import errno
+from contextlib import contextmanager
 
 
 class UserError(Exception):
@@ -105,6 +106,40 @@ def _short_write(e: BaseException, where) -> str:
         if free is not None and free < 2**20:
             return f"No space left on device ({free // 1024} KiB free){place}"
     return f"a write stopped short{place}: {detail}"
+
+
+# -- the one place an exception is caught whatever its class --------------------------------------------------------
+
+INTERRUPTS = (KeyboardInterrupt, SystemExit)
+
+
+@contextmanager
+def translated(translate, cleanup=None, untouched=INTERRUPTS):
+    """Run the block; an error it raises goes to `translate`, which returns the error to raise in its place (a
+    one-line UserError) or None to let it go on as it is (a bug keeps its traceback).
+
+    This is the only place paratrain catches BaseException (tests/test_architecture.py checks it): DCP's
+    CheckpointException derives from it, not from Exception, so `except Exception` misses a failed save or load.
+    `untouched` (KeyboardInterrupt and SystemExit) go on without being translated. `cleanup` runs after any failure,
+    those included, once translate has looked (a save's cause is read before its partial files are removed)."""
+    try:
+        yield
+    except BaseException as error:
+        replacement = None if isinstance(error, untouched) else translate(error)
+        if cleanup is not None:
+            cleanup()
+        if replacement is None or replacement is error:
+            raise
+        raise replacement from None
+
+
+def environment_error(error: BaseException) -> UserError | None:
+    """`translated`'s rule at an entry point: a failure the environment caused (a full disk, a read-only or missing
+    folder) becomes its one line; a UserError goes on as it is, and so does anything else (a bug)."""
+    if isinstance(error, UserError):
+        return None
+    problem = environment_problem(error)
+    return None if problem is None else UserError(problem)
 
 
 class PeerFailed(Exception):

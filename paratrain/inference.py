@@ -10,7 +10,7 @@ from paratrain.training import safe_dcp
 from paratrain.training.checkpoint import (MARKER, checkpoint_problem, load_trainer_state, newest_valid_checkpoint,
                                            step_folders, step_of)
 from paratrain.data import load_tokenizer
-from paratrain.errors import UserError
+from paratrain.errors import UserError, translated
 from paratrain.models import ModelArgs, build_model
 
 
@@ -51,14 +51,13 @@ def load_for_generation(path: str | Path, device: torch.device | None = None):
     args = ModelArgs(**state["model_args"])
     model = build_model(args).to(device or "cpu")
     sd = {"model": get_model_state_dict(model)}
-    try:
+    def unloadable(error: BaseException) -> UserError:  # a foreign or damaged checkpoint
+        if isinstance(error, safe_dcp.MetadataProblem):
+            return UserError(f"{ckpt}: {error}")
+        return UserError(f"{ckpt}: cannot load model weights ({type(error).__name__})")
+
+    with translated(unloadable):
         safe_dcp.load(sd, ckpt)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except safe_dcp.MetadataProblem as e:
-        raise UserError(f"{ckpt}: {e}") from None
-    except BaseException as e:  # noqa: BLE001 - a foreign checkpoint (DCP's CheckpointException is a BaseException)
-        raise UserError(f"{ckpt}: cannot load model weights ({type(e).__name__})") from None
     set_model_state_dict(model, sd["model"])
     # Sample with the context the model was trained on: positions beyond it were never trained.
     context = int(state.get("seq_len", args.max_seq_len))

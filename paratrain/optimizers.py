@@ -13,25 +13,35 @@ Adding an optimizer is one entry in `OPTIMIZERS` and its builder, a function (Op
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import enum
 import importlib
 from dataclasses import dataclass
 from typing import Callable
 
 from paratrain.errors import ConfigError
 from paratrain.layout import Layout
+from paratrain.modes import Compression, GradCompression
 
 FP32 = 4
 
 
+class GradientReduction(enum.Enum):
+    """What a step of 1-bit Adam or 0/1 Adam does with the data-parallel ranks' gradients or momenta."""
+
+    MEAN = "fp32 all-reduce"
+    ONE_BIT = "1-bit all-reduce with error feedback"
+    LOCAL = "nothing: each rank keeps its own"
+
+
 @dataclass(frozen=True)
 class Phase:
-    """One kind of step of an optimizer that communicates itself, for the planner: its data-parallel reduction is
-    `method`'s ("none": the gradients' fp32 all-reduce, "sign_ef": the 1-bit all-reduce, "local": nothing), run by a
-    gradient hook during the backward (`in_backward`) or by the optimizer step after it (exposed)."""
+    """One kind of step of an optimizer that communicates itself, for the planner: its data-parallel reduction, run
+    by a gradient hook during the backward (`in_backward`) or by the optimizer step after it (exposed)."""
 
     name: str
-    method: str
+    reduction: GradientReduction
     in_backward: bool
 
 
@@ -104,12 +114,11 @@ class MomentumSchedule:
                 return s >= first and s % interval == 0
             end, interval = last, 2 * interval
 
-    def gradient(self, step: int) -> str:
-        """What the gradient reduction does: "mean" (fp32 all-reduce), "sign" (1-bit all-reduce with error feedback)
-        or "local" (nothing: the optimizer communicates the momentum)."""
+    def gradient(self, step: int) -> GradientReduction:
+        """What the gradient hook does this step (LOCAL after the freeze: the optimizer communicates the momenta)."""
         if self.frozen(step):
-            return "local"
-        return "mean" if self.variance_step(step) else "sign"
+            return GradientReduction.LOCAL
+        return GradientReduction.MEAN if self.variance_step(step) else GradientReduction.ONE_BIT
 
     def local_interval(self, step: int) -> int:
         k = step + 1 - self.freeze  # steps since the freeze, from 1
@@ -140,7 +149,7 @@ class OptimizerEntry:
     refuses: Callable[[Layout], str | None] = any_layout  # why it cannot run on a layout (None: it can)
     # The compressed all-reduce the optimizer runs itself (sign_ef: 1-bit Adam's, of the momentum), with a
     # MomentumSchedule saying when; "none": the gradients' reduction is parallel.grad_compression's.
-    compression: str = "none"
+    compression: GradCompression = "none"
     phases: tuple[Phase, ...] = ()  # its kinds of steps (the planner ranks layouts by the last: the steady state)
 
     @property
@@ -163,8 +172,23 @@ class OptimizerEntry:
         if reason:
             raise ConfigError(f"optimizer.name={self.name} {reason}")
 
+    @property
+    def communicates(self) -> bool:
+        """It runs its own compressed all-reduce (and parallel.grad_compression must stay none)."""
+        return Compression(self.compression).enabled
+
+    def run_compression(self, comp: Compression) -> Compression:
+        """The compressed collective a run holds state for: `comp` (parallel.grad_compression and its settings), or
+        this optimizer's own with comp's settings (sign_ef_block)."""
+        return dataclasses.replace(comp, method=self.compression) if self.communicates else comp
+
+    def phase_compression(self, phase: Phase, comp: Compression) -> Compression:
+        """What one of its phases' reductions sends: its 1-bit all-reduce, else the uncompressed one."""
+        own = phase.reduction is GradientReduction.ONE_BIT
+        return self.run_compression(comp) if own else dataclasses.replace(comp, method=Compression().method)
+
     def check_compression(self, grad_compression: str, key: str = "parallel.grad_compression") -> None:
-        if self.compression != "none" and grad_compression != "none":
+        if self.communicates and Compression(grad_compression).enabled:
             raise ConfigError(f"optimizer.name={self.name} compresses its own communication (the momentum's 1-bit "
                               f"all-reduce): {key} must be none, got {grad_compression}")
 
@@ -187,14 +211,14 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         "averaged by the error-compensated 1-bit all-reduce", "paratrain.training.onebit:build",
         param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step", "variance_steps"), step_tensors=6,
         step_kernels=24, refuses=momentum_layouts, compression="sign_ef",
-        phases=(Phase("warm-up: fp32 gradients", "none", True), Phase("1-bit momenta", "sign_ef", False))),
+        phases=(Phase("warm-up: fp32 gradients", GradientReduction.MEAN, True), Phase("1-bit momenta", GradientReduction.ONE_BIT, False))),
     "zero_one_adam": OptimizerEntry(
         "zero_one_adam", "0/1 Adam: the variance updated on exponentially rarer steps until optimizer.freeze_step, "
         "1-bit gradients between them, then local steps and 1-bit averaged momenta", "paratrain.training.onebit:build",
         param_state=("exp_avg", "exp_avg_sq", "accumulator"), scalar_state=("step", "variance_steps", "window_lr"),
         step_tensors=7, step_kernels=30, refuses=momentum_layouts, compression="sign_ef",
-        phases=(Phase("variance step: fp32 gradients", "none", True), Phase("1-bit gradients", "sign_ef", True),
-                Phase("local step", "local", False), Phase("1-bit momentum sync", "sign_ef", False))),
+        phases=(Phase("variance step: fp32 gradients", GradientReduction.MEAN, True), Phase("1-bit gradients", GradientReduction.ONE_BIT, True),
+                Phase("local step", GradientReduction.LOCAL, False), Phase("1-bit momentum sync", GradientReduction.ONE_BIT, False))),
 }
 OPTIMIZER_NAMES: tuple[str, ...] = tuple(OPTIMIZERS)
 

@@ -1,7 +1,8 @@
 """Checks of the machine and of the paths a run will use, made before any file is written or any rank started.
 
 `paratrain.api.train` calls `check_launch` (run folder writable, metrics ports free, ranks vs cores or GPUs) before
-the data is prepared, and `check_resume` + `warn_disk` once the model is resolved. The config's own values (finite
+the data is prepared, and `check_resume` + `warn_disk` once the model is resolved. The run folder's checks read a
+`RunFolder`, taken from the config once (by `paratrain.spec.check`). The config's own values (finite
 numbers, run names) are checked earlier, by `paratrain.config.validate`.
 
 Ranks per machine: one rank per GPU on CUDA (NCCL cannot share a GPU between ranks). CPU ranks (gloo, one thread
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.errors import ConfigError, UserError
@@ -84,35 +86,62 @@ def _read_only(path: Path) -> bool:
         return False
 
 
-def check_run_folder(cfg) -> None:
+@dataclass(frozen=True)
+class RunFolder:
+    """The run folder and what a run does to it: whether it resumes (checkpoint.resume: none, auto or a path) or
+    starts over (run.overwrite), how many checkpoints it keeps, and the inputs it reads, by config key (run.overwrite
+    never deletes a folder holding one)."""
+
+    path: Path
+    overwrite: bool = False
+    resume: str = "none"
+    keep: int = 1
+    inputs: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, cfg) -> RunFolder:
+        inputs = {"data.dir": cfg.data.dir, "checkpoint.resume": cfg.checkpoint.resume,
+                  "model.init_from": cfg.model.init_from.removeprefix("hf:")}
+        inputs.update({f"data.sources[{i}]": s.get("dir", "") for i, s in enumerate(cfg.data.sources)
+                       if isinstance(s, dict)})
+        if cfg.data.source and cfg.data.source != "tinyshakespeare":
+            inputs["data.source"] = cfg.data.source
+        return cls(cfg.run_dir, cfg.run.overwrite, cfg.checkpoint.resume, cfg.checkpoint.keep,
+                   tuple((k, str(v)) for k, v in inputs.items() if v and v not in ("none", "auto")))
+
+    @property
+    def starts_over(self) -> bool:
+        """run.overwrite on a new run (a resumed run keeps its folder)."""
+        return self.overwrite and self.resume == "none"
+
+
+def check_run_folder(folder: RunFolder) -> None:
     """The run folder and its checkpoints folder can be written; its existing files are files."""
-    run_dir = cfg.run_dir
-    check_writable_folder(run_dir / "checkpoints", "run.out_dir")
+    check_writable_folder(folder.path / "checkpoints", "run.out_dir")
     for name in ("config.toml", "metrics.jsonl"):
-        f = run_dir / name
+        f = folder.path / name
         if f.is_dir():
             raise UserError(f"{f} is a folder; the run writes a file there")
         if f.exists() and not os.access(f, os.W_OK):
             raise UserError(f"{f} is not writable")
 
 
-def existing_run_files(cfg) -> list[str]:
+def existing_run_files(folder: RunFolder) -> list[str]:
     """What an earlier run left in this run's folder (empty: a new folder)."""
-    run_dir = cfg.run_dir
-    if not run_dir.is_dir():
+    if not folder.path.is_dir():
         return []
-    return sorted(p.name for p in run_dir.iterdir())
+    return sorted(p.name for p in folder.path.iterdir())
 
 
-def check_new_run(cfg) -> None:
+def check_new_run(folder: RunFolder) -> None:
     """A new run (no resume) never writes into the folder of an earlier run: its config.toml, metrics.jsonl and
     checkpoints would be mixed with this one's. run.overwrite=true is the consent to delete that folder."""
-    if cfg.checkpoint.resume != "none" or cfg.run.overwrite:
+    if folder.resume != "none" or folder.overwrite:
         return
-    found = existing_run_files(cfg)
+    found = existing_run_files(folder)
     if found:
         shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
-        raise UserError(f"{cfg.run_dir} already holds a run ({shown}): continue it with --checkpoint.resume=auto, "
+        raise UserError(f"{folder.path} already holds a run ({shown}): continue it with --checkpoint.resume=auto, "
                         f"start over with --run.overwrite=true (deletes it), or choose another --run.name")
 
 
@@ -122,27 +151,20 @@ def holds(folder, path) -> bool:
     return path == folder or folder in path.parents
 
 
-def check_overwrite(cfg) -> None:
+def check_overwrite(folder: RunFolder) -> None:
     """run.overwrite deletes the run folder: never one that holds this run's own inputs."""
-    if not cfg.run.overwrite or cfg.checkpoint.resume != "none" or not cfg.run_dir.exists():
-        return  # a resumed run keeps its folder: overwrite applies to a new run only
-    inputs = {"data.dir": cfg.data.dir, "checkpoint.resume": cfg.checkpoint.resume,
-              "model.init_from": cfg.model.init_from.removeprefix("hf:")}
-    inputs.update({f"data.sources[{i}]": s.get("dir", "") for i, s in enumerate(cfg.data.sources)
-                   if isinstance(s, dict)})
-    if cfg.data.source and cfg.data.source != "tinyshakespeare":
-        inputs["data.source"] = cfg.data.source
-    for key, value in inputs.items():
-        if value and value not in ("none", "auto"):
-            if holds(cfg.run_dir, value):
-                raise UserError(f"run.overwrite=true would delete {cfg.run_dir}, which holds {key}={value}; "
-                                "move it out of the run folder first")
+    if not folder.starts_over or not folder.path.exists():
+        return
+    for key, value in folder.inputs:
+        if holds(folder.path, value):
+            raise UserError(f"run.overwrite=true would delete {folder.path}, which holds {key}={value}; "
+                            "move it out of the run folder first")
 
 
-def start_over(cfg) -> None:
+def start_over(folder: RunFolder) -> None:
     """run.overwrite=true on a first launch: delete what an earlier run left in the run folder."""
-    if cfg.run.overwrite and cfg.checkpoint.resume == "none" and existing_run_files(cfg):
-        shutil.rmtree(cfg.run_dir)
+    if folder.starts_over and existing_run_files(folder):
+        shutil.rmtree(folder.path)
 
 
 def check_ports(m, nproc: int) -> None:
@@ -171,40 +193,39 @@ def check_ports(m, nproc: int) -> None:
                                   f"({e.strerror}); choose another port or set it to 0") from None
 
 
-def check_launch(cfg, nproc: int, oversubscribe: bool = False) -> None:
-    """Everything about the machine and the paths a run can be refused for before anything is written (the data
-    included)."""
-    check_nproc(cfg.training.device, nproc, oversubscribe)
-    check_run_folder(cfg)
-    check_new_run(cfg)
-    check_overwrite(cfg)
-    check_ports(cfg.metrics, nproc)
-    _resume_path(cfg)
+def check_launch(folder: RunFolder, device: str, metrics, nproc: int, oversubscribe: bool = False) -> None:
+    """Everything about the machine (training.device, the `[metrics]` ports) and the paths a run can be refused for
+    before anything is written (the data included)."""
+    check_nproc(device, nproc, oversubscribe)
+    check_run_folder(folder)
+    check_new_run(folder)
+    check_overwrite(folder)
+    check_ports(metrics, nproc)
+    _resume_path(folder)
 
 
-def _resume_path(cfg) -> Path | None:
+def _resume_path(folder: RunFolder) -> Path | None:
     """The checkpoint a run would resume from, at a quick look (marker, files, sizes; checksums are left to the
     ranks, which verify before loading and, for auto, fall back to an older one)."""
     from paratrain.training.checkpoint import checkpoint_problem, complete_checkpoints
 
-    resume = cfg.checkpoint.resume
-    if resume == "none":
+    if folder.resume == "none":
         return None
-    if resume == "auto":
-        found = complete_checkpoints(cfg.run_dir / "checkpoints")
+    if folder.resume == "auto":
+        found = complete_checkpoints(folder.path / "checkpoints")
         return found[-1] if found else None
-    path = Path(resume)
+    path = Path(folder.resume)
     problem = checkpoint_problem(path, checksums=False)
     if problem:
         raise UserError(f"checkpoint.resume={path} is not a usable paratrain checkpoint: {problem}")
     return path
 
 
-def check_resume(cfg, model_args) -> None:
+def check_resume(folder: RunFolder, model_args) -> None:
     """The checkpoint `checkpoint.resume` names (or the newest complete one, for auto) holds this run's model."""
     from paratrain.training.checkpoint import load_trainer_state, model_mismatch
 
-    path = _resume_path(cfg)
+    path = _resume_path(folder)
     if path is None:
         return
     mismatch = model_mismatch(load_trainer_state(path), model_args)
@@ -220,18 +241,18 @@ def checkpoint_bytes(model_args) -> int:
     return 12 * count_params(model_args)
 
 
-def warn_disk(cfg, model_args, warn) -> None:
+def warn_disk(folder: RunFolder, model_args, warn) -> None:
     """A warning when the run folder's disk cannot hold the checkpoints the run will keep."""
     need = checkpoint_bytes(model_args)
-    where = nearest_existing(cfg.run_dir)
+    where = nearest_existing(folder.path)
     try:
         free = shutil.disk_usage(where).free
     except OSError:
         return
-    keep = cfg.checkpoint.keep + 1  # the ones kept, and the one being written
+    keep = folder.keep + 1  # the ones kept, and the one being written
     if free < need * keep:
         warn(f"warning: {where} has {_size(free)} free; one checkpoint of this model is about {_size(need)} and "
-             f"checkpoint.keep={cfg.checkpoint.keep} keeps {keep - 1} plus the one being written: saves may fail with "
+             f"checkpoint.keep={folder.keep} keeps {keep - 1} plus the one being written: saves may fail with "
              f"a full disk")
 
 

@@ -1,9 +1,16 @@
-"""Resolving a run: config + world size (+ the prepared data's vocabulary) -> a `RunSpec`, once per process.
+"""Resolving a run, once per process: the config is read once into the parts later code receives, then completed
+with the prepared data's vocabulary into a `RunSpec`.
 
-Everything that can be decided before a process group or a model exists is decided here, and every rule it
-applies lives in one place: the layout's in `paratrain/layout.py`, the config's in `paratrain/config.py`, the
-model's dimensions in `model_args_from`. The launcher resolves before starting ranks (so bad input is one line
-before anything starts); each rank resolves again from the same config and the prepared data.
+    parts = check(cfg, world_size)         # no data, no process: the model's source (a preset or a Hugging Face
+                                           # folder), the layout, the data source, the run folder; all checked
+    meta = prepare_data(parts.data)        # first use only: prepare data.dir (or check a mixture's datasets)
+    spec = resolve(parts, meta)            # the model's dimensions with the data's vocabulary, the validated
+                                           # layout and the batch
+
+Every rule applied lives in one place: the layout's in `paratrain/layout.py`, the config's in `paratrain/config.py`,
+the model's dimensions in `ModelSource.args`, the run folder's in `paratrain/preflight.py`. The launcher resolves
+before starting ranks (so bad input is one line before anything starts); each rank resolves again from the same
+config and the prepared data.
 """
 
 from __future__ import annotations
@@ -12,14 +19,112 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.config import Config
+from paratrain.config import Config, DataConfig, ModelConfig
 from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.optimizers import optimizer_entry
 from paratrain.models.args import ModelArgs
 from paratrain.models.presets import preset_args, preset_fields
+from paratrain.preflight import RunFolder
 
 VOCAB_PAD = 64  # pad small vocabularies so embedding/output split evenly over tensor-parallel ranks
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What the run trains, read once from `[model]`: a preset with the section's overrides, or an imported Hugging
+    Face folder (model.init_from = "hf:PATH"), whose config.json gives the dimensions (checked against its weights
+    and tokenizer when it is read), its safetensors the initial weights and its tokenizer.json the data's ids."""
+
+    name: str  # for headers and tables: the preset's, or "hf:PATH (LlamaForCausalLM)"
+    model: ModelConfig  # the [model] section
+    hf_folder: Path | None = None  # the initial weights and tokenizer; None: a preset, initialised at random
+    hf_args: ModelArgs | None = None  # the imported model's dimensions
+
+    @classmethod
+    def read(cls, model: ModelConfig) -> ModelSource:
+        if not model.init_from:
+            return cls(model.preset, model)
+        from paratrain import hf
+
+        folder = hf.init_folder(model.init_from)
+        return cls(f"{model.init_from} ({hf.architecture(folder)})", model, folder, hf.model_args(folder, model))
+
+    def args(self, data_vocab: int | None = None) -> ModelArgs:
+        """The model's dimensions: an imported model's, or the preset's with the `[model]` overrides.
+
+        The vocabulary is `model.vocab_size` when set, else the preset's, else the data's (`data_vocab`, the
+        tokenizer's size) padded to a multiple of VOCAB_PAD. data_vocab=None (no data prepared): a preset that takes
+        its vocabulary from the data then needs `model.vocab_size`, or it is a ConfigError. The sequence length is
+        checked against max_seq_len with the batch, by `Layout.validate`."""
+        m = self.model
+        if self.hf_args is not None:  # architecture and exact vocabulary from its config.json
+            args = self.hf_args
+        else:
+            # every model key but the preset's name and the vocabulary (dimensions, rope, norm, moe_* settings)
+            overrides = {k: v for k, v in vars(m).items() if k not in ("preset", "vocab_size", "init_from")}
+            vocab = m.vocab_size
+            if vocab is None and data_vocab is not None:
+                vocab = math.ceil(data_vocab / VOCAB_PAD) * VOCAB_PAD
+            if vocab is None and preset_fields(m.preset)["vocab_size"] is None:
+                raise ConfigError(f"model preset '{m.preset}' takes its vocab size from the dataset: set "
+                                  "model.vocab_size")
+            args = preset_args(m.preset, vocab_size=vocab, **overrides)
+            if data_vocab is not None and args.vocab_size < data_vocab:
+                raise ConfigError(f"model vocab size {args.vocab_size} is smaller than the dataset's {data_vocab}")
+        if (m.head_dim is None and self.hf_args is None and args.dim % args.n_heads) or args.n_heads % args.n_kv_heads:
+            raise ConfigError(f"model.dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={args.n_kv_heads}: "
+                              "dim must divide by n_heads (or set model.head_dim) and n_heads by n_kv_heads")
+        return args
+
+    def check_export(self, checkpoint, args: ModelArgs) -> None:
+        """checkpoint.export_hf: the export at the end must be possible, checked before training."""
+        if checkpoint.export_hf:
+            from paratrain.hf import check_run
+
+            check_run(args, self.model.init_from or self.model.preset)
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """What the run reads, resolved once from `[data]` and the model: the section (a prepared folder, or a mixture),
+    the corpus that folder is prepared from on first use (None: not given) and, for an imported model, its own
+    tokenizer.json (the folder is prepared with it, and must hold it)."""
+
+    data: DataConfig  # the [data] section
+    corpus: Path | None
+    model_tokenizer: Path | None = None
+    model_tokenizer_name: str = "data.tokenizer"  # how messages name the tokenizer
+
+    @classmethod
+    def read(cls, data: DataConfig, source: ModelSource) -> DataSource:
+        from paratrain.config import DEFAULT_DATA_DIR
+        from paratrain.data import DEFAULT_CORPUS
+
+        corpus = data.source
+        if corpus is None and Path(data.dir) == Path(DEFAULT_DATA_DIR):  # the bundled corpus
+            corpus = "tinyshakespeare"
+        corpus = None if corpus is None else DEFAULT_CORPUS if corpus == "tinyshakespeare" else Path(corpus)
+        if source.hf_folder is None:
+            return cls(data, corpus)
+        from paratrain import hf
+
+        # an imported Hugging Face model reads the ids of its own tokenizer
+        return cls(data, corpus, hf.dataset_tokenizer(source.hf_folder, data.tokenizer),
+                   f"the tokenizer of model.init_from ({source.model.init_from})")
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """A run's config read once, before the data is prepared or a process group exists: the parts later code
+    receives instead of the config."""
+
+    cfg: Config  # the config itself: its sections configure the trainer, and it is written into the run folder
+    world_size: int
+    source: ModelSource
+    layout: Layout  # as [parallel] gives it; `check` validated it against the model with a placeholder vocabulary
+    data: DataSource
+    folder: RunFolder
 
 
 @dataclass(frozen=True)
@@ -33,102 +138,73 @@ class RunSpec:
     global_batch: int  # sequences per optimizer step
     accum_steps: int  # micro-steps per optimizer step (1 with a pipeline)
     batch_fixed: str  # which of global batch / accumulation the user fixed
+    source: ModelSource  # where the model comes from (its name, an imported model's folder)
 
     @property
     def model_name(self) -> str:
-        return model_name(self.cfg)
+        return self.source.name
 
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.cfg.training.seq_len
 
 
-def model_name(cfg) -> str:
-    """What the run trains, for headers and tables: the preset's name, or `hf:PATH (LlamaForCausalLM)` for an
-    imported Hugging Face model (whose architecture replaces the preset)."""
-    if cfg.model.init_from:
-        from paratrain import hf
-
-        return f"{cfg.model.init_from} ({hf.architecture(hf.init_folder(cfg))})"
-    return cfg.model.preset
-
-
 def model_args_from(cfg, data_vocab: int | None = None) -> ModelArgs:
-    """The model's dimensions from a config (`config.Config`): an imported Hugging Face model's config.json, or the
-    preset, then the `[model]` overrides.
-
-    The vocabulary is `model.vocab_size` when set, else the preset's, else the data's (`data_vocab`, the
-    tokenizer's size) padded to a multiple of VOCAB_PAD. data_vocab=None (no data prepared): a preset that takes its
-    vocabulary from the data then needs `model.vocab_size`, or it is a ConfigError. The sequence length is checked
-    against max_seq_len with the batch, by `Layout.validate`."""
-    m = cfg.model
-    if m.init_from:  # a Hugging Face model: architecture and exact vocabulary from its config.json
-        from paratrain import hf
-
-        args = hf.model_args(cfg)
-    else:
-        # every model key but the preset's name and the vocabulary (dimensions, rope, norm, moe_* settings)
-        overrides = {k: v for k, v in vars(m).items() if k not in ("preset", "vocab_size", "init_from")}
-        vocab = m.vocab_size
-        if vocab is None and data_vocab is not None:
-            vocab = math.ceil(data_vocab / VOCAB_PAD) * VOCAB_PAD
-        if vocab is None and preset_fields(m.preset)["vocab_size"] is None:
-            raise ConfigError(f"model preset '{m.preset}' takes its vocab size from the dataset: set model.vocab_size")
-        args = preset_args(m.preset, vocab_size=vocab, **overrides)
-        if data_vocab is not None and args.vocab_size < data_vocab:
-            raise ConfigError(f"model vocab size {args.vocab_size} is smaller than the dataset's {data_vocab}")
-    if cfg.checkpoint.export_hf:  # the export at the end must be possible: checked before training
-        from paratrain.hf import check_run
-
-        check_run(cfg, args)
-    if (m.head_dim is None and not m.init_from and args.dim % args.n_heads) or args.n_heads % args.n_kv_heads:
-        raise ConfigError(f"model.dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={args.n_kv_heads}: "
-                          "dim must divide by n_heads (or set model.head_dim) and n_heads by n_kv_heads")
+    """The model's dimensions from a config (`config.Config`: its `[model]` section, `ModelSource.args`), checked for
+    an export at the end (checkpoint.export_hf)."""
+    source = ModelSource.read(cfg.model)
+    args = source.args(data_vocab)
+    source.check_export(cfg.checkpoint, args)
     return args
 
 
-def batch_of(cfg: Config, layout: Layout) -> tuple[Batch, str]:
-    """The batch the layout must divide, and which of global batch / accumulation the user fixed."""
-    t = cfg.training
+def batch_of(training, layout: Layout) -> tuple[Batch, str]:
+    """The batch the layout must divide (from the `[training]` section), and which of global batch / accumulation
+    the user fixed."""
+    t = training
     if t.global_batch is not None:
         return Batch(t.global_batch, t.micro_batch, t.seq_len), "global batch fixed; accumulation derived"
     return (Batch(t.micro_batch * t.accum_steps * layout.dp, t.micro_batch, t.seq_len),
             "accumulation fixed; global batch derived")
 
 
-def check(cfg: Config, world_size: int) -> Layout:
-    """Every check that needs neither the data nor a process: run before preparing data or launching ranks.
-    The vocabulary is a placeholder divisible by tp, so only the vocabulary checks wait for the data."""
+def check(cfg: Config, world_size: int) -> RunParts:
+    """Read the config once into its parts, with every check that needs neither the data nor a process: run before
+    preparing data or launching ranks. The vocabulary is a placeholder divisible by tp, so only the vocabulary
+    checks wait for the data."""
     layout = Layout.from_config(cfg.parallel, world_size)
-    return _validated(cfg, layout, model_args_from(cfg, VOCAB_PAD * layout.tp), world_size)
+    source = ModelSource.read(cfg.model)
+    _validated(cfg, source, layout, source.args(VOCAB_PAD * layout.tp), world_size)
+    return RunParts(cfg, world_size, source, layout, DataSource.read(cfg.data, source), RunFolder.of(cfg))
 
 
-def resolve(cfg: Config, world_size: int, data_meta: dict) -> RunSpec:
+def resolve(parts: RunParts, data_meta: dict) -> RunSpec:
     """The whole run, validated against the world size and the prepared data (its meta: vocabulary, and the
     folder holding the tokenizer)."""
-    layout = Layout.from_config(cfg.parallel, world_size)
-    batch, fixed = batch_of(cfg, layout)
-    args = model_args_from(cfg, data_meta["vocab_size"])
-    layout = _validated(cfg, layout, args, world_size)
+    cfg = parts.cfg
+    batch, fixed = batch_of(cfg.training, parts.layout)
+    args = parts.source.args(data_meta["vocab_size"])
+    layout = _validated(cfg, parts.source, parts.layout, args, parts.world_size)
     data_dir = Path(data_meta.get("dir", cfg.data.dir))
-    return RunSpec(cfg, layout, args, data_dir, batch.global_batch, layout.accumulation(batch), fixed)
+    return RunSpec(cfg, layout, args, data_dir, batch.global_batch, layout.accumulation(batch), fixed, parts.source)
 
 
-def _validated(cfg: Config, layout: Layout, args: ModelArgs, world_size: int) -> Layout:
+def _validated(cfg: Config, source: ModelSource, layout: Layout, args: ModelArgs, world_size: int) -> Layout:
+    source.check_export(cfg.checkpoint, args)
     layout.check_checkpointing(cfg.activation_checkpoint.mode)
-    stage_gpus(cfg, layout)
+    stage_gpus(cfg.parallel, layout)
     if layout.pipelined and cfg.checkpoint.export_safetensors:
         raise ConfigError("checkpoint.export_safetensors is not supported with parallel.pp > 1 yet "
                           "(the DCP checkpoint loads on any layout)")
     grad_compression_site(layout, cfg.parallel.grad_compression)  # where compression applies, or a ConfigError
     optimizer_entry(cfg.optimizer.name).check_layout(layout)  # the layouts the optimizer refuses
-    return layout.validate(args, world_size, batch_of(cfg, layout)[0])
+    return layout.validate(args, world_size, batch_of(cfg.training, layout)[0])
 
 
-def stage_gpus(cfg: Config, layout: Layout) -> list[str]:
-    """`parallel.pp_stage_gpus`: the GPU type each pipeline rank runs on (empty: not given). ConfigError unless it
-    names one type per pipeline rank."""
-    text = cfg.parallel.pp_stage_gpus.strip()
+def stage_gpus(parallel, layout: Layout) -> list[str]:
+    """`parallel.pp_stage_gpus` (of the `[parallel]` section): the GPU type each pipeline rank runs on (empty: not
+    given). ConfigError unless it names one type per pipeline rank."""
+    text = parallel.pp_stage_gpus.strip()
     if not text:
         return []
     names = [x.strip() for x in text.split(",")]
@@ -138,43 +214,27 @@ def stage_gpus(cfg: Config, layout: Layout) -> list[str]:
     return names
 
 
-def data_source(cfg: Config) -> Path | None:
-    """data.source as a path; None when not given, except for the default data folder, which holds the bundled
-    corpus."""
-    from paratrain.config import DEFAULT_DATA_DIR
-    from paratrain.data import DEFAULT_CORPUS
-
-    source = cfg.data.source
-    if source is None and Path(cfg.data.dir) == Path(DEFAULT_DATA_DIR):
-        source = "tinyshakespeare"
-    if source is None:
-        return None
-    return DEFAULT_CORPUS if source == "tinyshakespeare" else Path(source)
-
-
-def prepare_data(cfg: Config) -> dict:
+def prepare_data(data: DataSource) -> dict:
     """Use the dataset in data.dir, or prepare it there when the folder is empty (or check a mixture's datasets);
     returns the meta, whose "dir" holds the tokenizer."""
     import sys
 
     from paratrain.data import prepare_for_config
 
-    tokenizer, name = None, "data.tokenizer"
-    if cfg.model.init_from:  # an imported Hugging Face model reads the ids of its own tokenizer
+    tokenizer = None if data.model_tokenizer is None else str(data.model_tokenizer)
+    meta = prepare_for_config(data.data, data.corpus, tokenizer, data.model_tokenizer_name,
+                              echo=lambda text: print(text, file=sys.stderr, flush=True))
+    if data.model_tokenizer is not None:
         from paratrain import hf
 
-        tokenizer, name = str(hf.dataset_tokenizer(cfg)), f"the tokenizer of model.init_from ({cfg.model.init_from})"
-    meta = prepare_for_config(cfg.data, data_source(cfg), tokenizer, name,
-                              echo=lambda text: print(text, file=sys.stderr, flush=True))
-    if cfg.model.init_from:
-        hf.check_dataset(cfg, cfg.data.dir)
+        hf.check_dataset(data.model_tokenizer, data.data.dir)
     return meta
 
 
 def resolve_run(cfg: Config, world_size: int) -> RunSpec:
     """Check the config, prepare the data (first use only), and resolve: what a launcher does before starting ranks."""
-    check(cfg, world_size)
-    return resolve(cfg, world_size, prepare_data(cfg))
+    parts = check(cfg, world_size)
+    return resolve(parts, prepare_data(parts.data))
 
 
 def model_from(spec: str, vocab_size: int | None = None,

@@ -141,3 +141,37 @@ def test_generate_prompt_outside_char_vocab(trained_run, capsys):
 def test_unknown_command(capsys):
     line = run_cli(capsys, ["trian"])
     assert "did you mean 'train'" in line
+
+
+# ---------------------------------------------------------------------------- the error path itself
+
+class _NotAnException(BaseException):
+    """Like DCP's CheckpointException: a BaseException that `except Exception` misses."""
+
+
+def test_translated_replaces_lets_bugs_pass_and_never_touches_interrupts():
+    import errno
+
+    from paratrain.errors import UserError, environment_error, translated
+
+    cleaned = []
+    full = _NotAnException("save failed")
+    full.__cause__ = OSError(errno.ENOSPC, "No space left on device", "/run/ckpt")
+    with pytest.raises(UserError, match=r"^No space left on device: /run/ckpt$"):
+        with translated(environment_error, cleanup=lambda: cleaned.append("full")):
+            raise full
+    bug = _NotAnException("a bug")
+    with pytest.raises(_NotAnException) as caught:  # no rule for it: it goes on as it is, its traceback kept
+        with translated(environment_error):
+            raise bug
+    assert caught.value is bug
+    for interrupt in (KeyboardInterrupt(), SystemExit(3)):
+        with pytest.raises(type(interrupt)):
+            with translated(lambda e: UserError("never"), cleanup=lambda: cleaned.append("interrupt")):
+                raise interrupt
+    assert cleaned == ["full", "interrupt", "interrupt"]
+    already = UserError("a line")
+    with pytest.raises(UserError) as caught:
+        with translated(environment_error):
+            raise already
+    assert caught.value is already

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from paratrain.cli import main
+from paratrain.config import ParallelConfig
 from paratrain.estimate import EstimateInputs, estimate, gpu_memory, parse_memory
 from paratrain.estimate.core import forward_end_bytes, in_flight
 from paratrain.estimate.measure import MeasureSpec, inputs_for_spec, measure
@@ -127,9 +128,9 @@ def test_moe_expert_parallel_divides_experts():
 
 
 # -- against measurement --------------------------------------------------------------------
-def _spec(**kw) -> MeasureSpec:
-    base = dict(model=TINY, dp_mode="fsdp", precision="fp32", checkpointing="none", micro_batch=2, seq_len=32)
-    return MeasureSpec(**{**base, **kw})
+def _spec(tp: int = 1, **kw) -> MeasureSpec:
+    base = dict(model=TINY, precision="fp32", checkpointing="none", micro_batch=2, seq_len=32)
+    return MeasureSpec(parallel=ParallelConfig(dp_mode="fsdp", tp=tp), **{**base, **kw})
 
 
 def _check(rows, spec, world, tol_total=0.05, tol_acts=0.10):
@@ -148,7 +149,9 @@ def _check(rows, spec, world, tol_total=0.05, tol_acts=0.10):
     dict(precision="bf16", checkpointing="selective", micro_batch=1, seq_len=64),
     dict(precision="fp32", checkpointing="every_k"),
     dict(precision="bf16", checkpointing="full", accum_steps=2),
-], ids=["fp32", "bf16-selective", "fp32-every_k", "bf16-full-accum2"])
+    # Qwen3-shaped: per-head q/k norms (their saved tensors), q/k/v/o biases (autocast copies), head_dim != dim / heads
+    dict(precision="bf16", checkpointing="none", model=dict(TINY, head_dim=32, family="qwen3-bias")),
+], ids=["fp32", "bf16-selective", "fp32-every_k", "bf16-full-accum2", "qwen3-bf16"])
 def test_one_process_matches_measurement(kw):
     spec = _spec(**kw)
     [rows] = measure([spec], 1)
@@ -258,3 +261,21 @@ def test_cli_reads_a_run_config_as_the_trainer_does(char_data, tmp_path, capsys)
     assert main(["estimate", "--model", str(path), "--cp", "1", "--dp-shard", "4", "--accum-steps", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["layout"]["cp"] == 1 and data["layout"]["dp_shard"] == 4 and data["accum_steps"] == 1
+
+
+def test_estimator_and_planner_read_parameters_by_role_not_by_name():
+    """A model family's parameter names are its own (hf/names.py maps them): the estimator and the planner find a
+    block's parameters through the family's table (roles, sublayer kinds), never by a name like `...w2.weight`, and
+    build a model through the registry (`build_model`), never one family's module."""
+    import ast
+    import re
+    from pathlib import Path
+
+    named = re.compile(r"(\.(weight|bias)$)|feed_forward\.|attention\.w|experts\.w")
+    root = Path(__file__).resolve().parents[1] / "paratrain"
+    found = [f"{path.relative_to(root.parent)}:{node.lineno}: {ast.unparse(node)}"
+             for folder in ("estimate", "planner") for path in sorted((root / folder).glob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and named.search(node.value)
+             or isinstance(node, ast.ImportFrom) and node.module == "paratrain.models.llama"]
+    assert not found, "parameter names or a family's module in the estimator or planner:\n" + "\n".join(found)

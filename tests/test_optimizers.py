@@ -145,28 +145,29 @@ def test_onebit_settings_refused():
 
 def test_momentum_schedules():
     """The published policies, step by step (1-based s in the papers; 0-based steps here)."""
-    from paratrain.optimizers import MomentumSchedule
+    from paratrain.optimizers import GradientReduction, MomentumSchedule
 
     onebit = MomentumSchedule(zero_one=False, freeze=3)
-    assert [onebit.gradient(t) for t in range(5)] == ["mean"] * 3 + ["local"] * 2
+    assert [onebit.gradient(t) for t in range(5)] == [GradientReduction.MEAN] * 3 + [GradientReduction.LOCAL] * 2
     assert [onebit.sync(t) for t in range(5)] == [False] * 3 + [True] * 2
     # 0/1 Adam: T_v is 16 steps at interval 1, then 16 at interval 2, 16 at 4, ...: 1..16, 18..48, 52..112, 120..
     zo = MomentumSchedule(zero_one=True, freeze=200, var_update_scaler=16, local_step_scaler=32678)
     variance = [t + 1 for t in range(200) if zo.variance_step(t)]
     assert variance == [*range(1, 17), *range(18, 49, 2), *range(52, 113, 4), *range(120, 201, 8)]
-    assert {zo.gradient(t) for t in range(200) if not zo.variance_step(t)} == {"sign"}
+    assert {zo.gradient(t) for t in range(200) if not zo.variance_step(t)} == {GradientReduction.ONE_BIT}
     # after the freeze: local steps whose interval doubles every local_step_scaler steps, up to the clipper
     zo = MomentumSchedule(zero_one=True, freeze=10, local_step_scaler=4, local_step_clipper=4)
     syncs = [t + 1 for t in range(10, 40) if zo.sync(t)]
     assert syncs == [11, 12, 13, 14, 16, 18, 20, 24, 28, 32, 36, 40]
-    assert zo.resets_residuals(10) and not zo.resets_residuals(11) and zo.gradient(10) == "local"
+    assert zo.resets_residuals(10) and not zo.resets_residuals(11) and zo.gradient(10) is GradientReduction.LOCAL
 
 
 def test_onebit_in_the_estimator_and_the_planner():
     """The estimate counts the moments (0/1 Adam: and its accumulator), the step counts and both residuals; the plan
     predicts each phase and ranks by the compressed one, whose bytes are 1-bit Adam's ~1/32."""
     from paratrain.estimate import EstimateInputs, estimate
-    from paratrain.estimate.compression import Compression, compression_cost
+    from paratrain.estimate.compression import compression_cost
+    from paratrain.modes import Compression
     from paratrain.estimate.model_states import model_params, state_bytes
     from paratrain.layout import Layout
     from paratrain.models.args import ModelArgs

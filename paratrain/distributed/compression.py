@@ -49,7 +49,8 @@ from torch import nn
 from paratrain.distributed.initialize import canonical_name
 from paratrain.estimate.compression import powersgd_matrix
 from paratrain.layout import grad_compression_site
-from paratrain.optimizers import MomentumSchedule, optimizer_entry
+from paratrain.modes import Compression, CompressionSite
+from paratrain.optimizers import GradientReduction, MomentumSchedule, optimizer_entry
 
 STATE_PREFIX = "grad_comm"  # checkpoint keys: grad_comm/<method>/w<world>/rank<r>/<parameter>|<kind>
 
@@ -346,12 +347,14 @@ class GradComm:
         """`optimizer`: the OptimizerConfig (None: AdamW's defaults)."""
         self.dims, self.layout, self.device, self.seed = dims, dims.layout, device, seed
         self.method = parallel.grad_compression
+        self.compression = Compression.from_config(parallel)
         self.schedule: MomentumSchedule | None = None
         entry = optimizer_entry(optimizer.name) if optimizer is not None else None
-        if entry is not None and entry.compression != "none" and self.layout.dp > 1:
+        if entry is not None and entry.communicates and self.layout.dp > 1:
             self.schedule = MomentumSchedule.from_config(optimizer)
+            self.compression = entry.run_compression(self.compression)  # its 1-bit all-reduce (sign_ef_block)
             self.method = entry.name  # it names the state in checkpoints and the notices
-        self.site = grad_compression_site(self.layout, entry.compression if self.schedule else self.method)
+        self.site = grad_compression_site(self.layout, self.compression.method)
         self.step = 0  # the optimizer step being reduced (start_step)
         self.optimizer = None  # an optimizer with per-rank state (attach_optimizer)
         self.bucket_mb = parallel.ddp_bucket_mb
@@ -374,11 +377,11 @@ class GradComm:
     # -- FSDP -----------------------------------------------------------------------------------------------------
     @property
     def reduce_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.site == "reduce_dtype" else torch.float32
+        return torch.bfloat16 if self.site is CompressionSite.REDUCE_DTYPE else torch.float32
 
     def fsdp_mesh(self):
         """hsdp with a replicate hook: FSDP shards over dp_shard only; the hook all-reduces over dp_replicate."""
-        if self.site == "replicate_hook":
+        if self.site is CompressionSite.REPLICATE_HOOK:
             return self.dims.mesh["dp_shard"]
         return self.dims.fsdp_mesh
 
@@ -389,7 +392,7 @@ class GradComm:
                 block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + self.forward_prefetch])
             if self.backward_prefetch > 1 and i > 0:
                 block.set_modules_to_backward_prefetch(blocks[max(0, i - self.backward_prefetch):i][::-1])
-        if self.site == "replicate_hook":
+        if self.site is CompressionSite.REPLICATE_HOOK:
             if self.compressor is None:
                 self.compressor = self._sign_ef(self.dims.mesh["dp_replicate"].get_group())
             for module in [model, *blocks]:
@@ -416,10 +419,10 @@ class GradComm:
 
     def _reduce(self, flat: torch.Tensor, segments: list[tuple[str, int]]) -> torch.Tensor:
         """A flat gradient buffer averaged over the group by sign_ef, or as the optimizer's schedule says."""
-        mode = self.schedule.gradient(self.step) if self.schedule is not None else "sign"
-        if mode == "local":  # each rank keeps its gradient: the optimizer averages the momenta instead
+        how = self.schedule.gradient(self.step) if self.schedule is not None else GradientReduction.ONE_BIT
+        if how is GradientReduction.LOCAL:  # each rank keeps its gradient: the optimizer averages the momenta instead
             return flat
-        if mode == "mean":
+        if how is GradientReduction.MEAN:
             return exact_mean_(flat, self.compressor.group, self.meter)
         return self.compressor.mean_(flat, segments)
 
@@ -427,20 +430,20 @@ class GradComm:
     def attach_ddp(self, ddp: nn.Module) -> None:
         """After wrapping DDP (ddp, zero1): the compression hook, if any."""
         self.models.append(ddp)
-        if self.site != "ddp_hook":
+        if self.site is not CompressionSite.DDP_HOOK:
             return
         group = self.dims.dp_group
         p = dist.get_world_size(group)
         names = {id(q): canonical_name(n) for n, q in ddp.module.named_parameters()}
         meter, sync = self.meter, self.device.type == "cpu"
-        if self.method == "bf16":
+        if self.compression.casts_to_bf16:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
             def hook(state, bucket):
                 n = bucket.buffer().numel()
                 meter.add(all_reduce_wire(2 * n, p), all_reduce_wire(4 * n, p))
                 return bf16_compress_hook(state, bucket)
-        elif self.method == "powersgd":
+        elif self.compression.low_rank:
             self.compressor = PowerSGD(group, self.powersgd_rank, self.powersgd_warmup, self.seed, meter)
 
             def hook(state, bucket):
@@ -470,7 +473,7 @@ class GradComm:
         if lay.dp == 1:
             return
         if lay.uses_ddp:
-            if self.site == "none":
+            if self.site is CompressionSite.NONE:
                 numel = sum(q.numel() for m in self.models for q in m.parameters())
                 self.plain_per_step = self.full_per_step = all_reduce_wire(4 * numel, lay.dp)
             return
@@ -480,7 +483,7 @@ class GradComm:
         rbytes = 2 if self.reduce_dtype == torch.bfloat16 else 4
         sent = scatter_wire(rbytes * shard * lay.dp_shard, lay.dp_shard)
         full = scatter_wire(4 * shard * lay.dp_shard, lay.dp_shard)
-        if lay.hybrid and self.site != "replicate_hook":
+        if lay.hybrid and self.site is not CompressionSite.REPLICATE_HOOK:
             sent += all_reduce_wire(rbytes * shard, lay.dp_replicate)
             full += all_reduce_wire(4 * shard, lay.dp_replicate)
         if lay.pp > 1:
@@ -503,7 +506,7 @@ class GradComm:
     def local_gradients(self) -> bool:
         """This step's gradients stayed on their ranks (each differs): the gradient norm is agreed over the
         `replica_group`."""
-        return self.schedule is not None and self.schedule.gradient(self.step) == "local"
+        return self.schedule is not None and self.schedule.gradient(self.step) is GradientReduction.LOCAL
 
     @property
     def replica_group(self):

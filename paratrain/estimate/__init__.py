@@ -48,7 +48,7 @@ def estimate_for_run(plan, device: str | None = None, gpu_bytes: int | None = No
     impl = cfg.optimizer.impl
     if impl == "auto":
         impl = "fused" if device == "cuda" else "foreach"  # as paratrain.training.optim.impl_kwargs
-    from paratrain.estimate.compression import Compression
+    from paratrain.modes import Compression
 
     inputs = EstimateInputs(plan.model_args, lay, model_name=plan.model_name, precision=t.precision,
                             compression=Compression.from_config(cfg.parallel),

@@ -7,14 +7,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from paratrain.errors import UserError
-from paratrain.estimate.compression import Compression
 from paratrain.estimate.gpus import HEADROOM, check_headroom
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.models.args import ModelArgs
+from paratrain.modes import CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS, Compression
 from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
 
-CHECKPOINTING = ("none", "full", "every_k", "selective")
-PRECISIONS = ("fp32", "bf16", "fp16")
 ACCOUNTINGS = ("paratrain", "classic")
 
 
@@ -49,9 +47,9 @@ def validate(i: EstimateInputs) -> EstimateInputs:
     """Check the inputs (UserError; the layout's ConfigError names the setting); returns them with the layout
     validated against the model and the batch (a pipeline's blocks per stage filled in)."""
     for name, value, options in (("--precision", i.precision, PRECISIONS), ("--optimizer", i.optimizer, OPTIMIZER_NAMES),
-                                 ("--checkpointing", i.checkpointing, CHECKPOINTING),
+                                 ("--checkpointing", i.checkpointing, CHECKPOINT_MODES),
                                  ("--accounting", i.accounting, ACCOUNTINGS),
-                                 ("--optimizer-impl", i.optimizer_impl, ("fused", "foreach", "for"))):
+                                 ("--optimizer-impl", i.optimizer_impl, OPTIMIZER_IMPLS)):
         if value not in options:
             raise UserError(f"{name} '{value}' is not one of {', '.join(options)}")
     if i.every_k < 1:

@@ -22,11 +22,13 @@ import functools
 import math
 from dataclasses import dataclass
 
-from paratrain.layout import Layout, balanced_split
+from paratrain.layout import Layout
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
 from paratrain.models.registry import parameters
+from paratrain.modes import low_precision
 from paratrain.optimizers import optimizer_entry
+from paratrain.stage_split import balanced_split
 
 # Bytes per element.
 FP32, BF16 = 4, 2
@@ -88,16 +90,16 @@ def rank_layers(layout: Layout, args: ModelArgs) -> list[list[int]]:
         return [list(range(args.n_layers))]
     if layout.pp_split is None:
         layout = dataclasses.replace(layout, pp_split=balanced_split(args, layout.num_stages))
-    return [list(b) for b in _rank_layers(layout.pp, layout.pp_virtual, layout.pp_schedule, layout.pp_split)]
+    owners = tuple(layout.stage_owner(s) for s in range(layout.num_stages))
+    return [list(b) for b in _rank_layers(layout.pp, owners, layout.pp_split)]
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_layers(pp: int, virtual: int, schedule: str, split: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+def _rank_layers(pp: int, owners: tuple[int, ...], split: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     starts = [sum(split[:s]) for s in range(len(split))]
-    owner = (lambda s: s if s < pp else 2 * pp - 1 - s) if schedule == "zbv" else (lambda s: s % pp)
     out = [[] for _ in range(pp)]
     for s, n in enumerate(split):
-        out[owner(s)] += range(starts[s], starts[s] + n)
+        out[owners[s]] += range(starts[s], starts[s] + n)
     return tuple(tuple(sorted(b)) for b in out)
 
 
@@ -142,6 +144,7 @@ class StateBytes:
     unsharded_numel: int  # elements of the parameters this rank computes with (after tp/ep/pp, before FSDP)
     rope_buffers: int = 0
     notes: tuple[str, ...] = ()
+    grads_beyond_shards: int = 0  # of `grads`: bytes beyond each parameter's own sharded shape (a whole gradient)
 
 
 _STATES: dict = {}
@@ -201,7 +204,7 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
     tensors = sum(count for _, count, _ in kinds)
     entry = optimizer_entry(optimizer)
     per_opt = entry.state_bytes
-    low = precision != "fp32"
+    low = low_precision(precision)
     rope = 2 * args.max_seq_len * (args.head_dim // 2) * FP32  # rope_cos, rope_sin buffers
     notes = []
     dp = layout.dp
@@ -230,7 +233,7 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
         if layout.zero1:
             opt_numel = zero1_worst_numel([(p, n) for p, count, n in kinds for _ in range(count)], dp)
             notes.append(f"ZeRO-1 partitions whole parameters over {dp} ranks (worst rank shown)")
-    autocast = 0
+    autocast = whole_numel = 0
     if low and not layout.uses_fsdp:
         # (routed experts' grouped matmul is not an autocast op: no cached copy of them)
         autocast = sum(count * n for p, count, n in kinds if p.matmul and not p.expert) * BF16
@@ -240,7 +243,8 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
         # Measured (torch 2.13): the vocabulary-parallel embedding's gradient comes back whole (V x C) on every
         # tensor-parallel rank, not as its V/tp shard.
         emb = next(p for p, _, _ in kinds if p.where == "embedding")
-        grads_numel += emb.numel - math.prod(local_shape(emb, layout))
+        whole_numel = emb.numel - math.prod(local_shape(emb, layout))
+        grads_numel += whole_numel
         notes.append("tensor parallel: the embedding's gradient is whole (V x C) on each rank")
     # Per parameter tensor: Adam's step count (a 4-byte fp32 tensor each; ZeRO-1: its partition's share).
     steps = tensors * entry.tensor_state_bytes
@@ -248,7 +252,7 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
         steps = math.ceil(tensors / layout.dp) * entry.tensor_state_bytes
     return StateBytes(params=numel * FP32, grads=grads_numel * FP32, optimizer=opt_numel * per_opt + steps, master=0,
                       autocast_copies=autocast, param_numel=numel, unsharded_numel=local_numel, rope_buffers=rope,
-                      notes=tuple(notes))
+                      notes=tuple(notes), grads_beyond_shards=whole_numel * FP32)
 
 
 def zero_table(args: ModelArgs, ranks: int, optimizer: str = "adamw") -> list[dict]:

@@ -201,8 +201,8 @@ def model_shapes(args, seq: int, micro_batches: tuple[int, ...], tp: int = 1) ->
                      (args.ffn_hidden // t, args.dim), (args.dim, args.vocab_size // t)):
             gemms.append((T, k, n))
         attention.append((mb, args.n_heads // t, seq, hd))
-    block = dict(dim=args.dim, n_heads=args.n_heads // t, n_kv_heads=max(1, args.n_kv_heads // t), head_dim=hd,
-                 ffn_hidden=args.ffn_hidden // t, vocab_size=args.vocab_size, n_layers=1, max_seq_len=seq,
+    block = dict(family=args.family, dim=args.dim, n_heads=args.n_heads // t, n_kv_heads=max(1, args.n_kv_heads // t),
+                 head_dim=hd, ffn_hidden=args.ffn_hidden // t, vocab_size=args.vocab_size, n_layers=1, max_seq_len=seq,
                  norm_eps=args.norm_eps, rope_theta=args.rope_theta)
     return {"gemms": sorted(set(gemms)), "attention": sorted(set(attention)), "block": block,
             "block_batch": micro_batches[0], "seq": seq}
@@ -231,18 +231,21 @@ def _measure_model_shapes(job: dict, modes: tuple[str, ...], device, dtype, time
             F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
         fwd = 4.0 * b * s * s * h * d / 2  # causal: half the square (the cost model's count)
         out["attention"].append((fwd, 3 * fwd / timed(fwd_bwd)))
-    from paratrain.models.args import ModelArgs
-    from paratrain.models.llama import TransformerBlock, rope_tables
+    import dataclasses
 
+    from paratrain.models import ModelArgs, build_model
+
+    # One block of the model's family, cut out as a pipeline stage is (no embedding, no head): hidden states in and
+    # out. Built with a one-token vocabulary, so the embedding and head it drops never take the device's memory.
     args = ModelArgs(**job["block"])
-    block = TransformerBlock(args).to(device=device, dtype=dtype)
-    cos, sin = (x.to(device) for x in rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args=args))
+    block = build_model(dataclasses.replace(args, vocab_size=1)).to(device=device, dtype=dtype)
+    block.tok_embeddings = block.output = None
     x = torch.randn(job["block_batch"], job["seq"], args.dim, device=device, dtype=dtype, requires_grad=True)
     for mode in modes:
         run = block if mode == "eager" else torch.compile(block)
 
         def step():
-            run(x, cos, sin).sum().backward()
+            run(x).sum().backward()
         out["block"][mode] = timed(step)
     return out
 
@@ -317,11 +320,11 @@ def _calibrate_worker(sizes: list[int], msg_sizes: list[int], seconds: float, sh
             y.sum().backward()
         out["op_overhead_s"] = timed(ops, seconds) / 42  # 20 mul + sum forward, as many backward
         # a reference model (not the one being planned): one training step, forward + backward + AdamW
-        from paratrain.models.llama import Transformer
+        from paratrain.models import build_model
 
         ref_args = reference_args()
         torch.manual_seed(0)
-        model = Transformer(ref_args).to(device)
+        model = build_model(ref_args).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         tokens = torch.randint(0, ref_args.vocab_size, (REF_BATCH, REF_SEQ + 1), device=device)
 

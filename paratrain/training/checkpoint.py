@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from paratrain.errors import PeerFailed, UserError, environment_problem
+from paratrain.errors import PeerFailed, UserError, environment_problem, translated
 from paratrain.models.args import DEFAULT_FAMILY
 from paratrain.files import replace_dir
 from paratrain.optimizers import OPTIMIZERS, OptimizerEntry, optimizer_entry
@@ -179,7 +179,7 @@ class CheckpointWriter:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
 
-        try:
+        with self._saving(step, tmp):
             _on_main(self.is_main, prepare)
             _barrier()
             state = {**model_optim_state(model, optimizer), **(extra or {})}
@@ -189,8 +189,6 @@ class CheckpointWriter:
                 return self.root / f"step-{step}"
             dcp.save(state, checkpoint_id=str(tmp))  # returns on every rank once all shards and .metadata are written
             digests = _gather_digests(_hash_my_share(tmp))  # each rank hashes a share, read back from the page cache
-        except BaseException as e:  # DCP's CheckpointException derives from BaseException
-            raise self._failed(step, tmp, e) from None
         return self._commit(step, tmp, trainer_state, digests)
 
     def poll(self) -> None:
@@ -209,19 +207,17 @@ class CheckpointWriter:
         p, self.pending = self.pending, None
         if p is None:
             return
-        try:
+        with self._saving(p.step, p.tmp):
             p.future.result()
             p.start_hashing_when_written()
             digests = _gather_digests(p.hashing.result())
-        except BaseException as e:
-            raise self._failed(p.step, p.tmp, e) from None
         self._commit(p.step, p.tmp, p.trainer_state, digests)
 
-    def _failed(self, step: int, tmp: Path, error: BaseException) -> BaseException:
-        """A save failed on some rank: every rank removes what was written (the folder is shared) and raises."""
-        failure = save_failure(self.root / f"step-{step}", tmp, error)  # before the removal frees the disk again
-        shutil.rmtree(tmp, ignore_errors=True)
-        return failure
+    def _saving(self, step: int, tmp: Path):
+        """Around each part of a save: when it fails on some rank, every rank removes what was written (the folder
+        is shared) and raises; the cause is read first (the removal frees the disk again)."""
+        return translated(lambda error: save_failure(self.root / f"step-{step}", tmp, error),
+                          cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
 
     def _commit(self, step: int, tmp: Path, trainer_state: dict, digests: dict[str, str]) -> Path:
         """Rank 0 adds trainer.pt and the tokenizer, lists every file's checksum, writes the marker and renames."""
@@ -238,10 +234,8 @@ class CheckpointWriter:
             replace_dir(tmp, final)  # the same step may be saved again (after a rollback)
             prune(self.root, self.keep, final)
 
-        try:
+        with self._saving(step, tmp):
             _on_main(self.is_main, publish)
-        except BaseException as e:
-            raise self._failed(step, tmp, e) from None
         _barrier()
         return final
 
@@ -425,7 +419,7 @@ def resolve_resume(resume: str, ckpt_root: Path, warn=None, problem=checkpoint_p
 # Model dimensions that decide the parameters' shapes: a checkpoint loads only into a model that agrees on them.
 ARCHITECTURE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
                      "tie_embeddings", "moe_experts", "moe_shared_experts", "moe_ffn_hidden", "moe_first_dense_layers",
-                     "family")
+                     "moe_dense_layers", "family")
 
 
 def model_mismatch(trainer_state: dict, model_args) -> str | None:
@@ -434,7 +428,9 @@ def model_mismatch(trainer_state: dict, model_args) -> str | None:
     if not isinstance(saved, dict):
         return "its trainer.pt has no model dimensions"
     ours = dataclasses.asdict(model_args)
-    saved = {"family": DEFAULT_FAMILY, **saved}  # saved before families had names
+    # saved before families had names, or before blocks could be dense by index
+    saved = {"family": DEFAULT_FAMILY, "moe_dense_layers": (), **saved}
+    saved["moe_dense_layers"] = tuple(saved["moe_dense_layers"])
     diffs = [f"{k} {saved.get(k)} (this run: {ours.get(k)})" for k in ARCHITECTURE_KEYS if saved.get(k) != ours.get(k)]
     return "it holds another model: " + ", ".join(diffs) if diffs else None
 
@@ -624,15 +620,14 @@ class Checkpointer:
         if saved.get("data_sha256") not in (None, self.identity.get("data_sha256")):
             self.warn(f"warning: {path} was trained on other data than data.dir={self.spec.cfg.data.dir} holds now "
                       "(another corpus, or the same one prepared again): the batches after the resume differ")
-        try:
+        def unreadable(error: BaseException) -> UserError | None:
+            refused = safe_dcp.refused_entry(error)
+            problem = str(refused) if refused is not None else environment_problem(error)
+            return None if problem is None else UserError(f"cannot read checkpoint {path}: {problem}")
+
+        with translated(unreadable):
             state = load_checkpoint(path, self.model, self.optimizer, optimizer_entry(ours))
             self._restore_comm(path)
-        except BaseException as e:  # DCP's CheckpointException derives from BaseException
-            refused = safe_dcp.refused_entry(e)
-            problem = str(refused) if refused is not None else environment_problem(e)
-            if problem is None:
-                raise
-            raise UserError(f"cannot read checkpoint {path}: {problem}") from None
         step = int(state["step"])
         self.progress.load(state, step)
         if self.scheduler is not None:  # after the optimizer's state: the lr of the next update, whatever was loaded

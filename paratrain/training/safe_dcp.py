@@ -24,6 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from paratrain.errors import translated
+
 METADATA_FILE = ".metadata"
 _MAX_METADATA_BYTES = 1 << 30  # a real one is a few hundred bytes per tensor
 
@@ -191,13 +193,8 @@ def load(state: dict, folder: str | Path, storage_reader: SafeReader | None = No
     traceback for metadata it cannot read."""
     storage_reader = storage_reader or reader(folder)
     storage_reader.read_metadata()
-    try:
+    with translated(refused_entry):  # DCP's CheckpointException wraps what a rank raised: the refusal is the line
         dcp.load(state, storage_reader=storage_reader, planner=SafeLoadPlanner(), **kw)
-    except BaseException as e:  # DCP's CheckpointException (a BaseException) wraps what a rank raised
-        inner = refused_entry(e)
-        if inner is not None:
-            raise inner from None
-        raise
 
 
 def refused_entry(error: BaseException) -> MetadataProblem | None:

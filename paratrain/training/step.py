@@ -28,10 +28,11 @@ from torch import nn
 from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler, context_for
 from paratrain.distributed.expert_parallel import MoEMeter
 from paratrain.distributed.grad_norm import clip_grad_norm
-from paratrain.distributed.parallelize import PRECISION_DTYPES, SequenceParallelSampler, parallelize, unwrap
+from paratrain.distributed.parallelize import SequenceParallelSampler, parallelize, unwrap
 from paratrain.distributed.pipeline import Pipeline, PipelineSampler, build_pipeline
-from paratrain.distributed.tensors import full_tensor
+from paratrain.distributed.tensors import full_tensor, local_tensor, torch_dtype
 from paratrain.layout import Layout
+from paratrain.modes import loss_scaled, low_precision
 from paratrain.models.moe import balance_loss, moe_modules
 from paratrain.training.optim import build_optimizer, inner_optimizer
 
@@ -50,7 +51,7 @@ def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, rows: int)
 def make_scaler(layout: Layout, precision: str, device: torch.device):
     """fp16's dynamic loss scaler (None otherwise). With DTensor gradients the sharded scaler unscales local
     shards and agrees on overflow across ranks."""
-    if precision != "fp16":
+    if not loss_scaled(precision):
         return None
     if layout.uses_fsdp or layout.tp_enabled or layout.pipelined:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -101,7 +102,7 @@ class TrainStep:
         self.pipeline, self.pp_group, self.loss_group, self.comm = pipeline, pp_group, loss_group, comm
         self.memory_budget, self.probe = memory_budget, probe or StepProbe()
         # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does the low-precision compute.
-        self.autocast = precision != "fp32" and not layout.uses_fsdp
+        self.autocast = low_precision(precision) and not layout.uses_fsdp
         self.moe_layers = moe_modules(unwrap(model))
         self.moe = MoEMeter(unwrap(model)) if self.moe_layers else None  # expert load statistics
         # fused AdamW (and SGD) take `found_inf` and skip the update in their kernel (AdamW's step counts too): no
@@ -114,7 +115,7 @@ class TrainStep:
         if not sync and hasattr(self.model, "no_sync"):
             stack.enter_context(self.model.no_sync())
         if self.autocast:
-            stack.enter_context(torch.autocast(self.device.type, dtype=PRECISION_DTYPES[self.precision]))
+            stack.enter_context(torch.autocast(self.device.type, dtype=torch_dtype(self.precision)))
         if self.layout.uses_loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
 
@@ -202,6 +203,18 @@ class TrainStep:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def state_bytes(self) -> dict:
+        """Bytes this rank holds of parameters, gradients and optimizer state (local shards of sharded tensors)."""
+        def nbytes(t):
+            t = local_tensor(t)
+            return t.numel() * t.element_size()
+
+        params = list(self.model.parameters())
+        opt = inner_optimizer(self.optimizer)  # ZeRO-1 wraps the optimizer that holds the state
+        return {"params": sum(nbytes(p) for p in params),
+                "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+                "optimizer": sum(nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))}
+
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         return self.context.shard(t) if self.context is not None else t
 
@@ -268,3 +281,13 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
                      pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
                      memory_budget=memory_budget, probe=probe, comm=comm,
                      context=context_for(dims))  # cp: batches cut to this rank's chunks
+
+
+def build_run_step(spec, dims, device: torch.device, memory_budget=None) -> TrainStep:
+    """The step of the run `spec` (a RunSpec) on this rank: `build_train_step` with the run's settings, as the trainer
+    and the dry run (`paratrain train --dry-run`) build it."""
+    cfg, t = spec.cfg, spec.cfg.training
+    return build_train_step(spec.model_args, dims, device, precision=t.precision,
+                            activation_checkpoint=cfg.activation_checkpoint, compile=t.compile, seed=t.seed,
+                            optimizer=cfg.optimizer, parallel=cfg.parallel, grad_clip=t.grad_clip,
+                            memory_budget=memory_budget)
