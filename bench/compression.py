@@ -1,12 +1,15 @@
-"""Gradient compression on the tinyshakespeare recipe: bytes on the wire against the validation loss.
+"""Compressed communication on the tinyshakespeare recipe: bytes on the wire against the validation loss.
 
 Trains bench/shakespeare_cpu.py's recipe (nanoGPT's CPU settings: 4 layers, 4 heads, width 128, context 64, batch 12,
 lr 1e-3 -> 1e-4, 2000 iterations) on 2 ranks with dp_mode=ddp (each rank 6 sequences of the global batch of 12), once
-per `parallel.grad_compression`, and prints per method: gradient bytes this rank sends per step (mean over the run, and
+per method: a `parallel.grad_compression` with AdamW, or an optimizer that compresses its own communication
+(`optimizer.name` onebit_adam, zero_one_adam: 1-bit Adam and 0/1 Adam, README "Optimizers"). It prints per method:
+the bytes this rank sends per step for the data-parallel reduction (mean over the whole run, warm-up included, and
 after any warm-up), the reduction against none, the final validation loss, its gap to none, wall time and tokens/s.
-Goals (issue 15): powersgd and sign_ef send >= 90% fewer bytes than none; final val loss within 2% of none.
+Goals: >= 90% fewer bytes than none over the whole run; final val loss within 2% of none (issues 15 and 29).
 
-    python bench/compression.py [--steps 2000] [--methods none,bf16,powersgd,sign_ef] [--powersgd-rank 4]
+    python bench/compression.py [--steps 2000] [--methods none,bf16,powersgd,sign_ef,onebit_adam,zero_one_adam]
+                                [--powersgd-rank 4] [--set optimizer.freeze_step=300] [--label NAME]
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ from pathlib import Path
 
 from paratrain.api import train
 from paratrain.config import load_config
-from paratrain.modes import GRAD_COMPRESSIONS as METHODS
-from paratrain.modes import Compression
+from paratrain.modes import GRAD_COMPRESSIONS, Compression
+from paratrain.optimizers import OPTIMIZERS
+
+OPTIMIZER_METHODS = tuple(name for name, entry in OPTIMIZERS.items() if entry.communicates)  # 1-bit Adam, 0/1 Adam
+METHODS = (*GRAD_COMPRESSIONS, *OPTIMIZER_METHODS)
 
 
 def recipe(steps: int, eval_every: int, out: str, name: str, extra: list[str]) -> list[str]:
@@ -41,12 +47,20 @@ def main() -> None:
     parser.add_argument("--powersgd-warmup", type=int, default=10)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--label", default="", help="appended to each method's name in the table (a variant)")
+    parser.add_argument("--baseline", metavar="VAL_LOSS,BYTES", help="none's final val loss and mean bytes per step "
+                        "from an earlier run (deterministic), to compare variants without training none again")
     args = parser.parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"--methods: '{unknown[0]}' is not one of {', '.join(METHODS)}")
     rows = []
     with tempfile.TemporaryDirectory() as out:
         for method in methods:
-            extra = [f"parallel.grad_compression={method}", f"parallel.powersgd_rank={args.powersgd_rank}",
+            # an optimizer that communicates itself runs with the plain reduction settings
+            own = [f"optimizer.name={method}"] if method in OPTIMIZER_METHODS else [f"parallel.grad_compression={method}"]
+            extra = [*own, f"parallel.powersgd_rank={args.powersgd_rank}",
                      f"parallel.powersgd_warmup_steps={args.powersgd_warmup}", *args.set]
             cfg = load_config(None, recipe(args.steps, args.eval_every, out, method, extra))
             start = time.perf_counter()
@@ -57,11 +71,15 @@ def main() -> None:
             late = [r for r in steps if r["compression_ratio"] < 1.0] or steps  # after any uncompressed warm-up
             evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
             tok_s = sorted(r["tokens_per_s"] for r in steps)
-            rows.append({"method": method, "bytes": sum(r["comm_bytes"] for r in steps) / len(steps),
+            rows.append({"method": method, "label": method + args.label, "bytes": sum(r["comm_bytes"] for r in steps) / len(steps),
                          "bytes_late": sum(r["comm_bytes"] for r in late) / len(late), "val": result.val_loss,
                          "wall": wall, "tok_s": tok_s[len(tok_s) // 2], "evals": evals})
             print(f"{method}: val {result.val_loss:.4f}, {rows[-1]['bytes']:,.0f} B/step, {wall:.0f} s", flush=True)
-    base = next((r for r in rows if not Compression(r["method"]).enabled), None)
+    # none: AdamW's uncompressed reduction (or, for variants, its numbers from an earlier run)
+    base = next((r for r in rows if r["method"] in GRAD_COMPRESSIONS and not Compression(r["method"]).enabled), None)
+    if base is None and args.baseline:
+        val, sent = (float(x) for x in args.baseline.split(","))
+        base = {"val": val, "bytes": sent}
     print()
     print(f"{args.nproc} ranks (ddp), {args.steps} steps, global batch 12 x 64 tokens")
     print(f"| method | bytes/step (mean) | bytes/step (after warm-up) | reduction vs none | val loss | gap vs none "
@@ -70,10 +88,10 @@ def main() -> None:
     for r in rows:
         red = f"{1 - r['bytes'] / base['bytes']:.1%}" if base else "-"
         gap = f"{(r['val'] - base['val']) / base['val']:+.2%}" if base else "-"
-        print(f"| {r['method']} | {r['bytes']:,.0f} | {r['bytes_late']:,.0f} | {red} | {r['val']:.4f} | {gap} "
+        print(f"| {r['label']} | {r['bytes']:,.0f} | {r['bytes_late']:,.0f} | {red} | {r['val']:.4f} | {gap} "
               f"| {r['wall']:.0f} | {r['tok_s']:,.0f} |")
     for r in rows:
-        print(f"{r['method']} val loss by step: " + ", ".join(f"{s}:{v:.3f}" for s, v in r["evals"]))
+        print(f"{r['label']} val loss by step: " + ", ".join(f"{s}:{v:.3f}" for s, v in r["evals"]))
 
 
 if __name__ == "__main__":

@@ -95,6 +95,13 @@ class OptimizerConfig:
     beta2: float = 0.99
     eps: float = 1e-8
     impl: Literal["auto", OptimizerImpl] = "auto"
+    # -- onebit_adam, zero_one_adam (README "Optimizers"; DeepSpeed's names) --
+    # onebit_adam: steps of plain AdamW (fp32 all-reduce) before the variance freezes and the momenta go 1-bit;
+    # zero_one_adam: the last step that may update the variance. 0: optimizer.warmup_steps (the learning-rate warm-up)
+    freeze_step: int = 0
+    var_update_scaler: int = 16  # zero_one_adam: variance updates at each interval before it doubles (kappa)
+    local_step_scaler: int = 32678  # zero_one_adam: steps after the freeze before the local-step interval doubles
+    local_step_clipper: int = 16  # zero_one_adam: the largest local-step interval (H)
 
     @property
     def final_lr(self) -> float:
@@ -384,7 +391,14 @@ def validate(cfg: Config) -> None:
     _require(t.global_batch is None or t.global_batch > 0, "training.global_batch must be positive")
     _require(t.eval_every >= 0, "training.eval_every must be >= 0 (0 disables)")
     _require(t.grad_clip >= 0, "training.grad_clip must be >= 0 (0 disables)")
-    optimizer_entry(o.name)  # a registered optimizer, or a ConfigError naming them
+    entry = optimizer_entry(o.name)  # a registered optimizer, or a ConfigError naming them
+    entry.check_compression(cfg.parallel.grad_compression)
+    _require(o.freeze_step >= 0, "optimizer.freeze_step must be >= 0 (0: optimizer.warmup_steps)")
+    _require(not entry.communicates or (o.freeze_step or o.warmup_steps) > 0,
+             f"optimizer.name={o.name} needs a warm-up of plain Adam steps: set optimizer.freeze_step (or "
+             "optimizer.warmup_steps) > 0")
+    _require(min(o.var_update_scaler, o.local_step_scaler, o.local_step_clipper) >= 1,
+             "optimizer.var_update_scaler, local_step_scaler and local_step_clipper must be >= 1")
     _require(o.lr > 0, f"optimizer.lr must be positive, got {o.lr}")
     _require(o.min_lr is None or 0 <= o.min_lr <= o.lr,
              f"optimizer.min_lr must be between 0 and optimizer.lr ({o.lr}), got {o.min_lr}")

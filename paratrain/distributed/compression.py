@@ -23,6 +23,10 @@ all-reduce: about 1/32 (97% fewer bytes). Everything is per parameter, never per
 depend on how DDP groups parameters (it regroups them after the first step, and a resumed run starts with the
 initial grouping again): resuming from a checkpoint continues bit for bit.
 
+1-bit Adam and 0/1 Adam (`optimizer.name` onebit_adam, zero_one_adam; paratrain/training/onebit.py) use the same
+SignEF on their momenta: their `MomentumSchedule` tells the hooks, step by step, to take the fp32 mean, the 1-bit
+mean, or to leave each rank its own gradient, and the optimizer averages its momenta with `GradComm.momentum_mean_`.
+
 PowerSGD is torch's hook; its state (error feedback, the warm-started Q matrices) is per bucket in torch, so the
 wrapper here moves it to and from per-parameter dictionaries around each call, for the same reason.
 
@@ -46,6 +50,7 @@ from paratrain.distributed.initialize import canonical_name
 from paratrain.estimate.compression import powersgd_matrix
 from paratrain.layout import grad_compression_site
 from paratrain.modes import Compression, CompressionSite
+from paratrain.optimizers import GradientReduction, MomentumSchedule, optimizer_entry
 
 STATE_PREFIX = "grad_comm"  # checkpoint keys: grad_comm/<method>/w<world>/rank<r>/<parameter>|<kind>
 
@@ -63,6 +68,14 @@ def scatter_wire(nbytes: float, p: int) -> float:
 def gather_wire(nbytes_per_rank: float, p: int) -> float:
     """Bytes one rank sends in a ring all-gather of nbytes from every rank."""
     return (p - 1) * nbytes_per_rank if p > 1 else 0.0
+
+
+def exact_mean_(flat: torch.Tensor, group, meter: "CommMeter") -> torch.Tensor:
+    """Replace `flat` with its exact mean over the group: a plain fp32 all-reduce (gloo has no AVG: sum, divide)."""
+    p = dist.get_world_size(group)
+    dist.all_reduce(flat, group=group)
+    meter.add(all_reduce_wire(4 * flat.numel(), p), all_reduce_wire(4 * flat.numel(), p))
+    return flat.div_(p)
 
 
 class CommMeter:
@@ -180,9 +193,7 @@ class SignEF:
         """Replace `flat` (the concatenated gradients named by `segments`) with the compressed mean over the group;
         during the warm-up steps, with the exact mean (a plain all-reduce; the residuals stay zero)."""
         if self.step < self.warmup_steps:
-            dist.all_reduce(flat, group=self.group)
-            self.meter.add(all_reduce_wire(4 * flat.numel(), self.p), all_reduce_wire(4 * flat.numel(), self.p))
-            return flat.div_(self.p)
+            return exact_mean_(flat, self.group, self.meter)
         return self.finish(*self.start(flat, segments))
 
     def start(self, flat: torch.Tensor, segments: list[tuple[str, int]]):
@@ -325,13 +336,27 @@ class GradComm:
 
     `parallelize` asks it for FSDP's mesh and reduce dtype, calls `attach_fsdp` after `fully_shard` (prefetching,
     hsdp's replicate hook) and `attach_ddp` after wrapping DDP; the trainer logs `step_metrics` and checkpoints
-    `state_dict`."""
+    `state_dict`.
 
-    def __init__(self, parallel, dims, device: torch.device, seed: int = 0):
+    An optimizer that communicates itself (1-bit Adam, 0/1 Adam: `OptimizerEntry.compression`) brings its
+    `MomentumSchedule`: the hooks then do what it says for each step's gradients (fp32 mean, 1-bit mean, or nothing,
+    leaving each rank its own), the optimizer averages its momenta through `momentum_mean_` (the same SignEF and
+    error feedback), and its per-rank state (`attach_optimizer`) is checkpointed with the residuals."""
+
+    def __init__(self, parallel, dims, device: torch.device, seed: int = 0, optimizer=None):
+        """`optimizer`: the OptimizerConfig (None: AdamW's defaults)."""
         self.dims, self.layout, self.device, self.seed = dims, dims.layout, device, seed
         self.method = parallel.grad_compression
         self.compression = Compression.from_config(parallel)
-        self.site = grad_compression_site(self.layout, self.method)
+        self.schedule: MomentumSchedule | None = None
+        entry = optimizer_entry(optimizer.name) if optimizer is not None else None
+        if entry is not None and entry.communicates and self.layout.dp > 1:
+            self.schedule = MomentumSchedule.from_config(optimizer)
+            self.compression = entry.run_compression(self.compression)  # its 1-bit all-reduce (sign_ef_block)
+            self.method = entry.name  # it names the state in checkpoints and the notices
+        self.site = grad_compression_site(self.layout, self.compression.method)
+        self.step = 0  # the optimizer step being reduced (start_step)
+        self.optimizer = None  # an optimizer with per-rank state (attach_optimizer)
         self.bucket_mb = parallel.ddp_bucket_mb
         self.forward_prefetch, self.backward_prefetch = parallel.fsdp_forward_prefetch, parallel.fsdp_backward_prefetch
         self.powersgd_rank, self.powersgd_warmup = parallel.powersgd_rank, parallel.powersgd_warmup_steps
@@ -368,9 +393,8 @@ class GradComm:
             if self.backward_prefetch > 1 and i > 0:
                 block.set_modules_to_backward_prefetch(blocks[max(0, i - self.backward_prefetch):i][::-1])
         if self.site is CompressionSite.REPLICATE_HOOK:
-            group = self.dims.mesh["dp_replicate"].get_group()
             if self.compressor is None:
-                self.compressor = SignEF(group, self.meter, self.sign_block, self.sign_warmup)
+                self.compressor = self._sign_ef(self.dims.mesh["dp_replicate"].get_group())
             for module in [model, *blocks]:
                 module.set_all_reduce_hook(self._fsdp_hook(module))
         self.models.append(model)
@@ -385,9 +409,22 @@ class GradComm:
                                 for fp in group.fsdp_params)
                 if sum(n for _, n in segments) != reduce_output.numel():  # not laid out as expected: one piece
                     segments[:] = [(f"{segments[0][0]}+{len(segments)}", reduce_output.numel())]
-            self.compressor.mean_(reduce_output, segments)
+            self._reduce(reduce_output, segments)
 
         return hook
+
+    def _sign_ef(self, group) -> SignEF:
+        """sign_ef's compressor; an optimizer's schedule decides its own warm-up."""
+        return SignEF(group, self.meter, self.sign_block, 0 if self.schedule else self.sign_warmup)
+
+    def _reduce(self, flat: torch.Tensor, segments: list[tuple[str, int]]) -> torch.Tensor:
+        """A flat gradient buffer averaged over the group by sign_ef, or as the optimizer's schedule says."""
+        how = self.schedule.gradient(self.step) if self.schedule is not None else GradientReduction.ONE_BIT
+        if how is GradientReduction.LOCAL:  # each rank keeps its gradient: the optimizer averages the momenta instead
+            return flat
+        if how is GradientReduction.MEAN:
+            return exact_mean_(flat, self.compressor.group, self.meter)
+        return self.compressor.mean_(flat, segments)
 
     # -- DDP ------------------------------------------------------------------------------------------------------
     def attach_ddp(self, ddp: nn.Module) -> None:
@@ -414,8 +451,8 @@ class GradComm:
                 if sync:  # gloo: finish this bucket's chained collectives before the next bucket issues its own
                     fut.wait()
                 return fut
-        else:
-            self.compressor = SignEF(group, meter, self.sign_block, self.sign_warmup)
+        else:  # sign_ef, or an optimizer's schedule
+            self.compressor = self._sign_ef(group)
 
             def hook(state, bucket):
                 # Both phases here, in order: on gloo a collective issued from a completion callback could overtake
@@ -423,7 +460,7 @@ class GradComm:
                 flat = bucket.buffer()
                 segments = [(names[id(q)], q.numel()) for q in bucket.parameters()]
                 fut = torch.futures.Future(devices=[flat.device] if flat.is_cuda else None)
-                fut.set_result(self.compressor.mean_(flat, segments))
+                fut.set_result(self._reduce(flat, segments))
                 return fut
         ddp.register_comm_hook(group, hook)
 
@@ -456,9 +493,56 @@ class GradComm:
 
     def start_step(self, step: int) -> None:
         """Before optimizer step `step` (0-based, the run's own count: a resumed run continues it)."""
+        self.step = step
         self.meter.take()
         if isinstance(self.compressor, SignEF):
             self.compressor.step = step
+            if self.schedule is not None and self.schedule.resets_residuals(step):
+                self.compressor.worker.clear()
+                self.compressor.server.clear()
+
+    # -- an optimizer that communicates itself ----------------------------------------------------------------------
+    @property
+    def local_gradients(self) -> bool:
+        """This step's gradients stayed on their ranks (each differs): the gradient norm is agreed over the
+        `replica_group`."""
+        return self.schedule is not None and self.schedule.gradient(self.step) is GradientReduction.LOCAL
+
+    @property
+    def replica_group(self):
+        return self.compressor.group
+
+    def parameter_names(self) -> dict[int, str]:
+        """id(parameter) -> its canonical name, for what was laid out."""
+        return {id(q): canonical_name(n) for m in self.models for n, q in m.named_parameters()}
+
+    def attach_optimizer(self, optimizer) -> None:
+        """`optimizer.rank_state()` / `load_rank_state()` (tensors that differ between ranks, keys `name|kind` with
+        kinds `optimizer.RANK_KINDS`) go into checkpoints beside the residuals."""
+        self.optimizer = optimizer
+
+    def momentum_mean_(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Replace every rank's tensors (momenta, accumulated updates) by their mean over the group, through the 1-bit
+        all-reduce with error feedback, one `ddp_bucket_mb` bucket at a time (the result does not depend on the
+        buckets: the compression is per tensor)."""
+        limit = max(1, int(self.bucket_mb * 2**20) // 4)
+        buckets, size = [[]], 0
+        for name, t in named:
+            if buckets[-1] and size + t.numel() > limit:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((name, t))
+            size += t.numel()
+        for bucket in buckets:
+            sizes = [t.numel() for _, t in bucket]
+            flat = torch.cat([t.reshape(-1) for _, t in bucket])
+            self.compressor.mean_(flat, [(name, n) for (name, _), n in zip(bucket, sizes)])
+            for (_, t), piece in zip(bucket, flat.split(sizes)):
+                t.copy_(piece.view_as(t))
+
+    def silent_round(self, numel: int) -> None:
+        """A step that sends nothing (0/1 Adam's local steps), counted against the fp32 all-reduce it replaces."""
+        self.meter.add(0.0, all_reduce_wire(4 * numel, dist.get_world_size(self.replica_group)))
 
     def step_metrics(self, micro_steps: int) -> dict:
         """comm_bytes and compression_ratio of the step just finished (data-parallel layouts only)."""
@@ -480,6 +564,8 @@ class GradComm:
             return {}
         state = (self.compressor.state() if isinstance(self.compressor, SignEF)
                  else self.compressor.state_tensors())
+        if self.optimizer is not None:
+            state.update(self.optimizer.rank_state())
         prefix = self._prefix()
         return {prefix + key: t.detach() for key, t in state.items()}
 
@@ -493,4 +579,8 @@ class GradComm:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         prefix = self._prefix()
         tensors = {k[len(prefix):]: v.to(self.device) for k, v in state.items()}
+        if self.optimizer is not None:
+            kinds = self.optimizer.RANK_KINDS
+            self.optimizer.load_rank_state({k: v for k, v in tensors.items() if k.rsplit("|", 1)[1] in kinds})
+            tensors = {k: v for k, v in tensors.items() if k.rsplit("|", 1)[1] not in kinds}
         self.compressor.load(tensors)

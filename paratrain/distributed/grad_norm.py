@@ -12,12 +12,15 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, pp_group=None, replica_group=None) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most max_norm (inf: measure only). Returns the norm, a device
-    tensor (never read on the host here)."""
+    tensor (never read on the host here). `replica_group`: ranks whose gradients differ (each kept its own, as 1-bit
+    Adam does after its warm-up): the norm is the root mean square of theirs, the same on every rank (a non-finite
+    gradient anywhere makes it non-finite everywhere, so every rank skips that update), and clips each alike."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -36,9 +39,10 @@ def clip_grad_norm(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
         return torch.zeros(())
     total = torch.stack([s.reshape(()).to(squares[0].device) for s in squares]).sum() if squares else torch.zeros(())
     if pp_group is not None:
-        import torch.distributed as dist
-
         dist.all_reduce(total, group=pp_group)  # every stage's squares: the norm of the whole model
+    if replica_group is not None:
+        dist.all_reduce(total, group=replica_group)
+        total = total / dist.get_world_size(replica_group)
     total = total.sqrt()
     if math.isfinite(max_norm):
         # The scale stays on the device (no host read): max_norm / (norm + 1e-6) in float64, as the Python float it

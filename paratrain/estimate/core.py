@@ -304,13 +304,17 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     def prefetched(idx):  # unsharded bytes of the blocks backward has gathered ahead of block my_layers[idx]
         return sum(unsh[my_layers[j]][0] for j in range(max(0, idx - ahead), idx))
 
-    # Gradient compression: error feedback kept between steps; the hook's temporaries (DDP: at the end of backward).
+    # Gradient compression (or the optimizer's own, 1-bit Adam's of the momenta): error feedback kept between steps;
+    # the hook's temporaries (DDP: at the end of backward).
+    run_comp = optimizer_entry(i.optimizer).run_compression(i.compression)
+    comp_site = grad_compression_site(lay, run_comp.method)
     comp = None
-    if site.hooked:
+    if comp_site.hooked:
         shapes = [local_shape(q, lay) for q in params]
-        if site is CompressionSite.REPLICATE_HOOK:
+        if comp_site is CompressionSite.REPLICATE_HOOK:
             shapes = [(math.ceil(sh[0] / lay.dp_shard), *sh[1:]) for sh in shapes]
-        comp = compression_cost(i.compression, shapes, lay.dp if site is CompressionSite.DDP_HOOK else lay.dp_replicate)
+        comp = compression_cost(run_comp, shapes,
+                                lay.dp if comp_site is CompressionSite.DDP_HOOK else lay.dp_replicate)
     root_unsh = _fsdp_bytes(r.root, lay, pbytes)[0] if (fsdp and r.root) else 0
     head_unsh_grads = local_numel(head_params) * pbytes if fsdp else 0
 
@@ -401,9 +405,11 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
                        grad_bytes([p for p in params if len(p.shape) < 2])) * (FP32 // gbytes)
         if lay.zero1:
             opt_temp = math.ceil(st.optimizer / 2)
-    if comp is not None and site is CompressionSite.DDP_HOOK:  # the hook compresses the last bucket: all gradients
+    if comp is not None and comp_site is CompressionSite.DDP_HOOK:  # the hook compresses the last bucket: all grads
         add("gradient compression (DDP hook)", **base, gradients=grads_full, comm_buffers=ddp_buckets,
             temporaries=comp.transient_bytes)
+    if comp is not None and run_comp is not i.compression:  # the optimizer compresses its momenta in its step
+        opt_temp = max(opt_temp, comp.transient_bytes)
     add("optimizer step", **base, gradients=grads_full, comm_buffers=ddp_buckets, temporaries=opt_temp)
 
     out = peaks.result(r, moe)

@@ -74,5 +74,7 @@ def validate(i: EstimateInputs) -> EstimateInputs:
     steps = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
     batch = Batch(global_batch=i.micro_batch * steps * lay.dp, micro_batch=i.micro_batch, seq_len=i.seq_len)
     grad_compression_site(lay, i.compression.method)  # ConfigError where it cannot apply
-    optimizer_entry(i.optimizer).check_layout(lay)
+    entry = optimizer_entry(i.optimizer)
+    entry.check_compression(i.compression.method, "--grad-compression")
+    entry.check_layout(lay)
     return i.replace(layout=lay.validate(args, lay.world_size, batch))

@@ -166,7 +166,9 @@ def build_context(args) -> tuple:
     if parallel.ddp_bucket_mb <= 0:
         raise UserError(f"--ddp-bucket-mb must be > 0, got {parallel.ddp_bucket_mb}")
     compile_ = args.compile if args.compile is not None else bool(base is not None and base.training.compile)
-    optimizer = optimizer_entry(args.optimizer or (base.optimizer.name if base is not None else "adamw")).name
+    entry = optimizer_entry(args.optimizer or (base.optimizer.name if base is not None else "adamw"))
+    entry.check_compression(compression.method, "--grad-compression")
+    optimizer = entry.name
     ctx = Context(margs, seq, tokens // seq, hw, per_node, precision, name, native_max_seq_len=native,
                   compression=compression, optimizer=optimizer,
                   ddp_bucket_mb=parallel.ddp_bucket_mb, mode="compile" if compile_ else "eager", float8=args.float8,
@@ -471,7 +473,9 @@ def _prediction_json(pred) -> dict:
             "exposed_comm_s": pred.comm_exposed_s, "bubble_s": pred.bubble_s, "recompute_s": pred.recompute_s,
             "optimizer_s": pred.optimizer_s, "compress_s": pred.compress_s,
             "exposed_comm_by_kind_s": dict(pred.comm),
-            "fsdp_all_gathers_per_step": pred.fsdp_all_gathers}
+            "fsdp_all_gathers_per_step": pred.fsdp_all_gathers, "dp_bytes_per_step": pred.dp_bytes,
+            **({"phases": [{"phase": name, "step_s": step, "dp_bytes_per_step": sent}
+                           for name, step, sent in pred.phases]} if pred.phases else {})}
 
 
 def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int = 5) -> dict:

@@ -79,6 +79,7 @@ from paratrain.estimate.compression import compression_cost
 from paratrain.estimate.model_states import fsdp_gathers_per_step, rank_layers
 from paratrain.layout import Batch, Layout, grad_compression_site, predicted_bubble
 from paratrain.layout_grammar import layout_name
+from paratrain.optimizers import GradientReduction, Phase, optimizer_entry
 from paratrain.models.args import ModelArgs
 from paratrain.modes import (Compression, CompressionSite, forward_repeats, recomputed_blocks, selective,
                              value_bytes, whole_blocks)
@@ -186,6 +187,8 @@ class Prediction:
     comm: dict[str, float] = field(default_factory=dict)  # exposed seconds by kind
     compress_s: float = 0.0  # compressing and decompressing gradients (grad_compression)
     fsdp_all_gathers: int = 0  # FSDP parameter all-gathers per step on the busiest rank (Layout.fsdp_all_gathers)
+    dp_bytes: float = 0.0  # bytes this rank sends per step for the data-parallel gradient (or momentum) reduction
+    phases: tuple = ()  # an optimizer's kinds of steps: (name, step_s, dp_bytes) each (`predict`)
 
     def breakdown(self) -> str:
         return (f"compute {self.compute_s * 1e3:.1f} ms + exposed comm {self.comm_exposed_s * 1e3:.1f} ms + bubble "
@@ -393,7 +396,23 @@ def _without_microbatches(lay: Layout) -> tuple:
     return tuple(fields.values())
 
 
+MOMENTUM_ALL_REDUCE = "1-bit momentum all-reduce"  # an optimizer's own all-reduce, after the backward (exposed)
+
+
 def predict(c: Candidate, ctx: Context) -> Prediction:
+    """The predicted step. An optimizer that communicates itself (1-bit Adam, 0/1 Adam) has kinds of steps
+    (`OptimizerEntry.phases`): each is predicted, `phases` lists them (name, step seconds, data-parallel bytes this
+    rank sends), and the layout is ranked by the last, the steady state after the warm-up."""
+    phases = optimizer_entry(ctx.optimizer).phases
+    if not phases:
+        return _predict(c, ctx)
+    preds = [_predict(c, ctx, phase) for phase in phases]
+    steady = preds[-1]
+    steady.phases = tuple((phase.name, p.step_s, p.dp_bytes) for phase, p in zip(phases, preds))
+    return steady
+
+
+def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Prediction:
     from paratrain.models.presets import count_params, flops_per_token
 
     a, hw, S, lay = ctx.args, ctx.hw, ctx.seq_len, c.layout
@@ -416,8 +435,14 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     optimizer = (opt_params * entry.step_bytes / hw.mem_bandwidth + entry.step_kernels * hw.op_overhead_s) \
         * hw.compute_scale
 
-    # gradient compression: what the compressed collective sends, and the compute it costs
-    site = grad_compression_site(lay, ctx.compression.method)
+    # gradient compression: what the compressed collective sends, and the compute it costs (an optimizer's phase:
+    # its own collective, none in a local step, in the optimizer step when not in the backward)
+    comp_in = ctx.compression
+    silent = after_backward = False
+    if phase is not None:
+        comp_in = optimizer_entry(ctx.optimizer).phase_compression(phase, comp_in)
+        silent, after_backward = phase.reduction is GradientReduction.LOCAL, not phase.in_backward
+    site = grad_compression_site(lay, comp_in.method)
     comp_frac, comp_lat, compress = 1.0, 1, 0.0
     if site.hooked:
         from paratrain.estimate.model_states import local_shape, model_params
@@ -425,7 +450,7 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
         shapes = [local_shape(q, lay) for q in model_params(a)]  # (compression hooks run without pp or tp)
         if site is CompressionSite.REPLICATE_HOOK:  # the FSDP shard of each parameter (dim 0 over dp_shard)
             shapes = [(math.ceil(s[0] / lay.dp_shard), *s[1:]) for s in shapes]
-        cost = compression_cost(ctx.compression, shapes, c.dp if site is CompressionSite.DDP_HOOK else lay.dp_replicate)
+        cost = compression_cost(comp_in, shapes, c.dp if site is CompressionSite.DDP_HOOK else lay.dp_replicate)
         comp_frac, comp_lat = cost.wire_fraction, cost.collectives
         compress = (cost.gemm_flops / hw.gemm_rate(max(cost.gemm_flops / max(cost.ops, 1), 1.0))
                     if cost.gemm_flops else 0.0) + cost.memory_bytes / hw.mem_bandwidth + cost.ops * hw.op_overhead_s
@@ -443,14 +468,19 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     overlappable = 0.0
     min_exposed = 0.0
     fsdp_gathers = 0
+    dp_bytes = 0.0  # what this rank sends for the data-parallel reduction in one step
     if lay.dp_cp > 1:
         if lay.uses_ddp:
             g = P_stage * 4
             buckets = max(1, math.ceil(g / (ctx.ddp_bucket_mb * 2**20)))
             latency = all_reduce_time(0.0, c.dp, dp_link)  # per collective; a compressed bucket may need several
             ar = buckets * (comp_lat * latency + all_reduce_time(g * comp_frac / buckets, c.dp, dp_link) - latency)
-            overlappable += ar
-            min_exposed += ar / buckets
+            if after_backward:
+                comm[MOMENTUM_ALL_REDUCE] = 0.0 if silent else ar
+            else:
+                overlappable += ar
+                min_exposed += ar / buckets
+            dp_bytes = 0.0 if silent else 2 * (c.dp - 1) / c.dp * g * comp_frac
             if lay.zero1:
                 comm["zero1 param all-gather"] = all_gather_time(P_stage * 4, c.dp, dp_link)
         else:
@@ -468,13 +498,21 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
             rs = n_rs * (reduce_scatter_time(P_stage * 4 * rs_frac / groups, shard, shard_link) + group)
             overlappable += ag + rs
             min_exposed += ag / n_ag + rs / n_rs  # one group's worth stays exposed
+            dp_bytes = (shard - 1) / shard * P_stage * 4 * rs_frac * n_rs / groups
             if lay.hybrid:
                 frac = rs_frac if site is CompressionSite.REDUCE_DTYPE else comp_frac
-                latency = all_reduce_time(0.0, lay.dp_replicate, rep_link)
-                hr = n_rs * (all_reduce_time(P_stage * 4 * frac / shard / groups, lay.dp_replicate, rep_link)
-                             + (comp_lat - 1) * latency + group)
-                overlappable += hr
-                min_exposed += hr / n_rs
+                r = lay.dp_replicate
+                latency = all_reduce_time(0.0, r, rep_link)
+                if after_backward:  # once per step, over the whole shard
+                    comm[MOMENTUM_ALL_REDUCE] = 0.0 if silent else (
+                        all_reduce_time(P_stage * 4 * frac / shard, r, rep_link) + (comp_lat - 1) * latency)
+                    dp_bytes += 0.0 if silent else 2 * (r - 1) / r * P_stage * 4 * frac / shard
+                else:
+                    hr = n_rs * (all_reduce_time(P_stage * 4 * frac / shard / groups, r, rep_link)
+                                 + (comp_lat - 1) * latency + group)
+                    overlappable += hr
+                    min_exposed += hr / n_rs
+                    dp_bytes += 2 * (r - 1) / r * P_stage * 4 * frac / shard * n_rs / groups
     comm_total = overlappable
     if overlappable:
         hidden = min(overlappable - min_exposed, hw.overlap * (compute + recompute))
@@ -504,14 +542,15 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     pipelined = compute + recompute + comm.get("tensor-parallel", 0.0) + comm.get("pipeline p2p", 0.0) \
         + comm.get("expert all-to-all", 0.0) + comm.get(RING, 0.0)
     bubble = pipelined * fill / (n_micro * lay.pp_virtual) if c.pp > 1 else 0.0
-    compress *= n_micro if site is CompressionSite.REPLICATE_HOOK else 1  # hsdp reduces every micro-step, DDP once
+    # hsdp's hook reduces every micro-step; DDP and an optimizer's own all-reduce once per step
+    compress *= n_micro if site is CompressionSite.REPLICATE_HOOK and not after_backward else 1
     step = compute + recompute + exposed + bubble + optimizer + compress
     tokens = ctx.global_seqs * S
     tok_s = tokens / step
     peak = sum(h.peak_flops for h in ctx.stage_hw) / len(ctx.stage_hw) if ctx.stage_hw else hw.peak_flops
     mfu = cached(ctx, ("flops_per_token", S), lambda: flops_per_token(a, S)) * tok_s / (c.world * peak)
     return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm, compress,
-                      fsdp_gathers)
+                      fsdp_gathers, dp_bytes)
 
 
 def attention_time(ctx: Context, c: Candidate) -> float:

@@ -411,6 +411,9 @@ def explain(text: str, ctx: Context, world: int, opts: Options) -> str:
              f"  {r.pred.breakdown()}"]
     if r.pred.comm:
         lines.append("  exposed communication: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r.pred.comm.items()))
+    if r.pred.phases:  # an optimizer's kinds of steps (ranked by the last)
+        lines.append(f"  {ctx.optimizer} by phase: " + "; ".join(
+            f"{name} {step * 1e3:.1f} ms, {sent / 2**20:,.1f} MiB sent" for name, step, sent in r.pred.phases))
     if c.cp > 1:
         lines.append("  " + ring_line(c, ctx))
     p = plan(ctx, world, opts, top=1)

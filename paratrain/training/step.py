@@ -163,10 +163,13 @@ class TrainStep:
         return loss / self.scaler.get_scale() if self.scaler else loss
 
     def clip(self) -> torch.Tensor:
-        """Clip the gradients to training.grad_clip (0: measure only); returns the global norm (a device tensor)."""
+        """Clip the gradients to training.grad_clip (0: measure only); returns the global norm (a device tensor).
+        Gradients that stayed on their ranks (1-bit Adam after its warm-up) are clipped by the ranks' agreed norm."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        return clip_grad_norm(self.model.parameters(), self.grad_clip or float("inf"), pp_group=self.pp_group)
+        replicas = self.comm.replica_group if self.comm is not None and self.comm.local_gradients else None
+        return clip_grad_norm(self.model.parameters(), self.grad_clip or float("inf"), pp_group=self.pp_group,
+                              replica_group=replicas)
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The step's loss: this rank's mean averaged over the data-parallel x context-parallel ranks (on the device)."""
@@ -263,7 +266,8 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
     with torch.device(device if model_args.tie_embeddings else "meta"):
         model = build_model(model_args)
     scaler = make_scaler(layout, precision, device)
-    comm = GradComm(parallel or ParallelConfig(), dims, device, seed)  # gradient compression, buckets, prefetching
+    optimizer = optimizer or OptimizerConfig()
+    comm = GradComm(parallel or ParallelConfig(), dims, device, seed, optimizer)  # compression, buckets, prefetching
     pipeline = None
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
         pipeline = build_pipeline(dims, model, ac, precision, compile, device, seed, schedule_loss(scaler), comm)
@@ -271,7 +275,7 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
     else:
         model = parallelize(model, dims, ac, precision, compile, device, seed, comm=comm)
     comm.prepare()
-    opt = build_optimizer(unwrap(model), optimizer or OptimizerConfig(), device,
+    opt = build_optimizer(unwrap(model), optimizer, device,
                           dims.dp_group if layout.zero1 else None, comm=comm)
     return TrainStep(model, opt, layout, precision=precision, device=device, grad_clip=grad_clip, scaler=scaler,
                      pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
