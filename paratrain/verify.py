@@ -21,6 +21,7 @@ from paratrain.errors import OneLineArgumentParser, UserError
 
 MOE_PRESET = "model.preset=tiny-moe"  # with the base's model.n_layers=4: 1 dense + 3 MoE layers
 LONG_MODEL = "model.max_seq_len=1024"  # the tiny model with room for long sequences
+LORA = "lora.rank=4"  # adapters on every projection of the tiny model, its weights frozen
 
 # name -> (ranks, overrides). Batch settings are filled in by `layout_overrides`.
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -74,6 +75,10 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "cp2+selective": (2, ["parallel.cp=2", "activation_checkpoint.mode=selective"]),
     "cp2+full": (2, ["parallel.cp=2", "activation_checkpoint.mode=full"]),
     "cp2+accum": (2, ["parallel.cp=2", "training.micro_batch=2"]),
+    # LoRA: adapters trained on a frozen tiny model, against one process training the same adapters.
+    "lora-fsdp2": (2, [LORA, "parallel.dp_mode=fsdp"]),
+    "lora-tp2": (2, [LORA, "parallel.tp=2"]),
+    "lora-pp2": (2, [LORA, "parallel.pp=2"]),
 }
 DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
                   "fsdp2+every_k", "fsdp2+selective", "accum"]
@@ -81,6 +86,7 @@ DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp
 MOE_MATRIX = ["ep2", "ep4", "ep2xfsdp2", "ep2xtp2"]
 PP_MATRIX = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2-zb", "pp2xdp2", "pp2xtp2", "pp2xdp2xtp2"]
 CP_MATRIX = ["cp2", "cp2xfsdp2", "cp2xtp2", "cp2xpp2", "cp4-seq1024"]
+LORA_MATRIX = ["lora-fsdp2", "lora-tp2", "lora-pp2"]
 
 GLOBAL_BATCH = 8
 EVAL_SEQUENCES = 13  # not divisible by 2, 4 or 8: the data-parallel shares of the validation set are padded
@@ -184,9 +190,9 @@ def compare(reference, result) -> tuple[float, float]:
 
 
 def reference_overrides(layout_extra: list[str]) -> list[str]:
-    """The model settings and sequence length a layout changes (e.g. the MoE preset, a long sequence): its reference
-    is one process training that model on those sequences."""
-    return [o for o in layout_extra if o.startswith(("model.", "training.seq_len="))]
+    """The model settings, sequence length and adapters a layout changes (e.g. the MoE preset, a long sequence,
+    LoRA): its reference is one process training that model on those sequences."""
+    return [o for o in layout_extra if o.startswith(("model.", "training.seq_len=", "lora."))]
 
 
 def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str = "fp32",
@@ -279,7 +285,7 @@ def format_row(r: Row, tolerance: float, judged: bool = True) -> str:
 
 def main_verify(argv: list[str]) -> int:
     parser = OneLineArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX + CP_MATRIX),
+    parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX + CP_MATRIX + LORA_MATRIX),
                         help=f"comma-separated layout names (known: {', '.join(LAYOUTS)})")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tolerance", type=float, default=1e-5)

@@ -37,6 +37,7 @@ from paratrain.faults import ATTEMPT_ENV, FaultInjector
 from paratrain.observe.flops import is_datasheet_peak, peak_flops
 from paratrain.generate import prompt_ids, sample
 from paratrain.observe.metrics import MetricsLog, build_sinks
+from paratrain.models.lora import lora_summary
 from paratrain.models import count_active_params, count_params, flops_per_token, format_params
 from paratrain.spec import RunSpec, stage_gpus
 from paratrain.training.checkpoint import Checkpointer, Progress, export_safetensors, full_weights
@@ -84,7 +85,7 @@ class Trainer:
         self.train_step = build_train_step(
             spec.model_args, self.dims, dev, precision=t.precision, activation_checkpoint=cfg.activation_checkpoint,
             compile=t.compile, seed=t.seed, optimizer=cfg.optimizer, parallel=cfg.parallel, grad_clip=t.grad_clip,
-            memory_budget=MemoryBudget(int(budget * 2**30)) if budget > 0 else None)
+            memory_budget=MemoryBudget(int(budget * 2**30)) if budget > 0 else None, lora=spec.lora)
         model, optimizer = self.train_step.model, self.train_step.optimizer
         self.comm = self.train_step.comm  # gradient compression, buckets, prefetching
         self.scheduler = WarmupCosine(optimizer, cfg.optimizer, t.steps)  # the learning rate of each update
@@ -114,6 +115,9 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg, spec, env, t = self.cfg, self.spec, self.env, self.cfg.training
         result = TrainResult(run_dir=cfg.run_dir)
+        folder = spec.source.hf_folder
+        if folder is not None and spec.lora is not None:  # LoRA: the frozen base always comes from its folder
+            self._load_hf_weights(folder)
         # The checkpoint to resume from is found, verified and loaded before this run writes anything.
         start = step = self.checkpointer.resume(restarted=self.restarts > 0)
         if env.is_main:
@@ -121,12 +125,8 @@ class Trainer:
             (cfg.run_dir / "config.toml").write_text(dump_toml(resolved_config(cfg, spec.layout)))
         self.log = MetricsLog(cfg.run_dir / "metrics.jsonl", t.steps, 0, cfg.metrics.progress, enabled=env.is_main,
                               sinks=build_sinks(cfg.metrics, env, cfg.run.name, cfg.run_dir))
-        folder = spec.source.hf_folder
-        if start == 0 and folder is not None:  # a Hugging Face model's weights onto this layout; a fresh optimizer
-            from paratrain import hf
-
-            hf.load_initial_weights(unwrap(self.train_step.model), folder, spec.model_args)
-            self.notice(f"initialised from Hugging Face folder {folder}")
+        if start == 0 and folder is not None and spec.lora is None:  # a fresh optimizer: the weights from the folder
+            self._load_hf_weights(folder)
         self._print_header()
         memory_rows = None
         ts = self.train_step
@@ -229,6 +229,13 @@ class Trainer:
         return self.train_step.forward_backward(micro, poisoned=bool(self.faults) and self.faults.poison(data_step))
 
     # -- start and end ------------------------------------------------------------------------
+    def _load_hf_weights(self, folder) -> None:
+        """A Hugging Face model's weights onto this layout."""
+        from paratrain import hf
+
+        hf.load_initial_weights(unwrap(self.train_step.model), folder, self.spec.model_args)
+        self.notice(f"initialised from Hugging Face folder {folder}")
+
     def _print_header(self) -> None:
         cfg, spec, t = self.cfg, self.spec, self.cfg.training
         n_params, n_active = count_params(spec.model_args), count_active_params(spec.model_args)
@@ -240,6 +247,9 @@ class Trainer:
                          f"{t.precision} on {self.env.device.type} | {self._peak_text()}")
         if spec.layout.pipelined:
             self.log.message(spec.layout.describe_pipeline())
+        for line in (self.train_data.describe(), spec.lora and lora_summary(unwrap(self.train_step.model))):
+            if line:
+                self.log.message(line)
         self.mem_estimate = self._print_memory_estimate()
 
     def _peak_text(self) -> str:
