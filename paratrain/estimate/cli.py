@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+from paratrain.models.lora_params import LoRA, lora_problem
 from paratrain.errors import OneLineArgumentParser, UserError
 
 EPILOG = """examples:
@@ -60,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--powersgd-rank", type=int, default=None)
     p.add_argument("--sign-ef-block", type=int, default=None)
     p.add_argument("--fsdp-backward-prefetch", type=int, default=None, help="blocks gathered ahead in backward (1)")
+    p.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank on a frozen model "
+                   "(a config's [lora] otherwise)")
+    p.add_argument("--lora-targets", default=None, help="the projections LoRA adapts (default wq,wk,wv,wo,w1,w2,w3)")
     p.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 (default bf16)")
     p.add_argument("--accounting", default="paratrain", help="paratrain | classic (see below)")
     p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | sgd-nomomentum")
@@ -135,6 +139,13 @@ def _with_flags(cfg, args):
         p.loss_parallel = False
     if args.accum_steps is not None and args.global_batch is None:
         t.global_batch = None
+    if args.lora_rank is not None:
+        cfg.lora.rank = args.lora_rank
+    if args.lora_targets is not None:
+        cfg.lora.targets = args.lora_targets
+    why = lora_problem(cfg.lora)
+    if why:
+        raise UserError(why.replace("lora.rank", "--lora-rank").replace("lora.targets", "--lora-targets"))
     return cfg
 
 
@@ -199,7 +210,7 @@ def inputs_from_argv(argv: list[str]):
         micro_batch=micro_batch, seq_len=t.seq_len, accum_steps=accum_steps, accounting=args.accounting,
         gpu_name=gpu_name, gpu_bytes=gpu_bytes, headroom=check_headroom(HEADROOM if args.headroom is None
                                                                          else args.headroom),
-        overhead_bytes=overhead, moe_imbalance=args.moe_imbalance), args
+        overhead_bytes=overhead, moe_imbalance=args.moe_imbalance, lora=LoRA.from_config(cfg.lora)), args
 
 
 def main_estimate(argv: list[str]) -> int:

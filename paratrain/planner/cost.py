@@ -59,6 +59,10 @@ Calibrated profiles carry `compute_scale`: the measured training step of a fixed
 being planned) over what these formulas predict for it on the same profile; it multiplies compute, recompute and
 the optimizer step (what the terms above miss: autograd bookkeeping, the loss, allocator). Datasheet profiles: 1.
 
+LoRA (`Context.lora`): the base is frozen, so backward makes only input gradients (one GEMM per linear instead of
+two; the adapters' own GEMMs are negligible), and the gradients reduced, the ZeRO-1 all-gather and the optimizer step
+are the adapters' alone; the base is all-gathered by FSDP like any parameter.
+
 Pipeline bubble: (p-1)/(m+p-1)/v of the pipelined time (`paratrain.layout.predicted_bubble`: gpipe
 and 1f1b v=1; interleaved schedules v stages per rank; zbv v=2), i.e. bubble = work x b / (1 - b). Each pipeline
 rank's time per micro-batch is its own blocks (and the head on the last stage) on its own hardware
@@ -78,6 +82,7 @@ from paratrain.estimate.compression import Compression, compression_cost
 from paratrain.estimate.model_states import fsdp_gathers_per_step, rank_layers
 from paratrain.layout import Batch, Layout, grad_compression_site, predicted_bubble
 from paratrain.models.args import ModelArgs
+from paratrain.models.lora_params import LoRA
 from paratrain.planner.profile import Hardware, Link
 
 ELEMWISE_VALUES_PER_TOKEN = (80, 20)  # x dim, x ffn/tp: values read+written per token and block, fwd+bwd
@@ -176,6 +181,7 @@ class Context:
     float8: bool = False  # what-if: the blocks' linear layers as float8 GEMMs (the profile's float8 rate)
     stage_hw: list[Hardware] | None = None  # heterogeneous clusters: the hardware of each pipeline rank, in order
     cluster: list | None = None  # heterogeneous clusters: the GPU groups in rank order (planner/hetero.py GpuGroup)
+    lora: LoRA | None = None  # adapters on a frozen model: only they have gradients to reduce and states to update
     cache: dict = field(default_factory=dict, repr=False, compare=False)  # per-shape compute terms (block_costs)
 
     def rank_hw(self, pp_rank: int) -> Hardware:
@@ -270,7 +276,7 @@ def cached(ctx: Context, key, compute):
 def block_costs(ctx: Context, hw: Hardware, tp: int, micro_batch: int, ep: int, ac: str, cp: int = 1) -> BlockCosts:
     """The compute terms of the cost model for one shape, cached per context: the planner asks for the same shape
     for every data-parallel mode, schedule and replicate degree."""
-    key = (id(hw), tp, micro_batch, ep, ac, cp, ctx.mode, ctx.float8, ctx.seq_len, ctx.precision)
+    key = (id(hw), tp, micro_batch, ep, ac, cp, ctx.mode, ctx.float8, ctx.seq_len, ctx.precision, ctx.lora)
     return cached(ctx, key, lambda: _block_costs(ctx, hw, tp, micro_batch, ep, ac, cp))
 
 
@@ -314,9 +320,12 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
     elemwise_fb = mode * T * ew_values * ab / hw.mem_bandwidth  # fwd + bwd
     op_cost = mode * hw.op_overhead_s * (TP_DISPATCH.get(hw.device, 3.0) if t > 1 else 1.0)
     block_f = attn + mlp + elemwise_fb / 3 + OPS_PER_BLOCK * op_cost
-    block_b = 2 * (attn + mlp) + 2 * elemwise_fb / 3 + 2 * OPS_PER_BLOCK * op_cost
+    # backward: each GEMM's input and weight gradients; a frozen base (LoRA) has no weight gradients to make
+    gemm_b = 1 if ctx.lora is not None else 2
+    block_b = gemm_b * (attn - sdpa + mlp) + 2 * sdpa + 2 * elemwise_fb / 3 + 2 * OPS_PER_BLOCK * op_cost
     # the output head stays bf16 under float8 (as torchao/torchtitan leave it)
-    head = 3 * gemm(T, a.dim, a.vocab_size / t, linear=False) + 3 * T * a.vocab_size / t * 4 * 3 / hw.mem_bandwidth
+    head = (1 + gemm_b) * gemm(T, a.dim, a.vocab_size / t, linear=False) \
+        + 3 * T * a.vocab_size / t * 4 * 3 / hw.mem_bandwidth
     rec = {"full": block_f, "every_k": block_f, "selective": elemwise_fb / 3 + OPS_PER_BLOCK * op_cost}.get(ac, 0.0)
     scale = hw.compute_scale  # a calibrated profile's correction (1.0 for datasheets)
     return BlockCosts(block_f * scale, block_b * scale, rec * scale, head * scale, sdpa * scale)
@@ -325,7 +334,7 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
 def compute_key(ctx: Context) -> tuple:
     """What a context's compute terms read besides the candidate (`block_costs`' key): a context made with
     dataclasses.replace shares its cache."""
-    return id(ctx.args), id(ctx.hw), ctx.mode, ctx.float8, ctx.seq_len, ctx.precision
+    return id(ctx.args), id(ctx.hw), ctx.mode, ctx.float8, ctx.seq_len, ctx.precision, ctx.lora
 
 
 def pipeline_key(lay: Layout) -> tuple:
@@ -421,7 +430,9 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     # routed experts are sharded over ep (and FSDP-gathered only over dp_shard / ep): count them once per ep group
     experts = moe_layers * a.moe_experts * 3 * a.dim * a.expert_hidden if moe_layers else 0
     P_stage = (P - experts + experts / c.ep) / c.pp / t
-    opt_params = P_stage / lay.optimizer_shards
+    # what has gradients and optimizer state: every parameter, or LoRA's adapters (the base is only gathered)
+    G_stage = P_stage if ctx.lora is None else cached(ctx, "trainable", lambda: trainable_count(a, ctx.lora)) / c.pp / t
+    opt_params = G_stage / lay.optimizer_shards
     optimizer = (opt_params * 4 * 4 * 2 / hw.mem_bandwidth + 20 * hw.op_overhead_s) * hw.compute_scale
 
     # gradient compression: what the compressed collective sends, and the compute it costs
@@ -430,7 +441,7 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     if site in ("ddp_hook", "replicate_hook"):
         from paratrain.estimate.model_states import local_shape, model_params
 
-        shapes = [local_shape(q, lay) for q in model_params(a)]  # (compression hooks run without pp or tp)
+        shapes = [local_shape(q, lay) for q in model_params(a, ctx.lora) if q.trainable]  # (no pp or tp here)
         if site == "replicate_hook":  # the FSDP shard of each parameter (dim 0 over dp_shard)
             shapes = [(math.ceil(s[0] / lay.dp_shard), *s[1:]) for s in shapes]
         cost = compression_cost(ctx.compression, shapes, c.dp if site == "ddp_hook" else lay.dp_replicate)
@@ -453,14 +464,14 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     fsdp_gathers = 0
     if lay.dp_cp > 1:
         if lay.uses_ddp:
-            g = P_stage * 4
+            g = G_stage * 4
             buckets = max(1, math.ceil(g / (ctx.ddp_bucket_mb * 2**20)))
             latency = all_reduce_time(0.0, c.dp, dp_link)  # per collective; a compressed bucket may need several
             ar = buckets * (comp_lat * latency + all_reduce_time(g * comp_frac / buckets, c.dp, dp_link) - latency)
             overlappable += ar
             min_exposed += ar / buckets
             if lay.zero1:
-                comm["zero1 param all-gather"] = all_gather_time(P_stage * 4, c.dp, dp_link)
+                comm["zero1 param all-gather"] = all_gather_time(G_stage * 4, c.dp, dp_link)
         else:
             # The one rule the trainer follows and the estimator uses (Layout.fsdp_all_gathers): pipelined stages
             # gather each group once per step and reduce-scatter once; otherwise per micro-step.
@@ -473,13 +484,13 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
                                                                           blocks.moe))
             group = FSDP_GROUP_OPS * hw.op_overhead_s
             ag = n_ag * (all_gather_time(P_stage * pbytes / groups, shard, shard_link) + group)
-            rs = n_rs * (reduce_scatter_time(P_stage * 4 * rs_frac / groups, shard, shard_link) + group)
+            rs = n_rs * (reduce_scatter_time(G_stage * 4 * rs_frac / groups, shard, shard_link) + group)
             overlappable += ag + rs
             min_exposed += ag / n_ag + rs / n_rs  # one group's worth stays exposed
             if lay.hybrid:
                 frac = rs_frac if site == "reduce_dtype" else comp_frac
                 latency = all_reduce_time(0.0, lay.dp_replicate, rep_link)
-                hr = n_rs * (all_reduce_time(P_stage * 4 * frac / shard / groups, lay.dp_replicate, rep_link)
+                hr = n_rs * (all_reduce_time(G_stage * 4 * frac / shard / groups, lay.dp_replicate, rep_link)
                              + (comp_lat - 1) * latency + group)
                 overlappable += hr
                 min_exposed += hr / n_rs
@@ -520,6 +531,12 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     mfu = cached(ctx, ("flops_per_token", S), lambda: flops_per_token(a, S)) * tok_s / (c.world * peak)
     return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm, compress,
                       fsdp_gathers)
+
+
+def trainable_count(args: ModelArgs, lora: LoRA) -> int:
+    from paratrain.estimate.model_states import model_params
+
+    return sum(p.numel for p in model_params(args, lora) if p.trainable)
 
 
 def attention_time(ctx: Context, c: Candidate) -> float:
