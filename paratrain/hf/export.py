@@ -248,26 +248,14 @@ def write_metadata(plan: ExportPlan, folder: Path) -> None:
     os.chmod(folder, 0o755)
 
 
-def check_out(ckpt: Path, out: Path, overwrite: bool) -> None:
-    """--out may be written: not a file, empty unless --overwrite, holding neither the checkpoint nor the model folder
-    the export reads, writable."""
-    from paratrain.preflight import check_writable_folder, holds
-
-    for what, path in (("the checkpoint it reads", ckpt), ("the model folder it reads", _source_folder(ckpt))):
-        if path is not None and holds(out, path):
-            raise UserError(f"--out {out} would delete {what} ({path}): choose a folder outside it")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a folder: choose a folder")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"--out {out} exists and is not empty (pass --overwrite to replace it)")
-    check_writable_folder(out, "--out")
-
-
 def export_hf(ckpt: Path, out: Path, dtype: str = "bf16", max_shard_bytes: int = 5 * 10**9,
               overwrite: bool = False) -> ExportPlan:
     """Export in this process; `out` appears complete or not at all."""
     out = Path(out)
-    check_out(ckpt, out, overwrite)
+    from paratrain.preflight import check_export_out
+
+    check_export_out(out, [("the checkpoint it reads", ckpt), ("the model folder it copies the tokenizer from",
+                                                               _source_folder(ckpt))], overwrite)
     plan = plan_export(ckpt, dtype, max_shard_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-")), out) as tmp:

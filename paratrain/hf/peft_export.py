@@ -15,11 +15,12 @@ import os
 import tempfile
 from pathlib import Path
 
+from paratrain.distributed.parallelize import PRECISION_DTYPES as DTYPES
 from paratrain.errors import UserError
 from paratrain.files import atomic_dir
-from paratrain.hf.export import DTYPES, check_out
 from paratrain.hf.names import hf_name, hf_names
-from paratrain.training.adapters import AdaptedCheckpoint
+from paratrain.preflight import check_export_out
+from paratrain.training.adapters import AdaptedCheckpoint, init_folder_of
 from paratrain.training.checkpoint import load_trainer_state
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -40,13 +41,15 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "bf16", overwrite: bool = Fa
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-    adapted = AdaptedCheckpoint.of(ckpt, load_trainer_state(ckpt))
+    state = load_trainer_state(ckpt)
+    adapted = AdaptedCheckpoint.of(ckpt, state)
     if adapted is None:
         raise UserError(f"{ckpt} holds every weight, not LoRA adapters: export it with --format hf")
     if adapted.hf_folder is None:
         raise UserError(f"{ckpt}: a PEFT adapter loads onto a Hugging Face base, and this run's base is the "
                         f"{adapted.base}: --format hf writes the adapted model with the adapters merged")
-    check_out(ckpt, out, overwrite)
+    check_export_out(out, [("the checkpoint it reads", ckpt), ("the base it belongs to", init_folder_of(state))],
+                     overwrite)
     names = hf_names(adapted.args)
     adapters = adapted.load_adapters(list(adapted.adapter_shapes))
     tensors, modules = {}, set()
