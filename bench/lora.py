@@ -90,8 +90,8 @@ def main_bench(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="paratrain-lora-") as tmp:
         root = Path(a.out or tmp)
         tok = tokenizer(root / "tok", 512)
-        shared = [f"training.device={a.device}", "metrics.progress=none", "metrics.peak_tflops=1", "sample.max_new_tokens=0",
-                  f"run.out_dir={root / 'runs'}", "run.overwrite=true"]
+        shared = [f"training.device={a.device}", "metrics.progress=none", "metrics.peak_tflops=1",
+                  "sample.max_new_tokens=0", f"run.out_dir={root / 'runs'}", "run.overwrite=true"]
         t0 = time.perf_counter()
         train_rank(load_config(None, [*BASE, *shared, "run.name=base", f"data.source={DEFAULT_CORPUS}",
                                       f"data.dir={root / 'shakespeare'}", f"data.tokenizer={tok}",
@@ -103,9 +103,8 @@ def main_bench(argv=None) -> None:
         pretrain_s = time.perf_counter() - t0
         n = chat_set(root / "chat.jsonl")
         main(["prepare", "--input", str(root / "chat.jsonl"), "--out", str(root / "chat"), "--tokenizer",
-              str(root / "base-hf" / "tokenizer.json"), "--chat", "--chat-template", str(root / "tok" /
-                                                                                        "chat_template.jinja"),
-              "--overwrite", "--quiet"])
+              str(root / "base-hf" / "tokenizer.json"), "--chat", "--overwrite", "--quiet",
+              "--chat-template", str(root / "tok" / "chat_template.jinja")])
         common = [*shared, f"model.init_from=hf:{root / 'base-hf'}", f"data.dir={root / 'chat'}",
                   "training.seq_len=96", "training.micro_batch=16", "training.eval_every=0",
                   "training.eval_sequences=256", "optimizer.warmup_steps=20"]
@@ -122,8 +121,8 @@ def main_bench(argv=None) -> None:
     total = sum(p.numel for p in parameters(args))
     print(f"base: {total:,} parameters pretrained {a.pretrain_steps} steps on tinyshakespeare ({pretrain_s:.0f}s); "
           f"chat set: {n:,} conversations (next line of the play), val = the assistant tokens of 256 sequences")
-    print(f"| model | trainable parameters | val loss (assistant tokens) | train loss, last step | time |")
-    print(f"| --- | ---: | ---: | ---: | ---: |")
+    print("| model | trainable parameters | val loss (assistant tokens) | train loss, last step | time |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     print(f"| base (no fine-tuning) | - | {base:.4f} | - | - |")
     print(f"| LoRA rank {a.rank}, {a.steps} steps, lr 3e-3 | {trainable:,} ({trainable / total:.1%}) | "
           f"{lora.val_loss:.4f} | {lora.losses[-1]:.4f} | {lora_s:.0f}s |")

@@ -19,6 +19,7 @@ template, only instructions: BOS + prompt + completion + EOS, the completion and
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import datetime
 from pathlib import Path
@@ -250,6 +251,16 @@ class ChatEncoder:
             spans.append((len(before), len(upto)))
         return spans
 
+    def record(self, stats: dict, folder: Path) -> dict:
+        """meta.json's "chat": how the conversations were rendered and what they hold; the template is kept in
+        `folder` (the dataset's TEMPLATE_FILE)."""
+        out = {"loss_on": self.loss_on, "template": None, **stats}
+        if self.template is not None:
+            (folder / TEMPLATE_FILE).write_text(self.template.text, encoding="utf-8")
+            out.update(template=self.template.origin, generation_blocks=self.template.marks_generation,
+                       template_sha256=hashlib.sha256(self.template.text.encode()).hexdigest())
+        return out
+
     def _plain(self, prompt: str, completion: str) -> tuple[np.ndarray, np.ndarray]:
         tok = self.tokenizer
         first = [tok.bos_id] if tok.bos_id is not None else []
@@ -281,3 +292,29 @@ def chat_encoder(tokenizer, tokenizer_file: Path, template_file: str | None, los
     text, origin = template_text(tokenizer_file, template_file)
     template = ChatTemplate(text, origin, special_token_texts(tokenizer_file)) if text is not None else None
     return ChatEncoder(tokenizer, template, loss_on)
+
+
+def write_conversations(encoder: ChatEncoder, sources, val_sources, split_of, writers, progress, counters) -> dict:
+    """Every conversation of the inputs (data/sources.py `Source.records`), encoded with its loss mask, into the
+    split writers (prepare.py `SplitWriter`): the conversations of `sources` into `split_of(their index)`, those of
+    `val_sources` into "val". Returns the counts meta.json keeps."""
+    stats = {"conversations": 0, "instructions": 0, "target_tokens": 0}
+    for group, fixed in ((sources, None), (val_sources, "val")):
+        for src in group:
+            src.documents = 0
+            for lineno, record in src.records():
+                where = f"{src.path} line {lineno}"
+                messages, instruction = conversation(record, where)
+                ids, mask = encoder.encode(messages, instruction, where)
+                split = fixed
+                if split is None:
+                    split = split_of(counters["docs"])
+                    counters["docs"] += 1
+                writers[split].write(ids, True, mask)
+                counters["text"] = counters["text"] or len(ids) > 0
+                src.documents += 1
+                stats["conversations"] += 1
+                stats["instructions"] += instruction
+                stats["target_tokens"] += int(mask.sum())
+                progress.add_counts(sum(len(str(m.get("content", ""))) for m in messages), 1, len(ids))
+    return stats

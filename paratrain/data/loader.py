@@ -14,6 +14,11 @@ Sample k of the run (k = step * global_batch + row) is a pure function of (seed,
 So a resumed run, or the same run laid out over any number of data-parallel ranks and accumulation
 steps, sees exactly the same global batches, and each rank computes and reads only its own rows.
 Windows may cross shard boundaries; the shards of a split are one token stream.
+
+A dataset with loss masks (chat data) marks the targets outside them NOT_A_TARGET; with packing (data/packing.py,
+the default for such data) a window is a numbered window of whole documents instead of an offset, and its batch
+carries each token's position in its document. Either way each micro-batch carries the global batch's target count
+(read from the masks of all its rows by every rank), the loss's divisor (training/step.py).
 """
 
 from __future__ import annotations

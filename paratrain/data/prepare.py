@@ -421,33 +421,6 @@ def _document_stream(sources, val_sources, text_field, val_fraction, counters):
             yield text, first, last, "val"
 
 
-def _chat_into(encoder, sources, val_sources, val_fraction, writers, progress, counters) -> dict:
-    """Every conversation of the inputs, rendered and tokenized with its loss mask (data/chat.py), into the split
-    writers; returns the counts meta.json keeps."""
-    from paratrain.data.chat import conversation
-
-    stats = {"conversations": 0, "instructions": 0, "target_tokens": 0}
-    for group, fixed in ((sources, None), (val_sources, "val")):
-        for src in group:
-            src.documents = 0
-            for lineno, record in src.records():
-                where = f"{src.path} line {lineno}"
-                messages, instruction = conversation(record, where)
-                ids, mask = encoder.encode(messages, instruction, where)
-                if fixed is None:
-                    split = "train" if val_sources else "val" if is_validation_doc(counters["docs"], val_fraction) \
-                        else "train"
-                    counters["docs"] += 1
-                writers[fixed or split].write(ids, True, mask)
-                counters["text"] = counters["text"] or len(ids) > 0
-                src.documents += 1
-                stats["conversations"] += 1
-                stats["instructions"] += instruction
-                stats["target_tokens"] += int(mask.sum())
-                progress.add_counts(sum(len(str(m.get("content", ""))) for m in messages), 1, len(ids))
-    return stats
-
-
 def default_workers(sources) -> int:
     size = sum(f.stat().st_size for s in sources for f in s.stat_files())
     return 0 if size < SMALL_INPUT_BYTES else (os.cpu_count() or 1)
@@ -500,7 +473,7 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
     tmp = _claim_partial(out_dir, echo)
     encoder = None
     if chat:
-        from paratrain.data.chat import chat_encoder
+        from paratrain.data.chat import chat_encoder, write_conversations
 
         encoder = chat_encoder(tok, tok_path, chat_template, loss_on)
     with atomic_dir(tmp, out_dir):  # the dataset appears whole, or not at all (an old one stays until then)
@@ -509,7 +482,9 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
         counters = {"docs": 0, "text": False}
         progress = _Progress(echo)
         if chat:
-            chat_stats = _chat_into(encoder, sources, val_sources, val_fraction, writers, progress, counters)
+            split_of = (lambda doc: "train") if val_sources else (
+                lambda doc: "val" if is_validation_doc(doc, val_fraction) else "train")
+            chat_stats = write_conversations(encoder, sources, val_sources, split_of, writers, progress, counters)
         else:
             stream = _document_stream(sources, val_sources, text_field, val_fraction, counters)
             _tokenize_into(stream, tok, writers, workers, progress)
@@ -550,24 +525,13 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
         if tok_path is not None:
             meta["tokenizer_source"] = str(tok_path.resolve())
         if chat:
-            meta.update(loss_mask=True, chat=_chat_record(encoder, chat_stats, tmp))
+            meta.update(loss_mask=True, chat=encoder.record(chat_stats, tmp))
         if kind == "bpe":  # BPE may stop short of the asked size; remember what was asked
             meta["requested_vocab_size"] = vocab_size
         (tmp / "owner.json").unlink()
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")  # written last: the commit point
         _check_out_dir(out_dir, overwrite)  # again: someone may have written there meanwhile
     return meta
-
-
-def _chat_record(encoder, stats: dict, folder: Path) -> dict:
-    """meta.json's "chat": how the conversations were rendered and what they hold; the template is kept beside."""
-    template = encoder.template
-    record = {"loss_on": encoder.loss_on, "template": None, **stats}
-    if template is not None:
-        (folder / "chat_template.jinja").write_text(template.text, encoding="utf-8")
-        record.update(template=template.origin, template_sha256=hashlib.sha256(template.text.encode()).hexdigest(),
-                      generation_blocks=template.marks_generation)
-    return record
 
 
 # ---------------------------------------------------------------------------- reading the index

@@ -453,9 +453,12 @@ def lora_base(cfg) -> str:
 def lora_mismatch(trainer_state: dict, spec) -> str | None:
     """How a checkpoint's adapters differ from what this run trains (other adapters, another base, none), or None."""
     saved, ours = trainer_state.get("lora"), spec.lora.record() if spec.lora is not None else None
+
+    def described(record) -> str:
+        return f"rank {record['rank']} adapters on {','.join(record['targets'])}" if record else "no adapters"
+
     if saved != ours:
-        describe = lambda r: f"rank {r['rank']} adapters on {','.join(r['targets'])}" if r else "no adapters"  # noqa: E731
-        return f"it holds {describe(saved)} (this run: {describe(ours)}; see [lora])"
+        return f"it holds {described(saved)} (this run: {described(ours)}; see [lora])"
     if ours is not None and trainer_state.get("lora_base") != lora_base(spec.cfg):
         return (f"its adapters belong to the base {trainer_state.get('lora_base')!r}, this run's base is "
                 f"{lora_base(spec.cfg)!r}")

@@ -75,7 +75,10 @@ class ScheduleLoss:
         self.scaler, self.weight = scaler, None
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        value = cross_entropy(logits, targets) if self.weight is None else target_loss_sum(logits, targets) * self.weight
+        if self.weight is None:
+            value = cross_entropy(logits, targets)
+        else:
+            value = target_loss_sum(logits, targets) * self.weight
         return self.scaler.scale(value) if self.scaler is not None else value
 
 
