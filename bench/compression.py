@@ -19,8 +19,8 @@ from pathlib import Path
 
 from paratrain.api import train
 from paratrain.config import load_config
-
-METHODS = ("none", "bf16", "powersgd", "sign_ef")
+from paratrain.modes import GRAD_COMPRESSIONS as METHODS
+from paratrain.modes import Compression
 
 
 def recipe(steps: int, eval_every: int, out: str, name: str, extra: list[str]) -> list[str]:
@@ -61,7 +61,7 @@ def main() -> None:
                          "bytes_late": sum(r["comm_bytes"] for r in late) / len(late), "val": result.val_loss,
                          "wall": wall, "tok_s": tok_s[len(tok_s) // 2], "evals": evals})
             print(f"{method}: val {result.val_loss:.4f}, {rows[-1]['bytes']:,.0f} B/step, {wall:.0f} s", flush=True)
-    base = next((r for r in rows if r["method"] == "none"), None)
+    base = next((r for r in rows if not Compression(r["method"]).enabled), None)
     print()
     print(f"{args.nproc} ranks (ddp), {args.steps} steps, global batch 12 x 64 tokens")
     print(f"| method | bytes/step (mean) | bytes/step (after warm-up) | reduction vs none | val loss | gap vs none "

@@ -58,10 +58,11 @@ def fitting_config(args, seq: int, device: str, gpu_bytes: int | None, precision
     full."""
     from paratrain.estimate import EstimateInputs, estimate
     from paratrain.layout import Layout
+    from paratrain.modes import CHECKPOINT_MODES, recompute_rank, uniform
 
     if gpu_bytes is None:
         return 2, "none"
-    for ac in ("none", "selective", "full"):
+    for ac in sorted((m for m in CHECKPOINT_MODES if uniform(m)), key=recompute_rank):
         for mb in (8, 4, 2, 1):
             est = estimate(EstimateInputs(args, Layout.resolve(1), precision=precision, checkpointing=ac,
                                           micro_batch=mb, seq_len=seq, device=device, gpu_bytes=gpu_bytes),

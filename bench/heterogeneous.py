@@ -66,7 +66,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from paratrain.layout import balanced_split
+    from paratrain.stage_split import balanced_split
     from paratrain.models import preset_args
     from paratrain.planner import context_from_argv, main_plan
     from paratrain.planner.hardware import calibrate

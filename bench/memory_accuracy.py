@@ -7,8 +7,9 @@ and UntypedStorage.resize_ tracking). The peak of the last step and its breakdow
 with `paratrain.estimate.estimate` for the same configuration (tensors only: no runtime overhead on CPU;
 the foreach AdamW the trainer uses on CPU). The worst rank is compared.
 
-    python bench/memory_accuracy.py              # 30 configurations, 1, 2 and 4 ranks (~4 min on 2 cores)
+    python bench/memory_accuracy.py              # every configuration, 1, 2 and 4 ranks (~4 min on 2 cores)
     python bench/memory_accuracy.py --quick      # 8 of them
+    python bench/memory_accuracy.py --only "1rank qwen3 fp32,cp2 qwen3 bf16"   # the named ones
     python bench/memory_accuracy.py --json out.json
 
 On a CUDA machine, --cuda also runs each 1-rank configuration on the GPU and compares the estimate with
@@ -22,6 +23,7 @@ import json
 import sys
 import time
 
+from paratrain.config import ParallelConfig
 from paratrain.estimate.measure import CATEGORIES, MeasureSpec, inputs_for_spec, measure
 
 # A small Llama (GQA, SwiGLU) whose activations, parameters and logits are all a visible share of the peak.
@@ -32,6 +34,9 @@ ODD = dict(vocab_size=200, dim=96, n_layers=3, n_heads=6, n_kv_heads=6, ffn_hidd
 # Mixture of experts (paratrain/models/moe.py): a dense first layer, then 4 experts (top-2) + 1 shared expert.
 MOE = dict(vocab_size=128, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=176, max_seq_len=256,
            moe_experts=4, moe_top_k=2, moe_shared_experts=1, moe_ffn_hidden=64, moe_first_dense_layers=1)
+
+# Qwen3-shaped (models/qwen.py, family qwen3-bias): per-head q/k norms, q/k/v/o biases, head_dim 64 != 128 / 4.
+QWEN3 = dict(MODEL, head_dim=64, family="qwen3-bias")
 
 # name, world, layout, precision, checkpointing, micro_batch, seq_len, accum, model
 CONFIGS = [
@@ -77,6 +82,11 @@ CONFIGS = [
     ("cp2xtp2 fp32", 4, dict(dp_mode="fsdp", cp=2, tp=2), "fp32", "none", 4, 128, 1, MODEL),
     ("cp2xhsdp2 fp32 selective", 4, dict(dp_mode="hsdp", dp_replicate=2, cp=2), "fp32", "selective", 2, 128, 1,
      MODEL),
+    ("1rank qwen3 fp32", 1, {}, "fp32", "none", 4, 128, 1, QWEN3),
+    ("1rank qwen3 bf16 selective", 1, {}, "bf16", "selective", 2, 256, 1, QWEN3),
+    ("fsdp2 qwen3 bf16", 2, dict(dp_mode="fsdp"), "bf16", "none", 4, 128, 1, QWEN3),
+    ("tp2+sp qwen3 fp32 full", 2, dict(dp_mode="fsdp", tp=2), "fp32", "full", 4, 128, 1, QWEN3),
+    ("cp2 qwen3 bf16", 2, dict(cp=2), "bf16", "none", 2, 256, 1, QWEN3),
 ]
 # Pipeline rows: every schedule, 2-4 stages, several micro-batch counts (the trainer's own stages and schedule,
 # distributed/pipeline.build_pipeline); the 8-block model gives pp4 with 2 stages per rank a block per stage.
@@ -123,8 +133,8 @@ SMALL = 0.02  # categories under 2% of the peak are compared in % of the peak (r
 
 def spec_of(row) -> MeasureSpec:
     name, _, layout, precision, ckpt, mb, seq, accum, model = row
-    return MeasureSpec(model=model, precision=precision, checkpointing=ckpt, micro_batch=mb, seq_len=seq,
-                       accum_steps=accum, name=name, **layout)
+    return MeasureSpec(model=model, parallel=ParallelConfig(**layout), precision=precision, checkpointing=ckpt,
+                       micro_batch=mb, seq_len=seq, accum_steps=accum, name=name)
 
 
 def predicted(spec: MeasureSpec, world: int):
@@ -159,7 +169,7 @@ def compare(rows_measured: list[dict], spec: MeasureSpec, world: int) -> dict:
         err = (e - m) / peak if small else (e - m) / max(m, 1)
         out["categories"][c] = {"measured": m, "predicted": e, "err": err, "of_peak": small}
     fe = worst["forward_end"]
-    if spec.pp == 1:  # (a pipeline's schedule interleaves forwards and backwards: no "end of forward")
+    if spec.parallel.pp == 1:  # (a pipeline's schedule interleaves forwards and backwards: no "end of forward")
         out["fwd_activations"] = {"measured": fe.get("activations", 0), "predicted": fwd_acts}
         out["fwd_logits_loss"] = {"measured": fe.get("logits_loss", 0), "predicted": fwd_head}
     # FSDP parameter all-gathers per step: measured in the trainer's step against the rule the cost model uses

@@ -17,6 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from paratrain.modes import all_forwards_first
+
 
 def _loss(logits, y):
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
@@ -110,7 +112,7 @@ def main() -> None:
     for pp in [int(x) for x in args.pp.split(",")]:
         for schedule in args.schedules.split(","):
             for m in [int(x) for x in args.microbatches.split(",")]:
-                if schedule != "gpipe" and m < pp:
+                if not all_forwards_first(schedule) and m < pp:  # (Layout's rule)
                     continue
                 step, measured, predicted = launch(ranked, (a, pp, schedule, m), pp)
                 idle = ", ".join(f"{v:.0%}" for v in measured)

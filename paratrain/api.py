@@ -107,15 +107,19 @@ def run_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool = F
 
     with watching(cfg.resilience.preempt_grace_s) as watch:
         from paratrain.distributed import failure
+        from paratrain.observe import hang
 
         watch.on_signal.append(failure.stop_if_peer_failed)
+        watch.on_dump.append(lambda: hang.dump(cfg.run_dir, "SIGUSR2"))  # its collective history, on request
 
         def report_and_exit(error: BaseException):
             from paratrain.distributed.env import kill_local_peers, world_from_env
 
             rank, world, _ = world_from_env()
-            code = failure.report(error, rank, world, cfg.resilience.collective_timeout_s)
-            if code == failure.EXIT_COLLECTIVE_TIMEOUT:
+            code = failure.report(error, rank, world, cfg.resilience.collective_timeout_s, cfg.run_dir)
+            if failure.collective_failed(error):  # this rank's collective history, and its local peers'
+                hang.collect(cfg.run_dir, failure.first_line(error))
+            if code == failure.EXIT_COLLECTIVE_TIMEOUT and failure.first_failed_rank() in (None, rank):
                 kill_local_peers()  # a frozen peer would hold the launcher for its whole shutdown timeout
             exit_now(code)
 

@@ -8,7 +8,7 @@ import sys
 from paratrain.errors import UserError, environment_error, translated
 
 COMMANDS = ("train", "profile", "prepare", "generate", "verify", "estimate", "plan", "report", "doctor", "export",
-            "checkpoint")
+            "checkpoint", "replay")
 
 
 def split_overrides(argv: list[str], flags_with_value: set[str]) -> tuple[dict, list[str]]:
@@ -55,10 +55,18 @@ def cmd_train(argv: list[str]) -> int:
         print(TRAIN_USAGE + config_keys_help())
         return 0
     oversubscribe = "--oversubscribe" in argv  # more CPU ranks than paratrain.preflight allows by default
-    own, overrides = split_overrides([a for a in argv if a != "--oversubscribe"], {"--config", "--nproc", "--max-restarts"})
+    dry_run = "--dry-run" in argv  # build the layout of --world N ranks here, without training
+    own, overrides = split_overrides([a for a in argv if a not in ("--oversubscribe", "--dry-run")],
+                                     {"--config", "--nproc", "--max-restarts", "--world"})
     if "--max-restarts" in own:
         overrides.append(f"resilience.max_restarts={_int_flag(own, '--max-restarts', 0)}")
+    if "--world" in own and not dry_run:
+        raise UserError("--world is the world size of --dry-run; training takes its ranks from --nproc or the launcher")
     cfg = load_config(own.get("--config"), overrides)
+    if dry_run:
+        from paratrain.observe.dryrun import main_dry_run
+
+        return main_dry_run(cfg, _int_flag(own, "--world", _int_flag(own, "--nproc", 1)))
     global _LEAVE_PROMPTLY
     try:
         result = train(cfg, nproc=_int_flag(own, "--nproc", 1), oversubscribe=oversubscribe)
@@ -73,11 +81,14 @@ def cmd_train(argv: list[str]) -> int:
 _LEAVE_PROMPTLY = False
 
 TRAIN_USAGE = """usage: paratrain train [--config FILE.toml] [--nproc N] [--oversubscribe] [--max-restarts N] [--section.key=value ...]
+       paratrain train --dry-run --world N [--config FILE.toml] [--section.key=value ...]
 
   --config FILE.toml   a config file (e.g. a run's config.toml, or plan/config.toml); overrides win over it
   --nproc N            start N local ranks (one per GPU; on CPU gloo ranks)
   --oversubscribe      allow more CPU ranks than the machine's cores comfortably run
   --max-restarts N     relaunch failed ranks from the newest checkpoint up to N times
+  --dry-run --world N  build the real layout of N ranks here (fake process group, meta device), one rank per
+                       pipeline stage, and print their model-state bytes beside the estimator's; no training
 
 Examples: paratrain train --nproc 4 --parallel.tp=2;  paratrain train --checkpoint.resume=auto
 
@@ -150,6 +161,7 @@ LAZY_COMMANDS = {
     "doctor": ("paratrain.observe.doctor", "main_doctor"),
     "export": ("paratrain.hf", "main_export"),
     "checkpoint": ("paratrain.training.checkpoint_cli", "main_checkpoint"),
+    "replay": ("paratrain.observe.replay", "main_replay"),
 }
 
 
@@ -177,6 +189,7 @@ commands:
   doctor     check the environment (torch, CUDA, NCCL, interconnect, disk, a collective test)
   export     a checkpoint as a Hugging Face model: paratrain export RUN_DIR --format hf --out DIR [--dtype bf16]
   checkpoint check checkpoints against their checksums: paratrain checkpoint verify RUN_DIR|step-N [...]
+  replay     run step N of a run again with the numerics watch: paratrain replay RUN_DIR step-N [--nproc N]
 """
 
 

@@ -21,12 +21,11 @@ from pathlib import Path
 import tomli_w
 
 from paratrain.errors import ConfigError
-from paratrain.layout import DPModeOption, GradCompression, Schedule
-from paratrain.models.args import ModelArgs
+from paratrain.models.args import ModelArgs, is_int
+from paratrain.modes import CheckpointMode, DPModeOption, GradCompression, OptimizerImpl, Precision, Schedule
+from paratrain.optimizers import optimizer_entry
 
-Precision = Literal["fp32", "bf16", "fp16"]
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
-ActivationCheckpointMode = Literal["none", "full", "every_k", "selective"]
 
 
 def _model_config() -> type:
@@ -39,7 +38,8 @@ def _model_config() -> type:
     Llama 3.1/3.2's "llama3" with the four rope_* keys), family "llama"; mixture of experts: moe_experts routed
     experts per MoE layer (0: dense; > 0 turns a dense preset into an MoE), moe_top_k experts per token,
     moe_shared_experts every token goes through, moe_ffn_hidden each expert's width (default ffn_hidden),
-    moe_first_dense_layers keep the dense MLP, moe_aux_loss_coef weights the per-sequence load-balancing loss,
+    moe_first_dense_layers keep the dense MLP and so do the blocks listed in moe_dense_layers (e.g. [1, 3]),
+    moe_norm_topk renormalises the top-k gates to sum to 1, moe_aux_loss_coef weights the per-sequence load-balancing loss,
     moe_capacity_factor 0: no limit, else tokens per expert per sequence <= cf x T x k / E."""
     hints = typing.get_type_hints(ModelArgs)
     overrides = [(f.name, hints[f.name] | None, field(default=None)) for f in dataclasses.fields(ModelArgs)]
@@ -91,14 +91,15 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
+    name: str = "adamw"  # an entry of paratrain/optimizers.py's registry (OPTIMIZER_NAMES)
     lr: float = 1e-3
     min_lr: float | None = None  # where the cosine ends; unset: lr / 10
     warmup_steps: int = 100
     weight_decay: float = 0.1
-    beta1: float = 0.9
+    beta1: float = 0.9  # Adam's first-moment decay; sgd's momentum
     beta2: float = 0.99
     eps: float = 1e-8
-    impl: Literal["auto", "fused", "foreach", "for"] = "auto"
+    impl: Literal["auto", OptimizerImpl] = "auto"
 
     @property
     def final_lr(self) -> float:
@@ -151,7 +152,7 @@ class ParallelConfig:
 class ActivationCheckpointConfig:
     """Activation checkpointing (recompute in backward instead of storing)."""
 
-    mode: ActivationCheckpointMode = "none"
+    mode: CheckpointMode = "none"
     every_k: int = 2
 
 
@@ -166,7 +167,7 @@ class CheckpointConfig:
     async_save: bool = False  # write in the background; committed at a later step boundary
     export_safetensors: bool = False  # also write consolidated weights to RUN_DIR/model.safetensors at the end
     export_hf: bool = False  # at the end, also export the final checkpoint as a Hugging Face folder RUN_DIR/hf
-    export_hf_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    export_hf_dtype: Precision = "bf16"  # the dtype of the exported weights
 
 
 @dataclass
@@ -195,6 +196,9 @@ class MetricsConfig:
     # compute / exposed-communication split in run_dir/profile (what `paratrain profile` sets)
     profile_steps: int = 0
     profile_start: int = 1  # step 0 warms up (lazy initialisation, DDP's bucket rebuild)
+    # every N steps: per-block max |x| and RMS of activations, attention logits, MLP hidden, gradients and weights,
+    # and the bf16/fp16 headroom (0: off; a non-finite step is always replayed to name its first non-finite module)
+    numerics_every: int = 0
 
 
 @dataclass
@@ -253,7 +257,7 @@ def _suggest(name: str, options) -> str:
 
 def _coerce(key: str, value, annotation):
     """Check (TOML values) or parse (command-line strings) one value against its type annotation."""
-    options = _members(annotation)
+    options = annotation_members(annotation)
     allowed = tuple(o for o in options if isinstance(o, type))
     choices = tuple(o for o in options if not isinstance(o, type))  # Literal values
     if list in allowed:  # a TOML array, or on the command line the same written inline
@@ -264,6 +268,17 @@ def _coerce(key: str, value, annotation):
                 raise ConfigError(f"{key}: expected a TOML array like [{{dir = \"data/a\", weight = 0.7}}] ({e})") from None
         if isinstance(value, list):
             return value
+    unset = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+    if tuple in allowed and not unset:  # integers (model.moe_dense_layers): a TOML array, inline on a command line
+        wanted = f"{key}: expected a list of integers like [1, 3], got {value!r}"
+        if isinstance(value, str):
+            try:
+                value = tomllib.loads(f"v = {value}")["v"]
+            except tomllib.TOMLDecodeError:
+                raise ConfigError(wanted) from None
+        if not isinstance(value, (list, tuple)) or not all(is_int(v) for v in value):
+            raise ConfigError(wanted)
+        return tuple(value)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in allowed):
         if type(None) in allowed:
             return None
@@ -289,12 +304,14 @@ def _coerce(key: str, value, annotation):
     raise ConfigError(f"{key}: expected {wanted}, got {type(value).__name__} {value!r}")
 
 
-def _members(annotation) -> tuple:
+def annotation_members(annotation) -> tuple:
     """The plain types and Literal values an annotation admits: `Literal['a', 'b'] | None` -> ('a', 'b', NoneType)."""
     if get_origin(annotation) is Literal:
         return get_args(annotation)
     if get_origin(annotation) in (Union, types.UnionType):
-        return tuple(m for arg in get_args(annotation) for m in _members(arg))
+        return tuple(m for arg in get_args(annotation) for m in annotation_members(arg))
+    if get_origin(annotation) is tuple:  # tuple[int, ...]
+        return (tuple,)
     return (annotation,)
 
 
@@ -386,6 +403,7 @@ def validate(cfg: Config) -> None:
     _require(t.global_batch is None or t.global_batch > 0, "training.global_batch must be positive")
     _require(t.eval_every >= 0, "training.eval_every must be >= 0 (0 disables)")
     _require(t.grad_clip >= 0, "training.grad_clip must be >= 0 (0 disables)")
+    optimizer_entry(o.name)  # a registered optimizer, or a ConfigError naming them
     _require(o.lr > 0, f"optimizer.lr must be positive, got {o.lr}")
     _require(o.min_lr is None or 0 <= o.min_lr <= o.lr,
              f"optimizer.min_lr must be between 0 and optimizer.lr ({o.lr}), got {o.min_lr}")
@@ -418,6 +436,7 @@ def validate(cfg: Config) -> None:
              "parallel.fsdp_forward_prefetch must be >= 0 and parallel.fsdp_backward_prefetch >= 1")
     _require(cfg.metrics.profile_steps >= 0 and cfg.metrics.profile_start >= 0,
              "metrics.profile_steps and metrics.profile_start must be >= 0")
+    _require(cfg.metrics.numerics_every >= 0, "metrics.numerics_every must be >= 0 (0: off)")
     _require(0 < cfg.data.val_fraction <= 0.5, "data.val_fraction must be in (0, 0.5]")
     if cfg.data.sources:
         from paratrain.data.mixture import parse_sources
@@ -477,7 +496,11 @@ def config_keys_help() -> str:
         lines.append(f"[{section.name}]")
         for f in dataclasses.fields(table):
             default = getattr(table, f.name)
-            choices = [str(c) for c in _members(hints[f.name]) if not isinstance(c, type)]
+            choices = [str(c) for c in annotation_members(hints[f.name]) if not isinstance(c, type)]
+            if (section.name, f.name) == ("optimizer", "name"):  # a registry, not a Literal
+                from paratrain.optimizers import OPTIMIZER_NAMES
+
+                choices = list(OPTIMIZER_NAMES)
             shown = ("unset" if default is None else repr(default) if isinstance(default, str)
                      else str(default).lower() if isinstance(default, bool) else str(default))
             lines.append(f"  --{section.name}.{f.name}={shown}" + (f"   ({' | '.join(choices)})" if choices else ""))

@@ -4,7 +4,11 @@ Set PARATRAIN_FAULTS to a comma-separated list of KIND@STEP[:RANK] (rank omitted
     kill@5:1   rank 1 SIGKILLs itself before step 5        (first launch attempt only)
     term@5:0   rank 0 SIGTERMs itself before step 5        (first attempt only; a preemption notice)
     stop@5:1   rank 1 SIGSTOPs itself before step 5        (a hung rank)
+    hang@5:1   rank 1 SIGSTOPs itself in the middle of step 5's forward, in its middle block (its peers wait in a
+               collective it never enters)
     oom@5      an out-of-memory error in step 5's forward  (once per process)
+    overflow@5 the middle block's attention output projection is scaled to max |w| = 1e38 before step 5 (once per
+               process): that block's output overflows (bf16 and fp32 end at 3.4e38)
     nan@5      the loss of data batch 5 becomes NaN        (every time that batch is used: bad data)
 Steps count from 0 (the optimizer step index); nan counts data batches, which differ from steps
 once bad batches have been skipped.
@@ -36,7 +40,8 @@ def parse(spec: str) -> list[Fault]:
     for item in filter(None, (s.strip() for s in spec.split(","))):
         kind, _, rest = item.partition("@")
         step, _, rank = rest.partition(":")
-        if kind not in ("kill", "term", "stop", "oom", "nan") or not step.isdigit() or (rank and not rank.isdigit()):
+        kinds = ("kill", "term", "stop", "hang", "oom", "overflow", "nan")
+        if kind not in kinds or not step.isdigit() or (rank and not rank.isdigit()):
             raise ValueError(f"bad {ENV} entry '{item}' (expected KIND@STEP[:RANK])")
         faults.append(Fault(kind, int(step), int(rank) if rank else None))
     return faults
@@ -63,11 +68,54 @@ class FaultInjector:
                 self.fired.add(fault)
                 os.kill(os.getpid(), sig)
 
-    def maybe_oom(self, step: int) -> None:
-        fault = self._due("oom", step)
+    def _fire(self, kind: str, step: int) -> bool:
+        fault = self._due(kind, step)
         if fault:
             self.fired.add(fault)
+        return fault is not None
+
+    def during_step(self, step: int, train_step) -> None:
+        """Faults inside step `step`, before its forward: out-of-memory, an overflowing weight, a stop mid-forward."""
+        if self._fire("oom", step):
             raise InjectedOOM(f"injected out-of-memory at step {step}")
+        if self._fire("overflow", step):
+            _overflow(train_step)
+        if self._fire("hang", step):
+            _stop_mid_forward(train_step)
 
     def poison(self, data_step: int) -> bool:
         return any(f.kind == "nan" and f.step == data_step for f in self.faults)
+
+
+def _middle_block(train_step) -> tuple[str, object]:
+    """(name, module) of the middle block of the model among those this rank holds."""
+    from paratrain.distributed.initialize import canonical_name
+    from paratrain.observe.numerics import forward_modules
+
+    modules = forward_modules(train_step)
+    n = modules[0].args.n_layers
+    blocks = {canonical_name(f"layers.{k}"): b for m in modules for k, b in m.layers.items()}
+    name = f"layers.{n // 2}" if f"layers.{n // 2}" in blocks else sorted(blocks)[0]
+    return name, blocks[name]
+
+
+def _overflow(train_step) -> None:
+    import torch
+
+    from paratrain.distributed.tensors import local_tensor
+
+    _, block = _middle_block(train_step)
+    weight = next(p for name, p in block.named_parameters() if name.endswith("attention.wo.weight"))
+    with torch.no_grad():
+        w = local_tensor(weight)
+        w.mul_(1e38 / w.abs().max().clamp(min=1e-30))
+
+
+def _stop_mid_forward(train_step) -> None:
+    _, block = _middle_block(train_step)
+
+    def stop(module, args):
+        handle.remove()
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    handle = block.register_forward_pre_hook(stop)

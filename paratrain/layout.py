@@ -9,36 +9,25 @@ answered by its predicates, so no other module compares mode strings.
 
     layout = Layout.from_config(cfg.parallel, world_size)     # degrees checked against the world size
     layout = layout.validate(model_args, world_size, batch)    # model and batch checked; automatic values filled
+    cfg.parallel = layout.to_config(cfg.parallel)              # back: every degree written out
 
-Every mistake is a ConfigError with one line naming the setting. `distributed/parallel_dims.py` turns a
-Layout into a DeviceMesh; nothing here imports torch.
+`from_config` and `to_config` are the one mapping between a layout and its `[parallel]` section (`CONFIG_KEYS`);
+its name (`fsdp,tp=2,ac=full,mb=1`) and command-line flags are paratrain/layout_grammar.py's, the choices of each
+mode and the questions about one mode paratrain/modes.py's. Every mistake is a ConfigError with one line naming the
+setting. `distributed/parallel_dims.py` turns a Layout into a DeviceMesh; nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import difflib
-import functools
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 from paratrain.errors import ConfigError
-
-DPMode = Literal["ddp", "zero1", "zero2", "fsdp", "hsdp"]
-DPModeOption = Literal["ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]  # zero3 is another name for fsdp
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"]
-GradCompression = Literal["none", "bf16", "powersgd", "sign_ef"]
-DP_MODES: tuple[str, ...] = get_args(DPMode)
-SCHEDULES: tuple[str, ...] = get_args(Schedule)
-GRAD_COMPRESSIONS: tuple[str, ...] = get_args(GradCompression)
-INTERLEAVED = ("interleaved_1f1b", "interleaved_zero_bubble")  # pp_virtual stages per rank, round robin
-MULTI_STAGE = (*INTERLEAVED, "zbv")  # several stages per rank (zbv: exactly 2, V-shaped)
-ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")  # backward split into input- and weight-gradient steps
-
-# Data-parallel modes by what they shard (ZeRO stages): ddp nothing, zero1 the optimizer state, zero2 also the
-# gradients, fsdp/hsdp also the parameters (hsdp within a replica).
-_ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "hsdp": 3}
+from paratrain.modes import (DP_MODE_OPTIONS, GRAD_COMPRESSIONS, SCHEDULES, ZERO_STAGES, CompressionSite, DPMode,
+                             Schedule, Compression, all_forwards_first, dp_mode_of, multi_stage, recomputes,
+                             replicates_shards, v_shaped, zero_bubble)
+from paratrain.stage_split import balanced_split
 
 
 @dataclass(frozen=True)
@@ -76,9 +65,9 @@ class Layout:
 
         pp_virtual=1 with an interleaved schedule means "automatic" (2); pp_microbatches=0 is chosen from the batch
         by `validate`."""
-        _check_choice("parallel.dp_mode", dp_mode, get_args(DPModeOption))
+        _check_choice("parallel.dp_mode", dp_mode, DP_MODE_OPTIONS)
         _check_choice("parallel.pp_schedule", pp_schedule, SCHEDULES)
-        mode = "fsdp" if dp_mode == "zero3" else dp_mode
+        mode = dp_mode_of(dp_mode)
         if world_size < 1:
             raise ConfigError(f"world size must be >= 1, got {world_size}")
         for key, value in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp),
@@ -94,16 +83,16 @@ class Layout:
             raise ConfigError(f"parallel.tp ({tp}) x parallel.pp ({pp})" + (f" x parallel.cp ({cp})" if cp > 1 else "")
                               + f" does not divide the world size {world_size}")
         replicate, shard = dp_replicate, dp_shard
-        if _ZERO_STAGE[mode] < 2:
+        if ZERO_STAGES[mode] < 2:
             # One flat, replicated data-parallel axis; either degree may name it.
             if replicate > 1 and shard not in (-1, 1):
                 raise ConfigError(f"dp_mode={mode} has one data-parallel degree: give parallel.dp_replicate or "
                                   "parallel.dp_shard, not both")
             replicate, shard = (replicate if replicate > 1 else (rest if shard == -1 else shard)), 1
-        elif mode != "hsdp" and replicate != 1:
+        elif not replicates_shards(mode) and replicate != 1:
             raise ConfigError(f"parallel.dp_replicate={replicate} with dp_mode={mode}: use dp_mode=hsdp to replicate "
                               "shards")
-        elif mode == "hsdp" and replicate == 1 and world_size > 1:
+        elif replicates_shards(mode) and replicate == 1 and world_size > 1:
             raise ConfigError("dp_mode=hsdp needs parallel.dp_replicate > 1 (replicas) and dp_shard (ranks per replica)")
         if shard == -1:
             shard, r = divmod(rest, replicate)
@@ -116,13 +105,13 @@ class Layout:
                               + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp} x pp={pp} = {product}, but the world "
                               f"size is {world_size}")
         dp = replicate * shard
-        if dp > 1 and _ZERO_STAGE[mode] < 2 and (tp > 1 or pp > 1):
+        if dp > 1 and ZERO_STAGES[mode] < 2 and (tp > 1 or pp > 1):
             raise ConfigError(f"dp_mode={mode} does not compose with tp or pp; use dp_mode=fsdp, zero2 or hsdp")
-        if cp > 1 and _ZERO_STAGE[mode] < 2:
+        if cp > 1 and ZERO_STAGES[mode] < 2:
             raise ConfigError(f"parallel.cp={cp} needs dp_mode fsdp, zero2 or hsdp (parameters and gradients are "
                               f"sharded over dp_shard x cp), not {mode}")
         if ep > 1:
-            if _ZERO_STAGE[mode] < 2:
+            if ZERO_STAGES[mode] < 2:
                 raise ConfigError(f"parallel.ep={ep} needs dp_mode fsdp, zero2 or hsdp (experts are sharded over the "
                                   f"data-parallel ranks), not {mode}")
             if shard % ep:
@@ -132,17 +121,23 @@ class Layout:
         split = _parse_split(pp_split) if pp > 1 else None
         if split is not None and len(split) != pp * virtual:
             raise ConfigError(_split_error(split, pp * virtual))
-        return cls(mode, replicate, shard, tp, pp, ep, sequence_parallel, loss_parallel, pp_schedule, virtual,
-                   pp_microbatches if pp > 1 else 0, split, cp=cp)
+        # (a pipeline's last stage computes whole logits: loss parallelism is off there)
+        return cls(mode, replicate, shard, tp, pp, ep, sequence_parallel, loss_parallel and pp == 1, pp_schedule,
+                   virtual, pp_microbatches if pp > 1 else 0, split, cp=cp)
 
     @classmethod
     def from_config(cls, parallel, world_size: int) -> "Layout":
-        """From a `[parallel]` config section (config.ParallelConfig)."""
-        p = parallel
-        return cls.resolve(world_size, dp_mode=p.dp_mode, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp,
-                           pp=p.pp, ep=p.ep, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel,
-                           pp_schedule=p.pp_schedule, pp_virtual=p.pp_virtual_stages,
-                           pp_microbatches=p.pp_microbatches, pp_split=p.pp_split or None, cp=p.cp)
+        """From a `[parallel]` config section (config.ParallelConfig), checked against the world size."""
+        return cls.resolve(world_size, **{field: getattr(parallel, key) for field, key in CONFIG_KEYS.items()})
+
+    def to_config(self, base):
+        """`base`, a `[parallel]` section (config.ParallelConfig), with this layout written over it: the section it
+        resolves from on its world size, every degree written out (dp_shard too), the pipeline's settings where
+        pp > 1 (blocks per stage once chosen); base's other settings (gradient compression, buckets, prefetching)
+        kept."""
+        values = {key: getattr(self, field) for field, key in CONFIG_KEYS.items()}
+        values["pp_split"] = _fmt(self.pp_split) if self.pp_split else ""
+        return dataclasses.replace(base, **values)
 
     def replace(self, **changes) -> "Layout":
         """A changed copy, checked again (for the estimator's and planner's what-ifs)."""
@@ -176,7 +171,7 @@ class Layout:
     def zero_stage(self) -> int:
         """What data parallelism shards (0: nothing, 1: optimizer state, 2: + gradients, 3: + parameters); context
         parallel ranks hold different tokens, so they share FSDP's sharding like data-parallel ones."""
-        return _ZERO_STAGE[self.dp_mode] if self.dp_cp > 1 else 0
+        return ZERO_STAGES[self.dp_mode] if self.dp_cp > 1 else 0
 
     @property
     def uses_fsdp(self) -> bool:
@@ -186,7 +181,7 @@ class Layout:
     @property
     def uses_ddp(self) -> bool:
         """DistributedDataParallel wraps the model (ddp, zero1)."""
-        return self.dp > 1 and _ZERO_STAGE[self.dp_mode] < 2
+        return self.dp > 1 and ZERO_STAGES[self.dp_mode] < 2
 
     @property
     def zero1(self) -> bool:
@@ -196,7 +191,7 @@ class Layout:
     @property
     def hybrid(self) -> bool:
         """HSDP: shards within a replica group, replicas across."""
-        return self.dp_mode == "hsdp" and self.dp > 1
+        return replicates_shards(self.dp_mode) and self.dp > 1
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -205,7 +200,7 @@ class Layout:
         backward within the step, and torch.distributed.pipelining already keeps parameters gathered after each
         micro-batch's backward and holds the reduce-scatter back to the last one; resharding after forward would
         re-gather every block once per micro-batch (torchtitan makes the same choice)."""
-        return self.dp_mode != "zero2" and not self.pipelined
+        return ZERO_STAGES[self.dp_mode] != 2 and not self.pipelined
 
     def fsdp_groups(self, blocks: int, moe_blocks: int = 0, pp_rank: int = 0) -> int:
         """FSDP parameter groups that all-gather on pipeline rank `pp_rank`, holding `blocks` blocks (`moe_blocks` of
@@ -295,7 +290,7 @@ class Layout:
 
     def stage_owner(self, stage: int) -> int:
         """The pp rank that runs a stage: round robin, or a V for zbv (rank r runs r and 2p-1-r)."""
-        if self.pp_schedule == "zbv":
+        if v_shaped(self.pp_schedule):
             return stage if stage < self.pp else 2 * self.pp - 1 - stage
         return stage % self.pp
 
@@ -412,11 +407,11 @@ class Layout:
         elif per_rank % m:
             raise ConfigError(f"parallel.pp_microbatches={m} does not divide the batch of each data-parallel rank "
                               f"({per_rank} sequences = global batch / data-parallel degree)")
-        if self.pp_schedule != "gpipe" and m < self.pp:
+        if not all_forwards_first(self.pp_schedule) and m < self.pp:
             raise ConfigError(f"parallel.pp_schedule={self.pp_schedule} needs at least parallel.pp={self.pp} "
                               f"microbatches, got {m} (parallel.pp_microbatches, at most the {per_rank} sequences per "
                               "data-parallel rank)")
-        if self.pp_schedule in MULTI_STAGE and m % max(1, m // self.pp):
+        if multi_stage(self.pp_schedule) and m % max(1, m // self.pp):
             raise ConfigError(f"parallel.pp_schedule={self.pp_schedule}: {m} microbatches must be a multiple of the "
                               f"{m // self.pp} rounds of {self.pp} (choose a multiple of parallel.pp)")
         return dataclasses.replace(self, pp_microbatches=m)
@@ -427,7 +422,7 @@ class Layout:
         selective checkpointing refuses ("backward an extra time") and which keeps every micro-batch's recomputed
         forward to the end of the step (measured with torch 2.13: zbv with full checkpointing peaks 22% above zbv
         without), so checkpointing only costs there."""
-        if self.pp > 1 and self.pp_schedule in ZERO_BUBBLE and mode != "none":
+        if self.pp > 1 and zero_bubble(self.pp_schedule) and recomputes(mode):
             raise ConfigError(f"activation_checkpoint.mode={mode} does not work with parallel.pp_schedule="
                               f"{self.pp_schedule} (the zero-bubble backward keeps the recomputed activations to the end "
                               "of the step); use pp_schedule=1f1b or interleaved_1f1b, or mode=none")
@@ -463,39 +458,45 @@ class Layout:
         return " x ".join(bits) or "1 rank"
 
 
+# Layout field -> its `[parallel]` key (config.ParallelConfig): the one mapping between the two, both ways.
+CONFIG_KEYS: dict[str, str] = {f.name: {"pp_virtual": "pp_virtual_stages"}.get(f.name, f.name)
+                               for f in dataclasses.fields(Layout)}
+
+
 # -- gradient compression ------------------------------------------------------------------------------------------
-def grad_compression_site(layout: Layout, method: str) -> str:
+def grad_compression_site(layout: Layout, method: str) -> CompressionSite:
     """Where `parallel.grad_compression` acts on this layout, or a ConfigError naming what would work:
 
-      "none"            no compression
-      "ddp_hook"        ddp / zero1: a DDP communication hook replaces the gradient all-reduce (every method)
-      "replicate_hook"  hsdp: FSDP reduce-scatters within a replica uncompressed, then a hook all-reduces the shard
-                        over dp_replicate compressed (sign_ef)
-      "reduce_dtype"    bf16 with FSDP (zero2, fsdp, hsdp, also under tp/pp/ep): MixedPrecisionPolicy(reduce_dtype=
-                        bf16) reduce-scatters (and for hsdp all-reduces) the gradients in bf16
+      NONE            no compression
+      DDP_HOOK        ddp / zero1: a DDP communication hook replaces the gradient all-reduce (every method)
+      REPLICATE_HOOK  hsdp: FSDP reduce-scatters within a replica uncompressed, then a hook all-reduces the shard
+                      over dp_replicate compressed (sign_ef)
+      REDUCE_DTYPE    bf16 with FSDP (zero2, fsdp, hsdp, also under tp/pp/ep): MixedPrecisionPolicy(reduce_dtype=
+                      bf16) reduce-scatters (and for hsdp all-reduces) the gradients in bf16
     """
     _check_choice("parallel.grad_compression", method, GRAD_COMPRESSIONS)
-    if method == "none":
-        return "none"
+    comp = Compression(method)
+    if not comp.enabled:
+        return CompressionSite.NONE
     key = f"parallel.grad_compression={method}"
     if layout.dp_cp == 1:
         raise ConfigError(f"{key} compresses the data-parallel gradient reduction, but {layout.describe()} has no data "
                           "parallelism; use it with dp_mode ddp, zero1 or hsdp over several ranks")
     if layout.uses_ddp:
-        return "ddp_hook"
-    if method == "bf16":
-        return "reduce_dtype"
+        return CompressionSite.DDP_HOOK
+    if comp.casts_to_bf16:
+        return CompressionSite.REDUCE_DTYPE
     if not layout.hybrid:
         raise ConfigError(f"{key} compresses all-reduces (ddp, zero1, hsdp's dp_replicate dimension); dp_mode="
                           f"{layout.dp_mode} reduce-scatters its gradients, where only bf16 applies (reduce-scatter in "
                           "bf16); use dp_mode=ddp or zero1, or hsdp with dp_replicate > 1")
-    if method == "powersgd":
+    if comp.low_rank:
         raise ConfigError(f"{key} is PyTorch's DDP hook and needs whole gradient matrices; hsdp's replicate all-reduce "
                           "sees flat shards: use sign_ef or bf16 with hsdp, or powersgd with dp_mode=ddp or zero1")
     if layout.tp > 1 or layout.pp > 1 or layout.ep > 1 or layout.cp > 1:
         raise ConfigError(f"{key} with hsdp supports no tp, pp, ep or cp yet (the hook needs one FSDP mesh of dense "
                           "blocks); use bf16 there, or hsdp alone")
-    return "replicate_hook"
+    return CompressionSite.REPLICATE_HOOK
 
 
 def predicted_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
@@ -503,92 +504,10 @@ def predicted_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
     return (pp - 1) / (microbatches + pp - 1) / virtual
 
 
-def balanced_split(args, num_stages: int) -> tuple[int, ...]:
-    """Contiguous blocks per stage minimising the largest stage's parameters (the embedding counts on the first
-    stage, norm + output on the last)."""
-    return _min_max_split(_block_costs(args), num_stages)
-
-
-@functools.lru_cache(maxsize=256)
-def _block_costs(args) -> tuple[int, ...]:
-    from paratrain.models.presets import block_param_count
-
-    cost = [block_param_count(args, i) for i in range(args.n_layers)]
-    cost[0] += args.vocab_size * args.dim
-    cost[-1] += args.vocab_size * args.dim + args.dim
-    return tuple(cost)
-
-
-@functools.lru_cache(maxsize=1024)
-def _min_max_split(cost: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
-    """Contiguous parts of `cost` (non-negative) minimising the largest part's sum: the cut `min_max_partition` makes
-    (the first best start of each last part), found by bisection. With sums of non-negative costs the best largest
-    part of the first j items, best(j), grows with j and the last part's sum shrinks with its start j, so
-    max(best(j), sum(j..i)) falls, then rises: O(parts x n log n) instead of O(parts x n^2)."""
-    n = len(cost)
-    prefix = [0]
-    for c in cost:
-        prefix.append(prefix[-1] + c)
-    best = list(prefix)  # one part: the first i items
-    cuts = [[0] * (n + 1)]
-    for s in range(2, num_stages + 1):
-        row, cut = [float("inf")] * (n + 1), [0] * (n + 1)
-        for i in range(s, n + 1):
-            # j in [s - 1, i): the last part is items j..i-1; lo: the first j where best[j] >= its sum
-            lo, hi, top = s - 1, i, prefix[i]
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if best[mid] >= top - prefix[mid]:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            # from lo on the maximum is best[j] (rising): smallest at lo; before lo it is the last part's sum
-            # (falling): smallest at lo - 1, first reached at the first j with prefix[j] == prefix[lo - 1]
-            value, where = (best[lo], lo) if lo < i else (float("inf"), i)
-            if lo > s - 1 and top - prefix[lo - 1] <= value:
-                value, where = top - prefix[lo - 1], bisect.bisect_left(prefix, prefix[lo - 1], s - 1, lo - 1)
-            row[i], cut[i] = value, where
-        best = row
-        cuts.append(cut)
-    sizes, i = [], n
-    for s in range(num_stages, 1, -1):
-        j = cuts[s - 1][i]
-        sizes.append(i - j)
-        i = j
-    sizes.append(i)
-    return tuple(reversed(sizes))
-
-
-def min_max_partition(n: int, parts: int, part_cost, max_size=None) -> tuple[int, ...] | None:
-    """Cut items 0..n-1 into `parts` contiguous parts of at least one item (at most max_size[p] for part p) minimising
-    the largest part_cost(p, start, end) (items start..end-1 as part p); the sizes, or None when the limits leave no
-    cut. Dynamic programming over (parts, items): O(parts x n^2)."""
-    inf = float("inf")
-    # best[s][i]: the smallest largest part cost of the first i items cut into s parts
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0
-    for s in range(1, parts + 1):
-        low = 0 if max_size is None else max_size[s - 1]
-        for i in range(s, n + 1):
-            for j in range(max(s - 1, i - low) if low else s - 1, i):
-                value = max(best[s - 1][j], part_cost(s - 1, j, i))
-                if value < best[s][i]:
-                    best[s][i], cut[s][i] = value, j
-    if best[parts][n] == inf:
-        return None
-    sizes, i = [], n
-    for s in range(parts, 0, -1):
-        j = cut[s][i]
-        sizes.append(i - j)
-        i = j
-    return tuple(reversed(sizes))
-
-
 def _virtual_stages(schedule: str, requested: int) -> int:
-    if schedule in MULTI_STAGE:
+    if multi_stage(schedule):
         virtual = requested if requested > 1 else 2
-        if schedule == "zbv" and virtual != 2:
+        if v_shaped(schedule) and virtual != 2:
             raise ConfigError(f"parallel.pp_schedule=zbv runs exactly 2 stages per rank, not "
                               f"parallel.pp_virtual_stages={virtual}")
         return virtual

@@ -9,6 +9,7 @@ validation sequences, so its val loss must equal the reference's within 1e-6.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import time
@@ -16,69 +17,82 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paratrain.config import load_config
+from paratrain.config import ActivationCheckpointConfig, ParallelConfig, load_config
 from paratrain.errors import OneLineArgumentParser, UserError
+from paratrain.layout_grammar import parse_layout_name
+from paratrain.modes import PRECISIONS, low_precision
 
 MOE_PRESET = "model.preset=tiny-moe"  # with the base's model.n_layers=4: 1 dense + 3 MoE layers
 LONG_MODEL = "model.max_seq_len=1024"  # the tiny model with room for long sequences
+QWEN3, QWEN3_MOE = "model.preset=tiny-qwen3", "model.preset=tiny-qwen3-moe"  # q/k norms, q/k/v/o biases, head_dim 32
+
 LORA = "lora.rank=4"  # adapters on every projection of the tiny model, its weights frozen
 
-# name -> (ranks, overrides). Batch settings are filled in by `layout_overrides`.
-LAYOUTS: dict[str, tuple[int, list[str]]] = {
-    "ddp2": (2, ["parallel.dp_mode=ddp"]),
-    "zero1x2": (2, ["parallel.dp_mode=zero1"]),
-    "zero2x2": (2, ["parallel.dp_mode=zero2"]),
-    "fsdp2": (2, ["parallel.dp_mode=fsdp"]),
-    "fsdp4": (4, ["parallel.dp_mode=fsdp"]),
-    "hsdp2x2": (4, ["parallel.dp_mode=hsdp", "parallel.dp_replicate=2"]),
-    "tp2": (2, ["parallel.tp=2", "parallel.sequence_parallel=false"]),
-    "tp2+sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-    "fsdp2xtp2": (4, ["parallel.dp_mode=fsdp", "parallel.tp=2"]),
-    "fsdp2+every_k": (2, ["parallel.dp_mode=fsdp", "activation_checkpoint.mode=every_k", "activation_checkpoint.every_k=2"]),
-    "fsdp2+selective": (2, ["parallel.dp_mode=fsdp", "activation_checkpoint.mode=selective"]),
-    "accum": (1, ["training.micro_batch=2"]),  # micro 2 x accum 4 against micro 8 x accum 1
+# name -> (ranks, layout, other overrides...). The layout is written as its name (paratrain/layout_grammar.py): the
+# data-parallel mode, degrees, checkpointing (ac=) and sequences per micro-batch (mb=; default: the global batch
+# over the data-parallel ranks); `layout_overrides` turns it into the run's settings.
+LAYOUTS: dict[str, tuple] = {
+    "ddp2": (2, "ddp"),
+    "zero1x2": (2, "zero1"),
+    "zero2x2": (2, "zero2"),
+    "fsdp2": (2, "fsdp"),
+    "fsdp4": (4, "fsdp"),
+    "hsdp2x2": (4, "hsdp,rep=2"),
+    "tp2": (2, "nodp,tp=2,sp=off"),
+    "tp2+sp": (2, "nodp,tp=2"),
+    "fsdp2xtp2": (4, "fsdp,tp=2"),
+    "fsdp2+every_k": (2, "fsdp,ac=every_k2"),
+    "fsdp2+selective": (2, "fsdp,ac=selective"),
+    "accum": (1, "nodp,mb=2"),  # micro 2 x accum 4 against micro 8 x accum 1
     # Not in the default matrix, available by name:
-    "ddp4": (4, ["parallel.dp_mode=ddp"]),
-    "fsdp2+full": (2, ["parallel.dp_mode=fsdp", "activation_checkpoint.mode=full"]),
-    "tp4": (4, ["parallel.tp=4"]),
-    "ddp2+accum": (2, ["parallel.dp_mode=ddp", "training.micro_batch=2"]),
+    "ddp4": (4, "ddp"),
+    "fsdp2+full": (2, "fsdp,ac=full"),
+    "tp4": (4, "nodp,tp=4"),
+    "ddp2+accum": (2, "ddp,mb=2"),
     # Mixture of experts (preset tiny-moe: a dense layer, then 4 experts top-2 + a shared expert), compared
     # with one process training the same MoE model. ep borrows its ranks from dp_shard.
-    "ep2": (2, [MOE_PRESET, "parallel.dp_mode=fsdp", "parallel.ep=2"]),
-    "ep4": (4, [MOE_PRESET, "parallel.dp_mode=fsdp", "parallel.ep=4"]),
-    "ep2xfsdp2": (4, [MOE_PRESET, "parallel.dp_mode=fsdp", "parallel.ep=2"]),
-    "ep2xtp2": (4, [MOE_PRESET, "parallel.dp_mode=fsdp", "parallel.ep=2", "parallel.tp=2"]),
-    "moe-fsdp2": (2, [MOE_PRESET, "parallel.dp_mode=fsdp"]),
-    "moe-tp2": (2, [MOE_PRESET, "parallel.tp=2", "parallel.sequence_parallel=false"]),
-    "ep2+selective": (2, [MOE_PRESET, "parallel.dp_mode=fsdp", "parallel.ep=2", "activation_checkpoint.mode=selective"]),
-    "ep2+accum": (2, [MOE_PRESET, "parallel.dp_mode=fsdp", "parallel.ep=2", "training.micro_batch=2"]),
-    "ep2xhsdp2": (4, [MOE_PRESET, "parallel.dp_mode=hsdp", "parallel.dp_replicate=2", "parallel.ep=2"]),
+    "ep2": (2, "fsdp,ep=2", MOE_PRESET),
+    "ep4": (4, "fsdp,ep=4", MOE_PRESET),
+    "ep2xfsdp2": (4, "fsdp,ep=2", MOE_PRESET),
+    "ep2xtp2": (4, "fsdp,tp=2,ep=2", MOE_PRESET),
+    "moe-fsdp2": (2, "fsdp", MOE_PRESET),
+    "moe-tp2": (2, "nodp,tp=2,sp=off", MOE_PRESET),
+    "ep2+selective": (2, "fsdp,ep=2,ac=selective", MOE_PRESET),
+    "ep2+accum": (2, "fsdp,ep=2,mb=2", MOE_PRESET),
+    "ep2xhsdp2": (4, "hsdp,rep=2,ep=2", MOE_PRESET),
     # Pipeline parallelism (the base model has 4 blocks: 2 stages of 2, or 2 ranks x 2 virtual stages of 1).
-    "pp2-gpipe": (2, ["parallel.pp=2", "parallel.pp_schedule=gpipe"]),
-    "pp2-1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
-    "pp2-interleaved": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"]),
-    "pp2-zb": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_zero_bubble", "parallel.pp_virtual_stages=2"]),
-    "pp2-zbv": (2, ["parallel.pp=2", "parallel.pp_schedule=zbv"]),
-    "pp2xdp2": (4, ["parallel.pp=2", "parallel.dp_mode=fsdp"]),
-    "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"]),
-    "pp2xdp2xtp2": (8, ["parallel.pp=2", "parallel.dp_mode=fsdp", "parallel.tp=2"]),
-    "pp2+full": (2, ["parallel.pp=2", "activation_checkpoint.mode=full"]),
+    "pp2-gpipe": (2, "nodp,pp=2,sched=gpipe"),
+    "pp2-1f1b": (2, "nodp,pp=2,sched=1f1b"),
+    "pp2-interleaved": (2, "nodp,pp=2,sched=interleaved_1f1b"),
+    "pp2-zb": (2, "nodp,pp=2,sched=interleaved_zero_bubble"),
+    "pp2-zbv": (2, "nodp,pp=2,sched=zbv"),
+    "pp2xdp2": (4, "fsdp,pp=2,sched=1f1b"),
+    "pp2xtp2": (4, "nodp,tp=2,pp=2,sched=1f1b"),
+    "pp2xdp2xtp2": (8, "fsdp,tp=2,pp=2,sched=1f1b"),
+    "pp2+full": (2, "nodp,pp=2,sched=1f1b,ac=full"),
     # Context parallelism: every sequence split over cp ranks (ring attention), FSDP over dp_shard x cp.
-    "cp2": (2, ["parallel.cp=2"]),
-    "cp2xfsdp2": (4, ["parallel.cp=2", "parallel.dp_mode=fsdp"]),
-    "cp2xtp2": (4, ["parallel.cp=2", "parallel.tp=2"]),
-    "cp2xpp2": (4, ["parallel.cp=2", "parallel.pp=2"]),
-    "cp4-seq1024": (4, ["parallel.cp=4", LONG_MODEL, "training.seq_len=1024"]),  # the long-sequence row
-    "cp4-seq256": (4, ["parallel.cp=4", "training.seq_len=256"]),  # a shorter long-sequence row for the test suite
-    "cp4": (4, ["parallel.cp=4"]),
-    "cp2xhsdp2": (4, ["parallel.cp=2", "parallel.dp_mode=hsdp", "parallel.dp_replicate=2"]),
-    "cp2+selective": (2, ["parallel.cp=2", "activation_checkpoint.mode=selective"]),
-    "cp2+full": (2, ["parallel.cp=2", "activation_checkpoint.mode=full"]),
-    "cp2+accum": (2, ["parallel.cp=2", "training.micro_batch=2"]),
+    "cp2": (2, "fsdp,cp=2"),
+    "cp2xfsdp2": (4, "fsdp,cp=2"),
+    "cp2xtp2": (4, "fsdp,cp=2,tp=2"),
+    "cp2xpp2": (4, "fsdp,cp=2,pp=2,sched=1f1b"),
+    "cp4-seq1024": (4, "fsdp,cp=4", LONG_MODEL, "training.seq_len=1024"),  # the long-sequence row
+    "cp4-seq256": (4, "fsdp,cp=4", "training.seq_len=256"),  # a shorter long-sequence row for the test suite
+    "cp4": (4, "fsdp,cp=4"),
+    "cp2xhsdp2": (4, "hsdp,rep=2,cp=2"),
+    "cp2+selective": (2, "fsdp,cp=2,ac=selective"),
+    "cp2+full": (2, "fsdp,cp=2,ac=full"),
+    "cp2+accum": (2, "fsdp,cp=2,mb=2"),
+    # A Qwen3-shaped tiny model (4 blocks; the MoE one routes like Qwen3-MoE, block 1 dense), against one process.
+    "qwen3-fsdp2": (2, "fsdp", QWEN3),
+    "qwen3-tp2+sp": (2, "nodp,tp=2", QWEN3),
+    "qwen3-pp2": (2, "nodp,pp=2,sched=1f1b", QWEN3),
+    "qwen3-cp2": (2, "fsdp,cp=2", QWEN3),
+    "qwen3-moe-ep2xfsdp2": (4, "fsdp,ep=2", QWEN3_MOE),
+
     # LoRA: adapters trained on a frozen tiny model, against one process training the same adapters.
-    "lora-fsdp2": (2, [LORA, "parallel.dp_mode=fsdp"]),
-    "lora-tp2": (2, [LORA, "parallel.tp=2"]),
-    "lora-pp2": (2, [LORA, "parallel.pp=2"]),
+    "lora-fsdp2": (2, "fsdp", LORA),
+    "lora-tp2": (2, "nodp,tp=2", LORA),
+    "lora-pp2": (2, "nodp,pp=2,sched=1f1b", LORA),
 }
 DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
                   "fsdp2+every_k", "fsdp2+selective", "accum"]
@@ -86,6 +100,8 @@ DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp
 MOE_MATRIX = ["ep2", "ep4", "ep2xfsdp2", "ep2xtp2"]
 PP_MATRIX = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2-zb", "pp2xdp2", "pp2xtp2", "pp2xdp2xtp2"]
 CP_MATRIX = ["cp2", "cp2xfsdp2", "cp2xtp2", "cp2xpp2", "cp4-seq1024"]
+QWEN_MATRIX = ["qwen3-fsdp2", "qwen3-tp2+sp", "qwen3-pp2", "qwen3-cp2", "qwen3-moe-ep2xfsdp2"]
+
 LORA_MATRIX = ["lora-fsdp2", "lora-tp2", "lora-pp2"]
 
 GLOBAL_BATCH = 8
@@ -116,14 +132,16 @@ def layout_overrides(name: str) -> tuple[int, list[str]]:
         close = difflib.get_close_matches(name, LAYOUTS, n=1)
         raise UserError(f"unknown layout '{name}'" + (f" (did you mean '{close[0]}'?)" if close else
                                                         f" (known: {', '.join(LAYOUTS)})"))
-    nproc, extra = LAYOUTS[name]
-    tp = next((int(i.split("=")[1]) for i in extra if i.startswith("parallel.tp=")), 1)
-    pp = next((int(i.split("=")[1]) for i in extra if i.startswith("parallel.pp=")), 1)
-    cp = next((int(i.split("=")[1]) for i in extra if i.startswith("parallel.cp=")), 1)
-    data_parallel = nproc // (tp * pp * cp)
-    if not any(i.startswith("training.micro_batch=") for i in extra):
-        extra = extra + [f"training.micro_batch={GLOBAL_BATCH // data_parallel}"]
-    return nproc, extra
+    nproc, text, *extra = LAYOUTS[name]
+    named = parse_layout_name(text, f"verify layout {name}")
+    layout = named.layout(nproc)
+    ours = {"parallel": (layout.to_config(ParallelConfig()), ParallelConfig()),
+            "activation_checkpoint": (ActivationCheckpointConfig(named.checkpointing, named.every_k),
+                                      ActivationCheckpointConfig())}
+    changed = [f"{section}.{key}={value}" for section, (mine, default) in ours.items()
+               for key, value in dataclasses.asdict(mine).items() if value != getattr(default, key)]
+    micro_batch = named.micro_batch or GLOBAL_BATCH // layout.dp
+    return nproc, [*changed, f"training.micro_batch={micro_batch}", *extra]
 
 
 @dataclass
@@ -270,7 +288,7 @@ def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str 
             passed = loss_diff <= tolerance and weight_diff <= tolerance and val_diff <= val_tolerance
             rows.append(Row(name, nproc, loss_diff, weight_diff, val_diff, time.perf_counter() - start, passed, note,
                             losses))
-            echo(format_row(rows[-1], tolerance, judged=precision == "fp32"))
+            echo(format_row(rows[-1], tolerance, judged=not low_precision(precision)))
     return rows, ref_seconds
 
 
@@ -285,11 +303,12 @@ def format_row(r: Row, tolerance: float, judged: bool = True) -> str:
 
 def main_verify(argv: list[str]) -> int:
     parser = OneLineArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX + CP_MATRIX + LORA_MATRIX),
+    parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX + CP_MATRIX + QWEN_MATRIX
+                                                      + LORA_MATRIX),
                         help=f"comma-separated layout names (known: {', '.join(LAYOUTS)})")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tolerance", type=float, default=1e-5)
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="non-fp32 runs report differences; the tolerance is only meaningful in fp32")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -309,7 +328,7 @@ def main_verify(argv: list[str]) -> int:
     print(HEADER)
     rows, _ = run_verify(layouts, args.steps, args.tolerance, args.precision, [f"training.device={args.device}", *args.set],
                          echo=lambda line: print(line, flush=True))
-    failed = [r.layout for r in rows if not r.passed and (args.precision == "fp32" or r.note)]
+    failed = [r.layout for r in rows if not r.passed and (not low_precision(args.precision) or r.note)]
     print(f"{len(rows) - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
     if args.json:
         with open(args.json, "w") as f:

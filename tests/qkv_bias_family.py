@@ -46,9 +46,10 @@ FAMILY = register_family(ModelFamily(
     hf=None, description="test only: Llama with q/k/v biases"))
 
 
-def tp_placements(args: ModelArgs) -> dict:
+def tp_placements(args: ModelArgs, group_up: bool = False) -> dict:
     """On each of 2 ranks: every parameter's placement after the tensor-parallel plan, without and with sequence
-    parallelism (tests/test_model_family.py)."""
+    parallelism (tests/test_model_family.py, tests/test_qwen.py); `group_up`: the ranks' process group exists already
+    (it is destroyed at the end either way)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -56,7 +57,8 @@ def tp_placements(args: ModelArgs) -> dict:
     from paratrain.distributed.tensor_parallel import apply_tp
     from paratrain.models import build_model
 
-    dist.init_process_group("gloo")
+    if not group_up:
+        dist.init_process_group("gloo")
     try:
         mesh = init_device_mesh("cpu", (2,))
         out = {}

@@ -1,6 +1,6 @@
 """Architecture rules, checked on the source: the import graph of `paratrain` has no cycle, no module reaches into
-another module's private names, the data-parallel mode is switched on in one module only, and that module is light;
-no module but the error path catches BaseException.
+another module's private names, a mode's strings are compared in its owners only (paratrain/modes.py,
+paratrain/layout.py), the layout is light, and no module but the error path catches BaseException.
 
 The graph is read with `ast`, not by importing: an edge A -> B for every `import` / `from ... import` in A (at
 module level or inside a function: a lazy import still ties the two together), and for every string literal in A
@@ -13,6 +13,7 @@ make a cycle).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -235,18 +236,115 @@ def test_private_finder_sees_imports_and_attributes():
                      "tests/x.py:6: tests.x uses paratrain.models.moe._use_grouped_mm"]
 
 
-# -- the data-parallel mode ------------------------------------------------------------------------------------------
+# -- modes -----------------------------------------------------------------------------------------------------------
+# Where a mode's string may be compared: paratrain/modes.py (the choices, and the questions about one mode) and
+# paratrain/layout.py (the rules about a layout). Everyone else asks their predicates.
+MODE_OWNERS = {PACKAGE / "modes.py", PACKAGE / "layout.py"}
+MODE_SCANNED = (PACKAGE, ROOT / "bench")
+MODE_TYPES = ("DPModeOption", "Schedule", "CheckpointMode", "Precision", "GradCompression")
+# Expressions named like a mode: a compared value shared with another setting's choices ("none") counts as a mode's
+# when the other side is one of these.
+MODE_NAMES = {"dp_mode", "pp_schedule", "schedule", "sched", "checkpointing", "activation_checkpoint", "ac",
+              "precision", "dtype", "grad_compression", "compression", "method", "site"}
 
-def test_dp_mode_is_switched_on_in_layout_only():
-    """Like `grep -rn "dp_mode ==" paratrain/`: only paratrain/layout.py decides by comparing the mode."""
+
+def mode_values() -> tuple[dict[str, str], set[str]]:
+    """({value: the mode it is a choice of}, values that are also a choice of another setting, e.g. "none")."""
+    import typing
+
+    from paratrain import config, modes
+
+    values = {}
+    for name in MODE_TYPES:
+        values.update({v: name for v in typing.get_args(getattr(modes, name)) if v not in values})
+    values.update({site.value: "CompressionSite" for site in modes.CompressionSite if site.value not in values})
+    others = set()
+    for section in dataclasses.fields(config.Config):
+        for annotation in typing.get_type_hints(type(getattr(config.Config(), section.name))).values():
+            args = config.annotation_members(annotation)  # (its Literal values and types)
+            if not any(typing.get_args(getattr(modes, name)) == args for name in MODE_TYPES):
+                others.update(a for a in args if isinstance(a, str))
+    return values, others & set(values)
+
+
+def _strings(node: ast.AST) -> list[str]:
+    """The string constants a compared operand is: one, or a tuple/list/set of them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return []
+
+
+def _names(node: ast.AST) -> set[str]:
+    """The names an expression reads: variables, attributes and string subscripts (`row["method"]`)."""
+    out = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            out.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            out.add(n.attr)
+        elif isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and isinstance(n.slice.value, str):
+            out.add(n.slice.value)
+    return out
+
+
+def find_mode_strings(tree: ast.Module, values: dict[str, str], shared: set[str]) -> list[tuple[int, str]]:
+    """(line, what) for each comparison with a mode's string (`x == "fp32"`, `mode in ("none", "every_k")`) and each
+    table of a mode's choices written out again (a tuple, list, set or dict keys of two or more)."""
+    found = []
+    compared = {id(o) for node in ast.walk(tree) if isinstance(node, ast.Compare)
+                for o in (node.left, *node.comparators)}  # (a compared tuple is no table)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            named = set().union(*(_names(o) for o in operands if not _strings(o)))
+            hits = [v for o in operands for v in _strings(o) if v in values
+                    and (v not in shared or named & MODE_NAMES)]
+            if hits:
+                found.append((node.lineno, f"compares {values[hits[0]]} '{hits[0]}'"))
+        else:
+            if isinstance(node, ast.Dict):
+                items = [k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+            elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and id(node) not in compared:
+                items = _strings(node)
+            else:
+                continue
+            kinds = [values[v] for v in items if v in values and v not in shared]
+            repeated = {k for k in kinds if kinds.count(k) >= 2}
+            if repeated:
+                found.append((node.lineno, f"lists {sorted(repeated)[0]} choices {items}"))
+    return sorted(found)
+
+
+def test_modes_are_compared_in_their_owners_only():
+    """A mode's string (dp mode, pipeline schedule, checkpointing mode, precision, gradient compression method or
+    site) is compared, and its choices are listed, only in paratrain/modes.py and paratrain/layout.py: like
+    `grep -rn '== "fsdp"'`, through the syntax tree."""
+    values, shared = mode_values()
     hits = []
-    for path in sorted(PACKAGE.rglob("*")):
-        if not path.is_file() or "__pycache__" in path.parts:
-            continue
-        for number, line in enumerate(path.read_bytes().decode("utf-8", "replace").splitlines(), 1):
-            if "dp_mode ==" in line and path != PACKAGE / "layout.py":
-                hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
-    assert not hits, "`dp_mode ==` outside paratrain/layout.py:\n" + "\n".join(hits)
+    for folder in MODE_SCANNED:
+        for path in python_files(folder):
+            if path in MODE_OWNERS:
+                continue
+            hits += [f"{path.relative_to(ROOT)}:{line}: {what}" for line, what in find_mode_strings(parse(path),
+                                                                                                     values, shared)]
+    assert not hits, ("mode strings outside paratrain/modes.py and paratrain/layout.py (ask their predicates, take "
+                      "the choices from their Literal types):\n" + "\n".join(hits))
+
+
+def test_mode_finder_sees_comparisons_and_tables():
+    values, shared = mode_values()
+    assert "none" in shared and "fp32" not in shared  # "none" is also metrics.progress's and rope_scaling's
+    source = ("a = cfg.parallel.dp_mode == 'hsdp'\n"
+              "b = s in ('gpipe', '1f1b')\n"
+              "c = self.mode != 'none'\n"  # progress: another setting's "none"
+              "d = ac.mode == 'none' or checkpointing != 'none'\n"
+              "e = {'fp32': 4, 'bf16': 2}\n"
+              "f = ('none', 'bf16')\n"  # one compression method and a precision: no table
+              "g = row['method'] == 'none'\n")
+    found = find_mode_strings(ast.parse(source), values, shared)
+    assert sorted({line for line, _ in found}) == [1, 2, 4, 5, 7], found
 
 
 def test_layout_does_not_import_torch():

@@ -16,7 +16,8 @@ from paratrain.api import run_rank
 from paratrain.config import load_config
 from paratrain.distributed.launch import launch
 from paratrain.errors import ConfigError
-from paratrain.estimate.compression import Compression, compression_cost
+from paratrain.estimate.compression import compression_cost
+from paratrain.modes import Compression, CompressionSite
 from paratrain.layout import Layout, grad_compression_site
 
 from conftest import assert_plan_rejected, fast_overrides
@@ -56,13 +57,13 @@ def test_compression_rejected_where_it_cannot_apply(char_data, tmp_path, world, 
 
 def test_where_compression_applies():
     site = grad_compression_site
-    assert site(Layout.resolve(2, dp_mode="ddp"), "none") == "none"
+    assert site(Layout.resolve(2, dp_mode="ddp"), "none") is CompressionSite.NONE
     assert {site(Layout.resolve(2, dp_mode=m), c) for m in ("ddp", "zero1") for c in ("bf16", "powersgd", "sign_ef")} \
-        == {"ddp_hook"}
-    assert site(Layout.resolve(4, dp_mode="hsdp", dp_replicate=2), "sign_ef") == "replicate_hook"
+        == {CompressionSite.DDP_HOOK}
+    assert site(Layout.resolve(4, dp_mode="hsdp", dp_replicate=2), "sign_ef") is CompressionSite.REPLICATE_HOOK
     for layout in (Layout.resolve(2, dp_mode="fsdp"), Layout.resolve(4, dp_mode="hsdp", dp_replicate=2),
                    Layout.resolve(4, dp_mode="fsdp", pp=2), Layout.resolve(4, dp_mode="zero2", tp=2)):
-        assert site(layout, "bf16") == "reduce_dtype"  # MixedPrecisionPolicy(reduce_dtype=bf16)
+        assert site(layout, "bf16") is CompressionSite.REDUCE_DTYPE  # MixedPrecisionPolicy(reduce_dtype=bf16)
     with pytest.raises(ConfigError, match="parallel.powersgd_warmup_steps must be >= 2"):
         load_config(None, ["parallel.powersgd_warmup_steps=1"])
 
@@ -212,7 +213,7 @@ def test_none_leaves_ddp_and_fsdp_as_they_were():
 
     for mode in ("ddp", "zero1", "fsdp", "zero2"):
         comm = GradComm(ParallelConfig(), SimpleNamespace(layout=Layout.resolve(2, dp_mode=mode)), torch.device("cpu"))
-        assert comm.site == "none" and comm.reduce_dtype == torch.float32
+        assert comm.site is CompressionSite.NONE and comm.reduce_dtype == torch.float32
         if mode in ("ddp", "zero1"):
             comm.attach_ddp(Untouchable())
         else:

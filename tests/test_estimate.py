@@ -9,6 +9,7 @@ import math
 import pytest
 
 from paratrain.cli import main
+from paratrain.config import ParallelConfig
 from paratrain.estimate import EstimateInputs, estimate, gpu_memory, parse_memory
 from paratrain.estimate.core import forward_end_bytes, in_flight
 from paratrain.estimate.measure import MeasureSpec, inputs_for_spec, measure
@@ -127,9 +128,9 @@ def test_moe_expert_parallel_divides_experts():
 
 
 # -- against measurement --------------------------------------------------------------------
-def _spec(**kw) -> MeasureSpec:
-    base = dict(model=TINY, dp_mode="fsdp", precision="fp32", checkpointing="none", micro_batch=2, seq_len=32)
-    return MeasureSpec(**{**base, **kw})
+def _spec(tp: int = 1, **kw) -> MeasureSpec:
+    base = dict(model=TINY, precision="fp32", checkpointing="none", micro_batch=2, seq_len=32)
+    return MeasureSpec(parallel=ParallelConfig(dp_mode="fsdp", tp=tp), **{**base, **kw})
 
 
 def _check(rows, spec, world, tol_total=0.05, tol_acts=0.10):
@@ -148,7 +149,9 @@ def _check(rows, spec, world, tol_total=0.05, tol_acts=0.10):
     dict(precision="bf16", checkpointing="selective", micro_batch=1, seq_len=64),
     dict(precision="fp32", checkpointing="every_k"),
     dict(precision="bf16", checkpointing="full", accum_steps=2),
-], ids=["fp32", "bf16-selective", "fp32-every_k", "bf16-full-accum2"])
+    # Qwen3-shaped: per-head q/k norms (their saved tensors), q/k/v/o biases (autocast copies), head_dim != dim / heads
+    dict(precision="bf16", checkpointing="none", model=dict(TINY, head_dim=32, family="qwen3-bias")),
+], ids=["fp32", "bf16-selective", "fp32-every_k", "bf16-full-accum2", "qwen3-bf16"])
 def test_one_process_matches_measurement(kw):
     spec = _spec(**kw)
     [rows] = measure([spec], 1)

@@ -153,8 +153,9 @@ def test_llama3_presets_round_trip_through_config_json():
 
 # ---------------------------------------------------------------------------- export
 
-def _check_exported(folder, model, tokenizer, vocab: int) -> None:
-    """transformers loads `folder`; logits equal paratrain's forward; 20 greedy tokens are identical."""
+def check_exported(folder, model, tokenizer, vocab: int) -> None:
+    """transformers loads `folder`; logits equal paratrain's forward; 20 greedy tokens are identical (over the exported
+    `vocab` rows: an imported model keeps rows beyond its tokenizer's ids, which transformers may pick)."""
     from transformers import AutoTokenizer
 
     from paratrain.generate import sample
@@ -171,7 +172,7 @@ def _check_exported(folder, model, tokenizer, vocab: int) -> None:
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x)[..., :vocab], rtol=0, atol=1e-4)
         greedy = hf.generate(x, max_new_tokens=20, do_sample=False)[0, len(ids):].tolist()
-    ours = sample(model, ids, 20, 64, temperature=0.0, vocab_limit=tokenizer.vocab_size)
+    ours = sample(model, ids, 20, 64, temperature=0.0, vocab_limit=vocab)
     assert len(greedy) >= 1 and ours[:len(greedy)] == greedy  # transformers stops early at EOS, if ever
 
 
@@ -186,7 +187,7 @@ def test_export_dense_loads_in_transformers(trained_run, tmp_path):
     assert args.vocab_size > tokenizer.vocab_size  # the padded rows are trimmed
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "model.safetensors"} <= \
         {f.name for f in out.iterdir()}
-    _check_exported(out, model, tokenizer, tokenizer.vocab_size)
+    check_exported(out, model, tokenizer, tokenizer.vocab_size)
 
 
 def test_export_mixtral_sharded_at_end_of_training(char_data, tmp_path):
@@ -201,7 +202,7 @@ def test_export_mixtral_sharded_at_end_of_training(char_data, tmp_path):
     run = train(cfg).run_dir
     model, tokenizer, _, _ = load_for_generation(run)
     assert json.loads((run / "hf" / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
-    _check_exported(run / "hf", model, tokenizer, tokenizer.vocab_size)
+    check_exported(run / "hf", model, tokenizer, tokenizer.vocab_size)
 
     sharded = tmp_path / "sharded"
     assert main(["export", str(run), "--format", "hf", "--out", str(sharded), "--dtype", "fp32",
@@ -210,7 +211,7 @@ def test_export_mixtral_sharded_at_end_of_training(char_data, tmp_path):
     files = sorted(f.name for f in sharded.glob("*.safetensors"))
     assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
     assert all(f.stat().st_size <= 100_000 + 10_000 for f in sharded.glob("*.safetensors"))  # + header
-    _check_exported(sharded, model, tokenizer, tokenizer.vocab_size)
+    check_exported(sharded, model, tokenizer, tokenizer.vocab_size)
 
 
 def test_export_from_pipeline_layout(char_data, tmp_path):
@@ -223,7 +224,7 @@ def test_export_from_pipeline_layout(char_data, tmp_path):
                       "checkpoint.export_hf_dtype=fp32", "parallel.pp_schedule=gpipe")
     launch(run_rank, (cfg,), 2)
     model, tokenizer, _, _ = load_for_generation(cfg.run_dir)
-    _check_exported(cfg.run_dir / "hf", model, tokenizer, tokenizer.vocab_size)
+    check_exported(cfg.run_dir / "hf", model, tokenizer, tokenizer.vocab_size)
 
 
 @pytest.mark.parametrize("kind", ["byte", "char"])
@@ -249,7 +250,7 @@ def test_byte_and_char_tokenizers_as_tokenizers_models(tmp_path, kind):
 
 # ---------------------------------------------------------------------------- import and train
 
-def _hf_first_loss(folder, data_dir, global_batch: int, seq_len: int = 32, seed: int = 1337) -> float:
+def hf_first_loss(folder, data_dir, global_batch: int, seq_len: int = 32, seed: int = 1337) -> float:
     from paratrain.data.loader import TokenData
 
     x, y = TokenData(data_dir, "train", seq_len).global_batch(0, global_batch, seed)
@@ -287,7 +288,7 @@ def test_imported_model_trains_from_transformers_loss(hf_models, tmp_path_factor
     result = train(cfg) if nproc == 1 else launch(run_rank, (cfg,), nproc)
     assert len(result.losses) == 2 and result.losses[1] != result.losses[0]
     data_parallel = nproc if ("fsdp" in str(layout) or "ep" in str(layout)) else 1
-    expected = _hf_first_loss(hf_models[name], data, cfg.training.micro_batch * data_parallel)
+    expected = hf_first_loss(hf_models[name], data, cfg.training.micro_batch * data_parallel)
     assert abs(result.losses[0] - expected) <= 1e-4, (result.losses[0], expected)
 
 

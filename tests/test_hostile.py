@@ -208,6 +208,19 @@ CASES = [
     ("doctor-nproc", lambda w: ["doctor", "--nproc", "100000"], "--nproc 100000 is more than"),
     ("doctor-nproc-text", lambda w: ["doctor", "--nproc", "two"], "invalid int value: 'two'"),
     ("doctor-checkpoint-dir-file", lambda w: ["doctor", "--checkpoint-dir", str(w.afile)], "is a file, not a folder"),
+    ("doctor-hang-none", lambda w: ["doctor", "--hang", str(w.prev)], "no hang records"),
+    ("doctor-hang-missing", lambda w: ["doctor", "--hang", f"{w.root}/nowhere"], "no such run folder"),
+    # -- troubleshooting: replay, dry run, numerics watch
+    ("replay-missing", lambda w: ["replay", f"{w.root}/nowhere", "step-2"], "no such run folder"),
+    ("replay-not-a-run", lambda w: ["replay", str(w.empty), "step-1"], "no config.toml"),
+    ("replay-step-text", lambda w: ["replay", str(w.prev), "step-two"], "'step-two' is not a step"),
+    ("replay-step-beyond", lambda w: ["replay", str(w.prev), "step-99"], "trains 3 steps: there is no step 99"),
+    ("replay-nproc", lambda w: ["replay", str(w.prev), "step-2", "--nproc", "0"], "--nproc must be >= 1"),
+    ("train-world-without-dry-run", lambda w: w.train("--world", "8"), "--world is the world size of --dry-run"),
+    ("train-dry-run-world", lambda w: ["train", "--dry-run", "--world", "100000"], "--world must be between 1 and"),
+    ("train-dry-run-layout", lambda w: ["train", "--dry-run", "--world", "3", "--parallel.tp=2"],
+     r"parallel.tp \(2\) x parallel.pp \(1\) does not divide the world size 3"),
+    ("train-numerics-every", lambda w: w.train("--metrics.numerics_every=-1"), "metrics.numerics_every must be >= 0"),
     # -- verify (numerics)
     ("verify-layout", lambda w: ["verify", "--layouts", "fsdp3"], "unknown layout 'fsdp3'"),
     ("verify-steps", lambda w: ["verify", "--steps", "0"], "--steps must be >= 1"),
@@ -224,7 +237,7 @@ def test_enough_cases():
     assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)
     commands = {c[1](World(*[Path("/x")] * 11, 1))[0] for c in CASES}
     assert commands >= {"train", "profile", "prepare", "generate", "checkpoint", "export", "estimate", "plan", "report",
-                        "doctor", "verify"}
+                        "doctor", "verify", "replay"}
 
 
 @pytest.mark.parametrize("name, argv, pattern", CASES, ids=[c[0] for c in CASES])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import sys
 
@@ -109,9 +110,13 @@ def _counted_run(cfg):
 def test_no_host_reads_outside_log_steps(char_data, tmp_path):
     from paratrain.api import train_rank
 
-    # optimizer.impl=fused is what `auto` picks on CUDA: nothing at all is read between log steps
+    # optimizer.impl=fused is what `auto` picks on CUDA: nothing at all is read between log steps, also with the
+    # numerics watch on (its statistics are read with the step's other numbers at the settle point)
     with counting_reads() as seen:
-        result = train_rank(fast_config(char_data, tmp_path, "fused", *RUN, "optimizer.impl=fused"))
+        result = train_rank(fast_config(char_data, tmp_path, "fused", *RUN, "optimizer.impl=fused",
+                                        "metrics.numerics_every=2"))
+    watched = [r["step"] for r in map(json.loads, (result.run_dir / "metrics.jsonl").open()) if "numerics" in r]
+    assert watched == [2, 4, 6]
     assert len(result.losses) == STEPS and sorted(seen["settled"]) == [0, STEPS - 1]  # the first and the last step
     assert hot_reads(seen) == {}
     # the default on a CPU (foreach): torch.optim's CPU step counters, and the one read of the finite flag per step

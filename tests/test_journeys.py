@@ -90,6 +90,10 @@ JOURNEYS = {
         "paratrain estimate --model llama3-8b --accounting classic",
         "paratrain estimate --model plan/config.toml --gpu H100",
     ],
+    "qwen": [
+        "paratrain estimate --model qwen3-8b --gpu H100 --dp-shard 8 --seq-len 4096 --checkpointing selective",
+        "paratrain estimate --model qwen3-30b-a3b --gpu H100 --dp-shard 8 --ep 8",
+    ],
     "plan": [
         "paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576",
         "paratrain plan --model llama3-70b --gpus 64 --gpu H100 --intra nvlink --inter ib400 --seq 8192 "
@@ -100,6 +104,16 @@ JOURNEYS = {
         "paratrain plan ... --explain ddp,ac=none,mb=2",
         "paratrain plan --model llama3-8b --gpus 8xH100,8xA100 --seq 4096 --global-batch-tokens 1048576",
         "paratrain plan --model llama3-405b --gpus 8192 --gpu H100 --seq 8192 --global-batch-tokens 16777216",
+    ],
+    "troubleshooting": [
+        "paratrain train --nproc 2 --parallel.dp_mode=ddp --training.precision=bf16 --metrics.numerics_every=100 "
+        "--run.name=watched",
+        "paratrain report runs/watched",
+        "paratrain replay runs/watched step-6",
+        "paratrain doctor --hang runs/stuck",
+        "paratrain plan --model llama3-70b --gpus 512 --gpu H100 --seq 8192 --global-batch-tokens 8388608",
+        "paratrain train --dry-run --world 512 --config plan/config.toml",
+        "paratrain plan ... --check",
     ],
     "calibrate": [
         "paratrain plan --calibrate --name mybox --nproc 4",
@@ -429,6 +443,14 @@ def test_journey_estimate(journey):
     assert "GiB" in out or "GB" in out
 
 
+def test_journey_qwen(journey):
+    """The Qwen presets' estimates print the published parameter counts (README's table)."""
+    out = journey.readme(JOURNEYS["qwen"][0]).stdout
+    assert "model qwen3-8b: 8.19B parameters (8,190,735,360)" in out and "FITS" in out
+    out = journey.readme(JOURNEYS["qwen"][1]).stdout
+    assert "30.53B parameters (30,532,122,624), 3.35B active per token (3,353,032,704)" in out and "ep=8" in out
+
+
 PLAN = "paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576"
 
 
@@ -467,3 +489,66 @@ def test_journey_calibrate(journey):
     out = j.readme(PLAN, after=["--gpu", "mybox", "--gpus", "4", "--gpus-per-node", "4", "--model", "tiny",
                                "--vocab-size", "256", "--seq", "32", "--global-batch-tokens", "256"]).stdout
     assert "mybox" in out
+
+
+def test_journey_troubleshooting(journey):
+    """Rank 1's weight made to overflow before step 6 (PARATRAIN_FAULTS): the run names the layer, the rank and the
+    step in one line, rolls back and finishes; the report draws the heat map; the replay names them again. Rank 1
+    of 4 stopped in the middle of a step: one timeout line, and `doctor --hang` names rank 1 and the collective it
+    holds up. The planner's 70B layout for 64 nodes (world 512) built here in under a minute of CPU, its model states
+    within 1% of the estimate; `plan --check` on the 8B plan."""
+    import resource
+    import signal
+    import time
+
+    import psutil
+
+    j = journey
+    watched = JOURNEYS["troubleshooting"][0]
+    j.env["PARATRAIN_FAULTS"] = "overflow@5:1"
+    done = j.train(watched, "--training.steps=8", "--checkpoint.every=4", "--resilience.max_bad_steps=2",
+                   "--metrics.numerics_every=2")
+    out = done.stdout + done.stderr
+    assert ("step 6: non-finite loss or gradient norm, update skipped (1 skipped so far); first non-finite output: "
+            "layers.1.attention.wo (rank 1, step 6, batch 5); replay: paratrain replay runs/watched step-6") in out
+    assert "rolled back to runs/watched/checkpoints/step-4" in out
+    j.readme("paratrain report runs/watched")
+    assert (j.cwd / "runs/watched/report/numerics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = j.readme("paratrain replay runs/watched step-6").stdout
+    assert "replayed step 6 of runs/watched from checkpoint step-4: batch 5, loss nan" in out
+    assert "first non-finite output: layers.1.attention.wo (rank 1)" in out
+    del j.env["PARATRAIN_FAULTS"]
+
+    # a hung rank: rank 1 of 4 (tp2 x fsdp2) SIGSTOPs itself in the middle of step 4's forward
+    started = time.monotonic()
+    stuck = subprocess.run([sys.executable, "-m", "paratrain", "train", "--nproc", "4", *TINY, "--parallel.tp=2",
+                            "--training.steps=6", "--run.name=stuck", "--resilience.collective_timeout_s=8"],
+                           cwd=j.cwd, env={**j.env, "PARATRAIN_FAULTS": "hang@3:1"}, capture_output=True, text=True,
+                           timeout=300)
+    records = [json.loads(p.read_text()) for p in sorted((j.cwd / "runs/stuck/hang").glob("rank*.json"))]
+    left = [pid for r in records for pid in [r["pid"], *(p["pid"] for p in r["peers"].values())]
+            if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    for pid in left:  # only the ranks this run started (their pids are in its records)
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks left running: {left}"
+    assert stuck.returncode == 3, stuck.stderr[-3000:]
+    assert stuck.stderr.count("error:") == 1 and "resilience.collective_timeout_s=8" in stuck.stderr
+    assert "every rank's collective history: paratrain doctor --hang runs/stuck" in stuck.stderr
+    assert time.monotonic() - started < 240
+    lines = j.readme("paratrain doctor --hang runs/stuck").stdout.splitlines()
+    assert lines[0] == "hang records of runs/stuck: 3 of 4 ranks (at step 4); none from rank 1"
+    behind = [line for line in lines if " is behind" in line]
+    assert len(behind) == 1 and behind[0].startswith("rank 1 is behind: rank") and "all_gather #" in behind[0]
+    assert "stopped (SIGSTOP, or a debugger)" in behind[0]
+    assert sorted(int(line.split()[1]) for line in lines if line.startswith("  rank ")) == [0, 2, 3]
+
+    # the 70B plan for 64 nodes, built here
+    j.readme("paratrain plan --model llama3-70b --gpus 512 --gpu H100 --seq 8192 --global-batch-tokens 8388608")
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = j.readme("paratrain train --dry-run --world 512 --config plan/config.toml").stdout
+    spent = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert spent.ru_utime + spent.ru_stime - cpu.ru_utime - cpu.ru_stime < 60, out
+    assert "on 512 ranks" in out and "agree within 1% on every rank built" in out
+    assert re.findall(r"^ +(\d+) \| pp=(\d) ", out, re.M) == [("0", "0"), ("128", "1"), ("256", "2"), ("384", "3")]
+    out = j.readme("paratrain plan ... --check", before=shlex.split(PLAN)[2:], after=["--out", "plan-check"]).stdout
+    assert "agree within 1% on every rank built" in out

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.errors import UserError
-from paratrain.models import PRESETS, ModelArgs, Transformer, count_params, preset_args
+from paratrain.models import PRESETS, ModelArgs, Transformer, build_model, count_params, preset_args
 from paratrain.distributed.initialize import init_weights
 from paratrain.models.llama import apply_rope, rope_tables
 
@@ -55,7 +55,7 @@ def test_forward_rejects_too_long_input():
 def test_count_params_matches_meta_model(name):
     args = preset_args(name, vocab_size=VOCAB)  # vocab only used by the presets that take it from data
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build_model(args)  # the preset's family's module
     assert count_params(args) == numel(model)
     embedding = args.vocab_size * args.dim
     assert count_params(args, include_embedding=False) == numel(model) - embedding

@@ -117,7 +117,8 @@ def single_run(char_data, runs_dir):
     from paratrain.api import train_rank as train
 
     port = free_port()
-    cfg = fast_config(char_data, runs_dir, "one", *RUN, f"metrics.prometheus_port={port}", "metrics.tensorboard=true")
+    cfg = fast_config(char_data, runs_dir, "one", *RUN, f"metrics.prometheus_port={port}", "metrics.tensorboard=true",
+                      "metrics.numerics_every=3")
     scraper = Scraper(port)
     scraper.start()
     t0 = time.perf_counter()
@@ -178,6 +179,34 @@ def test_tensorboard_scalars_match_jsonl(single_run):
         assert v == pytest.approx(by_step[step]["loss"], rel=1e-6)  # TensorBoard stores float32
     assert {e.step for e in acc.Scalars("memory/rss_bytes/rank0")} == {1, 2, 3, 4, 6}
     assert [e.step for e in acc.Scalars("val/loss")] == [3, 6]
+
+
+def test_numerics_watch_reaches_every_sink(single_run):
+    """metrics.numerics_every=3: steps 3 and 6 carry per-row statistics in the log; Prometheus and TensorBoard show
+    the same numbers."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg, _, scrapes, _, _ = single_run
+    by_step = steps_of(read_jsonl(cfg.run_dir / "metrics.jsonl"))
+    assert [s for s, r in by_step.items() if "numerics" in r] == [3, 6]
+    n = by_step[6]["numerics"]
+    assert n["rows"] == ["embed", "0", "1", "head"]
+    for kind in ("act", "grad", "weight"):
+        assert all(0 < v < 100 for v in n[f"{kind}_max"]) and all(0 < v <= m for v, m in zip(n[f"{kind}_rms"],
+                                                                                       n[f"{kind}_max"]))
+    assert n["attn_logit_max"][0] is None and n["attn_logit_max"][3] is None  # blocks only
+    assert all(v is not None for v in n["attn_logit_max"][1:3] + n["mlp_max"][1:3])
+    assert all(100 < b < 140 for b in n["headroom_bits"]["bf16"]) and all(b > 10 for b in n["headroom_bits"]["fp16"])
+    assert by_step[6]["numerics_headroom_bits"] == min(n["headroom_bits"]["bf16"])
+    final = [m for m in scrapes if any(name == "paratrain_step" for name, _ in m)][-1]
+    assert value(final, "paratrain_numerics_max_abs", row="1", kind="activation") == n["act_max"][2]
+    assert value(final, "paratrain_numerics_rms", row="head", kind="gradient") == n["grad_rms"][3]
+    assert value(final, "paratrain_numerics_headroom_bits", row="0", format="fp16") == n["headroom_bits"]["fp16"][1]
+    assert value(final, "paratrain_numerics_min_headroom_bits") == by_step[6]["numerics_headroom_bits"]
+    acc = EventAccumulator(str(cfg.run_dir / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("numerics/act_max/1")] == [
+        (s, pytest.approx(by_step[s]["numerics"]["act_max"][2], rel=1e-6)) for s in (3, 6)]
 
 
 def test_prometheus_two_ranks_labelled_by_rank(two_rank_run):
@@ -286,7 +315,7 @@ def test_report_plots_and_summary(single_run, two_rank_run, tmp_path):
     one, two = single_run[0].run_dir, two_rank_run[0].run_dir
     out = tmp_path / "report"
     assert cli.main(["report", str(one), str(two), "--out", str(out)]) == 0
-    for name in ("loss.png", "throughput.png", "memory.png", "scaling.png"):
+    for name in ("loss.png", "throughput.png", "memory.png", "scaling.png", "numerics-one.png"):
         w, h = png_size(out / name)
         assert w >= 400 and h >= 300
         with Image.open(out / name) as im:

@@ -63,7 +63,8 @@ def test_unknown_schedule_name_is_one_line():
 
 
 def test_balanced_split_and_bubble_formula():
-    from paratrain.layout import balanced_split, predicted_bubble
+    from paratrain.layout import predicted_bubble
+    from paratrain.stage_split import balanced_split
     from paratrain.models.presets import preset_args
 
     args = preset_args("tiny", vocab_size=128, n_layers=8)

@@ -22,11 +22,13 @@ def test_pipeline_memory_and_fsdp_gathers_match_the_trainer():
     """pp2 x fsdp2 (1f1b, bf16) on 4 gloo ranks: the trainer's step (build_pipeline +
     TrainStep) measured tensor by tensor is within 5% of the estimate, and every FSDP group is all-gathered exactly
     once per step, as Layout.fsdp_all_gathers says and the estimator and the cost model count."""
+    from paratrain.config import ParallelConfig
     from paratrain.estimate import estimate
     from paratrain.estimate.measure import MeasureSpec, inputs_for_spec, measure
 
-    specs = [MeasureSpec(model=MODEL, dp_mode="fsdp", pp=2, pp_schedule="1f1b", pp_microbatches=4, micro_batch=1,
-                         seq_len=64, precision="bf16", name="pp2xfsdp2 1f1b bf16")]
+    parallel = ParallelConfig(dp_mode="fsdp", pp=2, pp_schedule="1f1b", pp_microbatches=4)
+    specs = [MeasureSpec(model=MODEL, parallel=parallel, micro_batch=1, seq_len=64, precision="bf16",
+                         name="pp2xfsdp2 1f1b bf16")]
     for spec, ranks in zip(specs, measure(specs, 4)):
         est = estimate(inputs_for_spec(spec, 4), suggest=False)
         worst = max(r["peak"] for r in ranks)

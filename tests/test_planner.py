@@ -223,6 +223,71 @@ def test_estimate_flags_win_over_the_config(tmp_path, capsys):
     assert flags["layout"]["cp"] == 2 and flags["total_bytes"] == best["memory_bytes_per_rank"]
 
 
+# Plans whose best layouts set every layout field (through the layout flags, which fix them): zero2 x cp x tp x an
+# interleaved pipeline with 3 stages per rank and fixed micro-batches; hsdp with sign_ef; experts; ddp with PowerSGD.
+SMALL = ["--gpus-per-node", "8", "--gpu", "H100", "--seq", "4096", "--global-batch-tokens", str(4096 * 64)]
+PINNED = {
+    "zero2-cp2-tp2-pp2-v3": ["--model", "llama3-8b", "--gpus", "16", *SMALL, "--dp-mode", "zero2", "--cp", "2",
+                             "--tp", "2", "--pp", "2", "--pp-schedule", "interleaved_1f1b", "--pp-virtual", "3",
+                             "--microbatches", "8", "--checkpointing", "every_k"],
+    "hsdp-sign_ef": ["--model", "llama3-8b", "--gpus", "16", *SMALL, "--dp-mode", "hsdp", "--dp-replicate", "2",
+                     "--grad-compression", "sign_ef", "--sign-ef-block", "64", "--checkpointing", "full"],
+    "fsdp-ep4": ["--model", "tiny-moe", "--gpus", "8", *SMALL[2:4], "--seq", "256", "--global-batch-tokens",
+                 str(256 * 16), "--dp-mode", "fsdp", "--ep", "4", "--dp-shard", "8"],
+    "ddp-powersgd": ["--model", "tiny", "--gpus", "4", *SMALL[2:4], "--seq", "256", "--global-batch-tokens",
+                     str(256 * 16), "--dp-mode", "ddp", "--grad-compression", "powersgd", "--powersgd-rank", "2",
+                     "--checkpointing", "selective"],
+}
+
+
+@pytest.mark.parametrize("argv", PINNED.values(), ids=PINNED.keys())
+def test_plan_and_estimate_of_its_config_agree_on_every_layout_field(argv, tmp_path, capsys):
+    """The layout flags fix what the plan chooses; `paratrain estimate --model plan/config.toml` reads back every
+    field of the planned layout (degrees, dp mode, sequence parallelism, schedule, stages per rank, micro-batches,
+    blocks per stage), its checkpointing, micro-batch, precision and gradient compression, and the same memory."""
+    import dataclasses
+
+    from paratrain.layout import Batch
+    from paratrain.planner import write_outputs
+    from paratrain.planner.search import plan
+
+    ctx, world, opts, base = context_from_argv(argv)
+    best = plan(ctx, world, opts, top=1).ranked[0]
+    lay = best.cand.layout.validate(ctx.args, world, Batch(ctx.global_seqs, best.cand.micro_batch, ctx.seq_len))
+    flags = dict(zip(argv[::2], argv[1::2]))
+    for flag, field in (("--tp", "tp"), ("--cp", "cp"), ("--pp", "pp"), ("--ep", "ep"), ("--dp-replicate",
+                        "dp_replicate"), ("--dp-shard", "dp_shard"), ("--pp-virtual", "pp_virtual"),
+                        ("--microbatches", "pp_microbatches")):
+        if flag in flags:
+            assert getattr(lay, field) == int(flags[flag]), field
+    for flag, field in (("--dp-mode", "dp_mode"), ("--pp-schedule", "pp_schedule")):
+        if flag in flags:
+            assert getattr(lay, field) == flags[flag], field
+    assert ctx.compression.method == flags.get("--grad-compression", "none")
+    config, _, _ = write_outputs(best, ctx, world, tmp_path / "plan", base, argv[1])
+    vocab = ["--vocab-size", "128"] if argv[1].startswith("tiny") else []  # (tiny presets: the plan's --vocab-size)
+    assert main(["estimate", "--model", str(config), *vocab, "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert {k: est["layout"][k] for k in dataclasses.asdict(lay)} == json.loads(json.dumps(dataclasses.asdict(lay)))
+    assert est["layout"]["world_size"] == world
+    assert (est["checkpointing"], est["every_k"], est["micro_batch"]) == (best.cand.ac, best.cand.every_k,
+                                                                        best.cand.micro_batch)
+    assert est["precision"] == ctx.precision and est["compression"] == dataclasses.asdict(ctx.compression)
+    assert abs(est["total_bytes"] - best.total_bytes) <= 0.01 * best.total_bytes
+
+
+def test_plan_layout_flags_one_line_errors(capsys):
+    for argv, words in ((["--dp-mode", "fsdp", "--dp-modes", "ddp"], "give --dp-mode or --dp-modes, not both"),
+                        (["--pp-schedule", "zbw"], "--pp-schedule 'zbw' is not one of"),
+                        (["--tp", "0"], "--tp must be >= 1, got 0"),
+                        (["--tp", "3"], "no layout of 8 GPUs"),
+                        (["--pp-split", "4,4"], "unrecognized arguments: --pp-split"),
+                        (["--explain", "fsdp,tp=2,sp=off"], "no sp=off or lp=off")):
+        assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--no-write", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--cp", "0"], "--cp must be >= 1, got 0"),
     (["--cp", "3", "--world-size", "8"], "does not divide the world size 8"),
@@ -296,7 +361,7 @@ def test_slurm_job_names_are_short_and_valid():
 
 def test_balanced_split_is_the_min_max_partition_cut():
     """balanced_split's bisection makes the cut of the plain dynamic programme (min_max_partition), ties included."""
-    from paratrain.layout import balanced_split, min_max_partition
+    from paratrain.stage_split import balanced_split, min_max_partition
     from paratrain.models import preset_args
     from paratrain.models.presets import block_param_count
 

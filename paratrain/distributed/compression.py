@@ -45,6 +45,7 @@ from torch import nn
 from paratrain.distributed.initialize import canonical_name
 from paratrain.estimate.compression import powersgd_matrix
 from paratrain.layout import grad_compression_site
+from paratrain.modes import Compression, CompressionSite
 
 STATE_PREFIX = "grad_comm"  # checkpoint keys: grad_comm/<method>/w<world>/rank<r>/<parameter>|<kind>
 
@@ -329,6 +330,7 @@ class GradComm:
     def __init__(self, parallel, dims, device: torch.device, seed: int = 0):
         self.dims, self.layout, self.device, self.seed = dims, dims.layout, device, seed
         self.method = parallel.grad_compression
+        self.compression = Compression.from_config(parallel)
         self.site = grad_compression_site(self.layout, self.method)
         self.bucket_mb = parallel.ddp_bucket_mb
         self.forward_prefetch, self.backward_prefetch = parallel.fsdp_forward_prefetch, parallel.fsdp_backward_prefetch
@@ -350,11 +352,11 @@ class GradComm:
     # -- FSDP -----------------------------------------------------------------------------------------------------
     @property
     def reduce_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.site == "reduce_dtype" else torch.float32
+        return torch.bfloat16 if self.site is CompressionSite.REDUCE_DTYPE else torch.float32
 
     def fsdp_mesh(self):
         """hsdp with a replicate hook: FSDP shards over dp_shard only; the hook all-reduces over dp_replicate."""
-        if self.site == "replicate_hook":
+        if self.site is CompressionSite.REPLICATE_HOOK:
             return self.dims.mesh["dp_shard"]
         return self.dims.fsdp_mesh
 
@@ -365,7 +367,7 @@ class GradComm:
                 block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + self.forward_prefetch])
             if self.backward_prefetch > 1 and i > 0:
                 block.set_modules_to_backward_prefetch(blocks[max(0, i - self.backward_prefetch):i][::-1])
-        if self.site == "replicate_hook":
+        if self.site is CompressionSite.REPLICATE_HOOK:
             group = self.dims.mesh["dp_replicate"].get_group()
             if self.compressor is None:
                 self.compressor = SignEF(group, self.meter, self.sign_block, self.sign_warmup)
@@ -391,20 +393,20 @@ class GradComm:
     def attach_ddp(self, ddp: nn.Module) -> None:
         """After wrapping DDP (ddp, zero1): the compression hook, if any."""
         self.models.append(ddp)
-        if self.site != "ddp_hook":
+        if self.site is not CompressionSite.DDP_HOOK:
             return
         group = self.dims.dp_group
         p = dist.get_world_size(group)
         names = {id(q): canonical_name(n) for n, q in ddp.module.named_parameters()}
         meter, sync = self.meter, self.device.type == "cpu"
-        if self.method == "bf16":
+        if self.compression.casts_to_bf16:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
             def hook(state, bucket):
                 n = bucket.buffer().numel()
                 meter.add(all_reduce_wire(2 * n, p), all_reduce_wire(4 * n, p))
                 return bf16_compress_hook(state, bucket)
-        elif self.method == "powersgd":
+        elif self.compression.low_rank:
             self.compressor = PowerSGD(group, self.powersgd_rank, self.powersgd_warmup, self.seed, meter)
 
             def hook(state, bucket):
@@ -434,7 +436,7 @@ class GradComm:
         if lay.dp == 1:
             return
         if lay.uses_ddp:
-            if self.site == "none":
+            if self.site is CompressionSite.NONE:
                 numel = sum(q.numel() for m in self.models for q in m.parameters())
                 self.plain_per_step = self.full_per_step = all_reduce_wire(4 * numel, lay.dp)
             return
@@ -444,7 +446,7 @@ class GradComm:
         rbytes = 2 if self.reduce_dtype == torch.bfloat16 else 4
         sent = scatter_wire(rbytes * shard * lay.dp_shard, lay.dp_shard)
         full = scatter_wire(4 * shard * lay.dp_shard, lay.dp_shard)
-        if lay.hybrid and self.site != "replicate_hook":
+        if lay.hybrid and self.site is not CompressionSite.REPLICATE_HOOK:
             sent += all_reduce_wire(rbytes * shard, lay.dp_replicate)
             full += all_reduce_wire(4 * shard, lay.dp_replicate)
         if lay.pp > 1:

@@ -53,10 +53,21 @@ def quiet_torch_logs() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
+HISTORY_ENV = "TORCH_FR_BUFFER_SIZE"  # torch's flight recorder: collectives kept per process (0: off)
+COLLECTIVE_HISTORY = 2000  # paratrain's default, read back on a hang (paratrain/observe/hang.py)
+
+
 def init_process_group(device: torch.device, timeout_s: float) -> None:
     """Join the launcher's process group (RANK, WORLD_SIZE, MASTER_ADDR/PORT from the environment) for `device`:
     NCCL bound to a CUDA device (made the current one), gloo on CPU. The one place paratrain starts a group:
-    the trainer (`init_distributed`), `paratrain doctor`'s all-reduce test and `paratrain plan --calibrate`."""
+    the trainer (`init_distributed`), `paratrain doctor`'s all-reduce test and `paratrain plan --calibrate`.
+    torch's flight recorder keeps the last COLLECTIVE_HISTORY collectives (unless TORCH_FR_BUFFER_SIZE is set)."""
+    os.environ.setdefault(HISTORY_ENV, str(COLLECTIVE_HISTORY))
+    # Groups made later (the mesh's sub-groups, new_group) take torch's default timeout (30 min on gloo, 10 on NCCL),
+    # not this group's: make it the run's, so a stuck rank ends the run whichever group it blocks.
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)

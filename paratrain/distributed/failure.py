@@ -46,12 +46,17 @@ def _peer_lost(error: BaseException) -> bool:
     return any(s in str(e).lower() for e in causes(error) for s in _PEER_LOST)
 
 
-def _first_line(error: BaseException) -> str:
+def collective_failed(error: BaseException) -> bool:
+    """A collective timed out, or a peer it needed is gone: the ranks' collective histories tell which."""
+    return not isinstance(error, (UserError, PeerFailed)) and (is_collective_timeout(error) or _peer_lost(error))
+
+
+def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def classify(error: BaseException, collective_timeout_s: float) -> Failure:
+def classify(error: BaseException, collective_timeout_s: float, run_dir=None) -> Failure:
     if isinstance(error, KeyboardInterrupt):
         return Failure(EXIT_INTERRUPTED, None)
     if isinstance(error, PeerFailed):
@@ -62,9 +67,10 @@ def classify(error: BaseException, collective_timeout_s: float) -> Failure:
     if problem is not None:
         return Failure(EXIT_USER_ERROR, problem)
     if is_collective_timeout(error):
+        hint = f"; every rank's collective history: paratrain doctor --hang {run_dir}" if run_dir else ""
         return Failure(EXIT_COLLECTIVE_TIMEOUT,
                        f"a collective did not complete within resilience.collective_timeout_s={collective_timeout_s:g} "
-                       f"s; another rank is stuck or dead ({_first_line(error)})")
+                       f"s; another rank is stuck or dead ({first_line(error)}){hint}")
     if _peer_lost(error):  # another rank died: it, or the launcher when it was killed, reports that
         return Failure(EXIT_CRASH, None, own=False)
     return Failure(EXIT_CRASH, None)
@@ -86,14 +92,27 @@ def _store():
         return None
 
 
-def _first_failure(store) -> int | None:
-    """The exit code of the rank that failed first, if one has said so."""
+def _first_record(store) -> tuple[int, int] | None:
+    """(rank, exit code) of the rank that failed first, once one has said so."""
     try:
         if store is not None and store.check([_RECORD]):
-            return int(store.get(_RECORD).decode().split(":")[1])
+            rank, code = store.get(_RECORD).decode().split(":")
+            return int(rank), int(code)
     except Exception:  # noqa: BLE001 - the store may be gone with the launcher
         pass
     return None
+
+
+def _first_failure(store) -> int | None:
+    """The exit code of the rank that failed first, if one has said so."""
+    first = _first_record(store)
+    return first[1] if first else None
+
+
+def first_failed_rank() -> int | None:
+    """The rank that failed first (it reports for the job), once one has said so."""
+    first = _first_record(_store())
+    return first[0] if first else None
 
 
 def _claim(store, rank: int, code: int) -> bool:
@@ -109,10 +128,10 @@ def _claim(store, rank: int, code: int) -> bool:
         return rank == 0
 
 
-def report(error: BaseException, rank: int, world: int, collective_timeout_s: float) -> int:
+def report(error: BaseException, rank: int, world: int, collective_timeout_s: float, run_dir=None) -> int:
     """Print what this rank has to say about `error` (at most one line, or a crash's traceback) and return its exit
-    code."""
-    failure = classify(error, collective_timeout_s)
+    code. `run_dir`: where a collective timeout's histories go (named in its line)."""
+    failure = classify(error, collective_timeout_s, run_dir)
     store = _store()
     if not failure.own:  # quiet, with the exit code of the rank that failed (it wrote its record before exiting)
         deadline = time.monotonic() + 1

@@ -63,7 +63,8 @@ def launch(entrypoint, args: tuple, nproc: int, max_restarts: int = 0, grace_s: 
                     raise LaunchedUserError() from None
                 summary = _describe(e.failures, nproc)
                 if attempt == max_restarts:
-                    if codes == [EXIT_COLLECTIVE_TIMEOUT]:  # the rank that noticed printed the one line
+                    # the rank that noticed printed the one line (and stopped the peers that hung: killed)
+                    if EXIT_COLLECTIVE_TIMEOUT in codes and all(c == EXIT_COLLECTIVE_TIMEOUT or c < 0 for c in codes):
                         raise LaunchedUserError(EXIT_COLLECTIVE_TIMEOUT) from None
                     hint = "" if max_restarts else "; --max-restarts N relaunches from the last checkpoint"
                     raise LaunchedCrash(f"{summary}{hint}") from None

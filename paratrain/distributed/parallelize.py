@@ -23,11 +23,10 @@ from paratrain.distributed.expert_parallel import distribute_experts, shard_expe
 from paratrain.distributed.initialize import init_weights
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.tensor_parallel import apply_tp
-from paratrain.distributed.tensors import full_tensor, right_pad
+from paratrain.distributed.tensors import full_tensor, right_pad, torch_dtype
 from paratrain.models.lora import apply_lora, freeze_base
 from paratrain.models.lora_params import LoRA
-
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from paratrain.modes import block_checkpointing, low_precision, recomputes, selective
 
 
 class SequenceParallelSampler(nn.Module):
@@ -82,18 +81,19 @@ def _sac_ignore_profiler_ops() -> None:
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
-    if cfg.mode == "none":
+    if not recomputes(cfg.mode):
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    if cfg.mode == "selective":
+    if selective(cfg.mode):
         _sac_ignore_profiler_ops()
-    for index, (key, block) in enumerate(list(model.layers.items())):
-        if cfg.mode == "every_k" and index % cfg.every_k != 0:
+    blocks = list(model.layers.items())
+    for (key, block), mode in zip(blocks, block_checkpointing(cfg.mode, len(blocks), cfg.every_k)):
+        if not recomputes(mode):
             continue
         kwargs = dict(preserve_rng_state=False)
-        if cfg.mode == "selective":
+        if selective(mode):
             kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy)
         model.layers[key] = checkpoint_wrapper(block, **kwargs)
 
@@ -111,7 +111,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_m
 
     comm = comm or GradComm.default(dims, torch.device("cpu"))
     # Gradients are reduced in fp32, or in bf16 with parallel.grad_compression=bf16.
-    mp = MixedPrecisionPolicy(param_dtype=PRECISION_DTYPES[precision], reduce_dtype=comm.reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=torch_dtype(precision), reduce_dtype=comm.reduce_dtype)
     mesh = comm.fsdp_mesh()  # hsdp compressing its replicate all-reduce shards over dp_shard only
     # zero2: gradients and optimizer state sharded, parameters kept gathered from forward to backward.
     reshard = dims.layout.reshard_after_forward
@@ -150,7 +150,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
     layout = dims.layout
     comm = comm or GradComm.default(dims, device, ddp_bucket_mb)
     if lora is not None:
-        apply_lora(model, lora, PRECISION_DTYPES[precision] if precision != "fp32" else None)
+        apply_lora(model, lora, torch_dtype(precision) if low_precision(precision) else None)
     if layout.tp_enabled:
         apply_tp(model, dims.tp_mesh, layout.sequence_parallel, layout.uses_loss_parallel)
         if lora is not None:
@@ -170,7 +170,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
         apply_fsdp(model, dims, precision, expert_dp_mesh, comm)
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         model.to_empty(device=device)
-    init_weights(model, seed)
+    if device.type != "meta":  # a dry run (`paratrain train --dry-run`) keeps the laid-out model on meta: no values
+        init_weights(model, seed)
     if layout.uses_ddp:
         from torch.nn.parallel import DistributedDataParallel
 

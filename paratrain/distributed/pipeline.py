@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.distributed.tensors import full_tensor, right_pad
-from paratrain.layout import MULTI_STAGE, Layout
+from paratrain.layout import Layout
+from paratrain.modes import multi_stage, torch_schedule_name
 
 
 # -- building ------------------------------------------------------------------------------------
@@ -264,11 +265,10 @@ def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str
     rank_model = next(iter(modules.values())) if len(modules) == 1 else StageGroup(modules)
 
     stages = [PipelineStage(modules[s], s, layout.num_stages, device, group=group) for s in sorted(modules)]
-    cls = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "interleaved_1f1b": S.ScheduleInterleaved1F1B,
-           "interleaved_zero_bubble": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble}[layout.pp_schedule]
+    cls = getattr(S, torch_schedule_name(layout.pp_schedule))
     # Each microbatch's loss is a mean; scale_grads divides the summed gradients by the microbatch count, so
     # the gradient is the mean over this rank's batch (FSDP then averages over data-parallel ranks).
-    schedule = cls(stages[0] if layout.pp_schedule not in MULTI_STAGE else stages,
+    schedule = cls(stages if multi_stage(layout.pp_schedule) else stages[0],
                    n_microbatches=layout.pp_microbatches, loss_fn=loss_fn, scale_grads=True)
     pipe = Pipeline(layout, rank_model, modules, stages, schedule, group, pp_rank, device, loss_fn)
     slowdown = simulated_slowdown(dist.get_rank())

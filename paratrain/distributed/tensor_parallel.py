@@ -71,6 +71,10 @@ class _Styles:
             return RowwiseParallel(output_layouts=sublayer_output)
         if role == "norm":
             return SequenceParallel() if self.sp else replicated_style()
+        if role == "head_norm":
+            # Its input (B, T, H, D) holds this rank's heads (the column-parallel projection's output): sharded on
+            # the head dim, with or without SP; the gain's gradient is then summed over the ranks' heads.
+            return SequenceParallel(sequence_dim=2, use_local_output=True)
         if role == "replicated":
             return replicated_style()
         if role == "expert":

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from paratrain.modes import dtype_name
+
+
+def torch_dtype(precision: str) -> torch.dtype:
+    """The dtype of a precision's name (paratrain.modes.Precision: fp32, bf16, fp16)."""
+    return getattr(torch, dtype_name(precision))
+
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole value: a DTensor is gathered (a collective: every rank of its mesh must call this)."""

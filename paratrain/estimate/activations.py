@@ -3,7 +3,7 @@
 Read with paratrain/models/llama.py open. N = micro_batch x seq_len tokens; C = dim; Hq, Hkv heads of
 D = C / Hq; F = ffn_hidden; V = vocab. Three precision regimes give each saved tensor its dtype:
 
-- "fp32": everything fp32.
+- "single": fp32 training, everything fp32.
 - "autocast" (bf16/fp16 without FSDP: one process, ddp, zero1, tensor parallel only): parameters are fp32,
   `torch.autocast` runs matmuls and attention in bf16. The embedding and RMSNorm are not autocast ops, so the
   residual stream and the norm outputs stay fp32, and every linear casts its input to bf16 separately: q, k, v
@@ -16,6 +16,8 @@ One dense block saves ("none" checkpointing), in forward order:
 
   attention_norm   x.float() (the fp32 block input, N C 4 B), rsqrt (N 4 B), x*rsqrt (N C R; the `* weight`
                    saves it), the normed output (the q/k/v input: see above)
+  q/k norms        (families with per-head norms: Qwen3) each the projection's output in fp32 (N H D 4 B; a copy
+                   unless fp32), rsqrt (N H 4 B) and x*rsqrt (N H D L) for q's and k's heads
   apply_rope       its fp32 math saves nothing; q after rope (N Hq D L) is saved by attention
   GQA              k, v after repeat_interleave: N Hq D L each (N Hkv D L when Hkv = Hq)
   SDPA (flash)     output N Hq D L and logsumexp N Hq 4 B (the wo input is a view of the output)
@@ -51,6 +53,8 @@ from dataclasses import dataclass
 
 from paratrain.layout import Layout
 from paratrain.models.args import ModelArgs
+from paratrain.models.registry import roles
+from paratrain.modes import low_precision, recomputes, selective, whole_blocks
 
 FP32, INT64 = 4, 8
 
@@ -71,13 +75,14 @@ class ActDims:
     V: int  # vocabulary seen by the loss on this rank (V / tp with loss parallel)
     tp: int
     sp: bool
-    regime: str  # fp32 | autocast | pure
+    regime: str  # single | autocast | pure
     fsdp: bool  # FSDP mixed precision casts block inputs (rotary tables)
     gqa: bool  # k, v repeated to Hq heads
     loss_parallel: bool
     cuda: bool = True  # CUDA kernels (vs CPU): only changes how autocast treats the MoE experts' grouped matmul
     cp: int = 1  # context parallel: s is this rank's share of the sequence; ring attention
     max_seq: int = 0  # the whole sequence's length: the rows of the rotary tables the model hands each block
+    qk_norm: bool = False  # per-head RMSNorm on q and k before rotary (the family's "head_norm" parameters: Qwen3)
 
     @property
     def N(self) -> int:
@@ -89,7 +94,7 @@ class ActDims:
 
     @property
     def L(self) -> int:  # matmul / attention outputs
-        return 4 if self.regime == "fp32" else 2
+        return 4 if self.regime == "single" else 2
 
     @property
     def seq_div(self) -> int:  # sequence-parallel division of norm/residual tensors
@@ -128,8 +133,8 @@ class ActDims:
 def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, micro_batch: int, seq_len: int,
              device: str = "cuda", frozen_base: bool = False) -> ActDims:
     """`frozen_base`: LoRA's base is stored in the compute dtype, so everything computes in it ("pure")."""
-    if precision == "fp32":
-        regime = "fp32"
+    if not low_precision(precision):
+        regime = "single"
     elif accounting == "classic" or layout.uses_fsdp or frozen_base:
         regime = "pure"
     else:
@@ -140,7 +145,7 @@ def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, m
     return ActDims(micro_batch, seq_len // layout.cp, args.dim, args.n_heads // t, args.n_kv_heads // t, D,
                    args.ffn_hidden // t, args.vocab_size // t if lp else args.vocab_size, t, layout.sp, regime,
                    layout.uses_fsdp and accounting != "classic", args.n_kv_heads != args.n_heads, lp, device == "cuda",
-                   layout.cp, seq_len)
+                   layout.cp, seq_len, "head_norm" in roles(args))
 
 
 def _norm(d: ActDims) -> list[tuple[str, int]]:
@@ -156,11 +161,21 @@ def _matmul_inputs(d: ActDims, n_linears: int) -> int:
     return d.N * d.C * d.L
 
 
+def head_norms_saved(d: ActDims) -> list[tuple[str, int]]:
+    """Per-head q and k norms (Qwen3): each saves its input in fp32 (the projection's output itself in fp32, else a
+    copy), the rsqrt per head, and the normed heads in the projection's dtype (the gain's input)."""
+    if not d.qk_norm:
+        return []
+    heads = d.N * (d.Hq + d.Hkv)
+    return [("q/k norm inputs (fp32)", heads * d.D * FP32), ("q/k norm rsqrt", heads * FP32),
+            ("q/k norm x*rsqrt", heads * d.D * d.L)]
+
+
 def attention_saved(d: ActDims) -> list[tuple[str, int]]:
     N, L = d.N, d.L
     kv_heads = d.kv_heads_saved
     repeated = kv_heads != d.Hkv
-    out = _norm(d) + [("q/k/v input", _matmul_inputs(d, 3)),
+    out = _norm(d) + [("q/k/v input", _matmul_inputs(d, 3)), *head_norms_saved(d),
                       ("q (rope)", N * d.Hq * d.D * L),
                       ("k (rope, repeated)" if repeated else "k (rope)", N * kv_heads * d.D * L),
                       ("v (repeated)" if repeated else "v", N * kv_heads * d.D * L),
@@ -229,7 +244,7 @@ def moe_ffn_saved(d: ActDims, m: MoEDims) -> list[tuple[str, int]]:
     if d.regime == "pure":
         out.append(("router weight (fp32 copy)", m.E * d.C * FP32))
     if m.shared:
-        out += [("shared expert input", 0 if d.regime == "fp32" else _matmul_inputs(d, 2)),
+        out += [("shared expert input", 0 if d.regime == "single" else _matmul_inputs(d, 2)),
                 ("shared SwiGLU", 4 * N * m.shared * d.L)]
     return out
 
@@ -274,11 +289,11 @@ def sac_saved(d: ActDims, moe: MoEDims | None = None) -> list[tuple[str, int]]:
 @functools.lru_cache(maxsize=8192)
 def block_stored(d: ActDims, mode: str, moe: MoEDims | None = None) -> int:
     """Bytes a block keeps from its forward to its backward under checkpointing `mode`."""
-    if mode == "none":
+    if not recomputes(mode):
         return sum(b for _, b in block_saved(d, moe))
-    if mode == "full":
+    if whole_blocks(mode):
         return block_input(d) + d.rope_tables
-    if mode == "selective":
+    if selective(mode):
         return sum(b for _, b in sac_saved(d, moe))
     raise ValueError(mode)
 
@@ -310,10 +325,10 @@ def block_backward_live(d: ActDims, mode: str, moe: MoEDims | None = None) -> tu
     saved = sum(b for _, b in block_saved(d, moe))
     width, product = _swiglu_backward(d, moe)
     grads = width + block_input(d)  # the incoming gradient has the block input's size and dtype
-    if mode == "none":
+    if not recomputes(mode):
         return saved - product, grads + product  # the product (w2's saved input) is freed by w2's backward
     pure_extra = block_input(d) if d.regime == "pure" else 0
-    if mode == "full":
+    if whole_blocks(mode):
         kept = block_input(d) + d.rope_tables
         return kept, saved + grads + pure_extra - kept
     N, L = d.N, d.L
@@ -350,10 +365,10 @@ def ring_backward_block(d: ActDims, mode: str) -> int:
     cache has handed out its entries by then, except v, the attention output and logsumexp (saved by the ring's
     backward, counted with the attention) and the w2 output, which the early-stopping recomputation never read."""
     attn = sum(b for _, b in attention_saved(d))
-    if mode == "none":
+    if not recomputes(mode):
         return attn
     extra_input = block_input(d) if d.regime == "pure" else 0  # in fp32 the norm's input is the block input
-    leftover = d.N * d.C * d.L if mode == "selective" else 0
+    leftover = d.N * d.C * d.L if selective(mode) else 0
     return attn + extra_input + d.rope_tables + leftover
 
 

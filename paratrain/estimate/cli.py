@@ -9,6 +9,13 @@ import sys
 
 from paratrain.models.lora_params import LoRA, lora_problem
 from paratrain.errors import OneLineArgumentParser, UserError
+from paratrain.layout_grammar import FLAG_OF, add_layout_flags, with_layout_flags
+from paratrain.modes import CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS
+from paratrain.optimizers import OPTIMIZER_NAMES
+
+# The layout flags `paratrain estimate` takes (paratrain/layout_grammar.py): every [parallel] setting that changes
+# the memory of a step (not DDP's bucket size: its buckets are as large as the gradients).
+ESTIMATE_FLAG_KEYS = tuple(k for k in FLAG_OF if k != "ddp_bucket_mb")
 
 EPILOG = """examples:
   paratrain estimate --model llama3-8b --gpu H100 --dp-shard 8 --micro-batch 2 --seq-len 8192 --checkpointing full
@@ -40,35 +47,17 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu", help="GPU name (H100, A100-40GB, RTX4090, MI300X, ...)")
     g.add_argument("--gpu-memory", help="memory per GPU, e.g. 24GiB, 80GB, 24576MiB")
     p.add_argument("--world-size", type=int, help="number of ranks (default: the product of the degrees)")
-    p.add_argument("--dp-mode", default=None, help="ddp | zero1 | zero2 | zero3 | fsdp | hsdp (default fsdp)")
-    p.add_argument("--dp-shard", type=int, default=None, help="-1: the rest of the world (default)")
-    p.add_argument("--dp-replicate", type=int, default=None)
-    p.add_argument("--tp", type=int, default=None)
-    p.add_argument("--cp", type=int, default=None, help="context parallel: each sequence split over cp ranks")
-    p.add_argument("--no-sequence-parallel", action="store_true")
-    p.add_argument("--no-loss-parallel", action="store_true")
-    p.add_argument("--pp", type=int, default=None)
-    p.add_argument("--pp-schedule", default=None,
-                   help="gpipe | 1f1b (default) | interleaved_1f1b | interleaved_zero_bubble | zbv")
-    p.add_argument("--pp-virtual", "--pp-virtual-stages", dest="pp_virtual", type=int, default=None,
-                   help="stages per rank for the interleaved schedules (2)")
-    p.add_argument("--pp-split", help="blocks per stage, e.g. 9,8,8,7 (default: balanced by parameter count)")
-    p.add_argument("--microbatches", "--pp-microbatches", dest="microbatches", type=int,
-                   help="pipeline micro-batches per step (default 2 x pp); --micro-batch is the size of each")
-    p.add_argument("--ep", type=int, default=None)
+    add_layout_flags(p, ESTIMATE_FLAG_KEYS, "the [parallel] settings, over the --model config's or the defaults\n"
+                     "(a pipeline: --microbatches micro-batches per step, default 2 x pp, of --micro-batch sequences)")
     p.add_argument("--moe-imbalance", type=float, default=1.0, help="routed tokens per ep rank / balanced share")
-    p.add_argument("--grad-compression", default=None, help="none | bf16 | powersgd | sign_ef (error-feedback state)")
-    p.add_argument("--powersgd-rank", type=int, default=None)
-    p.add_argument("--sign-ef-block", type=int, default=None)
-    p.add_argument("--fsdp-backward-prefetch", type=int, default=None, help="blocks gathered ahead in backward (1)")
     p.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank on a frozen model "
                    "(a config's [lora] otherwise)")
     p.add_argument("--lora-targets", default=None, help="the projections LoRA adapts (default wq,wk,wv,wo,w1,w2,w3)")
-    p.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 (default bf16)")
+    p.add_argument("--precision", default=None, help=f"{' | '.join(PRECISIONS)} (default bf16)")
     p.add_argument("--accounting", default="paratrain", help="paratrain | classic (see below)")
-    p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | sgd-nomomentum")
-    p.add_argument("--optimizer-impl", default=None, help="fused (default on GPUs) | foreach | for")
-    p.add_argument("--checkpointing", default=None, help="none | full | every_k | selective")
+    p.add_argument("--optimizer", default=None, help=" | ".join(OPTIMIZER_NAMES) + " (default: the config's, adamw)")
+    p.add_argument("--optimizer-impl", default=None, help=f"{' | '.join(OPTIMIZER_IMPLS)} (default fused on GPUs)")
+    p.add_argument("--checkpointing", default=None, help=" | ".join(CHECKPOINT_MODES))
     p.add_argument("--every-k", type=int, default=None)
     p.add_argument("--micro-batch", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
@@ -106,12 +95,6 @@ def _estimate_defaults(model_args):
     return cfg
 
 
-# flag (argparse dest) -> [parallel] key: every layout option of the trainer (Layout.from_config reads these)
-PARALLEL_FLAGS = {"dp_mode": "dp_mode", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "tp": "tp",
-                  "pp": "pp", "cp": "cp", "ep": "ep", "pp_schedule": "pp_schedule", "pp_virtual": "pp_virtual_stages",
-                  "pp_split": "pp_split", "microbatches": "pp_microbatches", "grad_compression": "grad_compression",
-                  "powersgd_rank": "powersgd_rank", "sign_ef_block": "sign_ef_block",
-                  "fsdp_backward_prefetch": "fsdp_backward_prefetch"}
 TRAINING_FLAGS = {"precision": "precision", "micro_batch": "micro_batch", "seq_len": "seq_len",
                   "accum_steps": "accum_steps", "global_batch": "global_batch"}
 CHECKPOINTING_FLAGS = {"checkpointing": "mode", "every_k": "every_k"}
@@ -121,22 +104,16 @@ def _with_flags(cfg, args):
     """The config with the command line's flags written over its [parallel], [training] and [activation_checkpoint]
     values (explicit flags win). A flag that fixes the accumulation (--accum-steps) or a pipeline's micro-batches
     (--micro-batch / --microbatches) replaces the config's global batch, which is then derived from them."""
-    p, t, ac = cfg.parallel, cfg.training, cfg.activation_checkpoint
-    for flag in ("world_size", "microbatches", "tp", "pp", "cp", "ep", "dp_replicate", "pp_virtual", "micro_batch",
-                 "seq_len", "accum_steps", "global_batch", "every_k"):
+    t, ac = cfg.training, cfg.activation_checkpoint
+    for flag in ("world_size", "micro_batch", "seq_len", "accum_steps", "global_batch", "every_k"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    if args.dp_shard is not None and args.dp_shard != -1 and args.dp_shard < 1:
-        raise UserError(f"--dp-shard must be >= 1, or -1 for the rest of the world, got {args.dp_shard}")
-    for section, flags in ((p, PARALLEL_FLAGS), (t, TRAINING_FLAGS), (ac, CHECKPOINTING_FLAGS)):
+    cfg.parallel = with_layout_flags(cfg.parallel, args, ESTIMATE_FLAG_KEYS)
+    for section, flags in ((t, TRAINING_FLAGS), (ac, CHECKPOINTING_FLAGS)):
         for flag, key in flags.items():
             if getattr(args, flag) is not None:
                 setattr(section, key, getattr(args, flag))
-    if args.no_sequence_parallel:
-        p.sequence_parallel = False
-    if args.no_loss_parallel:
-        p.loss_parallel = False
     if args.accum_steps is not None and args.global_batch is None:
         t.global_batch = None
     if args.lora_rank is not None:
@@ -165,7 +142,7 @@ def _layout_and_batch(cfg, args, model_args, from_file: bool):
     p, t = cfg.parallel, cfg.training
     world = args.world_size or world_of(p)
     layout = Layout.from_config(p, world)
-    if layout.pipelined and (not from_file or args.micro_batch is not None or args.microbatches is not None):
+    if layout.pipelined and (not from_file or args.micro_batch is not None or args.pp_microbatches is not None):
         p.pp_microbatches = p.pp_microbatches or 2 * layout.pp
         t.global_batch = t.micro_batch * p.pp_microbatches * layout.dp
         layout = Layout.from_config(p, world)
@@ -178,9 +155,9 @@ def _layout_and_batch(cfg, args, model_args, from_file: bool):
 def inputs_from_argv(argv: list[str]):
     """Parse `paratrain estimate` arguments into EstimateInputs (UserError on bad input). A config file's [parallel],
     [training] and [activation_checkpoint] sections are read as the trainer reads them; flags override them."""
-    from paratrain.estimate.compression import Compression
     from paratrain.estimate.core import EstimateInputs
     from paratrain.estimate.gpus import HEADROOM, GiB, check_headroom, gpu_memory, parse_memory
+    from paratrain.modes import Compression
 
     args = _parser().parse_args(argv)
     name, model_args, cfg = _model_from(args)
@@ -206,7 +183,7 @@ def inputs_from_argv(argv: list[str]):
     return EstimateInputs(
         compression=Compression.from_config(p).check_flags(), fsdp_backward_prefetch=p.fsdp_backward_prefetch,
         model_args=model_args, layout=layout, model_name=name, precision=t.precision,
-        optimizer=args.optimizer, optimizer_impl=impl, checkpointing=ac.mode, every_k=ac.every_k,
+        optimizer=args.optimizer or cfg.optimizer.name, optimizer_impl=impl, checkpointing=ac.mode, every_k=ac.every_k,
         micro_batch=micro_batch, seq_len=t.seq_len, accum_steps=accum_steps, accounting=args.accounting,
         gpu_name=gpu_name, gpu_bytes=gpu_bytes, headroom=check_headroom(HEADROOM if args.headroom is None
                                                                          else args.headroom),

@@ -1,6 +1,7 @@
 """What gradient compression costs and saves, from the parameters' shapes (torch-free): the planner's bytes and
 compress/decompress compute, the estimator's error-feedback buffers. The runtime is paratrain/distributed/
-compression.py; where each method applies is `paratrain.layout.grad_compression_site`.
+compression.py; where each method applies is `paratrain.layout.grad_compression_site`, the settings
+`paratrain.modes.Compression`.
 
 For the gradients G (fp32) one data-parallel rank reduces with the compressed collective (ddp/zero1: all of its
 gradients; hsdp's replicate hook: its FSDP shard), per optimizer step:
@@ -23,31 +24,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from paratrain.modes import Compression
+
 FP32 = 4
-
-
-@dataclass(frozen=True)
-class Compression:
-    """The `[parallel]` settings that decide what the gradient reduction sends."""
-
-    method: str = "none"  # none | bf16 | powersgd | sign_ef
-    powersgd_rank: int = 4
-    sign_ef_block: int = 0
-
-    @classmethod
-    def from_config(cls, parallel) -> "Compression":
-        return cls(parallel.grad_compression, parallel.powersgd_rank, parallel.sign_ef_block)
-
-    def check_flags(self) -> "Compression":
-        """These settings as command-line flags (`plan`, `estimate`): a one-line error where no run could use them."""
-        from paratrain.errors import UserError
-        from paratrain.layout import GRAD_COMPRESSIONS
-
-        if self.method not in GRAD_COMPRESSIONS:
-            raise UserError(f"--grad-compression '{self.method}' is not one of {', '.join(GRAD_COMPRESSIONS)}")
-        if self.powersgd_rank < 1 or self.sign_ef_block < 0 or self.sign_ef_block % 8:
-            raise UserError("--powersgd-rank must be >= 1 and --sign-ef-block 0 or a multiple of 8")
-        return self
 
 
 @dataclass(frozen=True)
@@ -88,12 +67,12 @@ def powersgd_split(shapes: list[tuple[int, ...]], rank: int) -> tuple[list[tuple
 def compression_cost(comp: Compression, shapes: list[tuple[int, ...]], p: int) -> CompressionCost:
     """The cost of compressing the gradients of `shapes` (what one rank reduces) over p ranks."""
     numel = sum(math.prod(s) for s in shapes)
-    if comp.method == "none" or numel == 0 or p <= 1:
+    if not comp.enabled or numel == 0 or p <= 1:
         return CompressionCost()
     G = numel * FP32
-    if comp.method == "bf16":
+    if comp.casts_to_bf16:
         return CompressionCost(0.5, 0, G // 2, 3 * G, 0.0, 2)
-    if comp.method == "powersgd":
+    if comp.low_rank:
         compressed, plain = powersgd_split(shapes, comp.powersgd_rank)
         sent = plain + sum(r * (n + m) for n, m, r in compressed)
         q = sum(m * r for _, m, r in compressed) * FP32

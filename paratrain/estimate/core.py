@@ -31,8 +31,11 @@ from paratrain.estimate.inputs import EstimateInputs, validate
 from paratrain.estimate.model_states import (BF16, FP32, Param, StateBytes, fsdp_gathers_per_step, fsdp_numel,
                                              local_shape, model_params, rank_layers, rank_params, state_bytes,
                                              zero_table)
-from paratrain.layout import MULTI_STAGE, Layout, grad_compression_site
+from paratrain.layout import Layout, grad_compression_site
+from paratrain.models.presets import count_active_params
 from paratrain.models.registry import family_of
+from paratrain.modes import CompressionSite, block_checkpointing, low_precision, multi_stage, recomputes
+from paratrain.optimizers import optimizer_entry
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
 # not see): the CUDA context and kernels (~0.5-0.8 GiB with lazy module loading), cuBLAS/cuDNN workspaces and
@@ -87,11 +90,13 @@ class Estimate:
         lay = i.layout
         return {
             "model": i.model_name, "parameters": sum(p.numel for p in model_params(i.model_args)),
+            "active_parameters": count_active_params(i.model_args),
             "trainable_parameters": sum(p.numel for p in model_params(i.model_args, i.lora) if p.trainable),
             "lora": None if i.lora is None else i.lora.record(),
             "layout": {**dataclasses.asdict(lay), "world_size": lay.world_size, "description": lay.describe()},
             "precision": i.precision, "accounting": i.accounting, "optimizer": i.optimizer,
             "optimizer_impl": i.optimizer_impl, "checkpointing": i.checkpointing, "every_k": i.every_k,
+            "compression": dataclasses.asdict(i.compression),
             "micro_batch": i.micro_batch, "seq_len": i.seq_len, "accum_steps": i.accum_steps,
             "gpu": i.gpu_name, "gpu_bytes": i.gpu_bytes, "headroom_fraction": i.headroom,
             "usable_bytes": self.usable_bytes,
@@ -124,12 +129,6 @@ def default_overhead(layout: Layout, device: str = "cuda") -> int:
     if device != "cuda":
         return 0
     return int((CONTEXT_OVERHEAD_GIB + (NCCL_OVERHEAD_GIB if layout.world_size > 1 else 0.0)) * GiB)
-
-
-def block_modes(n_layers: int, checkpointing: str, every_k: int) -> list[str]:
-    if checkpointing == "every_k":
-        return ["full" if idx % every_k == 0 else "none" for idx in range(n_layers)]
-    return [checkpointing] * n_layers
 
 
 def in_flight(layout: Layout, rank: int) -> float:
@@ -229,7 +228,7 @@ def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers
     for p in params:
         if p.layer is not None:
             by_layer[p.layer].append(p)
-    low = i.precision != "fp32"
+    low = low_precision(i.precision)
     classic = i.accounting == "classic" and low
     fsdp = lay.uses_fsdp and not (classic and lay.zero_stage == 2)
     pbytes = BF16 if (low and (fsdp or classic)) else FP32
@@ -273,7 +272,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     r = _rank(i, 0, layers_by_stage, my_layers)
     st, d, by_layer, params = r.st, r.d, r.by_layer, r.params
     moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if args.moe_experts else None
-    modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
+    modes = block_checkpointing(i.checkpointing, args.n_layers, i.every_k)
     moe_of = {l: (moe if args.is_moe_layer(l) else None) for l in my_layers}
     stored = {l: A.block_stored(d, modes[l], moe_of[l]) for l in my_layers}
     head_params = r.where("head")
@@ -305,7 +304,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
 
     # FSDP bookkeeping: unsharded bytes per block, root, reduce-scatter buffers.
     site = grad_compression_site(lay, i.compression.method)
-    rbytes = BF16 if site == "reduce_dtype" else FP32
+    rbytes = BF16 if site is CompressionSite.REDUCE_DTYPE else FP32
     unsh = {l: _fsdp_bytes(by_layer[l], lay, pbytes, rbytes) for l in my_layers} if fsdp else {}
     ahead = max(1, i.fsdp_backward_prefetch)  # blocks gathered ahead of the one in backward
 
@@ -314,11 +313,11 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
 
     # Gradient compression: error feedback kept between steps; the hook's temporaries (DDP: at the end of backward).
     comp = None
-    if site in ("ddp_hook", "replicate_hook"):
+    if site.hooked:
         shapes = [local_shape(q, lay) for q in params if q.trainable]
-        if site == "replicate_hook":
+        if site is CompressionSite.REPLICATE_HOOK:
             shapes = [(math.ceil(sh[0] / lay.dp_shard), *sh[1:]) for sh in shapes]
-        comp = compression_cost(i.compression, shapes, lay.dp if site == "ddp_hook" else lay.dp_replicate)
+        comp = compression_cost(i.compression, shapes, lay.dp if site is CompressionSite.DDP_HOOK else lay.dp_replicate)
     root_unsh = _fsdp_bytes(r.root, lay, pbytes)[0] if (fsdp and r.root) else 0
     head_unsh_grads = r.grad_numel(head_params) * pbytes if fsdp else 0
 
@@ -368,13 +367,13 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
             # (Under checkpointing the recomputed tensors count as temporaries, what the checkpoint holds as
             # activations.)
             live = A.ring_backward_block(d, modes[l])
-            kept = live if modes[l] == "none" else min(live, stored[l])
+            kept = min(live, stored[l]) if recomputes(modes[l]) else live
             done = r.after_attention_inputs(l) * pbytes
             dout = d.N * d.Hq * d.D * d.L
             add(f"ring attention backward of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
                 activations=stored_below + kept + tokens, logits_loss=0, comm_buffers=comm,
                 temporaries=live - kept + A.ring_backward_temps(d) + dout + A.block_input(d) + done + head_unsh_grads)
-        if modes[l] != "none":
+        if recomputes(modes[l]):
             r_acts, r_temps = A.recompute_end(d, modes[l], moe_of[l])
             add(f"recomputation of block {l}", **base, gradients=grads_above if not g_prev else g_prev,
                 autocast_copies=autocast, activations=stored_below + r_acts + tokens, logits_loss=from_head,
@@ -403,13 +402,13 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
             rs_kept = unsh[l][1]
     # O: the optimizer step
     opt_temp = 0
-    if i.optimizer_impl != "fused" and i.optimizer in ("adamw", "adam"):
+    if i.optimizer_impl != "fused" and optimizer_entry(i.optimizer).foreach_temporary:
         # _multi_tensor_adam: torch._foreach_sqrt(exp_avg_sqs) per parameter group (matrices, then norm gains)
         opt_temp = max(grads_full - grad_bytes([p for p in params if len(p.shape) < 2]),
                        grad_bytes([p for p in params if len(p.shape) < 2])) * (FP32 // gbytes)
         if lay.zero1:
             opt_temp = math.ceil(st.optimizer / 2)
-    if comp is not None and site == "ddp_hook":  # the hook compresses the last bucket: every gradient is there
+    if comp is not None and site is CompressionSite.DDP_HOOK:  # the hook compresses the last bucket: all gradients
         add("gradient compression (DDP hook)", **base, gradients=grads_full, comm_buffers=ddp_buckets,
             temporaries=comp.transient_bytes)
     add("optimizer step", **base, gradients=grads_full, comm_buffers=ddp_buckets, temporaries=opt_temp)
@@ -444,7 +443,7 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     layers_of = {s: lay.stage_layers(s) for s in stages}
     r = _rank(i, rank, layers_by_stage, [l for s in stages for l in layers_of[s]])
     st, d, params, by_layer, root = r.st, r.d, r.params, r.by_layer, r.root
-    modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
+    modes = block_checkpointing(i.checkpointing, args.n_layers, i.every_k)
     stored = {l: A.block_stored(d, modes[l], None) for s in stages for l in layers_of[s]}
     emb_params, head_params = r.where("embedding"), r.where("head")
     classic, fsdp, pbytes, local_numel = r.classic, r.fsdp, r.pbytes, r.local_numel
@@ -493,7 +492,7 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     # The multi-stage schedules wait for their sends only at the end of the step, and a send keeps its tensor: every
     # stage output sent to another rank (once its micro-batch is backwarded, no longer counted in `hold`) and every
     # input gradient sent back stays allocated to the end of the step.
-    stash_sends = lay.pp_schedule in MULTI_STAGE
+    stash_sends = multi_stage(lay.pp_schedule)
     remote_next = {s: s < last_stage and lay.stage_owner(s + 1) != rank for s in stages}
     remote_prev = {s: s > 0 and lay.stage_owner(s - 1) != rank for s in stages}
     sent_out = sent_grads = 0
@@ -556,7 +555,7 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
             comm_buffers=p2p + gathered + rs_in // lay.shard_degree + (rs_in if i.device == "cpu" else 0),
             activations=tokens)
     opt_temp = 0
-    if i.optimizer_impl != "fused" and i.optimizer in ("adamw", "adam"):
+    if i.optimizer_impl != "fused" and optimizer_entry(i.optimizer).foreach_temporary:
         gb = BF16 if classic else FP32
         small = [p for p in params if len(p.shape) < 2 and p.trainable]
         small_bytes = (sum(fsdp_numel(p, lay) for p in small) if lay.uses_fsdp else local_numel(small)) * gb
@@ -567,9 +566,11 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
 
 def _zb_intermediates(d: A.ActDims) -> int:
     """What a zero-bubble input-gradient step keeps of one block for its weight-gradient step: the gradient of each
-    weight's output (q, k, v, o, w1, w3, w2 in the matmul dtype, the two norm gains' in the residual dtype)."""
+    weight's output (q, k, v, o, w1, w3, w2 in the matmul dtype, the two norm gains' in the residual dtype, and the
+    per-head q/k norm gains' in the matmul dtype)."""
     N = d.N
-    return N * (d.Hq * d.D + 2 * d.Hkv * d.D + 2 * d.C + 2 * d.F) * d.L + 2 * N // d.seq_div * d.C * d.R
+    head_norms = (d.Hq + d.Hkv) * d.D if d.qk_norm else 0
+    return N * (d.Hq * d.D + 2 * d.Hkv * d.D + 2 * d.C + 2 * d.F + head_norms) * d.L + 2 * N // d.seq_div * d.C * d.R
 
 
 def _zb_head_intermediates(d: A.ActDims) -> int:
@@ -633,7 +634,7 @@ def _backward_points(add, base, d, stage, kind, layers, stored, modes, last, sha
                 pipeline=others, logits_loss=others_head + current_head, comm_buffers=comm,
                 temporaries=held + (ZB_NORM_BACKWARD_VALUES * d.N // d.seq_div * d.C - d.N // d.seq_div * d.C) * FP32
                 + A.block_input(d))
-        if modes[l] != "none":
+        if recomputes(modes[l]):
             r_acts, r_temps = A.recompute_end(d, modes[l], None)
             add(f"recomputation of {what}", **base, gradients=grads_now,
                 activations=stored_below + r_acts + tokens + keep - (shared if idx == 0 else 0), pipeline=others,
@@ -674,7 +675,7 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     sizes["overhead"] = overhead
     d = w["dims"]
     notes = list(w["states"].notes)
-    regime = {"fp32": "fp32 activations", "autocast": "autocast: fp32 residual stream, bf16 matmul/attention",
+    regime = {"single": "fp32 activations", "autocast": "autocast: fp32 residual stream, bf16 matmul/attention",
               "pure": "bf16 compute, fp32 norm statistics and loss"}[d.regime]
     notes.append(f"activations: {regime}; per block {fmt_bytes(A.block_stored(d, 'none', None), 'GiB')} "
                  f"without checkpointing")
@@ -697,7 +698,7 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     if lay.pp > 1:
         est.stages = [{"stage": s, "tensor_peak_bytes": int(x["peak"]), "total_bytes": int(x["peak"]) + overhead,
                        "phase": x["phase"]} for s, x in walks.items()]
-    if i.precision != "fp32" and i.optimizer in ("adamw", "adam") and i.lora is None:
+    if low_precision(i.precision) and optimizer_entry(i.optimizer).state_bytes and i.lora is None:
         est.zero_ranks = lay.dp if lay.dp > 1 else 8
         est.zero = zero_table(args, est.zero_ranks, i.optimizer)
     if suggest and est.fits is False:
@@ -716,7 +717,7 @@ def forward_end_bytes(i: EstimateInputs) -> dict[str, int]:
     d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device, i.lora is not None)
     moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if args.moe_experts else None
     layers = rank_layers(lay, args)[lay.pp - 1]
-    modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
+    modes = block_checkpointing(i.checkpointing, args.n_layers, i.every_k)
     acts = sum(A.block_stored(d, modes[l], moe if args.is_moe_layer(l) else None) for l in layers)
     return {"activations": acts + A.final_residual(d) + A.inputs_bytes(d),
             "logits_loss": sum(b for _, b in A.head_saved(d))}

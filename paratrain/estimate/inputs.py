@@ -7,15 +7,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from paratrain.errors import UserError
-from paratrain.estimate.compression import Compression
 from paratrain.estimate.gpus import HEADROOM, check_headroom
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA, targets_of
+from paratrain.modes import CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS, Compression
+from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
 
-CHECKPOINTING = ("none", "full", "every_k", "selective")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-nomomentum")
-PRECISIONS = ("fp32", "bf16", "fp16")
 ACCOUNTINGS = ("paratrain", "classic")
 
 
@@ -50,10 +48,10 @@ class EstimateInputs:
 def validate(i: EstimateInputs) -> EstimateInputs:
     """Check the inputs (UserError; the layout's ConfigError names the setting); returns them with the layout
     validated against the model and the batch (a pipeline's blocks per stage filled in)."""
-    for name, value, options in (("--precision", i.precision, PRECISIONS), ("--optimizer", i.optimizer, OPTIMIZERS),
-                                 ("--checkpointing", i.checkpointing, CHECKPOINTING),
+    for name, value, options in (("--precision", i.precision, PRECISIONS), ("--optimizer", i.optimizer, OPTIMIZER_NAMES),
+                                 ("--checkpointing", i.checkpointing, CHECKPOINT_MODES),
                                  ("--accounting", i.accounting, ACCOUNTINGS),
-                                 ("--optimizer-impl", i.optimizer_impl, ("fused", "foreach", "for"))):
+                                 ("--optimizer-impl", i.optimizer_impl, OPTIMIZER_IMPLS)):
         if value not in options:
             raise UserError(f"{name} '{value}' is not one of {', '.join(options)}")
     if i.every_k < 1:
@@ -80,4 +78,5 @@ def validate(i: EstimateInputs) -> EstimateInputs:
     steps = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
     batch = Batch(global_batch=i.micro_batch * steps * lay.dp, micro_batch=i.micro_batch, seq_len=i.seq_len)
     grad_compression_site(lay, i.compression.method)  # ConfigError where it cannot apply
+    optimizer_entry(i.optimizer).check_layout(lay)
     return i.replace(layout=lay.validate(args, lay.world_size, batch))

@@ -33,6 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
+from paratrain.config import ParallelConfig
+
 # Categories (shared with the estimator's rows).
 PARAMS = "parameters"
 GRADS = "gradients"
@@ -187,17 +189,11 @@ class StorageTracker(TorchDispatchMode):
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class MeasureSpec:
-    """One configuration to run: model dimensions, layout, precision, checkpointing, batch."""
+    """One configuration to run: model dimensions, its layout's `[parallel]` section, precision, checkpointing,
+    batch."""
 
     model: dict  # ModelArgs fields
-    dp_mode: str = "fsdp"
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    tp: int = 1
-    ep: int = 1
-    cp: int = 1
-    sequence_parallel: bool = True
-    loss_parallel: bool = True
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # a pipeline: pp_microbatches of micro_batch
     precision: str = "fp32"
     checkpointing: str = "none"
     every_k: int = 2
@@ -207,38 +203,27 @@ class MeasureSpec:
     optimizer_impl: str = "foreach"
     steps: int = 2  # the last one is measured (the first creates the optimizer state)
     name: str = ""
-    # pipeline: stages, schedule, microbatches per step (micro_batch sequences each), stages per rank, split
-    pp: int = 1
-    pp_schedule: str = "1f1b"
-    pp_microbatches: int = 0
-    pp_virtual: int = 1
-    pp_split: str = ""
 
     def layout(self, world_size: int):
         """The spec's parallel layout on `world_size` ranks (paratrain.layout.Layout; ConfigError if it cannot run)."""
         from paratrain.layout import Layout
 
-        return Layout.resolve(world_size, dp_mode=self.dp_mode, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
-                              tp=self.tp, ep=self.ep, cp=self.cp, sequence_parallel=self.sequence_parallel,
-                              loss_parallel=self.loss_parallel and self.pp == 1, pp=self.pp,
-                              pp_schedule=self.pp_schedule, pp_virtual=self.pp_virtual,
-                              pp_microbatches=self.pp_microbatches if self.pp > 1 else 0,
-                              pp_split=self.pp_split or None)
+        return Layout.from_config(self.parallel, world_size)
 
     def step_options(self) -> dict:
-        """`build_train_step`'s options for this spec (seed 0, clipping at 1.0, the default `[parallel]`)."""
+        """`build_train_step`'s options for this spec (seed 0, clipping at 1.0, its `[parallel]` section)."""
         from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
 
         return dict(precision=self.precision, activation_checkpoint=ActivationCheckpointConfig(self.checkpointing,
                                                                                                 self.every_k),
-                    optimizer=OptimizerConfig(impl=self.optimizer_impl), seed=0, grad_clip=1.0)
+                    optimizer=OptimizerConfig(impl=self.optimizer_impl), parallel=self.parallel, seed=0, grad_clip=1.0)
 
     def batch(self, world_size: int):
         """The batch the spec's layout must divide (a pipeline: micro_batch x pp_microbatches per data rank)."""
         from paratrain.layout import Batch
 
         lay = self.layout(world_size)
-        steps = self.pp_microbatches if self.pp > 1 else self.accum_steps
+        steps = lay.pp_microbatches if lay.pipelined else self.accum_steps
         return Batch(self.micro_batch * steps * lay.dp, self.micro_batch, self.seq_len)
 
 
@@ -256,6 +241,8 @@ class Measurement:
 
 
 def _identity_map(model, optimizer, ddp_buckets, extra=None, pipelined: bool = False) -> dict[int, str]:
+    from paratrain.training.optim import inner_optimizer
+
     ids: dict[int, str] = {}
 
     def put(t, cat):
@@ -284,7 +271,7 @@ def _identity_map(model, optimizer, ddp_buckets, extra=None, pipelined: bool = F
                 put(fp._unsharded_param, COMM)
                 if fp._unsharded_param.grad is not None:  # accumulated over a pipeline step's micro-batches
                     put(fp._unsharded_param.grad, GRADS if pipelined else TEMP)
-    opt = optimizer.optim if hasattr(optimizer, "optim") else optimizer
+    opt = inner_optimizer(optimizer)
     for group in optimizer.param_groups:
         for p in group["params"]:
             put(p, PARAMS)
@@ -541,7 +528,9 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
         probe.remove()
         # Exact model-state bytes on this rank: parameters (+ buffers), optimizer state, and the gradients
         # the optimizer saw in the measured step.
-        opt = optimizer.optim if hasattr(optimizer, "optim") else optimizer
+        from paratrain.training.optim import inner_optimizer
+
+        opt = inner_optimizer(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         states = {
             PARAMS: _nbytes_unique([*params, *inner.buffers()]),

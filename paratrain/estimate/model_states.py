@@ -22,11 +22,14 @@ import functools
 import math
 from dataclasses import dataclass
 
-from paratrain.layout import Layout, balanced_split
+from paratrain.layout import Layout
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
 from paratrain.models.lora_params import LoRA, adapted_params
 from paratrain.models.registry import parameters
+from paratrain.modes import low_precision, value_bytes
+from paratrain.optimizers import optimizer_entry
+from paratrain.stage_split import balanced_split
 
 # Bytes per element.
 FP32, BF16 = 4, 2
@@ -90,16 +93,16 @@ def rank_layers(layout: Layout, args: ModelArgs) -> list[list[int]]:
         return [list(range(args.n_layers))]
     if layout.pp_split is None:
         layout = dataclasses.replace(layout, pp_split=balanced_split(args, layout.num_stages))
-    return [list(b) for b in _rank_layers(layout.pp, layout.pp_virtual, layout.pp_schedule, layout.pp_split)]
+    owners = tuple(layout.stage_owner(s) for s in range(layout.num_stages))
+    return [list(b) for b in _rank_layers(layout.pp, owners, layout.pp_split)]
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_layers(pp: int, virtual: int, schedule: str, split: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+def _rank_layers(pp: int, owners: tuple[int, ...], split: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     starts = [sum(split[:s]) for s in range(len(split))]
-    owner = (lambda s: s if s < pp else 2 * pp - 1 - s) if schedule == "zbv" else (lambda s: s % pp)
     out = [[] for _ in range(pp)]
     for s, n in enumerate(split):
-        out[owner(s)] += range(starts[s], starts[s] + n)
+        out[owners[s]] += range(starts[s], starts[s] + n)
     return tuple(tuple(sorted(b)) for b in out)
 
 
@@ -145,9 +148,7 @@ class StateBytes:
     unsharded_numel: int = 0  # elements of the parameters this rank computes with (after tp/ep/pp, before FSDP)
     rope_buffers: int = 0
     notes: tuple[str, ...] = ()
-
-
-OPTIMIZER_STATE_BYTES = {"adamw": 2 * FP32, "adam": 2 * FP32, "sgd": FP32, "sgd-nomomentum": 0}
+    grads_beyond_shards: int = 0  # of `grads`: bytes beyond each parameter's own sharded shape (a whole gradient)
 
 
 _STATES: dict = {}
@@ -202,7 +203,7 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
     frozen = [k for k in kinds if not k[0].trainable]
     if not frozen:
         return out
-    if accounting == "classic" and precision != "fp32":
+    if accounting == "classic" and low_precision(precision):
         full = sum(count * n for _, count, n in frozen)
         n = layout.dp_shard if layout.hybrid else layout.dp
         numel = math.ceil(full / n) if layout.zero_stage >= 3 and n > 1 else full
@@ -210,11 +211,10 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
         numel = sum(count * fsdp_numel(p, layout) for p, count, _ in frozen)
     else:
         numel = sum(count * n for _, count, n in frozen)
-    width = FP32 if precision == "fp32" else BF16
-    return dataclasses.replace(out, frozen=numel * width, param_numel=out.param_numel + numel,
+    return dataclasses.replace(out, frozen=numel * value_bytes(precision), param_numel=out.param_numel + numel,
                                unsharded_numel=out.unsharded_numel + sum(count * n for _, count, n in frozen),
-                               notes=out.notes + (f"LoRA: the frozen base in {'fp32' if width == FP32 else precision}"
-                                                  ", no gradients or optimizer state for it",))
+                               notes=out.notes + (f"LoRA: the frozen base in {precision}, no gradients or optimizer "
+                                                  "state for it",))
 
 
 def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str, accounting: str, stage: int,
@@ -231,8 +231,9 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
     """
     local_numel = sum(count * n for _, count, n in kinds)
     tensors = sum(count for _, count, _ in kinds)
-    per_opt = OPTIMIZER_STATE_BYTES[optimizer]
-    low = precision != "fp32"
+    entry = optimizer_entry(optimizer)
+    per_opt = entry.state_bytes
+    low = low_precision(precision)
     rope = 2 * args.max_seq_len * (args.head_dim // 2) * FP32  # rope_cos, rope_sin buffers
     notes = []
     dp = layout.dp
@@ -261,7 +262,7 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
         if layout.zero1:
             opt_numel = zero1_worst_numel([(p, n) for p, count, n in kinds for _ in range(count)], dp)
             notes.append(f"ZeRO-1 partitions whole parameters over {dp} ranks (worst rank shown)")
-    autocast = 0
+    autocast = whole_numel = 0
     if low and not layout.uses_fsdp:
         # (routed experts' grouped matmul is not an autocast op: no cached copy of them)
         autocast = sum(count * n for p, count, n in kinds if p.matmul and not p.expert) * BF16
@@ -270,24 +271,25 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
     if layout.tp > 1 and not layout.uses_fsdp and stage == 0:
         # Measured (torch 2.13): the vocabulary-parallel embedding's gradient comes back whole (V x C) on every
         # tensor-parallel rank, not as its V/tp shard.
-        emb = next((p for p, _, _ in kinds if p.where == "embedding"), None)
+        emb = next((p for p, _, _ in kinds if p.where == "embedding"), None)  # (LoRA: the embedding is frozen)
         if emb is not None:
-            grads_numel += emb.numel - math.prod(local_shape(emb, layout))
+            whole_numel = emb.numel - math.prod(local_shape(emb, layout))
+            grads_numel += whole_numel
             notes.append("tensor parallel: the embedding's gradient is whole (V x C) on each rank")
-    # Adam keeps a step count per parameter tensor (a 4-byte fp32 tensor each; ZeRO-1: its partition's share).
-    steps = tensors * FP32 if optimizer in ("adamw", "adam") else 0
+    # Per parameter tensor: Adam's step count (a 4-byte fp32 tensor each; ZeRO-1: its partition's share).
+    steps = tensors * entry.tensor_state_bytes
     if steps and layout.zero1:
-        steps = math.ceil(tensors / layout.dp) * FP32
+        steps = math.ceil(tensors / layout.dp) * entry.tensor_state_bytes
     return StateBytes(params=numel * FP32, grads=grads_numel * FP32, optimizer=opt_numel * per_opt + steps, master=0,
                       autocast_copies=autocast, param_numel=numel, unsharded_numel=local_numel, rope_buffers=rope,
-                      notes=tuple(notes))
+                      notes=tuple(notes), grads_beyond_shards=whole_numel * FP32)
 
 
 def zero_table(args: ModelArgs, ranks: int, optimizer: str = "adamw") -> list[dict]:
     """The classic mixed-precision breakdown (bf16 params/grads, fp32 master, fp32 moments) for one rank and
     ZeRO-1/2/3 over `ranks` ranks: bytes per row per stage."""
     n = sum(p.numel for p in model_params(args))
-    per_opt = OPTIMIZER_STATE_BYTES[optimizer]
+    per_opt = optimizer_entry(optimizer).state_bytes
     rows = [("parameters (bf16)", n * BF16, 3), ("gradients (bf16)", n * BF16, 2),
             ("optimizer moments (fp32)", n * per_opt, 1), ("master weights (fp32)", n * FP32, 1)]
     out = []

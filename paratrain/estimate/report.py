@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from paratrain.estimate.gpus import GB, fmt_bytes, verdict_text
 from paratrain.estimate.model_states import model_params
-from paratrain.models.presets import format_params
+from paratrain.models.presets import count_active_params, format_params
+from paratrain.modes import describe_checkpointing, low_precision
 
 ROWS = [  # (key, label)
     ("parameters", "parameters"),
@@ -39,8 +40,10 @@ def format_table(est, units: str = "GiB") -> str:
     i, lay = est.inputs, est.inputs.layout
     fb = lambda n: fmt_bytes(n, units)  # noqa: E731
     n_params = sum(p.numel for p in model_params(i.model_args))
-    mode = i.checkpointing + (f" (k={i.every_k})" if i.checkpointing == "every_k" else "")
-    lines = [f"model {i.model_name}: {format_params(n_params)} parameters ({n_params:,})" + lora_text(i),
+    mode = describe_checkpointing(i.checkpointing, i.every_k)
+    active = count_active_params(i.model_args)
+    per_token = f", {format_params(active)} active per token ({active:,})" if active != n_params else ""
+    lines = [f"model {i.model_name}: {format_params(n_params)} parameters ({n_params:,}){per_token}" + lora_text(i),
              f"layout {lay.describe()} | {i.precision} ({'classic mixed-precision accounting' if i.accounting == 'classic' else 'as paratrain trains it'})"
              f" | {i.optimizer} ({i.optimizer_impl}) | checkpointing {mode}",
              f"micro-batch {i.micro_batch} x seq {i.seq_len}"
@@ -53,8 +56,8 @@ def format_table(est, units: str = "GiB") -> str:
     lines.append(f"  {'':<{w}} {'at peak':>12} {'its max':>12}")
     for key, label in ROWS:
         at, size = est.at_peak.get(key, 0), est.sizes.get(key, 0)
-        if key == "master" and not (i.accounting == "classic" and i.precision != "fp32"):
-            label = label + (" (= the fp32 params)" if i.precision != "fp32" else " (none: fp32)")
+        if key == "master" and not (i.accounting == "classic" and low_precision(i.precision)):
+            label = label + (" (= the fp32 params)" if low_precision(i.precision) else " (none: fp32)")
         if key == "parameters" and i.lora is not None:
             label = "trainable parameters (adapters)"
         if not at and not size and key not in ("parameters", "gradients", "optimizer", "master", "activations"):
@@ -81,7 +84,7 @@ def format_table(est, units: str = "GiB") -> str:
         lines.append(f"  {'':<26} {'1 rank':>10} {'ZeRO-1':>10} {'ZeRO-2':>10} {'ZeRO-3':>10}")
         for row in est.zero:
             lines.append(f"  {row['row']:<26} " + " ".join(
-                f"{row[k] / GB:>7.2f} GB" for k in ("one_rank", "zero1", "zero2", "zero3")))
+                f"{row[k] / GB:>7.2f} GB" for k in row if k != "row"))  # one rank, then ZeRO-1, 2, 3
     if est.fits is False and est.searched:
         lines.append("")
         if est.suggestion:

@@ -22,6 +22,8 @@ import functools
 
 from functools import lru_cache
 
+from paratrain.modes import SCHEDULES, all_forwards_first, interleaved, torch_schedule_name, v_shaped, zero_bubble
+
 Action = tuple[int, str, int]  # (stage, kind: F | B | I | W, micro-batch)
 
 
@@ -29,28 +31,28 @@ Action = tuple[int, str, int]  # (stage, kind: F | B | I | W, micro-batch)
 def rank_actions(schedule: str, pp: int, virtual: int, microbatches: int, rank: int) -> tuple[Action, ...]:
     """The compute actions pipeline rank `rank` runs in one step, in order."""
     m = microbatches
-    if schedule == "gpipe":
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule}")
+    if all_forwards_first(schedule):  # gpipe
         return tuple([(rank, "F", j) for j in range(m)] + [(rank, "B", j) for j in range(m)])
-    if schedule == "1f1b":
-        warm = min(m, pp - rank)
-        ops: list[Action] = [(rank, "F", j) for j in range(warm)]
-        f = warm
-        for b in range(m):
-            ops.append((rank, "B", b))
-            if f < m:
-                ops.append((rank, "F", f))
-                f += 1
-        return tuple(ops)
-    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
-        return _interleaved(pp, virtual, m, rank, schedule == "interleaved_zero_bubble")
-    if schedule == "zbv":
+    if interleaved(schedule):
+        return _interleaved(pp, virtual, m, rank, zero_bubble(schedule))
+    if v_shaped(schedule):  # zbv
         return _zbv(pp, m, rank)
-    raise ValueError(f"unknown schedule {schedule}")
+    warm = min(m, pp - rank)  # 1f1b
+    ops: list[Action] = [(rank, "F", j) for j in range(warm)]
+    f = warm
+    for b in range(m):
+        ops.append((rank, "B", b))
+        if f < m:
+            ops.append((rank, "F", f))
+            f += 1
+    return tuple(ops)
 
 
-def _interleaved(pp: int, v: int, m: int, rank: int, zero_bubble: bool) -> tuple[Action, ...]:
+def _interleaved(pp: int, v: int, m: int, rank: int, split_backward: bool) -> tuple[Action, ...]:
     per_round = m // max(1, m // pp)
-    warm = min((v - 1) * per_round + (1 if zero_bubble else 2) * (pp - 1 - rank), m * v)
+    warm = min((v - 1) * per_round + (1 if split_backward else 2) * (pp - 1 - rank), m * v)
     total = m * v  # forwards (and backwards) this rank runs
 
     def fwd_stage(op):
@@ -72,9 +74,9 @@ def _interleaved(pp: int, v: int, m: int, rank: int, zero_bubble: bool) -> tuple
 
     def backward(op):
         nonlocal weights_done
-        ops.append(act(bwd_stage(op), "I" if zero_bubble else "B"))
+        ops.append(act(bwd_stage(op), "I" if split_backward else "B"))
         backward_ops.append(op)
-        if zero_bubble and op - warm >= rank:  # the weight gradients trail the input gradients by `rank` steps
+        if split_backward and op - warm >= rank:  # the weight gradients trail the input gradients by `rank` steps
             ops.append(act(bwd_stage(backward_ops[weights_done]), "W"))
             weights_done += 1
 
@@ -85,7 +87,7 @@ def _interleaved(pp: int, v: int, m: int, rank: int, zero_bubble: bool) -> tuple
         backward(op)
     for op in range(total, total + warm):
         backward(op)
-    while zero_bubble and weights_done < len(backward_ops):
+    while split_backward and weights_done < len(backward_ops):
         ops.append(act(bwd_stage(backward_ops[weights_done]), "W"))
         weights_done += 1
     return tuple(ops)
@@ -134,8 +136,7 @@ def torch_order(schedule: str, pp: int, virtual: int, m: int, rank: int) -> tupl
 
     from torch.distributed.pipelining import schedules as S
 
-    cls = {"interleaved_1f1b": S.ScheduleInterleaved1F1B, "interleaved_zero_bubble": S.ScheduleInterleavedZeroBubble,
-           "zbv": S.ScheduleZBVZeroBubble}[schedule]
+    cls = getattr(S, torch_schedule_name(schedule))
     rounds = max(1, m // pp)
     # the attributes these schedules' constructors set before computing the order (no stages or groups needed)
     fake = SimpleNamespace(pp_group_size=pp, n_local_stages=virtual, _n_microbatches=m, number_of_rounds=rounds,

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Layout
-
-ZERO_MODES = ("ddp", "zero1", "zero2", "fsdp")  # by ZeRO stage: what data parallelism shards
+from paratrain.modes import FLAT_DP_MODES, every_block_whole, keeps_some_blocks_whole
 
 
 def _changed(lay: Layout, **changes) -> Layout | None:
@@ -39,19 +38,19 @@ def candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]
             out.append((cost, change, why, i.replace(layout=layout)))
 
     if lay.dp > 1 and lay.zero_stage < 3:
-        for step, mode in enumerate(ZERO_MODES[lay.zero_stage + 1:]):
+        for step, mode in enumerate(FLAT_DP_MODES[lay.zero_stage + 1:]):  # (by ZeRO stage: what they shard)
             add(0.5 + 0.1 * step, f"--dp-mode {mode}", "more sharding over the same GPUs, more communication",
                 _changed(lay, dp_mode=mode, dp_replicate=1, dp_shard=lay.dp))
     if lay.hybrid:
         add(0.6, "--dp-mode fsdp (shard over all data-parallel ranks)", "sharding across nodes",
             _changed(lay, dp_mode="fsdp", dp_replicate=1, dp_shard=lay.dp))
-    if i.checkpointing in ("none", "every_k"):
+    if keeps_some_blocks_whole(i.checkpointing):
         out.append((1.0, "--checkpointing selective", "recomputes element-wise ops (a few % slower)",
                     i.replace(checkpointing="selective")))
     if i.micro_batch > 1 and lay.pp == 1:
         out.append((1.5, f"--micro-batch {i.micro_batch // 2} (accumulation x2, same global batch)",
                     "smaller matmuls", i.replace(micro_batch=i.micro_batch // 2, accum_steps=i.accum_steps * 2)))
-    if i.checkpointing != "full":
+    if not every_block_whole(i.checkpointing):
         out.append((2.0, "--checkpointing full", "recomputes each block's forward (~1/3 more compute)",
                     i.replace(checkpointing="full")))
     if lay.tp * 2 <= 8 and lay.uses_fsdp and lay.dp_shard % 2 == 0:

@@ -1,9 +1,9 @@
 """Hugging Face in and out.
 
-Import: `model.init_from = "hf:PATH"` trains a transformers Llama / Mistral / Mixtral folder (config.json,
-safetensors, tokenizer.json): the architecture comes from config.json (arch.py), the weights are read straight
-onto whatever layout the run uses, each rank reading only its shards (load.py), the dataset is tokenized with
-the folder's tokenizer, and the optimizer starts fresh at step 0.
+Import: `model.init_from = "hf:PATH"` trains a transformers Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE
+folder (config.json, safetensors, tokenizer.json): the architecture comes from config.json (arch.py, from the model
+families' architectures), the weights are read straight onto whatever layout the run uses, each rank reading only
+its shards (load.py), the dataset is tokenized with the folder's tokenizer, and the optimizer starts fresh at step 0.
 Export: `paratrain export RUN_DIR --format hf --out DIR` or `checkpoint.export_hf = true` writes a folder that
 `AutoModelForCausalLM.from_pretrained` loads (export.py, tokenizer.py; a LoRA checkpoint's adapters merged into its
 base); `--format peft` writes a LoRA checkpoint's adapters as a PEFT adapter folder (peft_export.py).
@@ -17,7 +17,7 @@ import dataclasses
 from pathlib import Path
 
 from paratrain.errors import ConfigError, UserError
-from paratrain.hf.arch import architecture, family_mismatch, is_hf_folder, mixtral_mismatch
+from paratrain.hf.arch import architecture, export_mismatch, is_hf_folder
 
 # Model keys an imported model may still set: how it is trained, not what it computes.
 TRAINING_KEYS = ("max_seq_len", "moe_aux_loss_coef", "moe_capacity_factor")
@@ -54,7 +54,7 @@ def model_args(folder: Path, model):
 
 def check_run(args, name: str) -> None:
     """Before launch, with checkpoint.export_hf: the export at the end must be possible for model `name`."""
-    why = family_mismatch(args) or (args.moe_experts and mixtral_mismatch(args))
+    why = export_mismatch(args)
     if why:
         raise ConfigError(f"checkpoint.export_hf: model {name} has {why}")
 

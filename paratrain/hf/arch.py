@@ -1,11 +1,14 @@
-"""Hugging Face config.json <-> paratrain ModelArgs.
+"""Hugging Face config.json <-> paratrain ModelArgs, for every transformers architecture a model family declares
+(`ModelFamily.hf_archs`, each a `paratrain.models.family.HFArch`): LlamaForCausalLM, MistralForCausalLM (read only)
+and MixtralForCausalLM for the Llama family (models/llama_params.py), Qwen2ForCausalLM, Qwen3ForCausalLM and
+Qwen3MoeForCausalLM for the Qwen families (models/qwen_params.py).
 
-paratrain's decoder is transformers' `LlamaForCausalLM` (RMSNorm, grouped-query attention with rotary
-embeddings in the split-halves layout, SwiGLU, optional tied embeddings, optional Llama 3.1 "llama3" rope
-scaling), and its mixture-of-experts block with softmax routing, top-k >= 2 renormalised gates, no shared
-experts and no dense layers is `MixtralForCausalLM`'s. Anything else in a config.json is refused with one
-line naming the setting and why; a model paratrain can train but transformers has no class for (shared
-experts, sigmoid routing, ...) is refused on export the same way.
+What every one of them shares is read here: RMSNorm, grouped-query attention with rotary embeddings in the
+split-halves layout, an optional head_dim, SwiGLU, optional tied embeddings, optional Llama 3.1 "llama3" rope
+scaling, and for a mixture of experts softmax top-k routing over routed experts only. What differs is the
+architecture's data (fields with one value, defaults, key names). Anything else in a config.json is refused with one
+line naming the setting and why; a model paratrain can train but transformers has no class for (shared experts,
+sigmoid routing, a family without a Hugging Face counterpart, ...) is refused on export the same way.
 """
 
 from __future__ import annotations
@@ -14,15 +17,22 @@ import json
 from pathlib import Path
 
 from paratrain.errors import UserError
-from paratrain.models.args import (DEFAULT_FAMILY, MAX_COUNT, MAX_DIMENSION, MAX_POSITIONS, MAX_VOCAB, ModelArgs,
-                                   is_int, is_number)
+from paratrain.models.args import MAX_COUNT, MAX_DIMENSION, MAX_POSITIONS, MAX_VOCAB, ModelArgs, is_int, is_number
+from paratrain.models.family import HFArch, ModelFamily
 from paratrain.models.presets import validate_args, validate_moe
+from paratrain.models.registry import FAMILIES, family_of
+from paratrain.modes import dtype_name
 
-LLAMA, MIXTRAL = "LlamaForCausalLM", "MixtralForCausalLM"
-# Architectures read on import. Mistral is Llama's layout with an optional sliding window (refused when set).
-IMPORTABLE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral"}
 ROPE_TYPES = ("default", "llama3")
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def hf_architectures() -> dict[str, list[tuple[ModelFamily, HFArch]]]:
+    """Architecture name -> the (family, architecture) pairs that read it, in registry order."""
+    out: dict[str, list] = {}
+    for family in FAMILIES.values():
+        for arch in family.hf_archs:
+            out.setdefault(arch.name, []).append((family, arch))
+    return out
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -58,13 +68,14 @@ def _architecture(cfg: dict, where: str) -> str:
     arch = archs[0] if isinstance(archs, list) and archs else None
     if arch is not None and not isinstance(arch, str):
         raise UserError(f"{where}: architectures must be a list of class names, got {archs!r}")
+    known = hf_architectures()
     if arch is None:  # a bare config: the model type says it
         model_type = cfg.get("model_type")
-        arch = {v: k for k, v in IMPORTABLE.items()}.get(model_type) if isinstance(model_type, str) else None
-    if arch not in IMPORTABLE:
+        by_type = {a.model_type: name for name, pairs in known.items() for _, a in pairs}
+        arch = by_type.get(model_type) if isinstance(model_type, str) else None
+    if arch not in known:
         name = arch or cfg.get("model_type") or "unknown"
-        raise UserError(f"{where}: architecture {name} is not supported (paratrain imports "
-                        f"{', '.join(IMPORTABLE)})")
+        raise UserError(f"{where}: architecture {name} is not supported (paratrain imports {', '.join(known)})")
     return arch
 
 
@@ -100,9 +111,10 @@ def _rope(cfg: dict, where: str) -> dict:
 _REQUIRED_INTS = {"hidden_size": MAX_DIMENSION, "num_hidden_layers": MAX_COUNT, "num_attention_heads": MAX_COUNT,
                   "intermediate_size": MAX_DIMENSION, "vocab_size": MAX_VOCAB}
 _OPTIONAL_INTS = {"num_key_value_heads": MAX_COUNT, "head_dim": MAX_COUNT, "max_position_embeddings": MAX_POSITIONS,
-                  "num_local_experts": MAX_COUNT, "num_experts_per_tok": MAX_COUNT, "sliding_window": None}
+                  "num_local_experts": MAX_COUNT, "num_experts": MAX_COUNT, "num_experts_per_tok": MAX_COUNT,
+                  "moe_intermediate_size": MAX_DIMENSION, "decoder_sparse_step": MAX_COUNT, "sliding_window": None}
 _POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
-_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob", "use_sliding_window")
 _ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "rope_theta")
 
 
@@ -131,6 +143,14 @@ def check_hf_fields(cfg: dict, where: str) -> None:
     for key in ("hidden_act", "model_type"):
         if key in cfg and not isinstance(cfg[key], str):
             raise UserError(f"{where}: {key} must be a string, got {cfg[key]!r}")
+    layers = cfg.get("mlp_only_layers")
+    if layers is not None and not (isinstance(layers, list) and all(
+            is_int(i) and 0 <= i < cfg["num_hidden_layers"] for i in layers)):
+        raise UserError(f"{where}: mlp_only_layers must be a list of layer indices below num_hidden_layers, "
+                        f"got {layers!r}")
+    kinds = cfg.get("layer_types")
+    if kinds is not None and not (isinstance(kinds, list) and all(isinstance(k, str) for k in kinds)):
+        raise UserError(f"{where}: layer_types must be a list of strings, got {kinds!r}")
     if "router_aux_loss_coef" in cfg and not (is_number(cfg["router_aux_loss_coef"])
                                               and cfg["router_aux_loss_coef"] >= 0):
         raise UserError(f"{where}: router_aux_loss_coef must be a number >= 0, got {cfg['router_aux_loss_coef']!r}")
@@ -157,9 +177,10 @@ def check_hf_fields(cfg: dict, where: str) -> None:
     kv = cfg.get("num_key_value_heads") or heads
     if heads % kv:
         raise UserError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
-    experts, top_k = cfg.get("num_local_experts"), cfg.get("num_experts_per_tok")
-    if experts is not None and top_k is not None and top_k > experts:
-        raise UserError(f"{where}: num_experts_per_tok={top_k} is more than num_local_experts={experts}")
+    for key in ("num_local_experts", "num_experts"):
+        experts, top_k = cfg.get(key), cfg.get("num_experts_per_tok")
+        if experts is not None and top_k is not None and top_k > experts:
+            raise UserError(f"{where}: num_experts_per_tok={top_k} is more than {key}={experts}")
 
 
 def _refuse_if(condition, where: str, reason: str) -> None:
@@ -167,43 +188,74 @@ def _refuse_if(condition, where: str, reason: str) -> None:
         raise UserError(f"{where}: {reason}")
 
 
+def _value(cfg: dict, arch: HFArch, key: str):
+    """A config.json field, or transformers' default for it when it is missing or null."""
+    return cfg[key] if cfg.get(key) is not None else arch.defaults.get(key)
+
+
+def _family_for(cfg: dict, name: str, where: str) -> tuple[ModelFamily, HFArch]:
+    """The family (and its architecture entry) that computes what this config describes: the first whose fixed fields
+    it has (e.g. Qwen3's attention_bias picks qwen3 or qwen3-bias), else a one-line UserError naming the field."""
+    pairs = hf_architectures()[name]
+    for family, arch in pairs:
+        if all(_value(cfg, arch, k) == v for k, v in arch.fixed.items()):
+            return family, arch
+    _, arch = pairs[0]
+    key = next(k for k, v in arch.fixed.items() if _value(cfg, arch, k) != v)
+    raise UserError(f"{where}: {key}={json.dumps(_value(cfg, arch, key))} is not supported (paratrain's {name} has "
+                    f"{key}={json.dumps(arch.fixed[key])})")
+
+
+def _moe_fields(cfg: dict, arch: HFArch, where: str) -> dict:
+    """The mixture-of-experts dimensions: softmax top-k over routed experts, no shared experts; the dense blocks of
+    decoder_sparse_step / mlp_only_layers where the architecture has them."""
+    given = [cfg[k] for k in arch.experts_keys if cfg.get(k) is not None]
+    experts = given[0] if given else arch.defaults.get(arch.experts_keys[0])
+    top_k = _value(cfg, arch, "num_experts_per_tok")
+    renormalised = _value(cfg, arch, arch.norm_topk_key) if arch.norm_topk_key else True
+    _refuse_if(renormalised and top_k < 2, where, f"num_experts_per_tok={top_k} with renormalised gates: transformers' "
+               "single gate is then 1, paratrain's the router probability (top_k >= 2 renormalises the same way)")
+    dense = ()
+    if arch.sparse_layers:
+        step, only = _value(cfg, arch, "decoder_sparse_step"), cfg.get("mlp_only_layers") or []
+        dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only or (i + 1) % step)
+    return dict(moe_experts=experts, moe_top_k=top_k, moe_ffn_hidden=_value(cfg, arch, arch.expert_hidden_key),
+                moe_score_func="softmax", moe_norm_topk=bool(renormalised), moe_shared_experts=0,
+                moe_first_dense_layers=0, moe_dense_layers=dense, moe_capacity_factor=0.0,
+                moe_aux_loss_coef=float(_value(cfg, arch, "router_aux_loss_coef")))
+
+
 def args_from_hf_config(cfg: dict, where: str = "config.json") -> ModelArgs:
-    """ModelArgs for a transformers Llama / Mistral / Mixtral config, or a one-line UserError saying what
-    paratrain cannot represent."""
-    arch = _architecture(cfg, where)
+    """ModelArgs for a config of any architecture a family declares, or a one-line UserError saying what paratrain
+    cannot represent."""
+    name = _architecture(cfg, where)
     check_hf_fields(cfg, where)
+    family, arch = _family_for(cfg, name, where)
     _refuse_if(cfg.get("quantization_config"), where, "quantized weights are not supported (dequantize first)")
     _refuse_if(cfg.get("hidden_act", "silu") != "silu", where,
                f"activation '{cfg.get('hidden_act')}' is not supported (paratrain's MLP is SwiGLU with silu)")
-    _refuse_if(cfg.get("attention_bias"), where, "attention_bias=true is not supported (paratrain's attention "
-               "projections have no bias)")
-    _refuse_if(cfg.get("mlp_bias"), where, "mlp_bias=true is not supported (paratrain's MLP has no bias)")
-    window, context = cfg.get("sliding_window"), cfg.get("max_position_embeddings") or 0
-    _refuse_if(window is not None and window < context, where,
-               f"sliding_window={window} is not supported (paratrain attends to the whole context)")
-    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-    missing = [k for k in required if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool)]
-    _refuse_if(missing, where, f"missing or non-integer {', '.join(missing)}")
+    window, context = cfg.get("sliding_window"), _value(cfg, arch, "max_position_embeddings")
+    if arch.window_flag:  # Qwen: the window applies only when turned on
+        _refuse_if(cfg.get(arch.window_flag), where, f"{arch.window_flag}=true is not supported (paratrain attends "
+                   "to the whole context)")
+    else:
+        _refuse_if(window is not None and window < context, where,
+                   f"sliding_window={window} is not supported (paratrain attends to the whole context)")
+    other = next((k for k in cfg.get("layer_types") or [] if k != "full_attention"), None)
+    _refuse_if(other, where, f"layer_types '{other}' is not supported (paratrain's attention is full attention in "
+               "every layer)")
     heads = cfg["num_attention_heads"]
     fields = dict(
         vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=heads,
         n_kv_heads=cfg.get("num_key_value_heads") or heads, ffn_hidden=cfg["intermediate_size"],
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        max_seq_len=int(cfg.get("max_position_embeddings") or 2048),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-5 if arch == MIXTRAL else 1e-6)),  # transformers' defaults
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_theta=1e6 if arch == MIXTRAL else 10000.0,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, max_seq_len=int(context),
+        norm_eps=float(_value(cfg, arch, "rms_norm_eps")),
+        tie_embeddings=bool(_value(cfg, arch, "tie_word_embeddings")),
+        rope_theta=float(arch.defaults.get("rope_theta", 10000.0)), family=family.name,
     )
     fields.update(_rope(cfg, where))
-    _refuse_if(heads % fields["n_kv_heads"], where,
-               f"num_attention_heads={heads} is not a multiple of num_key_value_heads={fields['n_kv_heads']}")
-    if arch == MIXTRAL:
-        experts, top_k = cfg.get("num_local_experts", 8), cfg.get("num_experts_per_tok", 2)
-        _refuse_if(top_k < 2, where, f"num_experts_per_tok={top_k}: Mixtral's top-1 gate is 1, paratrain's is the "
-                   "router probability (top_k >= 2 renormalises the same way in both)")
-        fields.update(moe_experts=experts, moe_top_k=top_k, moe_ffn_hidden=cfg["intermediate_size"],
-                      moe_score_func="softmax", moe_shared_experts=0, moe_first_dense_layers=0,
-                      moe_capacity_factor=0.0, moe_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)))
+    if arch.moe:
+        fields.update(_moe_fields(cfg, arch, where))
     try:
         args = ModelArgs(**fields)
         validate_args(args)
@@ -213,43 +265,58 @@ def args_from_hf_config(cfg: dict, where: str = "config.json") -> ModelArgs:
     return args
 
 
-def family_mismatch(args: ModelArgs) -> str | None:
-    """Why a model's family has no config mapping here (this file maps the Llama family), or None."""
-    if args.family != DEFAULT_FAMILY:
-        return f"model family '{args.family}' (paratrain maps the {DEFAULT_FAMILY} family to Hugging Face configs)"
-    return None
+def _export_arch(args: ModelArgs) -> HFArch | None:
+    """The architecture a model is written as: its family's exported one with (or without) a mixture of experts."""
+    return next((a for a in family_of(args).hf_archs if a.exported and a.moe == bool(args.moe_experts)), None)
 
 
-def mixtral_mismatch(args: ModelArgs) -> str | None:
-    """Why an MoE model has no MixtralForCausalLM counterpart, or None."""
+def _moe_mismatch(args: ModelArgs, arch: HFArch) -> str | None:
     reasons = []
     if args.moe_shared_experts:
         reasons.append(f"{args.moe_shared_experts} shared expert(s)")
-    if args.moe_first_dense_layers:
+    if args.moe_first_dense_layers and not arch.sparse_layers:
         reasons.append(f"{args.moe_first_dense_layers} dense first layer(s)")
+    if args.moe_dense_layers and not arch.sparse_layers:
+        reasons.append(f"dense layers {list(args.moe_dense_layers)}")
     if args.moe_score_func != "softmax":
         reasons.append(f"{args.moe_score_func} routing")
-    if args.moe_top_k < 2:
-        reasons.append("top-1 routing (Mixtral's single gate is 1, paratrain's the router probability)")
+    if args.moe_norm_topk and args.moe_top_k < 2:
+        reasons.append("top-1 routing with renormalised gates (transformers' single gate is 1, paratrain's the "
+                       "router probability)")
+    if not args.moe_norm_topk and arch.norm_topk_key is None:
+        reasons.append("top-k gates that are not renormalised")
     if not reasons:
         return None
-    return ", ".join(reasons) + " (MixtralForCausalLM has softmax top-k>=2 routing over routed experts only)"
+    return ", ".join(reasons) + f" ({arch.name} has softmax top-k routing over routed experts only)"
+
+
+def export_mismatch(args: ModelArgs) -> str | None:
+    """Why a model has no Hugging Face counterpart to be exported as, or None."""
+    family = family_of(args)
+    arch = _export_arch(args)
+    if arch is None and not any(a.exported for a in family.hf_archs):
+        mapped = ", ".join(name for name, f in FAMILIES.items() if any(a.exported for a in f.hf_archs))
+        return f"model family '{family.name}' (paratrain maps the families {mapped} to Hugging Face configs)"
+    if arch is None:
+        return f"a mixture of experts in model family '{family.name}' (none of its Hugging Face architectures has one)"
+    return _moe_mismatch(args, arch) if arch.moe else None
 
 
 def hf_config_from_args(args: ModelArgs, vocab_size: int, dtype: str, bos_id: int | None, eos_id: int | None,
                         name: str = "model") -> dict:
-    """config.json for a paratrain model: LlamaForCausalLM, or MixtralForCausalLM for an MoE model that maps
-    to it (UserError naming what does not). Written in transformers 4's keys (`rope_theta`, `rope_scaling`),
-    which transformers 5, vLLM and llama.cpp's converter all read."""
-    why = family_mismatch(args) or (args.moe_experts and mixtral_mismatch(args))
+    """config.json for a paratrain model, as its family's architecture (UserError naming what does not map).
+    Written in transformers 4's keys (`rope_theta`, `rope_scaling`), which transformers 5, vLLM and llama.cpp's
+    converter all read."""
+    why = export_mismatch(args)
     if why:
         raise UserError(f"{name} cannot be exported as a Hugging Face model: it has {why}")
+    arch = _export_arch(args)
     cfg = {
-        "architectures": [MIXTRAL if args.moe_experts else LLAMA],
-        "model_type": "mixtral" if args.moe_experts else "llama",
+        "architectures": [arch.name],
+        "model_type": arch.model_type,
         "vocab_size": vocab_size,
         "hidden_size": args.dim,
-        "intermediate_size": args.expert_hidden if args.moe_experts else args.ffn_hidden,
+        "intermediate_size": args.ffn_hidden,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads,
@@ -260,25 +327,28 @@ def hf_config_from_args(args: ModelArgs, vocab_size: int, dtype: str, bos_id: in
         "rope_theta": args.rope_theta,
         "rope_scaling": None,
         "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": False,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
-        "torch_dtype": DTYPE_NAMES[dtype],
+        "torch_dtype": dtype_name(dtype),
+        **arch.fixed,
+        **arch.written,
     }
     if args.rope_scaling == "llama3":
         cfg["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor,
                                "low_freq_factor": args.rope_low_freq_factor,
                                "high_freq_factor": args.rope_high_freq_factor,
                                "original_max_position_embeddings": args.rope_original_max_seq_len}
-    if args.moe_experts:
-        cfg.update(num_local_experts=args.moe_experts, num_experts_per_tok=args.moe_top_k,
-                   router_aux_loss_coef=args.moe_aux_loss_coef, output_router_logits=False, sliding_window=None,
-                   router_jitter_noise=0.0)
-    else:
-        cfg.update(mlp_bias=False, pretraining_tp=1)
+    if arch.moe:
+        cfg.update({arch.experts_keys[0]: args.moe_experts, "num_experts_per_tok": args.moe_top_k,
+                    arch.expert_hidden_key: args.expert_hidden, "router_aux_loss_coef": args.moe_aux_loss_coef})
+        if arch.norm_topk_key:
+            cfg[arch.norm_topk_key] = args.moe_norm_topk
+        if arch.sparse_layers:
+            cfg.update(decoder_sparse_step=1, mlp_only_layers=[i for i in range(args.n_layers)
+                                                               if not args.is_moe_layer(i)])
     return cfg
 
 

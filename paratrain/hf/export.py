@@ -35,9 +35,11 @@ from paratrain.hf.files import INDEX, SINGLE
 from paratrain.hf.names import Piece, param_shapes, pieces
 from paratrain.hf.tokenizer import special_tokens, write_tokenizer
 from paratrain.models.args import ModelArgs
+from paratrain.distributed.tensors import torch_dtype
+from paratrain.modes import PRECISIONS
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SOURCE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+SOURCE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja",
+                "vocab.json", "merges.txt")  # the slow tokenizer's files (Qwen ships them beside tokenizer.json)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
 
 
@@ -102,8 +104,8 @@ def plan_export(ckpt: Path, dtype: str = "bf16", max_shard_bytes: int = 5 * 10**
     from paratrain.training.checkpoint import load_trainer_state
     from paratrain.data import load_tokenizer
 
-    if dtype not in DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    if dtype not in PRECISIONS:
+        raise UserError(f"--dtype must be one of {', '.join(PRECISIONS)}, got '{dtype}'")
     state = load_trainer_state(ckpt)
     if "model_args" not in state:
         raise UserError(f"{ckpt}: trainer.pt has no model dimensions")
@@ -148,7 +150,7 @@ def plan_export(ckpt: Path, dtype: str = "bf16", max_shard_bytes: int = 5 * 10**
             raise UserError(f"{ckpt}: the checkpoint has no model.{param} of shape {list(want)}")
         saved_dtypes[param] = entry.properties.dtype
 
-    itemsize = DTYPES[dtype].itemsize
+    itemsize = torch_dtype(dtype).itemsize
     shards: list[list[Piece]] = [[]]
     size = 0
     for piece in all_pieces:
@@ -207,13 +209,12 @@ def write_shard(plan: ExportPlan, index: int, folder: Path, reader=None) -> None
     from safetensors.torch import save_file
 
     reader = reader or _checkpoint_reader(plan.ckpt)
-    shard, tensors = plan.shards[index], {}
+    shard, tensors, dtype = plan.shards[index], {}, torch_dtype(plan.dtype)
     names = list(dict.fromkeys(p.param for p in shard))
     with _parameters(plan, reader, names) as value:
         for name in names:
             source = value(name)
-            tensors.update({p.hf: _hf_tensor(p, source, plan.vocab, DTYPES[plan.dtype])
-                            for p in shard if p.param == name})
+            tensors.update({p.hf: _hf_tensor(p, source, plan.vocab, dtype) for p in shard if p.param == name})
             del source
     path = folder / plan.files[index]
     save_file(tensors, str(path), metadata={"format": "pt"})
@@ -239,7 +240,7 @@ def write_metadata(plan: ExportPlan, folder: Path) -> None:
         generation = {k: plan.config[k] for k in ("bos_token_id", "eos_token_id") if plan.config.get(k) is not None}
         _write_json(folder / "generation_config.json", generation)
     if len(plan.shards) > 1:
-        itemsize = DTYPES[plan.dtype].itemsize
+        itemsize = torch_dtype(plan.dtype).itemsize
         total = sum(itemsize * _numel(p.shape) for shard in plan.shards for p in shard)
         weight_map = {p.hf: plan.files[i] for i, shard in enumerate(plan.shards) for p in shard}
         _write_json(folder / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -302,7 +303,7 @@ def main_export(argv: list[str]) -> int:
                    help="hf: transformers / vLLM / llama.cpp layout (LoRA: merged into the weights); peft: a LoRA "
                         "checkpoint's adapters as a PEFT adapter folder for its Hugging Face base")
     p.add_argument("--out", required=True, help="folder to create")
-    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    p.add_argument("--dtype", default="bf16", choices=PRECISIONS)
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     a = p.parse_args(argv)

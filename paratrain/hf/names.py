@@ -4,7 +4,7 @@ and Hugging Face names (`paratrain.models.family.HFNames`).
 Dense parameters map one to one by name (the rotary layout is the same, so q and k need no permutation).
 paratrain stacks the experts of an MoE layer: experts.w1 and w3 are (E, dim, hidden) and w2 (E, hidden, dim),
 used as x @ w[e]; Mixtral stores each expert as nn.Linear weights, `block_sparse_moe.experts.{e}.w1.weight`
-(hidden, dim), i.e. w[e] transposed. A `Piece` is one Hugging Face tensor: a parameter, or one expert of a
+(hidden, dim), i.e. w[e] transposed (Qwen3-MoE the same as `mlp.experts.{e}.gate_proj.weight`). A `Piece` is one Hugging Face tensor: a parameter, or one expert of a
 stacked parameter, transposed.
 """
 
@@ -50,7 +50,8 @@ def hf_name(names: HFNames, param: str, expert: int | None = None) -> str:
     _, index, rest = param.split(".", 2)  # layers.{i}.rest
     prefix = f"model.layers.{index}."
     if expert is not None:
-        return prefix + names.expert.format(e=expert, w=rest.rsplit(".", 1)[1])
+        w = rest.rsplit(".", 1)[1]
+        return prefix + names.expert.format(e=expert, w=names.expert_weights.get(w, w))
     if rest in names.block:
         return prefix + names.block[rest]
     raise KeyError(param)

@@ -15,10 +15,11 @@ import os
 import tempfile
 from pathlib import Path
 
-from paratrain.distributed.parallelize import PRECISION_DTYPES as DTYPES
+from paratrain.distributed.tensors import torch_dtype
 from paratrain.errors import UserError
 from paratrain.files import atomic_dir
 from paratrain.hf.names import hf_name, hf_names
+from paratrain.modes import PRECISIONS
 from paratrain.preflight import check_export_out
 from paratrain.training.adapters import AdaptedCheckpoint, init_folder_of
 from paratrain.training.checkpoint import load_trainer_state
@@ -39,8 +40,8 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "bf16", overwrite: bool = Fa
     """Write the adapters of LoRA checkpoint `ckpt` as a PEFT folder `out` (complete, or not at all)."""
     from safetensors.torch import save_file
 
-    if dtype not in DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    if dtype not in PRECISIONS:
+        raise UserError(f"--dtype must be one of {', '.join(PRECISIONS)}, got '{dtype}'")
     state = load_trainer_state(ckpt)
     adapted = AdaptedCheckpoint.of(ckpt, state)
     if adapted is None:
@@ -56,8 +57,8 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "bf16", overwrite: bool = Fa
     for weight, (a, b) in adapted.targets.items():
         module = hf_name(names, weight)[: -len(".weight")]
         modules.add(module.rsplit(".", 1)[-1])
-        tensors[f"base_model.model.{module}.lora_A.weight"] = adapters[a].to(DTYPES[dtype]).contiguous()
-        tensors[f"base_model.model.{module}.lora_B.weight"] = adapters[b].to(DTYPES[dtype]).contiguous()
+        tensors[f"base_model.model.{module}.lora_A.weight"] = adapters[a].to(torch_dtype(dtype)).contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = adapters[b].to(torch_dtype(dtype)).contiguous()
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-")), out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})

@@ -1,7 +1,7 @@
-"""The model: plain nn.Modules with no parallel code (llama.py, moe.py), its torch-free dimensions (args.py), the
-model families (family.py: what a family gives, its module, parameter table with tensor-parallel roles and Hugging
-Face names; registry.py: the families by name; llama_params.py: the Llama family) and named sizes with exact
-parameter and FLOP counts (presets.py).
+"""The model: plain nn.Modules with no parallel code (llama.py, moe.py, qwen.py), its torch-free dimensions
+(args.py), the model families (family.py: what a family gives, its module, parameter table with tensor-parallel roles
+and Hugging Face names; registry.py: the families by name; llama_params.py: the Llama family; qwen_params.py: Qwen2,
+Qwen3 and Qwen3-MoE) and named sizes with exact parameter and FLOP counts (presets.py).
 
 `Transformer` and `build_model`'s modules are imported lazily so that `from paratrain.models import ModelArgs,
 preset_args` does not load torch (the layout, estimator and planner reason about models without it)."""

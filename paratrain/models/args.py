@@ -34,14 +34,19 @@ class ModelArgs:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
-    # Mixture of experts (0 experts = dense everywhere). The MoE block replaces the dense MLP in
-    # every layer from `moe_first_dense_layers` on; `moe_ffn_hidden` is each expert's hidden size.
+    # Mixture of experts (0 experts = dense everywhere). The MoE block replaces the dense MLP in every layer from
+    # `moe_first_dense_layers` on but `moe_dense_layers`; `moe_ffn_hidden` is each expert's hidden size.
     moe_experts: int = 0
     moe_top_k: int = 2
     moe_shared_experts: int = 0
     moe_ffn_hidden: int | None = None
     moe_first_dense_layers: int = 0
+    # More blocks that keep the dense MLP, by index (Qwen-MoE's mlp_only_layers and decoder_sparse_step).
+    moe_dense_layers: tuple[int, ...] = ()
     moe_score_func: ScoreFunc = "softmax"
+    # Renormalise the top-k gates to sum to 1 (when top_k > 1); false keeps the router's probabilities
+    # (Qwen-MoE's norm_topk_prob=false).
+    moe_norm_topk: bool = True
     moe_aux_loss_coef: float = 0.01
     moe_capacity_factor: float = 0.0  # 0: no capacity limit (no token dropping)
     # The model family (`paratrain.models.family`): which module is built and which parameter table, TP plan and
@@ -53,13 +58,15 @@ class ModelArgs:
         # resolved value, pass head_dim=None with it to derive it again.
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        # A list from a TOML file or trainer.pt: a tuple, so the dimensions stay hashable.
+        object.__setattr__(self, "moe_dense_layers", tuple(self.moe_dense_layers))
 
     @property
     def expert_hidden(self) -> int:
         return self.moe_ffn_hidden or self.ffn_hidden
 
     def is_moe_layer(self, index: int) -> bool:
-        return self.moe_experts > 0 and index >= self.moe_first_dense_layers
+        return self.moe_experts > 0 and index >= self.moe_first_dense_layers and index not in self.moe_dense_layers
 
 
 # -- checking dimensions that come from a file (a checkpoint's trainer.pt) --------------------------------------
@@ -115,7 +122,10 @@ def fields_problem(fields, prefix: str = "") -> str | None:
             return f"{prefix}{name} must be a positive number, got {value!r}"
         elif name in _NON_NEGATIVE and not (is_number(value) and value >= 0):
             return f"{prefix}{name} must be a number >= 0, got {value!r}"
-        elif name == "tie_embeddings" and not isinstance(value, bool):
+        elif name == "moe_dense_layers" and not (isinstance(value, (list, tuple))
+                                                 and all(is_int(i) and 0 <= i < MAX_COUNT for i in value)):
+            return f"{prefix}{name} must be a list of layer indices, got {value!r}"
+        elif name in ("tie_embeddings", "moe_norm_topk") and not isinstance(value, bool):
             return f"{prefix}{name} must be true or false, got {value!r}"
         elif name in ("rope_scaling", "moe_score_func") and not isinstance(value, str):
             return f"{prefix}{name} must be a string, got {value!r}"

@@ -10,7 +10,9 @@ A family gives
   it, and `paratrain/distributed/tensor_parallel.py` turns roles into the TP/SP plan;
 - `sublayers(args, index)`: the block's sublayers by kind ("attention" called as (x, cos, sin), "mlp" and "moe"
   called as (x,)), which say where sequence parallelism gathers and scatters the residual stream;
-- `hf`: its Hugging Face tensor names (`HFNames`), or None when it has no Hugging Face counterpart.
+- `hf`: its Hugging Face tensor names (`HFNames`), or None when it has no Hugging Face counterpart;
+- `hf_archs`: the transformers architectures it is (`HFArch`: how their config.json maps to its dimensions, which
+  paratrain/hf/arch.py reads for import and export).
 
 Adding a family is one module defining a `ModelFamily` plus one registry line: an entry in `registry.FAMILIES` for a
 family shipped with paratrain, or `registry.register_family(FAMILY)` in the module that defines it (tests do this).
@@ -31,8 +33,10 @@ from paratrain.models.args import ModelArgs
 #   rowwise    row-parallel Linear: weight split on dim 1, bias replicated; its output goes back to its sublayer's
 #              output layout (the residual stream; whole inside a mixture of experts)
 #   norm       a norm gain: replicated, sequence-parallel under SP   replicated  replicated whatever the layout
+#   head_norm  a norm gain over each attention head (Qwen3's q/k norm): replicated, its input split by heads like the
+#              column-parallel projection it follows (its gradient is summed over the tp ranks' heads)
 #   expert     a routed expert's stacked weight (E, ...): not split by tp, split on dim 0 by expert parallelism
-Role = Literal["embedding", "output", "colwise", "rowwise", "norm", "replicated", "expert"]
+Role = Literal["embedding", "output", "colwise", "rowwise", "norm", "head_norm", "replicated", "expert"]
 ROLES = get_args(Role)
 SublayerKind = Literal["attention", "mlp", "moe"]
 SUBLAYER_KINDS = get_args(SublayerKind)
@@ -80,11 +84,37 @@ class Param:
 class HFNames:
     """A family's Hugging Face tensor names. `top` and `block` map paratrain names (a block's relative to
     `layers.{i}.`) to Hugging Face ones (relative to `model.layers.{i}.`); a routed-expert stacked weight
-    `<...>.experts.{w}` (E, in, out) is E tensors named `expert.format(e=e, w=w)`, each w[e] transposed."""
+    `<...>.experts.{w}` (E, in, out) is E tensors named `expert.format(e=e, w=expert_weights.get(w, w))`, each w[e]
+    transposed."""
 
     top: Mapping[str, str]
     block: Mapping[str, str]
     expert: str | None = None
+    expert_weights: Mapping[str, str] = field(default_factory=dict)  # w1/w2/w3 -> Hugging Face's names for them
+
+
+@dataclass(frozen=True)
+class HFArch:
+    """One transformers architecture a family is, and how its config.json maps to `ModelArgs` (paratrain/hf/arch.py
+    reads this on import and writes it on export). Every field is data, so a new architecture is a new entry."""
+
+    name: str  # the class in config.json's `architectures`, e.g. "Qwen3ForCausalLM"
+    model_type: str
+    moe: bool = False  # its blocks are mixtures of experts (the family's model with moe_experts > 0)
+    exported: bool = True  # paratrain writes it (False: read only, e.g. Mistral, which is exported as Llama)
+    # config.json fields with the one value this family computes (checked on import, a missing one read from
+    # `defaults`; written on export): e.g. Llama's attention_bias=false.
+    fixed: Mapping[str, object] = field(default_factory=dict)
+    defaults: Mapping[str, object] = field(default_factory=dict)  # transformers' values for fields left out
+    written: Mapping[str, object] = field(default_factory=dict)  # more fields written on export as they are
+    # Mixture of experts: the keys of the experts' count and width; `sparse_layers`: decoder_sparse_step and
+    # mlp_only_layers say which blocks keep a dense MLP (of intermediate_size); `norm_topk_key`: the key of the top-k
+    # gates' renormalisation (None: always renormalised).
+    experts_keys: tuple[str, ...] = ("num_local_experts",)  # read in this order, the first written
+    expert_hidden_key: str = "intermediate_size"
+    sparse_layers: bool = False
+    norm_topk_key: str | None = None
+    window_flag: str | None = None  # the field that turns `sliding_window` on (Qwen's use_sliding_window), if any
 
 
 @dataclass(frozen=True)
@@ -95,6 +125,7 @@ class ModelFamily:
     sublayers: Callable[[ModelArgs, int], Mapping[str, SublayerKind]]
     hf: HFNames | None = None
     description: str = ""
+    hf_archs: tuple[HFArch, ...] = ()
 
     def model_class(self):
         path, _, attr = self.module.partition(":")

@@ -4,8 +4,8 @@ It knows nothing about parallelism: head counts are read from tensor shapes
 (`view(B, T, -1, head_dim)`), so tensor-parallel sharding of the projections
 just works, and the blocks live in a ModuleDict keyed by layer index so a
 pipeline stage can drop the blocks it does not own without renaming the rest.
-With `moe_experts > 0` the blocks from `moe_first_dense_layers` on use the mixture-of-experts
-feed-forward (models/moe.py) in place of the dense SwiGLU.
+With `moe_experts > 0` the blocks from `moe_first_dense_layers` on (but `moe_dense_layers`) use the
+mixture-of-experts feed-forward (models/moe.py) in place of the dense SwiGLU.
 """
 
 from __future__ import annotations
@@ -119,22 +119,29 @@ class Documents:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Grouped-query attention with rotary embeddings; `qkv_bias`/`o_bias` put biases on the q/k/v and o projections
+    (a family's choice: Qwen2's q/k/v, Qwen3's attention_bias all four)."""
+
+    def __init__(self, args: ModelArgs, qkv_bias: bool = False, o_bias: bool = False):
         super().__init__()
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=o_bias)
         self.sequence = WHOLE_SEQUENCE  # seam: positions and attention over the sequence (see WholeSequence)
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, T, Hq, D), k and v (B, T, Hkv, D) before rotary; Hq and Hkv are local under TP (a subclass may
+        transform the heads here: models/qwen.py normalises q and k)."""
+        B, T, _ = x.shape
+        return tuple(w(x).view(B, T, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 documents: Documents | None = None) -> torch.Tensor:
         """`documents`: packed windows (cos and sin are then each token's own angles, (B, T, D/2))."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, Hq, D); Hq is local under TP
-        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k, v = self.heads(x)
         if documents is None:
             cos, sin = self.sequence.rope(cos, sin, T)  # the angles of these tokens' positions
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -160,17 +167,17 @@ def moe_block(args: ModelArgs) -> MoE:
     # n shared experts of width h are one SwiGLU of width n * h (the sum of their outputs).
     shared = FeedForward(args.dim, args.expert_hidden * args.moe_shared_experts) if args.moe_shared_experts else None
     return MoE(args.dim, args.moe_experts, args.moe_top_k, args.expert_hidden, shared=shared,
-               score_func=args.moe_score_func, aux_loss_coef=args.moe_aux_loss_coef,
+               score_func=args.moe_score_func, norm_topk=args.moe_norm_topk, aux_loss_coef=args.moe_aux_loss_coef,
                capacity_factor=args.moe_capacity_factor)
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, index: int = 0):
+    def __init__(self, args: ModelArgs, index: int = 0, attention=Attention):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        # A mixture of experts in place of the dense MLP from layer `moe_first_dense_layers` on.
+        # A mixture of experts in place of the dense MLP in the layers `args.is_moe_layer` names.
         self.feed_forward = moe_block(args) if args.is_moe_layer(index) else FeedForward(args.dim, args.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -181,11 +188,15 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    # The blocks' attention: called with the model's args (a family's module sets its own: models/qwen.py).
+    attention_class = Attention
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i, self.attention_class)
+                                     for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:

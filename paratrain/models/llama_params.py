@@ -5,18 +5,18 @@ plan and Hugging Face interop read."""
 from __future__ import annotations
 
 from paratrain.models.args import ModelArgs
-from paratrain.models.family import HFNames, ModelFamily, Param
+from paratrain.models.family import HFArch, HFNames, ModelFamily, Param
 
 
 def attention_params(args: ModelArgs, i: int, bias: bool = False) -> list[Param]:
     """The grouped-query attention's projections of block i (q/k/v column-parallel, o row-parallel); `bias`: q/k/v
-    carry biases (split with their weights)."""
+    carry biases (split with their weights; under autocast a linear casts its bias too, hence `matmul`)."""
     C, hd, p = args.dim, args.head_dim, f"layers.{i}.attention."
     out = []
     for w, rows in (("wq", args.n_heads * hd), ("wk", args.n_kv_heads * hd), ("wv", args.n_kv_heads * hd)):
         out.append(Param(p + w + ".weight", (rows, C), "colwise", i, matmul=True))
         if bias:
-            out.append(Param(p + w + ".bias", (rows,), "colwise", i))
+            out.append(Param(p + w + ".bias", (rows,), "colwise", i, matmul=True))
     return out + [Param(p + "wo.weight", (C, args.n_heads * hd), "rowwise", i, matmul=True)]
 
 
@@ -78,7 +78,23 @@ LLAMA_HF = HFNames(
     expert="block_sparse_moe.experts.{e}.{w}.weight",
 )
 
+# transformers' config defaults for fields a config.json may leave out (LlamaConfig, MistralConfig, MixtralConfig).
+_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+             "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False}
+LLAMA_ARCHS = (
+    HFArch("LlamaForCausalLM", "llama", fixed={"attention_bias": False, "mlp_bias": False}, defaults=_DEFAULTS,
+           written={"pretraining_tp": 1}),
+    # Llama's layout with an optional sliding window (refused when it is shorter than the context).
+    HFArch("MistralForCausalLM", "mistral", exported=False, defaults=_DEFAULTS),
+    # Softmax top-k >= 2 renormalised gates over routed experts only, every block.
+    HFArch("MixtralForCausalLM", "mixtral", moe=True,
+           defaults={**_DEFAULTS, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": 8,
+                     "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001},
+           written={"output_router_logits": False, "sliding_window": None, "router_jitter_noise": 0.0}),
+)
+
 FAMILY = ModelFamily(
     name="llama", module="paratrain.models.llama:Transformer", params=decoder_params, sublayers=decoder_sublayers,
     hf=LLAMA_HF, description="Llama-style decoder (RMSNorm, GQA with rotary embeddings, SwiGLU or mixture of experts)",
+    hf_archs=LLAMA_ARCHS,
 )

@@ -8,8 +8,9 @@ when it shards the experts; this file never changes for it.
 Numerics that are the same on every layout (so `paratrain verify` can compare at 1e-5):
 
 - Routing is fp32. Ties in the top-k are broken toward the lower expert index (stable sort).
-- Gates are the selected scores, renormalised to sum to 1 when top_k > 1 (Mixtral for softmax,
-  DeepSeek-V3 for sigmoid); with top_k = 1 the raw score (Switch), so the router still gets a gradient.
+- Gates are the selected scores, renormalised to sum to 1 when top_k > 1 (Mixtral and Qwen3-MoE for softmax,
+  DeepSeek-V3 for sigmoid) unless `norm_topk` is off (Qwen-MoE's norm_topk_prob=false); with top_k = 1 the raw
+  score (Switch), so the router still gets a gradient.
 - Each token's output is the gate-weighted sum of its experts in rank order (never an atomic scatter).
 - The load-balancing loss and the capacity limit are defined per sequence, not per batch: a sequence
   is never split across data-parallel ranks, so both are independent of how the batch is laid out.
@@ -146,13 +147,15 @@ class MoE(nn.Module):
     """
 
     def __init__(self, dim: int, n_experts: int, top_k: int, hidden: int, shared: nn.Module | None = None,
-                 score_func: str = "softmax", aux_loss_coef: float = 0.01, capacity_factor: float = 0.0):
+                 score_func: str = "softmax", norm_topk: bool = True, aux_loss_coef: float = 0.01,
+                 capacity_factor: float = 0.0):
         super().__init__()
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"moe score function '{score_func}' is not one of {', '.join(SCORE_FUNCS)}")
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"moe top_k={top_k} must be between 1 and the number of experts ({n_experts})")
         self.n_experts, self.top_k, self.score_func = n_experts, top_k, score_func
+        self.renormalise = norm_topk and top_k > 1  # top-1 keeps the raw score (Switch): the router gets a gradient
         self.aux_loss_coef, self.capacity_factor = aux_loss_coef, capacity_factor
         self.router = Router(dim, n_experts)
         self.experts = GroupedExperts(n_experts, dim, hidden)
@@ -169,7 +172,7 @@ class MoE(nn.Module):
         # Stable descending sort: among equal scores the lower expert index wins, on every device.
         top, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
         top, idx = top[:, :self.top_k], idx[:, :self.top_k]
-        gates = top / top.sum(-1, keepdim=True) if self.top_k > 1 else top
+        gates = top / top.sum(-1, keepdim=True) if self.renormalise else top
         probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
         return probs, idx, gates
 

@@ -1,5 +1,6 @@
 """Named model sizes. Llama dimensions are the published ones (Meta's params.json); the MoE presets use the
-published dimensions of Mixtral-8x7B and DeepSeekMoE-16B."""
+published dimensions of Mixtral-8x7B and DeepSeekMoE-16B; the Qwen presets those of the official checkpoints'
+config.json (Qwen/Qwen2.5-7B, Qwen/Qwen3-8B, ...)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,38 @@ PRESETS: dict[str, dict] = {
     "deepseek-moe-16b": dict(vocab_size=102400, dim=2048, n_layers=28, n_heads=16, n_kv_heads=16, ffn_hidden=10944,
                              max_seq_len=4096, norm_eps=1e-6, moe_experts=64, moe_top_k=6, moe_shared_experts=2,
                              moe_ffn_hidden=1408, moe_first_dense_layers=1, moe_aux_loss_coef=0.001),
+    # Qwen (the official checkpoints' config.json on the Hugging Face hub: hidden_size, intermediate_size,
+    # num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, vocab_size, max_position_embeddings,
+    # rope_theta, rms_norm_eps, tie_word_embeddings; for the MoE models num_experts, num_experts_per_tok,
+    # moe_intermediate_size, norm_topk_prob=true, decoder_sparse_step=1, mlp_only_layers=[]). The counts below are
+    # count_params of these shapes; the model cards publish them rounded ("Number of Parameters"), and Qwen2.5-7B's
+    # safetensors index gives the exact one (total_size 15,231,233,024 bf16 bytes = 7,615,616,512 parameters).
+    # Qwen2.5-7B: q/k/v biases, 28 heads of 128, 7,615,616,512 parameters (published 7.61B, 6.53B non-embedding).
+    "qwen2.5-7b": dict(family="qwen2", vocab_size=152064, dim=3584, n_layers=28, n_heads=28, n_kv_heads=4,
+                       ffn_hidden=18944, max_seq_len=131072, rope_theta=1e6, norm_eps=1e-6),
+    # Qwen3: per-head q/k norms, head_dim 128 whatever the width. Qwen3-8B: 8,190,735,360 (published 8.2B, 6.95B
+    # non-embedding); Qwen3-32B (head_dim * heads = 8192 > hidden 5120): 32,762,123,264 (published 32.8B, 31.2B).
+    "qwen3-8b": dict(family="qwen3", vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8,
+                     head_dim=128, ffn_hidden=12288, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6),
+    "qwen3-32b": dict(family="qwen3", vocab_size=151936, dim=5120, n_layers=64, n_heads=64, n_kv_heads=8,
+                      head_dim=128, ffn_hidden=25600, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6),
+    # Qwen3-MoE: 128 routed experts, top-8 with renormalised gates, no shared expert, every block sparse.
+    # Qwen3-30B-A3B: 30,532,122,624 parameters, 3,353,032,704 active (published 30.5B total, 3.3B activated, 29.9B
+    # non-embedding); Qwen3-235B-A22B: 235,093,634,560 and 22,190,763,520 (published 235B, 22B, 234B).
+    "qwen3-30b-a3b": dict(family="qwen3", vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
+                          head_dim=128, ffn_hidden=6144, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
+                          moe_experts=128, moe_top_k=8, moe_ffn_hidden=768, moe_aux_loss_coef=0.001),
+    "qwen3-235b-a22b": dict(family="qwen3", vocab_size=151936, dim=4096, n_layers=94, n_heads=64, n_kv_heads=4,
+                            head_dim=128, ffn_hidden=12288, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
+                            moe_experts=128, moe_top_k=8, moe_ffn_hidden=1536, moe_aux_loss_coef=0.001),
+    # Qwen3-shaped tiny models for tests and `paratrain verify`: q/k norms and biases on q/k/v/o (family qwen3-bias),
+    # a head_dim (32) that is not dim / n_heads (16); the MoE one routes like Qwen3-MoE (4 experts, top-2, no shared
+    # expert) with block 1 dense (mlp_only_layers=[1]).
+    "tiny-qwen3": dict(family="qwen3-bias", vocab_size=None, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                       ffn_hidden=176, max_seq_len=256, norm_eps=1e-6),
+    "tiny-qwen3-moe": dict(family="qwen3-bias", vocab_size=None, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                           head_dim=32, ffn_hidden=176, max_seq_len=256, norm_eps=1e-6, moe_experts=4, moe_top_k=2,
+                           moe_ffn_hidden=64, moe_dense_layers=(1,)),
 }
 
 
@@ -110,6 +143,9 @@ def validate_moe(args: ModelArgs) -> None:
             raise ConfigError(f"model.{key} must be >= 0, got {getattr(args, key)}")
     if args.moe_ffn_hidden is not None and args.moe_ffn_hidden < 1:
         raise ConfigError(f"model.moe_ffn_hidden must be positive, got {args.moe_ffn_hidden}")
+    outside = next((i for i in args.moe_dense_layers if not 0 <= i < args.n_layers), None)
+    if outside is not None:
+        raise ConfigError(f"model.moe_dense_layers: {outside} is not a block of the {args.n_layers}-block model")
 
 
 def block_param_count(args: ModelArgs, index: int, active: bool = False) -> int:

@@ -8,13 +8,16 @@ import importlib
 import os
 
 from paratrain.errors import UserError
-from paratrain.models import llama_params
+from paratrain.models import llama_params, qwen_params
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import ModelFamily, Param
 
 # The families shipped with paratrain, one line each.
 FAMILIES: dict[str, ModelFamily] = {
     "llama": llama_params.FAMILY,  # Llama 3 / Mistral, and with moe_experts > 0 Mixtral / DeepSeekMoE
+    "qwen2": qwen_params.QWEN2,  # Qwen2 / Qwen2.5: q/k/v biases
+    "qwen3": qwen_params.QWEN3,  # Qwen3: per-head q/k norms, and with moe_experts > 0 Qwen3-MoE
+    "qwen3-bias": qwen_params.QWEN3_BIAS,  # Qwen3 with attention_bias: q/k norms and q/k/v/o biases
 }
 BUILTIN = tuple(FAMILIES)
 FAMILY_MODULES_ENV = "PARATRAIN_FAMILY_MODULES"  # modules that register families, for spawned ranks to import
@@ -25,8 +28,8 @@ def register_family(family: ModelFamily) -> ModelFamily:
     so that ranks started from this process (which inherit it) import it and know the family too; that module must
     register the family when imported."""
     if FAMILIES.get(family.name, family) != family:
-        parameters.cache_clear()
-        block_numels.cache_clear()
+        for cache in (parameters, block_numels, roles):
+            cache.cache_clear()
     FAMILIES[family.name] = family
     origin = family.module.partition(":")[0]
     if family.name not in BUILTIN and origin != "__main__":
@@ -66,6 +69,12 @@ def block_numels(args: ModelArgs) -> tuple[tuple[int, int], ...]:
             out[p.layer][0] += p.numel
             out[p.layer][1] += p.numel * args.moe_top_k // p.shape[0] if p.expert else p.numel
     return tuple(map(tuple, out))
+
+
+@functools.lru_cache(maxsize=256)
+def roles(args: ModelArgs) -> frozenset[str]:
+    """The tensor-parallel roles of the family's parameters (e.g. whether its attention has per-head norms)."""
+    return frozenset(p.role for p in parameters(args))
 
 
 def build_model(args: ModelArgs):

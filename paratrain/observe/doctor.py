@@ -1,4 +1,6 @@
 """`paratrain doctor [--nproc N] [--checkpoint-dir DIR]`: check the environment and say what is wrong in plain words.
+`paratrain doctor --hang RUN_DIR`: which rank of a hung run is behind, from its ranks' collective histories
+(paratrain/observe/hang.py).
 
 One line per check: OK, WARN (works, but slower or risky), FAIL (training will not work as configured) or SKIP
 (does not apply here). Exit code 0 when nothing FAILs, 1 otherwise.
@@ -403,7 +405,14 @@ def main_doctor(argv: list[str]) -> int:
                         help="local ranks for the all-reduce test (default: the number of GPUs, or 2 on CPU; 0 skips)")
     parser.add_argument("--checkpoint-dir", default="runs", help="where checkpoints will go (default: runs)")
     parser.add_argument("--oversubscribe", action="store_true", help="allow more CPU ranks than paratrain train does")
+    parser.add_argument("--hang", metavar="RUN_DIR", help="read the run's collective histories (RUN_DIR/hang, written "
+                        "at a collective timeout): which rank is behind, at which collective")
     args = parser.parse_args(argv)
+    if args.hang is not None:
+        from paratrain.observe.hang import diagnose
+
+        print("\n".join(diagnose(Path(args.hang))))
+        return 0
     if args.nproc is not None and args.nproc < 0:
         raise UserError("--nproc must be >= 0")
     if args.nproc:

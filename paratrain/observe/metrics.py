@@ -12,7 +12,10 @@ step_time_s and its split data_time_s / compute_time_s / comm_time_s, skipped_st
 (list of per-rank dicts, log steps only), checkpoint_save_s and checkpoint_step (duration and step of the save made
 since the previous record), on the first record of each process layout, world_size, model and params, and with a
 mixture-of-experts model moe_aux_loss, moe_imbalance, moe_dropped_tokens, moe_tokens_per_expert (one list
-per MoE layer; from MoEMeter in distributed/expert_parallel.py). mfu is null without a device peak (observe/flops.py).
+per MoE layer; from MoEMeter in distributed/expert_parallel.py), with metrics.numerics_every numerics (per row:
+act_max/_rms, attn_logit_max, mlp_max/_rms, grad_max/_rms, weight_max/_rms, headroom_bits per format) and
+numerics_act_max, numerics_grad_max, numerics_headroom_bits (observe/numerics.py), and on a step the numerics watch
+diagnosed nonfinite (module, rank, batch). mfu is null without a device peak (observe/flops.py).
 The run's last record is {"step", "end": "finished" | "preempted"} with the save made after the last step, if any.
 """
 
@@ -156,7 +159,12 @@ PROM_SCALARS = {
     "moe_aux_loss": ("paratrain_moe_aux_loss", "MoE load-balancing loss, unscaled (1.0 = balanced)."),
     "moe_imbalance": ("paratrain_moe_imbalance", "Busiest expert's tokens over the mean, worst MoE layer (1 = balanced)."),
     "moe_dropped_tokens": ("paratrain_moe_dropped_tokens", "Expert assignments dropped by the capacity limit, last step."),
+    "numerics_headroom_bits": ("paratrain_numerics_min_headroom_bits",
+                               "Least headroom of any layer's largest activation to the bf16 (fp16 runs: fp16) "
+                               "maximum, in bits, at the last watched step (metrics.numerics_every)."),
 }
+NUMERICS_KINDS = {"act": "activation", "attn_logit": "attention_logit", "mlp": "mlp_hidden", "grad": "gradient",
+                  "weight": "weight"}
 PHASES = {"step_time_s": "total", "compute_time_s": "compute", "data_time_s": "data_wait", "comm_time_s": "comm_wait"}
 MEMORY_KINDS = {"rss_bytes": "rss", "rss_peak_bytes": "rss_peak", "cuda_allocated_bytes": "cuda_allocated",
                 "cuda_reserved_bytes": "cuda_reserved", "cuda_peak_allocated_bytes": "cuda_peak_allocated"}
@@ -184,6 +192,7 @@ class PrometheusSink:
         self._phases: dict[str, float] = {}
         self._memory: list[dict] = []
         self._experts: list[list[float]] = []
+        self._numerics: dict | None = None
         self._last_step_time: float | None = None
         self._closing = threading.Event()
         self._final_scraped = threading.Event()
@@ -218,6 +227,8 @@ class PrometheusSink:
                                                     else r.get("node", 0) == self.node)]
             if isinstance(record.get("moe_tokens_per_expert"), list):
                 self._experts = record["moe_tokens_per_expert"]
+            if isinstance(record.get("numerics"), dict):
+                self._numerics = record["numerics"]
 
     # -- the collector protocol ------------------------------------------------------------------
     def collect(self):
@@ -226,7 +237,7 @@ class PrometheusSink:
 
         with self._lock:
             scalars, phases, memory = dict(self._scalars), dict(self._phases), list(self._memory)
-            experts, last = list(self._experts), self._last_step_time
+            experts, last, numerics = list(self._experts), self._last_step_time, self._numerics
         final = self._closing.is_set()  # values are final once close() began: nothing writes after that
         run = [self.run]
         info = GaugeMetricFamily("paratrain_run_info", "Which run this endpoint belongs to and what it covers.",
@@ -266,6 +277,8 @@ class PrometheusSink:
             yield _gauge("paratrain_moe_layer_imbalance", "Per MoE layer: busiest expert's tokens over the mean.",
                          ["run", "moe_layer"], [(run + [str(i)], v) for i, v in enumerate(map(imbalance, experts))
                                                 if v is not None])
+        if numerics:
+            yield from _numerics_gauges(run, numerics)
         if final:
             self._final_scrape_thread = threading.current_thread()
             self._final_scraped.set()
@@ -277,6 +290,24 @@ class PrometheusSink:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=5)
+
+
+def _numerics_gauges(run: list[str], n: dict):
+    """The last watched step's per-layer statistics (row: embed, the block index, head)."""
+    rows = n["rows"]
+    stats = (("max", "paratrain_numerics_max_abs", "Largest |x| per layer and kind at the last watched step "
+              "(attention_logit: the largest logit before softmax)."),
+             ("rms", "paratrain_numerics_rms", "RMS per layer and kind at the last watched step."))
+    for stat, name, help_text in stats:
+        samples = [(run + [row, label], float(v)) for kind, label in NUMERICS_KINDS.items()
+                   for row, v in zip(rows, n.get(f"{kind}_{stat}") or []) if _is_number(v)]
+        if samples:
+            yield _gauge(name, help_text, ["run", "row", "kind"], samples)
+    samples = [(run + [row, fmt], float(v)) for fmt, values in n["headroom_bits"].items()
+               for row, v in zip(rows, values) if _is_number(v)]
+    if samples:
+        yield _gauge("paratrain_numerics_headroom_bits", "Per layer: log2(format max / largest activation), bits "
+                     "before the format overflows.", ["run", "row", "format"], samples)
 
 
 def _gauge(name: str, help_text: str, labels: list[str], samples: list[tuple[list[str], float]]):
@@ -305,7 +336,9 @@ TB_TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad
            "mfu": "throughput/mfu", "step_time_s": "time/step_s", "compute_time_s": "time/compute_s",
            "data_time_s": "time/data_wait_s", "comm_time_s": "time/comm_wait_s", "skipped_steps": "train/skipped_steps",
            "restarts": "train/restarts", "checkpoint_save_s": "time/checkpoint_save_s", "moe_aux_loss": "moe/aux_loss",
-           "moe_imbalance": "moe/imbalance", "moe_dropped_tokens": "moe/dropped_tokens"}
+           "moe_imbalance": "moe/imbalance", "moe_dropped_tokens": "moe/dropped_tokens",
+           "numerics_act_max": "numerics/act_max", "numerics_grad_max": "numerics/grad_max",
+           "numerics_headroom_bits": "numerics/min_headroom_bits"}
 
 
 class TensorBoardSink:
@@ -332,6 +365,13 @@ class TensorBoardSink:
             v = imbalance(tokens)
             if v is not None:
                 self.writer.add_scalar(f"moe/imbalance_by_layer/{i}", v, step, walltime=wall)
+        n = record.get("numerics")
+        if isinstance(n, dict):
+            for kind in NUMERICS_KINDS:
+                for stat in ("max", "rms"):
+                    for row, v in zip(n["rows"], n.get(f"{kind}_{stat}") or []):
+                        if _is_number(v) and math.isfinite(v):
+                            self.writer.add_scalar(f"numerics/{kind}_{stat}/{row}", v, step, walltime=wall)
 
     def close(self) -> None:
         self.writer.flush()

@@ -6,6 +6,9 @@ Reads each run's `metrics.jsonl` (and `config.toml` for the layout) and writes i
 - `memory.png`: memory per rank against step (CUDA allocated where logged, else process RSS);
 - `scaling.png` (two or more runs): tokens/s against the number of devices, with linear scaling from the smallest run,
   for the runs of one model and one global batch in tokens (the others are named as left out, with the reason);
+- `numerics.png` (`numerics-<run>.png` for several runs), for a run with the numerics watch on
+  (metrics.numerics_every): per-layer heat maps over the watched steps of max |activation|, max |gradient| and the
+  bf16 (fp16 for fp16 runs) headroom, non-finite cells marked;
 - `report.md`: the numbers (final and best losses, throughput, MFU, step-time split, peak memory per rank, skipped
   steps, restarts, checkpoint save times, expert load, scaling efficiency), and `summary.json` with the same numbers.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +30,7 @@ from pathlib import Path
 from paratrain.config import ParallelConfig, tomllib
 from paratrain.errors import ConfigError, OneLineArgumentParser, UserError
 from paratrain.layout import Layout
+from paratrain.modes import LOW_PRECISIONS, headroom_format
 from paratrain.observe.metrics import imbalance
 
 MIB = 2**20
@@ -42,6 +47,8 @@ class Run:
     saves: dict[int, float] = field(default_factory=dict)  # checkpoint step -> save duration (s)
     end: dict | None = None  # the run's last record ({"end": "finished" | "preempted"}), when it wrote one
     info: dict = field(default_factory=dict)  # what the last process said it ran: layout, world_size, model, params
+    nonfinite: list[dict] = field(default_factory=list)  # every step the numerics watch diagnosed (even rolled back)
+    watched: list[dict] = field(default_factory=list)  # every record with the numerics watch's statistics, in log order
 
     @property
     def world_size(self) -> int:
@@ -121,7 +128,7 @@ def load_run(path: str | Path) -> Run:
     by_step: dict[int, dict] = {}
     vals: dict[int, float] = {}
     saves: dict[int, float] = {}
-    end, info = None, {}
+    end, info, nonfinite, watched = None, {}, [], []
     bad = 0
     for raw in log.read_bytes().splitlines():
         if not raw.strip():
@@ -135,6 +142,10 @@ def load_run(path: str | Path) -> Run:
             continue
         if "loss" in r:
             by_step[r["step"]] = r
+        if isinstance(r.get("nonfinite"), dict):  # kept even when a rollback logs the step again
+            nonfinite.append({"step": r["step"], **r["nonfinite"]})
+        if _numerics_record(r):
+            watched.append(r)
         if _finite(r.get("val_loss")):
             vals[r["step"]] = r["val_loss"]
         if _finite(r.get("checkpoint_save_s")):  # a save made before this record; a step saved twice counts once
@@ -153,7 +164,18 @@ def load_run(path: str | Path) -> Run:
         except (tomllib.TOMLDecodeError, UnicodeDecodeError):
             config = {}
     name = config.get("run", {}).get("name", path.name)
-    return Run(name, path, [by_step[s] for s in sorted(by_step)], sorted(vals.items()), config, bad, saves, end, info)
+    return Run(name, path, [by_step[s] for s in sorted(by_step)], sorted(vals.items()), config, bad, saves, end, info,
+               nonfinite, watched)
+
+
+def _numerics_record(r: dict) -> bool:
+    """A record whose numerics are usable: rows, and per row each statistic the heat maps draw."""
+    n = r.get("numerics")
+    if not isinstance(n, dict) or not isinstance(n.get("rows"), list) or not isinstance(n.get("headroom_bits"), dict):
+        return False
+    size = len(n["rows"])
+    lists = [n.get("act_max"), n.get("grad_max"), *(n["headroom_bits"].get(f) for f in LOW_PRECISIONS)]
+    return all(isinstance(v, list) and len(v) == size for v in lists)
 
 
 def _finite(v) -> bool:
@@ -206,7 +228,40 @@ def summarize(run: Run) -> dict:
                 "dropped_tokens": sum(r.get("moe_dropped_tokens", 0) for r in steps),
                 "layer_imbalance": [imbalance(t) for t in moe["moe_tokens_per_expert"]]} if moe else None,
         "unreadable_lines": run.bad_lines,
+        "numerics": numerics_summary(run),
     }
+
+
+def numerics_summary(run: Run) -> dict | None:
+    """The numerics watch of a run: steps watched, the largest activation and the least headroom (where and when),
+    and every step whose first non-finite module was named."""
+    watched, found = run.watched, run.nonfinite
+    if not watched and not found:
+        return None
+    out: dict = {"watched_steps": len(watched), "nonfinite": found}
+    if watched:
+        fmt = _low_format(run)
+        def cells_of(values):
+            return [(v, r["step"], row) for r in watched for row, v in zip(r["numerics"]["rows"], values(r))
+                    if _is_num(v)]
+
+        cells = cells_of(lambda r: r["numerics"]["act_max"])
+        room = cells_of(lambda r: r["numerics"]["headroom_bits"][fmt])
+        if cells:
+            v, step, row = max(cells, key=lambda c: math.inf if math.isnan(c[0]) else c[0])
+            out["largest_activation"] = {"value": v, "step": step, "row": row}
+        if room:
+            v, step, row = min(room)
+            out["least_headroom"] = {"format": fmt, "bits": v, "step": step, "row": row}
+    return out
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _low_format(run: Run) -> str:
+    return headroom_format(run.section("training").get("precision") or "fp32")
 
 
 # -- plots ----------------------------------------------------------------------------------------
@@ -335,6 +390,50 @@ def scaling_points(summaries: list[dict]) -> list[dict]:
             for n in sorted(best)]
 
 
+def plot_numerics(run: Run):
+    """Heat maps, layer by watched step (every watched record in log order: a step rolled back and run again
+    appears twice): log10 max |activation|, log10 max |gradient|, headroom in bits."""
+    import numpy as np
+
+    plt = _pyplot()
+    rows = run.watched[-1]["numerics"]["rows"]
+    watched = [r for r in run.watched if r["numerics"]["rows"] == rows]
+    steps = [r["step"] for r in watched]
+    fmt = _low_format(run)
+    panels = [("act_max", "log10 max |activation|", True), ("grad_max", "log10 max |gradient|", True),
+              (("headroom_bits", fmt), f"{fmt} headroom (bits; 0 = overflow)", False)]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(7.0, 0.25 * len(steps) + 3), 2.2 + 0.9 * len(panels) *
+                                                                                           max(2.0, len(rows) / 4)))
+    for ax, (key, title, log) in zip(axes, panels):
+        cells = [[_cell((r["numerics"][key[0]][key[1]] if isinstance(key, tuple) else r["numerics"][key])[i], log)
+                  for r in watched] for i in range(len(rows))]
+        grid = np.array([[v for v, _ in row] for row in cells], dtype=float)
+        cmap = plt.get_cmap("viridis_r" if not log else "magma").with_extremes(bad="lightgrey")
+        image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap=cmap)
+        for i, row in enumerate(cells):
+            for j, (_, overflowed) in enumerate(row):
+                if overflowed:
+                    ax.text(j, i, "x", ha="center", va="center", color="red", fontsize="small", fontweight="bold")
+        ax.set_yticks(range(len(rows)), rows, fontsize="small")
+        ax.set_xticks(range(len(steps)), steps, fontsize="x-small", rotation=90 if len(steps) > 20 else 0)
+        ax.set(xlabel="step", ylabel="layer", title=title)
+        fig.colorbar(image, ax=ax)
+    fig.suptitle(f"{run.name}: numerics watch (x: inf or NaN)")
+    fig.tight_layout()
+    return fig
+
+
+def _cell(v, log: bool) -> tuple[float, bool]:
+    """A heat map cell: (value, whether it is inf or NaN); NaN (drawn grey) where nothing was measured."""
+    if not _is_num(v):
+        return math.nan, False
+    if not math.isfinite(v):
+        return math.nan, True
+    if log:
+        return (math.log10(v), False) if v > 0 else (math.nan, False)
+    return v, False
+
+
 def plot_scaling(points: list[dict]):
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))
@@ -424,6 +523,21 @@ def render_markdown(summaries: list[dict], points: list[dict], plots: list[str],
     if left_out:
         lines += ["Left out of the scaling curve (it compares runs of one model and one global batch only): "
                   + "; ".join(f"{x['run']} ({x['reason']})" for x in left_out) + ".", ""]
+    if any(s["numerics"] for s in summaries):
+        lines += ["## Numerics watch", "", "| run | watched steps | largest max abs(activation) | least headroom | "
+                  "first non-finite output |", "|---|---:|---|---|---|"]
+        for s in summaries:
+            n = s["numerics"]
+            if not n:
+                continue
+            big, room = n.get("largest_activation"), n.get("least_headroom")
+            found = "; ".join(f"step {f['step']}: {f.get('module') or 'none (loss or backward)'}"
+                              + (f" on rank {f['rank']}" if f.get("rank") is not None else "") for f in n["nonfinite"])
+            lines.append(f"| {s['name']} | {n['watched_steps']} | "
+                         + (f"{big['value']:.3g} ({big['row']}, step {big['step']})" if big else "-") + " | "
+                         + (f"{room['bits']:.1f} bits of {room['format']} ({room['row']}, step {room['step']})"
+                            if room else "-") + f" | {found or '-'} |")
+        lines.append("")
     bad = [s for s in summaries if s["unreadable_lines"]]
     for s in bad:
         lines.append(f"Note: {s['name']}: {s['unreadable_lines']} unreadable line(s) in metrics.jsonl were skipped.")
@@ -451,6 +565,10 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> d
         figures["memory.png"] = plot_memory(runs)
     if len(points) > 1:
         figures["scaling.png"] = plot_scaling(points)
+    for run, s in zip(runs, summaries):
+        if s["numerics"] and s["numerics"]["watched_steps"]:
+            name = "numerics.png" if len(runs) == 1 else f"numerics-{re.sub(r'[^A-Za-z0-9_.-]', '_', run.name)}.png"
+            figures[name] = plot_numerics(run)
     files = {}
     for name, fig in figures.items():
         fig.savefig(out / name, dpi=100, metadata={"Software": "paratrain report"})

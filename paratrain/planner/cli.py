@@ -17,9 +17,20 @@ import sys
 from pathlib import Path
 
 from paratrain.errors import OneLineArgumentParser, UserError
+from paratrain.layout import CONFIG_KEYS
+from paratrain.layout_grammar import COMPRESSION_KEYS, LAYOUT_KEYS, add_layout_flags, layout_flags
+from paratrain.modes import DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, dp_mode_of
+from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
+
+# The layout flags `paratrain plan` takes (paratrain/layout_grammar.py): each fixes that field of every planned
+# layout; the blocks per stage and tp without sequence or loss parallelism are the planner's to choose.
+PINNED_KEYS = tuple(k for k in LAYOUT_KEYS if k not in ("pp_split", "sequence_parallel", "loss_parallel"))
+PLAN_FLAG_KEYS = (*PINNED_KEYS, *COMPRESSION_KEYS, "ddp_bucket_mb")
 
 
 def _parser() -> argparse.ArgumentParser:
+    from paratrain.planner.search import AC_MODES, PLANNED_SCHEDULES
+
     p = OneLineArgumentParser(prog="paratrain plan", description=__doc__.splitlines()[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3-8b", help="a preset name or a config TOML (its [model] section)")
@@ -41,19 +52,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: min(max_seq_len, 4096))")
     p.add_argument("--global-batch-tokens", type=int, default=None,
                    help="tokens per optimizer step (default: 512 sequences or 4Mi tokens, whichever is smaller)")
-    p.add_argument("--precision", default=None, help="bf16 (GPUs) | fp32 (default on a CPU profile)")
+    p.add_argument("--precision", default=None, help=f"{' | '.join(PRECISIONS)} (default: bf16 on GPUs, fp32 on a "
+                   "CPU profile)")
     p.add_argument("--headroom", type=float, default=None, help="fraction of device memory kept free (0.10, as "
                    "paratrain estimate: the allocator's fragmentation and NCCL buffers)")
     p.add_argument("--top", type=int, default=5)
-    p.add_argument("--dp-modes", help="comma-separated subset of ddp,zero1,zero2,fsdp,hsdp")
-    p.add_argument("--checkpointing", help="comma-separated subset of none,selective,every_k,full")
+    p.add_argument("--dp-modes", help=f"comma-separated subset of {','.join(DP_MODES)}")
+    p.add_argument("--checkpointing", help=f"comma-separated subset of {','.join(AC_MODES)}")
     p.add_argument("--micro-batches", help="comma-separated micro-batch sizes to try (default 1,2,4,8,16)")
-    p.add_argument("--schedules", help="comma-separated pipeline schedules (default gpipe,1f1b,interleaved_1f1b,zbv)")
-    p.add_argument("--grad-compression", default="none", help="none | bf16 | powersgd | sign_ef: plan only the layouts "
-                   "it applies to, with its bytes and compute (see README, Communication)")
-    p.add_argument("--powersgd-rank", type=int, default=4)
-    p.add_argument("--sign-ef-block", type=int, default=0)
-    p.add_argument("--ddp-bucket-mb", type=float, default=25.0)
+    p.add_argument("--schedules", help=f"comma-separated pipeline schedules (default {','.join(PLANNED_SCHEDULES)})")
+    p.add_argument("--optimizer", default=None, help=" | ".join(OPTIMIZER_NAMES) + ": its state per rank and its step "
+                   "(default: the --model config's, else adamw)")
+    add_layout_flags(p, PLAN_FLAG_KEYS, "each fixes that setting of every planned layout (--grad-compression: plans "
+                     "the layouts it applies to, with its bytes and compute; README, Communication)")
+
     p.add_argument("--lora-rank", type=int, default=None, help="plan LoRA adapters of this rank on a frozen model "
                    "(default: the --model config's [lora])")
     p.add_argument("--max-tp", type=int)
@@ -63,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="plan", help="folder for the best layout's config.toml and launch script")
     p.add_argument("--no-write", action="store_true", help="print the plan only")
     p.add_argument("--overwrite", action="store_true", help="replace the plan an earlier run wrote into --out")
+    p.add_argument("--check", action="store_true", help="build the first choice's layout here (paratrain train "
+                   "--dry-run: fake process group, meta device) and compare its model states with the estimate")
     p.add_argument("--explain", metavar="LAYOUT", help="why LAYOUT (as printed, e.g. fsdp,tp=2,ac=full,mb=1) is "
                    "rejected, or how it ranks")
     p.add_argument("--calibrate", action="store_true", help="measure this machine and save a profile (with --model: "
@@ -95,7 +109,7 @@ def build_context(args) -> tuple:
     """(Context, world, Options, base config or None) from parsed arguments; UserError on bad input."""
     from paratrain.planner.cost import Context
     from paratrain.planner.hardware import resolve_hardware
-    from paratrain.planner.search import AC_MODES, DP_MODES, SCHEDULES, Options
+    from paratrain.planner.search import AC_MODES, PLANNED_SCHEDULES, Options
 
     from paratrain.planner.hetero import build_groups, parse_gpus, read_cluster, slowest_first
 
@@ -144,25 +158,53 @@ def build_context(args) -> tuple:
     if tokens % seq:
         raise UserError(f"--global-batch-tokens {tokens} is not a multiple of --seq {seq}")
     precision = args.precision or ("fp32" if hw.device == "cpu" else "bf16")
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise UserError(f"--precision '{precision}' is not one of fp32, bf16, fp16")
-    from paratrain.estimate.compression import Compression
+    if precision not in PRECISIONS:
+        raise UserError(f"--precision '{precision}' is not one of {', '.join(PRECISIONS)}")
+    from paratrain.config import ParallelConfig
+    from paratrain.modes import Compression
 
-    compression = Compression(args.grad_compression, args.powersgd_rank, args.sign_ef_block).check_flags()
-    if args.ddp_bucket_mb <= 0:
-        raise UserError(f"--ddp-bucket-mb must be > 0, got {args.ddp_bucket_mb}")
+    flags = layout_flags(args, PLAN_FLAG_KEYS)
+    parallel = dataclasses.replace(ParallelConfig(), **flags)
+    compression = Compression.from_config(parallel).check_flags()
+    if parallel.ddp_bucket_mb <= 0:
+        raise UserError(f"--ddp-bucket-mb must be > 0, got {parallel.ddp_bucket_mb}")
     compile_ = args.compile if args.compile is not None else bool(base is not None and base.training.compile)
+    optimizer = optimizer_entry(args.optimizer or (base.optimizer.name if base is not None else "adamw")).name
     ctx = Context(margs, seq, tokens // seq, hw, per_node, precision, name, native_max_seq_len=native,
-                  compression=compression,
-                  ddp_bucket_mb=args.ddp_bucket_mb, mode="compile" if compile_ else "eager", float8=args.float8,
+                  compression=compression, optimizer=optimizer,
+                  ddp_bucket_mb=parallel.ddp_bucket_mb, mode="compile" if compile_ else "eager", float8=args.float8,
                   cluster=groups, lora=_lora(args, base))
+    fixed = _fixed(flags)
     opts = Options(
-        dp_modes=_csv(args.dp_modes, DP_MODES, flag="--dp-modes") or DP_MODES,
-        schedules=_csv(args.schedules, SCHEDULES, flag="--schedules") or SCHEDULES,
+        dp_modes=_one_or_csv(fixed.get("dp_mode"), "--dp-mode", args.dp_modes, "--dp-modes", DP_MODES),
+        schedules=_one_or_csv(fixed.get("pp_schedule"), "--pp-schedule", args.schedules, "--schedules",
+                              PLANNED_SCHEDULES, SCHEDULES),
         ac_modes=_csv(args.checkpointing, AC_MODES, flag="--checkpointing") or AC_MODES,
         micro_batches=_csv(args.micro_batches, cast=_posint, flag="--micro-batches"),
-        max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp, headroom=headroom)
+        max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp, headroom=headroom, fixed=fixed)
     return ctx, world, opts, base
+
+
+def _fixed(flags: dict) -> dict:
+    """The Layout fields the layout flags fix (every planned layout has them): dp_shard -1 fixes nothing."""
+    field_of = {key: field for field, key in CONFIG_KEYS.items()}
+    fixed = {field_of[k]: v for k, v in flags.items() if k in PINNED_KEYS and not (k == "dp_shard" and v == -1)}
+    if "dp_mode" in fixed:
+        if fixed["dp_mode"] not in DP_MODE_OPTIONS:
+            raise UserError(f"--dp-mode '{fixed['dp_mode']}' is not one of {', '.join(DP_MODE_OPTIONS)}")
+        fixed["dp_mode"] = dp_mode_of(fixed["dp_mode"])
+    if "pp_schedule" in fixed and fixed["pp_schedule"] not in SCHEDULES:
+        raise UserError(f"--pp-schedule '{fixed['pp_schedule']}' is not one of {', '.join(SCHEDULES)}")
+    return fixed
+
+
+def _one_or_csv(one, one_flag: str, text, flag: str, default: tuple, allowed: tuple | None = None) -> tuple:
+    """A layout flag's one value, or the comma-separated choices to search (`default` when neither is given)."""
+    if one is not None and text is not None:
+        raise UserError(f"give {one_flag} or {flag}, not both")
+    if one is not None:
+        return (one,)
+    return _csv(text, allowed or default, flag=flag) or default
 
 
 def _lora(args, base):
@@ -201,30 +243,25 @@ def config_for(c, ctx, base=None, model_spec: str | None = None):
     cfg = base if base is not None else Config()
     if base is None and model_spec is not None:
         cfg.model.preset = model_spec
-    t, p, lay = cfg.training, cfg.parallel, c.layout
+    t, lay = cfg.training, c.layout
     t.seq_len, t.micro_batch, t.global_batch, t.accum_steps = ctx.seq_len, c.micro_batch, ctx.global_seqs, 1
     t.precision = ctx.precision
     if ctx.native_max_seq_len:  # planned beyond the preset's context: the config says so
         cfg.model.max_seq_len = ctx.args.max_seq_len
     if ctx.hw.device == "cpu":
         t.device = "cpu"
-    p.dp_mode = lay.dp_mode
     # Every degree written out (no dp_shard=-1): the file names its layout and world size, so `paratrain estimate
-    # --model plan/config.toml` estimates the planned layout and the trainer refuses another world size.
-    p.dp_replicate, p.dp_shard = lay.dp_replicate, lay.dp_shard
-    p.tp, p.pp, p.ep, p.cp = lay.tp, lay.pp, lay.ep, lay.cp
-    p.sequence_parallel = True
+    # --model plan/config.toml` estimates the planned layout and the trainer refuses another world size. A
+    # heterogeneous cluster's layout carries its uneven split.
     comp = ctx.compression
-    p.grad_compression, p.powersgd_rank, p.sign_ef_block = comp.method, comp.powersgd_rank, comp.sign_ef_block
-    p.ddp_bucket_mb = ctx.ddp_bucket_mb
-    p.loss_parallel = lay.pp == 1  # the last pipeline stage computes whole logits
-    if lay.pp > 1:
-        p.pp_schedule, p.pp_microbatches, p.pp_virtual_stages = lay.pp_schedule, lay.pp_microbatches, lay.pp_virtual
-        if ctx.cluster:  # the uneven split for the stages' GPU types, and which type each pipeline rank runs on
-            from paratrain.planner.hetero import stage_hardware
+    p = cfg.parallel = dataclasses.replace(lay.to_config(cfg.parallel), grad_compression=comp.method,
+                                           powersgd_rank=comp.powersgd_rank, sign_ef_block=comp.sign_ef_block,
+                                           ddp_bucket_mb=ctx.ddp_bucket_mb)
+    cfg.optimizer.name = ctx.optimizer
+    if ctx.cluster:  # which GPU type each pipeline rank runs on
+        from paratrain.planner.hetero import stage_hardware
 
-            p.pp_split = ",".join(map(str, lay.pp_split))
-            p.pp_stage_gpus = ",".join(h.name for h in stage_hardware(ctx.cluster, lay.pp))
+        p.pp_stage_gpus = ",".join(h.name for h in stage_hardware(ctx.cluster, lay.pp))
     t.compile = ctx.mode == "compile"
     cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every_k = c.ac, c.every_k
     if ctx.lora is not None:
@@ -394,9 +431,19 @@ def main_plan(argv: list[str]) -> int:
     if not args.no_write:
         path, cmd, sb = write_outputs(best, ctx, world, args.out, base, None if base else args.model)
         written = {"config": str(path), "launch": cmd, "sbatch": str(sb) if sb else None}
+    check = None
+    if args.check:  # the first choice built for real, one rank per pipeline stage
+        from paratrain.observe.dryrun import dry_run
+
+        check = dry_run(config_for(best.cand, ctx, base, None if base else args.model), world)
     if args.json:
-        print(json.dumps(plan_json(p, ctx, world, elapsed, written, args.top), indent=2))
-        return 0
+        doc = plan_json(p, ctx, world, elapsed, written, args.top)
+        if check is not None:
+            doc["check"] = {"agrees": check.agrees, "seconds": check.seconds,
+                            "ranks": [{"rank": r.rank, "built": r.built, "estimated": r.estimated,
+                                       "difference": r.difference} for r in check.ranks]}
+        print(json.dumps(doc, indent=2))
+        return 0 if check is None or check.agrees else 1
     hw = ctx.hw
     where = (" + ".join(f"{g.count} x {g.name}" for g in ctx.cluster) if ctx.cluster else f"{world} x {hw.name}")
     print(f"plan: {ctx.model_name} on {where} ({hw.source}; {ctx.gpus_per_node} per node, "
@@ -431,8 +478,12 @@ def main_plan(argv: list[str]) -> int:
     if written:
         print(f"wrote {written['config']}" + (f" and {written['sbatch']}" if written["sbatch"] else ""))
         print(f"launch: {written['launch']}")
+    if check is not None:
+        from paratrain.observe.dryrun import format_dry_run
+
+        print(format_dry_run(check))
     sys.stdout.flush()
-    return 0
+    return 0 if check is None or check.agrees else 1
 
 
 def _even(r, ctx) -> tuple[int, ...]:
@@ -481,7 +532,7 @@ def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int
         "profile_source": hw.source, "gpus_per_node": ctx.gpus_per_node, "seq_len": ctx.seq_len,
         "global_batch_sequences": ctx.global_seqs, "tokens_per_step": ctx.global_seqs * ctx.seq_len,
         "precision": ctx.precision, "execution_mode": ctx.mode, "float8_what_if": ctx.float8,
-        "grad_compression": ctx.compression.method,
+        "grad_compression": ctx.compression.method, "optimizer": ctx.optimizer,
         "considered": p.considered, "rejected": len(p.rejected), "planning_seconds": elapsed,
         "ranked": [layout_json(r) for r in p.ranked[:top]],
         "written": written,

@@ -18,7 +18,8 @@ bandwidth. The element-wise and per-operator time is multiplied by the execution
 also costs the profile's fixed per-operator overhead (launch/dispatch; large on a CPU, mostly hidden on a GPU),
 OPS_PER_BLOCK per block forward and twice that backward (DTensor under tp multiplies it by TP_DISPATCH; each FSDP
 collective adds FSDP_GROUP_OPS operators of hooks and copies). The
-optimizer step reads and writes the rank's parameter, gradient and two moment shards (fp32).
+optimizer step reads and writes the rank's shards of what its registry entry names (`OptimizerEntry.step_bytes`:
+AdamW the parameter, gradient and two moments, fp32) and launches its `step_kernels`.
 
 Communication (alpha-beta, ring algorithms, p ranks, n bytes, link latency a and bandwidth B):
   all-reduce      2 (p-1) a + 2 (p-1)/p n / B
@@ -78,10 +79,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from paratrain.estimate.compression import Compression, compression_cost
+from paratrain.estimate.compression import compression_cost
 from paratrain.estimate.model_states import fsdp_gathers_per_step, rank_layers
 from paratrain.layout import Batch, Layout, grad_compression_site, predicted_bubble
+from paratrain.layout_grammar import layout_name
 from paratrain.models.args import ModelArgs
+from paratrain.modes import (Compression, CompressionSite, forward_repeats, recomputed_blocks, selective,
+                             value_bytes, whole_blocks)
+from paratrain.optimizers import optimizer_entry
 from paratrain.models.lora_params import LoRA
 from paratrain.planner.profile import Hardware, Link
 
@@ -104,7 +109,7 @@ class Candidate:
     microbatches) and what is not layout: activation checkpointing and the micro-batch."""
 
     layout: Layout
-    ac: str = "none"  # none | full | selective | every_k
+    ac: str = "none"  # activation checkpointing (paratrain.modes.CheckpointMode)
     every_k: int = 2
     micro_batch: int = 1  # sequences per micro-step (per pipeline micro-batch with pp)
 
@@ -140,24 +145,8 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        lay = self.layout
-        parts = [lay.dp_mode if lay.dp_cp > 1 else "nodp"]
-        if lay.hybrid:
-            parts.append(f"rep={lay.dp_replicate}")
-        if lay.cp > 1:
-            parts.append(f"cp={lay.cp}")
-        if lay.tp > 1:
-            parts.append(f"tp={lay.tp}")
-        if lay.pp > 1:
-            parts.append(f"pp={lay.pp}")
-            parts.append(f"sched={lay.pp_schedule}")
-            if lay.pp_virtual > 2:
-                parts.append(f"v={lay.pp_virtual}")  # (2 is the interleaved schedules' default)
-        if lay.ep > 1:
-            parts.append(f"ep={lay.ep}")
-        parts.append(f"ac={self.ac}" + (f"{self.every_k}" if self.ac == "every_k" else ""))
-        parts.append(f"mb={self.micro_batch}")
-        return ",".join(parts)
+        """The layout's name (paratrain/layout_grammar.py), e.g. `fsdp,tp=2,ac=full,mb=1`."""
+        return layout_name(self.layout, self.ac, self.every_k, self.micro_batch)
 
     def describe(self) -> str:
         return self.layout.short_name()
@@ -176,6 +165,7 @@ class Context:
     model_name: str = "model"
     native_max_seq_len: int | None = None  # the model's own max_seq_len when seq_len goes beyond it (long context)
     compression: Compression = field(default_factory=Compression)  # gradient compression, where a layout allows it
+    optimizer: str = "adamw"  # an entry of paratrain/optimizers.py: its state (memory) and its step's cost
     ddp_bucket_mb: float = 25.0
     mode: str = "eager"  # eager | compile (training.compile): the profile's factor on the non-matmul time
     float8: bool = False  # what-if: the blocks' linear layers as float8 GEMMs (the profile's float8 rate)
@@ -251,7 +241,7 @@ def group_link(ctx: Context, stride: int, size: int) -> Link:
 # -- the model -----------------------------------------------------------------------------------------------------
 
 def _act_bytes(ctx: Context) -> int:
-    return 4 if ctx.precision == "fp32" else 2
+    return value_bytes(ctx.precision)
 
 
 @dataclass(frozen=True)
@@ -326,7 +316,7 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
     # the output head stays bf16 under float8 (as torchao/torchtitan leave it)
     head = (1 + gemm_b) * gemm(T, a.dim, a.vocab_size / t, linear=False) \
         + 3 * T * a.vocab_size / t * 4 * 3 / hw.mem_bandwidth
-    rec = {"full": block_f, "every_k": block_f, "selective": elemwise_fb / 3 + OPS_PER_BLOCK * op_cost}.get(ac, 0.0)
+    rec = block_f if whole_blocks(ac) else (elemwise_fb / 3 + OPS_PER_BLOCK * op_cost) if selective(ac) else 0.0
     scale = hw.compute_scale  # a calibrated profile's correction (1.0 for datasheets)
     return BlockCosts(block_f * scale, block_b * scale, rec * scale, head * scale, sdpa * scale)
 
@@ -383,8 +373,8 @@ def _rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
     for r, blocks in enumerate(rank_blocks(ctx, lay).layers):
         bc = one or block_costs(ctx, ctx.rank_hw(r), c.tp, c.micro_batch, c.ep, c.ac, c.layout.cp)
         n = len(blocks)
-        rec_blocks = math.ceil(n / c.every_k) if c.ac == "every_k" else (n if c.ac != "none" else 0)
-        out.append((n * (bc.forward + bc.backward) + (bc.head if r == last_owner else 0.0), rec_blocks * bc.recompute))
+        out.append((n * (bc.forward + bc.backward) + (bc.head if r == last_owner else 0.0),
+                    recomputed_blocks(c.ac, n, c.every_k) * bc.recompute))
     return out
 
 
@@ -433,25 +423,27 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     # what has gradients and optimizer state: every parameter, or LoRA's adapters (the base is only gathered)
     G_stage = P_stage if ctx.lora is None else cached(ctx, "trainable", lambda: trainable_count(a, ctx.lora)) / c.pp / t
     opt_params = G_stage / lay.optimizer_shards
-    optimizer = (opt_params * 4 * 4 * 2 / hw.mem_bandwidth + 20 * hw.op_overhead_s) * hw.compute_scale
+    entry = optimizer_entry(ctx.optimizer)
+    optimizer = (opt_params * entry.step_bytes / hw.mem_bandwidth + entry.step_kernels * hw.op_overhead_s) \
+        * hw.compute_scale
 
     # gradient compression: what the compressed collective sends, and the compute it costs
     site = grad_compression_site(lay, ctx.compression.method)
     comp_frac, comp_lat, compress = 1.0, 1, 0.0
-    if site in ("ddp_hook", "replicate_hook"):
+    if site.hooked:
         from paratrain.estimate.model_states import local_shape, model_params
 
         shapes = [local_shape(q, lay) for q in model_params(a, ctx.lora) if q.trainable]  # (no pp or tp here)
-        if site == "replicate_hook":  # the FSDP shard of each parameter (dim 0 over dp_shard)
+        if site is CompressionSite.REPLICATE_HOOK:  # the FSDP shard of each parameter (dim 0 over dp_shard)
             shapes = [(math.ceil(s[0] / lay.dp_shard), *s[1:]) for s in shapes]
-        cost = compression_cost(ctx.compression, shapes, c.dp if site == "ddp_hook" else lay.dp_replicate)
+        cost = compression_cost(ctx.compression, shapes, c.dp if site is CompressionSite.DDP_HOOK else lay.dp_replicate)
         comp_frac, comp_lat = cost.wire_fraction, cost.collectives
         compress = (cost.gemm_flops / hw.gemm_rate(max(cost.gemm_flops / max(cost.ops, 1), 1.0))
                     if cost.gemm_flops else 0.0) + cost.memory_bytes / hw.mem_bandwidth + cost.ops * hw.op_overhead_s
-    rs_frac = 0.5 if site == "reduce_dtype" else 1.0  # bf16 through FSDP's reduce dtype
+    rs_frac = 0.5 if site is CompressionSite.REDUCE_DTYPE else 1.0  # bf16 through FSDP's reduce dtype
 
     # communication
-    pbytes = 4 if ctx.precision == "fp32" else 2
+    pbytes = value_bytes(ctx.precision)
     shard = lay.dp_shard * cp  # FSDP's group: dp_shard x cp, contiguous in the mesh
     tp_link = group_link(ctx, 1, t)
     shard_link = group_link(ctx, t, shard)
@@ -488,7 +480,7 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
             overlappable += ag + rs
             min_exposed += ag / n_ag + rs / n_rs  # one group's worth stays exposed
             if lay.hybrid:
-                frac = rs_frac if site == "reduce_dtype" else comp_frac
+                frac = rs_frac if site is CompressionSite.REDUCE_DTYPE else comp_frac
                 latency = all_reduce_time(0.0, lay.dp_replicate, rep_link)
                 hr = n_rs * (all_reduce_time(G_stage * 4 * frac / shard / groups, lay.dp_replicate, rep_link)
                              + (comp_lat - 1) * latency + group)
@@ -502,7 +494,7 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
         act = T * a.dim * ab
         # sequence parallel (the planner's layouts always use it)
         per_block_f = 2 * all_gather_time(act, t, tp_link) + 2 * reduce_scatter_time(act, t, tp_link)
-        extra = 1.0 if c.ac == "full" else (1.0 / c.every_k if c.ac == "every_k" else 0.0)
+        extra = forward_repeats(c.ac, c.every_k)
         emb = 4 * all_reduce_time(T * 4, t, tp_link) + 2 * all_gather_time(act, t, tp_link)
         comm["tensor-parallel"] = n_micro * (layers * per_block_f * (2 + extra) + emb)
     if c.pp > 1:
@@ -523,7 +515,7 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     pipelined = compute + recompute + comm.get("tensor-parallel", 0.0) + comm.get("pipeline p2p", 0.0) \
         + comm.get("expert all-to-all", 0.0) + comm.get(RING, 0.0)
     bubble = pipelined * fill / (n_micro * lay.pp_virtual) if c.pp > 1 else 0.0
-    compress *= n_micro if site == "replicate_hook" else 1  # hsdp reduces every micro-step, DDP once per step
+    compress *= n_micro if site is CompressionSite.REPLICATE_HOOK else 1  # hsdp reduces every micro-step, DDP once
     step = compute + recompute + exposed + bubble + optimizer + compress
     tokens = ctx.global_seqs * S
     tok_s = tokens / step
@@ -556,6 +548,6 @@ def ring_time(ctx: Context, c: Candidate, tokens: int, attention_s: float) -> tu
     fwd, fwd_exposed = (cp - 1) * step_kv, (cp - 1) * max(0.0, step_kv - hide_f)
     bwd = (cp - 1) * step_kv + cp * step_dkv
     bwd_exposed = (cp - 1) * max(0.0, step_kv + step_dkv - hide_b) + step_dkv  # the last hop home is not hidden
-    repeat = 1.0 if c.ac == "full" else (1.0 / c.every_k if c.ac == "every_k" else 0.0)
+    repeat = forward_repeats(c.ac, c.every_k)
     blocks = c.micro_steps(ctx) * math.ceil(a.n_layers / c.pp)
     return blocks * (fwd * (1 + repeat) + bwd), blocks * (fwd_exposed * (1 + repeat) + bwd_exposed)

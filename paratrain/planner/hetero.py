@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.errors import UserError
-from paratrain.layout import Layout, min_max_partition
+from paratrain.layout import Layout
+from paratrain.modes import multi_stage, recompute_period
 from paratrain.planner.profile import Hardware
-
-HETERO_SCHEDULES = ("gpipe", "1f1b")
+from paratrain.stage_split import min_max_partition
 
 
 @dataclass(frozen=True)
@@ -149,8 +149,7 @@ def uneven_split(ctx, c, stage_hw: list[Hardware], caps: list[int] | None = None
     per_block, fixed = [], []
     for r, hw in enumerate(stage_hw):
         bc = block_costs(ctx, hw, c.tp, c.micro_batch, c.ep, c.ac)
-        rec = bc.recompute / c.every_k if c.ac == "every_k" else bc.recompute
-        per_block.append(bc.forward + bc.backward + rec)
+        per_block.append(bc.forward + bc.backward + bc.recompute / recompute_period(c.ac, c.every_k))
         fixed.append(bc.head if r == pp - 1 else 0.0)
     return min_max_partition(n, pp, lambda r, j, k: fixed[r] + (k - j) * per_block[r], caps)
 
@@ -181,7 +180,7 @@ def place(ctx, c, stage_hw: list[Hardware], headroom: float, rounds: int = 6):
 
 
 def even_split_layout(lay: Layout, args) -> Layout:
-    from paratrain.layout import balanced_split
+    from paratrain.stage_split import balanced_split
 
     return dataclasses.replace(lay, pp_split=balanced_split(args, lay.num_stages))
 
@@ -194,7 +193,8 @@ def plan_hetero(ctx, opts, top: int = 5):
 
     groups = ctx.cluster
     world = sum(g.count for g in groups)
-    opts = dataclasses.replace(opts, schedules=tuple(s for s in opts.schedules if s in HETERO_SCHEDULES) or ("1f1b",))
+    # one stage per rank: the uneven split is per pipeline rank
+    opts = dataclasses.replace(opts, schedules=tuple(s for s in opts.schedules if not multi_stage(s)) or ("1f1b",))
     results, rejected = [], []
     considered = 0
     for c in candidates(ctx, world, opts):

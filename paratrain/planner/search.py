@@ -9,11 +9,18 @@ from dataclasses import dataclass, field
 
 from paratrain.errors import ConfigError, UserError
 from paratrain.estimate.gpus import HEADROOM
-from paratrain.layout import DP_MODES, INTERLEAVED, ZERO_BUBBLE, Batch, Layout, grad_compression_site
+from paratrain.layout import Batch, Layout, grad_compression_site
+from paratrain.layout_grammar import parse_layout_name
+from paratrain.modes import (CHECKPOINT_MODES, DP_MODES, SCHEDULES, block_checkpointing, every_block_whole,
+                             interleaved, recompute_rank, recomputes, replicates_shards, stored_rank, value_bytes,
+                             zero_bubble)
+from paratrain.optimizers import optimizer_entry
 from paratrain.planner.cost import Candidate, Context, Prediction, cached, predict
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")  # the planner's choice of paratrain.layout.SCHEDULES
-AC_MODES = ("none", "selective", "every_k", "full")
+# The schedules planned by default: all but interleaved_zero_bubble, which the cost model predicts as interleaved_1f1b
+# (the same bubble) and which allows no checkpointing (`--schedules` or `--pp-schedule` may still name it).
+PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if not (interleaved(s) and zero_bubble(s)))
+AC_MODES = tuple(sorted(CHECKPOINT_MODES, key=recompute_rank))  # the least recomputation first
 # Context parallelism is enumerated while each rank keeps at least this many tokens of a sequence: below it a ring
 # step's attention is too short to hide the K/V transfer, so more cp only adds exposed communication.
 MIN_CP_TOKENS = 1024
@@ -22,7 +29,7 @@ MIN_CP_TOKENS = 1024
 @dataclass
 class Options:
     dp_modes: tuple[str, ...] = DP_MODES
-    schedules: tuple[str, ...] = SCHEDULES
+    schedules: tuple[str, ...] = PLANNED_SCHEDULES
     ac_modes: tuple[str, ...] = AC_MODES
     micro_batches: tuple[int, ...] | None = None  # None: powers of two up to 16
     max_tp: int | None = None
@@ -30,6 +37,7 @@ class Options:
     max_cp: int | None = None  # None: any degree leaving each rank at least MIN_CP_TOKENS of a sequence
     headroom: float = HEADROOM  # fraction of device memory kept free (estimate.gpus: the rule estimate uses too)
     estimate_limit: int = 120  # memory estimates run (cheapest predicted first) before giving up
+    fixed: dict = field(default_factory=dict)  # Layout field -> value every planned layout has (the layout flags)
 
 
 @dataclass
@@ -72,7 +80,8 @@ def structural_reason(c: Candidate, ctx: Context) -> str | None:
     if ctx.global_seqs % (c.dp * c.micro_batch):
         return (f"the global batch ({ctx.global_seqs} sequences) does not divide into micro-batch {c.micro_batch} x "
                 f"data-parallel degree {c.dp}")
-    key = ("layout_reason", id(ctx.args), ctx.global_seqs, ctx.seq_len, ctx.compression.method, c.layout, c.micro_batch)
+    key = ("layout_reason", id(ctx.args), ctx.global_seqs, ctx.seq_len, ctx.compression.method, ctx.optimizer,
+           c.layout, c.micro_batch)
     reason = cached(ctx, key, lambda: _layout_reason(c, ctx))
     if reason:
         return reason
@@ -89,6 +98,7 @@ def _layout_reason(c: Candidate, ctx: Context) -> str:
     try:
         c.layout.validate(ctx.args, c.world, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
         grad_compression_site(c.layout, ctx.compression.method)  # --grad-compression applies to this layout
+        optimizer_entry(ctx.optimizer).check_layout(c.layout)  # and --optimizer
     except ConfigError as e:
         return str(e)
     return ""
@@ -100,7 +110,7 @@ def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
     from paratrain.estimate import EstimateInputs, estimate
 
     inputs = EstimateInputs(ctx.args, c.layout, model_name=ctx.model_name, precision=ctx.precision,
-                            optimizer="adamw", optimizer_impl="fused" if ctx.hw.device == "cuda" else "foreach",
+                            optimizer=ctx.optimizer, optimizer_impl="fused" if ctx.hw.device == "cuda" else "foreach",
                             checkpointing=c.ac, every_k=c.every_k, micro_batch=c.micro_batch, seq_len=ctx.seq_len,
                             compression=ctx.compression,
                             accum_steps=1 if c.layout.pipelined else c.micro_steps(ctx), gpu_name=ctx.hw.name,
@@ -160,8 +170,8 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
             if not modes:
                 modes.append(("fsdp", 1, 1))
             continue
-        if mode == "hsdp":
-            modes += [("hsdp", r, dp // r) for r in _divisors(dp) if 1 < r < dp]
+        if replicates_shards(mode):
+            modes += [(mode, r, dp // r) for r in _divisors(dp) if 1 < r < dp]
         else:
             modes.append((mode, 1, dp))
     for mode, rep, shard in modes:
@@ -179,7 +189,7 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                     # interleaved: 2 stages per rank, and 3 where the blocks allow (a smaller bubble for more
                     # point-to-point traffic; torch's runtime keeps at most 3 stages' FSDP parameters gathered, so
                     # with more they would be gathered again within a step)
-                    for v in ((2, 3) if (pp > 1 and sched in INTERLEAVED) else (1,)):
+                    for v in ((2, 3) if (pp > 1 and interleaved(sched)) else (1,)):
                         if pp * v > a.n_layers:
                             continue
                         try:
@@ -187,8 +197,10 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                                 else layout
                         except ConfigError:
                             continue
+                        if any(getattr(lay, key) != value for key, value in opts.fixed.items()):
+                            continue
                         for ac in opts.ac_modes:
-                            if ac != "none" and pp > 1 and sched in ZERO_BUBBLE:
+                            if recomputes(ac) and pp > 1 and zero_bubble(sched):
                                 continue  # Layout.check_checkpointing
                             out.append(Candidate(lay, ac, 2, mb))
     return out
@@ -241,7 +253,7 @@ def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) ->
     if not ranked:
         # the most memory-frugal layouts (full checkpointing, the smallest micro-batch) may fit though slower
         smallest = min((x.cand.micro_batch for x in results), default=1)
-        frugal = [r for r in results if r.total_bytes is None and r.cand.ac == "full"
+        frugal = [r for r in results if r.total_bytes is None and every_block_whole(r.cand.ac)
                   and r.cand.micro_batch == smallest]
         for r in frugal[: opts.estimate_limit]:
             _check(r, ctx, opts)
@@ -252,9 +264,6 @@ def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) ->
     if not ranked:
         raise UserError(no_fit_message(ctx, world, opts, results, rejected))
     return p
-
-
-MEM_ORDER = {"full": 0, "every_k": 1, "selective": 1, "none": 2}
 
 
 def _memory_key(c: Candidate) -> Layout:
@@ -268,7 +277,7 @@ def _dominated(c: Candidate, miss_micro_batch: int, miss_ac: str) -> bool:
     recomputation."""
     if c.micro_batch < miss_micro_batch:
         return False
-    return c.ac == miss_ac or MEM_ORDER[c.ac] > MEM_ORDER[miss_ac]
+    return c.ac == miss_ac or stored_rank(c.ac) > stored_rank(miss_ac)
 
 
 def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
@@ -277,7 +286,7 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     gradients), plus what its blocks store for one micro-batch times the most micro-batches the rank holds at once (a
     pipeline's schedule), plus a pipeline's receive buffers; the real peak holds at least that."""
     from paratrain.estimate import activations as A
-    from paratrain.estimate.core import block_modes, in_flight
+    from paratrain.estimate.core import in_flight
     from paratrain.estimate.gpus import fmt_bytes, limit_text, usable_bytes
     from paratrain.estimate.model_states import rank_layers, state_bytes
     from paratrain.models.presets import block_param_count
@@ -288,10 +297,10 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     layers = rank_layers(lay, a)
     d = A.act_dims(a, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, ctx.hw.device)
     moe = A.moe_dims(a, lay, c.micro_batch, ctx.seq_len, 1.0) if a.moe_experts else None
-    modes = block_modes(a.n_layers, c.ac, c.every_k)
+    modes = block_checkpointing(c.ac, a.n_layers, c.every_k)
     # A pipelined FSDP stage holds its blocks gathered (compute dtype) with their gradients accumulated unsharded
     # (fp32) through the step (Layout.fsdp_all_gathers): at least that much on top of the sharded states.
-    unsharded = (4 if ctx.precision == "fp32" else 2) + 4 if (lay.pipelined and lay.uses_fsdp) else 0
+    unsharded = value_bytes(ctx.precision) + 4 if (lay.pipelined and lay.uses_fsdp) else 0
 
     def recv_buffers(rank: int) -> int:
         # torch.distributed.pipelining allocates a receive buffer per micro-batch for each stage input and each
@@ -366,41 +375,18 @@ def no_fit_message(ctx: Context, world: int, opts: Options, results: list[Result
 # -- names <-> candidates ------------------------------------------------------------------------------------------
 
 def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
-    """'fsdp,tp=2,pp=2,sched=1f1b,ac=full,mb=2' (the names `paratrain plan` prints) -> a Candidate. UserError on
-    bad syntax; ConfigError (a UserError) when the text names no layout paratrain can run."""
-    tokens = [t.strip() for t in text.split(",") if t.strip()]
-    if not tokens:
-        raise UserError("--explain needs a layout, e.g. fsdp,tp=2,ac=selective,mb=2 (as in the plan's table)")
-    mode = tokens[0]
-    if mode not in DP_MODES + ("nodp", "zero3"):
-        raise UserError(f"--explain '{text}': the first item must be a dp mode ({', '.join(DP_MODES)}) or nodp")
-    mode = {"zero3": "fsdp", "nodp": "fsdp"}.get(mode, mode)
-    kv = {"tp": "1", "pp": "1", "ep": "1", "cp": "1", "rep": "1", "sched": "1f1b", "v": "1", "ac": "none", "mb": "1"}
-    for tok in tokens[1:]:
-        k, eq, v = tok.partition("=")
-        if not eq or k not in kv:
-            raise UserError(f"--explain '{text}': unknown item '{tok}' (use tp=, pp=, cp=, sched=, v=, rep=, ep=, ac=, "
-                            "mb=)")
-        kv[k] = v
-    try:
-        tp, pp, ep, cp, rep, mb, virtual = (int(kv[k]) for k in ("tp", "pp", "ep", "cp", "rep", "mb", "v"))
-    except ValueError:
-        raise UserError(f"--explain '{text}': tp, pp, cp, v, ep, rep and mb must be integers") from None
-    if min(tp, pp, ep, cp, rep, mb, virtual) < 1:
-        raise UserError(f"--explain '{text}': degrees and mb must be >= 1")
-    ac, k = kv["ac"], 2
-    if ac.startswith("every_k"):
-        k, ac = int(ac[len("every_k"):] or 2), "every_k"
-    if ac not in AC_MODES:
-        raise UserError(f"--explain '{text}': ac must be one of {', '.join(AC_MODES)}")
-    sched = kv["sched"]
-    if sched not in SCHEDULES + ("interleaved_zero_bubble",):
-        raise UserError(f"--explain '{text}': sched must be one of {', '.join(SCHEDULES)}")
-    dp = max(1, world // (tp * pp * cp))  # Layout.resolve says when tp x pp x cp does not divide the world
-    m = max(1, ctx.global_seqs // (dp * mb))
-    layout = Layout.resolve(world, dp_mode=mode, dp_replicate=rep if mode == "hsdp" else 1, tp=tp, pp=pp, ep=ep,
-                            cp=cp, pp_schedule=sched, pp_microbatches=m, pp_virtual=virtual)
-    return Candidate(layout, ac, k, mb)
+    """A layout's name as `paratrain plan` prints it ('fsdp,tp=2,pp=2,sched=1f1b,ac=full,mb=2',
+    paratrain/layout_grammar.py) -> a Candidate, its pipeline micro-batches from the global batch. UserError on bad
+    syntax; ConfigError (a UserError) when the text names no layout paratrain can run."""
+    named = parse_layout_name(text, "--explain")
+    if any(value is False for value in named.options.values()):  # sp=off, lp=off
+        raise UserError(f"--explain '{text}': the planner predicts tensor parallelism with sequence and loss "
+                        "parallelism only (no sp=off or lp=off)")
+    mb = named.micro_batch or 1
+    o = named.options
+    dp = max(1, world // (o["tp"] * o["pp"] * o["cp"]))  # Layout.resolve says when tp x pp x cp does not divide it
+    layout = named.layout(world, pp_microbatches=max(1, ctx.global_seqs // (dp * mb)))
+    return Candidate(layout, named.checkpointing, named.every_k, mb)
 
 
 def explain(text: str, ctx: Context, world: int, opts: Options) -> str:
@@ -466,7 +452,7 @@ def ring_line(c: Candidate, ctx: Context) -> str:
     pred = predict(c, ctx)
     total, exposed = ring_time(ctx, c, tokens, attention_time(ctx, c))
     link = group_link(ctx, c.tp, lay.cp)
-    kv = 2 * tokens * a.n_kv_heads * a.head_dim / c.tp * (4 if ctx.precision == "fp32" else 2)
+    kv = 2 * tokens * a.n_kv_heads * a.head_dim / c.tp * value_bytes(ctx.precision)
     return (f"context-parallel ring over {lay.cp} ranks ({link.name}): per block, {lay.cp - 1} point-to-point steps "
             f"of a {kv / 2**20:.1f} MiB K/V block forward, {lay.cp - 1} + {lay.cp} (fp32 dK/dV) backward; "
             f"{total * 1e3:.1f} ms per step, {exposed * 1e3:.1f} ms exposed after overlapping the attention "

@@ -36,7 +36,9 @@ from torch import nn
 from paratrain.errors import PeerFailed, UserError, environment_problem, translated
 from paratrain.models.args import DEFAULT_FAMILY
 from paratrain.files import replace_dir
+from paratrain.optimizers import OPTIMIZERS, OptimizerEntry, optimizer_entry
 from paratrain.training import integrity, safe_dcp
+from paratrain.training.optim import is_zero1
 
 MARKER = "COMPLETE"
 # DCP warns when used without a process group; one process is a supported layout here, not a mistake.
@@ -104,10 +106,6 @@ def save_failure(final: Path, tmp: Path, error: BaseException) -> BaseException:
 
 # -- what is saved ------------------------------------------------------------------------------
 
-def _is_zero1(optimizer) -> bool:
-    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
-
-
 def _fqns(model: nn.Module) -> dict[int, str]:
     from paratrain.distributed.initialize import canonical_name
 
@@ -128,17 +126,17 @@ def _zero1_state(model: nn.Module, optimizer) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def _load_zero1_state(model: nn.Module, optimizer, path: Path) -> None:
-    """Fill this rank's ZeRO-1 partition from a name-keyed optimizer checkpoint (from any layout)."""
+def _load_zero1_state(model: nn.Module, optimizer, path: Path, entry: OptimizerEntry) -> None:
+    """Fill this rank's ZeRO-1 partition from a name-keyed optimizer checkpoint (from any layout); `entry` (the
+    optimizer's registry entry) names the state each parameter has."""
     from torch.distributed.tensor import DTensor
 
     names = _fqns(model)
     local = optimizer.optim
     wanted = {names[id(p)]: p for g in local.param_groups for p in g["params"]}
-    template = {fqn: {k: torch.empty_like(p, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+    template = {fqn: {**{k: torch.empty_like(p, dtype=torch.float32) for k in entry.param_state},
+                      **{k: torch.zeros((), dtype=torch.float32) for k in entry.scalar_state}}
                 for fqn, p in wanted.items()}
-    for fqn in template:
-        template[fqn]["step"] = torch.zeros((), dtype=torch.float32)
     loaded = {"optim": {"state": template}}
     safe_dcp.load(loaded, path)
     for fqn, p in wanted.items():
@@ -162,7 +160,7 @@ def model_optim_state(model: nn.Module, optimizer) -> dict:
     options = _options(model)
     if optimizer is None:
         return {"model": get_model_state_dict(model, options=options)}
-    if _is_zero1(optimizer):
+    if is_zero1(optimizer):
         return {"model": get_model_state_dict(model, options=options), "optim": _zero1_state(model, optimizer)}
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     return {"model": model_sd, "optim": optim_sd}
@@ -431,7 +429,7 @@ def resolve_resume(resume: str, ckpt_root: Path, warn=None, problem=checkpoint_p
 # Model dimensions that decide the parameters' shapes: a checkpoint loads only into a model that agrees on them.
 ARCHITECTURE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
                      "tie_embeddings", "moe_experts", "moe_shared_experts", "moe_ffn_hidden", "moe_first_dense_layers",
-                     "family")
+                     "moe_dense_layers", "family")
 
 
 def model_mismatch(trainer_state: dict, model_args) -> str | None:
@@ -440,7 +438,9 @@ def model_mismatch(trainer_state: dict, model_args) -> str | None:
     if not isinstance(saved, dict):
         return "its trainer.pt has no model dimensions"
     ours = dataclasses.asdict(model_args)
-    saved = {"family": DEFAULT_FAMILY, **saved}  # saved before families had names
+    # saved before families had names, or before blocks could be dense by index
+    saved = {"family": DEFAULT_FAMILY, "moe_dense_layers": (), **saved}
+    saved["moe_dense_layers"] = tuple(saved["moe_dense_layers"])
     diffs = [f"{k} {saved.get(k)} (this run: {ours.get(k)})" for k in ARCHITECTURE_KEYS if saved.get(k) != ours.get(k)]
     return "it holds another model: " + ", ".join(diffs) if diffs else None
 
@@ -499,7 +499,7 @@ def trainer_state_problem(state) -> str | None:
     skip = state.get("skip_batches", [])
     if not isinstance(skip, (list, tuple)) or not all(is_int(b) and b >= 0 for b in skip):
         return ": skip_batches must be a list of batch numbers"
-    for key in ("config_toml", "tokenizer_sha256", "data_sha256", "lora_base"):
+    for key in ("config_toml", "tokenizer_sha256", "data_sha256", "optimizer", "lora_base"):
         if key in state and not isinstance(state[key], str):
             return f": {key} must be a string, got {type(state[key]).__name__}"
     if "lora" in state:
@@ -514,17 +514,18 @@ def trainer_state_problem(state) -> str | None:
     return None
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer) -> dict:
-    """Load model (+ optimizer) in place, whatever layout saved them; returns the trainer state."""
+def load_checkpoint(path: Path, model: nn.Module, optimizer, entry: OptimizerEntry = OPTIMIZERS["adamw"]) -> dict:
+    """Load model (+ optimizer, of registry entry `entry`) in place, whatever layout saved them; returns the trainer
+    state."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     trainer_state = load_trainer_state(path)
     options = _options(model)
-    if optimizer is not None and _is_zero1(optimizer):
+    if optimizer is not None and is_zero1(optimizer):
         state = {"model": model_optim_state(model, None)["model"]}
         safe_dcp.load(state, path)
         set_model_state_dict(model, state["model"], options=options)
-        _load_zero1_state(model, optimizer, path)
+        _load_zero1_state(model, optimizer, path, entry)
         return trainer_state
     state = model_optim_state(model, optimizer)
     safe_dcp.load(state, path)
@@ -635,6 +636,7 @@ class Checkpointer:
     def _state(self, next_step: int) -> dict:
         state = {"step": next_step, **self.progress.state(), "rng_cpu": torch.get_rng_state(),
                  "seq_len": self.spec.cfg.training.seq_len, "config_toml": self.config_toml,
+                 "optimizer": self.spec.cfg.optimizer.name,
                  "model_args": dataclasses.asdict(self.spec.model_args), **self.identity}
         if self.spec.lora is not None:  # the adapters, and the base they belong to (not saved: it never changes)
             state.update(lora=self.spec.lora.record(), lora_base=lora_base(self.spec.cfg))
@@ -652,6 +654,10 @@ class Checkpointer:
         if mismatch:
             raise UserError(f"cannot resume from {path}: {mismatch}; resume from a checkpoint of this model, or "
                             "give this run another run.name")
+        ours, theirs = self.spec.cfg.optimizer.name, saved.get("optimizer", "adamw")  # older: AdamW, the only one
+        if theirs != ours:
+            raise UserError(f"cannot resume from {path}: it holds the state of optimizer.name={theirs} (this run: "
+                            f"{ours}); resume with optimizer.name={theirs}, or give this run another run.name")
         if saved.get("data_sha256") not in (None, self.identity.get("data_sha256")):
             self.warn(f"warning: {path} was trained on other data than data.dir={self.spec.cfg.data.dir} holds now "
                       "(another corpus, or the same one prepared again): the batches after the resume differ")
@@ -661,7 +667,7 @@ class Checkpointer:
             return None if problem is None else UserError(f"cannot read checkpoint {path}: {problem}")
 
         with translated(unreadable):
-            state = load_checkpoint(path, self.model, self.optimizer)
+            state = load_checkpoint(path, self.model, self.optimizer, optimizer_entry(ours))
             self._restore_comm(path)
         step = int(state["step"])
         self.progress.load(state, step)

@@ -17,6 +17,7 @@ steps since the last settle point (a restart replays them from the checkpoint, w
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -31,13 +32,14 @@ from paratrain.distributed.env import DistEnv, register_process
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import unwrap
 from paratrain.distributed.pipeline import check_stage_gpu
-from paratrain.distributed.tensors import local_tensor
 from paratrain.errors import UserError
 from paratrain.faults import ATTEMPT_ENV, FaultInjector
 from paratrain.observe.flops import is_datasheet_peak, peak_flops
 from paratrain.generate import prompt_ids, sample
 from paratrain.observe.metrics import MetricsLog, build_sinks
 from paratrain.models.lora import lora_summary
+from paratrain.observe.numerics import Finding, NumericsWatch
+from paratrain.observe.oom import write_evidence
 from paratrain.models import count_active_params, count_params, flops_per_token, format_params
 from paratrain.spec import RunSpec, stage_gpus
 from paratrain.training.checkpoint import Checkpointer, Progress, export_safetensors, full_weights
@@ -45,7 +47,7 @@ from paratrain.training.evaluation import Evaluator
 from paratrain.training.optim import WarmupCosine
 from paratrain.training.record import PendingRecord, StepRecorder
 from paratrain.training.resilience import MemoryBudget, ResilienceGuard, mark_preempted
-from paratrain.training.step import build_train_step
+from paratrain.training.step import build_run_step
 
 
 def resolved_config(cfg, layout):
@@ -82,10 +84,8 @@ class Trainer:
         if spec.layout.pipelined:  # heterogeneous clusters: this rank's stages on the GPU the plan gave them
             check_stage_gpu(stage_gpus(cfg.parallel, spec.layout), self.dims.pp_rank, dev)
         budget = cfg.resilience.memory_budget_gib
-        self.train_step = build_train_step(
-            spec.model_args, self.dims, dev, precision=t.precision, activation_checkpoint=cfg.activation_checkpoint,
-            compile=t.compile, seed=t.seed, optimizer=cfg.optimizer, parallel=cfg.parallel, grad_clip=t.grad_clip,
-            memory_budget=MemoryBudget(int(budget * 2**30)) if budget > 0 else None, lora=spec.lora)
+        self.train_step = build_run_step(spec, self.dims, dev,
+                                         memory_budget=MemoryBudget(int(budget * 2**30)) if budget > 0 else None)
         model, optimizer = self.train_step.model, self.train_step.optimizer
         self.comm = self.train_step.comm  # gradient compression, buckets, prefetching
         self.scheduler = WarmupCosine(optimizer, cfg.optimizer, t.steps)  # the learning rate of each update
@@ -104,6 +104,9 @@ class Trainer:
                                      flops_per_token(spec.model_args, t.seq_len), self.restarts, self.dims.dp_group,
                                      self.comm, self.notice)
         self.faults = FaultInjector(env.rank)
+        # per-block statistics every metrics.numerics_every steps; the first non-finite module of a bad step
+        self.numerics = NumericsWatch(self.train_step, spec.model_args.n_layers, cfg.metrics.numerics_every,
+                                      t.precision)
         self.pending: list[PendingRecord] = []  # steps run but not yet read back (see the module's docstring)
         self.logged: list[tuple[dict, bool, int | None]] = []  # settled records (whether to show them, profiler
         # index), not yet logged
@@ -145,7 +148,9 @@ class Trainer:
                 self.checkpointer.poll()
                 data_step = self.progress.next_batch()
                 t0 = self.recorder.start(step)
-                loss = self.guard.with_oom_adaptation(lambda: self._forward_backward(step, data_step), ts.zero_grad)
+                loss = self.guard.with_oom_adaptation(lambda: self._forward_backward(step, data_step), ts.zero_grad,
+                                                      evidence=lambda error: self._oom_evidence(step, error))
+                self.numerics.after_backward()
                 grad_norm = ts.clip()
                 with self.recorder.timer("comm_time_s", env.device):
                     loss = ts.mean_loss(loss)  # over dp x cp
@@ -161,6 +166,9 @@ class Trainer:
                 self.progress.data_step += 1
                 self.pending.append(self.recorder.record(step, data_step, loss, lr, grad_norm, finite, t0,
                                                          self.progress, self.checkpointer.take_save()))
+                watched = self.numerics.end()  # a watch step's statistics, read at the settle point
+                if watched is not None:
+                    self.pending[-1].later.append(watched)
                 is_eval = t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps
                 show = (step + 1) % t.log_every == 0 or step == start or is_eval
                 self.pending[-1].show = show
@@ -199,18 +207,31 @@ class Trainer:
         pending, self.pending, self.logged = self.pending, [], []
         for entry, values in zip(pending, self.recorder.read(pending)):
             ok = values.finite or self.train_step.scaler is not None  # fp16: the scaler skips and adapts its scale
-            bad = self.guard.after_update(entry.step, ok, entry.data_step)
+            finding = None if ok and math.isfinite(values.loss) else self._diagnose(entry)
+            detail = finding.text() if finding else ""
+            if finding and ok:  # fp16: an overflowing forward (the scaler skips its update too)
+                self.notice(f"step {entry.step + 1}: non-finite loss; {detail}")
+            bad = self.guard.after_update(entry.step, ok, entry.data_step, detail)
             if bad is not None:
                 self._log_settled()
                 back = self.checkpointer.rollback(bad)  # also the learning rate (the scheduler's saved state)
                 if back is None:
-                    raise UserError(f"{len(bad)} consecutive non-finite steps and no checkpoint to roll back to")
+                    raise UserError(f"{len(bad)} consecutive non-finite steps and no checkpoint to roll back to; "
+                                    f"{detail}")
                 del result.losses[max(0, back - start):]
                 return back
             result.losses.append(values.loss)
-            self.logged.append((self.recorder.finish(entry, values, self.progress.skipped), entry.show,
-                                entry.profile_index))
+            record = self.recorder.finish(entry, values, self.progress.skipped)
+            if finding:
+                record.update(finding.record())
+            self.logged.append((record, entry.show, entry.profile_index))
         return None
+
+    def _diagnose(self, entry: PendingRecord) -> Finding:
+        """A non-finite step: replay its batch forward on every rank and name the first non-finite output."""
+        found = self.numerics.first_nonfinite(self._micro_batches(entry.data_step))
+        return Finding(entry.step, entry.data_step, found["module"], found.get("rank"), str(self.cfg.run_dir),
+                       found.get("loss_finite", True))
 
     def _log_settled(self) -> None:
         for record, show, profile_index in self.logged:
@@ -220,13 +241,26 @@ class Trainer:
 
     def _forward_backward(self, step: int, data_step: int) -> torch.Tensor:
         """This rank's micro-batches of global batch `data_step`, forward and backward (retried on OOM)."""
-        spec, p = self.spec, self.progress
         with self.recorder.timer("data_time_s"):
-            micro = self.train_data.micro_batches(data_step, spec.global_batch, self.cfg.training.seed,
-                                                  self.dims.dp_rank, spec.layout.dp, p.accum_steps)
+            micro = self._micro_batches(data_step)
         if self.faults:
-            self.faults.maybe_oom(step)
+            self.faults.during_step(step, self.train_step)
+        self.numerics.begin(step)  # a watch step measures from here (again, when retried after out-of-memory)
         return self.train_step.forward_backward(micro, poisoned=bool(self.faults) and self.faults.poison(data_step))
+
+    def _oom_evidence(self, step: int, error: BaseException):
+        """The allocator's snapshot beside the estimate, in the run folder (None when it cannot be written)."""
+        try:
+            return write_evidence(self.cfg.run_dir, self.env.rank, step, self.spec, self.env.device,
+                                  self.progress.micro_batch, self.progress.accum_steps, error)
+        except OSError:  # a full or read-only disk: adapting to the out-of-memory matters more than the evidence
+            return None
+
+    def _micro_batches(self, data_step: int):
+        """This rank's micro-batches of global batch `data_step`."""
+        spec = self.spec
+        return self.train_data.micro_batches(data_step, spec.global_batch, self.cfg.training.seed, self.dims.dp_rank,
+                                             spec.layout.dp, self.progress.accum_steps)
 
     # -- start and end ------------------------------------------------------------------------
     def _load_hf_weights(self, folder) -> None:
@@ -347,18 +381,7 @@ class Trainer:
 
     def memory_report(self) -> list[dict]:
         """Bytes of parameters, gradients and optimizer state held by each rank."""
-
-        def nbytes(t):
-            t = local_tensor(t)
-            return t.numel() * t.element_size()
-
-        params = list(self.train_step.model.parameters())
-        opt = self.train_step.optimizer
-        opt = opt.optim if hasattr(opt, "optim") else opt
-        mine = {"rank": self.env.rank,
-                "params": sum(nbytes(p) for p in params),
-                "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
-                "optimizer": sum(nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))}
+        mine = {"rank": self.env.rank, **self.train_step.state_bytes()}
         if not dist.is_initialized():
             return [mine]
         rows = [None] * self.env.world_size

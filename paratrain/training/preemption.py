@@ -7,7 +7,9 @@ pipe that a small thread reads the moment it arrives: it starts the grace-period
 hooks (a launched rank uses one to stop at once when another rank has already failed).
 
 A launched rank arms the watch first thing (`watching` in `paratrain.api.run_rank`), so a notice that arrives while
-it is still starting up is not lost; the training loop then finds the same watch. Torch-free.
+it is still starting up is not lost; the training loop then finds the same watch. The same thread answers SIGUSR2
+(the `on_dump` hooks: a launched rank writes its collective history, paratrain/observe/hang.py), also while the main
+thread is blocked in a collective. Torch-free.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class PreemptionWatch:
         self.noticed_at: float | None = None
         self.saved_step: int | None = None  # set once the preemption checkpoint is committed
         self.on_signal: list = []  # called from the watcher thread on every SIGTERM
+        self.on_dump: list = []  # called from the watcher thread on every SIGUSR2
+        self._previous_usr2 = None
         self._lock = threading.Lock()
         self._watchdog: threading.Timer | None = None
         self._previous = None
@@ -76,12 +80,17 @@ class PreemptionWatch:
                 self.notice()
                 for hook in list(self.on_signal):
                     hook()
+            if signal.SIGUSR2 in data:
+                for hook in list(self.on_dump):
+                    hook()
 
     # -- installing -------------------------------------------------------------------------------
     def start(self) -> "PreemptionWatch":
         if threading.current_thread() is not threading.main_thread():
             return self  # signal handlers can only be installed by the main thread; the caller's own stay
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        # a Python handler makes the signal reach the wakeup pipe; the watcher thread does the work
+        self._previous_usr2 = signal.signal(signal.SIGUSR2, lambda signum, frame: None)
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         self._pipe = (read_fd, write_fd)
@@ -97,6 +106,7 @@ class PreemptionWatch:
     def stop(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+            signal.signal(signal.SIGUSR2, self._previous_usr2)
             self._previous = None
         if self._pipe is not None:
             if self._previous_fd is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from paratrain.models import count_params
+from paratrain.observe.hang import at_step
 from paratrain.observe.sysmetrics import PhaseTimer, gather_rank_stats
 
 
@@ -84,7 +85,8 @@ class StepRecorder:
         self.bubble_history: list[list[float]] = []  # pipeline: measured idle fraction per stage rank, per step
 
     def start(self, step: int):
-        """At the top of a step; returns its start mark."""
+        """At the top of a step; returns its start mark (and tells a hang record which step this is)."""
+        at_step(step)
         if self.comm is not None:
             self.comm.start_step(step)
         if self.profiler is not None:
@@ -133,7 +135,8 @@ class StepRecorder:
         seconds = self.clock.seconds(p.begin, p.end)
         world = self.env.world_size
         tok_s = self.spec.tokens_per_step / seconds
-        record = {"step": p.step + 1, "loss": values.loss, "lr": p.lr, "grad_norm": values.grad_norm,
+        record = {"step": p.step + 1, "batch": p.data_step, "loss": values.loss, "lr": p.lr,
+                  "grad_norm": values.grad_norm,
                   "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / world,
                   "mfu": self.flops_per_token * tok_s / (self.peak * world) if self.peak else None,
                   "step_time_s": seconds, "skipped_steps": skipped, "tokens": (p.step + 1) * self.spec.tokens_per_step,

@@ -14,6 +14,7 @@ from paratrain.faults import InjectedOOM
 from paratrain.training.preemption import PreemptionWatch, watching
 
 PREEMPTED_MARKER = "PREEMPTED"
+MAX_FRUITLESS_ROLLBACKS = 2  # rollbacks in a row after which not one step was finite: the weights are the problem
 
 
 class OutOfMemory(UserError):
@@ -85,6 +86,7 @@ class ResilienceGuard:
         self.preemption: PreemptionWatch | None = None
         self._watching = None
         self.bad_streak: list[int] = []  # data batches of the current run of consecutive non-finite steps
+        self.fruitless_rollbacks = 0  # rollbacks since the last finite step
 
     def __enter__(self):
         self._watching = watching(self.cfg.preempt_grace_s)
@@ -110,8 +112,9 @@ class ResilienceGuard:
             self.preemption.notice()
         return anyone
 
-    def with_oom_adaptation(self, run_step, zero_grad):
-        """`run_step()` until it fits: on out-of-memory every rank halves the micro-batch and tries again."""
+    def with_oom_adaptation(self, run_step, zero_grad, evidence=None):
+        """`run_step()` until it fits: on out-of-memory every rank halves the micro-batch and tries again.
+        `evidence(error)` writes what memory held at the error (observe/oom.py) and returns where, or None."""
         while True:
             try:
                 return run_step()
@@ -119,34 +122,43 @@ class ResilienceGuard:
                 if not is_out_of_memory(e):
                     raise
                 failed = e
+                where = evidence(e) if evidence is not None else None  # the failed step's tensors still held
             zero_grad()
-            self._adapt(failed)
+            self._adapt(failed, where)
 
-    def _adapt(self, error: Exception) -> None:
+    def _adapt(self, error: Exception, where=None) -> None:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         p = self.progress
+        seen = f"; memory snapshot and estimate: {where}" if where else ""
         if p.micro_batch == 1:
-            raise OutOfMemory(f"out of memory at micro-batch 1 ({error}); the layout does not fit: use more "
-                              "sharding, tensor parallelism or activation checkpointing")
+            raise OutOfMemory(f"out of memory at micro-batch 1 ({str(error).strip().splitlines()[0]}); the layout "
+                              f"does not fit: use more sharding, tensor parallelism or activation checkpointing{seen}")
         old = (p.micro_batch, p.accum_steps)
         p.micro_batch, p.accum_steps = p.micro_batch // 2, p.accum_steps * 2
         if p.micro_batch * p.accum_steps != old[0] * old[1]:
-            raise OutOfMemory(f"out of memory at micro-batch {old[0]}, which cannot be halved evenly")
+            raise OutOfMemory(f"out of memory at micro-batch {old[0]}, which cannot be halved evenly{seen}")
         self.notice(f"out of memory ({type(error).__name__}): micro-batch {old[0]} x accumulation {old[1]} "
-                    f"-> {p.micro_batch} x {p.accum_steps} (global batch unchanged)")
+                    f"-> {p.micro_batch} x {p.accum_steps} (global batch unchanged){seen}")
 
-    def after_update(self, step: int, finite: bool, data_step: int) -> list[int] | None:
-        """Count a non-finite step (its update was skipped on every rank: loss and norm are global). Returns the bad
-        batches to roll back past once `max_bad_steps` came in a row, else None."""
+    def after_update(self, step: int, finite: bool, data_step: int, detail: str = "") -> list[int] | None:
+        """Count a non-finite step (its update was skipped on every rank: loss and norm are global); `detail` ends its
+        notice (what the numerics watch found). Returns the bad batches to roll back past once `max_bad_steps` came in
+        a row, else None."""
         if finite:
-            self.bad_streak = []
+            self.bad_streak, self.fruitless_rollbacks = [], 0
             return None
         self.progress.skipped += 1
         self.bad_streak.append(data_step)
         self.notice(f"step {step + 1}: non-finite loss or gradient norm, update skipped "
-                    f"({self.progress.skipped} skipped so far)")
+                    f"({self.progress.skipped} skipped so far)" + (f"; {detail}" if detail else ""))
         if len(self.bad_streak) < self.cfg.max_bad_steps:
             return None
         bad, self.bad_streak = self.bad_streak, []
+        self.fruitless_rollbacks += 1
+        if self.fruitless_rollbacks > MAX_FRUITLESS_ROLLBACKS:
+            # Every batch after the checkpoint fails: its weights overflow, skipping more data cannot help.
+            raise UserError(f"{MAX_FRUITLESS_ROLLBACKS} rollbacks in a row were followed by only non-finite steps "
+                            f"(step {step + 1}): the checkpoint's weights themselves produce them"
+                            + (f"; {detail}" if detail else ""))
         return bad

@@ -29,11 +29,13 @@ from paratrain.data.batch import NOT_A_TARGET, as_batch
 from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler, context_for
 from paratrain.distributed.expert_parallel import MoEMeter
 from paratrain.distributed.grad_norm import clip_grad_norm
-from paratrain.distributed.parallelize import PRECISION_DTYPES, SequenceParallelSampler, parallelize, unwrap
+from paratrain.distributed.parallelize import SequenceParallelSampler, parallelize, unwrap
 from paratrain.distributed.pipeline import Pipeline, PipelineSampler, build_pipeline
-from paratrain.distributed.tensors import full_tensor
+from paratrain.distributed.tensors import full_tensor, local_tensor, torch_dtype
 from paratrain.layout import Layout
+from paratrain.modes import loss_scaled, low_precision
 from paratrain.models.moe import balance_loss, moe_modules
+from paratrain.training.optim import build_optimizer, inner_optimizer
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -58,7 +60,7 @@ def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, rows: int)
 def make_scaler(layout: Layout, precision: str, device: torch.device):
     """fp16's dynamic loss scaler (None otherwise). With DTensor gradients the sharded scaler unscales local
     shards and agrees on overflow across ranks."""
-    if precision != "fp16":
+    if not loss_scaled(precision):
         return None
     if layout.uses_fsdp or layout.tp_enabled or layout.pipelined:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -114,12 +116,12 @@ class TrainStep:
         self.pipeline, self.pp_group, self.loss_group, self.comm = pipeline, pp_group, loss_group, comm
         self.memory_budget, self.probe = memory_budget, probe or StepProbe()
         # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does the low-precision compute.
-        self.autocast = precision != "fp32" and not layout.uses_fsdp
+        self.autocast = low_precision(precision) and not layout.uses_fsdp
         self.moe_layers = moe_modules(unwrap(model))
         self.moe = MoEMeter(unwrap(model)) if self.moe_layers else None  # expert load statistics
-        inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1 wraps the optimizer that steps
-        # fused AdamW takes `found_inf` and skips the update in its kernel (its step counts too): no host read
-        self.skips_on_device = bool(getattr(inner, "_step_supports_amp_scaling", False))
+        # fused AdamW (and SGD) take `found_inf` and skip the update in their kernel (AdamW's step counts too): no
+        # host read
+        self.skips_on_device = bool(getattr(inner_optimizer(optimizer), "_step_supports_amp_scaling", False))
 
     def contexts(self, sync: bool = True) -> contextlib.ExitStack:
         """No gradient all-reduce on DDP's accumulation micro-steps, autocast, and loss parallelism."""
@@ -127,7 +129,7 @@ class TrainStep:
         if not sync and hasattr(self.model, "no_sync"):
             stack.enter_context(self.model.no_sync())
         if self.autocast:
-            stack.enter_context(torch.autocast(self.device.type, dtype=PRECISION_DTYPES[self.precision]))
+            stack.enter_context(torch.autocast(self.device.type, dtype=torch_dtype(self.precision)))
         if self.layout.uses_loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
 
@@ -217,7 +219,7 @@ class TrainStep:
         elif finite is True:
             self.optimizer.step()
         elif self.skips_on_device:
-            inner = getattr(self.optimizer, "optim", self.optimizer)
+            inner = inner_optimizer(self.optimizer)
             inner.found_inf = (~finite).float()  # 1.0: the kernel leaves parameters, moments and step counts alone
             try:
                 self.optimizer.step()
@@ -230,6 +232,18 @@ class TrainStep:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def state_bytes(self) -> dict:
+        """Bytes this rank holds of parameters, gradients and optimizer state (local shards of sharded tensors)."""
+        def nbytes(t):
+            t = local_tensor(t)
+            return t.numel() * t.element_size()
+
+        params = list(self.model.parameters())
+        opt = inner_optimizer(self.optimizer)  # ZeRO-1 wraps the optimizer that holds the state
+        return {"params": sum(nbytes(p) for p in params),
+                "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+                "optimizer": sum(nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))}
 
     def _local(self, batch):
         """This rank's chunks of a Batch under context parallelism; unchanged otherwise."""
@@ -279,7 +293,6 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
     from paratrain.config import ActivationCheckpointConfig, OptimizerConfig, ParallelConfig
     from paratrain.distributed.compression import GradComm
     from paratrain.models import build_model
-    from paratrain.training.optim import build_optimizer
 
     layout = dims.layout
     ac = activation_checkpoint or ActivationCheckpointConfig()
@@ -295,8 +308,18 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
         model = parallelize(model, dims, ac, precision, compile, device, seed, comm=comm, lora=lora)
     comm.prepare()
     opt = build_optimizer(unwrap(model), optimizer or OptimizerConfig(), device,
-                          dims.dp_group if layout.zero1 else None)
+                          dims.dp_group if layout.zero1 else None, comm=comm)
     return TrainStep(model, opt, layout, precision=precision, device=device, grad_clip=grad_clip, scaler=scaler,
                      pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
                      memory_budget=memory_budget, probe=probe, comm=comm,
                      context=context_for(dims))  # cp: batches cut to this rank's chunks
+
+
+def build_run_step(spec, dims, device: torch.device, memory_budget=None) -> TrainStep:
+    """The step of the run `spec` (a RunSpec) on this rank: `build_train_step` with the run's settings, as the trainer
+    and the dry run (`paratrain train --dry-run`) build it."""
+    cfg, t = spec.cfg, spec.cfg.training
+    return build_train_step(spec.model_args, dims, device, precision=t.precision,
+                            activation_checkpoint=cfg.activation_checkpoint, compile=t.compile, seed=t.seed,
+                            optimizer=cfg.optimizer, parallel=cfg.parallel, grad_clip=t.grad_clip,
+                            memory_budget=memory_budget, lora=spec.lora)

@@ -1,0 +1,184 @@
+"""A layout as text: its one name and the command-line flags that set it.
+
+The name is what `paratrain plan` prints, `plan --explain` reads and `paratrain verify`'s table is written in:
+comma-separated items, the data-parallel mode first (`nodp`: no data parallelism), then only what differs from a
+single process:
+
+    hsdp,rep=2,cp=2,tp=2,sp=off,lp=off,pp=2,sched=interleaved_1f1b,v=3,ep=2,ac=every_k2,mb=1
+
+rep: hsdp's replicas; cp, tp, pp, ep: degrees (dp_shard is the rest of the world); sp=off, lp=off: tp without
+sequence or loss parallelism; sched: the pipeline schedule, v its stages per rank (the interleaved schedules'
+default 2 is not written); ac: activation checkpointing (every_k with its k); mb: sequences per micro-batch.
+
+The flags are one per `[parallel]` setting (`FLAGS`; `--tp`, `--pp-schedule`, `--no-sequence-parallel`,
+`--grad-compression`, ...): `add_layout_flags` adds those a command takes, `layout_flags` reads what was given as
+`[parallel]` values. `paratrain estimate` writes them over the config it estimates, `paratrain plan` plans only
+layouts that have them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Literal, get_args, get_origin
+
+from paratrain.config import ParallelConfig
+from paratrain.errors import UserError
+from paratrain.layout import CONFIG_KEYS, Layout
+from paratrain.modes import (CHECKPOINT_MODES, DP_MODE_OPTIONS, SCHEDULES, checkpointing_label, dp_mode_of,
+                             parse_checkpointing_label, replicates_shards)
+
+NO_DATA_PARALLEL = "nodp"
+DEGREES = ("rep", "cp", "tp", "pp", "v", "ep", "mb")
+SWITCHES = {"sp": "sequence_parallel", "lp": "loss_parallel"}  # item -> Layout field, written only when off
+
+
+def layout_name(layout, checkpointing: str | None = None, every_k: int = 2, micro_batch: int | None = None) -> str:
+    """The layout's name (see the module doc), with its checkpointing and micro-batch when given."""
+    lay = layout
+    parts = [lay.dp_mode if lay.dp_cp > 1 else NO_DATA_PARALLEL]
+    if lay.hybrid:
+        parts.append(f"rep={lay.dp_replicate}")
+    if lay.cp > 1:
+        parts.append(f"cp={lay.cp}")
+    if lay.tp > 1:
+        parts.append(f"tp={lay.tp}")
+        parts += [f"{item}=off" for item, name in SWITCHES.items() if not getattr(lay, name)
+                  and (name != "loss_parallel" or not lay.pipelined)]  # (a pipeline has no loss parallelism)
+    if lay.pp > 1:
+        parts += [f"pp={lay.pp}", f"sched={lay.pp_schedule}"]
+        if lay.pp_virtual > 2:
+            parts.append(f"v={lay.pp_virtual}")  # (2 is the interleaved schedules' default)
+    if lay.ep > 1:
+        parts.append(f"ep={lay.ep}")
+    if checkpointing is not None:
+        parts.append(f"ac={checkpointing_label(checkpointing, every_k)}")
+    if micro_batch is not None:
+        parts.append(f"mb={micro_batch}")
+    return ",".join(parts)
+
+
+@dataclass
+class NamedLayout:
+    """What a layout name says: `Layout.resolve`'s options (the world size aside), checkpointing, micro-batch."""
+
+    options: dict = field(default_factory=dict)
+    checkpointing: str = "none"
+    every_k: int = 2
+    micro_batch: int | None = None  # None: not named
+
+    def layout(self, world_size: int, **more):
+        """The layout on `world_size` ranks (ConfigError when it is none paratrain can run)."""
+        return Layout.resolve(world_size, **self.options, **more)
+
+
+def parse_layout_name(text: str, what: str = "layout") -> NamedLayout:
+    """A layout name -> NamedLayout; a one-line UserError naming `what` (e.g. --explain) on bad syntax."""
+    where = f"{what} '{text}'"
+    tokens = [t.strip() for t in text.split(",") if t.strip()]
+    if not tokens:
+        raise UserError(f"{what} needs a layout, e.g. fsdp,tp=2,ac=selective,mb=2 (as in the plan's table)")
+    mode = tokens[0]
+    if mode not in (*DP_MODE_OPTIONS, NO_DATA_PARALLEL):
+        raise UserError(f"{where}: the first item must be a dp mode ({', '.join(DP_MODE_OPTIONS)}) or "
+                        f"{NO_DATA_PARALLEL}")
+    mode = dp_mode_of(mode) if mode != NO_DATA_PARALLEL else "fsdp"
+    items: dict[str, str] = {}
+    for tok in tokens[1:]:
+        k, eq, v = tok.partition("=")
+        if not eq or k not in (*DEGREES, *SWITCHES, "sched", "ac") or k in items:
+            raise UserError(f"{where}: unknown or repeated item '{tok}' (use {'=, '.join(DEGREES)}=, sched=, ac=, "
+                            "sp=off, lp=off)")
+        items[k] = v
+    degrees = {}
+    for k in DEGREES:
+        if k in items:
+            if not items[k].isdigit() or int(items[k]) < 1:
+                raise UserError(f"{where}: {k} must be an integer >= 1, got '{items[k]}'")
+            degrees[k] = int(items[k])
+    for k in SWITCHES:
+        if items.get(k, "off") != "off":
+            raise UserError(f"{where}: {k} is on unless {k}=off")
+    sched = items.get("sched", "1f1b")
+    if sched not in SCHEDULES:
+        raise UserError(f"{where}: sched must be one of {', '.join(SCHEDULES)}")
+    ac = parse_checkpointing_label(items.get("ac", "none"))
+    if ac is None:
+        raise UserError(f"{where}: ac must be one of {', '.join(CHECKPOINT_MODES)} (every_k with its k: every_k2)")
+    options = dict(dp_mode=mode, dp_replicate=degrees.get("rep", 1) if replicates_shards(mode) else 1,
+                   tp=degrees.get("tp", 1), pp=degrees.get("pp", 1), ep=degrees.get("ep", 1),
+                   cp=degrees.get("cp", 1), pp_schedule=sched, pp_virtual=degrees.get("v", 1),
+                   **{name: False for k, name in SWITCHES.items() if k in items})
+    return NamedLayout(options, ac[0], ac[1], degrees.get("mb"))
+
+
+# -- command-line flags ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Flag:
+    key: str  # the [parallel] key it sets
+    names: tuple[str, ...]  # the first is shown; the others are accepted too
+    help: str
+
+
+# One flag per [parallel] setting a command line may give; their types are config.ParallelConfig's.
+FLAGS = (
+    Flag("dp_mode", ("--dp-mode",), "data parallelism"),
+    Flag("dp_replicate", ("--dp-replicate",), "replicas (hsdp; ddp and zero1: their data-parallel degree)"),
+    Flag("dp_shard", ("--dp-shard",), "ranks each parameter is sharded over (-1: the rest of the world)"),
+    Flag("tp", ("--tp",), "tensor parallel degree"),
+    Flag("cp", ("--cp",), "context parallel: each sequence split over cp ranks"),
+    Flag("sequence_parallel", ("--no-sequence-parallel",), "tp without sequence parallelism"),
+    Flag("loss_parallel", ("--no-loss-parallel",), "tp without loss parallelism"),
+    Flag("pp", ("--pp",), "pipeline stages"),
+    Flag("pp_schedule", ("--pp-schedule",), "pipeline schedule"),
+    Flag("pp_virtual_stages", ("--pp-virtual", "--pp-virtual-stages"),
+         "stages per rank for the interleaved schedules (2)"),
+    Flag("pp_split", ("--pp-split",), "blocks per stage, e.g. 9,8,8,7 (default: balanced by parameter count)"),
+    Flag("pp_microbatches", ("--microbatches", "--pp-microbatches"),
+         "pipeline micro-batches per step and data-parallel rank"),
+    Flag("ep", ("--ep",), "expert parallel degree (within dp_shard)"),
+    Flag("grad_compression", ("--grad-compression",), "compress the data-parallel gradient reduction"),
+    Flag("powersgd_rank", ("--powersgd-rank",), "PowerSGD's matrix approximation rank"),
+    Flag("sign_ef_block", ("--sign-ef-block",), "sign_ef: one scale per this many elements (0: per tensor piece)"),
+    Flag("fsdp_backward_prefetch", ("--fsdp-backward-prefetch",), "blocks gathered ahead in backward (1)"),
+    Flag("ddp_bucket_mb", ("--ddp-bucket-mb",), "DDP's gradient bucket size, MB"),
+)
+FLAG_OF = {f.key: f for f in FLAGS}
+LAYOUT_KEYS = tuple(k for k in FLAG_OF if k in CONFIG_KEYS.values())  # the flags of a Layout's fields
+COMPRESSION_KEYS = ("grad_compression", "powersgd_rank", "sign_ef_block")
+
+
+def _annotation(key: str):
+    return typing.get_type_hints(ParallelConfig)[key]
+
+
+def add_layout_flags(parser: argparse.ArgumentParser, keys=tuple(FLAG_OF), what: str = "") -> None:
+    """Add the flags of these `[parallel]` keys, in a group saying `what` they do (dest: the key; None when not
+    given)."""
+    parser = parser.add_argument_group("layout", what or None)
+    for key in keys:
+        flag, annotation = FLAG_OF[key], _annotation(key)
+        if annotation is bool:
+            parser.add_argument(*flag.names, dest=key, action="store_false", default=None, help=flag.help)
+            continue
+        choices = get_args(annotation) if get_origin(annotation) is Literal else ()
+        parser.add_argument(*flag.names, dest=key, default=None, type=str if choices else annotation,
+                            metavar=key.split("_")[-1].upper(),
+                            help=flag.help + (f": {' | '.join(choices)}" if choices else ""))
+
+
+def layout_flags(args: argparse.Namespace, keys=tuple(FLAG_OF)) -> dict:
+    """{[parallel] key: value} of the flags given (added by `add_layout_flags`); UserError for a degree < 1."""
+    given = {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
+    for key, value in given.items():
+        if _annotation(key) is int and key in LAYOUT_KEYS and value < 1 and not (key == "dp_shard" and value == -1):
+            rest = ", or -1 for the rest of the world" if key == "dp_shard" else ""
+            raise UserError(f"{FLAG_OF[key].names[0]} must be >= 1{rest}, got {value}")
+    return given
+
+
+def with_layout_flags(parallel, args: argparse.Namespace, keys=tuple(FLAG_OF)):
+    """The `[parallel]` section with the flags given written over it."""
+    return dataclasses.replace(parallel, **layout_flags(args, keys))

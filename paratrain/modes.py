@@ -1,0 +1,267 @@
+"""Every choice of a mode, declared once as a `Literal` type, and the questions asked about one mode.
+
+The config's sections (config.py) are typed with these, so a config value is checked against them; command lines
+offer their `get_args` tuples; and code that depends on a mode asks a predicate here (or on the `Layout`, for what a
+whole layout decides) instead of comparing strings: tests/test_architecture.py fails on a mode string compared
+anywhere but here and in paratrain/layout.py. Torch-free.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from paratrain.errors import UserError
+
+# -- data parallelism --------------------------------------------------------------------------------------------
+# In the order of what they shard (ZeRO stages): ddp nothing, zero1 the optimizer state, zero2 also the gradients,
+# fsdp also the parameters, hsdp as fsdp within each replica.
+DPMode = Literal["ddp", "zero1", "zero2", "fsdp", "hsdp"]
+DPModeOption = Literal[DPMode, "zero3"]  # what a config may say: zero3 is another name for fsdp
+DP_MODES: tuple[str, ...] = get_args(DPMode)
+DP_MODE_OPTIONS: tuple[str, ...] = get_args(DPModeOption)
+
+
+def dp_mode_of(option: str) -> str:
+    """The data-parallel mode a config's option names (zero3 -> fsdp)."""
+    return "fsdp" if option == "zero3" else option
+
+
+# What each mode shards: 0 nothing, 1 the optimizer state, 2 also the gradients, 3 also the parameters (a table:
+# the planner asks it for every layout it tries).
+ZERO_STAGES: dict[str, int] = {mode: min(i, 3) for i, mode in enumerate(DP_MODES)}
+
+
+def replicates_shards(mode: str) -> bool:
+    """hsdp: FSDP within each replica group, the replicas all-reducing their shards."""
+    return mode == "hsdp"
+
+
+# Data-parallel modes over one flat axis, by ZeRO stage (what a change of mode to shard more can choose).
+FLAT_DP_MODES: tuple[str, ...] = tuple(m for m in DP_MODES if not replicates_shards(m))
+
+# -- pipeline schedules ------------------------------------------------------------------------------------------
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+
+
+def all_forwards_first(schedule: str) -> bool:
+    """gpipe: every micro-batch's forward, then every backward (no minimum of micro-batches)."""
+    return schedule == "gpipe"
+
+
+def interleaved(schedule: str) -> bool:
+    """pp_virtual stages per rank, assigned round robin."""
+    return schedule in ("interleaved_1f1b", "interleaved_zero_bubble")
+
+
+def v_shaped(schedule: str) -> bool:
+    """zbv: exactly two stages per rank, in a V (rank r runs stages r and 2pp-1-r)."""
+    return schedule == "zbv"
+
+
+def multi_stage(schedule: str) -> bool:
+    """Several stages per rank."""
+    return interleaved(schedule) or v_shaped(schedule)
+
+
+def zero_bubble(schedule: str) -> bool:
+    """The backward split into input-gradient and weight-gradient steps."""
+    return schedule in ("interleaved_zero_bubble", "zbv")
+
+
+def torch_schedule_name(schedule: str) -> str:
+    """The class of torch.distributed.pipelining.schedules that runs it."""
+    return {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+            "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}[schedule]
+
+
+# -- activation checkpointing ------------------------------------------------------------------------------------
+# none; full: every block recomputes its forward in backward; every_k: every k-th block does; selective: every
+# block recomputes its element-wise ops (the outputs of its matmuls and attention are kept).
+CheckpointMode = Literal["none", "full", "every_k", "selective"]
+CHECKPOINT_MODES: tuple[str, ...] = get_args(CheckpointMode)
+
+
+def recomputes(mode: str) -> bool:
+    """Some block recomputes part of its forward in backward."""
+    return mode != "none"
+
+
+def whole_blocks(mode: str) -> bool:
+    """Blocks recompute their whole forward (full; every_k for every k-th block): a recomputed block keeps only its
+    input, and its forward's communication runs again."""
+    return mode in ("full", "every_k")
+
+
+def selective(mode: str) -> bool:
+    """Each block recomputes its element-wise ops and keeps the outputs of its matmuls and attention."""
+    return mode == "selective"
+
+
+def keeps_some_blocks_whole(mode: str) -> bool:
+    """Some block keeps every activation it saves (no checkpointing, or every_k's blocks in between)."""
+    return mode in ("none", "every_k")
+
+
+def every_block_whole(mode: str) -> bool:
+    """full: every block keeps only its input (the least memory)."""
+    return mode == "full"
+
+
+def uniform(mode: str) -> bool:
+    """Every block is checkpointed alike (every_k alternates full and none)."""
+    return mode != "every_k"
+
+
+def block_checkpointing(mode: str, n_layers: int, every_k: int) -> list[str]:
+    """How each block is checkpointed: none, full or selective (every_k: full for blocks 0, k, 2k, ...)."""
+    if not uniform(mode):
+        return ["full" if i % every_k == 0 else "none" for i in range(n_layers)]
+    return [mode] * n_layers
+
+
+def recomputed_blocks(mode: str, n_blocks: int, every_k: int) -> int:
+    """Blocks of `n_blocks` that recompute (all of them for full and selective, 1 in every_k)."""
+    if mode == "none":
+        return 0
+    return -(-n_blocks // every_k) if mode == "every_k" else n_blocks
+
+
+def recompute_period(mode: str, every_k: int) -> int:
+    """One block in this many recomputes, if any does (every_k: k; the others 1)."""
+    return 1 if uniform(mode) else every_k
+
+
+def forward_repeats(mode: str, every_k: int) -> float:
+    """How many times more a block's whole forward (and its communication) runs, on average over the blocks: full 1,
+    every_k 1/k, selective and none 0 (selective keeps what the communication made)."""
+    if mode == "full":
+        return 1.0
+    return 1 / every_k if mode == "every_k" else 0.0
+
+
+def recompute_rank(mode: str) -> int:
+    """How much a mode recomputes, as a rank: none 0, selective 1, every_k 2, full 3."""
+    return 3 if every_block_whole(mode) else 2 if whole_blocks(mode) else int(selective(mode))
+
+
+def stored_rank(mode: str) -> int:
+    """How much a block stores from forward to backward, as a rank: full 0, every_k and selective 1, none 2."""
+    return 0 if every_block_whole(mode) else 2 if not recomputes(mode) else 1
+
+
+def checkpointing_label(mode: str, every_k: int) -> str:
+    """The mode as a layout name writes it: every_k with its k (`every_k2`), the others as they are."""
+    return mode if uniform(mode) else f"{mode}{every_k}"
+
+
+def parse_checkpointing_label(text: str) -> tuple[str, int] | None:
+    """(mode, every_k) of a `checkpointing_label`, None when it names no mode (every_k alone: k = 2)."""
+    if text.startswith("every_k"):
+        k = text[len("every_k"):] or "2"
+        return ("every_k", int(k)) if k.isdigit() and int(k) >= 1 else None
+    return (text, 2) if text in CHECKPOINT_MODES else None
+
+
+def describe_checkpointing(mode: str, every_k: int) -> str:
+    """For tables: `every_k (k=2)`, the others as they are."""
+    return mode if uniform(mode) else f"{mode} (k={every_k})"
+
+
+# -- precision ---------------------------------------------------------------------------------------------------
+Precision = Literal["fp32", "bf16", "fp16"]  # also the dtypes a Hugging Face export is written in
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+
+
+def low_precision(precision: str) -> bool:
+    """Matmuls, attention and FSDP's gathered parameters in 16 bits (bf16, fp16)."""
+    return precision != "fp32"
+
+
+def loss_scaled(precision: str) -> bool:
+    """fp16: a dynamic loss scaler keeps small gradients representable."""
+    return precision == "fp16"
+
+
+LOW_PRECISIONS: tuple[str, ...] = tuple(p for p in PRECISIONS if low_precision(p))  # the 16-bit formats
+
+
+def headroom_format(precision: str) -> str:
+    """The 16-bit format whose range a run's numbers are judged against: fp16 for an fp16 run, else bf16 (what a
+    fp32 run would overflow first if it moved to 16 bits)."""
+    return precision if low_precision(precision) else "bf16"
+
+
+def value_bytes(precision: str) -> int:
+    """Bytes of one value computed in this precision."""
+    return 4 if precision == "fp32" else 2
+
+
+def dtype_name(precision: str) -> str:
+    """torch's name of its dtype (also Hugging Face's config.json `torch_dtype`): float32, bfloat16, float16."""
+    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
+
+
+# -- optimizer implementations -----------------------------------------------------------------------------------
+OptimizerImpl = Literal["fused", "foreach", "for"]  # torch's AdamW kernels (optimizer.impl also takes "auto")
+OPTIMIZER_IMPLS: tuple[str, ...] = get_args(OptimizerImpl)
+
+# -- gradient compression ----------------------------------------------------------------------------------------
+GradCompression = Literal["none", "bf16", "powersgd", "sign_ef"]
+GRAD_COMPRESSIONS: tuple[str, ...] = get_args(GradCompression)
+
+
+class CompressionSite(enum.Enum):
+    """Where `parallel.grad_compression` acts on a layout (`paratrain.layout.grad_compression_site` decides)."""
+
+    NONE = "none"  # no compression
+    DDP_HOOK = "ddp_hook"  # ddp / zero1: a DDP communication hook replaces the gradient all-reduce (every method)
+    REPLICATE_HOOK = "replicate_hook"  # hsdp: an FSDP all-reduce hook over dp_replicate (sign_ef)
+    REDUCE_DTYPE = "reduce_dtype"  # bf16 with FSDP: reduce-scatter (and hsdp's all-reduce) in bf16
+
+    @property
+    def hooked(self) -> bool:
+        """A communication hook compresses an all-reduce (its bytes, state and compute are the method's)."""
+        return self in (CompressionSite.DDP_HOOK, CompressionSite.REPLICATE_HOOK)
+
+
+@dataclass(frozen=True)
+class Compression:
+    """The `[parallel]` settings that decide what the gradient reduction sends; every question about the method."""
+
+    method: GradCompression = "none"
+    powersgd_rank: int = 4
+    sign_ef_block: int = 0
+
+    @classmethod
+    def from_config(cls, parallel) -> "Compression":
+        return cls(parallel.grad_compression, parallel.powersgd_rank, parallel.sign_ef_block)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @property
+    def casts_to_bf16(self) -> bool:
+        """bf16: the gradients travel as a bf16 copy."""
+        return self.method == "bf16"
+
+    @property
+    def low_rank(self) -> bool:
+        """powersgd: each gradient matrix travels as a rank-r approximation with error feedback."""
+        return self.method == "powersgd"
+
+    @property
+    def one_bit(self) -> bool:
+        """sign_ef: each element travels as its sign, with a scale per tensor piece and error feedback."""
+        return self.method == "sign_ef"
+
+    def check_flags(self) -> "Compression":
+        """These settings as command-line flags (`plan`, `estimate`): a one-line error where no run could use them."""
+        if self.method not in GRAD_COMPRESSIONS:
+            raise UserError(f"--grad-compression '{self.method}' is not one of {', '.join(GRAD_COMPRESSIONS)}")
+        if self.powersgd_rank < 1 or self.sign_ef_block < 0 or self.sign_ef_block % 8:
+            raise UserError("--powersgd-rank must be >= 1 and --sign-ef-block 0 or a multiple of 8")
+        return self

@@ -1,0 +1,101 @@
+"""The layout grammar (paratrain/layout_grammar.py) and the choices (paratrain/modes.py): a layout's name and its
+`[parallel]` section both give back the same layout, the flags cover every layout setting, and each mode's tables
+cover its choices. In-process and torch-free but for the tables' torch names."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from paratrain.config import Config, ParallelConfig, load_config
+from paratrain.errors import UserError
+from paratrain.layout import CONFIG_KEYS, Layout
+from paratrain.layout_grammar import FLAGS, LAYOUT_KEYS, layout_name, parse_layout_name
+from paratrain.modes import (CHECKPOINT_MODES, PRECISIONS, SCHEDULES, checkpointing_label, dtype_name,
+                             parse_checkpointing_label, torch_schedule_name)
+from paratrain.planner import context_from_argv
+from paratrain.planner.search import candidates, parse_layout
+
+PLANS = {  # (plan arguments, items its layouts' names hold): hsdp replicas, cp, tp, pipelines with v=3, experts
+    "dense": (["--model", "llama3-8b", "--gpus", "32", "--gpu", "H100", "--seq", "8192", "--global-batch-tokens",
+               str(8192 * 64), "--micro-batches", "1,2", "--max-pp", "2"],
+              {"rep", "cp", "tp", "pp", "sched", "v", "ac", "mb"}),
+    "moe": (["--model", "tiny-moe", "--gpus", "8", "--gpu", "H100", "--seq", "256", "--global-batch-tokens",
+             str(256 * 32)], {"ep", "ac", "mb"}),
+}
+
+
+@pytest.mark.parametrize("argv, items", PLANS.values(), ids=PLANS.keys())
+def test_every_planned_name_parses_back_to_its_candidate_and_config(argv, items):
+    ctx, world, opts, _ = context_from_argv(argv)
+    cands = candidates(ctx, world, opts)
+    named = {item.split("=")[0] for c in cands for item in c.name.split(",")[1:]}
+    assert named >= items, named
+    for c in cands:
+        assert parse_layout(c.name, ctx, world) == c, c.name
+        assert Layout.from_config(c.layout.to_config(ParallelConfig()), world) == c.layout, c.name
+
+
+def test_switches_and_modes_in_names():
+    lay = Layout.resolve(4, dp_mode="zero3", tp=2, sequence_parallel=False, loss_parallel=False)
+    name = layout_name(lay, "every_k", 3, 2)
+    assert name == "fsdp,tp=2,sp=off,lp=off,ac=every_k3,mb=2"
+    named = parse_layout_name(name)
+    assert named.layout(4) == lay and (named.checkpointing, named.every_k, named.micro_batch) == ("every_k", 3, 2)
+    assert layout_name(Layout.resolve(2, tp=2)) == "nodp,tp=2"
+    piped = Layout.resolve(4, tp=2, pp=2, loss_parallel=False)  # a pipeline has no loss parallelism to switch off
+    assert layout_name(piped) == "nodp,tp=2,pp=2,sched=1f1b" and not piped.loss_parallel
+    assert parse_layout_name("zero3").options["dp_mode"] == "fsdp"
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", "needs a layout"),
+    ("fdsp,tp=2", "the first item must be a dp mode"),
+    ("fsdp,tp=2,tp=4", "unknown or repeated item 'tp=4'"),
+    ("fsdp,xx=3", "unknown or repeated item 'xx=3'"),
+    ("fsdp,tp=two", "tp must be an integer >= 1, got 'two'"),
+    ("fsdp,mb=0", "mb must be an integer >= 1"),
+    ("fsdp,sp=on", "sp is on unless sp=off"),
+    ("fsdp,pp=2,sched=zbw", "sched must be one of gpipe"),
+    ("fsdp,ac=every_kx", "ac must be one of"),
+])
+def test_bad_names_are_one_line(text, words):
+    with pytest.raises(UserError) as e:
+        parse_layout_name(text, "--explain")
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_layout_and_config_map_both_ways_through_one_table():
+    assert set(CONFIG_KEYS) == {f.name for f in dataclasses.fields(Layout)}
+    assert set(CONFIG_KEYS.values()) <= {f.name for f in dataclasses.fields(ParallelConfig)}
+    assert set(LAYOUT_KEYS) == set(CONFIG_KEYS.values())  # a flag for every layout setting (FLAGS)
+    assert {f.key for f in FLAGS} <= {f.name for f in dataclasses.fields(ParallelConfig)}
+    hetero = Layout.resolve(8, pp=4, pp_split="3,3,1,1", pp_microbatches=8, pp_schedule="gpipe")
+    section = hetero.to_config(ParallelConfig(grad_compression="bf16", pp_stage_gpus="a,a,b,b"))
+    assert section.pp_split == "3,3,1,1" and section.grad_compression == "bf16" and section.pp_stage_gpus == "a,a,b,b"
+    assert Layout.from_config(section, 8) == hetero
+
+
+def test_verify_table_is_written_in_the_grammar():
+    """Every `paratrain verify` layout resolves on its ranks, and its overrides give a config of that layout."""
+    from paratrain.verify import LAYOUTS, layout_overrides
+
+    for name, (nproc, text, *_) in LAYOUTS.items():
+        _, overrides = layout_overrides(name)
+        cfg = load_config(None, overrides)
+        assert Layout.from_config(cfg.parallel, nproc) == parse_layout_name(text).layout(nproc), name
+
+
+def test_every_choice_has_its_entries():
+    """The tables keyed by a mode cover its choices: torch's schedule classes and dtypes, checkpointing labels."""
+    import torch
+    from torch.distributed.pipelining import schedules
+
+    assert all(hasattr(schedules, torch_schedule_name(s)) for s in SCHEDULES)
+    assert all(isinstance(getattr(torch, dtype_name(p)), torch.dtype) for p in PRECISIONS)
+    assert all(parse_checkpointing_label(checkpointing_label(m, 3)) == (m, 3 if m == "every_k" else 2)
+               for m in CHECKPOINT_MODES)
+    hints = typing.get_type_hints(type(Config().checkpoint))
+    assert typing.get_args(hints["export_hf_dtype"]) == PRECISIONS  # exports are written in a training precision
