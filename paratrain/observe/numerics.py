@@ -266,7 +266,7 @@ class NumericsWatch:
             handles.append(m.register_forward_hook(hook(name)))
         was_active, self.active = self.active, False
         try:
-            losses = [self.train_step.eval_loss_sum(x, y, len(x)) for x, y in batches]
+            losses = [self.train_step.eval_loss_sum(batch, len(batch[0])) for batch in batches]
         finally:
             self.active = was_active
             for h in handles:
