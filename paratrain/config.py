@@ -64,6 +64,11 @@ class DataConfig:
     mode: Literal["random", "sequential"] = "random"  # random windows | sequential (every window once per epoch, seeded shuffled order)
     # A mixture of prepared datasets sampled by weight (replaces dir/source): [{dir = "data/a", weight = 0.7}, ...]
     sources: list = field(default_factory=list)
+    # What a window is: "none" cuts the token stream anywhere (attention across documents); "documents" packs whole
+    # documents into each window (attention within a document, positions restarting per document, padding after);
+    # "auto": "documents" for a dataset with loss masks (chat / instruction data), else "none".
+    packing: Literal["auto", "none", "documents"] = "auto"
+    overlong: Literal["truncate", "drop"] = "truncate"  # packing: a document longer than a window is cut, or left out
 
 
 @dataclass
@@ -106,6 +111,19 @@ class OptimizerConfig:
     @property
     def final_lr(self) -> float:
         return self.lr / 10 if self.min_lr is None else self.min_lr
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters: rank 0 trains every weight; rank r > 0 freezes the model (no gradients, no optimizer state)
+    and trains W + (alpha / r) B A on each target projection of every block (A: r x in, B: out x r, B starting at
+    zero), with dropout on the adapters' input. Targets: the blocks' projections by name (wq, wk, wv, wo of the
+    attention, w1, w2, w3 of the MLP and of shared experts; routed experts are not adapted)."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: str = "wq,wk,wv,wo,w1,w2,w3"
 
 
 @dataclass
@@ -217,6 +235,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
@@ -437,6 +456,9 @@ def validate(cfg: Config) -> None:
         from paratrain.data.mixture import parse_sources
 
         parse_sources(cfg.data.sources)  # dirs, weights >= 0, not all zero, distinct names
+    from paratrain.models.lora_params import lora_problem
+
+    _require(not lora_problem(cfg.lora), f"lora: {lora_problem(cfg.lora)}")
     s = cfg.sample
     _require(s.max_new_tokens >= 0, "sample.max_new_tokens must be >= 0")
     _require(s.temperature >= 0, "sample.temperature must be >= 0 (0 is greedy)")

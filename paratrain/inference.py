@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from paratrain.training import safe_dcp
+from paratrain.training.adapters import AdaptedCheckpoint
 from paratrain.training.checkpoint import (MARKER, checkpoint_problem, load_trainer_state, newest_valid_checkpoint,
                                            step_folders, step_of)
 from paratrain.data import load_tokenizer
@@ -49,16 +50,21 @@ def load_for_generation(path: str | Path, device: torch.device | None = None):
     if "model_args" not in state:
         raise UserError(f"{ckpt}: trainer.pt has no model dimensions")
     args = ModelArgs(**state["model_args"])
-    model = build_model(args).to(device or "cpu")
-    sd = {"model": get_model_state_dict(model)}
+
     def unloadable(error: BaseException) -> UserError:  # a foreign or damaged checkpoint
         if isinstance(error, safe_dcp.MetadataProblem):
             return UserError(f"{ckpt}: {error}")
         return UserError(f"{ckpt}: cannot load model weights ({type(error).__name__})")
 
+    adapted = AdaptedCheckpoint.of(ckpt, state)
     with translated(unloadable):
-        safe_dcp.load(sd, ckpt)
-    set_model_state_dict(model, sd["model"])
+        if adapted is not None:  # LoRA: its base from its source, its adapters from the checkpoint
+            model = adapted.build(device or "cpu")
+        else:
+            model = build_model(args).to(device or "cpu")
+            sd = {"model": get_model_state_dict(model)}
+            safe_dcp.load(sd, ckpt)
+            set_model_state_dict(model, sd["model"])
     # Sample with the context the model was trained on: positions beyond it were never trained.
     context = int(state.get("seq_len", args.max_seq_len))
     return model, load_tokenizer(ckpt), args, context

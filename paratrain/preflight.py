@@ -258,3 +258,16 @@ def warn_disk(folder: RunFolder, model_args, warn) -> None:
 
 def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_export_out(out: Path, reads, overwrite: bool) -> None:
+    """An export's --out may be written: not a file, empty unless --overwrite, holding none of the (what, path) it
+    `reads`, writable."""
+    for what, path in reads:
+        if path is not None and holds(out, path):
+            raise UserError(f"--out {out} would delete {what} ({path}): choose a folder outside it")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder: choose a folder")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"--out {out} exists and is not empty (pass --overwrite to replace it)")
+    check_writable_folder(out, "--out")

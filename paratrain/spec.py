@@ -24,6 +24,7 @@ from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.optimizers import optimizer_entry
 from paratrain.models.args import ModelArgs
+from paratrain.models.lora_params import LoRA
 from paratrain.models.presets import preset_args, preset_fields
 from paratrain.preflight import RunFolder
 
@@ -139,6 +140,7 @@ class RunSpec:
     accum_steps: int  # micro-steps per optimizer step (1 with a pipeline)
     batch_fixed: str  # which of global batch / accumulation the user fixed
     source: ModelSource  # where the model comes from (its name, an imported model's folder)
+    lora: LoRA | None = None  # adapters on a frozen model (`[lora]`); None: every weight trains
 
     @property
     def model_name(self) -> str:
@@ -186,7 +188,21 @@ def resolve(parts: RunParts, data_meta: dict) -> RunSpec:
     args = parts.source.args(data_meta["vocab_size"])
     layout = _validated(cfg, parts.source, parts.layout, args, parts.world_size)
     data_dir = Path(data_meta.get("dir", cfg.data.dir))
-    return RunSpec(cfg, layout, args, data_dir, batch.global_batch, layout.accumulation(batch), fixed, parts.source)
+    check_packing(cfg.data, data_meta, layout)
+    return RunSpec(cfg, layout, args, data_dir, batch.global_batch, layout.accumulation(batch), fixed, parts.source,
+                   LoRA.from_config(cfg.lora))
+
+
+def packs_documents(data, meta: dict) -> bool:
+    """Whether the run's windows hold whole documents (`data.packing`; "auto": a dataset with loss masks)."""
+    return data.packing == "documents" or (data.packing == "auto" and bool(meta.get("loss_mask")))
+
+
+def check_packing(data, meta: dict, layout: Layout) -> None:
+    if packs_documents(data, meta) and layout.cp_enabled:
+        raise ConfigError("windows of whole documents (data.packing=documents, the default for a dataset with loss "
+                          "masks) are not supported with parallel.cp > 1 yet: ring attention attends across the whole "
+                          "window; use tp, pp or data parallelism, or data.packing=none")
 
 
 def _validated(cfg: Config, source: ModelSource, layout: Layout, args: ModelArgs, world_size: int) -> Layout:

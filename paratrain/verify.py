@@ -26,6 +26,8 @@ MOE_PRESET = "model.preset=tiny-moe"  # with the base's model.n_layers=4: 1 dens
 LONG_MODEL = "model.max_seq_len=1024"  # the tiny model with room for long sequences
 QWEN3, QWEN3_MOE = "model.preset=tiny-qwen3", "model.preset=tiny-qwen3-moe"  # q/k norms, q/k/v/o biases, head_dim 32
 
+LORA = "lora.rank=4"  # adapters on every projection of the tiny model, its weights frozen
+
 # name -> (ranks, layout, other overrides...). The layout is written as its name (paratrain/layout_grammar.py): the
 # data-parallel mode, degrees, checkpointing (ac=) and sequences per micro-batch (mb=; default: the global batch
 # over the data-parallel ranks); `layout_overrides` turns it into the run's settings.
@@ -86,6 +88,11 @@ LAYOUTS: dict[str, tuple] = {
     "qwen3-pp2": (2, "nodp,pp=2,sched=1f1b", QWEN3),
     "qwen3-cp2": (2, "fsdp,cp=2", QWEN3),
     "qwen3-moe-ep2xfsdp2": (4, "fsdp,ep=2", QWEN3_MOE),
+
+    # LoRA: adapters trained on a frozen tiny model, against one process training the same adapters.
+    "lora-fsdp2": (2, "fsdp", LORA),
+    "lora-tp2": (2, "nodp,tp=2", LORA),
+    "lora-pp2": (2, "nodp,pp=2,sched=1f1b", LORA),
 }
 DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
                   "fsdp2+every_k", "fsdp2+selective", "accum"]
@@ -94,6 +101,8 @@ MOE_MATRIX = ["ep2", "ep4", "ep2xfsdp2", "ep2xtp2"]
 PP_MATRIX = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2-zb", "pp2xdp2", "pp2xtp2", "pp2xdp2xtp2"]
 CP_MATRIX = ["cp2", "cp2xfsdp2", "cp2xtp2", "cp2xpp2", "cp4-seq1024"]
 QWEN_MATRIX = ["qwen3-fsdp2", "qwen3-tp2+sp", "qwen3-pp2", "qwen3-cp2", "qwen3-moe-ep2xfsdp2"]
+
+LORA_MATRIX = ["lora-fsdp2", "lora-tp2", "lora-pp2"]
 
 GLOBAL_BATCH = 8
 EVAL_SEQUENCES = 13  # not divisible by 2, 4 or 8: the data-parallel shares of the validation set are padded
@@ -199,9 +208,9 @@ def compare(reference, result) -> tuple[float, float]:
 
 
 def reference_overrides(layout_extra: list[str]) -> list[str]:
-    """The model settings and sequence length a layout changes (e.g. the MoE preset, a long sequence): its reference
-    is one process training that model on those sequences."""
-    return [o for o in layout_extra if o.startswith(("model.", "training.seq_len="))]
+    """The model settings, sequence length and adapters a layout changes (e.g. the MoE preset, a long sequence,
+    LoRA): its reference is one process training that model on those sequences."""
+    return [o for o in layout_extra if o.startswith(("model.", "training.seq_len=", "lora."))]
 
 
 def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str = "fp32",
@@ -294,7 +303,8 @@ def format_row(r: Row, tolerance: float, judged: bool = True) -> str:
 
 def main_verify(argv: list[str]) -> int:
     parser = OneLineArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX + CP_MATRIX + QWEN_MATRIX),
+    parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX + CP_MATRIX + QWEN_MATRIX
+                                                      + LORA_MATRIX),
                         help=f"comma-separated layout names (known: {', '.join(LAYOUTS)})")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tolerance", type=float, default=1e-5)

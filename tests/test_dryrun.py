@@ -15,7 +15,7 @@ from paratrain.observe.dryrun import dry_run, format_dry_run
 
 TINY = ["model.preset=tiny", "model.vocab_size=256", "training.seq_len=32", "training.micro_batch=2"]
 LAYOUTS = {  # world, overrides: every data-parallel mode, tp with and without FSDP, each pipeline schedule family,
-    # context and expert parallelism and their compositions, tied embeddings, compression, fp16, compile, SGD
+    # context and expert parallelism and their compositions, tied embeddings, compression, fp16, compile, SGD, LoRA
     "ddp4": (4, ["parallel.dp_mode=ddp", "training.precision=fp16"]),
     "zero1x4": (4, ["parallel.dp_mode=zero1"]),
     "zero2x2-sgd": (2, ["parallel.dp_mode=zero2", "optimizer.name=sgd"]),
@@ -26,6 +26,8 @@ LAYOUTS = {  # world, overrides: every data-parallel mode, tp with and without F
                          "activation_checkpoint.mode=selective"]),
     "ep2xtp2xfsdp2": (8, ["model.preset=tiny-moe", "parallel.ep=2", "parallel.tp=2"]),
     "tied-compiled": (2, ["model.tie_embeddings=true", "training.compile=true"]),
+    # LoRA: the frozen base in bf16 beside the adapters, which alone have gradients and optimizer state
+    "lora-fsdp2xtp2": (4, ["lora.rank=4", "parallel.tp=2", "training.precision=bf16"]),
 }
 
 

@@ -199,6 +199,8 @@ def world(char_data, trained_run, tmp_path_factory):
     p["tr-heads"] = edit_trainer(ckpt, c / "tr-heads", lambda s: s["model_args"].update(n_heads=0))
     p["tr-seq"] = edit_trainer(ckpt, c / "tr-seq", lambda s: s.update(seq_len=0))
     p["tr-optimizer"] = edit_trainer(ckpt, c / "tr-optimizer", lambda s: s.update(optimizer=7))
+    p["tr-lora"] = edit_trainer(ckpt, c / "tr-lora", lambda s: s.update(
+        lora={"rank": "four", "alpha": 16.0, "dropout": 0.0, "targets": ["wq"]}, lora_base="preset tiny"))
     p["tr-not-dict"] = shutil.copytree(ckpt, c / "tr-not-dict")
     torch.save([1, 2, 3], p["tr-not-dict"] / "trainer.pt")
     rehash(p["tr-not-dict"])
@@ -278,6 +280,8 @@ def world(char_data, trained_run, tmp_path_factory):
                                    lambda m: m["splits"]["train"]["shards"][0].update(file="../../../etc/hostname"))
     p["ds-vocab"] = edit_json(char_data, d / "vocab", "meta.json", lambda m: m.update(vocab_size=-3))
     p["ds-eos"] = edit_json(char_data, d / "eos", "meta.json", lambda m: m.update(eos_id=5000))
+    p["ds-loss-mask"] = edit_json(char_data, d / "loss-mask", "meta.json", lambda m: m.update(loss_mask="yes"))
+    p["ds-no-masks"] = edit_json(char_data, d / "no-masks", "meta.json", lambda m: m.update(loss_mask=True))
     p["ds-tokens"] = edit_json(char_data, d / "tokens", "meta.json",
                                lambda m: m["splits"]["val"]["shards"][0].update(tokens="many"))
     p["ds-chars"] = shutil.copytree(char_data, d / "chars")
@@ -344,6 +348,7 @@ CASES = [
     case(1, "ckpt-trainer-seq-zero", lambda w: w.gen(w.p["tr-seq"]), r"trainer\.pt: seq_len must be an integer >= 1"),
     case(1, "ckpt-trainer-optimizer", lambda w: w.train(f"--checkpoint.resume={w.p['tr-optimizer']}"),
          r"trainer\.pt: optimizer must be a string, got int"),
+    case(1, "ckpt-trainer-lora", lambda w: w.gen(w.p["tr-lora"]), r"trainer\.pt: lora\.rank must be an integer"),
     case(1, "ckpt-trainer-not-dict", lambda w: w.gen(w.p["tr-not-dict"]), r"trainer\.pt holds a list"),
     case(1, "ckpt-checksums-duplicate", lambda w: w.gen(w.p["sums-dup"]), r"CHECKSUMS lists trainer\.pt twice"),
     case(1, "ckpt-checksums-huge", lambda w: w.gen(w.p["sums-huge"]), r"CHECKSUMS is .* larger than"),
@@ -417,6 +422,10 @@ CASES = [
     case(1, "dataset-vocab", lambda w: w.train(f"--data.dir={w.p['ds-vocab']}", "--run.name=new"), r"meta\.json: vocab_size must be"),
     case(1, "dataset-eos", lambda w: w.train(f"--data.dir={w.p['ds-eos']}", "--run.name=new"), r"meta\.json: eos_id 5000"),
     case(1, "dataset-tokens-text", lambda w: w.train(f"--data.dir={w.p['ds-tokens']}", "--run.name=new"), r"meta\.json: .*tokens"),
+    case(1, "dataset-loss-mask", lambda w: w.train(f"--data.dir={w.p['ds-loss-mask']}", "--run.name=new"),
+         r"meta\.json: loss_mask must be true or false"),
+    case(1, "dataset-masks-missing", lambda w: w.train(f"--data.dir={w.p['ds-no-masks']}", "--run.name=new"),
+         r"train-00000\.mask is missing or has the wrong size"),
     case(1, "dataset-chars", lambda w: w.train(f"--data.dir={w.p['ds-chars']}", "--run.name=new"), r"chars\.json"),
     # ---- 2. no number makes paratrain loop, allocate or spawn without bound
     case(2, "plan-gpus-billions", lambda w: ["plan", "--gpus", "1000000000000", "--gpus-per-node", "8", "--no-write"],

@@ -67,6 +67,18 @@ JOURNEYS = {
         'python -c "from transformers import pipeline; print(pipeline(\'text-generation\', \'ft-hf\')(\'Hello\')'
         '[0][\'generated_text\'])"',
     ],
+    "fine_tune": [
+        "paratrain prepare --input chat.jsonl --out data/chat --tokenizer llama-3.2-1b/tokenizer.json --chat",
+        "paratrain estimate --model llama3-8b --gpu RTX4090 --lora-rank 16 --checkpointing full",
+        "paratrain train --model.init_from=hf:llama-3.2-1b --data.dir=data/chat --lora.rank=16 --training.seq_len=2048 "
+        "--training.precision=bf16 --optimizer.lr=2e-4 --optimizer.warmup_steps=20 --run.name=chat",
+        "paratrain export runs/chat --format peft --out chat-adapter --dtype fp32",
+        "paratrain export runs/chat --format hf --out chat-hf --dtype bf16",
+        'python -c "from peft import AutoPeftModelForCausalLM as M; m = M.from_pretrained(\'chat-adapter\'); '
+        'print(type(m.base_model).__name__)"',
+        'python -c "from transformers import pipeline; print(pipeline(\'text-generation\', \'chat-hf\')'
+        '([{\'role\': \'user\', \'content\': \'Hello\'}])[0][\'generated_text\'][-1][\'content\'])"',
+    ],
     "profile": [
         "paratrain profile --nproc 2 --parallel.dp_mode=fsdp --steps 3",
     ],
@@ -371,6 +383,31 @@ def test_journey_hugging_face(journey):
                                                                         else "dtype"] == "bfloat16"
     out = j.readme(JOURNEYS["hugging_face"][-1]).stdout
     assert out.startswith("Hello")
+
+
+def test_journey_fine_tune(journey):
+    """A local Hugging Face folder and a chat jsonl -> chat data with loss masks -> the estimate that fits -> LoRA
+    training (bf16, packed conversations) -> a PEFT adapter peft loads onto the base, and the merged model
+    transformers chats with."""
+    from test_chat import save_chat_tokenizer, write_chats
+    from test_hf import make_llama
+
+    j, commands = journey, JOURNEYS["fine_tune"]
+    save_chat_tokenizer(make_llama(j.cwd / "llama-3.2-1b"))
+    write_chats(j.cwd / "chat.jsonl", 40, long_every=9)
+    assert "chat: 40 conversations" in j.readme(commands[0]).stdout
+    out = j.readme(commands[1]).stdout
+    assert "FITS" in out and "frozen parameters (LoRA base)" in out and "41.9M trainable" in out
+    out = j.train(commands[2], "--training.seq_len=48")
+    text = out.stdout + out.stderr
+    assert "LoRA:" in text and "packed into" in text and "initialised from Hugging Face folder" in text
+    j.readme(commands[3])
+    assert json.loads((j.cwd / "chat-adapter" / "adapter_config.json").read_text())["r"] == 16
+    j.readme(commands[4])
+    assert (j.cwd / "chat-hf" / "chat_template.jinja").is_file() or "chat_template" in json.loads(
+        (j.cwd / "chat-hf" / "tokenizer_config.json").read_text())
+    assert j.readme(commands[5]).stdout.strip() == "LoraModel"
+    j.readme(commands[6])
 
 
 def test_journey_profile(journey):

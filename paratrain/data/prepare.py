@@ -10,8 +10,9 @@ library's batch encoding inside each), and appended to shards of at most `--shar
                            token and document counts, every source with its size and sha256
       train-00000.bin      tokens (flat uint16/uint32, raw), BOS (if any) + document + EOS, document after document
       train-00000.docs     uint64 end offset (inside the shard, just after the EOS) of every document ending there
+      train-00000.mask     chat data (--chat): one byte per token, 1 where the token is a target (data/chat.py)
       val-00000.bin ...
-      chars.json | tokenizer.json
+      chars.json | tokenizer.json (+ tokenizer_config.json, chat_template.jinja)
 
 Validation is whole documents: every round(1/val_fraction)-th document (spread over the corpus), or all of
 `--val-input`. A corpus of a single document (one text file) is the exception: its last val_fraction of
@@ -49,8 +50,8 @@ DEFAULT_SHARD_TOKENS = 1 << 28  # 256 Mi tokens: 512 MiB of uint16 per shard
 TASK_CHARS = 1 << 20  # characters handed to a worker at a time
 SMALL_INPUT_BYTES = 4 << 20  # below this, tokenizing in this process beats starting workers
 DEFAULT_SAMPLE_MB = 64  # text the BPE trainer sees
-_SHARD_FILE = re.compile(r"^(train|val)(-\d{5})?\.(bin|docs)$")
-DATASET_FILES = {"meta.json", "chars.json", "tokenizer.json", "tokenizer_config.json"}
+_SHARD_FILE = re.compile(r"^(train|val)(-\d{5})?\.(bin|docs|mask)$")
+DATASET_FILES = {"meta.json", "chars.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
 MAX_BPE_VOCAB = 1 << 31
 MIN_SHARD_TOKENS = 64  # below this a corpus becomes a file per handful of tokens
 MAX_SHARDS = 100_000  # per split: a --shard-tokens typo must not fill the disk with files
@@ -149,12 +150,14 @@ def _build_tokenizer(kind, path, vocab_size, sources, text_field, sample_chars, 
 # ---------------------------------------------------------------------------- writing shards
 
 class SplitWriter:
-    """Appends one split's tokens to shards of at most shard_tokens, and document ends to .docs files."""
+    """Appends one split's tokens to shards of at most shard_tokens, document ends to .docs files and, with `masks`,
+    each token's loss mask (one byte) to .mask files."""
 
-    def __init__(self, folder: Path, split: str, dtype: str, shard_tokens: int):
+    def __init__(self, folder: Path, split: str, dtype: str, shard_tokens: int, masks: bool = False):
         self.folder, self.split, self.dtype, self.shard_tokens = folder, split, np.dtype(dtype), shard_tokens
+        self.masks = masks
         self.shards, self.tokens, self.documents = [], 0, 0
-        self._f = self._docs_f = None
+        self._f = self._docs_f = self._mask_f = None
         self._n = self._shard_docs = 0
         self._ends = []
 
@@ -166,10 +169,12 @@ class SplitWriter:
         name = f"{self.split}-{len(self.shards):05d}"
         self._f = open(self.folder / f"{name}.bin", "wb")
         self._docs_f = open(self.folder / f"{name}.docs", "wb")
+        self._mask_f = open(self.folder / f"{name}.mask", "wb") if self.masks else None
         self._n = self._shard_docs = 0
-        self.shards.append({"file": f"{name}.bin", "docs_file": f"{name}.docs", "tokens": 0, "documents": 0})
+        self.shards.append({"file": f"{name}.bin", "docs_file": f"{name}.docs", "tokens": 0, "documents": 0,
+                            **({"mask_file": f"{name}.mask"} if self.masks else {})})
 
-    def write(self, ids: np.ndarray, ends_document: bool):
+    def write(self, ids: np.ndarray, ends_document: bool, mask: np.ndarray | None = None):
         if self._f is None:
             self._roll()
         while len(ids):
@@ -177,6 +182,9 @@ class SplitWriter:
                 self._roll()
             take = min(len(ids), self.shard_tokens - self._n)
             ids[:take].astype(self.dtype, copy=False).tofile(self._f)
+            if self._mask_f is not None:
+                mask[:take].astype(np.uint8, copy=False).tofile(self._mask_f)
+                mask = mask[take:]
             self._n, self.tokens, ids = self._n + take, self.tokens + take, ids[take:]
         if ends_document:  # the last token written is in the open shard
             self._ends.append(self._n)
@@ -194,12 +202,13 @@ class SplitWriter:
         if self._f is None:
             return
         self._flush_ends()
-        for f in (self._f, self._docs_f):
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
+        for f in (self._f, self._docs_f, self._mask_f):
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
         self.shards[-1].update(tokens=self._n, documents=self._shard_docs)
-        self._f = self._docs_f = None
+        self._f = self._docs_f = self._mask_f = None
 
     def close(self) -> dict:
         self._close_shard()
@@ -284,8 +293,11 @@ class _Progress:
         self.last, self.chars, self.docs, self.tokens = self.start, 0, 0, 0
 
     def add(self, texts, meta, n_tokens):
-        self.chars += sum(len(t) for t in texts)
-        self.docs += sum(1 for _, last, _ in meta if last)
+        self.add_counts(sum(len(t) for t in texts), sum(1 for _, last, _ in meta if last), n_tokens)
+
+    def add_counts(self, chars: int, docs: int, n_tokens: int):
+        self.chars += chars
+        self.docs += docs
         self.tokens += n_tokens
         now = time.perf_counter()
         if now - self.last >= self.every_s:
@@ -416,13 +428,21 @@ def default_workers(sources) -> int:
 
 def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenizer_path=None,
                     val_fraction=0.1, dtype=None, overwrite=False, *, val_input=None, text_field="text",
-                    workers=None, shard_tokens=DEFAULT_SHARD_TOKENS, sample_mb=DEFAULT_SAMPLE_MB, echo=None) -> dict:
+                    workers=None, shard_tokens=DEFAULT_SHARD_TOKENS, sample_mb=DEFAULT_SAMPLE_MB, echo=None,
+                    chat: bool = False, chat_template: str | None = None, loss_on: str = "assistant") -> dict:
     """Tokenize `source` (file, folder, glob pattern, or a list of them) into a sharded dataset in out_dir.
-    workers: tokenizer processes (0: this process; None: the machine's cores, or 0 for a small input)."""
+    workers: tokenizer processes (0: this process; None: the machine's cores, or 0 for a small input).
+    chat: every line is a conversation, rendered with the tokenizer's chat template (or `chat_template`, a .jinja
+    file) and stored with a loss mask on the tokens `loss_on` names (data/chat.py); tokenized in this process."""
     echo = echo or (lambda *_: None)
     out_dir = Path(out_dir)
     kind, tok_path = _tokenizer_kind(tokenizer, tokenizer_path)
     _check_vocab_args(kind, vocab_size)
+    if chat and kind != "tokenizer.json":
+        raise UserError(f"--chat renders conversations with a Hugging Face tokenizer and its chat template: give "
+                        f"--tokenizer path/to/tokenizer.json (not {kind})")
+    if not chat and (chat_template is not None or loss_on != "assistant"):
+        raise UserError("--chat-template and --loss-on apply to chat data: add --chat")
     if not (isinstance(val_fraction, (int, float)) and 0 < val_fraction <= 0.5):
         raise UserError(f"val fraction must be in (0, 0.5], got {val_fraction!r}")
     if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
@@ -451,20 +471,30 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = _claim_partial(out_dir, echo)
+    encoder = None
+    if chat:
+        from paratrain.data.chat import chat_encoder, write_conversations
+
+        encoder = chat_encoder(tok, tok_path, chat_template, loss_on)
     with atomic_dir(tmp, out_dir):  # the dataset appears whole, or not at all (an old one stays until then)
         start = time.perf_counter()
-        writers = {s: SplitWriter(tmp, s, dtype, int(shard_tokens)) for s in SPLITS}
+        writers = {s: SplitWriter(tmp, s, dtype, int(shard_tokens), masks=chat) for s in SPLITS}
         counters = {"docs": 0, "text": False}
         progress = _Progress(echo)
-        stream = _document_stream(sources, val_sources, text_field, val_fraction, counters)
-        _tokenize_into(stream, tok, writers, workers, progress)
+        if chat:
+            split_of = (lambda doc: "train") if val_sources else (
+                lambda doc: "val" if is_validation_doc(doc, val_fraction) else "train")
+            chat_stats = write_conversations(encoder, sources, val_sources, split_of, writers, progress, counters)
+        else:
+            stream = _document_stream(sources, val_sources, text_field, val_fraction, counters)
+            _tokenize_into(stream, tok, writers, workers, progress)
         if not counters["text"]:
             raise UserError(f"input {source} is empty (no text to tokenize)")
         train, val = writers["train"].close(), writers["val"]
         n_docs = counters["docs"]
         if val_sources:
             val_split = "val-input"
-        elif n_docs == 1:  # one document (a single text file): cut it, its tail is the validation split
+        elif n_docs == 1 and not chat:  # one document (a single text file): cut it, its tail is the validation split
             n = train["tokens"] - (tok.bos_id is not None) - (tok.eos_id is not None)  # the text's own tokens
             n_val = int(n * val_fraction)  # as before EOS existed: the same train tokens, val gains the EOS
             if n_val < 1 or n - n_val < 1:
@@ -494,6 +524,8 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
                     tokenizer_sha256=_tokenizer_checksum(tmp, tok), seconds=round(time.perf_counter() - start, 3))
         if tok_path is not None:
             meta["tokenizer_source"] = str(tok_path.resolve())
+        if chat:
+            meta.update(loss_mask=True, chat=encoder.record(chat_stats, tmp))
         if kind == "bpe":  # BPE may stop short of the asked size; remember what was asked
             meta["requested_vocab_size"] = vocab_size
         (tmp / "owner.json").unlink()
@@ -524,9 +556,12 @@ def read_meta(data_dir) -> dict:
     itemsize = np.dtype(meta["dtype"]).itemsize
     for split in SPLITS:
         for shard in meta["splits"][split]["shards"]:
-            path = data_dir / shard["file"]
-            if not path.is_file() or path.stat().st_size != shard["tokens"] * itemsize:
-                raise UserError(f"{path} is missing or has the wrong size; prepare the dataset again: {redo}")
+            files = [(data_dir / shard["file"], itemsize)]
+            if meta.get("loss_mask"):  # one byte per token
+                files.append(((data_dir / shard["file"]).with_suffix(".mask"), 1))
+            for path, size in files:
+                if not path.is_file() or path.stat().st_size != shard["tokens"] * size:
+                    raise UserError(f"{path} is missing or has the wrong size; prepare the dataset again: {redo}")
     return meta
 
 
@@ -542,6 +577,8 @@ def meta_problem(meta: dict) -> str | None:
         return f"dtype {meta['dtype']!r} is not uint16 or uint32"
     if meta["dtype"] == "uint16" and meta["vocab_size"] > 65536:
         return f"dtype uint16 cannot hold vocab_size {meta['vocab_size']}"
+    if not isinstance(meta.get("loss_mask", False), bool):
+        return f"loss_mask must be true or false, got {meta['loss_mask']!r}"
     splits = meta.get("splits")
     if not isinstance(splits, dict) or any(not isinstance(splits.get(s), dict) for s in SPLITS):
         return "splits must hold a train and a val table"
@@ -554,7 +591,7 @@ def meta_problem(meta: dict) -> str | None:
             where = f"splits.{split}.shards[{i}]"
             if not isinstance(shard, dict):
                 return f"{where} must be a table"
-            for key in ("file", "docs_file"):
+            for key in ("file", "docs_file", "mask_file"):
                 name = shard.get(key)
                 if key in shard or key == "file":
                     if not isinstance(name, str) or not _SHARD_FILE.match(name):
@@ -681,6 +718,11 @@ def main_prepare(argv) -> int:
                                                               "process for an input under 4 MB; 0: this process)")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file at most")
     p.add_argument("--dtype", choices=["uint16", "uint32"], default=None, help="token dtype (default: by vocab size)")
+    p.add_argument("--chat", action="store_true", help="every line is a conversation (\"messages\", or \"prompt\" and "
+                   "\"completion\"), rendered with the tokenizer's chat template, with a loss mask")
+    p.add_argument("--chat-template", default=None, help="a .jinja chat template instead of the tokenizer's own")
+    p.add_argument("--loss-on", choices=["assistant", "last", "all"], default="assistant",
+                   help="chat data: the tokens that are targets (assistant turns, the last one, or all)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     a = p.parse_args(argv)
@@ -688,9 +730,14 @@ def main_prepare(argv) -> int:
     meta = prepare_dataset(a.input if len(a.input) > 1 else a.input[0], a.out, tokenizer=a.tokenizer,
                            vocab_size=a.vocab_size, val_fraction=a.val_fraction, dtype=a.dtype, overwrite=a.overwrite,
                            val_input=a.val_input, text_field=a.text_field, workers=a.workers,
-                           shard_tokens=a.shard_tokens, sample_mb=a.sample_mb, echo=echo)
+                           shard_tokens=a.shard_tokens, sample_mb=a.sample_mb, echo=echo, chat=a.chat,
+                           chat_template=a.chat_template, loss_on=a.loss_on)
     n_shards = sum(len(meta["splits"][s]["shards"]) for s in SPLITS)
     print(f"prepared {a.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
           f"({meta['train_documents']:,} + {meta['val_documents']:,} documents, {n_shards} shards), "
           f"{meta['tokenizer']} tokenizer, vocab {meta['vocab_size']:,}, {meta['dtype']}, {meta['seconds']:.1f}s")
+    if a.chat:
+        c = meta["chat"]
+        print(f"chat: {c['conversations']:,} conversations ({c['instructions']:,} prompt/completion), "
+              f"{c['target_tokens']:,} target tokens (--loss-on {c['loss_on']}), template {c['template']}")
     return 0

@@ -50,4 +50,5 @@ def dataset_meta(data_cfg) -> dict:
 
 def open_split(data_cfg, split: str, seq_len: int) -> TokenData:
     where = list(data_cfg.sources) if getattr(data_cfg, "sources", None) else Path(data_cfg.dir)
-    return TokenData(where, split, seq_len, mode=getattr(data_cfg, "mode", "random"))
+    return TokenData(where, split, seq_len, mode=getattr(data_cfg, "mode", "random"),
+                     packing=getattr(data_cfg, "packing", "auto"), overlong=getattr(data_cfg, "overlong", "truncate"))

@@ -128,6 +128,20 @@ class Source:
             self._finish_hash(raw)
 
     def _jsonl(self, text_field):
+        for lineno, obj in self.records():
+            text = obj.get(text_field) if isinstance(obj, dict) else None
+            if not isinstance(text, str):
+                chat = " (a chat dataset? prepare it with --chat)" if isinstance(obj, dict) and (
+                    "messages" in obj or "prompt" in obj) else ""
+                raise UserError(f'{self.path} line {lineno}: expected a JSON object with a string "{text_field}" '
+                                f"field (choose another with --text-field){chat}")
+            yield _split_long(text)
+
+    def records(self):
+        """(line number, JSON value) of every non-blank line of a .jsonl[.gz|.zst] file; a complete read fills in
+        bytes and sha256."""
+        if not self.fmt.startswith("jsonl"):
+            raise UserError(f"{self.path}: chat data is read from .jsonl, .jsonl.gz or .jsonl.zst files, not {self.fmt}")
         raw, stream = self._open_hashed()
         with stream:
             kind = {"jsonl.gz": "gzip", "jsonl.zst": "zstd"}.get(self.fmt, "")
@@ -152,11 +166,7 @@ class Source:
                 except ValueError as e:
                     raise UserError(f"{self.path} line {lineno}: not valid JSON "
                                     f"({one_line(getattr(e, 'msg', e))})") from None
-                text = obj.get(text_field) if isinstance(obj, dict) else None
-                if not isinstance(text, str):
-                    raise UserError(f'{self.path} line {lineno}: expected a JSON object with a string "{text_field}" '
-                                    "field (choose another with --text-field)")
-                yield _split_long(text)
+                yield lineno, obj
             self._finish_hash(raw)
 
     def _parquet(self, text_field):

@@ -151,7 +151,7 @@ class CharTokenizer(Tokenizer):
         return ("char", self.chars, self.eos_id is not None)
 
 
-def _token_name(value):
+def token_name(value):
     """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
     if isinstance(value, dict):
         value = value.get("content")
@@ -173,7 +173,7 @@ def _special_ids(tok: "hf.Tokenizer", path=None):
         ids = []
         for key in ("eos_token", "bos_token"):
             value = c.get(key)
-            name = _token_name(value)
+            name = token_name(value)
             if value is not None and name is None:
                 raise UserError(f"{config}: {key} must be a token (a string or {{\"content\": ...}}), got {value!r}")
             if name is not None and name not in vocab:

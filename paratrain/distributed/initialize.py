@@ -23,6 +23,15 @@ def canonical_name(name: str) -> str:
     return name
 
 
+def initial_value(name: str, shape, std: float | None, seed: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """The whole initial value of parameter `name`: normal with `std` from a generator seeded by (seed, name), in
+    fp32 (ones in `dtype` for std None)."""
+    if std is None:
+        return torch.ones(shape, device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.empty(shape, device=device, dtype=torch.float32).normal_(0.0, std, generator=gen)
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int, std_for=None) -> None:
     """Fill every parameter of `model` (plain or DTensor, on any device) deterministically.
@@ -42,12 +51,7 @@ def init_weights(model: nn.Module, seed: int, std_for=None) -> None:
         is_dtensor = isinstance(param, DTensor)
         device = param.device if not is_dtensor else param.to_local().device
         full_shape = param.shape  # a DTensor reports its global shape
-        std = std_for(name)
-        if std is None:
-            full = torch.ones(full_shape, device=device, dtype=param.dtype)
-        else:
-            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            full = torch.empty(full_shape, device=device, dtype=torch.float32).normal_(0.0, std, generator=gen)
+        full = initial_value(name, full_shape, std_for(name), seed, device, param.dtype)
         if is_dtensor:
             # src_data_rank=None: every rank computed the same full tensor, so each just keeps its shard.
             shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()

@@ -1,6 +1,6 @@
 """Turn a plain Transformer into a parallel one, in a fixed order:
 
-    tensor/sequence parallel -> context parallel (ring attention) -> expert parallel -> activation checkpointing
+    LoRA adapters (base frozen) -> tensor/sequence parallel -> context parallel (ring attention) -> expert parallel -> activation checkpointing
     -> torch.compile -> FSDP (over dp_shard x cp) -> materialise + deterministic init -> DDP / ZeRO-1 wrapping
     (DDP needs real weights)
 
@@ -24,8 +24,9 @@ from paratrain.distributed.initialize import init_weights
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.tensor_parallel import apply_tp
 from paratrain.distributed.tensors import full_tensor, right_pad, torch_dtype
-from paratrain.modes import block_checkpointing, recomputes, selective
-
+from paratrain.models.lora import apply_lora, freeze_base
+from paratrain.models.lora_params import LoRA
+from paratrain.modes import block_checkpointing, low_precision, recomputes, selective
 
 
 class SequenceParallelSampler(nn.Module):
@@ -140,15 +141,20 @@ def _whole_length(layout):
 
 def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: ActivationCheckpointConfig,
                 precision: str, compile: bool | str, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0,
-                comm: GradComm | None = None) -> nn.Module:
+                comm: GradComm | None = None, lora: LoRA | None = None) -> nn.Module:
     """Apply the layout to a model or pipeline stage built on the meta device; returns the module to train
     (maybe a DDP wrapper). compile: True for torch.compile's default backend, or a backend name. `comm` carries the
     gradient communication settings (`[parallel]`: compression, DDP buckets, FSDP prefetching); None: no
-    compression, FSDP2's default prefetching, `ddp_bucket_mb` buckets."""
+    compression, FSDP2's default prefetching, `ddp_bucket_mb` buckets. `lora`: adapters on the target projections,
+    every other parameter frozen (stored in the compute dtype under bf16/fp16: it never changes)."""
     layout = dims.layout
     comm = comm or GradComm.default(dims, device, ddp_bucket_mb)
+    if lora is not None:
+        apply_lora(model, lora, torch_dtype(precision) if low_precision(precision) else None)
     if layout.tp_enabled:
         apply_tp(model, dims.tp_mesh, layout.sequence_parallel, layout.uses_loss_parallel)
+        if lora is not None:
+            freeze_base(model)  # the styles that replicate (norms) make new Parameters, trainable ones
     if layout.cp_enabled:  # each rank attends over its chunks of every sequence by ring attention
         apply_context_parallel(model, context_for(dims))
     if layout.cp_enabled or (layout.sp and model.tok_embeddings is None):

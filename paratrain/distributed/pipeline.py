@@ -52,6 +52,7 @@ class Pipeline:
     group: object  # the pp process group
     pp_rank: int
     device: torch.device
+    loss_fn: object = None  # the last stage's loss per microbatch (training/step.py ScheduleLoss)
     busy_s: float = 0.0
     step_s: float = 0.0
 
@@ -67,17 +68,19 @@ class Pipeline:
     def last_owner(self) -> int:
         return self.layout.stage_owner(self.layout.num_stages - 1)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of this data-parallel rank's batch; returns the batch's mean loss on every pp rank."""
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of this data-parallel rank's batch; returns the batch's mean loss on every pp rank.
+        `positions`: each token's position in its document (packed windows), given to every stage."""
         losses: list = []
         self.busy_s = 0.0
         start = time.perf_counter()
         target = y if self.has_last else None
+        extra = {} if positions is None else {"positions": positions}
         # return_outputs=False: the last stage would otherwise keep every microbatch's logits to the end of the step
         if self.has_first:
-            self.schedule.step(x, target=target, losses=losses, return_outputs=False)
+            self.schedule.step(x, target=target, losses=losses, return_outputs=False, **extra)
         else:
-            self.schedule.step(target=target, losses=losses, return_outputs=False)
+            self.schedule.step(target=target, losses=losses, return_outputs=False, **extra)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.step_s = time.perf_counter() - start
@@ -100,9 +103,10 @@ class Pipeline:
         return [float(o) for o in out]
 
     # -- forward only: evaluation and generation --------------------------------------------------
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run all stages in order (sends/receives between ranks); the last stage's owner gets the output."""
         h = tokens
+        extra = {} if positions is None else {"positions": positions}
         p = self.layout
         for s in range(p.num_stages):
             owner = p.stage_owner(s)
@@ -110,14 +114,14 @@ class Pipeline:
                 continue
             if s > 0 and p.stage_owner(s - 1) != owner:
                 h = _recv(p.stage_owner(s - 1), self.group, self.device)
-            h = self.modules[s](h)
+            h = self.modules[s](h, **extra)
             if s < p.num_stages - 1 and p.stage_owner(s + 1) != owner:
                 _send(full_tensor(h), p.stage_owner(s + 1), self.group)
         return h if self.has_last else None
 
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, loss_fn, positions: torch.Tensor | None = None) -> torch.Tensor:
         """loss_fn(logits, targets) -> a float64 scalar, computed on the last stage and sent to every pp rank."""
-        out = self.forward(x)
+        out = self.forward(x, positions)
         if self.has_last:
             loss = full_tensor(loss_fn(out, y)).detach().double()
         else:
@@ -242,9 +246,10 @@ class StageGroup(nn.Module):
 
 
 def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str, compile: bool,
-                   device: torch.device, seed: int, loss_fn, comm=None) -> Pipeline:
-    """Cut the meta-device `model` into this rank's stages, lay each out with `parallelize`, wrap them and build
-    the schedule. `loss_fn(logits, targets)` is the last stage's loss per microbatch."""
+                   device: torch.device, seed: int, loss_fn, comm=None, lora=None) -> Pipeline:
+    """Cut the meta-device `model` into this rank's stages, lay each out with `parallelize` (with `lora`'s
+    adapters), wrap them and build the schedule. `loss_fn(logits, targets)` is the last stage's loss per
+    microbatch."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as S
 
@@ -255,7 +260,8 @@ def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str
     modules: dict[int, nn.Module] = {}
     for s in layout.local_stages(pp_rank):
         stage = prune(copy.deepcopy(model), layout.stage_layers(s), s == 0, s == layout.num_stages - 1)
-        modules[s] = parallelize(stage, dims, activation_checkpoint, precision, compile, device, seed, comm=comm)
+        modules[s] = parallelize(stage, dims, activation_checkpoint, precision, compile, device, seed, comm=comm,
+                                 lora=lora)
     rank_model = next(iter(modules.values())) if len(modules) == 1 else StageGroup(modules)
 
     stages = [PipelineStage(modules[s], s, layout.num_stages, device, group=group) for s in sorted(modules)]
@@ -264,7 +270,7 @@ def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str
     # the gradient is the mean over this rank's batch (FSDP then averages over data-parallel ranks).
     schedule = cls(stages if multi_stage(layout.pp_schedule) else stages[0],
                    n_microbatches=layout.pp_microbatches, loss_fn=loss_fn, scale_grads=True)
-    pipe = Pipeline(layout, rank_model, modules, stages, schedule, group, pp_rank, device)
+    pipe = Pipeline(layout, rank_model, modules, stages, schedule, group, pp_rank, device, loss_fn)
     slowdown = simulated_slowdown(dist.get_rank())
     for st in stages:
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from paratrain.distributed.adapters import adapters_aside
 from paratrain.models.registry import family_of, parameters
 
 # A sublayer's inputs under sequence parallelism: the residual stream first (gathered), the rest untouched.
@@ -133,4 +134,5 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
             if style is not None:
                 plan[module] = style
         plan.update({name: style for name, style in prepare.items() if style is not None})
-        parallelize_module(block, tp_mesh, plan)
+        with adapters_aside(block, tp_mesh):  # LoRA adapters split with the weights they adapt
+            parallelize_module(block, tp_mesh, plan)

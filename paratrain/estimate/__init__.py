@@ -55,7 +55,8 @@ def estimate_for_run(plan, device: str | None = None, gpu_bytes: int | None = No
                             fsdp_backward_prefetch=cfg.parallel.fsdp_backward_prefetch,
                             optimizer=cfg.optimizer.name, optimizer_impl=impl, checkpointing=ac.mode, every_k=ac.every_k,
                             micro_batch=micro, seq_len=t.seq_len, accum_steps=plan.accum_steps, gpu_name=None,
-                            gpu_bytes=gpu_bytes, overhead_bytes=None if device == "cuda" else 0, device=device)
+                            gpu_bytes=gpu_bytes, overhead_bytes=None if device == "cuda" else 0, device=device,
+                            lora=plan.lora)
     return estimate(inputs, suggest=gpu_bytes is not None)
 
 

@@ -8,8 +8,9 @@ D = C / Hq; F = ffn_hidden; V = vocab. Three precision regimes give each saved t
   `torch.autocast` runs matmuls and attention in bf16. The embedding and RMSNorm are not autocast ops, so the
   residual stream and the norm outputs stay fp32, and every linear casts its input to bf16 separately: q, k, v
   each save their own bf16 copy of the normed input (3 copies), w1 and w3 two.
-- "pure" (bf16/fp16 with FSDP2's MixedPrecisionPolicy, and the classic Megatron-style accounting): bf16
-  parameters are all-gathered and everything computes in bf16 except where the code says `.float()`.
+- "pure" (bf16/fp16 with FSDP2's MixedPrecisionPolicy, LoRA's base stored in bf16, and the classic Megatron-style
+  accounting): bf16 parameters are all-gathered and everything computes in bf16 except where the code says
+  `.float()`.
 
 One dense block saves ("none" checkpointing), in forward order:
 
@@ -130,10 +131,11 @@ class ActDims:
 
 
 def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, micro_batch: int, seq_len: int,
-             device: str = "cuda") -> ActDims:
+             device: str = "cuda", frozen_base: bool = False) -> ActDims:
+    """`frozen_base`: LoRA's base is stored in the compute dtype, so everything computes in it ("pure")."""
     if not low_precision(precision):
         regime = "single"
-    elif accounting == "classic" or layout.uses_fsdp:
+    elif accounting == "classic" or layout.uses_fsdp or frozen_base:
         regime = "pure"
     else:
         regime = "autocast"

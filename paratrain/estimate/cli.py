@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+from paratrain.models.lora_params import LoRA, lora_problem
 from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.layout_grammar import FLAG_OF, add_layout_flags, with_layout_flags
 from paratrain.modes import CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS
@@ -49,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     add_layout_flags(p, ESTIMATE_FLAG_KEYS, "the [parallel] settings, over the --model config's or the defaults\n"
                      "(a pipeline: --microbatches micro-batches per step, default 2 x pp, of --micro-batch sequences)")
     p.add_argument("--moe-imbalance", type=float, default=1.0, help="routed tokens per ep rank / balanced share")
+    p.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank on a frozen model "
+                   "(a config's [lora] otherwise)")
+    p.add_argument("--lora-targets", default=None, help="the projections LoRA adapts (default wq,wk,wv,wo,w1,w2,w3)")
     p.add_argument("--precision", default=None, help=f"{' | '.join(PRECISIONS)} (default bf16)")
     p.add_argument("--accounting", default="paratrain", help="paratrain | classic (see below)")
     p.add_argument("--optimizer", default=None, help=" | ".join(OPTIMIZER_NAMES) + " (default: the config's, adamw)")
@@ -112,6 +116,13 @@ def _with_flags(cfg, args):
                 setattr(section, key, getattr(args, flag))
     if args.accum_steps is not None and args.global_batch is None:
         t.global_batch = None
+    if args.lora_rank is not None:
+        cfg.lora.rank = args.lora_rank
+    if args.lora_targets is not None:
+        cfg.lora.targets = args.lora_targets
+    why = lora_problem(cfg.lora)
+    if why:
+        raise UserError(why.replace("lora.rank", "--lora-rank").replace("lora.targets", "--lora-targets"))
     return cfg
 
 
@@ -176,7 +187,7 @@ def inputs_from_argv(argv: list[str]):
         micro_batch=micro_batch, seq_len=t.seq_len, accum_steps=accum_steps, accounting=args.accounting,
         gpu_name=gpu_name, gpu_bytes=gpu_bytes, headroom=check_headroom(HEADROOM if args.headroom is None
                                                                          else args.headroom),
-        overhead_bytes=overhead, moe_imbalance=args.moe_imbalance), args
+        overhead_bytes=overhead, moe_imbalance=args.moe_imbalance, lora=LoRA.from_config(cfg.lora)), args
 
 
 def main_estimate(argv: list[str]) -> int:

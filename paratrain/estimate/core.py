@@ -91,6 +91,8 @@ class Estimate:
         return {
             "model": i.model_name, "parameters": sum(p.numel for p in model_params(i.model_args)),
             "active_parameters": count_active_params(i.model_args),
+            "trainable_parameters": sum(p.numel for p in model_params(i.model_args, i.lora) if p.trainable),
+            "lora": None if i.lora is None else i.lora.record(),
             "layout": {**dataclasses.asdict(lay), "world_size": lay.world_size, "description": lay.describe()},
             "precision": i.precision, "accounting": i.accounting, "optimizer": i.optimizer,
             "optimizer_impl": i.optimizer_impl, "checkpointing": i.checkpointing, "every_k": i.every_k,
@@ -146,7 +148,7 @@ def _fsdp_bytes(params: list[Param], layout: Layout, pbytes: int, rbytes: int = 
     """(unsharded bytes in the compute dtype, reduce-scatter input bytes in the reduce dtype: fp32, or bf16 with
     grad_compression=bf16) of an FSDP group: each parameter padded to a multiple of the ranks it is sharded over
     (experts under ep: dp_shard / ep). Cached: the planner asks for the same groups thousands of times."""
-    key = (tuple((p.shape, p.tp_dim, p.expert) for p in params), layout, pbytes, rbytes)
+    key = (tuple((p.shape, p.tp_dim, p.expert, p.trainable) for p in params), layout, pbytes, rbytes)
     hit = _FSDP_BYTES.get(key)
     if hit is None:
         if len(_FSDP_BYTES) > 4096:
@@ -161,7 +163,7 @@ def _fsdp_bytes_of(params: list[Param], layout: Layout, pbytes: int, rbytes: int
         n = max(1, layout.dp_shard // layout.ep) if (p.expert and layout.ep > 1) else layout.shard_degree
         padded = math.prod(local_shape(p, layout)) if n == 1 else fsdp_numel(p, layout) * n
         unsh += padded * pbytes
-        rs += padded * rbytes
+        rs += padded * rbytes if p.trainable else 0  # a frozen parameter has no gradient to reduce
     return unsh, rs
 
 
@@ -183,6 +185,10 @@ class _Rank:
     def local_numel(self, ps) -> int:
         return sum(math.prod(local_shape(p, self.i.layout)) for p in ps)
 
+    def grad_numel(self, ps) -> int:
+        """Elements of the gradients of these parameters (the trainable ones)."""
+        return self.local_numel(p for p in ps if p.trainable)
+
     def where(self, where: str) -> list[Param]:
         return [p for p in self.root if p.where == where]
 
@@ -196,14 +202,14 @@ class _Rank:
         if not out:
             out = [p for p in self.sublayer_params(layer, kinds, role="expert")
                    if p.shape[-1] == self.i.model_args.dim][:1]
-        return self.local_numel(out)
+        return self.grad_numel(out)
 
     def after_attention_inputs(self, layer: int) -> int:
         """Elements of block `layer`'s parameters whose gradients exist once its attention's backward starts: all
         from the attention's row-parallel output projection on (not the norm before it nor the q/k/v projections,
         whose gradients come last)."""
         ps, output = self.by_layer[layer], self.sublayer_params(layer, ("attention",), role="rowwise")[0]
-        return self.local_numel(ps[next(k for k, p in enumerate(ps) if p is output):])
+        return self.grad_numel(ps[next(k for k, p in enumerate(ps) if p is output):])
 
     def sublayer_params(self, layer: int, kinds: tuple[str, ...], role: str | None = None) -> list[Param]:
         """Block `layer`'s parameters (of this role) in its sublayers of these kinds (the family's `sublayers`)."""
@@ -215,9 +221,9 @@ class _Rank:
 
 def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers: list[int]) -> _Rank:
     args, lay = i.model_args, i.layout
-    st = state_bytes(args, lay, i.precision, i.optimizer, i.accounting, rank, layers_by_stage)
-    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device)
-    params = rank_params(args, lay, rank, layers_by_stage)
+    st = state_bytes(args, lay, i.precision, i.optimizer, i.accounting, rank, layers_by_stage, i.lora)
+    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device, i.lora is not None)
+    params = rank_params(args, lay, rank, layers_by_stage, i.lora)
     by_layer = {l: [] for l in layers}
     for p in params:
         if p.layer is not None:
@@ -275,6 +281,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     gbytes = BF16 if classic else FP32  # gradient dtype held by the optimizer
 
     def grad_bytes(ps):  # this rank's final gradients of these params
+        ps = [p for p in ps if p.trainable]
         if classic:
             return math.ceil(local_numel(ps) / lay.shard_degree) * gbytes
         if fsdp:
@@ -288,7 +295,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     g_prev = grads_full if (accum > 1 or classic) else 0
     # DDP's flat bucket buffers are a second copy of the gradients (gradient_as_bucket_view=False); classic
     # frameworks reduce from one contiguous gradient buffer instead.
-    ddp_buckets = local_numel(params) * gbytes if (lay.uses_ddp and not classic) else 0
+    ddp_buckets = r.grad_numel(params) * gbytes if (lay.uses_ddp and not classic) else 0
     autocast = st.autocast_copies
     tokens = A.inputs_bytes(d)
     acts_one = sum(stored.values()) + A.final_residual(d)
@@ -310,17 +317,17 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     comp_site = grad_compression_site(lay, run_comp.method)
     comp = None
     if comp_site.hooked:
-        shapes = [local_shape(q, lay) for q in params]
+        shapes = [local_shape(q, lay) for q in params if q.trainable]
         if comp_site is CompressionSite.REPLICATE_HOOK:
             shapes = [(math.ceil(sh[0] / lay.dp_shard), *sh[1:]) for sh in shapes]
         comp = compression_cost(run_comp, shapes,
                                 lay.dp if comp_site is CompressionSite.DDP_HOOK else lay.dp_replicate)
     root_unsh = _fsdp_bytes(r.root, lay, pbytes)[0] if (fsdp and r.root) else 0
-    head_unsh_grads = local_numel(head_params) * pbytes if fsdp else 0
+    head_unsh_grads = r.grad_numel(head_params) * pbytes if fsdp else 0
 
     peaks = _Peaks()
     add = peaks.add
-    base = dict(parameters=st.params + st.rope_buffers, optimizer=st.optimizer, master=st.master,
+    base = dict(parameters=st.params + st.rope_buffers, frozen=st.frozen, optimizer=st.optimizer, master=st.master,
                 compression=comp.state_bytes if comp else 0)
     # L: the loss's backward
     comm = ddp_buckets
@@ -452,7 +459,7 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
             return 0  # preallocated buffers, counted in full below
         if fsdp:
             return _fsdp_bytes(ps, lay, pbytes)[1]  # accumulated unsharded, fp32
-        return local_numel(ps) * FP32
+        return r.grad_numel(ps) * FP32
 
     dw2 = r.ffn_output  # the first weight gradient of a block's backward (no mixture of experts in a pipeline)
 
@@ -475,8 +482,8 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     unsh = {l: _fsdp_bytes(by_layer[l], lay, pbytes) for l in by_layer} if fsdp else {}
     gathered = (sum(u for u, _ in unsh.values()) + _fsdp_bytes(root, lay, pbytes)[0]) if fsdp else 0
     autocast = st.autocast_copies
-    base = dict(parameters=st.params + st.rope_buffers * len(stages), optimizer=st.optimizer, master=st.master,
-                autocast_copies=autocast)
+    base = dict(parameters=st.params + st.rope_buffers * len(stages), frozen=st.frozen, optimizer=st.optimizer,
+                master=st.master, autocast_copies=autocast)
     peaks = _Peaks()
     add = peaks.add
 
@@ -556,7 +563,7 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     opt_temp = 0
     if i.optimizer_impl != "fused" and optimizer_entry(i.optimizer).foreach_temporary:
         gb = BF16 if classic else FP32
-        small = [p for p in params if len(p.shape) < 2]
+        small = [p for p in params if len(p.shape) < 2 and p.trainable]
         small_bytes = (sum(fsdp_numel(p, lay) for p in small) if lay.uses_fsdp else local_numel(small)) * gb
         opt_temp = max(st.grads - small_bytes, small_bytes) * (FP32 // gb)
     add("optimizer step", **base, gradients=st.grads, comm_buffers=p2p, temporaries=opt_temp)
@@ -697,7 +704,7 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     if lay.pp > 1:
         est.stages = [{"stage": s, "tensor_peak_bytes": int(x["peak"]), "total_bytes": int(x["peak"]) + overhead,
                        "phase": x["phase"]} for s, x in walks.items()]
-    if low_precision(i.precision) and optimizer_entry(i.optimizer).state_bytes:
+    if low_precision(i.precision) and optimizer_entry(i.optimizer).state_bytes and i.lora is None:
         est.zero_ranks = lay.dp if lay.dp > 1 else 8
         est.zero = zero_table(args, est.zero_ranks, i.optimizer)
     if suggest and est.fits is False:
@@ -713,7 +720,7 @@ def forward_end_bytes(i: EstimateInputs) -> dict[str, int]:
     blocks' activations as checkpointing leaves them (+ the final residual and the token ids) and the final
     norm / output / loss tensors kept for backward. What activation checkpointing is about."""
     args, lay = i.model_args, i.layout
-    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device)
+    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device, i.lora is not None)
     moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if args.moe_experts else None
     layers = rank_layers(lay, args)[lay.pp - 1]
     modes = block_checkpointing(i.checkpointing, args.n_layers, i.every_k)

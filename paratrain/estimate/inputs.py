@@ -10,6 +10,7 @@ from paratrain.errors import UserError
 from paratrain.estimate.gpus import HEADROOM, check_headroom
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.models.args import ModelArgs
+from paratrain.models.lora_params import LoRA, targets_of
 from paratrain.modes import CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS, Compression
 from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
 
@@ -38,6 +39,7 @@ class EstimateInputs:
     device: str = "cuda"  # cuda: counts runtime overhead; cpu: tensors only
     compression: Compression = field(default_factory=Compression)  # parallel.grad_compression and its settings
     fsdp_backward_prefetch: int = 1  # blocks whose parameters backward gathers ahead (FSDP2's default: 1)
+    lora: LoRA | None = None  # adapters on a frozen model (`[lora]`, --lora-rank): only they have gradients and states
 
     def replace(self, **kw) -> "EstimateInputs":
         return dataclasses.replace(self, **kw)
@@ -70,6 +72,8 @@ def validate(i: EstimateInputs) -> EstimateInputs:
     if i.fsdp_backward_prefetch < 1:
         raise UserError(f"--fsdp-backward-prefetch must be >= 1, got {i.fsdp_backward_prefetch}")
     check_headroom(i.headroom)
+    if i.lora is not None and not targets_of(args, i.lora):
+        raise UserError(f"--lora-targets {','.join(i.lora.targets)}: the model has none of these projections")
     lay.check_checkpointing(i.checkpointing)
     steps = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
     batch = Batch(global_batch=i.micro_batch * steps * lay.dp, micro_batch=i.micro_batch, seq_len=i.seq_len)

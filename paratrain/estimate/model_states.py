@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from paratrain.layout import Layout
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
+from paratrain.models.lora_params import LoRA, adapted_params
 from paratrain.models.registry import parameters
-from paratrain.modes import low_precision
+from paratrain.modes import low_precision, value_bytes
 from paratrain.optimizers import optimizer_entry
 from paratrain.stage_split import balanced_split
 
@@ -34,9 +35,10 @@ from paratrain.stage_split import balanced_split
 FP32, BF16 = 4, 2
 
 
-def model_params(args: ModelArgs) -> list[Param]:
-    """Every parameter in named_parameters() order (tied output weight listed once): the family's parameter table."""
-    return list(parameters(args))
+def model_params(args: ModelArgs, lora: LoRA | None = None) -> list[Param]:
+    """Every parameter in named_parameters() order (tied output weight listed once): the family's parameter table,
+    with `lora`'s adapters (trainable) beside their weights (frozen)."""
+    return adapted_params(parameters(args), lora)
 
 
 def local_shape(p: Param, layout: Layout) -> tuple[int, ...]:
@@ -72,9 +74,10 @@ def stage_of(p: Param, layout: Layout, rank_layers: list[list[int]]) -> list[int
     return [s for s, layers in enumerate(rank_layers) if p.layer in layers]
 
 
-def rank_params(args: ModelArgs, layout: Layout, rank: int, layers: list[list[int]]) -> list[Param]:
+def rank_params(args: ModelArgs, layout: Layout, rank: int, layers: list[list[int]],
+                lora: LoRA | None = None) -> list[Param]:
     """The parameters pipeline rank `rank` holds (all of them without a pipeline)."""
-    params = model_params(args)
+    params = model_params(args, lora)
     if layout.pp == 1:
         return params
     mine = set(layers[rank])
@@ -140,8 +143,9 @@ class StateBytes:
     optimizer: int
     master: int
     autocast_copies: int  # bf16 copies of matmul weights made by autocast (alive from forward to backward)
-    param_numel: int  # elements this rank holds (for display)
-    unsharded_numel: int  # elements of the parameters this rank computes with (after tp/ep/pp, before FSDP)
+    frozen: int = 0  # LoRA's frozen base: its parameters in their storage dtype (no gradient, no optimizer state)
+    param_numel: int = 0  # elements this rank holds (for display)
+    unsharded_numel: int = 0  # elements of the parameters this rank computes with (after tp/ep/pp, before FSDP)
     rope_buffers: int = 0
     notes: tuple[str, ...] = ()
     grads_beyond_shards: int = 0  # of `grads`: bytes beyond each parameter's own sharded shape (a whole gradient)
@@ -151,36 +155,37 @@ _STATES: dict = {}
 
 
 def state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str, accounting: str, stage: int = 0,
-                layers: list[list[int]] | None = None) -> StateBytes:
+                layers: list[list[int]] | None = None, lora: LoRA | None = None) -> StateBytes:
     """Model states of the worst rank of pipeline stage `stage` (see `_state_bytes`; cached: the planner asks for the
-    same ones often)."""
+    same ones often). `lora`: adapters train, the rest is frozen."""
     layers = layers or rank_layers(layout, args)
-    key = (args, layout, precision, optimizer, accounting, stage, tuple(map(tuple, layers)))
+    key = (args, layout, precision, optimizer, accounting, stage, tuple(map(tuple, layers)), lora)
     hit = _STATES.get(key)
     if hit is None:
         if len(_STATES) > 4096:
             _STATES.clear()
-        hit = _STATES[key] = _state_bytes(args, layout, precision, optimizer, accounting, stage, layers)
+        hit = _STATES[key] = _state_bytes(args, layout, precision, optimizer, accounting, stage, layers, lora)
     return hit
 
 
 _KINDS: dict[tuple, tuple[tuple[Param, int], ...]] = {}
 
 
-def _param_kinds(args: ModelArgs, layout: Layout, rank: int, layers: list[list[int]]) -> tuple[tuple[Param, int], ...]:
+def _param_kinds(args: ModelArgs, layout: Layout, rank: int, layers: list[list[int]],
+                 lora: LoRA | None = None) -> tuple[tuple[Param, int], ...]:
     """The parameters of pipeline rank `rank` (`rank_params`) grouped by what the model states read of them (shape,
-    tp split, expert, matmul weight, where): (the first of each kind, how many), in order. A model repeats a few
-    shapes many times: the states count each kind once (cached)."""
+    tp split, expert, matmul weight, where, trainable): (the first of each kind, how many), in order. A model repeats
+    a few shapes many times: the states count each kind once (cached)."""
     if layout.pp == 1:
-        key = (tuple(vars(args).values()),)
+        key = (tuple(vars(args).values()), lora)
     else:
-        key = (tuple(vars(args).values()), tuple(layers[rank]), layout.stage_owner(0) == rank,
+        key = (tuple(vars(args).values()), lora, tuple(layers[rank]), layout.stage_owner(0) == rank,
                layout.stage_owner(layout.num_stages - 1) == rank)
     hit = _KINDS.get(key)
     if hit is None:
         kinds: dict[tuple, list] = {}
-        for p in rank_params(args, layout, rank, layers):
-            kinds.setdefault((p.shape, p.tp_dim, p.expert, p.matmul, p.where), [p, 0])[1] += 1
+        for p in rank_params(args, layout, rank, layers, lora):
+            kinds.setdefault((p.shape, p.tp_dim, p.expert, p.matmul, p.where, p.trainable), [p, 0])[1] += 1
         if len(_KINDS) > 4096:
             _KINDS.clear()
         hit = _KINDS[key] = tuple((p, count) for p, count in kinds.values())
@@ -188,8 +193,34 @@ def _param_kinds(args: ModelArgs, layout: Layout, rank: int, layers: list[list[i
 
 
 def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str, accounting: str, stage: int,
-                 layers: list[list[int]]) -> StateBytes:
-    """Model states of the worst rank of pipeline stage `stage`.
+                 layers: list[list[int]], lora: LoRA | None = None) -> StateBytes:
+    """Model states of the worst rank of pipeline stage `stage`: its trainable parameters' (`_trainable_bytes`) and,
+    with LoRA, its frozen ones' (stored in the compute dtype, sharded like the rest; nothing else)."""
+    layers = layers or rank_layers(layout, args)
+    kinds = [(p, count, math.prod(local_shape(p, layout))) for p, count in _param_kinds(args, layout, stage, layers,
+                                                                                         lora)]
+    out = _trainable_bytes(args, layout, precision, optimizer, accounting, stage, [k for k in kinds if k[0].trainable])
+    frozen = [k for k in kinds if not k[0].trainable]
+    if not frozen:
+        return out
+    if accounting == "classic" and low_precision(precision):
+        full = sum(count * n for _, count, n in frozen)
+        n = layout.dp_shard if layout.hybrid else layout.dp
+        numel = math.ceil(full / n) if layout.zero_stage >= 3 and n > 1 else full
+    elif layout.uses_fsdp:
+        numel = sum(count * fsdp_numel(p, layout) for p, count, _ in frozen)
+    else:
+        numel = sum(count * n for _, count, n in frozen)
+    return dataclasses.replace(out, frozen=numel * value_bytes(precision), param_numel=out.param_numel + numel,
+                               unsharded_numel=out.unsharded_numel + sum(count * n for _, count, n in frozen),
+                               notes=out.notes + (f"LoRA: the frozen base in {precision}, no gradients or optimizer "
+                                                  "state for it",))
+
+
+def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str, accounting: str, stage: int,
+                     kinds: list[tuple[Param, int, int]]) -> StateBytes:
+    """Model states of the trainable parameters (`kinds`: (kind, count, local elements)) of the worst rank of
+    pipeline stage `stage`.
 
     accounting="paratrain": what our trainer allocates. fp32 parameters and gradients everywhere (they are
     the master copy: FSDP2 keeps the sharded fp32 parameters and all-gathers bf16 copies; elsewhere autocast
@@ -198,8 +229,6 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
     fp32 master copy and fp32 optimizer moments (2 + 2 + 4 + 8 = 16 bytes per parameter with Adam);
     ZeRO-1 splits master + moments, ZeRO-2 also gradients, ZeRO-3 also parameters.
     """
-    layers = layers or rank_layers(layout, args)
-    kinds = [(p, count, math.prod(local_shape(p, layout))) for p, count in _param_kinds(args, layout, stage, layers)]
     local_numel = sum(count * n for _, count, n in kinds)
     tensors = sum(count for _, count, _ in kinds)
     entry = optimizer_entry(optimizer)
@@ -242,10 +271,11 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
     if layout.tp > 1 and not layout.uses_fsdp and stage == 0:
         # Measured (torch 2.13): the vocabulary-parallel embedding's gradient comes back whole (V x C) on every
         # tensor-parallel rank, not as its V/tp shard.
-        emb = next(p for p, _, _ in kinds if p.where == "embedding")
-        whole_numel = emb.numel - math.prod(local_shape(emb, layout))
-        grads_numel += whole_numel
-        notes.append("tensor parallel: the embedding's gradient is whole (V x C) on each rank")
+        emb = next((p for p, _, _ in kinds if p.where == "embedding"), None)  # (LoRA: the embedding is frozen)
+        if emb is not None:
+            whole_numel = emb.numel - math.prod(local_shape(emb, layout))
+            grads_numel += whole_numel
+            notes.append("tensor parallel: the embedding's gradient is whole (V x C) on each rank")
     # Per parameter tensor: Adam's step count (a 4-byte fp32 tensor each; ZeRO-1: its partition's share).
     steps = tensors * entry.tensor_state_bytes
     if steps and layout.zero1:

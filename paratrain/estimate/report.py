@@ -9,6 +9,7 @@ from paratrain.modes import describe_checkpointing, low_precision
 
 ROWS = [  # (key, label)
     ("parameters", "parameters"),
+    ("frozen", "frozen parameters (LoRA base)"),
     ("gradients", "gradients"),
     ("optimizer", "optimizer states"),
     ("master", "fp32 master weights"),
@@ -23,6 +24,16 @@ ROWS = [  # (key, label)
 ]
 
 
+def lora_text(i) -> str:
+    """'; LoRA rank r on wq,...: N trainable, M frozen' for an estimate with adapters ('' without)."""
+    if i.lora is None:
+        return ""
+    params = model_params(i.model_args, i.lora)
+    trainable = sum(p.numel for p in params if p.trainable)
+    return (f"; LoRA rank {i.lora.rank} on {','.join(i.lora.targets)}: {format_params(trainable)} trainable "
+            f"({trainable:,}), {format_params(sum(p.numel for p in params) - trainable)} frozen")
+
+
 def format_table(est, units: str = "GiB") -> str:
     """An Estimate (core.py) as the table `paratrain estimate` prints: categories at the peak and their own maxima, the total
     against the GPU, notes, the classic ZeRO breakdown and the change that would fit."""
@@ -32,7 +43,7 @@ def format_table(est, units: str = "GiB") -> str:
     mode = describe_checkpointing(i.checkpointing, i.every_k)
     active = count_active_params(i.model_args)
     per_token = f", {format_params(active)} active per token ({active:,})" if active != n_params else ""
-    lines = [f"model {i.model_name}: {format_params(n_params)} parameters ({n_params:,}){per_token}",
+    lines = [f"model {i.model_name}: {format_params(n_params)} parameters ({n_params:,}){per_token}" + lora_text(i),
              f"layout {lay.describe()} | {i.precision} ({'classic mixed-precision accounting' if i.accounting == 'classic' else 'as paratrain trains it'})"
              f" | {i.optimizer} ({i.optimizer_impl}) | checkpointing {mode}",
              f"micro-batch {i.micro_batch} x seq {i.seq_len}"
@@ -47,6 +58,8 @@ def format_table(est, units: str = "GiB") -> str:
         at, size = est.at_peak.get(key, 0), est.sizes.get(key, 0)
         if key == "master" and not (i.accounting == "classic" and low_precision(i.precision)):
             label = label + (" (= the fp32 params)" if low_precision(i.precision) else " (none: fp32)")
+        if key == "parameters" and i.lora is not None:
+            label = "trainable parameters (adapters)"
         if not at and not size and key not in ("parameters", "gradients", "optimizer", "master", "activations"):
             continue
         lines.append(f"  {label:<{w}} {fb(at):>12} {fb(size):>12}")

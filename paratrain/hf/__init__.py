@@ -5,7 +5,8 @@ folder (config.json, safetensors, tokenizer.json): the architecture comes from c
 families' architectures), the weights are read straight onto whatever layout the run uses, each rank reading only
 its shards (load.py), the dataset is tokenized with the folder's tokenizer, and the optimizer starts fresh at step 0.
 Export: `paratrain export RUN_DIR --format hf --out DIR` or `checkpoint.export_hf = true` writes a folder that
-`AutoModelForCausalLM.from_pretrained` loads (export.py, tokenizer.py).
+`AutoModelForCausalLM.from_pretrained` loads (export.py, tokenizer.py; a LoRA checkpoint's adapters merged into its
+base); `--format peft` writes a LoRA checkpoint's adapters as a PEFT adapter folder (peft_export.py).
 
 The functions below are the trainer's only contact with this package.
 """

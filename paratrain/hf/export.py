@@ -14,6 +14,7 @@ different output shards.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,13 +26,9 @@ from pathlib import Path
 import torch
 
 from paratrain.training import safe_dcp
+from paratrain.training.adapters import AdaptedCheckpoint, init_folder_of, run_config
 from paratrain.files import atomic_dir, replace_dir
 from paratrain.errors import OneLineArgumentParser, UserError
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 
 from paratrain.hf.arch import hf_config_from_args
 from paratrain.hf.files import INDEX, SINGLE
@@ -71,19 +68,12 @@ class ExportPlan:
     tokenizer: object
     source: Path | None  # the Hugging Face folder the run started from, if it is there with the same tokenizer
     saved_dtypes: dict  # parameter name -> dtype in the checkpoint
+    adapted: AdaptedCheckpoint | None = None  # a LoRA checkpoint: its adapters merged into its base
 
     @property
     def files(self) -> list[str]:
         n = len(self.shards)
         return [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-
-
-def _run_config(state: dict) -> dict:
-    try:
-        cfg = tomllib.loads(state.get("config_toml", ""))
-    except tomllib.TOMLDecodeError:
-        return {}
-    return cfg if isinstance(cfg.get("model", {}), dict) else {}
 
 
 def _source_tokenizer_matches(source: Path, tokenizer) -> bool:
@@ -103,10 +93,9 @@ def _source_folder(ckpt: Path) -> Path | None:
     from paratrain.training.checkpoint import load_trainer_state
 
     try:
-        init_from = _run_config(load_trainer_state(ckpt)).get("model", {}).get("init_from") or ""
+        return init_folder_of(load_trainer_state(ckpt))
     except UserError:
         return None
-    return Path(init_from[3:]) if isinstance(init_from, str) and init_from.startswith("hf:") else None
 
 
 def plan_export(ckpt: Path, dtype: str = "bf16", max_shard_bytes: int = 5 * 10**9) -> ExportPlan:
@@ -121,8 +110,8 @@ def plan_export(ckpt: Path, dtype: str = "bf16", max_shard_bytes: int = 5 * 10**
     if "model_args" not in state:
         raise UserError(f"{ckpt}: trainer.pt has no model dimensions")
     args = ModelArgs(**state["model_args"])
-    run_cfg = _run_config(state)
-    model_cfg = run_cfg.get("model", {})
+    adapted = AdaptedCheckpoint.of(ckpt, state)  # LoRA: the base from its source, merged with the adapters
+    model_cfg = run_config(state).get("model", {})
     init_from = model_cfg.get("init_from") or ""
     source = Path(init_from[3:]) if init_from.startswith("hf:") else None
     tokenizer = load_tokenizer(ckpt)
@@ -154,7 +143,8 @@ def plan_export(ckpt: Path, dtype: str = "bf16", max_shard_bytes: int = 5 * 10**
         raise UserError(f"{ckpt}: unreadable DCP metadata ({type(e).__name__})") from None
     all_pieces = pieces(args, vocab)
     saved_dtypes = {}
-    for param, want in param_shapes(args).items():
+    saved = param_shapes(args) if adapted is None else adapted.adapter_shapes
+    for param, want in saved.items():
         entry = metadata.get(f"model.{param}")
         if entry is None or tuple(getattr(entry, "size", ())) != tuple(want):
             raise UserError(f"{ckpt}: the checkpoint has no model.{param} of shape {list(want)}")
@@ -170,7 +160,7 @@ def plan_export(ckpt: Path, dtype: str = "bf16", max_shard_bytes: int = 5 * 10**
             size = 0
         shards[-1].append(piece)
         size += n
-    return ExportPlan(ckpt, args, dtype, vocab, shards, config, tokenizer, source, saved_dtypes)
+    return ExportPlan(ckpt, args, dtype, vocab, shards, config, tokenizer, source, saved_dtypes, adapted)
 
 
 def _numel(shape) -> int:
@@ -201,6 +191,18 @@ def _hf_tensor(piece: Piece, source: torch.Tensor, vocab: int, dtype: torch.dtyp
     return t.to(dtype).contiguous()
 
 
+@contextlib.contextmanager
+def _parameters(plan: ExportPlan, reader, names: list[str]):
+    """fn(name) -> a parameter's whole value: from the checkpoint, or for LoRA its base merged with its adapters."""
+    if plan.adapted is None:
+        yield lambda name: _load_param(plan, reader, name)
+        return
+    adapted = plan.adapted
+    adapters = adapted.load_adapters([n for name in names for n in adapted.targets.get(name, ())])
+    with adapted.base_values() as base:
+        yield lambda name: adapted.merged(name, base(name), adapters)
+
+
 def write_shard(plan: ExportPlan, index: int, folder: Path, reader=None) -> None:
     """One output file. Parameters are loaded one at a time and dropped once converted, so memory is this
     file's tensors plus one parameter (a tensor split over two files is loaded by both)."""
@@ -208,10 +210,12 @@ def write_shard(plan: ExportPlan, index: int, folder: Path, reader=None) -> None
 
     reader = reader or _checkpoint_reader(plan.ckpt)
     shard, tensors, dtype = plan.shards[index], {}, torch_dtype(plan.dtype)
-    for name in dict.fromkeys(p.param for p in shard):
-        source = _load_param(plan, reader, name)
-        tensors.update({p.hf: _hf_tensor(p, source, plan.vocab, dtype) for p in shard if p.param == name})
-        del source
+    names = list(dict.fromkeys(p.param for p in shard))
+    with _parameters(plan, reader, names) as value:
+        for name in names:
+            source = value(name)
+            tensors.update({p.hf: _hf_tensor(p, source, plan.vocab, dtype) for p in shard if p.param == name})
+            del source
     path = folder / plan.files[index]
     save_file(tensors, str(path), metadata={"format": "pt"})
     os.chmod(path, 0o644)
@@ -249,19 +253,10 @@ def export_hf(ckpt: Path, out: Path, dtype: str = "bf16", max_shard_bytes: int =
               overwrite: bool = False) -> ExportPlan:
     """Export in this process; `out` appears complete or not at all."""
     out = Path(out)
-    from paratrain.preflight import holds
+    from paratrain.preflight import check_export_out
 
-    for what, path in (("the checkpoint it reads", ckpt), ("the model folder it copies the tokenizer from",
-                                                           _source_folder(ckpt))):
-        if path is not None and holds(out, path):
-            raise UserError(f"--out {out} would delete {what} ({path}): choose a folder outside it")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a folder: choose a folder")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"--out {out} exists and is not empty (pass --overwrite to replace it)")
-    from paratrain.preflight import check_writable_folder
-
-    check_writable_folder(out, "--out")
+    check_export_out(out, [("the checkpoint it reads", ckpt), ("the model folder it copies the tokenizer from",
+                                                               _source_folder(ckpt))], overwrite)
     plan = plan_export(ckpt, dtype, max_shard_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-")), out) as tmp:
@@ -304,7 +299,9 @@ def main_export(argv: list[str]) -> int:
     p = OneLineArgumentParser(prog="paratrain export",
                                 description="Write a checkpoint as a Hugging Face model folder.")
     p.add_argument("checkpoint", help="a run folder (its newest complete checkpoint) or a step-N folder")
-    p.add_argument("--format", required=True, choices=["hf"], help="hf: transformers / vLLM / llama.cpp layout")
+    p.add_argument("--format", required=True, choices=["hf", "peft"],
+                   help="hf: transformers / vLLM / llama.cpp layout (LoRA: merged into the weights); peft: a LoRA "
+                        "checkpoint's adapters as a PEFT adapter folder for its Hugging Face base")
     p.add_argument("--out", required=True, help="folder to create")
     p.add_argument("--dtype", default="bf16", choices=PRECISIONS)
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
@@ -312,6 +309,13 @@ def main_export(argv: list[str]) -> int:
     a = p.parse_args(argv)
     max_shard = parse_size(a.max_shard_size)
     ckpt = find_checkpoint(a.checkpoint)
+    if a.format == "peft":
+        from paratrain.hf.peft_export import export_peft
+
+        adapted = export_peft(ckpt, Path(a.out), a.dtype, a.overwrite)
+        print(f"exported {ckpt} -> {a.out}: a PEFT LoRA adapter (rank {adapted.lora.rank}, "
+              f"{len(adapted.targets)} projections, {a.dtype}) for {adapted.hf_folder}")
+        return 0
     plan = export_hf(ckpt, Path(a.out), a.dtype, max_shard, a.overwrite)
     arch = plan.config["architectures"][0]
     print(f"exported {ckpt} -> {a.out}: {arch}, {len(plan.shards)} safetensors file(s), {a.dtype}, "

@@ -17,6 +17,7 @@ from paratrain.hf.arch import args_from_hf_config, read_hf_config
 from paratrain.hf.files import HFWeights
 from paratrain.hf.names import IGNORED_SUFFIXES, pieces, pieces_by_param
 from paratrain.models.args import ModelArgs
+from paratrain.models.lora_params import is_adapter
 
 
 def hf_model_args(folder: str | Path) -> ModelArgs:
@@ -76,23 +77,29 @@ def load_hf_weights(model: nn.Module, folder: str | Path, args: ModelArgs) -> No
     seen: set[int] = set()
     with weights.reader() as reader:
         for raw_name, param in model.named_parameters():
-            if id(param) in seen:  # a tied output weight is the embedding
+            name = canonical_name(raw_name)
+            if id(param) in seen or is_adapter(name):  # a tied output weight is the embedding; LoRA's are not here
                 continue
             seen.add(id(param))
-            parts = by_param[canonical_name(raw_name)]
             local = param.to_local() if isinstance(param, DTensor) else param
             index = local_indices(param)
             if local.numel() == 0:
                 continue
-            if parts[0].expert is None:
-                block = reader.read(parts[0].hf, index)
-            else:  # stacked experts: w[e] is Mixtral's expert e transposed
-                block = torch.stack([reader.read(parts[e].hf, [index[2], index[1]]).T for e in index[0].tolist()])
+            block = read_block(reader, by_param[name], index)
             if block.shape != local.shape:
                 raise RuntimeError(f"{raw_name}: read {tuple(block.shape)} for a local shard of {tuple(local.shape)}")
             local.copy_(block)
     if hasattr(model, "reset_buffers"):
         model.reset_buffers()
+
+
+def read_block(reader, parts, index: list[torch.Tensor]) -> torch.Tensor:
+    """Rows and columns `index` (one sorted index per dimension) of the paratrain parameter made of the Hugging Face
+    tensors `parts` (its `Piece`s)."""
+    if parts[0].expert is None:
+        return reader.read(parts[0].hf, index)
+    # stacked experts: w[e] is Mixtral's expert e transposed
+    return torch.stack([reader.read(parts[e].hf, [index[2], index[1]]).T for e in index[0].tolist()])
 
 
 def load_hf_model(folder: str | Path, device: str | torch.device = "cpu") -> tuple:

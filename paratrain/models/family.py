@@ -54,6 +54,7 @@ class Param:
     role: Role
     layer: int | None = None  # block index (None: embedding / final norm / output)
     matmul: bool = False  # used as a matmul weight (autocast makes a low-precision copy of it)
+    trainable: bool = True  # False: frozen (LoRA's base weights: no gradient, no optimizer state)
     tp_dim: int | None = field(init=False)  # the dim tensor parallelism splits (None: replicated)
     expert: bool = field(init=False)  # a routed-expert weight (split over ep on dim 0)
     where: Where = field(init=False)  # the pipeline stage holding it: first (embedding), any (block), last (head)

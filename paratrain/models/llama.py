@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.models.args import ModelArgs
+from paratrain.models.lora import adapter_init_std
+from paratrain.models.lora_params import is_adapter
 from paratrain.models.moe import MoE
 
 
@@ -69,7 +71,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     xf = x.float()
     half = xf.shape[-1] // 2
     x1, x2 = xf[..., :half], xf[..., half:]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, D/2)
+    # (T, D/2) tables -> (1, T, 1, D/2); per-token angles of packed documents (B, T, D/2) -> (B, T, 1, D/2)
+    cos, sin = (t.unsqueeze(-2) if t.dim() == 3 else t[None, :, None, :] for t in (cos, sin))
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.type_as(x)
 
@@ -86,14 +89,33 @@ class WholeSequence:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of q (B, Hq, T, D) over k, v (B, Hkv, T, D) -> (B, Hq, T, D)."""
-        if k.shape[1] != q.shape[1]:
-            # Grouped-query attention: each KV head serves Hq/Hkv query heads.
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, *repeat_kv(q, k, v), is_causal=True)
+
+
+def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention: each KV head serves Hq/Hkv query heads."""
+    if k.shape[1] == q.shape[1]:
+        return k, v
+    rep = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
 
 
 WHOLE_SEQUENCE = WholeSequence()
+
+
+class Documents:
+    """Windows packed with whole documents (`positions` (B, T): each token's position in its document, 0 where one
+    starts): a token attends to the earlier tokens of its own document only, through an explicit block-diagonal
+    causal mask (B, 1, T, T) built once per forward and shared by every block."""
+
+    def __init__(self, positions: torch.Tensor):
+        document = torch.cumsum(positions == 0, dim=1)  # (B, T): which document of its window a token is in
+        T = positions.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
+        self.mask = ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, *repeat_kv(q, k, v), attn_mask=self.mask)
 
 
 class Attention(nn.Module):
@@ -115,13 +137,16 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         return tuple(w(x).view(B, T, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        """`documents`: packed windows (cos and sin are then each token's own angles, (B, T, D/2))."""
         B, T, _ = x.shape
         q, k, v = self.heads(x)
-        cos, sin = self.sequence.rope(cos, sin, T)  # the angles of these tokens' positions
+        if documents is None:
+            cos, sin = self.sequence.rope(cos, sin, T)  # the angles of these tokens' positions
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        y = self.sequence.attend(q, k, v)  # (B, Hq, T, D)
+        y = (self.sequence if documents is None else documents).attend(q, k, v)  # (B, Hq, T, D)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
@@ -155,8 +180,10 @@ class TransformerBlock(nn.Module):
         # A mixture of experts in place of the dense MLP in the layers `args.is_moe_layer` names.
         self.feed_forward = moe_block(args) if args.is_moe_layer(index) else FeedForward(args.dim, args.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        # `documents` by keyword: tensor parallelism prepares the attention's positional inputs (x, cos, sin) only
+        h = x + self.attention(self.attention_norm(x), cos, sin, documents=documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -199,25 +226,35 @@ class Transformer(nn.Module):
         GPT-2 style: 0.02 everywhere, residual projections scaled by 1/sqrt(2 * n_layers)
         so the residual stream's variance does not grow with depth.
         """
+        if is_adapter(name):
+            return adapter_init_std(name)
         if name.endswith("norm.weight"):
             return None
         if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
             return 0.02 / math.sqrt(2 * self.args.n_layers)
         return 0.02
 
-    def forward(self, tokens: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, seq_len: int | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab).
 
         A pipeline stage is this model with pieces removed (set to None): without `tok_embeddings` the input
         is already the hidden states, without `output` the hidden states are returned. `seq_len` is the length of
-        the sequences the input belongs to, when the input holds only part of each (default: its own length)."""
+        the sequences the input belongs to, when the input holds only part of each (default: its own length).
+        `positions` (B, T): windows packed with whole documents, each token's position in its document (rotary
+        angles restart and attention stays inside each document; see `Documents`)."""
         T = seq_len or tokens.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, C)
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, D/2): rotary angles of positions 0..T-1
+        documents = None
+        if positions is None:
+            cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, D/2): rotary angles of positions 0..T-1
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, T, D/2): each token's own
+            documents = Documents(positions)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents=documents)
         if self.output is None:
             return h  # (B, T, C) to the next stage
         return self.output(self.norm(h))  # (B, T, V)

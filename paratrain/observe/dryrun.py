@@ -118,10 +118,10 @@ def _estimated_states(spec) -> list[dict]:
     layers = rank_layers(i.layout, i.model_args)
     out = []
     for stage in range(i.layout.pp):
-        st = state_bytes(i.model_args, i.layout, i.precision, i.optimizer, i.accounting, stage, layers)
+        st = state_bytes(i.model_args, i.layout, i.precision, i.optimizer, i.accounting, stage, layers, i.lora)
         # the gradients a backward would make beyond the parameters' shapes (whole where torch returns them whole)
         # are not built here: compared without them, and named
-        out.append({"params": st.params, "grads": st.grads - st.grads_beyond_shards, "optimizer": st.optimizer,
+        out.append({"params": st.params + st.frozen, "grads": st.grads - st.grads_beyond_shards, "optimizer": st.optimizer,
                     "blocks": layers[stage], "beyond": st.grads_beyond_shards})
     return out
 
@@ -144,7 +144,8 @@ def _build_rank(spec, rank: int, estimated: list[dict]) -> RankStates:
             with _without_ddp_shape_check():
                 step = build_run_step(spec, dims, torch.device("meta"))
             for p in step.model.parameters():
-                p.grad = torch.zeros_like(p)  # a gradient of the parameter's own (sharded) shape
+                if p.requires_grad:  # (not LoRA's frozen base)
+                    p.grad = torch.zeros_like(p)  # a gradient of the parameter's own (sharded) shape
             step.optimizer.step()  # creates the optimizer's state tensors, on the meta device
         except Exception as e:  # noqa: BLE001 - what torch says about this layout, as one line naming the rank
             text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -290,7 +290,7 @@ class NumericsWatch:
         remove = self._install() if self.every == 0 else None  # the rows' hooks, for this replay only
         self._start()
         try:
-            losses = [self.train_step.eval_loss_sum(x, y, len(x)) for x, y in batches]
+            losses = [self.train_step.eval_loss_sum(batch, len(batch[0])) for batch in batches]
             self.after_backward()  # the weights (no gradients: the replay runs no backward)
         finally:
             self.active = False

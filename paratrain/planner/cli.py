@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: the --model config's, else adamw)")
     add_layout_flags(p, PLAN_FLAG_KEYS, "each fixes that setting of every planned layout (--grad-compression: plans "
                      "the layouts it applies to, with its bytes and compute; README, Communication)")
+
+    p.add_argument("--lora-rank", type=int, default=None, help="plan LoRA adapters of this rank on a frozen model "
+                   "(default: the --model config's [lora])")
     p.add_argument("--max-tp", type=int)
     p.add_argument("--max-pp", type=int)
     p.add_argument("--max-cp", type=int, help="largest context-parallel degree to try (default: any that leaves each "
@@ -172,7 +175,7 @@ def build_context(args) -> tuple:
     ctx = Context(margs, seq, tokens // seq, hw, per_node, precision, name, native_max_seq_len=native,
                   compression=compression, optimizer=optimizer,
                   ddp_bucket_mb=parallel.ddp_bucket_mb, mode="compile" if compile_ else "eager", float8=args.float8,
-                  cluster=groups)
+                  cluster=groups, lora=_lora(args, base))
     fixed = _fixed(flags)
     opts = Options(
         dp_modes=_one_or_csv(fixed.get("dp_mode"), "--dp-mode", args.dp_modes, "--dp-modes", DP_MODES),
@@ -204,6 +207,20 @@ def _one_or_csv(one, one_flag: str, text, flag: str, default: tuple, allowed: tu
     if one is not None:
         return (one,)
     return _csv(text, allowed or default, flag=flag) or default
+
+
+def _lora(args, base):
+    """The adapters planned: --lora-rank (with the config's other [lora] keys), else the --model config's."""
+    from paratrain.config import LoRAConfig
+    from paratrain.models.lora_params import LoRA, lora_problem
+
+    section = dataclasses.replace(base.lora) if base is not None else LoRAConfig()
+    if args.lora_rank is not None:
+        section.rank = args.lora_rank
+    why = lora_problem(section)
+    if why:
+        raise UserError(why.replace("lora.rank", "--lora-rank"))
+    return LoRA.from_config(section)
 
 
 def context_from_argv(argv: list[str]) -> tuple:
@@ -249,6 +266,8 @@ def config_for(c, ctx, base=None, model_spec: str | None = None):
         p.pp_stage_gpus = ",".join(h.name for h in stage_hardware(ctx.cluster, lay.pp))
     t.compile = ctx.mode == "compile"
     cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every_k = c.ac, c.every_k
+    if ctx.lora is not None:
+        cfg.lora.rank, cfg.lora.targets = ctx.lora.rank, ",".join(ctx.lora.targets)
     validate(cfg)
     return cfg
 
@@ -433,6 +452,14 @@ def main_plan(argv: list[str]) -> int:
           f"intra {hw.intra.name}" + (f", inter {hw.inter.name}" if hw.inter and world > ctx.gpus_per_node else "")
           + f"), seq {ctx.seq_len}, {ctx.global_seqs} sequences = {ctx.global_seqs * ctx.seq_len:,} tokens per step, "
           f"{ctx.precision}, {ctx.mode}" + (", float8 linears (what-if)" if ctx.float8 else ""))
+    if ctx.lora is not None:
+        from paratrain.models.presets import count_params, format_params
+        from paratrain.planner.cost import trainable_count
+
+        trainable = trainable_count(ctx.args, ctx.lora)
+        print(f"LoRA rank {ctx.lora.rank} on {','.join(ctx.lora.targets)}: {format_params(trainable)} trainable, "
+              f"{format_params(count_params(ctx.args))} frozen (gradients, their reduction and the optimizer step: "
+              "the adapters only)")
     if ctx.native_max_seq_len:
         print(f"note: --seq {ctx.seq_len} is longer than {ctx.model_name}'s max_seq_len {ctx.native_max_seq_len}: "
               f"planned as long-context training (model.max_seq_len={ctx.seq_len} in the written config)")

@@ -60,6 +60,10 @@ Calibrated profiles carry `compute_scale`: the measured training step of a fixed
 being planned) over what these formulas predict for it on the same profile; it multiplies compute, recompute and
 the optimizer step (what the terms above miss: autograd bookkeeping, the loss, allocator). Datasheet profiles: 1.
 
+LoRA (`Context.lora`): the base is frozen, so backward makes only input gradients (one GEMM per linear instead of
+two; the adapters' own GEMMs are negligible), and the gradients reduced, the ZeRO-1 all-gather and the optimizer step
+are the adapters' alone; the base is all-gathered by FSDP like any parameter.
+
 Pipeline bubble: (p-1)/(m+p-1)/v of the pipelined time (`paratrain.layout.predicted_bubble`: gpipe
 and 1f1b v=1; interleaved schedules v stages per rank; zbv v=2), i.e. bubble = work x b / (1 - b). Each pipeline
 rank's time per micro-batch is its own blocks (and the head on the last stage) on its own hardware
@@ -84,6 +88,7 @@ from paratrain.models.args import ModelArgs
 from paratrain.modes import (Compression, CompressionSite, forward_repeats, recomputed_blocks, selective,
                              value_bytes, whole_blocks)
 from paratrain.optimizers import optimizer_entry
+from paratrain.models.lora_params import LoRA
 from paratrain.planner.profile import Hardware, Link
 
 ELEMWISE_VALUES_PER_TOKEN = (80, 20)  # x dim, x ffn/tp: values read+written per token and block, fwd+bwd
@@ -167,6 +172,7 @@ class Context:
     float8: bool = False  # what-if: the blocks' linear layers as float8 GEMMs (the profile's float8 rate)
     stage_hw: list[Hardware] | None = None  # heterogeneous clusters: the hardware of each pipeline rank, in order
     cluster: list | None = None  # heterogeneous clusters: the GPU groups in rank order (planner/hetero.py GpuGroup)
+    lora: LoRA | None = None  # adapters on a frozen model: only they have gradients to reduce and states to update
     cache: dict = field(default_factory=dict, repr=False, compare=False)  # per-shape compute terms (block_costs)
 
     def rank_hw(self, pp_rank: int) -> Hardware:
@@ -263,7 +269,7 @@ def cached(ctx: Context, key, compute):
 def block_costs(ctx: Context, hw: Hardware, tp: int, micro_batch: int, ep: int, ac: str, cp: int = 1) -> BlockCosts:
     """The compute terms of the cost model for one shape, cached per context: the planner asks for the same shape
     for every data-parallel mode, schedule and replicate degree."""
-    key = (id(hw), tp, micro_batch, ep, ac, cp, ctx.mode, ctx.float8, ctx.seq_len, ctx.precision)
+    key = (id(hw), tp, micro_batch, ep, ac, cp, ctx.mode, ctx.float8, ctx.seq_len, ctx.precision, ctx.lora)
     return cached(ctx, key, lambda: _block_costs(ctx, hw, tp, micro_batch, ep, ac, cp))
 
 
@@ -307,9 +313,12 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
     elemwise_fb = mode * T * ew_values * ab / hw.mem_bandwidth  # fwd + bwd
     op_cost = mode * hw.op_overhead_s * (TP_DISPATCH.get(hw.device, 3.0) if t > 1 else 1.0)
     block_f = attn + mlp + elemwise_fb / 3 + OPS_PER_BLOCK * op_cost
-    block_b = 2 * (attn + mlp) + 2 * elemwise_fb / 3 + 2 * OPS_PER_BLOCK * op_cost
+    # backward: each GEMM's input and weight gradients; a frozen base (LoRA) has no weight gradients to make
+    gemm_b = 1 if ctx.lora is not None else 2
+    block_b = gemm_b * (attn - sdpa + mlp) + 2 * sdpa + 2 * elemwise_fb / 3 + 2 * OPS_PER_BLOCK * op_cost
     # the output head stays bf16 under float8 (as torchao/torchtitan leave it)
-    head = 3 * gemm(T, a.dim, a.vocab_size / t, linear=False) + 3 * T * a.vocab_size / t * 4 * 3 / hw.mem_bandwidth
+    head = (1 + gemm_b) * gemm(T, a.dim, a.vocab_size / t, linear=False) \
+        + 3 * T * a.vocab_size / t * 4 * 3 / hw.mem_bandwidth
     rec = block_f if whole_blocks(ac) else (elemwise_fb / 3 + OPS_PER_BLOCK * op_cost) if selective(ac) else 0.0
     scale = hw.compute_scale  # a calibrated profile's correction (1.0 for datasheets)
     return BlockCosts(block_f * scale, block_b * scale, rec * scale, head * scale, sdpa * scale)
@@ -318,7 +327,7 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
 def compute_key(ctx: Context) -> tuple:
     """What a context's compute terms read besides the candidate (`block_costs`' key): a context made with
     dataclasses.replace shares its cache."""
-    return id(ctx.args), id(ctx.hw), ctx.mode, ctx.float8, ctx.seq_len, ctx.precision
+    return id(ctx.args), id(ctx.hw), ctx.mode, ctx.float8, ctx.seq_len, ctx.precision, ctx.lora
 
 
 def pipeline_key(lay: Layout) -> tuple:
@@ -430,7 +439,9 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     # routed experts are sharded over ep (and FSDP-gathered only over dp_shard / ep): count them once per ep group
     experts = moe_layers * a.moe_experts * 3 * a.dim * a.expert_hidden if moe_layers else 0
     P_stage = (P - experts + experts / c.ep) / c.pp / t
-    opt_params = P_stage / lay.optimizer_shards
+    # what has gradients and optimizer state: every parameter, or LoRA's adapters (the base is only gathered)
+    G_stage = P_stage if ctx.lora is None else cached(ctx, "trainable", lambda: trainable_count(a, ctx.lora)) / c.pp / t
+    opt_params = G_stage / lay.optimizer_shards
     entry = optimizer_entry(ctx.optimizer)
     optimizer = (opt_params * entry.step_bytes / hw.mem_bandwidth + entry.step_kernels * hw.op_overhead_s) \
         * hw.compute_scale
@@ -447,7 +458,7 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     if site.hooked:
         from paratrain.estimate.model_states import local_shape, model_params
 
-        shapes = [local_shape(q, lay) for q in model_params(a)]  # (compression hooks run without pp or tp)
+        shapes = [local_shape(q, lay) for q in model_params(a, ctx.lora) if q.trainable]  # (no pp or tp here)
         if site is CompressionSite.REPLICATE_HOOK:  # the FSDP shard of each parameter (dim 0 over dp_shard)
             shapes = [(math.ceil(s[0] / lay.dp_shard), *s[1:]) for s in shapes]
         cost = compression_cost(comp_in, shapes, c.dp if site is CompressionSite.DDP_HOOK else lay.dp_replicate)
@@ -471,7 +482,7 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     dp_bytes = 0.0  # what this rank sends for the data-parallel reduction in one step
     if lay.dp_cp > 1:
         if lay.uses_ddp:
-            g = P_stage * 4
+            g = G_stage * 4
             buckets = max(1, math.ceil(g / (ctx.ddp_bucket_mb * 2**20)))
             latency = all_reduce_time(0.0, c.dp, dp_link)  # per collective; a compressed bucket may need several
             ar = buckets * (comp_lat * latency + all_reduce_time(g * comp_frac / buckets, c.dp, dp_link) - latency)
@@ -482,7 +493,7 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
                 min_exposed += ar / buckets
             dp_bytes = 0.0 if silent else 2 * (c.dp - 1) / c.dp * g * comp_frac
             if lay.zero1:
-                comm["zero1 param all-gather"] = all_gather_time(P_stage * 4, c.dp, dp_link)
+                comm["zero1 param all-gather"] = all_gather_time(G_stage * 4, c.dp, dp_link)
         else:
             # The one rule the trainer follows and the estimator uses (Layout.fsdp_all_gathers): pipelined stages
             # gather each group once per step and reduce-scatter once; otherwise per micro-step.
@@ -495,24 +506,24 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
                                                                           blocks.moe))
             group = FSDP_GROUP_OPS * hw.op_overhead_s
             ag = n_ag * (all_gather_time(P_stage * pbytes / groups, shard, shard_link) + group)
-            rs = n_rs * (reduce_scatter_time(P_stage * 4 * rs_frac / groups, shard, shard_link) + group)
+            rs = n_rs * (reduce_scatter_time(G_stage * 4 * rs_frac / groups, shard, shard_link) + group)
             overlappable += ag + rs
             min_exposed += ag / n_ag + rs / n_rs  # one group's worth stays exposed
-            dp_bytes = (shard - 1) / shard * P_stage * 4 * rs_frac * n_rs / groups
+            dp_bytes = (shard - 1) / shard * G_stage * 4 * rs_frac * n_rs / groups
             if lay.hybrid:
                 frac = rs_frac if site is CompressionSite.REDUCE_DTYPE else comp_frac
                 r = lay.dp_replicate
                 latency = all_reduce_time(0.0, r, rep_link)
                 if after_backward:  # once per step, over the whole shard
                     comm[MOMENTUM_ALL_REDUCE] = 0.0 if silent else (
-                        all_reduce_time(P_stage * 4 * frac / shard, r, rep_link) + (comp_lat - 1) * latency)
-                    dp_bytes += 0.0 if silent else 2 * (r - 1) / r * P_stage * 4 * frac / shard
+                        all_reduce_time(G_stage * 4 * frac / shard, r, rep_link) + (comp_lat - 1) * latency)
+                    dp_bytes += 0.0 if silent else 2 * (r - 1) / r * G_stage * 4 * frac / shard
                 else:
-                    hr = n_rs * (all_reduce_time(P_stage * 4 * frac / shard / groups, r, rep_link)
+                    hr = n_rs * (all_reduce_time(G_stage * 4 * frac / shard / groups, r, rep_link)
                                  + (comp_lat - 1) * latency + group)
                     overlappable += hr
                     min_exposed += hr / n_rs
-                    dp_bytes += 2 * (r - 1) / r * P_stage * 4 * frac / shard * n_rs / groups
+                    dp_bytes += 2 * (r - 1) / r * G_stage * 4 * frac / shard * n_rs / groups
     comm_total = overlappable
     if overlappable:
         hidden = min(overlappable - min_exposed, hw.overlap * (compute + recompute))
@@ -551,6 +562,12 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     mfu = cached(ctx, ("flops_per_token", S), lambda: flops_per_token(a, S)) * tok_s / (c.world * peak)
     return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm, compress,
                       fsdp_gathers, dp_bytes)
+
+
+def trainable_count(args: ModelArgs, lora: LoRA) -> int:
+    from paratrain.estimate.model_states import model_params
+
+    return sum(p.numel for p in model_params(args, lora) if p.trainable)
 
 
 def attention_time(ctx: Context, c: Candidate) -> float:

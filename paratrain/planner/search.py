@@ -115,7 +115,7 @@ def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
                             compression=ctx.compression,
                             accum_steps=1 if c.layout.pipelined else c.micro_steps(ctx), gpu_name=ctx.hw.name,
                             gpu_bytes=ctx.hw.memory_bytes, overhead_bytes=None if ctx.hw.device == "cuda" else 0,
-                            device=ctx.hw.device)
+                            device=ctx.hw.device, lora=ctx.lora)
     return estimate(inputs, suggest=False, all_ranks=all_ranks)
 
 
@@ -311,7 +311,7 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     best = None
     for s in ranks:
         states = cached(ctx, ("states", dataclasses.replace(lay, pp_microbatches=0), s), lambda: sum(
-            _states(state_bytes(a, lay, ctx.precision, "adamw", "paratrain", s, layers)))
+            _states(state_bytes(a, lay, ctx.precision, "adamw", "paratrain", s, layers, ctx.lora)))
             + unsharded * sum(block_param_count(a, l) for l in layers[s]) // lay.tp)
         stored = sum(A.block_stored(d, modes[l], moe if a.is_moe_layer(l) else None) for l in layers[s])
         acts = int(in_flight(lay, s) * stored) + recv_buffers(s)
@@ -327,7 +327,7 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
 
 
 def _states(st) -> tuple[int, ...]:
-    return (st.params, st.grads, st.optimizer, st.master)
+    return (st.params, st.frozen, st.grads, st.optimizer, st.master)
 
 
 def _check(r: Result, ctx: Context, opts: Options) -> None:

@@ -144,15 +144,25 @@ def _load_zero1_state(model: nn.Module, optimizer, path: Path, entry: OptimizerE
         local.state[p] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).to(p.device) for k, v in entry.items()}
 
 
+def _options(model: nn.Module):
+    """Frozen parameters (LoRA's base) are not saved: they come from the base at every start."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
 def model_optim_state(model: nn.Module, optimizer) -> dict:
-    """Name-keyed state that DCP can save and reload on any layout."""
+    """Name-keyed state that DCP can save and reload on any layout (the trainable parameters: all of them, or
+    LoRA's adapters)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    options = _options(model)
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
+        return {"model": get_model_state_dict(model, options=options)}
     if is_zero1(optimizer):
-        return {"model": get_model_state_dict(model), "optim": _zero1_state(model, optimizer)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": get_model_state_dict(model, options=options), "optim": _zero1_state(model, optimizer)}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -435,6 +445,26 @@ def model_mismatch(trainer_state: dict, model_args) -> str | None:
     return "it holds another model: " + ", ".join(diffs) if diffs else None
 
 
+def lora_base(cfg) -> str:
+    """The frozen base a LoRA run's adapters belong to: its Hugging Face folder, or the preset's seeded weights."""
+    return cfg.model.init_from or f"preset {cfg.model.preset}, seed {cfg.training.seed}"
+
+
+def lora_mismatch(trainer_state: dict, spec) -> str | None:
+    """How a checkpoint's adapters differ from what this run trains (other adapters, another base, none), or None."""
+    saved, ours = trainer_state.get("lora"), spec.lora.record() if spec.lora is not None else None
+
+    def described(record) -> str:
+        return f"rank {record['rank']} adapters on {','.join(record['targets'])}" if record else "no adapters"
+
+    if saved != ours:
+        return f"it holds {described(saved)} (this run: {described(ours)}; see [lora])"
+    if ours is not None and trainer_state.get("lora_base") != lora_base(spec.cfg):
+        return (f"its adapters belong to the base {trainer_state.get('lora_base')!r}, this run's base is "
+                f"{lora_base(spec.cfg)!r}")
+    return None
+
+
 # -- loading ------------------------------------------------------------------------------------
 
 def load_trainer_state(path: Path) -> dict:
@@ -469,9 +499,15 @@ def trainer_state_problem(state) -> str | None:
     skip = state.get("skip_batches", [])
     if not isinstance(skip, (list, tuple)) or not all(is_int(b) and b >= 0 for b in skip):
         return ": skip_batches must be a list of batch numbers"
-    for key in ("config_toml", "tokenizer_sha256", "data_sha256", "optimizer"):
+    for key in ("config_toml", "tokenizer_sha256", "data_sha256", "optimizer", "lora_base"):
         if key in state and not isinstance(state[key], str):
             return f": {key} must be a string, got {type(state[key]).__name__}"
+    if "lora" in state:
+        from paratrain.models.lora_params import record_problem
+
+        why = record_problem(state["lora"])
+        if why:
+            return f": lora.{why}"
     for key in ("rng_cpu", "rng_cuda"):
         if key in state and not (isinstance(state[key], torch.Tensor) and state[key].dtype == torch.uint8):
             return f": {key} must be a byte tensor (an RNG state)"
@@ -484,18 +520,20 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer, entry: OptimizerEnt
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     trainer_state = load_trainer_state(path)
+    options = _options(model)
     if optimizer is not None and is_zero1(optimizer):
         state = {"model": model_optim_state(model, None)["model"]}
         safe_dcp.load(state, path)
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=options)
         _load_zero1_state(model, optimizer, path, entry)
         return trainer_state
     state = model_optim_state(model, optimizer)
     safe_dcp.load(state, path)
     if "optim" in state:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
     else:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=options)
     return trainer_state
 
 
@@ -600,6 +638,8 @@ class Checkpointer:
                  "seq_len": self.spec.cfg.training.seq_len, "config_toml": self.config_toml,
                  "optimizer": self.spec.cfg.optimizer.name,
                  "model_args": dataclasses.asdict(self.spec.model_args), **self.identity}
+        if self.spec.lora is not None:  # the adapters, and the base they belong to (not saved: it never changes)
+            state.update(lora=self.spec.lora.record(), lora_base=lora_base(self.spec.cfg))
         if self.scheduler is not None:
             state["lr_scheduler"] = self.scheduler.state_dict()
         if torch.cuda.is_available():
@@ -609,7 +649,8 @@ class Checkpointer:
     def restore(self, path: Path) -> int:
         """Load a checkpoint (saved on any layout) into this run; returns its step."""
         saved = load_trainer_state(path)
-        mismatch = model_mismatch(saved, self.spec.model_args) or self._tokenizer_mismatch(saved, path)
+        mismatch = (model_mismatch(saved, self.spec.model_args) or self._tokenizer_mismatch(saved, path)
+                    or lora_mismatch(saved, self.spec))
         if mismatch:
             raise UserError(f"cannot resume from {path}: {mismatch}; resume from a checkpoint of this model, or "
                             "give this run another run.name")

@@ -37,6 +37,7 @@ from paratrain.faults import ATTEMPT_ENV, FaultInjector
 from paratrain.observe.flops import is_datasheet_peak, peak_flops
 from paratrain.generate import prompt_ids, sample
 from paratrain.observe.metrics import MetricsLog, build_sinks
+from paratrain.models.lora import lora_summary
 from paratrain.observe.numerics import Finding, NumericsWatch
 from paratrain.observe.oom import write_evidence
 from paratrain.models import count_active_params, count_params, flops_per_token, format_params
@@ -117,6 +118,9 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg, spec, env, t = self.cfg, self.spec, self.env, self.cfg.training
         result = TrainResult(run_dir=cfg.run_dir)
+        folder = spec.source.hf_folder
+        if folder is not None and spec.lora is not None:  # LoRA: the frozen base always comes from its folder
+            self._load_hf_weights(folder)
         # The checkpoint to resume from is found, verified and loaded before this run writes anything.
         start = step = self.checkpointer.resume(restarted=self.restarts > 0)
         if env.is_main:
@@ -124,12 +128,8 @@ class Trainer:
             (cfg.run_dir / "config.toml").write_text(dump_toml(resolved_config(cfg, spec.layout)))
         self.log = MetricsLog(cfg.run_dir / "metrics.jsonl", t.steps, 0, cfg.metrics.progress, enabled=env.is_main,
                               sinks=build_sinks(cfg.metrics, env, cfg.run.name, cfg.run_dir))
-        folder = spec.source.hf_folder
-        if start == 0 and folder is not None:  # a Hugging Face model's weights onto this layout; a fresh optimizer
-            from paratrain import hf
-
-            hf.load_initial_weights(unwrap(self.train_step.model), folder, spec.model_args)
-            self.notice(f"initialised from Hugging Face folder {folder}")
+        if start == 0 and folder is not None and spec.lora is None:  # a fresh optimizer: the weights from the folder
+            self._load_hf_weights(folder)
         self._print_header()
         memory_rows = None
         ts = self.train_step
@@ -263,6 +263,13 @@ class Trainer:
                                              spec.layout.dp, self.progress.accum_steps)
 
     # -- start and end ------------------------------------------------------------------------
+    def _load_hf_weights(self, folder) -> None:
+        """A Hugging Face model's weights onto this layout."""
+        from paratrain import hf
+
+        hf.load_initial_weights(unwrap(self.train_step.model), folder, self.spec.model_args)
+        self.notice(f"initialised from Hugging Face folder {folder}")
+
     def _print_header(self) -> None:
         cfg, spec, t = self.cfg, self.spec, self.cfg.training
         n_params, n_active = count_params(spec.model_args), count_active_params(spec.model_args)
@@ -274,6 +281,9 @@ class Trainer:
                          f"{t.precision} on {self.env.device.type} | {self._peak_text()}")
         if spec.layout.pipelined:
             self.log.message(spec.layout.describe_pipeline())
+        for line in (self.train_data.describe(), spec.lora and lora_summary(unwrap(self.train_step.model))):
+            if line:
+                self.log.message(line)
         self.mem_estimate = self._print_memory_estimate()
 
     def _peak_text(self) -> str:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.data.batch import NOT_A_TARGET, as_batch
 from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler, context_for
 from paratrain.distributed.expert_parallel import MoEMeter
 from paratrain.distributed.grad_norm import clip_grad_norm
@@ -41,10 +42,18 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # (B*T, V) vs (B*T,)
 
 
+def target_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The masked loss before its division: the summed cross-entropy (fp32) of the target positions (targets other
+    than NOT_A_TARGET). The caller divides by the global batch's target count; a chunked loss calls it per chunk."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=NOT_A_TARGET, reduction="sum")
+
+
 def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
     """The sum of the per-token losses of the first `rows` sequences, in float64 (evaluation: the rows after them
-    are padding; a sum, unlike a mean, adds up exactly over any split of the sequences)."""
-    per_token = full_tensor(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none"))
+    are padding; a sum, unlike a mean, adds up exactly over any split of the sequences). Positions that are not
+    targets add nothing."""
+    per_token = full_tensor(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none",
+                                            ignore_index=NOT_A_TARGET))
     return per_token.view(targets.shape)[:rows].double().sum()
 
 
@@ -60,14 +69,19 @@ def make_scaler(layout: Layout, precision: str, device: torch.device):
     return torch.amp.GradScaler(device.type)
 
 
-def schedule_loss(scaler):
-    """The loss a pipeline schedule backpropagates from the last stage, per microbatch (scaled for fp16)."""
+class ScheduleLoss:
+    """The loss a pipeline schedule backpropagates from the last stage, per microbatch (scaled for fp16): the mean,
+    or with a batch's `target_count` the masked sum times `weight` (set before each step)."""
 
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        value = cross_entropy(logits, targets)
-        return scaler.scale(value) if scaler is not None else value
+    def __init__(self, scaler):
+        self.scaler, self.weight = scaler, None
 
-    return loss
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            value = cross_entropy(logits, targets)
+        else:
+            value = target_loss_sum(logits, targets) * self.weight
+        return self.scaler.scale(value) if self.scaler is not None else value
 
 
 def dp_mean(value: torch.Tensor, group) -> torch.Tensor:
@@ -131,14 +145,13 @@ class TrainStep:
             return loss * float("nan") if poisoned else loss
         accum = len(micro_batches)
         total = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(micro_batches):
-            x, y = self._local(x), self._local(y)  # (B, T), T this rank's tokens under context parallelism
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        for i, batch in enumerate(micro_batches):
+            batch = self._local(as_batch(batch)).to(self.device)  # T this rank's tokens under context parallelism
+            x, y = batch
             self.probe.micro_start(x, y)
             with self.contexts(sync=i == accum - 1):
                 with self.memory_budget.track() if self.memory_budget else contextlib.nullcontext():
-                    # mean over this rank's share of the batch (dp x cp ranks hold as many tokens each)
-                    loss = cross_entropy(self.model(x), y) / accum
+                    loss = self._loss(self._forward(batch), batch, accum)
                     aux = None
                     if self.moe_layers:  # the balance loss, same scaling; recorded before backward recomputes
                         aux = balance_loss(self.moe_layers) / accum
@@ -154,12 +167,32 @@ class TrainStep:
             total += full_tensor(loss.detach())
         return total
 
+    def _forward(self, batch) -> torch.Tensor:
+        x, _ = batch
+        return self.model(x) if batch.positions is None else self.model(x, positions=batch.positions)
+
+    def _loss(self, logits: torch.Tensor, batch, accum: int) -> torch.Tensor:
+        """This rank's share of the step's loss: the mean over its share of the batch (dp x cp ranks hold as many
+        tokens each) / accum, or with a loss mask its summed target losses over the global batch's target count,
+        times the dp x cp ranks whose gradients FSDP/DDP average."""
+        if batch.target_count is None:
+            return cross_entropy(logits, batch[1]) / accum
+        return target_loss_sum(logits, batch[1]) * self._per_target(batch)
+
+    def _per_target(self, batch) -> float:
+        ranks = dist.get_world_size(self.loss_group) if self.loss_group is not None else 1
+        return ranks / max(1, batch.target_count)
+
     def _pipeline_forward_backward(self, micro_batches) -> torch.Tensor:
-        (x, y), = micro_batches  # this data-parallel rank's whole slice; the schedule cuts the microbatches
+        batch, = micro_batches  # this data-parallel rank's whole slice; the schedule cuts the microbatches
+        batch = self._local(as_batch(batch)).to(self.device)
         if self.scaler:
             self.scaler.scale(torch.ones((), device=self.device))  # stages without the loss need the scale too
+        # The schedule averages its microbatches' losses and gradients: the masked sum is scaled up by their count.
+        weight = None if batch.target_count is None else self._per_target(batch) * self.layout.pp_microbatches
+        self.pipeline.loss_fn.weight = weight
         with self.contexts():
-            loss = self.pipeline.train_step(self._local(x).to(self.device), self._local(y).to(self.device))
+            loss = self.pipeline.train_step(*batch, positions=batch.positions)
         return loss / self.scaler.get_scale() if self.scaler else loss
 
     def clip(self) -> torch.Tensor:
@@ -215,19 +248,21 @@ class TrainStep:
                 "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
                 "optimizer": sum(nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))}
 
-    def _local(self, t: torch.Tensor) -> torch.Tensor:
-        return self.context.shard(t) if self.context is not None else t
+    def _local(self, batch):
+        """This rank's chunks of a Batch under context parallelism; unchanged otherwise."""
+        return batch if self.context is None else batch.map(self.context.shard)
 
     @torch.no_grad()
-    def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor, rows: int) -> torch.Tensor:
-        """Forward only: the summed loss (float64) of the first `rows` sequences of (x, y), the same on every tp/pp
+    def eval_loss_sum(self, batch, rows: int) -> torch.Tensor:
+        """Forward only: the summed loss (float64) of the first `rows` sequences of a Batch, the same on every tp/pp
         rank; under context parallelism the sum over this rank's chunks of them (the evaluator sums over dp x cp)."""
-        x, y = self._local(x).to(self.device), self._local(y).to(self.device)
+        batch = self._local(as_batch(batch)).to(self.device)
+        x, y = batch
         loss = functools.partial(summed_cross_entropy, rows=rows)
         with self.contexts():
             if self.pipeline is not None:  # stage by stage; the loss comes from the last stage
-                return self.pipeline.eval_loss(x, y, loss)
-            return loss(self.model(x), y)
+                return self.pipeline.eval_loss(x, y, loss, positions=batch.positions)
+            return loss(self._forward(batch), y)
 
     def sampler(self, vocab_size: int) -> nn.Module:
         """A callable model for `generate.sample` (whole prompts on every rank, also under context parallelism)."""
@@ -249,12 +284,13 @@ class TrainStep:
 
 def build_train_step(model_args, dims, device: torch.device, *, precision: str = "fp32", activation_checkpoint=None,
                      compile: bool | str = False, seed: int = 0, optimizer=None, parallel=None, grad_clip: float = 1.0,
-                     memory_budget=None, probe: StepProbe | None = None) -> TrainStep:
+                     memory_budget=None, probe: StepProbe | None = None, lora=None) -> TrainStep:
     """The one place a training step is assembled, for the trainer, the memory harness and the benches alike.
 
     `model_args` (ModelArgs), `dims` (ParallelDims: the layout and its meshes), `activation_checkpoint`
     (ActivationCheckpointConfig; None: off), `optimizer` (OptimizerConfig; None: the defaults), `parallel`
-    (ParallelConfig: gradient compression, DDP buckets, FSDP prefetching; None: the defaults). The model is built on
+    (ParallelConfig: gradient compression, DDP buckets, FSDP prefetching; None: the defaults), `lora` (models.lora_params.LoRA:
+    adapters on a frozen model; None: every weight trains). The model is built on
     the meta device and materialised after sharding; tied embeddings are the exception (materialising from meta would
     untie them), so those models are built for real."""
     from paratrain.config import ActivationCheckpointConfig, OptimizerConfig, ParallelConfig
@@ -270,10 +306,10 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
     comm = GradComm(parallel or ParallelConfig(), dims, device, seed, optimizer)  # compression, buckets, prefetching
     pipeline = None
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
-        pipeline = build_pipeline(dims, model, ac, precision, compile, device, seed, schedule_loss(scaler), comm)
+        pipeline = build_pipeline(dims, model, ac, precision, compile, device, seed, ScheduleLoss(scaler), comm, lora)
         model = pipeline.model
     else:
-        model = parallelize(model, dims, ac, precision, compile, device, seed, comm=comm)
+        model = parallelize(model, dims, ac, precision, compile, device, seed, comm=comm, lora=lora)
     comm.prepare()
     opt = build_optimizer(unwrap(model), optimizer, device,
                           dims.dp_group if layout.zero1 else None, comm=comm)
@@ -290,4 +326,4 @@ def build_run_step(spec, dims, device: torch.device, memory_budget=None) -> Trai
     return build_train_step(spec.model_args, dims, device, precision=t.precision,
                             activation_checkpoint=cfg.activation_checkpoint, compile=t.compile, seed=t.seed,
                             optimizer=cfg.optimizer, parallel=cfg.parallel, grad_clip=t.grad_clip,
-                            memory_budget=memory_budget)
+                            memory_budget=memory_budget, lora=spec.lora)
