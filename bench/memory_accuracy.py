@@ -78,6 +78,19 @@ CONFIGS = [
     ("cp2xhsdp2 fp32 selective", 4, dict(dp_mode="hsdp", dp_replicate=2, cp=2), "fp32", "selective", 2, 128, 1,
      MODEL),
 ]
+# Memory tiers (paratrain/memory.py). A vocabulary of 4096 makes the logits a large share of the peak: the chunked
+# loss (8 pieces, fp32's default) against the whole logits; the default recipe's model (shakespeare-char) both ways.
+VOCAB4K = dict(MODEL, vocab_size=4096, n_layers=2)
+RECIPE = dict(vocab_size=128, dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden=352, max_seq_len=256)
+CONFIGS += [
+    ("1rank fp32 vocab4k whole logits", 1, dict(loss_chunks=1), "fp32", "none", 4, 128, 1, VOCAB4K),
+    ("1rank fp32 vocab4k chunked loss", 1, {}, "fp32", "none", 4, 128, 1, VOCAB4K),
+    ("1rank bf16 vocab4k chunked loss", 1, dict(loss_chunks=8), "bf16", "none", 4, 128, 1, VOCAB4K),
+    ("fsdp2 bf16 vocab4k chunked loss", 2, dict(dp_mode="fsdp", loss_chunks=8), "bf16", "none", 4, 128, 1, VOCAB4K),
+    ("tp2+sp fp32 vocab4k chunked loss", 2, dict(tp=2, loss_chunks=5), "fp32", "selective", 4, 128, 1, VOCAB4K),
+    ("default recipe whole logits", 1, dict(loss_chunks=1), "fp32", "none", 12, 64, 1, RECIPE),
+    ("default recipe", 1, {}, "fp32", "none", 12, 64, 1, RECIPE),
+]
 # Pipeline rows: every schedule, 2-4 stages, several micro-batch counts (the trainer's own stages and schedule,
 # distributed/pipeline.build_pipeline); the 8-block model gives pp4 with 2 stages per rank a block per stage.
 MODEL8 = dict(MODEL, n_layers=8)

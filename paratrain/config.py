@@ -138,6 +138,16 @@ class ActivationCheckpointConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """Training what does not fit on the device (README "Memory tiers"; the rules: paratrain/memory.py)."""
+
+    # The output projection and cross-entropy over this many pieces of each micro-batch's tokens, so the logits of
+    # the whole micro-batch never exist at once (backward recomputes each piece's). 0: automatic, 8 where it is
+    # exact (fp32 gradients; not under a pipeline); 1: the whole logits at once.
+    loss_chunks: int = 0
+
+
+@dataclass
 class CheckpointConfig:
     """Training-state checkpoints."""
 
@@ -207,6 +217,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -375,6 +386,7 @@ def validate(cfg: Config) -> None:
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1 and optimizer.beta2 must be in [0, 1)")
     _require(o.eps > 0, "optimizer.eps must be positive")
     _require(cfg.activation_checkpoint.every_k >= 1, "activation_checkpoint.every_k must be >= 1")
+    _require(cfg.memory.loss_chunks >= 0, "memory.loss_chunks must be >= 0 (0: automatic, 1: whole logits)")
     _require(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 saves only at the end)")
     _require(cfg.checkpoint.keep >= 2, "checkpoint.keep must be >= 2 so a bad save never leaves no checkpoint")
     _require(not cfg.checkpoint.export_hf or cfg.checkpoint.save_final,

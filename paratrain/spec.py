@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from paratrain import memory
 from paratrain.config import Config
 from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Batch, Layout, grad_compression_site
@@ -115,6 +116,7 @@ def resolve(cfg: Config, world_size: int, data_meta: dict) -> RunSpec:
 
 def _validated(cfg: Config, layout: Layout, args: ModelArgs, world_size: int) -> Layout:
     layout.check_checkpointing(cfg.activation_checkpoint.mode)
+    memory.check(cfg.memory, layout, cfg.training.precision)  # the memory tiers the layout can use
     stage_gpus(cfg, layout)
     if layout.pipelined and cfg.checkpoint.export_safetensors:
         raise ConfigError("checkpoint.export_safetensors is not supported with parallel.pp > 1 yet "

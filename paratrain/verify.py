@@ -74,6 +74,9 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "cp2+selective": (2, ["parallel.cp=2", "activation_checkpoint.mode=selective"]),
     "cp2+full": (2, ["parallel.cp=2", "activation_checkpoint.mode=full"]),
     "cp2+accum": (2, ["parallel.cp=2", "training.micro_batch=2"]),
+    # Memory tiers (paratrain/memory.py) against the reference, which computes its loss in 8 pieces (fp32's default):
+    "loss-whole": (1, ["memory.loss_chunks=1"]),  # the whole logits at once
+    "tp2+sp+loss3": (2, ["parallel.tp=2", "memory.loss_chunks=3"]),  # loss parallel over 3 uneven pieces
 }
 DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
                   "fsdp2+every_k", "fsdp2+selective", "accum"]
@@ -81,6 +84,7 @@ DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp
 MOE_MATRIX = ["ep2", "ep4", "ep2xfsdp2", "ep2xtp2"]
 PP_MATRIX = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2-zb", "pp2xdp2", "pp2xtp2", "pp2xdp2xtp2"]
 CP_MATRIX = ["cp2", "cp2xfsdp2", "cp2xtp2", "cp2xpp2", "cp4-seq1024"]
+MEMORY_MATRIX = ["loss-whole", "tp2+sp+loss3"]
 
 GLOBAL_BATCH = 8
 EVAL_SEQUENCES = 13  # not divisible by 2, 4 or 8: the data-parallel shares of the validation set are padded
@@ -279,7 +283,7 @@ def format_row(r: Row, tolerance: float, judged: bool = True) -> str:
 
 def main_verify(argv: list[str]) -> int:
     parser = OneLineArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX + CP_MATRIX),
+    parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX + CP_MATRIX + MEMORY_MATRIX),
                         help=f"comma-separated layout names (known: {', '.join(LAYOUTS)})")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tolerance", type=float, default=1e-5)

@@ -193,7 +193,7 @@ class _Rank:
 def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers: list[int]) -> _Rank:
     args, lay = i.model_args, i.layout
     st = state_bytes(args, lay, i.precision, i.optimizer, i.accounting, rank, layers_by_stage)
-    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device)
+    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device, i.loss_chunks)
     params = rank_params(args, lay, rank, layers_by_stage)
     by_layer = {l: [] for l in layers}
     for p in params:
@@ -275,7 +275,11 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     tokens = A.inputs_bytes(d)
     acts_one = sum(stored.values()) + A.final_residual(d)
     head = sum(b for _, b in A.head_saved(d))
-    loss_extra = A.loss_backward_extra(d)
+    # the output weight's gradient in the dtype autograd sums it in: the unsharded parameter's under FSDP, autocast's
+    # bf16 copy's, else fp32
+    output_weight = [p for p in head_params if p.role == "output"] or r.where("embedding")
+    head_grad = local_numel(output_weight) * (pbytes if fsdp else BF16 if d.regime == "autocast" else FP32)
+    loss_extra = A.loss_backward_extra(d, head_grad)
 
     # FSDP bookkeeping: unsharded bytes per block, root, reduce-scatter buffers.
     site = grad_compression_site(lay, i.compression.method)
@@ -309,9 +313,18 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
             # The last block is not resharded after forward, except expert-parallel experts (their own group).
             last_block = by_layer[my_layers[-1]]
             comm += _fsdp_bytes([p for p in last_block if not (p.expert and lay.ep > 1)], lay, pbytes)[0]
+    # The root's parameters are gathered again by its pre-backward, when the gradient reaches its forward's output:
+    # the logits (the whole loss is computed after the model's forward), or the loss itself (a chunked loss is part
+    # of the forward). zero2 keeps them gathered throughout.
+    root_at_norm = root_unsh if (fsdp and not zero2) else 0
+    root_at_loss = root_at_norm if d.chunks > 1 else 0
     add("loss backward" + (f" (micro-step {accum} of {accum})" if accum > 1 else ""),
         **base, gradients=grads_full if g_prev else 0, autocast_copies=autocast, activations=acts_one + tokens,
-        logits_loss=head + loss_extra, comm_buffers=comm)
+        logits_loss=head + loss_extra, comm_buffers=comm + root_at_loss)
+    # the final norm's backward: the head's gradients made, the logits gone (the peak once they are small: chunked)
+    add("final norm backward", **base, gradients=g_prev or (0 if fsdp else grad_bytes(head_params)),
+        autocast_copies=autocast, activations=acts_one + tokens, logits_loss=A.final_norm_backward(d),
+        comm_buffers=comm + root_at_norm, temporaries=head_unsh_grads)
     # B_i: each block's backward, last to first
     grads_above = grad_bytes(head_params) if not fsdp else 0
     stored_below = sum(stored.values())
@@ -688,7 +701,7 @@ def forward_end_bytes(i: EstimateInputs) -> dict[str, int]:
     blocks' activations as checkpointing leaves them (+ the final residual and the token ids) and the final
     norm / output / loss tensors kept for backward. What activation checkpointing is about."""
     args, lay = i.model_args, i.layout
-    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device)
+    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device, i.loss_chunks)
     moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if args.moe_experts else None
     layers = rank_layers(lay, args)[lay.pp - 1]
     modes = block_modes(args.n_layers, i.checkpointing, i.every_k)

@@ -10,6 +10,7 @@ from paratrain.errors import UserError
 from paratrain.estimate.compression import Compression
 from paratrain.estimate.gpus import HEADROOM, check_headroom
 from paratrain.layout import Batch, Layout, grad_compression_site
+from paratrain.memory import loss_chunks
 from paratrain.models.args import ModelArgs
 
 CHECKPOINTING = ("none", "full", "every_k", "selective")
@@ -40,6 +41,7 @@ class EstimateInputs:
     device: str = "cuda"  # cuda: counts runtime overhead; cpu: tensors only
     compression: Compression = field(default_factory=Compression)  # parallel.grad_compression and its settings
     fsdp_backward_prefetch: int = 1  # blocks whose parameters backward gathers ahead (FSDP2's default: 1)
+    loss_chunks: int = 0  # memory.loss_chunks (0: automatic, paratrain.memory.loss_chunks)
 
     def replace(self, **kw) -> "EstimateInputs":
         return dataclasses.replace(self, **kw)
@@ -76,4 +78,7 @@ def validate(i: EstimateInputs) -> EstimateInputs:
     steps = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
     batch = Batch(global_batch=i.micro_batch * steps * lay.dp, micro_batch=i.micro_batch, seq_len=i.seq_len)
     grad_compression_site(lay, i.compression.method)  # ConfigError where it cannot apply
-    return i.replace(layout=lay.validate(args, lay.world_size, batch))
+    if i.loss_chunks < 0:
+        raise UserError(f"--loss-chunks must be >= 0 (0: automatic), got {i.loss_chunks}")
+    chunks = loss_chunks(i.loss_chunks, lay, i.precision)
+    return i.replace(layout=lay.validate(args, lay.world_size, batch), loss_chunks=chunks)

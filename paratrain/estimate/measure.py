@@ -205,6 +205,7 @@ class MeasureSpec:
     seq_len: int = 64
     accum_steps: int = 1
     optimizer_impl: str = "foreach"
+    loss_chunks: int = 0  # memory.loss_chunks (0: automatic, as the trainer)
     steps: int = 2  # the last one is measured (the first creates the optimizer state)
     name: str = ""
     # pipeline: stages, schedule, microbatches per step (micro_batch sequences each), stages per rank, split
@@ -227,11 +228,12 @@ class MeasureSpec:
 
     def step_options(self) -> dict:
         """`build_train_step`'s options for this spec (seed 0, clipping at 1.0, the default `[parallel]`)."""
-        from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
+        from paratrain.config import ActivationCheckpointConfig, MemoryConfig, OptimizerConfig
 
         return dict(precision=self.precision, activation_checkpoint=ActivationCheckpointConfig(self.checkpointing,
                                                                                                 self.every_k),
-                    optimizer=OptimizerConfig(impl=self.optimizer_impl), seed=0, grad_clip=1.0)
+                    optimizer=OptimizerConfig(impl=self.optimizer_impl), memory=MemoryConfig(self.loss_chunks),
+                    seed=0, grad_clip=1.0)
 
     def batch(self, world_size: int):
         """The batch the spec's layout must divide (a pipeline: micro_batch x pp_microbatches per data rank)."""
@@ -551,7 +553,7 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
     if tracker.debug and rank == 0:
         from collections import Counter
         for (cat, n, f), c in sorted(Counter(tracker.peak_debug).items()):
-            if cat in (TEMP, LOGITS, GRADS, COMM):
+            if cat in (TEMP, LOGITS, GRADS, COMM) or os.environ.get("PARATRAIN_MEM_DEBUG") == "all":
                 print("PEAK", cat, n, f, "x", c)
     roots = list(pipeline.modules.values()) if pipeline is not None else [inner]  # a pipeline: each stage's root
     result = Measurement(rank, tracker.peak, tracker.peak_label, tracker.peak_breakdown, probe.forward_end, states,
@@ -641,4 +643,5 @@ def inputs_for_spec(spec: MeasureSpec, world_size: int):
     return EstimateInputs(ModelArgs(**spec.model), spec.layout(world_size), model_name=spec.name or "bench",
                           precision=spec.precision, optimizer="adamw", optimizer_impl=spec.optimizer_impl,
                           checkpointing=spec.checkpointing, every_k=spec.every_k, micro_batch=spec.micro_batch,
-                          seq_len=spec.seq_len, accum_steps=spec.accum_steps, device="cpu", overhead_bytes=0)
+                          seq_len=spec.seq_len, accum_steps=spec.accum_steps, device="cpu", overhead_bytes=0,
+                          loss_chunks=spec.loss_chunks)

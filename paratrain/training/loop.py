@@ -83,7 +83,8 @@ class Trainer:
         budget = cfg.resilience.memory_budget_gib
         self.train_step = build_train_step(
             spec.model_args, self.dims, dev, precision=t.precision, activation_checkpoint=cfg.activation_checkpoint,
-            compile=t.compile, seed=t.seed, optimizer=cfg.optimizer, parallel=cfg.parallel, grad_clip=t.grad_clip,
+            compile=t.compile, seed=t.seed, optimizer=cfg.optimizer, parallel=cfg.parallel, memory=cfg.memory,
+            grad_clip=t.grad_clip,
             memory_budget=MemoryBudget(int(budget * 2**30)) if budget > 0 else None)
         model, optimizer = self.train_step.model, self.train_step.optimizer
         self.comm = self.train_step.comm  # gradient compression, buckets, prefetching

@@ -22,7 +22,6 @@ import functools
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler, context_for
@@ -32,18 +31,19 @@ from paratrain.distributed.parallelize import PRECISION_DTYPES, SequenceParallel
 from paratrain.distributed.pipeline import Pipeline, PipelineSampler, build_pipeline
 from paratrain.distributed.tensors import full_tensor
 from paratrain.layout import Layout
+from paratrain.models.llama import cross_entropy
 from paratrain.models.moe import balance_loss, moe_modules
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # (B*T, V) vs (B*T,)
+def summed_rows(per_token: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+    """The sum of the per-token losses of the first `rows` sequences, in float64 (evaluation: the rows after them
+    are padding; a sum, unlike a mean, adds up exactly over any split of the sequences)."""
+    return full_tensor(per_token).view(targets.shape)[:rows].double().sum()
 
 
 def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
-    """The sum of the per-token losses of the first `rows` sequences, in float64 (evaluation: the rows after them
-    are padding; a sum, unlike a mean, adds up exactly over any split of the sequences)."""
-    per_token = full_tensor(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none"))
-    return per_token.view(targets.shape)[:rows].double().sum()
+    """`summed_rows` of the logits' per-token losses (a pipeline's last stage hands its logits)."""
+    return summed_rows(cross_entropy(logits, targets, reduction="none"), targets, rows)
 
 
 def make_scaler(layout: Layout, precision: str, device: torch.device):
@@ -92,13 +92,15 @@ class TrainStep:
     def __init__(self, model: nn.Module, optimizer, layout: Layout, *, precision: str, device: torch.device,
                  grad_clip: float, scaler=None, pipeline: Pipeline | None = None, pp_group=None, loss_group=None,
                  memory_budget=None, probe: StepProbe | None = None, context: ContextParallel | None = None,
-                 comm=None):
-        """`loss_group`: the ranks the loss is averaged over (dp x cp); `comm`: the run's GradComm."""
+                 comm=None, loss_chunks: int = 1):
+        """`loss_group`: the ranks the loss is averaged over (dp x cp); `comm`: the run's GradComm; `loss_chunks`:
+        pieces of each micro-batch's tokens the output projection and loss run over (paratrain/memory.py)."""
         self.model, self.optimizer, self.layout, self.device = model, optimizer, layout, device
         self.context = context  # context parallelism: this rank's chunks of each sequence
         self.precision, self.grad_clip, self.scaler = precision, grad_clip, scaler
         self.pipeline, self.pp_group, self.loss_group, self.comm = pipeline, pp_group, loss_group, comm
         self.memory_budget, self.probe = memory_budget, probe or StepProbe()
+        self.loss_chunks = loss_chunks
         # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does the low-precision compute.
         self.autocast = precision != "fp32" and not layout.uses_fsdp
         self.moe_layers = moe_modules(unwrap(model))
@@ -136,7 +138,7 @@ class TrainStep:
             with self.contexts(sync=i == accum - 1):
                 with self.memory_budget.track() if self.memory_budget else contextlib.nullcontext():
                     # mean over this rank's share of the batch (dp x cp ranks hold as many tokens each)
-                    loss = cross_entropy(self.model(x), y) / accum
+                    loss = self._loss(x, y) / accum
                     aux = None
                     if self.moe_layers:  # the balance loss, same scaling; recorded before backward recomputes
                         aux = balance_loss(self.moe_layers) / accum
@@ -151,6 +153,14 @@ class TrainStep:
                 self.memory_budget.check()
             total += full_tensor(loss.detach())
         return total
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """The cross-entropy of the model on (x, y). Chunked, inside the model's forward (its head's pieces); whole,
+        after it, from the logits: FSDP2 frees its last all-gather's buffer when the root's forward ends, so the whole
+        logits are made without it."""
+        if self.loss_chunks > 1:
+            return self.model(x, targets=y, loss_chunks=self.loss_chunks, reduction=reduction)
+        return cross_entropy(self.model(x), y, reduction)
 
     def _pipeline_forward_backward(self, micro_batches) -> torch.Tensor:
         (x, y), = micro_batches  # this data-parallel rank's whole slice; the schedule cuts the microbatches
@@ -206,11 +216,10 @@ class TrainStep:
         """Forward only: the summed loss (float64) of the first `rows` sequences of (x, y), the same on every tp/pp
         rank; under context parallelism the sum over this rank's chunks of them (the evaluator sums over dp x cp)."""
         x, y = self._local(x).to(self.device), self._local(y).to(self.device)
-        loss = functools.partial(summed_cross_entropy, rows=rows)
         with self.contexts():
             if self.pipeline is not None:  # stage by stage; the loss comes from the last stage
-                return self.pipeline.eval_loss(x, y, loss)
-            return loss(self.model(x), y)
+                return self.pipeline.eval_loss(x, y, functools.partial(summed_cross_entropy, rows=rows))
+            return summed_rows(self._loss(x, y, reduction="none"), y, rows)
 
     def sampler(self, vocab_size: int) -> nn.Module:
         """A callable model for `generate.sample` (whole prompts on every rank, also under context parallelism)."""
@@ -231,22 +240,25 @@ class TrainStep:
 
 
 def build_train_step(model_args, dims, device: torch.device, *, precision: str = "fp32", activation_checkpoint=None,
-                     compile: bool | str = False, seed: int = 0, optimizer=None, parallel=None, grad_clip: float = 1.0,
-                     memory_budget=None, probe: StepProbe | None = None) -> TrainStep:
+                     compile: bool | str = False, seed: int = 0, optimizer=None, parallel=None, memory=None,
+                     grad_clip: float = 1.0, memory_budget=None, probe: StepProbe | None = None) -> TrainStep:
     """The one place a training step is assembled, for the trainer, the memory harness and the benches alike.
 
     `model_args` (ModelArgs), `dims` (ParallelDims: the layout and its meshes), `activation_checkpoint`
     (ActivationCheckpointConfig; None: off), `optimizer` (OptimizerConfig; None: the defaults), `parallel`
-    (ParallelConfig: gradient compression, DDP buckets, FSDP prefetching; None: the defaults). The model is built on
+    (ParallelConfig: gradient compression, DDP buckets, FSDP prefetching; None: the defaults), `memory` (MemoryConfig:
+    the memory tiers, paratrain/memory.py; None: the defaults). The model is built on
     the meta device and materialised after sharding; tied embeddings are the exception (materialising from meta would
     untie them), so those models are built for real."""
-    from paratrain.config import ActivationCheckpointConfig, OptimizerConfig, ParallelConfig
+    from paratrain.config import ActivationCheckpointConfig, MemoryConfig, OptimizerConfig, ParallelConfig
+    from paratrain.memory import loss_chunks
     from paratrain.distributed.compression import GradComm
     from paratrain.models import build_model
     from paratrain.training.optim import build_optimizer
 
     layout = dims.layout
     ac = activation_checkpoint or ActivationCheckpointConfig()
+    memory = memory or MemoryConfig()
     with torch.device(device if model_args.tie_embeddings else "meta"):
         model = build_model(model_args)
     scaler = make_scaler(layout, precision, device)
@@ -263,4 +275,5 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
     return TrainStep(model, opt, layout, precision=precision, device=device, grad_clip=grad_clip, scaler=scaler,
                      pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
                      memory_budget=memory_budget, probe=probe, comm=comm,
-                     context=context_for(dims))  # cp: batches cut to this rank's chunks
+                     context=context_for(dims),  # cp: batches cut to this rank's chunks
+                     loss_chunks=loss_chunks(memory.loss_chunks, layout, precision))
