@@ -22,6 +22,7 @@ import tomli_w
 
 from paratrain.errors import ConfigError
 from paratrain.layout import DPModeOption, GradCompression, Schedule
+from paratrain.memory import ActivationOffloadMode
 from paratrain.models.args import ModelArgs
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -145,6 +146,10 @@ class MemoryConfig:
     # the whole micro-batch never exist at once (backward recomputes each piece's). 0: automatic, 8 where it is
     # exact (fp32 gradients; not under a pipeline); 1: the whole logits at once.
     loss_chunks: int = 0
+    # Saved activations of blocks moved to host memory in forward and back in backward (saved-tensor hooks; on CUDA
+    # pinned buffers and a side stream): none | all blocks | every_k (blocks 0, k, 2k, ...).
+    activation_offload: ActivationOffloadMode = "none"
+    activation_offload_every_k: int = 2
 
 
 @dataclass
@@ -387,6 +392,7 @@ def validate(cfg: Config) -> None:
     _require(o.eps > 0, "optimizer.eps must be positive")
     _require(cfg.activation_checkpoint.every_k >= 1, "activation_checkpoint.every_k must be >= 1")
     _require(cfg.memory.loss_chunks >= 0, "memory.loss_chunks must be >= 0 (0: automatic, 1: whole logits)")
+    _require(cfg.memory.activation_offload_every_k >= 1, "memory.activation_offload_every_k must be >= 1")
     _require(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 saves only at the end)")
     _require(cfg.checkpoint.keep >= 2, "checkpoint.keep must be >= 2 so a bad save never leaves no checkpoint")
     _require(not cfg.checkpoint.export_hf or cfg.checkpoint.save_final,

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
 from paratrain.errors import ConfigError
 from paratrain.layout import Layout
-from paratrain.memory import AUTO_LOSS_CHUNKS, loss_chunks
+from paratrain.memory import AUTO_LOSS_CHUNKS, check_offload, loss_chunks, offloaded_blocks
 from paratrain.verify import MEMORY_MATRIX
 
 from test_distributed import check_matrix
@@ -47,3 +49,61 @@ def test_loss_chunks_rules():
     assert loss_chunks(0, pipeline, "fp32") == 1
     with pytest.raises(ConfigError, match="memory.loss_chunks=4 does not work with parallel.pp > 1"):
         loss_chunks(4, pipeline, "fp32")
+
+
+def test_offload_rules():
+    assert offloaded_blocks("none", 2, 5) == [] and offloaded_blocks("all", 2, 3) == [0, 1, 2]
+    assert offloaded_blocks("every_k", 2, 5) == [0, 2, 4]
+    check_offload("all", Layout.resolve(2, pp=2))  # 1f1b: fine
+    with pytest.raises(ConfigError, match="activation_offload=all does not work with parallel.pp_schedule=zbv"):
+        check_offload("all", Layout.resolve(2, pp=2, pp_schedule="zbv"))
+
+
+def test_activation_offload_moves_saved_tensors_to_host_and_back():
+    """One process: every mode with every checkpointing gives the same loss and gradients bit for bit; what the hooks
+    hold between forward and backward is what the estimator says moves (activations.offloaded), and they hold
+    nothing after backward."""
+    from paratrain.config import ActivationCheckpointConfig, MemoryConfig
+    from paratrain.distributed import offload
+    from paratrain.distributed.initialize import canonical_name
+    from paratrain.distributed.parallel_dims import ParallelDims
+    from paratrain.distributed.parallelize import parallelize
+    from paratrain.estimate import activations as A
+    from paratrain.models import build_model
+    from paratrain.models.presets import preset_args
+
+    args = preset_args("tiny", vocab_size=64)
+    held = []  # (bytes, a weak reference) of each host copy
+    real_to_host = offload.ActivationOffloader._to_host
+
+    def to_host(self, whole):
+        host = real_to_host(self, whole)
+        held.append((host.numel() * host.element_size(), weakref.ref(host)))
+        return host
+
+    results = {}
+    for mode, ac in (("none", "none"), ("all", "none"), ("every_k", "none"), ("all", "full"), ("all", "selective")):
+        with torch.device("meta"):
+            model = build_model(args)
+        model = parallelize(model, ParallelDims(Layout.resolve(1)), ActivationCheckpointConfig(ac), "fp32", False,
+                            torch.device("cpu"), 0, memory=MemoryConfig(activation_offload=mode))
+        gen = torch.Generator().manual_seed(0)
+        x, y = (torch.randint(0, 64, (4, 64), generator=gen) for _ in range(2))
+        offload.ActivationOffloader._to_host = to_host
+        try:
+            loss = model(x, targets=y)
+        finally:
+            offload.ActivationOffloader._to_host = real_to_host
+        hosted = sum(n for n, _ in held)
+        loss.backward()
+        assert all(ref() is None for _, ref in held), "host copies outlive the backward"
+        held.clear()
+        results[mode, ac] = loss.detach(), {canonical_name(n): p.grad for n, p in model.named_parameters()}, hosted
+        blocks = offloaded_blocks(mode, 2, args.n_layers)
+        from paratrain.estimate.activations import act_dims
+
+        d = act_dims(args, Layout.resolve(1), "fp32", "paratrain", 4, 64, "cpu")
+        assert hosted == len(blocks) * A.offloaded(d, ac), (mode, ac)
+    loss0, grads0, _ = results["none", "none"]
+    for (mode, ac), (loss, grads, _) in results.items():
+        assert torch.equal(loss, loss0) and all(torch.equal(grads[n], grads0[n]) for n in grads0), (mode, ac)

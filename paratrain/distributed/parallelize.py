@@ -1,8 +1,8 @@
 """Turn a plain Transformer into a parallel one, in a fixed order:
 
     tensor/sequence parallel -> context parallel (ring attention) -> expert parallel -> activation checkpointing
-    -> torch.compile -> FSDP (over dp_shard x cp) -> materialise + deterministic init -> DDP / ZeRO-1 wrapping
-    (DDP needs real weights)
+    -> torch.compile -> activation offloading -> FSDP (over dp_shard x cp) -> materialise + deterministic init
+    -> DDP / ZeRO-1 wrapping (DDP needs real weights)
 
 The model file stays free of parallel code; the tensor-parallel plan is read from the model family's parameter roles
 (`tensor_parallel.py`). The rules of the layout live in `paratrain/layout.py`, its mesh in
@@ -16,14 +16,16 @@ from functools import partial
 import torch
 from torch import nn
 
-from paratrain.config import ActivationCheckpointConfig
+from paratrain.config import ActivationCheckpointConfig, MemoryConfig
 from paratrain.distributed.context_parallel import apply_context_parallel, context_for
 from paratrain.distributed.compression import GradComm
 from paratrain.distributed.expert_parallel import distribute_experts, shard_experts
 from paratrain.distributed.initialize import init_weights
+from paratrain.distributed.offload import apply_activation_offload
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.tensor_parallel import apply_tp
 from paratrain.distributed.tensors import full_tensor, right_pad
+from paratrain.memory import offload_stride, offloaded_blocks
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -139,11 +141,12 @@ def _whole_length(layout):
 
 def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: ActivationCheckpointConfig,
                 precision: str, compile: bool | str, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0,
-                comm: GradComm | None = None) -> nn.Module:
+                comm: GradComm | None = None, memory: MemoryConfig | None = None) -> nn.Module:
     """Apply the layout to a model or pipeline stage built on the meta device; returns the module to train
     (maybe a DDP wrapper). compile: True for torch.compile's default backend, or a backend name. `comm` carries the
     gradient communication settings (`[parallel]`: compression, DDP buckets, FSDP prefetching); None: no
-    compression, FSDP2's default prefetching, `ddp_bucket_mb` buckets."""
+    compression, FSDP2's default prefetching, `ddp_bucket_mb` buckets. `memory`: the `[memory]` tiers applied here
+    (activation offloading); None: none."""
     layout = dims.layout
     comm = comm or GradComm.default(dims, device, ddp_bucket_mb)
     if layout.tp_enabled:
@@ -159,6 +162,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
     apply_activation_checkpointing(model, activation_checkpoint)
     if compile:
         apply_compile(model, compile if isinstance(compile, str) else None)
+    if memory is not None and memory.activation_offload != "none":  # each chosen block's saved tensors to host
+        blocks = offloaded_blocks(memory.activation_offload, memory.activation_offload_every_k, model.args.n_layers)
+        stride = offload_stride(memory.activation_offload, memory.activation_offload_every_k)
+        apply_activation_offload(model, blocks, device, stride)
     if layout.uses_fsdp:
         apply_fsdp(model, dims, precision, expert_dp_mesh, comm)
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):

@@ -241,7 +241,7 @@ class StageGroup(nn.Module):
 
 
 def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str, compile: bool,
-                   device: torch.device, seed: int, loss_fn, comm=None) -> Pipeline:
+                   device: torch.device, seed: int, loss_fn, comm=None, memory=None) -> Pipeline:
     """Cut the meta-device `model` into this rank's stages, lay each out with `parallelize`, wrap them and build
     the schedule. `loss_fn(logits, targets)` is the last stage's loss per microbatch."""
     from torch.distributed.pipelining import PipelineStage
@@ -254,7 +254,8 @@ def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str
     modules: dict[int, nn.Module] = {}
     for s in layout.local_stages(pp_rank):
         stage = prune(copy.deepcopy(model), layout.stage_layers(s), s == 0, s == layout.num_stages - 1)
-        modules[s] = parallelize(stage, dims, activation_checkpoint, precision, compile, device, seed, comm=comm)
+        modules[s] = parallelize(stage, dims, activation_checkpoint, precision, compile, device, seed, comm=comm,
+                                 memory=memory)
     rank_model = next(iter(modules.values())) if len(modules) == 1 else StageGroup(modules)
 
     stages = [PipelineStage(modules[s], s, layout.num_stages, device, group=group) for s in sorted(modules)]

@@ -49,6 +49,7 @@ import math
 from dataclasses import dataclass
 
 from paratrain.layout import Layout
+from paratrain.memory import MIN_OFFLOAD_BYTES
 from paratrain.models.args import ModelArgs
 
 FP32, INT64 = 4, 8
@@ -268,6 +269,18 @@ def sac_saved(d: ActDims, moe: MoEDims | None = None) -> list[tuple[str, int]]:
     if d.rope_tables:
         out.append(("rope tables (bf16, FSDP input cast)", d.rope_tables))
     return out
+
+
+@functools.lru_cache(maxsize=8192)
+def offloaded(d: ActDims, mode: str, moe: MoEDims | None = None) -> int:
+    """Bytes of what a block stores (`block_stored`) that activation offloading moves to host memory
+    (distributed/offload.py): every saved tensor of at least MIN_OFFLOAD_BYTES; under selective checkpointing only
+    the checkpoint's inputs (its cache of matmul outputs is not saved tensors and stays)."""
+    if mode == "selective":
+        return block_input(d) + d.rope_tables
+    if mode == "full":
+        return block_stored(d, "full", moe)
+    return sum(b for _, b in block_saved(d, moe) if b >= MIN_OFFLOAD_BYTES)
 
 
 @functools.lru_cache(maxsize=8192)

@@ -32,6 +32,7 @@ from paratrain.estimate.model_states import (BF16, FP32, Param, StateBytes, fsdp
                                              local_shape, model_params, rank_layers, rank_params, state_bytes,
                                              zero_table)
 from paratrain.layout import MULTI_STAGE, Layout, grad_compression_site
+from paratrain.memory import offload_stride, offloaded_blocks
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
 # not see): the CUDA context and kernels (~0.5-0.8 GiB with lazy module loading), cuBLAS/cuDNN workspaces and
@@ -58,6 +59,11 @@ class Estimate:
     searched: bool = False  # whether suggestions were looked for
     stages: list[dict] = field(default_factory=list)  # per pipeline stage: peak and phase
     fsdp_all_gathers: int = 0  # FSDP parameter all-gathers per step on the worst rank (Layout.fsdp_all_gathers)
+    host: dict[str, int] = field(default_factory=dict)  # host memory per rank at its peak, by category (offloading)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
 
     @property
     def total_bytes(self) -> int:
@@ -100,6 +106,7 @@ class Estimate:
             "zero_breakdown": {"ranks": self.zero_ranks, "rows": self.zero, "units": "bytes"},
             "stages": self.stages, "fsdp_all_gathers_per_step": self.fsdp_all_gathers,
             "suggestion": self.suggestion, "alternatives": self.alternatives,
+            "host_bytes": self.host_bytes, "host_breakdown_bytes": self.host,
         }
 
     def format_table(self, units: str = "GiB") -> str:
@@ -118,6 +125,16 @@ class Estimate:
 # ---------------------------------------------------------------------------------------------
 # Parameters whose gradients a block's backward makes after its attention (the q/k/v projections and their norm).
 _ATTENTION_INPUT = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention_norm.weight")
+
+
+def _offload_plan(i: EstimateInputs, d: A.ActDims, modes: list[str], moe_of: dict, layers: list[int]):
+    """Activation offloading on these blocks: bytes each moves to host (0: not offloaded), and which offloaded block
+    each offloaded block's backward fetches ahead (the one `stride` below it, when this rank holds it)."""
+    chosen = set(offloaded_blocks(i.activation_offload, i.offload_every_k, i.model_args.n_layers)) & set(layers)
+    moved = {l: A.offloaded(d, modes[l], moe_of.get(l)) if l in chosen else 0 for l in layers}
+    stride = offload_stride(i.activation_offload, i.offload_every_k)
+    ahead_of = {l: l - stride for l in chosen if l - stride in chosen}
+    return moved, ahead_of
 
 
 def default_overhead(layout: Layout, device: str = "cuda") -> int:
@@ -246,6 +263,9 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
     moe_of = {l: (moe if args.is_moe_layer(l) else None) for l in my_layers}
     stored = {l: A.block_stored(d, modes[l], moe_of[l]) for l in my_layers}
+    moved, ahead_of = _offload_plan(i, d, modes, moe_of, my_layers)
+    stored_dev = {l: stored[l] - moved[l] for l in my_layers}  # what stays on the device (offloading moves the rest)
+    host_at_end = sum(moved.values())
     head_params = r.where("head")
     classic, fsdp, pbytes, local_numel = r.classic, r.fsdp, r.pbytes, r.local_numel
     zero2 = lay.uses_fsdp and not lay.reshard_after_forward  # gathered parameters kept from forward to backward
@@ -273,7 +293,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     ddp_buckets = local_numel(params) * gbytes if (lay.uses_ddp and not classic) else 0
     autocast = st.autocast_copies
     tokens = A.inputs_bytes(d)
-    acts_one = sum(stored.values()) + A.final_residual(d)
+    acts_one = sum(stored_dev.values()) + A.final_residual(d)
     head = sum(b for _, b in A.head_saved(d))
     # the output weight's gradient in the dtype autograd sums it in: the unsharded parameter's under FSDP, autocast's
     # bf16 copy's, else fp32
@@ -327,11 +347,16 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
         comm_buffers=comm + root_at_norm, temporaries=head_unsh_grads)
     # B_i: each block's backward, last to first
     grads_above = grad_bytes(head_params) if not fsdp else 0
-    stored_below = sum(stored.values())
+    stored_below = sum(stored_dev.values())
+    fetched: set[int] = set()
     rs_kept = 0
     for idx in reversed(range(len(my_layers))):
         l = my_layers[idx]
-        stored_below -= stored[l]
+        # an offloaded block's tensors are back for its backward, and the offloaded block below it is fetched ahead
+        stored_below -= stored[l] if l in fetched else stored_dev[l]
+        if l in ahead_of:
+            stored_below += moved[ahead_of[l]]
+            fetched.add(ahead_of[l])
         b_acts, b_temps = A.block_backward_live(d, modes[l], moe_of[l])
         comm = ddp_buckets
         temps = b_temps
@@ -355,7 +380,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
             # (Under checkpointing the recomputed tensors count as temporaries, what the checkpoint holds as
             # activations.)
             live = A.ring_backward_block(d, modes[l])
-            kept = live if modes[l] == "none" else min(live, stored[l])
+            kept = live if modes[l] == "none" else min(live, stored[l])  # (an offloaded block's are back)
             done = sum(local_numel([p]) for p in by_layer[l] if not p.name.endswith(_ATTENTION_INPUT)) * pbytes
             dout = d.N * d.Hq * d.D * d.L
             add(f"ring attention backward of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
@@ -405,6 +430,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     sizes = out["sizes"]
     sizes["gradients"] = max(sizes.get("gradients", 0), grads_full)
     sizes["autocast_copies"] = autocast
+    out["host"] = {"activations": host_at_end} if host_at_end else {}
     return out
 
 
@@ -433,6 +459,9 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     st, d, params, by_layer, root = r.st, r.d, r.params, r.by_layer, r.root
     modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
     stored = {l: A.block_stored(d, modes[l], None) for s in stages for l in layers_of[s]}
+    # activation offloading: what moves to host leaves the device (each block's come back for its backward)
+    moved, ahead_of = _offload_plan(i, d, modes, {}, list(stored))
+    stored = {l: stored[l] - moved[l] for l in stored}
     emb_params, head_params = r.where("embedding"), r.where("head")
     classic, fsdp, pbytes, local_numel = r.classic, r.fsdp, r.pbytes, r.local_numel
 
@@ -454,11 +483,13 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     head = sum(b for _, b in A.head_saved(d))
     logits = d.N * d.V * d.L  # the last stage's output, kept by the stage until its backward
     shared_input = binp if d.R == FP32 else 0  # the first block saves the receive buffer itself (fp32 residual)
+    # (an offloaded first block saves a host copy of it instead, and backward gets a device copy back)
+    shared_of = {s: 0 if moved[layers_of[s][0]] else shared_input for s in stages if layers_of[s]}
     hold, hold_head = {}, {}  # per in-flight micro-batch: activations, and the last stage's logits and loss tensors
     for s in stages:
         h = sum(stored[l] for l in layers_of[s])
         h += A.final_residual(d) if s == last_stage else binp
-        hold[s] = h - (shared_input if s > 0 else 0)
+        hold[s] = h - (shared_of.get(s, 0) if s > 0 else 0)
         hold_head[s] = head + logits if s == last_stage else 0
     tokens = m * A.inputs_bytes(d)  # the whole batch of this data-parallel rank
     p2p = sum(((s > 0) + (s < last_stage)) * m * binp for s in stages)
@@ -510,7 +541,8 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
         if key not in local:
             found = []
             _backward_points(lambda phase, **cats: found.append((sum(cats.values()), phase, cats)), base, d, stage,
-                             kind, layers_of[stage], stored, modes, stage == last_stage, stage > 0 and shared_input,
+                             kind, layers_of[stage], stored, modes, stage == last_stage,
+                             stage > 0 and shared_of.get(stage, 0), offload=(moved, ahead_of),
                              tokens=tokens, comm=p2p + gathered, block_grads=block_grads[stage],
                              head_grads=step_grads(head_params) if stage == last_stage else 0,
                              stage_grads=stage_grads[stage], first_bwd=first_bwd,
@@ -536,6 +568,7 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
                 held -= inter[stage]
             if stash_sends and remote_next[stage]:
                 sent_out += binp
+    host = int(in_flight(lay, rank) * sum(moved.values()))  # offloaded micro-batches in flight
     # the end of the step: FSDP reshards and reduce-scatters each group's accumulated gradients (the largest
     # group's buffers at the worst time: all gradients still unsharded)
     if fsdp and unsh:
@@ -550,7 +583,9 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
         small_bytes = (sum(fsdp_numel(p, lay) for p in small) if lay.uses_fsdp else local_numel(small)) * gb
         opt_temp = max(st.grads - small_bytes, small_bytes) * (FP32 // gb)
     add("optimizer step", **base, gradients=st.grads, comm_buffers=p2p, temporaries=opt_temp)
-    return peaks.result(r)
+    out = peaks.result(r)
+    out["host"] = {"activations": host} if host else {}
+    return out
 
 
 def _zb_intermediates(d: A.ActDims) -> int:
@@ -571,7 +606,8 @@ ZB_NORM_BACKWARD_VALUES = 6
 
 
 def _backward_points(add, base, d, stage, kind, layers, stored, modes, last, shared, *, tokens, comm, block_grads,
-                     head_grads, stage_grads, first_bwd, out, head, dw2, others=(0, 0), grads_before=0) -> None:
+                     head_grads, stage_grads, first_bwd, out, head, dw2, others=(0, 0), grads_before=0,
+                     offload=({}, {})) -> None:
     """Candidate peaks of one stage's backward of one micro-batch on top of `others` (what the other in-flight
     micro-batches hold) and what the whole step holds: "B" (the whole backward) block by block, last to first;
     the zero-bubble input-gradient step "I" (nothing is freed: the graph is kept for "W", and each block leaves the
@@ -600,10 +636,15 @@ def _backward_points(add, base, d, stage, kind, layers, stored, modes, last, sha
         if not weights:
             held += _zb_head_intermediates(d)
     stored_below = stage_acts
+    moved, ahead_of = offload  # activation offloading: bytes on host per block, the block fetched ahead of each
+    fetched = set()
     for idx in reversed(range(len(layers))):
         l = layers[idx]
-        stored_below -= stored[l] - (shared if idx == 0 else 0)
-        b_acts, b_temps = A.block_backward_live(d, modes[l], None)
+        stored_below -= stored[l] + (moved[l] if l in fetched else 0) - (shared if idx == 0 else 0)
+        if l in ahead_of:
+            stored_below += moved[ahead_of[l]]
+            fetched.add(ahead_of[l])
+        b_acts, b_temps = A.block_backward_live(d, modes[l], None)  # (an offloaded block's tensors are back)
         b_acts -= shared if idx == 0 else 0
         from_head = A.block_input(d) if (last and idx == len(layers) - 1) else 0
         what = f"block {l} (stage {stage}{', input gradients' if not weights else ''})"
@@ -681,7 +722,9 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     if lay.uses_ddp and i.accounting != "classic":
         notes.append("DDP keeps flat gradient buckets as large as the gradients (gradient_as_bucket_view=False)")
     est = Estimate(i, int(w["peak"]), overhead, at, sizes, w["phase"], worst, notes,
-                   per_block=A.block_saved(d, None), fsdp_all_gathers=gathers)
+                   per_block=A.block_saved(d, None), fsdp_all_gathers=gathers,
+                   host={k: int(v) for k, v in max((x.get("host", {}) for x in walks.values()),
+                                                   key=lambda h: sum(h.values())).items()})
     if lay.pp > 1:
         est.stages = [{"stage": s, "tensor_peak_bytes": int(x["peak"]), "total_bytes": int(x["peak"]) + overhead,
                        "phase": x["phase"]} for s, x in walks.items()]

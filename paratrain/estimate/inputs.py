@@ -10,7 +10,7 @@ from paratrain.errors import UserError
 from paratrain.estimate.compression import Compression
 from paratrain.estimate.gpus import HEADROOM, check_headroom
 from paratrain.layout import Batch, Layout, grad_compression_site
-from paratrain.memory import loss_chunks
+from paratrain.memory import OFFLOAD_MODES, check_offload, loss_chunks
 from paratrain.models.args import ModelArgs
 
 CHECKPOINTING = ("none", "full", "every_k", "selective")
@@ -42,6 +42,8 @@ class EstimateInputs:
     compression: Compression = field(default_factory=Compression)  # parallel.grad_compression and its settings
     fsdp_backward_prefetch: int = 1  # blocks whose parameters backward gathers ahead (FSDP2's default: 1)
     loss_chunks: int = 0  # memory.loss_chunks (0: automatic, paratrain.memory.loss_chunks)
+    activation_offload: str = "none"  # memory.activation_offload: none | all | every_k (offload_every_k)
+    offload_every_k: int = 2
 
     def replace(self, **kw) -> "EstimateInputs":
         return dataclasses.replace(self, **kw)
@@ -78,6 +80,11 @@ def validate(i: EstimateInputs) -> EstimateInputs:
     steps = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
     batch = Batch(global_batch=i.micro_batch * steps * lay.dp, micro_batch=i.micro_batch, seq_len=i.seq_len)
     grad_compression_site(lay, i.compression.method)  # ConfigError where it cannot apply
+    if i.activation_offload not in OFFLOAD_MODES:
+        raise UserError(f"--activation-offload '{i.activation_offload}' is not one of {', '.join(OFFLOAD_MODES)}")
+    if i.offload_every_k < 1:
+        raise UserError(f"--offload-every-k must be >= 1, got {i.offload_every_k}")
+    check_offload(i.activation_offload, lay)
     if i.loss_chunks < 0:
         raise UserError(f"--loss-chunks must be >= 0 (0: automatic), got {i.loss_chunks}")
     chunks = loss_chunks(i.loss_chunks, lay, i.precision)

@@ -44,6 +44,7 @@ COMM = "comm_buffers"
 TEMP = "temporaries"
 OTHER = "other"
 CATEGORIES = (PARAMS, GRADS, OPTIM, AUTOCAST, ACTS, LOGITS, COMM, TEMP, OTHER)
+HOST = "host"  # host memory (activation offloading's copies): counted apart from the device's total and peak
 
 
 def _storages(t: torch.Tensor):
@@ -64,8 +65,9 @@ class StorageTracker(TorchDispatchMode):
         self.label = OTHER
         self.identify = identify  # () -> {id(storage): category}, evaluated at each new peak
         self._info = WeakIdKeyDictionary()  # storage -> [nbytes, label, weakref]
-        self.live: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.live: dict[str, int] = dict.fromkeys((*CATEGORIES, HOST), 0)
         self.total = 0
+        self.host_total = self.host_peak = 0  # host bytes (HOST), beside the device's
         self.peak = 0
         self.peak_breakdown: dict[str, int] = {}
         self.peak_label = ""
@@ -87,18 +89,24 @@ class StorageTracker(TorchDispatchMode):
         info = [n, label, None, self._func] if self.debug else [n, label, None]
         info[2] = weakref.ref(st, partial(self._freed, info))
         self._info[st] = info
+        self._count(label, n)
+
+    def _count(self, label: str, n: int) -> None:
         self.live[label] += n
-        self.total += n
+        if label == HOST:
+            self.host_total += n
+            if self.recording:
+                self.host_peak = max(self.host_peak, self.host_total)
+        else:
+            self.total += n
 
     def _freed(self, info, _ref) -> None:
-        self.live[info[1]] -= info[0]
-        self.total -= info[0]
+        self._count(info[1], -info[0])
 
     def _resize(self, st, info) -> None:
         n = st.nbytes()
         if n != info[0]:
-            self.live[info[1]] += n - info[0]
-            self.total += n - info[0]
+            self._count(info[1], n - info[0])
             info[0] = n
 
     def track(self, t: torch.Tensor, label: str) -> None:
@@ -112,8 +120,8 @@ class StorageTracker(TorchDispatchMode):
             if info is None:
                 self._add(st, label)
             elif info[1] != label:
-                self.live[info[1]] -= info[0]
-                self.live[label] += info[0]
+                self._count(info[1], -info[0])
+                self._count(label, info[0])
                 info[1] = label
 
     def _update_peak(self) -> None:
@@ -124,7 +132,7 @@ class StorageTracker(TorchDispatchMode):
         identity = self.identify() if self.identify else {}
         breakdown = dict.fromkeys(CATEGORIES, 0)
         for st, (n, label, *_) in list(self._info.items()):
-            if n:
+            if n and label != HOST:
                 breakdown[identity.get(id(st), label)] += n
         self.peak_breakdown = breakdown
         if self.debug:
@@ -133,12 +141,13 @@ class StorageTracker(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak, self.peak_breakdown, self.peak_label = 0, {}, ""
+        self.host_peak = self.host_total
 
     def snapshot(self) -> dict[str, int]:
         identity = self.identify() if self.identify else {}
         out = dict.fromkeys(CATEGORIES, 0)
         for st, (n, label, *_) in list(self._info.items()):
-            if n:
+            if n and label != HOST:
                 out[identity.get(id(st), label)] += n
         return out
 
@@ -206,6 +215,8 @@ class MeasureSpec:
     accum_steps: int = 1
     optimizer_impl: str = "foreach"
     loss_chunks: int = 0  # memory.loss_chunks (0: automatic, as the trainer)
+    activation_offload: str = "none"  # memory.activation_offload and its every_k
+    offload_every_k: int = 2
     steps: int = 2  # the last one is measured (the first creates the optimizer state)
     name: str = ""
     # pipeline: stages, schedule, microbatches per step (micro_batch sequences each), stages per rank, split
@@ -232,7 +243,7 @@ class MeasureSpec:
 
         return dict(precision=self.precision, activation_checkpoint=ActivationCheckpointConfig(self.checkpointing,
                                                                                                 self.every_k),
-                    optimizer=OptimizerConfig(impl=self.optimizer_impl), memory=MemoryConfig(self.loss_chunks),
+                    optimizer=OptimizerConfig(impl=self.optimizer_impl), memory=MemoryConfig(self.loss_chunks, self.activation_offload, self.offload_every_k),
                     seed=0, grad_clip=1.0)
 
     def batch(self, world_size: int):
@@ -255,6 +266,7 @@ class Measurement:
     spec: dict = field(default_factory=dict)
     fsdp_all_gathers: int = 0  # FSDP all-gathers (foreach_all_gather calls) this rank ran in the measured step
     fsdp_groups: int = 0  # FSDP parameter groups with parameters on this rank (blocks, experts, roots)
+    host_peak: int = 0  # host bytes at their peak in the measured step (activation offloading's copies)
 
 
 def _identity_map(model, optimizer, ddp_buckets, extra=None, pipelined: bool = False) -> dict[int, str]:
@@ -338,6 +350,30 @@ def _fsdp_labels(tracker: StorageTracker):
     finally:
         for name, orig in saved.items():
             setattr(FSDPParamGroup, name, orig)
+
+
+@contextlib.contextmanager
+def _offload_labels(tracker: StorageTracker):
+    """Activation offloading's host copies are host memory; the copies it brings back are activations again."""
+    from paratrain.distributed.offload import ActivationOffloader
+
+    saved = {}
+    for name, label in (("_to_host", HOST), ("_fetch", ACTS)):
+        orig = saved[name] = getattr(ActivationOffloader, name)
+
+        def wrapped(self, *a, __orig=orig, __label=label, **k):
+            prev, tracker.label = tracker.label, __label
+            try:
+                return __orig(self, *a, **k)
+            finally:
+                tracker.label = prev
+
+        setattr(ActivationOffloader, name, wrapped)
+    try:
+        yield
+    finally:
+        for name, orig in saved.items():
+            setattr(ActivationOffloader, name, orig)
 
 
 def _labeller(tracker: StorageTracker, label: str):
@@ -493,7 +529,7 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
     tracker = StorageTracker()
     tracker.debug = bool(os.environ.get("PARATRAIN_MEM_DEBUG"))
     gathers = [0]
-    with tracker, _fsdp_labels(tracker), _count_fsdp_all_gathers(gathers):
+    with tracker, _fsdp_labels(tracker), _offload_labels(tracker), _count_fsdp_all_gathers(gathers):
         tracker.label = PARAMS
         step = build_train_step(args, dims, device, **spec.step_options())  # the trainer's own step
         model, optimizer, pipeline = step.model, step.optimizer, step.pipeline
@@ -557,7 +593,7 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
                 print("PEAK", cat, n, f, "x", c)
     roots = list(pipeline.modules.values()) if pipeline is not None else [inner]  # a pipeline: each stage's root
     result = Measurement(rank, tracker.peak, tracker.peak_label, tracker.peak_breakdown, probe.forward_end, states,
-                         asdict(spec), gathers[0], sum(_fsdp_group_count(m) for m in roots))
+                         asdict(spec), gathers[0], sum(_fsdp_group_count(m) for m in roots), tracker.host_peak)
     del model, optimizer, step, pipeline
     return result
 
@@ -644,4 +680,5 @@ def inputs_for_spec(spec: MeasureSpec, world_size: int):
                           precision=spec.precision, optimizer="adamw", optimizer_impl=spec.optimizer_impl,
                           checkpointing=spec.checkpointing, every_k=spec.every_k, micro_batch=spec.micro_batch,
                           seq_len=spec.seq_len, accum_steps=spec.accum_steps, device="cpu", overhead_bytes=0,
-                          loss_chunks=spec.loss_chunks)
+                          loss_chunks=spec.loss_chunks, activation_offload=spec.activation_offload,
+                          offload_every_k=spec.offload_every_k)

@@ -265,10 +265,11 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
     comm = GradComm(parallel or ParallelConfig(), dims, device, seed)  # gradient compression, buckets, prefetching
     pipeline = None
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
-        pipeline = build_pipeline(dims, model, ac, precision, compile, device, seed, schedule_loss(scaler), comm)
+        pipeline = build_pipeline(dims, model, ac, precision, compile, device, seed, schedule_loss(scaler), comm,
+                                  memory)
         model = pipeline.model
     else:
-        model = parallelize(model, dims, ac, precision, compile, device, seed, comm=comm)
+        model = parallelize(model, dims, ac, precision, compile, device, seed, comm=comm, memory=memory)
     comm.prepare()
     opt = build_optimizer(unwrap(model), optimizer or OptimizerConfig(), device,
                           dims.dp_group if layout.zero1 else None)
