@@ -52,7 +52,7 @@ def train_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool =
     if first_launch:  # every rank looks before any of them can write (they meet in init_distributed first)
         check_new_run(cfg)
         check_overwrite(cfg)
-    env = init_distributed(cfg.training.device, cfg.resilience.collective_timeout_s)
+    env = init_distributed(cfg.training.device, cfg.resilience.collective_timeout_s, cfg.memory.cpu_offload)
     if world > 1:
         # One rank prepares the data; the others wait, then read it or raise the same error.
         box = [None]

@@ -10,6 +10,10 @@ logits to the schedule's loss function, which has no hidden states to cut.
 Activation offload (`memory.activation_offload`): the saved tensors of every block ("all") or of blocks 0, k, 2k, ...
 ("every_k") go to host memory in forward and come back in backward (distributed/offload.py). Not with the zero-bubble
 schedules, whose weight-gradient step reads the saved tensors a second time after the input-gradient step.
+
+CPU offload (`memory.cpu_offload`): FSDP2's CPUOffloadPolicy keeps each rank's shards of the parameters and
+gradients, and so the optimizer state, in host memory, and the optimizer step runs on the CPU; it needs FSDP to hold
+the parameters (fsdp, zero2, hsdp; with tp, pp, ep, cp).
 """
 
 from __future__ import annotations
@@ -58,7 +62,14 @@ def check_offload(mode: str, layout) -> None:
                           "the input-gradient step; use 1f1b, gpipe or interleaved_1f1b")
 
 
+def check_cpu_offload(enabled: bool, layout) -> None:
+    if enabled and not layout.uses_fsdp:
+        raise ConfigError("memory.cpu_offload needs FSDP to hold the parameters: dp_mode fsdp, zero2 or hsdp with "
+                          f"more than one data-parallel or context-parallel rank (this layout: {layout.describe()})")
+
+
 def check(memory, layout, precision: str) -> None:
     """Every `[memory]` setting against the layout (ConfigError naming the setting)."""
     loss_chunks(memory.loss_chunks, layout, precision)
     check_offload(memory.activation_offload, layout)
+    check_cpu_offload(memory.cpu_offload, layout)

@@ -81,6 +81,9 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp2+offload_every_k+selective": (2, ["parallel.tp=2", "memory.activation_offload=every_k",
                                           "activation_checkpoint.mode=selective"]),
     "pp2+offload+full": (2, ["parallel.pp=2", "memory.activation_offload=all", "activation_checkpoint.mode=full"]),
+    "fsdp2+cpu_offload": (2, ["parallel.dp_mode=fsdp", "memory.cpu_offload=true"]),
+    "fsdp2xtp2+cpu_offload": (4, ["parallel.dp_mode=fsdp", "parallel.tp=2", "memory.cpu_offload=true"]),
+    "pp2xdp2+cpu_offload": (4, ["parallel.pp=2", "parallel.dp_mode=fsdp", "memory.cpu_offload=true"]),
 }
 DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
                   "fsdp2+every_k", "fsdp2+selective", "accum"]
@@ -88,7 +91,8 @@ DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp
 MOE_MATRIX = ["ep2", "ep4", "ep2xfsdp2", "ep2xtp2"]
 PP_MATRIX = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2-zb", "pp2xdp2", "pp2xtp2", "pp2xdp2xtp2"]
 CP_MATRIX = ["cp2", "cp2xfsdp2", "cp2xtp2", "cp2xpp2", "cp4-seq1024"]
-MEMORY_MATRIX = ["loss-whole", "tp2+sp+loss3", "fsdp2+offload", "tp2+offload_every_k+selective", "pp2+offload+full"]
+MEMORY_MATRIX = ["loss-whole", "tp2+sp+loss3", "fsdp2+offload", "tp2+offload_every_k+selective", "pp2+offload+full",
+                 "fsdp2+cpu_offload", "fsdp2xtp2+cpu_offload", "pp2xdp2+cpu_offload"]
 
 GLOBAL_BATCH = 8
 EVAL_SEQUENCES = 13  # not divisible by 2, 4 or 8: the data-parallel shares of the validation set are padded

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import pytest
@@ -107,3 +108,58 @@ def test_activation_offload_moves_saved_tensors_to_host_and_back():
     loss0, grads0, _ = results["none", "none"]
     for (mode, ac), (loss, grads, _) in results.items():
         assert torch.equal(loss, loss0) and all(torch.equal(grads[n], grads0[n]) for n in grads0), (mode, ac)
+
+
+def _runs(runs):
+    """(config, PARATRAIN_FAULTS) pairs trained one after the other by the same launched ranks; rank 0's results
+    (with the final weights)."""
+    import os
+
+    from paratrain.api import run_rank
+
+    out = []
+    for i, (cfg, faults) in enumerate(runs):
+        os.environ["PARATRAIN_FAULTS"] = faults
+        try:
+            out.append(run_rank(cfg, True, keep_group=i < len(runs) - 1))
+        finally:
+            os.environ.pop("PARATRAIN_FAULTS")
+    return out
+
+
+def test_cpu_offload_checkpoints_resume_across_offload_and_layouts_and_export(char_data, tmp_path):
+    """fsdp2 with CPU offload saves at step 3 and exports a Hugging Face folder; resumed without offload it trains
+    the straight run's steps 3-5, and resumed as zero2 (offload on) the same within 1e-5; with offload on, a
+    non-finite step is skipped, and fp16's loss scaler skips an overflow."""
+    from safetensors.torch import load_file
+
+    from paratrain.config import load_config
+    from paratrain.distributed.launch import launch
+
+    from conftest import fast_overrides
+
+    base = ["training.global_batch=8", "training.micro_batch=4", "training.eval_every=0", "optimizer.warmup_steps=2",
+            "parallel.dp_mode=fsdp", "sample.max_new_tokens=0"]
+
+    def cfg(name, *extra):
+        return load_config(None, fast_overrides(char_data, tmp_path, name, *base, *extra))
+
+    saved = tmp_path / "offload" / "checkpoints" / "step-3"
+    straight, offload, plain, zero2, nan, fp16 = launch(_runs, ([
+        (cfg("straight", "training.steps=6"), ""),
+        (cfg("offload", "training.steps=3", "memory.cpu_offload=true", "checkpoint.export_hf=true",
+             "checkpoint.export_hf_dtype=fp32"), ""),
+        (cfg("plain", "training.steps=6", f"checkpoint.resume={saved}"), ""),
+        (cfg("zero2", "training.steps=6", f"checkpoint.resume={saved}", "parallel.dp_mode=zero2",
+             "memory.cpu_offload=true"), ""),
+        (cfg("nan", "training.steps=3", "memory.cpu_offload=true"), "nan@1"),
+        (cfg("fp16", "training.steps=4", "training.precision=fp16", "memory.cpu_offload=true"), "nan@1"),
+    ],), 2)
+    assert offload.losses == straight.losses[:3]
+    assert max(abs(a - b) for a, b in zip(plain.losses, straight.losses[3:])) <= 1e-6
+    assert max(abs(a - b) for a, b in zip(zero2.losses, straight.losses[3:])) <= 1e-5
+    exported = load_file(str(tmp_path / "offload" / "hf" / "model.safetensors"))
+    assert torch.equal(exported["model.norm.weight"], offload.final_weights["norm.weight"])
+    assert nan.skipped_steps == 1 and nan.losses[0] == straight.losses[0] and math.isfinite(nan.losses[2])
+    # fp16: the (sharded) scaler unscales the host gradients, skips the overflowing step and lowers its scale
+    assert math.isnan(fp16.losses[1]) and all(map(math.isfinite, fp16.losses[:1] + fp16.losses[2:]))

@@ -24,11 +24,13 @@ def canonical_name(name: str) -> str:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int, std_for=None) -> None:
+def init_weights(model: nn.Module, seed: int, std_for=None, device: torch.device | None = None) -> None:
     """Fill every parameter of `model` (plain or DTensor, on any device) deterministically.
 
     `std_for(name)` gives the normal std for a canonical parameter name, or None for ones;
-    by default the model's own `param_init_std`.
+    by default the model's own `param_init_std`. `device`: where the values are drawn (random streams differ by
+    device type: parameters offloaded to host memory are drawn on the training device like everyone else's); None:
+    each parameter's own.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -40,14 +42,14 @@ def init_weights(model: nn.Module, seed: int, std_for=None) -> None:
         seen.add(id(param))
         name = canonical_name(raw_name)
         is_dtensor = isinstance(param, DTensor)
-        device = param.device if not is_dtensor else param.to_local().device
+        where = device or (param.device if not is_dtensor else param.to_local().device)
         full_shape = param.shape  # a DTensor reports its global shape
         std = std_for(name)
         if std is None:
-            full = torch.ones(full_shape, device=device, dtype=param.dtype)
+            full = torch.ones(full_shape, device=where, dtype=param.dtype)
         else:
-            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            full = torch.empty(full_shape, device=device, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            gen = torch.Generator(device=where).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.empty(full_shape, device=where, dtype=torch.float32).normal_(0.0, std, generator=gen)
         if is_dtensor:
             # src_data_rank=None: every rank computed the same full tensor, so each just keeps its shard.
             shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()

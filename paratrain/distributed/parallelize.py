@@ -106,24 +106,35 @@ def apply_compile(model: nn.Module, backend: str | None = None) -> None:
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_mesh=None,
-               comm: GradComm | None = None) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+               comm: GradComm | None = None, cpu_offload: bool = False, device: torch.device | None = None) -> None:
+    """cpu_offload: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and so the optimizer state in host memory,
+    pinned on CUDA; each group's shards are copied to `device` for its all-gather, its gradient shards back)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     comm = comm or GradComm.default(dims, torch.device("cpu"))
     # Gradients are reduced in fp32, or in bf16 with parallel.grad_compression=bf16.
     mp = MixedPrecisionPolicy(param_dtype=PRECISION_DTYPES[precision], reduce_dtype=comm.reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=device is not None and device.type == "cuda") if cpu_offload else OffloadPolicy()
+    policies = dict(mp_policy=mp, offload_policy=offload)
     mesh = comm.fsdp_mesh()  # hsdp compressing its replicate all-reduce shards over dp_shard only
     # zero2: gradients and optimizer state sharded, parameters kept gathered from forward to backward.
     reshard = dims.layout.reshard_after_forward
     if expert_dp_mesh is not None:
         # Expert-parallel experts first, on their own mesh, so the blocks' groups leave them out.
-        shard_experts(model, expert_dp_mesh, mp, reshard)
+        shard_experts(model, expert_dp_mesh, policies, reshard)
     layers = list(model.layers.values())
     for i, block in enumerate(layers):
         # The last block is resharded by the root right after forward anyway; skip the extra work.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard and i < len(layers) - 1, **policies)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policies)
     comm.attach_fsdp(model, layers)  # prefetching; hsdp's compressed replicate all-reduce
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
 
 
 def _whole_length(layout):
@@ -166,11 +177,16 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
         blocks = offloaded_blocks(memory.activation_offload, memory.activation_offload_every_k, model.args.n_layers)
         stride = offload_stride(memory.activation_offload, memory.activation_offload_every_k)
         apply_activation_offload(model, blocks, device, stride)
+    cpu_offload = memory is not None and memory.cpu_offload
     if layout.uses_fsdp:
-        apply_fsdp(model, dims, precision, expert_dp_mesh, comm)
+        apply_fsdp(model, dims, precision, expert_dp_mesh, comm, cpu_offload, device)
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
-        model.to_empty(device=device)
-    init_weights(model, seed)
+        if cpu_offload:  # the sharded parameters live in host memory; the buffers (rotary tables) on the device
+            model.to_empty(device="cpu")
+            _buffers_to(model, device)
+        else:
+            model.to_empty(device=device)
+    init_weights(model, seed, device=device)  # drawn on the device whatever holds them: the same values
     if layout.uses_ddp:
         from torch.nn.parallel import DistributedDataParallel
 

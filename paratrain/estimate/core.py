@@ -199,6 +199,7 @@ class _Rank:
     classic: bool  # classic mixed-precision accounting (Megatron/DeepSpeed) in bf16/fp16
     fsdp: bool  # FSDP's unsharded working copies (classic ZeRO-2 keeps whole bf16 parameters in its parameters row)
     pbytes: int  # dtype the unsharded parameters compute in
+    host: dict  # model states in host memory (CPU offload: the sharded parameters, gradients, optimizer state)
 
     def local_numel(self, ps) -> int:
         return sum(math.prod(local_shape(p, self.i.layout)) for p in ps)
@@ -220,7 +221,11 @@ def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers
     classic = i.accounting == "classic" and low
     fsdp = lay.uses_fsdp and not (classic and lay.zero_stage == 2)
     pbytes = BF16 if (low and (fsdp or classic)) else FP32
-    return _Rank(i, st, d, params, by_layer, [p for p in params if p.layer is None], classic, fsdp, pbytes)
+    host = {}
+    if i.cpu_offload:  # FSDP2's CPUOffloadPolicy: the device keeps only what it gathers and computes with
+        host = {"parameters": st.params, "gradients": st.grads, "optimizer": st.optimizer + st.master}
+        st = dataclasses.replace(st, params=0, grads=0, optimizer=0, master=0)
+    return _Rank(i, st, d, params, by_layer, [p for p in params if p.layer is None], classic, fsdp, pbytes, host)
 
 
 class _Peaks:
@@ -271,7 +276,10 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     zero2 = lay.uses_fsdp and not lay.reshard_after_forward  # gathered parameters kept from forward to backward
     gbytes = BF16 if classic else FP32  # gradient dtype held by the optimizer
 
-    def grad_bytes(ps):  # this rank's final gradients of these params
+    def grad_bytes(ps):  # this rank's final gradients of these params on the device (CPU offload: on the host)
+        return 0 if r.host else host_grad_bytes(ps)
+
+    def host_grad_bytes(ps):
         if classic:
             return math.ceil(local_numel(ps) / lay.shard_degree) * gbytes
         if fsdp:
@@ -417,10 +425,13 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     opt_temp = 0
     if i.optimizer_impl != "fused" and i.optimizer in ("adamw", "adam"):
         # _multi_tensor_adam: torch._foreach_sqrt(exp_avg_sqs) per parameter group (matrices, then norm gains)
-        opt_temp = max(grads_full - grad_bytes([p for p in params if len(p.shape) < 2]),
-                       grad_bytes([p for p in params if len(p.shape) < 2])) * (FP32 // gbytes)
+        small = host_grad_bytes([p for p in params if len(p.shape) < 2])
+        opt_temp = max(r.host.get("gradients", grads_full) - small, small) * (FP32 // gbytes)
         if lay.zero1:
             opt_temp = math.ceil(st.optimizer / 2)
+    host_states = _host_total(r.host, opt_temp)
+    if r.host:
+        opt_temp = 0  # the optimizer steps on the CPU
     if comp is not None and site == "ddp_hook":  # the hook compresses the last bucket: every gradient is there
         add("gradient compression (DDP hook)", **base, gradients=grads_full, comm_buffers=ddp_buckets,
             temporaries=comp.transient_bytes)
@@ -430,7 +441,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     sizes = out["sizes"]
     sizes["gradients"] = max(sizes.get("gradients", 0), grads_full)
     sizes["autocast_copies"] = autocast
-    out["host"] = {"activations": host_at_end} if host_at_end else {}
+    out["host"] = {**host_states, **({"activations": host_at_end} if host_at_end else {})}
     return out
 
 
@@ -568,7 +579,7 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
                 held -= inter[stage]
             if stash_sends and remote_next[stage]:
                 sent_out += binp
-    host = int(in_flight(lay, rank) * sum(moved.values()))  # offloaded micro-batches in flight
+    host_acts = int(in_flight(lay, rank) * sum(moved.values()))  # offloaded micro-batches in flight
     # the end of the step: FSDP reshards and reduce-scatters each group's accumulated gradients (the largest
     # group's buffers at the worst time: all gradients still unsharded)
     if fsdp and unsh:
@@ -581,11 +592,19 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
         gb = BF16 if classic else FP32
         small = [p for p in params if len(p.shape) < 2]
         small_bytes = (sum(fsdp_numel(p, lay) for p in small) if lay.uses_fsdp else local_numel(small)) * gb
-        opt_temp = max(st.grads - small_bytes, small_bytes) * (FP32 // gb)
-    add("optimizer step", **base, gradients=st.grads, comm_buffers=p2p, temporaries=opt_temp)
+        opt_temp = max(r.host.get("gradients", st.grads) - small_bytes, small_bytes) * (FP32 // gb)
+    host_states = _host_total(r.host, opt_temp)
+    add("optimizer step", **base, gradients=st.grads, comm_buffers=p2p, temporaries=0 if r.host else opt_temp)
     out = peaks.result(r)
-    out["host"] = {"activations": host} if host else {}
+    out["host"] = {**host_states, **({"activations": host_acts} if host_acts else {})}
     return out
+
+
+def _host_total(states: dict, opt_temp: int) -> dict:
+    """Host memory of CPU-offloaded model states at the optimizer step (its foreach temporaries are host memory too)."""
+    if not states:
+        return {}
+    return {**states, **({"temporaries": opt_temp} if opt_temp else {})}
 
 
 def _zb_intermediates(d: A.ActDims) -> int:

@@ -10,7 +10,7 @@ from paratrain.errors import UserError
 from paratrain.estimate.compression import Compression
 from paratrain.estimate.gpus import HEADROOM, check_headroom
 from paratrain.layout import Batch, Layout, grad_compression_site
-from paratrain.memory import OFFLOAD_MODES, check_offload, loss_chunks
+from paratrain.memory import OFFLOAD_MODES, check_cpu_offload, check_offload, loss_chunks
 from paratrain.models.args import ModelArgs
 
 CHECKPOINTING = ("none", "full", "every_k", "selective")
@@ -44,6 +44,7 @@ class EstimateInputs:
     loss_chunks: int = 0  # memory.loss_chunks (0: automatic, paratrain.memory.loss_chunks)
     activation_offload: str = "none"  # memory.activation_offload: none | all | every_k (offload_every_k)
     offload_every_k: int = 2
+    cpu_offload: bool = False  # memory.cpu_offload: sharded parameters, gradients and optimizer state in host memory
 
     def replace(self, **kw) -> "EstimateInputs":
         return dataclasses.replace(self, **kw)
@@ -85,6 +86,7 @@ def validate(i: EstimateInputs) -> EstimateInputs:
     if i.offload_every_k < 1:
         raise UserError(f"--offload-every-k must be >= 1, got {i.offload_every_k}")
     check_offload(i.activation_offload, lay)
+    check_cpu_offload(i.cpu_offload, lay)
     if i.loss_chunks < 0:
         raise UserError(f"--loss-chunks must be >= 0 (0: automatic), got {i.loss_chunks}")
     chunks = loss_chunks(i.loss_chunks, lay, i.precision)

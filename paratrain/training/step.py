@@ -195,7 +195,9 @@ class TrainStep:
             self.optimizer.step()
         elif self.skips_on_device:
             inner = getattr(self.optimizer, "optim", self.optimizer)
-            inner.found_inf = (~finite).float()  # 1.0: the kernel leaves parameters, moments and step counts alone
+            # 1.0: the kernel leaves parameters, moments and step counts alone (on the parameters' device: host memory
+            # under CPU offload, where the step waits for the gradients' copies anyway)
+            inner.found_inf = (~finite).float().to(inner.param_groups[0]["params"][0].device)
             try:
                 self.optimizer.step()
             finally:
@@ -271,7 +273,10 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
     else:
         model = parallelize(model, dims, ac, precision, compile, device, seed, comm=comm, memory=memory)
     comm.prepare()
-    opt = build_optimizer(unwrap(model), optimizer or OptimizerConfig(), device,
+    # CPU offload: the sharded parameters, their gradients and the optimizer state live in host memory, and the
+    # optimizer steps there
+    opt_device = torch.device("cpu") if memory.cpu_offload else device
+    opt = build_optimizer(unwrap(model), optimizer or OptimizerConfig(), opt_device,
                           dims.dp_group if layout.zero1 else None)
     return TrainStep(model, opt, layout, precision=precision, device=device, grad_clip=grad_clip, scaler=scaler,
                      pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
