@@ -28,6 +28,7 @@ OFFLOAD_MODES: tuple[str, ...] = get_args(ActivationOffloadMode)
 
 AUTO_LOSS_CHUNKS = 8  # torchtune's default number of output chunks: 1/8 of the logits live at a time
 MIN_OFFLOAD_BYTES = 1024  # smaller saved tensors stay on the device (a copy costs more than it saves; torchtune's)
+HOST_HEADROOM = 0.2  # of a node's host memory kept for the OS, the data loaders and the ranks' own processes
 
 
 def loss_chunks(setting: int, layout, precision: str) -> int:

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 
 import pytest
 import torch
 
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Layout
 from paratrain.memory import AUTO_LOSS_CHUNKS, check_offload, loss_chunks, offloaded_blocks
 from paratrain.verify import MEMORY_MATRIX
@@ -163,3 +164,54 @@ def test_cpu_offload_checkpoints_resume_across_offload_and_layouts_and_export(ch
     assert nan.skipped_steps == 1 and nan.losses[0] == straight.losses[0] and math.isfinite(nan.losses[2])
     # fp16: the (sharded) scaler unscales the host gradients, skips the overflowing step and lowers its scale
     assert math.isnan(fp16.losses[1]) and all(map(math.isfinite, fp16.losses[:1] + fp16.losses[2:]))
+
+
+def test_estimate_names_a_tier_that_fits_on_the_same_gpus():
+    """The issue's case: llama3-8b on 4 x RTX4090 at 4096 tokens does not fit; the suggestion keeps the 4 GPUs and
+    names its tier, device and host memory per rank and predicted slowdown; CPU offload puts the model states on
+    the host (device and host totals apart), and a node too small for them is refused."""
+    from paratrain.estimate import EstimateInputs, estimate
+    from paratrain.estimate.gpus import GiB
+    from paratrain.models.presets import preset_args
+
+    args = preset_args("llama3-8b")
+    asked = EstimateInputs(args, Layout.resolve(4, dp_mode="fsdp"), gpu_name="RTX4090", gpu_bytes=24 * GiB,
+                           micro_batch=1, seq_len=4096)
+    est = estimate(asked)
+    assert est.fits is False and est.suggestion["inputs"]["world_size"] == 4
+    best = est.suggestion
+    assert best["slowdown"] > 1 and best["total_bytes"] <= 0.9 * 24 * GiB
+    tier = best["inputs"]
+    assert tier["loss_chunks"] > 1 or tier["activation_offload"] != "none" or tier["cpu_offload"]
+    plain = estimate(asked.replace(checkpointing="full"), suggest=False)
+    off = estimate(asked.replace(checkpointing="full", cpu_offload=True), suggest=False)
+    assert off.host["optimizer"] == plain.at_peak["optimizer"] and off.at_peak.get("optimizer", 0) == 0
+    rope = off.at_peak["parameters"]  # the device keeps the rotary tables (buffers)
+    assert off.host["parameters"] + rope == plain.at_peak["parameters"] and rope < 0.001 * plain.at_peak["parameters"]
+    assert off.fits and off.host_node_bytes == 4 * off.host_bytes
+    small = estimate(asked.replace(checkpointing="full", cpu_offload=True, host_bytes=64 * GiB), suggest=False)
+    assert small.host_fits is False and small.fits is False
+
+
+def test_plan_reaches_for_the_tiers_and_writes_them(tmp_path):
+    """Nothing fits 4 x RTX4090 for llama3-8b without a tier: the plan names one, predicts its PCIe copies and host
+    optimizer step, and its config loads as `paratrain train --config` would read it."""
+    from paratrain.config import load_config
+    from paratrain.planner.cli import context_from_argv, write_outputs
+    from paratrain.planner.search import plan
+    from paratrain.spec import check
+
+    ctx, world, opts, base = context_from_argv(["--model", "llama3-8b", "--gpus", "4", "--gpus-per-node", "4", "--gpu",
+                                                "RTX4090", "--intra", "pcie4", "--seq", "4096",
+                                                "--global-batch-tokens", "65536", "--host-memory", "256GiB"])
+    best = plan(ctx, world, opts, top=1).ranked[0]
+    assert best.cand.tiers() and best.estimate.host_fits
+    if best.cand.cpu_offload:
+        assert best.pred.optimizer_s > 0.5  # 2B parameters per rank stepped on the host's cores
+    path, _, _ = write_outputs(best, ctx, world, tmp_path / "plan", base, "llama3-8b")
+    cfg = load_config(path)
+    assert (cfg.memory.cpu_offload, cfg.memory.activation_offload) == (best.cand.cpu_offload, best.cand.act_offload)
+    assert check(cfg, world).world_size == 4
+    with pytest.raises(UserError, match="does not fit in host memory"):
+        tight = dataclasses.replace(ctx, host_memory_bytes=16 * 2**30)
+        plan(tight, world, opts, top=1)

@@ -32,7 +32,7 @@ from paratrain.estimate.model_states import (BF16, FP32, Param, StateBytes, fsdp
                                              local_shape, model_params, rank_layers, rank_params, state_bytes,
                                              zero_table)
 from paratrain.layout import MULTI_STAGE, Layout, grad_compression_site
-from paratrain.memory import offload_stride, offloaded_blocks
+from paratrain.memory import HOST_HEADROOM, offload_stride, offloaded_blocks
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
 # not see): the CUDA context and kernels (~0.5-0.8 GiB with lazy module loading), cuBLAS/cuDNN workspaces and
@@ -63,7 +63,24 @@ class Estimate:
 
     @property
     def host_bytes(self) -> int:
+        """Host memory per rank (offloaded activations and model states)."""
         return sum(self.host.values())
+
+    @property
+    def host_node_bytes(self) -> int:
+        """Host memory per node: every rank of the node's."""
+        return self.host_bytes * self.inputs.node_ranks
+
+    @property
+    def host_fits(self) -> bool | None:
+        """Whether the node's host memory holds it (memory.HOST_HEADROOM kept free); None: --host-memory not given."""
+        limit = self.inputs.host_bytes
+        return None if limit is None else self.host_node_bytes <= usable_bytes(limit, HOST_HEADROOM)
+
+    @property
+    def host_limit_text(self) -> str:
+        return (f"limit {1 - HOST_HEADROOM:.0%} = {fmt_bytes(usable_bytes(self.inputs.host_bytes, HOST_HEADROOM))}: "
+                "the rest for the OS, the data loaders and the ranks' processes")
 
     @property
     def total_bytes(self) -> int:
@@ -80,7 +97,10 @@ class Estimate:
 
     @property
     def fits(self) -> bool | None:
-        return None if self.gpu_bytes is None else fits(self.total_bytes, self.gpu_bytes, self.inputs.headroom)
+        """The device's memory holds it (and the host's, when --host-memory is given)."""
+        if self.gpu_bytes is None:
+            return None
+        return fits(self.total_bytes, self.gpu_bytes, self.inputs.headroom) and self.host_fits is not False
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -106,7 +126,10 @@ class Estimate:
             "zero_breakdown": {"ranks": self.zero_ranks, "rows": self.zero, "units": "bytes"},
             "stages": self.stages, "fsdp_all_gathers_per_step": self.fsdp_all_gathers,
             "suggestion": self.suggestion, "alternatives": self.alternatives,
-            "host_bytes": self.host_bytes, "host_breakdown_bytes": self.host,
+            "host_bytes": self.host_bytes, "host_breakdown_bytes": self.host, "host_node_bytes": self.host_node_bytes,
+            "host_memory_bytes": i.host_bytes, "host_fits": self.host_fits,
+            "memory_tiers": {"loss_chunks": i.loss_chunks, "activation_offload": i.activation_offload,
+                             "activation_offload_every_k": i.offload_every_k, "cpu_offload": i.cpu_offload},
         }
 
     def format_table(self, units: str = "GiB") -> str:

@@ -45,6 +45,12 @@ class EstimateInputs:
     activation_offload: str = "none"  # memory.activation_offload: none | all | every_k (offload_every_k)
     offload_every_k: int = 2
     cpu_offload: bool = False  # memory.cpu_offload: sharded parameters, gradients and optimizer state in host memory
+    host_bytes: int | None = None  # host memory per node (--host-memory; None: not checked)
+    ranks_per_node: int = 0  # ranks sharing a node's host memory (0: the world size, at most 8)
+
+    @property
+    def node_ranks(self) -> int:
+        return self.ranks_per_node or min(self.layout.world_size, 8)
 
     def replace(self, **kw) -> "EstimateInputs":
         return dataclasses.replace(self, **kw)
@@ -87,6 +93,8 @@ def validate(i: EstimateInputs) -> EstimateInputs:
         raise UserError(f"--offload-every-k must be >= 1, got {i.offload_every_k}")
     check_offload(i.activation_offload, lay)
     check_cpu_offload(i.cpu_offload, lay)
+    if i.ranks_per_node < 0 or (i.host_bytes is not None and i.host_bytes <= 0):
+        raise UserError("--gpus-per-node and --host-memory must be positive")
     if i.loss_chunks < 0:
         raise UserError(f"--loss-chunks must be >= 0 (0: automatic), got {i.loss_chunks}")
     chunks = loss_chunks(i.loss_chunks, lay, i.precision)

@@ -102,6 +102,10 @@ class Candidate:
     ac: str = "none"  # none | full | selective | every_k
     every_k: int = 2
     micro_batch: int = 1  # sequences per micro-step (per pipeline micro-batch with pp)
+    # the memory tiers (paratrain/memory.py; `[memory]`): chunked loss, activation offloading, CPU offload
+    loss_chunks: int = 1
+    act_offload: str = "none"  # none | all | every_k (blocks 0, every_k, ...)
+    cpu_offload: bool = False
 
     @property
     def world(self) -> int:
@@ -152,7 +156,13 @@ class Candidate:
             parts.append(f"ep={lay.ep}")
         parts.append(f"ac={self.ac}" + (f"{self.every_k}" if self.ac == "every_k" else ""))
         parts.append(f"mb={self.micro_batch}")
-        return ",".join(parts)
+        return ",".join(parts + self.tiers())
+
+    def tiers(self) -> list[str]:
+        """The memory tiers this candidate uses, as short names."""
+        return ([f"loss/{self.loss_chunks}"] if self.loss_chunks > 1 else []) + \
+            ([f"actoff={self.act_offload}"] if self.act_offload != "none" else []) + \
+            (["cpuoff"] if self.cpu_offload else [])
 
     def describe(self) -> str:
         return self.layout.short_name()
@@ -176,6 +186,7 @@ class Context:
     float8: bool = False  # what-if: the blocks' linear layers as float8 GEMMs (the profile's float8 rate)
     stage_hw: list[Hardware] | None = None  # heterogeneous clusters: the hardware of each pipeline rank, in order
     cluster: list | None = None  # heterogeneous clusters: the GPU groups in rank order (planner/hetero.py GpuGroup)
+    host_memory_bytes: int | None = None  # host memory per node (--host-memory; None: not checked)
     cache: dict = field(default_factory=dict, repr=False, compare=False)  # per-shape compute terms (block_costs)
 
     def rank_hw(self, pp_rank: int) -> Hardware:
@@ -423,6 +434,9 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     P_stage = (P - experts + experts / c.ep) / c.pp / t
     opt_params = P_stage / lay.optimizer_shards
     optimizer = (opt_params * 4 * 4 * 2 / hw.mem_bandwidth + 20 * hw.op_overhead_s) * hw.compute_scale
+    if c.cpu_offload:  # the host steps this rank's shards (planner/hardware.py: host_adam_rate)
+        _host(hw)
+        optimizer = opt_params / hw.host_adam_params_per_s
 
     # gradient compression: what the compressed collective sends, and the compute it costs
     site = grad_compression_site(lay, ctx.compression.method)
@@ -476,6 +490,8 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
             rs = n_rs * (reduce_scatter_time(P_stage * 4 * rs_frac / groups, shard, shard_link) + group)
             overlappable += ag + rs
             min_exposed += ag / n_ag + rs / n_rs  # one group's worth stays exposed
+            if c.cpu_offload:  # each gather copies the group's fp32 shards in, each reduce-scatter its gradients out
+                overlappable += (n_ag + n_rs) * p2p_time(P_stage * 4 / shard / groups, _host(hw))
             if lay.hybrid:
                 frac = rs_frac if site == "reduce_dtype" else comp_frac
                 latency = all_reduce_time(0.0, lay.dp_replicate, rep_link)
@@ -506,6 +522,11 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
                c.pp)
         ring_total, comm[RING] = cached(ctx, key, lambda: ring_time(ctx, c, T, attention_time(ctx, c)))
         comm_total += ring_total - comm[RING]  # the hidden part (the exposed part is added below)
+    if c.act_offload != "none":
+        comm[ACT_OFFLOAD], moved = activation_offload_time(c, ctx, layers, compute / max(n_micro, 1))
+        comm_total += moved - comm[ACT_OFFLOAD]
+    if c.loss_chunks > 1:  # the head's forward once more, piece by piece, in backward
+        recompute += n_micro * block_costs(ctx, hw, t, c.micro_batch, c.ep, c.ac, cp).head / 3
     comm_total += sum(v for k, v in comm.items() if k not in ("data-parallel",))
     exposed = sum(comm.values())
 
@@ -520,6 +541,35 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     mfu = cached(ctx, ("flops_per_token", S), lambda: flops_per_token(a, S)) * tok_s / (c.world * peak)
     return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm, compress,
                       fsdp_gathers)
+
+
+ACT_OFFLOAD = "activation offload"  # the exposed part of activation offloading's copies
+OFFLOAD_EVERY_K = 2  # memory.activation_offload_every_k of a candidate offloading every_k blocks (the default)
+
+
+def _host(hw: Hardware) -> Link:
+    if hw.host is None:
+        raise ValueError(f"profile {hw.name} has no host side: the offloading tiers cannot be predicted on it")
+    return hw.host
+
+
+def activation_offload_time(c: Candidate, ctx: Context, blocks: int, compute_s: float) -> tuple[float, float]:
+    """(exposed, total) seconds per step of activation offloading's copies on the busiest rank: each offloaded
+    block's saved bytes (estimate.activations.offloaded) go to host in its forward and come back in backward, on a
+    side stream beside the compute of one block (its own forward, the block above's backward: a share `overlap` of
+    it hides them). `compute_s`: the rank's compute per micro-step."""
+    from paratrain.estimate import activations as A
+    from paratrain.memory import offloaded_blocks
+
+    lay, hw = c.layout, ctx.hw
+    d = A.act_dims(ctx.args, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, hw.device)
+    mode = "full" if c.ac == "full" else ("selective" if c.ac == "selective" else "none")
+    n = len(offloaded_blocks(c.act_offload, OFFLOAD_EVERY_K, blocks))
+    one = p2p_time(A.offloaded(d, mode), _host(hw))  # one block's copy, one way
+    per_block = compute_s / max(blocks, 1) / 3  # forward; backward is twice that
+    exposed = max(0.0, one - hw.overlap * per_block) + max(0.0, one - hw.overlap * 2 * per_block)
+    steps = c.micro_steps(ctx)
+    return steps * n * exposed, steps * n * 2 * one
 
 
 def attention_time(ctx: Context, c: Candidate) -> float:

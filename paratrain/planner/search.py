@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from paratrain.errors import ConfigError, UserError
 from paratrain.estimate.gpus import HEADROOM
 from paratrain.layout import DP_MODES, INTERLEAVED, ZERO_BUBBLE, Batch, Layout, grad_compression_site
-from paratrain.planner.cost import Candidate, Context, Prediction, cached, predict
+from paratrain.memory import AUTO_LOSS_CHUNKS
+from paratrain.planner.cost import OFFLOAD_EVERY_K, Candidate, Context, Prediction, cached, predict
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")  # the planner's choice of paratrain.layout.SCHEDULES
 AC_MODES = ("none", "selective", "every_k", "full")
@@ -30,6 +31,7 @@ class Options:
     max_cp: int | None = None  # None: any degree leaving each rank at least MIN_CP_TOKENS of a sequence
     headroom: float = HEADROOM  # fraction of device memory kept free (estimate.gpus: the rule estimate uses too)
     estimate_limit: int = 120  # memory estimates run (cheapest predicted first) before giving up
+    memory_tiers: bool = True  # when nothing fits: try the chunked loss, activation offloading and CPU offload
 
 
 @dataclass
@@ -105,7 +107,9 @@ def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
                             compression=ctx.compression,
                             accum_steps=1 if c.layout.pipelined else c.micro_steps(ctx), gpu_name=ctx.hw.name,
                             gpu_bytes=ctx.hw.memory_bytes, overhead_bytes=None if ctx.hw.device == "cuda" else 0,
-                            device=ctx.hw.device)
+                            device=ctx.hw.device, loss_chunks=c.loss_chunks, activation_offload=c.act_offload,
+                            offload_every_k=OFFLOAD_EVERY_K, cpu_offload=c.cpu_offload,
+                            host_bytes=ctx.host_memory_bytes, ranks_per_node=min(c.world, ctx.gpus_per_node))
     return estimate(inputs, suggest=False, all_ranks=all_ranks)
 
 
@@ -113,6 +117,9 @@ def memory_reason(est, ctx: Context, headroom: float) -> str | None:
     from paratrain.estimate.gpus import fits, fmt_bytes, limit_text
     from paratrain.estimate.report import ROWS
 
+    if est.host_fits is False:
+        return (f"does not fit in host memory: {fmt_bytes(est.host_node_bytes)} per node of "
+                f"{fmt_bytes(ctx.host_memory_bytes)} ({est.host_limit_text})")
     if fits(est.total_bytes, ctx.hw.memory_bytes, headroom):
         return None
     biggest = max(est.at_peak.items(), key=lambda kv: kv[1])
@@ -206,19 +213,54 @@ def evaluate(c: Candidate, ctx: Context, headroom: float, with_memory: bool = Tr
     return r
 
 
+def tier_variants(c: Candidate, ctx: Context) -> list[Candidate]:
+    """A candidate with the memory tiers (paratrain/memory.py) that can make it fit: the chunked loss (without a
+    pipeline), activation offloading, CPU offload (FSDP layouts), and both offloads, each with the chunked loss. (The
+    offloads need the profile's host side: a hand-made profile without one gets the chunked loss only.)"""
+    base = dataclasses.replace(c, loss_chunks=AUTO_LOSS_CHUNKS) if c.pp == 1 else c
+    out = [base] if base is not c else []
+    if ctx.hw.host is None:
+        return out
+    zero_bubble = c.pp > 1 and c.layout.pp_schedule in ZERO_BUBBLE
+    if not zero_bubble:
+        out.append(dataclasses.replace(base, act_offload="all"))
+    if c.layout.uses_fsdp:
+        out.append(dataclasses.replace(base, cpu_offload=True))
+        if not zero_bubble:
+            out.append(dataclasses.replace(base, cpu_offload=True, act_offload="all"))
+    return out
+
+
 def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) -> Plan:
     """Predict every valid candidate, then memory-check them fastest first until `top` fit (the estimator is
-    the expensive part); raise UserError naming the nearest miss when none fits."""
+    the expensive part); when none fits, the same with the memory tiers (`tier_variants`); raise UserError naming the
+    nearest miss when still none fits."""
     opts = opts or Options()
     cands = candidates(ctx, world, opts)
     results, rejected = [], []
     for c in cands:
         r = evaluate(c, ctx, opts.headroom, with_memory=False)
         (results if r.reason is None else rejected).append(r)
+    need = max(top, 1)
+    ranked = _fitting(results, rejected, ctx, opts, need)
+    if not ranked and opts.memory_tiers:  # what does not fit: chunked loss, offloading
+        tiered = [evaluate(v, ctx, opts.headroom, with_memory=False) for r in results for v in tier_variants(r.cand, ctx)]
+        ranked = _fitting([r for r in tiered if r.reason is None], rejected, ctx, opts, need)
+        results += tiered
+        cands += [r.cand for r in tiered]
+    unchecked = sum(1 for r in results if r.total_bytes is None and r.reason is None)
+    p = Plan(ctx, opts, ranked[:max(need, len(ranked))], rejected, len(cands), unchecked)
+    if not ranked:
+        raise UserError(no_fit_message(ctx, world, opts, results, rejected))
+    return p
+
+
+def _fitting(results: list[Result], rejected: list[Result], ctx: Context, opts: Options, need: int) -> list[Result]:
+    """Memory-check `results` fastest first until `need` fit (rejects go to `rejected`); when none fits, the most
+    memory-frugal ones (full checkpointing, the smallest micro-batch) may fit though slower."""
     results.sort(key=lambda r: r.pred.step_s)
     ranked, checked = [], 0
     misses: dict = {}  # memory key -> [(micro-batch, MEM_ORDER)] of layouts that did not fit
-    need = max(top, 1)
     for r in results:
         if len(ranked) >= need:
             break  # the rest are predicted slower than `top` layouts that fit
@@ -247,20 +289,16 @@ def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) ->
             _check(r, ctx, opts)
             (ranked if r.reason is None else rejected).append(r)
         ranked.sort(key=lambda r: r.pred.step_s)
-    unchecked = sum(1 for r in results if r.total_bytes is None and r.reason is None)
-    p = Plan(ctx, opts, ranked[:max(need, len(ranked))], rejected, len(cands), unchecked)
-    if not ranked:
-        raise UserError(no_fit_message(ctx, world, opts, results, rejected))
-    return p
+    return ranked
 
 
 MEM_ORDER = {"full": 0, "every_k": 1, "selective": 1, "none": 2}
 
 
-def _memory_key(c: Candidate) -> Layout:
+def _memory_key(c: Candidate) -> tuple:
     """Candidates with the same key differ only in micro-batch (a smaller one makes more pipeline micro-batches) and
     checkpointing: a larger micro-batch with no more recomputation needs at least as much memory."""
-    return dataclasses.replace(c.layout, pp_microbatches=0)
+    return dataclasses.replace(c.layout, pp_microbatches=0), c.loss_chunks, c.act_offload, c.cpu_offload
 
 
 def _dominated(c: Candidate, miss_micro_batch: int, miss_ac: str) -> bool:
@@ -280,6 +318,7 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     from paratrain.estimate.core import block_modes, in_flight
     from paratrain.estimate.gpus import fmt_bytes, limit_text, usable_bytes
     from paratrain.estimate.model_states import rank_layers, state_bytes
+    from paratrain.memory import offloaded_blocks
     from paratrain.models.presets import block_param_count
 
     lay, a, c = r.cand.layout, ctx.args, r.cand
@@ -300,11 +339,14 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
         return sum((s > 0) + (s < lay.num_stages - 1) for s in stages) * lay.pp_microbatches * A.block_input(d)
 
     best = None
+    offloaded = set(offloaded_blocks(c.act_offload, OFFLOAD_EVERY_K, a.n_layers))
     for s in ranks:
-        states = cached(ctx, ("states", dataclasses.replace(lay, pp_microbatches=0), s), lambda: sum(
-            _states(state_bytes(a, lay, ctx.precision, "adamw", "paratrain", s, layers)))
+        states = cached(ctx, ("states", dataclasses.replace(lay, pp_microbatches=0), s, c.cpu_offload), lambda: sum(
+            _states(state_bytes(a, lay, ctx.precision, "adamw", "paratrain", s, layers)) if not c.cpu_offload else ())
             + unsharded * sum(block_param_count(a, l) for l in layers[s]) // lay.tp)
-        stored = sum(A.block_stored(d, modes[l], moe if a.is_moe_layer(l) else None) for l in layers[s])
+        stored = sum(A.block_stored(d, modes[l], moe if a.is_moe_layer(l) else None)
+                     - (A.offloaded(d, modes[l], moe if a.is_moe_layer(l) else None) if l in offloaded else 0)
+                     for l in layers[s])
         acts = int(in_flight(lay, s) * stored) + recv_buffers(s)
         if best is None or states + acts > sum(best):
             best = (states, acts)
@@ -346,6 +388,10 @@ def no_fit_message(ctx: Context, world: int, opts: Options, results: list[Result
         why = rejected[0].reason if rejected else "no candidate layouts"
         return f"no layout of {world} GPUs can run {ctx.model_name}: e.g. {why}"
     best = min(checked, key=lambda r: r.total_bytes)
+    if best.reason and best.reason.startswith("does not fit in host memory"):  # the device would hold it
+        return (f"no layout fits {ctx.model_name} on {world} x {ctx.hw.name}: the nearest, {best.cand.name}, fits "
+                f"the GPUs ({fmt_bytes(best.total_bytes)} per rank) but {best.reason}: more host memory per node "
+                "(--host-memory), more GPUs, or fewer GPUs per node")
     limit = usable_bytes(ctx.hw.memory_bytes, opts.headroom)
     short = best.total_bytes - limit
     factor = best.total_bytes / limit
