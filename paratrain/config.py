@@ -24,6 +24,7 @@ from paratrain.errors import ConfigError
 from paratrain.layout import DPModeOption, GradCompression, Schedule
 from paratrain.memory import ActivationOffloadMode
 from paratrain.models.args import ModelArgs
+from paratrain.optimizers import optimizer_entry
 
 Precision = Literal["fp32", "bf16", "fp16"]
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
@@ -87,11 +88,12 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
+    name: str = "adamw"  # an entry of paratrain/optimizers.py's registry (OPTIMIZER_NAMES)
     lr: float = 1e-3
     min_lr: float | None = None  # where the cosine ends; unset: lr / 10
     warmup_steps: int = 100
     weight_decay: float = 0.1
-    beta1: float = 0.9
+    beta1: float = 0.9  # Adam's first-moment decay; sgd's momentum
     beta2: float = 0.99
     eps: float = 1e-8
     impl: Literal["auto", "fused", "foreach", "for"] = "auto"
@@ -386,6 +388,7 @@ def validate(cfg: Config) -> None:
     _require(t.global_batch is None or t.global_batch > 0, "training.global_batch must be positive")
     _require(t.eval_every >= 0, "training.eval_every must be >= 0 (0 disables)")
     _require(t.grad_clip >= 0, "training.grad_clip must be >= 0 (0 disables)")
+    optimizer_entry(o.name)  # a registered optimizer, or a ConfigError naming them
     _require(o.lr > 0, f"optimizer.lr must be positive, got {o.lr}")
     _require(o.min_lr is None or 0 <= o.min_lr <= o.lr,
              f"optimizer.min_lr must be between 0 and optimizer.lr ({o.lr}), got {o.min_lr}")
@@ -477,6 +480,10 @@ def config_keys_help() -> str:
         for f in dataclasses.fields(table):
             default = getattr(table, f.name)
             choices = [str(c) for c in _members(hints[f.name]) if not isinstance(c, type)]
+            if (section.name, f.name) == ("optimizer", "name"):  # a registry, not a Literal
+                from paratrain.optimizers import OPTIMIZER_NAMES
+
+                choices = list(OPTIMIZER_NAMES)
             shown = ("unset" if default is None else repr(default) if isinstance(default, str)
                      else str(default).lower() if isinstance(default, bool) else str(default))
             lines.append(f"  --{section.name}.{f.name}={shown}" + (f"   ({' | '.join(choices)})" if choices else ""))

@@ -16,6 +16,7 @@ from paratrain import memory
 from paratrain.config import Config
 from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Batch, Layout, grad_compression_site
+from paratrain.optimizers import optimizer_entry
 from paratrain.models.args import ModelArgs
 from paratrain.models.presets import preset_args, preset_fields
 
@@ -122,6 +123,7 @@ def _validated(cfg: Config, layout: Layout, args: ModelArgs, world_size: int) ->
         raise ConfigError("checkpoint.export_safetensors is not supported with parallel.pp > 1 yet "
                           "(the DCP checkpoint loads on any layout)")
     grad_compression_site(layout, cfg.parallel.grad_compression)  # where compression applies, or a ConfigError
+    optimizer_entry(cfg.optimizer.name).check_layout(layout)  # the layouts the optimizer refuses
     return layout.validate(args, world_size, batch_of(cfg, layout)[0])
 
 

@@ -198,6 +198,7 @@ def world(char_data, trained_run, tmp_path_factory):
     p["tr-unknown-arg"] = edit_trainer(ckpt, c / "tr-unknown-arg", lambda s: s["model_args"].update(wings=2))
     p["tr-heads"] = edit_trainer(ckpt, c / "tr-heads", lambda s: s["model_args"].update(n_heads=0))
     p["tr-seq"] = edit_trainer(ckpt, c / "tr-seq", lambda s: s.update(seq_len=0))
+    p["tr-optimizer"] = edit_trainer(ckpt, c / "tr-optimizer", lambda s: s.update(optimizer=7))
     p["tr-not-dict"] = shutil.copytree(ckpt, c / "tr-not-dict")
     torch.save([1, 2, 3], p["tr-not-dict"] / "trainer.pt")
     rehash(p["tr-not-dict"])
@@ -341,6 +342,8 @@ CASES = [
                                                   str(w.root / "x")], r"trainer\.pt: model_args has an unknown field"),
     case(1, "ckpt-trainer-heads-zero", lambda w: w.gen(w.p["tr-heads"]), r"trainer\.pt: model_args.*n_heads"),
     case(1, "ckpt-trainer-seq-zero", lambda w: w.gen(w.p["tr-seq"]), r"trainer\.pt: seq_len must be an integer >= 1"),
+    case(1, "ckpt-trainer-optimizer", lambda w: w.train(f"--checkpoint.resume={w.p['tr-optimizer']}"),
+         r"trainer\.pt: optimizer must be a string, got int"),
     case(1, "ckpt-trainer-not-dict", lambda w: w.gen(w.p["tr-not-dict"]), r"trainer\.pt holds a list"),
     case(1, "ckpt-checksums-duplicate", lambda w: w.gen(w.p["sums-dup"]), r"CHECKSUMS lists trainer\.pt twice"),
     case(1, "ckpt-checksums-huge", lambda w: w.gen(w.p["sums-huge"]), r"CHECKSUMS is .* larger than"),

@@ -47,13 +47,13 @@ def estimate_for_run(plan, device: str | None = None, gpu_bytes: int | None = No
     micro = lay.forward_batch(Batch(plan.global_batch, t.micro_batch, t.seq_len))
     impl = cfg.optimizer.impl
     if impl == "auto":
-        impl = "fused" if device == "cuda" else "foreach"  # as paratrain.training.optim.build_optimizer
+        impl = "fused" if device == "cuda" else "foreach"  # as paratrain.training.optim.impl_kwargs
     from paratrain.estimate.compression import Compression
 
     inputs = EstimateInputs(plan.model_args, lay, model_name=plan.model_name, precision=t.precision,
                             compression=Compression.from_config(cfg.parallel),
                             fsdp_backward_prefetch=cfg.parallel.fsdp_backward_prefetch,
-                            optimizer="adamw", optimizer_impl=impl, checkpointing=ac.mode, every_k=ac.every_k,
+                            optimizer=cfg.optimizer.name, optimizer_impl=impl, checkpointing=ac.mode, every_k=ac.every_k,
                             micro_batch=micro, seq_len=t.seq_len, accum_steps=plan.accum_steps, gpu_name=None,
                             gpu_bytes=gpu_bytes, overhead_bytes=None if device == "cuda" else 0, device=device)
     return estimate(inputs, suggest=gpu_bytes is not None)

@@ -8,6 +8,7 @@ import math
 import sys
 
 from paratrain.errors import OneLineArgumentParser, UserError
+from paratrain.optimizers import OPTIMIZER_NAMES
 
 EPILOG = """examples:
   paratrain estimate --model llama3-8b --gpu H100 --dp-shard 8 --micro-batch 2 --seq-len 8192 --checkpointing full
@@ -62,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp-backward-prefetch", type=int, default=None, help="blocks gathered ahead in backward (1)")
     p.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 (default bf16)")
     p.add_argument("--accounting", default="paratrain", help="paratrain | classic (see below)")
-    p.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd | sgd-nomomentum")
+    p.add_argument("--optimizer", default=None, help=" | ".join(OPTIMIZER_NAMES) + " (default: the config's, adamw)")
     p.add_argument("--optimizer-impl", default=None, help="fused (default on GPUs) | foreach | for")
     p.add_argument("--checkpointing", default=None, help="none | full | every_k | selective")
     p.add_argument("--every-k", type=int, default=None)
@@ -213,7 +214,7 @@ def inputs_from_argv(argv: list[str]):
         ranks_per_node=args.gpus_per_node or 0,
         compression=Compression.from_config(p).check_flags(), fsdp_backward_prefetch=p.fsdp_backward_prefetch,
         model_args=model_args, layout=layout, model_name=name, precision=t.precision,
-        optimizer=args.optimizer, optimizer_impl=impl, checkpointing=ac.mode, every_k=ac.every_k,
+        optimizer=args.optimizer or cfg.optimizer.name, optimizer_impl=impl, checkpointing=ac.mode, every_k=ac.every_k,
         micro_batch=micro_batch, seq_len=t.seq_len, accum_steps=accum_steps, accounting=args.accounting,
         gpu_name=gpu_name, gpu_bytes=gpu_bytes, headroom=check_headroom(HEADROOM if args.headroom is None
                                                                          else args.headroom),

@@ -33,6 +33,7 @@ from paratrain.estimate.model_states import (BF16, FP32, Param, StateBytes, fsdp
                                              zero_table)
 from paratrain.layout import MULTI_STAGE, Layout, grad_compression_site
 from paratrain.memory import HOST_HEADROOM, offload_stride, offloaded_blocks
+from paratrain.optimizers import optimizer_entry
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
 # not see): the CUDA context and kernels (~0.5-0.8 GiB with lazy module loading), cuBLAS/cuDNN workspaces and
@@ -446,7 +447,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
             rs_kept = unsh[l][1]
     # O: the optimizer step
     opt_temp = 0
-    if i.optimizer_impl != "fused" and i.optimizer in ("adamw", "adam"):
+    if i.optimizer_impl != "fused" and optimizer_entry(i.optimizer).foreach_temporary:
         # _multi_tensor_adam: torch._foreach_sqrt(exp_avg_sqs) per parameter group (matrices, then norm gains)
         small = host_grad_bytes([p for p in params if len(p.shape) < 2])
         opt_temp = max(r.host.get("gradients", grads_full) - small, small) * (FP32 // gbytes)
@@ -611,7 +612,7 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
             comm_buffers=p2p + gathered + rs_in // lay.shard_degree + (rs_in if i.device == "cpu" else 0),
             activations=tokens)
     opt_temp = 0
-    if i.optimizer_impl != "fused" and i.optimizer in ("adamw", "adam"):
+    if i.optimizer_impl != "fused" and optimizer_entry(i.optimizer).foreach_temporary:
         gb = BF16 if classic else FP32
         small = [p for p in params if len(p.shape) < 2]
         small_bytes = (sum(fsdp_numel(p, lay) for p in small) if lay.uses_fsdp else local_numel(small)) * gb
@@ -770,7 +771,7 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     if lay.pp > 1:
         est.stages = [{"stage": s, "tensor_peak_bytes": int(x["peak"]), "total_bytes": int(x["peak"]) + overhead,
                        "phase": x["phase"]} for s, x in walks.items()]
-    if i.precision != "fp32" and i.optimizer in ("adamw", "adam"):
+    if i.precision != "fp32" and optimizer_entry(i.optimizer).state_bytes:
         est.zero_ranks = lay.dp if lay.dp > 1 else 8
         est.zero = zero_table(args, est.zero_ranks, i.optimizer)
     if suggest and est.fits is False:

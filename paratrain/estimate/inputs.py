@@ -12,9 +12,9 @@ from paratrain.estimate.gpus import HEADROOM, check_headroom
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.memory import OFFLOAD_MODES, check_cpu_offload, check_offload, loss_chunks
 from paratrain.models.args import ModelArgs
+from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
 
 CHECKPOINTING = ("none", "full", "every_k", "selective")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-nomomentum")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ACCOUNTINGS = ("paratrain", "classic")
 
@@ -59,7 +59,7 @@ class EstimateInputs:
 def validate(i: EstimateInputs) -> EstimateInputs:
     """Check the inputs (UserError; the layout's ConfigError names the setting); returns them with the layout
     validated against the model and the batch (a pipeline's blocks per stage filled in)."""
-    for name, value, options in (("--precision", i.precision, PRECISIONS), ("--optimizer", i.optimizer, OPTIMIZERS),
+    for name, value, options in (("--precision", i.precision, PRECISIONS), ("--optimizer", i.optimizer, OPTIMIZER_NAMES),
                                  ("--checkpointing", i.checkpointing, CHECKPOINTING),
                                  ("--accounting", i.accounting, ACCOUNTINGS),
                                  ("--optimizer-impl", i.optimizer_impl, ("fused", "foreach", "for"))):
@@ -87,6 +87,7 @@ def validate(i: EstimateInputs) -> EstimateInputs:
     steps = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
     batch = Batch(global_batch=i.micro_batch * steps * lay.dp, micro_batch=i.micro_batch, seq_len=i.seq_len)
     grad_compression_site(lay, i.compression.method)  # ConfigError where it cannot apply
+    optimizer_entry(i.optimizer).check_layout(lay)
     if i.activation_offload not in OFFLOAD_MODES:
         raise UserError(f"--activation-offload '{i.activation_offload}' is not one of {', '.join(OFFLOAD_MODES)}")
     if i.offload_every_k < 1:

@@ -270,6 +270,8 @@ class Measurement:
 
 
 def _identity_map(model, optimizer, ddp_buckets, extra=None, pipelined: bool = False) -> dict[int, str]:
+    from paratrain.training.optim import inner_optimizer
+
     ids: dict[int, str] = {}
 
     def put(t, cat):
@@ -298,7 +300,7 @@ def _identity_map(model, optimizer, ddp_buckets, extra=None, pipelined: bool = F
                 put(fp._unsharded_param, COMM)
                 if fp._unsharded_param.grad is not None:  # accumulated over a pipeline step's micro-batches
                     put(fp._unsharded_param.grad, GRADS if pipelined else TEMP)
-    opt = optimizer.optim if hasattr(optimizer, "optim") else optimizer
+    opt = inner_optimizer(optimizer)
     for group in optimizer.param_groups:
         for p in group["params"]:
             put(p, PARAMS)
@@ -579,7 +581,9 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
         probe.remove()
         # Exact model-state bytes on this rank: parameters (+ buffers), optimizer state, and the gradients
         # the optimizer saw in the measured step.
-        opt = optimizer.optim if hasattr(optimizer, "optim") else optimizer
+        from paratrain.training.optim import inner_optimizer
+
+        opt = inner_optimizer(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         states = {
             PARAMS: _nbytes_unique([*params, *inner.buffers()]),

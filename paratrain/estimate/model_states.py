@@ -26,6 +26,7 @@ from paratrain.layout import Layout, balanced_split
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
 from paratrain.models.registry import parameters
+from paratrain.optimizers import optimizer_entry
 
 # Bytes per element.
 FP32, BF16 = 4, 2
@@ -143,9 +144,6 @@ class StateBytes:
     notes: tuple[str, ...] = ()
 
 
-OPTIMIZER_STATE_BYTES = {"adamw": 2 * FP32, "adam": 2 * FP32, "sgd": FP32, "sgd-nomomentum": 0}
-
-
 _STATES: dict = {}
 
 
@@ -201,7 +199,8 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
     kinds = [(p, count, math.prod(local_shape(p, layout))) for p, count in _param_kinds(args, layout, stage, layers)]
     local_numel = sum(count * n for _, count, n in kinds)
     tensors = sum(count for _, count, _ in kinds)
-    per_opt = OPTIMIZER_STATE_BYTES[optimizer]
+    entry = optimizer_entry(optimizer)
+    per_opt = entry.state_bytes
     low = precision != "fp32"
     rope = 2 * args.max_seq_len * (args.head_dim // 2) * FP32  # rope_cos, rope_sin buffers
     notes = []
@@ -243,10 +242,10 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
         emb = next(p for p, _, _ in kinds if p.where == "embedding")
         grads_numel += emb.numel - math.prod(local_shape(emb, layout))
         notes.append("tensor parallel: the embedding's gradient is whole (V x C) on each rank")
-    # Adam keeps a step count per parameter tensor (a 4-byte fp32 tensor each; ZeRO-1: its partition's share).
-    steps = tensors * FP32 if optimizer in ("adamw", "adam") else 0
+    # Per parameter tensor: Adam's step count (a 4-byte fp32 tensor each; ZeRO-1: its partition's share).
+    steps = tensors * entry.tensor_state_bytes
     if steps and layout.zero1:
-        steps = math.ceil(tensors / layout.dp) * FP32
+        steps = math.ceil(tensors / layout.dp) * entry.tensor_state_bytes
     return StateBytes(params=numel * FP32, grads=grads_numel * FP32, optimizer=opt_numel * per_opt + steps, master=0,
                       autocast_copies=autocast, param_numel=numel, unsharded_numel=local_numel, rope_buffers=rope,
                       notes=tuple(notes))
@@ -256,7 +255,7 @@ def zero_table(args: ModelArgs, ranks: int, optimizer: str = "adamw") -> list[di
     """The classic mixed-precision breakdown (bf16 params/grads, fp32 master, fp32 moments) for one rank and
     ZeRO-1/2/3 over `ranks` ranks: bytes per row per stage."""
     n = sum(p.numel for p in model_params(args))
-    per_opt = OPTIMIZER_STATE_BYTES[optimizer]
+    per_opt = optimizer_entry(optimizer).state_bytes
     rows = [("parameters (bf16)", n * BF16, 3), ("gradients (bf16)", n * BF16, 2),
             ("optimizer moments (fp32)", n * per_opt, 1), ("master weights (fp32)", n * FP32, 1)]
     out = []

@@ -170,7 +170,7 @@ def _time_cost(i: EstimateInputs):
         lay = c.layout
         steps = lay.pp_microbatches if lay.pipelined else c.accum_steps
         seqs = c.micro_batch * steps * lay.dp
-        ctx = Context(c.model_args, c.seq_len, seqs, hw, c.node_ranks, precision=c.precision)
+        ctx = Context(c.model_args, c.seq_len, seqs, hw, c.node_ranks, precision=c.precision, optimizer=c.optimizer)
         cand = Candidate(lay, c.checkpointing, c.every_k, c.micro_batch, loss_chunks=max(c.loss_chunks, 1),
                          act_offload=c.activation_offload, cpu_offload=c.cpu_offload)
         return predict(cand, ctx).step_s * lay.world_size / (seqs * c.seq_len)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from paratrain.errors import OneLineArgumentParser, UserError
+from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--schedules", help="comma-separated pipeline schedules (default gpipe,1f1b,interleaved_1f1b,zbv)")
     p.add_argument("--grad-compression", default="none", help="none | bf16 | powersgd | sign_ef: plan only the layouts "
                    "it applies to, with its bytes and compute (see README, Communication)")
+    p.add_argument("--optimizer", default=None, help=" | ".join(OPTIMIZER_NAMES) + ": its state per rank and its step "
+                   "(default: the --model config's, else adamw)")
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--sign-ef-block", type=int, default=0)
     p.add_argument("--ddp-bucket-mb", type=float, default=25.0)
@@ -154,10 +157,11 @@ def build_context(args) -> tuple:
     if args.ddp_bucket_mb <= 0:
         raise UserError(f"--ddp-bucket-mb must be > 0, got {args.ddp_bucket_mb}")
     compile_ = args.compile if args.compile is not None else bool(base is not None and base.training.compile)
+    optimizer = optimizer_entry(args.optimizer or (base.optimizer.name if base is not None else "adamw")).name
     from paratrain.estimate.gpus import parse_memory
 
     ctx = Context(margs, seq, tokens // seq, hw, per_node, precision, name, native_max_seq_len=native,
-                  compression=compression,
+                  compression=compression, optimizer=optimizer,
                   ddp_bucket_mb=args.ddp_bucket_mb, mode="compile" if compile_ else "eager", float8=args.float8,
                   cluster=groups, host_memory_bytes=parse_memory(args.host_memory) if args.host_memory else None)
     opts = Options(
@@ -209,6 +213,7 @@ def config_for(c, ctx, base=None, model_spec: str | None = None):
     comp = ctx.compression
     p.grad_compression, p.powersgd_rank, p.sign_ef_block = comp.method, comp.powersgd_rank, comp.sign_ef_block
     p.ddp_bucket_mb = ctx.ddp_bucket_mb
+    cfg.optimizer.name = ctx.optimizer
     p.loss_parallel = lay.pp == 1  # the last pipeline stage computes whole logits
     if lay.pp > 1:
         p.pp_schedule, p.pp_microbatches, p.pp_virtual_stages = lay.pp_schedule, lay.pp_microbatches, lay.pp_virtual
@@ -480,7 +485,7 @@ def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int
         "profile_source": hw.source, "gpus_per_node": ctx.gpus_per_node, "seq_len": ctx.seq_len,
         "global_batch_sequences": ctx.global_seqs, "tokens_per_step": ctx.global_seqs * ctx.seq_len,
         "precision": ctx.precision, "execution_mode": ctx.mode, "float8_what_if": ctx.float8,
-        "grad_compression": ctx.compression.method,
+        "grad_compression": ctx.compression.method, "optimizer": ctx.optimizer,
         "considered": p.considered, "rejected": len(p.rejected), "planning_seconds": elapsed,
         "ranked": [layout_json(r) for r in p.ranked[:top]],
         "written": written,

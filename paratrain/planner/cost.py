@@ -18,7 +18,8 @@ bandwidth. The element-wise and per-operator time is multiplied by the execution
 also costs the profile's fixed per-operator overhead (launch/dispatch; large on a CPU, mostly hidden on a GPU),
 OPS_PER_BLOCK per block forward and twice that backward (DTensor under tp multiplies it by TP_DISPATCH; each FSDP
 collective adds FSDP_GROUP_OPS operators of hooks and copies). The
-optimizer step reads and writes the rank's parameter, gradient and two moment shards (fp32).
+optimizer step reads and writes the rank's shards of what its registry entry names (`OptimizerEntry.step_bytes`:
+AdamW the parameter, gradient and two moments, fp32) and launches its `step_kernels`.
 
 Communication (alpha-beta, ring algorithms, p ranks, n bytes, link latency a and bandwidth B):
   all-reduce      2 (p-1) a + 2 (p-1)/p n / B
@@ -77,6 +78,7 @@ from dataclasses import dataclass, field
 from paratrain.estimate.compression import Compression, compression_cost
 from paratrain.estimate.model_states import fsdp_gathers_per_step, rank_layers
 from paratrain.layout import Batch, Layout, grad_compression_site, predicted_bubble
+from paratrain.optimizers import optimizer_entry
 from paratrain.models.args import ModelArgs
 from paratrain.planner.profile import Hardware, Link
 
@@ -181,6 +183,7 @@ class Context:
     model_name: str = "model"
     native_max_seq_len: int | None = None  # the model's own max_seq_len when seq_len goes beyond it (long context)
     compression: Compression = field(default_factory=Compression)  # gradient compression, where a layout allows it
+    optimizer: str = "adamw"  # an entry of paratrain/optimizers.py: its state (memory) and its step's cost
     ddp_bucket_mb: float = 25.0
     mode: str = "eager"  # eager | compile (training.compile): the profile's factor on the non-matmul time
     float8: bool = False  # what-if: the blocks' linear layers as float8 GEMMs (the profile's float8 rate)
@@ -433,10 +436,12 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
     experts = moe_layers * a.moe_experts * 3 * a.dim * a.expert_hidden if moe_layers else 0
     P_stage = (P - experts + experts / c.ep) / c.pp / t
     opt_params = P_stage / lay.optimizer_shards
-    optimizer = (opt_params * 4 * 4 * 2 / hw.mem_bandwidth + 20 * hw.op_overhead_s) * hw.compute_scale
-    if c.cpu_offload:  # the host steps this rank's shards (planner/hardware.py: host_adam_rate)
+    entry = optimizer_entry(ctx.optimizer)
+    optimizer = (opt_params * entry.step_bytes / hw.mem_bandwidth + entry.step_kernels * hw.op_overhead_s) \
+        * hw.compute_scale
+    if c.cpu_offload:  # the host steps this rank's shards (planner/hardware.py: host_adam_rate, AdamW's traffic)
         _host(hw)
-        optimizer = opt_params / hw.host_adam_params_per_s
+        optimizer = opt_params / hw.host_adam_params_per_s * entry.step_bytes / optimizer_entry("adamw").step_bytes
 
     # gradient compression: what the compressed collective sends, and the compute it costs
     site = grad_compression_site(lay, ctx.compression.method)

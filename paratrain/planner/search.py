@@ -11,6 +11,7 @@ from paratrain.errors import ConfigError, UserError
 from paratrain.estimate.gpus import HEADROOM
 from paratrain.layout import DP_MODES, INTERLEAVED, ZERO_BUBBLE, Batch, Layout, grad_compression_site
 from paratrain.memory import AUTO_LOSS_CHUNKS
+from paratrain.optimizers import optimizer_entry
 from paratrain.planner.cost import OFFLOAD_EVERY_K, Candidate, Context, Prediction, cached, predict
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")  # the planner's choice of paratrain.layout.SCHEDULES
@@ -74,7 +75,8 @@ def structural_reason(c: Candidate, ctx: Context) -> str | None:
     if ctx.global_seqs % (c.dp * c.micro_batch):
         return (f"the global batch ({ctx.global_seqs} sequences) does not divide into micro-batch {c.micro_batch} x "
                 f"data-parallel degree {c.dp}")
-    key = ("layout_reason", id(ctx.args), ctx.global_seqs, ctx.seq_len, ctx.compression.method, c.layout, c.micro_batch)
+    key = ("layout_reason", id(ctx.args), ctx.global_seqs, ctx.seq_len, ctx.compression.method, ctx.optimizer,
+           c.layout, c.micro_batch)
     reason = cached(ctx, key, lambda: _layout_reason(c, ctx))
     if reason:
         return reason
@@ -91,6 +93,7 @@ def _layout_reason(c: Candidate, ctx: Context) -> str:
     try:
         c.layout.validate(ctx.args, c.world, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
         grad_compression_site(c.layout, ctx.compression.method)  # --grad-compression applies to this layout
+        optimizer_entry(ctx.optimizer).check_layout(c.layout)  # and --optimizer
     except ConfigError as e:
         return str(e)
     return ""
@@ -102,7 +105,7 @@ def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
     from paratrain.estimate import EstimateInputs, estimate
 
     inputs = EstimateInputs(ctx.args, c.layout, model_name=ctx.model_name, precision=ctx.precision,
-                            optimizer="adamw", optimizer_impl="fused" if ctx.hw.device == "cuda" else "foreach",
+                            optimizer=ctx.optimizer, optimizer_impl="fused" if ctx.hw.device == "cuda" else "foreach",
                             checkpointing=c.ac, every_k=c.every_k, micro_batch=c.micro_batch, seq_len=ctx.seq_len,
                             compression=ctx.compression,
                             accum_steps=1 if c.layout.pipelined else c.micro_steps(ctx), gpu_name=ctx.hw.name,

@@ -36,7 +36,9 @@ from torch import nn
 from paratrain.errors import PeerFailed, UserError, environment_problem
 from paratrain.models.args import DEFAULT_FAMILY
 from paratrain.files import replace_dir
+from paratrain.optimizers import OPTIMIZERS, OptimizerEntry, optimizer_entry
 from paratrain.training import integrity, safe_dcp
+from paratrain.training.optim import is_zero1
 
 MARKER = "COMPLETE"
 # DCP warns when used without a process group; one process is a supported layout here, not a mistake.
@@ -104,10 +106,6 @@ def save_failure(final: Path, tmp: Path, error: BaseException) -> BaseException:
 
 # -- what is saved ------------------------------------------------------------------------------
 
-def _is_zero1(optimizer) -> bool:
-    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
-
-
 def _fqns(model: nn.Module) -> dict[int, str]:
     from paratrain.distributed.initialize import canonical_name
 
@@ -128,17 +126,17 @@ def _zero1_state(model: nn.Module, optimizer) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def _load_zero1_state(model: nn.Module, optimizer, path: Path) -> None:
-    """Fill this rank's ZeRO-1 partition from a name-keyed optimizer checkpoint (from any layout)."""
+def _load_zero1_state(model: nn.Module, optimizer, path: Path, entry: OptimizerEntry) -> None:
+    """Fill this rank's ZeRO-1 partition from a name-keyed optimizer checkpoint (from any layout); `entry` (the
+    optimizer's registry entry) names the state each parameter has."""
     from torch.distributed.tensor import DTensor
 
     names = _fqns(model)
     local = optimizer.optim
     wanted = {names[id(p)]: p for g in local.param_groups for p in g["params"]}
-    template = {fqn: {k: torch.empty_like(p, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+    template = {fqn: {**{k: torch.empty_like(p, dtype=torch.float32) for k in entry.param_state},
+                      **{k: torch.zeros((), dtype=torch.float32) for k in entry.scalar_state}}
                 for fqn, p in wanted.items()}
-    for fqn in template:
-        template[fqn]["step"] = torch.zeros((), dtype=torch.float32)
     loaded = {"optim": {"state": template}}
     safe_dcp.load(loaded, path)
     for fqn, p in wanted.items():
@@ -152,7 +150,7 @@ def model_optim_state(model: nn.Module, optimizer) -> dict:
 
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
-    if _is_zero1(optimizer):
+    if is_zero1(optimizer):
         return {"model": get_model_state_dict(model), "optim": _zero1_state(model, optimizer)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd}
@@ -475,7 +473,7 @@ def trainer_state_problem(state) -> str | None:
     skip = state.get("skip_batches", [])
     if not isinstance(skip, (list, tuple)) or not all(is_int(b) and b >= 0 for b in skip):
         return ": skip_batches must be a list of batch numbers"
-    for key in ("config_toml", "tokenizer_sha256", "data_sha256"):
+    for key in ("config_toml", "tokenizer_sha256", "data_sha256", "optimizer"):
         if key in state and not isinstance(state[key], str):
             return f": {key} must be a string, got {type(state[key]).__name__}"
     for key in ("rng_cpu", "rng_cuda"):
@@ -484,16 +482,17 @@ def trainer_state_problem(state) -> str | None:
     return None
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer) -> dict:
-    """Load model (+ optimizer) in place, whatever layout saved them; returns the trainer state."""
+def load_checkpoint(path: Path, model: nn.Module, optimizer, entry: OptimizerEntry = OPTIMIZERS["adamw"]) -> dict:
+    """Load model (+ optimizer, of registry entry `entry`) in place, whatever layout saved them; returns the trainer
+    state."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     trainer_state = load_trainer_state(path)
-    if optimizer is not None and _is_zero1(optimizer):
+    if optimizer is not None and is_zero1(optimizer):
         state = {"model": model_optim_state(model, None)["model"]}
         safe_dcp.load(state, path)
         set_model_state_dict(model, state["model"])
-        _load_zero1_state(model, optimizer, path)
+        _load_zero1_state(model, optimizer, path, entry)
         return trainer_state
     state = model_optim_state(model, optimizer)
     safe_dcp.load(state, path)
@@ -603,6 +602,7 @@ class Checkpointer:
     def _state(self, next_step: int) -> dict:
         state = {"step": next_step, **self.progress.state(), "rng_cpu": torch.get_rng_state(),
                  "seq_len": self.spec.cfg.training.seq_len, "config_toml": self.config_toml,
+                 "optimizer": self.spec.cfg.optimizer.name,
                  "model_args": dataclasses.asdict(self.spec.model_args), **self.identity}
         if self.scheduler is not None:
             state["lr_scheduler"] = self.scheduler.state_dict()
@@ -617,11 +617,15 @@ class Checkpointer:
         if mismatch:
             raise UserError(f"cannot resume from {path}: {mismatch}; resume from a checkpoint of this model, or "
                             "give this run another run.name")
+        ours, theirs = self.spec.cfg.optimizer.name, saved.get("optimizer", "adamw")  # older: AdamW, the only one
+        if theirs != ours:
+            raise UserError(f"cannot resume from {path}: it holds the state of optimizer.name={theirs} (this run: "
+                            f"{ours}); resume with optimizer.name={theirs}, or give this run another run.name")
         if saved.get("data_sha256") not in (None, self.identity.get("data_sha256")):
             self.warn(f"warning: {path} was trained on other data than data.dir={self.spec.cfg.data.dir} holds now "
                       "(another corpus, or the same one prepared again): the batches after the resume differ")
         try:
-            state = load_checkpoint(path, self.model, self.optimizer)
+            state = load_checkpoint(path, self.model, self.optimizer, optimizer_entry(ours))
             self._restore_comm(path)
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             refused = safe_dcp.refused_entry(e)

@@ -41,7 +41,7 @@ from paratrain.models import count_active_params, count_params, flops_per_token,
 from paratrain.spec import RunSpec, stage_gpus
 from paratrain.training.checkpoint import Checkpointer, Progress, export_safetensors, full_weights
 from paratrain.training.evaluation import Evaluator
-from paratrain.training.optim import WarmupCosine
+from paratrain.training.optim import WarmupCosine, inner_optimizer
 from paratrain.training.record import PendingRecord, StepRecorder
 from paratrain.training.resilience import MemoryBudget, ResilienceGuard, mark_preempted
 from paratrain.training.step import build_train_step
@@ -342,8 +342,7 @@ class Trainer:
             return t.numel() * t.element_size()
 
         params = list(self.train_step.model.parameters())
-        opt = self.train_step.optimizer
-        opt = opt.optim if hasattr(opt, "optim") else opt
+        opt = inner_optimizer(self.train_step.optimizer)
         mine = {"rank": self.env.rank,
                 "params": sum(nbytes(p) for p in params),
                 "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),

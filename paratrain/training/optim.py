@@ -1,5 +1,6 @@
-"""AdamW with decoupled weight decay on matrices only, and a warmup + cosine learning-rate schedule (`lr_at`, run
-by the `WarmupCosine` scheduler object)."""
+"""Building the optimizer of `optimizer.name` (paratrain/optimizers.py: the registry) on any layout, the builders of
+the entries shipped here (AdamW, SGD), and a warmup + cosine learning-rate schedule (`lr_at`, run by the
+`WarmupCosine` scheduler object)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from paratrain.config import OptimizerConfig
+from paratrain.optimizers import optimizer_entry
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -21,7 +23,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _impl_kwargs(cfg: OptimizerConfig, device: torch.device) -> dict:
+def impl_kwargs(cfg: OptimizerConfig, device: torch.device) -> dict:
     impl = cfg.impl
     if impl == "auto":
         # fused kernels exist for CUDA (and recent CPU builds) but not for every DTensor layout; foreach is safe.
@@ -29,20 +31,53 @@ def _impl_kwargs(cfg: OptimizerConfig, device: torch.device) -> dict:
     return {"fused": dict(fused=True), "foreach": dict(foreach=True), "for": dict(foreach=False)}[impl]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device, zero1_group=None):
+def adamw(cfg: OptimizerConfig, device: torch.device, comm=None):
+    return torch.optim.AdamW, dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl_kwargs(cfg, device))
+
+
+class SGD(torch.optim.SGD):
+    """torch's SGD with its momentum buffers made (zeros) when it is built: fused SGD skipping its first update
+    (`found_inf`) would otherwise keep uninitialised buffers, and a checkpoint loads into state that exists (so
+    DCP needs no dummy step). The first update is the same: 0.9 x 0 + g is g."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def sgd(cfg: OptimizerConfig, device: torch.device, comm=None):
+    return SGD, dict(lr=cfg.lr, momentum=cfg.beta1, **impl_kwargs(cfg, device))
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device, zero1_group=None, comm=None):
+    """`optimizer.name`'s optimizer over the model's parameter groups; with `zero1_group` wrapped in ZeRO-1.
+    `comm`: the run's GradComm (for optimizers that communicate themselves)."""
     groups = param_groups(model, cfg.weight_decay)
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **_impl_kwargs(cfg, device))
+    cls, kwargs = optimizer_entry(cfg.name).load_builder()(cfg, device, comm)
     if zero1_group is None:
-        return torch.optim.AdamW(groups, **kwargs)
+        return cls(groups, **kwargs)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    # ZeRO-1: each rank keeps Adam moments only for its partition of the parameters. After the step each rank
-    # broadcasts its partition as one flat bucket (parameters_as_bucket_view), not one broadcast per parameter.
+    # ZeRO-1: each rank keeps the optimizer state only for its partition of the parameters. After the step each
+    # rank broadcasts its partition as one flat bucket (parameters_as_bucket_view), not one broadcast per parameter.
     # (overlap_with_ddp is not used: see README "Communication".)
-    opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW, process_group=zero1_group,
+    opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls, process_group=zero1_group,
                                   parameters_as_bucket_view=True, weight_decay=groups[0]["weight_decay"], **kwargs)
     opt.add_param_group(groups[1])
     return opt
+
+
+def is_zero1(optimizer) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def inner_optimizer(optimizer):
+    """The optimizer that steps and holds this rank's state: ZeRO-1's local one, else the optimizer itself."""
+    return optimizer.optim if is_zero1(optimizer) else optimizer
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:

@@ -33,6 +33,7 @@ from paratrain.distributed.tensors import full_tensor
 from paratrain.layout import Layout
 from paratrain.models.llama import cross_entropy
 from paratrain.models.moe import balance_loss, moe_modules
+from paratrain.training.optim import build_optimizer, inner_optimizer
 
 
 def summed_rows(per_token: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -105,9 +106,9 @@ class TrainStep:
         self.autocast = precision != "fp32" and not layout.uses_fsdp
         self.moe_layers = moe_modules(unwrap(model))
         self.moe = MoEMeter(unwrap(model)) if self.moe_layers else None  # expert load statistics
-        inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1 wraps the optimizer that steps
-        # fused AdamW takes `found_inf` and skips the update in its kernel (its step counts too): no host read
-        self.skips_on_device = bool(getattr(inner, "_step_supports_amp_scaling", False))
+        # fused AdamW (and SGD) take `found_inf` and skip the update in their kernel (AdamW's step counts too): no
+        # host read
+        self.skips_on_device = bool(getattr(inner_optimizer(optimizer), "_step_supports_amp_scaling", False))
 
     def contexts(self, sync: bool = True) -> contextlib.ExitStack:
         """No gradient all-reduce on DDP's accumulation micro-steps, autocast, and loss parallelism."""
@@ -194,7 +195,7 @@ class TrainStep:
         elif finite is True:
             self.optimizer.step()
         elif self.skips_on_device:
-            inner = getattr(self.optimizer, "optim", self.optimizer)
+            inner = inner_optimizer(self.optimizer)
             # 1.0: the kernel leaves parameters, moments and step counts alone (on the parameters' device: host memory
             # under CPU offload, where the step waits for the gradients' copies anyway)
             inner.found_inf = (~finite).float().to(inner.param_groups[0]["params"][0].device)
@@ -256,7 +257,6 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
     from paratrain.memory import loss_chunks
     from paratrain.distributed.compression import GradComm
     from paratrain.models import build_model
-    from paratrain.training.optim import build_optimizer
 
     layout = dims.layout
     ac = activation_checkpoint or ActivationCheckpointConfig()
@@ -277,7 +277,7 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
     # optimizer steps there
     opt_device = torch.device("cpu") if memory.cpu_offload else device
     opt = build_optimizer(unwrap(model), optimizer or OptimizerConfig(), opt_device,
-                          dims.dp_group if layout.zero1 else None)
+                          dims.dp_group if layout.zero1 else None, comm=comm)
     return TrainStep(model, opt, layout, precision=precision, device=device, grad_clip=grad_clip, scaler=scaler,
                      pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
                      memory_budget=memory_budget, probe=probe, comm=comm,
