@@ -98,6 +98,9 @@ CONFIGS += [
     ("fsdp2 bf16 offload", 2, dict(dp_mode="fsdp", activation_offload="all"), "bf16", "none", 4, 128, 1, MODEL),
     ("tp2+sp fp32 offload", 2, dict(tp=2, activation_offload="all"), "fp32", "none", 4, 128, 1, MODEL),
     ("cp2 fp32 offload", 2, dict(cp=2, activation_offload="all"), "fp32", "none", 4, 128, 1, MODEL),
+    # low-memory optimizer states (bf16 moments; 8-bit needs torchao: `--only` it where installed)
+    ("1rank fp32 adamw-bf16", 1, dict(optimizer="adamw-bf16"), "fp32", "none", 4, 128, 1, MODEL),
+    ("fsdp2 bf16 adamw-bf16", 2, dict(dp_mode="fsdp", optimizer="adamw-bf16"), "bf16", "selective", 4, 128, 1, MODEL),
 ]
 # Pipeline rows: every schedule, 2-4 stages, several micro-batch counts (the trainer's own stages and schedule,
 # distributed/pipeline.build_pipeline); the 8-block model gives pp4 with 2 stages per rank a block per stage.

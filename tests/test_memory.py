@@ -215,3 +215,45 @@ def test_plan_reaches_for_the_tiers_and_writes_them(tmp_path):
     with pytest.raises(UserError, match="does not fit in host memory"):
         tight = dataclasses.replace(ctx, host_memory_bytes=16 * 2**30)
         plan(tight, world, opts, top=1)
+
+
+def test_low_memory_optimizer_states():
+    """adamw-bf16 keeps both moments in bf16 (half AdamW's state, the estimator's too) and follows AdamW closely;
+    adamw8bit is torchao's, a one-line error where torchao is missing; both refuse ZeRO-1 in one line."""
+    import importlib.util
+
+    from paratrain.config import OptimizerConfig
+    from paratrain.estimate.model_states import state_bytes
+    from paratrain.models.presets import preset_args
+    from paratrain.optimizers import optimizer_entry
+    from paratrain.training.optim import build_optimizer
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(64, 64)
+    losses = {}
+    for name in ("adamw", "adamw-bf16", "adamw8bit"):
+        model = torch.nn.Linear(64, 64)
+        model.load_state_dict(ref.state_dict())
+        cfg = OptimizerConfig(name=name, lr=1e-2)
+        if name == "adamw8bit" and importlib.util.find_spec("torchao") is None:
+            with pytest.raises(ConfigError, match="^optimizer.name=adamw8bit needs torchao, which is not installed"):
+                build_optimizer(model, cfg, torch.device("cpu"))
+            continue
+        opt = build_optimizer(model, cfg, torch.device("cpu"))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(30):
+            x = torch.randn(32, 64, generator=gen)
+            loss = (model(x) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        losses[name] = loss.item()
+        if name == "adamw-bf16":
+            assert {v.dtype for v in opt.state[model.weight].values() if v.dim()} == {torch.bfloat16}
+    assert all(abs(v - losses["adamw"]) <= 0.01 * losses["adamw"] for v in losses.values()), losses
+    args, lay = preset_args("tiny", vocab_size=64), Layout.resolve(1)
+    assert 2 * state_bytes(args, lay, "fp32", "adamw-bf16", "paratrain").optimizer == pytest.approx(
+        state_bytes(args, lay, "fp32", "adamw", "paratrain").optimizer, rel=0.01)
+    for name in ("adamw-bf16", "adamw8bit"):
+        with pytest.raises(ConfigError, match=f"optimizer.name={name} keeps low-precision states"):
+            optimizer_entry(name).check_layout(Layout.resolve(2, dp_mode="zero1"))

@@ -214,6 +214,7 @@ class MeasureSpec:
     seq_len: int = 64
     accum_steps: int = 1
     optimizer_impl: str = "foreach"
+    optimizer: str = "adamw"  # optimizer.name (paratrain/optimizers.py)
     loss_chunks: int = 0  # memory.loss_chunks (0: automatic, as the trainer)
     activation_offload: str = "none"  # memory.activation_offload and its every_k
     offload_every_k: int = 2
@@ -243,7 +244,8 @@ class MeasureSpec:
 
         return dict(precision=self.precision, activation_checkpoint=ActivationCheckpointConfig(self.checkpointing,
                                                                                                 self.every_k),
-                    optimizer=OptimizerConfig(impl=self.optimizer_impl), memory=MemoryConfig(self.loss_chunks, self.activation_offload, self.offload_every_k),
+                    optimizer=OptimizerConfig(name=self.optimizer, impl=self.optimizer_impl),
+                    memory=MemoryConfig(self.loss_chunks, self.activation_offload, self.offload_every_k),
                     seed=0, grad_clip=1.0)
 
     def batch(self, world_size: int):
@@ -681,7 +683,7 @@ def inputs_for_spec(spec: MeasureSpec, world_size: int):
     from paratrain.models.args import ModelArgs
 
     return EstimateInputs(ModelArgs(**spec.model), spec.layout(world_size), model_name=spec.name or "bench",
-                          precision=spec.precision, optimizer="adamw", optimizer_impl=spec.optimizer_impl,
+                          precision=spec.precision, optimizer=spec.optimizer, optimizer_impl=spec.optimizer_impl,
                           checkpointing=spec.checkpointing, every_k=spec.every_k, micro_batch=spec.micro_batch,
                           seq_len=spec.seq_len, accum_steps=spec.accum_steps, device="cpu", overhead_bytes=0,
                           loss_chunks=spec.loss_chunks, activation_offload=spec.activation_offload,

@@ -339,7 +339,8 @@ class Trainer:
 
         def nbytes(t):
             t = local_tensor(t)
-            return t.numel() * t.element_size()
+            parts = [getattr(t, a) for a in getattr(t, "tensor_attrs", ())] or [t]  # torchao's states: codes, scales
+            return sum(x.numel() * x.element_size() for x in parts)
 
         params = list(self.train_step.model.parameters())
         opt = inner_optimizer(self.train_step.optimizer)
