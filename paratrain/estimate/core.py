@@ -791,6 +791,8 @@ def forward_end_bytes(i: EstimateInputs) -> dict[str, int]:
     moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if args.moe_experts else None
     layers = rank_layers(lay, args)[lay.pp - 1]
     modes = block_modes(args.n_layers, i.checkpointing, i.every_k)
-    acts = sum(A.block_stored(d, modes[l], moe if args.is_moe_layer(l) else None) for l in layers)
+    moe_of = {l: moe if args.is_moe_layer(l) else None for l in layers}
+    acts = sum(A.block_stored(d, modes[l], moe_of[l]) for l in layers)
+    acts -= sum(_offload_plan(i, d, modes, moe_of, layers)[0].values())  # on the host by then
     return {"activations": acts + A.final_residual(d) + A.inputs_bytes(d),
             "logits_loss": sum(b for _, b in A.head_saved(d))}

@@ -329,41 +329,11 @@ def _nbytes_unique(tensors) -> int:
 
 
 @contextlib.contextmanager
-def _fsdp_labels(tracker: StorageTracker):
-    """Allocations made inside FSDP's unshard / post-backward are communication buffers."""
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    except ImportError:  # pragma: no cover
-        yield
-        return
+def _labelled_methods(tracker: StorageTracker, cls, labels: dict[str, str]):
+    """While active, what `cls`'s methods named in `labels` allocate is counted under their label."""
     saved = {}
-    for name in ("unshard", "wait_for_unshard", "post_backward"):
-        orig = getattr(FSDPParamGroup, name)
-        saved[name] = orig
-
-        def wrapped(self, *a, __orig=orig, **k):
-            prev, tracker.label = tracker.label, COMM
-            try:
-                return __orig(self, *a, **k)
-            finally:
-                tracker.label = prev
-
-        setattr(FSDPParamGroup, name, wrapped)
-    try:
-        yield
-    finally:
-        for name, orig in saved.items():
-            setattr(FSDPParamGroup, name, orig)
-
-
-@contextlib.contextmanager
-def _offload_labels(tracker: StorageTracker):
-    """Activation offloading's host copies are host memory; the copies it brings back are activations again."""
-    from paratrain.distributed.offload import ActivationOffloader
-
-    saved = {}
-    for name, label in (("_to_host", HOST), ("_fetch", ACTS)):
-        orig = saved[name] = getattr(ActivationOffloader, name)
+    for name, label in labels.items():
+        orig = saved[name] = getattr(cls, name)
 
         def wrapped(self, *a, __orig=orig, __label=label, **k):
             prev, tracker.label = tracker.label, __label
@@ -372,12 +342,27 @@ def _offload_labels(tracker: StorageTracker):
             finally:
                 tracker.label = prev
 
-        setattr(ActivationOffloader, name, wrapped)
+        setattr(cls, name, wrapped)
     try:
         yield
     finally:
         for name, orig in saved.items():
-            setattr(ActivationOffloader, name, orig)
+            setattr(cls, name, orig)
+
+
+def _fsdp_labels(tracker: StorageTracker):
+    """Allocations made inside FSDP's unshard / post-backward are communication buffers."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    return _labelled_methods(tracker, FSDPParamGroup, dict.fromkeys(("unshard", "wait_for_unshard", "post_backward"),
+                                                                    COMM))
+
+
+def _offload_labels(tracker: StorageTracker):
+    """Activation offloading's host copies are host memory; the copies it brings back are activations again."""
+    from paratrain.distributed.offload import ActivationOffloader
+
+    return _labelled_methods(tracker, ActivationOffloader, {"_to_host": HOST, "_fetch": ACTS})
 
 
 def _labeller(tracker: StorageTracker, label: str):
