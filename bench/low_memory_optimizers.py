@@ -34,13 +34,15 @@ def main() -> int:
                                      "checkpoint.save_final=false"])
             start = time.perf_counter()
             result = train(cfg)
-            rows.append((name, result.val_loss, result.memory[0]["optimizer"], time.perf_counter() - start))
+            state = result.memory[0]["optimizer"] if result.memory else None  # (per rank, where reported)
+            rows.append((name, result.val_loss, state, time.perf_counter() - start))
             print(f"{name}: val loss {result.val_loss:.4f}", file=sys.stderr, flush=True)
     base = rows[0][1]
     print("| optimizer | final val loss | vs adamw | optimizer state bytes | wall s |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, val, state, seconds in rows:
-        print(f"| {name} | {val:.4f} | {100 * (val - base) / base:+.2f}% | {state:,} | {seconds:.0f} |")
+        shown = "-" if state is None else f"{state:,}"
+        print(f"| {name} | {val:.4f} | {100 * (val - base) / base:+.2f}% | {shown} | {seconds:.0f} |")
     return 0
 
 
