@@ -8,8 +8,9 @@ On a single CUDA GPU (about 6-8 minutes on an H100/H200):
    datasheet peak (paratrain.observe.flops). Beside it the cost model's prediction for the same configuration with
    the GPU's datasheet profile (planner/hardware.py's efficiency model) and with the profile calibrated in step 3.
 2. The memory estimate (tensors at the peak, `paratrain estimate`'s figure without the CUDA/NCCL overhead) against
-   torch.cuda.max_memory_allocated and max_memory_reserved of the same step, for 8 configurations (1B model:
-   checkpointing none / selective / full, micro-batch and sequence length, fp32, accumulation, compile).
+   torch.cuda.max_memory_allocated and max_memory_reserved of the same step, for 11 configurations (1B model:
+   checkpointing none / selective / full, micro-batch and sequence length, fp32, accumulation, compile; the memory
+   tiers: chunked loss, activation offloading (its host copies are not device memory), bf16 optimizer states).
 3. `paratrain plan --calibrate --model llama3.2-1b` (one rank): GEMMs, float8 GEMMs, attention and a block per
    execution mode at the model's shapes, saved as a profile the planner uses.
 
@@ -133,7 +134,11 @@ def memory_specs(args, cuda: bool) -> list[tuple[str, object, bool | str]]:
             ("none, mb 1, seq x2", dict(micro_batch=1, seq_len=2 * seq, precision=low)),
             ("fp32, full, mb 1", dict(micro_batch=1, seq_len=seq, precision="fp32", checkpointing="full")),
             ("accumulation 2, selective", dict(micro_batch=1, seq_len=seq, precision=low, checkpointing="selective",
-                                               accum_steps=2))]
+                                               accum_steps=2)),
+            # the memory tiers (README "Memory tiers"); CPU offload needs FSDP over several ranks, not one GPU
+            ("chunked loss, mb 2", dict(micro_batch=2, seq_len=seq, precision=low, loss_chunks=8)),
+            ("activation offload, mb 2", dict(micro_batch=2, seq_len=seq, precision=low, activation_offload="all")),
+            ("bf16 optimizer states, mb 2", dict(micro_batch=2, seq_len=seq, precision=low, optimizer="adamw-bf16"))]
     return [(label, MeasureSpec(model=model, name=label, optimizer_impl="fused" if cuda else "foreach", **kw), False)
             for label, kw in rows]
 

@@ -88,6 +88,30 @@ CONFIGS = [
     ("tp2+sp qwen3 fp32 full", 2, dict(dp_mode="fsdp", tp=2), "fp32", "full", 4, 128, 1, QWEN3),
     ("cp2 qwen3 bf16", 2, dict(cp=2), "bf16", "none", 2, 256, 1, QWEN3),
 ]
+# Memory tiers (paratrain/memory.py). A vocabulary of 4096 makes the logits a large share of the peak: the chunked
+# loss (8 pieces, fp32's default) against the whole logits; the default recipe's model (shakespeare-char) both ways.
+VOCAB4K = dict(MODEL, vocab_size=4096, n_layers=2)
+RECIPE = dict(vocab_size=128, dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden=352, max_seq_len=256)
+CONFIGS += [
+    ("1rank fp32 vocab4k whole logits", 1, dict(loss_chunks=1), "fp32", "none", 4, 128, 1, VOCAB4K),
+    ("1rank fp32 vocab4k chunked loss", 1, {}, "fp32", "none", 4, 128, 1, VOCAB4K),
+    ("1rank bf16 vocab4k chunked loss", 1, dict(loss_chunks=8), "bf16", "none", 4, 128, 1, VOCAB4K),
+    ("fsdp2 bf16 vocab4k chunked loss", 2, dict(dp_mode="fsdp", loss_chunks=8), "bf16", "none", 4, 128, 1, VOCAB4K),
+    ("tp2+sp fp32 vocab4k chunked loss", 2, dict(tp=2, loss_chunks=5), "fp32", "selective", 4, 128, 1, VOCAB4K),
+    ("default recipe whole logits", 1, dict(loss_chunks=1), "fp32", "none", 12, 64, 1, RECIPE),
+    ("default recipe", 1, {}, "fp32", "none", 12, 64, 1, RECIPE),
+    # activation offloading: what the hooks copy is host memory (measured as the host tensors they hold)
+    ("1rank fp32 offload", 1, dict(activation_offload="all"), "fp32", "none", 4, 128, 1, MODEL),
+    ("1rank bf16 offload every_k", 1, dict(activation_offload="every_k"), "bf16", "none", 2, 256, 1, MODEL),
+    ("1rank fp32 offload full", 1, dict(activation_offload="all"), "fp32", "full", 4, 128, 1, MODEL),
+    ("1rank bf16 offload selective", 1, dict(activation_offload="all"), "bf16", "selective", 2, 256, 1, MODEL),
+    ("fsdp2 bf16 offload", 2, dict(dp_mode="fsdp", activation_offload="all"), "bf16", "none", 4, 128, 1, MODEL),
+    ("tp2+sp fp32 offload", 2, dict(tp=2, activation_offload="all"), "fp32", "none", 4, 128, 1, MODEL),
+    ("cp2 fp32 offload", 2, dict(cp=2, activation_offload="all"), "fp32", "none", 4, 128, 1, MODEL),
+    # low-memory optimizer states (bf16 moments; 8-bit needs torchao: `--only` it where installed)
+    ("1rank fp32 adamw-bf16", 1, dict(optimizer="adamw-bf16"), "fp32", "none", 4, 128, 1, MODEL),
+    ("fsdp2 bf16 adamw-bf16", 2, dict(dp_mode="fsdp", optimizer="adamw-bf16"), "bf16", "selective", 4, 128, 1, MODEL),
+]
 # Pipeline rows: every schedule, 2-4 stages, several micro-batch counts (the trainer's own stages and schedule,
 # distributed/pipeline.build_pipeline); the 8-block model gives pp4 with 2 stages per rank a block per stage.
 MODEL8 = dict(MODEL, n_layers=8)
@@ -121,6 +145,7 @@ PP_CONFIGS = [
     _pp("pp2xfsdp2 gpipe m4 bf16", 4, 2, "gpipe", 4, "bf16", dp_mode="fsdp"),
     _pp("pp2xfsdp2 interleaved_1f1b m4 bf16", 4, 2, "interleaved_1f1b", 4, "bf16", dp_mode="fsdp"),
     _pp("pp2xtp2 1f1b m4 fp32", 4, 2, "1f1b", 4, tp=2),
+    _pp("pp2 1f1b m4 fp32 offload", 2, 2, "1f1b", 4, activation_offload="all"),
 ]
 CONFIGS += PP_CONFIGS
 
@@ -168,6 +193,9 @@ def compare(rows_measured: list[dict], spec: MeasureSpec, world: int) -> dict:
         small = max(m, e) < SMALL * peak
         err = (e - m) / peak if small else (e - m) / max(m, 1)
         out["categories"][c] = {"measured": m, "predicted": e, "err": err, "of_peak": small}
+    host = max(r.get("host_peak", 0) for r in rows_measured)
+    if host or est.host_bytes:  # activation offloading's host copies (the worst rank's)
+        out["host"] = {"measured": host, "predicted": est.host_bytes}
     fe = worst["forward_end"]
     if spec.parallel.pp == 1:  # (a pipeline's schedule interleaves forwards and backwards: no "end of forward")
         out["fwd_activations"] = {"measured": fe.get("activations", 0), "predicted": fwd_acts}

@@ -60,7 +60,7 @@ def _train_parts(parts, want_final_weights: bool, keep_group: bool):
     if first_launch:  # every rank looks before any of them can write (they meet in init_distributed first)
         check_new_run(folder)
         check_overwrite(folder)
-    env = init_distributed(cfg.training.device, cfg.resilience.collective_timeout_s)
+    env = init_distributed(cfg.training.device, cfg.resilience.collective_timeout_s, cfg.memory.cpu_offload)
     if world > 1:
         # One rank prepares the data; the others wait, then read it or raise the same error.
         box = [None]

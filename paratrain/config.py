@@ -22,7 +22,8 @@ import tomli_w
 
 from paratrain.errors import ConfigError
 from paratrain.models.args import ModelArgs, is_int
-from paratrain.modes import CheckpointMode, DPModeOption, GradCompression, OptimizerImpl, Precision, Schedule
+from paratrain.modes import (ActivationOffloadMode, CheckpointMode, DPModeOption, GradCompression, OptimizerImpl,
+                             Precision, Schedule)
 from paratrain.optimizers import optimizer_entry
 
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
@@ -164,6 +165,23 @@ class ActivationCheckpointConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """Training what does not fit on the device (README "Memory tiers"; the rules: paratrain/memory.py)."""
+
+    # The output projection and cross-entropy over this many pieces of each micro-batch's tokens, so the logits of
+    # the whole micro-batch never exist at once (backward recomputes each piece's). 0: automatic, 8 where it is
+    # exact (fp32 gradients; not under a pipeline); 1: the whole logits at once.
+    loss_chunks: int = 0
+    # Saved activations of blocks moved to host memory in forward and back in backward (saved-tensor hooks; on CUDA
+    # pinned buffers and a side stream): none | all blocks | every_k (blocks 0, k, 2k, ...).
+    activation_offload: ActivationOffloadMode = "none"
+    activation_offload_every_k: int = 2
+    # Sharded parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy; the optimizer step
+    # runs on the CPU): fsdp, zero2 and hsdp layouts, with tp, pp, ep and cp.
+    cpu_offload: bool = False
+
+
+@dataclass
 class CheckpointConfig:
     """Training-state checkpoints."""
 
@@ -237,6 +255,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -426,6 +445,8 @@ def validate(cfg: Config) -> None:
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1 and optimizer.beta2 must be in [0, 1)")
     _require(o.eps > 0, "optimizer.eps must be positive")
     _require(cfg.activation_checkpoint.every_k >= 1, "activation_checkpoint.every_k must be >= 1")
+    _require(cfg.memory.loss_chunks >= 0, "memory.loss_chunks must be >= 0 (0: automatic, 1: whole logits)")
+    _require(cfg.memory.activation_offload_every_k >= 1, "memory.activation_offload_every_k must be >= 1")
     _require(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 saves only at the end)")
     _require(cfg.checkpoint.keep >= 2, "checkpoint.keep must be >= 2 so a bad save never leaves no checkpoint")
     _require(not cfg.checkpoint.export_hf or cfg.checkpoint.save_final,

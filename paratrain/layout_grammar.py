@@ -8,7 +8,9 @@ single process:
 
 rep: hsdp's replicas; cp, tp, pp, ep: degrees (dp_shard is the rest of the world); sp=off, lp=off: tp without
 sequence or loss parallelism; sched: the pipeline schedule, v its stages per rank (the interleaved schedules'
-default 2 is not written); ac: activation checkpointing (every_k with its k); mb: sequences per micro-batch.
+default 2 is not written); ac: activation checkpointing (every_k with its k); mb: sequences per micro-batch. The
+memory tiers in use follow (paratrain/memory.py): loss=N (the loss over N pieces), actoff=all|every_kK (activation
+offloading), cpuoff=on (CPU offload).
 
 The flags are one per `[parallel]` setting (`FLAGS`; `--tp`, `--pp-schedule`, `--no-sequence-parallel`,
 `--grad-compression`, ...): `add_layout_flags` adds those a command takes, `layout_flags` reads what was given as
@@ -27,16 +29,20 @@ from typing import Literal, get_args, get_origin
 from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
 from paratrain.layout import CONFIG_KEYS, Layout
-from paratrain.modes import (CHECKPOINT_MODES, DP_MODE_OPTIONS, SCHEDULES, checkpointing_label, dp_mode_of,
-                             parse_checkpointing_label, replicates_shards)
+from paratrain.memory import MemoryTiers
+from paratrain.modes import (ACTIVATION_OFFLOAD_MODES, CHECKPOINT_MODES, DP_MODE_OPTIONS, SCHEDULES,
+                             checkpointing_label, dp_mode_of, parse_checkpointing_label, parse_offload_label,
+                             replicates_shards)
 
 NO_DATA_PARALLEL = "nodp"
 DEGREES = ("rep", "cp", "tp", "pp", "v", "ep", "mb")
 SWITCHES = {"sp": "sequence_parallel", "lp": "loss_parallel"}  # item -> Layout field, written only when off
+TIERS = ("loss", "actoff", "cpuoff")  # the memory tiers' items
 
 
-def layout_name(layout, checkpointing: str | None = None, every_k: int = 2, micro_batch: int | None = None) -> str:
-    """The layout's name (see the module doc), with its checkpointing and micro-batch when given."""
+def layout_name(layout, checkpointing: str | None = None, every_k: int = 2, micro_batch: int | None = None,
+                tiers: MemoryTiers | None = None) -> str:
+    """The layout's name (see the module doc), with its checkpointing, micro-batch and memory tiers when given."""
     lay = layout
     parts = [lay.dp_mode if lay.dp_cp > 1 else NO_DATA_PARALLEL]
     if lay.hybrid:
@@ -57,7 +63,7 @@ def layout_name(layout, checkpointing: str | None = None, every_k: int = 2, micr
         parts.append(f"ac={checkpointing_label(checkpointing, every_k)}")
     if micro_batch is not None:
         parts.append(f"mb={micro_batch}")
-    return ",".join(parts)
+    return ",".join(parts + (tiers.items() if tiers is not None else []))
 
 
 @dataclass
@@ -68,6 +74,7 @@ class NamedLayout:
     checkpointing: str = "none"
     every_k: int = 2
     micro_batch: int | None = None  # None: not named
+    tiers: MemoryTiers = field(default_factory=MemoryTiers)
 
     def layout(self, world_size: int, **more):
         """The layout on `world_size` ranks (ConfigError when it is none paratrain can run)."""
@@ -88,9 +95,9 @@ def parse_layout_name(text: str, what: str = "layout") -> NamedLayout:
     items: dict[str, str] = {}
     for tok in tokens[1:]:
         k, eq, v = tok.partition("=")
-        if not eq or k not in (*DEGREES, *SWITCHES, "sched", "ac") or k in items:
+        if not eq or k not in (*DEGREES, *SWITCHES, *TIERS, "sched", "ac") or k in items:
             raise UserError(f"{where}: unknown or repeated item '{tok}' (use {'=, '.join(DEGREES)}=, sched=, ac=, "
-                            "sp=off, lp=off)")
+                            "sp=off, lp=off, loss=, actoff=, cpuoff=on)")
         items[k] = v
     degrees = {}
     for k in DEGREES:
@@ -107,11 +114,28 @@ def parse_layout_name(text: str, what: str = "layout") -> NamedLayout:
     ac = parse_checkpointing_label(items.get("ac", "none"))
     if ac is None:
         raise UserError(f"{where}: ac must be one of {', '.join(CHECKPOINT_MODES)} (every_k with its k: every_k2)")
-    options = dict(dp_mode=mode, dp_replicate=degrees.get("rep", 1) if replicates_shards(mode) else 1,
-                   tp=degrees.get("tp", 1), pp=degrees.get("pp", 1), ep=degrees.get("ep", 1),
-                   cp=degrees.get("cp", 1), pp_schedule=sched, pp_virtual=degrees.get("v", 1),
-                   **{name: False for k, name in SWITCHES.items() if k in items})
-    return NamedLayout(options, ac[0], ac[1], degrees.get("mb"))
+    return NamedLayout(_layout_options(mode, degrees, sched, items), ac[0], ac[1], degrees.get("mb"),
+                       _tiers(items, where))
+
+
+def _tiers(items: dict[str, str], where: str) -> MemoryTiers:
+    chunks = items.get("loss", "1")
+    if not chunks.isdigit() or int(chunks) < 1:
+        raise UserError(f"{where}: loss must be an integer >= 1 (pieces of the loss), got '{chunks}'")
+    offload = parse_offload_label(items.get("actoff", "none"))
+    if offload is None:
+        raise UserError(f"{where}: actoff must be one of {', '.join(ACTIVATION_OFFLOAD_MODES)} (every_k with its k: "
+                        "every_k2)")
+    if items.get("cpuoff", "on") != "on":
+        raise UserError(f"{where}: cpuoff is off unless cpuoff=on")
+    return MemoryTiers(int(chunks), offload[0], offload[1], "cpuoff" in items)
+
+
+def _layout_options(mode: str, degrees: dict, sched: str, items: dict) -> dict:
+    return dict(dp_mode=mode, dp_replicate=degrees.get("rep", 1) if replicates_shards(mode) else 1,
+                tp=degrees.get("tp", 1), pp=degrees.get("pp", 1), ep=degrees.get("ep", 1), cp=degrees.get("cp", 1),
+                pp_schedule=sched, pp_virtual=degrees.get("v", 1),
+                **{name: False for k, name in SWITCHES.items() if k in items})
 
 
 # -- command-line flags ------------------------------------------------------------------------------------------

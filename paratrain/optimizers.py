@@ -151,11 +151,12 @@ class OptimizerEntry:
     # MomentumSchedule saying when; "none": the gradients' reduction is parallel.grad_compression's.
     compression: GradCompression = "none"
     phases: tuple[Phase, ...] = ()  # its kinds of steps (the planner ranks layouts by the last: the steady state)
+    element_bytes: float = FP32  # bytes per element of each param_state tensor (low-memory states: bf16, 8-bit)
 
     @property
-    def state_bytes(self) -> int:
+    def state_bytes(self) -> float:
         """Bytes kept per parameter element between steps."""
-        return FP32 * len(self.param_state)
+        return self.element_bytes * len(self.param_state)
 
     @property
     def tensor_state_bytes(self) -> int:
@@ -220,6 +221,22 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         phases=(Phase("variance step: fp32 gradients", GradientReduction.MEAN, True), Phase("1-bit gradients", GradientReduction.ONE_BIT, True),
                 Phase("local step", GradientReduction.LOCAL, False), Phase("1-bit momentum sync", GradientReduction.ONE_BIT, False))),
 }
+
+
+def _no_zero1(layout: Layout) -> str | None:
+    return ("keeps low-precision states that ZeRO-1's fp32 partitions cannot hold: use dp_mode zero2 or fsdp (the "
+            "state is sharded there too)" if layout.zero1 else None)
+
+
+# Low-memory optimizer states (README "Memory tiers"): the same AdamW update from moments kept in fewer bits.
+OPTIMIZERS["adamw-bf16"] = OptimizerEntry(
+    "adamw-bf16", "AdamW with both moments kept in bf16 (paratrain.training.optim.BF16AdamW): half AdamW's state",
+    "paratrain.training.optim:adamw_bf16", param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",),
+    step_tensors=3, step_kernels=8, refuses=_no_zero1, element_bytes=2)
+OPTIMIZERS["adamw8bit"] = OptimizerEntry(
+    "adamw8bit", "torchao's AdamW8bit: both moments in 8 bits with an fp32 scale per 256 values (pip install "
+    "torchao)", "paratrain.training.optim:adamw8bit", param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",),
+    step_tensors=3, step_kernels=4, refuses=_no_zero1, element_bytes=1 + 4 / 256)
 OPTIMIZER_NAMES: tuple[str, ...] = tuple(OPTIMIZERS)
 
 

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from paratrain import memory
 from paratrain.config import Config, DataConfig, ModelConfig
 from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Batch, Layout, grad_compression_site
@@ -208,6 +209,7 @@ def check_packing(data, meta: dict, layout: Layout) -> None:
 def _validated(cfg: Config, source: ModelSource, layout: Layout, args: ModelArgs, world_size: int) -> Layout:
     source.check_export(cfg.checkpoint, args)
     layout.check_checkpointing(cfg.activation_checkpoint.mode)
+    memory.check(cfg.memory, layout, cfg.training.precision)  # the memory tiers the layout can use
     stage_gpus(cfg.parallel, layout)
     if layout.pipelined and cfg.checkpoint.export_safetensors:
         raise ConfigError("checkpoint.export_safetensors is not supported with parallel.pp > 1 yet "

@@ -93,6 +93,15 @@ LAYOUTS: dict[str, tuple] = {
     "lora-fsdp2": (2, "fsdp", LORA),
     "lora-tp2": (2, "nodp,tp=2", LORA),
     "lora-pp2": (2, "nodp,pp=2,sched=1f1b", LORA),
+    # Memory tiers (paratrain/memory.py) against the reference, which computes its loss in 8 pieces (fp32's default):
+    "loss-whole": (1, "nodp", "memory.loss_chunks=1"),  # the whole logits at once
+    "tp2+sp+loss3": (2, "nodp,tp=2", "memory.loss_chunks=3"),  # loss parallel over 3 uneven pieces
+    "fsdp2+offload": (2, "fsdp", "memory.activation_offload=all"),
+    "tp2+offload_every_k+selective": (2, "nodp,tp=2,ac=selective", "memory.activation_offload=every_k"),
+    "pp2+offload+full": (2, "nodp,pp=2,sched=1f1b,ac=full", "memory.activation_offload=all"),
+    "fsdp2+cpu_offload": (2, "fsdp", "memory.cpu_offload=true"),
+    "fsdp2xtp2+cpu_offload": (4, "fsdp,tp=2", "memory.cpu_offload=true"),
+    "pp2xdp2+cpu_offload": (4, "fsdp,pp=2,sched=1f1b", "memory.cpu_offload=true"),
 }
 DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
                   "fsdp2+every_k", "fsdp2+selective", "accum"]
@@ -103,6 +112,9 @@ CP_MATRIX = ["cp2", "cp2xfsdp2", "cp2xtp2", "cp2xpp2", "cp4-seq1024"]
 QWEN_MATRIX = ["qwen3-fsdp2", "qwen3-tp2+sp", "qwen3-pp2", "qwen3-cp2", "qwen3-moe-ep2xfsdp2"]
 
 LORA_MATRIX = ["lora-fsdp2", "lora-tp2", "lora-pp2"]
+
+MEMORY_MATRIX = ["loss-whole", "tp2+sp+loss3", "fsdp2+offload", "tp2+offload_every_k+selective", "pp2+offload+full",
+                 "fsdp2+cpu_offload", "fsdp2xtp2+cpu_offload", "pp2xdp2+cpu_offload"]
 
 GLOBAL_BATCH = 8
 EVAL_SEQUENCES = 13  # not divisible by 2, 4 or 8: the data-parallel shares of the validation set are padded
@@ -304,7 +316,7 @@ def format_row(r: Row, tolerance: float, judged: bool = True) -> str:
 def main_verify(argv: list[str]) -> int:
     parser = OneLineArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX + CP_MATRIX + QWEN_MATRIX
-                                                      + LORA_MATRIX),
+                                                      + LORA_MATRIX + MEMORY_MATRIX),
                         help=f"comma-separated layout names (known: {', '.join(LAYOUTS)})")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tolerance", type=float, default=1e-5)

@@ -115,6 +115,13 @@ JOURNEYS = {
         "paratrain train --dry-run --world 512 --config plan/config.toml",
         "paratrain plan ... --check",
     ],
+    "memory_tiers": [
+        "paratrain estimate --model llama3-8b --gpu RTX4090 --dp-shard 4 --seq-len 4096",
+        "paratrain plan --model llama3-8b --gpus 4 --gpus-per-node 4 --gpu RTX4090 --intra pcie4 --seq 4096 "
+        "--global-batch-tokens 65536 --host-memory 256GiB --out plan-4090",
+        "paratrain plan --model llama3-70b --gpus 8 --gpu H100 --seq 4096 --global-batch-tokens 262144 "
+        "--host-memory 2TiB --out plan-70b",
+    ],
     "calibrate": [
         "paratrain plan --calibrate --name mybox --nproc 4",
         "paratrain plan --calibrate --name mybox --nproc 1 --model llama3.2-1b --seq 2048 --micro-batches 1,2",
@@ -475,6 +482,25 @@ def test_journey_plan(journey):
     j.readme("paratrain plan --model llama3-405b --gpus 8192 --gpu H100 --seq 8192 --global-batch-tokens 16777216",
              after=["--out", "plan405"])
     assert "gpus" in out or out
+
+
+def test_journey_memory_tiers(journey):
+    """What does not fit: the estimate names a tier on the same 4 GPUs; both plans use tiers and their configs load as
+    `paratrain train --config` reads them (checked without the data: the models are too big for a CPU run)."""
+    from paratrain.config import load_config
+    from paratrain.spec import check
+
+    j = journey
+    out = j.readme("paratrain estimate --model llama3-8b --gpu RTX4090 --dp-shard 4 --seq-len 4096").stdout
+    best = next(line for line in out.splitlines() if line.startswith("would fit:"))
+    assert "GPUs instead" not in best and "host" in best and "GPU time per token" in best
+    for command, world in (("paratrain plan --model llama3-8b --gpus 4 --gpus-per-node 4 --gpu RTX4090 --intra pcie4 "
+                            "--seq 4096 --global-batch-tokens 65536 --host-memory 256GiB --out plan-4090", 4),
+                           ("paratrain plan --model llama3-70b --gpus 8 --gpu H100 --seq 4096 --global-batch-tokens "
+                            "262144 --host-memory 2TiB --out plan-70b", 8)):
+        assert "memory tiers" in j.readme(command).stdout
+        cfg = load_config(j.cwd / shlex.split(command)[-1] / "config.toml")
+        assert cfg.memory.cpu_offload and check(cfg, world).world_size == world
 
 
 def test_journey_calibrate(journey):

@@ -57,11 +57,13 @@ HISTORY_ENV = "TORCH_FR_BUFFER_SIZE"  # torch's flight recorder: collectives kep
 COLLECTIVE_HISTORY = 2000  # paratrain's default, read back on a hang (paratrain/observe/hang.py)
 
 
-def init_process_group(device: torch.device, timeout_s: float) -> None:
+def init_process_group(device: torch.device, timeout_s: float, host_collectives: bool = False) -> None:
     """Join the launcher's process group (RANK, WORLD_SIZE, MASTER_ADDR/PORT from the environment) for `device`:
     NCCL bound to a CUDA device (made the current one), gloo on CPU. The one place paratrain starts a group:
     the trainer (`init_distributed`), `paratrain doctor`'s all-reduce test and `paratrain plan --calibrate`.
-    torch's flight recorder keeps the last COLLECTIVE_HISTORY collectives (unless TORCH_FR_BUFFER_SIZE is set)."""
+    torch's flight recorder keeps the last COLLECTIVE_HISTORY collectives (unless TORCH_FR_BUFFER_SIZE is set).
+    host_collectives: on CUDA also gloo for tensors in host memory (CPU offload: the gradient norm and the fp16
+    scaler's overflow flag are reduced where the gradients are)."""
     os.environ.setdefault(HISTORY_ENV, str(COLLECTIVE_HISTORY))
     # Groups made later (the mesh's sub-groups, new_group) take torch's default timeout (30 min on gloo, 10 on NCCL),
     # not this group's: make it the run's, so a stuck rank ends the run whichever group it blocks.
@@ -70,17 +72,20 @@ def init_process_group(device: torch.device, timeout_s: float) -> None:
     distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)
+        backend = "cuda:nccl,cpu:gloo" if host_collectives else "nccl"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device)
     else:
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
 
 
-def init_distributed(device_preference: str = "auto", timeout_s: float = 600.0) -> DistEnv:
+def init_distributed(device_preference: str = "auto", timeout_s: float = 600.0,
+                     host_collectives: bool = False) -> DistEnv:
     rank, world, local_rank = world_from_env()
     quiet_torch_logs()
     device = pick_device(device_preference, local_rank)
     if world > 1 and not dist.is_initialized():
-        init_process_group(device, timeout_s)  # NCCL on GPUs, gloo on CPU: the same training code runs on both
+        # NCCL on GPUs, gloo on CPU: the same training code runs on both
+        init_process_group(device, timeout_s, host_collectives)
     elif device.type == "cuda":
         torch.cuda.set_device(device)
     return DistEnv(rank, world, local_rank, device)

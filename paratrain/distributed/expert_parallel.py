@@ -137,16 +137,17 @@ def distribute_experts(model: nn.Module, dims):
     return expert_dp_mesh
 
 
-def shard_experts(model: nn.Module, expert_dp_mesh, mp_policy, reshard: bool) -> None:
+def shard_experts(model: nn.Module, expert_dp_mesh, policies: dict, reshard: bool) -> None:
     """FSDP for the expert weights over the ranks that hold the same experts (averaging their gradients);
-    call before the blocks' fully_shard so the blocks leave the experts out."""
+    call before the blocks' fully_shard so the blocks leave the experts out. `policies`: fully_shard's mixed
+    precision and offload policies."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
     for moe in moe_modules(model):
         # Shard the hidden dimension: dim 0 is already split over ep and may have fewer rows than ranks.
-        fully_shard(moe.experts, mesh=expert_dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard,
-                    shard_placement_fn=lambda param: Shard(1))
+        fully_shard(moe.experts, mesh=expert_dp_mesh, reshard_after_forward=reshard,
+                    shard_placement_fn=lambda param: Shard(1), **policies)
 
 
 class MoEMeter:

@@ -33,11 +33,13 @@ def initial_value(name: str, shape, std: float | None, seed: int, device=None, d
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int, std_for=None) -> None:
+def init_weights(model: nn.Module, seed: int, std_for=None, device: torch.device | None = None) -> None:
     """Fill every parameter of `model` (plain or DTensor, on any device) deterministically.
 
     `std_for(name)` gives the normal std for a canonical parameter name, or None for ones;
-    by default the model's own `param_init_std`.
+    by default the model's own `param_init_std`. `device`: where the values are drawn (random streams differ by
+    device type: parameters offloaded to host memory are drawn on the training device like everyone else's); None:
+    each parameter's own.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -49,9 +51,9 @@ def init_weights(model: nn.Module, seed: int, std_for=None) -> None:
         seen.add(id(param))
         name = canonical_name(raw_name)
         is_dtensor = isinstance(param, DTensor)
-        device = param.device if not is_dtensor else param.to_local().device
+        where = device or (param.device if not is_dtensor else param.to_local().device)
         full_shape = param.shape  # a DTensor reports its global shape
-        full = initial_value(name, full_shape, std_for(name), seed, device, param.dtype)
+        full = initial_value(name, full_shape, std_for(name), seed, where, param.dtype)
         if is_dtensor:
             # src_data_rank=None: every rank computed the same full tensor, so each just keeps its shard.
             shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()

@@ -1,8 +1,8 @@
 """Turn a plain Transformer into a parallel one, in a fixed order:
 
-    LoRA adapters (base frozen) -> tensor/sequence parallel -> context parallel (ring attention) -> expert parallel -> activation checkpointing
-    -> torch.compile -> FSDP (over dp_shard x cp) -> materialise + deterministic init -> DDP / ZeRO-1 wrapping
-    (DDP needs real weights)
+    LoRA adapters (base frozen) -> tensor/sequence parallel -> context parallel (ring attention) -> expert parallel
+    -> activation checkpointing -> torch.compile -> activation offloading -> FSDP (over dp_shard x cp) -> materialise
+    + deterministic init -> DDP / ZeRO-1 wrapping (DDP needs real weights)
 
 The model file stays free of parallel code; the tensor-parallel plan is read from the model family's parameter roles
 (`tensor_parallel.py`). The rules of the layout live in `paratrain/layout.py`, its mesh in
@@ -16,17 +16,19 @@ from functools import partial
 import torch
 from torch import nn
 
-from paratrain.config import ActivationCheckpointConfig
+from paratrain.config import ActivationCheckpointConfig, MemoryConfig
 from paratrain.distributed.context_parallel import apply_context_parallel, context_for
 from paratrain.distributed.compression import GradComm
 from paratrain.distributed.expert_parallel import distribute_experts, shard_experts
 from paratrain.distributed.initialize import init_weights
+from paratrain.distributed.offload import apply_activation_offload
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.tensor_parallel import apply_tp
 from paratrain.distributed.tensors import full_tensor, right_pad, torch_dtype
 from paratrain.models.lora import apply_lora, freeze_base
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import block_checkpointing, low_precision, recomputes, selective
+from paratrain.modes import (block_checkpointing, low_precision, offload_stride, offloaded_blocks,
+                             offloads_activations, recomputes, selective)
 
 
 class SequenceParallelSampler(nn.Module):
@@ -106,24 +108,35 @@ def apply_compile(model: nn.Module, backend: str | None = None) -> None:
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_mesh=None,
-               comm: GradComm | None = None) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+               comm: GradComm | None = None, cpu_offload: bool = False, device: torch.device | None = None) -> None:
+    """cpu_offload: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and so the optimizer state in host memory,
+    pinned on CUDA; each group's shards are copied to `device` for its all-gather, its gradient shards back)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     comm = comm or GradComm.default(dims, torch.device("cpu"))
     # Gradients are reduced in fp32, or in bf16 with parallel.grad_compression=bf16.
     mp = MixedPrecisionPolicy(param_dtype=torch_dtype(precision), reduce_dtype=comm.reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=device is not None and device.type == "cuda") if cpu_offload else OffloadPolicy()
+    policies = dict(mp_policy=mp, offload_policy=offload)
     mesh = comm.fsdp_mesh()  # hsdp compressing its replicate all-reduce shards over dp_shard only
     # zero2: gradients and optimizer state sharded, parameters kept gathered from forward to backward.
     reshard = dims.layout.reshard_after_forward
     if expert_dp_mesh is not None:
         # Expert-parallel experts first, on their own mesh, so the blocks' groups leave them out.
-        shard_experts(model, expert_dp_mesh, mp, reshard)
+        shard_experts(model, expert_dp_mesh, policies, reshard)
     layers = list(model.layers.values())
     for i, block in enumerate(layers):
         # The last block is resharded by the root right after forward anyway; skip the extra work.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard and i < len(layers) - 1, **policies)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policies)
     comm.attach_fsdp(model, layers)  # prefetching; hsdp's compressed replicate all-reduce
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
 
 
 def _whole_length(layout):
@@ -141,12 +154,14 @@ def _whole_length(layout):
 
 def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: ActivationCheckpointConfig,
                 precision: str, compile: bool | str, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0,
-                comm: GradComm | None = None, lora: LoRA | None = None) -> nn.Module:
+                comm: GradComm | None = None, lora: LoRA | None = None,
+                memory: MemoryConfig | None = None) -> nn.Module:
     """Apply the layout to a model or pipeline stage built on the meta device; returns the module to train
     (maybe a DDP wrapper). compile: True for torch.compile's default backend, or a backend name. `comm` carries the
     gradient communication settings (`[parallel]`: compression, DDP buckets, FSDP prefetching); None: no
     compression, FSDP2's default prefetching, `ddp_bucket_mb` buckets. `lora`: adapters on the target projections,
-    every other parameter frozen (stored in the compute dtype under bf16/fp16: it never changes)."""
+    every other parameter frozen (stored in the compute dtype under bf16/fp16: it never changes). `memory`: the
+    `[memory]` tiers applied here (activation offloading, CPU offload); None: none."""
     layout = dims.layout
     comm = comm or GradComm.default(dims, device, ddp_bucket_mb)
     if lora is not None:
@@ -166,12 +181,21 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
     apply_activation_checkpointing(model, activation_checkpoint)
     if compile:
         apply_compile(model, compile if isinstance(compile, str) else None)
+    if memory is not None and offloads_activations(memory.activation_offload):  # each chosen block's saved tensors to host
+        blocks = offloaded_blocks(memory.activation_offload, memory.activation_offload_every_k, model.args.n_layers)
+        stride = offload_stride(memory.activation_offload, memory.activation_offload_every_k)
+        apply_activation_offload(model, blocks, device, stride)
+    cpu_offload = memory is not None and memory.cpu_offload
     if layout.uses_fsdp:
-        apply_fsdp(model, dims, precision, expert_dp_mesh, comm)
+        apply_fsdp(model, dims, precision, expert_dp_mesh, comm, cpu_offload, device)
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
-        model.to_empty(device=device)
+        if cpu_offload:  # the sharded parameters live in host memory; the buffers (rotary tables) on the device
+            model.to_empty(device="cpu")
+            _buffers_to(model, device)
+        else:
+            model.to_empty(device=device)
     if device.type != "meta":  # a dry run (`paratrain train --dry-run`) keeps the laid-out model on meta: no values
-        init_weights(model, seed)
+        init_weights(model, seed, device=device)  # drawn on the device whatever holds them: the same values
     if layout.uses_ddp:
         from torch.nn.parallel import DistributedDataParallel
 

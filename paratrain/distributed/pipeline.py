@@ -246,10 +246,10 @@ class StageGroup(nn.Module):
 
 
 def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str, compile: bool,
-                   device: torch.device, seed: int, loss_fn, comm=None, lora=None) -> Pipeline:
+                   device: torch.device, seed: int, loss_fn, comm=None, lora=None, memory=None) -> Pipeline:
     """Cut the meta-device `model` into this rank's stages, lay each out with `parallelize` (with `lora`'s
-    adapters), wrap them and build the schedule. `loss_fn(logits, targets)` is the last stage's loss per
-    microbatch."""
+    adapters and `memory`'s tiers), wrap them and build the schedule. `loss_fn(logits, targets)` is the last stage's
+    loss per microbatch."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as S
 
@@ -261,7 +261,7 @@ def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str
     for s in layout.local_stages(pp_rank):
         stage = prune(copy.deepcopy(model), layout.stage_layers(s), s == 0, s == layout.num_stages - 1)
         modules[s] = parallelize(stage, dims, activation_checkpoint, precision, compile, device, seed, comm=comm,
-                                 lora=lora)
+                                 lora=lora, memory=memory)
     rank_model = next(iter(modules.values())) if len(modules) == 1 else StageGroup(modules)
 
     stages = [PipelineStage(modules[s], s, layout.num_stages, device, group=group) for s in sorted(modules)]

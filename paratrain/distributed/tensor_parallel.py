@@ -38,6 +38,21 @@ def replicated_style():
     return ReplicateParallel()
 
 
+def gathered_sequence_parallel():
+    """The final norm under sequence parallelism: sequence-sharded like every norm, its output all-gathered to the
+    whole sequences once (the gather the output projection needs anyway), so a chunked loss cuts its pieces from whole
+    hidden states (slicing a sequence-sharded tensor would gather it again for every piece)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    class GatheredSequenceParallel(SequenceParallel):
+        @staticmethod
+        def _prepare_output_fn(use_local_output, mod, outputs, device_mesh):
+            return outputs.redistribute(placements=[Replicate()])
+
+    return GatheredSequenceParallel()
+
+
 def module_roles(params) -> dict[str, str]:
     """Module path -> role, in table order; every parameter of one module must share its role."""
     roles: dict[str, str] = {}
@@ -61,8 +76,8 @@ class _Styles:
 
         if role == "embedding":
             return RowwiseParallel(input_layouts=Replicate(), output_layouts=self.residual)
-        if role == "output":
-            return ColwiseParallel(input_layouts=self.residual,
+        if role == "output":  # after the final norm, which hands whole sequences (gathered_sequence_parallel)
+            return ColwiseParallel(input_layouts=Replicate(),
                                    output_layouts=Shard(-1) if self.loss_parallel else Replicate(),
                                    use_local_output=not self.loss_parallel)
         if role == "colwise":
@@ -114,7 +129,8 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
     family, table = family_of(args), parameters(args)
     styles = _Styles(sequence_parallel, loss_parallel)
     # A pipeline stage lacks the embedding (all but the first) or the head (all but the last).
-    top = {m: styles.of(r, styles.residual) for m, r in module_roles(p for p in table if p.layer is None).items()
+    top = {m: gathered_sequence_parallel() if (r == "norm" and sequence_parallel) else styles.of(r, styles.residual)
+           for m, r in module_roles(p for p in table if p.layer is None).items()
            if getattr(model, m.split(".")[0]) is not None}
     parallelize_module(model, tp_mesh, top)
 

@@ -52,9 +52,10 @@ import math
 from dataclasses import dataclass
 
 from paratrain.layout import Layout
+from paratrain.memory import MIN_OFFLOAD_BYTES
 from paratrain.models.args import ModelArgs
 from paratrain.models.registry import roles
-from paratrain.modes import low_precision, recomputes, selective, whole_blocks
+from paratrain.modes import every_block_whole, low_precision, recomputes, selective, whole_blocks
 
 FP32, INT64 = 4, 8
 
@@ -83,6 +84,7 @@ class ActDims:
     cp: int = 1  # context parallel: s is this rank's share of the sequence; ring attention
     max_seq: int = 0  # the whole sequence's length: the rows of the rotary tables the model hands each block
     qk_norm: bool = False  # per-head RMSNorm on q and k before rotary (the family's "head_norm" parameters: Qwen3)
+    chunks: int = 1  # memory.loss_chunks: pieces of the N tokens the output projection and the loss run over
 
     @property
     def N(self) -> int:
@@ -131,8 +133,9 @@ class ActDims:
 
 
 def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, micro_batch: int, seq_len: int,
-             device: str = "cuda", frozen_base: bool = False) -> ActDims:
-    """`frozen_base`: LoRA's base is stored in the compute dtype, so everything computes in it ("pure")."""
+             device: str = "cuda", frozen_base: bool = False, loss_chunks: int = 1) -> ActDims:
+    """`frozen_base`: LoRA's base is stored in the compute dtype, so everything computes in it ("pure");
+    `loss_chunks`: memory.loss_chunks, resolved (paratrain.memory.loss_chunks)."""
     if not low_precision(precision):
         regime = "single"
     elif accounting == "classic" or layout.uses_fsdp or frozen_base:
@@ -145,7 +148,7 @@ def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, m
     return ActDims(micro_batch, seq_len // layout.cp, args.dim, args.n_heads // t, args.n_kv_heads // t, D,
                    args.ffn_hidden // t, args.vocab_size // t if lp else args.vocab_size, t, layout.sp, regime,
                    layout.uses_fsdp and accounting != "classic", args.n_kv_heads != args.n_heads, lp, device == "cuda",
-                   layout.cp, seq_len, "head_norm" in roles(args))
+                   layout.cp, seq_len, "head_norm" in roles(args), loss_chunks)
 
 
 def _norm(d: ActDims) -> list[tuple[str, int]]:
@@ -287,6 +290,18 @@ def sac_saved(d: ActDims, moe: MoEDims | None = None) -> list[tuple[str, int]]:
 
 
 @functools.lru_cache(maxsize=8192)
+def offloaded(d: ActDims, mode: str, moe: MoEDims | None = None) -> int:
+    """Bytes of what a block stores (`block_stored`) that activation offloading moves to host memory
+    (distributed/offload.py): every saved tensor of at least MIN_OFFLOAD_BYTES; under selective checkpointing only
+    the checkpoint's inputs (its cache of matmul outputs is not saved tensors and stays)."""
+    if selective(mode):
+        return block_input(d) + d.rope_tables
+    if every_block_whole(mode):
+        return block_stored(d, mode, moe)
+    return sum(b for _, b in block_saved(d, moe) if b >= MIN_OFFLOAD_BYTES)
+
+
+@functools.lru_cache(maxsize=8192)
 def block_stored(d: ActDims, mode: str, moe: MoEDims | None = None) -> int:
     """Bytes a block keeps from its forward to its backward under checkpointing `mode`."""
     if not recomputes(mode):
@@ -401,15 +416,19 @@ def ring_backward_temps(d: ActDims) -> int:
 
 
 def head_saved(d: ActDims) -> list[tuple[str, int]]:
-    """Final norm, output projection and loss, saved at the end of forward (one micro-batch)."""
+    """Final norm, output projection and loss, saved at the end of forward (one micro-batch). A chunked loss keeps
+    only the normed hidden states (its checkpointed pieces' input: the norm's output itself, fp32 under autocast);
+    backward recomputes each piece's logits."""
     n = d.N // d.seq_div
     out = []
     if d.regime == "pure":
         out.append(("final norm input (fp32 copy)", n * d.C * FP32))
-    out += [("final norm rsqrt", n * FP32), ("final norm x*rsqrt", n * d.C * d.R),
-            ("output input (normed, whole sequence)", d.N * d.C * d.L),
-            ("log_softmax output (fp32)", d.N * d.V * FP32)]
-    return out
+    out += [("final norm rsqrt", n * FP32), ("final norm x*rsqrt", n * d.C * d.R)]
+    if d.chunks > 1:
+        return out + [("normed hidden states (chunked loss input)", d.N * d.C * (FP32 if d.regime == "autocast"
+                                                                                 else d.L))]
+    return out + [("output input (normed, whole sequence)", d.N * d.C * d.L),
+                  ("log_softmax output (fp32)", d.N * d.V * FP32)]
 
 
 def final_residual(d: ActDims) -> int:
@@ -418,12 +437,37 @@ def final_residual(d: ActDims) -> int:
     return 0 if d.regime == "pure" else d.N // d.seq_div * d.C * FP32
 
 
-def loss_backward_extra(d: ActDims) -> int:
+# The final norm's backward, in units of its N/sp x C fp32 values: the incoming gradient times the gain, times rsqrt,
+# the mean's and the square's gradients (measured: bench/memory_accuracy.py, the chunked-loss rows, where it is the
+# peak once the logits are small).
+FINAL_NORM_BACKWARD_VALUES = 5
+
+
+def final_norm_backward(d: ActDims) -> int:
+    """Transient bytes of the final norm's backward (its fp32 arithmetic; in "pure" precision beside the fp32 copy of
+    its bf16 input, which it saved)."""
+    n = d.N // d.seq_div * d.C * FP32
+    return FINAL_NORM_BACKWARD_VALUES * n + (n if d.regime == "pure" else 0)
+
+
+def loss_backward_extra(d: ActDims, head_grad: int = 0) -> int:
     """Transient bytes at the loss's backward: cross_entropy's gradient and log_softmax's gradient, both fp32
-    N x V (torch's loss_parallel needs one more such buffer and a few bytes per token)."""
-    if d.loss_parallel:
-        return 3 * d.N * d.V * FP32 + LOSS_PARALLEL_BYTES_PER_TOKEN * d.N
-    return 2 * d.N * d.V * FP32
+    N x V (torch's loss_parallel needs one more such buffer and a few bytes per token).
+
+    Chunked (`d.chunks` pieces of n tokens, models/llama.chunked_cross_entropy): one piece at a time, its recomputed
+    log_softmax beside those two gradients (n x V each), while the pieces done so far hold their input gradients
+    (n x C each; fp32 under autocast, whose pieces read the fp32 norm output) and the output weight's gradient summed so
+    far (`head_grad` bytes: autograd adds each piece's out of
+    place, so at the last piece the old sum, the piece's and the new sum are live at once)."""
+    extra = LOSS_PARALLEL_BYTES_PER_TOKEN if d.loss_parallel else 0
+    if d.chunks <= 1:
+        return (3 if d.loss_parallel else 2) * d.N * d.V * FP32 + extra * d.N
+    n = -(-d.N // d.chunks)
+    logits = (4 if d.loss_parallel else 3) * n * d.V * FP32 + extra * n
+    autocast = d.regime == "autocast"  # the pieces' input is the fp32 normed output; the head casts its own copy
+    done = (d.N - n) * d.C * (FP32 if autocast else d.L)  # the other pieces' input gradients
+    cast = n * d.C * 2 if autocast else 0
+    return max(logits + cast + head_grad + done, 3 * head_grad + done)
 
 
 def inputs_bytes(d: ActDims) -> int:

@@ -63,6 +63,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--accum-steps", type=int, default=None, help="gradient accumulation micro-steps")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (accumulation derived)")
+    m = p.add_argument_group("memory tiers (the [memory] section; README \"Memory tiers\")")
+    m.add_argument("--loss-chunks", type=int, default=None, help="output projection + loss over N pieces of the "
+                   "tokens (0: automatic, 8 where exact; 1: whole logits)")
+    m.add_argument("--activation-offload", default=None, help="none | all | every_k: saved activations to host memory")
+    m.add_argument("--offload-every-k", type=int, default=None, help="with --activation-offload every_k (2)")
+    m.add_argument("--cpu-offload", action="store_true", default=None,
+                   help="sharded parameters, gradients and optimizer state in host memory (FSDP layouts)")
+    m.add_argument("--host-memory", help="host memory per node, e.g. 512GiB: checks what the tiers put there")
+    m.add_argument("--gpus-per-node", type=int, default=None, help="ranks sharing a node's host memory (default: "
+                   "the world size, at most 8)")
     p.add_argument("--overhead-gib", type=float, help="runtime overhead per rank, GiB (default 1.0, +0.5 with NCCL)")
     p.add_argument("--units", choices=("GiB", "GB"), help="GiB (2^30; default) or GB (10^9; default for --accounting "
                    "classic)")
@@ -98,19 +108,22 @@ def _estimate_defaults(model_args):
 TRAINING_FLAGS = {"precision": "precision", "micro_batch": "micro_batch", "seq_len": "seq_len",
                   "accum_steps": "accum_steps", "global_batch": "global_batch"}
 CHECKPOINTING_FLAGS = {"checkpointing": "mode", "every_k": "every_k"}
+MEMORY_FLAGS = {"loss_chunks": "loss_chunks", "activation_offload": "activation_offload",
+                "offload_every_k": "activation_offload_every_k", "cpu_offload": "cpu_offload"}
 
 
 def _with_flags(cfg, args):
-    """The config with the command line's flags written over its [parallel], [training] and [activation_checkpoint]
-    values (explicit flags win). A flag that fixes the accumulation (--accum-steps) or a pipeline's micro-batches
+    """The config with the command line's flags written over its [parallel], [training], [activation_checkpoint] and
+    [memory] values (explicit flags win). A flag that fixes the accumulation (--accum-steps) or a pipeline's micro-batches
     (--micro-batch / --microbatches) replaces the config's global batch, which is then derived from them."""
     t, ac = cfg.training, cfg.activation_checkpoint
-    for flag in ("world_size", "micro_batch", "seq_len", "accum_steps", "global_batch", "every_k"):
+    for flag in ("world_size", "micro_batch", "seq_len", "accum_steps", "global_batch", "every_k", "offload_every_k",
+                 "gpus_per_node"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     cfg.parallel = with_layout_flags(cfg.parallel, args, ESTIMATE_FLAG_KEYS)
-    for section, flags in ((t, TRAINING_FLAGS), (ac, CHECKPOINTING_FLAGS)):
+    for section, flags in ((t, TRAINING_FLAGS), (ac, CHECKPOINTING_FLAGS), (cfg.memory, MEMORY_FLAGS)):
         for flag, key in flags.items():
             if getattr(args, flag) is not None:
                 setattr(section, key, getattr(args, flag))
@@ -180,7 +193,12 @@ def inputs_from_argv(argv: list[str]):
             raise UserError(f"--overhead-gib must be >= 0, got {args.overhead_gib}")
         overhead = int(args.overhead_gib * GiB)
     impl = args.optimizer_impl or (cfg.optimizer.impl if cfg.optimizer.impl != "auto" else "fused")
+    mem = cfg.memory
     return EstimateInputs(
+        loss_chunks=mem.loss_chunks, activation_offload=mem.activation_offload,
+        offload_every_k=mem.activation_offload_every_k, cpu_offload=mem.cpu_offload,
+        host_bytes=parse_memory(args.host_memory) if args.host_memory else None,
+        ranks_per_node=args.gpus_per_node or 0,
         compression=Compression.from_config(p).check_flags(), fsdp_backward_prefetch=p.fsdp_backward_prefetch,
         model_args=model_args, layout=layout, model_name=name, precision=t.precision,
         optimizer=args.optimizer or cfg.optimizer.name, optimizer_impl=impl, checkpointing=ac.mode, every_k=ac.every_k,

@@ -32,9 +32,11 @@ from paratrain.estimate.model_states import (BF16, FP32, Param, StateBytes, fsdp
                                              local_shape, model_params, rank_layers, rank_params, state_bytes,
                                              zero_table)
 from paratrain.layout import Layout, grad_compression_site
+from paratrain.memory import HOST_HEADROOM
 from paratrain.models.presets import count_active_params
 from paratrain.models.registry import family_of
-from paratrain.modes import CompressionSite, block_checkpointing, low_precision, multi_stage, recomputes
+from paratrain.modes import (CompressionSite, block_checkpointing, low_precision, multi_stage, offload_stride,
+                             offloaded_blocks, recomputes)
 from paratrain.optimizers import optimizer_entry
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
@@ -62,6 +64,28 @@ class Estimate:
     searched: bool = False  # whether suggestions were looked for
     stages: list[dict] = field(default_factory=list)  # per pipeline stage: peak and phase
     fsdp_all_gathers: int = 0  # FSDP parameter all-gathers per step on the worst rank (Layout.fsdp_all_gathers)
+    host: dict[str, int] = field(default_factory=dict)  # host memory per rank at its peak, by category (offloading)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory per rank (offloaded activations and model states)."""
+        return sum(self.host.values())
+
+    @property
+    def host_node_bytes(self) -> int:
+        """Host memory per node: every rank of the node's."""
+        return self.host_bytes * self.inputs.node_ranks
+
+    @property
+    def host_fits(self) -> bool | None:
+        """Whether the node's host memory holds it (memory.HOST_HEADROOM kept free); None: --host-memory not given."""
+        limit = self.inputs.host_bytes
+        return None if limit is None else self.host_node_bytes <= usable_bytes(limit, HOST_HEADROOM)
+
+    @property
+    def host_limit_text(self) -> str:
+        return (f"limit {1 - HOST_HEADROOM:.0%} = {fmt_bytes(usable_bytes(self.inputs.host_bytes, HOST_HEADROOM))}: "
+                "the rest for the OS, the data loaders and the ranks' processes")
 
     @property
     def total_bytes(self) -> int:
@@ -78,7 +102,10 @@ class Estimate:
 
     @property
     def fits(self) -> bool | None:
-        return None if self.gpu_bytes is None else fits(self.total_bytes, self.gpu_bytes, self.inputs.headroom)
+        """The device's memory holds it (and the host's, when --host-memory is given)."""
+        if self.gpu_bytes is None:
+            return None
+        return fits(self.total_bytes, self.gpu_bytes, self.inputs.headroom) and self.host_fits is not False
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -108,6 +135,10 @@ class Estimate:
             "zero_breakdown": {"ranks": self.zero_ranks, "rows": self.zero, "units": "bytes"},
             "stages": self.stages, "fsdp_all_gathers_per_step": self.fsdp_all_gathers,
             "suggestion": self.suggestion, "alternatives": self.alternatives,
+            "host_bytes": self.host_bytes, "host_breakdown_bytes": self.host, "host_node_bytes": self.host_node_bytes,
+            "host_memory_bytes": i.host_bytes, "host_fits": self.host_fits,
+            "memory_tiers": {"loss_chunks": i.loss_chunks, "activation_offload": i.activation_offload,
+                             "activation_offload_every_k": i.offload_every_k, "cpu_offload": i.cpu_offload},
         }
 
     def format_table(self, units: str = "GiB") -> str:
@@ -124,6 +155,16 @@ class Estimate:
 
 
 # ---------------------------------------------------------------------------------------------
+
+def _offload_plan(i: EstimateInputs, d: A.ActDims, modes: list[str], moe_of: dict, layers: list[int]):
+    """Activation offloading on these blocks: bytes each moves to host (0: not offloaded), and which offloaded block
+    each offloaded block's backward fetches ahead (the one `stride` below it, when this rank holds it)."""
+    chosen = set(offloaded_blocks(i.activation_offload, i.offload_every_k, i.model_args.n_layers)) & set(layers)
+    moved = {l: A.offloaded(d, modes[l], moe_of.get(l)) if l in chosen else 0 for l in layers}
+    stride = offload_stride(i.activation_offload, i.offload_every_k)
+    ahead_of = {l: l - stride for l in chosen if l - stride in chosen}
+    return moved, ahead_of
+
 
 def default_overhead(layout: Layout, device: str = "cuda") -> int:
     if device != "cuda":
@@ -181,6 +222,7 @@ class _Rank:
     classic: bool  # classic mixed-precision accounting (Megatron/DeepSpeed) in bf16/fp16
     fsdp: bool  # FSDP's unsharded working copies (classic ZeRO-2 keeps whole bf16 parameters in its parameters row)
     pbytes: int  # dtype the unsharded parameters compute in
+    host: dict  # model states in host memory (CPU offload: the sharded parameters, gradients, optimizer state)
 
     def local_numel(self, ps) -> int:
         return sum(math.prod(local_shape(p, self.i.layout)) for p in ps)
@@ -222,7 +264,8 @@ class _Rank:
 def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers: list[int]) -> _Rank:
     args, lay = i.model_args, i.layout
     st = state_bytes(args, lay, i.precision, i.optimizer, i.accounting, rank, layers_by_stage, i.lora)
-    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device, i.lora is not None)
+    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device, i.lora is not None,
+                   i.loss_chunks)
     params = rank_params(args, lay, rank, layers_by_stage, i.lora)
     by_layer = {l: [] for l in layers}
     for p in params:
@@ -232,7 +275,11 @@ def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers
     classic = i.accounting == "classic" and low
     fsdp = lay.uses_fsdp and not (classic and lay.zero_stage == 2)
     pbytes = BF16 if (low and (fsdp or classic)) else FP32
-    return _Rank(i, st, d, params, by_layer, [p for p in params if p.layer is None], classic, fsdp, pbytes)
+    host = {}
+    if i.cpu_offload:  # FSDP2's CPUOffloadPolicy: the device keeps only what it gathers and computes with
+        host = {"parameters": st.params, "gradients": st.grads, "optimizer": st.optimizer + st.master}
+        st = dataclasses.replace(st, params=0, grads=0, optimizer=0, master=0)
+    return _Rank(i, st, d, params, by_layer, [p for p in params if p.layer is None], classic, fsdp, pbytes, host)
 
 
 class _Peaks:
@@ -275,12 +322,18 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     modes = block_checkpointing(i.checkpointing, args.n_layers, i.every_k)
     moe_of = {l: (moe if args.is_moe_layer(l) else None) for l in my_layers}
     stored = {l: A.block_stored(d, modes[l], moe_of[l]) for l in my_layers}
+    moved, ahead_of = _offload_plan(i, d, modes, moe_of, my_layers)
+    stored_dev = {l: stored[l] - moved[l] for l in my_layers}  # what stays on the device (offloading moves the rest)
+    host_at_end = sum(moved.values())
     head_params = r.where("head")
     classic, fsdp, pbytes, local_numel = r.classic, r.fsdp, r.pbytes, r.local_numel
     zero2 = lay.uses_fsdp and not lay.reshard_after_forward  # gathered parameters kept from forward to backward
     gbytes = BF16 if classic else FP32  # gradient dtype held by the optimizer
 
-    def grad_bytes(ps):  # this rank's final gradients of these params
+    def grad_bytes(ps):  # this rank's final gradients of these params on the device (CPU offload: on the host)
+        return 0 if r.host else host_grad_bytes(ps)
+
+    def host_grad_bytes(ps):
         ps = [p for p in ps if p.trainable]
         if classic:
             return math.ceil(local_numel(ps) / lay.shard_degree) * gbytes
@@ -298,9 +351,13 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     ddp_buckets = r.grad_numel(params) * gbytes if (lay.uses_ddp and not classic) else 0
     autocast = st.autocast_copies
     tokens = A.inputs_bytes(d)
-    acts_one = sum(stored.values()) + A.final_residual(d)
+    acts_one = sum(stored_dev.values()) + A.final_residual(d)
     head = sum(b for _, b in A.head_saved(d))
-    loss_extra = A.loss_backward_extra(d)
+    # the output weight's gradient in the dtype autograd sums it in: the unsharded parameter's under FSDP, autocast's
+    # bf16 copy's, else fp32
+    output_weight = [p for p in head_params if p.role == "output"] or r.where("embedding")
+    head_grad = local_numel(output_weight) * (pbytes if fsdp else BF16 if d.regime == "autocast" else FP32)
+    loss_extra = A.loss_backward_extra(d, head_grad)
 
     # FSDP bookkeeping: unsharded bytes per block, root, reduce-scatter buffers.
     site = grad_compression_site(lay, i.compression.method)
@@ -338,16 +395,30 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
             # The last block is not resharded after forward, except expert-parallel experts (their own group).
             last_block = by_layer[my_layers[-1]]
             comm += _fsdp_bytes([p for p in last_block if not (p.expert and lay.ep > 1)], lay, pbytes)[0]
+    # The root's parameters are gathered again by its pre-backward, when the gradient reaches its forward's output:
+    # the logits (the whole loss is computed after the model's forward), or the loss itself (a chunked loss is part
+    # of the forward). zero2 keeps them gathered throughout.
+    root_at_norm = root_unsh if (fsdp and not zero2) else 0
+    root_at_loss = root_at_norm if d.chunks > 1 else 0
     add("loss backward" + (f" (micro-step {accum} of {accum})" if accum > 1 else ""),
         **base, gradients=grads_full if g_prev else 0, autocast_copies=autocast, activations=acts_one + tokens,
-        logits_loss=head + loss_extra, comm_buffers=comm)
+        logits_loss=head + loss_extra, comm_buffers=comm + root_at_loss)
+    # the final norm's backward: the head's gradients made, the logits gone (the peak once they are small: chunked)
+    add("final norm backward", **base, gradients=g_prev or (0 if fsdp else grad_bytes(head_params)),
+        autocast_copies=autocast, activations=acts_one + tokens, logits_loss=A.final_norm_backward(d),
+        comm_buffers=comm + root_at_norm, temporaries=head_unsh_grads)
     # B_i: each block's backward, last to first
     grads_above = grad_bytes(head_params) if not fsdp else 0
-    stored_below = sum(stored.values())
+    stored_below = sum(stored_dev.values())
+    fetched: set[int] = set()
     rs_kept = 0
     for idx in reversed(range(len(my_layers))):
         l = my_layers[idx]
-        stored_below -= stored[l]
+        # an offloaded block's tensors are back for its backward, and the offloaded block below it is fetched ahead
+        stored_below -= stored[l] if l in fetched else stored_dev[l]
+        if l in ahead_of:
+            stored_below += moved[ahead_of[l]]
+            fetched.add(ahead_of[l])
         b_acts, b_temps = A.block_backward_live(d, modes[l], moe_of[l])
         comm = ddp_buckets
         temps = b_temps
@@ -371,7 +442,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
             # (Under checkpointing the recomputed tensors count as temporaries, what the checkpoint holds as
             # activations.)
             live = A.ring_backward_block(d, modes[l])
-            kept = min(live, stored[l]) if recomputes(modes[l]) else live
+            kept = min(live, stored[l]) if recomputes(modes[l]) else live  # (an offloaded block's are back)
             done = r.after_attention_inputs(l) * pbytes
             dout = d.N * d.Hq * d.D * d.L
             add(f"ring attention backward of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
@@ -408,10 +479,13 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     opt_temp = 0
     if i.optimizer_impl != "fused" and optimizer_entry(i.optimizer).foreach_temporary:
         # _multi_tensor_adam: torch._foreach_sqrt(exp_avg_sqs) per parameter group (matrices, then norm gains)
-        opt_temp = max(grads_full - grad_bytes([p for p in params if len(p.shape) < 2]),
-                       grad_bytes([p for p in params if len(p.shape) < 2])) * (FP32 // gbytes)
+        small = host_grad_bytes([p for p in params if len(p.shape) < 2])
+        opt_temp = max(r.host.get("gradients", grads_full) - small, small) * (FP32 // gbytes)
         if lay.zero1:
             opt_temp = math.ceil(st.optimizer / 2)
+    host_states = _host_total(r.host, opt_temp)
+    if r.host:
+        opt_temp = 0  # the optimizer steps on the CPU
     if comp is not None and comp_site is CompressionSite.DDP_HOOK:  # the hook compresses the last bucket: all grads
         add("gradient compression (DDP hook)", **base, gradients=grads_full, comm_buffers=ddp_buckets,
             temporaries=comp.transient_bytes)
@@ -423,6 +497,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     sizes = out["sizes"]
     sizes["gradients"] = max(sizes.get("gradients", 0), grads_full)
     sizes["autocast_copies"] = autocast
+    out["host"] = {**host_states, **({"activations": host_at_end} if host_at_end else {})}
     return out
 
 
@@ -451,6 +526,9 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     st, d, params, by_layer, root = r.st, r.d, r.params, r.by_layer, r.root
     modes = block_checkpointing(i.checkpointing, args.n_layers, i.every_k)
     stored = {l: A.block_stored(d, modes[l], None) for s in stages for l in layers_of[s]}
+    # activation offloading: what moves to host leaves the device (each block's come back for its backward)
+    moved, ahead_of = _offload_plan(i, d, modes, {}, list(stored))
+    stored = {l: stored[l] - moved[l] for l in stored}
     emb_params, head_params = r.where("embedding"), r.where("head")
     classic, fsdp, pbytes, local_numel = r.classic, r.fsdp, r.pbytes, r.local_numel
 
@@ -471,11 +549,13 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     head = sum(b for _, b in A.head_saved(d))
     logits = d.N * d.V * d.L  # the last stage's output, kept by the stage until its backward
     shared_input = binp if d.R == FP32 else 0  # the first block saves the receive buffer itself (fp32 residual)
+    # (an offloaded first block saves a host copy of it instead, and backward gets a device copy back)
+    shared_of = {s: 0 if moved[layers_of[s][0]] else shared_input for s in stages if layers_of[s]}
     hold, hold_head = {}, {}  # per in-flight micro-batch: activations, and the last stage's logits and loss tensors
     for s in stages:
         h = sum(stored[l] for l in layers_of[s])
         h += A.final_residual(d) if s == last_stage else binp
-        hold[s] = h - (shared_input if s > 0 else 0)
+        hold[s] = h - (shared_of.get(s, 0) if s > 0 else 0)
         hold_head[s] = head + logits if s == last_stage else 0
     tokens = m * A.inputs_bytes(d)  # the whole batch of this data-parallel rank
     p2p = sum(((s > 0) + (s < last_stage)) * m * binp for s in stages)
@@ -527,7 +607,8 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
         if key not in local:
             found = []
             _backward_points(lambda phase, **cats: found.append((sum(cats.values()), phase, cats)), base, d, stage,
-                             kind, layers_of[stage], stored, modes, stage == last_stage, stage > 0 and shared_input,
+                             kind, layers_of[stage], stored, modes, stage == last_stage,
+                             stage > 0 and shared_of.get(stage, 0), offload=(moved, ahead_of),
                              tokens=tokens, comm=p2p + gathered, block_grads=block_grads[stage],
                              head_grads=step_grads(head_params) if stage == last_stage else 0,
                              stage_grads=stage_grads[stage], first_bwd=first_bwd,
@@ -553,6 +634,7 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
                 held -= inter[stage]
             if stash_sends and remote_next[stage]:
                 sent_out += binp
+    host_acts = int(in_flight(lay, rank) * sum(moved.values()))  # offloaded micro-batches in flight
     # the end of the step: FSDP reshards and reduce-scatters each group's accumulated gradients (the largest
     # group's buffers at the worst time: all gradients still unsharded)
     if fsdp and unsh:
@@ -565,9 +647,19 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
         gb = BF16 if classic else FP32
         small = [p for p in params if len(p.shape) < 2 and p.trainable]
         small_bytes = (sum(fsdp_numel(p, lay) for p in small) if lay.uses_fsdp else local_numel(small)) * gb
-        opt_temp = max(st.grads - small_bytes, small_bytes) * (FP32 // gb)
-    add("optimizer step", **base, gradients=st.grads, comm_buffers=p2p, temporaries=opt_temp)
-    return peaks.result(r)
+        opt_temp = max(r.host.get("gradients", st.grads) - small_bytes, small_bytes) * (FP32 // gb)
+    host_states = _host_total(r.host, opt_temp)
+    add("optimizer step", **base, gradients=st.grads, comm_buffers=p2p, temporaries=0 if r.host else opt_temp)
+    out = peaks.result(r)
+    out["host"] = {**host_states, **({"activations": host_acts} if host_acts else {})}
+    return out
+
+
+def _host_total(states: dict, opt_temp: int) -> dict:
+    """Host memory of CPU-offloaded model states at the optimizer step (its foreach temporaries are host memory too)."""
+    if not states:
+        return {}
+    return {**states, **({"temporaries": opt_temp} if opt_temp else {})}
 
 
 def _zb_intermediates(d: A.ActDims) -> int:
@@ -590,7 +682,8 @@ ZB_NORM_BACKWARD_VALUES = 6
 
 
 def _backward_points(add, base, d, stage, kind, layers, stored, modes, last, shared, *, tokens, comm, block_grads,
-                     head_grads, stage_grads, first_bwd, out, head, dw2, others=(0, 0), grads_before=0) -> None:
+                     head_grads, stage_grads, first_bwd, out, head, dw2, others=(0, 0), grads_before=0,
+                     offload=({}, {})) -> None:
     """Candidate peaks of one stage's backward of one micro-batch on top of `others` (what the other in-flight
     micro-batches hold) and what the whole step holds: "B" (the whole backward) block by block, last to first;
     the zero-bubble input-gradient step "I" (nothing is freed: the graph is kept for "W", and each block leaves the
@@ -619,10 +712,15 @@ def _backward_points(add, base, d, stage, kind, layers, stored, modes, last, sha
         if not weights:
             held += _zb_head_intermediates(d)
     stored_below = stage_acts
+    moved, ahead_of = offload  # activation offloading: bytes on host per block, the block fetched ahead of each
+    fetched = set()
     for idx in reversed(range(len(layers))):
         l = layers[idx]
-        stored_below -= stored[l] - (shared if idx == 0 else 0)
-        b_acts, b_temps = A.block_backward_live(d, modes[l], None)
+        stored_below -= stored[l] + (moved[l] if l in fetched else 0) - (shared if idx == 0 else 0)
+        if l in ahead_of:
+            stored_below += moved[ahead_of[l]]
+            fetched.add(ahead_of[l])
+        b_acts, b_temps = A.block_backward_live(d, modes[l], None)  # (an offloaded block's tensors are back)
         b_acts -= shared if idx == 0 else 0
         from_head = A.block_input(d) if (last and idx == len(layers) - 1) else 0
         what = f"block {l} (stage {stage}{', input gradients' if not weights else ''})"
@@ -700,7 +798,9 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     if lay.uses_ddp and i.accounting != "classic":
         notes.append("DDP keeps flat gradient buckets as large as the gradients (gradient_as_bucket_view=False)")
     est = Estimate(i, int(w["peak"]), overhead, at, sizes, w["phase"], worst, notes,
-                   per_block=A.block_saved(d, None), fsdp_all_gathers=gathers)
+                   per_block=A.block_saved(d, None), fsdp_all_gathers=gathers,
+                   host={k: int(v) for k, v in max((x.get("host", {}) for x in walks.values()),
+                                                   key=lambda h: sum(h.values())).items()})
     if lay.pp > 1:
         est.stages = [{"stage": s, "tensor_peak_bytes": int(x["peak"]), "total_bytes": int(x["peak"]) + overhead,
                        "phase": x["phase"]} for s, x in walks.items()]
@@ -720,10 +820,13 @@ def forward_end_bytes(i: EstimateInputs) -> dict[str, int]:
     blocks' activations as checkpointing leaves them (+ the final residual and the token ids) and the final
     norm / output / loss tensors kept for backward. What activation checkpointing is about."""
     args, lay = i.model_args, i.layout
-    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device, i.lora is not None)
+    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device, i.lora is not None,
+                   i.loss_chunks)
     moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if args.moe_experts else None
     layers = rank_layers(lay, args)[lay.pp - 1]
     modes = block_checkpointing(i.checkpointing, args.n_layers, i.every_k)
-    acts = sum(A.block_stored(d, modes[l], moe if args.is_moe_layer(l) else None) for l in layers)
+    moe_of = {l: moe if args.is_moe_layer(l) else None for l in layers}
+    acts = sum(A.block_stored(d, modes[l], moe_of[l]) for l in layers)
+    acts -= sum(_offload_plan(i, d, modes, moe_of, layers)[0].values())  # on the host by then
     return {"activations": acts + A.final_residual(d) + A.inputs_bytes(d),
             "logits_loss": sum(b for _, b in A.head_saved(d))}

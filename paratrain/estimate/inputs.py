@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from paratrain.errors import UserError
 from paratrain.estimate.gpus import HEADROOM, check_headroom
 from paratrain.layout import Batch, Layout, grad_compression_site
+from paratrain.memory import check_cpu_offload, check_offload, loss_chunks
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA, targets_of
-from paratrain.modes import CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS, Compression
+from paratrain.modes import ACTIVATION_OFFLOAD_MODES, CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS, Compression
 from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
 
 ACCOUNTINGS = ("paratrain", "classic")
@@ -40,6 +41,16 @@ class EstimateInputs:
     compression: Compression = field(default_factory=Compression)  # parallel.grad_compression and its settings
     fsdp_backward_prefetch: int = 1  # blocks whose parameters backward gathers ahead (FSDP2's default: 1)
     lora: LoRA | None = None  # adapters on a frozen model (`[lora]`, --lora-rank): only they have gradients and states
+    loss_chunks: int = 0  # memory.loss_chunks (0: automatic, paratrain.memory.loss_chunks)
+    activation_offload: str = "none"  # memory.activation_offload: none | all | every_k (offload_every_k)
+    offload_every_k: int = 2
+    cpu_offload: bool = False  # memory.cpu_offload: sharded parameters, gradients and optimizer state in host memory
+    host_bytes: int | None = None  # host memory per node (--host-memory; None: not checked)
+    ranks_per_node: int = 0  # ranks sharing a node's host memory (0: the world size, at most 8)
+
+    @property
+    def node_ranks(self) -> int:
+        return self.ranks_per_node or min(self.layout.world_size, 8)
 
     def replace(self, **kw) -> "EstimateInputs":
         return dataclasses.replace(self, **kw)
@@ -81,4 +92,16 @@ def validate(i: EstimateInputs) -> EstimateInputs:
     entry = optimizer_entry(i.optimizer)
     entry.check_compression(i.compression.method, "--grad-compression")
     entry.check_layout(lay)
-    return i.replace(layout=lay.validate(args, lay.world_size, batch))
+    if i.activation_offload not in ACTIVATION_OFFLOAD_MODES:
+        raise UserError(f"--activation-offload '{i.activation_offload}' is not one of "
+                        f"{', '.join(ACTIVATION_OFFLOAD_MODES)}")
+    if i.offload_every_k < 1:
+        raise UserError(f"--offload-every-k must be >= 1, got {i.offload_every_k}")
+    check_offload(i.activation_offload, lay)
+    check_cpu_offload(i.cpu_offload, lay)
+    if i.ranks_per_node < 0 or (i.host_bytes is not None and i.host_bytes <= 0):
+        raise UserError("--gpus-per-node and --host-memory must be positive")
+    if i.loss_chunks < 0:
+        raise UserError(f"--loss-chunks must be >= 0 (0: automatic), got {i.loss_chunks}")
+    chunks = loss_chunks(i.loss_chunks, lay, i.precision)
+    return i.replace(layout=lay.validate(args, lay.world_size, batch), loss_chunks=chunks)

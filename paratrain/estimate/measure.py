@@ -46,6 +46,7 @@ COMM = "comm_buffers"
 TEMP = "temporaries"
 OTHER = "other"
 CATEGORIES = (PARAMS, GRADS, OPTIM, AUTOCAST, ACTS, LOGITS, COMM, TEMP, OTHER)
+HOST = "host"  # host memory (activation offloading's copies): counted apart from the device's total and peak
 
 
 def _storages(t: torch.Tensor):
@@ -66,8 +67,9 @@ class StorageTracker(TorchDispatchMode):
         self.label = OTHER
         self.identify = identify  # () -> {id(storage): category}, evaluated at each new peak
         self._info = WeakIdKeyDictionary()  # storage -> [nbytes, label, weakref]
-        self.live: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.live: dict[str, int] = dict.fromkeys((*CATEGORIES, HOST), 0)
         self.total = 0
+        self.host_total = self.host_peak = 0  # host bytes (HOST), beside the device's
         self.peak = 0
         self.peak_breakdown: dict[str, int] = {}
         self.peak_label = ""
@@ -89,18 +91,24 @@ class StorageTracker(TorchDispatchMode):
         info = [n, label, None, self._func] if self.debug else [n, label, None]
         info[2] = weakref.ref(st, partial(self._freed, info))
         self._info[st] = info
+        self._count(label, n)
+
+    def _count(self, label: str, n: int) -> None:
         self.live[label] += n
-        self.total += n
+        if label == HOST:
+            self.host_total += n
+            if self.recording:
+                self.host_peak = max(self.host_peak, self.host_total)
+        else:
+            self.total += n
 
     def _freed(self, info, _ref) -> None:
-        self.live[info[1]] -= info[0]
-        self.total -= info[0]
+        self._count(info[1], -info[0])
 
     def _resize(self, st, info) -> None:
         n = st.nbytes()
         if n != info[0]:
-            self.live[info[1]] += n - info[0]
-            self.total += n - info[0]
+            self._count(info[1], n - info[0])
             info[0] = n
 
     def track(self, t: torch.Tensor, label: str) -> None:
@@ -114,8 +122,8 @@ class StorageTracker(TorchDispatchMode):
             if info is None:
                 self._add(st, label)
             elif info[1] != label:
-                self.live[info[1]] -= info[0]
-                self.live[label] += info[0]
+                self._count(info[1], -info[0])
+                self._count(label, info[0])
                 info[1] = label
 
     def _update_peak(self) -> None:
@@ -126,7 +134,7 @@ class StorageTracker(TorchDispatchMode):
         identity = self.identify() if self.identify else {}
         breakdown = dict.fromkeys(CATEGORIES, 0)
         for st, (n, label, *_) in list(self._info.items()):
-            if n:
+            if n and label != HOST:
                 breakdown[identity.get(id(st), label)] += n
         self.peak_breakdown = breakdown
         if self.debug:
@@ -135,12 +143,13 @@ class StorageTracker(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak, self.peak_breakdown, self.peak_label = 0, {}, ""
+        self.host_peak = self.host_total
 
     def snapshot(self) -> dict[str, int]:
         identity = self.identify() if self.identify else {}
         out = dict.fromkeys(CATEGORIES, 0)
         for st, (n, label, *_) in list(self._info.items()):
-            if n:
+            if n and label != HOST:
                 out[identity.get(id(st), label)] += n
         return out
 
@@ -201,6 +210,10 @@ class MeasureSpec:
     seq_len: int = 64
     accum_steps: int = 1
     optimizer_impl: str = "foreach"
+    optimizer: str = "adamw"  # optimizer.name (paratrain/optimizers.py)
+    loss_chunks: int = 0  # memory.loss_chunks (0: automatic, as the trainer)
+    activation_offload: str = "none"  # memory.activation_offload and its every_k
+    offload_every_k: int = 2
     steps: int = 2  # the last one is measured (the first creates the optimizer state)
     name: str = ""
 
@@ -212,11 +225,13 @@ class MeasureSpec:
 
     def step_options(self) -> dict:
         """`build_train_step`'s options for this spec (seed 0, clipping at 1.0, its `[parallel]` section)."""
-        from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
+        from paratrain.config import ActivationCheckpointConfig, MemoryConfig, OptimizerConfig
 
         return dict(precision=self.precision, activation_checkpoint=ActivationCheckpointConfig(self.checkpointing,
                                                                                                 self.every_k),
-                    optimizer=OptimizerConfig(impl=self.optimizer_impl), parallel=self.parallel, seed=0, grad_clip=1.0)
+                    optimizer=OptimizerConfig(name=self.optimizer, impl=self.optimizer_impl),
+                    memory=MemoryConfig(self.loss_chunks, self.activation_offload, self.offload_every_k),
+                    parallel=self.parallel, seed=0, grad_clip=1.0)
 
     def batch(self, world_size: int):
         """The batch the spec's layout must divide (a pipeline: micro_batch x pp_microbatches per data rank)."""
@@ -238,6 +253,7 @@ class Measurement:
     spec: dict = field(default_factory=dict)
     fsdp_all_gathers: int = 0  # FSDP all-gathers (foreach_all_gather calls) this rank ran in the measured step
     fsdp_groups: int = 0  # FSDP parameter groups with parameters on this rank (blocks, experts, roots)
+    host_peak: int = 0  # host bytes at their peak in the measured step (activation offloading's copies)
 
 
 def _identity_map(model, optimizer, ddp_buckets, extra=None, pipelined: bool = False) -> dict[int, str]:
@@ -298,31 +314,40 @@ def _nbytes_unique(tensors) -> int:
 
 
 @contextlib.contextmanager
-def _fsdp_labels(tracker: StorageTracker):
-    """Allocations made inside FSDP's unshard / post-backward are communication buffers."""
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    except ImportError:  # pragma: no cover
-        yield
-        return
+def _labelled_methods(tracker: StorageTracker, cls, labels: dict[str, str]):
+    """While active, what `cls`'s methods named in `labels` allocate is counted under their label."""
     saved = {}
-    for name in ("unshard", "wait_for_unshard", "post_backward"):
-        orig = getattr(FSDPParamGroup, name)
-        saved[name] = orig
+    for name, label in labels.items():
+        orig = saved[name] = getattr(cls, name)
 
-        def wrapped(self, *a, __orig=orig, **k):
-            prev, tracker.label = tracker.label, COMM
+        def wrapped(self, *a, __orig=orig, __label=label, **k):
+            prev, tracker.label = tracker.label, __label
             try:
                 return __orig(self, *a, **k)
             finally:
                 tracker.label = prev
 
-        setattr(FSDPParamGroup, name, wrapped)
+        setattr(cls, name, wrapped)
     try:
         yield
     finally:
         for name, orig in saved.items():
-            setattr(FSDPParamGroup, name, orig)
+            setattr(cls, name, orig)
+
+
+def _fsdp_labels(tracker: StorageTracker):
+    """Allocations made inside FSDP's unshard / post-backward are communication buffers."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    return _labelled_methods(tracker, FSDPParamGroup, dict.fromkeys(("unshard", "wait_for_unshard", "post_backward"),
+                                                                    COMM))
+
+
+def _offload_labels(tracker: StorageTracker):
+    """Activation offloading's host copies are host memory; the copies it brings back are activations again."""
+    from paratrain.distributed.offload import ActivationOffloader
+
+    return _labelled_methods(tracker, ActivationOffloader, {"_to_host": HOST, "_fetch": ACTS})
 
 
 def _labeller(tracker: StorageTracker, label: str):
@@ -478,7 +503,7 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
     tracker = StorageTracker()
     tracker.debug = bool(os.environ.get("PARATRAIN_MEM_DEBUG"))
     gathers = [0]
-    with tracker, _fsdp_labels(tracker), _count_fsdp_all_gathers(gathers):
+    with tracker, _fsdp_labels(tracker), _offload_labels(tracker), _count_fsdp_all_gathers(gathers):
         tracker.label = PARAMS
         step = build_train_step(args, dims, device, **spec.step_options())  # the trainer's own step
         model, optimizer, pipeline = step.model, step.optimizer, step.pipeline
@@ -540,11 +565,11 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
     if tracker.debug and rank == 0:
         from collections import Counter
         for (cat, n, f), c in sorted(Counter(tracker.peak_debug).items()):
-            if cat in (TEMP, LOGITS, GRADS, COMM):
+            if cat in (TEMP, LOGITS, GRADS, COMM) or os.environ.get("PARATRAIN_MEM_DEBUG") == "all":
                 print("PEAK", cat, n, f, "x", c)
     roots = list(pipeline.modules.values()) if pipeline is not None else [inner]  # a pipeline: each stage's root
     result = Measurement(rank, tracker.peak, tracker.peak_label, tracker.peak_breakdown, probe.forward_end, states,
-                         asdict(spec), gathers[0], sum(_fsdp_group_count(m) for m in roots))
+                         asdict(spec), gathers[0], sum(_fsdp_group_count(m) for m in roots), tracker.host_peak)
     del model, optimizer, step, pipeline
     return result
 
@@ -628,6 +653,8 @@ def inputs_for_spec(spec: MeasureSpec, world_size: int):
     from paratrain.models.args import ModelArgs
 
     return EstimateInputs(ModelArgs(**spec.model), spec.layout(world_size), model_name=spec.name or "bench",
-                          precision=spec.precision, optimizer="adamw", optimizer_impl=spec.optimizer_impl,
+                          precision=spec.precision, optimizer=spec.optimizer, optimizer_impl=spec.optimizer_impl,
                           checkpointing=spec.checkpointing, every_k=spec.every_k, micro_batch=spec.micro_batch,
-                          seq_len=spec.seq_len, accum_steps=spec.accum_steps, device="cpu", overhead_bytes=0)
+                          seq_len=spec.seq_len, accum_steps=spec.accum_steps, device="cpu", overhead_bytes=0,
+                          loss_chunks=spec.loss_chunks, activation_offload=spec.activation_offload,
+                          offload_every_k=spec.offload_every_k)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from paratrain.estimate.gpus import GB, fmt_bytes, verdict_text
 from paratrain.estimate.model_states import model_params
 from paratrain.models.presets import count_active_params, format_params
-from paratrain.modes import describe_checkpointing, low_precision
+from paratrain.modes import describe_checkpointing, describe_offload, low_precision, offloads_activations
 
 ROWS = [  # (key, label)
     ("parameters", "parameters"),
@@ -32,6 +32,24 @@ def lora_text(i) -> str:
     trainable = sum(p.numel for p in params if p.trainable)
     return (f"; LoRA rank {i.lora.rank} on {','.join(i.lora.targets)}: {format_params(trainable)} trainable "
             f"({trainable:,}), {format_params(sum(p.numel for p in params) - trainable)} frozen")
+def tiers_text(i) -> str:
+    """The memory tiers the inputs use, in words ("" for none)."""
+    parts = []
+    if i.loss_chunks > 1:
+        parts.append(f"chunked loss ({i.loss_chunks} pieces)")
+    if offloads_activations(i.activation_offload):
+        parts.append("activation offload " + describe_offload(i.activation_offload, i.offload_every_k))
+    if i.cpu_offload:
+        parts.append("CPU offload (parameters, gradients, optimizer state)")
+    return ", ".join(parts)
+
+
+def _host_and_time(s: dict, fb) -> str:
+    """A suggestion's host memory per rank and predicted slowdown, where known."""
+    out = f", host {fb(s['host_bytes'])} per rank" if s.get("host_bytes") else ""
+    if s.get("slowdown") is not None:
+        out += f", {s['slowdown']:.2f}x the GPU time per token of the layout as asked"
+    return out
 
 
 def format_table(est, units: str = "GiB") -> str:
@@ -48,7 +66,8 @@ def format_table(est, units: str = "GiB") -> str:
              f" | {i.optimizer} ({i.optimizer_impl}) | checkpointing {mode}",
              f"micro-batch {i.micro_batch} x seq {i.seq_len}"
              + (f" x accumulation {i.accum_steps}" if lay.pp == 1 and i.accum_steps > 1 else "")
-             + (f" | pipeline {lay.pp_schedule}, {lay.pp_microbatches} micro-batches" if lay.pp > 1 else "")]
+             + (f" | pipeline {lay.pp_schedule}, {lay.pp_microbatches} micro-batches" if lay.pp > 1 else "")
+             + (f" | memory tiers: {tiers_text(i)}" if tiers_text(i) else "")]
     where = f"peak: {est.phase}" + (f" on pipeline stage {est.stage} (worst of {lay.pp})" if lay.pp > 1 else "")
     lines.append(f"per rank ({'worst rank' if lay.world_size > 1 else 'one rank'}), {where}; units {units} "
                  f"({'2^30' if units == 'GiB' else '10^9'} bytes)")
@@ -72,6 +91,14 @@ def format_table(est, units: str = "GiB") -> str:
         lines.append(f"  {f'usable ({1 - i.headroom:.0%})':<{w}} {fb(est.usable_bytes):>12}")
         lines.append(f"  {'left below the limit':<{w}} {fb(est.headroom_bytes):>12}")
         lines.append(f"  => {verdict_text(est.total_bytes, est.gpu_bytes, i.headroom, units)}")
+    if est.host:
+        parts = ", ".join(f"{dict(ROWS).get(k, k)} {fb(v)}" for k, v in est.host.items())
+        lines.append(f"  host memory per rank: {fb(est.host_bytes)} ({parts}); per node ({i.node_ranks} ranks): "
+                     f"{fb(est.host_node_bytes)}")
+        if i.host_bytes is not None:
+            word = "FITS" if est.host_fits else "DOES NOT FIT"
+            lines.append(f"  => host {word}: {fb(est.host_node_bytes)} of {fb(i.host_bytes)} per node "
+                         f"({100 * est.host_node_bytes / i.host_bytes:.0f}%, {est.host_limit_text})")
     if lay.pp > 1 and est.stages:
         lines.append("  per pipeline stage: " + ", ".join(
             f"{s['stage']}: {fb(s['total_bytes'])}" for s in est.stages))
@@ -90,9 +117,9 @@ def format_table(est, units: str = "GiB") -> str:
         if est.suggestion:
             s = est.suggestion
             lines.append(f"would fit: {s['change']} -> {fb(s['total_bytes'])} of {fb(est.gpu_bytes)}, within "
-                         f"{fb(est.usable_bytes)} (cost: {s['why']})")
+                         f"{fb(est.usable_bytes)}{_host_and_time(s, fb)} (cost: {s['why']})")
             for alt in est.alternatives[:4]:
-                lines.append(f"  also fits: {alt['change']} -> {fb(alt['total_bytes'])}")
+                lines.append(f"  also fits: {alt['change']} -> {fb(alt['total_bytes'])}{_host_and_time(alt, fb)}")
         else:
             lines.append("nothing tried fits (more sharding, tp, pp, checkpointing, smaller micro-batch, and "
                          "pairs of them): this model needs more GPUs or more memory per GPU")

@@ -1,11 +1,18 @@
-"""What would fit: the cheapest change to a layout, checkpointing or micro-batch that brings an estimate within the
-GPU's memory (`paratrain estimate` prints it below a DOES NOT FIT)."""
+"""What would fit: the cheapest change to a layout, checkpointing, micro-batch or memory tier (chunked loss, activation
+offloading, CPU offload) that brings an estimate within the GPU's memory, and the host's where --host-memory is given
+(`paratrain estimate` prints it below a DOES NOT FIT).
+
+The cheapest is the cheapest in time where the GPU has a planner profile (`--gpu NAME`): the planner's cost model
+(paratrain/planner/cost.py, with its PCIe/C2C transfers and the host's optimizer step) predicts each change's GPU
+time per token, against the layout as asked (more GPUs cost their GPU time too). Without one (`--gpu-memory`), a fixed
+order of rough costs ranks them."""
 
 from __future__ import annotations
 
 from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Layout
-from paratrain.modes import FLAT_DP_MODES, every_block_whole, keeps_some_blocks_whole
+from paratrain.memory import AUTO_LOSS_CHUNKS
+from paratrain.modes import FLAT_DP_MODES, every_block_whole, keeps_some_blocks_whole, offloads_activations, zero_bubble
 
 
 def _changed(lay: Layout, **changes) -> Layout | None:
@@ -47,6 +54,16 @@ def candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]
     if keeps_some_blocks_whole(i.checkpointing):
         out.append((1.0, "--checkpointing selective", "recomputes element-wise ops (a few % slower)",
                     i.replace(checkpointing="selective")))
+    # the memory tiers (paratrain/memory.py)
+    if i.loss_chunks <= 1 and lay.pp == 1:
+        out.append((0.4, f"--loss-chunks {AUTO_LOSS_CHUNKS}", "the output projection's forward once more",
+                    i.replace(loss_chunks=AUTO_LOSS_CHUNKS)))
+    if not offloads_activations(i.activation_offload) and not (lay.pp > 1 and zero_bubble(lay.pp_schedule)):
+        out.append((1.2, "--activation-offload all", "saved activations over PCIe to host memory and back, beside "
+                    "compute", i.replace(activation_offload="all")))
+    if not i.cpu_offload and lay.uses_fsdp:
+        out.append((1.8, "--cpu-offload", "model states in host memory: shards over PCIe each gather, the "
+                    "optimizer step on the CPU", i.replace(cpu_offload=True)))
     if i.micro_batch > 1 and lay.pp == 1:
         out.append((1.5, f"--micro-batch {i.micro_batch // 2} (accumulation x2, same global batch)",
                     "smaller matmuls", i.replace(micro_batch=i.micro_batch // 2, accum_steps=i.accum_steps * 2)))
@@ -73,8 +90,11 @@ def candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]
 
 
 def suggest_changes(i: EstimateInputs, estimate) -> tuple[dict | None, list[dict]]:
-    """The cheapest single change that fits, else the cheapest pair; plus other single changes that fit. `estimate`:
-    the estimate of changed inputs (core.estimate without suggestions)."""
+    """The cheapest change that fits on the same GPUs (a single change, else a pair), else with more GPUs; plus the
+    others that fit. `estimate`: the estimate of changed inputs (core.estimate without suggestions)."""
+    i = i.replace(ranks_per_node=i.node_ranks)  # more GPUs are more nodes of the same size
+    cost_of = _time_cost(i)
+
     def fits(c):
         try:
             e = estimate(c)
@@ -82,22 +102,26 @@ def suggest_changes(i: EstimateInputs, estimate) -> tuple[dict | None, list[dict
             return None
         return e if e.fits else None
 
+    def entry(change, why, cost, c, e):
+        slowdown = cost_of(c) if cost_of else None
+        return {"change": change, "why": why, "cost": cost if slowdown is None else slowdown, "slowdown": slowdown,
+                "total_bytes": e.total_bytes, "host_bytes": e.host_bytes, "inputs": _describe_inputs(c)}
+
+    world = i.layout.world_size
     found = []
     singles = candidates(i)
     for cost, change, why, c in singles:
         e = fits(c)
         if e is not None:
-            found.append({"change": change, "why": why, "cost": cost, "total_bytes": e.total_bytes,
-                          "inputs": _describe_inputs(c)})
-    if not found:
+            found.append(entry(change, why, cost, c, e))
+    if not any(f["inputs"]["world_size"] == world for f in found):  # pairs, for one on these GPUs
         for cost, change, why, c in singles:
             for cost2, change2, why2, c2 in candidates(c):
                 if change2 == change:
                     continue
                 e = fits(c2)
                 if e is not None:
-                    found.append({"change": f"{change} and {change2}", "why": f"{why}; {why2}", "cost": cost + cost2,
-                                  "total_bytes": e.total_bytes, "inputs": _describe_inputs(c2)})
+                    found.append(entry(f"{change} and {change2}", f"{why}; {why2}", cost + cost2, c2, e))
     if not found:
         # How many GPUs would it take? FSDP over more ranks (keeping tp and pp), then also full checkpointing.
         lay = i.layout
@@ -111,21 +135,52 @@ def suggest_changes(i: EstimateInputs, estimate) -> tuple[dict | None, list[dict
                 if e is not None:
                     change = f"--dp-mode {more.dp_mode} --dp-shard {n} ({more.world_size} GPUs)" + (
                         f" --checkpointing {ckpt}" if ckpt != i.checkpointing else "")
-                    found.append({"change": change, "why": "more GPUs", "cost": 10.0, "total_bytes": e.total_bytes,
-                                  "inputs": _describe_inputs(c)})
+                    found.append(entry(change, "more GPUs", 10.0, c, e))
                     break
             if found:
                 break
     if not found:
         return None, []
-    found.sort(key=lambda f: (f["cost"], f["total_bytes"]))
-    best = found[0]
-    others = [f for f in found[1:] if f["change"] != best["change"]]
-    return best, others
+    # On the GPUs asked about first (the cheapest there), then with more GPUs; one entry per resulting configuration.
+    found.sort(key=lambda f: (f["inputs"]["world_size"] > world, f["cost"], f["total_bytes"]))
+    seen, unique = set(), []
+    for f in found:
+        key = tuple(sorted(f["inputs"].items()))
+        if key not in seen:
+            seen.add(key)
+            unique.append(f)
+    return unique[0], unique[1:]
+
+
+def _time_cost(i: EstimateInputs):
+    """inputs -> GPU seconds per token relative to `i`'s, from the planner's cost model on `i.gpu_name`'s datasheet
+    profile; None when the GPU has none (the fixed costs rank the changes then)."""
+    from paratrain.planner.cost import Candidate, Context, predict
+    from paratrain.planner.hardware import gpu_profile
+
+    if not i.gpu_name:
+        return None
+    try:
+        hw = gpu_profile(i.gpu_name)
+    except UserError:
+        return None
+
+    def gpu_seconds_per_token(c: EstimateInputs) -> float:
+        lay = c.layout
+        steps = lay.pp_microbatches if lay.pipelined else c.accum_steps
+        seqs = c.micro_batch * steps * lay.dp
+        ctx = Context(c.model_args, c.seq_len, seqs, hw, c.node_ranks, precision=c.precision, optimizer=c.optimizer)
+        cand = Candidate(lay, c.checkpointing, c.every_k, c.micro_batch, loss_chunks=max(c.loss_chunks, 1),
+                         act_offload=c.activation_offload, cpu_offload=c.cpu_offload)
+        return predict(cand, ctx).step_s * lay.world_size / (seqs * c.seq_len)
+
+    base = gpu_seconds_per_token(i)
+    return lambda c: gpu_seconds_per_token(c) / base
 
 
 def _describe_inputs(c: EstimateInputs) -> dict:
     lay = c.layout
     return {"dp_mode": lay.dp_mode, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp,
             "pp": lay.pp, "ep": lay.ep, "checkpointing": c.checkpointing, "micro_batch": c.micro_batch,
-            "accum_steps": c.accum_steps, "world_size": lay.world_size}
+            "accum_steps": c.accum_steps, "world_size": lay.world_size, "loss_chunks": c.loss_chunks,
+            "activation_offload": c.activation_offload, "cpu_offload": c.cpu_offload}

@@ -4,7 +4,8 @@ A family gives
 - `module`: the nn.Module class to build (an import path "package.module:Class", loaded lazily: this file and the
   tables stay torch-free). It follows the decoder skeleton the parallel code relies on: `args`, `tok_embeddings`,
   `layers` (a ModuleDict of blocks keyed by index), `norm`, `output` (each may be None in a pipeline stage),
-  `forward(tokens, seq_len=None)`, `param_init_std(name)` and `reset_buffers()` (see models/llama.py);
+  `forward(tokens, seq_len=None, targets=None, loss_chunks=1, reduction="mean")` (with targets: the loss,
+  `llama.chunked_cross_entropy`), `param_init_std(name)` and `reset_buffers()` (see models/llama.py);
 - `params(args)`: its parameter table, every parameter in `named_parameters()` order with its shape and its
   tensor-parallel *role*. The estimator, the presets' counts, the pipeline split and the Hugging Face names all read
   it, and `paratrain/distributed/tensor_parallel.py` turns roles into the TP/SP plan;

@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
                    "CPU profile)")
     p.add_argument("--headroom", type=float, default=None, help="fraction of device memory kept free (0.10, as "
                    "paratrain estimate: the allocator's fragmentation and NCCL buffers)")
+    p.add_argument("--host-memory", help="host memory per node, e.g. 512GiB: checks what CPU offload and activation "
+                   "offloading put there (default: not checked)")
+    p.add_argument("--no-memory-tiers", action="store_true", help="never propose the chunked loss, activation "
+                   "offloading or CPU offload (by default tried when no layout fits without them)")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--dp-modes", help=f"comma-separated subset of {','.join(DP_MODES)}")
     p.add_argument("--checkpointing", help=f"comma-separated subset of {','.join(AC_MODES)}")
@@ -172,10 +176,13 @@ def build_context(args) -> tuple:
     entry = optimizer_entry(args.optimizer or (base.optimizer.name if base is not None else "adamw"))
     entry.check_compression(compression.method, "--grad-compression")
     optimizer = entry.name
+    from paratrain.estimate.gpus import parse_memory
+
     ctx = Context(margs, seq, tokens // seq, hw, per_node, precision, name, native_max_seq_len=native,
                   compression=compression, optimizer=optimizer,
                   ddp_bucket_mb=parallel.ddp_bucket_mb, mode="compile" if compile_ else "eager", float8=args.float8,
-                  cluster=groups, lora=_lora(args, base))
+                  cluster=groups, lora=_lora(args, base),
+                  host_memory_bytes=parse_memory(args.host_memory) if args.host_memory else None)
     fixed = _fixed(flags)
     opts = Options(
         dp_modes=_one_or_csv(fixed.get("dp_mode"), "--dp-mode", args.dp_modes, "--dp-modes", DP_MODES),
@@ -183,7 +190,8 @@ def build_context(args) -> tuple:
                               PLANNED_SCHEDULES, SCHEDULES),
         ac_modes=_csv(args.checkpointing, AC_MODES, flag="--checkpointing") or AC_MODES,
         micro_batches=_csv(args.micro_batches, cast=_posint, flag="--micro-batches"),
-        max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp, headroom=headroom, fixed=fixed)
+        max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp, headroom=headroom, fixed=fixed,
+        memory_tiers=not args.no_memory_tiers)
     return ctx, world, opts, base
 
 
@@ -241,6 +249,7 @@ def _posint(x: str) -> int:
 def config_for(c, ctx, base=None, model_spec: str | None = None):
     """A paratrain Config that runs candidate `c` (validated by load_config's rules)."""
     from paratrain.config import Config, validate
+    from paratrain.planner.cost import OFFLOAD_EVERY_K
 
     cfg = base if base is not None else Config()
     if base is None and model_spec is not None:
@@ -268,6 +277,9 @@ def config_for(c, ctx, base=None, model_spec: str | None = None):
     cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every_k = c.ac, c.every_k
     if ctx.lora is not None:
         cfg.lora.rank, cfg.lora.targets = ctx.lora.rank, ",".join(ctx.lora.targets)
+    m = cfg.memory  # the memory tiers the plan needs, as it estimated them (loss_chunks 1: the whole logits)
+    m.loss_chunks, m.activation_offload, m.cpu_offload = c.loss_chunks, c.act_offload, c.cpu_offload
+    m.activation_offload_every_k = OFFLOAD_EVERY_K
     validate(cfg)
     return cfg
 
@@ -357,14 +369,18 @@ def write_outputs(best, ctx, world: int, out_dir, base=None, model_spec=None) ->
 def format_table(results, ctx) -> str:
     from paratrain.estimate.gpus import fmt_bytes
 
-    head = (f"{'#':>2} {'layout':<44} {'tokens/s':>12} {'MFU':>6} {'mem/rank':>10} {'step':>9} {'compute':>9} "
-            f"{'exp.comm':>9} {'bubble':>8} {'recomp':>8}")
+    hosted = any(r.estimate is not None and r.estimate.host_bytes for r in results)
+    w = max([44] + [len(r.cand.name) for r in results])
+    head = (f"{'#':>2} {'layout':<{w}} {'tokens/s':>12} {'MFU':>6} {'mem/rank':>10} "
+            + (f"{'host/rank':>10} " if hosted else "")
+            + f"{'step':>9} {'compute':>9} {'exp.comm':>9} {'bubble':>8} {'recomp':>8}")
     lines = [head]
     for i, r in enumerate(results, 1):
         p = r.pred
         ms = lambda s: f"{s * 1e3:.1f}ms" if s < 10 else f"{s:.2f}s"  # noqa: E731
-        lines.append(f"{i:>2} {r.cand.name:<44} {p.tokens_per_s:>12,.0f} {p.mfu:>6.1%} "
-                     f"{fmt_bytes(r.total_bytes) if r.total_bytes is not None else '-':>10} {ms(p.step_s):>9} "
+        host = f"{fmt_bytes(r.estimate.host_bytes) if r.estimate is not None else '-':>10} " if hosted else ""
+        lines.append(f"{i:>2} {r.cand.name:<{w}} {p.tokens_per_s:>12,.0f} {p.mfu:>6.1%} "
+                     f"{fmt_bytes(r.total_bytes) if r.total_bytes is not None else '-':>10} {host}{ms(p.step_s):>9} "
                      f"{ms(p.compute_s):>9} {ms(p.comm_exposed_s):>9} {ms(p.bubble_s):>8} {ms(p.recompute_s):>8}")
     return "\n".join(lines)
 
@@ -463,13 +479,19 @@ def main_plan(argv: list[str]) -> int:
     if ctx.native_max_seq_len:
         print(f"note: --seq {ctx.seq_len} is longer than {ctx.model_name}'s max_seq_len {ctx.native_max_seq_len}: "
               f"planned as long-context training (model.max_seq_len={ctx.seq_len} in the written config)")
-    from paratrain.estimate.gpus import limit_text
+    from paratrain.estimate.gpus import fmt_bytes, limit_text
 
     print(f"{p.considered} layouts considered: {len(p.rejected)} rejected, {len(p.ranked)} fit among the fastest "
           f"predicted (memory: paratrain estimate, {limit_text(hw.memory_bytes, opts.headroom)}); planned in "
           f"{elapsed:.2f} s")
     print(format_table(p.ranked[: args.top], ctx))
     print(f"best: {best.cand.describe()} -- {best.pred.breakdown()}")
+    if best.cand.tiers().active:
+        from paratrain.estimate.report import tiers_text
+
+        print(f"memory tiers (no layout fits without them): {tiers_text(best.estimate.inputs)}; host memory "
+              f"{fmt_bytes(best.estimate.host_bytes)} per rank, {fmt_bytes(best.estimate.host_node_bytes)} per node"
+              + ("" if ctx.host_memory_bytes else " (not checked: give --host-memory)"))
     if best.stage_hw:
         split = best.cand.layout.pp_split
         print("stages: " + ", ".join(f"{r}: {split[r]} blocks on {h.name}" for r, h in enumerate(best.stage_hw))
@@ -519,7 +541,10 @@ def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int
                "pp_virtual_stages": lay.pp_virtual if lay.pp > 1 else None,
                "pp_split": list(lay.pp_split) if (lay.pp > 1 and lay.pp_split) else None,
                "activation_checkpoint": r.cand.ac, "micro_batch": r.cand.micro_batch,
-               "predicted": _prediction_json(r.pred), "memory_bytes_per_rank": r.total_bytes}
+               "memory_tiers": {"loss_chunks": r.cand.loss_chunks, "activation_offload": r.cand.act_offload,
+                                "cpu_offload": r.cand.cpu_offload},
+               "predicted": _prediction_json(r.pred), "memory_bytes_per_rank": r.total_bytes,
+               "host_bytes_per_rank": r.estimate.host_bytes if r.estimate is not None else None}
         if r.stage_hw:
             out["stages"] = [{"pp_rank": i, "gpu": h.name, "blocks": lay.pp_split[i],
                               "memory_bytes": next((s["total_bytes"] for s in r.estimate.stages if s["stage"] == i),

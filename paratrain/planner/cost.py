@@ -83,12 +83,12 @@ from paratrain.estimate.compression import compression_cost
 from paratrain.estimate.model_states import fsdp_gathers_per_step, rank_layers
 from paratrain.layout import Batch, Layout, grad_compression_site, predicted_bubble
 from paratrain.layout_grammar import layout_name
-from paratrain.optimizers import GradientReduction, Phase, optimizer_entry
+from paratrain.memory import MemoryTiers
 from paratrain.models.args import ModelArgs
-from paratrain.modes import (Compression, CompressionSite, forward_repeats, recomputed_blocks, selective,
-                             value_bytes, whole_blocks)
-from paratrain.optimizers import optimizer_entry
 from paratrain.models.lora_params import LoRA
+from paratrain.modes import (Compression, CompressionSite, forward_repeats, offloads_activations, recomputed_blocks,
+                             selective, value_bytes, whole_blocks)
+from paratrain.optimizers import GradientReduction, Phase, optimizer_entry
 from paratrain.planner.profile import Hardware, Link
 
 ELEMWISE_VALUES_PER_TOKEN = (80, 20)  # x dim, x ffn/tp: values read+written per token and block, fwd+bwd
@@ -113,6 +113,10 @@ class Candidate:
     ac: str = "none"  # activation checkpointing (paratrain.modes.CheckpointMode)
     every_k: int = 2
     micro_batch: int = 1  # sequences per micro-step (per pipeline micro-batch with pp)
+    # the memory tiers (paratrain/memory.py; `[memory]`): chunked loss, activation offloading, CPU offload
+    loss_chunks: int = 1
+    act_offload: str = "none"  # none | all | every_k (blocks 0, every_k, ...)
+    cpu_offload: bool = False
 
     @property
     def world(self) -> int:
@@ -146,8 +150,13 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        """The layout's name (paratrain/layout_grammar.py), e.g. `fsdp,tp=2,ac=full,mb=1`."""
-        return layout_name(self.layout, self.ac, self.every_k, self.micro_batch)
+        """The layout's name (paratrain/layout_grammar.py), e.g. `fsdp,tp=2,ac=full,mb=1,loss=8`, with its memory
+        tiers."""
+        return layout_name(self.layout, self.ac, self.every_k, self.micro_batch, self.tiers())
+
+    def tiers(self) -> MemoryTiers:
+        """The memory tiers this candidate uses."""
+        return MemoryTiers(self.loss_chunks, self.act_offload, OFFLOAD_EVERY_K, self.cpu_offload)
 
     def describe(self) -> str:
         return self.layout.short_name()
@@ -173,6 +182,7 @@ class Context:
     stage_hw: list[Hardware] | None = None  # heterogeneous clusters: the hardware of each pipeline rank, in order
     cluster: list | None = None  # heterogeneous clusters: the GPU groups in rank order (planner/hetero.py GpuGroup)
     lora: LoRA | None = None  # adapters on a frozen model: only they have gradients to reduce and states to update
+    host_memory_bytes: int | None = None  # host memory per node (--host-memory; None: not checked)
     cache: dict = field(default_factory=dict, repr=False, compare=False)  # per-shape compute terms (block_costs)
 
     def rank_hw(self, pp_rank: int) -> Hardware:
@@ -445,6 +455,9 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     entry = optimizer_entry(ctx.optimizer)
     optimizer = (opt_params * entry.step_bytes / hw.mem_bandwidth + entry.step_kernels * hw.op_overhead_s) \
         * hw.compute_scale
+    if c.cpu_offload:  # the host steps this rank's shards (planner/hardware.py: host_adam_rate, AdamW's traffic)
+        _host(hw)
+        optimizer = opt_params / hw.host_adam_params_per_s * entry.step_bytes / optimizer_entry("adamw").step_bytes
 
     # gradient compression: what the compressed collective sends, and the compute it costs (an optimizer's phase:
     # its own collective, none in a local step, in the optimizer step when not in the backward)
@@ -510,6 +523,8 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
             overlappable += ag + rs
             min_exposed += ag / n_ag + rs / n_rs  # one group's worth stays exposed
             dp_bytes = (shard - 1) / shard * G_stage * 4 * rs_frac * n_rs / groups
+            if c.cpu_offload:  # each gather copies the group's fp32 shards in, each reduce-scatter its gradients out
+                overlappable += (n_ag + n_rs) * p2p_time(P_stage * 4 / shard / groups, _host(hw))
             if lay.hybrid:
                 frac = rs_frac if site is CompressionSite.REDUCE_DTYPE else comp_frac
                 r = lay.dp_replicate
@@ -547,6 +562,11 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
                c.pp)
         ring_total, comm[RING] = cached(ctx, key, lambda: ring_time(ctx, c, T, attention_time(ctx, c)))
         comm_total += ring_total - comm[RING]  # the hidden part (the exposed part is added below)
+    if offloads_activations(c.act_offload):
+        comm[ACT_OFFLOAD], moved = activation_offload_time(c, ctx, layers, compute / max(n_micro, 1))
+        comm_total += moved - comm[ACT_OFFLOAD]
+    if c.loss_chunks > 1:  # the head's forward once more, piece by piece, in backward
+        recompute += n_micro * block_costs(ctx, hw, t, c.micro_batch, c.ep, c.ac, cp).head / 3
     comm_total += sum(v for k, v in comm.items() if k not in ("data-parallel",))
     exposed = sum(comm.values())
 
@@ -568,6 +588,35 @@ def trainable_count(args: ModelArgs, lora: LoRA) -> int:
     from paratrain.estimate.model_states import model_params
 
     return sum(p.numel for p in model_params(args, lora) if p.trainable)
+
+
+ACT_OFFLOAD = "activation offload"  # the exposed part of activation offloading's copies
+OFFLOAD_EVERY_K = 2  # memory.activation_offload_every_k of a candidate offloading every_k blocks (the default)
+
+
+def _host(hw: Hardware) -> Link:
+    if hw.host is None:
+        raise ValueError(f"profile {hw.name} has no host side: the offloading tiers cannot be predicted on it")
+    return hw.host
+
+
+def activation_offload_time(c: Candidate, ctx: Context, blocks: int, compute_s: float) -> tuple[float, float]:
+    """(exposed, total) seconds per step of activation offloading's copies on the busiest rank: each offloaded
+    block's saved bytes (estimate.activations.offloaded) go to host in its forward and come back in backward, on a
+    side stream beside the compute of one block (its own forward, the block above's backward: a share `overlap` of
+    it hides them). `compute_s`: the rank's compute per micro-step."""
+    from paratrain.estimate import activations as A
+    from paratrain.modes import offloaded_blocks, uniform
+
+    lay, hw = c.layout, ctx.hw
+    d = A.act_dims(ctx.args, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, hw.device)
+    mode = c.ac if uniform(c.ac) else "none"  # (every_k: an offloaded block's saved tensors as without checkpointing)
+    n = len(offloaded_blocks(c.act_offload, OFFLOAD_EVERY_K, blocks))
+    one = p2p_time(A.offloaded(d, mode), _host(hw))  # one block's copy, one way
+    per_block = compute_s / max(blocks, 1) / 3  # forward; backward is twice that
+    exposed = max(0.0, one - hw.overlap * per_block) + max(0.0, one - hw.overlap * 2 * per_block)
+    steps = c.micro_steps(ctx)
+    return steps * n * exposed, steps * n * 2 * one
 
 
 def attention_time(ctx: Context, c: Candidate) -> float:

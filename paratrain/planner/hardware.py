@@ -33,6 +33,39 @@ LINKS: dict[str, tuple[float, float]] = {
 NVLINK_BY_GPU = {"A100-40GB": 300e9, "A100-80GB": 300e9}  # NVLink 3: 600 GB/s bidirectional
 LINK_EFFICIENCY = 0.8
 
+# -- the host side (CPU offload, activation offloading) ------------------------------------------------------------
+# Device <-> host memory per GPU and direction (datasheets; pinned copies reach about LINK_EFFICIENCY of them):
+#   pcie3 PCIe 3.0 x16, 16 GB/s (V100, T4)   pcie4 PCIe 4.0 x16, 32 GB/s (A100, L40S, RTX4090, ...)
+#   pcie5 PCIe 5.0 x16, 64 GB/s (H100, H200, B200)
+#   c2c   NVLink-C2C, 900 GB/s bidirectional between the Grace CPU and the Hopper GPU (NVIDIA GH200 datasheet)
+HOST_LINKS: dict[str, tuple[float, float]] = {"pcie3": (16e9, 10e-6), "pcie4": (32e9, 10e-6), "pcie5": (64e9, 10e-6),
+                                              "c2c": (450e9, 5e-6)}
+GPU_HOST_LINK = {"H100-SXM": "pcie5", "H100-PCIe": "pcie5", "H100-NVL": "pcie5", "H200": "pcie5", "B200": "pcie5",
+                 "GH200": "c2c", "V100-16GB": "pcie3", "V100-32GB": "pcie3", "T4": "pcie3",
+                 "MI300X": "pcie5", "MI325X": "pcie5"}  # others: pcie4
+# The optimizer step of CPU offload runs torch's fused AdamW on the host's cores: measured 2.6e8 parameters/s on one
+# core (torch 2.13 fused CPU AdamW, fp32, 20M parameters, AMD EPYC; bench/RESULTS.md 2026-12-01), reading and writing
+# ADAM_HOST_BYTES per parameter (p, grad, 2 moments read; p and 2 moments written) until the host's memory bandwidth
+# caps it. A GPU server's CPU side, shared by its GPUs: HOST_CORES_PER_GPU cores (DGX H100: 2 x 56 cores for 8 GPUs;
+# 4-GPU workstations: 16-32 cores) and HOST_MEM_BANDWIDTH_PER_GPU (8-channel DDR5-4800: 307 GB/s per socket, 2
+# sockets for 8 GPUs, at ~75% achievable).
+CPU_ADAM_PARAMS_PER_S_PER_CORE = 2.6e8
+ADAM_HOST_BYTES = 28
+HOST_CORES_PER_GPU = 8
+HOST_MEM_BANDWIDTH_PER_GPU = 2 * 307e9 * 0.75 / 8
+
+
+def host_link(name: str) -> Link:
+    if name not in HOST_LINKS:
+        raise UserError(f"unknown host link '{name}'; known: {', '.join(HOST_LINKS)}")
+    bw, lat = HOST_LINKS[name]
+    return Link(name, bw * LINK_EFFICIENCY, lat)
+
+
+def host_adam_rate(cores: float = HOST_CORES_PER_GPU, bandwidth: float = HOST_MEM_BANDWIDTH_PER_GPU) -> float:
+    """AdamW parameters per second one rank's share of the host steps (CPU offload)."""
+    return min(cores * CPU_ADAM_PARAMS_PER_S_PER_CORE, bandwidth / ADAM_HOST_BYTES)
+
 # GPU -> (HBM/GDDR bandwidth B/s, default intra-node link). Memory and peak come from the shared tables.
 GPU_EXTRA: dict[str, tuple[float, str]] = {
     "A100-40GB": (1.555e12, "nvlink"), "A100-80GB": (2.039e12, "nvlink"),
@@ -146,7 +179,8 @@ def gpu_profile(name: str, intra: str | None = None, inter: str | None = None) -
     return Hardware(canonical, memory, peak, curve(eff.gemm * peak), bw * eff.elementwise, GPU_OP_OVERHEAD_S,
                     link(intra or default_intra, canonical), link(inter or "ib400", canonical), GPU_OVERLAP, "cuda",
                     "bf16", "datasheet", generation=generation, attention=curve(eff.attention * peak),
-                    float8_gemm=curve(eff.float8 * 2 * peak) if eff.float8 else [], modes=dict(GPU_MODES))
+                    float8_gemm=curve(eff.float8 * 2 * peak) if eff.float8 else [], modes=dict(GPU_MODES),
+                    host=host_link(GPU_HOST_LINK.get(canonical, "pcie4")), host_adam_params_per_s=host_adam_rate())
 
 
 def load_profile(name: str, profile_dir: str | Path | None = None) -> Hardware | None:
@@ -154,9 +188,20 @@ def load_profile(name: str, profile_dir: str | Path | None = None) -> Hardware |
     if not path.is_file():
         return None
     try:
-        return Hardware.from_json(json.loads(path.read_text()))
+        hw = Hardware.from_json(json.loads(path.read_text()))
     except (ValueError, TypeError, KeyError) as e:
         raise UserError(f"profile {path} is not a valid planner profile ({e}); recalibrate it") from None
+    if hw.host is None:  # saved before profiles had a host side
+        add_host_side(hw)
+    return hw
+
+
+def add_host_side(hw: Hardware, cores_per_rank: int = 1) -> None:
+    """The host side of a measured profile: a CPU rank's "host" is its own memory (copies at the measured bandwidth)
+    and its AdamW runs on its `cores_per_rank` cores; a GPU's is PCIe 4.0 and the default server's CPU."""
+    cpu = hw.device == "cpu"
+    hw.host = Link("memory", hw.mem_bandwidth, 0.0) if cpu else host_link("pcie4")
+    hw.host_adam_params_per_s = host_adam_rate(cores_per_rank) if cpu else host_adam_rate()
 
 
 def resolve_hardware(name: str, intra: str | None = None, inter: str | None = None,
@@ -480,6 +525,7 @@ def calibrate(name: str, nproc: int, profile_dir: str | Path | None = None, seco
                   "cuda" if cuda else "cpu", "bf16" if cuda else "fp32", f"calibrated with {n} local ranks",
                   [f"all-reduce points {r['allreduce']}", f"all-gather points {r['allgather']}",
                    f"reduce-scatter points {r['reducescatter']} (x{intra.reduce_scatter_factor:.2f} the ring formula)"])
+    add_host_side(hw, max(1, cores // nproc))  # for the memory tiers
     if shapes is not None:
         _apply_model_shapes(hw, r["shapes"], model, shapes, tp)
     # compute_scale: the reference step measured against what the cost model predicts for it on this profile

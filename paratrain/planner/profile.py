@@ -62,6 +62,10 @@ class Hardware:
     # execution mode -> factor on the non-matmul time (element-wise traffic and per-operator cost); eager is 1
     modes: dict[str, float] = field(default_factory=lambda: {"eager": 1.0})
     shapes: dict[str, float] = field(default_factory=dict)  # calibration at a model's shapes: what -> seconds
+    # The host side, for the memory tiers (CPU offload, activation offloading; planner/hardware.py's HOST_* tables):
+    # each device's link to host memory (PCIe or NVLink-C2C), and the host's AdamW rate for one rank's parameters.
+    host: Link | None = None
+    host_adam_params_per_s: float = 0.0
 
     def gemm_rate(self, flop: float) -> float:
         """Achieved FLOP/s for one GEMM of `flop` FLOPs: log-log interpolation of the curve, flat outside it."""
@@ -85,6 +89,7 @@ class Hardware:
         d = dict(d)
         d["intra"] = Link(**d["intra"])
         d["inter"] = Link(**d["inter"]) if d.get("inter") else None
+        d["host"] = Link(**d["host"]) if d.get("host") else None
         for key in ("gemm", "attention", "float8_gemm"):
             d[key] = [tuple(x) for x in d.get(key, [])]
         return cls(**d)

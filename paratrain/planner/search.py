@@ -11,11 +11,12 @@ from paratrain.errors import ConfigError, UserError
 from paratrain.estimate.gpus import HEADROOM
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.layout_grammar import parse_layout_name
+from paratrain.memory import AUTO_LOSS_CHUNKS
 from paratrain.modes import (CHECKPOINT_MODES, DP_MODES, SCHEDULES, block_checkpointing, every_block_whole,
-                             interleaved, recompute_rank, recomputes, replicates_shards, stored_rank, value_bytes,
-                             zero_bubble)
+                             interleaved, offload_stride, recompute_rank, recomputes, replicates_shards, stored_rank,
+                             value_bytes, zero_bubble)
 from paratrain.optimizers import optimizer_entry
-from paratrain.planner.cost import Candidate, Context, Prediction, cached, predict
+from paratrain.planner.cost import OFFLOAD_EVERY_K, Candidate, Context, Prediction, cached, predict
 
 # The schedules planned by default: all but interleaved_zero_bubble, which the cost model predicts as interleaved_1f1b
 # (the same bubble) and which allows no checkpointing (`--schedules` or `--pp-schedule` may still name it).
@@ -38,6 +39,7 @@ class Options:
     headroom: float = HEADROOM  # fraction of device memory kept free (estimate.gpus: the rule estimate uses too)
     estimate_limit: int = 120  # memory estimates run (cheapest predicted first) before giving up
     fixed: dict = field(default_factory=dict)  # Layout field -> value every planned layout has (the layout flags)
+    memory_tiers: bool = True  # when nothing fits: try the chunked loss, activation offloading and CPU offload
 
 
 @dataclass
@@ -115,7 +117,10 @@ def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
                             compression=ctx.compression,
                             accum_steps=1 if c.layout.pipelined else c.micro_steps(ctx), gpu_name=ctx.hw.name,
                             gpu_bytes=ctx.hw.memory_bytes, overhead_bytes=None if ctx.hw.device == "cuda" else 0,
-                            device=ctx.hw.device, lora=ctx.lora)
+                            device=ctx.hw.device, lora=ctx.lora, loss_chunks=c.loss_chunks,
+                            activation_offload=c.act_offload, offload_every_k=OFFLOAD_EVERY_K,
+                            cpu_offload=c.cpu_offload, host_bytes=ctx.host_memory_bytes,
+                            ranks_per_node=min(c.world, ctx.gpus_per_node))
     return estimate(inputs, suggest=False, all_ranks=all_ranks)
 
 
@@ -123,6 +128,9 @@ def memory_reason(est, ctx: Context, headroom: float) -> str | None:
     from paratrain.estimate.gpus import fits, fmt_bytes, limit_text
     from paratrain.estimate.report import ROWS
 
+    if est.host_fits is False:
+        return (f"does not fit in host memory: {fmt_bytes(est.host_node_bytes)} per node of "
+                f"{fmt_bytes(ctx.host_memory_bytes)} ({est.host_limit_text})")
     if fits(est.total_bytes, ctx.hw.memory_bytes, headroom):
         return None
     biggest = max(est.at_peak.items(), key=lambda kv: kv[1])
@@ -218,19 +226,54 @@ def evaluate(c: Candidate, ctx: Context, headroom: float, with_memory: bool = Tr
     return r
 
 
+def tier_variants(c: Candidate, ctx: Context) -> list[Candidate]:
+    """A candidate with the memory tiers (paratrain/memory.py) that can make it fit: the chunked loss (without a
+    pipeline), activation offloading, CPU offload (FSDP layouts), and both offloads, each with the chunked loss. (The
+    offloads need the profile's host side: a hand-made profile without one gets the chunked loss only.)"""
+    base = dataclasses.replace(c, loss_chunks=AUTO_LOSS_CHUNKS) if c.pp == 1 else c
+    out = [base] if base is not c else []
+    if ctx.hw.host is None:
+        return out
+    saved_twice = c.pp > 1 and zero_bubble(c.layout.pp_schedule)  # (its W step reads the saved tensors again)
+    if not saved_twice:
+        out.append(dataclasses.replace(base, act_offload="all"))
+    if c.layout.uses_fsdp:
+        out.append(dataclasses.replace(base, cpu_offload=True))
+        if not saved_twice:
+            out.append(dataclasses.replace(base, cpu_offload=True, act_offload="all"))
+    return out
+
+
 def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) -> Plan:
     """Predict every valid candidate, then memory-check them fastest first until `top` fit (the estimator is
-    the expensive part); raise UserError naming the nearest miss when none fits."""
+    the expensive part); when none fits, the same with the memory tiers (`tier_variants`); raise UserError naming the
+    nearest miss when still none fits."""
     opts = opts or Options()
     cands = candidates(ctx, world, opts)
     results, rejected = [], []
     for c in cands:
         r = evaluate(c, ctx, opts.headroom, with_memory=False)
         (results if r.reason is None else rejected).append(r)
+    need = max(top, 1)
+    ranked = _fitting(results, rejected, ctx, opts, need)
+    if not ranked and opts.memory_tiers:  # what does not fit: chunked loss, offloading
+        tiered = [evaluate(v, ctx, opts.headroom, with_memory=False) for r in results for v in tier_variants(r.cand, ctx)]
+        ranked = _fitting([r for r in tiered if r.reason is None], rejected, ctx, opts, need)
+        results += tiered
+        cands += [r.cand for r in tiered]
+    unchecked = sum(1 for r in results if r.total_bytes is None and r.reason is None)
+    p = Plan(ctx, opts, ranked[:max(need, len(ranked))], rejected, len(cands), unchecked)
+    if not ranked:
+        raise UserError(no_fit_message(ctx, world, opts, results, rejected))
+    return p
+
+
+def _fitting(results: list[Result], rejected: list[Result], ctx: Context, opts: Options, need: int) -> list[Result]:
+    """Memory-check `results` fastest first until `need` fit (rejects go to `rejected`); when none fits, the most
+    memory-frugal ones (full checkpointing, the smallest micro-batch) may fit though slower."""
     results.sort(key=lambda r: r.pred.step_s)
     ranked, checked = [], 0
     misses: dict = {}  # memory key -> [(micro-batch, MEM_ORDER)] of layouts that did not fit
-    need = max(top, 1)
     for r in results:
         if len(ranked) >= need:
             break  # the rest are predicted slower than `top` layouts that fit
@@ -259,17 +302,13 @@ def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) ->
             _check(r, ctx, opts)
             (ranked if r.reason is None else rejected).append(r)
         ranked.sort(key=lambda r: r.pred.step_s)
-    unchecked = sum(1 for r in results if r.total_bytes is None and r.reason is None)
-    p = Plan(ctx, opts, ranked[:max(need, len(ranked))], rejected, len(cands), unchecked)
-    if not ranked:
-        raise UserError(no_fit_message(ctx, world, opts, results, rejected))
-    return p
+    return ranked
 
 
-def _memory_key(c: Candidate) -> Layout:
+def _memory_key(c: Candidate) -> tuple:
     """Candidates with the same key differ only in micro-batch (a smaller one makes more pipeline micro-batches) and
     checkpointing: a larger micro-batch with no more recomputation needs at least as much memory."""
-    return dataclasses.replace(c.layout, pp_microbatches=0)
+    return dataclasses.replace(c.layout, pp_microbatches=0), c.loss_chunks, c.act_offload, c.cpu_offload
 
 
 def _dominated(c: Candidate, miss_micro_batch: int, miss_ac: str) -> bool:
@@ -289,6 +328,7 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     from paratrain.estimate.core import in_flight
     from paratrain.estimate.gpus import fmt_bytes, limit_text, usable_bytes
     from paratrain.estimate.model_states import rank_layers, state_bytes
+    from paratrain.modes import offloaded_blocks
     from paratrain.models.presets import block_param_count
 
     lay, a, c = r.cand.layout, ctx.args, r.cand
@@ -309,11 +349,15 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
         return sum((s > 0) + (s < lay.num_stages - 1) for s in stages) * lay.pp_microbatches * A.block_input(d)
 
     best = None
+    offloaded = set(offloaded_blocks(c.act_offload, OFFLOAD_EVERY_K, a.n_layers))
     for s in ranks:
-        states = cached(ctx, ("states", dataclasses.replace(lay, pp_microbatches=0), s), lambda: sum(
-            _states(state_bytes(a, lay, ctx.precision, "adamw", "paratrain", s, layers, ctx.lora)))
+        states = cached(ctx, ("states", dataclasses.replace(lay, pp_microbatches=0), s, c.cpu_offload), lambda: sum(
+            _states(state_bytes(a, lay, ctx.precision, "adamw", "paratrain", s, layers, ctx.lora))
+            if not c.cpu_offload else ())  # (CPU offload: the model states are in host memory)
             + unsharded * sum(block_param_count(a, l) for l in layers[s]) // lay.tp)
-        stored = sum(A.block_stored(d, modes[l], moe if a.is_moe_layer(l) else None) for l in layers[s])
+        stored = sum(A.block_stored(d, modes[l], moe if a.is_moe_layer(l) else None)
+                     - (A.offloaded(d, modes[l], moe if a.is_moe_layer(l) else None) if l in offloaded else 0)
+                     for l in layers[s])
         acts = int(in_flight(lay, s) * stored) + recv_buffers(s)
         if best is None or states + acts > sum(best):
             best = (states, acts)
@@ -355,6 +399,10 @@ def no_fit_message(ctx: Context, world: int, opts: Options, results: list[Result
         why = rejected[0].reason if rejected else "no candidate layouts"
         return f"no layout of {world} GPUs can run {ctx.model_name}: e.g. {why}"
     best = min(checked, key=lambda r: r.total_bytes)
+    if best.reason and best.reason.startswith("does not fit in host memory"):  # the device would hold it
+        return (f"no layout fits {ctx.model_name} on {world} x {ctx.hw.name}: the nearest, {best.cand.name}, fits "
+                f"the GPUs ({fmt_bytes(best.total_bytes)} per rank) but {best.reason}: more host memory per node "
+                "(--host-memory), more GPUs, or fewer GPUs per node")
     limit = usable_bytes(ctx.hw.memory_bytes, opts.headroom)
     short = best.total_bytes - limit
     factor = best.total_bytes / limit
@@ -386,7 +434,11 @@ def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
     o = named.options
     dp = max(1, world // (o["tp"] * o["pp"] * o["cp"]))  # Layout.resolve says when tp x pp x cp does not divide it
     layout = named.layout(world, pp_microbatches=max(1, ctx.global_seqs // (dp * mb)))
-    return Candidate(layout, named.checkpointing, named.every_k, mb)
+    tiers = named.tiers
+    if offload_stride(tiers.activation_offload, tiers.offload_every_k) not in (1, OFFLOAD_EVERY_K):
+        raise UserError(f"--explain '{text}': the planner predicts actoff=every_k{OFFLOAD_EVERY_K} only")
+    return Candidate(layout, named.checkpointing, named.every_k, mb, tiers.loss_chunks, tiers.activation_offload,
+                     tiers.cpu_offload)
 
 
 def explain(text: str, ctx: Context, world: int, opts: Options) -> str:

@@ -35,6 +35,53 @@ def adamw(cfg: OptimizerConfig, device: torch.device, comm=None):
     return torch.optim.AdamW, dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl_kwargs(cfg, device))
 
 
+class BF16AdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias-corrected moments) whose two moments are stored in bf16: each update reads
+    them into fp32, updates them there and stores them back, so the state is half AdamW's and the arithmetic AdamW's.
+    The step counter is a host tensor (as torch's non-fused AdamW keeps it): no device read."""
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        for group in self.param_groups:  # made now: a checkpoint loads into state that exists
+            for p in group["params"]:
+                self.state[p] = {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p, dtype=torch.bfloat16),
+                                 "exp_avg_sq": torch.zeros_like(p, dtype=torch.bfloat16)}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["step"] += 1
+                t = state["step"].item()
+                g = p.grad.float()
+                m = state["exp_avg"].float().lerp_(g, 1 - b1)
+                v = state["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1 - b2)
+                state["exp_avg"].copy_(m)
+                state["exp_avg_sq"].copy_(v)
+                p.mul_(1 - lr * wd)
+                p.addcdiv_(m, v.div_(1 - b2 ** t).sqrt_().add_(eps), value=-lr / (1 - b1 ** t))
+
+
+def adamw_bf16(cfg: OptimizerConfig, device: torch.device, comm=None):
+    return BF16AdamW, dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def adamw8bit(cfg: OptimizerConfig, device: torch.device, comm=None):
+    """torchao's AdamW8bit (an optional dependency: a one-line error without it)."""
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError:
+        from paratrain.errors import ConfigError
+
+        raise ConfigError("optimizer.name=adamw8bit needs torchao, which is not installed (pip install torchao)") \
+            from None
+    return AdamW8bit, dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
 class SGD(torch.optim.SGD):
     """torch's SGD with its momentum buffers made (zeros) when it is built: fused SGD skipping its first update
     (`found_inf`) would otherwise keep uninitialised buffers, and a checkpoint loads into state that exists (so
@@ -123,5 +170,6 @@ class WarmupCosine(torch.optim.lr_scheduler.LRScheduler):
 
     @property
     def lr(self) -> float:
-        """The learning rate of the next update (a host float: never a device read)."""
-        return self._last_lr[0]
+        """The learning rate of the next update (a host float: never a device read; torchao's optimizers keep their
+        learning rates as host tensors, which torch's scheduler reports as they are)."""
+        return float(self._last_lr[0])

@@ -22,10 +22,9 @@ import functools
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from paratrain.data.batch import NOT_A_TARGET, as_batch
+from paratrain.data.batch import as_batch
 from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler, context_for
 from paratrain.distributed.expert_parallel import MoEMeter
 from paratrain.distributed.grad_norm import clip_grad_norm
@@ -33,28 +32,22 @@ from paratrain.distributed.parallelize import SequenceParallelSampler, paralleli
 from paratrain.distributed.pipeline import Pipeline, PipelineSampler, build_pipeline
 from paratrain.distributed.tensors import full_tensor, local_tensor, torch_dtype
 from paratrain.layout import Layout
+from paratrain.models.llama import cross_entropy
 from paratrain.modes import loss_scaled, low_precision
 from paratrain.models.moe import balance_loss, moe_modules
 from paratrain.training.optim import build_optimizer, inner_optimizer
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # (B*T, V) vs (B*T,)
-
-
-def target_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The masked loss before its division: the summed cross-entropy (fp32) of the target positions (targets other
-    than NOT_A_TARGET). The caller divides by the global batch's target count; a chunked loss calls it per chunk."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=NOT_A_TARGET, reduction="sum")
+def summed_rows(per_token: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+    """The sum of the per-token losses of the first `rows` sequences, in float64 (evaluation: the rows after them
+    are padding; a sum, unlike a mean, adds up exactly over any split of the sequences). Positions that are not
+    targets (NOT_A_TARGET) add nothing."""
+    return full_tensor(per_token).view(targets.shape)[:rows].double().sum()
 
 
 def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
-    """The sum of the per-token losses of the first `rows` sequences, in float64 (evaluation: the rows after them
-    are padding; a sum, unlike a mean, adds up exactly over any split of the sequences). Positions that are not
-    targets add nothing."""
-    per_token = full_tensor(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none",
-                                            ignore_index=NOT_A_TARGET))
-    return per_token.view(targets.shape)[:rows].double().sum()
+    """`summed_rows` of the logits' per-token losses (a pipeline's last stage hands its logits)."""
+    return summed_rows(cross_entropy(logits, targets, reduction="none"), targets, rows)
 
 
 def make_scaler(layout: Layout, precision: str, device: torch.device):
@@ -80,7 +73,7 @@ class ScheduleLoss:
         if self.weight is None:
             value = cross_entropy(logits, targets)
         else:
-            value = target_loss_sum(logits, targets) * self.weight
+            value = cross_entropy(logits, targets, "sum") * self.weight
         return self.scaler.scale(value) if self.scaler is not None else value
 
 
@@ -108,13 +101,15 @@ class TrainStep:
     def __init__(self, model: nn.Module, optimizer, layout: Layout, *, precision: str, device: torch.device,
                  grad_clip: float, scaler=None, pipeline: Pipeline | None = None, pp_group=None, loss_group=None,
                  memory_budget=None, probe: StepProbe | None = None, context: ContextParallel | None = None,
-                 comm=None):
-        """`loss_group`: the ranks the loss is averaged over (dp x cp); `comm`: the run's GradComm."""
+                 comm=None, loss_chunks: int = 1):
+        """`loss_group`: the ranks the loss is averaged over (dp x cp); `comm`: the run's GradComm; `loss_chunks`:
+        pieces of each micro-batch's tokens the output projection and loss run over (paratrain/memory.py)."""
         self.model, self.optimizer, self.layout, self.device = model, optimizer, layout, device
         self.context = context  # context parallelism: this rank's chunks of each sequence
         self.precision, self.grad_clip, self.scaler = precision, grad_clip, scaler
         self.pipeline, self.pp_group, self.loss_group, self.comm = pipeline, pp_group, loss_group, comm
         self.memory_budget, self.probe = memory_budget, probe or StepProbe()
+        self.loss_chunks = loss_chunks
         # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does the low-precision compute.
         self.autocast = low_precision(precision) and not layout.uses_fsdp
         self.moe_layers = moe_modules(unwrap(model))
@@ -151,7 +146,7 @@ class TrainStep:
             self.probe.micro_start(x, y)
             with self.contexts(sync=i == accum - 1):
                 with self.memory_budget.track() if self.memory_budget else contextlib.nullcontext():
-                    loss = self._loss(self._forward(batch), batch, accum)
+                    loss = self._loss(batch, accum)
                     aux = None
                     if self.moe_layers:  # the balance loss, same scaling; recorded before backward recomputes
                         aux = balance_loss(self.moe_layers) / accum
@@ -167,17 +162,23 @@ class TrainStep:
             total += full_tensor(loss.detach())
         return total
 
-    def _forward(self, batch) -> torch.Tensor:
-        x, _ = batch
-        return self.model(x) if batch.positions is None else self.model(x, positions=batch.positions)
+    def _model_loss(self, batch, reduction: str) -> torch.Tensor:
+        """The model's cross-entropy on a Batch (targets NOT_A_TARGET count nothing). Chunked, inside the model's
+        forward (its head's pieces); whole, after it, from the logits: FSDP2 frees its last all-gather's buffer when
+        the root's forward ends, so the whole logits are made without it."""
+        x, y = batch
+        packed = {} if batch.positions is None else {"positions": batch.positions}
+        if self.loss_chunks > 1:
+            return self.model(x, targets=y, loss_chunks=self.loss_chunks, reduction=reduction, **packed)
+        return cross_entropy(self.model(x, **packed), y, reduction)
 
-    def _loss(self, logits: torch.Tensor, batch, accum: int) -> torch.Tensor:
+    def _loss(self, batch, accum: int) -> torch.Tensor:
         """This rank's share of the step's loss: the mean over its share of the batch (dp x cp ranks hold as many
         tokens each) / accum, or with a loss mask its summed target losses over the global batch's target count,
         times the dp x cp ranks whose gradients FSDP/DDP average."""
         if batch.target_count is None:
-            return cross_entropy(logits, batch[1]) / accum
-        return target_loss_sum(logits, batch[1]) * self._per_target(batch)
+            return self._model_loss(batch, "mean") / accum
+        return self._model_loss(batch, "sum") * self._per_target(batch)
 
     def _per_target(self, batch) -> float:
         ranks = dist.get_world_size(self.loss_group) if self.loss_group is not None else 1
@@ -223,7 +224,9 @@ class TrainStep:
             self.optimizer.step()
         elif self.skips_on_device:
             inner = inner_optimizer(self.optimizer)
-            inner.found_inf = (~finite).float()  # 1.0: the kernel leaves parameters, moments and step counts alone
+            # 1.0: the kernel leaves parameters, moments and step counts alone (on the parameters' device: host memory
+            # under CPU offload, where the step waits for the gradients' copies anyway)
+            inner.found_inf = (~finite).float().to(inner.param_groups[0]["params"][0].device)
             try:
                 self.optimizer.step()
             finally:
@@ -240,7 +243,8 @@ class TrainStep:
         """Bytes this rank holds of parameters, gradients and optimizer state (local shards of sharded tensors)."""
         def nbytes(t):
             t = local_tensor(t)
-            return t.numel() * t.element_size()
+            parts = [getattr(t, a) for a in getattr(t, "tensor_attrs", ())] or [t]  # torchao's states: codes, scales
+            return sum(x.numel() * x.element_size() for x in parts)
 
         params = list(self.model.parameters())
         opt = inner_optimizer(self.optimizer)  # ZeRO-1 wraps the optimizer that holds the state
@@ -258,11 +262,11 @@ class TrainStep:
         rank; under context parallelism the sum over this rank's chunks of them (the evaluator sums over dp x cp)."""
         batch = self._local(as_batch(batch)).to(self.device)
         x, y = batch
-        loss = functools.partial(summed_cross_entropy, rows=rows)
         with self.contexts():
             if self.pipeline is not None:  # stage by stage; the loss comes from the last stage
-                return self.pipeline.eval_loss(x, y, loss, positions=batch.positions)
-            return loss(self._forward(batch), y)
+                return self.pipeline.eval_loss(x, y, functools.partial(summed_cross_entropy, rows=rows),
+                                               positions=batch.positions)
+            return summed_rows(self._model_loss(batch, "none"), y, rows)
 
     def sampler(self, vocab_size: int) -> nn.Module:
         """A callable model for `generate.sample` (whole prompts on every rank, also under context parallelism)."""
@@ -283,22 +287,26 @@ class TrainStep:
 
 
 def build_train_step(model_args, dims, device: torch.device, *, precision: str = "fp32", activation_checkpoint=None,
-                     compile: bool | str = False, seed: int = 0, optimizer=None, parallel=None, grad_clip: float = 1.0,
-                     memory_budget=None, probe: StepProbe | None = None, lora=None) -> TrainStep:
+                     compile: bool | str = False, seed: int = 0, optimizer=None, parallel=None, memory=None,
+                     grad_clip: float = 1.0, memory_budget=None, probe: StepProbe | None = None,
+                     lora=None) -> TrainStep:
     """The one place a training step is assembled, for the trainer, the memory harness and the benches alike.
 
     `model_args` (ModelArgs), `dims` (ParallelDims: the layout and its meshes), `activation_checkpoint`
     (ActivationCheckpointConfig; None: off), `optimizer` (OptimizerConfig; None: the defaults), `parallel`
     (ParallelConfig: gradient compression, DDP buckets, FSDP prefetching; None: the defaults), `lora` (models.lora_params.LoRA:
-    adapters on a frozen model; None: every weight trains). The model is built on
+    adapters on a frozen model; None: every weight trains), `memory` (MemoryConfig: the memory tiers,
+    paratrain/memory.py; None: the defaults). The model is built on
     the meta device and materialised after sharding; tied embeddings are the exception (materialising from meta would
     untie them), so those models are built for real."""
-    from paratrain.config import ActivationCheckpointConfig, OptimizerConfig, ParallelConfig
+    from paratrain.config import ActivationCheckpointConfig, MemoryConfig, OptimizerConfig, ParallelConfig
     from paratrain.distributed.compression import GradComm
+    from paratrain.memory import loss_chunks
     from paratrain.models import build_model
 
     layout = dims.layout
     ac = activation_checkpoint or ActivationCheckpointConfig()
+    memory = memory or MemoryConfig()
     with torch.device(device if model_args.tie_embeddings else "meta"):
         model = build_model(model_args)
     scaler = make_scaler(layout, precision, device)
@@ -306,17 +314,22 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
     comm = GradComm(parallel or ParallelConfig(), dims, device, seed, optimizer)  # compression, buckets, prefetching
     pipeline = None
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
-        pipeline = build_pipeline(dims, model, ac, precision, compile, device, seed, ScheduleLoss(scaler), comm, lora)
+        pipeline = build_pipeline(dims, model, ac, precision, compile, device, seed, ScheduleLoss(scaler), comm, lora,
+                                  memory)
         model = pipeline.model
     else:
-        model = parallelize(model, dims, ac, precision, compile, device, seed, comm=comm, lora=lora)
+        model = parallelize(model, dims, ac, precision, compile, device, seed, comm=comm, lora=lora, memory=memory)
     comm.prepare()
-    opt = build_optimizer(unwrap(model), optimizer, device,
+    # CPU offload: the sharded parameters, their gradients and the optimizer state live in host memory, and the
+    # optimizer steps there
+    opt_device = torch.device("cpu") if memory.cpu_offload else device
+    opt = build_optimizer(unwrap(model), optimizer, opt_device,
                           dims.dp_group if layout.zero1 else None, comm=comm)
     return TrainStep(model, opt, layout, precision=precision, device=device, grad_clip=grad_clip, scaler=scaler,
                      pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
                      memory_budget=memory_budget, probe=probe, comm=comm,
-                     context=context_for(dims))  # cp: batches cut to this rank's chunks
+                     context=context_for(dims),  # cp: batches cut to this rank's chunks
+                     loss_chunks=loss_chunks(memory.loss_chunks, layout, precision))
 
 
 def build_run_step(spec, dims, device: torch.device, memory_budget=None) -> TrainStep:
@@ -325,5 +338,5 @@ def build_run_step(spec, dims, device: torch.device, memory_budget=None) -> Trai
     cfg, t = spec.cfg, spec.cfg.training
     return build_train_step(spec.model_args, dims, device, precision=t.precision,
                             activation_checkpoint=cfg.activation_checkpoint, compile=t.compile, seed=t.seed,
-                            optimizer=cfg.optimizer, parallel=cfg.parallel, grad_clip=t.grad_clip,
+                            optimizer=cfg.optimizer, parallel=cfg.parallel, memory=cfg.memory, grad_clip=t.grad_clip,
                             memory_budget=memory_budget, lora=spec.lora)

@@ -1,0 +1,82 @@
+"""The memory tiers' rules, torch-free: what the `[memory]` section turns on for a layout and precision, for the
+trainer, the estimator and the planner alike (README "Memory tiers").
+
+Chunked loss (`memory.loss_chunks`): the output projection and the cross-entropy over pieces of each micro-batch's
+tokens (`models.llama.chunked_cross_entropy`). It is exact where the output weight's gradient is summed in fp32
+(training.precision=fp32): in bf16/fp16 the pieces' weight gradients are added in the low precision, one rounding
+per piece more than one matmul makes, so there it is on only when asked for. A pipeline's last stage hands its
+logits to the schedule's loss function, which has no hidden states to cut.
+
+Activation offload (`memory.activation_offload`): the saved tensors of every block ("all") or of blocks 0, k, 2k, ...
+("every_k") go to host memory in forward and come back in backward (distributed/offload.py). Not with the zero-bubble
+schedules, whose weight-gradient step reads the saved tensors a second time after the input-gradient step.
+
+CPU offload (`memory.cpu_offload`): FSDP2's CPUOffloadPolicy keeps each rank's shards of the parameters and
+gradients, and so the optimizer state, in host memory, and the optimizer step runs on the CPU; it needs FSDP to hold
+the parameters (fsdp, zero2, hsdp; with tp, pp, ep, cp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.errors import ConfigError
+from paratrain.modes import ActivationOffloadMode, low_precision, offload_label, offloads_activations, zero_bubble
+
+AUTO_LOSS_CHUNKS = 8  # torchtune's default number of output chunks: 1/8 of the logits live at a time
+MIN_OFFLOAD_BYTES = 1024  # smaller saved tensors stay on the device (a copy costs more than it saves; torchtune's)
+HOST_HEADROOM = 0.2  # of a node's host memory kept for the OS, the data loaders and the ranks' own processes
+
+
+@dataclass(frozen=True)
+class MemoryTiers:
+    """The memory tiers of one configuration, resolved (loss_chunks 1: the whole logits): what a layout name writes
+    after its checkpointing and micro-batch (paratrain/layout_grammar.py)."""
+
+    loss_chunks: int = 1
+    activation_offload: ActivationOffloadMode = "none"
+    offload_every_k: int = 2
+    cpu_offload: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.loss_chunks > 1 or offloads_activations(self.activation_offload) or self.cpu_offload
+
+    def items(self) -> list[str]:
+        """Layout-name items: loss=N, actoff=all|every_kK, cpuoff=on (only those in use)."""
+        out = [f"loss={self.loss_chunks}"] if self.loss_chunks > 1 else []
+        if offloads_activations(self.activation_offload):
+            out.append(f"actoff={offload_label(self.activation_offload, self.offload_every_k)}")
+        return out + (["cpuoff=on"] if self.cpu_offload else [])
+
+
+def loss_chunks(setting: int, layout, precision: str) -> int:
+    """`memory.loss_chunks` for this layout and precision: 0 is automatic (AUTO_LOSS_CHUNKS where exact, else 1)."""
+    if layout.pipelined:
+        if setting > 1:
+            raise ConfigError(f"memory.loss_chunks={setting} does not work with parallel.pp > 1 (the last stage hands "
+                              "its logits to the schedule's loss function); use 0 or 1")
+        return 1
+    if setting == 0:
+        return 1 if low_precision(precision) else AUTO_LOSS_CHUNKS
+    return setting
+
+
+def check_offload(mode: str, layout) -> None:
+    if offloads_activations(mode) and layout.pipelined and zero_bubble(layout.pp_schedule):
+        raise ConfigError(f"memory.activation_offload={mode} does not work with parallel.pp_schedule="
+                          f"{layout.pp_schedule}: its weight-gradient step reads the saved activations again after "
+                          "the input-gradient step; use 1f1b, gpipe or interleaved_1f1b")
+
+
+def check_cpu_offload(enabled: bool, layout) -> None:
+    if enabled and not layout.uses_fsdp:
+        raise ConfigError("memory.cpu_offload needs FSDP to hold the parameters: dp_mode fsdp, zero2 or hsdp with "
+                          f"more than one data-parallel or context-parallel rank (this layout: {layout.describe()})")
+
+
+def check(memory, layout, precision: str) -> None:
+    """Every `[memory]` setting against the layout (ConfigError naming the setting)."""
+    loss_chunks(memory.loss_chunks, layout, precision)
+    check_offload(memory.activation_offload, layout)
+    check_cpu_offload(memory.cpu_offload, layout)
