@@ -25,7 +25,7 @@ def test_registry_names_are_the_choices_everywhere(capsys):
     assert cli.main(["estimate", "--model", "llama3-8b", "--optimizer", "adam"]) == 2
     assert capsys.readouterr().err.startswith(f"error: --optimizer 'adam' is not one of {', '.join(OPTIMIZER_NAMES)}")
     for entry in OPTIMIZERS.values():  # every entry's builder resolves
-        assert callable(entry.load_builder()) and entry.state_bytes == 4 * len(entry.param_state)
+        assert callable(entry.load_builder()) and entry.state_bytes == entry.element_bytes * len(entry.param_state)
 
 
 def test_estimator_and_planner_read_the_entry():
