@@ -17,9 +17,8 @@ import tempfile
 import threading
 import time
 
-import psutil
-
 from paratrain.data import DEFAULT_CORPUS, prepare_dataset
+from paratrain.distributed.launch import rank_processes
 
 
 def one(target: str, data: str, out: str, nproc: int, grace: float, extra: list[str]) -> tuple[float, float, int]:
@@ -37,7 +36,7 @@ def one(target: str, data: str, out: str, nproc: int, grace: float, extra: list[
         if proc.poll() is not None:
             raise SystemExit("".join(x for _, x in lines)[-3000:])
         time.sleep(0.02)
-    ranks = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+    ranks = rank_processes(proc.pid)
     sent = time.monotonic()
     if target == "launcher":
         os.kill(proc.pid, signal.SIGTERM)

@@ -173,8 +173,13 @@ def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversub
     if inside_launcher():
         return run_rank(cfg, want_final_weights)
     parts = check(cfg, nproc)  # the layout against the world size and the model: needs no torch, so it answers at once
+    launching = nproc > 1 or cfg.resilience.max_restarts > 0
+    if launching:  # the ranks' forkserver imports torch while this process checks and prepares the data
+        from paratrain.distributed.launch import start_rank_server
+
+        start_rank_server()
     check_launch(parts.folder, cfg.training.device, cfg.metrics, nproc, oversubscribe)
-    if nproc == 1 and cfg.resilience.max_restarts == 0:
+    if not launching:
         return _train_here(parts, want_final_weights)
     spec = resolve(parts, prepare_data(parts.data))  # everything is checked and the data prepared before any start
     check_resume(parts.folder, spec.model_args)

@@ -60,8 +60,9 @@ class Job:
             time.sleep(0.02)
 
     def ranks(self) -> list[psutil.Process]:
-        return sorted((c for c in psutil.Process(self.proc.pid).children()
-                       if "spawn_main" in " ".join(c.cmdline())), key=lambda p: p.pid)
+        from paratrain.distributed.launch import rank_processes
+
+        return rank_processes(self.proc.pid)
 
     def finish(self, timeout: float = 240) -> int:
         try:

@@ -50,6 +50,19 @@ def test_switches_and_modes_in_names():
     assert parse_layout_name("zero3").options["dp_mode"] == "fsdp"
 
 
+def test_memory_tiers_in_names():
+    """A plan's memory tiers are items of its name (loss=, actoff=, cpuoff=on), read back by --explain."""
+    from paratrain.memory import MemoryTiers
+
+    lay = Layout.resolve(4, dp_mode="fsdp", tp=2)
+    for tiers in (MemoryTiers(8, "all", 2, True), MemoryTiers(1, "every_k", 3, False), MemoryTiers()):
+        name = layout_name(lay, "full", 2, 1, tiers)
+        assert parse_layout_name(name).tiers == tiers and parse_layout_name(name).layout(4) == lay
+    tiered = layout_name(lay, "full", 2, 1, MemoryTiers(8, "all", 2, True))
+    assert tiered == "fsdp,tp=2,ac=full,mb=1,loss=8,actoff=all,cpuoff=on"
+    assert layout_name(lay, "full", 2, 1, MemoryTiers()) == "fsdp,tp=2,ac=full,mb=1"
+
+
 @pytest.mark.parametrize("text, words", [
     ("", "needs a layout"),
     ("fdsp,tp=2", "the first item must be a dp mode"),
@@ -60,6 +73,9 @@ def test_switches_and_modes_in_names():
     ("fsdp,sp=on", "sp is on unless sp=off"),
     ("fsdp,pp=2,sched=zbw", "sched must be one of gpipe"),
     ("fsdp,ac=every_kx", "ac must be one of"),
+    ("fsdp,loss=0", "loss must be an integer >= 1"),
+    ("fsdp,actoff=some", "actoff must be one of none, all, every_k"),
+    ("fsdp,cpuoff=off", "cpuoff is off unless cpuoff=on"),
 ])
 def test_bad_names_are_one_line(text, words):
     with pytest.raises(UserError) as e:

@@ -11,12 +11,13 @@ from paratrain.config import load_config
 from paratrain.errors import ConfigError
 
 from conftest import assert_plan_rejected, fast_overrides
+from test_distributed import MATRIX_STEPS
 
 TOL = 1e-5
 VAL_TOL = 1e-6  # one checkpoint's val loss on the layout against one process
 
 
-def check_rows(layouts, char_data, steps=20):
+def check_rows(layouts, char_data, steps=MATRIX_STEPS):
     from paratrain.verify import run_verify
 
     rows, _ = run_verify(layouts, steps=steps, tolerance=TOL, extra_args=[f"data.dir={char_data}"], echo=lambda line: None,
