@@ -149,12 +149,15 @@ def leave_promptly() -> None:
     atexit.register(exit_now, 0)
 
 
+RANK_MODULES = ("paratrain.spec", "paratrain.training.loop")  # what a training rank imports (its forkserver's preload)
+
+
 def launch_ranks(entrypoint, args: tuple, nproc: int, max_restarts: int = 0, grace_s: float = 30.0):
     """Run `entrypoint(*args)` on `nproc` local ranks (torch elastic); returns rank 0's return value. SIGTERM to
     this process is passed on to the ranks, which get `grace_s` seconds to save and stop."""
     from paratrain.distributed.launch import launch
 
-    return launch(entrypoint, args, nproc, max_restarts, grace_s)
+    return launch(entrypoint, args, nproc, max_restarts, grace_s, preload=RANK_MODULES)
 
 
 def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversubscribe: bool = False):
@@ -177,7 +180,7 @@ def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversub
     if launching:  # the ranks' forkserver imports torch while this process checks and prepares the data
         from paratrain.distributed.launch import start_rank_server
 
-        start_rank_server()
+        start_rank_server(RANK_MODULES)
     check_launch(parts.folder, cfg.training.device, cfg.metrics, nproc, oversubscribe)
     if not launching:
         return _train_here(parts, want_final_weights)

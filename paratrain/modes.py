@@ -157,12 +157,18 @@ def checkpointing_label(mode: str, every_k: int) -> str:
     return mode if uniform(mode) else f"{mode}{every_k}"
 
 
-def parse_checkpointing_label(text: str) -> tuple[str, int] | None:
-    """(mode, every_k) of a `checkpointing_label`, None when it names no mode (every_k alone: k = 2)."""
+def _parse_every_k_label(text: str, modes: tuple[str, ...]) -> tuple[str, int] | None:
+    """(mode, every_k) of a label that writes every_k with its k (`every_k3`; alone: k = 2), None when it names none
+    of `modes`."""
     if text.startswith("every_k"):
         k = text[len("every_k"):] or "2"
         return ("every_k", int(k)) if k.isdigit() and int(k) >= 1 else None
-    return (text, 2) if text in CHECKPOINT_MODES else None
+    return (text, 2) if text in modes else None
+
+
+def parse_checkpointing_label(text: str) -> tuple[str, int] | None:
+    """(mode, every_k) of a `checkpointing_label`, None when it names no mode (every_k alone: k = 2)."""
+    return _parse_every_k_label(text, CHECKPOINT_MODES)
 
 
 def describe_checkpointing(mode: str, every_k: int) -> str:
@@ -196,15 +202,12 @@ def offloaded_blocks(mode: str, every_k: int, n_layers: int) -> list[int]:
 
 def offload_label(mode: str, every_k: int) -> str:
     """The mode as a layout name writes it: every_k with its k (`every_k2`), the others as they are."""
-    return f"{mode}{every_k}" if mode == "every_k" else mode
+    return checkpointing_label(mode, every_k)  # (the same spelling as checkpointing's)
 
 
 def parse_offload_label(text: str) -> tuple[str, int] | None:
     """(mode, every_k) of an `offload_label`, None when it names no mode (every_k alone: k = 2)."""
-    if text.startswith("every_k"):
-        k = text[len("every_k"):] or "2"
-        return ("every_k", int(k)) if k.isdigit() and int(k) >= 1 else None
-    return (text, 2) if text in ACTIVATION_OFFLOAD_MODES else None
+    return _parse_every_k_label(text, ACTIVATION_OFFLOAD_MODES)
 
 
 def describe_offload(mode: str, every_k: int) -> str:

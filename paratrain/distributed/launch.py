@@ -22,10 +22,9 @@ from paratrain.errors import UserError
 # is initialised by importing), so forking it is safe where forking the launcher (threads: the rendezvous store)
 # would not be.
 START_METHOD = "forkserver"
-# rank_server: the forkserver outlives a SIGTERM to the job; then what every rank imports anyway: torch,
-# torch.distributed, the trainer, and torch._dynamo (which torch imports on a model's first initialisation: ~1 s)
-PRELOAD = ["paratrain.distributed.rank_server", "torch._dynamo", "paratrain.api", "paratrain.spec",
-           "paratrain.training.loop"]
+# rank_server: the forkserver outlives a SIGTERM to the job; torch._dynamo: torch imports it on a model's first
+# initialisation (~1 s). A caller adds what its ranks import (`launch(preload=...)`: the trainer's modules).
+PRELOAD = ("paratrain.distributed.rank_server", "torch._dynamo")
 # What torch elastic sets per rank (local_elastic_agent._start_workers), kept over the launcher's environment.
 ELASTIC_VARS = frozenset({"LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
                           "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -44,13 +43,14 @@ def _rank_main(environ: dict, entrypoint, *args):
     return entrypoint(*args)
 
 
-def start_rank_server() -> None:
-    """Start the forkserver the ranks will come from, if it is not running: its imports then overlap this process's
-    own checks before the launch (idempotent; the server ends with this process)."""
+def start_rank_server(preload: tuple[str, ...] = ()) -> None:
+    """Start the forkserver the ranks will come from, if it is not running, importing PRELOAD and `preload`: its
+    imports then overlap this process's own checks before the launch (idempotent: the first start's modules stay;
+    the server ends with this process)."""
     import multiprocessing
     from multiprocessing import forkserver
 
-    multiprocessing.set_forkserver_preload(PRELOAD)
+    multiprocessing.set_forkserver_preload([*PRELOAD, *preload])
     forkserver.ensure_running()
 
 
@@ -87,8 +87,10 @@ class Preempted(UserError):
     exit_code = 143
 
 
-def launch(entrypoint, args: tuple, nproc: int, max_restarts: int = 0, grace_s: float = 30.0):
-    """Run `entrypoint(*args)` on `nproc` local ranks; returns rank 0's return value.
+def launch(entrypoint, args: tuple, nproc: int, max_restarts: int = 0, grace_s: float = 30.0,
+           preload: tuple[str, ...] = ()):
+    """Run `entrypoint(*args)` on `nproc` local ranks; returns rank 0's return value. `preload`: modules the ranks
+    import, imported once by the forkserver they are forked from (with the entrypoint's own module).
 
     When a rank dies (a crash, SIGKILL, a timeout), all ranks are stopped and launched again, up to
     `max_restarts` times; the relaunched ranks see PARATRAIN_ATTEMPT > 0 and resume from the newest
@@ -105,7 +107,7 @@ def launch(entrypoint, args: tuple, nproc: int, max_restarts: int = 0, grace_s: 
         for attempt in range(max_restarts + 1):
             os.environ[ATTEMPT_ENV] = str(attempt)
             try:
-                return _launch_once(entrypoint, args, nproc, grace_s)
+                return _launch_once(entrypoint, args, nproc, grace_s, (*preload, entrypoint.__module__))
             except ChildFailedError as e:
                 codes = sorted({f.exitcode for f in e.failures.values()})
                 if relay.expired:
@@ -143,7 +145,7 @@ def _describe(failures: dict, nproc: int) -> str:
     return f"{'; '.join(parts)} ({nproc} ranks)"
 
 
-def _launch_once(entrypoint, args: tuple, nproc: int, grace_s: float):
+def _launch_once(entrypoint, args: tuple, nproc: int, grace_s: float, preload: tuple[str, ...]):
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # N ranks on one host must not each take every core
@@ -153,7 +155,7 @@ def _launch_once(entrypoint, args: tuple, nproc: int, grace_s: float):
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
                           monitor_interval=0.1, signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
                           shutdown_timeout=max(1, math.ceil(grace_s)), start_method=START_METHOD)
-    start_rank_server()
+    start_rank_server(preload)
     quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher",
                                                   "torch.multiprocessing")]
     levels = [q.level for q in quiet]
