@@ -21,8 +21,12 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/paratrain train --checkpoint.resume=auto  # a second `make run` continues runs/default
 
+# Two pytest workers (pytest-xdist): each test is one process tree, so two of them fill a 2-core CI machine;
+# more workers on a bigger machine would oversubscribe the multi-rank tests (`make test PYTEST_WORKERS=4`).
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(PYTEST_WORKERS)
 
 clean:
 	rm -rf $(VENV) runs data/cache

@@ -288,7 +288,7 @@ def _parquet(tmp_path, name, table):
     ("a.jsonl", '{"text": "ok"}\n{"txt": "no"}\n', {}, "a.jsonl line 2.*text"),
     ("a.jsonl", '{"text": "ok"}\n{"text": 5}\n', {}, "line 2.*text"),
     ("b.jsonl", '{"text": "ok"}\n{oops\n', {}, "b.jsonl line 2: not valid JSON"),
-    ("c.jsonl.gz", gzip.compress(b'{"text": "ok"}\n{"text": "caf\xe9"}\n'), {}, r"c.jsonl.gz line 2: not valid UTF-8: bad byte 0xe9 at byte offset 28"),
+    ("c.jsonl.gz", gzip.compress(b'{"text": "ok"}\n{"text": "caf\xe9"}\n', mtime=0), {}, r"c.jsonl.gz line 2: not valid UTF-8: bad byte 0xe9 at byte offset 28"),
     ("d.jsonl.gz", "truncated", {}, r"d.jsonl.gz: truncated gzip stream: the file ends at byte offset \d+ .*after line \d+"),
     ("e.jsonl.gz", b"not gzip at all\n", {}, r"e.jsonl.gz: corrupt gzip data at compressed byte offset 0\.\.\d+ .*after line 0"),
     ("m.parquet", "parquet-missing", dict(text_field="content"), r"m.parquet: no column 'content' \(columns: id, text\)"),
