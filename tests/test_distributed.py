@@ -115,3 +115,22 @@ def test_nproc_and_torchrun_match_one_process(char_data, tmp_path):
 ])
 def test_bad_layouts_fail_before_launch(char_data, tmp_path, world, overrides, message):
     assert_plan_rejected(char_data, tmp_path, world, overrides, message)
+
+
+def test_rank_forkserver_preload_touches_no_cuda():
+    """Ranks fork from a forkserver that imported PRELOAD and the trainer (paratrain/distributed/launch.py): CUDA does
+    not survive a fork once initialised, so those imports must not ask torch.cuda anything (checked in a fresh
+    interpreter with torch.cuda's entry points recording their callers)."""
+    from paratrain.api import RANK_MODULES
+    from paratrain.distributed.launch import PRELOAD
+
+    probe = (
+        "import torch, importlib, sys\n"
+        "calls = []\n"
+        "for name in ('is_available', 'device_count', '_lazy_init', 'init', 'current_device', 'get_device_properties'):\n"
+        "    setattr(torch.cuda, name, lambda *a, _n=name, **k: calls.append(_n))\n"
+        f"for module in {[*PRELOAD, *RANK_MODULES, 'paratrain.api']!r}:\n"
+        "    importlib.import_module(module)\n"
+        "sys.exit(f'torch.cuda asked at import: {calls}' if calls else 0)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
