@@ -122,3 +122,30 @@ def test_records_that_are_not_what_they_claim(tmp_path, capsys, content, message
     assert err.startswith("error: ") and err.count("\n") == 1
     assert cli.main(["doctor", "--hang", str(tmp_path / "nowhere")]) == 2
     assert "no such run folder" in capsys.readouterr().err
+
+
+def test_records_written_at_once_by_two_threads_stay_whole(tmp_path):
+    """A rank's own failure record (main thread) and a peer's SIGUSR2 request (the watcher thread) can coincide: the
+    two writes take turns, so the record read back is always one whole JSON document."""
+    import threading
+
+    import torch.distributed as dist
+
+    from paratrain.observe import hang
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        def write(n):
+            for _ in range(n):
+                hang.dump(tmp_path, "request", {str(i): {"state": "running", "stack": "x" * 20000} for i in range(8)})
+
+        threads = [threading.Thread(target=write, args=(15,)) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        record = json.loads((tmp_path / hang.FOLDER / "rank0.json").read_text())
+        assert record["rank"] == 0 and record["reason"] == "request"
+        assert not list((tmp_path / hang.FOLDER).glob(".*.tmp"))
+    finally:
+        dist.destroy_process_group()

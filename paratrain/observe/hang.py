@@ -22,6 +22,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +33,9 @@ FOLDER = "hang"
 PEER_WAIT_S = 5.0  # how long the rank that noticed waits for its local peers' records
 _STEP: list[int | None] = [None]  # the step this process is in (set by the trainer, read by a dump)
 _FAILED = [False]  # this process wrote the record of its own failed collective
+# One record at a time per process: the main thread's (its collective failed) and the watcher thread's (a peer's
+# SIGUSR2 request) can coincide, and must not write the same temporary file at once.
+_WRITING = threading.Lock()
 _ENTRY_FIELDS = ("pg_id", "process_group", "collective_seq_id", "p2p_seq_id", "profiling_name", "input_sizes",
                  "input_dtypes", "output_sizes", "output_dtypes", "state", "retired", "is_p2p", "time_created_ns")
 DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
@@ -109,7 +113,8 @@ def dump(run_dir: Path, reason: str, peers: dict | None = None, failed: bool = F
     or when it cannot be written. `failed`: this rank's own collective failed (a later request from a peer keeps
     that record). Never raises: it runs on the failure path and in the signal thread."""
     try:
-        return _dump(run_dir, reason, peers, failed)
+        with _WRITING:
+            return _dump(run_dir, reason, peers, failed)
     except Exception:  # noqa: BLE001 - a record that cannot be made must not change how the run ends
         return None
 
@@ -129,7 +134,7 @@ def _dump(run_dir: Path, reason: str, peers: dict | None, failed: bool) -> Path 
     try:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"rank{rank}.json"
-        tmp = folder / f".rank{rank}.json.{os.getpid()}.tmp"
+        tmp = folder / f".rank{rank}.json.{os.getpid()}.{threading.get_ident()}.tmp"
         tmp.write_text(json.dumps(record, default=str))
         os.replace(tmp, path)
         return path
