@@ -55,16 +55,15 @@ def start_rank_server(preload: tuple[str, ...] = ()) -> None:
 
 
 def rank_processes(launcher_pid: int | None = None) -> list:
-    """The rank processes of the launcher `launcher_pid` (default: this process), oldest first: the forkserver's
-    children (the forkserver itself is the launcher's child)."""
+    """The rank processes of the launcher `launcher_pid` (default: this process), oldest first: the children of its
+    forkserver (the launcher's own child; a rank's own children are not ranks)."""
     import psutil
 
-    launcher = psutil.Process(launcher_pid)
     found = []
-    for child in launcher.children(recursive=True):
+    for child in psutil.Process(launcher_pid).children():
         try:
-            if child.ppid() != launcher.pid and "forkserver" in " ".join(child.cmdline()):
-                found.append(child)
+            if "forkserver" in " ".join(child.cmdline()):
+                found += child.children()
         except psutil.Error:
             continue
     return sorted(found, key=lambda p: p.pid)
