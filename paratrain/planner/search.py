@@ -352,7 +352,7 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     offloaded = set(offloaded_blocks(c.act_offload, OFFLOAD_EVERY_K, a.n_layers))
     for s in ranks:
         states = cached(ctx, ("states", dataclasses.replace(lay, pp_microbatches=0), s, c.cpu_offload), lambda: sum(
-            _states(state_bytes(a, lay, ctx.precision, "adamw", "paratrain", s, layers, ctx.lora))
+            _states(state_bytes(a, lay, ctx.precision, ctx.optimizer, "paratrain", s, layers, ctx.lora))
             if not c.cpu_offload else ())  # (CPU offload: the model states are in host memory)
             + unsharded * sum(block_param_count(a, l) for l in layers[s]) // lay.tp)
         stored = sum(A.block_stored(d, modes[l], moe if a.is_moe_layer(l) else None)
