@@ -15,13 +15,9 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
 
+from paratrain.models.llama import cross_entropy
 from paratrain.modes import all_forwards_first
-
-
-def _loss(logits, y):
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
 def _data(args, steps):
@@ -47,7 +43,7 @@ def single(a) -> float:
     times = []
     for i in range(a["steps"]):
         start = time.perf_counter()
-        _loss(model(X[i]), Y[i]).backward()
+        cross_entropy(model(X[i]), Y[i]).backward()
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - start)
@@ -71,7 +67,8 @@ def ranked(a, pp: int, schedule: str, m: int):
     dims = ParallelDims.build(layout, "cpu")
     with torch.device("meta"):
         model = Transformer(margs)
-    pipe = build_pipeline(dims, model, ActivationCheckpointConfig(), "fp32", False, torch.device("cpu"), 0, _loss)
+    pipe = build_pipeline(dims, model, ActivationCheckpointConfig(), "fp32", False, torch.device("cpu"), 0,
+                          cross_entropy)
     opt = torch.optim.AdamW(pipe.model.parameters(), lr=1e-3)
     X, Y = _data(a, a["steps"])
     times, bubbles = [], []

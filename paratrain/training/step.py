@@ -33,8 +33,8 @@ from paratrain.distributed.pipeline import Pipeline, PipelineSampler, build_pipe
 from paratrain.distributed.tensors import full_tensor, local_tensor, torch_dtype
 from paratrain.layout import Layout
 from paratrain.models.llama import cross_entropy
-from paratrain.modes import loss_scaled, low_precision
 from paratrain.models.moe import balance_loss, moe_modules
+from paratrain.modes import loss_scaled, low_precision
 from paratrain.training.optim import build_optimizer, inner_optimizer
 
 
