@@ -366,7 +366,6 @@ def _calibrate_worker(sizes: list[int], msg_sizes: list[int], seconds: float, sh
         out["op_overhead_s"] = timed(ops, seconds) / 42  # 20 mul + sum forward, as many backward
         # a reference model (not the one being planned): one training step, forward + backward + AdamW
         from paratrain.models import build_model
-        from paratrain.models.llama import cross_entropy
 
         ref_args = reference_args()
         torch.manual_seed(0)
@@ -376,7 +375,7 @@ def _calibrate_worker(sizes: list[int], msg_sizes: list[int], seconds: float, sh
 
         def train_step():
             logits = model(tokens[:, :-1])
-            loss = cross_entropy(logits, tokens[:, 1:])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
