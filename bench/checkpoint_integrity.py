@@ -7,6 +7,7 @@ COMPLETE + rename), then verified as `resume=auto` and `paratrain checkpoint ver
 after a save and from disk (or cache) when verifying.
 
     python bench/checkpoint_integrity.py [--sizes-mib 64,256,1024] [--repeat 3]
+    python bench/checkpoint_integrity.py --smoke     # one 12 MiB checkpoint, once (the test suite)
 """
 
 from __future__ import annotations
@@ -40,12 +41,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes-mib", default="64,256,1024")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help="one small checkpoint, saved once (seconds; the test suite)")
     a = p.parse_args()
+    if a.smoke:
+        a.sizes_mib, a.repeat = "12", 1
     h = hashlib.sha256()
-    blob = bytes(256 * 2**20)
+    blob_mib = 16 if a.smoke else 256
+    blob = bytes(blob_mib * 2**20)
     t = time.perf_counter()
     h.update(blob)
-    print(f"sha256 in memory: {256 / (time.perf_counter() - t):.0f} MiB/s (hashlib, one thread)")
+    print(f"sha256 in memory: {blob_mib / (time.perf_counter() - t):.0f} MiB/s (hashlib, one thread)")
     print("| checkpoint | files | DCP write | + hashing at save | save total | hashing share | verify (resume/generate) |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for mib in map(int, a.sizes_mib.split(",")):

@@ -3,13 +3,14 @@
 Trains bench/shakespeare_cpu.py's recipe (nanoGPT's CPU settings: 4 layers, 4 heads, width 128, context 64, batch 12,
 lr 1e-3 -> 1e-4, 2000 iterations) on 2 ranks with dp_mode=ddp (each rank 6 sequences of the global batch of 12), once
 per method: a `parallel.grad_compression` with AdamW, or an optimizer that compresses its own communication
-(`optimizer.name` onebit_adam, zero_one_adam: 1-bit Adam and 0/1 Adam, README "Optimizers"). It prints per method:
+(`optimizer.name` onebit_adam, zero_one_adam: 1-bit Adam and 0/1 Adam, docs/optimizers.md). It prints per method:
 the bytes this rank sends per step for the data-parallel reduction (mean over the whole run, warm-up included, and
 after any warm-up), the reduction against none, the final validation loss, its gap to none, wall time and tokens/s.
 Goals: >= 90% fewer bytes than none over the whole run; final val loss within 2% of none (issues 15 and 29).
 
     python bench/compression.py [--steps 2000] [--methods none,bf16,powersgd,sign_ef,onebit_adam,zero_one_adam]
                                 [--powersgd-rank 4] [--set optimizer.freeze_step=300] [--label NAME]
+    python bench/compression.py --smoke     # none and bf16, 4 steps each, a 12-sequence evaluation (the test suite)
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ OPTIMIZER_METHODS = tuple(name for name, entry in OPTIMIZERS.items() if entry.co
 METHODS = (*GRAD_COMPRESSIONS, *OPTIMIZER_METHODS)
 
 
-def recipe(steps: int, eval_every: int, out: str, name: str, extra: list[str]) -> list[str]:
+def recipe(steps: int, eval_every: int, out: str, name: str, extra: list[str], eval_sequences: int = 204) -> list[str]:
     return ["model.preset=shakespeare-char", "training.seq_len=64", "training.global_batch=12",
             "training.micro_batch=6", f"training.steps={steps}", f"training.eval_every={eval_every}",
-            "training.eval_sequences=204", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "optimizer.warmup_steps=100",
+            f"training.eval_sequences={eval_sequences}", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "optimizer.warmup_steps=100",
             "optimizer.beta2=0.99", "optimizer.weight_decay=0.1", "parallel.dp_mode=ddp",
             "checkpoint.save_final=false", "sample.max_new_tokens=0", "metrics.progress=none", "training.device=cpu",
             f"run.out_dir={out}", f"run.name={name}", *extra]
@@ -50,7 +51,12 @@ def main() -> None:
     parser.add_argument("--label", default="", help="appended to each method's name in the table (a variant)")
     parser.add_argument("--baseline", metavar="VAL_LOSS,BYTES", help="none's final val loss and mean bytes per step "
                         "from an earlier run (deterministic), to compare variants without training none again")
+    parser.add_argument("--eval-sequences", type=int, default=204, help="validation sequences (17 x 12 ~ nanoGPT's 200)")
+    parser.add_argument("--smoke", action="store_true", help="none and bf16 for 4 steps, 12 validation sequences "
+                        "(seconds; the test suite)")
     args = parser.parse_args()
+    if args.smoke:
+        args.methods, args.steps, args.eval_every, args.eval_sequences = "none,bf16", 4, 2, 12
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -62,7 +68,7 @@ def main() -> None:
             own = [f"optimizer.name={method}"] if method in OPTIMIZER_METHODS else [f"parallel.grad_compression={method}"]
             extra = [*own, f"parallel.powersgd_rank={args.powersgd_rank}",
                      f"parallel.powersgd_warmup_steps={args.powersgd_warmup}", *args.set]
-            cfg = load_config(None, recipe(args.steps, args.eval_every, out, method, extra))
+            cfg = load_config(None, recipe(args.steps, args.eval_every, out, method, extra, args.eval_sequences))
             start = time.perf_counter()
             result = train(cfg, nproc=args.nproc)
             wall = time.perf_counter() - start

@@ -6,7 +6,7 @@ On a single CUDA GPU (about 6-8 minutes on an H100/H200):
    own step (`build_train_step`, fused AdamW, selective checkpointing where the estimator
    says it is needed to fit) on random tokens, median step after warm-up; MFU = flops_per_token x tokens/s / the
    datasheet peak (paratrain.observe.flops). Beside it the cost model's prediction for the same configuration with
-   the GPU's datasheet profile (planner/hardware.py's efficiency model) and with the profile calibrated in step 3.
+   the GPU's datasheet profile (estimate/hardware.py's efficiency model) and with the profile calibrated in step 3.
 2. The memory estimate (tensors at the peak, `paratrain estimate`'s figure without the CUDA/NCCL overhead) against
    torch.cuda.max_memory_allocated and max_memory_reserved of the same step, for 11 configurations (1B model:
    checkpointing none / selective / full, micro-batch and sequence length, fp32, accumulation, compile; the memory
@@ -16,6 +16,7 @@ On a single CUDA GPU (about 6-8 minutes on an H100/H200):
 
     python bench/gpu.py                   # CUDA
     python bench/gpu.py --device cpu      # the same code on tiny models, on a CPU (the test suite runs it)
+    python bench/gpu.py --smoke           # a shorter CPU check: one tiny model, 2 memory rows
     python bench/gpu.py --json out.json
 
 On a CPU the models are tiny stand-ins (the same code paths), MFU is against a measured matmul peak, the compile rows
@@ -35,6 +36,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # memory_measure (bench/)
+
+from paratrain.modes import resolve_impl  # noqa: E402 (after the path)
 
 GPU_VOCAB = 128256
 # (label, preset, overrides) -- CPU stand-ins keep the models' proportions at a tiny size
@@ -57,17 +61,19 @@ def fitting_config(args, seq: int, device: str, gpu_bytes: int | None, precision
     """(micro-batch, checkpointing) for one GPU: the largest micro-batch up to 8 that the estimator says fits with
     the headroom rule estimate and plan share (estimate.gpus), without checkpointing if possible, else selective, else
     full."""
-    from paratrain.estimate import EstimateInputs, estimate
+    from paratrain.estimate import Target, estimate, inputs_for
     from paratrain.layout import Layout
+    from paratrain.memory import MemoryTiers
     from paratrain.modes import CHECKPOINT_MODES, recompute_rank, uniform
+    from paratrain.recipe import Recipe
 
     if gpu_bytes is None:
         return 2, "none"
     for ac in sorted((m for m in CHECKPOINT_MODES if uniform(m)), key=recompute_rank):
         for mb in (8, 4, 2, 1):
-            est = estimate(EstimateInputs(args, Layout.resolve(1), precision=precision, checkpointing=ac,
-                                          micro_batch=mb, seq_len=seq, device=device, gpu_bytes=gpu_bytes),
-                           suggest=False)
+            recipe = Recipe(Layout.resolve(1), precision=precision, checkpointing=ac, micro_batch=mb, seq_len=seq,
+                            tiers=MemoryTiers(loss_chunks=0))  # (0: the trainer's automatic choice)
+            est = estimate(inputs_for(args, recipe, Target(device=device, gpu_bytes=gpu_bytes)), suggest=False)
             if est.fits:
                 return mb, ac
     return 1, "full"
@@ -85,7 +91,7 @@ def train_rate(args, seq: int, mb: int, ac: str, compile_: bool | str, device, s
     cuda = device.type == "cuda"
     step = build_train_step(args, ParallelDims(Layout.resolve(1)), device, precision="bf16" if cuda else "fp32",
                             activation_checkpoint=ActivationCheckpointConfig(ac), compile=compile_,
-                            optimizer=OptimizerConfig(impl="fused" if cuda else "foreach"))
+                            optimizer=OptimizerConfig(impl="auto"))  # (fused on CUDA: modes.resolve_impl)
     gen = torch.Generator(device=device).manual_seed(0)
     times = []
     first = None
@@ -111,7 +117,7 @@ def train_rate(args, seq: int, mb: int, ac: str, compile_: bool | str, device, s
 
 def predicted_mfu(args, seq: int, mb: int, ac: str, mode: str, hw) -> float | None:
     from paratrain.layout import Layout
-    from paratrain.planner.cost import Candidate, Context, predict
+    from paratrain.estimate.step_time import Candidate, Context, predict
 
     if hw is None:
         return None
@@ -121,7 +127,7 @@ def predicted_mfu(args, seq: int, mb: int, ac: str, mode: str, hw) -> float | No
 
 def memory_specs(args, cuda: bool) -> list[tuple[str, object, bool | str]]:
     """(label, MeasureSpec, compile) for the estimator-vs-allocator rows."""
-    from paratrain.estimate.measure import MeasureSpec
+    from memory_measure import MeasureSpec  # bench/memory_measure.py
 
     model = {k: v for k, v in dataclasses.asdict(args).items()}
     seq = 2048 if cuda else 64
@@ -135,11 +141,12 @@ def memory_specs(args, cuda: bool) -> list[tuple[str, object, bool | str]]:
             ("fp32, full, mb 1", dict(micro_batch=1, seq_len=seq, precision="fp32", checkpointing="full")),
             ("accumulation 2, selective", dict(micro_batch=1, seq_len=seq, precision=low, checkpointing="selective",
                                                accum_steps=2)),
-            # the memory tiers (README "Memory tiers"); CPU offload needs FSDP over several ranks, not one GPU
+            # the memory tiers (docs/memory-tiers.md); CPU offload needs FSDP over several ranks, not one GPU
             ("chunked loss, mb 2", dict(micro_batch=2, seq_len=seq, precision=low, loss_chunks=8)),
             ("activation offload, mb 2", dict(micro_batch=2, seq_len=seq, precision=low, activation_offload="all")),
             ("bf16 optimizer states, mb 2", dict(micro_batch=2, seq_len=seq, precision=low, optimizer="adamw-bf16"))]
-    return [(label, MeasureSpec(model=model, name=label, optimizer_impl="fused" if cuda else "foreach", **kw), False)
+    impl = resolve_impl("auto", "cuda" if cuda else "cpu")
+    return [(label, MeasureSpec(model=model, name=label, optimizer_impl=impl, **kw), False)
             for label, kw in rows]
 
 
@@ -152,15 +159,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="eager,compile", help="execution modes of the MFU rows")
     ap.add_argument("--skip-calibrate", action="store_true")
     ap.add_argument("--json", help="write every number to this file")
+    ap.add_argument("--smoke", action="store_true", help="on the CPU: the first tiny model eager (1 step), 2 memory "
+                    "rows, no calibration (seconds; the test suite)")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.device, a.modes, a.steps, a.warmup = "cpu", "eager", a.steps or 1, 0 if a.warmup is None else a.warmup
+        a.skip_calibrate = True  # (the calibration launches a rank: `--device cpu` and tests/test_planfid.py run it)
     import torch
 
-    from paratrain.estimate import EstimateInputs, estimate
+    from paratrain.estimate import estimate
     from paratrain.estimate.gpus import gpu_from_device_name
-    from paratrain.estimate.measure import device_step_peaks, inputs_for_spec
+    from memory_measure import device_step_peaks, inputs_for_spec
     from paratrain.models.presets import flops_per_token
     from paratrain.observe.flops import peak_flops
-    from paratrain.planner.hardware import calibrate, gpu_profile
+    from paratrain.calibration import calibrate
+    from paratrain.estimate.hardware import gpu_profile
 
     cuda = a.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -170,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     steps, warmup = a.steps or (8 if cuda else 2), a.warmup if a.warmup is not None else (3 if cuda else 1)
     seq = a.seq or (2048 if cuda else 64)
-    models = CUDA_MODELS if cuda else CPU_MODELS
+    models = (CUDA_MODELS if cuda else CPU_MODELS)[:1 if a.smoke else None]
     vocab = GPU_VOCAB if cuda else 256
     compile_backend: bool | str = True if cuda else "aot_eager"
     peak, peak_source = peak_flops(device)
@@ -205,10 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['first_step_s']:.1f} s)", flush=True)
 
     mem_args = model_args(models[0][1], models[0][2], vocab)
-    for label, spec, comp in memory_specs(mem_args, cuda):
+    for label, spec, comp in memory_specs(mem_args, cuda)[:2 if a.smoke else None]:
         measured = device_step_peaks(spec, device, comp)
-        inputs = inputs_for_spec(spec, 1).replace(optimizer_impl=spec.optimizer_impl, device=a.device,
-                                                  overhead_bytes=0)
+        inputs = inputs_for_spec(spec, 1).with_recipe(optimizer_impl=spec.optimizer_impl).with_target(
+            device=a.device, overhead_bytes=0)
         est = estimate(inputs, suggest=False)
         report["memory"].append({"config": label, "estimate": est.peak_bytes, **measured, "phase": est.phase})
         print(f"  memory {label}: estimate {est.peak_bytes / 2**30:.3f} GiB, allocated "

@@ -13,6 +13,7 @@ SLOWDOWN - 1 times the chunk's compute time). The planner sees the same two type
    count, what paratrain does without a split). Median step time after warm-up.
 
     python bench/heterogeneous.py [--slowdown 3] [--steps 14] [--layers 8]
+    python bench/heterogeneous.py --smoke    # 5 steps of a 4-block model, a short calibration (the test suite)
 """
 
 from __future__ import annotations
@@ -40,16 +41,15 @@ def slower(hw, factor: float, name: str):
 
 def train(config: Path, overrides: list[str], slowdown: float) -> tuple[float, list[float]]:
     """Median step time (s) of a 2-rank run and its per-stage idle fractions."""
-    from paratrain.api import run_rank
+    from paratrain.api import launch_ranks, run_rank
     from paratrain.config import load_config
-    from paratrain.distributed.launch import launch
     from paratrain.spec import resolve_run
 
     cfg = load_config(config, overrides)
     os.environ["PARATRAIN_SIM_SLOWDOWN"] = f"1,{slowdown}"
     try:
         resolve_run(cfg, 2)
-        launch(run_rank, (cfg,), 2)
+        launch_ranks(run_rank, (cfg,), 2)
     finally:
         del os.environ["PARATRAIN_SIM_SLOWDOWN"]
     rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -64,18 +64,28 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
+    ap.add_argument("--calibrate-seconds", type=float, default=0.25, help="per calibration measurement")
+    ap.add_argument("--smoke", action="store_true", help="5 steps of a 4-block model, seq 32, 4 sequences, a short "
+                    "calibration (seconds; the test suite)")
     a = ap.parse_args()
+    if a.smoke:
+        a.steps, a.layers, a.seq, a.batch, a.calibrate_seconds = 5, 4, 32, 4, 0.02
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from paratrain.stage_split import balanced_split
     from paratrain.models import preset_args
-    from paratrain.planner import context_from_argv, main_plan
-    from paratrain.planner.hardware import calibrate
+    from paratrain.commands.plan import context_from_argv, main as main_plan
+    from paratrain.calibration import calibrate
 
+    from paratrain.api import RANK_MODULES
+    from paratrain.distributed.launch import start_rank_server
+
+    start_rank_server(RANK_MODULES)  # the ranks of every launch below (calibration included) fork with the trainer loaded
     tmp = Path(tempfile.mkdtemp(prefix="hetero-bench-"))
     profiles = tmp / "profiles"
     margs = preset_args("shakespeare-char", vocab_size=128, n_layers=a.layers)
     t0 = time.time()
-    fast, _ = calibrate("cpu-fast", 2, profiles, model=margs, seq=a.seq, micro_batches=(1, 2))
+    fast, _ = calibrate("cpu-fast", 2, profiles, seconds=a.calibrate_seconds, model=margs, seq=a.seq,
+                        micro_batches=(1, 2))
     (profiles / "cpu-slow.json").write_text(json.dumps(slower(fast, a.slowdown, "cpu-slow").to_json()))
     print(f"calibrated cpu-fast in {time.time() - t0:.0f} s (non-matmul factor eager {fast.modes['eager']:.2f}); "
           f"cpu-slow = cpu-fast / {a.slowdown:g}")

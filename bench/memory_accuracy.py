@@ -2,13 +2,15 @@
 
 Each configuration builds the model exactly as `paratrain train` does (parallelize + build_optimizer), runs
 training steps that mirror the trainer's (forward, loss, backward, clip, AdamW step, zero_grad), and tracks
-every tensor storage on every rank (paratrain/estimate/measure.py: a TorchDispatchMode with weak references
+every tensor storage on every rank (bench/memory_measure.py: a TorchDispatchMode with weak references
 and UntypedStorage.resize_ tracking). The peak of the last step and its breakdown by category are compared
 with `paratrain.estimate.estimate` for the same configuration (tensors only: no runtime overhead on CPU;
 the foreach AdamW the trainer uses on CPU). The worst rank is compared.
 
     python bench/memory_accuracy.py              # every configuration, 1, 2 and 4 ranks (~4 min on 2 cores)
     python bench/memory_accuracy.py --quick      # 8 of them
+    python bench/memory_accuracy.py --smoke      # 2 one-rank ones: the same code in seconds (the test suite; the
+                                                 # estimator's tests measure on 2 and 4 ranks)
     python bench/memory_accuracy.py --only "1rank qwen3 fp32,cp2 qwen3 bf16"   # the named ones
     python bench/memory_accuracy.py --json out.json
 
@@ -19,12 +21,16 @@ torch.cuda.max_memory_allocated (the trainer's step, no tracker).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # memory_measure (bench/)
 
 from paratrain.config import ParallelConfig
-from paratrain.estimate.measure import CATEGORIES, MeasureSpec, inputs_for_spec, measure
+from memory_measure import CATEGORIES, MeasureSpec, inputs_for_spec, measure  # bench/memory_measure.py
 
 # A small Llama (GQA, SwiGLU) whose activations, parameters and logits are all a visible share of the peak.
 MODEL = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=352, max_seq_len=512)
@@ -89,17 +95,18 @@ CONFIGS = [
     ("cp2 qwen3 bf16", 2, dict(cp=2), "bf16", "none", 2, 256, 1, QWEN3),
 ]
 # Memory tiers (paratrain/memory.py). A vocabulary of 4096 makes the logits a large share of the peak: the chunked
-# loss (8 pieces, fp32's default) against the whole logits; the default recipe's model (shakespeare-char) both ways.
+# loss (8 pieces, what loss_chunks=0 picks in fp32 for logits of AUTO_LOSS_MIN_BYTES and more; these are smaller, so
+# the rows set it) against the whole logits; the default recipe's model (shakespeare-char) both ways.
 VOCAB4K = dict(MODEL, vocab_size=4096, n_layers=2)
 RECIPE = dict(vocab_size=128, dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden=352, max_seq_len=256)
 CONFIGS += [
     ("1rank fp32 vocab4k whole logits", 1, dict(loss_chunks=1), "fp32", "none", 4, 128, 1, VOCAB4K),
-    ("1rank fp32 vocab4k chunked loss", 1, {}, "fp32", "none", 4, 128, 1, VOCAB4K),
+    ("1rank fp32 vocab4k chunked loss", 1, dict(loss_chunks=8), "fp32", "none", 4, 128, 1, VOCAB4K),
     ("1rank bf16 vocab4k chunked loss", 1, dict(loss_chunks=8), "bf16", "none", 4, 128, 1, VOCAB4K),
     ("fsdp2 bf16 vocab4k chunked loss", 2, dict(dp_mode="fsdp", loss_chunks=8), "bf16", "none", 4, 128, 1, VOCAB4K),
     ("tp2+sp fp32 vocab4k chunked loss", 2, dict(tp=2, loss_chunks=5), "fp32", "selective", 4, 128, 1, VOCAB4K),
     ("default recipe whole logits", 1, dict(loss_chunks=1), "fp32", "none", 12, 64, 1, RECIPE),
-    ("default recipe", 1, {}, "fp32", "none", 12, 64, 1, RECIPE),
+    ("default recipe chunked loss", 1, dict(loss_chunks=8), "fp32", "none", 12, 64, 1, RECIPE),
     # activation offloading: what the hooks copy is host memory (measured as the host tensors they hold)
     ("1rank fp32 offload", 1, dict(activation_offload="all"), "fp32", "none", 4, 128, 1, MODEL),
     ("1rank bf16 offload every_k", 1, dict(activation_offload="every_k"), "bf16", "none", 2, 256, 1, MODEL),
@@ -149,17 +156,26 @@ PP_CONFIGS = [
 ]
 CONFIGS += PP_CONFIGS
 
+SMOKE = {"1rank bf16 odd", "1rank fp32 vocab4k chunked loss"}
 QUICK = {"1rank fp32", "1rank bf16 selective", "ddp2 bf16 full", "zero2x2 bf16", "fsdp2 fp32", "tp2+sp fp32 full",
          "fsdp4 bf16 odd", "fsdp2xtp2 bf16"}
 # Estimator rows that the measurement reports under another name.
 MERGE = {"master": "parameters", "pipeline": "activations", "overhead": None}
+TOLERANCE = 0.05  # every configuration's predicted total peak within 5% of the measured one
 SMALL = 0.02  # categories under 2% of the peak are compared in % of the peak (relative errors of tiny numbers mean little)
 
 
+# A row's settings: its [parallel] section, and beside it the spec's own fields for the other sections ([memory]:
+# loss_chunks, activation_offload, offload_every_k; [optimizer]: optimizer), as MeasureSpec names them.
+OWN_FIELDS = {f.name for f in dataclasses.fields(MeasureSpec)} - {"model", "parallel"}
+
+
 def spec_of(row) -> MeasureSpec:
-    name, _, layout, precision, ckpt, mb, seq, accum, model = row
+    name, _, settings, precision, ckpt, mb, seq, accum, model = row
+    own = {k: v for k, v in settings.items() if k in OWN_FIELDS}
+    layout = {k: v for k, v in settings.items() if k not in OWN_FIELDS}
     return MeasureSpec(model=model, parallel=ParallelConfig(**layout), precision=precision, checkpointing=ckpt,
-                       micro_batch=mb, seq_len=seq, accum_steps=accum, name=name)
+                       micro_batch=mb, seq_len=seq, accum_steps=accum, name=name, **own)
 
 
 def predicted(spec: MeasureSpec, world: int):
@@ -272,9 +288,9 @@ def report(results: list[dict]) -> str:
 
 def run_cuda(rows) -> list[dict]:
     """1-rank configurations on the GPU: estimate vs torch.cuda.max_memory_allocated (no tracker), measured
-    through the trainer's own TrainStep (paratrain.estimate.measure.device_step_peaks)."""
+    through the trainer's own TrainStep (memory_measure.device_step_peaks)."""
     from paratrain.estimate import estimate
-    from paratrain.estimate.measure import device_step_peaks
+    from memory_measure import device_step_peaks
 
     out = []
     for row in rows:
@@ -282,7 +298,7 @@ def run_cuda(rows) -> list[dict]:
         if row[1] != 1:
             continue
         measured = device_step_peaks(spec, "cuda")["allocated"]
-        inputs = inputs_for_spec(spec, 1).replace(optimizer_impl="fused", device="cuda", overhead_bytes=0)
+        inputs = inputs_for_spec(spec, 1).with_recipe(optimizer_impl="fused").with_target(device="cuda", overhead_bytes=0)
         est = estimate(inputs, suggest=False)
         out.append({"config": spec.name, "measured_peak": measured, "predicted_peak": est.peak_bytes,
                     "total_err": (est.peak_bytes - measured) / measured, "predicted_phase": est.phase})
@@ -292,11 +308,12 @@ def run_cuda(rows) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 configurations instead of all")
+    parser.add_argument("--smoke", action="store_true", help="2 small one-rank configurations, in seconds")
     parser.add_argument("--json", help="write every number to this file")
     parser.add_argument("--cuda", action="store_true", help="also compare 1-rank configs with max_memory_allocated")
     parser.add_argument("--only", help="comma-separated config names")
     args = parser.parse_args()
-    rows = [r for r in CONFIGS if not args.quick or r[0] in QUICK]
+    rows = [r for r in CONFIGS if (not args.quick or r[0] in QUICK) and (not args.smoke or r[0] in SMOKE)]
     if args.only:
         wanted = set(args.only.split(","))
         rows = [r for r in rows if r[0] in wanted]
@@ -315,6 +332,9 @@ def main() -> int:
     print(report(results))
     print(f"\n{len(results)} configurations in {time.perf_counter() - start:.0f} s; units MiB (2^20 bytes); "
           f"category errors are relative, except categories under {SMALL:.0%} of the peak (in % of the peak)")
+    outside = [r["config"] for r in results if abs(r["total_err"]) > TOLERANCE]
+    print(f"total peak within {TOLERANCE:.0%} of the measurement: {len(results) - len(outside)} of {len(results)} "
+          f"configurations{'; outside: ' + ', '.join(outside) if outside else ''}")
     cuda = []
     if args.cuda:
         cuda = run_cuda(rows)

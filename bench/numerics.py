@@ -18,6 +18,8 @@ and wall time per collective, rounds alternating.
 
     python bench/numerics.py                    # 3 rounds of 300 steps each setting (~6 minutes on 2 quiet cores)
     python bench/numerics.py --rounds 2 --steps 200 --no-history
+    python bench/numerics.py --smoke     # one round of 30 steps of 2 sequences watched every 20, no collective
+                                         # history (its ranks' start-up alone is ~8 s of CPU) (the test suite)
 """
 
 from __future__ import annotations
@@ -38,33 +40,37 @@ from overhead import config, paratrain_steps  # noqa: E402 - bench/overhead.py's
 EVERY = 100
 
 
-def watch_round(out: str, steps: int, reverse: bool) -> dict:
-    """One round: per setting, the CPU seconds of every step (index = step); every other round in reverse order, so
-    a drift of the machine's speed over a round weighs on both sides alike."""
+def watch_round(out: str, steps: int, reverse: bool, every_n: int = EVERY, training: dict | None = None) -> dict:
+    """One round: per setting (0, `every_n`, 1), the CPU seconds of every step (index = step); every other round in
+    reverse order, so a drift of the machine's speed over a round weighs on both sides alike. `training`: [training]
+    values over the default run's (--smoke's smaller batch and evaluation)."""
     row = {}
-    for every in (1, EVERY, 0) if reverse else (0, EVERY, 1):
+    for every in (1, every_n, 0) if reverse else (0, every_n, 1):
         cfg = config(out, steps, "cpu")
         cfg.metrics.numerics_every = every
+        for key, value in (training or {}).items():
+            setattr(cfg.training, key, value)
         row[every] = paratrain_steps(cfg, time.process_time)
     return row
 
 
-def costs(row: dict, warmup: int) -> dict:
-    off, hundred, each = (row[k][warmup:] for k in (0, EVERY, 1))
+def costs(row: dict, warmup: int, every_n: int = EVERY) -> dict:
+    """`every_n`: the watched setting (a multiple of the log interval, 10)."""
+    off, hundred, each = (row[k][warmup:] for k in (0, every_n, 1))
     base = statistics.median(off)
-    log_steps = [i for i in range(warmup, len(row[EVERY])) if (i + 1) % 10 == 0]
-    watched = [row[EVERY][i] for i in log_steps if (i + 1) % EVERY == 0]
-    other_logs = [row[EVERY][i] for i in log_steps if (i + 1) % EVERY]
+    log_steps = [i for i in range(warmup, len(row[every_n])) if (i + 1) % 10 == 0]
+    watched = [row[every_n][i] for i in log_steps if (i + 1) % every_n == 0]
+    other_logs = [row[every_n][i] for i in log_steps if (i + 1) % every_n]
     per_watch = statistics.median(watched) - statistics.median(other_logs)
     return {"off_median": base, "off_mean": statistics.fmean(off), "hundred_mean": statistics.fmean(hundred),
             "each_median": statistics.median(each), "watched": per_watch,
             "ab": statistics.fmean(hundred) / statistics.fmean(off) - 1,
             "ab_median": statistics.median(hundred) / base - 1,
-            "from_watched": per_watch / EVERY / base,
-            "from_each": (statistics.median(each) - base) / EVERY / base}
+            "from_watched": per_watch / every_n / base,
+            "from_each": (statistics.median(each) - base) / every_n / base}
 
 
-def hook_cost(reps: int) -> tuple[float, float]:
+def hook_cost(reps: int, every_n: int = EVERY) -> tuple[float, float]:
     """CPU seconds of one forward + backward of the default model's micro-batch (shakespeare-char, 12 x 64) without
     hooks and with the watch's hooks installed but not watching, alternating: what numerics_every adds to a step it
     does not watch, apart from everything else a run does."""
@@ -78,7 +84,7 @@ def hook_cost(reps: int) -> tuple[float, float]:
 
     args = preset_args("shakespeare-char", vocab_size=128)
     steps = [build_train_step(args, ParallelDims(Layout.resolve(1)), torch.device("cpu")) for _ in range(2)]
-    NumericsWatch(steps[1], args.n_layers, EVERY, "fp32")
+    NumericsWatch(steps[1], args.n_layers, every_n, "fp32")
     x = torch.randint(0, 128, (12, 64))
     times: list[list[float]] = [[], []]
     for _ in range(reps):
@@ -128,24 +134,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-history", action="store_true", help="skip the collective-history rounds")
     parser.add_argument("--collectives", type=int, default=3000, help="all-reduces per history round and setting")
     parser.add_argument("--hook-reps", type=int, default=200, help="forward + backward passes per side (hook cost)")
+    parser.add_argument("--every", type=int, default=EVERY, help="the watched setting (metrics.numerics_every; a "
+                        "multiple of 10, the log interval)")
+    parser.add_argument("--smoke", action="store_true", help="one round of 30 steps of 2 sequences watched every 20, "
+                        "2 hook passes, no history rounds (seconds; the test suite)")
     a = parser.parse_args(argv)
+    training = {}
+    if a.smoke:
+        a.steps, a.rounds, a.warmup, a.every, a.hook_reps, a.no_history = 30, 1, 0, 20, 2, True
+        training = {"micro_batch": 2, "eval_sequences": 4}
+    every = a.every
     rows, history = [], []
-    bare, hooked = hook_cost(a.hook_reps)
+    bare, hooked = hook_cost(a.hook_reps, every)
     print(f"forward + backward: {bare * 1e3:.2f} ms without hooks, {hooked * 1e3:.2f} ms with the watch's hooks "
           f"installed, not watching ({hooked / bare - 1:+.2%})", flush=True)
     with tempfile.TemporaryDirectory() as out:
         for r in range(a.rounds):
-            rows.append(costs(watch_round(out, a.steps, reverse=r % 2 == 1), a.warmup))
+            rows.append(costs(watch_round(out, a.steps, reverse=r % 2 == 1, every_n=every, training=training),
+                              a.warmup, every))
             c = rows[-1]
             print(f"round {r + 1}: off {c['off_median'] * 1e3:.2f} ms, a watched step +{c['watched'] * 1e3:.2f} ms, "
-                  f"every {EVERY}: {c['ab']:+.2%} (means)", flush=True)
+                  f"every {every}: {c['ab']:+.2%} (means)", flush=True)
     if not a.no_history:
         for r in range(a.rounds):
             history.append((history_run(0, a.collectives), history_run(2000, a.collectives)))
             print(f"history round {r + 1}: off {history[-1][0][0] * 1e6:.1f} us CPU, 2000 entries "
                   f"{history[-1][1][0] * 1e6:.1f} us CPU per collective", flush=True)
-    print(f"\n| round | off: median / mean CPU ms per step | every {EVERY}: mean | every step: median | a watched "
-          f"step's extra CPU ms | every {EVERY} vs off: means / medians | from the watched steps | from the every-step "
+    print(f"\n| round | off: median / mean CPU ms per step | every {every}: mean | every step: median | a watched "
+          f"step's extra CPU ms | every {every} vs off: means / medians | from the watched steps | from the every-step "
           "run |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for i, c in enumerate(rows):

@@ -6,6 +6,7 @@ measured idle fraction per stage (1 - the stage's forward/backward compute time 
 the predicted bubble (p-1)/(m+p-1). A one-process row gives the step time without pipelining.
 
     python bench/pipeline.py [--pp 2] [--microbatches 2,4,8,16] [--schedules gpipe,1f1b] [--steps 6]
+    python bench/pipeline.py --smoke     # one row: pp 2, 1f1b, 2 microbatches, 3 steps of a 2-block model
 """
 
 from __future__ import annotations
@@ -95,7 +96,11 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--smoke", action="store_true", help="one small row (seconds; the test suite)")
     args = parser.parse_args()
+    if args.smoke:
+        args.pp, args.microbatches, args.schedules = "2", "2", "1f1b"
+        args.batch, args.seq_len, args.layers, args.steps = 4, 32, 2, 3
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     from paratrain.distributed.launch import launch
@@ -111,7 +116,8 @@ def main() -> None:
             for m in [int(x) for x in args.microbatches.split(",")]:
                 if not all_forwards_first(schedule) and m < pp:  # (Layout's rule)
                     continue
-                step, measured, predicted = launch(ranked, (a, pp, schedule, m), pp)
+                step, measured, predicted = launch(ranked, (a, pp, schedule, m), pp,
+                                                   preload=("paratrain.distributed.pipeline",))
                 idle = ", ".join(f"{v:.0%}" for v in measured)
                 print(f"| {pp} | {schedule} | {m} | {step * 1e3:.1f} | {predicted:.0%} | {idle} |", flush=True)
 

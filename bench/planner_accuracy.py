@@ -10,6 +10,7 @@
    first choice within 10% of the measured best, median absolute prediction error <= 25%.
 
     python bench/planner_accuracy.py [--nproc 4] [--steps 8] [--max-candidates 12]
+    python bench/planner_accuracy.py --smoke    # 2 ranks, 2 layouts, 4 steps, a short calibration (the test suite)
 """
 
 from __future__ import annotations
@@ -50,19 +51,18 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def measure(cfg, nproc: int) -> float:
-    from paratrain.api import run_rank
-    from paratrain.distributed.launch import launch
+    from paratrain.api import launch_ranks, run_rank
     from paratrain.spec import resolve_run
 
     resolve_run(cfg, nproc)
-    launch(run_rank, (cfg,), nproc)
+    launch_ranks(run_rank, (cfg,), nproc)
     rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     times = [r["step_time_s"] for r in rows if "step_time_s" in r][3:]  # drop warm-up
     return statistics.median(times)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seq", type=int, default=64)
@@ -72,17 +72,29 @@ def main() -> int:
     ap.add_argument("--checkpointing", default="none,full")
     ap.add_argument("--micro-batches", default="2,8")
     ap.add_argument("--schedules", default="1f1b")
+    ap.add_argument("--calibrate-seconds", type=float, default=0.25, help="per calibration measurement")
+    ap.add_argument("--smoke", action="store_true", help="2 ranks, 2 data-parallel layouts of 4 steps, no warm-up run, "
+                    "a short calibration (seconds; the test suite)")
     a = ap.parse_args()
+    limits = []
+    if a.smoke:
+        a.nproc, a.steps, a.seq, a.global_batch_tokens, a.max_candidates = 2, 4, 32, 32 * 4, 2
+        a.dp_modes, a.checkpointing, a.micro_batches, a.calibrate_seconds = "ddp,fsdp", "none", "2", 0.02
+        limits = ["--max-tp", "1", "--max-pp", "1", "--max-cp", "1"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     from paratrain.config import load_config
-    from paratrain.planner import config_for, context_from_argv
-    from paratrain.planner.hardware import calibrate
-    from paratrain.planner.search import rank_all
+    from paratrain.commands.plan import config_for, context_from_argv
+    from paratrain.calibration import calibrate
+    from paratrain.estimate.search import rank_all
 
+    from paratrain.api import RANK_MODULES
+    from paratrain.distributed.launch import start_rank_server
+
+    start_rank_server(RANK_MODULES)  # the ranks of every launch below (calibration included) fork with the trainer loaded
     tmp = Path(tempfile.mkdtemp(prefix="planner-bench-"))
     t0 = time.time()
-    hw, path = calibrate("bench-cpu", a.nproc, tmp / "profiles")
+    hw, path = calibrate("bench-cpu", a.nproc, tmp / "profiles", seconds=a.calibrate_seconds)
     print(f"calibrated in {time.time() - t0:.0f} s ({path}): matmul "
           + ", ".join(f"{(f / 2) ** (1 / 3):.0f}^3 {r / 1e9:.2f}" for f, r in hw.gemm) + " GFLOP/s per rank; "
           f"memory {hw.mem_bandwidth / 1e9:.1f} GB/s; operator {hw.op_overhead_s * 1e6:.1f} us; collectives "
@@ -92,7 +104,7 @@ def main() -> int:
     argv = ["--model", MODEL, "--gpus", str(a.nproc), "--gpus-per-node", str(a.nproc), "--gpu", "bench-cpu",
             "--profile-dir", str(tmp / "profiles"), "--seq", str(a.seq), "--global-batch-tokens",
             str(a.global_batch_tokens), "--dp-modes", a.dp_modes, "--checkpointing", a.checkpointing,
-            "--micro-batches", a.micro_batches, "--schedules", a.schedules]
+            "--micro-batches", a.micro_batches, "--schedules", a.schedules, *limits]
     ctx, world, opts, _ = context_from_argv(argv)
     results = [r for r in rank_all(ctx, world, opts) if r.ok]
     print(f"paratrain plan {' '.join(argv)}\n{len(results)} feasible layouts")
@@ -101,7 +113,7 @@ def main() -> int:
         results = [results[round(i * step)] for i in range(a.max_candidates)]
     rows = []
     # one throw-away run first: the first launch on a cold machine is slower (page cache, allocator, imports)
-    for i, r in [(-1, results[0])] + list(enumerate(results)):
+    for i, r in ([] if a.smoke else [(-1, results[0])]) + list(enumerate(results)):
         cfg = config_for(r.cand, ctx, None, MODEL)
         over = [f"training.steps={a.steps}", "training.eval_every=0", "training.eval_sequences=8",
                 "sample.max_new_tokens=0", "metrics.progress=none", "metrics.peak_tflops=1",

@@ -2,7 +2,9 @@
 to one rank of `paratrain train --nproc N`, while it trains; the time until the checkpoint is saved and until the
 launcher has exited. Prints a table (median of --repeat runs per target).
 
-    python bench/preemption.py [--nproc 2] [--repeat 1] [--grace 30] [--set section.key=value ...]
+    python bench/preemption.py [--nproc 2] [--repeat 1] [--grace 30] [--targets launcher,group,rank]
+                               [--set section.key=value ...]
+    python bench/preemption.py --smoke     # SIGTERM to one rank of 2, once (the test suite)
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 
 from paratrain.data import DEFAULT_CORPUS, prepare_dataset
 from paratrain.distributed.launch import rank_processes
+
+TARGETS = ("launcher", "group", "rank")
 
 
 def one(target: str, data: str, out: str, nproc: int, grace: float, extra: list[str]) -> tuple[float, float, int]:
@@ -57,13 +61,21 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--grace", type=float, default=30)
     p.add_argument("--set", action="append", default=[], help="extra --section.key=value for the run")
+    p.add_argument("--targets", default=",".join(TARGETS), help="where SIGTERM goes (launcher, group, rank)")
+    p.add_argument("--smoke", action="store_true", help="one target (a rank), once (seconds; the test suite)")
     a = p.parse_args()
+    if a.smoke:
+        a.targets, a.repeat = "rank", 1
+    targets = [t.strip() for t in a.targets.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        p.error(f"--targets: '{unknown[0]}' is not one of {', '.join(TARGETS)}")
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "data")
         prepare_dataset(DEFAULT_CORPUS, data, tokenizer="char")
         print(f"| SIGTERM to | ranks | saved after | launcher exited after | exit code | grace |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
-        for target in ("launcher", "group", "rank"):
+        for target in targets:
             runs = [one(target, data, os.path.join(tmp, f"runs{i}"), a.nproc, a.grace,
                         [f"--{s}" for s in a.set]) for i in range(a.repeat)]
             saved = statistics.median(r[0] for r in runs)

@@ -9,6 +9,7 @@ raw rate of the same tokenizer's batch encoding in one process on the same text 
 
     python bench/prepare.py --corpus-dir /tmp/paratrain-bench --sizes-gb 1,3 --workers 1,2
     python bench/prepare.py --sizes-gb 0.1 --workers 1,2      # a quick look
+    python bench/prepare.py --smoke      # one 1 MB shard, 1 worker, a 512-token BPE, in a fresh folder (the test suite)
 """
 
 from __future__ import annotations
@@ -40,14 +41,14 @@ def _lexicon(rng) -> list:
     return words
 
 
-def _sentence_pool(seed: int = 0) -> list:
-    """200k sentences of Zipf-distributed words (the same on every call)."""
+def _sentence_pool(seed: int = 0, sentences: int = SENTENCES) -> list:
+    """`sentences` (200k) sentences of Zipf-distributed words (the same on every call)."""
     rng = np.random.default_rng(seed)
     words = np.array(_lexicon(rng), dtype=object)
     rank = np.arange(1, LEXICON + 1)
     cdf = np.cumsum(1.0 / rank ** 1.05)
     cdf /= cdf[-1]
-    lengths = np.clip(rng.poisson(14, SENTENCES), 3, 40)
+    lengths = np.clip(rng.poisson(14, sentences), 3, 40)
     idx = np.searchsorted(cdf, rng.random(int(lengths.sum())))
     ends = np.cumsum(lengths)
     punct = np.array([".", ".", ".", "?", "!", ";", ":"], dtype=object)
@@ -63,12 +64,12 @@ _POOL = None
 
 
 def _write_shard(args) -> tuple:
-    path, index = args
+    path, index, shard_mb, sentences = args
     global _POOL
-    if _POOL is None:
-        _POOL = _sentence_pool()
+    if _POOL is None or len(_POOL) != sentences:
+        _POOL = _sentence_pool(sentences=sentences)
     rng = np.random.default_rng(1000 + index)
-    target, size, docs = SHARD_TEXT_MB * 10**6, 0, 0
+    target, size, docs = int(shard_mb * 10**6), 0, 0
     tmp = path.with_suffix(".tmp")
     with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=1) as f:
         while size < target:
@@ -83,13 +84,13 @@ def _write_shard(args) -> tuple:
     return size, docs
 
 
-def make_corpus(folder: Path, shards: int) -> list:
+def make_corpus(folder: Path, shards: int, shard_mb: float = SHARD_TEXT_MB, sentences: int = SENTENCES) -> list:
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"shard-{i:05d}.jsonl.gz" for i in range(shards)]
-    todo = [(p, i) for i, p in enumerate(paths) if not p.exists()]
+    todo = [(p, i, shard_mb, sentences) for i, p in enumerate(paths) if not p.exists()]
     if todo:
         start = time.perf_counter()
-        with Pool(os.cpu_count()) as pool:
+        with Pool(min(os.cpu_count() or 1, len(todo))) as pool:
             pool.map(_write_shard, todo)
         print(f"generated {len(todo)} shards in {time.perf_counter() - start:.0f}s", flush=True)
     return paths
@@ -186,12 +187,24 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=16384)
     parser.add_argument("--raw-mb", type=float, default=200, help="text for the raw encode_batch rate")
     parser.add_argument("--runs", default="", help="only these size:workers pairs, e.g. 1:1,1:2,3:2 ('none': raw rate only)")
+    parser.add_argument("--shard-mb", type=float, default=SHARD_TEXT_MB, help="MB of text per generated shard")
+    parser.add_argument("--smoke", action="store_true", help="one 1 MB shard (a pool of 5,000 sentences), 1 worker, a "
+                        "512-token BPE, 1 MB for the raw rate, in a fresh temporary folder (seconds; the test suite)")
     args = parser.parse_args()
+    if not args.smoke:
+        return bench(args, SENTENCES)
+    with tempfile.TemporaryDirectory(prefix="paratrain-bench-prepare-smoke-") as folder:
+        args.corpus_dir = folder
+        args.sizes_gb, args.workers, args.vocab_size, args.raw_mb, args.shard_mb = "0.001", "1", 512, 1, 1
+        bench(args, sentences=5000)
+
+
+def bench(args, sentences: int) -> None:
     root = Path(args.corpus_dir)
     sizes = [float(s) for s in args.sizes_gb.split(",")]
     workers = [int(w) for w in args.workers.split(",")]
-    shards = {s: max(1, round(s * 1000 / SHARD_TEXT_MB)) for s in sizes}
-    paths = make_corpus(root / "corpus", max(shards.values()))
+    shards = {s: max(1, round(s * 1000 / args.shard_mb)) for s in sizes}
+    paths = make_corpus(root / "corpus", max(shards.values()), args.shard_mb, sentences)
 
     tok_dir = root / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():

@@ -1,16 +1,18 @@
 """The planner's datasheet profiles against published runs: same model, GPUs, layout, sequence and batch.
 
-Predictions come from the cost model (paratrain/planner/cost.py) with the datasheet profile of the GPU
-(planner/hardware.py's efficiency model); nothing is run. "fitted" marks the rows the efficiency constants were
-fitted to (their sources are in planner/hardware.py); the others check them. torchtitan's H100 runs used 500 W H100s
+Predictions come from the cost model (paratrain/estimate/step_time.py) with the datasheet profile of the GPU
+(estimate/hardware.py's efficiency model); nothing is run. "fitted" marks the rows the efficiency constants were
+fitted to (their sources are in estimate/hardware.py); the others check them. torchtitan's H100 runs used 500 W H100s
 whose peak its footnote puts between the SXM's and the NVL's: those rows are compared after x 989/912 (the
 midpoint), i.e. as what a 700 W H100 SXM would do.
 
     python bench/published_runs.py
+    python bench/published_runs.py --smoke    # the first two rows (the test suite)
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -50,16 +52,20 @@ ROWS = [
 ]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="the first two rows only (seconds; the test suite)")
+    a = ap.parse_args(argv)
     from paratrain.layout import Layout
     from paratrain.models import preset_args
-    from paratrain.planner.cost import Candidate, Context, predict
-    from paratrain.planner.hardware import gpu_profile
+    from paratrain.estimate.step_time import Candidate, Context, predict
+    from paratrain.estimate.hardware import gpu_profile
 
     print("| model | GPUs | layout | checkpointing, micro-batch | mode | published tokens/s/GPU (x factor) | "
           "predicted | ratio | source |")
     print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | --- |")
-    for (model, gpu, world, seq, seqs, lay_kw, ac, mb, mode, f8, published, factor, source, fitted) in ROWS:
+    for (model, gpu, world, seq, seqs, lay_kw, ac, mb, mode, f8, published, factor, source, fitted) in (
+            ROWS[:2] if a.smoke else ROWS):
         hw = gpu_profile(gpu)
         args = preset_args(model, vocab_size=128256)
         lay = Layout.resolve(world, **lay_kw)

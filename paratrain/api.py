@@ -18,13 +18,21 @@ import sys
 import time
 
 from paratrain.config import Config
+from paratrain.distributed import failure
+from paratrain.distributed.launch import inside_launcher, launch, start_rank_server
 from paratrain.errors import UserError, environment_error, translated
+from paratrain.faults import ATTEMPT_ENV
+from paratrain.observe.metrics import check_metrics_config
+from paratrain.preflight import check_launch, check_new_run, check_overwrite, start_over, warn_disk
+from paratrain.spec import VOCAB_PAD, check, prepare_data, resolve
+from paratrain.training.preemption import watching
 
 __all__ = ["train", "train_rank", "run_rank", "launch_ranks", "TrainResult"]
 
 
 def __getattr__(name: str):
     if name == "TrainResult":
+        # lazy: the checks before launch answer without torch (the ranks' forkserver imports it meanwhile)
         from paratrain.training.loop import TrainResult
 
         return TrainResult
@@ -34,8 +42,8 @@ def __getattr__(name: str):
 def train_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool = False):
     """One rank's run (or a single process's): everything after the launch. Returns a TrainResult.
     keep_group: leave the process group up for another run by the same ranks (tests run several runs per launch)."""
+    # lazy: the checks before launch answer without torch (the ranks' forkserver imports it meanwhile)
     from paratrain.distributed.env import world_from_env
-    from paratrain.spec import check
 
     _, world, _ = world_from_env()
     # Checks that need only the config run before the process group exists and before data is written.
@@ -44,14 +52,16 @@ def train_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool =
 
 def _train_parts(parts, want_final_weights: bool, keep_group: bool):
     """train_rank from the config's parts (`spec.check`, already made in this process)."""
+    # lazy: the checks before launch answer without torch (the ranks' forkserver imports it meanwhile)
     import torch
+    # lazy: the checks before launch answer without torch (the ranks' forkserver imports it meanwhile)
     import torch.distributed as dist
 
+    # lazy: the checks before launch answer without torch (the ranks' forkserver imports it meanwhile)
     from paratrain.data import dataset_meta
+    # lazy: the checks before launch answer without torch (the ranks' forkserver imports it meanwhile)
     from paratrain.distributed.env import init_distributed, shutdown_distributed
-    from paratrain.observe.metrics import check_metrics_config
-    from paratrain.preflight import check_new_run, check_overwrite, start_over
-    from paratrain.spec import prepare_data, resolve
+    # lazy: the checks before launch answer without torch (the ranks' forkserver imports it meanwhile)
     from paratrain.training.loop import Trainer
 
     cfg, folder, world = parts.cfg, parts.folder, parts.world_size
@@ -93,8 +103,6 @@ def relaunched() -> bool:
     """This rank belongs to a restart (paratrain's launcher or torchrun's --max-restarts), not the first launch."""
     import os
 
-    from paratrain.faults import ATTEMPT_ENV
-
     return int(os.environ.get(ATTEMPT_ENV, "0") or 0) > 0 or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
@@ -103,16 +111,15 @@ def run_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool = F
     Any failure ends in `paratrain.distributed.failure.report`: the rank that failed prints one `error:` line (a bug:
     its traceback), its peers stop quietly, and the exit code is 2 for bad input or environment (never retried),
     3 for a collective timeout, 1 for a crash."""
-    from paratrain.training.preemption import watching
-
     with watching(cfg.resilience.preempt_grace_s) as watch:
-        from paratrain.distributed import failure
+        # lazy: the checks before launch answer without torch (the ranks' forkserver imports it meanwhile)
         from paratrain.observe import hang
 
         watch.on_signal.append(failure.stop_if_peer_failed)
         watch.on_dump.append(lambda: hang.dump(cfg.run_dir, "SIGUSR2"))  # its collective history, on request
 
         def report_and_exit(error: BaseException):
+            # lazy: the checks before launch answer without torch (the ranks' forkserver imports it meanwhile)
             from paratrain.distributed.env import kill_local_peers_after_exit, world_from_env
 
             rank, world, _ = world_from_env()
@@ -155,8 +162,6 @@ RANK_MODULES = ("paratrain.spec", "paratrain.training.loop")  # what a training 
 def launch_ranks(entrypoint, args: tuple, nproc: int, max_restarts: int = 0, grace_s: float = 30.0):
     """Run `entrypoint(*args)` on `nproc` local ranks (torch elastic); returns rank 0's return value. SIGTERM to
     this process is passed on to the ranks, which get `grace_s` seconds to save and stop."""
-    from paratrain.distributed.launch import launch
-
     return launch(entrypoint, args, nproc, max_restarts, grace_s, preload=RANK_MODULES)
 
 
@@ -167,10 +172,6 @@ def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversub
     Before anything is written or started: the run folder must be writable, the metrics ports free, nproc within
     the machine's GPUs or cores (`oversubscribe` lifts the CPU limit), and a checkpoint to resume from must hold this
     model; a disk too small for the checkpoints is a warning."""
-    from paratrain.distributed.launch import inside_launcher
-    from paratrain.preflight import check_launch, check_resume, warn_disk
-    from paratrain.spec import check, prepare_data, resolve
-
     if nproc < 1:
         raise UserError("--nproc must be >= 1")
     if inside_launcher():
@@ -178,16 +179,19 @@ def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversub
     parts = check(cfg, nproc)  # the layout against the world size and the model: needs no torch, so it answers at once
     launching = nproc > 1 or cfg.resilience.max_restarts > 0
     if launching:  # the ranks' forkserver imports torch while this process checks and prepares the data
-        from paratrain.distributed.launch import start_rank_server
-
         start_rank_server(RANK_MODULES)
     check_launch(parts.folder, cfg.training.device, cfg.metrics, nproc, oversubscribe)
+    # lazy: the checks above answer without torch (the ranks' forkserver imports it meanwhile)
+    from paratrain.training.checkpoint import check_resume, resume_path
+
+    resume_path(parts.folder)  # a checkpoint.resume that is no checkpoint: one line before anything starts
     if not launching:
         return _train_here(parts, want_final_weights)
     spec = resolve(parts, prepare_data(parts.data))  # everything is checked and the data prepared before any start
     check_resume(parts.folder, spec.model_args)
     warn_disk(parts.folder, spec.model_args, lambda text: print(text, file=sys.stderr, flush=True))
     started = time.time()
+    # lazy: the checks before launch answer without torch (the ranks' forkserver imports it meanwhile)
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from paratrain.training.resilience import preempted_since
@@ -204,8 +208,6 @@ def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversub
 
 def _train_here(parts, want_final_weights: bool):
     """One process, no launcher: a failure caused by the environment (full disk, read-only folder) is one line."""
-    from paratrain.preflight import warn_disk
-    from paratrain.spec import VOCAB_PAD
 
     warn_disk(parts.folder, parts.source.args(VOCAB_PAD), lambda text: print(text, file=sys.stderr, flush=True))
     with translated(environment_error):

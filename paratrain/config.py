@@ -24,7 +24,8 @@ from paratrain.errors import ConfigError
 from paratrain.models.args import ModelArgs, is_int
 from paratrain.modes import (ActivationOffloadMode, CheckpointMode, DPModeOption, GradCompression, OptimizerImpl,
                              Precision, Schedule)
-from paratrain.optimizers import optimizer_entry
+from paratrain.models.lora_params import lora_problem
+from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
 
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
 
@@ -61,7 +62,7 @@ class DataConfig:
     dir: str = DEFAULT_DATA_DIR  # prepared token files
     tokenizer: str | None = None  # byte | char | bpe | path/to/tokenizer.json (preparing: char)
     vocab_size: int | None = None  # for bpe
-    val_fraction: float = 0.1
+    val_fraction: float = 0.1  # preparing: the share of documents held out for validation
     mode: Literal["random", "sequential"] = "random"  # random windows | sequential (every window once per epoch, seeded shuffled order)
     # A mixture of prepared datasets sampled by weight (replaces dir/source): [{dir = "data/a", weight = 0.7}, ...]
     sources: list = field(default_factory=list)
@@ -74,34 +75,34 @@ class DataConfig:
 
 @dataclass
 class TrainingConfig:
-    steps: int = 2000
-    seq_len: int = 64
-    micro_batch: int = 12
-    accum_steps: int = 1
+    steps: int = 2000  # optimizer steps
+    seq_len: int = 64  # tokens per sequence
+    micro_batch: int = 12  # sequences per rank per forward
+    accum_steps: int = 1  # micro-batches per optimizer step (or set global_batch)
     # If set, the global batch (sequences per optimizer step) is fixed and accum_steps is derived from it.
     global_batch: int | None = None
-    seed: int = 1337
-    precision: Precision = "fp32"
+    seed: int = 1337  # the initial weights and every batch are functions of it, the same on every layout
+    precision: Precision = "fp32"  # bf16: fp32 master weights; fp16: dynamic loss scaling too
     grad_clip: float = 1.0  # 0 disables
-    eval_every: int = 250
+    eval_every: int = 250  # steps between evaluations of the validation loss (0 disables)
     eval_sequences: int = 240  # the validation set: this many fixed sequences of the val split, split over dp ranks
-    log_every: int = 10
-    compile: bool = False
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_every: int = 10  # steps between log steps (the only steps that read the device)
+    compile: bool = False  # torch.compile each block
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda where there is one
 
 
 @dataclass
 class OptimizerConfig:
     name: str = "adamw"  # an entry of paratrain/optimizers.py's registry (OPTIMIZER_NAMES)
-    lr: float = 1e-3
+    lr: float = 1e-3  # the peak: linear warm-up to it, then cosine decay to min_lr at the last step
     min_lr: float | None = None  # where the cosine ends; unset: lr / 10
     warmup_steps: int = 100
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1  # on matrices only (AdamW: decoupled; sgd: an L2 term)
     beta1: float = 0.9  # Adam's first-moment decay; sgd's momentum
-    beta2: float = 0.99
+    beta2: float = 0.99  # Adam's second-moment decay
     eps: float = 1e-8
-    impl: Literal["auto", OptimizerImpl] = "auto"
-    # -- onebit_adam, zero_one_adam (README "Optimizers"; DeepSpeed's names) --
+    impl: Literal["auto", OptimizerImpl] = "auto"  # AdamW's implementation; auto: fused on CUDA, foreach on a CPU
+    # -- onebit_adam, zero_one_adam (docs/optimizers.md; DeepSpeed's names) --
     # onebit_adam: steps of plain AdamW (fp32 all-reduce) before the variance freezes and the momenta go 1-bit;
     # zero_one_adam: the last step that may update the variance. 0: optimizer.warmup_steps (the learning-rate warm-up)
     freeze_step: int = 0
@@ -121,18 +122,18 @@ class LoRAConfig:
     zero), with dropout on the adapters' input. Targets: the blocks' projections by name (wq, wk, wv, wo of the
     attention, w1, w2, w3 of the MLP and of shared experts; routed experts are not adapted)."""
 
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: str = "wq,wk,wv,wo,w1,w2,w3"
+    rank: int = 0  # 0: every weight trains
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input
+    targets: str = "wq,wk,wv,wo,w1,w2,w3"  # the projections adapted, comma-separated
 
 
 @dataclass
 class ParallelConfig:
     dp_mode: DPModeOption = "fsdp"  # zero3 is another name for fsdp
-    dp_replicate: int = 1
+    dp_replicate: int = 1  # hsdp: replicas of the sharded model (its 2-D mesh is replicate x shard)
     dp_shard: int = -1  # -1: whatever the other degrees leave of the world size
-    tp: int = 1
+    tp: int = 1  # tensor parallel degree
     sequence_parallel: bool = True  # with tp > 1: shard norms and residuals along the sequence
     loss_parallel: bool = True  # with tp > 1: keep logits sharded by vocab through the loss
     pp: int = 1  # pipeline stages (ranks along the pp mesh axis)
@@ -141,10 +142,10 @@ class ParallelConfig:
     pp_virtual_stages: int = 1  # stages per rank for the interleaved schedules (1: automatic, 2)
     pp_split: str = ""  # blocks per stage, e.g. "3,2,2,1"; empty: balanced by parameter count
     pp_stage_gpus: str = ""  # GPU type of each pipeline rank (heterogeneous clusters, written by paratrain plan)
-    ep: int = 1
+    ep: int = 1  # expert parallel (MoE): experts sharded over ep of the dp_shard ranks
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention; seq_len divisible by 2 x cp)
-    ddp_bucket_mb: float = 25.0
-    # -- communication (README "Communication") --
+    ddp_bucket_mb: float = 25.0  # DDP gradient bucket size
+    # -- communication (docs/optimizers.md: gradient compression; docs/layouts.md: overlap) --
     # Compress the data-parallel gradient all-reduce: ddp/zero1 (DDP comm hook), hsdp's replicate dimension (sign_ef:
     # FSDP all-reduce hook; bf16: reduce dtype); bf16 also reduce-scatters fsdp/zero2 gradients in bf16.
     grad_compression: GradCompression = "none"
@@ -161,21 +162,22 @@ class ActivationCheckpointConfig:
     """Activation checkpointing (recompute in backward instead of storing)."""
 
     mode: CheckpointMode = "none"
-    every_k: int = 2
+    every_k: int = 2  # mode every_k: blocks 0, k, 2k, ... recompute (full), the others none
 
 
 @dataclass
 class MemoryConfig:
-    """Training what does not fit on the device (README "Memory tiers"; the rules: paratrain/memory.py)."""
+    """Training what does not fit on the device (docs/memory-tiers.md; the rules: paratrain/memory.py)."""
 
     # The output projection and cross-entropy over this many pieces of each micro-batch's tokens, so the logits of
     # the whole micro-batch never exist at once (backward recomputes each piece's). 0: automatic, 8 where it is
-    # exact (fp32 gradients; not under a pipeline); 1: the whole logits at once.
+    # exact (fp32 gradients; not under a pipeline) and one rank's fp32 logits of a micro-batch are 64 MiB or more;
+    # 1: the whole logits at once.
     loss_chunks: int = 0
     # Saved activations of blocks moved to host memory in forward and back in backward (saved-tensor hooks; on CUDA
     # pinned buffers and a side stream): none | all blocks | every_k (blocks 0, k, 2k, ...).
     activation_offload: ActivationOffloadMode = "none"
-    activation_offload_every_k: int = 2
+    activation_offload_every_k: int = 2  # every_k: blocks 0, k, 2k, ...
     # Sharded parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy; the optimizer step
     # runs on the CPU): fsdp, zero2 and hsdp layouts, with tp, pp, ep and cp.
     cpu_offload: bool = False
@@ -186,9 +188,9 @@ class CheckpointConfig:
     """Training-state checkpoints."""
 
     every: int = 0  # steps between saves; 0 saves only at the end
-    keep: int = 2
+    keep: int = 2  # the newest checkpoints kept (at least 2)
     resume: str = "none"  # none | auto | path to a step-N folder
-    save_final: bool = True
+    save_final: bool = True  # save a checkpoint at the last step
     async_save: bool = False  # write in the background; committed at a later step boundary
     export_safetensors: bool = False  # also write consolidated weights to RUN_DIR/model.safetensors at the end
     export_hf: bool = False  # at the end, also export the final checkpoint as a Hugging Face folder RUN_DIR/hf
@@ -209,7 +211,7 @@ class ResilienceConfig:
 @dataclass
 class MetricsConfig:
     peak_tflops: float = 0.0  # device peak for MFU; 0 looks the device up (no datasheet entry, e.g. a CPU: no MFU)
-    progress: Literal["auto", "bar", "lines", "none"] = "auto"
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"  # auto: a bar on a terminal, else lines
     # Prometheus endpoint (needs prometheus_client): 0 = off. One endpoint per node (local rank 0, every rank's
     # memory labelled rank="N"), or with prometheus_per_rank one per rank on port + local_rank.
     prometheus_port: int = 0
@@ -232,13 +234,13 @@ class SampleConfig:
 
     prompt: str = "\n"
     max_new_tokens: int = 200
-    temperature: float = 0.8
-    top_k: int = 50
+    temperature: float = 0.8  # 0 is greedy
+    top_k: int = 50  # 0 disables
 
 
 @dataclass
 class RunConfig:
-    name: str = "default"
+    name: str = "default"  # the run folder: out_dir/name (one folder name, at most 100 characters)
     out_dir: str = "runs"
     # A new run (checkpoint.resume = "none") into a run folder that holds files is an error; true deletes that
     # folder first (after every check has passed) and starts over.
@@ -474,10 +476,9 @@ def validate(cfg: Config) -> None:
     _require(cfg.metrics.numerics_every >= 0, "metrics.numerics_every must be >= 0 (0: off)")
     _require(0 < cfg.data.val_fraction <= 0.5, "data.val_fraction must be in (0, 0.5]")
     if cfg.data.sources:
-        from paratrain.data.mixture import parse_sources
+        from paratrain.data.mixture import parse_sources  # lazy: numpy is not needed for --help and most configs
 
         parse_sources(cfg.data.sources)  # dirs, weights >= 0, not all zero, distinct names
-    from paratrain.models.lora_params import lora_problem
 
     _require(not lora_problem(cfg.lora), f"lora: {lora_problem(cfg.lora)}")
     s = cfg.sample
@@ -533,8 +534,6 @@ def config_keys_help() -> str:
             default = getattr(table, f.name)
             choices = [str(c) for c in annotation_members(hints[f.name]) if not isinstance(c, type)]
             if (section.name, f.name) == ("optimizer", "name"):  # a registry, not a Literal
-                from paratrain.optimizers import OPTIMIZER_NAMES
-
                 choices = list(OPTIMIZER_NAMES)
             shown = ("unset" if default is None else repr(default) if isinstance(default, str)
                      else str(default).lower() if isinstance(default, bool) else str(default))

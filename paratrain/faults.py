@@ -20,8 +20,9 @@ import os
 import signal
 from dataclasses import dataclass
 
+from paratrain.distributed.launch import ATTEMPT_ENV  # set by our launcher
+
 ENV = "PARATRAIN_FAULTS"
-ATTEMPT_ENV = "PARATRAIN_ATTEMPT"  # set by our launcher: 0 for the first launch, 1.. for restarts
 
 
 class InjectedOOM(RuntimeError):
@@ -89,7 +90,9 @@ class FaultInjector:
 
 def _middle_block(train_step) -> tuple[str, object]:
     """(name, module) of the middle block of the model among those this rank holds."""
+    # lazy: torch is loaded only when a fault is injected
     from paratrain.distributed.initialize import canonical_name
+    # lazy: torch is loaded only when a fault is injected
     from paratrain.observe.numerics import forward_modules
 
     modules = forward_modules(train_step)
@@ -100,8 +103,10 @@ def _middle_block(train_step) -> tuple[str, object]:
 
 
 def _overflow(train_step) -> None:
+    # lazy: torch is loaded only when a fault is injected
     import torch
 
+    # lazy: torch is loaded only when a fault is injected
     from paratrain.distributed.tensors import local_tensor
 
     _, block = _middle_block(train_step)

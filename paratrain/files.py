@@ -35,6 +35,12 @@ def replace_dir(tmp: Path, final: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def holds(folder, path) -> bool:
+    """Whether `path` is `folder` or lies inside it (links resolved): deleting folder would delete path."""
+    folder, path = Path(os.path.realpath(folder)), Path(os.path.realpath(path))
+    return path == folder or folder in path.parents
+
+
 @contextmanager
 def atomic_dir(tmp: Path, final: Path):
     """Yield the build folder `tmp` (created if missing); on success it replaces `final` (see replace_dir), on any

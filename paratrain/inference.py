@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from paratrain.training import safe_dcp
 from paratrain.training.adapters import AdaptedCheckpoint
@@ -12,6 +13,8 @@ from paratrain.training.checkpoint import (MARKER, checkpoint_problem, load_trai
                                            step_folders, step_of)
 from paratrain.data import load_tokenizer
 from paratrain.errors import UserError, translated
+from paratrain.hf.arch import is_hf_folder
+from paratrain.hf.load import load_hf_model
 from paratrain.models import ModelArgs, build_model
 
 
@@ -36,13 +39,7 @@ def find_checkpoint(path: str | Path, warn=None) -> Path:
 
 
 def load_for_generation(path: str | Path, device: torch.device | None = None):
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    from paratrain.hf.arch import is_hf_folder
-
     if is_hf_folder(Path(path)) and checkpoint_problem(Path(path)) is not None:  # a Hugging Face model folder
-        from paratrain.hf.load import load_hf_model
-
         model, args, tokenizer = load_hf_model(path, device or "cpu")
         return model, tokenizer, args, args.max_seq_len
     ckpt = find_checkpoint(path)

@@ -75,6 +75,13 @@ class NamedLayout:
     every_k: int = 2
     micro_batch: int | None = None  # None: not named
     tiers: MemoryTiers = field(default_factory=MemoryTiers)
+    named: frozenset = frozenset()  # the items the name gives (those not named keep a run's own settings)
+
+    def memory_values(self) -> dict:
+        """The `[memory]` settings the name gives (loss=, actoff=, cpuoff=), as {key: value}."""
+        keys = {"loss": ("loss_chunks",), "actoff": ("activation_offload", "activation_offload_every_k"),
+                "cpuoff": ("cpu_offload",)}
+        return {key: getattr(self.tiers, key) for item in TIERS if item in self.named for key in keys[item]}
 
     def layout(self, world_size: int, **more):
         """The layout on `world_size` ranks (ConfigError when it is none paratrain can run)."""
@@ -115,7 +122,7 @@ def parse_layout_name(text: str, what: str = "layout") -> NamedLayout:
     if ac is None:
         raise UserError(f"{where}: ac must be one of {', '.join(CHECKPOINT_MODES)} (every_k with its k: every_k2)")
     return NamedLayout(_layout_options(mode, degrees, sched, items), ac[0], ac[1], degrees.get("mb"),
-                       _tiers(items, where))
+                       _tiers(items, where), frozenset(items))
 
 
 def _tiers(items: dict[str, str], where: str) -> MemoryTiers:

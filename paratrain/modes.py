@@ -253,6 +253,17 @@ def dtype_name(precision: str) -> str:
 OptimizerImpl = Literal["fused", "foreach", "for"]  # torch's AdamW kernels (optimizer.impl also takes "auto")
 OPTIMIZER_IMPLS: tuple[str, ...] = get_args(OptimizerImpl)
 
+
+def resolve_impl(impl: str, device_type: str) -> OptimizerImpl:
+    """`optimizer.impl` on a device: "auto" is fused on CUDA, else foreach. The trainer, the estimator, the planner
+    and the benches all resolve it here. Fused on a CPU is 3x foreach on the default recipe's step and runs on
+    FSDP2/TP/EP DTensor parameters on gloo (bench/RESULTS.md 2026-12-02), but torch 2.13's fused AdamW cannot take
+    ShardedGradScaler's found_inf (shape [1] against its scalar step counts: fp16 with fsdp/tp/pp, and so fp16 with
+    CPU offload, whose optimizer steps on the CPU), so it is not the CPU default (optimizer.impl=fused asks for it)."""
+    if impl != "auto":
+        return impl
+    return "fused" if device_type == "cuda" else "foreach"
+
 # -- gradient compression ----------------------------------------------------------------------------------------
 GradCompression = Literal["none", "bf16", "powersgd", "sign_ef"]
 GRAD_COMPRESSIONS: tuple[str, ...] = get_args(GradCompression)
@@ -283,6 +294,11 @@ class Compression:
     @classmethod
     def from_config(cls, parallel) -> "Compression":
         return cls(parallel.grad_compression, parallel.powersgd_rank, parallel.sign_ef_block)
+
+    def config_values(self) -> dict:
+        """Its `[parallel]` keys and values (`from_config` backwards)."""
+        return {"grad_compression": self.method, "powersgd_rank": self.powersgd_rank,
+                "sign_ef_block": self.sign_ef_block}
 
     @property
     def enabled(self) -> bool:

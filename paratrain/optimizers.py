@@ -139,7 +139,7 @@ class MomentumSchedule:
 @dataclass(frozen=True)
 class OptimizerEntry:
     name: str
-    summary: str  # one line, for --help and the README
+    summary: str  # one line, for --help and docs/configuration.md
     builder: str  # "module:function" -> (optimizer class, kwargs), see the module docstring
     param_state: tuple[str, ...]  # fp32 state tensors shaped like the parameter (ZeRO-1's checkpoint template)
     scalar_state: tuple[str, ...] = ()  # fp32 0-dim state tensors per parameter (step counters)
@@ -228,7 +228,7 @@ def _no_zero1(layout: Layout) -> str | None:
             "state is sharded there too)" if layout.zero1 else None)
 
 
-# Low-memory optimizer states (README "Memory tiers"): the same AdamW update from moments kept in fewer bits.
+# Low-memory optimizer states (docs/memory-tiers.md): the same AdamW update from moments kept in fewer bits.
 OPTIMIZERS["adamw-bf16"] = OptimizerEntry(
     "adamw-bf16", "AdamW with both moments kept in bf16 (paratrain.training.optim.BF16AdamW): half AdamW's state",
     "paratrain.training.optim:adamw_bf16", param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",),

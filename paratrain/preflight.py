@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.errors import ConfigError, UserError
+from paratrain.files import holds
+from paratrain.models.presets import count_params
+from paratrain.observe.metrics import check_metrics_config
 
 CPU_RANKS_PER_CORE = 4
 CPU_RANKS_ALWAYS_ALLOWED = 8
@@ -40,6 +43,7 @@ def check_nproc(device: str, nproc: int, oversubscribe: bool | None = False, wha
     oversubscribe (None: the command has no --oversubscribe)."""
     if nproc <= 1:
         return
+    # lazy: torch is not needed for the checks before launch
     import torch
 
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
@@ -145,12 +149,6 @@ def check_new_run(folder: RunFolder) -> None:
                         f"start over with --run.overwrite=true (deletes it), or choose another --run.name")
 
 
-def holds(folder, path) -> bool:
-    """Whether `path` is `folder` or lies inside it (links resolved): deleting folder would delete path."""
-    folder, path = Path(os.path.realpath(folder)), Path(os.path.realpath(path))
-    return path == folder or folder in path.parents
-
-
 def check_overwrite(folder: RunFolder) -> None:
     """run.overwrite deletes the run folder: never one that holds this run's own inputs."""
     if not folder.starts_over or not folder.path.exists():
@@ -169,8 +167,6 @@ def start_over(folder: RunFolder) -> None:
 
 def check_ports(m, nproc: int) -> None:
     """The Prometheus port(s) the run will serve on are free now (checked again when bound)."""
-    from paratrain.observe.metrics import check_metrics_config
-
     check_metrics_config(m)  # the port's range, the host, prometheus_client installed
     if not m.prometheus_port:
         return
@@ -195,49 +191,17 @@ def check_ports(m, nproc: int) -> None:
 
 def check_launch(folder: RunFolder, device: str, metrics, nproc: int, oversubscribe: bool = False) -> None:
     """Everything about the machine (training.device, the `[metrics]` ports) and the paths a run can be refused for
-    before anything is written (the data included)."""
+    before anything is written (the data included); then `training.checkpoint.resume_path` looks at the checkpoint
+    to resume from."""
     check_nproc(device, nproc, oversubscribe)
     check_run_folder(folder)
     check_new_run(folder)
     check_overwrite(folder)
     check_ports(metrics, nproc)
-    _resume_path(folder)
-
-
-def _resume_path(folder: RunFolder) -> Path | None:
-    """The checkpoint a run would resume from, at a quick look (marker, files, sizes; checksums are left to the
-    ranks, which verify before loading and, for auto, fall back to an older one)."""
-    from paratrain.training.checkpoint import checkpoint_problem, complete_checkpoints
-
-    if folder.resume == "none":
-        return None
-    if folder.resume == "auto":
-        found = complete_checkpoints(folder.path / "checkpoints")
-        return found[-1] if found else None
-    path = Path(folder.resume)
-    problem = checkpoint_problem(path, checksums=False)
-    if problem:
-        raise UserError(f"checkpoint.resume={path} is not a usable paratrain checkpoint: {problem}")
-    return path
-
-
-def check_resume(folder: RunFolder, model_args) -> None:
-    """The checkpoint `checkpoint.resume` names (or the newest complete one, for auto) holds this run's model."""
-    from paratrain.training.checkpoint import load_trainer_state, model_mismatch
-
-    path = _resume_path(folder)
-    if path is None:
-        return
-    mismatch = model_mismatch(load_trainer_state(path), model_args)
-    if mismatch:
-        raise UserError(f"cannot resume from {path}: {mismatch}; resume from a checkpoint of this model, or give "
-                        "this run another run.name")
 
 
 def checkpoint_bytes(model_args) -> int:
     """About one checkpoint: fp32 weights and AdamW's two fp32 moments (12 bytes per parameter)."""
-    from paratrain.models.presets import count_params
-
     return 12 * count_params(model_args)
 
 

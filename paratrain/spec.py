@@ -19,14 +19,16 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain import memory
-from paratrain.config import Config, DataConfig, ModelConfig
+from paratrain import hf, memory
+from paratrain.config import Config, DataConfig, DEFAULT_DATA_DIR, ModelConfig, load_config
+from paratrain.data import DEFAULT_CORPUS
 from paratrain.errors import ConfigError, UserError
+from paratrain.hf import check_run
 from paratrain.layout import Batch, Layout, grad_compression_site
-from paratrain.optimizers import optimizer_entry
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
 from paratrain.models.presets import preset_args, preset_fields
+from paratrain.optimizers import optimizer_entry
 from paratrain.preflight import RunFolder
 
 VOCAB_PAD = 64  # pad small vocabularies so embedding/output split evenly over tensor-parallel ranks
@@ -47,7 +49,6 @@ class ModelSource:
     def read(cls, model: ModelConfig) -> ModelSource:
         if not model.init_from:
             return cls(model.preset, model)
-        from paratrain import hf
 
         folder = hf.init_folder(model.init_from)
         return cls(f"{model.init_from} ({hf.architecture(folder)})", model, folder, hf.model_args(folder, model))
@@ -82,8 +83,6 @@ class ModelSource:
     def check_export(self, checkpoint, args: ModelArgs) -> None:
         """checkpoint.export_hf: the export at the end must be possible, checked before training."""
         if checkpoint.export_hf:
-            from paratrain.hf import check_run
-
             check_run(args, self.model.init_from or self.model.preset)
 
 
@@ -100,16 +99,12 @@ class DataSource:
 
     @classmethod
     def read(cls, data: DataConfig, source: ModelSource) -> DataSource:
-        from paratrain.config import DEFAULT_DATA_DIR
-        from paratrain.data import DEFAULT_CORPUS
-
         corpus = data.source
         if corpus is None and Path(data.dir) == Path(DEFAULT_DATA_DIR):  # the bundled corpus
             corpus = "tinyshakespeare"
         corpus = None if corpus is None else DEFAULT_CORPUS if corpus == "tinyshakespeare" else Path(corpus)
         if source.hf_folder is None:
             return cls(data, corpus)
-        from paratrain import hf
 
         # an imported Hugging Face model reads the ids of its own tokenizer
         return cls(data, corpus, hf.dataset_tokenizer(source.hf_folder, data.tokenizer),
@@ -237,14 +232,13 @@ def prepare_data(data: DataSource) -> dict:
     returns the meta, whose "dir" holds the tokenizer."""
     import sys
 
+    # lazy: torch is not needed for the checks before launch
     from paratrain.data import prepare_for_config
 
     tokenizer = None if data.model_tokenizer is None else str(data.model_tokenizer)
     meta = prepare_for_config(data.data, data.corpus, tokenizer, data.model_tokenizer_name,
                               echo=lambda text: print(text, file=sys.stderr, flush=True))
     if data.model_tokenizer is not None:
-        from paratrain import hf
-
         hf.check_dataset(data.model_tokenizer, data.data.dir)
     return meta
 
@@ -273,8 +267,6 @@ def model_from(spec: str, vocab_size: int | None = None,
             raise UserError(f"--model {spec}: {e}") from None
     import dataclasses
 
-    from paratrain.config import load_config
-
     cfg = load_config(spec)
     for key, value in overrides.items():
         setattr(cfg.model, key, value)
@@ -283,7 +275,7 @@ def model_from(spec: str, vocab_size: int | None = None,
         resolved = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
     elif cfg.model.vocab_size is None and (Path(cfg.data.dir) / "meta.json").is_file():
         # a preset that takes its vocabulary from the data (a run's config): the prepared data's, as the trainer's
-        from paratrain.data.prepare import read_meta
+        from paratrain.data.prepare import read_meta  # lazy: numpy and tokenizers wait until a dataset is read
 
         data_vocab = read_meta(cfg.data.dir)["vocab_size"]
     try:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import bisect
 import functools
 
+from paratrain.models.presets import block_param_count
+
 
 def balanced_split(args, num_stages: int) -> tuple[int, ...]:
     """Contiguous blocks per stage minimising the largest stage's parameters (the embedding counts on the first
@@ -16,8 +18,6 @@ def balanced_split(args, num_stages: int) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=256)
 def _block_costs(args) -> tuple[int, ...]:
-    from paratrain.models.presets import block_param_count
-
     cost = [block_param_count(args, i) for i in range(args.n_layers)]
     cost[0] += args.vocab_size * args.dim
     cost[-1] += args.vocab_size * args.dim + args.dim

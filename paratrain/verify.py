@@ -10,17 +10,15 @@ validation sequences, so its val loss must equal the reference's within 1e-6.
 from __future__ import annotations
 
 import dataclasses
-import json
 import tempfile
 import time
 from dataclasses import dataclass, field
 
-import torch
-
+from paratrain.api import launch_ranks, run_rank, train_rank
 from paratrain.config import ActivationCheckpointConfig, ParallelConfig, load_config
-from paratrain.errors import OneLineArgumentParser, UserError
+from paratrain.errors import UserError
 from paratrain.layout_grammar import parse_layout_name
-from paratrain.modes import PRECISIONS, low_precision
+from paratrain.modes import low_precision
 
 MOE_PRESET = "model.preset=tiny-moe"  # with the base's model.n_layers=4: 1 dense + 3 MoE layers
 LONG_MODEL = "model.max_seq_len=1024"  # the tiny model with room for long sequences
@@ -29,8 +27,9 @@ QWEN3, QWEN3_MOE = "model.preset=tiny-qwen3", "model.preset=tiny-qwen3-moe"  # q
 LORA = "lora.rank=4"  # adapters on every projection of the tiny model, its weights frozen
 
 # name -> (ranks, layout, other overrides...). The layout is written as its name (paratrain/layout_grammar.py): the
-# data-parallel mode, degrees, checkpointing (ac=) and sequences per micro-batch (mb=; default: the global batch
-# over the data-parallel ranks); `layout_overrides` turns it into the run's settings.
+# data-parallel mode, degrees, checkpointing (ac=), sequences per micro-batch (mb=; default: the global batch over
+# the data-parallel ranks) and the memory tiers it names (loss=, actoff=, cpuoff=on; the others keep the default);
+# `layout_overrides` turns it into the run's settings.
 LAYOUTS: dict[str, tuple] = {
     "ddp2": (2, "ddp"),
     "zero1x2": (2, "zero1"),
@@ -94,14 +93,14 @@ LAYOUTS: dict[str, tuple] = {
     "lora-tp2": (2, "nodp,tp=2", LORA),
     "lora-pp2": (2, "nodp,pp=2,sched=1f1b", LORA),
     # Memory tiers (paratrain/memory.py) against the reference, which computes its loss in 8 pieces (fp32's default):
-    "loss-whole": (1, "nodp", "memory.loss_chunks=1"),  # the whole logits at once
-    "tp2+sp+loss3": (2, "nodp,tp=2", "memory.loss_chunks=3"),  # loss parallel over 3 uneven pieces
-    "fsdp2+offload": (2, "fsdp", "memory.activation_offload=all"),
-    "tp2+offload_every_k+selective": (2, "nodp,tp=2,ac=selective", "memory.activation_offload=every_k"),
-    "pp2+offload+full": (2, "nodp,pp=2,sched=1f1b,ac=full", "memory.activation_offload=all"),
-    "fsdp2+cpu_offload": (2, "fsdp", "memory.cpu_offload=true"),
-    "fsdp2xtp2+cpu_offload": (4, "fsdp,tp=2", "memory.cpu_offload=true"),
-    "pp2xdp2+cpu_offload": (4, "fsdp,pp=2,sched=1f1b", "memory.cpu_offload=true"),
+    "loss8": (1, "nodp,loss=8"),  # the loss over 8 pieces (the tiny model's logits are whole by default)
+    "tp2+sp+loss3": (2, "nodp,tp=2,loss=3"),  # loss parallel over 3 uneven pieces
+    "fsdp2+offload": (2, "fsdp,actoff=all"),
+    "tp2+offload_every_k+selective": (2, "nodp,tp=2,ac=selective,actoff=every_k2"),
+    "pp2+offload+full": (2, "nodp,pp=2,sched=1f1b,ac=full,actoff=all"),
+    "fsdp2+cpu_offload": (2, "fsdp,cpuoff=on"),
+    "fsdp2xtp2+cpu_offload": (4, "fsdp,tp=2,cpuoff=on"),
+    "pp2xdp2+cpu_offload": (4, "fsdp,pp=2,sched=1f1b,cpuoff=on"),
 }
 DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
                   "fsdp2+every_k", "fsdp2+selective", "accum"]
@@ -113,7 +112,7 @@ QWEN_MATRIX = ["qwen3-fsdp2", "qwen3-tp2+sp", "qwen3-pp2", "qwen3-cp2", "qwen3-m
 
 LORA_MATRIX = ["lora-fsdp2", "lora-tp2", "lora-pp2"]
 
-MEMORY_MATRIX = ["loss-whole", "tp2+sp+loss3", "fsdp2+offload", "tp2+offload_every_k+selective", "pp2+offload+full",
+MEMORY_MATRIX = ["loss8", "tp2+sp+loss3", "fsdp2+offload", "tp2+offload_every_k+selective", "pp2+offload+full",
                  "fsdp2+cpu_offload", "fsdp2xtp2+cpu_offload", "pp2xdp2+cpu_offload"]
 
 GLOBAL_BATCH = 8
@@ -152,6 +151,7 @@ def layout_overrides(name: str) -> tuple[int, list[str]]:
                                       ActivationCheckpointConfig())}
     changed = [f"{section}.{key}={value}" for section, (mine, default) in ours.items()
                for key, value in dataclasses.asdict(mine).items() if value != getattr(default, key)]
+    changed += [f"memory.{key}={value}" for key, value in named.memory_values().items()]  # the tiers it names
     micro_batch = named.micro_batch or GLOBAL_BATCH // layout.dp
     return nproc, [*changed, f"training.micro_batch={micro_batch}", *extra]
 
@@ -172,15 +172,11 @@ class Row:
 def train_and_evaluate(train_cfg, eval_cfg):
     """What each launched rank of a layout runs: the training (its result, with the final weights), then, by the same
     process group, the evaluation of the reference's final checkpoint (its val loss)."""
-    from paratrain.api import run_rank
-
     return run_rank(train_cfg, True, keep_group=True), run_rank(eval_cfg).val_loss
 
 
 def train_and_evaluate_all(pairs: list):
     """train_and_evaluate for several layouts of one world size, one after the other by the same launched ranks."""
-    from paratrain.api import run_rank
-
     out = []
     for i, (train_cfg, eval_cfg) in enumerate(pairs):
         result = run_rank(train_cfg, True, keep_group=True)
@@ -198,8 +194,6 @@ def layout_configs(name: str, extra: list[str], base: list[str], extra_args: lis
 
 
 def _run_layout(train_cfg, eval_cfg, nproc: int):
-    from paratrain.api import launch_ranks, train_rank
-
     if nproc == 1:
         return train_rank(train_cfg, want_final_weights=True), train_rank(eval_cfg).val_loss
     return launch_ranks(train_and_evaluate, (train_cfg, eval_cfg), nproc)
@@ -243,8 +237,6 @@ def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str 
             nonlocal ref_seconds
             key = tuple(model_overrides)
             if key not in references:
-                from paratrain.api import train_rank
-
                 start = time.perf_counter()
                 run_name = "reference" + "".join("_" + o.split("=", 1)[1] for o in key)
                 cfg = load_config(None, base + list(key) + [f"training.micro_batch={GLOBAL_BATCH}", f"run.name={run_name}",
@@ -259,8 +251,6 @@ def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str 
 
         shared = {}
         if share_launches:  # every layout of one world size in one launch of the ranks (the tests' matrices)
-            from paratrain.api import launch_ranks
-
             groups = {}
             for name in layouts:
                 nproc, extra = layout_overrides(name)
@@ -312,37 +302,3 @@ def format_row(r: Row, tolerance: float, judged: bool = True) -> str:
     note = f"  ({r.note})" if r.note else ""
     return f"{r.layout:<18} {r.ranks:>5} {r.max_loss_diff:>12.2e} {r.max_weight_diff:>14.2e} {r.val_diff:>9.2e} {r.seconds:>6.1f}s  {verdict}{note}"
 
-
-def main_verify(argv: list[str]) -> int:
-    parser = OneLineArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX + CP_MATRIX + QWEN_MATRIX
-                                                      + LORA_MATRIX + MEMORY_MATRIX),
-                        help=f"comma-separated layout names (known: {', '.join(LAYOUTS)})")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--tolerance", type=float, default=1e-5)
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                        help="non-fp32 runs report differences; the tolerance is only meaningful in fp32")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="change the base config of every run, e.g. --set model.tie_embeddings=true")
-    parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
-    args = parser.parse_args(argv)
-    if args.steps < 1:
-        raise UserError("--steps must be >= 1")
-    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
-    for name in layouts:
-        layout_overrides(name)  # unknown names fail before any output
-    if torch.cuda.is_available() and args.device != "cpu":
-        n = torch.cuda.device_count()
-        too_big = [name for name in layouts if layout_overrides(name)[0] > n]
-        if too_big and args.device == "cuda":
-            raise UserError(f"layouts {', '.join(too_big)} need more ranks than the {n} visible GPUs")
-    print(HEADER)
-    rows, _ = run_verify(layouts, args.steps, args.tolerance, args.precision, [f"training.device={args.device}", *args.set],
-                         echo=lambda line: print(line, flush=True))
-    failed = [r.layout for r in rows if not r.passed and (not low_precision(args.precision) or r.note)]
-    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.__dict__ for r in rows], f, indent=1)
-    return 1 if failed else 0  # low precision: differences are reported, only crashes fail

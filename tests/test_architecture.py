@@ -168,6 +168,135 @@ def test_cycle_finder_sees_function_level_and_string_edges():
     assert [[e.target for e in c] for _, c in cycles(graph)] == [["paratrain.errors", "paratrain.config"]]
 
 
+# -- packages --------------------------------------------------------------------------------------------------
+# A package is each subpackage of paratrain (data, distributed, estimate, hf, models, observe, training, commands,
+# ...) and each top-level module (api, config, layout, modes, spec, preflight, faults, inference, generate, verify,
+# cli, ...). Their graph has no cycle either: each function lives in the layer of what it needs (a command's
+# orchestration in paratrain/commands/), or takes a value or a callable from above instead of importing it.
+
+
+def package_of(module: str) -> str | None:
+    """paratrain.a.b.c -> paratrain.a; paratrain.x -> paratrain.x; paratrain (the root) -> None."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else None
+
+
+@dataclass(frozen=True)
+class PackageEdge:
+    source: str
+    target: str
+    via: Edge  # one module import that makes the edge (the first found)
+
+    def __str__(self) -> str:
+        return f"{self.source} -> {self.target}  (e.g. {self.via})"
+
+
+def package_graph(graph: dict[str, list[Edge]]) -> dict[str, list[PackageEdge]]:
+    packages: dict[str, dict[str, Edge]] = {}
+    for name in sorted(graph):
+        source = package_of(name)
+        if source is None:
+            continue
+        out = packages.setdefault(source, {})
+        for e in graph[name]:
+            target = package_of(e.target)
+            if target not in (None, source) and target not in out:
+                out[target] = e
+    for target in {t for out in packages.values() for t in out}:
+        packages.setdefault(target, {})
+    return {p: [PackageEdge(p, t, e) for t, e in sorted(out.items())] for p, out in packages.items()}
+
+
+def describe_cycles(found) -> str:
+    return "\n\n".join(f"packages that import each other: {', '.join(sorted(component))}; a cycle:\n"
+                        + " ->\n".join(f"  {e}" for e in cycle) for component, cycle in found)
+
+
+def test_packages_have_no_import_cycle():
+    """Imports at module level, inside functions, relative ones and `importlib` loads of a paratrain module named
+    in a string all count."""
+    found = cycles(package_graph(import_graph()))
+    assert not found, f"{len(found)} import cycle(s) between the packages of paratrain:\n{describe_cycles(found)}"
+
+
+def test_package_graph_sees_every_kind_of_import():
+    trees = {"paratrain.observe.replay": "def f():\n    from paratrain.api import train\n",
+             "paratrain.api": "from .training import loop\n",
+             "paratrain.training.loop": "import importlib\nm = importlib.import_module('paratrain.observe.hang')\n",
+             "paratrain.observe.hang": "from . import replay\n"}
+    graph = {name: [Edge(name, target, line, how) for target, line, how in imported_modules(name, ast.parse(src))]
+             for name, src in trees.items()}
+    graph.update({t: [] for edges in list(graph.values()) for t in (e.target for e in edges) if t not in graph})
+    found = cycles(package_graph(graph))
+    assert len(found) == 1 and found[0][0] == {"paratrain.api", "paratrain.observe", "paratrain.training"}, found
+
+
+# -- imports inside functions ----------------------------------------------------------------------------------
+# An import of paratrain or torch belongs at module level, unless loading it later is the point: `paratrain --help`
+# and the error paths stay fast (torch is not imported for them), or an optional dependency is loaded. Such an
+# import says why in a comment on its line or the line above, containing one of these markers.
+LAZY_MARKERS = ("lazy:", "optional:")
+
+
+def unexplained_lazy_imports(tree: ast.Module, lines: list[str], where, importer: str = "") -> list[str]:
+    """`import torch` / `from paratrain... import` inside a function without a LAZY_MARKERS comment. The comment is
+    on the statement's lines or the line above; one above a run of consecutive import statements covers them all."""
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        explained = False  # the previous statement of this body is an import that says why
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
+                said = lines[max(0, child.lineno - 2):child.end_lineno]
+                explained = explained or any(m in line for line in said for m in LAZY_MARKERS)
+                if isinstance(child, ast.Import):
+                    names = [a.name for a in child.names]
+                else:
+                    names = [absolute_from(importer, child) if child.level else child.module or ""]
+                if any(n.split(".")[0] in ("paratrain", "torch") for n in names) and not explained:
+                    found.append(f"{where}:{child.lineno}: {lines[child.lineno - 1].strip()}")
+            else:
+                explained = False
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return found
+
+
+def lazy_import_report() -> list[str]:
+    """Every unexplained in-function import of paratrain/."""
+    found = []
+    for path in python_files(PACKAGE):
+        text = path.read_text()
+        found += unexplained_lazy_imports(ast.parse(text), text.splitlines(), path.relative_to(ROOT), module_name(path))
+    return found
+
+
+def test_imports_inside_functions_say_why():
+    found = lazy_import_report()
+    assert not found, (f"imports of paratrain or torch inside a function: move them to the top of the module, or say "
+                       f"why they wait with a comment containing {' or '.join(LAZY_MARKERS)} (on the line or above):\n"
+                       + "\n".join(found))
+
+
+def test_lazy_import_finder():
+    source = ("import torch\n"
+              "def f():\n"
+              "    import torch\n"
+              "    import json\n"
+              "    # lazy: --help must not load torch\n"
+              "    from paratrain.api import train\n"
+              "    from . import x\n"
+              "    from paratrain.models import (\n"
+              "        build_model)  # optional: never\n"
+              "    from paratrain import modes  # optional: tensorboard\n"
+              "    import paratrain.layout\n"  # (in the run under the comment above)
+              "    x = 1\n"
+              "    from . import spec\n")
+    found = unexplained_lazy_imports(ast.parse(source), source.splitlines(), "x.py", "paratrain.y")
+    assert found == ["x.py:3: import torch", "x.py:13: from . import spec"], found
+
+
 # -- private names -----------------------------------------------------------------------------------------------
 
 def is_private(name: str) -> bool:

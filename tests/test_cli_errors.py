@@ -96,12 +96,12 @@ def test_train_bad_config(char_data, tmp_path, capsys, override, match):
 
 
 def test_train_bad_layout_fails_before_launch(char_data, tmp_path, capsys, monkeypatch):
-    import paratrain.distributed.launch as launch_mod
+    import paratrain.api as api
 
     def no_launch(*a, **k):
         raise AssertionError("processes were launched for an invalid layout")
 
-    monkeypatch.setattr(launch_mod, "launch", no_launch)
+    monkeypatch.setattr(api, "launch", no_launch)
     overrides = [f"--{o}" for o in fast_overrides(char_data, tmp_path / "runs", "bad")]
     t0 = time.perf_counter()
     line = run_cli(capsys, ["train", "--nproc", "3", "--parallel.tp=2", *overrides])

@@ -154,10 +154,10 @@ def test_profile_command(char_data, tmp_path):
 def test_planner_and_estimator_know_compression():
     """Bytes times the wire fraction plus the compress/decompress compute in the planner; the error-feedback state
     in the estimator."""
-    from paratrain.estimate.cli import inputs_from_argv
+    from paratrain.commands.estimate import inputs_from_argv
     from paratrain.estimate.core import estimate
-    from paratrain.planner import context_from_argv
-    from paratrain.planner.cost import Candidate, predict
+    from paratrain.commands.plan import context_from_argv
+    from paratrain.estimate.step_time import Candidate, predict
 
     shapes = [(512, 256), (256,), (64, 64), (8, 8)]
     numel = 512 * 256 + 256 + 64 * 64 + 64

@@ -1,5 +1,5 @@
 """Nothing a user made is replaced without consent, and the small things a newcomer meets first (help, fast layout
-errors, empty prompts). The README-level journeys are in tests/test_journeys.py; these are the edge cases."""
+errors, empty prompts). The documented journeys are in tests/test_journeys.py; these are the edge cases."""
 
 from __future__ import annotations
 

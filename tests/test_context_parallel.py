@@ -78,7 +78,7 @@ def _four_ranks():
     from paratrain.distributed.context_parallel import ContextParallel
     from paratrain.config import ParallelConfig
     from paratrain.distributed.env import init_distributed
-    from paratrain.estimate.measure import MeasureSpec, measure_step
+    from memory_measure import MeasureSpec, measure_step  # bench/ (tests/conftest.py)
 
     torch.set_num_threads(1)
     init_distributed("cpu")
@@ -125,7 +125,7 @@ def test_activation_memory_per_rank_falls_by_cp(four_ranks):
     from paratrain.estimate.activations import act_dims, attention_saved, dense_ffn_saved
     from paratrain.estimate.core import forward_end_bytes
     from paratrain.config import ParallelConfig
-    from paratrain.estimate.measure import MeasureSpec, inputs_for_spec, measure_step
+    from memory_measure import MeasureSpec, inputs_for_spec, measure_step  # bench/ (tests/conftest.py)
     from paratrain.layout import Layout
     from paratrain.models.args import ModelArgs
 
@@ -224,8 +224,8 @@ def test_planner_fits_llama3_405b_at_128k_with_cp_only(tmp_path, capsys):
     from paratrain.cli import main
     from paratrain.config import load_config
     from paratrain.errors import UserError
-    from paratrain.planner import context_from_argv
-    from paratrain.planner.search import plan
+    from paratrain.commands.plan import context_from_argv
+    from paratrain.estimate.search import plan
 
     # (without the memory tiers: CPU offload makes it fit on 1024 H100s without cp, at a host memory price)
     ctx, world, opts, _ = context_from_argv(PLAN_405B + NARROW + ["--schedules", "1f1b", "--max-cp", "1",
@@ -244,9 +244,9 @@ def test_planner_fits_llama3_405b_at_128k_with_cp_only(tmp_path, capsys):
 
 def test_planner_explains_the_ring(capsys):
     from paratrain.cli import main
-    from paratrain.planner import context_from_argv
-    from paratrain.planner.cost import RING, predict
-    from paratrain.planner.search import parse_layout
+    from paratrain.commands.plan import context_from_argv
+    from paratrain.estimate.step_time import RING, predict
+    from paratrain.estimate.search import parse_layout
 
     assert main(["plan", *PLAN_405B, *NARROW, "--explain", "fsdp,cp=8,tp=2,ac=full,mb=1"]) == 0
     text = capsys.readouterr().out

@@ -14,6 +14,7 @@ import torch
 from paratrain.errors import ConfigError, UserError
 from paratrain.data import DEFAULT_CORPUS, TokenData, choose_dtype, ensure_prepared, load_tokenizer, prepare_dataset, read_meta
 from paratrain.data import parse_sources
+from paratrain.commands import prepare as prepare_command
 from paratrain.data import prepare as prep
 from paratrain.data import sources as srcmod
 from paratrain.data.loader import Shards, permute
@@ -431,10 +432,10 @@ def test_interrupted_prepare_starts_clean(tmp_path):
 
 def test_main_prepare(tmp_path, capsys):
     src = write(tmp_path / "a.txt", CORPUS)
-    assert prep.main_prepare(["--input", str(src), "--out", str(tmp_path / "d"), "--tokenizer", "byte", "--quiet"]) == 0
+    assert prepare_command.main(["--input", str(src), "--out", str(tmp_path / "d"), "--tokenizer", "byte", "--quiet"]) == 0
     assert "byte" in capsys.readouterr().out and read_meta(tmp_path / "d")["train_tokens"] == 18_000
     with pytest.raises(UserError):
-        prep.main_prepare(["--input", str(src), "--out", str(tmp_path / "d")])
+        prepare_command.main(["--input", str(src), "--out", str(tmp_path / "d")])
 
 
 def test_cli_prepare_error_is_one_line(tmp_path):

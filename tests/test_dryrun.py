@@ -11,7 +11,7 @@ import pytest
 from paratrain import cli
 from paratrain.config import load_config
 from paratrain.errors import ConfigError, UserError
-from paratrain.observe.dryrun import dry_run, format_dry_run
+from paratrain.training.dryrun import dry_run, format_dry_run
 
 TINY = ["model.preset=tiny", "model.vocab_size=256", "training.seq_len=32", "training.micro_batch=2"]
 LAYOUTS = {  # world, overrides: every data-parallel mode, tp with and without FSDP, each pipeline schedule family,
@@ -59,12 +59,12 @@ def test_moe_preset_on_512_ranks():
 
 
 def test_a_layout_torch_refuses_is_one_line_naming_the_rank(monkeypatch):
-    import paratrain.training.step as step
+    import paratrain.training.dryrun as dryrun
 
     def refuse(spec, dims, device, memory_budget=None):
         raise RuntimeError("the mesh cannot shard this parameter\nsecond line")
 
-    monkeypatch.setattr(step, "build_run_step", refuse)
+    monkeypatch.setattr(dryrun, "build_run_step", refuse)
     with pytest.raises(UserError) as e:
         dry_run(load_config(None, [*TINY, "parallel.pp=2"]), 4)
     assert str(e.value) == ("dry run: rank 0 (pp=0 dp_shard=0) cannot be built: RuntimeError: the mesh cannot shard "

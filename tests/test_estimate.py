@@ -10,13 +10,14 @@ import pytest
 
 from paratrain.cli import main
 from paratrain.config import ParallelConfig
-from paratrain.estimate import EstimateInputs, estimate, gpu_memory, parse_memory
+from paratrain.estimate import Target, estimate, gpu_memory, inputs_for, parse_memory
+from paratrain.recipe import Recipe
 from paratrain.estimate.core import forward_end_bytes, in_flight
-from paratrain.estimate.measure import MeasureSpec, inputs_for_spec, measure
 from paratrain.estimate.model_states import model_params, state_bytes, zero_table, zero1_worst_numel
 from paratrain.errors import UserError
 from paratrain.layout import Layout
 from paratrain.models import ModelArgs, count_params, preset_args
+from memory_measure import MeasureSpec, inputs_for_spec, measure  # bench/ (tests/conftest.py)
 
 TINY = dict(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176, max_seq_len=64)
 LLAMA8B_PARAMS = 8_030_261_248
@@ -49,7 +50,7 @@ def test_classic_breakdown_llama3_8b_and_zero_division():
     assert rows["total"]["zero3"] == 2 * n
 
     # The same numbers in the estimate's table, one rank, classic accounting.
-    est = estimate(EstimateInputs(llama8b(), Layout.resolve(1), precision="bf16", accounting="classic"),
+    est = estimate(inputs_for(llama8b(), Recipe(Layout.resolve(1), precision="bf16"), accounting="classic"),
                    suggest=False)
     assert est.at_peak["parameters"] == 2 * n and est.at_peak["gradients"] == 2 * n
     assert est.at_peak["optimizer"] == 8 * n and est.at_peak["master"] == 4 * n
@@ -105,11 +106,11 @@ def test_pipeline_in_flight_per_schedule():
     # interleaved (v = 2): (v-1)p + 2(p-1-r) + 1 chunk-forwards of half the rank's blocks: 1 + (p-1)/(pv) more than 1f1b
     assert in_flight(lay("interleaved_1f1b"), 0) == (4 + 6 + 1) / 2
     assert in_flight(lay("zbv"), 2) == 4
-    e = estimate(EstimateInputs(llama8b(), lay("1f1b"), seq_len=4096), suggest=False)
+    e = estimate(inputs_for(llama8b(), Recipe(lay("1f1b"), seq_len=4096)), suggest=False)
     assert e.stage == 0 and len(e.stages) == 4  # the first stage holds the most micro-batches
     assert e.stages[0]["tensor_peak_bytes"] > e.stages[1]["tensor_peak_bytes"] > e.stages[2]["tensor_peak_bytes"]
     # With full checkpointing the in-flight activations shrink and the last stage's logits are the worst.
-    e = estimate(EstimateInputs(llama8b(), lay("1f1b"), seq_len=4096, checkpointing="full"), suggest=False)
+    e = estimate(inputs_for(llama8b(), Recipe(lay("1f1b"), seq_len=4096, checkpointing="full")), suggest=False)
     assert e.stage == 3 and e.phase.startswith("loss backward") and e.at_peak["logits_loss"] > 0
 
 
@@ -122,8 +123,8 @@ def test_moe_expert_parallel_divides_experts():
     one = state_bytes(args, Layout.resolve(8, dp_mode="fsdp"), "bf16", "adamw", "paratrain")
     ep = state_bytes(args, Layout.resolve(8, dp_mode="fsdp", ep=8), "bf16", "adamw", "paratrain")
     assert ep.params == pytest.approx(one.params, rel=0.02)  # fsdp over 8 vs experts over ep=8: same share
-    e = estimate(EstimateInputs(args, Layout.resolve(8, dp_mode="fsdp", ep=8), seq_len=4096,
-                                checkpointing="full"), suggest=False)
+    e = estimate(inputs_for(args, Recipe(Layout.resolve(8, dp_mode="fsdp", ep=8), seq_len=4096,
+                                       checkpointing="full")), suggest=False)
     assert e.peak_bytes > ep.params + ep.optimizer
 
 
@@ -228,13 +229,14 @@ def test_memory_strings_and_gpu_names():
 def test_estimate_for_run_and_device_peak(char_data, tmp_path):
     from conftest import fast_config
 
-    from paratrain.estimate import device_peak_bytes, estimate_for_run
+    from paratrain.estimate import estimate_for_run
+    from paratrain.observe.sysmetrics import device_peak_bytes
     from paratrain.spec import resolve_run
 
     plan = resolve_run(fast_config(char_data, tmp_path, "est", "training.precision=bf16"), 1)
     est = estimate_for_run(plan, device="cpu")
     assert est.overhead_bytes == 0 and est.total_bytes == est.peak_bytes > 0
-    assert "activations" in est.format_table() and est.inputs.optimizer_impl == "foreach"
+    assert "activations" in est.format_table() and est.inputs.recipe.optimizer_impl == "foreach"
     assert device_peak_bytes("cpu") > 0
     assert "measured" in est.compare_line(est.peak_bytes)
 
@@ -245,14 +247,15 @@ def test_cli_reads_a_run_config_as_the_trainer_does(char_data, tmp_path, capsys)
     from conftest import fast_config
 
     from paratrain.config import dump_toml
-    from paratrain.estimate import estimate_for_run
+    from paratrain.estimate import estimate_for_run, target_device
     from paratrain.spec import resolve_run
 
     cfg = fast_config(char_data, tmp_path, "est", "parallel.dp_shard=2", "parallel.cp=2", "training.precision=bf16",
                       "training.global_batch=8", "training.micro_batch=2", "activation_checkpoint.mode=selective")
     path = tmp_path / "config.toml"
     path.write_text(dump_toml(cfg))
-    trainer = estimate_for_run(resolve_run(cfg, 4), device="cuda", gpu_bytes=24 * 2**30)
+    # (estimated where the config trains: fast_config's training.device=cpu, estimate.target_device)
+    trainer = estimate_for_run(resolve_run(cfg, 4), device=target_device(cfg.training), gpu_bytes=24 * 2**30)
     assert main(["estimate", "--model", str(path), "--gpu-memory", "24GiB", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["layout"]["world_size"] == 4 and data["layout"]["cp"] == 2 and data["accum_steps"] == 2

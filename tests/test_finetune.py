@@ -247,11 +247,11 @@ def test_estimate_and_plan_count_frozen_and_trainable():
     """An 8B model with rank-16 adapters on one 24 GB card: the frozen base in bf16 without gradients or optimizer
     state, the adapters' parameters, gradients and Adam moments in fp32; with full checkpointing it fits. The
     planner reduces and updates only the adapters."""
-    from paratrain.estimate.cli import inputs_from_argv
+    from paratrain.commands.estimate import inputs_from_argv
     from paratrain.estimate.core import estimate
-    from paratrain.planner.cli import context_from_argv
-    from paratrain.planner.cost import predict
-    from paratrain.planner.search import rank_all
+    from paratrain.commands.plan import context_from_argv
+    from paratrain.estimate.step_time import predict
+    from paratrain.estimate.search import rank_all
 
     inputs, _ = inputs_from_argv(["--model", "llama3-8b", "--gpu", "RTX4090", "--lora-rank", "16",
                                   "--checkpointing", "full"])

@@ -434,7 +434,7 @@ def test_export_refuses_a_non_empty_out(trained_run, tmp_path, capsys):
     _fails(capsys, ["export", str(trained_run), "--format", "hf", "--out", str(tmp_path / "out")], "is not empty")
     assert [f.name for f in (tmp_path / "out").iterdir()] == ["keep.txt"]
     with pytest.raises(UserError, match="cannot read"):
-        from paratrain.hf.export import parse_size
+        from paratrain.training.export import parse_size
 
         parse_size("five")
 

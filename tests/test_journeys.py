@@ -1,10 +1,12 @@
-"""The README's commands, run as a new user pastes them: each in a fresh working folder, through the real CLI, to the
-end of the run (final eval, sample, export), at tiny sizes on CPU ranks.
+"""The documentation's commands, run as a new user pastes them: each in a fresh working folder, through the real CLI,
+to the end of the run (final eval, sample, export), at tiny sizes on CPU ranks.
 
-Every command of a ```bash block in README.md belongs to one journey below (JOURNEYS); a README command that no
-journey runs fails `test_every_readme_command_has_a_journey`, and a journey may only run commands the README holds
-(`Journey.readme`), so the two cannot drift apart. Sizes are made tiny by config overrides put *before* the
-README's own options (the README's choices win), and by a few forced ones after them (steps, sequence length).
+The documentation is README.md and every page of docs/ (`doc_files`). Every command of a ```bash block there
+belongs to one journey below (JOURNEYS); a documented command that no journey runs fails
+`test_every_doc_command_has_a_journey`, and a journey may only run commands the documentation holds (`Journey.doc`),
+so the two cannot drift apart. Every ```toml block there loads as a config (`test_doc_config_blocks_load`).
+Sizes are made tiny by config overrides put *before* the documented options (the documentation's choices win), and
+by a few forced ones after them (steps, sequence length).
 """
 
 from __future__ import annotations
@@ -22,9 +24,14 @@ import pytest
 from paratrain.data import DEFAULT_CORPUS
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
 
-# Which journey runs each README command (the command as shlex reads it: comments and line continuations gone).
+
+def doc_files() -> list[Path]:
+    """README.md and the pages of docs/, in a fixed order."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+# Which journey runs each documented command (the command as shlex reads it: comments and line continuations gone).
 JOURNEYS = {
     "make": [
         "make run",
@@ -129,10 +136,10 @@ JOURNEYS = {
     ],
 }
 
-# Small and quick: put before the README's options, which win.
+# Small and quick: put before the documented options, which win.
 TINY = ["--model.preset=tiny", "--training.seq_len=32", "--training.micro_batch=2", "--training.eval_sequences=8",
         "--sample.max_new_tokens=16", "--metrics.progress=lines", "--training.device=cpu"]
-STEPS = ["--training.steps=4"]  # forced after the README's options
+STEPS = ["--training.steps=4"]  # forced after the documented options
 
 
 def canonical(command: str) -> str:
@@ -140,39 +147,51 @@ def canonical(command: str) -> str:
     return shlex.join(shlex.split(command, comments=True))
 
 
-def readme_commands() -> list[str]:
-    """Every command of the README's ```bash blocks, one string each (comments and continuations removed)."""
-    text = README.read_text()
-    out = []
-    for body in re.findall(r"```bash\n(.*?)```", text, re.S):
+def doc_blocks(language: str) -> list[tuple[str, str]]:
+    """Every ```<language> block of README.md and docs/*.md: (file relative to the repository, its body)."""
+    return [(str(path.relative_to(ROOT)), body) for path in doc_files()
+            for body in re.findall(rf"```{language}\n(.*?)```", path.read_text(), re.S)]
+
+
+def doc_commands() -> dict[str, str]:
+    """Every command of the ```bash blocks of README.md and docs/*.md, one string each (comments and continuations
+    removed), with the first file that shows it."""
+    out: dict[str, str] = {}
+    for where, body in doc_blocks("bash"):
         for line in body.replace("\\\n", " ").splitlines():
             if shlex.split(line, comments=True):
-                out.append(canonical(line))
+                out.setdefault(canonical(line), where)
     return out
 
 
-def test_every_readme_command_has_a_journey():
+def test_every_doc_command_has_a_journey():
     covered = [canonical(c) for commands in JOURNEYS.values() for c in commands]
-    missing = [c for c in readme_commands() if c not in covered]
-    assert not missing, f"README commands that no journey runs (add them to tests/test_journeys.py): {missing}"
-    stale = [c for c in covered if c not in readme_commands()]
-    assert not stale, f"journeys run commands the README no longer shows: {stale}"
+    shown = doc_commands()
+    missing = [f"{where}: {c}" for c, where in shown.items() if c not in covered]
+    assert not missing, f"documented commands that no journey runs (add them to tests/test_journeys.py): {missing}"
+    stale = [c for c in covered if c not in shown]
+    assert not stale, f"journeys run commands that neither README.md nor docs/*.md show any more: {stale}"
 
 
-def test_readme_config_blocks_load(tmp_path):
-    """Every ```toml block of the README is a valid paratrain config (each key exists, each value is accepted)."""
+def test_doc_config_blocks_load(tmp_path):
+    """Every ```toml block of README.md and docs/*.md is a valid paratrain config (each key exists, each value is
+    accepted)."""
     from paratrain.config import load_config
+    from paratrain.errors import ConfigError
 
-    blocks = re.findall(r"```toml\n(.*?)```", README.read_text(), re.S)
+    blocks = doc_blocks("toml")
     assert blocks
-    for i, body in enumerate(blocks):
+    for i, (where, body) in enumerate(blocks):
         path = tmp_path / f"block{i}.toml"
         path.write_text(body)
-        load_config(path)
+        try:
+            load_config(path)
+        except ConfigError as e:
+            raise AssertionError(f"a ```toml block of {where} is not a valid config: {e}") from None
 
 
 class Journey:
-    """A fresh working folder and the README's commands run there as subprocesses."""
+    """A fresh working folder and the documented commands run there as subprocesses."""
 
     def __init__(self, name: str, folder: Path):
         self.name, self.cwd = name, folder
@@ -180,13 +199,13 @@ class Journey:
                     "XDG_CACHE_HOME": str(folder / ".cache"), "PYTHONUNBUFFERED": "1",
                     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
-    def readme(self, command: str, before: list[str] = (), after: list[str] = (), expect: int = 0,
-               timeout: float = 300) -> subprocess.CompletedProcess:
-        """Run README command `command` (as listed for this journey), with `before` inserted right after the
+    def doc(self, command: str, before: list[str] = (), after: list[str] = (), expect: int = 0,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+        """Run documented command `command` (as listed for this journey), with `before` inserted right after the
         subcommand and `after` appended."""
         assert canonical(command) in map(canonical, JOURNEYS[self.name]), \
-            f"{command!r} is not one of journey {self.name}'s README commands"
-        assert canonical(command) in readme_commands(), f"{command!r} is not in README.md"
+            f"{command!r} is not one of journey {self.name}'s documented commands"
+        assert canonical(command) in doc_commands(), f"{command!r} is in neither README.md nor docs/*.md"
         words = shlex.split(command)
         if "..." in words:  # "paratrain plan ... --json": the options of the example before it, given as `before`
             assert before, f"{command}: say what '...' stands for"
@@ -203,8 +222,8 @@ class Journey:
         return done
 
     def train(self, command: str, *extra: str, **kw) -> subprocess.CompletedProcess:
-        """A README train command at tiny size; it must end with a validation loss and a sample."""
-        done = self.readme(command, TINY, [*STEPS, *extra], **kw)
+        """A documented train command at tiny size; it must end with a validation loss and a sample."""
+        done = self.doc(command, TINY, [*STEPS, *extra], **kw)
         if kw.get("expect", 0) == 0:
             out = done.stdout + done.stderr
             assert re.search(r"val loss \d+\.\d+", out), f"{command}: no final validation loss\n{out[-3000:]}"
@@ -242,26 +261,26 @@ def test_journey_default_run(journey):
     """make run's training (tiny), then resume, generate (also from an empty prompt), checkpoint verify, estimate
     on the written config, and a reused run name: refused, then started over."""
     j = journey
-    j.readme("paratrain train --checkpoint.resume=auto", TINY, ["--training.steps=3"])
+    j.doc("paratrain train --checkpoint.resume=auto", TINY, ["--training.steps=3"])
     first = metrics(j.cwd / "runs" / "default")
     # the same command again: continues runs/default from its final checkpoint (nothing left to train)
     done = j.train("paratrain train --checkpoint.resume=auto", "--training.steps=3")
     assert "resumed from" in done.stdout + done.stderr
     assert [r["step"] for r in metrics(j.cwd / "runs" / "default") if "loss" in r] == \
         [r["step"] for r in first if "loss" in r]  # no step trained twice
-    out = j.readme('paratrain generate --checkpoint runs/default --prompt "ROMEO:" --max-new-tokens 300').stdout
+    out = j.doc('paratrain generate --checkpoint runs/default --prompt "ROMEO:" --max-new-tokens 300').stdout
     assert out.startswith("ROMEO:") and len(out) > 100
-    out = j.readme('paratrain generate --checkpoint runs/default --prompt "" --max-new-tokens 100').stdout
+    out = j.doc('paratrain generate --checkpoint runs/default --prompt "" --max-new-tokens 100').stdout
     assert len(out.strip()) > 20
-    out = j.readme("paratrain checkpoint verify runs/default").stdout
+    out = j.doc("paratrain checkpoint verify runs/default").stdout
     assert "OK" in out and "step-3" in out
-    report = json.loads(j.readme("paratrain estimate --model runs/default/config.toml --gpu-memory 24GiB --json").stdout)
+    report = json.loads(j.doc("paratrain estimate --model runs/default/config.toml --gpu-memory 24GiB --json").stdout)
     assert report["fits"] is True and report["total_bytes"] > 0 and report["layout"]["world_size"] == 1
 
     # a new run under an existing name: one line, nothing touched; --run.overwrite=true starts over
     j.train("paratrain train --training.steps=500 --run.name=short", "--training.steps=2")
     before = j.files("runs/short")
-    done = j.readme("paratrain train --training.steps=500 --run.name=short", TINY, expect=2)
+    done = j.doc("paratrain train --training.steps=500 --run.name=short", TINY, expect=2)
     assert done.stderr.count("\n") == 1 and "--checkpoint.resume=auto" in done.stderr and "--run.overwrite" in done.stderr
     assert j.files("runs/short") == before
     j.train("paratrain train --run.name=short --run.overwrite=true", "--model.preset=tiny-moe")
@@ -299,7 +318,7 @@ def test_journey_layouts(journey):
     import shutil
 
     shutil.copytree(j.cwd / "runs" / "pp2", j.cwd / "runs" / "default")  # the report's first run (another model)
-    done = j.readme("paratrain report runs/default runs/fsdp4 runs/tp2 --out report")
+    done = j.doc("paratrain report runs/default runs/fsdp4 runs/tp2 --out report")
     assert (j.cwd / "report" / "report.md").is_file() and (j.cwd / "report" / "loss.png").is_file()
 
 
@@ -317,7 +336,7 @@ def test_journey_custom_corpus(journey):
     contradicting option leaves every file of it byte-identical."""
     j = journey
     write_corpus(j.cwd / "corpus.jsonl")
-    j.readme("paratrain prepare --input corpus.jsonl --out data/mycorpus --tokenizer bpe --vocab-size 8000")
+    j.doc("paratrain prepare --input corpus.jsonl --out data/mycorpus --tokenizer bpe --vocab-size 8000")
     prepared = j.files("data/mycorpus")
     j.train("paratrain train --data.dir=data/mycorpus --run.name=mine")
     assert j.files("data/mycorpus") == prepared
@@ -329,13 +348,13 @@ def test_journey_custom_corpus(journey):
     assert "resumed from" in done.stdout + done.stderr
     assert [r["step"] for r in metrics(j.cwd / "runs/mine") if "loss" in r][-1] == 6
     for wrong in ("--data.tokenizer=char", "--data.vocab_size=500", "--data.source=tinyshakespeare"):
-        done = j.readme("paratrain train --data.dir=data/mycorpus --run.name=mine", TINY, [wrong, "--run.name=x"],
+        done = j.doc("paratrain train --data.dir=data/mycorpus --run.name=mine", TINY, [wrong, "--run.name=x"],
                         expect=2)
         assert done.stderr.startswith("error: data/mycorpus holds a dataset") and done.stderr.count("\n") == 1
         assert not (j.cwd / "runs" / "x").exists()
     assert j.files("data/mycorpus") == prepared
     (j.cwd / "data/empty").mkdir()
-    done = j.readme("paratrain train --data.dir=data/mycorpus --run.name=mine", TINY,
+    done = j.doc("paratrain train --data.dir=data/mycorpus --run.name=mine", TINY,
                     ["--data.dir=data/empty", "--run.name=y"], expect=2)
     assert "holds no prepared dataset" in done.stderr and not any((j.cwd / "data/empty").iterdir())
 
@@ -358,9 +377,9 @@ def test_journey_prepare_formats(journey):
     write_corpus(j.cwd / "dolma" / "a" / "docs.jsonl", 50)
     pq.write_table(pa.table({"text": [text[i * 500:(i + 1) * 500] for i in range(60)]}), j.cwd / "corpus.parquet")
     write_corpus(j.cwd / "heldout.jsonl", 5)
-    j.readme("paratrain prepare --input fineweb/*.jsonl.gz --out data/web --tokenizer bpe --vocab-size 32000")
-    j.readme("paratrain prepare --input dolma/ --out data/dolma --tokenizer data/web/tokenizer.json --text-field text")
-    j.readme("paratrain prepare --input corpus.parquet --out data/c --tokenizer byte --val-input heldout.jsonl")
+    j.doc("paratrain prepare --input fineweb/*.jsonl.gz --out data/web --tokenizer bpe --vocab-size 32000")
+    j.doc("paratrain prepare --input dolma/ --out data/dolma --tokenizer data/web/tokenizer.json --text-field text")
+    j.doc("paratrain prepare --input corpus.parquet --out data/c --tokenizer byte --val-input heldout.jsonl")
     web, dolma, c = (json.loads((j.cwd / "data" / d / "meta.json").read_text()) for d in ("web", "dolma", "c"))
     assert web["train_documents"] + web["val_documents"] == 200 and web["tokenizer"] == "bpe"
     assert dolma["tokenizer"] == "tokenizer.json" and dolma["vocab_size"] == web["vocab_size"]
@@ -374,21 +393,21 @@ def test_journey_hugging_face(journey):
     j = journey
     make_llama(j.cwd / "llama-3.2-1b")
     write_corpus(j.cwd / "corpus.jsonl")
-    done = j.readme("paratrain train --nproc 2 --model.init_from=hf:llama-3.2-1b --data.source=corpus.jsonl "
+    done = j.doc("paratrain train --nproc 2 --model.init_from=hf:llama-3.2-1b --data.source=corpus.jsonl "
                     "--data.dir=data/corpus-llama --training.seq_len=1024 --training.precision=bf16 --optimizer.lr=2e-5 "
                     "--optimizer.warmup_steps=20 --run.name=ft", TINY, [*STEPS, "--training.seq_len=32"])
     out = done.stdout + done.stderr
     assert "initialised from Hugging Face folder" in out and "sample:" in out and "val loss" in out
     assert "0.000 B" not in out
     # the same with tensor parallelism (+ sequence parallel): the imported vocabulary and the sample too
-    done = j.readme(JOURNEYS["hugging_face"][0], TINY, [*STEPS, "--training.seq_len=32", "--parallel.tp=2",
+    done = j.doc(JOURNEYS["hugging_face"][0], TINY, [*STEPS, "--training.seq_len=32", "--parallel.tp=2",
                                                         "--run.name=ft-tp", "--sample.prompt=Hello"])
     assert "sample:\nHello" in done.stdout + done.stderr
-    j.readme("paratrain export runs/ft --format hf --out ft-hf --dtype bf16")
+    j.doc("paratrain export runs/ft --format hf --out ft-hf --dtype bf16")
     config = json.loads((j.cwd / "ft-hf" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype" if "torch_dtype" in config
                                                                         else "dtype"] == "bfloat16"
-    out = j.readme(JOURNEYS["hugging_face"][-1]).stdout
+    out = j.doc(JOURNEYS["hugging_face"][-1]).stdout
     assert out.startswith("Hello")
 
 
@@ -402,25 +421,25 @@ def test_journey_fine_tune(journey):
     j, commands = journey, JOURNEYS["fine_tune"]
     save_chat_tokenizer(make_llama(j.cwd / "llama-3.2-1b"))
     write_chats(j.cwd / "chat.jsonl", 40, long_every=9)
-    assert "chat: 40 conversations" in j.readme(commands[0]).stdout
-    out = j.readme(commands[1]).stdout
+    assert "chat: 40 conversations" in j.doc(commands[0]).stdout
+    out = j.doc(commands[1]).stdout
     assert "FITS" in out and "frozen parameters (LoRA base)" in out and "41.9M trainable" in out
     out = j.train(commands[2], "--training.seq_len=48")
     text = out.stdout + out.stderr
     assert "LoRA:" in text and "packed into" in text and "initialised from Hugging Face folder" in text
-    j.readme(commands[3])
+    j.doc(commands[3])
     assert json.loads((j.cwd / "chat-adapter" / "adapter_config.json").read_text())["r"] == 16
-    j.readme(commands[4])
+    j.doc(commands[4])
     assert (j.cwd / "chat-hf" / "chat_template.jinja").is_file() or "chat_template" in json.loads(
         (j.cwd / "chat-hf" / "tokenizer_config.json").read_text())
-    assert j.readme(commands[5]).stdout.strip() == "LoraModel"
-    j.readme(commands[6])
+    assert j.doc(commands[5]).stdout.strip() == "LoraModel"
+    j.doc(commands[6])
 
 
 def test_journey_profile(journey):
     j = journey
     for nproc in ("1", "2"):  # again: the earlier profile is replaced
-        out = j.readme("paratrain profile --nproc 2 --parallel.dp_mode=fsdp --steps 3", TINY, ["--nproc", nproc]).stdout
+        out = j.doc("paratrain profile --nproc 2 --parallel.dp_mode=fsdp --steps 3", TINY, ["--nproc", nproc]).stdout
     run = j.cwd / "runs" / "profile" / "profile"
     assert (run / "rank0.json").is_file() and (run / "rank1.json").is_file() and "traces:" in out
     summary = json.loads((run / "summary.json").read_text())
@@ -429,7 +448,7 @@ def test_journey_profile(journey):
 
 def test_journey_verify(journey):
     """`paratrain verify` at a tiny size: two rows, a few steps (the whole matrix runs in tests/test_distributed.py)."""
-    out = journey.readme("paratrain verify", after=["--layouts", "tp2", "--steps", "2"]).stdout
+    out = journey.doc("paratrain verify", after=["--layouts", "tp2", "--steps", "2"]).stdout
     assert "PASS" in out and "FAIL" not in out
 
 
@@ -439,22 +458,22 @@ def test_journey_estimate(journey):
     out = subprocess.run([sys.executable, "-m", "paratrain", *shlex.split(PLAN)[1:], "--top", "1"],
                          cwd=journey.cwd, env=journey.env, capture_output=True, text=True, timeout=120).stdout
     planned = float(re.search(r"^ 1 \S+\s+[\d,]+\s+[\d.]+%\s+([\d.]+) GiB", out, re.M).group(1))
-    out = journey.readme("paratrain estimate --model plan/config.toml --gpu H100").stdout
+    out = journey.doc("paratrain estimate --model plan/config.toml --gpu H100").stdout
     estimated = float(re.search(r"^  total\s+([\d.]+) GiB", out, re.M).group(1))
     assert abs(estimated - planned) <= 0.01 * planned and "FITS" in out and "limit 90%" in out
     assert (plan / "config.toml").is_file()
-    out = journey.readme("paratrain estimate --model llama3-8b --gpu H100 --dp-shard 8 --seq-len 8192 "
+    out = journey.doc("paratrain estimate --model llama3-8b --gpu H100 --dp-shard 8 --seq-len 8192 "
                          "--checkpointing selective").stdout
     assert "FITS" in out or "DOES NOT FIT" in out
-    out = journey.readme("paratrain estimate --model llama3-8b --accounting classic").stdout
+    out = journey.doc("paratrain estimate --model llama3-8b --accounting classic").stdout
     assert "GiB" in out or "GB" in out
 
 
 def test_journey_qwen(journey):
-    """The Qwen presets' estimates print the published parameter counts (README's table)."""
-    out = journey.readme(JOURNEYS["qwen"][0]).stdout
+    """The Qwen presets' estimates print the published parameter counts (docs/models.md's table)."""
+    out = journey.doc(JOURNEYS["qwen"][0]).stdout
     assert "model qwen3-8b: 8.19B parameters (8,190,735,360)" in out and "FITS" in out
-    out = journey.readme(JOURNEYS["qwen"][1]).stdout
+    out = journey.doc(JOURNEYS["qwen"][1]).stdout
     assert "30.53B parameters (30,532,122,624), 3.35B active per token (3,353,032,704)" in out and "ep=8" in out
 
 
@@ -464,22 +483,22 @@ PLAN = "paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 -
 def test_journey_plan(journey):
     """The planner's examples; its written config is estimated to the same per-rank memory and loads in train."""
     j = journey
-    out = j.readme(PLAN).stdout
+    out = j.doc(PLAN).stdout
     assert (j.cwd / "plan" / "config.toml").is_file()
-    j.readme("paratrain plan --model llama3-70b --gpus 64 --gpu H100 --intra nvlink --inter ib400 --seq 8192 "
+    j.doc("paratrain plan --model llama3-70b --gpus 64 --gpu H100 --intra nvlink --inter ib400 --seq 8192 "
              "--global-batch-tokens 4194304", after=["--out", "plan70"])
     plan_args = shlex.split(PLAN)[2:]
-    j.readme("paratrain plan ... --compile", before=plan_args, after=["--out", "plan-compile"])
+    j.doc("paratrain plan ... --compile", before=plan_args, after=["--out", "plan-compile"])
     assert "compile = true" in (j.cwd / "plan-compile" / "config.toml").read_text()
-    plan = json.loads(j.readme("paratrain plan ... --json", before=plan_args, after=["--out", "plan-json"]).stdout)
+    plan = json.loads(j.doc("paratrain plan ... --json", before=plan_args, after=["--out", "plan-json"]).stdout)
     assert plan
-    out = j.readme("paratrain plan ... --explain fsdp,tp=16", before=plan_args, after=["--out", "plan-x1"]).stdout
+    out = j.doc("paratrain plan ... --explain fsdp,tp=16", before=plan_args, after=["--out", "plan-x1"]).stdout
     assert "tp=16" in out
-    out = j.readme("paratrain plan ... --explain ddp,ac=none,mb=2", before=plan_args, after=["--out", "plan-x2"]).stdout
+    out = j.doc("paratrain plan ... --explain ddp,ac=none,mb=2", before=plan_args, after=["--out", "plan-x2"]).stdout
     assert "does not fit" in out
-    j.readme("paratrain plan --model llama3-8b --gpus 8xH100,8xA100 --seq 4096 --global-batch-tokens 1048576",
+    j.doc("paratrain plan --model llama3-8b --gpus 8xH100,8xA100 --seq 4096 --global-batch-tokens 1048576",
              after=["--out", "plan-hetero"])
-    j.readme("paratrain plan --model llama3-405b --gpus 8192 --gpu H100 --seq 8192 --global-batch-tokens 16777216",
+    j.doc("paratrain plan --model llama3-405b --gpus 8192 --gpu H100 --seq 8192 --global-batch-tokens 16777216",
              after=["--out", "plan405"])
     assert "gpus" in out or out
 
@@ -491,14 +510,14 @@ def test_journey_memory_tiers(journey):
     from paratrain.spec import check
 
     j = journey
-    out = j.readme("paratrain estimate --model llama3-8b --gpu RTX4090 --dp-shard 4 --seq-len 4096").stdout
+    out = j.doc("paratrain estimate --model llama3-8b --gpu RTX4090 --dp-shard 4 --seq-len 4096").stdout
     best = next(line for line in out.splitlines() if line.startswith("would fit:"))
     assert "GPUs instead" not in best and "host" in best and "GPU time per token" in best
     for command, world in (("paratrain plan --model llama3-8b --gpus 4 --gpus-per-node 4 --gpu RTX4090 --intra pcie4 "
                             "--seq 4096 --global-batch-tokens 65536 --host-memory 256GiB --out plan-4090", 4),
                            ("paratrain plan --model llama3-70b --gpus 8 --gpu H100 --seq 4096 --global-batch-tokens "
                             "262144 --host-memory 2TiB --out plan-70b", 8)):
-        assert "memory tiers" in j.readme(command).stdout
+        assert "memory tiers" in j.doc(command).stdout
         cfg = load_config(j.cwd / shlex.split(command)[-1] / "config.toml")
         assert cfg.memory.cpu_offload and check(cfg, world).world_size == world
 
@@ -506,13 +525,13 @@ def test_journey_memory_tiers(journey):
 def test_journey_calibrate(journey):
     j = journey
     quick = ["--calibrate-seconds", "0.005"]
-    j.readme("paratrain plan --calibrate --name mybox --nproc 4", after=[*quick, "--nproc", "2"])  # tiny: 2 ranks
+    j.doc("paratrain plan --calibrate --name mybox --nproc 4", after=[*quick, "--nproc", "2"])  # tiny: 2 ranks
     profile = j.cwd / ".cache" / "paratrain" / "profiles" / "mybox.json"
     assert profile.is_file()
     # the model's own shapes, at a tiny model's size (llama3.2-1b at 2048 tokens takes minutes on a CPU)
-    j.readme("paratrain plan --calibrate --name mybox --nproc 1 --model llama3.2-1b --seq 2048 --micro-batches 1,2",
+    j.doc("paratrain plan --calibrate --name mybox --nproc 1 --model llama3.2-1b --seq 2048 --micro-batches 1,2",
              after=[*quick, "--model", "tiny", "--vocab-size", "256", "--seq", "32"])
-    out = j.readme(PLAN, after=["--gpu", "mybox", "--gpus", "4", "--gpus-per-node", "4", "--model", "tiny",
+    out = j.doc(PLAN, after=["--gpu", "mybox", "--gpus", "4", "--gpus-per-node", "4", "--model", "tiny",
                                "--vocab-size", "256", "--seq", "32", "--global-batch-tokens", "256"]).stdout
     assert "mybox" in out
 
@@ -542,9 +561,9 @@ def test_journey_troubleshooting(journey):
     assert [r["step"] for r in bad] == [6]  # step 7 (the second bad one) rolled back before it was logged
     assert bad[0]["nonfinite"] == {"module": "layers.1.attention.wo", "rank": 1, "batch": 5}
     assert bad[0]["numerics"]["grad_max"][0] is not None  # a watched step: its own numbers, gradients included
-    j.readme("paratrain report runs/watched")
+    j.doc("paratrain report runs/watched")
     assert (j.cwd / "runs/watched/report/numerics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    out = j.readme("paratrain replay runs/watched step-6").stdout
+    out = j.doc("paratrain replay runs/watched step-6").stdout
     assert "replayed step 6 of runs/watched from checkpoint step-4: batch 5, loss nan" in out
     assert "first non-finite output: layers.1.attention.wo (rank 1)" in out
     del j.env["PARATRAIN_FAULTS"]
@@ -565,7 +584,7 @@ def test_journey_troubleshooting(journey):
     assert stuck.stderr.count("error:") == 1 and "resilience.collective_timeout_s=8" in stuck.stderr
     assert "every rank's collective history: paratrain doctor --hang runs/stuck" in stuck.stderr
     assert time.monotonic() - started < 240
-    lines = j.readme("paratrain doctor --hang runs/stuck").stdout.splitlines()
+    lines = j.doc("paratrain doctor --hang runs/stuck").stdout.splitlines()
     assert lines[0] == "hang records of runs/stuck: 3 of 4 ranks (at step 4); none from rank 1"
     behind = [line for line in lines if " is behind" in line]
     assert len(behind) == 1 and behind[0].startswith("rank 1 is behind: rank") and "all_gather #" in behind[0]
@@ -573,12 +592,12 @@ def test_journey_troubleshooting(journey):
     assert sorted(int(line.split()[1]) for line in lines if line.startswith("  rank ")) == [0, 2, 3]
 
     # the 70B plan for 64 nodes, built here
-    j.readme("paratrain plan --model llama3-70b --gpus 512 --gpu H100 --seq 8192 --global-batch-tokens 8388608")
+    j.doc("paratrain plan --model llama3-70b --gpus 512 --gpu H100 --seq 8192 --global-batch-tokens 8388608")
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = j.readme("paratrain train --dry-run --world 512 --config plan/config.toml").stdout
+    out = j.doc("paratrain train --dry-run --world 512 --config plan/config.toml").stdout
     spent = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert spent.ru_utime + spent.ru_stime - cpu.ru_utime - cpu.ru_stime < 60, out
     assert "on 512 ranks" in out and "agree within 1% on every rank built" in out
     assert re.findall(r"^ +(\d+) \| pp=(\d) ", out, re.M) == [("0", "0"), ("128", "1"), ("256", "2"), ("384", "3")]
-    out = j.readme("paratrain plan ... --check", before=shlex.split(PLAN)[2:], after=["--out", "plan-check"]).stdout
+    out = j.doc("paratrain plan ... --check", before=shlex.split(PLAN)[2:], after=["--out", "plan-check"]).stdout
     assert "agree within 1% on every rank built" in out

@@ -15,8 +15,8 @@ from paratrain.layout import CONFIG_KEYS, Layout
 from paratrain.layout_grammar import FLAGS, LAYOUT_KEYS, layout_name, parse_layout_name
 from paratrain.modes import (CHECKPOINT_MODES, PRECISIONS, SCHEDULES, checkpointing_label, dtype_name,
                              parse_checkpointing_label, torch_schedule_name)
-from paratrain.planner import context_from_argv
-from paratrain.planner.search import candidates, parse_layout
+from paratrain.commands.plan import context_from_argv
+from paratrain.estimate.search import candidates, parse_layout
 
 PLANS = {  # (plan arguments, items its layouts' names hold): hsdp replicas, cp, tp, pipelines with v=3, experts
     "dense": (["--model", "llama3-8b", "--gpus", "32", "--gpu", "H100", "--seq", "8192", "--global-batch-tokens",

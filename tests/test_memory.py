@@ -1,4 +1,4 @@
-"""The memory tiers (paratrain/memory.py, README "Memory tiers"): each is an exact transformation of the step, so its
+"""The memory tiers (paratrain/memory.py, docs/memory-tiers.md): each is an exact transformation of the step, so its
 `paratrain verify` rows match one process at 1e-5; their rules and one-line refusals."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Layout
-from paratrain.memory import AUTO_LOSS_CHUNKS, check_offload, loss_chunks
+from paratrain.memory import AUTO_LOSS_CHUNKS, AUTO_LOSS_MIN_BYTES, MemoryTiers, check_offload, loss_chunks
 from paratrain.modes import offloaded_blocks
 from paratrain.verify import MEMORY_MATRIX
 
@@ -46,12 +46,41 @@ def test_chunked_loss_is_the_whole_loss_and_its_gradients():
 
 def test_loss_chunks_rules():
     plain, pipeline = Layout.resolve(1), Layout.resolve(2, pp=2)
-    assert loss_chunks(0, plain, "fp32") == AUTO_LOSS_CHUNKS  # exact: on by default
-    assert loss_chunks(0, plain, "bf16") == 1  # the output weight's gradient would be summed in bf16
-    assert loss_chunks(4, plain, "bf16") == 4
-    assert loss_chunks(0, pipeline, "fp32") == 1
+    big = dict(vocab_size=128256, tokens=8192)  # Llama 3's vocabulary, one 8k sequence: 4 GiB of fp32 logits
+    small = dict(vocab_size=128, tokens=12 * 64)  # the default recipe's: 384 KiB
+    assert loss_chunks(0, plain, "fp32", **big) == AUTO_LOSS_CHUNKS  # exact, and the logits are big: on
+    assert loss_chunks(0, plain, "fp32", **small) == 1  # tiny logits: the pieces would cost more than they save
+    assert loss_chunks(0, plain, "bf16", **big) == 1  # the output weight's gradient would be summed in bf16
+    assert loss_chunks(4, plain, "bf16", **small) == 4  # asked for: always
+    assert loss_chunks(0, pipeline, "fp32", **big) == 1
     with pytest.raises(ConfigError, match="memory.loss_chunks=4 does not work with parallel.pp > 1"):
-        loss_chunks(4, pipeline, "fp32")
+        loss_chunks(4, pipeline, "fp32", **big)
+    # the threshold is on one rank's logits: context parallelism cuts the tokens, a vocabulary-parallel loss the vocab
+    edge = dict(vocab_size=1024, tokens=AUTO_LOSS_MIN_BYTES // (1024 * 4))
+    assert loss_chunks(0, plain, "fp32", **edge) == AUTO_LOSS_CHUNKS
+    assert loss_chunks(0, plain, "fp32", vocab_size=1024, tokens=edge["tokens"] - 1) == 1
+    assert loss_chunks(0, Layout.resolve(2, cp=2), "fp32", **edge) == 1
+    assert loss_chunks(0, Layout.resolve(2, tp=2), "fp32", **edge) == 1
+    assert loss_chunks(0, Layout.resolve(2, tp=2), "fp32", vocab_size=1024, tokens=2 * edge["tokens"]) == AUTO_LOSS_CHUNKS
+
+
+def test_trainer_and_estimator_resolve_automatic_chunks_alike():
+    """The trainer resolves memory.loss_chunks=0 per micro-batch, the estimator from its recipe: the same rule."""
+    from paratrain.distributed.parallel_dims import ParallelDims
+    from paratrain.estimate import Target, inputs_for
+    from paratrain.estimate.inputs import validate
+    from paratrain.models.presets import preset_args
+    from paratrain.recipe import Recipe
+    from paratrain.training.step import build_train_step
+
+    for vocab, (mb, seq) in ((128, (12, 64)), (4096, (32, 256))):
+        args = preset_args("tiny", vocab_size=vocab)
+        step = build_train_step(args, ParallelDims(Layout.resolve(1)), torch.device("cpu"))
+        trainer = step.chunks_for(torch.zeros(mb, seq, dtype=torch.long))
+        recipe = Recipe(Layout.resolve(1), precision="fp32", micro_batch=mb, seq_len=seq,
+                        tiers=MemoryTiers(loss_chunks=0))  # memory.loss_chunks=0, the default: automatic
+        estimated = validate(inputs_for(args, recipe, Target(device="cpu"))).recipe.tiers.loss_chunks
+        assert trainer == estimated == (1 if vocab == 128 else AUTO_LOSS_CHUNKS), (vocab, trainer, estimated)
 
 
 def test_offload_rules():
@@ -171,26 +200,28 @@ def test_estimate_names_a_tier_that_fits_on_the_same_gpus():
     """The issue's case: llama3-8b on 4 x RTX4090 at 4096 tokens does not fit; the suggestion keeps the 4 GPUs and
     names its tier, device and host memory per rank and predicted slowdown; CPU offload puts the model states on
     the host (device and host totals apart), and a node too small for them is refused."""
-    from paratrain.estimate import EstimateInputs, estimate
+    from paratrain.estimate import Target, estimate, inputs_for
+    from paratrain.recipe import Recipe
     from paratrain.estimate.gpus import GiB
     from paratrain.models.presets import preset_args
 
     args = preset_args("llama3-8b")
-    asked = EstimateInputs(args, Layout.resolve(4, dp_mode="fsdp"), gpu_name="RTX4090", gpu_bytes=24 * GiB,
-                           micro_batch=1, seq_len=4096)
+    asked = inputs_for(args, Recipe(Layout.resolve(4, dp_mode="fsdp"), micro_batch=1, seq_len=4096),
+                       Target(gpu_name="RTX4090", gpu_bytes=24 * GiB))
     est = estimate(asked)
     assert est.fits is False and est.suggestion["inputs"]["world_size"] == 4
     best = est.suggestion
     assert best["slowdown"] > 1 and best["total_bytes"] <= 0.9 * 24 * GiB
     tier = best["inputs"]
     assert tier["loss_chunks"] > 1 or tier["activation_offload"] != "none" or tier["cpu_offload"]
-    plain = estimate(asked.replace(checkpointing="full"), suggest=False)
-    off = estimate(asked.replace(checkpointing="full", cpu_offload=True), suggest=False)
+    plain = estimate(asked.with_recipe(checkpointing="full"), suggest=False)
+    off = estimate(asked.with_recipe(checkpointing="full", cpu_offload=True), suggest=False)
     assert off.host["optimizer"] == plain.at_peak["optimizer"] and off.at_peak.get("optimizer", 0) == 0
     rope = off.at_peak["parameters"]  # the device keeps the rotary tables (buffers)
     assert off.host["parameters"] + rope == plain.at_peak["parameters"] and rope < 0.001 * plain.at_peak["parameters"]
     assert off.fits and off.host_node_bytes == 4 * off.host_bytes
-    small = estimate(asked.replace(checkpointing="full", cpu_offload=True, host_bytes=64 * GiB), suggest=False)
+    small = estimate(asked.with_recipe(checkpointing="full", cpu_offload=True).with_target(host_bytes=64 * GiB),
+                     suggest=False)
     assert small.host_fits is False and small.fits is False
 
 
@@ -198,8 +229,8 @@ def test_plan_reaches_for_the_tiers_and_writes_them(tmp_path):
     """Nothing fits 4 x RTX4090 for llama3-8b without a tier: the plan names one, predicts its PCIe copies and host
     optimizer step, and its config loads as `paratrain train --config` would read it."""
     from paratrain.config import load_config
-    from paratrain.planner.cli import context_from_argv, write_outputs
-    from paratrain.planner.search import plan
+    from paratrain.commands.plan import context_from_argv, write_outputs
+    from paratrain.estimate.search import plan
     from paratrain.spec import check
 
     ctx, world, opts, base = context_from_argv(["--model", "llama3-8b", "--gpus", "4", "--gpus-per-node", "4", "--gpu",

@@ -33,9 +33,9 @@ def test_estimator_and_planner_read_the_entry():
     from paratrain.layout import Layout
     from paratrain.models.args import ModelArgs
     from paratrain.models.presets import count_params
-    from paratrain.planner import context_from_argv
-    from paratrain.planner.cli import config_for
-    from paratrain.planner.cost import Candidate, predict
+    from paratrain.commands.plan import context_from_argv
+    from paratrain.commands.plan import config_for
+    from paratrain.estimate.step_time import Candidate, predict
 
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden=128, max_seq_len=64)
     n, tensors = count_params(args), len(model_params(args))
@@ -165,15 +165,17 @@ def test_momentum_schedules():
 def test_onebit_in_the_estimator_and_the_planner():
     """The estimate counts the moments (0/1 Adam: and its accumulator), the step counts and both residuals; the plan
     predicts each phase and ranks by the compressed one, whose bytes are 1-bit Adam's ~1/32."""
-    from paratrain.estimate import EstimateInputs, estimate
+    from paratrain.estimate import Target, estimate, inputs_for
+    from paratrain.memory import MemoryTiers
+    from paratrain.recipe import Recipe
     from paratrain.estimate.compression import compression_cost
     from paratrain.modes import Compression
     from paratrain.estimate.model_states import model_params, state_bytes
     from paratrain.layout import Layout
     from paratrain.models.args import ModelArgs
     from paratrain.models.presets import count_params
-    from paratrain.planner import context_from_argv
-    from paratrain.planner.cost import Candidate, predict
+    from paratrain.commands.plan import context_from_argv
+    from paratrain.estimate.step_time import Candidate, predict
 
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden=128, max_seq_len=64)
     n, tensors = count_params(args), len(model_params(args))
@@ -181,7 +183,8 @@ def test_onebit_in_the_estimator_and_the_planner():
     assert state_bytes(args, ddp, "fp32", "onebit_adam", "paratrain").optimizer == 8 * n + 8 * tensors
     assert state_bytes(args, ddp, "fp32", "zero_one_adam", "paratrain").optimizer == 12 * n + 12 * tensors
     residuals = compression_cost(Compression("sign_ef"), [q.shape for q in model_params(args)], 4).state_bytes
-    est = estimate(EstimateInputs(args, ddp, precision="fp32", optimizer="onebit_adam", seq_len=64, device="cpu"),
+    est = estimate(inputs_for(args, Recipe(ddp, precision="fp32", optimizer="onebit_adam", seq_len=64,
+                                     tiers=MemoryTiers(loss_chunks=0)), Target(device="cpu")),
                    suggest=False)
     assert est.sizes["compression"] == residuals >= 4 * n + math.ceil(4 * n / 4)  # worker + server (per piece)
     with pytest.raises(UserError, match="--grad-compression must be none"):

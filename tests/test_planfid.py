@@ -24,7 +24,7 @@ def test_pipeline_memory_and_fsdp_gathers_match_the_trainer():
     once per step, as Layout.fsdp_all_gathers says and the estimator and the cost model count."""
     from paratrain.config import ParallelConfig
     from paratrain.estimate import estimate
-    from paratrain.estimate.measure import MeasureSpec, inputs_for_spec, measure
+    from memory_measure import MeasureSpec, inputs_for_spec, measure  # bench/ (tests/conftest.py)
 
     parallel = ParallelConfig(dp_mode="fsdp", pp=2, pp_schedule="1f1b", pp_microbatches=4)
     specs = [MeasureSpec(model=MODEL, parallel=parallel, micro_batch=1, seq_len=64, precision="bf16",
@@ -39,10 +39,11 @@ def test_pipeline_memory_and_fsdp_gathers_match_the_trainer():
 
 
 def test_cost_model_and_estimator_count_the_same_fsdp_gathers():
-    from paratrain.estimate import EstimateInputs, estimate
+    from paratrain.estimate import estimate, inputs_for
+    from paratrain.recipe import Recipe
     from paratrain.models import preset_args
-    from paratrain.planner.cost import Candidate, Context, predict
-    from paratrain.planner.hardware import gpu_profile
+    from paratrain.estimate.step_time import Candidate, Context, predict
+    from paratrain.estimate.hardware import gpu_profile
 
     args = preset_args("llama3-8b", vocab_size=128256)
     ctx = Context(args, 4096, 64, gpu_profile("H100"), 8)
@@ -55,8 +56,8 @@ def test_cost_model_and_estimator_count_the_same_fsdp_gathers():
         c = Candidate(lay, "full", 2, 1)
         pred = predict(c, Context(args, 4096, ctx.global_seqs, ctx.hw, 8))
         micro = lay.pp_microbatches if lay.pipelined else c.micro_steps(ctx)
-        est = estimate(EstimateInputs(args, lay, seq_len=4096, micro_batch=1, checkpointing="full",
-                                      accum_steps=1 if lay.pipelined else micro), suggest=False)
+        est = estimate(inputs_for(args, Recipe(lay, seq_len=4096, micro_batch=1, checkpointing="full",
+                                                 accum_steps=1 if lay.pipelined else micro)), suggest=False)
         assert pred.fsdp_all_gathers == est.fsdp_all_gathers > 0, (lay.short_name(), pred.fsdp_all_gathers,
                                                                    est.fsdp_all_gathers)
         if lay.pipelined:  # once per step per block and per stage root that holds parameters (embedding / head)
@@ -102,8 +103,8 @@ def test_schedule_orders_match_torch():
 
 def _tps(gpu, model, world, gseqs, lay, ac, mb, mode="eager", float8=False, seq=8192):
     from paratrain.models import preset_args
-    from paratrain.planner.cost import Candidate, Context, predict
-    from paratrain.planner.hardware import gpu_profile
+    from paratrain.estimate.step_time import Candidate, Context, predict
+    from paratrain.estimate.hardware import gpu_profile
 
     ctx = Context(preset_args(model, vocab_size=128256), seq, gseqs, gpu_profile(gpu), 8, "bf16", model, mode=mode,
                   float8=float8)
@@ -112,7 +113,7 @@ def _tps(gpu, model, world, gseqs, lay, ac, mb, mode="eager", float8=False, seq=
 
 def test_efficiency_model_matches_published_runs():
     """The datasheet profiles against the runs they were fitted to and one they were not (sources in
-    planner/hardware.py): torchtitan's Llama 3.1 8B FSDP on 8 H100 (x 989/912 for its 500 W parts) eager, compiled and
+    estimate/hardware.py): torchtitan's Llama 3.1 8B FSDP on 8 H100 (x 989/912 for its 500 W parts) eager, compiled and
     compiled with float8; Llama 3 8B and 70B FSDP on 64 A100; 70B FSDP x TP on 256 H100 (not fitted)."""
     fsdp8, fsdp64 = Layout.resolve(8, dp_mode="fsdp"), Layout.resolve(64, dp_mode="fsdp")
     h100 = 989 / 912
@@ -160,8 +161,8 @@ def test_plan_json_and_compile(tmp_path, capsys):
 def test_plan_for_8192_gpus_takes_under_10_seconds():
     import time
 
-    from paratrain.planner import context_from_argv
-    from paratrain.planner.search import plan
+    from paratrain.commands.plan import context_from_argv
+    from paratrain.estimate.search import plan
 
     start = time.process_time()  # CPU time: what the planner costs, whatever else shares the machine
     ctx, world, opts, _ = context_from_argv(["--model", "llama3-405b", "--gpus", "8192", "--gpu", "H100", "--seq",
@@ -178,7 +179,7 @@ def test_heterogeneous_plan_places_stages_by_speed_and_train_accepts_it(char_dat
 
     from paratrain.cli import main
     from paratrain.config import load_config
-    from paratrain.planner.profile import Hardware, Link
+    from paratrain.estimate.profile import Hardware, Link
 
     assert main(["plan", "--model", "llama3-8b", "--gpus", "8xH100,8xA100", "--seq", "4096",
                  "--global-batch-tokens", "1048576", "--json", "--no-write", "--top", "1"]) == 0

@@ -10,11 +10,12 @@ from paratrain.cli import main
 from paratrain.config import load_config
 from paratrain.errors import UserError
 from paratrain.layout import Layout
-from paratrain.planner import context_from_argv
-from paratrain.planner.cost import (Candidate, all_gather_time, all_reduce_time, bubble_fraction, p2p_time, predict)
-from paratrain.planner.hardware import fit_alpha_beta, gpu_profile, resolve_hardware
-from paratrain.planner.profile import Hardware, Link
-from paratrain.planner.search import candidates, explain, structural_reason
+from paratrain.commands.plan import context_from_argv
+from paratrain.estimate.step_time import (Candidate, all_gather_time, all_reduce_time, bubble_fraction, p2p_time, predict)
+from paratrain.calibration import fit_alpha_beta
+from paratrain.estimate.hardware import gpu_profile, resolve_hardware
+from paratrain.estimate.profile import Hardware, Link
+from paratrain.estimate.search import candidates, explain, structural_reason
 
 
 def ctx_for(*argv):
@@ -146,7 +147,7 @@ def test_explain_rejected_and_ranked():
 
 
 def test_calibrate_saves_a_profile_plans_can_use(tmp_path, capsys):
-    from paratrain.planner.hardware import calibrate
+    from paratrain.calibration import calibrate
 
     from paratrain.models import preset_args
 
@@ -248,8 +249,8 @@ def test_plan_and_estimate_of_its_config_agree_on_every_layout_field(argv, tmp_p
     import dataclasses
 
     from paratrain.layout import Batch
-    from paratrain.planner import write_outputs
-    from paratrain.planner.search import plan
+    from paratrain.commands.plan import write_outputs
+    from paratrain.estimate.search import plan
 
     ctx, world, opts, base = context_from_argv(argv)
     best = plan(ctx, world, opts, top=1).ranked[0]
@@ -319,7 +320,7 @@ def test_one_headroom_rule_for_estimate_and_plan(capsys):
     import dataclasses
 
     from paratrain.estimate.gpus import HEADROOM, fits
-    from paratrain.planner.search import evaluate, parse_layout
+    from paratrain.estimate.search import evaluate, parse_layout
 
     ctx, world, opts, _ = ctx_for(*PLAN_8B)
     assert opts.headroom == HEADROOM == 0.10
@@ -346,7 +347,7 @@ def test_one_headroom_rule_for_estimate_and_plan(capsys):
 def test_slurm_job_names_are_short_and_valid():
     import re
 
-    from paratrain.planner import job_name
+    from paratrain.commands.plan import job_name
 
     cases = {
         Layout.resolve(64, dp_mode="zero2", tp=4, pp=4, cp=2, pp_microbatches=256): "paratrain-pp4-zero2x2-cp2-tp4",
@@ -382,7 +383,7 @@ def test_predictions_follow_a_changed_context_sharing_its_cache():
     """dataclasses.replace(ctx, ...) shares ctx.cache: the cached per-shape terms are keyed by what they read."""
     import dataclasses
 
-    from paratrain.planner.cost import Context
+    from paratrain.estimate.step_time import Context
 
     ctx, world, opts, _ = ctx_for("--model", "llama3-8b", "--gpus", "16", "--gpu", "H100", "--seq", "4096")
     cands = [c for c in candidates(ctx, world, opts) if structural_reason(c, ctx) is None][::37]

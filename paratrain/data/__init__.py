@@ -12,7 +12,7 @@ DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "assets" / "tinyshakes
 
 _WHERE = {
     "Tokenizer": "tokenizers", "load_tokenizer": "tokenizers",
-    "choose_dtype": "prepare", "ensure_prepared": "prepare", "main_prepare": "prepare", "prepare_dataset": "prepare",
+    "choose_dtype": "prepare", "ensure_prepared": "prepare", "prepare_dataset": "prepare",
     "read_meta": "prepare",
     "TokenData": "loader",
     "parse_sources": "mixture",

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from paratrain.data.tokenizers import token_name
 from paratrain.errors import UserError, one_line
 
 LOSS_ON = ("assistant", "last", "all")
@@ -107,8 +108,6 @@ def _read_text(path: Path) -> str:
 
 def special_token_texts(tokenizer_file: Path) -> dict[str, str]:
     """The special tokens a template sees by name (bos_token, eos_token, ...), from tokenizer_config.json."""
-    from paratrain.data.tokenizers import token_name
-
     config = tokenizer_config(tokenizer_file)
     names = {key: token_name(config.get(key)) for key in SPECIAL_TOKEN_KEYS}
     return {key: value for key, value in names.items() if value is not None}

@@ -31,7 +31,6 @@ import os
 import re
 import shutil
 import socket
-import sys
 import tempfile
 import time
 from collections import deque
@@ -39,10 +38,12 @@ from pathlib import Path
 
 import numpy as np
 
-from paratrain.errors import OneLineArgumentParser, UserError, one_line
+from paratrain.data.chat import chat_encoder, write_conversations
 from paratrain.data.sources import resolve_inputs
-from paratrain.files import atomic_dir
 from paratrain.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, from_spec
+from paratrain.data.tokenizers import meta_problem as tokenizer_problem
+from paratrain.errors import UserError, one_line
+from paratrain.files import atomic_dir, holds
 
 FORMAT = "paratrain-shards-1"
 SPLITS = ("train", "val")
@@ -355,8 +356,6 @@ def max_workers() -> int:
 
 def _check_keeps_inputs(out_dir: Path, sources, val_sources) -> None:
     """Replacing out_dir must never delete what this prepare reads: an input file or folder inside it."""
-    from paratrain.preflight import holds
-
     for flag, group in (("--input", sources), ("--val-input", val_sources)):
         for s in group:
             if holds(out_dir, s.path):
@@ -473,8 +472,6 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
     tmp = _claim_partial(out_dir, echo)
     encoder = None
     if chat:
-        from paratrain.data.chat import chat_encoder, write_conversations
-
         encoder = chat_encoder(tok, tok_path, chat_template, loss_on)
     with atomic_dir(tmp, out_dir):  # the dataset appears whole, or not at all (an old one stays until then)
         start = time.perf_counter()
@@ -568,8 +565,6 @@ def read_meta(data_dir) -> dict:
 def meta_problem(meta: dict) -> str | None:
     """What is wrong with a prepared dataset's index, naming the field: the tokenizer fields, the dtype against the
     vocabulary, and per split its shards (file names inside the folder, token and document counts that add up)."""
-    from paratrain.data.tokenizers import meta_problem as tokenizer_problem
-
     problem = tokenizer_problem(meta)
     if problem:
         return problem
@@ -700,44 +695,3 @@ def _same_corpus(meta: dict, source) -> bool:
         return True  # same files, sizes and modification times
     return meta.get("source_sha256") == source_checksum(source)
 
-
-def main_prepare(argv) -> int:
-    p = OneLineArgumentParser(prog="paratrain prepare", description="Tokenize a corpus into a folder of token shards.")
-    p.add_argument("--input", required=True, action="append",
-                   help="a file (.txt .jsonl .jsonl.gz .jsonl.zst .parquet), a folder (searched recursively, or one "
-                        "written by datasets' save_to_disk), or a quoted glob pattern; may be repeated")
-    p.add_argument("--out", required=True, help="dataset folder to create")
-    p.add_argument("--tokenizer", default="char", help="byte, char, bpe, or a path to an existing tokenizer.json")
-    p.add_argument("--vocab-size", type=int, default=None, help="vocab size for --tokenizer bpe (>= 257)")
-    p.add_argument("--sample-mb", type=float, default=DEFAULT_SAMPLE_MB,
-                   help="text sampled (spread over the input files) to train --tokenizer bpe on")
-    p.add_argument("--text-field", default="text", help="JSON field / parquet column holding the document text")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="fraction of documents held out for validation")
-    p.add_argument("--val-input", action="append", default=None, help="validation documents instead of --val-fraction")
-    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: the machine's cores, or this "
-                                                              "process for an input under 4 MB; 0: this process)")
-    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file at most")
-    p.add_argument("--dtype", choices=["uint16", "uint32"], default=None, help="token dtype (default: by vocab size)")
-    p.add_argument("--chat", action="store_true", help="every line is a conversation (\"messages\", or \"prompt\" and "
-                   "\"completion\"), rendered with the tokenizer's chat template, with a loss mask")
-    p.add_argument("--chat-template", default=None, help="a .jinja chat template instead of the tokenizer's own")
-    p.add_argument("--loss-on", choices=["assistant", "last", "all"], default="assistant",
-                   help="chat data: the tokens that are targets (assistant turns, the last one, or all)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
-    a = p.parse_args(argv)
-    echo = (lambda *_: None) if a.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    meta = prepare_dataset(a.input if len(a.input) > 1 else a.input[0], a.out, tokenizer=a.tokenizer,
-                           vocab_size=a.vocab_size, val_fraction=a.val_fraction, dtype=a.dtype, overwrite=a.overwrite,
-                           val_input=a.val_input, text_field=a.text_field, workers=a.workers,
-                           shard_tokens=a.shard_tokens, sample_mb=a.sample_mb, echo=echo, chat=a.chat,
-                           chat_template=a.chat_template, loss_on=a.loss_on)
-    n_shards = sum(len(meta["splits"][s]["shards"]) for s in SPLITS)
-    print(f"prepared {a.out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
-          f"({meta['train_documents']:,} + {meta['val_documents']:,} documents, {n_shards} shards), "
-          f"{meta['tokenizer']} tokenizer, vocab {meta['vocab_size']:,}, {meta['dtype']}, {meta['seconds']:.1f}s")
-    if a.chat:
-        c = meta["chat"]
-        print(f"chat: {c['conversations']:,} conversations ({c['instructions']:,} prompt/completion), "
-              f"{c['target_tokens']:,} target tokens (--loss-on {c['loss_on']}), template {c['template']}")
-    return 0

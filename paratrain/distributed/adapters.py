@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from paratrain.models.lora import LoRALinear
 
@@ -19,8 +20,6 @@ from paratrain.models.lora import LoRALinear
 @contextlib.contextmanager
 def adapters_aside(block: nn.Module, tp_mesh):
     """Apply a tensor-parallel plan to `block` inside this; its adapters come back split with their weights."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
     held = [(m, m._parameters.pop("lora_a"), m._parameters.pop("lora_b"))
             for m in block.modules() if isinstance(m, LoRALinear)]
     yield

@@ -42,11 +42,15 @@ from __future__ import annotations
 import threading
 import zlib
 
+from torch import nn
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
+from paratrain.config import ParallelConfig
 from paratrain.distributed.initialize import canonical_name
+from paratrain.distributed.tensors import local_tensor
 from paratrain.estimate.compression import powersgd_matrix
 from paratrain.layout import grad_compression_site
 from paratrain.modes import Compression, CompressionSite
@@ -256,8 +260,6 @@ class PowerSGD:
     """torch's powerSGD_hook, with its error feedback and warm-start Q matrices kept per parameter."""
 
     def __init__(self, group, rank: int, warmup_steps: int, seed: int, meter: CommMeter):
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-
         self.ps, self.group, self.meter, self.seed = ps, group, meter, seed
         self.p = dist.get_world_size(group)
         self.state = ps.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
@@ -370,8 +372,6 @@ class GradComm:
     @classmethod
     def default(cls, dims, device: torch.device, ddp_bucket_mb: float = 25.0) -> "GradComm":
         """The `[parallel]` defaults: no compression, FSDP2's own prefetching (the memory harness and benches)."""
-        from paratrain.config import ParallelConfig
-
         return cls(ParallelConfig(ddp_bucket_mb=ddp_bucket_mb), dims, device)
 
     # -- FSDP -----------------------------------------------------------------------------------------------------
@@ -437,8 +437,6 @@ class GradComm:
         names = {id(q): canonical_name(n) for n, q in ddp.module.named_parameters()}
         meter, sync = self.meter, self.device.type == "cpu"
         if self.compression.casts_to_bf16:
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-
             def hook(state, bucket):
                 n = bucket.buffer().numel()
                 meter.add(all_reduce_wire(2 * n, p), all_reduce_wire(4 * n, p))
@@ -467,8 +465,6 @@ class GradComm:
     # -- per step -------------------------------------------------------------------------------------------------
     def prepare(self) -> None:
         """The bytes of the reductions no hook counts, from the gradient sizes (after the model is laid out)."""
-        from paratrain.distributed.tensors import local_tensor
-
         lay = self.layout
         if lay.dp == 1:
             return

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+from torch.distributed import distributed_c10d
 import torch.distributed as dist
 
 from paratrain.errors import ConfigError
@@ -67,8 +68,6 @@ def init_process_group(device: torch.device, timeout_s: float, host_collectives:
     os.environ.setdefault(HISTORY_ENV, str(COLLECTIVE_HISTORY))
     # Groups made later (the mesh's sub-groups, new_group) take torch's default timeout (30 min on gloo, 10 on NCCL),
     # not this group's: make it the run's, so a stuck rank ends the run whichever group it blocks.
-    from torch.distributed import distributed_c10d
-
     distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -93,8 +92,6 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 600.0,
 
 def default_store():
     """The process group's key-value store (under a launcher, the launcher's: it outlives any rank)."""
-    from torch.distributed import distributed_c10d
-
     return distributed_c10d._get_default_store()
 
 

@@ -22,9 +22,11 @@ experts module computes with the local shard).
 
 from __future__ import annotations
 
+from torch import nn
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from paratrain.models.moe import moe_modules
 
@@ -109,8 +111,6 @@ def distribute_experts(model: nn.Module, dims):
     tokens with all-to-all when ep > 1. Call on the meta-device model, after tensor parallelism and before
     FSDP; initialisation later fills each rank's shard. Returns the mesh FSDP shards the experts over
     (None when ep == 1: the experts are then sharded with their block)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
     layout = dims.layout
     moes = moe_modules(model)
     if not moes or not (layout.ep_enabled or layout.tp_enabled):
@@ -141,8 +141,6 @@ def shard_experts(model: nn.Module, expert_dp_mesh, policies: dict, reshard: boo
     """FSDP for the expert weights over the ranks that hold the same experts (averaging their gradients);
     call before the blocks' fully_shard so the blocks leave the experts out. `policies`: fully_shard's mixed
     precision and offload policies."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard
 
     for moe in moe_modules(model):
         # Shard the hidden dimension: dim 0 is already split over ep and may have fewer rows than ranks.

@@ -79,8 +79,10 @@ def classify(error: BaseException, collective_timeout_s: float, run_dir=None) ->
 def _store():
     """The process group's store with a short timeout, or None (no group yet, or it is gone)."""
     try:
+        # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
         import torch.distributed as dist
 
+        # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
         from paratrain.distributed.env import default_store
 
         if not dist.is_initialized():

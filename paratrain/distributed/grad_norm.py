@@ -13,6 +13,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
@@ -21,8 +22,6 @@ def clip_grad_norm(parameters, max_norm: float, pp_group=None, replica_group=Non
     tensor (never read on the host here). `replica_group`: ranks whose gradients differ (each kept its own, as 1-bit
     Adam does after its warm-up): the norm is the root mean square of theirs, the same on every rank (a non-finite
     gradient anywhere makes it non-finite everywhere, so every rank skips that update), and clips each alike."""
-    from torch.distributed.tensor import DTensor
-
     grads = [p.grad for p in parameters if p.grad is not None]
     sharded = [g for g in grads if isinstance(g, DTensor)]
     plain = [g for g in grads if not isinstance(g, DTensor)]

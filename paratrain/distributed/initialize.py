@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import zlib
 
-import torch
 from torch import nn
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 # Prefixes that wrappers (activation checkpointing, torch.compile, DDP) add to parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
@@ -41,8 +42,6 @@ def init_weights(model: nn.Module, seed: int, std_for=None, device: torch.device
     device type: parameters offloaded to host memory are drawn on the training device like everyone else's); None:
     each parameter's own.
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     std_for = std_for or model.param_init_std  # the model says what each parameter's distribution is
     seen: set[int] = set()
     for raw_name, param in model.named_parameters():

@@ -22,6 +22,7 @@ from paratrain.errors import UserError
 # is initialised by importing), so forking it is safe where forking the launcher (threads: the rendezvous store)
 # would not be.
 START_METHOD = "forkserver"
+ATTEMPT_ENV = "PARATRAIN_ATTEMPT"  # set for the ranks: 0 for the first launch, 1.. for restarts
 # rank_server: the forkserver outlives a SIGTERM to the job; torch._dynamo: torch imports it on a model's first
 # initialisation (~1 s). A caller adds what its ranks import (`launch(preload=...)`: the trainer's modules).
 PRELOAD = ("paratrain.distributed.rank_server", "torch._dynamo")
@@ -98,9 +99,8 @@ def launch(entrypoint, args: tuple, nproc: int, max_restarts: int = 0, grace_s: 
     SIGTERM to this process (a scheduler stopping the job) is passed on to the ranks, which save and exit; the
     launcher waits at most `grace_s` seconds for them, then kills them (torch elastic would wait 30 s).
     """
+    # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from paratrain.faults import ATTEMPT_ENV
 
     with SigtermRelay(grace_s) as relay:
         for attempt in range(max_restarts + 1):
@@ -145,6 +145,7 @@ def _describe(failures: dict, nproc: int) -> str:
 
 
 def _launch_once(entrypoint, args: tuple, nproc: int, grace_s: float, preload: tuple[str, ...]):
+    # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # N ranks on one host must not each take every core

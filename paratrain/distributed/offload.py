@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import weakref
 
-import torch
 from torch import nn
+import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from paratrain.memory import MIN_OFFLOAD_BYTES
@@ -33,8 +35,6 @@ from paratrain.memory import MIN_OFFLOAD_BYTES
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor holding t's data: a DTensor's local shard, the result of an asynchronous collective (sequence
     parallelism's all-gathers), or t."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
     local = t._local_tensor if hasattr(t, "_local_tensor") else t
     return local.wait() if isinstance(local, AsyncCollectiveTensor) else local
 
@@ -149,7 +149,6 @@ class ActivationOffloader:
         local = base.as_strided(packed.shape, packed.stride, packed.offset)
         if packed.spec is None:
             return local
-        from torch.distributed.tensor import DTensor
 
         mesh, placements, shape, stride = packed.spec
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)

@@ -40,6 +40,7 @@ class ParallelDims:
         axes = layout.mesh_axes()
         if not axes:
             return cls(layout)
+        # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, tuple(s for _, s in axes), mesh_dim_names=tuple(n for n, _ in axes))
@@ -96,6 +97,7 @@ class ParallelDims:
             return self.mesh[("dp_replicate", "dp_shard") if self.layout.hybrid else "dp_shard"]
         if not self.layout.hybrid:
             return self.shard_mesh
+        # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
         from torch.distributed.device_mesh import DeviceMesh
 
         return DeviceMesh._concatenate([self.mesh["dp_replicate"], self.shard_mesh])

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 from torch import nn
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import CheckpointPolicy, SAC_IGNORED_OPS, create_selective_checkpoint_contexts
 
 from paratrain.config import ActivationCheckpointConfig, MemoryConfig
-from paratrain.distributed.context_parallel import apply_context_parallel, context_for
 from paratrain.distributed.compression import GradComm
+from paratrain.distributed.context_parallel import apply_context_parallel, attention_modules, context_for
 from paratrain.distributed.expert_parallel import distribute_experts, shard_experts
 from paratrain.distributed.initialize import init_weights
 from paratrain.distributed.offload import apply_activation_offload
@@ -50,8 +54,6 @@ class SequenceParallelSampler(nn.Module):
 
 def _selective_policy(ctx, op, *args, **kwargs):
     """Keep matmul and attention outputs (expensive to recompute); recompute cheap element-wise ops."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -75,8 +77,6 @@ def _sac_ignore_profiler_ops() -> None:
     """FSDP's hooks on a module inside a checkpointed block (the experts under expert parallelism) open
     profiler ranges a different number of times in the forward and in the recompute; they compute nothing,
     so selective checkpointing should not count them (torch keeps such ops in SAC_IGNORED_OPS)."""
-    from torch.utils.checkpoint import SAC_IGNORED_OPS
-
     profiler = torch.ops.profiler
     SAC_IGNORED_OPS.update({profiler._record_function_enter_new.default, profiler._record_function_enter.default,
                             profiler._record_function_exit.default, profiler._record_function_exit._RecordFunction})
@@ -85,8 +85,6 @@ def _sac_ignore_profiler_ops() -> None:
 def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
     if not recomputes(cfg.mode):
         return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     if selective(cfg.mode):
         _sac_ignore_profiler_ops()
@@ -111,8 +109,6 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_m
                comm: GradComm | None = None, cpu_offload: bool = False, device: torch.device | None = None) -> None:
     """cpu_offload: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and so the optimizer state in host memory,
     pinned on CUDA; each group's shards are copied to `device` for its all-gather, its gradient shards back)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
     comm = comm or GradComm.default(dims, torch.device("cpu"))
     # Gradients are reduced in fp32, or in bf16 with parallel.grad_compression=bf16.
     mp = MixedPrecisionPolicy(param_dtype=torch_dtype(precision), reduce_dtype=comm.reduce_dtype)
@@ -140,8 +136,6 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
 
 
 def _whole_length(layout):
-    from paratrain.distributed.context_parallel import attention_modules
-
     def hook(module, args, kwargs):
         shards = layout.tp if layout.sp and module.tok_embeddings is None else 1
         attentions = attention_modules([module])
@@ -197,8 +191,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
     if device.type != "meta":  # a dry run (`paratrain train --dry-run`) keeps the laid-out model on meta: no values
         init_weights(model, seed, device=device)  # drawn on the device whatever holds them: the same values
     if layout.uses_ddp:
-        from torch.nn.parallel import DistributedDataParallel
-
         model = DistributedDataParallel(model, process_group=dims.dp_group, bucket_cap_mb=comm.bucket_mb,
                                         device_ids=[device.index] if device.type == "cuda" else None)
         comm.attach_ddp(model)  # the compression hook, if any

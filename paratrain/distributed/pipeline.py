@@ -16,11 +16,15 @@ import copy
 import time
 from dataclasses import dataclass
 
+from torch import nn
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch.distributed.pipelining import PipelineStage, schedules as S
 
+from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.tensors import full_tensor, right_pad
+from paratrain.errors import UserError
+from paratrain.estimate.gpus import gpu_from_device_name, gpu_memory
 from paratrain.layout import Layout
 from paratrain.modes import multi_stage, torch_schedule_name
 
@@ -196,8 +200,6 @@ def check_stage_gpu(expected: list[str], pp_rank: int, device: torch.device) -> 
     the plan's would put the large stages on the slow GPUs). CPU ranks are not checked."""
     if not expected or device.type != "cuda":
         return
-    from paratrain.errors import UserError
-    from paratrain.estimate.gpus import gpu_from_device_name, gpu_memory
 
     want = expected[pp_rank]
     name = torch.cuda.get_device_name(device)
@@ -250,10 +252,6 @@ def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str
     """Cut the meta-device `model` into this rank's stages, lay each out with `parallelize` (with `lora`'s
     adapters and `memory`'s tiers), wrap them and build the schedule. `loss_fn(logits, targets)` is the last stage's
     loss per microbatch."""
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining import schedules as S
-
-    from paratrain.distributed.parallelize import parallelize
 
     layout = dims.layout
     pp_rank, group = dims.pp_rank, dims.pp_group

@@ -10,6 +10,12 @@ norms and residual stream are sharded along the sequence (Shard(1)) and gathered
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput
+from torch.distributed.tensor.parallel import SequenceParallel
+from torch.distributed.tensor.parallel import parallelize_module
 
 from paratrain.distributed.adapters import adapters_aside
 from paratrain.models.registry import family_of, parameters
@@ -22,8 +28,6 @@ def replicated_style():
     """Without sequence parallelism the norms see whole activations (and an MoE router always does); still
     make their weights replicated DTensors, so every parameter is a DTensor and gradient scaling/clipping
     never mixes the two kinds."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
-    from torch.distributed.tensor.parallel import ParallelStyle
 
     class ReplicateParallel(ParallelStyle):
         def _apply(self, module: nn.Module, mesh) -> nn.Module:
@@ -42,8 +46,6 @@ def gathered_sequence_parallel():
     """The final norm under sequence parallelism: sequence-sharded like every norm, its output all-gathered to the
     whole sequences once (the gather the output projection needs anyway), so a chunked loss cuts its pieces from whole
     hidden states (slicing a sequence-sharded tensor would gather it again for every piece)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import SequenceParallel
 
     class GatheredSequenceParallel(SequenceParallel):
         @staticmethod
@@ -64,15 +66,11 @@ def module_roles(params) -> dict[str, str]:
 
 class _Styles:
     def __init__(self, sequence_parallel: bool, loss_parallel: bool):
-        from torch.distributed.tensor import Replicate, Shard
-
         self.sp, self.loss_parallel = sequence_parallel, loss_parallel
         self.residual = Shard(1) if sequence_parallel else Replicate()
 
     def of(self, role: str, sublayer_output):
         """The style of a module with this role; `sublayer_output`: the layout its sublayer hands back."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
         if role == "embedding":
             return RowwiseParallel(input_layouts=Replicate(), output_layouts=self.residual)
@@ -98,8 +96,6 @@ class _Styles:
 
     def sublayer(self, kind: str):
         """(the layout a rowwise projection inside hands back, the style preparing the sublayer's input or None)."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput
 
         if kind == "moe":
             # Mixture of experts: every tp rank routes all of its data-parallel rank's tokens (gathered along the
@@ -123,8 +119,6 @@ class _Styles:
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Lay out `model` (a whole model or a pipeline stage, before any other wrapping) over `tp_mesh` by the roles of
     its family's parameter table."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     args = model.args
     family, table = family_of(args), parameters(args)
     styles = _Styles(sequence_parallel, loss_parallel)

@@ -38,6 +38,9 @@ from paratrain.models.registry import family_of
 from paratrain.modes import (CompressionSite, block_checkpointing, low_precision, multi_stage, offload_stride,
                              offloaded_blocks, recomputes)
 from paratrain.optimizers import optimizer_entry
+from paratrain.estimate.report import format_table
+from paratrain.estimate.schedule import max_in_flight, rank_actions
+from paratrain.estimate.suggest import suggest_changes
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
 # not see): the CUDA context and kernels (~0.5-0.8 GiB with lazy module loading), cuBLAS/cuDNN workspaces and
@@ -79,12 +82,12 @@ class Estimate:
     @property
     def host_fits(self) -> bool | None:
         """Whether the node's host memory holds it (memory.HOST_HEADROOM kept free); None: --host-memory not given."""
-        limit = self.inputs.host_bytes
+        limit = self.inputs.target.host_bytes
         return None if limit is None else self.host_node_bytes <= usable_bytes(limit, HOST_HEADROOM)
 
     @property
     def host_limit_text(self) -> str:
-        return (f"limit {1 - HOST_HEADROOM:.0%} = {fmt_bytes(usable_bytes(self.inputs.host_bytes, HOST_HEADROOM))}: "
+        return (f"limit {1 - HOST_HEADROOM:.0%} = {fmt_bytes(usable_bytes(self.inputs.target.host_bytes, HOST_HEADROOM))}: "
                 "the rest for the OS, the data loaders and the ranks' processes")
 
     @property
@@ -93,19 +96,19 @@ class Estimate:
 
     @property
     def gpu_bytes(self) -> int | None:
-        return self.inputs.gpu_bytes
+        return self.inputs.target.gpu_bytes
 
     @property
     def usable_bytes(self) -> int | None:
         """The GPU's memory less the headroom (estimate.gpus.usable_bytes): the most a rank may use."""
-        return None if self.gpu_bytes is None else usable_bytes(self.gpu_bytes, self.inputs.headroom)
+        return None if self.gpu_bytes is None else usable_bytes(self.gpu_bytes, self.inputs.target.headroom)
 
     @property
     def fits(self) -> bool | None:
         """The device's memory holds it (and the host's, when --host-memory is given)."""
         if self.gpu_bytes is None:
             return None
-        return fits(self.total_bytes, self.gpu_bytes, self.inputs.headroom) and self.host_fits is not False
+        return fits(self.total_bytes, self.gpu_bytes, self.inputs.target.headroom) and self.host_fits is not False
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -118,14 +121,14 @@ class Estimate:
         return {
             "model": i.model_name, "parameters": sum(p.numel for p in model_params(i.model_args)),
             "active_parameters": count_active_params(i.model_args),
-            "trainable_parameters": sum(p.numel for p in model_params(i.model_args, i.lora) if p.trainable),
-            "lora": None if i.lora is None else i.lora.record(),
+            "trainable_parameters": sum(p.numel for p in model_params(i.model_args, i.recipe.lora) if p.trainable),
+            "lora": None if i.recipe.lora is None else i.recipe.lora.record(),
             "layout": {**dataclasses.asdict(lay), "world_size": lay.world_size, "description": lay.describe()},
-            "precision": i.precision, "accounting": i.accounting, "optimizer": i.optimizer,
-            "optimizer_impl": i.optimizer_impl, "checkpointing": i.checkpointing, "every_k": i.every_k,
-            "compression": dataclasses.asdict(i.compression),
-            "micro_batch": i.micro_batch, "seq_len": i.seq_len, "accum_steps": i.accum_steps,
-            "gpu": i.gpu_name, "gpu_bytes": i.gpu_bytes, "headroom_fraction": i.headroom,
+            "precision": i.recipe.precision, "accounting": i.accounting, "optimizer": i.recipe.optimizer,
+            "optimizer_impl": i.recipe.optimizer_impl, "checkpointing": i.recipe.checkpointing, "every_k": i.recipe.every_k,
+            "compression": dataclasses.asdict(i.recipe.compression),
+            "micro_batch": i.recipe.micro_batch, "seq_len": i.recipe.seq_len, "accum_steps": i.recipe.accum_steps,
+            "gpu": i.target.gpu_name, "gpu_bytes": i.target.gpu_bytes, "headroom_fraction": i.target.headroom,
             "usable_bytes": self.usable_bytes,
             "peak_phase": self.phase, "worst_stage": self.stage,
             "at_peak_bytes": self.at_peak, "size_bytes": self.sizes,
@@ -136,14 +139,20 @@ class Estimate:
             "stages": self.stages, "fsdp_all_gathers_per_step": self.fsdp_all_gathers,
             "suggestion": self.suggestion, "alternatives": self.alternatives,
             "host_bytes": self.host_bytes, "host_breakdown_bytes": self.host, "host_node_bytes": self.host_node_bytes,
-            "host_memory_bytes": i.host_bytes, "host_fits": self.host_fits,
-            "memory_tiers": {"loss_chunks": i.loss_chunks, "activation_offload": i.activation_offload,
-                             "activation_offload_every_k": i.offload_every_k, "cpu_offload": i.cpu_offload},
+            "host_memory_bytes": i.target.host_bytes, "host_fits": self.host_fits,
+            "memory_tiers": {"loss_chunks": i.recipe.tiers.loss_chunks, "activation_offload": i.recipe.tiers.activation_offload,
+                             "activation_offload_every_k": i.recipe.tiers.activation_offload_every_k, "cpu_offload": i.recipe.tiers.cpu_offload},
         }
+
+    def memory_line(self) -> str:
+        """Per rank on the device and in host memory, in one line: what the trainer's header, `paratrain estimate` and
+        `paratrain train --dry-run` all print for the same run."""
+        host = (f", host {fmt_bytes(self.host_bytes)} per rank ({fmt_bytes(self.host_node_bytes)} per node of "
+                f"{self.inputs.node_ranks})") if self.host else ""
+        return f"memory per rank: device {fmt_bytes(self.total_bytes)}{host}"
 
     def format_table(self, units: str = "GiB") -> str:
         """The table `paratrain estimate` prints (estimate/report.py)."""
-        from paratrain.estimate.report import format_table
 
         return format_table(self, units)
 
@@ -159,9 +168,9 @@ class Estimate:
 def _offload_plan(i: EstimateInputs, d: A.ActDims, modes: list[str], moe_of: dict, layers: list[int]):
     """Activation offloading on these blocks: bytes each moves to host (0: not offloaded), and which offloaded block
     each offloaded block's backward fetches ahead (the one `stride` below it, when this rank holds it)."""
-    chosen = set(offloaded_blocks(i.activation_offload, i.offload_every_k, i.model_args.n_layers)) & set(layers)
+    chosen = set(offloaded_blocks(i.recipe.tiers.activation_offload, i.recipe.tiers.activation_offload_every_k, i.model_args.n_layers)) & set(layers)
     moved = {l: A.offloaded(d, modes[l], moe_of.get(l)) if l in chosen else 0 for l in layers}
-    stride = offload_stride(i.activation_offload, i.offload_every_k)
+    stride = offload_stride(i.recipe.tiers.activation_offload, i.recipe.tiers.activation_offload_every_k)
     ahead_of = {l: l - stride for l in chosen if l - stride in chosen}
     return moved, ahead_of
 
@@ -177,7 +186,6 @@ def in_flight(layout: Layout, rank: int) -> float:
     its schedule's order of forwards and backwards (paratrain/estimate/schedule.py). 1 without a pipeline."""
     if layout.pp == 1:
         return 1.0
-    from paratrain.estimate.schedule import max_in_flight
 
     return max_in_flight(layout.pp_schedule, layout.pp, layout.pp_virtual, layout.pp_microbatches, rank)
 
@@ -263,20 +271,20 @@ class _Rank:
 
 def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers: list[int]) -> _Rank:
     args, lay = i.model_args, i.layout
-    st = state_bytes(args, lay, i.precision, i.optimizer, i.accounting, rank, layers_by_stage, i.lora)
-    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device, i.lora is not None,
-                   i.loss_chunks)
-    params = rank_params(args, lay, rank, layers_by_stage, i.lora)
+    st = state_bytes(args, lay, i.recipe.precision, i.recipe.optimizer, i.accounting, rank, layers_by_stage, i.recipe.lora)
+    d = A.act_dims(args, lay, i.recipe.precision, i.accounting, i.recipe.micro_batch, i.recipe.seq_len, i.target.device, i.recipe.lora is not None,
+                   i.recipe.tiers.loss_chunks)
+    params = rank_params(args, lay, rank, layers_by_stage, i.recipe.lora)
     by_layer = {l: [] for l in layers}
     for p in params:
         if p.layer is not None:
             by_layer[p.layer].append(p)
-    low = low_precision(i.precision)
+    low = low_precision(i.recipe.precision)
     classic = i.accounting == "classic" and low
     fsdp = lay.uses_fsdp and not (classic and lay.zero_stage == 2)
     pbytes = BF16 if (low and (fsdp or classic)) else FP32
     host = {}
-    if i.cpu_offload:  # FSDP2's CPUOffloadPolicy: the device keeps only what it gathers and computes with
+    if i.recipe.tiers.cpu_offload:  # FSDP2's CPUOffloadPolicy: the device keeps only what it gathers and computes with
         host = {"parameters": st.params, "gradients": st.grads, "optimizer": st.optimizer + st.master}
         st = dataclasses.replace(st, params=0, grads=0, optimizer=0, master=0)
     return _Rank(i, st, d, params, by_layer, [p for p in params if p.layer is None], classic, fsdp, pbytes, host)
@@ -318,8 +326,8 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     my_layers = layers_by_stage[0]
     r = _rank(i, 0, layers_by_stage, my_layers)
     st, d, by_layer, params = r.st, r.d, r.by_layer, r.params
-    moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if args.moe_experts else None
-    modes = block_checkpointing(i.checkpointing, args.n_layers, i.every_k)
+    moe = A.moe_dims(args, lay, i.recipe.micro_batch, i.recipe.seq_len, i.moe_imbalance) if args.moe_experts else None
+    modes = block_checkpointing(i.recipe.checkpointing, args.n_layers, i.recipe.every_k)
     moe_of = {l: (moe if args.is_moe_layer(l) else None) for l in my_layers}
     stored = {l: A.block_stored(d, modes[l], moe_of[l]) for l in my_layers}
     moved, ahead_of = _offload_plan(i, d, modes, moe_of, my_layers)
@@ -343,7 +351,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
 
     dw2 = r.ffn_output  # the first weight gradient of a block's backward
     grads_full = st.grads
-    accum = i.accum_steps
+    accum = i.recipe.accum_steps
     # Megatron/DeepSpeed allocate their gradient buffers up front (classic accounting): always live.
     g_prev = grads_full if (accum > 1 or classic) else 0
     # DDP's flat bucket buffers are a second copy of the gradients (gradient_as_bucket_view=False); classic
@@ -360,17 +368,17 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     loss_extra = A.loss_backward_extra(d, head_grad)
 
     # FSDP bookkeeping: unsharded bytes per block, root, reduce-scatter buffers.
-    site = grad_compression_site(lay, i.compression.method)
+    site = grad_compression_site(lay, i.recipe.compression.method)
     rbytes = BF16 if site is CompressionSite.REDUCE_DTYPE else FP32
     unsh = {l: _fsdp_bytes(by_layer[l], lay, pbytes, rbytes) for l in my_layers} if fsdp else {}
-    ahead = max(1, i.fsdp_backward_prefetch)  # blocks gathered ahead of the one in backward
+    ahead = max(1, i.recipe.fsdp_backward_prefetch)  # blocks gathered ahead of the one in backward
 
     def prefetched(idx):  # unsharded bytes of the blocks backward has gathered ahead of block my_layers[idx]
         return sum(unsh[my_layers[j]][0] for j in range(max(0, idx - ahead), idx))
 
     # Gradient compression (or the optimizer's own, 1-bit Adam's of the momenta): error feedback kept between steps;
     # the hook's temporaries (DDP: at the end of backward).
-    run_comp = optimizer_entry(i.optimizer).run_compression(i.compression)
+    run_comp = optimizer_entry(i.recipe.optimizer).run_compression(i.recipe.compression)
     comp_site = grad_compression_site(lay, run_comp.method)
     comp = None
     if comp_site.hooked:
@@ -465,7 +473,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
             # reduce-scatter input, the sharded output allocated (gloo also copies the input: CPU runs only).
             rs_in = unsh[l][1]
             rs_out = rs_in // lay.shard_degree
-            comm = (ddp_buckets + prefetched(idx) + rs_in + rs_out + (rs_in if i.device == "cpu" else 0) + root_unsh)
+            comm = (ddp_buckets + prefetched(idx) + rs_in + rs_out + (rs_in if i.target.device == "cpu" else 0) + root_unsh)
             if zero2:
                 comm += sum(unsh[m][0] for m in my_layers[:idx - 1] if idx > 1)
             add(f"reduce-scatter of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
@@ -477,7 +485,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
             rs_kept = unsh[l][1]
     # O: the optimizer step
     opt_temp = 0
-    if i.optimizer_impl != "fused" and optimizer_entry(i.optimizer).foreach_temporary:
+    if i.recipe.optimizer_impl != "fused" and optimizer_entry(i.recipe.optimizer).foreach_temporary:
         # _multi_tensor_adam: torch._foreach_sqrt(exp_avg_sqs) per parameter group (matrices, then norm gains)
         small = host_grad_bytes([p for p in params if len(p.shape) < 2])
         opt_temp = max(r.host.get("gradients", grads_full) - small, small) * (FP32 // gbytes)
@@ -489,7 +497,7 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
     if comp is not None and comp_site is CompressionSite.DDP_HOOK:  # the hook compresses the last bucket: all grads
         add("gradient compression (DDP hook)", **base, gradients=grads_full, comm_buffers=ddp_buckets,
             temporaries=comp.transient_bytes)
-    if comp is not None and run_comp is not i.compression:  # the optimizer compresses its momenta in its step
+    if comp is not None and run_comp is not i.recipe.compression:  # the optimizer compresses its momenta in its step
         opt_temp = max(opt_temp, comp.transient_bytes)
     add("optimizer step", **base, gradients=grads_full, comm_buffers=ddp_buckets, temporaries=opt_temp)
 
@@ -516,7 +524,6 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     under FSDP every block's gathered parameters and its gradients accumulated unsharded in fp32
     (`Layout.reshard_after_forward`: gathered once per step; reduce-scattered after the last micro-batch).
     Gradients of a stage exist from its first backward on."""
-    from paratrain.estimate.schedule import rank_actions
 
     args, lay = i.model_args, i.layout
     m, last_stage = lay.pp_microbatches, lay.num_stages - 1
@@ -524,7 +531,7 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     layers_of = {s: lay.stage_layers(s) for s in stages}
     r = _rank(i, rank, layers_by_stage, [l for s in stages for l in layers_of[s]])
     st, d, params, by_layer, root = r.st, r.d, r.params, r.by_layer, r.root
-    modes = block_checkpointing(i.checkpointing, args.n_layers, i.every_k)
+    modes = block_checkpointing(i.recipe.checkpointing, args.n_layers, i.recipe.every_k)
     stored = {l: A.block_stored(d, modes[l], None) for s in stages for l in layers_of[s]}
     # activation offloading: what moves to host leaves the device (each block's come back for its backward)
     moved, ahead_of = _offload_plan(i, d, modes, {}, list(stored))
@@ -640,10 +647,10 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
     if fsdp and unsh:
         rs_in = max(r for _, r in unsh.values())
         add("reduce-scatter after the last micro-batch", **base, gradients=sum(stage_grads.values()),
-            comm_buffers=p2p + gathered + rs_in // lay.shard_degree + (rs_in if i.device == "cpu" else 0),
+            comm_buffers=p2p + gathered + rs_in // lay.shard_degree + (rs_in if i.target.device == "cpu" else 0),
             activations=tokens)
     opt_temp = 0
-    if i.optimizer_impl != "fused" and optimizer_entry(i.optimizer).foreach_temporary:
+    if i.recipe.optimizer_impl != "fused" and optimizer_entry(i.recipe.optimizer).foreach_temporary:
         gb = BF16 if classic else FP32
         small = [p for p in params if len(p.shape) < 2 and p.trainable]
         small_bytes = (sum(fsdp_numel(p, lay) for p in small) if lay.uses_fsdp else local_numel(small)) * gb
@@ -772,7 +779,7 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
         walks = {s: _pipeline_walk(i, s, layers_by_stage) for s in ranks}
     worst = max(walks, key=lambda s: walks[s]["peak"])
     w = walks[worst]
-    overhead = i.overhead_bytes if i.overhead_bytes is not None else default_overhead(lay, i.device)
+    overhead = i.target.overhead_bytes if i.target.overhead_bytes is not None else default_overhead(lay, i.target.device)
     at = {k: int(v) for k, v in w["at_peak"].items() if v}
     at["overhead"] = overhead
     sizes = {k: int(v) for k, v in w["sizes"].items() if v}
@@ -790,7 +797,7 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
         notes.append(f"pipeline: at most {in_flight(lay, worst):g} micro-batches in flight on pp rank {worst} "
                      f"({lay.pp_schedule}; its order of forwards and backwards walked, checked against measurement in "
                      "bench/memory_accuracy.py)")
-    micro = lay.pp_microbatches if lay.pp > 1 else i.accum_steps
+    micro = lay.pp_microbatches if lay.pp > 1 else i.recipe.accum_steps
     gathers = fsdp_gathers_per_step(lay, args, micro)
     if gathers:
         notes.append(f"FSDP: {gathers} parameter all-gathers per step on the rank with the most blocks"
@@ -804,11 +811,10 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     if lay.pp > 1:
         est.stages = [{"stage": s, "tensor_peak_bytes": int(x["peak"]), "total_bytes": int(x["peak"]) + overhead,
                        "phase": x["phase"]} for s, x in walks.items()]
-    if low_precision(i.precision) and optimizer_entry(i.optimizer).state_bytes and i.lora is None:
+    if low_precision(i.recipe.precision) and optimizer_entry(i.recipe.optimizer).state_bytes and i.recipe.lora is None:
         est.zero_ranks = lay.dp if lay.dp > 1 else 8
-        est.zero = zero_table(args, est.zero_ranks, i.optimizer)
+        est.zero = zero_table(args, est.zero_ranks, i.recipe.optimizer)
     if suggest and est.fits is False:
-        from paratrain.estimate.suggest import suggest_changes
 
         est.suggestion, est.alternatives = suggest_changes(i, lambda c: estimate(c, suggest=False))
         est.searched = True
@@ -820,11 +826,11 @@ def forward_end_bytes(i: EstimateInputs) -> dict[str, int]:
     blocks' activations as checkpointing leaves them (+ the final residual and the token ids) and the final
     norm / output / loss tensors kept for backward. What activation checkpointing is about."""
     args, lay = i.model_args, i.layout
-    d = A.act_dims(args, lay, i.precision, i.accounting, i.micro_batch, i.seq_len, i.device, i.lora is not None,
-                   i.loss_chunks)
-    moe = A.moe_dims(args, lay, i.micro_batch, i.seq_len, i.moe_imbalance) if args.moe_experts else None
+    d = A.act_dims(args, lay, i.recipe.precision, i.accounting, i.recipe.micro_batch, i.recipe.seq_len, i.target.device, i.recipe.lora is not None,
+                   i.recipe.tiers.loss_chunks)
+    moe = A.moe_dims(args, lay, i.recipe.micro_batch, i.recipe.seq_len, i.moe_imbalance) if args.moe_experts else None
     layers = rank_layers(lay, args)[lay.pp - 1]
-    modes = block_checkpointing(i.checkpointing, args.n_layers, i.every_k)
+    modes = block_checkpointing(i.recipe.checkpointing, args.n_layers, i.recipe.every_k)
     moe_of = {l: moe if args.is_moe_layer(l) else None for l in layers}
     acts = sum(A.block_stored(d, modes[l], moe_of[l]) for l in layers)
     acts -= sum(_offload_plan(i, d, modes, moe_of, layers)[0].values())  # on the host by then

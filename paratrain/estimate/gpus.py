@@ -156,3 +156,35 @@ def verdict_text(total_bytes: int, gpu_bytes: int, headroom: float = HEADROOM, u
     word = "FITS" if fits(total_bytes, gpu_bytes, headroom) else "DOES NOT FIT"
     return (f"{word}: {fmt_bytes(total_bytes, unit)} of {fmt_bytes(gpu_bytes, unit)} "
             f"({100 * total_bytes / gpu_bytes:.0f}%, {limit_text(gpu_bytes, headroom, unit)})")
+
+
+# Substring of torch.cuda.get_device_name() -> peak dense bf16 FLOP/s. Longest match wins.
+GPU_PEAK_BF16 = {
+    "H200": 989e12,
+    "H100 SXM": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "RTX 6000 Ada": 364e12,
+    "RTX A6000": 155e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "V100": 125e12,
+    "T4": 65e12,
+    "MI300X": 1307e12,
+    "MI250X": 383e12,
+    "B200": 2250e12,
+}
+
+
+def gpu_peak_flops(device_name: str) -> float | None:
+    matches = [key for key in GPU_PEAK_BF16 if key.lower() in device_name.lower()]
+    return GPU_PEAK_BF16[max(matches, key=len)] if matches else None

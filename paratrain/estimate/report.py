@@ -26,20 +26,20 @@ ROWS = [  # (key, label)
 
 def lora_text(i) -> str:
     """'; LoRA rank r on wq,...: N trainable, M frozen' for an estimate with adapters ('' without)."""
-    if i.lora is None:
+    if i.recipe.lora is None:
         return ""
-    params = model_params(i.model_args, i.lora)
+    params = model_params(i.model_args, i.recipe.lora)
     trainable = sum(p.numel for p in params if p.trainable)
-    return (f"; LoRA rank {i.lora.rank} on {','.join(i.lora.targets)}: {format_params(trainable)} trainable "
+    return (f"; LoRA rank {i.recipe.lora.rank} on {','.join(i.recipe.lora.targets)}: {format_params(trainable)} trainable "
             f"({trainable:,}), {format_params(sum(p.numel for p in params) - trainable)} frozen")
 def tiers_text(i) -> str:
     """The memory tiers the inputs use, in words ("" for none)."""
     parts = []
-    if i.loss_chunks > 1:
-        parts.append(f"chunked loss ({i.loss_chunks} pieces)")
-    if offloads_activations(i.activation_offload):
-        parts.append("activation offload " + describe_offload(i.activation_offload, i.offload_every_k))
-    if i.cpu_offload:
+    if i.recipe.tiers.loss_chunks > 1:
+        parts.append(f"chunked loss ({i.recipe.tiers.loss_chunks} pieces)")
+    if offloads_activations(i.recipe.tiers.activation_offload):
+        parts.append("activation offload " + describe_offload(i.recipe.tiers.activation_offload, i.recipe.tiers.activation_offload_every_k))
+    if i.recipe.tiers.cpu_offload:
         parts.append("CPU offload (parameters, gradients, optimizer state)")
     return ", ".join(parts)
 
@@ -58,14 +58,14 @@ def format_table(est, units: str = "GiB") -> str:
     i, lay = est.inputs, est.inputs.layout
     fb = lambda n: fmt_bytes(n, units)  # noqa: E731
     n_params = sum(p.numel for p in model_params(i.model_args))
-    mode = describe_checkpointing(i.checkpointing, i.every_k)
+    mode = describe_checkpointing(i.recipe.checkpointing, i.recipe.every_k)
     active = count_active_params(i.model_args)
     per_token = f", {format_params(active)} active per token ({active:,})" if active != n_params else ""
     lines = [f"model {i.model_name}: {format_params(n_params)} parameters ({n_params:,}){per_token}" + lora_text(i),
-             f"layout {lay.describe()} | {i.precision} ({'classic mixed-precision accounting' if i.accounting == 'classic' else 'as paratrain trains it'})"
-             f" | {i.optimizer} ({i.optimizer_impl}) | checkpointing {mode}",
-             f"micro-batch {i.micro_batch} x seq {i.seq_len}"
-             + (f" x accumulation {i.accum_steps}" if lay.pp == 1 and i.accum_steps > 1 else "")
+             f"layout {lay.describe()} | {i.recipe.precision} ({'classic mixed-precision accounting' if i.accounting == 'classic' else 'as paratrain trains it'})"
+             f" | {i.recipe.optimizer} ({i.recipe.optimizer_impl}) | checkpointing {mode}",
+             f"micro-batch {i.recipe.micro_batch} x seq {i.recipe.seq_len}"
+             + (f" x accumulation {i.recipe.accum_steps}" if lay.pp == 1 and i.recipe.accum_steps > 1 else "")
              + (f" | pipeline {lay.pp_schedule}, {lay.pp_microbatches} micro-batches" if lay.pp > 1 else "")
              + (f" | memory tiers: {tiers_text(i)}" if tiers_text(i) else "")]
     where = f"peak: {est.phase}" + (f" on pipeline stage {est.stage} (worst of {lay.pp})" if lay.pp > 1 else "")
@@ -75,9 +75,9 @@ def format_table(est, units: str = "GiB") -> str:
     lines.append(f"  {'':<{w}} {'at peak':>12} {'its max':>12}")
     for key, label in ROWS:
         at, size = est.at_peak.get(key, 0), est.sizes.get(key, 0)
-        if key == "master" and not (i.accounting == "classic" and low_precision(i.precision)):
-            label = label + (" (= the fp32 params)" if low_precision(i.precision) else " (none: fp32)")
-        if key == "parameters" and i.lora is not None:
+        if key == "master" and not (i.accounting == "classic" and low_precision(i.recipe.precision)):
+            label = label + (" (= the fp32 params)" if low_precision(i.recipe.precision) else " (none: fp32)")
+        if key == "parameters" and i.recipe.lora is not None:
             label = "trainable parameters (adapters)"
         if not at and not size and key not in ("parameters", "gradients", "optimizer", "master", "activations"):
             continue
@@ -86,19 +86,20 @@ def format_table(est, units: str = "GiB") -> str:
     lines.append(f"  {'total':<{w}} {fb(est.total_bytes):>12}"
                  f"   (sum of the maxima: {fb(sum(est.sizes.values()))})")
     if est.gpu_bytes is not None:
-        name = f"{i.gpu_name} " if i.gpu_name else ""
+        name = f"{i.target.gpu_name} " if i.target.gpu_name else ""
         lines.append(f"  {'GPU memory ' + name:<{w}} {fb(est.gpu_bytes):>12}")
-        lines.append(f"  {f'usable ({1 - i.headroom:.0%})':<{w}} {fb(est.usable_bytes):>12}")
+        lines.append(f"  {f'usable ({1 - i.target.headroom:.0%})':<{w}} {fb(est.usable_bytes):>12}")
         lines.append(f"  {'left below the limit':<{w}} {fb(est.headroom_bytes):>12}")
-        lines.append(f"  => {verdict_text(est.total_bytes, est.gpu_bytes, i.headroom, units)}")
+        lines.append(f"  => {verdict_text(est.total_bytes, est.gpu_bytes, i.target.headroom, units)}")
     if est.host:
         parts = ", ".join(f"{dict(ROWS).get(k, k)} {fb(v)}" for k, v in est.host.items())
         lines.append(f"  host memory per rank: {fb(est.host_bytes)} ({parts}); per node ({i.node_ranks} ranks): "
                      f"{fb(est.host_node_bytes)}")
-        if i.host_bytes is not None:
+        if i.target.host_bytes is not None:
             word = "FITS" if est.host_fits else "DOES NOT FIT"
-            lines.append(f"  => host {word}: {fb(est.host_node_bytes)} of {fb(i.host_bytes)} per node "
-                         f"({100 * est.host_node_bytes / i.host_bytes:.0f}%, {est.host_limit_text})")
+            lines.append(f"  => host {word}: {fb(est.host_node_bytes)} of {fb(i.target.host_bytes)} per node "
+                         f"({100 * est.host_node_bytes / i.target.host_bytes:.0f}%, {est.host_limit_text})")
+    lines.append(f"  {est.memory_line()}")
     if lay.pp > 1 and est.stages:
         lines.append("  per pipeline stage: " + ", ".join(
             f"{s['stage']}: {fb(s['total_bytes'])}" for s in est.stages))

@@ -134,7 +134,7 @@ def torch_order(schedule: str, pp: int, virtual: int, m: int, rank: int) -> tupl
     """The same order computed by torch's own schedule classes (for the test that keeps the two in step)."""
     from types import SimpleNamespace
 
-    from torch.distributed.pipelining import schedules as S
+    from torch.distributed.pipelining import schedules as S  # lazy: the cost model is torch-free
 
     cls = getattr(S, torch_schedule_name(schedule))
     rounds = max(1, m // pp)

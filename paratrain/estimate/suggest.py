@@ -3,16 +3,19 @@ offloading, CPU offload) that brings an estimate within the GPU's memory, and th
 (`paratrain estimate` prints it below a DOES NOT FIT).
 
 The cheapest is the cheapest in time where the GPU has a planner profile (`--gpu NAME`): the planner's cost model
-(paratrain/planner/cost.py, with its PCIe/C2C transfers and the host's optimizer step) predicts each change's GPU
+(paratrain/estimate/step_time.py, with its PCIe/C2C transfers and the host's optimizer step) predicts each change's GPU
 time per token, against the layout as asked (more GPUs cost their GPU time too). Without one (`--gpu-memory`), a fixed
 order of rough costs ranks them."""
 
 from __future__ import annotations
 
 from paratrain.errors import ConfigError, UserError
+from paratrain.estimate.inputs import EstimateInputs
 from paratrain.layout import Layout
 from paratrain.memory import AUTO_LOSS_CHUNKS
 from paratrain.modes import FLAT_DP_MODES, every_block_whole, keeps_some_blocks_whole, offloads_activations, zero_bubble
+from paratrain.estimate.hardware import gpu_profile
+from paratrain.estimate.step_time import Candidate, Context, predict
 
 
 def _changed(lay: Layout, **changes) -> Layout | None:
@@ -42,7 +45,7 @@ def candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]
 
     def add(cost, change, why, layout):
         if layout is not None:
-            out.append((cost, change, why, i.replace(layout=layout)))
+            out.append((cost, change, why, i.with_recipe(layout=layout)))
 
     if lay.dp > 1 and lay.zero_stage < 3:
         for step, mode in enumerate(FLAT_DP_MODES[lay.zero_stage + 1:]):  # (by ZeRO stage: what they shard)
@@ -51,25 +54,25 @@ def candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]
     if lay.hybrid:
         add(0.6, "--dp-mode fsdp (shard over all data-parallel ranks)", "sharding across nodes",
             _changed(lay, dp_mode="fsdp", dp_replicate=1, dp_shard=lay.dp))
-    if keeps_some_blocks_whole(i.checkpointing):
+    if keeps_some_blocks_whole(i.recipe.checkpointing):
         out.append((1.0, "--checkpointing selective", "recomputes element-wise ops (a few % slower)",
-                    i.replace(checkpointing="selective")))
+                    i.with_recipe(checkpointing="selective")))
     # the memory tiers (paratrain/memory.py)
-    if i.loss_chunks <= 1 and lay.pp == 1:
+    if i.recipe.tiers.loss_chunks <= 1 and lay.pp == 1:
         out.append((0.4, f"--loss-chunks {AUTO_LOSS_CHUNKS}", "the output projection's forward once more",
-                    i.replace(loss_chunks=AUTO_LOSS_CHUNKS)))
-    if not offloads_activations(i.activation_offload) and not (lay.pp > 1 and zero_bubble(lay.pp_schedule)):
+                    i.with_recipe(loss_chunks=AUTO_LOSS_CHUNKS)))
+    if not offloads_activations(i.recipe.tiers.activation_offload) and not (lay.pp > 1 and zero_bubble(lay.pp_schedule)):
         out.append((1.2, "--activation-offload all", "saved activations over PCIe to host memory and back, beside "
-                    "compute", i.replace(activation_offload="all")))
-    if not i.cpu_offload and lay.uses_fsdp:
+                    "compute", i.with_recipe(activation_offload="all")))
+    if not i.recipe.tiers.cpu_offload and lay.uses_fsdp:
         out.append((1.8, "--cpu-offload", "model states in host memory: shards over PCIe each gather, the "
-                    "optimizer step on the CPU", i.replace(cpu_offload=True)))
-    if i.micro_batch > 1 and lay.pp == 1:
-        out.append((1.5, f"--micro-batch {i.micro_batch // 2} (accumulation x2, same global batch)",
-                    "smaller matmuls", i.replace(micro_batch=i.micro_batch // 2, accum_steps=i.accum_steps * 2)))
-    if not every_block_whole(i.checkpointing):
+                    "optimizer step on the CPU", i.with_recipe(cpu_offload=True)))
+    if i.recipe.micro_batch > 1 and lay.pp == 1:
+        out.append((1.5, f"--micro-batch {i.recipe.micro_batch // 2} (accumulation x2, same global batch)",
+                    "smaller matmuls", i.with_recipe(micro_batch=i.recipe.micro_batch // 2, accum_steps=i.recipe.accum_steps * 2)))
+    if not every_block_whole(i.recipe.checkpointing):
         out.append((2.0, "--checkpointing full", "recomputes each block's forward (~1/3 more compute)",
-                    i.replace(checkpointing="full")))
+                    i.with_recipe(checkpointing="full")))
     if lay.tp * 2 <= 8 and lay.uses_fsdp and lay.dp_shard % 2 == 0:
         add(2.5, f"--tp {lay.tp * 2} (dp_shard {lay.dp_shard // 2})", "tensor-parallel communication per block",
             _changed(lay, tp=lay.tp * 2, dp_shard=lay.dp_shard // 2))
@@ -92,7 +95,7 @@ def candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]
 def suggest_changes(i: EstimateInputs, estimate) -> tuple[dict | None, list[dict]]:
     """The cheapest change that fits on the same GPUs (a single change, else a pair), else with more GPUs; plus the
     others that fit. `estimate`: the estimate of changed inputs (core.estimate without suggestions)."""
-    i = i.replace(ranks_per_node=i.node_ranks)  # more GPUs are more nodes of the same size
+    i = i.with_target(ranks_per_node=i.node_ranks)  # more GPUs are more nodes of the same size
     cost_of = _time_cost(i)
 
     def fits(c):
@@ -125,16 +128,16 @@ def suggest_changes(i: EstimateInputs, estimate) -> tuple[dict | None, list[dict
     if not found:
         # How many GPUs would it take? FSDP over more ranks (keeping tp and pp), then also full checkpointing.
         lay = i.layout
-        for ckpt in (i.checkpointing, "full"):
+        for ckpt in (i.recipe.checkpointing, "full"):
             for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
                 more = _sharded(lay, n) if n > _shard_ranks(lay) else None
                 if more is None:
                     continue
-                c = i.replace(layout=more, checkpointing=ckpt)
+                c = i.with_recipe(layout=more, checkpointing=ckpt)
                 e = fits(c)
                 if e is not None:
                     change = f"--dp-mode {more.dp_mode} --dp-shard {n} ({more.world_size} GPUs)" + (
-                        f" --checkpointing {ckpt}" if ckpt != i.checkpointing else "")
+                        f" --checkpointing {ckpt}" if ckpt != i.recipe.checkpointing else "")
                     found.append(entry(change, "more GPUs", 10.0, c, e))
                     break
             if found:
@@ -153,26 +156,24 @@ def suggest_changes(i: EstimateInputs, estimate) -> tuple[dict | None, list[dict
 
 
 def _time_cost(i: EstimateInputs):
-    """inputs -> GPU seconds per token relative to `i`'s, from the planner's cost model on `i.gpu_name`'s datasheet
+    """inputs -> GPU seconds per token relative to `i`'s, from the planner's cost model on `i.target.gpu_name`'s datasheet
     profile; None when the GPU has none (the fixed costs rank the changes then)."""
-    from paratrain.planner.cost import Candidate, Context, predict
-    from paratrain.planner.hardware import gpu_profile
 
-    if not i.gpu_name:
+    if not i.target.gpu_name:
         return None
     try:
-        hw = gpu_profile(i.gpu_name)
+        hw = gpu_profile(i.target.gpu_name)
     except UserError:
         return None
 
     def gpu_seconds_per_token(c: EstimateInputs) -> float:
         lay = c.layout
-        steps = lay.pp_microbatches if lay.pipelined else c.accum_steps
-        seqs = c.micro_batch * steps * lay.dp
-        ctx = Context(c.model_args, c.seq_len, seqs, hw, c.node_ranks, precision=c.precision, optimizer=c.optimizer)
-        cand = Candidate(lay, c.checkpointing, c.every_k, c.micro_batch, loss_chunks=max(c.loss_chunks, 1),
-                         act_offload=c.activation_offload, cpu_offload=c.cpu_offload)
-        return predict(cand, ctx).step_s * lay.world_size / (seqs * c.seq_len)
+        steps = lay.pp_microbatches if lay.pipelined else c.recipe.accum_steps
+        seqs = c.recipe.micro_batch * steps * lay.dp
+        ctx = Context(c.model_args, c.recipe.seq_len, seqs, hw, c.node_ranks, precision=c.recipe.precision, optimizer=c.recipe.optimizer)
+        cand = Candidate(lay, c.recipe.checkpointing, c.recipe.every_k, c.recipe.micro_batch, loss_chunks=max(c.recipe.tiers.loss_chunks, 1),
+                         act_offload=c.recipe.tiers.activation_offload, cpu_offload=c.recipe.tiers.cpu_offload)
+        return predict(cand, ctx).step_s * lay.world_size / (seqs * c.recipe.seq_len)
 
     base = gpu_seconds_per_token(i)
     return lambda c: gpu_seconds_per_token(c) / base
@@ -181,6 +182,6 @@ def _time_cost(i: EstimateInputs):
 def _describe_inputs(c: EstimateInputs) -> dict:
     lay = c.layout
     return {"dp_mode": lay.dp_mode, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp,
-            "pp": lay.pp, "ep": lay.ep, "checkpointing": c.checkpointing, "micro_batch": c.micro_batch,
-            "accum_steps": c.accum_steps, "world_size": lay.world_size, "loss_chunks": c.loss_chunks,
-            "activation_offload": c.activation_offload, "cpu_offload": c.cpu_offload}
+            "pp": lay.pp, "ep": lay.ep, "checkpointing": c.recipe.checkpointing, "micro_batch": c.recipe.micro_batch,
+            "accum_steps": c.recipe.accum_steps, "world_size": lay.world_size, "loss_chunks": c.recipe.tiers.loss_chunks,
+            "activation_offload": c.recipe.tiers.activation_offload, "cpu_offload": c.recipe.tiers.cpu_offload}

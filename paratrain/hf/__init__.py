@@ -5,8 +5,10 @@ folder (config.json, safetensors, tokenizer.json): the architecture comes from c
 families' architectures), the weights are read straight onto whatever layout the run uses, each rank reading only
 its shards (load.py), the dataset is tokenized with the folder's tokenizer, and the optimizer starts fresh at step 0.
 Export: `paratrain export RUN_DIR --format hf --out DIR` or `checkpoint.export_hf = true` writes a folder that
-`AutoModelForCausalLM.from_pretrained` loads (export.py, tokenizer.py; a LoRA checkpoint's adapters merged into its
-base); `--format peft` writes a LoRA checkpoint's adapters as a PEFT adapter folder (peft_export.py).
+`AutoModelForCausalLM.from_pretrained` loads (paratrain/training/export.py, which reads the checkpoint, and
+tokenizer.py here; a LoRA checkpoint's adapters merged into its base); `--format peft` writes a LoRA checkpoint's
+adapters as a PEFT adapter folder (paratrain/training/peft_export.py). This package is below `training`: it never
+reads a paratrain checkpoint.
 
 The functions below are the trainer's only contact with this package.
 """
@@ -33,6 +35,7 @@ def model_args(folder: Path, model):
     """ModelArgs of the imported model in `folder` (config.json), with the training-only keys the `[model]` section
     sets; any other model key that disagrees with config.json is a ConfigError. The weights are checked against it
     too, and the tokenizer (every id it makes has an embedding row)."""
+    # lazy: torch and the tokenizers library are not needed for the checks of a config without init_from
     from paratrain.data.tokenizers import HFTokenizer
     from paratrain.hf.load import check_tokenizer_fits, checked_weights, hf_model_args
 
@@ -62,6 +65,7 @@ def check_run(args, name: str) -> None:
 def dataset_tokenizer(folder: Path, chosen: str | None) -> Path:
     """The tokenizer.json the dataset of the model imported from `folder` is tokenized with: the folder's own
     (`chosen`, data.tokenizer, may only name that one)."""
+    # lazy: torch is not needed for the checks before launch
     from paratrain.hf.load import hf_tokenizer_file
 
     path = hf_tokenizer_file(folder)
@@ -75,7 +79,7 @@ def check_dataset(tokenizer: Path, data_dir) -> None:
     """The dataset prepared in data_dir was made with the imported model's tokenizer (an older one is not)."""
     import tokenizers as hf
 
-    from paratrain.data import load_tokenizer
+    from paratrain.data import load_tokenizer  # lazy: numpy and tokenizers wait until a dataset is read
 
     tok = load_tokenizer(data_dir)
     if not hasattr(tok, "tok") or tok.tok.to_str() != hf.Tokenizer.from_file(str(tokenizer)).to_str():
@@ -85,23 +89,10 @@ def check_dataset(tokenizer: Path, data_dir) -> None:
 
 
 def load_initial_weights(model, folder: Path, args) -> None:
+    # lazy: torch is not needed for the checks before launch
     from paratrain.hf.load import load_hf_weights
 
     load_hf_weights(model, folder, args)
 
 
-def export_final(run_dir: Path, step: int, dtype: str, rank: int, world: int) -> Path:
-    """`checkpoint.export_hf`: the checkpoint of step `step` as RUN_DIR/hf (every rank calls this)."""
-    from paratrain.hf.export import export_at_end
-
-    return export_at_end(run_dir / "checkpoints" / f"step-{step}", run_dir / "hf", dtype, rank, world)
-
-
-def main_export(argv: list[str]) -> int:
-    from paratrain.hf.export import main_export as run
-
-    return run(argv)
-
-
-__all__ = ["architecture", "init_folder", "model_args", "check_run", "dataset_tokenizer", "check_dataset", "load_initial_weights",
-           "export_final", "main_export"]
+__all__ = ["architecture", "init_folder", "model_args", "check_run", "dataset_tokenizer", "check_dataset", "load_initial_weights"]

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from torch import nn
+import torch
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from paratrain.data.tokenizers import HFTokenizer
+from paratrain.distributed.initialize import canonical_name
 from paratrain.errors import UserError
 from paratrain.hf.arch import args_from_hf_config, read_hf_config
 from paratrain.hf.files import HFWeights
 from paratrain.hf.names import IGNORED_SUFFIXES, pieces, pieces_by_param
+from paratrain.models import build_model
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import is_adapter
 
@@ -49,8 +53,6 @@ def local_indices(param: torch.Tensor) -> list[torch.Tensor]:
     """For each dimension, the sorted global indices this rank holds of `param` (a DTensor's local shard,
     everything for a plain tensor). Computed by laying out an index vector along each dimension with that
     dimension's placements: the same split as the parameter itself, without communication."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-
     if not isinstance(param, DTensor):
         return [torch.arange(n) for n in param.shape]
     out = []
@@ -68,10 +70,6 @@ def local_indices(param: torch.Tensor) -> list[torch.Tensor]:
 def load_hf_weights(model: nn.Module, folder: str | Path, args: ModelArgs) -> None:
     """Fill every parameter of `model` (any layout: plain, FSDP, tensor/expert parallel DTensors, a pipeline
     stage) from the Hugging Face folder, each rank reading only its shards."""
-    from torch.distributed.tensor import DTensor
-
-    from paratrain.distributed.initialize import canonical_name
-
     weights = checked_weights(folder, args)
     by_param = pieces_by_param(args)
     seen: set[int] = set()
@@ -104,8 +102,6 @@ def read_block(reader, parts, index: list[torch.Tensor]) -> torch.Tensor:
 
 def load_hf_model(folder: str | Path, device: str | torch.device = "cpu") -> tuple:
     """(Transformer, ModelArgs, tokenizer) from a Hugging Face folder, on one process (generation, tests)."""
-    from paratrain.data.tokenizers import HFTokenizer
-    from paratrain.models import build_model
 
     folder = Path(folder)
     args = hf_model_args(folder)

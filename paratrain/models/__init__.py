@@ -8,8 +8,8 @@ preset_args` does not load torch (the layout, estimator and planner reason about
 
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import HFNames, ModelFamily, Param
-from paratrain.models.registry import FAMILIES, build_model, family_of, get_family, parameters, register_family
 from paratrain.models.presets import PRESETS, count_active_params, count_params, flops_per_token, format_params, preset_args
+from paratrain.models.registry import FAMILIES, build_model, family_of, get_family, parameters, register_family
 
 __all__ = ["ModelArgs", "Transformer", "PRESETS", "count_params", "count_active_params", "flops_per_token", "format_params",
            "preset_args", "ModelFamily", "HFNames", "Param", "register_family", "get_family", "family_of", "FAMILIES",
@@ -18,6 +18,7 @@ __all__ = ["ModelArgs", "Transformer", "PRESETS", "count_params", "count_active_
 
 def __getattr__(name: str):
     if name == "Transformer":
+        # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
         from paratrain.models.llama import Transformer
 
         return Transformer

@@ -5,11 +5,12 @@ device, so tensor parallelism, FSDP and pipeline stages lay the adapters out lik
 
 from __future__ import annotations
 
+from torch import nn
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from paratrain.models.lora_params import LoRA, is_adapter, targets_of
+from paratrain.models.presets import format_params
 
 
 class LoRALinear(nn.Linear):
@@ -67,8 +68,6 @@ def adapter_init_std(name: str) -> float:
 
 def lora_summary(model: nn.Module) -> str:
     """One line: the trainable and frozen parameters of `model` (of this rank's stages under a pipeline)."""
-    from paratrain.models.presets import format_params
-
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     share = trainable / max(1, trainable + frozen)

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from paratrain.models.args import ModelArgs
+from paratrain.models.args import ModelArgs, is_int, is_number
 from paratrain.models.family import Param
+from paratrain.models.registry import parameters
 
 TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
@@ -107,16 +108,12 @@ def adapted_params(table, lora: LoRA | None) -> list[Param]:
 
 def targets_of(args: ModelArgs, lora: LoRA) -> list[Param]:
     """The target weights of the model, in table order."""
-    from paratrain.models.registry import parameters
-
     return [p for p in parameters(args) if is_target(p, lora)]
 
 
 def record_problem(record) -> str | None:
     """What is wrong with a checkpoint's LoRA record (`LoRA.record`, from a file), naming the field, or None."""
     from types import SimpleNamespace
-
-    from paratrain.models.args import is_int, is_number
 
     if not isinstance(record, dict) or set(record) != {"rank", "alpha", "dropout", "targets"}:
         return "must hold rank, alpha, dropout and targets"

@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.errors import OneLineArgumentParser, UserError
+from paratrain.distributed.launch import launch
+from paratrain.errors import UserError
 
 GIB = 2**30
 MIN_TORCH = (2, 6)
@@ -46,6 +47,7 @@ def _version_tuple(text: str) -> tuple[int, ...]:
 
 
 def check_torch() -> list[Result]:
+    # lazy: a torch that does not import is this check's FAIL line
     import torch
 
     py = ".".join(map(str, sys.version_info[:3]))
@@ -70,6 +72,7 @@ def nvidia_smi(*args: str, timeout: float = 15) -> str | None:
 
 
 def check_gpus() -> list[Result]:
+    # lazy: a torch that does not import is this check's FAIL line
     import torch
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -109,7 +112,9 @@ def check_gpus() -> list[Result]:
 
 
 def check_backends() -> list[Result]:
+    # lazy: a torch that does not import is this check's FAIL line
     import torch
+    # lazy: a torch that does not import is this check's FAIL line
     import torch.distributed as dist
 
     out = []
@@ -174,6 +179,7 @@ def describe_topology(links: dict[tuple[str, str], str]) -> Result:
 
 
 def check_interconnect() -> list[Result]:
+    # lazy: a torch that does not import is this check's FAIL line
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -273,6 +279,7 @@ def check_env(environ=None) -> list[Result]:
 # -- disk -------------------------------------------------------------------------------------------
 
 def check_disk(checkpoint_dir: str | Path) -> list[Result]:
+    # lazy: a torch that does not import is this check's FAIL line
     import torch
 
     path = Path(checkpoint_dir).absolute()
@@ -319,9 +326,12 @@ def _allreduce_worker(backend: str, nbytes: int, iters: int) -> dict:
 
 
 def _allreduce(backend: str, nbytes: int, iters: int) -> dict:
+    # lazy: a torch that does not import is this check's FAIL line
     import torch
+    # lazy: a torch that does not import is this check's FAIL line
     import torch.distributed as dist
 
+    # lazy: a torch that does not import is this check's FAIL line
     from paratrain.distributed.env import init_process_group, world_from_env
 
     rank, world, local_rank = world_from_env()
@@ -349,9 +359,8 @@ def _allreduce(backend: str, nbytes: int, iters: int) -> dict:
 
 
 def check_collective(nproc: int | None) -> list[Result]:
+    # lazy: a torch that does not import is this check's FAIL line
     import torch
-
-    from paratrain.distributed.launch import launch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if nproc is None:
@@ -385,7 +394,7 @@ def check_collective(nproc: int | None) -> list[Result]:
     return [Result(status, "all-reduce", text)]
 
 
-# -- command ----------------------------------------------------------------------------------------
+# -- all of them ----------------------------------------------------------------------------------------
 
 def run_checks(nproc: int | None, checkpoint_dir: str | Path):
     """Yields each check's results as it finishes (so a rank's error prints next to the all-reduce line)."""
@@ -398,37 +407,3 @@ def run_checks(nproc: int | None, checkpoint_dir: str | Path):
         except Exception as e:  # noqa: BLE001 - a broken check is reported, the others still run
             yield Result("FAIL", name, f"check crashed: {e!r}")
 
-
-def main_doctor(argv: list[str]) -> int:
-    parser = OneLineArgumentParser(prog="paratrain doctor", description="Check the environment for training.")
-    parser.add_argument("--nproc", type=int, default=None,
-                        help="local ranks for the all-reduce test (default: the number of GPUs, or 2 on CPU; 0 skips)")
-    parser.add_argument("--checkpoint-dir", default="runs", help="where checkpoints will go (default: runs)")
-    parser.add_argument("--oversubscribe", action="store_true", help="allow more CPU ranks than paratrain train does")
-    parser.add_argument("--hang", metavar="RUN_DIR", help="read the run's collective histories (RUN_DIR/hang, written "
-                        "at a collective timeout): which rank is behind, at which collective")
-    args = parser.parse_args(argv)
-    if args.hang is not None:
-        from paratrain.observe.hang import diagnose
-
-        print("\n".join(diagnose(Path(args.hang))))
-        return 0
-    if args.nproc is not None and args.nproc < 0:
-        raise UserError("--nproc must be >= 0")
-    if args.nproc:
-        from paratrain.preflight import check_nproc
-
-        check_nproc("auto", args.nproc, args.oversubscribe)
-    if os.path.isfile(args.checkpoint_dir):
-        raise UserError(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a folder")
-    print("paratrain doctor", flush=True)
-    results = []
-    for r in run_checks(args.nproc, args.checkpoint_dir):
-        print(r.line(), flush=True)
-        results.append(r)
-    fails = sum(r.status == "FAIL" for r in results)
-    warns = sum(r.status == "WARN" for r in results)
-    verdict = ("ready to train" if not fails and not warns else
-               "ready to train, with warnings" if not fails else "not ready: fix the FAIL lines")
-    print(f"{fails} FAIL, {warns} WARN: {verdict}", flush=True)
-    return 1 if fails else 0

@@ -1,8 +1,8 @@
 """Peak throughput by device name, for MFU. Dense (no sparsity) bf16 tensor-core figures from vendor datasheets.
 
-Owns the one table of device peaks (`GPU_PEAK_BF16`) and `peak_flops`, the denominator of the trainer's MFU; the
-planner's GPU profiles read the same table. Without a datasheet entry (a CPU) the peak is a short matmul measurement,
-which is no peak: `is_datasheet_peak` says so, and the trainer then reports no MFU (throughput against a measured
+`peak_flops` is the denominator of the trainer's MFU; it reads the one table of device peaks
+(`paratrain.estimate.gpus.GPU_PEAK_BF16`, beside the GPUs' memory), which the planner's GPU profiles read too.
+Without a datasheet entry (a CPU) the peak is a short matmul measurement, which is no peak: `is_datasheet_peak` says so, and the trainer then reports no MFU (throughput against a measured
 matmul rate can exceed 100%).
 """
 
@@ -10,41 +10,13 @@ from __future__ import annotations
 
 import time
 
-# Substring of torch.cuda.get_device_name() -> peak dense bf16 FLOP/s. Longest match wins.
-GPU_PEAK_BF16 = {
-    "H200": 989e12,
-    "H100 SXM": 989e12,
-    "H100 NVL": 835e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,
-    "H800": 989e12,
-    "A100": 312e12,
-    "A800": 312e12,
-    "A10G": 70e12,
-    "A10": 125e12,
-    "L40S": 362e12,
-    "L40": 181e12,
-    "L4": 121e12,
-    "RTX 6000 Ada": 364e12,
-    "RTX A6000": 155e12,
-    "RTX 4090": 165e12,
-    "RTX 3090": 71e12,
-    "V100": 125e12,
-    "T4": 65e12,
-    "MI300X": 1307e12,
-    "MI250X": 383e12,
-    "B200": 2250e12,
-}
-
-
-def gpu_peak_flops(device_name: str) -> float | None:
-    matches = [key for key in GPU_PEAK_BF16 if key.lower() in device_name.lower()]
-    return GPU_PEAK_BF16[max(matches, key=len)] if matches else None
+from paratrain.estimate.gpus import gpu_peak_flops
 
 
 def measure_matmul_flops(device, size: int = 512, dtype=None, seconds: float = 0.3) -> float:
     """Achieved matmul FLOP/s on this device: the CPU 'peak' when no datasheet applies. (torch is imported here,
     not at module level: the planner reads the peak table without it.)"""
+    # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
     import torch
 
     dtype = dtype or torch.float32
@@ -71,6 +43,7 @@ def is_datasheet_peak(source: str) -> bool:
 
 def peak_flops(device, configured_tflops: float = 0.0) -> tuple[float, str]:
     """(peak FLOP/s per device, where the number came from)."""
+    # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
     import torch
 
     if configured_tflops > 0:

@@ -26,7 +26,11 @@ import threading
 import time
 from pathlib import Path
 
-from paratrain.distributed.env import HISTORY_ENV
+import torch
+from torch.distributed import distributed_c10d
+import torch.distributed as dist
+
+from paratrain.distributed.env import HISTORY_ENV, local_peer_pids
 from paratrain.errors import UserError
 
 FOLDER = "hang"
@@ -52,8 +56,6 @@ def _flight_record() -> dict:
     """torch's flight recorder of this process: {pg_status, entries} (empty when it keeps none)."""
     import pickle
 
-    import torch
-
     try:  # the bytes come from torch in this process, not from a file
         raw = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, True, False))
     except (AttributeError, RuntimeError, pickle.UnpicklingError):
@@ -71,8 +73,6 @@ def _flight_record() -> dict:
 def _groups() -> dict[str, dict]:
     """Every process group this rank belongs to, by name: its description (mesh_tp, ...) and global ranks (the
     flight recorder names a collective's group but not its ranks)."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
 
     out = {}
     for pg, name in list(distributed_c10d._world.pg_names.items()):
@@ -96,8 +96,6 @@ def _local_peers() -> dict[int, dict]:
     """The ranks on this host other than this one: {rank: {pid, state}}."""
     import psutil
 
-    from paratrain.distributed.env import local_peer_pids
-
     peers = {}
     for rank, pid in local_peer_pids(timeout_s=2).items():
         try:
@@ -120,8 +118,6 @@ def dump(run_dir: Path, reason: str, peers: dict | None = None, failed: bool = F
 
 
 def _dump(run_dir: Path, reason: str, peers: dict | None, failed: bool) -> Path | None:
-    import torch.distributed as dist
-
     if not dist.is_initialized() or (_FAILED[0] and not failed):
         return None
     _FAILED[0] = _FAILED[0] or failed
@@ -146,8 +142,6 @@ def collect(run_dir: Path, reason: str) -> None:
     """A collective failed on this rank: write its history, ask the local peers for theirs (SIGUSR2) and wait for
     them a few seconds (a stopped or gone peer writes nothing), before the caller stops them."""
     import signal
-
-    import torch.distributed as dist
 
     if not dist.is_initialized():
         return

@@ -59,6 +59,7 @@ def check_metrics_config(m) -> None:
 def build_sinks(m, env, run_name: str, run_dir: Path) -> list:
     """The sinks this rank feeds (`m`: the `[metrics]` section): Prometheus on local rank 0 (or every rank,
     per_rank), TensorBoard on rank 0 (in RUN_DIR/tensorboard)."""
+    # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
     from paratrain.observe.sysmetrics import node_index
 
     sinks = []
@@ -345,6 +346,7 @@ class TensorBoardSink:
     """Scalars for TensorBoard (`tensorboard --logdir runs/<name>/tensorboard`), x axis = step."""
 
     def __init__(self, logdir: Path):
+        # optional: tensorboard is an extra
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(logdir))

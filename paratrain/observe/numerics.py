@@ -28,11 +28,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from torch import nn
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from paratrain.distributed.initialize import canonical_name
+from paratrain.distributed.parallelize import unwrap
 from paratrain.distributed.tensors import local_tensor, torch_dtype
 from paratrain.modes import LOW_PRECISIONS, headroom_format
 
@@ -60,8 +61,6 @@ def row_of(name: str, n_layers: int) -> int | None:
 
 def forward_modules(train_step) -> list[nn.Module]:
     """The modules this rank runs forward: the model (unwrapped from DDP), or its pipeline stages."""
-    from paratrain.distributed.parallelize import unwrap
-
     if train_step.pipeline is not None:
         return list(train_step.pipeline.modules.values())
     return [unwrap(train_step.model)]
@@ -334,8 +333,6 @@ def headroom_bits(largest: float | None, format_max: float) -> float | None:
 
 
 def _parameters(train_step):
-    from paratrain.distributed.parallelize import unwrap
-
     for name, p in unwrap(train_step.model).named_parameters():
         yield canonical_name(name), p
 

@@ -18,8 +18,12 @@ import json
 import pickle
 from pathlib import Path
 
+from paratrain.errors import UserError
+from paratrain.estimate import estimate_for_run
+
 
 def cuda_snapshot(device) -> dict | None:
+    # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
     import torch
 
     if device.type != "cuda":
@@ -29,6 +33,7 @@ def cuda_snapshot(device) -> dict | None:
 
 def _allocator(device) -> tuple[dict, str]:
     """The allocator's counters and its printed summary (CUDA), or the process's memory (elsewhere)."""
+    # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
     import torch
 
     if device.type == "cuda":
@@ -51,8 +56,6 @@ def write_evidence(run_dir: Path, rank: int, step: int, spec, device, micro_batc
                    error: BaseException, snapshot=cuda_snapshot) -> Path:
     """Write this rank's evidence of an out-of-memory error in step index `step`; returns the folder.
     `snapshot(device)`: the allocator's snapshot, or None where there is none."""
-    from paratrain.errors import UserError
-    from paratrain.estimate import estimate_for_run
 
     folder = Path(run_dir) / "oom" / f"step-{step + 1}"
     folder.mkdir(parents=True, exist_ok=True)

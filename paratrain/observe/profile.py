@@ -208,11 +208,13 @@ class StepProfiler:
         return self.prof is not None
 
     def begin(self) -> None:
+        # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
         import torch
 
         self.end()  # a step abandoned half-way (a rollback) closes its range
         self.count += 1
         if self.count == self.first and self.summary is None:
+            # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU]
@@ -274,6 +276,7 @@ class StepProfiler:
 
 def gather_rows(mine: dict) -> list[dict]:
     """Every rank's summary on every rank (one all_gather_object), in rank order."""
+    # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
     import torch.distributed as dist
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -282,17 +285,3 @@ def gather_rows(mine: dict) -> list[dict]:
     dist.all_gather_object(rows, mine)
     return rows
 
-
-# -- the command --------------------------------------------------------------------------------------------------
-
-USAGE = "paratrain profile [--config F.toml] [--nproc N] [--section.key=value ...] [--steps N] [--warmup W]"
-
-
-def profile_overrides(steps: int, warmup: int, overrides: list[str]) -> list[str]:
-    """`paratrain profile`'s run: W warm-up steps, then N profiled steps of the configured training (no evaluation,
-    checkpoint or sample); run.name defaults to "profile"."""
-    named = any(o.startswith("run.name=") for o in overrides)
-    return ([] if named else ["run.name=profile"]) + overrides + [
-        f"training.steps={warmup + steps}", f"metrics.profile_steps={steps}", f"metrics.profile_start={warmup}",
-        "training.eval_every=0", "checkpoint.save_final=false", "checkpoint.every=0", "checkpoint.resume=none",
-        "sample.max_new_tokens=0"]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from paratrain.config import ParallelConfig, tomllib
-from paratrain.errors import ConfigError, OneLineArgumentParser, UserError
+from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Layout
 from paratrain.modes import LOW_PRECISIONS, headroom_format
 from paratrain.observe.metrics import imbalance
@@ -580,15 +580,3 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> d
     files["report.md"], files["summary.json"] = out / "report.md", out / "summary.json"
     return files
 
-
-def main_report(argv: list[str]) -> int:
-    parser = OneLineArgumentParser(prog="paratrain report",
-                                     description="Plots and a markdown summary of finished runs.")
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (runs/<name>) holding metrics.jsonl")
-    parser.add_argument("--out", default=None,
-                        help="output folder (default: RUN_DIR/report for one run, ./report for several)")
-    args = parser.parse_args(argv)
-    files = write_report(args.runs, args.out)
-    for name, path in files.items():
-        print(f"wrote {path}")
-    return 0

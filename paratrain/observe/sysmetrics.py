@@ -43,6 +43,16 @@ def rss_peak_bytes() -> int:
     return peak if os.uname().sysname == "Darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
+def device_peak_bytes(device=None) -> int:
+    """Peak bytes allocated on the trainer's device: torch.cuda.max_memory_allocated on CUDA (call
+    torch.cuda.reset_peak_memory_stats() first to measure a window); on CPU the process's peak resident set size (an
+    upper bound: it includes Python, torch and the data)."""
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return rss_peak_bytes()
+
+
 def local_memory(device: torch.device) -> dict:
     """This rank's memory numbers (bytes; counts for retries and OOMs)."""
     rss = rss_bytes()

@@ -11,9 +11,15 @@ from pathlib import Path
 
 import torch
 
+from paratrain.distributed.initialize import init_weights, initial_value
 from paratrain.errors import UserError
+from paratrain.hf.load import checked_weights, load_hf_weights, read_block
+from paratrain.hf.names import param_shapes, pieces_by_param
+from paratrain.models import build_model
 from paratrain.models.args import ModelArgs
+from paratrain.models.lora import apply_lora
 from paratrain.models.lora_params import LoRA, adapters_of, is_target
+from paratrain.models.registry import parameters
 from paratrain.training import safe_dcp
 
 try:
@@ -65,16 +71,12 @@ class AdaptedCheckpoint:
     @functools.cached_property
     def targets(self) -> dict[str, tuple[str, str]]:
         """Target weight name -> the names of its (lora_a, lora_b)."""
-        from paratrain.models.registry import parameters
-
         return {p.name: tuple(a.name for a in adapters_of(p, self.lora)) for p in parameters(self.args)
                 if is_target(p, self.lora)}
 
     @functools.cached_property
     def adapter_shapes(self) -> dict[str, tuple]:
         """Every adapter's name and shape (what the checkpoint holds of the model)."""
-        from paratrain.models.registry import parameters
-
         return {q.name: q.shape for p in parameters(self.args) if is_target(p, self.lora)
                 for q in adapters_of(p, self.lora)}
 
@@ -86,9 +88,6 @@ class AdaptedCheckpoint:
 
     def build(self, device: torch.device | str = "cpu"):
         """The adapted model on one process: the base loaded from its source, the adapters from the checkpoint."""
-        from paratrain.distributed.initialize import init_weights
-        from paratrain.models import build_model
-        from paratrain.models.lora import apply_lora
 
         with torch.device("meta"):
             model = build_model(self.args)
@@ -97,8 +96,6 @@ class AdaptedCheckpoint:
         if self.hf_folder is None:
             init_weights(model, self.seed)  # the preset's base (the adapters are replaced below)
         else:
-            from paratrain.hf.load import load_hf_weights
-
             load_hf_weights(model, self.hf_folder, self.args)
         params = dict(model.named_parameters())
         with torch.no_grad():
@@ -110,16 +107,10 @@ class AdaptedCheckpoint:
     def base_values(self):
         """fn(parameter name) -> the base's whole value of that parameter (its stored dtype)."""
         if self.hf_folder is not None:
-            from paratrain.hf.load import checked_weights, read_block
-            from paratrain.hf.names import pieces_by_param, param_shapes
-
             by_param, shapes = pieces_by_param(self.args), param_shapes(self.args)
             with checked_weights(self.hf_folder, self.args).reader() as reader:
                 yield lambda name: read_block(reader, by_param[name], [torch.arange(n) for n in shapes[name]])
             return
-        from paratrain.distributed.initialize import initial_value
-        from paratrain.models import build_model
-        from paratrain.hf.names import param_shapes
 
         with torch.device("meta"):
             stds = build_model(self.args).param_init_std  # only the names' distributions are read

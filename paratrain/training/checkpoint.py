@@ -30,12 +30,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.tensor import DTensor
 
+from paratrain.data import dataset_meta
+from paratrain.data.tokenizers import load_tokenizer, tokenizer_identity
+from paratrain.distributed.initialize import canonical_name
 from paratrain.errors import PeerFailed, UserError, environment_problem, translated
-from paratrain.models.args import DEFAULT_FAMILY
 from paratrain.files import replace_dir
+from paratrain.hf.arch import resume_hint
+from paratrain.models.args import DEFAULT_FAMILY, fields_problem, is_int
+from paratrain.models.lora_params import record_problem
 from paratrain.optimizers import OPTIMIZERS, OptimizerEntry, optimizer_entry
 from paratrain.training import integrity, safe_dcp
 from paratrain.training.optim import is_zero1
@@ -107,8 +115,6 @@ def save_failure(final: Path, tmp: Path, error: BaseException) -> BaseException:
 # -- what is saved ------------------------------------------------------------------------------
 
 def _fqns(model: nn.Module) -> dict[int, str]:
-    from paratrain.distributed.initialize import canonical_name
-
     return {id(p): canonical_name(n) for n, p in model.named_parameters()}
 
 
@@ -129,8 +135,6 @@ def _zero1_state(model: nn.Module, optimizer) -> dict:
 def _load_zero1_state(model: nn.Module, optimizer, path: Path, entry: OptimizerEntry) -> None:
     """Fill this rank's ZeRO-1 partition from a name-keyed optimizer checkpoint (from any layout); `entry` (the
     optimizer's registry entry) names the state each parameter has."""
-    from torch.distributed.tensor import DTensor
-
     names = _fqns(model)
     local = optimizer.optim
     wanted = {names[id(p)]: p for g in local.param_groups for p in g["params"]}
@@ -146,8 +150,6 @@ def _load_zero1_state(model: nn.Module, optimizer, path: Path, entry: OptimizerE
 
 def _options(model: nn.Module):
     """Frozen parameters (LoRA's base) are not saved: they come from the base at every start."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     frozen = any(not p.requires_grad for p in model.parameters())
     return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
 
@@ -155,8 +157,6 @@ def _options(model: nn.Module):
 def model_optim_state(model: nn.Module, optimizer) -> dict:
     """Name-keyed state that DCP can save and reload on any layout (the trainable parameters: all of them, or
     LoRA's adapters)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
     options = _options(model)
     if optimizer is None:
         return {"model": get_model_state_dict(model, options=options)}
@@ -289,8 +289,6 @@ def checkpoint_problem(path: Path, index: int = 0, count: int = 1, checksums: bo
     if not path.is_dir():
         return "not a folder" if path.exists() else "no such folder"
     if not (path / MARKER).exists():
-        from paratrain.hf.arch import resume_hint
-
         return resume_hint(path) or f"no {MARKER} marker (the save was interrupted)"
     if not (path / "trainer.pt").exists():
         return "missing trainer.pt"
@@ -342,8 +340,6 @@ def run_identity(tokenizer, data_cfg) -> dict:
     import hashlib
     import json
 
-    from paratrain.data import dataset_meta
-    from paratrain.data.tokenizers import tokenizer_identity
 
     out = {}
     if tokenizer is not None:
@@ -467,6 +463,33 @@ def lora_mismatch(trainer_state: dict, spec) -> str | None:
 
 # -- loading ------------------------------------------------------------------------------------
 
+def resume_path(folder) -> Path | None:
+    """The checkpoint a run (its `preflight.RunFolder`) would resume from, at a quick look before launch (marker,
+    files, sizes; checksums are left to the ranks, which verify before loading and, for auto, fall back to an older
+    one)."""
+    if folder.resume == "none":
+        return None
+    if folder.resume == "auto":
+        found = complete_checkpoints(folder.path / "checkpoints")
+        return found[-1] if found else None
+    path = Path(folder.resume)
+    problem = checkpoint_problem(path, checksums=False)
+    if problem:
+        raise UserError(f"checkpoint.resume={path} is not a usable paratrain checkpoint: {problem}")
+    return path
+
+
+def check_resume(folder, model_args) -> None:
+    """The checkpoint `checkpoint.resume` names (or the newest complete one, for auto) holds this run's model."""
+    path = resume_path(folder)
+    if path is None:
+        return
+    mismatch = model_mismatch(load_trainer_state(path), model_args)
+    if mismatch:
+        raise UserError(f"cannot resume from {path}: {mismatch}; resume from a checkpoint of this model, or give "
+                        "this run another run.name")
+
+
 def load_trainer_state(path: Path) -> dict:
     """trainer.pt (weights_only: plain data and tensors), every field checked; a one-line UserError naming the field
     otherwise."""
@@ -482,8 +505,6 @@ def load_trainer_state(path: Path) -> dict:
 
 def trainer_state_problem(state) -> str | None:
     """What is wrong with a trainer.pt's content (': field ...', or ' holds ...'), or None."""
-    from paratrain.models.args import fields_problem, is_int
-
     if not isinstance(state, dict):
         return f" holds a {type(state).__name__}, not the trainer's state"
     counts = {"step": 0, "data_step": 0, "skipped_steps": 0, "micro_batch": 1, "accum_steps": 1, "seq_len": 1}
@@ -503,8 +524,6 @@ def trainer_state_problem(state) -> str | None:
         if key in state and not isinstance(state[key], str):
             return f": {key} must be a string, got {type(state[key]).__name__}"
     if "lora" in state:
-        from paratrain.models.lora_params import record_problem
-
         why = record_problem(state["lora"])
         if why:
             return f": lora.{why}"
@@ -517,8 +536,6 @@ def trainer_state_problem(state) -> str | None:
 def load_checkpoint(path: Path, model: nn.Module, optimizer, entry: OptimizerEntry = OPTIMIZERS["adamw"]) -> dict:
     """Load model (+ optimizer, of registry entry `entry`) in place, whatever layout saved them; returns the trainer
     state."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
     trainer_state = load_trainer_state(path)
     options = _options(model)
     if optimizer is not None and is_zero1(optimizer):
@@ -540,8 +557,6 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer, entry: OptimizerEnt
 def full_weights(model: nn.Module, pp_group=None) -> dict:
     """Every parameter's whole value, by name, on every rank (a collective); pipeline stages are merged over the
     pp group."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     if pp_group is None:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     mine = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -553,7 +568,6 @@ def full_weights(model: nn.Module, pp_group=None) -> dict:
 def export_safetensors(model: nn.Module, out_file: Path, is_main: bool) -> Path | None:
     """Consolidated (unsharded) weights as one safetensors file; every rank takes part in the gather."""
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
@@ -682,12 +696,9 @@ class Checkpointer:
         ours = self.identity.get("tokenizer_sha256")
         theirs = saved.get("tokenizer_sha256")
         if theirs is None and (path / "meta.json").is_file():
-            from paratrain.data.tokenizers import load_tokenizer, tokenizer_identity
-
             theirs = tokenizer_identity(load_tokenizer(path))
         if ours is None or theirs is None or theirs == ours:
             return None
-        from paratrain.data.tokenizers import load_tokenizer
 
         tok, mine = load_tokenizer(path) if (path / "meta.json").is_file() else None, self.writer.tokenizer
         said = f" ({tok.kind}, vocab {tok.vocab_size})" if tok is not None else ""

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from paratrain import hf
 from paratrain.config import dump_toml
 from paratrain.data import load_tokenizer, open_split
 from paratrain.distributed.env import DistEnv, register_process
@@ -33,17 +34,20 @@ from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import unwrap
 from paratrain.distributed.pipeline import check_stage_gpu
 from paratrain.errors import UserError
+from paratrain.estimate import estimate_for_run
 from paratrain.faults import ATTEMPT_ENV, FaultInjector
-from paratrain.observe.flops import is_datasheet_peak, peak_flops
 from paratrain.generate import prompt_ids, sample
-from paratrain.observe.metrics import MetricsLog, build_sinks
+from paratrain.models import count_active_params, count_params, flops_per_token, format_params
 from paratrain.models.lora import lora_summary
+from paratrain.observe.flops import is_datasheet_peak, peak_flops
+from paratrain.observe.metrics import MetricsLog, build_sinks
 from paratrain.observe.numerics import Finding, NumericsWatch
 from paratrain.observe.oom import write_evidence
-from paratrain.models import count_active_params, count_params, flops_per_token, format_params
+from paratrain.observe.sysmetrics import device_peak_bytes
 from paratrain.spec import RunSpec, stage_gpus
 from paratrain.training.checkpoint import Checkpointer, Progress, export_safetensors, full_weights
 from paratrain.training.evaluation import Evaluator
+from paratrain.training.export import export_final
 from paratrain.training.optim import WarmupCosine
 from paratrain.training.record import PendingRecord, StepRecorder
 from paratrain.training.resilience import MemoryBudget, ResilienceGuard, mark_preempted
@@ -265,8 +269,6 @@ class Trainer:
     # -- start and end ------------------------------------------------------------------------
     def _load_hf_weights(self, folder) -> None:
         """A Hugging Face model's weights onto this layout."""
-        from paratrain import hf
-
         hf.load_initial_weights(unwrap(self.train_step.model), folder, self.spec.model_args)
         self.notice(f"initialised from Hugging Face folder {folder}")
 
@@ -319,10 +321,8 @@ class Trainer:
             if out:
                 log.message(f"consolidated weights: {out}")
         if cfg.checkpoint.export_hf:  # the final checkpoint as a Hugging Face folder, RUN_DIR/hf
-            from paratrain import hf
-
             self.checkpointer.finish()
-            out = hf.export_final(cfg.run_dir, steps, cfg.checkpoint.export_hf_dtype, env.rank, env.world_size)
+            out = export_final(cfg.run_dir, steps, cfg.checkpoint.export_hf_dtype, env.rank, env.world_size)
             log.message(f"Hugging Face model: {out}")
         bubble = self.recorder.bubble_summary()
         if bubble:
@@ -344,8 +344,6 @@ class Trainer:
 
     def _print_memory_estimate(self):
         """The memory estimator's table for this very layout, before the first step."""
-        from paratrain.estimate import estimate_for_run
-
         try:
             estimate = estimate_for_run(self.spec, device=self.env.device.type)
         except UserError as e:
@@ -361,7 +359,6 @@ class Trainer:
         process RSS includes Python itself, so it is not comparable and not printed)."""
         if self.mem_estimate is None or self.env.device.type != "cuda":
             return
-        from paratrain.estimate import device_peak_bytes
 
         peaks = [device_peak_bytes(self.env.device)]
         if dist.is_initialized():

@@ -7,10 +7,13 @@ from __future__ import annotations
 import math
 import warnings
 
-import torch
 from torch import nn
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from paratrain.config import OptimizerConfig
+from paratrain.errors import ConfigError
+from paratrain.modes import resolve_impl
 from paratrain.optimizers import optimizer_entry
 
 
@@ -24,10 +27,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def impl_kwargs(cfg: OptimizerConfig, device: torch.device) -> dict:
-    impl = cfg.impl
-    if impl == "auto":
-        # fused kernels exist for CUDA (and recent CPU builds) but not for every DTensor layout; foreach is safe.
-        impl = "fused" if device.type == "cuda" else "foreach"
+    impl = resolve_impl(cfg.impl, device.type)
     return {"fused": dict(fused=True), "foreach": dict(foreach=True), "for": dict(foreach=False)}[impl]
 
 
@@ -75,8 +75,6 @@ def adamw8bit(cfg: OptimizerConfig, device: torch.device, comm=None):
     try:
         from torchao.optim import AdamW8bit
     except ImportError:
-        from paratrain.errors import ConfigError
-
         raise ConfigError("optimizer.name=adamw8bit needs torchao, which is not installed (pip install torchao)") \
             from None
     return AdamW8bit, dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
@@ -105,11 +103,10 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     cls, kwargs = optimizer_entry(cfg.name).load_builder()(cfg, device, comm)
     if zero1_group is None:
         return cls(groups, **kwargs)
-    from torch.distributed.optim import ZeroRedundancyOptimizer
 
     # ZeRO-1: each rank keeps the optimizer state only for its partition of the parameters. After the step each
     # rank broadcasts its partition as one flat bucket (parameters_as_bucket_view), not one broadcast per parameter.
-    # (overlap_with_ddp is not used: see README "Communication".)
+    # (overlap_with_ddp is not used: see docs/layouts.md, "Overlap".)
     opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls, process_group=zero1_group,
                                   parameters_as_bucket_view=True, weight_decay=groups[0]["weight_decay"], **kwargs)
     opt.add_param_group(groups[1])
@@ -117,8 +114,6 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
 
 
 def is_zero1(optimizer) -> bool:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 

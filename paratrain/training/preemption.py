@@ -21,6 +21,8 @@ import sys
 import threading
 import time
 
+from paratrain.faults import ATTEMPT_ENV
+
 EXIT_PREEMPT_EXPIRED = 143  # 128 + SIGTERM: what a scheduler expects from a job that did not stop in time
 
 
@@ -55,8 +57,6 @@ class PreemptionWatch:
     def _expired(self) -> None:
         # Under paratrain's own launcher the launcher reports the expiry (one line for the job); alone, or under
         # torchrun, rank 0 does.
-        from paratrain.faults import ATTEMPT_ENV
-
         if ATTEMPT_ENV not in os.environ and int(os.environ.get("RANK", "0")) == 0:
             done = (f"; the checkpoint of step {self.saved_step} was saved" if self.saved_step is not None
                     else " before the checkpoint was saved")

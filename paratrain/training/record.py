@@ -16,6 +16,7 @@ import torch
 
 from paratrain.models import count_params
 from paratrain.observe.hang import at_step
+from paratrain.observe.profile import StepProfiler, gather_rows
 from paratrain.observe.sysmetrics import PhaseTimer, gather_rank_stats
 
 
@@ -74,8 +75,6 @@ class StepRecorder:
         m = spec.cfg.metrics
         self.profiler = None  # torch.profiler over a window of steps (metrics.profile_steps)
         if m.profile_steps > 0:
-            from paratrain.observe.profile import StepProfiler, gather_rows
-
             self.profiler = StepProfiler(spec.cfg.run_dir, env.rank, env.world_size, m.profile_start, m.profile_steps,
                                          env.device, message, gather_rows)
         self.peak, self.flops_per_token, self.restarts = peak_flops, flops_per_token, restarts

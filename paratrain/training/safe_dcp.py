@@ -20,8 +20,9 @@ import pickle
 from pathlib import Path, PurePosixPath, PureWindowsPath, PosixPath, WindowsPath
 
 import torch
+from torch.distributed.checkpoint import filesystem, metadata as dcp_metadata
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from paratrain.errors import translated
@@ -46,8 +47,6 @@ def _layout_by_name(name):
 
 
 def _storage_info_class():
-    from torch.distributed.checkpoint import filesystem
-
     return getattr(filesystem, "_StorageInfo")
 
 
@@ -171,8 +170,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DefaultLoadPlanner whose non-tensor entries are read with weights_only=True."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:

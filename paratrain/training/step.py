@@ -3,7 +3,7 @@ gradient clipping, and the optimizer (or fp16 gradient scaler) update.
 
 `build_train_step` assembles it (the model on the meta device, laid out by `parallelize` or cut into pipeline
 stages, gradient communication, the optimizer, the fp16 scaler); the trainer, the memory measurement harness
-(`paratrain/estimate/measure.py`) and `bench/gpu.py` all call it, so the estimator's accuracy bench measures the
+(`bench/memory_measure.py`) and `bench/gpu.py` all call it, so the estimator's accuracy bench measures the
 code users train with.
 
 The step never reads a device value on the host: the loss (averaged over dp x cp), the gradient norm and the
@@ -20,11 +20,15 @@ from __future__ import annotations
 import contextlib
 import functools
 
+from torch import nn
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor.parallel import loss_parallel
 
+from paratrain.config import ActivationCheckpointConfig, MemoryConfig, OptimizerConfig, ParallelConfig
 from paratrain.data.batch import as_batch
+from paratrain.distributed.compression import GradComm
 from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler, context_for
 from paratrain.distributed.expert_parallel import MoEMeter
 from paratrain.distributed.grad_norm import clip_grad_norm
@@ -32,6 +36,8 @@ from paratrain.distributed.parallelize import SequenceParallelSampler, paralleli
 from paratrain.distributed.pipeline import Pipeline, PipelineSampler, build_pipeline
 from paratrain.distributed.tensors import full_tensor, local_tensor, torch_dtype
 from paratrain.layout import Layout
+from paratrain.memory import check_loss_chunks, loss_chunks
+from paratrain.models import build_model
 from paratrain.models.llama import cross_entropy
 from paratrain.models.moe import balance_loss, moe_modules
 from paratrain.modes import loss_scaled, low_precision
@@ -56,8 +62,6 @@ def make_scaler(layout: Layout, precision: str, device: torch.device):
     if not loss_scaled(precision):
         return None
     if layout.uses_fsdp or layout.tp_enabled or layout.pipelined:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
         return ShardedGradScaler(device.type)
     return torch.amp.GradScaler(device.type)
 
@@ -101,15 +105,18 @@ class TrainStep:
     def __init__(self, model: nn.Module, optimizer, layout: Layout, *, precision: str, device: torch.device,
                  grad_clip: float, scaler=None, pipeline: Pipeline | None = None, pp_group=None, loss_group=None,
                  memory_budget=None, probe: StepProbe | None = None, context: ContextParallel | None = None,
-                 comm=None, loss_chunks: int = 1):
+                 comm=None, loss_chunks: int = 1, vocab_size: int = 0):
         """`loss_group`: the ranks the loss is averaged over (dp x cp); `comm`: the run's GradComm; `loss_chunks`:
-        pieces of each micro-batch's tokens the output projection and loss run over (paratrain/memory.py)."""
+        memory.loss_chunks, the pieces of each micro-batch's tokens the output projection and loss run over (0:
+        automatic, resolved per micro-batch from its tokens and `vocab_size`, the model's: `chunks_for`,
+        paratrain/memory.py)."""
         self.model, self.optimizer, self.layout, self.device = model, optimizer, layout, device
         self.context = context  # context parallelism: this rank's chunks of each sequence
         self.precision, self.grad_clip, self.scaler = precision, grad_clip, scaler
         self.pipeline, self.pp_group, self.loss_group, self.comm = pipeline, pp_group, loss_group, comm
         self.memory_budget, self.probe = memory_budget, probe or StepProbe()
-        self.loss_chunks = loss_chunks
+        check_loss_chunks(loss_chunks, layout)
+        self.loss_chunks, self.vocab_size = loss_chunks, vocab_size
         # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does the low-precision compute.
         self.autocast = low_precision(precision) and not layout.uses_fsdp
         self.moe_layers = moe_modules(unwrap(model))
@@ -126,8 +133,6 @@ class TrainStep:
         if self.autocast:
             stack.enter_context(torch.autocast(self.device.type, dtype=torch_dtype(self.precision)))
         if self.layout.uses_loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
             stack.enter_context(loss_parallel())
         return stack
 
@@ -168,9 +173,16 @@ class TrainStep:
         the root's forward ends, so the whole logits are made without it."""
         x, y = batch
         packed = {} if batch.positions is None else {"positions": batch.positions}
-        if self.loss_chunks > 1:
-            return self.model(x, targets=y, loss_chunks=self.loss_chunks, reduction=reduction, **packed)
+        chunks = self.chunks_for(x)
+        if chunks > 1:
+            return self.model(x, targets=y, loss_chunks=chunks, reduction=reduction, **packed)
         return cross_entropy(self.model(x, **packed), y, reduction)
+
+    def chunks_for(self, x: torch.Tensor) -> int:
+        """The loss's pieces for a micro-batch of this rank's tokens `x` (cut by context parallelism): the rule the
+        estimator reads too (paratrain.memory.loss_chunks), on the micro-batch's whole sequences."""
+        return loss_chunks(self.loss_chunks, self.layout, self.precision, vocab_size=self.vocab_size,
+                           tokens=x.numel() * self.layout.cp)
 
     def _loss(self, batch, accum: int) -> torch.Tensor:
         """This rank's share of the step's loss: the mean over its share of the batch (dp x cp ranks hold as many
@@ -299,10 +311,6 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
     paratrain/memory.py; None: the defaults). The model is built on
     the meta device and materialised after sharding; tied embeddings are the exception (materialising from meta would
     untie them), so those models are built for real."""
-    from paratrain.config import ActivationCheckpointConfig, MemoryConfig, OptimizerConfig, ParallelConfig
-    from paratrain.distributed.compression import GradComm
-    from paratrain.memory import loss_chunks
-    from paratrain.models import build_model
 
     layout = dims.layout
     ac = activation_checkpoint or ActivationCheckpointConfig()
@@ -329,7 +337,7 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
                      pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
                      memory_budget=memory_budget, probe=probe, comm=comm,
                      context=context_for(dims),  # cp: batches cut to this rank's chunks
-                     loss_chunks=loss_chunks(memory.loss_chunks, layout, precision))
+                     loss_chunks=memory.loss_chunks, vocab_size=model_args.vocab_size)
 
 
 def build_run_step(spec, dims, device: torch.device, memory_budget=None) -> TrainStep:

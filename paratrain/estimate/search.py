@@ -1,5 +1,5 @@
 """Enumerate the layouts paratrain can run, reject those that cannot run or do not fit (the memory estimator, with
-headroom), predict the step time of the rest (paratrain/planner/cost.py) and rank them."""
+headroom), predict the step time of the rest (paratrain/estimate/step_time.py) and rank them."""
 
 from __future__ import annotations
 
@@ -16,7 +16,15 @@ from paratrain.modes import (CHECKPOINT_MODES, DP_MODES, SCHEDULES, block_checkp
                              interleaved, offload_stride, recompute_rank, recomputes, replicates_shards, stored_rank,
                              value_bytes, zero_bubble)
 from paratrain.optimizers import optimizer_entry
-from paratrain.planner.cost import OFFLOAD_EVERY_K, Candidate, Context, Prediction, cached, predict
+from paratrain.estimate.step_time import OFFLOAD_EVERY_K, Candidate, Context, Prediction, cached, predict
+from paratrain.estimate import Target, activations as A, estimate, inputs_for
+from paratrain.estimate.core import in_flight
+from paratrain.estimate.gpus import fits, fmt_bytes, limit_text, usable_bytes
+from paratrain.estimate.model_states import rank_layers, state_bytes
+from paratrain.estimate.report import ROWS
+from paratrain.estimate.step_time import attention_time, group_link, ring_time
+from paratrain.models.presets import block_param_count
+from paratrain.modes import offloaded_blocks
 
 # The schedules planned by default: all but interleaved_zero_bubble, which the cost model predicts as interleaved_1f1b
 # (the same bubble) and which allows no checkpointing (`--schedules` or `--pp-schedule` may still name it).
@@ -109,25 +117,15 @@ def _layout_reason(c: Candidate, ctx: Context) -> str:
 def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
     """The memory estimator's verdict for a candidate: an Estimate (worst rank; all_ranks: every pipeline rank's
     total in `stages`, for stages on different GPUs)."""
-    from paratrain.estimate import EstimateInputs, estimate
 
-    inputs = EstimateInputs(ctx.args, c.layout, model_name=ctx.model_name, precision=ctx.precision,
-                            optimizer=ctx.optimizer, optimizer_impl="fused" if ctx.hw.device == "cuda" else "foreach",
-                            checkpointing=c.ac, every_k=c.every_k, micro_batch=c.micro_batch, seq_len=ctx.seq_len,
-                            compression=ctx.compression,
-                            accum_steps=1 if c.layout.pipelined else c.micro_steps(ctx), gpu_name=ctx.hw.name,
-                            gpu_bytes=ctx.hw.memory_bytes, overhead_bytes=None if ctx.hw.device == "cuda" else 0,
-                            device=ctx.hw.device, lora=ctx.lora, loss_chunks=c.loss_chunks,
-                            activation_offload=c.act_offload, offload_every_k=OFFLOAD_EVERY_K,
-                            cpu_offload=c.cpu_offload, host_bytes=ctx.host_memory_bytes,
-                            ranks_per_node=min(c.world, ctx.gpus_per_node))
+    target = Target(gpu_name=ctx.hw.name, gpu_bytes=ctx.hw.memory_bytes,
+                    overhead_bytes=None if ctx.hw.device == "cuda" else 0, device=ctx.hw.device,
+                    host_bytes=ctx.host_memory_bytes, ranks_per_node=min(c.world, ctx.gpus_per_node))
+    inputs = inputs_for(ctx.args, c.recipe(ctx), target, model_name=ctx.model_name)
     return estimate(inputs, suggest=False, all_ranks=all_ranks)
 
 
 def memory_reason(est, ctx: Context, headroom: float) -> str | None:
-    from paratrain.estimate.gpus import fits, fmt_bytes, limit_text
-    from paratrain.estimate.report import ROWS
-
     if est.host_fits is False:
         return (f"does not fit in host memory: {fmt_bytes(est.host_node_bytes)} per node of "
                 f"{fmt_bytes(ctx.host_memory_bytes)} ({est.host_limit_text})")
@@ -324,12 +322,6 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     The bound is the rank's exact model states (with FSDP under a pipeline, also its gathered parameters and unsharded
     gradients), plus what its blocks store for one micro-batch times the most micro-batches the rank holds at once (a
     pipeline's schedule), plus a pipeline's receive buffers; the real peak holds at least that."""
-    from paratrain.estimate import activations as A
-    from paratrain.estimate.core import in_flight
-    from paratrain.estimate.gpus import fmt_bytes, limit_text, usable_bytes
-    from paratrain.estimate.model_states import rank_layers, state_bytes
-    from paratrain.modes import offloaded_blocks
-    from paratrain.models.presets import block_param_count
 
     lay, a, c = r.cand.layout, ctx.args, r.cand
     limit = usable_bytes(ctx.hw.memory_bytes, opts.headroom)
@@ -389,8 +381,6 @@ def rank_all(ctx: Context, world: int, opts: Options | None = None) -> list[Resu
 
 
 def no_fit_message(ctx: Context, world: int, opts: Options, results: list[Result], rejected: list[Result]) -> str:
-    from paratrain.estimate.gpus import fmt_bytes, usable_bytes
-
     if not results:
         why = rejected[0].reason if rejected else "no candidate layouts"
         return f"no layout of {world} GPUs can run {ctx.model_name}: e.g. {why}"
@@ -435,15 +425,13 @@ def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
     dp = max(1, world // (o["tp"] * o["pp"] * o["cp"]))  # Layout.resolve says when tp x pp x cp does not divide it
     layout = named.layout(world, pp_microbatches=max(1, ctx.global_seqs // (dp * mb)))
     tiers = named.tiers
-    if offload_stride(tiers.activation_offload, tiers.offload_every_k) not in (1, OFFLOAD_EVERY_K):
+    if offload_stride(tiers.activation_offload, tiers.activation_offload_every_k) not in (1, OFFLOAD_EVERY_K):
         raise UserError(f"--explain '{text}': the planner predicts actoff=every_k{OFFLOAD_EVERY_K} only")
     return Candidate(layout, named.checkpointing, named.every_k, mb, tiers.loss_chunks, tiers.activation_offload,
                      tiers.cpu_offload)
 
 
 def explain(text: str, ctx: Context, world: int, opts: Options) -> str:
-    from paratrain.estimate.gpus import fmt_bytes, limit_text
-
     try:
         c = parse_layout(text, ctx, world)
     except ConfigError as e:  # no layout paratrain can run
@@ -500,7 +488,6 @@ def _diff(p: Prediction, best: Prediction) -> str:
 def ring_line(c: Candidate, ctx: Context) -> str:
     """What ring attention costs a context-parallel layout: its point-to-point traffic and how much the attention
     compute hides (cost.ring_time)."""
-    from paratrain.planner.cost import attention_time, group_link, ring_time
 
     a, lay = ctx.args, c.layout
     tokens = c.micro_batch * ctx.seq_len // lay.cp

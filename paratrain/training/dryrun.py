@@ -1,4 +1,5 @@
-"""`paratrain train --dry-run --world N`: build the real layout of an N-rank run on this machine, without training.
+"""A dry run (`paratrain train --dry-run --world N`, `paratrain plan --check`): build the real layout of an N-rank run on
+this machine, without training.
 
 For one rank of each pipeline stage (pipeline rank s: global rank s x N / pp, the first position on every other
 axis, whose FSDP shards are the largest), in this one process:
@@ -22,10 +23,22 @@ import contextlib
 import time
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+import torch.nn.parallel.distributed as ddp
+
+from paratrain.data.prepare import read_meta
+from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.errors import UserError
+from paratrain.estimate import estimate_for_run, target_device
+from paratrain.estimate.model_states import rank_layers, state_bytes
+from paratrain.models import count_params, format_params
+from paratrain.models.presets import preset_fields
+from paratrain.spec import VOCAB_PAD, check, resolve
+from paratrain.training.step import build_run_step
 
 TOLERANCE = 0.01  # built and estimated model states per rank must agree within 1%
-MAX_WORLD = 1 << 16  # ranks: beyond any cluster paratrain plans for; the mesh's groups grow with the world
 MIB = 2**20
 
 
@@ -53,6 +66,7 @@ class DryRun:
     ranks: list[RankStates]
     seconds: float
     notes: list[str]
+    memory: str = ""  # the estimate's device and host bytes per rank (Estimate.memory_line), as the trainer prints
 
     @property
     def agrees(self) -> bool:
@@ -64,14 +78,10 @@ def offline_spec(cfg, world: int):
     else a placeholder (said in the notes)."""
     from pathlib import Path
 
-    from paratrain.models.presets import preset_fields
-    from paratrain.spec import VOCAB_PAD, check, resolve
 
     parts = check(cfg, world)  # every check that needs no data: one line before anything is built
     notes = []
     if (Path(cfg.data.dir) / "meta.json").is_file() and not cfg.data.sources:
-        from paratrain.data.prepare import read_meta
-
         meta = read_meta(cfg.data.dir)
     else:
         meta = {"vocab_size": VOCAB_PAD * parts.layout.tp}
@@ -89,36 +99,32 @@ def stage_ranks(layout) -> list[int]:
 
 
 def dry_run(cfg, world: int) -> DryRun:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         raise UserError("the dry run builds ranks in a process group of its own: run it outside a launched job")
     import dataclasses
 
     started = time.perf_counter()
     spec, notes = offline_spec(cfg, world)
+
+    estimate = estimate_for_run(spec, device=target_device(cfg.training))
     # AdamW's per-parameter implementation: the same state tensors as foreach or fused, and on the meta device much
     # faster (DTensor plans each op of a parameter shape once; a foreach op over a list of them every time)
     spec = dataclasses.replace(spec, cfg=dataclasses.replace(spec.cfg, optimizer=dataclasses.replace(
         spec.cfg.optimizer, impl="for")))
-    estimated = _estimated_states(spec)
+    estimated = _estimated_states(estimate.inputs)
     ranks = [_build_rank(spec, rank, estimated) for rank in stage_ranks(spec.layout)]
     largest = ranks[0].largest_partition
     if largest:  # zero1 (no pipeline: one stage): the estimate is of the rank with the largest optimizer partition
         ranks = [_build_rank(spec, largest, estimated)]
-    return DryRun(spec, ranks, time.perf_counter() - started, notes)
+    return DryRun(spec, ranks, time.perf_counter() - started, notes, estimate.memory_line())
 
 
-def _estimated_states(spec) -> list[dict]:
+def _estimated_states(i) -> list[dict]:
     """The memory estimator's model states per pipeline rank, from the inputs it estimates this run with."""
-    from paratrain.estimate import estimate_for_run
-    from paratrain.estimate.model_states import rank_layers, state_bytes
-
-    i = estimate_for_run(spec, device="cuda").inputs
     layers = rank_layers(i.layout, i.model_args)
     out = []
     for stage in range(i.layout.pp):
-        st = state_bytes(i.model_args, i.layout, i.precision, i.optimizer, i.accounting, stage, layers, i.lora)
+        st = state_bytes(i.model_args, i.layout, i.recipe.precision, i.recipe.optimizer, i.accounting, stage, layers, i.recipe.lora)
         # the gradients a backward would make beyond the parameters' shapes (whole where torch returns them whole)
         # are not built here: compared without them, and named
         out.append({"params": st.params + st.frozen, "grads": st.grads - st.grads_beyond_shards, "optimizer": st.optimizer,
@@ -127,12 +133,7 @@ def _estimated_states(spec) -> list[dict]:
 
 
 def _build_rank(spec, rank: int, estimated: list[dict]) -> RankStates:
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    from paratrain.distributed.parallel_dims import ParallelDims
-    from paratrain.training.step import build_run_step
 
     started = time.perf_counter()
     layout = spec.layout
@@ -169,8 +170,6 @@ def _without_ddp_shape_check():
     """DDP checks at construction that every rank holds the same parameter shapes: it all-gathers them and reads the
     result on the host, which tensors on the meta device cannot give (and a fake process group moves no data to
     compare: each rank is built alone here). Skipped while building."""
-    import torch.nn.parallel.distributed as ddp
-
     original = ddp._verify_param_shape_across_processes
     ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
     try:
@@ -199,8 +198,6 @@ def _blocks(blocks: list[int]) -> str:
 
 
 def format_dry_run(d: DryRun) -> str:
-    from paratrain.models import count_params, format_params
-
     spec, lay = d.spec, d.spec.layout
     lines = [f"dry run: {spec.model_name} ({format_params(count_params(spec.model_args))} parameters) on "
              f"{lay.world_size} ranks, layout {lay.describe()}, {spec.cfg.training.precision}: fake process group "
@@ -214,7 +211,7 @@ def format_dry_run(d: DryRun) -> str:
         lines.append(f"{r.rank:>6} | {_position(r.coordinates):<32} | {_blocks(r.blocks):<9} | "
                      + " | ".join(f"{c:>23}" for c in cells) + f" | {total:>23} | {r.difference:.2%}")
     worst = max(d.ranks, key=lambda r: r.difference)
-    lines += [f"note: {n}" for n in d.notes]
+    lines += [f"note: {n}" for n in d.notes] + ([d.memory] if d.memory else [])
     beyond = [r for r in d.ranks if r.grads_beyond_shards]
     if beyond:
         lines.append(f"note: the estimate also counts {_mib(beyond[0].grads_beyond_shards)} MiB of gradients "
@@ -227,12 +224,3 @@ def format_dry_run(d: DryRun) -> str:
         lines.append(f"DIFFERS: rank {worst.rank}'s model states are {worst.difference:.2%} from the estimate "
                      f"(more than {TOLERANCE:.0%}): the estimator does not count this layout as torch lays it out")
     return "\n".join(lines)
-
-
-def main_dry_run(cfg, world: int) -> int:
-    """`paratrain train --dry-run --world N`: print the table; exit 1 when built and estimated states disagree."""
-    if not 1 <= world <= MAX_WORLD:
-        raise UserError(f"--world must be between 1 and {MAX_WORLD:,}, got {world:,}")
-    d = dry_run(cfg, world)
-    print(format_dry_run(d), flush=True)
-    return 0 if d.agrees else 1

@@ -1,4 +1,4 @@
-"""`paratrain checkpoint verify PATH [PATH ...]`: check checkpoints the way `resume=auto` does, and say what is wrong.
+"""Checking checkpoints the way `resume=auto` does, saying what is wrong (`paratrain checkpoint verify PATH [PATH ...]`).
 
 PATH is a step-N folder, a run folder or its checkpoints folder (every step-N folder in it). Each checkpoint is
 OK or BAD with its reasons (missing marker or files, truncated shards, checksum mismatches); leftovers of
@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from paratrain.errors import OneLineArgumentParser, UserError
+from paratrain.errors import UserError
 from paratrain.training import integrity
 from paratrain.training.checkpoint import MARKER, checkpoint_problem, step_folders, step_of
 
@@ -60,14 +60,3 @@ def verify(path: Path, out=print) -> bool:
         out(f"resume=auto would use {newest_good}" if newest_good else "resume=auto would find no usable checkpoint")
     return ok
 
-
-def main_checkpoint(argv: list[str]) -> int:
-    p = OneLineArgumentParser(prog="paratrain checkpoint", description="Check checkpoints.")
-    sub = p.add_subparsers(dest="action", required=True, parser_class=OneLineArgumentParser)
-    v = sub.add_parser("verify", help="check checkpoints against their checksums")
-    v.add_argument("paths", nargs="+", metavar="PATH", help="a step-N folder, a run folder or a checkpoints folder")
-    a = p.parse_args(argv)
-    ok = True
-    for path in a.paths:
-        ok = verify(Path(path)) and ok
-    return 0 if ok else 1

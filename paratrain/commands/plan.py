@@ -1,7 +1,7 @@
 """`paratrain plan`: rank parallel layouts by predicted step time, write the best as a config and a launch command.
 
 The command line: its arguments, the planning context (`build_context`) they make, the best layout written out
-(`write_outputs`), and the printed table or JSON document (`plan_json`; README: Planner).
+(`write_outputs`), and the printed table or JSON document (`plan_json`; docs/estimate-and-plan.md).
 
     paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576
     paratrain plan --calibrate --name mybox --nproc 4        # measure this machine; later: --gpu mybox
@@ -16,11 +16,23 @@ import json
 import sys
 from pathlib import Path
 
+from paratrain.config import Config, LoRAConfig, ParallelConfig, dump_toml, validate
 from paratrain.errors import OneLineArgumentParser, UserError
+from paratrain.estimate.gpus import HEADROOM, check_headroom, fmt_bytes, limit_text, parse_memory
+from paratrain.estimate.hardware import resolve_hardware
+from paratrain.estimate.hetero import (MAX_GPUS, build_groups, even_split_layout, parse_gpus, plan_hetero,
+                                       read_cluster, slowest_first, stage_hardware)
+from paratrain.estimate.report import tiers_text
+from paratrain.estimate.search import AC_MODES, PLANNED_SCHEDULES, Options, explain, plan
+from paratrain.estimate.step_time import Context, trainable_count
 from paratrain.layout import CONFIG_KEYS
 from paratrain.layout_grammar import COMPRESSION_KEYS, LAYOUT_KEYS, add_layout_flags, layout_flags
-from paratrain.modes import DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, dp_mode_of
+from paratrain.models.lora_params import LoRA, lora_problem
+from paratrain.models.presets import count_params, format_params
+from paratrain.modes import DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, Compression, dp_mode_of
 from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
+from paratrain.preflight import check_nproc
+from paratrain.spec import model_from
 
 # The layout flags `paratrain plan` takes (paratrain/layout_grammar.py): each fixes that field of every planned
 # layout; the blocks per stage and tp without sequence or loss parallelism are the planner's to choose.
@@ -29,8 +41,6 @@ PLAN_FLAG_KEYS = (*PINNED_KEYS, *COMPRESSION_KEYS, "ddp_bucket_mb")
 
 
 def _parser() -> argparse.ArgumentParser:
-    from paratrain.planner.search import AC_MODES, PLANNED_SCHEDULES
-
     p = OneLineArgumentParser(prog="paratrain plan", description=__doc__.splitlines()[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3-8b", help="a preset name or a config TOML (its [model] section)")
@@ -46,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--float8", action="store_true",
                    help="what-if: predict the blocks' linear layers as float8 GEMMs where the GPU has them "
                         "(paratrain trains them in bf16; the written config is bf16)")
-    p.add_argument("--json", action="store_true", help="print the plan as one JSON document (see README)")
+    p.add_argument("--json", action="store_true", help="the plan as one JSON document (docs/estimate-and-plan.md)")
     p.add_argument("--intra", help="intra-node link: nvlink | pcie4 | pcie5 (default: the GPU's usual one)")
     p.add_argument("--inter", help="inter-node link: ib400 (default) | ib200 | eth100 | eth25")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: min(max_seq_len, 4096))")
@@ -68,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default=None, help=" | ".join(OPTIMIZER_NAMES) + ": its state per rank and its step "
                    "(default: the --model config's, else adamw)")
     add_layout_flags(p, PLAN_FLAG_KEYS, "each fixes that setting of every planned layout (--grad-compression: plans "
-                     "the layouts it applies to, with its bytes and compute; README, Communication)")
+                     "the layouts it applies to, with its bytes and compute; docs/optimizers.md)")
 
     p.add_argument("--lora-rank", type=int, default=None, help="plan LoRA adapters of this rank on a frozen model "
                    "(default: the --model config's [lora])")
@@ -111,11 +121,6 @@ def _csv(text, allowed=None, cast=str, flag=""):
 
 def build_context(args) -> tuple:
     """(Context, world, Options, base config or None) from parsed arguments; UserError on bad input."""
-    from paratrain.planner.cost import Context
-    from paratrain.planner.hardware import resolve_hardware
-    from paratrain.planner.search import AC_MODES, PLANNED_SCHEDULES, Options
-
-    from paratrain.planner.hetero import build_groups, parse_gpus, read_cluster, slowest_first
 
     if args.gpus is None and not args.cluster:
         raise UserError("--gpus N is required (the number of GPUs to plan for, or groups like 8xH100,8xA100)")
@@ -126,7 +131,6 @@ def build_context(args) -> tuple:
     spec = read_cluster(args.cluster) if args.cluster else parse_gpus(args.gpus)
     groups = None
     if spec is None:
-        from paratrain.planner.hetero import MAX_GPUS
 
         world = int(args.gpus)
         if world < 1:
@@ -146,10 +150,8 @@ def build_context(args) -> tuple:
         per_node = min(g.gpus_per_node for g in groups)
         if len(groups) == 1:
             groups = None  # one type: the ordinary planner
-    from paratrain.estimate.gpus import HEADROOM, check_headroom
 
     headroom = check_headroom(HEADROOM if args.headroom is None else args.headroom)
-    from paratrain.spec import model_from
 
     name, margs, base = model_from(args.model, args.vocab_size)
     seq = args.seq or min(margs.max_seq_len, 4096)
@@ -164,8 +166,6 @@ def build_context(args) -> tuple:
     precision = args.precision or ("fp32" if hw.device == "cpu" else "bf16")
     if precision not in PRECISIONS:
         raise UserError(f"--precision '{precision}' is not one of {', '.join(PRECISIONS)}")
-    from paratrain.config import ParallelConfig
-    from paratrain.modes import Compression
 
     flags = layout_flags(args, PLAN_FLAG_KEYS)
     parallel = dataclasses.replace(ParallelConfig(), **flags)
@@ -176,7 +176,6 @@ def build_context(args) -> tuple:
     entry = optimizer_entry(args.optimizer or (base.optimizer.name if base is not None else "adamw"))
     entry.check_compression(compression.method, "--grad-compression")
     optimizer = entry.name
-    from paratrain.estimate.gpus import parse_memory
 
     ctx = Context(margs, seq, tokens // seq, hw, per_node, precision, name, native_max_seq_len=native,
                   compression=compression, optimizer=optimizer,
@@ -219,8 +218,6 @@ def _one_or_csv(one, one_flag: str, text, flag: str, default: tuple, allowed: tu
 
 def _lora(args, base):
     """The adapters planned: --lora-rank (with the config's other [lora] keys), else the --model config's."""
-    from paratrain.config import LoRAConfig
-    from paratrain.models.lora_params import LoRA, lora_problem
 
     section = dataclasses.replace(base.lora) if base is not None else LoRAConfig()
     if args.lora_rank is not None:
@@ -248,38 +245,25 @@ def _posint(x: str) -> int:
 
 def config_for(c, ctx, base=None, model_spec: str | None = None):
     """A paratrain Config that runs candidate `c` (validated by load_config's rules)."""
-    from paratrain.config import Config, validate
-    from paratrain.planner.cost import OFFLOAD_EVERY_K
 
     cfg = base if base is not None else Config()
     if base is None and model_spec is not None:
         cfg.model.preset = model_spec
-    t, lay = cfg.training, c.layout
-    t.seq_len, t.micro_batch, t.global_batch, t.accum_steps = ctx.seq_len, c.micro_batch, ctx.global_seqs, 1
-    t.precision = ctx.precision
+    # Every degree written out (no dp_shard=-1): the file names its layout and world size, so `paratrain estimate
+    # --model plan/config.toml` estimates the planned layout and the trainer refuses another world size. A
+    # heterogeneous cluster's layout carries its uneven split. The memory tiers as the plan estimated them.
+    c.recipe(ctx).to_config(cfg)
+    t, p = cfg.training, cfg.parallel
+    t.global_batch, t.accum_steps = ctx.global_seqs, 1  # (the accumulation follows from the global batch)
     if ctx.native_max_seq_len:  # planned beyond the preset's context: the config says so
         cfg.model.max_seq_len = ctx.args.max_seq_len
     if ctx.hw.device == "cpu":
         t.device = "cpu"
-    # Every degree written out (no dp_shard=-1): the file names its layout and world size, so `paratrain estimate
-    # --model plan/config.toml` estimates the planned layout and the trainer refuses another world size. A
-    # heterogeneous cluster's layout carries its uneven split.
-    comp = ctx.compression
-    p = cfg.parallel = dataclasses.replace(lay.to_config(cfg.parallel), grad_compression=comp.method,
-                                           powersgd_rank=comp.powersgd_rank, sign_ef_block=comp.sign_ef_block,
-                                           ddp_bucket_mb=ctx.ddp_bucket_mb)
-    cfg.optimizer.name = ctx.optimizer
+    p.ddp_bucket_mb = ctx.ddp_bucket_mb
     if ctx.cluster:  # which GPU type each pipeline rank runs on
-        from paratrain.planner.hetero import stage_hardware
 
-        p.pp_stage_gpus = ",".join(h.name for h in stage_hardware(ctx.cluster, lay.pp))
+        p.pp_stage_gpus = ",".join(h.name for h in stage_hardware(ctx.cluster, c.layout.pp))
     t.compile = ctx.mode == "compile"
-    cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every_k = c.ac, c.every_k
-    if ctx.lora is not None:
-        cfg.lora.rank, cfg.lora.targets = ctx.lora.rank, ",".join(ctx.lora.targets)
-    m = cfg.memory  # the memory tiers the plan needs, as it estimated them (loss_chunks 1: the whole logits)
-    m.loss_chunks, m.activation_offload, m.cpu_offload = c.loss_chunks, c.act_offload, c.cpu_offload
-    m.activation_offload_every_k = OFFLOAD_EVERY_K
     validate(cfg)
     return cfg
 
@@ -346,8 +330,6 @@ def check_out(out: Path, overwrite: bool) -> None:
 
 
 def write_outputs(best, ctx, world: int, out_dir, base=None, model_spec=None) -> tuple[Path, str, Path | None]:
-    from paratrain.config import dump_toml
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = config_for(best.cand, ctx, base, model_spec)
@@ -367,8 +349,6 @@ def write_outputs(best, ctx, world: int, out_dir, base=None, model_spec=None) ->
 
 
 def format_table(results, ctx) -> str:
-    from paratrain.estimate.gpus import fmt_bytes
-
     hosted = any(r.estimate is not None and r.estimate.host_bytes for r in results)
     w = max([44] + [len(r.cand.name) for r in results])
     head = (f"{'#':>2} {'layout':<{w}} {'tokens/s':>12} {'MFU':>6} {'mem/rank':>10} "
@@ -385,27 +365,24 @@ def format_table(results, ctx) -> str:
     return "\n".join(lines)
 
 
-def main_plan(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.calibrate:
-        from paratrain.planner.hardware import calibrate
-
+        # lazy: calibration runs torch and launches ranks; planning itself is torch-free
         import torch
 
-        nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
-        from paratrain.preflight import check_nproc
+        from paratrain.calibration import calibrate
 
+        nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
         check_nproc("auto", nproc, oversubscribe=None)
         model_given = any(a == "--model" or a.startswith("--model=") for a in argv)
-        from paratrain.spec import model_from
-
         margs = model_from(args.model, args.vocab_size)[1] if model_given else None
         mbs = _csv(args.micro_batches, cast=_posint, flag="--micro-batches") or (1, 2)
         modes = _csv(args.calibrate_modes, ("eager", "compile"), flag="--calibrate-modes")
         if not 0 < args.calibrate_seconds <= 60:
             raise UserError(f"--calibrate-seconds must be in (0, 60], got {args.calibrate_seconds}")
-        hw, path = calibrate(args.name, nproc, args.profile_dir, seconds=args.calibrate_seconds, model=margs, seq=args.seq, micro_batches=mbs,
-                             tp=args.calibrate_tp, modes=modes)
+        hw, path = calibrate(args.name, nproc, args.profile_dir, seconds=args.calibrate_seconds, model=margs,
+                             seq=args.seq, micro_batches=mbs, tp=args.calibrate_tp, modes=modes)
         if args.json:
             print(json.dumps({"profile": str(path), **hw.to_json()}, indent=2))
             return 0
@@ -426,7 +403,6 @@ def main_plan(argv: list[str]) -> int:
         return 0
     import time
 
-    from paratrain.planner.search import explain, plan
 
     ctx, world, opts, base = build_context(args)
     if not args.no_write and not args.explain:
@@ -438,7 +414,6 @@ def main_plan(argv: list[str]) -> int:
         return 0
     started = time.perf_counter()
     if ctx.cluster:
-        from paratrain.planner.hetero import plan_hetero
 
         p = plan_hetero(ctx, opts, top=args.top)
     else:
@@ -451,7 +426,7 @@ def main_plan(argv: list[str]) -> int:
         written = {"config": str(path), "launch": cmd, "sbatch": str(sb) if sb else None}
     check = None
     if args.check:  # the first choice built for real, one rank per pipeline stage
-        from paratrain.observe.dryrun import dry_run
+        from paratrain.training.dryrun import dry_run  # lazy: builds the layout with torch
 
         check = dry_run(config_for(best.cand, ctx, base, None if base else args.model), world)
     if args.json:
@@ -469,8 +444,6 @@ def main_plan(argv: list[str]) -> int:
           + f"), seq {ctx.seq_len}, {ctx.global_seqs} sequences = {ctx.global_seqs * ctx.seq_len:,} tokens per step, "
           f"{ctx.precision}, {ctx.mode}" + (", float8 linears (what-if)" if ctx.float8 else ""))
     if ctx.lora is not None:
-        from paratrain.models.presets import count_params, format_params
-        from paratrain.planner.cost import trainable_count
 
         trainable = trainable_count(ctx.args, ctx.lora)
         print(f"LoRA rank {ctx.lora.rank} on {','.join(ctx.lora.targets)}: {format_params(trainable)} trainable, "
@@ -479,7 +452,6 @@ def main_plan(argv: list[str]) -> int:
     if ctx.native_max_seq_len:
         print(f"note: --seq {ctx.seq_len} is longer than {ctx.model_name}'s max_seq_len {ctx.native_max_seq_len}: "
               f"planned as long-context training (model.max_seq_len={ctx.seq_len} in the written config)")
-    from paratrain.estimate.gpus import fmt_bytes, limit_text
 
     print(f"{p.considered} layouts considered: {len(p.rejected)} rejected, {len(p.ranked)} fit among the fastest "
           f"predicted (memory: paratrain estimate, {limit_text(hw.memory_bytes, opts.headroom)}); planned in "
@@ -487,7 +459,6 @@ def main_plan(argv: list[str]) -> int:
     print(format_table(p.ranked[: args.top], ctx))
     print(f"best: {best.cand.describe()} -- {best.pred.breakdown()}")
     if best.cand.tiers().active:
-        from paratrain.estimate.report import tiers_text
 
         print(f"memory tiers (no layout fits without them): {tiers_text(best.estimate.inputs)}; host memory "
               f"{fmt_bytes(best.estimate.host_bytes)} per rank, {fmt_bytes(best.estimate.host_node_bytes)} per node"
@@ -503,7 +474,7 @@ def main_plan(argv: list[str]) -> int:
         print(f"wrote {written['config']}" + (f" and {written['sbatch']}" if written["sbatch"] else ""))
         print(f"launch: {written['launch']}")
     if check is not None:
-        from paratrain.observe.dryrun import format_dry_run
+        from paratrain.training.dryrun import format_dry_run  # lazy: (loaded with the dry run above)
 
         print(format_dry_run(check))
     sys.stdout.flush()
@@ -512,7 +483,6 @@ def main_plan(argv: list[str]) -> int:
 
 def _even(r, ctx) -> tuple[int, ...]:
     """The even split a heterogeneous plan is compared with (the one `plan_hetero` predicted)."""
-    from paratrain.planner.hetero import even_split_layout
 
     return even_split_layout(r.cand.layout, ctx.args).pp_split
 
@@ -528,8 +498,7 @@ def _prediction_json(pred) -> dict:
 
 
 def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int = 5) -> dict:
-    """The plan as one JSON document (`paratrain plan --json`; the schema is in README.md)."""
-    from paratrain.models.presets import count_params
+    """The plan as one JSON document (`paratrain plan --json`; the schema is in docs/estimate-and-plan.md)."""
 
     def layout_json(r) -> dict:
         lay = r.cand.layout

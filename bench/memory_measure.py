@@ -1,5 +1,8 @@
 """Measure what the estimator predicts: live tensor bytes per rank, by category, at the peak of a training step.
 
+Benchmark machinery (bench/memory_accuracy.py, bench/gpu.py and the estimator's tests), not part of the package: it
+launches ranks to measure memory. The trainer's own measured peak is `paratrain.observe.sysmetrics.device_peak_bytes`.
+
 `StorageTracker` is a TorchDispatchMode that sees every tensor the step creates (DTensors are
 unwrapped to their local shards), follows each storage until it is freed (weak references, plus
 `UntypedStorage.resize_`, which FSDP2 uses to free and re-allocate unsharded parameters), and keeps
@@ -13,7 +16,7 @@ temporaries, ...).
 runs steps that mirror `Trainer._forward_backward` + clipping + the optimizer step, and returns a
 `Measurement`. It runs in the calling process; `measure(spec, world_size)` launches gloo ranks and
 returns every rank's measurement. This is test/bench machinery for CPU ranks; on a GPU, the number to
-compare with is `torch.cuda.max_memory_allocated()` (see `device_peak_bytes`).
+compare with is `torch.cuda.max_memory_allocated()` (`device_step_peaks`, `paratrain.observe.sysmetrics.device_peak_bytes`).
 
 PARATRAIN_MEM_DEBUG=1 prints, on rank 0, the storages live at the end of the forward and at the peak, with the
 op, shapes and call site that allocated each (slow; for finding what a formula misses).
@@ -598,18 +601,7 @@ def measure(specs: list[MeasureSpec], world_size: int) -> list[list[dict]]:
     from paratrain.distributed.launch import launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return launch(_rank_measure, (specs,), world_size)
-
-
-def device_peak_bytes(device: torch.device | str | None = None) -> int:
-    """Peak bytes allocated on the trainer's device so far: `torch.cuda.max_memory_allocated` on CUDA; on CPU
-    the process's peak resident set size (an upper bound: it includes Python, torch and the data)."""
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    from paratrain.observe.sysmetrics import rss_peak_bytes
-
-    return rss_peak_bytes()
+    return launch(_rank_measure, (specs,), world_size, preload=("paratrain.training.step",))  # imported once
 
 
 def device_step_peaks(spec: MeasureSpec, device, compile: bool | str = False, steps: int = 3) -> dict:
@@ -649,12 +641,16 @@ def device_step_peaks(spec: MeasureSpec, device, compile: bool | str = False, st
 
 def inputs_for_spec(spec: MeasureSpec, world_size: int):
     """The estimator's inputs for a measured configuration (CPU: no runtime overhead, foreach optimizer)."""
-    from paratrain.estimate.core import EstimateInputs
+    from paratrain.estimate.inputs import Target, inputs_for
+    from paratrain.memory import MemoryTiers
     from paratrain.models.args import ModelArgs
+    from paratrain.recipe import Recipe
 
-    return EstimateInputs(ModelArgs(**spec.model), spec.layout(world_size), model_name=spec.name or "bench",
-                          precision=spec.precision, optimizer=spec.optimizer, optimizer_impl=spec.optimizer_impl,
-                          checkpointing=spec.checkpointing, every_k=spec.every_k, micro_batch=spec.micro_batch,
-                          seq_len=spec.seq_len, accum_steps=spec.accum_steps, device="cpu", overhead_bytes=0,
-                          loss_chunks=spec.loss_chunks, activation_offload=spec.activation_offload,
-                          offload_every_k=spec.offload_every_k)
+    layout = spec.layout(world_size)
+    # loss_chunks 0 (automatic) is resolved by the estimator with the model's vocabulary (paratrain.memory.loss_chunks)
+    tiers = MemoryTiers(spec.loss_chunks, spec.activation_offload, spec.offload_every_k)
+    recipe = Recipe(layout, precision=spec.precision, checkpointing=spec.checkpointing, every_k=spec.every_k,
+                    micro_batch=spec.micro_batch, accum_steps=spec.accum_steps, seq_len=spec.seq_len, tiers=tiers,
+                    optimizer=spec.optimizer, optimizer_impl=spec.optimizer_impl)
+    return inputs_for(ModelArgs(**spec.model), recipe, Target(device="cpu", overhead_bytes=0),
+                      model_name=spec.name or "bench")

@@ -31,8 +31,14 @@ from pathlib import Path
 from paratrain.errors import UserError
 from paratrain.layout import Layout
 from paratrain.modes import multi_stage, recompute_period
-from paratrain.planner.profile import Hardware
+from paratrain.estimate.profile import Hardware
 from paratrain.stage_split import min_max_partition
+from paratrain.config import read_toml
+from paratrain.estimate.gpus import fits
+from paratrain.estimate.hardware import resolve_hardware
+from paratrain.estimate.search import Plan, Result, candidates, memory, structural_reason
+from paratrain.estimate.step_time import block_costs, predict
+from paratrain.stage_split import balanced_split
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,6 @@ MAX_GPUS = 1 << 20  # a million GPUs: beyond any cluster, and the layouts of mor
 def read_cluster(path: str) -> list[dict]:
     """A cluster file: [[group]] tables with gpu, count and optionally gpus_per_node, intra (in rank order). Every
     field is checked, one line naming the file, the group and the field."""
-    from paratrain.config import read_toml
 
     p = Path(path)
     if not p.is_file():
@@ -100,8 +105,6 @@ def read_cluster(path: str) -> list[dict]:
 
 def build_groups(spec: list[tuple[int, str]] | list[dict], gpus_per_node: int, intra: str | None, inter: str | None,
                  profile_dir) -> list[GpuGroup]:
-    from paratrain.planner.hardware import resolve_hardware
-
     groups = []
     total = sum(item["count"] if isinstance(item, dict) else item[0] for item in spec)
     if total > MAX_GPUS:
@@ -142,7 +145,6 @@ def slowest_first(groups: list[GpuGroup]) -> Hardware:
 def uneven_split(ctx, c, stage_hw: list[Hardware], caps: list[int] | None = None) -> tuple[int, ...] | None:
     """Blocks per stage minimising the slowest stage's time per micro-batch on its own hardware (contiguous,
     at least one block each, at most caps[r] on stage r); None when the caps leave no split."""
-    from paratrain.planner.cost import block_costs
 
     pp, n = len(stage_hw), ctx.args.n_layers
     caps = caps or [n] * pp
@@ -157,8 +159,6 @@ def uneven_split(ctx, c, stage_hw: list[Hardware], caps: list[int] | None = None
 def place(ctx, c, stage_hw: list[Hardware], headroom: float, rounds: int = 6):
     """The candidate with the split for its stages' hardware and memory: (candidate, estimate) or (candidate with
     the last split tried, reason it does not fit)."""
-    from paratrain.estimate.gpus import fits
-    from paratrain.planner.search import memory
 
     caps = [ctx.args.n_layers] * len(stage_hw)
     lay = c.layout
@@ -180,16 +180,12 @@ def place(ctx, c, stage_hw: list[Hardware], headroom: float, rounds: int = 6):
 
 
 def even_split_layout(lay: Layout, args) -> Layout:
-    from paratrain.stage_split import balanced_split
-
     return dataclasses.replace(lay, pp_split=balanced_split(args, lay.num_stages))
 
 
 def plan_hetero(ctx, opts, top: int = 5):
     """Rank the layouts of a heterogeneous cluster (`ctx.cluster`): each candidate with its stages on their groups'
     GPU types and the split for them; the even split's prediction is kept beside it (`Result.even`)."""
-    from paratrain.planner.cost import predict
-    from paratrain.planner.search import Plan, Result, candidates, structural_reason
 
     groups = ctx.cluster
     world = sum(g.count for g in groups)

@@ -24,19 +24,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from paratrain.errors import UserError
+from paratrain.files import atomic_dir, replace_dir
 from paratrain.training import safe_dcp
 from paratrain.training.adapters import AdaptedCheckpoint, init_folder_of, run_config
-from paratrain.files import atomic_dir, replace_dir
-from paratrain.errors import OneLineArgumentParser, UserError
 
+from paratrain.data import load_tokenizer
+from paratrain.distributed.tensors import torch_dtype
 from paratrain.hf.arch import hf_config_from_args
 from paratrain.hf.files import INDEX, SINGLE
 from paratrain.hf.names import Piece, param_shapes, pieces
 from paratrain.hf.tokenizer import special_tokens, write_tokenizer
 from paratrain.models.args import ModelArgs
-from paratrain.distributed.tensors import torch_dtype
 from paratrain.modes import PRECISIONS
+from paratrain.preflight import check_export_out
+from paratrain.training.checkpoint import load_trainer_state
 
 SOURCE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja",
                 "vocab.json", "merges.txt")  # the slow tokenizer's files (Qwen ships them beside tokenizer.json)
@@ -90,8 +94,6 @@ def _source_tokenizer_matches(source: Path, tokenizer) -> bool:
 
 def _source_folder(ckpt: Path) -> Path | None:
     """The Hugging Face folder an imported model came from (its tokenizer files are copied), or None."""
-    from paratrain.training.checkpoint import load_trainer_state
-
     try:
         return init_folder_of(load_trainer_state(ckpt))
     except UserError:
@@ -101,8 +103,6 @@ def _source_folder(ckpt: Path) -> Path | None:
 def plan_export(ckpt: Path, dtype: str = "bf16", max_shard_bytes: int = 5 * 10**9) -> ExportPlan:
     """Everything checked and decided before a byte is written."""
 
-    from paratrain.training.checkpoint import load_trainer_state
-    from paratrain.data import load_tokenizer
 
     if dtype not in PRECISIONS:
         raise UserError(f"--dtype must be one of {', '.join(PRECISIONS)}, got '{dtype}'")
@@ -253,8 +253,6 @@ def export_hf(ckpt: Path, out: Path, dtype: str = "bf16", max_shard_bytes: int =
               overwrite: bool = False) -> ExportPlan:
     """Export in this process; `out` appears complete or not at all."""
     out = Path(out)
-    from paratrain.preflight import check_export_out
-
     check_export_out(out, [("the checkpoint it reads", ckpt), ("the model folder it copies the tokenizer from",
                                                                _source_folder(ckpt))], overwrite)
     plan = plan_export(ckpt, dtype, max_shard_bytes)
@@ -270,8 +268,6 @@ def export_hf(ckpt: Path, out: Path, dtype: str = "bf16", max_shard_bytes: int =
 def export_at_end(ckpt: Path, out: Path, dtype: str, rank: int, world: int) -> Path:
     """`checkpoint.export_hf`: every rank of the finished training job writes every world-th output shard of
     the final checkpoint; rank 0 writes the rest and renames the folder into place."""
-    import torch.distributed as dist
-
     def barrier():
         if dist.is_initialized():
             dist.barrier()
@@ -293,31 +289,6 @@ def export_at_end(ckpt: Path, out: Path, dtype: str, rank: int, world: int) -> P
     return out
 
 
-def main_export(argv: list[str]) -> int:
-    from paratrain.inference import find_checkpoint
-
-    p = OneLineArgumentParser(prog="paratrain export",
-                                description="Write a checkpoint as a Hugging Face model folder.")
-    p.add_argument("checkpoint", help="a run folder (its newest complete checkpoint) or a step-N folder")
-    p.add_argument("--format", required=True, choices=["hf", "peft"],
-                   help="hf: transformers / vLLM / llama.cpp layout (LoRA: merged into the weights); peft: a LoRA "
-                        "checkpoint's adapters as a PEFT adapter folder for its Hugging Face base")
-    p.add_argument("--out", required=True, help="folder to create")
-    p.add_argument("--dtype", default="bf16", choices=PRECISIONS)
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
-    a = p.parse_args(argv)
-    max_shard = parse_size(a.max_shard_size)
-    ckpt = find_checkpoint(a.checkpoint)
-    if a.format == "peft":
-        from paratrain.hf.peft_export import export_peft
-
-        adapted = export_peft(ckpt, Path(a.out), a.dtype, a.overwrite)
-        print(f"exported {ckpt} -> {a.out}: a PEFT LoRA adapter (rank {adapted.lora.rank}, "
-              f"{len(adapted.targets)} projections, {a.dtype}) for {adapted.hf_folder}")
-        return 0
-    plan = export_hf(ckpt, Path(a.out), a.dtype, max_shard, a.overwrite)
-    arch = plan.config["architectures"][0]
-    print(f"exported {ckpt} -> {a.out}: {arch}, {len(plan.shards)} safetensors file(s), {a.dtype}, "
-          f"vocab {plan.vocab:,}")
-    return 0
+def export_final(run_dir: Path, step: int, dtype: str, rank: int, world: int) -> Path:
+    """`checkpoint.export_hf`: the checkpoint of step `step` as RUN_DIR/hf (every rank calls this)."""
+    return export_at_end(run_dir / "checkpoints" / f"step-{step}", run_dir / "hf", dtype, rank, world)

@@ -1,6 +1,6 @@
 """The planner's cost model: predicted time of one optimizer step for a layout, split into compute, exposed
 communication, pipeline bubble and recompute. Every term is a formula of the model's sizes, the layout and the
-hardware profile (paratrain/planner/profile.py, made by paratrain/planner/hardware.py); what is fitted to published
+hardware profile (paratrain/estimate/profile.py, made by paratrain/estimate/hardware.py); what is fitted to published
 runs is the profile's efficiency model (hardware.py: achieved GEMM and attention rates by GPU generation, element-wise
 bandwidth, execution-mode factors, each with its source), not these formulas.
 
@@ -87,9 +87,14 @@ from paratrain.memory import MemoryTiers
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
 from paratrain.modes import (Compression, CompressionSite, forward_repeats, offloads_activations, recomputed_blocks,
-                             selective, value_bytes, whole_blocks)
+                             resolve_impl, selective, value_bytes, whole_blocks)
 from paratrain.optimizers import GradientReduction, Phase, optimizer_entry
-from paratrain.planner.profile import Hardware, Link
+from paratrain.recipe import Recipe
+from paratrain.estimate.profile import Hardware, Link
+from paratrain.estimate import activations as A
+from paratrain.estimate.model_states import local_shape, model_params
+from paratrain.models.presets import count_params, flops_per_token
+from paratrain.modes import offloaded_blocks, uniform
 
 ELEMWISE_VALUES_PER_TOKEN = (80, 20)  # x dim, x ffn/tp: values read+written per token and block, fwd+bwd
 OPS_PER_BLOCK = 35  # operators in one block's forward (backward: twice)
@@ -154,6 +159,13 @@ class Candidate:
         tiers."""
         return layout_name(self.layout, self.ac, self.every_k, self.micro_batch, self.tiers())
 
+    def recipe(self, ctx: "Context") -> Recipe:
+        """The recipe this candidate stands for in the context's run (what `paratrain plan` writes as its config)."""
+        return Recipe(self.layout, precision=ctx.precision, checkpointing=self.ac, every_k=self.every_k,
+                      micro_batch=self.micro_batch, accum_steps=1 if self.layout.pipelined else self.micro_steps(ctx),
+                      seq_len=ctx.seq_len, tiers=self.tiers(), optimizer=ctx.optimizer,
+                      optimizer_impl=resolve_impl("auto", ctx.hw.device), compression=ctx.compression, lora=ctx.lora)
+
     def tiers(self) -> MemoryTiers:
         """The memory tiers this candidate uses."""
         return MemoryTiers(self.loss_chunks, self.act_offload, OFFLOAD_EVERY_K, self.cpu_offload)
@@ -180,7 +192,7 @@ class Context:
     mode: str = "eager"  # eager | compile (training.compile): the profile's factor on the non-matmul time
     float8: bool = False  # what-if: the blocks' linear layers as float8 GEMMs (the profile's float8 rate)
     stage_hw: list[Hardware] | None = None  # heterogeneous clusters: the hardware of each pipeline rank, in order
-    cluster: list | None = None  # heterogeneous clusters: the GPU groups in rank order (planner/hetero.py GpuGroup)
+    cluster: list | None = None  # heterogeneous clusters: the GPU groups in rank order (estimate/hetero.py GpuGroup)
     lora: LoRA | None = None  # adapters on a frozen model: only they have gradients to reduce and states to update
     host_memory_bytes: int | None = None  # host memory per node (--host-memory; None: not checked)
     cache: dict = field(default_factory=dict, repr=False, compare=False)  # per-shape compute terms (block_costs)
@@ -432,8 +444,6 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
 
 
 def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Prediction:
-    from paratrain.models.presets import count_params, flops_per_token
-
     a, hw, S, lay = ctx.args, ctx.hw, ctx.seq_len, c.layout
     t, ab, cp = c.tp, _act_bytes(ctx), lay.cp
     T = c.micro_batch * S // cp  # tokens per micro-step per rank (tp ranks share them, cp ranks split them)
@@ -455,7 +465,7 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     entry = optimizer_entry(ctx.optimizer)
     optimizer = (opt_params * entry.step_bytes / hw.mem_bandwidth + entry.step_kernels * hw.op_overhead_s) \
         * hw.compute_scale
-    if c.cpu_offload:  # the host steps this rank's shards (planner/hardware.py: host_adam_rate, AdamW's traffic)
+    if c.cpu_offload:  # the host steps this rank's shards (estimate/hardware.py: host_adam_rate, AdamW's traffic)
         _host(hw)
         optimizer = opt_params / hw.host_adam_params_per_s * entry.step_bytes / optimizer_entry("adamw").step_bytes
 
@@ -469,7 +479,6 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     site = grad_compression_site(lay, comp_in.method)
     comp_frac, comp_lat, compress = 1.0, 1, 0.0
     if site.hooked:
-        from paratrain.estimate.model_states import local_shape, model_params
 
         shapes = [local_shape(q, lay) for q in model_params(a, ctx.lora) if q.trainable]  # (no pp or tp here)
         if site is CompressionSite.REPLICATE_HOOK:  # the FSDP shard of each parameter (dim 0 over dp_shard)
@@ -585,8 +594,6 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
 
 
 def trainable_count(args: ModelArgs, lora: LoRA) -> int:
-    from paratrain.estimate.model_states import model_params
-
     return sum(p.numel for p in model_params(args, lora) if p.trainable)
 
 
@@ -605,8 +612,6 @@ def activation_offload_time(c: Candidate, ctx: Context, blocks: int, compute_s: 
     block's saved bytes (estimate.activations.offloaded) go to host in its forward and come back in backward, on a
     side stream beside the compute of one block (its own forward, the block above's backward: a share `overlap` of
     it hides them). `compute_s`: the rank's compute per micro-step."""
-    from paratrain.estimate import activations as A
-    from paratrain.modes import offloaded_blocks, uniform
 
     lay, hw = c.layout, ctx.hw
     d = A.act_dims(ctx.args, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, hw.device)

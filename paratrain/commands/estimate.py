@@ -7,11 +7,20 @@ import json
 import math
 import sys
 
-from paratrain.models.lora_params import LoRA, lora_problem
+from paratrain.models.lora_params import lora_problem
 from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.layout_grammar import FLAG_OF, add_layout_flags, with_layout_flags
 from paratrain.modes import CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS
 from paratrain.optimizers import OPTIMIZER_NAMES
+from paratrain.config import Config
+from paratrain.estimate import target_device
+from paratrain.estimate.core import estimate
+from paratrain.estimate.gpus import GiB, HEADROOM, check_headroom, gpu_memory, parse_memory
+from paratrain.estimate.inputs import Target, inputs_for
+from paratrain.layout import Layout
+from paratrain.modes import Compression
+from paratrain.recipe import Recipe
+from paratrain.spec import batch_of, model_from
 
 # The layout flags `paratrain estimate` takes (paratrain/layout_grammar.py): every [parallel] setting that changes
 # the memory of a step (not DDP's bucket size: its buckets are as large as the gradients).
@@ -63,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--accum-steps", type=int, default=None, help="gradient accumulation micro-steps")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (accumulation derived)")
-    m = p.add_argument_group("memory tiers (the [memory] section; README \"Memory tiers\")")
+    m = p.add_argument_group("memory tiers (the [memory] section; docs/memory-tiers.md)")
     m.add_argument("--loss-chunks", type=int, default=None, help="output projection + loss over N pieces of the "
                    "tokens (0: automatic, 8 where exact; 1: whole logits)")
     m.add_argument("--activation-offload", default=None, help="none | all | every_k: saved activations to host memory")
@@ -89,7 +98,6 @@ MODEL_FLAGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_se
 
 def _model_from(args):
     """(name, ModelArgs, the config or None) from --model and the model flags (`spec.model_from`)."""
-    from paratrain.spec import model_from
 
     return model_from(args.model, args.vocab_size, {k: getattr(args, k) for k in MODEL_FLAGS})
 
@@ -97,7 +105,6 @@ def _model_from(args):
 def _estimate_defaults(model_args):
     """The config a preset is estimated with: the trainer's defaults, but bf16, one sequence per micro-batch and the
     preset's context up to 2,048 tokens."""
-    from paratrain.config import Config
 
     cfg = Config()
     t = cfg.training
@@ -149,8 +156,6 @@ def _layout_and_batch(cfg, args, model_args, from_file: bool):
     """(layout validated against the model and the batch, micro-batch size, accumulation steps), as the trainer
     resolves them (`Layout.from_config`, `spec.batch_of`, `Layout.validate`). A pipeline estimated from a preset, or
     with --micro-batch / --microbatches, runs --microbatches (default 2 x pp) micro-batches of --micro-batch."""
-    from paratrain.layout import Layout
-    from paratrain.spec import batch_of
 
     p, t = cfg.parallel, cfg.training
     world = args.world_size or world_of(p)
@@ -168,15 +173,12 @@ def _layout_and_batch(cfg, args, model_args, from_file: bool):
 def inputs_from_argv(argv: list[str]):
     """Parse `paratrain estimate` arguments into EstimateInputs (UserError on bad input). A config file's [parallel],
     [training] and [activation_checkpoint] sections are read as the trainer reads them; flags override them."""
-    from paratrain.estimate.core import EstimateInputs
-    from paratrain.estimate.gpus import HEADROOM, GiB, check_headroom, gpu_memory, parse_memory
-    from paratrain.modes import Compression
 
     args = _parser().parse_args(argv)
     name, model_args, cfg = _model_from(args)
     from_file = cfg is not None
     cfg = _with_flags(cfg or _estimate_defaults(model_args), args)
-    p, t, ac = cfg.parallel, cfg.training, cfg.activation_checkpoint
+    p = cfg.parallel
     layout, micro_batch, accum_steps = _layout_and_batch(cfg, args, model_args, from_file)
     args.notes = []
     if from_file and p.dp_shard == -1 and not args.world_size:
@@ -192,25 +194,22 @@ def inputs_from_argv(argv: list[str]):
         if args.overhead_gib < 0:
             raise UserError(f"--overhead-gib must be >= 0, got {args.overhead_gib}")
         overhead = int(args.overhead_gib * GiB)
-    impl = args.optimizer_impl or (cfg.optimizer.impl if cfg.optimizer.impl != "auto" else "fused")
-    mem = cfg.memory
-    return EstimateInputs(
-        loss_chunks=mem.loss_chunks, activation_offload=mem.activation_offload,
-        offload_every_k=mem.activation_offload_every_k, cpu_offload=mem.cpu_offload,
-        host_bytes=parse_memory(args.host_memory) if args.host_memory else None,
-        ranks_per_node=args.gpus_per_node or 0,
-        compression=Compression.from_config(p).check_flags(), fsdp_backward_prefetch=p.fsdp_backward_prefetch,
-        model_args=model_args, layout=layout, model_name=name, precision=t.precision,
-        optimizer=args.optimizer or cfg.optimizer.name, optimizer_impl=impl, checkpointing=ac.mode, every_k=ac.every_k,
-        micro_batch=micro_batch, seq_len=t.seq_len, accum_steps=accum_steps, accounting=args.accounting,
-        gpu_name=gpu_name, gpu_bytes=gpu_bytes, headroom=check_headroom(HEADROOM if args.headroom is None
-                                                                         else args.headroom),
-        overhead_bytes=overhead, moe_imbalance=args.moe_imbalance, lora=LoRA.from_config(cfg.lora)), args
+    if args.optimizer_impl:
+        cfg.optimizer.impl = args.optimizer_impl
+    if args.optimizer:
+        cfg.optimizer.name = args.optimizer
+    Compression.from_config(p).check_flags()
+    device = target_device(cfg.training)
+    recipe = Recipe.from_config(cfg, layout, micro_batch, accum_steps, device)
+    target = Target(gpu_name=gpu_name, gpu_bytes=gpu_bytes, device=device,
+                    headroom=check_headroom(HEADROOM if args.headroom is None else args.headroom),
+                    overhead_bytes=overhead, host_bytes=parse_memory(args.host_memory) if args.host_memory else None,
+                    ranks_per_node=args.gpus_per_node or 0)
+    return inputs_for(model_args, recipe, target, model_name=name, accounting=args.accounting,
+                      moe_imbalance=args.moe_imbalance), args
 
 
-def main_estimate(argv: list[str]) -> int:
-    from paratrain.estimate.core import estimate
-
+def main(argv: list[str]) -> int:
     inputs, args = inputs_from_argv(argv)
     est = estimate(inputs, suggest=not args.no_suggest)
     est.notes.extend(args.notes)

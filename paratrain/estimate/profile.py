@@ -1,7 +1,7 @@
 """The hardware profile the cost model reads: a device (`Hardware`) and the links between devices (`Link`).
 
-Plain data with no dependency inside paratrain, so that both the cost model (`planner/cost.py`, which reads
-profiles) and the profile sources (`planner/hardware.py`: datasheet tables, saved JSON and calibration, which
+Plain data with no dependency inside paratrain, so that both the cost model (`estimate/step_time.py`, which reads
+profiles) and the profile sources (`estimate/hardware.py`: datasheet tables, saved JSON and calibration, which
 uses the cost model) import it and neither imports the other back.
 """
 
@@ -54,7 +54,7 @@ class Hardware:
     source: str = "datasheet"
     notes: list[str] = field(default_factory=list)
     compute_scale: float = 1.0  # measured / predicted time of a reference model's training step (calibration)
-    generation: str = ""  # GPU generation of a datasheet profile (hopper, ampere, ...; planner/hardware.py)
+    generation: str = ""  # GPU generation of a datasheet profile (hopper, ampere, ...; estimate/hardware.py)
     # fused attention (SDPA) forward+backward: (forward FLOPs of one micro-step's attention on a rank, achieved
     # FLOP/s); empty: ATTENTION_EFFICIENCY x the GEMM rate (CPU profiles without a model calibration)
     attention: list[tuple[float, float]] = field(default_factory=list)
@@ -62,7 +62,7 @@ class Hardware:
     # execution mode -> factor on the non-matmul time (element-wise traffic and per-operator cost); eager is 1
     modes: dict[str, float] = field(default_factory=lambda: {"eager": 1.0})
     shapes: dict[str, float] = field(default_factory=dict)  # calibration at a model's shapes: what -> seconds
-    # The host side, for the memory tiers (CPU offload, activation offloading; planner/hardware.py's HOST_* tables):
+    # The host side, for the memory tiers (CPU offload, activation offloading; estimate/hardware.py's HOST_* tables):
     # each device's link to host memory (PCIe or NVLink-C2C), and the host's AdamW rate for one rank's parameters.
     host: Link | None = None
     host_adam_params_per_s: float = 0.0

@@ -1,0 +1,99 @@
+"""The recipe: everything that says how a model is trained on a world, apart from the model and the data.
+
+One frozen, torch-free value, resolved (automatic choices made): the layout (degrees, data-parallel mode, pipeline
+schedule), activation checkpointing, the batch shape per rank (micro-batch, accumulation, sequence length), the memory
+tiers, precision, the optimizer entry and its kernels, gradient compression, FSDP's prefetching and LoRA.
+
+    recipe = Recipe.from_config(cfg, layout, micro_batch, accum_steps, device_type)   # a run's config, read once
+    recipe.name                                                                        # fsdp,tp=2,ac=full,mb=1,loss=8
+
+The estimator (`paratrain.estimate.inputs.inputs_for`: model, recipe, target) reads a run's memory from it, so the
+trainer's header, `paratrain estimate --model RUN/config.toml`, the dry run and the OOM report ask the same question.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from paratrain.layout import Layout
+from paratrain.layout_grammar import layout_name
+from paratrain.memory import MemoryTiers
+from paratrain.models.lora_params import LoRA
+from paratrain.modes import CheckpointMode, Compression, OptimizerImpl, Precision, resolve_impl
+
+
+def setting(default, key: str):
+    """A recipe field read from and written to one config key ("section.key"): declaring it here is all
+    `Recipe.from_config` and `Recipe.to_config` need."""
+    return field(default=default, metadata={"key": key})
+
+
+@dataclass(frozen=True)
+class Recipe:
+    layout: Layout  # [parallel]'s degrees and schedule (Layout.from_config / to_config); validated where it comes
+    # from a run (pp_split, microbatches)
+    precision: Precision = setting("bf16", "training.precision")
+    checkpointing: CheckpointMode = setting("none", "activation_checkpoint.mode")
+    every_k: int = setting(2, "activation_checkpoint.every_k")
+    micro_batch: int = setting(1, "training.micro_batch")  # sequences per micro-step and rank (per pipeline
+    # micro-batch with pp > 1)
+    accum_steps: int = 1  # micro-steps per optimizer step (pp > 1: layout.pp_microbatches instead); from the batch
+    seq_len: int = setting(2048, "training.seq_len")
+    tiers: MemoryTiers = field(default_factory=MemoryTiers)  # [memory] (loss_chunks 0: automatic, resolved by the
+    # estimator and the trainer once the model is known)
+    optimizer: str = setting("adamw", "optimizer.name")  # an entry of paratrain/optimizers.py
+    optimizer_impl: OptimizerImpl = "fused"  # optimizer.impl resolved on the run's device (modes.resolve_impl)
+    compression: Compression = field(default_factory=Compression)  # [parallel]'s grad_compression and its settings
+    fsdp_backward_prefetch: int = setting(1, "parallel.fsdp_backward_prefetch")
+    lora: LoRA | None = None  # [lora]
+
+    @classmethod
+    def from_config(cls, cfg, layout: Layout, micro_batch: int, accum_steps: int, device_type: str) -> "Recipe":
+        """A run's config (paratrain.config.Config) on its validated layout and batch: the one reading of the
+        sections a recipe is made of. `micro_batch` is what one micro-step runs (a pipeline's micro-batch)."""
+        values = {f.name: _get(cfg, f.metadata["key"]) for f in _keyed_fields(cls)}
+        return cls(layout, **{**values, "micro_batch": micro_batch}, accum_steps=accum_steps,
+                   tiers=MemoryTiers.from_config(cfg.memory),
+                   optimizer_impl=resolve_impl(cfg.optimizer.impl, device_type),
+                   compression=Compression.from_config(cfg.parallel), lora=LoRA.from_config(cfg.lora))
+
+    def to_config(self, cfg):
+        """`cfg` (a paratrain.config.Config, changed in place and returned) running this recipe: every field written
+        to its section (the layout with every degree); optimizer.impl and the global batch are the caller's."""
+        for f in _keyed_fields(self):
+            section, key = f.metadata["key"].split(".")
+            setattr(getattr(cfg, section), key, getattr(self, f.name))
+        cfg.parallel = dataclasses.replace(self.layout.to_config(cfg.parallel), **self.compression.config_values())
+        cfg.memory = self.tiers.to_config(cfg.memory)
+        cfg.training.accum_steps = self.accum_steps
+        if self.lora is not None:
+            cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout = self.lora.rank, self.lora.alpha, self.lora.dropout
+            cfg.lora.targets = ",".join(self.lora.targets)
+        return cfg
+
+    @property
+    def name(self) -> str:
+        """The layout grammar's one name (paratrain/layout_grammar.py) with checkpointing, micro-batch and tiers."""
+        return layout_name(self.layout, self.checkpointing, self.every_k, self.micro_batch, self.tiers)
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches per rank and optimizer step: the pipeline's, else the accumulation steps."""
+        return self.layout.pp_microbatches if self.layout.pipelined else self.accum_steps
+
+    def replace(self, **changes) -> "Recipe":
+        """A changed copy; memory tiers by their own names (loss_chunks=, activation_offload=, cpu_offload=, ...)."""
+        tier_keys = {f.name for f in dataclasses.fields(MemoryTiers)} & changes.keys()
+        if tier_keys:
+            changes["tiers"] = dataclasses.replace(self.tiers, **{k: changes.pop(k) for k in tier_keys})
+        return dataclasses.replace(self, **changes)
+
+
+def _keyed_fields(recipe) -> list:
+    return [f for f in dataclasses.fields(recipe) if "key" in f.metadata]
+
+
+def _get(cfg, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
