@@ -42,18 +42,15 @@ def config(out: str, steps: int, device: str):
                               "run.name=overhead", "run.overwrite=true"])
 
 
-def paratrain_steps(cfg, clock=time.perf_counter) -> list[float]:
-    """`paratrain train` in this process; the intervals between the starts of consecutive steps on `clock` (wall
-    time; time.process_time: this process's CPU time, which other processes on a shared machine disturb less)."""
+def train_with_step_hook(cfg, hook) -> None:
+    """`paratrain train` in this process, calling `hook(recorder)` at the start of every step (before the trainer's
+    own `StepRecorder.start`)."""
     from paratrain.training.record import StepRecorder
 
-    starts: list[float] = []
     original = StepRecorder.start
 
     def start(self, step):
-        if self.clock.cuda:
-            torch.cuda.synchronize()  # only to timestamp the interval; never in the trainer itself
-        starts.append(clock())
+        hook(self)
         return original(self, step)
 
     StepRecorder.start = start
@@ -61,6 +58,19 @@ def paratrain_steps(cfg, clock=time.perf_counter) -> list[float]:
         train_rank(cfg)
     finally:
         StepRecorder.start = original
+
+
+def paratrain_steps(cfg, clock=time.perf_counter) -> list[float]:
+    """`paratrain train` in this process; the intervals between the starts of consecutive steps on `clock` (wall
+    time; time.process_time: this process's CPU time, which other processes on a shared machine disturb less)."""
+    starts: list[float] = []
+
+    def stamp(recorder):
+        if recorder.clock.cuda:
+            torch.cuda.synchronize()  # only to timestamp the interval; never in the trainer itself
+        starts.append(clock())
+
+    train_with_step_hook(cfg, stamp)
     return [b - a for a, b in zip(starts, starts[1:])]
 
 
@@ -114,31 +124,23 @@ def plain_steps(cfg, clock=time.perf_counter) -> list[float]:
 def paired_steps(cfg, clock=time.perf_counter) -> tuple[list[float], list[float]]:
     """Both in one run, step by step: each paratrain step is followed by a plain one (timed apart at the top of the
     next paratrain step), so a burst of load from elsewhere falls on both sides alike. Returns (paratrain, plain)."""
-    from paratrain.training.record import StepRecorder
-
     plain = plain_loop(cfg)
     ours, theirs, last = [], [], [None]
-    original = StepRecorder.start
 
-    def start(self, step):
-        if self.clock.cuda:
+    def step_pair(recorder):
+        if recorder.clock.cuda:
             torch.cuda.synchronize()
         before = clock()
         if last[0] is not None:
             ours.append(before - last[0])
             next(plain, None)
-            if self.clock.cuda:
+            if recorder.clock.cuda:
                 torch.cuda.synchronize()
             after = clock()
             theirs.append(after - before)
         last[0] = clock()
-        return original(self, step)
 
-    StepRecorder.start = start
-    try:
-        train_rank(cfg)
-    finally:
-        StepRecorder.start = original
+    train_with_step_hook(cfg, step_pair)
     return ours, theirs
 
 
