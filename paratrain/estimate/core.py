@@ -140,8 +140,7 @@ class Estimate:
             "suggestion": self.suggestion, "alternatives": self.alternatives,
             "host_bytes": self.host_bytes, "host_breakdown_bytes": self.host, "host_node_bytes": self.host_node_bytes,
             "host_memory_bytes": i.target.host_bytes, "host_fits": self.host_fits,
-            "memory_tiers": {"loss_chunks": i.recipe.tiers.loss_chunks, "activation_offload": i.recipe.tiers.activation_offload,
-                             "activation_offload_every_k": i.recipe.tiers.activation_offload_every_k, "cpu_offload": i.recipe.tiers.cpu_offload},
+            "memory_tiers": dataclasses.asdict(i.recipe.tiers),  # ([memory]'s keys: MemoryTiers has their names)
         }
 
     def memory_line(self) -> str:
