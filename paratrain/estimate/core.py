@@ -8,13 +8,13 @@ The peak is found by walking one step of the trainer at block granularity and ta
        and the prefetched block i-1 unsharded, the previous block's reduce-scatter buffer kept);
   O    the optimizer step (parameters, gradients, optimizer states, and foreach temporaries).
 
-With gradient accumulation the last micro-step is the worst (gradients from the earlier ones are live).
-With pipeline stages each stage is walked with its own blocks and in-flight micro-batches, and the worst
-stage is reported. Categories are what is live at that moment; `size` is each category's own maximum over
-the step (their sum is the naive upper bound other tools print).
-
-Both walks (`_no_pipeline_walk`, `_pipeline_walk`) read one rank's context (`_Rank`: model states, activation sizes,
-parameters by block, FSDP's dtypes) and collect their candidate peaks in one `_Peaks`. What is asked and its checks
+One walk (`_walk`) for every rank: its schedule's actions in order, a rank without a pipeline being one stage whose
+schedule is the last micro-step's forward and backward (with gradient accumulation the last micro-step is the worst:
+gradients from the earlier ones are live). Pipeline ranks are each walked with their own stages and in-flight
+micro-batches, and the worst is reported. Categories are what is live at that moment; `size` is each category's own
+maximum over the step (their sum is the naive upper bound other tools print). The walk reads one rank's context
+(`_Rank`: model states, activation sizes, parameters by block, FSDP's dtypes) and collects its candidate peaks in one
+`_Peaks`. What is asked and its checks
 are inputs.py, the printed table report.py, the change that would fit suggest.py.
 """
 
@@ -35,12 +35,12 @@ from paratrain.layout import Layout, grad_compression_site
 from paratrain.memory import HOST_HEADROOM
 from paratrain.models.presets import count_active_params
 from paratrain.models.registry import family_of
-from paratrain.modes import (CompressionSite, block_checkpointing, low_precision, multi_stage, offload_stride,
-                             offloaded_blocks, recomputes)
+from paratrain.modes import CompressionSite, block_checkpointing, low_precision, multi_stage, recomputes
 from paratrain.optimizers import optimizer_entry
 from paratrain.estimate.report import format_table
 from paratrain.estimate.schedule import max_in_flight, rank_actions
 from paratrain.estimate.suggest import suggest_changes
+from paratrain.estimate.tiers import activation_offload_plan, cpu_offload_states
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
 # not see): the CUDA context and kernels (~0.5-0.8 GiB with lazy module loading), cuBLAS/cuDNN workspaces and
@@ -87,7 +87,8 @@ class Estimate:
 
     @property
     def host_limit_text(self) -> str:
-        return (f"limit {1 - HOST_HEADROOM:.0%} = {fmt_bytes(usable_bytes(self.inputs.target.host_bytes, HOST_HEADROOM))}: "
+        usable = usable_bytes(self.inputs.target.host_bytes, HOST_HEADROOM)
+        return (f"limit {1 - HOST_HEADROOM:.0%} = {fmt_bytes(usable)}: "
                 "the rest for the OS, the data loaders and the ranks' processes")
 
     @property
@@ -125,7 +126,8 @@ class Estimate:
             "lora": None if i.recipe.lora is None else i.recipe.lora.record(),
             "layout": {**dataclasses.asdict(lay), "world_size": lay.world_size, "description": lay.describe()},
             "precision": i.recipe.precision, "accounting": i.accounting, "optimizer": i.recipe.optimizer,
-            "optimizer_impl": i.recipe.optimizer_impl, "checkpointing": i.recipe.checkpointing, "every_k": i.recipe.every_k,
+            "optimizer_impl": i.recipe.optimizer_impl, "checkpointing": i.recipe.checkpointing,
+            "every_k": i.recipe.every_k,
             "compression": dataclasses.asdict(i.recipe.compression),
             "micro_batch": i.recipe.micro_batch, "seq_len": i.recipe.seq_len, "accum_steps": i.recipe.accum_steps,
             "gpu": i.target.gpu_name, "gpu_bytes": i.target.gpu_bytes, "headroom_fraction": i.target.headroom,
@@ -155,7 +157,8 @@ class Estimate:
 
         return format_table(self, units)
 
-    def compare_line(self, measured_bytes: int, units: str = "GiB", what: str = "torch.cuda.max_memory_allocated") -> str:
+    def compare_line(self, measured_bytes: int, units: str = "GiB",
+                     what: str = "torch.cuda.max_memory_allocated") -> str:
         """One line for the trainer's log: the estimated tensor peak against a measured one."""
         diff = (self.peak_bytes - measured_bytes) / measured_bytes * 100 if measured_bytes else float("nan")
         return (f"memory: estimated peak {fmt_bytes(self.peak_bytes, units)} of tensors ({self.phase}), measured "
@@ -163,16 +166,6 @@ class Estimate:
 
 
 # ---------------------------------------------------------------------------------------------
-
-def _offload_plan(i: EstimateInputs, d: A.ActDims, modes: list[str], moe_of: dict, layers: list[int]):
-    """Activation offloading on these blocks: bytes each moves to host (0: not offloaded), and which offloaded block
-    each offloaded block's backward fetches ahead (the one `stride` below it, when this rank holds it)."""
-    chosen = set(offloaded_blocks(i.recipe.tiers.activation_offload, i.recipe.tiers.activation_offload_every_k, i.model_args.n_layers)) & set(layers)
-    moved = {l: A.offloaded(d, modes[l], moe_of.get(l)) if l in chosen else 0 for l in layers}
-    stride = offload_stride(i.recipe.tiers.activation_offload, i.recipe.tiers.activation_offload_every_k)
-    ahead_of = {l: l - stride for l in chosen if l - stride in chosen}
-    return moved, ahead_of
-
 
 def default_overhead(layout: Layout, device: str = "cuda") -> int:
     if device != "cuda":
@@ -217,7 +210,7 @@ def _fsdp_bytes_of(params: list[Param], layout: Layout, pbytes: int, rbytes: int
 
 @dataclass
 class _Rank:
-    """What both walkers read of one rank (a whole model, or a pipeline rank's stages): its model states, activation
+    """What the walk reads of one rank (a whole model, or a pipeline rank's stages): its model states, activation
     sizes, parameters by block, and the dtypes FSDP works in."""
 
     i: EstimateInputs
@@ -268,11 +261,17 @@ class _Rank:
                 if p.module.split(".", 1)[0] in names and (role is None or p.role == role)]
 
 
+def _act_dims(i: EstimateInputs) -> A.ActDims:
+    rec = i.recipe
+    return A.act_dims(i.model_args, i.layout, rec.precision, i.accounting, rec.micro_batch, rec.seq_len,
+                      i.target.device, rec.lora is not None, rec.tiers.loss_chunks)
+
+
 def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers: list[int]) -> _Rank:
     args, lay = i.model_args, i.layout
-    st = state_bytes(args, lay, i.recipe.precision, i.recipe.optimizer, i.accounting, rank, layers_by_stage, i.recipe.lora)
-    d = A.act_dims(args, lay, i.recipe.precision, i.accounting, i.recipe.micro_batch, i.recipe.seq_len, i.target.device, i.recipe.lora is not None,
-                   i.recipe.tiers.loss_chunks)
+    rec = i.recipe
+    st = state_bytes(args, lay, rec.precision, rec.optimizer, i.accounting, rank, layers_by_stage, rec.lora)
+    d = _act_dims(i)
     params = rank_params(args, lay, rank, layers_by_stage, i.recipe.lora)
     by_layer = {l: [] for l in layers}
     for p in params:
@@ -283,64 +282,89 @@ def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers
     fsdp = lay.uses_fsdp and not (classic and lay.zero_stage == 2)
     pbytes = BF16 if (low and (fsdp or classic)) else FP32
     host = {}
-    if i.recipe.tiers.cpu_offload:  # FSDP2's CPUOffloadPolicy: the device keeps only what it gathers and computes with
-        host = {"parameters": st.params, "gradients": st.grads, "optimizer": st.optimizer + st.master}
-        st = dataclasses.replace(st, params=0, grads=0, optimizer=0, master=0)
+    if i.recipe.tiers.cpu_offload:
+        st, host = cpu_offload_states(st)
     return _Rank(i, st, d, params, by_layer, [p for p in params if p.layer is None], classic, fsdp, pbytes, host)
 
 
 class _Peaks:
     """A walk's candidate peaks, (total, phase, bytes by category) each: the largest is the rank's peak, and each
-    category's own maximum over them is its size."""
+    category's own maximum over them is its size (kept as they come: a pipeline adds thousands)."""
 
     def __init__(self):
-        self.cands: list[tuple[int, str, dict]] = []
+        self.best: tuple[int, str, dict] | None = None
+        self.sizes: dict[str, int] = {}
 
     def add(self, phase: str, **cats) -> None:
-        self.cands.append((sum(cats.values()), phase, cats))
+        total = sum(cats.values())
+        if self.best is None or total > self.best[0]:
+            self.best = (total, phase, cats)
+        self._grow(cats)
 
-    def add_dict(self, phase: str, cats: dict) -> None:
-        self.cands.append((sum(cats.values()), phase, cats))
+    def add_shifted(self, walk: "_Peaks", extra: dict) -> None:
+        """Every candidate of `walk` with `extra` bytes added to its categories (what the rest of a schedule holds
+        then): the same peak and sizes as adding each, at the cost of one."""
+        total, phase, cats = walk.best
+        if self.best is None or total + sum(extra.values()) > self.best[0]:
+            shifted = {**cats, **{k: cats.get(k, 0) + v for k, v in extra.items()}}
+            self.best = (total + sum(extra.values()), phase, shifted)
+        self._grow({**walk.sizes, **{k: walk.sizes.get(k, 0) + v for k, v in extra.items()}})
+
+    def _grow(self, cats: dict) -> None:
+        sizes = self.sizes
+        for key, v in cats.items():
+            if v > sizes.get(key, 0):
+                sizes[key] = v
+            else:
+                sizes.setdefault(key, 0)
 
     def result(self, r: _Rank, moe=None) -> dict:
         """{'peak', 'phase', 'at_peak', 'sizes', 'states', 'dims', 'moe'}."""
-        peak, phase, cats = max(self.cands, key=lambda c: c[0])
-        sizes: dict = {}
-        get = sizes.get
-        for _, _, c in self.cands:
-            for key, v in c.items():  # sizes[key] = max(sizes.get(key, 0), v)
-                old = get(key)
-                if old is None:
-                    sizes[key] = v if v > 0 else 0
-                elif v > old:
-                    sizes[key] = v
-        return {"peak": peak, "phase": phase, "at_peak": cats, "sizes": sizes, "states": r.st, "dims": r.d, "moe": moe}
+        peak, phase, cats = self.best
+        return {"peak": peak, "phase": phase, "at_peak": cats, "sizes": dict(self.sizes), "states": r.st, "dims": r.d,
+                "moe": moe}
 
 
-def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> dict:
-    """Peak of a rank without a pipeline (it holds every block): the loss's backward, each block's backward last to
-    first (with FSDP: gathers, prefetches, reduce-scatters; with cp: ring attention's backward; recomputation), the
-    optimizer step."""
+def _walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]]) -> dict:
+    """Peak of rank `rank` (a pipeline rank; without a pipeline every rank is alike): its schedule's actions in order
+    (paratrain/estimate/schedule.py; without a pipeline the schedule is one stage's forward and backward, the last
+    micro-step's), each backward walked block by block, last to first, on top of what the rest of the schedule holds
+    then; then the optimizer step.
+
+    Held per micro-batch from its forward to its backward (its weight-gradient step "W" in the zero-bubble
+    schedules): each block's saved tensors (less what activation offloading moved to host); a pipeline stage's
+    output, which the stage keeps for its backward (on the last stage: the logits, the final norm's and the loss's
+    saved tensors). A non-first stage's first block saves its received input, which is the stage's receive buffer
+    when the residual stream is fp32 (not counted twice). Between "I" and "W" the zero-bubble schedules also keep
+    the gradients of each weight's output.
+    Held for the whole step: the token ids and targets of the micro-batches it runs, a pipeline's receive buffers
+    (one activation and one gradient buffer per micro-batch and stage boundary, `PipelineStage` preallocates them),
+    DDP's gradient buckets, and FSDP's working copies: without a pipeline gathered block by block (prefetched ahead,
+    reduce-scattered after each block's backward); inside a pipeline step every block's gathered once and its
+    gradients accumulated unsharded to the step's end (`Layout.reshard_after_forward`). Gradients of a stage exist
+    from its first backward on (accumulation's earlier micro-steps, and classic accounting's preallocated buffers:
+    all of them from the start)."""
     args, lay = i.model_args, i.layout
-    my_layers = layers_by_stage[0]
-    r = _rank(i, 0, layers_by_stage, my_layers)
-    st, d, by_layer, params = r.st, r.d, r.by_layer, r.params
+    pipelined = lay.pp > 1
+    stages = lay.local_stages(rank) if pipelined else [0]
+    layers_of = {s: lay.stage_layers(s) for s in stages} if pipelined else {0: layers_by_stage[0]}
+    last_stage = lay.num_stages - 1 if pipelined else 0
+    r = _rank(i, rank, layers_by_stage, [l for s in stages for l in layers_of[s]])
+    st, d, params, by_layer = r.st, r.d, r.params, r.by_layer
+    classic, fsdp, pbytes, local_numel = r.classic, r.fsdp, r.pbytes, r.local_numel
     moe = A.moe_dims(args, lay, i.recipe.micro_batch, i.recipe.seq_len, i.moe_imbalance) if args.moe_experts else None
     modes = block_checkpointing(i.recipe.checkpointing, args.n_layers, i.recipe.every_k)
-    moe_of = {l: (moe if args.is_moe_layer(l) else None) for l in my_layers}
-    stored = {l: A.block_stored(d, modes[l], moe_of[l]) for l in my_layers}
-    moved, ahead_of = _offload_plan(i, d, modes, moe_of, my_layers)
-    stored_dev = {l: stored[l] - moved[l] for l in my_layers}  # what stays on the device (offloading moves the rest)
-    host_at_end = sum(moved.values())
-    head_params = r.where("head")
-    classic, fsdp, pbytes, local_numel = r.classic, r.fsdp, r.pbytes, r.local_numel
-    zero2 = lay.uses_fsdp and not lay.reshard_after_forward  # gathered parameters kept from forward to backward
+    moe_of = {l: (moe if args.is_moe_layer(l) else None) for l in by_layer}
+    full = {l: A.block_stored(d, modes[l], moe_of[l]) for l in by_layer}  # each block's saved tensors
+    moved, ahead_of = activation_offload_plan(i.recipe.tiers, args.n_layers, d, modes, moe_of, list(by_layer))
+    stored = {l: full[l] - moved[l] for l in by_layer}  # what stays on the device (offloading moves the rest)
+    emb_params, head_params = r.where("embedding"), r.where("head")
+    per_block = fsdp and not pipelined  # FSDP gathers and reduce-scatters block by block (a pipeline: once a step)
+    zero2 = per_block and not lay.reshard_after_forward  # gathered parameters kept from forward to backward
     gbytes = BF16 if classic else FP32  # gradient dtype held by the optimizer
+    accum = i.recipe.accum_steps
 
-    def grad_bytes(ps):  # this rank's final gradients of these params on the device (CPU offload: on the host)
-        return 0 if r.host else host_grad_bytes(ps)
-
-    def host_grad_bytes(ps):
+    def reduced_grad_bytes(ps):  # this rank's gradients of these params once reduced (FSDP: its shards)
         ps = [p for p in ps if p.trainable]
         if classic:
             return math.ceil(local_numel(ps) / lay.shard_degree) * gbytes
@@ -348,32 +372,58 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
             return sum(fsdp_numel(p, lay) for p in ps) * FP32
         return local_numel(ps) * FP32
 
-    dw2 = r.ffn_output  # the first weight gradient of a block's backward
-    grads_full = st.grads
-    accum = i.recipe.accum_steps
-    # Megatron/DeepSpeed allocate their gradient buffers up front (classic accounting): always live.
-    g_prev = grads_full if (accum > 1 or classic) else 0
+    def step_grads(ps):  # gradient bytes these params hold on the device from their backward to the step's end
+        if classic or (per_block and r.host):  # preallocated (counted in full); CPU offload: reduced to the host
+            return 0
+        if per_block:
+            return reduced_grad_bytes(ps)
+        if fsdp:
+            return _fsdp_bytes(ps, lay, pbytes)[1]  # accumulated unsharded to the step's end
+        return r.grad_numel(ps) * FP32
+
+    # Megatron/DeepSpeed allocate their gradient buffers up front (classic accounting), and accumulation's earlier
+    # micro-steps left every gradient: all live from the start, none added.
+    g_const = st.grads if (classic or (accum > 1 and not pipelined)) else 0
+    stage_grads = {s: step_grads([p for l in layers_of[s] for p in by_layer[l]]
+                                 + (emb_params if s == 0 else []) + (head_params if s == last_stage else []))
+                   for s in stages}
+    block_grads = {l: step_grads(by_layer[l]) for l in by_layer}
+    # FSDP block by block: the head's gradients stay unsharded until the root's post-backward, at backward's end
+    head_grads = 0 if per_block else step_grads(head_params)
+    root_grads_live = r.grad_numel(head_params) * pbytes if per_block else 0
+    dw2 = {l: r.ffn_output(l) for l in by_layer}  # elements of the first weight gradient of a block's backward
     # DDP's flat bucket buffers are a second copy of the gradients (gradient_as_bucket_view=False); classic
     # frameworks reduce from one contiguous gradient buffer instead.
     ddp_buckets = r.grad_numel(params) * gbytes if (lay.uses_ddp and not classic) else 0
     autocast = st.autocast_copies
-    tokens = A.inputs_bytes(d)
-    acts_one = sum(stored_dev.values()) + A.final_residual(d)
+    binp = A.block_input(d)
     head = sum(b for _, b in A.head_saved(d))
     # the output weight's gradient in the dtype autograd sums it in: the unsharded parameter's under FSDP, autocast's
     # bf16 copy's, else fp32
     output_weight = [p for p in head_params if p.role == "output"] or r.where("embedding")
-    head_grad = local_numel(output_weight) * (pbytes if fsdp else BF16 if d.regime == "autocast" else FP32)
-    loss_extra = A.loss_backward_extra(d, head_grad)
+    loss_extra = A.loss_backward_extra(d, local_numel(output_weight) * (pbytes if fsdp else BF16 if d.regime ==
+                                                                        "autocast" else FP32))
+    logits = d.N * d.V * d.L if pipelined else 0  # a pipeline's last stage keeps its output for its backward
+    shared_input = binp if (pipelined and d.R == FP32) else 0  # the first block saves the receive buffer itself
+    # (an offloaded first block saves a host copy of it instead, and backward gets a device copy back)
+    shared_of = {s: 0 if (s == 0 or moved[layers_of[s][0]]) else shared_input for s in stages if layers_of[s]}
+    hold, hold_head = {}, {}  # per in-flight micro-batch: activations, and the last stage's logits and loss tensors
+    for s in stages:
+        h = sum(stored[l] for l in layers_of[s]) + (A.final_residual(d) if s == last_stage else binp)
+        hold[s] = h - shared_of.get(s, 0)
+        hold_head[s] = head + logits if s == last_stage else 0
+    m = lay.pp_microbatches if pipelined else 1
+    tokens = m * A.inputs_bytes(d)  # the micro-batches this rank runs (a pipeline's whole batch)
+    p2p = sum(((s > 0) + (s < last_stage)) * m * binp for s in stages)
 
-    # FSDP bookkeeping: unsharded bytes per block, root, reduce-scatter buffers.
+    # FSDP's working copies: unsharded bytes per block and of the root, and reduce-scatter inputs.
     site = grad_compression_site(lay, i.recipe.compression.method)
     rbytes = BF16 if site is CompressionSite.REDUCE_DTYPE else FP32
-    unsh = {l: _fsdp_bytes(by_layer[l], lay, pbytes, rbytes) for l in my_layers} if fsdp else {}
+    unsh = {l: _fsdp_bytes(by_layer[l], lay, pbytes, rbytes if per_block else FP32) for l in by_layer} if fsdp else {}
+    root_unsh = _fsdp_bytes(r.root, lay, pbytes)[0] if (fsdp and r.root) else 0
+    gathered = sum(u for u, _ in unsh.values()) + root_unsh if (fsdp and not per_block) else 0
+    held_comm = ddp_buckets + p2p + gathered  # communication buffers live the whole backward
     ahead = max(1, i.recipe.fsdp_backward_prefetch)  # blocks gathered ahead of the one in backward
-
-    def prefetched(idx):  # unsharded bytes of the blocks backward has gathered ahead of block my_layers[idx]
-        return sum(unsh[my_layers[j]][0] for j in range(max(0, idx - ahead), idx))
 
     # Gradient compression (or the optimizer's own, 1-bit Adam's of the momenta): error feedback kept between steps;
     # the hook's temporaries (DDP: at the end of backward).
@@ -386,213 +436,154 @@ def _no_pipeline_walk(i: EstimateInputs, layers_by_stage: list[list[int]]) -> di
             shapes = [(math.ceil(sh[0] / lay.dp_shard), *sh[1:]) for sh in shapes]
         comp = compression_cost(run_comp, shapes,
                                 lay.dp if comp_site is CompressionSite.DDP_HOOK else lay.dp_replicate)
-    root_unsh = _fsdp_bytes(r.root, lay, pbytes)[0] if (fsdp and r.root) else 0
-    head_unsh_grads = r.grad_numel(head_params) * pbytes if fsdp else 0
 
-    peaks = _Peaks()
-    add = peaks.add
-    base = dict(parameters=st.params + st.rope_buffers, frozen=st.frozen, optimizer=st.optimizer, master=st.master,
-                compression=comp.state_bytes if comp else 0)
-    # L: the loss's backward
-    comm = ddp_buckets
-    if fsdp:
-        if zero2:
-            comm += sum(u for u, _ in unsh.values()) + root_unsh
-        elif my_layers:
-            # The last block is not resharded after forward, except expert-parallel experts (their own group).
-            last_block = by_layer[my_layers[-1]]
-            comm += _fsdp_bytes([p for p in last_block if not (p.expert and lay.ep > 1)], lay, pbytes)[0]
-    # The root's parameters are gathered again by its pre-backward, when the gradient reaches its forward's output:
-    # the logits (the whole loss is computed after the model's forward), or the loss itself (a chunked loss is part
-    # of the forward). zero2 keeps them gathered throughout.
-    root_at_norm = root_unsh if (fsdp and not zero2) else 0
-    root_at_loss = root_at_norm if d.chunks > 1 else 0
-    add("loss backward" + (f" (micro-step {accum} of {accum})" if accum > 1 else ""),
-        **base, gradients=grads_full if g_prev else 0, autocast_copies=autocast, activations=acts_one + tokens,
-        logits_loss=head + loss_extra, comm_buffers=comm + root_at_loss)
-    # the final norm's backward: the head's gradients made, the logits gone (the peak once they are small: chunked)
-    add("final norm backward", **base, gradients=g_prev or (0 if fsdp else grad_bytes(head_params)),
-        autocast_copies=autocast, activations=acts_one + tokens, logits_loss=A.final_norm_backward(d),
-        comm_buffers=comm + root_at_norm, temporaries=head_unsh_grads)
-    # B_i: each block's backward, last to first
-    grads_above = grad_bytes(head_params) if not fsdp else 0
-    stored_below = sum(stored_dev.values())
-    fetched: set[int] = set()
-    rs_kept = 0
-    for idx in reversed(range(len(my_layers))):
-        l = my_layers[idx]
-        # an offloaded block's tensors are back for its backward, and the offloaded block below it is fetched ahead
-        stored_below -= stored[l] if l in fetched else stored_dev[l]
-        if l in ahead_of:
-            stored_below += moved[ahead_of[l]]
-            fetched.add(ahead_of[l])
-        b_acts, b_temps = A.block_backward_live(d, modes[l], moe_of[l])
-        comm = ddp_buckets
-        temps = b_temps
-        if fsdp:
-            comm += unsh[l][0] + prefetched(idx) + rs_kept + root_unsh
-            if zero2:
-                comm += sum(unsh[m][0] for m in my_layers[:idx - 1] if idx > 1)
-            temps += dw2(l) * pbytes + head_unsh_grads
-            grads_now = grads_above if not g_prev else g_prev
-        else:
-            grads_now = (grads_above + dw2(l) * gbytes) if not g_prev else g_prev
-        # The last block's incoming gradient was made by the loss/output backward.
-        from_head = A.block_input(d) if l == my_layers[-1] else 0
-        add(f"backward of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
-            activations=stored_below + b_acts + tokens, logits_loss=from_head, comm_buffers=comm,
-            temporaries=temps - from_head)
-        if lay.cp > 1:
-            # Ring attention's backward (context parallel): the block's MLP is done (its gradients exist, unsharded
-            # under FSDP), its attention tensors are still saved, the ring's buffers are live beside the incoming
-            # gradients (the residual's and the attention output's).
-            # (Under checkpointing the recomputed tensors count as temporaries, what the checkpoint holds as
-            # activations.)
-            live = A.ring_backward_block(d, modes[l])
-            kept = min(live, stored[l]) if recomputes(modes[l]) else live  # (an offloaded block's are back)
-            done = r.after_attention_inputs(l) * pbytes
-            dout = d.N * d.Hq * d.D * d.L
-            add(f"ring attention backward of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
-                activations=stored_below + kept + tokens, logits_loss=0, comm_buffers=comm,
-                temporaries=live - kept + A.ring_backward_temps(d) + dout + A.block_input(d) + done + head_unsh_grads)
-        if recomputes(modes[l]):
-            r_acts, r_temps = A.recompute_end(d, modes[l], moe_of[l])
-            add(f"recomputation of block {l}", **base, gradients=grads_above if not g_prev else g_prev,
-                autocast_copies=autocast, activations=stored_below + r_acts + tokens, logits_loss=from_head,
-                comm_buffers=comm, temporaries=r_temps - from_head + (head_unsh_grads if fsdp else 0))
-        if fsdp:
-            # The end of block l's backward (its attention backward), before FSDP's post-backward: all its unsharded
-            # gradients exist (what dominates when the micro-batch is small); of its activations only the input is
-            # left; SDPA's backward has made dq, dk, dv, then the q/k/v input's gradient, beside the incoming one.
-            q_size = d.N * d.Hq * d.D * d.L
-            add(f"end of block {l}'s backward", **base, gradients=grads_now, autocast_copies=autocast,
-                activations=stored_below + tokens + A.block_input(d), logits_loss=0, comm_buffers=comm,
-                temporaries=A.block_input(d) + 3 * q_size + d.N * d.C * d.L + head_unsh_grads + unsh[l][0])
-            # FSDP's post-backward of block l: its parameters resharded, its gradients copied into the fp32
-            # reduce-scatter input, the sharded output allocated (gloo also copies the input: CPU runs only).
-            rs_in = unsh[l][1]
-            rs_out = rs_in // lay.shard_degree
-            comm = (ddp_buckets + prefetched(idx) + rs_in + rs_out + (rs_in if i.target.device == "cpu" else 0) + root_unsh)
-            if zero2:
-                comm += sum(unsh[m][0] for m in my_layers[:idx - 1] if idx > 1)
-            add(f"reduce-scatter of block {l}", **base, gradients=grads_now, autocast_copies=autocast,
-                activations=stored_below + tokens, logits_loss=0, comm_buffers=comm,
-                temporaries=A.block_input(d) + head_unsh_grads + dw2(l) * pbytes)
-        # after block l: its gradients are reduced (FSDP: sharded, its reduce-scatter buffer kept)
-        grads_above += grad_bytes(by_layer[l])
-        if fsdp:
-            rs_kept = unsh[l][1]
-    # O: the optimizer step
-    opt_temp = 0
-    if i.recipe.optimizer_impl != "fused" and optimizer_entry(i.recipe.optimizer).foreach_temporary:
-        # _multi_tensor_adam: torch._foreach_sqrt(exp_avg_sqs) per parameter group (matrices, then norm gains)
-        small = host_grad_bytes([p for p in params if len(p.shape) < 2])
-        opt_temp = max(r.host.get("gradients", grads_full) - small, small) * (FP32 // gbytes)
-        if lay.zero1:
-            opt_temp = math.ceil(st.optimizer / 2)
-    host_states = _host_total(r.host, opt_temp)
-    if r.host:
-        opt_temp = 0  # the optimizer steps on the CPU
-    if comp is not None and comp_site is CompressionSite.DDP_HOOK:  # the hook compresses the last bucket: all grads
-        add("gradient compression (DDP hook)", **base, gradients=grads_full, comm_buffers=ddp_buckets,
-            temporaries=comp.transient_bytes)
-    if comp is not None and run_comp is not i.recipe.compression:  # the optimizer compresses its momenta in its step
-        opt_temp = max(opt_temp, comp.transient_bytes)
-    add("optimizer step", **base, gradients=grads_full, comm_buffers=ddp_buckets, temporaries=opt_temp)
-
-    out = peaks.result(r, moe)
-    sizes = out["sizes"]
-    sizes["gradients"] = max(sizes.get("gradients", 0), grads_full)
-    sizes["autocast_copies"] = autocast
-    out["host"] = {**host_states, **({"activations": host_at_end} if host_at_end else {})}
-    return out
-
-
-def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]]) -> dict:
-    """Peak of pipeline rank `rank`: its schedule's actions in order (paratrain/estimate/schedule.py), each backward
-    walked block by block (as `_no_pipeline_walk` walks a whole model) on top of what the rest of the schedule holds
-    then.
-
-    Held per micro-batch from its forward to its backward (its weight-gradient step "W" in the zero-bubble
-    schedules): each block's saved tensors; a stage's output, which the stage keeps for its backward (on the last
-    stage: the logits, the final norm's and the loss's saved tensors). A non-first stage's first block saves its
-    received input, which is the stage's receive buffer when the residual stream is fp32 (not counted twice).
-    Between "I" and "W" the zero-bubble schedules also keep the gradients of each weight's output.
-    Held for the whole step: the whole batch's token ids and targets (every rank), the stages' receive buffers (one
-    activation and one gradient buffer per micro-batch and stage boundary, `PipelineStage` preallocates them), and
-    under FSDP every block's gathered parameters and its gradients accumulated unsharded in fp32
-    (`Layout.reshard_after_forward`: gathered once per step; reduce-scattered after the last micro-batch).
-    Gradients of a stage exist from its first backward on."""
-
-    args, lay = i.model_args, i.layout
-    m, last_stage = lay.pp_microbatches, lay.num_stages - 1
-    stages = lay.local_stages(rank)
-    layers_of = {s: lay.stage_layers(s) for s in stages}
-    r = _rank(i, rank, layers_by_stage, [l for s in stages for l in layers_of[s]])
-    st, d, params, by_layer, root = r.st, r.d, r.params, r.by_layer, r.root
-    modes = block_checkpointing(i.recipe.checkpointing, args.n_layers, i.recipe.every_k)
-    stored = {l: A.block_stored(d, modes[l], None) for s in stages for l in layers_of[s]}
-    # activation offloading: what moves to host leaves the device (each block's come back for its backward)
-    moved, ahead_of = _offload_plan(i, d, modes, {}, list(stored))
-    stored = {l: stored[l] - moved[l] for l in stored}
-    emb_params, head_params = r.where("embedding"), r.where("head")
-    classic, fsdp, pbytes, local_numel = r.classic, r.fsdp, r.pbytes, r.local_numel
-
-    def step_grads(ps):  # gradient bytes these params hold during the step (before the final reduce-scatter)
-        if classic:
-            return 0  # preallocated buffers, counted in full below
-        if fsdp:
-            return _fsdp_bytes(ps, lay, pbytes)[1]  # accumulated unsharded, fp32
-        return r.grad_numel(ps) * FP32
-
-    dw2 = r.ffn_output  # the first weight gradient of a block's backward (no mixture of experts in a pipeline)
-
-    g_const = st.grads if classic else 0
-    stage_grads = {s: step_grads([p for l in layers_of[s] for p in by_layer[l]]
-                                 + (emb_params if s == 0 else []) + (head_params if s == last_stage else []))
-                   for s in stages}
-    binp = A.block_input(d)
-    head = sum(b for _, b in A.head_saved(d))
-    logits = d.N * d.V * d.L  # the last stage's output, kept by the stage until its backward
-    shared_input = binp if d.R == FP32 else 0  # the first block saves the receive buffer itself (fp32 residual)
-    # (an offloaded first block saves a host copy of it instead, and backward gets a device copy back)
-    shared_of = {s: 0 if moved[layers_of[s][0]] else shared_input for s in stages if layers_of[s]}
-    hold, hold_head = {}, {}  # per in-flight micro-batch: activations, and the last stage's logits and loss tensors
-    for s in stages:
-        h = sum(stored[l] for l in layers_of[s])
-        h += A.final_residual(d) if s == last_stage else binp
-        hold[s] = h - (shared_of.get(s, 0) if s > 0 else 0)
-        hold_head[s] = head + logits if s == last_stage else 0
-    tokens = m * A.inputs_bytes(d)  # the whole batch of this data-parallel rank
-    p2p = sum(((s > 0) + (s < last_stage)) * m * binp for s in stages)
-    unsh = {l: _fsdp_bytes(by_layer[l], lay, pbytes) for l in by_layer} if fsdp else {}
-    gathered = (sum(u for u, _ in unsh.values()) + _fsdp_bytes(root, lay, pbytes)[0]) if fsdp else 0
-    autocast = st.autocast_copies
     base = dict(parameters=st.params + st.rope_buffers * len(stages), frozen=st.frozen, optimizer=st.optimizer,
-                master=st.master, autocast_copies=autocast)
-    peaks = _Peaks()
-    add = peaks.add
-
+                master=st.master, compression=comp.state_bytes if comp else 0)
     # what an input-gradient step leaves for the weight-gradient step, per stage
     inter = {s: len(layers_of[s]) * _zb_intermediates(d) + (_zb_head_intermediates(d) if s == last_stage else 0)
              for s in stages}
 
-    grads_done: set[int] = set()
-    local: dict = {}
-    block_grads = {s: {l: step_grads(by_layer[l]) for l in layers_of[s]} for s in stages}
-    dw2_bytes = {s: {l: dw2(l) * pbytes for l in layers_of[s]} if fsdp else None for s in stages}
-    # The multi-stage schedules wait for their sends only at the end of the step, and a send keeps its tensor: every
-    # stage output sent to another rank (once its micro-batch is backwarded, no longer counted in `hold`) and every
-    # input gradient sent back stays allocated to the end of the step.
-    stash_sends = multi_stage(lay.pp_schedule)
-    remote_next = {s: s < last_stage and lay.stage_owner(s + 1) != rank for s in stages}
-    remote_prev = {s: s > 0 and lay.stage_owner(s - 1) != rank for s in stages}
-    sent_out = sent_grads = 0
+    def backward(stage: int, kind: str, first_bwd: bool) -> _Peaks:
+        """Candidate peaks of one stage's backward of one micro-batch, alone (the schedule adds what else is held):
+        "B" (the whole backward), the zero-bubble input-gradient step "I" (nothing is freed: the graph is kept for
+        "W", and each block leaves the gradients of its weights' outputs), or the weight-gradient step "W" (at its
+        start, and at its end when the stage's gradients exist)."""
+        found = _Peaks()
+
+        def add(phase, **cats):  # (autocast's cached low-precision weights live until the backward ends)
+            found.add(phase, **base, autocast_copies=autocast, **cats)
+
+        layers, last = layers_of[stage], stage == last_stage
+        where = f" (stage {stage}{', input gradients' if kind == 'I' else ''})" if pipelined else ""
+        shared = shared_of.get(stage, 0)
+        stage_acts = sum(stored[l] for l in layers) - shared
+        keep = binp if not last else 0  # a stage's output stays referenced to the end of its backward
+        if kind == "W":
+            add(f"weight gradients (stage {stage})", gradients=0, activations=stage_acts + tokens + keep,
+                logits_loss=(head + logits if last else 0), comm_buffers=held_comm,
+                temporaries=len(layers) * _zb_intermediates(d) + (_zb_head_intermediates(d) if last else 0))
+            add(f"end of weight gradients (stage {stage})", gradients=stage_grads[stage] if first_bwd else 0,
+                activations=tokens, comm_buffers=held_comm)
+            return found
+        weights = kind == "B"
+        grads_now = 0
+        held = 0  # zero bubble: the weights' output gradients kept so far
+        current_head = head + logits if (last and not weights) else 0  # kept for "W"
+        comm = held_comm
+        if per_block:
+            if zero2:
+                comm += sum(u for u, _ in unsh.values()) + root_unsh
+            elif layers:  # the last block is not resharded after forward, except expert-parallel experts
+                comm += _fsdp_bytes([p for p in by_layer[layers[-1]] if not (p.expert and lay.ep > 1)], lay,
+                                    pbytes)[0]
+        # The root's parameters are gathered again by its pre-backward, when the gradient reaches its forward's
+        # output: the logits (the whole loss is computed after the model's forward), or the loss itself (a chunked
+        # loss is part of the forward). zero2 keeps them gathered throughout.
+        root_at_norm = root_unsh if (per_block and not zero2) else 0
+        if last:
+            micro = f" (micro-step {accum} of {accum})" if (accum > 1 and not pipelined) else ""
+            add(f"loss backward{where or micro}", gradients=0, activations=stage_acts + A.final_residual(d) + tokens,
+                logits_loss=head + logits + loss_extra, comm_buffers=comm + (root_at_norm if d.chunks > 1 else 0))
+            if weights and first_bwd:  # (an input-gradient step makes no weight gradients)
+                grads_now += head_grads
+            if not weights:
+                held += _zb_head_intermediates(d)
+            # the final norm's backward: the head's gradients made, the logits gone (the peak once they are small:
+            # chunked)
+            add(f"final norm backward{where}", gradients=grads_now, activations=stage_acts + A.final_residual(d) +
+                tokens, logits_loss=A.final_norm_backward(d) + current_head, comm_buffers=comm + root_at_norm,
+                temporaries=held + root_grads_live)
+        stored_below = stage_acts
+        fetched: set[int] = set()
+        rs_kept = 0  # FSDP block by block: the last reduce-scatter's buffer, kept until the next
+        for idx in reversed(range(len(layers))):
+            l = layers[idx]
+            first = shared if idx == 0 else 0
+            # an offloaded block's tensors are back for its backward, and the offloaded block below it is fetched
+            # ahead
+            stored_below -= (full[l] if l in fetched else stored[l]) - first
+            if l in ahead_of:
+                stored_below += moved[ahead_of[l]]
+                fetched.add(ahead_of[l])
+            b_acts, b_temps = A.block_backward_live(d, modes[l], moe_of[l])
+            b_acts -= first
+            from_head = binp if (last and idx == len(layers) - 1) else 0  # made by the loss/output backward
+            what = f"block {l}{where}"
+            comm = held_comm
+            if per_block:
+                prefetched = sum(unsh[layers[j]][0] for j in range(max(0, idx - ahead), idx))
+                kept_gathered = sum(unsh[k][0] for k in layers[:idx - 1]) if (zero2 and idx > 1) else 0
+                comm += unsh[l][0] + prefetched + rs_kept + root_unsh + kept_gathered
+            new_grad = dw2[l] * gbytes if (first_bwd and weights and not fsdp) else 0  # FSDP: unsharded, below
+            temps = b_temps + (dw2[l] * pbytes if fsdp else 0) + root_grads_live - from_head
+            if weights:
+                add(f"backward of {what}", gradients=grads_now + new_grad,
+                    activations=stored_below + b_acts + tokens + keep, logits_loss=from_head, comm_buffers=comm,
+                    temporaries=temps)
+            else:  # nothing of the block is freed; its weights' output gradients accumulate
+                add(f"backward of {what}", gradients=grads_now, activations=stage_acts + tokens + keep,
+                    logits_loss=from_head + current_head, comm_buffers=comm,
+                    temporaries=held + b_temps - (stored[l] - first - b_acts) - from_head)
+                held += _zb_intermediates(d)
+                add(f"end of {what}", gradients=grads_now, activations=stage_acts + tokens + keep,
+                    logits_loss=current_head, comm_buffers=comm,
+                    temporaries=held + (ZB_NORM_BACKWARD_VALUES * d.N // d.seq_div * d.C - d.N // d.seq_div * d.C)
+                    * FP32 + binp)
+            if lay.cp > 1 and weights:
+                # Ring attention's backward (context parallel): the block's MLP is done (its gradients exist,
+                # unsharded under FSDP), its attention tensors are still saved, the ring's buffers are live beside
+                # the incoming gradients (the residual's and the attention output's). (Under checkpointing the
+                # recomputed tensors count as temporaries, what the checkpoint holds as activations.)
+                live = A.ring_backward_block(d, modes[l])
+                kept = min(live, full[l]) if recomputes(modes[l]) else live  # (an offloaded block's are back)
+                done = r.after_attention_inputs(l) * pbytes
+                dout = d.N * d.Hq * d.D * d.L
+                add(f"ring attention backward of {what}", gradients=grads_now,
+                    activations=stored_below + kept + tokens + keep, logits_loss=0, comm_buffers=comm,
+                    temporaries=live - kept + A.ring_backward_temps(d) + dout + binp + done + root_grads_live)
+            if recomputes(modes[l]):
+                r_acts, r_temps = A.recompute_end(d, modes[l], moe_of[l])
+                add(f"recomputation of {what}", gradients=grads_now,
+                    activations=stored_below + r_acts + tokens + keep - first, logits_loss=from_head + current_head,
+                    comm_buffers=comm, temporaries=held + r_temps - from_head + root_grads_live)
+            if per_block:
+                # The end of block l's backward (its attention backward), before FSDP's post-backward: all its
+                # unsharded gradients exist (what dominates when the micro-batch is small); of its activations only
+                # the input is left; SDPA's backward has made dq, dk, dv, then the q/k/v input's gradient, beside
+                # the incoming one.
+                q_size = d.N * d.Hq * d.D * d.L
+                add(f"end of {what}'s backward", gradients=grads_now, activations=stored_below + tokens + binp,
+                    logits_loss=0, comm_buffers=comm,
+                    temporaries=binp + 3 * q_size + d.N * d.C * d.L + root_grads_live + unsh[l][0])
+                # FSDP's post-backward of block l: its parameters resharded, its gradients copied into the
+                # reduce-scatter input, the sharded output allocated (gloo also copies the input: CPU runs only).
+                rs_in = unsh[l][1]
+                rs_out = rs_in // lay.shard_degree
+                comm = (ddp_buckets + prefetched + rs_in + rs_out + (rs_in if i.target.device == "cpu" else 0)
+                        + root_unsh + kept_gathered)
+                add(f"reduce-scatter of {what}", gradients=grads_now, activations=stored_below + tokens,
+                    logits_loss=0, comm_buffers=comm, temporaries=binp + root_grads_live + dw2[l] * pbytes)
+                rs_kept = rs_in
+            if weights and first_bwd:
+                grads_now += block_grads[l]
+        return found
+
+    peaks = _Peaks()
     # What the rank's stages hold as the schedule runs: per micro-batch forwarded and not yet (weight-)backwarded its
     # `hold` (and the last stage's `hold_head`); per micro-batch of a zero-bubble schedule whose input gradients are
     # done and weight gradients not yet, its `inter`; and the gradients of the stages that have run a backward.
-    held = held_head = grads_so_far = 0
-    for stage, kind, mb in rank_actions(lay.pp_schedule, lay.pp, lay.pp_virtual, m, rank):
+    # The multi-stage schedules wait for their sends only at the end of the step, and a send keeps its tensor: every
+    # stage output sent to another rank (once its micro-batch is backwarded, no longer counted in `hold`) and every
+    # input gradient sent back stays allocated to the end of the step.
+    stash_sends = pipelined and multi_stage(lay.pp_schedule)
+    remote_next = {s: s < last_stage and lay.stage_owner(s + 1) != rank for s in stages}
+    remote_prev = {s: s > 0 and lay.stage_owner(s - 1) != rank for s in stages}
+    actions = rank_actions(lay.pp_schedule, lay.pp, lay.pp_virtual, m, rank) if pipelined else ((0, "F", 0),
+                                                                                               (0, "B", 0))
+    held = held_head = grads_so_far = sent_out = sent_grads = 0
+    grads_done: set[int] = set()
+    walked: dict = {}
+    for stage, kind, _ in actions:
         if kind == "F":
             held += hold[stage]
             held_head += hold_head[stage]
@@ -601,31 +592,15 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
             continue  # the first stage has no input gradients: its "W" runs the whole backward
         if kind == "W" and stage == 0:
             kind = "B"
-        others = held - hold[stage] + sent_out
-        others_head = held_head - hold_head[stage]
-        if kind == "W":
-            others -= inter[stage]
-        first_bwd = stage not in grads_done
-        grads_before = g_const + grads_so_far
+        others = held - hold[stage] + sent_out - (inter[stage] if kind == "W" else 0)
+        first_bwd = stage not in grads_done and not g_const
         # The stage's own walk is the same at every micro-batch (what else is held only adds to each of its
         # candidates): walked once per (stage, kind, first backward), shifted by this point's additions.
-        key = (stage, kind, first_bwd)
-        if key not in local:
-            found = []
-            _backward_points(lambda phase, **cats: found.append((sum(cats.values()), phase, cats)), base, d, stage,
-                             kind, layers_of[stage], stored, modes, stage == last_stage,
-                             stage > 0 and shared_of.get(stage, 0), offload=(moved, ahead_of),
-                             tokens=tokens, comm=p2p + gathered, block_grads=block_grads[stage],
-                             head_grads=step_grads(head_params) if stage == last_stage else 0,
-                             stage_grads=stage_grads[stage], first_bwd=first_bwd,
-                             out=binp if stage != last_stage else logits, head=head, dw2=dw2_bytes[stage])
-            local[key] = max(found, key=lambda c: c[0])
-        _, phase, cats = local[key]
-        shifted = dict(cats)
-        for cat, extra in (("pipeline", others), ("logits_loss", others_head), ("gradients", grads_before),
-                           ("comm_buffers", sent_grads)):
-            shifted[cat] = shifted.get(cat, 0) + extra
-        peaks.add_dict(phase, shifted)
+        if (stage, kind, first_bwd) not in walked:
+            walked[stage, kind, first_bwd] = backward(stage, kind, first_bwd)
+        peaks.add_shifted(walked[stage, kind, first_bwd], {
+            "pipeline": others, "logits_loss": held_head - hold_head[stage], "gradients": g_const + grads_so_far,
+            "comm_buffers": sent_grads})
         if kind in ("I", "B") and stash_sends and remote_prev[stage]:
             sent_grads += binp
         if kind == "I":
@@ -640,23 +615,35 @@ def _pipeline_walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]
                 held -= inter[stage]
             if stash_sends and remote_next[stage]:
                 sent_out += binp
-    host_acts = int(in_flight(lay, rank) * sum(moved.values()))  # offloaded micro-batches in flight
-    # the end of the step: FSDP reshards and reduce-scatters each group's accumulated gradients (the largest
+
+    # the end of a pipeline step: FSDP reshards and reduce-scatters each group's accumulated gradients (the largest
     # group's buffers at the worst time: all gradients still unsharded)
-    if fsdp and unsh:
-        rs_in = max(r for _, r in unsh.values())
-        add("reduce-scatter after the last micro-batch", **base, gradients=sum(stage_grads.values()),
-            comm_buffers=p2p + gathered + rs_in // lay.shard_degree + (rs_in if i.target.device == "cpu" else 0),
-            activations=tokens)
+    if fsdp and not per_block and unsh:
+        rs_in = max(x for _, x in unsh.values())
+        peaks.add("reduce-scatter after the last micro-batch", **base, gradients=sum(stage_grads.values()),
+                  comm_buffers=held_comm + rs_in // lay.shard_degree + (rs_in if i.target.device == "cpu" else 0),
+                  activations=tokens)
+    # O: the optimizer step
     opt_temp = 0
     if i.recipe.optimizer_impl != "fused" and optimizer_entry(i.recipe.optimizer).foreach_temporary:
-        gb = BF16 if classic else FP32
-        small = [p for p in params if len(p.shape) < 2 and p.trainable]
-        small_bytes = (sum(fsdp_numel(p, lay) for p in small) if lay.uses_fsdp else local_numel(small)) * gb
-        opt_temp = max(r.host.get("gradients", st.grads) - small_bytes, small_bytes) * (FP32 // gb)
+        # _multi_tensor_adam: torch._foreach_sqrt(exp_avg_sqs) per parameter group (matrices, then norm gains)
+        small = reduced_grad_bytes([p for p in params if len(p.shape) < 2])
+        opt_temp = max(r.host.get("gradients", st.grads) - small, small) * (FP32 // gbytes)
+        if lay.zero1:
+            opt_temp = math.ceil(st.optimizer / 2)
     host_states = _host_total(r.host, opt_temp)
-    add("optimizer step", **base, gradients=st.grads, comm_buffers=p2p, temporaries=0 if r.host else opt_temp)
-    out = peaks.result(r)
+    if r.host:
+        opt_temp = 0  # the optimizer steps on the CPU
+    if comp is not None and comp_site is CompressionSite.DDP_HOOK:  # the hook compresses the last bucket: all grads
+        peaks.add("gradient compression (DDP hook)", **base, gradients=st.grads, comm_buffers=ddp_buckets + p2p,
+                  temporaries=comp.transient_bytes)
+    if comp is not None and run_comp is not i.recipe.compression:  # the optimizer compresses its momenta in its step
+        opt_temp = max(opt_temp, comp.transient_bytes)
+    peaks.add("optimizer step", **base, gradients=st.grads, comm_buffers=ddp_buckets + p2p, temporaries=opt_temp)
+
+    out = peaks.result(r, moe)
+    out["sizes"]["gradients"] = max(out["sizes"].get("gradients", 0), st.grads)
+    host_acts = int(in_flight(lay, rank) * sum(moved.values()))  # offloaded micro-batches in flight
     out["host"] = {**host_states, **({"activations": host_acts} if host_acts else {})}
     return out
 
@@ -687,72 +674,6 @@ def _zb_head_intermediates(d: A.ActDims) -> int:
 ZB_NORM_BACKWARD_VALUES = 6
 
 
-def _backward_points(add, base, d, stage, kind, layers, stored, modes, last, shared, *, tokens, comm, block_grads,
-                     head_grads, stage_grads, first_bwd, out, head, dw2, others=(0, 0), grads_before=0,
-                     offload=({}, {})) -> None:
-    """Candidate peaks of one stage's backward of one micro-batch on top of `others` (what the other in-flight
-    micro-batches hold) and what the whole step holds: "B" (the whole backward) block by block, last to first;
-    the zero-bubble input-gradient step "I" (nothing is freed: the graph is kept for "W", and each block leaves the
-    gradients of its weights' outputs), and the weight-gradient step "W" (at its start, and at its end when the
-    stage's gradients exist)."""
-    others, others_head = others
-    stage_acts = sum(stored[l] for l in layers) - shared
-    keep = out if not last else 0  # the stage's output stays referenced to the end of its backward
-    if kind == "W":
-        add(f"weight gradients (stage {stage})", **base, gradients=grads_before, activations=stage_acts + tokens + keep,
-            pipeline=others, logits_loss=others_head + (head + out if last else 0), comm_buffers=comm,
-            temporaries=len(layers) * _zb_intermediates(d) + (_zb_head_intermediates(d) if last else 0))
-        add(f"end of weight gradients (stage {stage})", **base,
-            gradients=grads_before + (stage_grads if first_bwd else 0), activations=tokens, pipeline=others,
-            logits_loss=others_head, comm_buffers=comm)
-        return
-    weights = kind == "B"
-    grads_now = grads_before
-    held = 0  # zero bubble: the weights' output gradients kept so far
-    if last:
-        add(f"loss backward (stage {stage})", **base, gradients=grads_now,
-            activations=stage_acts + A.final_residual(d) + tokens, pipeline=others,
-            logits_loss=head + out + A.loss_backward_extra(d) + others_head, comm_buffers=comm)
-        if weights and first_bwd:
-            grads_now += head_grads
-        if not weights:
-            held += _zb_head_intermediates(d)
-    stored_below = stage_acts
-    moved, ahead_of = offload  # activation offloading: bytes on host per block, the block fetched ahead of each
-    fetched = set()
-    for idx in reversed(range(len(layers))):
-        l = layers[idx]
-        stored_below -= stored[l] + (moved[l] if l in fetched else 0) - (shared if idx == 0 else 0)
-        if l in ahead_of:
-            stored_below += moved[ahead_of[l]]
-            fetched.add(ahead_of[l])
-        b_acts, b_temps = A.block_backward_live(d, modes[l], None)  # (an offloaded block's tensors are back)
-        b_acts -= shared if idx == 0 else 0
-        from_head = A.block_input(d) if (last and idx == len(layers) - 1) else 0
-        what = f"block {l} (stage {stage}{', input gradients' if not weights else ''})"
-        if weights:
-            temps = b_temps + (dw2[l] if dw2 is not None else 0)
-            add(f"backward of {what}", **base, gradients=grads_now, activations=stored_below + b_acts + tokens + keep,
-                pipeline=others, logits_loss=from_head + others_head, comm_buffers=comm, temporaries=temps - from_head)
-        else:  # nothing of the block is freed; its weights' output gradients accumulate
-            current_head = head + out if last else 0  # the last stage's logits and loss tensors are kept too
-            add(f"backward of {what}", **base, gradients=grads_now, activations=stage_acts + tokens + keep,
-                pipeline=others, logits_loss=from_head + others_head + current_head, comm_buffers=comm,
-                temporaries=held + b_temps - (stored[l] - shared * (idx == 0) - b_acts) - from_head)
-            held += _zb_intermediates(d)
-            add(f"end of {what}", **base, gradients=grads_now, activations=stage_acts + tokens + keep,
-                pipeline=others, logits_loss=others_head + current_head, comm_buffers=comm,
-                temporaries=held + (ZB_NORM_BACKWARD_VALUES * d.N // d.seq_div * d.C - d.N // d.seq_div * d.C) * FP32
-                + A.block_input(d))
-        if recomputes(modes[l]):
-            r_acts, r_temps = A.recompute_end(d, modes[l], None)
-            add(f"recomputation of {what}", **base, gradients=grads_now,
-                activations=stored_below + r_acts + tokens + keep - (shared if idx == 0 else 0), pipeline=others,
-                logits_loss=from_head + others_head, comm_buffers=comm, temporaries=held + r_temps - from_head)
-        if weights and first_bwd:
-            grads_now += block_grads[l]
-
-
 def candidate_ranks(lay: Layout, layers_by_stage: list[list[int]]) -> list[int]:
     """The pipeline ranks that can hold the most (the planner estimates only these): the first two and the last two
     (the first holds the most micro-batches in flight, the last the logits, and with an even split the next ones hold
@@ -771,14 +692,13 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     i = validate(i)
     lay, args = i.layout, i.model_args
     layers_by_stage = rank_layers(lay, args)
-    if lay.pp == 1:
-        walks = {0: _no_pipeline_walk(i, layers_by_stage)}
-    else:
-        ranks = range(lay.pp) if (all_ranks or lay.pp <= 4) else candidate_ranks(lay, layers_by_stage)
-        walks = {s: _pipeline_walk(i, s, layers_by_stage) for s in ranks}
+    ranks = range(lay.pp) if (all_ranks or lay.pp <= 4) else candidate_ranks(lay, layers_by_stage)
+    walks = {s: _walk(i, s, layers_by_stage) for s in ranks}
     worst = max(walks, key=lambda s: walks[s]["peak"])
     w = walks[worst]
-    overhead = i.target.overhead_bytes if i.target.overhead_bytes is not None else default_overhead(lay, i.target.device)
+    overhead = i.target.overhead_bytes
+    if overhead is None:
+        overhead = default_overhead(lay, i.target.device)
     at = {k: int(v) for k, v in w["at_peak"].items() if v}
     at["overhead"] = overhead
     sizes = {k: int(v) for k, v in w["sizes"].items() if v}
@@ -825,13 +745,12 @@ def forward_end_bytes(i: EstimateInputs) -> dict[str, int]:
     blocks' activations as checkpointing leaves them (+ the final residual and the token ids) and the final
     norm / output / loss tensors kept for backward. What activation checkpointing is about."""
     args, lay = i.model_args, i.layout
-    d = A.act_dims(args, lay, i.recipe.precision, i.accounting, i.recipe.micro_batch, i.recipe.seq_len, i.target.device, i.recipe.lora is not None,
-                   i.recipe.tiers.loss_chunks)
+    d = _act_dims(i)
     moe = A.moe_dims(args, lay, i.recipe.micro_batch, i.recipe.seq_len, i.moe_imbalance) if args.moe_experts else None
     layers = rank_layers(lay, args)[lay.pp - 1]
     modes = block_checkpointing(i.recipe.checkpointing, args.n_layers, i.recipe.every_k)
     moe_of = {l: moe if args.is_moe_layer(l) else None for l in layers}
     acts = sum(A.block_stored(d, modes[l], moe_of[l]) for l in layers)
-    acts -= sum(_offload_plan(i, d, modes, moe_of, layers)[0].values())  # on the host by then
+    acts -= sum(activation_offload_plan(i.recipe.tiers, args.n_layers, d, modes, moe_of, layers)[0].values())
     return {"activations": acts + A.final_residual(d) + A.inputs_bytes(d),
             "logits_loss": sum(b for _, b in A.head_saved(d))}

@@ -68,7 +68,8 @@ def inputs_for(model_args: ModelArgs, recipe: Recipe, target: Target = Target(),
 def validate(i: EstimateInputs) -> EstimateInputs:
     """Check the inputs (UserError; the layout's ConfigError names the setting); returns them with the layout
     validated against the model and the batch (a pipeline's blocks per stage filled in)."""
-    for name, value, options in (("--precision", i.recipe.precision, PRECISIONS), ("--optimizer", i.recipe.optimizer, OPTIMIZER_NAMES),
+    for name, value, options in (("--precision", i.recipe.precision, PRECISIONS),
+                                 ("--optimizer", i.recipe.optimizer, OPTIMIZER_NAMES),
                                  ("--checkpointing", i.recipe.checkpointing, CHECKPOINT_MODES),
                                  ("--accounting", i.accounting, ACCOUNTINGS),
                                  ("--optimizer-impl", i.recipe.optimizer_impl, OPTIMIZER_IMPLS)):
@@ -96,7 +97,8 @@ def validate(i: EstimateInputs) -> EstimateInputs:
         raise UserError(f"--lora-targets {','.join(i.recipe.lora.targets)}: the model has none of these projections")
     lay.check_checkpointing(i.recipe.checkpointing)
     steps = lay.pp_microbatches if lay.pp > 1 else i.recipe.accum_steps
-    batch = Batch(global_batch=i.recipe.micro_batch * steps * lay.dp, micro_batch=i.recipe.micro_batch, seq_len=i.recipe.seq_len)
+    batch = Batch(global_batch=i.recipe.micro_batch * steps * lay.dp, micro_batch=i.recipe.micro_batch,
+                  seq_len=i.recipe.seq_len)
     grad_compression_site(lay, i.recipe.compression.method)  # ConfigError where it cannot apply
     entry = optimizer_entry(i.recipe.optimizer)
     entry.check_compression(i.recipe.compression.method, "--grad-compression")

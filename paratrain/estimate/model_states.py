@@ -35,10 +35,12 @@ from paratrain.stage_split import balanced_split
 FP32, BF16 = 4, 2
 
 
-def model_params(args: ModelArgs, lora: LoRA | None = None) -> list[Param]:
+@functools.lru_cache(maxsize=256)
+def model_params(args: ModelArgs, lora: LoRA | None = None) -> tuple[Param, ...]:
     """Every parameter in named_parameters() order (tied output weight listed once): the family's parameter table,
-    with `lora`'s adapters (trainable) beside their weights (frozen)."""
-    return adapted_params(parameters(args), lora)
+    with `lora`'s adapters (trainable) beside their weights (frozen). Cached (both are frozen): the planner asks for
+    the same table thousands of times."""
+    return tuple(adapted_params(parameters(args), lora))
 
 
 def local_shape(p: Param, layout: Layout) -> tuple[int, ...]:

@@ -38,6 +38,11 @@ class Link:
     reduce_scatter_factor: float = 1.0
 
 
+def p2p_time(nbytes: float, link: Link) -> float:
+    """Seconds to send `nbytes` once over `link` (alpha + bytes / bandwidth)."""
+    return link.latency + nbytes / link.bandwidth
+
+
 @dataclass
 class Hardware:
     name: str

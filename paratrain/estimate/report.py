@@ -30,15 +30,16 @@ def lora_text(i) -> str:
         return ""
     params = model_params(i.model_args, i.recipe.lora)
     trainable = sum(p.numel for p in params if p.trainable)
-    return (f"; LoRA rank {i.recipe.lora.rank} on {','.join(i.recipe.lora.targets)}: {format_params(trainable)} trainable "
-            f"({trainable:,}), {format_params(sum(p.numel for p in params) - trainable)} frozen")
+    return (f"; LoRA rank {i.recipe.lora.rank} on {','.join(i.recipe.lora.targets)}: {format_params(trainable)} "
+            f"trainable ({trainable:,}), {format_params(sum(p.numel for p in params) - trainable)} frozen")
 def tiers_text(i) -> str:
     """The memory tiers the inputs use, in words ("" for none)."""
     parts = []
     if i.recipe.tiers.loss_chunks > 1:
         parts.append(f"chunked loss ({i.recipe.tiers.loss_chunks} pieces)")
     if offloads_activations(i.recipe.tiers.activation_offload):
-        parts.append("activation offload " + describe_offload(i.recipe.tiers.activation_offload, i.recipe.tiers.activation_offload_every_k))
+        tiers = i.recipe.tiers
+        parts.append("activation offload " + describe_offload(tiers.activation_offload, tiers.activation_offload_every_k))
     if i.recipe.tiers.cpu_offload:
         parts.append("CPU offload (parameters, gradients, optimizer state)")
     return ", ".join(parts)
@@ -62,7 +63,8 @@ def format_table(est, units: str = "GiB") -> str:
     active = count_active_params(i.model_args)
     per_token = f", {format_params(active)} active per token ({active:,})" if active != n_params else ""
     lines = [f"model {i.model_name}: {format_params(n_params)} parameters ({n_params:,}){per_token}" + lora_text(i),
-             f"layout {lay.describe()} | {i.recipe.precision} ({'classic mixed-precision accounting' if i.accounting == 'classic' else 'as paratrain trains it'})"
+             f"layout {lay.describe()} | {i.recipe.precision} ("
+             f"{'classic mixed-precision accounting' if i.accounting == 'classic' else 'as paratrain trains it'})"
              f" | {i.recipe.optimizer} ({i.recipe.optimizer_impl}) | checkpointing {mode}",
              f"micro-batch {i.recipe.micro_batch} x seq {i.recipe.seq_len}"
              + (f" x accumulation {i.recipe.accum_steps}" if lay.pp == 1 and i.recipe.accum_steps > 1 else "")

@@ -16,7 +16,8 @@ from paratrain.modes import (CHECKPOINT_MODES, DP_MODES, SCHEDULES, block_checkp
                              interleaved, offload_stride, recompute_rank, recomputes, replicates_shards, stored_rank,
                              value_bytes, zero_bubble)
 from paratrain.optimizers import optimizer_entry
-from paratrain.estimate.step_time import OFFLOAD_EVERY_K, Candidate, Context, Prediction, cached, predict
+from paratrain.estimate.step_time import Candidate, Context, Prediction, cached, predict
+from paratrain.estimate.tiers import OFFLOAD_EVERY_K
 from paratrain.estimate import Target, activations as A, estimate, inputs_for
 from paratrain.estimate.core import in_flight
 from paratrain.estimate.gpus import fits, fmt_bytes, limit_text, usable_bytes

@@ -90,7 +90,9 @@ from paratrain.modes import (Compression, CompressionSite, forward_repeats, offl
                              resolve_impl, selective, value_bytes, whole_blocks)
 from paratrain.optimizers import GradientReduction, Phase, optimizer_entry
 from paratrain.recipe import Recipe
-from paratrain.estimate.profile import Hardware, Link
+from paratrain.estimate.profile import Hardware, Link, p2p_time
+from paratrain.estimate.tiers import (OFFLOAD_EVERY_K, activation_offload_s, chunked_loss_recompute_s,
+                                      cpu_offload_copy_s, cpu_offload_optimizer_s)
 from paratrain.estimate import activations as A
 from paratrain.estimate.model_states import local_shape, model_params
 from paratrain.models.presets import count_params, flops_per_token
@@ -165,6 +167,14 @@ class Candidate:
                       micro_batch=self.micro_batch, accum_steps=1 if self.layout.pipelined else self.micro_steps(ctx),
                       seq_len=ctx.seq_len, tiers=self.tiers(), optimizer=ctx.optimizer,
                       optimizer_impl=resolve_impl("auto", ctx.hw.device), compression=ctx.compression, lora=ctx.lora)
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> "Candidate":
+        """The candidate a recipe is (the inverse of `recipe`; a candidate offloads every OFFLOAD_EVERY_K-th block)."""
+        tiers = recipe.tiers
+        return cls(recipe.layout, recipe.checkpointing, recipe.every_k, recipe.micro_batch,
+                   loss_chunks=max(tiers.loss_chunks, 1), act_offload=tiers.activation_offload,
+                   cpu_offload=tiers.cpu_offload)
 
     def tiers(self) -> MemoryTiers:
         """The memory tiers this candidate uses."""
@@ -246,10 +256,6 @@ def reduce_scatter_time(nbytes: float, p: int, link: Link) -> float:
 
 
 all_to_all_time = all_gather_time
-
-
-def p2p_time(nbytes: float, link: Link) -> float:
-    return link.latency + nbytes / link.bandwidth
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual: int = 1) -> float:
@@ -465,9 +471,8 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     entry = optimizer_entry(ctx.optimizer)
     optimizer = (opt_params * entry.step_bytes / hw.mem_bandwidth + entry.step_kernels * hw.op_overhead_s) \
         * hw.compute_scale
-    if c.cpu_offload:  # the host steps this rank's shards (estimate/hardware.py: host_adam_rate, AdamW's traffic)
-        _host(hw)
-        optimizer = opt_params / hw.host_adam_params_per_s * entry.step_bytes / optimizer_entry("adamw").step_bytes
+    if c.cpu_offload:
+        optimizer = cpu_offload_optimizer_s(opt_params, entry.step_bytes, optimizer_entry("adamw").step_bytes, hw)
 
     # gradient compression: what the compressed collective sends, and the compute it costs (an optimizer's phase:
     # its own collective, none in a local step, in the optimizer step when not in the backward)
@@ -532,8 +537,8 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
             overlappable += ag + rs
             min_exposed += ag / n_ag + rs / n_rs  # one group's worth stays exposed
             dp_bytes = (shard - 1) / shard * G_stage * 4 * rs_frac * n_rs / groups
-            if c.cpu_offload:  # each gather copies the group's fp32 shards in, each reduce-scatter its gradients out
-                overlappable += (n_ag + n_rs) * p2p_time(P_stage * 4 / shard / groups, _host(hw))
+            if c.cpu_offload:
+                overlappable += cpu_offload_copy_s(n_ag + n_rs, P_stage * 4 / shard / groups, hw)
             if lay.hybrid:
                 frac = rs_frac if site is CompressionSite.REDUCE_DTYPE else comp_frac
                 r = lay.dp_replicate
@@ -574,8 +579,8 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     if offloads_activations(c.act_offload):
         comm[ACT_OFFLOAD], moved = activation_offload_time(c, ctx, layers, compute / max(n_micro, 1))
         comm_total += moved - comm[ACT_OFFLOAD]
-    if c.loss_chunks > 1:  # the head's forward once more, piece by piece, in backward
-        recompute += n_micro * block_costs(ctx, hw, t, c.micro_batch, c.ep, c.ac, cp).head / 3
+    if c.loss_chunks > 1:
+        recompute += chunked_loss_recompute_s(block_costs(ctx, hw, t, c.micro_batch, c.ep, c.ac, cp).head, n_micro)
     comm_total += sum(v for k, v in comm.items() if k not in ("data-parallel",))
     exposed = sum(comm.values())
 
@@ -598,30 +603,16 @@ def trainable_count(args: ModelArgs, lora: LoRA) -> int:
 
 
 ACT_OFFLOAD = "activation offload"  # the exposed part of activation offloading's copies
-OFFLOAD_EVERY_K = 2  # memory.activation_offload_every_k of a candidate offloading every_k blocks (the default)
-
-
-def _host(hw: Hardware) -> Link:
-    if hw.host is None:
-        raise ValueError(f"profile {hw.name} has no host side: the offloading tiers cannot be predicted on it")
-    return hw.host
 
 
 def activation_offload_time(c: Candidate, ctx: Context, blocks: int, compute_s: float) -> tuple[float, float]:
-    """(exposed, total) seconds per step of activation offloading's copies on the busiest rank: each offloaded
-    block's saved bytes (estimate.activations.offloaded) go to host in its forward and come back in backward, on a
-    side stream beside the compute of one block (its own forward, the block above's backward: a share `overlap` of
-    it hides them). `compute_s`: the rank's compute per micro-step."""
-
+    """(exposed, total) seconds per step of activation offloading's copies on the busiest rank (estimate/tiers.py)
+    for a candidate offloading every_k blocks: an offloaded block's saved tensors as without checkpointing."""
     lay, hw = c.layout, ctx.hw
     d = A.act_dims(ctx.args, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, hw.device)
-    mode = c.ac if uniform(c.ac) else "none"  # (every_k: an offloaded block's saved tensors as without checkpointing)
+    mode = c.ac if uniform(c.ac) else "none"
     n = len(offloaded_blocks(c.act_offload, OFFLOAD_EVERY_K, blocks))
-    one = p2p_time(A.offloaded(d, mode), _host(hw))  # one block's copy, one way
-    per_block = compute_s / max(blocks, 1) / 3  # forward; backward is twice that
-    exposed = max(0.0, one - hw.overlap * per_block) + max(0.0, one - hw.overlap * 2 * per_block)
-    steps = c.micro_steps(ctx)
-    return steps * n * exposed, steps * n * 2 * one
+    return activation_offload_s(A.offloaded(d, mode), n, blocks, c.micro_steps(ctx), compute_s, hw)
 
 
 def attention_time(ctx: Context, c: Candidate) -> float:

@@ -69,7 +69,8 @@ def candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]
                     "optimizer step on the CPU", i.with_recipe(cpu_offload=True)))
     if i.recipe.micro_batch > 1 and lay.pp == 1:
         out.append((1.5, f"--micro-batch {i.recipe.micro_batch // 2} (accumulation x2, same global batch)",
-                    "smaller matmuls", i.with_recipe(micro_batch=i.recipe.micro_batch // 2, accum_steps=i.recipe.accum_steps * 2)))
+                    "smaller matmuls",
+                    i.with_recipe(micro_batch=i.recipe.micro_batch // 2, accum_steps=i.recipe.accum_steps * 2)))
     if not every_block_whole(i.recipe.checkpointing):
         out.append((2.0, "--checkpointing full", "recomputes each block's forward (~1/3 more compute)",
                     i.with_recipe(checkpointing="full")))
@@ -170,10 +171,9 @@ def _time_cost(i: EstimateInputs):
         lay = c.layout
         steps = lay.pp_microbatches if lay.pipelined else c.recipe.accum_steps
         seqs = c.recipe.micro_batch * steps * lay.dp
-        ctx = Context(c.model_args, c.recipe.seq_len, seqs, hw, c.node_ranks, precision=c.recipe.precision, optimizer=c.recipe.optimizer)
-        cand = Candidate(lay, c.recipe.checkpointing, c.recipe.every_k, c.recipe.micro_batch, loss_chunks=max(c.recipe.tiers.loss_chunks, 1),
-                         act_offload=c.recipe.tiers.activation_offload, cpu_offload=c.recipe.tiers.cpu_offload)
-        return predict(cand, ctx).step_s * lay.world_size / (seqs * c.recipe.seq_len)
+        ctx = Context(c.model_args, c.recipe.seq_len, seqs, hw, c.node_ranks, precision=c.recipe.precision,
+                      optimizer=c.recipe.optimizer)
+        return predict(Candidate.of(c.recipe), ctx).step_s * lay.world_size / (seqs * c.recipe.seq_len)
 
     base = gpu_seconds_per_token(i)
     return lambda c: gpu_seconds_per_token(c) / base
@@ -183,5 +183,6 @@ def _describe_inputs(c: EstimateInputs) -> dict:
     lay = c.layout
     return {"dp_mode": lay.dp_mode, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp,
             "pp": lay.pp, "ep": lay.ep, "checkpointing": c.recipe.checkpointing, "micro_batch": c.recipe.micro_batch,
-            "accum_steps": c.recipe.accum_steps, "world_size": lay.world_size, "loss_chunks": c.recipe.tiers.loss_chunks,
-            "activation_offload": c.recipe.tiers.activation_offload, "cpu_offload": c.recipe.tiers.cpu_offload}
+            "accum_steps": c.recipe.accum_steps, "world_size": lay.world_size,
+            "loss_chunks": c.recipe.tiers.loss_chunks, "activation_offload": c.recipe.tiers.activation_offload,
+            "cpu_offload": c.recipe.tiers.cpu_offload}
