@@ -91,6 +91,21 @@ def _source_comments(module) -> dict[str, dict[str, Comments]]:
     return out
 
 
+def describe(section: str, section_class: type, key: str) -> str:
+    """One config key in a line (`section_class`: its section's dataclass): the first sentence of its description
+    and its choices (a Literal's, or a registry's): what a command-line flag of that key says
+    (paratrain/commands/recipe_flags.py)."""
+    about = _source_comments(config).get(section_class.__name__, {}).get(key)
+    text = re.split(r"(?<![.])\. (?=[A-Z])", about.text if about else "")[0].rstrip()  # (not "0, k, 2k, ... recompute")
+    text = text if text.endswith("...") else text.rstrip(".")
+    annotation = typing.get_type_hints(section_class)[key]
+    choices = [c for c, _ in _registry_choices().get((section, key), [])]
+    choices = choices or (list(typing.get_args(annotation)) if typing.get_origin(annotation) is typing.Literal else [])
+    listed = " | ".join(map(str, choices))
+    named = all(str(c) in text for c in choices)  # the description lists them already
+    return f"{text}: {listed}" if text and listed and not named else text or listed
+
+
 def _maker_docstring(module, name: str) -> str:
     """The docstring of the function in `module` that makes the class `name` (a string constant in its body)."""
     for node in ast.walk(ast.parse(inspect.getsource(module))):

@@ -46,7 +46,7 @@ class MemoryTiers:
 
     loss_chunks: int = 1
     activation_offload: ActivationOffloadMode = "none"
-    activation_offload_every_k: int = 2
+    activation_offload_every_k: int = dataclasses.field(default=2, metadata={"flag": "--offload-every-k"})
     cpu_offload: bool = False
 
     @classmethod

@@ -23,10 +23,11 @@ from paratrain.models.lora_params import LoRA
 from paratrain.modes import CheckpointMode, Compression, OptimizerImpl, Precision, resolve_impl
 
 
-def setting(default, key: str):
+def setting(default, key: str, flag: str | None = None):
     """A recipe field read from and written to one config key ("section.key"): declaring it here is all
-    `Recipe.from_config` and `Recipe.to_config` need."""
-    return field(default=default, metadata={"key": key})
+    `Recipe.from_config`, `Recipe.to_config` and the commands' flags (`recipe_settings`) need. `flag`: its
+    command-line name where that is not the key's own (`--` and the key with dashes)."""
+    return field(default=default, metadata={"key": key, **({"flag": flag} if flag else {})})
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Recipe:
     layout: Layout  # [parallel]'s degrees and schedule (Layout.from_config / to_config); validated where it comes
     # from a run (pp_split, microbatches)
     precision: Precision = setting("bf16", "training.precision")
-    checkpointing: CheckpointMode = setting("none", "activation_checkpoint.mode")
+    checkpointing: CheckpointMode = setting("none", "activation_checkpoint.mode", "--checkpointing")
     every_k: int = setting(2, "activation_checkpoint.every_k")
     micro_batch: int = setting(1, "training.micro_batch")  # sequences per micro-step and rank (per pipeline
     # micro-batch with pp > 1)
@@ -42,7 +43,7 @@ class Recipe:
     seq_len: int = setting(2048, "training.seq_len")
     tiers: MemoryTiers = field(default_factory=MemoryTiers)  # [memory] (loss_chunks 0: automatic, resolved by the
     # estimator and the trainer once the model is known)
-    optimizer: str = setting("adamw", "optimizer.name")  # an entry of paratrain/optimizers.py
+    optimizer: str = setting("adamw", "optimizer.name", "--optimizer")  # an entry of paratrain/optimizers.py
     optimizer_impl: OptimizerImpl = "fused"  # optimizer.impl resolved on the run's device (modes.resolve_impl)
     compression: Compression = field(default_factory=Compression)  # [parallel]'s grad_compression and its settings
     fsdp_backward_prefetch: int = setting(1, "parallel.fsdp_backward_prefetch")
@@ -88,6 +89,15 @@ class Recipe:
         if tier_keys:
             changes["tiers"] = dataclasses.replace(self.tiers, **{k: changes.pop(k) for k in tier_keys})
         return dataclasses.replace(self, **changes)
+
+
+def recipe_settings(recipe=Recipe) -> dict[str, str]:
+    """{config key ("section.key"): its command-line flag} of every setting a recipe reads from a run's config: the
+    recipe's own keyed fields and the memory tiers' ([memory], MemoryTiers' fields). The layout's `[parallel]` keys
+    have theirs in layout_grammar.FLAGS."""
+    out = {f.metadata["key"]: f.metadata.get("flag") for f in _keyed_fields(recipe)}
+    out.update({f"memory.{f.name}": f.metadata.get("flag") for f in dataclasses.fields(MemoryTiers)})
+    return {key: flag or "--" + key.split(".")[1].replace("_", "-") for key, flag in out.items()}
 
 
 def _keyed_fields(recipe) -> list:

@@ -97,8 +97,9 @@ def test_to_config_and_from_config_are_one_mapping():
 
 
 def test_a_setting_declared_with_its_key_needs_no_other_code():
-    """Adding a recipe setting is one field and its config key: reading and writing it follow (a throwaway field,
-    on a config key no recipe field has)."""
+    """Adding a recipe setting is one field and its config key: reading and writing it, its command-line flag (typed
+    and described from the config) and its entry in the configuration reference follow (a throwaway field, on a
+    config key no recipe field has)."""
     import dataclasses
 
     from paratrain.recipe import setting
@@ -110,3 +111,17 @@ def test_a_setting_declared_with_its_key_needs_no_other_code():
     read = Extended.from_config(cfg, Layout.resolve(1), 1, 1, "cpu")
     assert read.throwaway == 0.25
     assert read.replace(throwaway=0.5).to_config(Config()).training.grad_clip == 0.5
+
+    import argparse
+
+    from paratrain.commands.recipe_flags import add_recipe_flags, with_recipe_flags
+    from paratrain.config_reference import render
+
+    parser = argparse.ArgumentParser()
+    add_recipe_flags(parser, Extended)
+    assert "--grad-clip" in parser.format_help() and "--micro-batch" in parser.format_help()
+    args = parser.parse_args(["--grad-clip", "0.125", "--micro-batch", "3"])
+    cfg = with_recipe_flags(Config(), args, Extended)
+    assert cfg.training.grad_clip == 0.125 and cfg.training.micro_batch == 3  # typed: a float and an int
+    assert Extended.from_config(cfg, Layout.resolve(1), 1, 1, "cpu").throwaway == 0.125
+    assert "grad_clip" in render()  # the configuration reference is generated from the config dataclasses

@@ -10,8 +10,7 @@ import sys
 from paratrain.models.lora_params import lora_problem
 from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.layout_grammar import FLAG_OF, add_layout_flags, with_layout_flags
-from paratrain.modes import CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS
-from paratrain.optimizers import OPTIMIZER_NAMES
+from paratrain.modes import OPTIMIZER_IMPLS
 from paratrain.config import Config
 from paratrain.estimate import target_device
 from paratrain.estimate.core import estimate
@@ -20,6 +19,7 @@ from paratrain.estimate.inputs import Target, inputs_for
 from paratrain.layout import Layout
 from paratrain.modes import Compression
 from paratrain.recipe import Recipe
+from paratrain.commands.recipe_flags import add_recipe_flags, with_recipe_flags
 from paratrain.spec import batch_of, model_from
 
 # The layout flags `paratrain estimate` takes (paratrain/layout_grammar.py): every [parallel] setting that changes
@@ -62,23 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank on a frozen model "
                    "(a config's [lora] otherwise)")
     p.add_argument("--lora-targets", default=None, help="the projections LoRA adapts (default wq,wk,wv,wo,w1,w2,w3)")
-    p.add_argument("--precision", default=None, help=f"{' | '.join(PRECISIONS)} (default bf16)")
     p.add_argument("--accounting", default="paratrain", help="paratrain | classic (see below)")
-    p.add_argument("--optimizer", default=None, help=" | ".join(OPTIMIZER_NAMES) + " (default: the config's, adamw)")
     p.add_argument("--optimizer-impl", default=None, help=f"{' | '.join(OPTIMIZER_IMPLS)} (default fused on GPUs)")
-    p.add_argument("--checkpointing", default=None, help=" | ".join(CHECKPOINT_MODES))
-    p.add_argument("--every-k", type=int, default=None)
-    p.add_argument("--micro-batch", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--accum-steps", type=int, default=None, help="gradient accumulation micro-steps")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (accumulation derived)")
-    m = p.add_argument_group("memory tiers (the [memory] section; docs/memory-tiers.md)")
-    m.add_argument("--loss-chunks", type=int, default=None, help="output projection + loss over N pieces of the "
-                   "tokens (0: automatic, 8 where exact; 1: whole logits)")
-    m.add_argument("--activation-offload", default=None, help="none | all | every_k: saved activations to host memory")
-    m.add_argument("--offload-every-k", type=int, default=None, help="with --activation-offload every_k (2)")
-    m.add_argument("--cpu-offload", action="store_true", default=None,
-                   help="sharded parameters, gradients and optimizer state in host memory (FSDP layouts)")
+    # the recipe's settings (training, checkpointing, optimizer, memory tiers), one flag each (recipe_flags.py)
+    m = add_recipe_flags(p, skip=("parallel.fsdp_backward_prefetch",))["memory"]  # (a [parallel] flag above)
     m.add_argument("--host-memory", help="host memory per node, e.g. 512GiB: checks what the tiers put there")
     m.add_argument("--gpus-per-node", type=int, default=None, help="ranks sharing a node's host memory (default: "
                    "the world size, at most 8)")
@@ -112,28 +101,21 @@ def _estimate_defaults(model_args):
     return cfg
 
 
-TRAINING_FLAGS = {"precision": "precision", "micro_batch": "micro_batch", "seq_len": "seq_len",
-                  "accum_steps": "accum_steps", "global_batch": "global_batch"}
-CHECKPOINTING_FLAGS = {"checkpointing": "mode", "every_k": "every_k"}
-MEMORY_FLAGS = {"loss_chunks": "loss_chunks", "activation_offload": "activation_offload",
-                "offload_every_k": "activation_offload_every_k", "cpu_offload": "cpu_offload"}
-
-
 def _with_flags(cfg, args):
     """The config with the command line's flags written over its [parallel], [training], [activation_checkpoint] and
     [memory] values (explicit flags win). A flag that fixes the accumulation (--accum-steps) or a pipeline's micro-batches
     (--micro-batch / --microbatches) replaces the config's global batch, which is then derived from them."""
-    t, ac = cfg.training, cfg.activation_checkpoint
+    t = cfg.training
     for flag in ("world_size", "micro_batch", "seq_len", "accum_steps", "global_batch", "every_k", "offload_every_k",
                  "gpus_per_node"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     cfg.parallel = with_layout_flags(cfg.parallel, args, ESTIMATE_FLAG_KEYS)
-    for section, flags in ((t, TRAINING_FLAGS), (ac, CHECKPOINTING_FLAGS), (cfg.memory, MEMORY_FLAGS)):
-        for flag, key in flags.items():
-            if getattr(args, flag) is not None:
-                setattr(section, key, getattr(args, flag))
+    with_recipe_flags(cfg, args)
+    for flag in ("accum_steps", "global_batch"):  # the batch's shape: not recipe settings (accumulation is derived)
+        if getattr(args, flag) is not None:
+            setattr(t, flag, getattr(args, flag))
     if args.accum_steps is not None and args.global_batch is None:
         t.global_batch = None
     if args.lora_rank is not None:
@@ -196,8 +178,6 @@ def inputs_from_argv(argv: list[str]):
         overhead = int(args.overhead_gib * GiB)
     if args.optimizer_impl:
         cfg.optimizer.impl = args.optimizer_impl
-    if args.optimizer:
-        cfg.optimizer.name = args.optimizer
     Compression.from_config(p).check_flags()
     device = target_device(cfg.training)
     recipe = Recipe.from_config(cfg, layout, micro_batch, accum_steps, device)

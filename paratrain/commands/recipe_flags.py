@@ -1,0 +1,61 @@
+"""A recipe's settings as command-line flags, derived from the recipe (paratrain/recipe.py `recipe_settings`): one
+flag per config key a Recipe reads (its keyed fields and the memory tiers), named after the key unless the field
+names its flag, typed and with the choices of the config's own annotation, described by the config's own comment
+(the text docs/configuration.md shows). A new recipe setting gets its flag with no line here."""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from typing import Literal, get_origin
+
+from paratrain.config import Config
+from paratrain.config_reference import describe
+from paratrain.recipe import Recipe, recipe_settings
+
+SECTION_TITLES = {"memory": "memory tiers (the [memory] section; docs/memory-tiers.md)"}
+
+
+def _section_class(section: str) -> type:
+    return type(getattr(Config(), section))
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def add_recipe_flags(parser: argparse.ArgumentParser, recipe=Recipe, skip: tuple[str, ...] = ()) -> dict:
+    """Add a flag for every setting of `recipe` but the config keys in `skip` (dest: the flag's name with
+    underscores; None when not given). Returns the argument group of each section, for the caller's own flags."""
+    groups: dict = {}
+    for key, flag in recipe_settings(recipe).items():
+        if key in skip:
+            continue
+        section, name = key.split(".")
+        cls = _section_class(section)
+        if section not in groups:
+            groups[section] = parser.add_argument_group(SECTION_TITLES.get(section, f"[{section}]"))
+        annotation = typing.get_type_hints(cls)[name]
+        text = describe(section, cls, name)
+        if annotation is bool:
+            groups[section].add_argument(flag, dest=_dest(flag), action="store_true", default=None, help=text)
+            continue
+        # (choices are checked where the setting is, with its own one-line error, not by argparse)
+        literal = get_origin(annotation) is Literal
+        groups[section].add_argument(flag, dest=_dest(flag), default=None, type=str if literal else annotation,
+                                     metavar=name.split("_")[-1].upper(), help=text)
+    return groups
+
+
+def recipe_flag_values(args: argparse.Namespace, recipe=Recipe) -> dict[str, object]:
+    """{config key: value} of the recipe flags given."""
+    return {key: getattr(args, _dest(flag)) for key, flag in recipe_settings(recipe).items()
+            if getattr(args, _dest(flag), None) is not None}
+
+
+def with_recipe_flags(cfg: Config, args: argparse.Namespace, recipe=Recipe) -> Config:
+    """`cfg` with the recipe flags given written over its sections (changed in place and returned)."""
+    for key, value in recipe_flag_values(args, recipe).items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
