@@ -130,15 +130,15 @@ class LoRAConfig:
 
 @dataclass
 class ParallelConfig:
-    dp_mode: DPModeOption = "fsdp"  # zero3 is another name for fsdp
+    dp_mode: DPModeOption = "fsdp"  # data parallelism (zero3 is another name for fsdp)
     dp_replicate: int = 1  # hsdp: replicas of the sharded model (its 2-D mesh is replicate x shard)
-    dp_shard: int = -1  # -1: whatever the other degrees leave of the world size
+    dp_shard: int = -1  # ranks each parameter is sharded over; -1: whatever the other degrees leave of the world
     tp: int = 1  # tensor parallel degree
     sequence_parallel: bool = True  # with tp > 1: shard norms and residuals along the sequence
     loss_parallel: bool = True  # with tp > 1: keep logits sharded by vocab through the loss
     pp: int = 1  # pipeline stages (ranks along the pp mesh axis)
     pp_schedule: Schedule = "1f1b"
-    pp_microbatches: int = 0  # per optimizer step and data-parallel rank; 0: automatic
+    pp_microbatches: int = 0  # pipeline micro-batches per optimizer step and data-parallel rank; 0: automatic
     pp_virtual_stages: int = 1  # stages per rank for the interleaved schedules (1: automatic, 2)
     pp_split: str = ""  # blocks per stage, e.g. "3,2,2,1"; empty: balanced by parameter count
     pp_stage_gpus: str = ""  # GPU type of each pipeline rank (heterogeneous clusters, written by paratrain plan)

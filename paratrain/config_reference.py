@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import io
 import json
@@ -50,6 +51,7 @@ class Comments:
         return " ".join(t for t in (above, beside) if t)
 
 
+@functools.lru_cache(maxsize=None)
 def _source_comments(module) -> dict[str, dict[str, Comments]]:
     """Per class of `module`, per annotated field: its comments."""
     source = inspect.getsource(module)

@@ -12,8 +12,8 @@ default 2 is not written); ac: activation checkpointing (every_k with its k); mb
 memory tiers in use follow (paratrain/memory.py): loss=N (the loss over N pieces), actoff=all|every_kK (activation
 offloading), cpuoff=on (CPU offload).
 
-The flags are one per `[parallel]` setting (`FLAGS`; `--tp`, `--pp-schedule`, `--no-sequence-parallel`,
-`--grad-compression`, ...): `add_layout_flags` adds those a command takes, `layout_flags` reads what was given as
+The flags are one per `[parallel]` setting (`FLAGS`, derived from config.ParallelConfig; `--tp`, `--pp-schedule`,
+`--no-sequence-parallel`, `--grad-compression`, ...): `add_layout_flags` adds those a command takes, `layout_flags` reads what was given as
 `[parallel]` values. `paratrain estimate` writes them over the config it estimates, `paratrain plan` plans only
 layouts that have them.
 """
@@ -24,9 +24,10 @@ import argparse
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Literal, get_args, get_origin
+from typing import Literal, get_origin
 
 from paratrain.config import ParallelConfig
+from paratrain.config_reference import describe
 from paratrain.errors import UserError
 from paratrain.layout import CONFIG_KEYS, Layout
 from paratrain.memory import MemoryTiers
@@ -146,38 +147,20 @@ def _layout_options(mode: str, degrees: dict, sched: str, items: dict) -> dict:
 
 
 # -- command-line flags ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Flag:
-    key: str  # the [parallel] key it sets
-    names: tuple[str, ...]  # the first is shown; the others are accepted too
-    help: str
+# One flag per `[parallel]` setting, derived from config.ParallelConfig: named `--` and the key with dashes, typed
+# by its annotation, described by its comment (config_reference.describe); a switch that is on by default is turned
+# off by `--no-<key>`. A new [parallel] key gets its flag with no line here, unless it is one of these:
+FLAG_ALIASES = {"pp_virtual_stages": ("--pp-virtual",), "pp_microbatches": ("--microbatches",)}  # shown first
+NOT_FLAGS = {  # [parallel] keys no command line sets, and why
+    "pp_stage_gpus": "written by paratrain plan for a heterogeneous cluster",
+    "powersgd_warmup_steps": "a run's warm-up: neither the layout nor its memory",
+    "sign_ef_warmup_steps": "a run's warm-up: neither the layout nor its memory",
+    "fsdp_forward_prefetch": "a run's overlap: neither the layout nor its memory",
+}
 
 
-# One flag per [parallel] setting a command line may give; their types are config.ParallelConfig's.
-FLAGS = (
-    Flag("dp_mode", ("--dp-mode",), "data parallelism"),
-    Flag("dp_replicate", ("--dp-replicate",), "replicas (hsdp; ddp and zero1: their data-parallel degree)"),
-    Flag("dp_shard", ("--dp-shard",), "ranks each parameter is sharded over (-1: the rest of the world)"),
-    Flag("tp", ("--tp",), "tensor parallel degree"),
-    Flag("cp", ("--cp",), "context parallel: each sequence split over cp ranks"),
-    Flag("sequence_parallel", ("--no-sequence-parallel",), "tp without sequence parallelism"),
-    Flag("loss_parallel", ("--no-loss-parallel",), "tp without loss parallelism"),
-    Flag("pp", ("--pp",), "pipeline stages"),
-    Flag("pp_schedule", ("--pp-schedule",), "pipeline schedule"),
-    Flag("pp_virtual_stages", ("--pp-virtual", "--pp-virtual-stages"),
-         "stages per rank for the interleaved schedules (2)"),
-    Flag("pp_split", ("--pp-split",), "blocks per stage, e.g. 9,8,8,7 (default: balanced by parameter count)"),
-    Flag("pp_microbatches", ("--microbatches", "--pp-microbatches"),
-         "pipeline micro-batches per step and data-parallel rank"),
-    Flag("ep", ("--ep",), "expert parallel degree (within dp_shard)"),
-    Flag("grad_compression", ("--grad-compression",), "compress the data-parallel gradient reduction"),
-    Flag("powersgd_rank", ("--powersgd-rank",), "PowerSGD's matrix approximation rank"),
-    Flag("sign_ef_block", ("--sign-ef-block",), "sign_ef: one scale per this many elements (0: per tensor piece)"),
-    Flag("fsdp_backward_prefetch", ("--fsdp-backward-prefetch",), "blocks gathered ahead in backward (1)"),
-    Flag("ddp_bucket_mb", ("--ddp-bucket-mb",), "DDP's gradient bucket size, MB"),
-)
-FLAG_OF = {f.key: f for f in FLAGS}
-LAYOUT_KEYS = tuple(k for k in FLAG_OF if k in CONFIG_KEYS.values())  # the flags of a Layout's fields
+FLAG_KEYS = tuple(f.name for f in dataclasses.fields(ParallelConfig) if f.name not in NOT_FLAGS)
+LAYOUT_KEYS = tuple(k for k in FLAG_KEYS if k in CONFIG_KEYS.values())  # the flags of a Layout's fields
 COMPRESSION_KEYS = ("grad_compression", "powersgd_rank", "sign_ef_block")
 
 
@@ -185,31 +168,42 @@ def _annotation(key: str):
     return typing.get_type_hints(ParallelConfig)[key]
 
 
-def add_layout_flags(parser: argparse.ArgumentParser, keys=tuple(FLAG_OF), what: str = "") -> None:
+def flag_names(key: str) -> tuple[str, ...]:
+    """The command-line names of a `[parallel]` key's flag; the first is shown."""
+    if _annotation(key) is bool:
+        return ("--no-" + key.replace("_", "-"),)
+    return (*FLAG_ALIASES.get(key, ()), "--" + key.replace("_", "-"))
+
+
+def flag_help(key: str) -> str:
+    about = describe("parallel", ParallelConfig, key)
+    return f"turn off ({about})" if _annotation(key) is bool else about
+
+
+def add_layout_flags(parser: argparse.ArgumentParser, keys=FLAG_KEYS, what: str = "") -> None:
     """Add the flags of these `[parallel]` keys, in a group saying `what` they do (dest: the key; None when not
     given)."""
     parser = parser.add_argument_group("layout", what or None)
     for key in keys:
-        flag, annotation = FLAG_OF[key], _annotation(key)
+        annotation = _annotation(key)
         if annotation is bool:
-            parser.add_argument(*flag.names, dest=key, action="store_false", default=None, help=flag.help)
+            parser.add_argument(*flag_names(key), dest=key, action="store_false", default=None, help=flag_help(key))
             continue
-        choices = get_args(annotation) if get_origin(annotation) is Literal else ()
-        parser.add_argument(*flag.names, dest=key, default=None, type=str if choices else annotation,
-                            metavar=key.split("_")[-1].upper(),
-                            help=flag.help + (f": {' | '.join(choices)}" if choices else ""))
+        literal = get_origin(annotation) is Literal  # (its choices in the help, checked where the setting is)
+        parser.add_argument(*flag_names(key), dest=key, default=None, type=str if literal else annotation,
+                            metavar=key.split("_")[-1].upper(), help=flag_help(key))
 
 
-def layout_flags(args: argparse.Namespace, keys=tuple(FLAG_OF)) -> dict:
+def layout_flags(args: argparse.Namespace, keys=FLAG_KEYS) -> dict:
     """{[parallel] key: value} of the flags given (added by `add_layout_flags`); UserError for a degree < 1."""
     given = {key: getattr(args, key) for key in keys if getattr(args, key, None) is not None}
     for key, value in given.items():
         if _annotation(key) is int and key in LAYOUT_KEYS and value < 1 and not (key == "dp_shard" and value == -1):
             rest = ", or -1 for the rest of the world" if key == "dp_shard" else ""
-            raise UserError(f"{FLAG_OF[key].names[0]} must be >= 1{rest}, got {value}")
+            raise UserError(f"{flag_names(key)[0]} must be >= 1{rest}, got {value}")
     return given
 
 
-def with_layout_flags(parallel, args: argparse.Namespace, keys=tuple(FLAG_OF)):
+def with_layout_flags(parallel, args: argparse.Namespace, keys=FLAG_KEYS):
     """The `[parallel]` section with the flags given written over it."""
     return dataclasses.replace(parallel, **layout_flags(args, keys))

@@ -94,7 +94,7 @@ class Recipe:
 def recipe_settings(recipe=Recipe) -> dict[str, str]:
     """{config key ("section.key"): its command-line flag} of every setting a recipe reads from a run's config: the
     recipe's own keyed fields and the memory tiers' ([memory], MemoryTiers' fields). The layout's `[parallel]` keys
-    have theirs in layout_grammar.FLAGS."""
+    have theirs in layout_grammar (`FLAG_KEYS`)."""
     out = {f.metadata["key"]: f.metadata.get("flag") for f in _keyed_fields(recipe)}
     out.update({f"memory.{f.name}": f.metadata.get("flag") for f in dataclasses.fields(MemoryTiers)})
     return {key: flag or "--" + key.split(".")[1].replace("_", "-") for key, flag in out.items()}

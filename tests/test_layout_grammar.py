@@ -12,7 +12,7 @@ import pytest
 from paratrain.config import Config, ParallelConfig, load_config
 from paratrain.errors import UserError
 from paratrain.layout import CONFIG_KEYS, Layout
-from paratrain.layout_grammar import FLAGS, LAYOUT_KEYS, layout_name, parse_layout_name
+from paratrain.layout_grammar import FLAG_KEYS, LAYOUT_KEYS, NOT_FLAGS, layout_name, parse_layout_name
 from paratrain.modes import (CHECKPOINT_MODES, PRECISIONS, SCHEDULES, checkpointing_label, dtype_name,
                              parse_checkpointing_label, torch_schedule_name)
 from paratrain.commands.plan import context_from_argv
@@ -87,7 +87,7 @@ def test_layout_and_config_map_both_ways_through_one_table():
     assert set(CONFIG_KEYS) == {f.name for f in dataclasses.fields(Layout)}
     assert set(CONFIG_KEYS.values()) <= {f.name for f in dataclasses.fields(ParallelConfig)}
     assert set(LAYOUT_KEYS) == set(CONFIG_KEYS.values())  # a flag for every layout setting (FLAGS)
-    assert {f.key for f in FLAGS} <= {f.name for f in dataclasses.fields(ParallelConfig)}
+    assert set(FLAG_KEYS) | set(NOT_FLAGS) == {f.name for f in dataclasses.fields(ParallelConfig)}  # one each
     hetero = Layout.resolve(8, pp=4, pp_split="3,3,1,1", pp_microbatches=8, pp_schedule="gpipe")
     section = hetero.to_config(ParallelConfig(grad_compression="bf16", pp_stage_gpus="a,a,b,b"))
     assert section.pp_split == "3,3,1,1" and section.grad_compression == "bf16" and section.pp_stage_gpus == "a,a,b,b"

@@ -9,7 +9,7 @@ import sys
 
 from paratrain.models.lora_params import lora_problem
 from paratrain.errors import OneLineArgumentParser, UserError
-from paratrain.layout_grammar import FLAG_OF, add_layout_flags, with_layout_flags
+from paratrain.layout_grammar import FLAG_KEYS, add_layout_flags, with_layout_flags
 from paratrain.modes import OPTIMIZER_IMPLS
 from paratrain.config import Config
 from paratrain.estimate import target_device
@@ -24,7 +24,7 @@ from paratrain.spec import batch_of, model_from
 
 # The layout flags `paratrain estimate` takes (paratrain/layout_grammar.py): every [parallel] setting that changes
 # the memory of a step (not DDP's bucket size: its buckets are as large as the gradients).
-ESTIMATE_FLAG_KEYS = tuple(k for k in FLAG_OF if k != "ddp_bucket_mb")
+ESTIMATE_FLAG_KEYS = tuple(k for k in FLAG_KEYS if k != "ddp_bucket_mb")
 
 EPILOG = """examples:
   paratrain estimate --model llama3-8b --gpu H100 --dp-shard 8 --micro-batch 2 --seq-len 8192 --checkpointing full
