@@ -14,16 +14,19 @@ process or launches `nproc` ranks.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 from paratrain.config import Config
 from paratrain.distributed import failure
 from paratrain.distributed.launch import inside_launcher, launch, start_rank_server
+from paratrain.distributed.orphans import LAUNCHER_ENV
 from paratrain.errors import UserError, environment_error, translated
 from paratrain.faults import ATTEMPT_ENV
 from paratrain.observe.metrics import check_metrics_config
-from paratrain.preflight import check_launch, check_new_run, check_overwrite, start_over, warn_disk
+from paratrain.preflight import check_launch, check_new_run, check_overwrite, check_run_folder, start_over, warn_disk
+from paratrain.runlock import hold_run_folder
 from paratrain.spec import VOCAB_PAD, check, prepare_data, resolve
 from paratrain.training.preemption import watching
 
@@ -101,8 +104,6 @@ def _train_parts(parts, want_final_weights: bool, keep_group: bool):
 
 def relaunched() -> bool:
     """This rank belongs to a restart (paratrain's launcher or torchrun's --max-restarts), not the first launch."""
-    import os
-
     return int(os.environ.get(ATTEMPT_ENV, "0") or 0) > 0 or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
@@ -139,8 +140,6 @@ def run_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool = F
 def exit_now(code: int) -> None:
     """End this process with `code` at once: stdio flushed, no interpreter teardown (seconds with torch loaded on a
     busy machine, while the launcher, its peers and a scheduler wait)."""
-    import os
-
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -174,21 +173,52 @@ def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversub
     model; a disk too small for the checkpoints is a warning."""
     if nproc < 1:
         raise UserError("--nproc must be >= 1")
-    if inside_launcher():
-        return run_rank(cfg, want_final_weights)
+    if inside_launcher():  # torchrun: global rank 0 holds the run folder (runlock.py) for the run's life
+        lock = hold_run_folder(cfg.run_dir) if _holds_the_run() else None
+        if lock is not None:
+            lock.claim()
+        try:
+            return run_rank(cfg, want_final_weights)
+        finally:
+            if lock is not None:
+                lock.release()
     parts = check(cfg, nproc)  # the layout against the world size and the model: needs no torch, so it answers at once
     launching = nproc > 1 or cfg.resilience.max_restarts > 0
     if launching:  # the ranks' forkserver imports torch while this process checks and prepares the data
         start_rank_server(RANK_MODULES)
-    check_launch(parts.folder, cfg.training.device, cfg.metrics, nproc, oversubscribe)
-    # lazy: the checks above answer without torch (the ranks' forkserver imports it meanwhile)
-    from paratrain.training.checkpoint import check_resume, resume_path
+    check_run_folder(parts.folder)  # writable, before the lock is taken there
+    lock = hold_run_folder(parts.folder.path)  # one live writer per run folder, this process for the run's life
+    checked = False
+    try:
+        check_launch(parts.folder, cfg.training.device, cfg.metrics, nproc, oversubscribe)
+        # lazy: the checks above answer without torch (the ranks' forkserver imports it meanwhile)
+        from paratrain.training.checkpoint import check_resume, resume_path
 
-    resume_path(parts.folder)  # a checkpoint.resume that is no checkpoint: one line before anything starts
-    if not launching:
-        return _train_here(parts, want_final_weights)
-    spec = resolve(parts, prepare_data(parts.data))  # everything is checked and the data prepared before any start
-    check_resume(parts.folder, spec.model_args)
+        resume_path(parts.folder)  # a checkpoint.resume that is no checkpoint: one line before anything starts
+        spec = None
+        if launching:
+            spec = resolve(parts, prepare_data(parts.data))  # everything checked, the data prepared before any start
+            check_resume(parts.folder, spec.model_args)
+        checked = True
+    finally:
+        if not checked:  # refused: nothing left behind
+            lock.abandon()
+    lock.claim()
+    try:
+        if not launching:
+            return _train_here(parts, want_final_weights)
+        return _launch(cfg, parts, spec, nproc, want_final_weights)
+    finally:
+        lock.release()
+
+
+def _holds_the_run() -> bool:
+    """Under torchrun (not paratrain's launcher, which holds the lock itself): global rank 0."""
+    return os.environ.get("RANK", "0") == "0" and LAUNCHER_ENV not in os.environ
+
+
+def _launch(cfg, parts, spec, nproc: int, want_final_weights: bool):
+    """The ranks, launched (the checks passed, the data prepared, this process holding the run folder)."""
     warn_disk(parts.folder, spec.model_args, lambda text: print(text, file=sys.stderr, flush=True))
     started = time.time()
     # lazy: the checks before launch answer without torch (the ranks' forkserver imports it meanwhile)

@@ -8,6 +8,7 @@ holds just it and its ranks).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -115,6 +116,59 @@ def test_sigterm_from_outside_saves_and_exits_within_grace(char_data, tmp_path, 
     assert step >= 2 and (tmp_path / "job" / "PREEMPTED").read_text().strip() == str(step)
     assert f"preempted: saved {saved[0]}" in job.text()
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+
+
+def test_sigkill_to_the_launcher_ends_every_rank(char_data, tmp_path):
+    """What a scheduler's hard kill or the OOM killer does: SIGKILL to the launcher of a 2-rank run. Its forkserver,
+    the ranks and the helpers end within a few seconds (the parent-death signal, distributed/orphans.py), and no
+    checkpoint is written after the kill."""
+    job = Job(["--nproc", "2", *train_args(char_data, tmp_path, "job", "training.steps=100000",
+                                           "checkpoint.every=5")])
+    job.wait_for(r"^step +7 ")
+    started = [psutil.Process(job.proc.pid), *psutil.Process(job.proc.pid).children(recursive=True)]
+    assert len(job.ranks()) == 2 and len(started) >= 4  # the launcher, its forkserver, the ranks (and helpers)
+    ckpts = tmp_path / "job" / "checkpoints"
+    os.kill(job.proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    saved = sorted(p.name for p in ckpts.iterdir())
+    job.finish()
+    while time.monotonic() - killed < 10:
+        alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            break
+        time.sleep(0.1)
+    alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p in alive:  # (only what this test started)
+        p.kill()
+    assert not alive, f"still running 10 s after the launcher's SIGKILL: {[p.cmdline()[:4] for p in alive]}"
+    time.sleep(1)
+    assert sorted(p.name for p in ckpts.iterdir()) == saved  # nothing written by ranks without their launcher
+
+
+def test_one_live_writer_per_run_folder(char_data, tmp_path, capsys):
+    """A second train of a live run's name, or a resume of it, exits 2 with one line naming the live run's pid and
+    writes nothing; so does a report into its folder. The run's metrics.jsonl holds one series."""
+    first = Job(["--nproc", "2", *train_args(char_data, tmp_path, "dup", "training.steps=100000",
+                                             f"resilience.preempt_grace_s={GRACE_S}")])
+    first.wait_for(r"^step +3 ")
+    run = tmp_path / "dup"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PARATRAIN_FAULTS", None)
+    for extra in ([], ["--checkpoint.resume=auto"], ["--run.overwrite=true"]):
+        before = {p.name for p in run.iterdir()}
+        done = subprocess.run([sys.executable, "-m", "paratrain", "train",
+                               *train_args(char_data, tmp_path, "dup", "training.steps=10"), *extra],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert done.stderr.count("\n") == 1 and f"in use by a live run (pid {first.proc.pid} on host" in done.stderr
+        assert {p.name for p in run.iterdir()} >= before and (run / "metrics.jsonl").is_file()
+    assert cli.main(["report", str(run)]) == 2
+    assert "in use by a live run" in capsys.readouterr().err and not (run / "report").exists()
+    os.kill(first.proc.pid, signal.SIGTERM)
+    assert first.finish() == 0, first.text()[-3000:]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").open() if '"loss"' in line]
+    assert steps == sorted(set(steps)) and steps[0] == 1  # one series: no second run's steps mixed in
+    assert cli.main(["report", str(run)]) == 0  # the run has ended: its folder is free
 
 
 def test_sigkill_during_save_keeps_the_previous_checkpoint(char_data, tmp_path, capsys):

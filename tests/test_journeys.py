@@ -109,6 +109,7 @@ JOURNEYS = {
         "paratrain plan ... --json",
         "paratrain plan ... --explain fsdp,tp=16",
         "paratrain plan ... --explain ddp,ac=none,mb=2",
+        "paratrain plan ... --gpu-memory 40GiB",
         "paratrain plan --model llama3-8b --gpus 8xH100,8xA100 --seq 4096 --global-batch-tokens 1048576",
         "paratrain plan --model llama3-405b --gpus 8192 --gpu H100 --seq 8192 --global-batch-tokens 16777216",
     ],
@@ -496,6 +497,8 @@ def test_journey_plan(journey):
     assert "tp=16" in out
     out = j.doc("paratrain plan ... --explain ddp,ac=none,mb=2", before=plan_args, after=["--out", "plan-x2"]).stdout
     assert "does not fit" in out
+    out = j.doc("paratrain plan ... --gpu-memory 40GiB", before=plan_args, after=["--out", "plan-40g"]).stdout
+    assert "limit 90% = 36.00 GiB" in out
     j.doc("paratrain plan --model llama3-8b --gpus 8xH100,8xA100 --seq 4096 --global-batch-tokens 1048576",
              after=["--out", "plan-hetero"])
     j.doc("paratrain plan --model llama3-405b --gpus 8192 --gpu H100 --seq 8192 --global-batch-tokens 16777216",

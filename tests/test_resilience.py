@@ -169,6 +169,56 @@ def test_repeated_bad_steps_roll_back_and_skip_batches(char_data, tmp_path, monk
     assert state["skip_batches"] == [5, 6, 7] and state["data_step"] == 15
 
 
+def test_fp16_overflow_is_a_bad_streak_and_never_a_nan_checkpoint(char_data, tmp_path, monkeypatch, capsys):
+    """fp16 is guarded like the other precisions: a weight that overflows makes every later loss non-finite, which the
+    scaler cannot skip its way out of: after max_bad_steps the run rolls back to its checkpoint (the fault fires once,
+    so it then trains on), and the loss scale each step ran at is in metrics.jsonl. Without a checkpoint to go back
+    to: one line, exit 2, and no checkpoint holding the non-finite weights."""
+    from paratrain.errors import UserError
+
+    monkeypatch.setenv("PARATRAIN_FAULTS", "overflow@5")
+    run = run_layout(char_data, tmp_path, "fp16", "single", "training.precision=fp16", "checkpoint.every=4",
+                     "resilience.max_bad_steps=3", "training.steps=12")
+    out = capsys.readouterr().out
+    assert "rolled back to" in out and len(run.losses) == 12 and torch.isfinite(torch.tensor(run.losses)).all()
+    records = [r for r in jsonl(run.run_dir) if "loss" in r]
+    assert all(r["loss_scale"] > 0 for r in records) and run.skipped_steps >= 3
+    assert {p.name for p in complete_checkpoints(run.run_dir / "checkpoints")} >= {"step-12"}
+
+    monkeypatch.setenv("PARATRAIN_FAULTS", "overflow@2")
+    with pytest.raises(UserError, match="3 consecutive non-finite steps and no checkpoint to roll back to"):
+        run_layout(char_data, tmp_path, "fp16-lost", "single", "training.precision=fp16", "training.steps=8",
+                   "resilience.max_bad_steps=3")
+    assert not complete_checkpoints(tmp_path / "fp16-lost" / "checkpoints")
+
+
+def test_a_checkpoint_with_a_nonfinite_value_is_refused(char_data, tmp_path):
+    """The ranks check their weights and optimizer state before a save: a NaN anywhere refuses it in one line and
+    leaves the checkpoints on disk as they were."""
+    from paratrain.errors import UserError
+    from paratrain.training.checkpoint import nonfinite_state
+
+    run = run_layout(char_data, tmp_path, "finite", "single", "training.steps=2")
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    assert nonfinite_state(model, optimizer) is None
+    next(iter(optimizer.state.values()))["exp_avg_sq"][0, 1] = float("inf")
+    assert nonfinite_state(model, optimizer) == "optimizer state exp_avg_sq of parameter 0"
+    with torch.no_grad():
+        model.bias[1] = float("nan")
+    assert nonfinite_state(model, optimizer) == "parameter bias"
+    from paratrain.training.checkpoint import Checkpointer
+
+    saver = Checkpointer.__new__(Checkpointer)  # its save's check runs before anything of it is used
+    saver.model, saver.optimizer, saver.root = model, optimizer, run.run_dir / "checkpoints"
+    before = sorted(p.name for p in saver.root.iterdir())
+    with pytest.raises(UserError, match="checkpoint at step 3 refused: parameter bias holds a NaN or an infinity"):
+        saver.save(3)
+    assert sorted(p.name for p in saver.root.iterdir()) == before
+
+
 @pytest.mark.parametrize("how", ["injected", "budget"])
 def test_out_of_memory_halves_micro_batch_same_losses(char_data, tmp_path, monkeypatch, capsys, straight, how):
     if how == "injected":

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from paratrain.errors import OneLineArgumentParser
 from paratrain.modes import PRECISIONS
+from paratrain.runlock import refuse_if_live
 
 
 def main(argv: list[str]) -> int:
@@ -26,6 +27,8 @@ def main(argv: list[str]) -> int:
     from paratrain.training.export import export_hf, parse_size
     from paratrain.training.peft_export import export_peft
 
+    if a.overwrite:  # replacing a folder inside a live run would pull files from under it
+        refuse_if_live(Path(a.out), "paratrain export --overwrite")
     max_shard = parse_size(a.max_shard_size)
     ckpt = find_checkpoint(a.checkpoint)
     if a.format == "peft":

@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                    "optionally gpus_per_node, intra), in rank order")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu", default="H100", help="GPU name from the table, or a saved calibration profile name")
+    p.add_argument("--gpu-memory", help="memory per GPU, e.g. 40GiB: instead of the --gpu's (a GPU partly used by "
+                   "others, a variant the table lacks)")
     p.add_argument("--compile", action="store_true", default=None,
                    help="plan for training.compile=true (compiled blocks; default: the --model config's setting)")
     p.add_argument("--float8", action="store_true",
@@ -129,6 +131,9 @@ def build_context(args) -> tuple:
     if args.gpus_per_node < 1:
         raise UserError("--gpus-per-node must be >= 1")
     spec = read_cluster(args.cluster) if args.cluster else parse_gpus(args.gpus)
+    if spec is not None and args.gpu_memory:
+        raise UserError("--gpu-memory sets the memory of --gpu's GPUs; a heterogeneous cluster's come from its GPU "
+                        "names or profiles")
     groups = None
     if spec is None:
 
@@ -142,6 +147,8 @@ def build_context(args) -> tuple:
             raise UserError(f"--gpus {world} is not divisible by --gpus-per-node {args.gpus_per_node} "
                             "(whole nodes only)")
         hw = resolve_hardware(args.gpu, args.intra, args.inter, args.profile_dir)
+        if args.gpu_memory:
+            hw = dataclasses.replace(hw, memory_bytes=parse_memory(args.gpu_memory))
         per_node = min(args.gpus_per_node, world)
     else:
         groups = build_groups(spec, args.gpus_per_node, args.intra, args.inter, args.profile_dir)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from paratrain.errors import OneLineArgumentParser
 from paratrain.observe.report import write_report
+from paratrain.runlock import refuse_if_live
 
 
 def main(argv: list[str]) -> int:
@@ -13,7 +16,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default=None,
                         help="output folder (default: RUN_DIR/report for one run, ./report for several)")
     args = parser.parse_args(argv)
-    files = write_report(args.runs, args.out)
+    out = Path(args.out) if args.out else Path(args.runs[0]) / "report" if len(args.runs) == 1 else Path("report")
+    refuse_if_live(out, "paratrain report (give --out a folder outside the run to report on a live run)")
+    files = write_report(args.runs, out)
     for name, path in files.items():
         print(f"wrote {path}")
     return 0

@@ -45,8 +45,6 @@ import zlib
 from torch import nn
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 from paratrain.config import ParallelConfig
 from paratrain.distributed.initialize import canonical_name
@@ -260,6 +258,9 @@ class PowerSGD:
     """torch's powerSGD_hook, with its error feedback and warm-start Q matrices kept per parameter."""
 
     def __init__(self, group, rank: int, warmup_steps: int, seed: int, meter: CommMeter):
+        # lazy: torch's DDP comm hooks (~0.3 s per launch), for compressed runs only
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
         self.ps, self.group, self.meter, self.seed = ps, group, meter, seed
         self.p = dist.get_world_size(group)
         self.state = ps.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
@@ -437,6 +438,9 @@ class GradComm:
         names = {id(q): canonical_name(n) for n, q in ddp.module.named_parameters()}
         meter, sync = self.meter, self.device.type == "cpu"
         if self.compression.casts_to_bf16:
+            # lazy: torch's DDP comm hooks (~0.3 s per launch), for compressed runs only
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
             def hook(state, bucket):
                 n = bucket.buffer().numel()
                 meter.add(all_reduce_wire(2 * n, p), all_reduce_wire(4 * n, p))

@@ -13,6 +13,7 @@ import time
 import uuid
 
 from paratrain.distributed.failure import EXIT_COLLECTIVE_TIMEOUT, EXIT_USER_ERROR
+from paratrain.distributed.orphans import LAUNCHER_ENV, SERVER_ENV, die_with_parent
 from paratrain.errors import UserError
 
 
@@ -36,6 +37,8 @@ def _rank_main(environ: dict, entrypoint, *args):
     """A rank's entry point: the launcher's environment at this launch (a forkserver's child starts with the one the
     forkserver started with; multiprocessing restores the folder and sys.path itself), with elastic's per-rank
     variables on top; then `entrypoint(*args)`."""
+    # a rank never outlives the forkserver, nor it the launcher (distributed/orphans.py)
+    die_with_parent(int(os.environ.get(SERVER_ENV, "0")) or None)
     for stop in (signal.SIGTERM, signal.SIGHUP):  # the forkserver ignores them (rank_server.py); a rank must not
         signal.signal(stop, signal.SIG_DFL)
     elastic = {k: v for k, v in os.environ.items() if k in ELASTIC_VARS or k.startswith("TORCHELASTIC_")}
@@ -52,6 +55,7 @@ def start_rank_server(preload: tuple[str, ...] = ()) -> None:
     from multiprocessing import forkserver
 
     multiprocessing.set_forkserver_preload([*PRELOAD, *preload])
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the server dies with this process (rank_server.py)
     forkserver.ensure_running()
 
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from torch import nn
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, schedules as S
 
 from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.tensors import full_tensor, right_pad
@@ -262,8 +261,11 @@ def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str
                                  lora=lora, memory=memory)
     rank_model = next(iter(modules.values())) if len(modules) == 1 else StageGroup(modules)
 
+    # lazy: ~1 s of imports (torch.distributed.pipelining) that every rank's forkserver would pay, pipeline or not
+    from torch.distributed.pipelining import PipelineStage, schedules
+
     stages = [PipelineStage(modules[s], s, layout.num_stages, device, group=group) for s in sorted(modules)]
-    cls = getattr(S, torch_schedule_name(layout.pp_schedule))
+    cls = getattr(schedules, torch_schedule_name(layout.pp_schedule))
     # Each microbatch's loss is a mean; scale_grads divides the summed gradients by the microbatch count, so
     # the gradient is the mean over this rank's batch (FSDP then averages over data-parallel ranks).
     schedule = cls(stages if multi_stage(layout.pp_schedule) else stages[0],

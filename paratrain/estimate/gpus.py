@@ -62,15 +62,16 @@ def _key(name: str) -> str:
 _BY_KEY = {_key(k): k for k in GPUS} | {_key(a): t for a, t in ALIASES.items()}
 
 
-def gpu_memory(name: str) -> tuple[str, int]:
-    """(canonical name, bytes) for a GPU name; a UserError naming the closest known one otherwise."""
+def gpu_memory(name: str, otherwise: str = "or give --gpu-memory SIZE (e.g. 24GiB)") -> tuple[str, int]:
+    """(canonical name, bytes) for a GPU name; a UserError naming the closest known one otherwise, ending with what
+    else the command takes (`otherwise`)."""
     key = _key(name)
     if key in _BY_KEY:
         canonical = _BY_KEY[key]
         return canonical, GPUS[canonical][0]
     close = difflib.get_close_matches(key, list(_BY_KEY), n=1, cutoff=0.5)
     hint = f" (did you mean '{_BY_KEY[close[0]]}'?)" if close else ""
-    raise UserError(f"unknown GPU '{name}'{hint}; known: {', '.join(GPUS)}; or give --gpu-memory SIZE (e.g. 24GiB)")
+    raise UserError(f"unknown GPU '{name}'{hint}; known: {', '.join(GPUS)}; {otherwise}")
 
 
 def gpu_from_device_name(device_name: str, total_bytes: int | None = None) -> str | None:

@@ -158,7 +158,9 @@ def default_profile_dir() -> Path:
 def gpu_profile(name: str, intra: str | None = None, inter: str | None = None) -> Hardware:
     """A datasheet profile for a named GPU; UserError for an unknown one (naming the closest)."""
 
-    canonical, memory = gpu_memory(name)
+    # (the planner needs a device's speed as well as its memory: a size alone cannot stand in for a name)
+    canonical, memory = gpu_memory(name, "or a profile measured on the machine (`paratrain plan --calibrate --name "
+                                         "NAME`, then --gpu NAME)")
     peak = gpu_peak_flops(GPUS[canonical][1])
     if peak is None or canonical not in GPU_EXTRA:
         raise UserError(f"GPU '{canonical}' has no peak FLOPs/bandwidth in the planner's table; calibrate it with "

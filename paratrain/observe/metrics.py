@@ -8,9 +8,9 @@ The trainer builds one `record` dict per step and hands it to `MetricsLog.log`. 
 - a `TensorBoardSink` (metrics.tensorboard) writes scalars under `runs/<name>/tensorboard` (rank 0).
 
 Record keys (all optional but `step`): loss, val_loss, lr, grad_norm, tokens_per_s, tokens_per_s_per_device, mfu,
-step_time_s and its split data_time_s / compute_time_s / comm_time_s, skipped_steps, restarts, tokens, rank_memory
-(list of per-rank dicts, log steps only), checkpoint_save_s and checkpoint_step (duration and step of the save made
-since the previous record), on the first record of each process layout, world_size, model and params, and with a
+step_time_s and its split data_time_s / compute_time_s / comm_time_s, skipped_steps, loss_scale (fp16), restarts,
+tokens, rank_memory (list of per-rank dicts, log steps only), checkpoint_save_s and checkpoint_step (duration and
+step of the save made since the previous record), on the first record of each process layout, world_size, model and params, and with a
 mixture-of-experts model moe_aux_loss, moe_imbalance, moe_dropped_tokens, moe_tokens_per_expert (one list
 per MoE layer; from MoEMeter in distributed/expert_parallel.py), with metrics.numerics_every numerics (per row:
 act_max/_rms, attn_logit_max, mlp_max/_rms, grad_max/_rms, weight_max/_rms, headroom_bits per format) and
@@ -155,6 +155,8 @@ PROM_SCALARS = {
     "tokens_per_s_per_device": ("paratrain_tokens_per_second_per_device", "Training throughput per device."),
     "mfu": ("paratrain_mfu_ratio", "Model FLOPs utilisation (0..1) against the device peak."),
     "skipped_steps": ("paratrain_skipped_steps", "Optimizer steps skipped for non-finite gradients."),
+    "loss_scale": ("paratrain_loss_scale", "fp16: the loss scale the last step ran at (the scaler halves it on an "
+                   "overflow)."),
     "restarts": ("paratrain_restarts", "Times this run was relaunched after a failure."),
     "checkpoint_save_s": ("paratrain_checkpoint_save_seconds", "Duration of the last checkpoint save."),
     "moe_aux_loss": ("paratrain_moe_aux_loss", "MoE load-balancing loss, unscaled (1.0 = balanced)."),
@@ -336,7 +338,7 @@ TB_TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad
            "tokens_per_s": "throughput/tokens_per_s", "tokens_per_s_per_device": "throughput/tokens_per_s_per_device",
            "mfu": "throughput/mfu", "step_time_s": "time/step_s", "compute_time_s": "time/compute_s",
            "data_time_s": "time/data_wait_s", "comm_time_s": "time/comm_wait_s", "skipped_steps": "train/skipped_steps",
-           "restarts": "train/restarts", "checkpoint_save_s": "time/checkpoint_save_s", "moe_aux_loss": "moe/aux_loss",
+           "loss_scale": "train/loss_scale", "restarts": "train/restarts", "checkpoint_save_s": "time/checkpoint_save_s", "moe_aux_loss": "moe/aux_loss",
            "moe_imbalance": "moe/imbalance", "moe_dropped_tokens": "moe/dropped_tokens",
            "numerics_act_max": "numerics/act_max", "numerics_grad_max": "numerics/grad_max",
            "numerics_headroom_bits": "numerics/min_headroom_bits"}

@@ -221,6 +221,7 @@ def summarize(run: Run) -> dict:
         "mfu": _median(r.get("mfu") for r in timed),
         "step_time": split,
         "skipped_steps": last.get("skipped_steps", 0), "restarts": max(r.get("restarts", 0) for r in steps),
+        "final_loss_scale": last.get("loss_scale"),  # fp16
         "checkpoint_saves": len(saves), "checkpoint_save_s_mean": _mean(saves),
         "checkpoint_save_s_max": max(saves) if saves else None,
         "memory": [memory[k] for k in sorted(memory)],
@@ -454,6 +455,12 @@ def plot_scaling(points: list[dict]):
 
 # -- markdown ---------------------------------------------------------------------------------------
 
+def _scale(summary: dict) -> str:
+    """fp16: the loss scale at the end, beside the skipped steps (the scaler skips a step it halves its scale for)."""
+    scale = summary.get("final_loss_scale")
+    return f" (loss scale {scale:g})" if scale else ""
+
+
 def _f(v, fmt: str = "{:.4f}", none: str = "-") -> str:
     return fmt.format(v) if _finite(v) else none
 
@@ -470,7 +477,7 @@ def render_markdown(summaries: list[dict], points: list[dict], plots: list[str],
                      f"{s['steps']} | {_f(s['tokens'], '{:,}')} | "
                      f"{_f(s['final_loss'])} | {best} | {_f(s['final_val_loss'])} | {_f(s['tokens_per_s'], '{:,.0f}')} | "
                      f"{_f(s['tokens_per_s_per_device'], '{:,.0f}')} | {_f(s['mfu'], '{:.2%}')} | "
-                     f"{s['skipped_steps']} | {s['restarts']} |")
+                     f"{s['skipped_steps']}{_scale(s)} | {s['restarts']} |")
     unfinished = [s for s in summaries if s["status"] != "finished"]
     lines += [""] + [f"Note: {s['name']} is {s['status']}: its numbers are those of the steps it logged."
                      for s in unfinished] + [""] * bool(unfinished)

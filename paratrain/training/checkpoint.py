@@ -46,7 +46,7 @@ from paratrain.models.args import DEFAULT_FAMILY, fields_problem, is_int
 from paratrain.models.lora_params import record_problem
 from paratrain.optimizers import OPTIMIZERS, OptimizerEntry, optimizer_entry
 from paratrain.training import integrity, safe_dcp
-from paratrain.training.optim import is_zero1
+from paratrain.training.optim import inner_optimizer, is_zero1
 
 MARKER = "COMPLETE"
 # DCP warns when used without a process group; one process is a supported layout here, not a mistake.
@@ -615,6 +615,29 @@ class Progress:
             self.micro_batch, self.accum_steps = int(state["micro_batch"]), int(state["accum_steps"])
 
 
+def nonfinite_state(model: nn.Module, optimizer) -> str | None:
+    """The first of this run's parameters or optimizer-state tensors that holds a NaN or an infinity on some rank (its
+    name and the rank), the same answer on every rank; None when every one is finite. Each rank checks its own shards
+    with one device-to-host read; one all-gather of the answers."""
+    named = [(f"parameter {name}", p.detach()) for name, p in model.named_parameters()]
+    for i, state in enumerate(inner_optimizer(optimizer).state.values()):
+        named += [(f"optimizer state {key} of parameter {i}", t) for key, t in state.items()
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    locals_ = [(name, t.to_local() if isinstance(t, DTensor) else t) for name, t in named]
+    # (a quantized state is a tensor subclass: its dequantized values are checked where it can give them)
+    checked = [(name, t) for name, t in locals_ if type(t) in (torch.Tensor, nn.Parameter) and t.numel()]
+    mine = None
+    if checked:
+        device = checked[0][1].device
+        finite = torch.stack([torch.isfinite(t).all().to(device) for _, t in checked]).tolist()
+        mine = next((name for (name, _), ok in zip(checked, finite) if not ok), None)
+    if not dist.is_initialized():
+        return mine
+    answers = [None] * dist.get_world_size()
+    dist.all_gather_object(answers, mine)
+    return next((f"{name} (rank {rank})" for rank, name in enumerate(answers) if name is not None), None)
+
+
 class Checkpointer:
     """Saves, resumes and rolls back one run's training state (model, optimizer, progress, RNG, config)."""
 
@@ -636,6 +659,10 @@ class Checkpointer:
         return bool(every) and step % every == 0 and step < self.spec.cfg.training.steps
 
     def save(self, next_step: int) -> Path:
+        bad = nonfinite_state(self.model, self.optimizer)
+        if bad is not None:  # a checkpoint is what a run goes back to: never one that cannot train
+            raise UserError(f"checkpoint at step {next_step} refused: {bad} holds a NaN or an infinity; the "
+                            f"checkpoints in {self.root} are kept as they were")
         start = time.perf_counter()
         extra = self.comm.state_dict() if self.comm is not None else None
         path = self.writer.save(next_step, self.model, self.optimizer, self._state(next_step), extra)
@@ -754,7 +781,9 @@ class Checkpointer:
         if path is None:
             return None
         self.progress.skip_batches |= set(bad_batches)
+        skipped = self.progress.skipped
         step = self.restore(path)  # adds the checkpoint's own skip list to ours
+        self.progress.skipped = max(skipped, self.progress.skipped)  # the steps skipped stay counted: never backwards
         self.notice(f"rolled back to {path} (step {step}); skipping batches {sorted(bad_batches)}")
         return step
 

@@ -210,12 +210,13 @@ class Trainer:
         None."""
         pending, self.pending, self.logged = self.pending, [], []
         for entry, values in zip(pending, self.recorder.read(pending)):
-            ok = values.finite or self.train_step.scaler is not None  # fp16: the scaler skips and adapts its scale
-            finding = None if ok and math.isfinite(values.loss) else self._diagnose(entry)
+            loss_finite = math.isfinite(values.loss)
+            # (fp16: a finite loss with overflowing gradients is the scaler's to skip: no forward to replay)
+            by_scaler = values.loss_scale is not None and loss_finite
+            finding = None if values.finite or by_scaler else self._diagnose(entry)
             detail = finding.text() if finding else ""
-            if finding and ok:  # fp16: an overflowing forward (the scaler skips its update too)
-                self.notice(f"step {entry.step + 1}: non-finite loss; {detail}")
-            bad = self.guard.after_update(entry.step, ok, entry.data_step, detail)
+            bad = self.guard.after_update(entry.step, values.finite, entry.data_step, detail, values.loss_scale,
+                                          loss_finite)
             if bad is not None:
                 self._log_settled()
                 back = self.checkpointer.rollback(bad)  # also the learning rate (the scheduler's saved state)

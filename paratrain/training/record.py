@@ -45,6 +45,7 @@ class StepValues:
     loss: float
     grad_norm: float
     finite: bool
+    loss_scale: float | None = None  # fp16: the scale the step ran at
 
 
 @dataclass
@@ -61,6 +62,7 @@ class PendingRecord:
     phases: tuple  # PhaseTimer.take()
     host: dict  # the record's other host-side numbers (data progress, communication, pipeline, saves)
     later: list  # callables reading more of the record's numbers from the device (the MoE statistics)
+    loss_scale: torch.Tensor | None = None  # fp16: the scaler's scale the step ran at (a device scalar)
     show: bool = False
     profile_index: int | None = None  # metrics.profile_steps: the step's index in the profiler (StepProfiler.count)
 
@@ -116,6 +118,7 @@ class StepRecorder:
         host.update(saved)
         return PendingRecord(step, data_step, lr, progress.micro_batch, loss.detach(), grad_norm.detach(), finite,
                              begin, end, self.timer.take(), host, [f for f in later if f is not None],
+                             loss_scale=self.train_step.step_scale,
                              profile_index=self.profiler.count if self.profiler is not None else None)
 
     @staticmethod
@@ -125,9 +128,13 @@ class StepRecorder:
         if not pending:
             return []
         device = pending[0].loss.device
+        nan = torch.full((), float("nan"), device=device)
         rows = torch.stack([torch.stack([p.loss.float().reshape(()), p.grad_norm.float().reshape(()).to(device),
-                                         p.finite.float().reshape(())]) for p in pending]).tolist()
-        return [StepValues(loss, norm, flag > 0) for loss, norm, flag in rows]
+                                         p.finite.float().reshape(()),
+                                         nan if p.loss_scale is None else p.loss_scale.float().reshape(()).to(device)])
+                            for p in pending]).tolist()
+        return [StepValues(loss, norm, flag > 0, None if p.loss_scale is None else scale)
+                for (loss, norm, flag, scale), p in zip(rows, pending)]
 
     def finish(self, p: PendingRecord, values: StepValues, skipped: int) -> dict:
         """The step's complete record; `skipped` the run's skipped updates after this step."""
@@ -140,7 +147,7 @@ class StepRecorder:
                   "mfu": self.flops_per_token * tok_s / (self.peak * world) if self.peak else None,
                   "step_time_s": seconds, "skipped_steps": skipped, "tokens": (p.step + 1) * self.spec.tokens_per_step,
                   "micro_batch": p.micro_batch, "restarts": self.restarts, **self.timer.split(seconds, p.phases),
-                  **p.host}
+                  **({"loss_scale": values.loss_scale} if values.loss_scale is not None else {}), **p.host}
         for read in p.later:
             record.update(read())
         if self.first:  # the first record of each process says what runs (for `paratrain report`)

@@ -15,6 +15,9 @@ from paratrain.training.preemption import PreemptionWatch, watching
 
 PREEMPTED_MARKER = "PREEMPTED"
 MAX_FRUITLESS_ROLLBACKS = 2  # rollbacks in a row after which not one step was finite: the weights are the problem
+# fp16's scaler skips a step whose gradients overflow and halves its scale: 16 skips in a row take its initial scale
+# (2^16) to 1, past which skipping cannot help. Such skips count toward a bad streak, with this many allowed.
+SCALER_SKIPS = 16
 
 
 class OutOfMemory(UserError):
@@ -86,6 +89,7 @@ class ResilienceGuard:
         self.preemption: PreemptionWatch | None = None
         self._watching = None
         self.bad_streak: list[int] = []  # data batches of the current run of consecutive non-finite steps
+        self.scaler_skips = 0  # of them, fp16 steps whose loss was finite and only the gradients overflowed
         self.fruitless_rollbacks = 0  # rollbacks since the last finite step
 
     def __enter__(self):
@@ -141,20 +145,26 @@ class ResilienceGuard:
         self.notice(f"out of memory ({type(error).__name__}): micro-batch {old[0]} x accumulation {old[1]} "
                     f"-> {p.micro_batch} x {p.accum_steps} (global batch unchanged){seen}")
 
-    def after_update(self, step: int, finite: bool, data_step: int, detail: str = "") -> list[int] | None:
+    def after_update(self, step: int, finite: bool, data_step: int, detail: str = "",
+                     loss_scale: float | None = None, loss_finite: bool = True) -> list[int] | None:
         """Count a non-finite step (its update was skipped on every rank: loss and norm are global); `detail` ends its
         notice (what the numerics watch found). Returns the bad batches to roll back past once `max_bad_steps` came in
-        a row, else None."""
+        a row, else None. fp16 (`loss_scale`: the scale the step ran at): a step whose loss is finite and whose
+        gradients overflowed is the scaler's to skip, and such skips end a streak only at SCALER_SKIPS in a row."""
         if finite:
-            self.bad_streak, self.fruitless_rollbacks = [], 0
+            self.bad_streak, self.fruitless_rollbacks, self.scaler_skips = [], 0, 0
             return None
         self.progress.skipped += 1
         self.bad_streak.append(data_step)
-        self.notice(f"step {step + 1}: non-finite loss or gradient norm, update skipped "
-                    f"({self.progress.skipped} skipped so far)" + (f"; {detail}" if detail else ""))
-        if len(self.bad_streak) < self.cfg.max_bad_steps:
+        by_scaler = loss_scale is not None and loss_finite
+        self.scaler_skips += by_scaler
+        what = (f"fp16 gradients overflowed at loss scale {loss_scale:g}, the scaler skipped the update" if by_scaler
+                else "non-finite loss or gradient norm, update skipped")
+        self.notice(f"step {step + 1}: {what} ({self.progress.skipped} skipped so far)"
+                    + (f"; {detail}" if detail else ""))
+        if len(self.bad_streak) - self.scaler_skips < self.cfg.max_bad_steps and self.scaler_skips < SCALER_SKIPS:
             return None
-        bad, self.bad_streak = self.bad_streak, []
+        bad, self.bad_streak, self.scaler_skips = self.bad_streak, [], 0
         self.fruitless_rollbacks += 1
         if self.fruitless_rollbacks > MAX_FRUITLESS_ROLLBACKS:
             # Every batch after the checkpoint fails: its weights overflow, skipping more data cannot help.

@@ -113,6 +113,7 @@ class TrainStep:
         self.model, self.optimizer, self.layout, self.device = model, optimizer, layout, device
         self.context = context  # context parallelism: this rank's chunks of each sequence
         self.precision, self.grad_clip, self.scaler = precision, grad_clip, scaler
+        self.step_scale: torch.Tensor | None = None  # fp16: the loss scale the last step ran at (a device scalar)
         self.pipeline, self.pp_group, self.loss_group, self.comm = pipeline, pp_group, loss_group, comm
         self.memory_budget, self.probe = memory_budget, probe or StepProbe()
         check_loss_chunks(loss_chunks, layout)
@@ -221,6 +222,11 @@ class TrainStep:
         """The step's loss: this rank's mean averaged over the data-parallel x context-parallel ranks (on the device)."""
         return dp_mean(loss, self.loss_group)
 
+    def scaler_scale(self) -> torch.Tensor | None:
+        """fp16: the scaler's loss scale, a copy on the device (GradScaler.get_scale() would wait for the device; the
+        scale is its `_scale` tensor, updated in place). None without a scaler."""
+        return self.scaler._scale.detach().clone() if self.scaler is not None else None
+
     @staticmethod
     def finite(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """A device bool: the (global) loss and gradient norm are finite, the same on every rank."""
@@ -230,6 +236,7 @@ class TrainStep:
         """Apply the gradients; a non-finite step (`finite` a device bool tensor that is False) is skipped. The fp16
         scaler decides that itself; fused AdamW skips on the device."""
         if self.scaler:
+            self.step_scale = self.scaler_scale()  # the scale this step ran at, before update() changes it
             self.scaler.step(self.optimizer)
             self.scaler.update()
         elif finite is True:
