@@ -25,8 +25,8 @@ from paratrain.distributed.orphans import LAUNCHER_ENV
 from paratrain.errors import UserError, environment_error, translated
 from paratrain.faults import ATTEMPT_ENV
 from paratrain.observe.metrics import check_metrics_config
-from paratrain.preflight import check_launch, check_new_run, check_overwrite, check_run_folder, start_over, warn_disk
-from paratrain.runlock import hold_run_folder
+from paratrain.preflight import check_launch, check_new_run, check_overwrite, start_over, warn_disk
+from paratrain.runlock import hold_run_folder, refuse_if_live
 from paratrain.spec import VOCAB_PAD, check, prepare_data, resolve
 from paratrain.training.preemption import watching
 
@@ -175,8 +175,6 @@ def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversub
         raise UserError("--nproc must be >= 1")
     if inside_launcher():  # torchrun: global rank 0 holds the run folder (runlock.py) for the run's life
         lock = hold_run_folder(cfg.run_dir) if _holds_the_run() else None
-        if lock is not None:
-            lock.claim()
         try:
             return run_rank(cfg, want_final_weights)
         finally:
@@ -186,24 +184,20 @@ def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversub
     launching = nproc > 1 or cfg.resilience.max_restarts > 0
     if launching:  # the ranks' forkserver imports torch while this process checks and prepares the data
         start_rank_server(RANK_MODULES)
-    check_run_folder(parts.folder)  # writable, before the lock is taken there
-    lock = hold_run_folder(parts.folder.path)  # one live writer per run folder, this process for the run's life
-    checked = False
-    try:
-        check_launch(parts.folder, cfg.training.device, cfg.metrics, nproc, oversubscribe)
-        # lazy: the checks above answer without torch (the ranks' forkserver imports it meanwhile)
-        from paratrain.training.checkpoint import check_resume, resume_path
+    # a live run in this folder: one line naming it before any other check (runlock.py)
+    refuse_if_live(parts.folder.path, "this train")
+    check_launch(parts.folder, cfg.training.device, cfg.metrics, nproc, oversubscribe)
+    # lazy: the checks above answer without torch (the ranks' forkserver imports it meanwhile)
+    from paratrain.training.checkpoint import check_resume, resume_path
 
-        resume_path(parts.folder)  # a checkpoint.resume that is no checkpoint: one line before anything starts
-        spec = None
-        if launching:
-            spec = resolve(parts, prepare_data(parts.data))  # everything checked, the data prepared before any start
-            check_resume(parts.folder, spec.model_args)
-        checked = True
-    finally:
-        if not checked:  # refused: nothing left behind
-            lock.abandon()
-    lock.claim()
+    resume_path(parts.folder)  # a checkpoint.resume that is no checkpoint: one line before anything starts
+    spec = None
+    if launching:
+        spec = resolve(parts, prepare_data(parts.data))  # everything is checked and the data prepared before any start
+        check_resume(parts.folder, spec.model_args)
+    # Every check passed: this process holds the run folder for the run's life (a launch that started at the same
+    # moment gets the one line here).
+    lock = hold_run_folder(parts.folder.path)
     try:
         if not launching:
             return _train_here(parts, want_final_weights)

@@ -18,7 +18,6 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.runlock import LOCK_NAME
 from paratrain.errors import ConfigError, UserError
 from paratrain.files import holds
 from paratrain.models.presets import count_params
@@ -135,7 +134,7 @@ def existing_run_files(folder: RunFolder) -> list[str]:
     """What an earlier run left in this run's folder (empty: a new folder)."""
     if not folder.path.is_dir():
         return []
-    return sorted(p.name for p in folder.path.iterdir() if p.name != LOCK_NAME)  # (the live run's lock: runlock.py)
+    return sorted(p.name for p in folder.path.iterdir())
 
 
 def check_new_run(folder: RunFolder) -> None:
@@ -163,7 +162,7 @@ def check_overwrite(folder: RunFolder) -> None:
 def start_over(folder: RunFolder) -> None:
     """run.overwrite=true on a first launch: delete what an earlier run left in the run folder."""
     if folder.starts_over and existing_run_files(folder):
-        for name in existing_run_files(folder):  # all but the lock this run holds
+        for name in existing_run_files(folder):  # (the folder itself stays: this run holds its lock, runlock.py)
             path = folder.path / name
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 

@@ -1,10 +1,10 @@
 """One live writer per run folder.
 
-A run holds an exclusive OS lock (`flock`) on RUN_DIR/.lock for its life: the launcher of `paratrain train --nproc
-N` (its ranks die with it: distributed/orphans.py), the process itself without one, global rank 0 under torchrun.
-The kernel drops the lock when the holder ends, however it ends, so a killed run never leaves it held. A second
-train or resume of the same folder, or a command that would write over it (`export --overwrite` into it, `report`
-into it), gets one line naming the live run's pid and host, and writes nothing. Torch-free.
+A run holds an exclusive OS lock (`flock`) on its run folder itself for its life: the launcher of `paratrain train
+--nproc N` (its ranks die with it: distributed/orphans.py), the process itself without one, global rank 0 under
+torchrun. The kernel drops the lock when the holder ends, however it ends, so a killed run never leaves it held, and
+no lock file is ever written. A second train or resume of the same folder, or a command that would write into it
+(`export --overwrite`, `report`), gets one line naming the live run's pid and host, and writes nothing. Torch-free.
 """
 
 from __future__ import annotations
@@ -12,12 +12,9 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
-import time
 from pathlib import Path
 
 from paratrain.errors import UserError
-
-LOCK_NAME = ".lock"  # in the run folder; never counted as an earlier run's file, never deleted by run.overwrite
 
 
 class RunLock:
@@ -26,67 +23,69 @@ class RunLock:
     def __init__(self, folder: Path, fd: int, created: bool):
         self.folder, self.fd, self.created = folder, fd, created
 
-    def claim(self) -> None:
-        """Write this process into the lock file (what a refused second run names): once the run's checks have
-        passed, so that a refused launch changes nothing in an existing folder."""
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()} {socket.gethostname()} {time.time():.0f}\n".encode(), 0)
-
     def release(self) -> None:
+        """Drop the lock; a folder that taking it made and that is still empty (the run was refused before it wrote
+        anything) goes too."""
         if self.fd is not None:
-            os.close(self.fd)  # (closing drops the lock; the file stays for the next run)
+            os.close(self.fd)  # (closing drops the lock)
             self.fd = None
-
-    def abandon(self) -> None:
-        """A launch refused after the lock was taken: release it, and remove the folder if taking it made the folder
-        and nothing else was written there (a refused launch leaves nothing behind)."""
-        self.release()
-        if self.created and [p.name for p in self.folder.iterdir()] == [LOCK_NAME]:
-            (self.folder / LOCK_NAME).unlink()
-            self.folder.rmdir()
+            if self.created and self.folder.is_dir() and not any(self.folder.iterdir()):
+                self.folder.rmdir()
 
 
 def holder(folder: Path) -> str:
-    """Who holds a run folder's lock, as its lock file says: 'pid P on host H since T'."""
+    """Who holds a folder's lock: 'pid P on host H' (the kernel's table of locks, /proc/locks; the lock is local to
+    this host)."""
+    pid = None
     try:
-        pid, host, since = (folder / LOCK_NAME).read_text().split()[:3]
-        return f"pid {pid} on host {host} since {time.strftime('%H:%M:%S', time.localtime(float(since)))}"
+        inode = os.stat(folder).st_ino
+        with open("/proc/locks") as table:  # e.g. "1: FLOCK  ADVISORY  WRITE 2915 fd:00:1836033 0 EOF"
+            for line in table:
+                fields = line.split()
+                if "->" not in fields and len(fields) > 5 and fields[1] == "FLOCK" \
+                        and fields[5].rsplit(":", 1)[-1] == str(inode):
+                    pid = int(fields[4])
+                    break
     except (OSError, ValueError):
-        return "another process"
+        pass
+    return f"pid {pid} on host {socket.gethostname()}" if pid else f"another process on host {socket.gethostname()}"
 
 
-def hold_run_folder(folder: Path, what: str = "train") -> RunLock:
-    """Take the run folder's lock for this process's life (the folder is made if it is new; `claim` it once the
-    run's checks pass); UserError naming the live run when another process holds it (nothing written then)."""
+def hold_run_folder(folder: Path, what: str = "this train") -> RunLock:
+    """Take the run folder's lock for this process's life (making the folder if it is new); UserError naming the
+    live run when another process holds it. Taken once a run's checks have passed, so a refused launch writes
+    nothing (`refuse_if_live` names a live run before them)."""
     folder = Path(folder)
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise UserError(f"{folder} is in use by a live run ({holder(folder)}): {what} would write into it; wait for "
-                        "it to end, stop it, or choose another --run.name") from None
-    lock = RunLock(folder, fd, created)
-    if created:
-        lock.claim()
-    return lock
+        raise UserError(_in_use(folder, what)) from None
+    return RunLock(folder, fd, created)
+
+
+def _in_use(folder: Path, what: str) -> str:
+    return (f"{folder} is in use by a live run ({holder(folder)}): {what} would write into it; wait for it to end, "
+            "stop it, or choose another --run.name")
 
 
 def refuse_if_live(folder: Path, what: str) -> None:
-    """UserError when a live run holds `folder` (a run folder, or any folder inside one): `what` would write there."""
+    """UserError when a live run holds `folder` or a folder it is in (a run folder, or any folder inside one): `what`
+    would write there. Only looks (a shared lock, at once released): writes nothing."""
     folder = Path(folder).resolve()
     for candidate in (folder, *folder.parents):
-        lock = candidate / LOCK_NAME
-        if not lock.is_file():
+        if not candidate.is_dir():
             continue
-        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fd = os.open(candidate, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            continue  # a folder this user cannot open holds no run of theirs
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise UserError(f"{candidate} is in use by a live run ({holder(candidate)}): {what} would write into "
-                            "it; wait for the run to end or write elsewhere") from None
+            raise UserError(_in_use(candidate, what)) from None
         finally:
             os.close(fd)
-        return
