@@ -20,8 +20,8 @@ from paratrain.errors import UserError
 class RunLock:
     """The lock of one run folder, held until `release()` or this process ends."""
 
-    def __init__(self, folder: Path, fd: int, created: bool):
-        self.folder, self.fd, self.created = folder, fd, created
+    def __init__(self, folder: Path, fd: int, created: list[Path]):
+        self.folder, self.fd, self.created = folder, fd, created  # created: the folders taking it made, innermost first
 
     def release(self) -> None:
         """Drop the lock; a folder that taking it made and that is still empty (the run was refused before it wrote
@@ -29,8 +29,10 @@ class RunLock:
         if self.fd is not None:
             os.close(self.fd)  # (closing drops the lock)
             self.fd = None
-            if self.created and self.folder.is_dir() and not any(self.folder.iterdir()):
-                self.folder.rmdir()
+            for made in self.created:
+                if not made.is_dir() or any(made.iterdir()):
+                    break
+                made.rmdir()
 
 
 def holder(folder: Path) -> str:
@@ -56,7 +58,7 @@ def hold_run_folder(folder: Path, what: str = "this train") -> RunLock:
     live run when another process holds it. Taken once a run's checks have passed, so a refused launch writes
     nothing (`refuse_if_live` names a live run before them)."""
     folder = Path(folder)
-    created = not folder.exists()
+    created = [f for f in (folder, *folder.parents) if not f.exists()]
     folder.mkdir(parents=True, exist_ok=True)
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -36,6 +36,15 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore:torch.distributed is disabled:UserWarning")
 
 
+# Files whose tests take minutes (the journeys: documented commands as subprocesses), collected first: two pytest
+# workers then start on them and end together, instead of one worker running a long journey alone at the end.
+LONG_FIRST = ("tests/test_journeys.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.startswith(LONG_FIRST))  # (stable: the rest keeps its order)
+
+
 @pytest.fixture(scope="session")
 def char_data(tmp_path_factory):
     """The bundled corpus prepared once with the char tokenizer (read-only for the tests)."""
