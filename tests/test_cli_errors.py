@@ -112,6 +112,11 @@ def test_train_bad_layout_fails_before_launch(char_data, tmp_path, capsys, monke
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_misspelt_flag_names_the_one_meant(capsys):
+    assert run_cli(capsys, ["train", "--nprocs", "2"]) == "error: unexpected argument '--nprocs' (did you mean --nproc?)"
+    assert "config overrides look like --section.key=value" in run_cli(capsys, ["train", "--steps=4"])
+
+
 @pytest.mark.parametrize("extra", [["--model.preset=llama9"], ["--training.seq_len=100000"],
                                    ["--nproc", "3", "--parallel.tp=2"]])
 def test_train_config_error_writes_no_data(tmp_path, capsys, extra):

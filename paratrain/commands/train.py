@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+
 from paratrain.config import config_keys_help, load_config
 from paratrain.errors import UserError
 
@@ -45,7 +47,9 @@ def split_overrides(argv: list[str], flags_with_value: set[str]) -> tuple[dict, 
                 value, i = argv[i + 1], i + 1
             overrides.append(f"{name[2:]}={value}")
         else:
-            raise UserError(f"unexpected argument '{arg}' (config overrides look like --section.key=value)")
+            close = difflib.get_close_matches(name, sorted(flags_with_value), n=1, cutoff=0.75)
+            hint = f"did you mean {close[0]}?" if close else "config overrides look like --section.key=value"
+            raise UserError(f"unexpected argument '{arg}' ({hint})")
         i += 1
     return own, overrides
 
