@@ -35,6 +35,9 @@ def find_checkpoint(path: str | Path, warn=None) -> Path:
             if found is None:
                 raise UserError(f"{path}: none of its checkpoints is intact (see the warnings above)")
             return found
+    if (path / "meta.json").is_file() and any(path.glob("*.bin")):  # (data/prepare.py's index and shards)
+        raise UserError(f"{path} is a prepared dataset folder, not a checkpoint: give a run folder (runs/NAME) or "
+                        "one of its checkpoints (runs/NAME/checkpoints/step-N)")
     raise UserError(f"{path} is not a paratrain checkpoint: {checkpoint_problem(path)}")
 
 

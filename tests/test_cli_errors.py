@@ -128,6 +128,12 @@ def test_train_config_error_writes_no_data(tmp_path, capsys, extra):
 
 # ---------------------------------------------------------------------------- generate
 
+def test_generate_from_a_dataset_folder_says_so(char_data, capsys):
+    line = run_cli(capsys, ["generate", "--checkpoint", str(char_data)])
+    assert line == (f"error: {char_data} is a prepared dataset folder, not a checkpoint: give a run folder "
+                    "(runs/NAME) or one of its checkpoints (runs/NAME/checkpoints/step-N)")
+
+
 def test_generate_not_a_checkpoint(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     line = run_cli(capsys, ["generate", "--checkpoint", str(tmp_path / "empty")])
