@@ -47,7 +47,8 @@ def main() -> None:
         wall = time.perf_counter() - start
         records = [json.loads(line) for line in (Path(out) / "shakespeare-cpu" / "metrics.jsonl").open()]
     evals = [(r["step"], r["val_loss"], r["time"]) for r in records if "val_loss" in r]
-    t0 = records[0]["time"] - records[0]["step_time_s"]
+    first = next(r for r in records if "step_time_s" in r)  # the first step's record (a segment record comes first)
+    t0 = first["time"] - first["step_time_s"]
     reached = next(((s, t - t0) for s, v, t in evals if v <= args.target), None)
     tok_s = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
     train_loss = sum(result.losses[-20:]) / min(20, len(result.losses))

@@ -65,7 +65,11 @@ def _train_parts(parts, want_final_weights: bool, keep_group: bool):
     # lazy: the checks before launch answer without torch (the ranks' forkserver imports it meanwhile)
     from paratrain.distributed.env import init_distributed, shutdown_distributed
     # lazy: the checks before launch answer without torch (the ranks' forkserver imports it meanwhile)
+    from paratrain.training.checkpoint import resume_path
+    # lazy: the checks before launch answer without torch (the ranks' forkserver imports it meanwhile)
     from paratrain.training.loop import Trainer
+    # lazy: the checks before launch answer without torch (the ranks' forkserver imports it meanwhile)
+    from paratrain.training.memory_fit import check_memory_fits
 
     cfg, folder, world = parts.cfg, parts.folder, parts.world_size
     check_metrics_config(cfg.metrics)
@@ -79,7 +83,7 @@ def _train_parts(parts, want_final_weights: bool, keep_group: bool):
         box = [None]
         if env.is_main:
             try:
-                prepare_data(parts.data)
+                prepare_data(parts.data, resume_path(folder))
             except UserError as e:
                 box = [str(e)]
         dist.broadcast_object_list(box, src=0)
@@ -87,8 +91,10 @@ def _train_parts(parts, want_final_weights: bool, keep_group: bool):
             raise UserError(box[0])
         meta = dataset_meta(parts.data.data)
     else:
-        meta = prepare_data(parts.data)
+        meta = prepare_data(parts.data, resume_path(folder))
     spec = resolve(parts, meta)
+    # before anything is allocated or deleted; the node's ranks share its host memory (LOCAL_WORLD_SIZE: elastic's)
+    check_memory_fits(spec, env.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if first_launch and env.is_main:
         start_over(folder)  # run.overwrite: only now that every check has passed
     if first_launch and folder.overwrite and world > 1:
@@ -189,11 +195,14 @@ def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversub
     check_launch(parts.folder, cfg.training.device, cfg.metrics, nproc, oversubscribe)
     # lazy: the checks above answer without torch (the ranks' forkserver imports it meanwhile)
     from paratrain.training.checkpoint import check_resume, resume_path
+    from paratrain.training.memory_fit import check_host_memory
 
-    resume_path(parts.folder)  # a checkpoint.resume that is no checkpoint: one line before anything starts
+    resume = resume_path(parts.folder)  # a checkpoint.resume that is no checkpoint: one line before anything starts
+    check_host_memory(parts, nproc)  # a model this machine's RAM cannot hold: one line, nothing written or allocated
     spec = None
     if launching:
-        spec = resolve(parts, prepare_data(parts.data))  # everything is checked and the data prepared before any start
+        # everything is checked and the data prepared before any start
+        spec = resolve(parts, prepare_data(parts.data, resume))
         check_resume(parts.folder, spec.model_args)
     # Every check passed: this process holds the run folder for the run's life (a launch that started at the same
     # moment gets the one line here).
@@ -224,7 +233,7 @@ def _launch(cfg, parts, spec, nproc: int, want_final_weights: bool):
         return launch_ranks(run_rank, (cfg, want_final_weights), nproc, cfg.resilience.max_restarts,
                             cfg.resilience.preempt_grace_s)
     except SignalException as e:
-        # The launcher itself was told to stop (SIGINT, SIGHUP: torch elastic stops the ranks).
+        # The launcher itself was told to stop (SIGHUP, SIGQUIT: torch elastic stops the ranks).
         if preempted_since(cfg.run_dir, started):
             return None
         raise UserError(f"stopped by signal {getattr(e, 'sigval', '')} before a checkpoint was saved") from None

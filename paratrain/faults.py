@@ -78,7 +78,8 @@ class FaultInjector:
     def during_step(self, step: int, train_step) -> None:
         """Faults inside step `step`, before its forward: out-of-memory, an overflowing weight, a stop mid-forward."""
         if self._fire("oom", step):
-            raise InjectedOOM(f"injected out-of-memory at step {step}")
+            # step + 1: as the progress lines and the OOM evidence count steps (PARATRAIN_FAULTS counts from 0)
+            raise InjectedOOM(f"injected out-of-memory in step {step + 1}")
         if self._fire("overflow", step):
             _overflow(train_step)
         if self._fire("hang", step):

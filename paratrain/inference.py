@@ -41,12 +41,17 @@ def find_checkpoint(path: str | Path, warn=None) -> Path:
     raise UserError(f"{path} is not a paratrain checkpoint: {checkpoint_problem(path)}")
 
 
-def load_for_generation(path: str | Path, device: torch.device | None = None):
+def load_for_generation(path: str | Path, device: torch.device | None = None, notice=None):
+    """(model, tokenizer, model args, context) from a checkpoint, a run folder or a Hugging Face model folder;
+    `notice(text)` is told which checkpoint and step (a run folder: its newest intact one)."""
+    notice = notice or (lambda text: None)
     if is_hf_folder(Path(path)) and checkpoint_problem(Path(path)) is not None:  # a Hugging Face model folder
+        notice(f"sampling from {path} (a Hugging Face model folder)")
         model, args, tokenizer = load_hf_model(path, device or "cpu")
         return model, tokenizer, args, args.max_seq_len
     ckpt = find_checkpoint(path)
     state = load_trainer_state(ckpt)
+    notice(f"sampling from {ckpt} (step {state['step']})")
     if "model_args" not in state:
         raise UserError(f"{ckpt}: trainer.pt has no model dimensions")
     args = ModelArgs(**state["model_args"])

@@ -104,6 +104,9 @@ class Layout:
             raise ConfigError(f"parallel degrees dp_replicate={replicate} x dp_shard={shard} x "
                               + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp} x pp={pp} = {product}, but the world "
                               f"size is {world_size}")
+        if replicates_shards(mode) and replicate > 1 and shard == 1 and cp == 1:
+            raise ConfigError(f"dp_mode=hsdp with dp_shard=1 shards nothing (each replica is one rank): use "
+                              f"dp_mode=ddp (or zero1) for {replicate} replicas, or give parallel.dp_shard > 1")
         dp = replicate * shard
         if dp > 1 and ZERO_STAGES[mode] < 2 and (tp > 1 or pp > 1):
             raise ConfigError(f"dp_mode={mode} does not compose with tp or pp; use dp_mode=fsdp, zero2 or hsdp")

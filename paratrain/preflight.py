@@ -159,12 +159,34 @@ def check_overwrite(folder: RunFolder) -> None:
                             "move it out of the run folder first")
 
 
-def start_over(folder: RunFolder) -> None:
-    """run.overwrite=true on a first launch: delete what an earlier run left in the run folder."""
-    if folder.starts_over and existing_run_files(folder):
-        for name in existing_run_files(folder):  # (the folder itself stays: this run holds its lock, runlock.py)
-            path = folder.path / name
-            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+def start_over(folder: RunFolder, say=print) -> None:
+    """run.overwrite=true on a first launch: delete what an earlier run left in the run folder, and `say` what."""
+    found = existing_run_files(folder) if folder.starts_over else []
+    if not found:
+        return
+    summary = deleted_summary(folder.path, found)
+    for name in found:  # (the folder itself stays: this run holds its lock, runlock.py)
+        path = folder.path / name
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    say(f"run.overwrite: deleted {folder.path} ({summary})")
+
+
+def deleted_summary(run_dir: Path, names: list[str]) -> str:
+    """The run folder's entries `names` in a few words, its checkpoints by name: 'checkpoints step-10, step-20;
+    config.toml, metrics.jsonl'. A long list shows its first and last names and its length."""
+    ckpt = run_dir / "checkpoints"
+    parts = []
+    if "checkpoints" in names and ckpt.is_dir() and not ckpt.is_symlink():
+        steps = sorted((p.name for p in ckpt.iterdir()), key=lambda n: (len(n), n))  # step-9 before step-10
+        parts.append("checkpoints " + (_few(steps) if steps else "(none)"))
+        names = [n for n in names if n != "checkpoints"]
+    return "; ".join(parts + ([_few(names)] if names else []))
+
+
+def _few(names: list[str], most: int = 4) -> str:
+    if len(names) <= most:
+        return ", ".join(names)
+    return f"{', '.join(names[:most - 1])}, ..., {names[-1]} ({len(names)} in all)"
 
 
 def check_ports(m, nproc: int) -> None:

@@ -227,20 +227,50 @@ def stage_gpus(parallel, layout: Layout) -> list[str]:
     return names
 
 
-def prepare_data(data: DataSource) -> dict:
+def provisional(parts: RunParts) -> RunSpec:
+    """The run before its data is read: the vocabulary a placeholder no larger than the real one, so what it needs
+    is a lower bound of the run's (the memory check before the data is prepared)."""
+    cfg = parts.cfg
+    batch, fixed = batch_of(cfg.training, parts.layout)
+    args = parts.source.args(VOCAB_PAD * parts.layout.tp)
+    return RunSpec(cfg, parts.layout, args, Path(cfg.data.dir), batch.global_batch, parts.layout.accumulation(batch),
+                   fixed, parts.source, LoRA.from_config(cfg.lora))
+
+
+def prepare_data(data: DataSource, resume: Path | None = None) -> dict:
     """Use the dataset in data.dir, or prepare it there when the folder is empty (or check a mixture's datasets);
-    returns the meta, whose "dir" holds the tokenizer."""
+    returns the meta, whose "dir" holds the tokenizer. `resume`: the checkpoint the run continues, whose tokenizer
+    an empty data.dir must be prepared with (refused before anything is written)."""
     import sys
 
     # lazy: torch is not needed for the checks before launch
     from paratrain.data import prepare_for_config
 
     tokenizer = None if data.model_tokenizer is None else str(data.model_tokenizer)
+    if resume is not None and (resume / "meta.json").is_file():
+        _check_resume_tokenizer(data, tokenizer, resume)
     meta = prepare_for_config(data.data, data.corpus, tokenizer, data.model_tokenizer_name,
                               echo=lambda text: print(text, file=sys.stderr, flush=True))
     if data.model_tokenizer is not None:
         hf.check_dataset(data.model_tokenizer, data.data.dir)
     return meta
+
+
+def _check_resume_tokenizer(data: DataSource, tokenizer: str | None, checkpoint: Path) -> None:
+    """The tokenizer an empty data.dir would be prepared with is the one `checkpoint` was trained with (by content):
+    else the run refuses now, not after writing a dataset it cannot use."""
+    # lazy: numpy and the tokenizers library wait until a dataset is read
+    from paratrain.data import load_tokenizer, tokenizer_identity, tokenizer_to_prepare
+
+    ours = tokenizer_to_prepare(data.data, data.corpus, tokenizer)
+    if ours is None:  # nothing to prepare: the trainer compares the dataset's tokenizer when it resumes
+        return
+    theirs = load_tokenizer(checkpoint)
+    if tokenizer_identity(ours) != tokenizer_identity(theirs):
+        raise UserError(f"cannot resume from {checkpoint}: it was trained with another tokenizer ({theirs.kind}, "
+                        f"vocab {theirs.vocab_size}) than data.dir={data.data.dir} would be prepared with "
+                        f"({ours.kind}, vocab {ours.vocab_size}); nothing was prepared: give the checkpoint's "
+                        "tokenizer (data.tokenizer, data.vocab_size), or give this run another run.name")
 
 
 def resolve_run(cfg: Config, world_size: int) -> RunSpec:

@@ -186,3 +186,14 @@ def test_translated_replaces_lets_bugs_pass_and_never_touches_interrupts():
         with translated(environment_error):
             raise already
     assert caught.value is already
+
+
+def test_a_model_this_machine_cannot_hold_is_refused_before_anything(tmp_path, capsys, monkeypatch):
+    """Before the data is prepared and anything allocated: the estimate against this machine's memory, one line
+    with both numbers, exit 2, and nothing written (llama3-405b: no machine's RAM holds a CPU run of it)."""
+    monkeypatch.chdir(tmp_path)
+    line = run_cli(capsys, ["train", "--model.preset=llama3-405b", "--training.device=cpu", "--training.steps=2"])
+    assert re.search(r"this run needs about [\d.]+ GiB at its peak \(memory estimate\) and this machine has "
+                     r"[\d.]+ GiB of host memory available", line), line
+    assert "--force" in line
+    assert snapshot(tmp_path) == []

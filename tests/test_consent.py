@@ -64,6 +64,24 @@ def test_overwrite_never_deletes_the_runs_own_inputs(char_data, tmp_path, capsys
     assert "holds data.dir" in one_error_line(capsys) and files(run) == before
 
 
+def test_overwrite_says_what_it_deleted(tmp_path):
+    """run.overwrite=true names the folder and sums up what it held, however many checkpoints (issue 35)."""
+    from paratrain.preflight import RunFolder, start_over
+
+    run = tmp_path / "r"
+    for step in range(10, 1010, 10):
+        (run / "checkpoints" / f"step-{step}").mkdir(parents=True)
+    (run / "config.toml").write_text("")
+    (run / "metrics.jsonl").write_text("")
+    said = []
+    start_over(RunFolder(run, overwrite=True), said.append)
+    assert said == [f"run.overwrite: deleted {run} (checkpoints step-10, step-20, step-30, ..., step-1000 (100 in all); "
+                    "config.toml, metrics.jsonl)"]
+    assert run.is_dir() and not any(run.iterdir())
+    start_over(RunFolder(run, overwrite=True), said.append)  # an empty folder: nothing deleted, nothing said
+    assert len(said) == 1
+
+
 def test_a_damaged_dataset_is_named_not_replaced(char_data, tmp_path, capsys):
     import shutil
 

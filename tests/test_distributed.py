@@ -79,9 +79,10 @@ def test_nproc_and_torchrun_match_one_process(char_data, tmp_path):
                                                "training.micro_batch=4", "checkpoint.save_final=false")]
     one = _run_cli([sys.executable, "-m", "paratrain", "train", *common, "--run.name=one", "--training.micro_batch=8"])
     assert one.returncode == 0, one.stderr[-2000:]
-    two = _run_cli([sys.executable, "-m", "paratrain", "train", "--nproc", "2", *common, "--run.name=nproc"])
+    two = _run_cli([sys.executable, "-m", "paratrain", "train", "--nproc", "2", *common, "--run.name=nproc",
+                    "--verbose"])
     assert two.returncode == 0, two.stderr[-2000:]
-    assert "[rank 1]" in two.stdout  # every rank introduces itself with a prefix
+    assert "[rank 1]" in two.stdout  # with --verbose every rank introduces itself with a prefix
     torchrun = _run_cli([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                          "-m", "paratrain", "train", *common, "--run.name=torchrun"])
     assert torchrun.returncode == 0, torchrun.stderr[-2000:]
@@ -110,6 +111,7 @@ def test_nproc_and_torchrun_match_one_process(char_data, tmp_path):
     (4, ["training.global_batch=6"], "global batch 6 is not divisible"),
     (2, ["parallel.tp=2", "model.tie_embeddings=true"], "tied embeddings do not compose"),
     (4, ["parallel.dp_mode=hsdp"], "needs parallel.dp_replicate > 1"),
+    (2, ["parallel.dp_mode=hsdp", "parallel.dp_replicate=2"], "dp_mode=hsdp with dp_shard=1 shards nothing"),
     (4, ["parallel.dp_mode=ddp", "parallel.tp=2", "parallel.dp_replicate=2"], "does not compose with tp"),
     (2, ["parallel.tp=2", "training.seq_len=33"], "not divisible by parallel.tp=2 (sequence parallel)"),
 ])

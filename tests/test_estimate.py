@@ -197,6 +197,17 @@ def test_cli_json_and_memory_string(capsys):
     assert data["total_bytes"] == data["tensor_peak_bytes"] + data["overhead_bytes"]
 
 
+@pytest.mark.parametrize("dp_mode, note", [("ddp", "autocast caches each matmul weight's fp16 copy"),
+                                           ("fsdp", "fp16 copies are all-gathered per block")])
+def test_cli_notes_name_the_runs_16_bit_format(dp_mode, note, capsys):
+    """An fp16 run's notes speak of fp16 copies and compute, never of bf16 (issue 35)."""
+    assert main(["estimate", "--model", "tiny", "--vocab-size", "65", "--precision", "fp16", "--world-size", "2",
+                 "--dp-mode", dp_mode]) == 0
+    notes = [x for x in capsys.readouterr().out.splitlines() if "note:" in x]
+    assert any(note in x for x in notes) and any("activations: " in x and "fp16" in x for x in notes)
+    assert not any("bf16" in x for x in notes), notes
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--gpu", "H1000"], "unknown GPU 'H1000'"),
     (["--gpu-memory", "lots"], "cannot read memory size 'lots'"),

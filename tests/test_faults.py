@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ from mounts import small_disk
 from paratrain import cli
 from paratrain.api import train_rank
 from paratrain.config import load_config
+from paratrain.observe.metrics import in_effect
 from paratrain.training.checkpoint import checkpoint_problem, complete_checkpoints
 
 GRACE_S = 10
@@ -95,7 +97,7 @@ def train_args(data, out, name, *extra) -> list[str]:
 def test_sigterm_from_outside_saves_and_exits_within_grace(char_data, tmp_path, target):
     job = Job(["--nproc", "2", *train_args(char_data, tmp_path, "job", "training.steps=100000",
                                            f"resilience.preempt_grace_s={GRACE_S}")])
-    job.wait_for(r"^step +2 ")
+    job.wait_for(r"^step +2/")
     ranks = job.ranks()
     assert len(ranks) == 2
     sent = time.monotonic()
@@ -124,7 +126,7 @@ def test_sigkill_to_the_launcher_ends_every_rank(char_data, tmp_path):
     checkpoint is written after the kill."""
     job = Job(["--nproc", "2", *train_args(char_data, tmp_path, "job", "training.steps=100000",
                                            "checkpoint.every=5")])
-    job.wait_for(r"^step +7 ")
+    job.wait_for(r"^step +7/")
     started = [psutil.Process(job.proc.pid), *psutil.Process(job.proc.pid).children(recursive=True)]
     assert len(job.ranks()) == 2 and len(started) >= 4  # the launcher, its forkserver, the ranks (and helpers)
     ckpts = tmp_path / "job" / "checkpoints"
@@ -152,7 +154,7 @@ def test_one_live_writer_per_run_folder(char_data, tmp_path, capsys):
     writes nothing; so does a report into its folder. The run's metrics.jsonl holds one series."""
     first = Job(["--nproc", "2", *train_args(char_data, tmp_path, "dup", "training.steps=100000",
                                              f"resilience.preempt_grace_s={GRACE_S}")])
-    first.wait_for(r"^step +3 ")
+    first.wait_for(r"^step +3/")
     run = tmp_path / "dup"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PARATRAIN_FAULTS", None)
@@ -171,6 +173,131 @@ def test_one_live_writer_per_run_folder(char_data, tmp_path, capsys):
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").open() if '"loss"' in line]
     assert steps == sorted(set(steps)) and steps[0] == 1  # one series: no second run's steps mixed in
     assert cli.main(["report", str(run)]) == 0  # the run has ended: its folder is free
+
+
+CONSTANT_LR = ["optimizer.lr=0.001", "optimizer.min_lr=0.001", "optimizer.warmup_steps=0"]  # steps= changes nothing
+
+
+def logged_losses(run_dir) -> dict[int, float]:
+    """The loss of every step the run stands on (metrics.jsonl read as `paratrain report` reads it)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    return {r["step"]: r["loss"] for r in in_effect(records)[0] if "loss" in r}
+
+
+def test_ctrl_c_saves_exits_130_and_resume_continues_the_same_losses(char_data, tmp_path, capsys):
+    """Ctrl-C at a terminal (SIGINT to the job's process group: the launcher and both ranks, and the launcher's relay
+    a moment later) saves at the next step boundary and exits 130; `resume=auto` continues with the losses of one
+    uninterrupted process, and report shows one series."""
+    batch = ["training.global_batch=8", *CONSTANT_LR]
+    # the wall-clock save timer runs out at every step on both ranks' clocks: they agree to save at the same steps
+    job = Job(["--nproc", "2", *train_args(char_data, tmp_path, "job", "training.steps=100000",
+                                           "checkpoint.every_minutes=1e-9", *batch)])
+    job.wait_for(r"^step +3/")
+    os.killpg(job.proc.pid, signal.SIGINT)
+    assert job.finish() == 130, job.text()[-3000:]
+    assert "Traceback" not in job.text() and "error:" not in job.text(), job.text()[-3000:]
+    saved = complete_checkpoints(tmp_path / "job" / "checkpoints")
+    assert len(saved) == 2 and all(checkpoint_problem(p) is None for p in saved)  # checkpoint.keep=2
+    step = int(saved[-1].name.split("-")[1])
+    assert int(saved[0].name.split("-")[1]) == step - 1
+    assert f"interrupted: saved {saved[-1]} at step {step}" in job.text()
+
+    total = step + 3
+    resumed = Job(["--nproc", "2", *train_args(char_data, tmp_path, "job", f"training.steps={total}", *batch,
+                                               "checkpoint.resume=auto")])
+    assert resumed.finish() == 0, resumed.text()[-3000:]
+    assert f"resumed from {saved[-1]} at step {step}" in resumed.text()
+    one = train_rank(load_config(None, fast_overrides(char_data, tmp_path, "one", f"training.steps={total}",
+                                                      "training.eval_every=0", *batch)))
+    logged = logged_losses(tmp_path / "job")
+    assert sorted(logged) == list(range(1, total + 1))
+    assert max(abs(logged[i + 1] - loss) for i, loss in enumerate(one.losses)) <= 1e-5
+    assert cli.main(["report", str(tmp_path / "job")]) == 0
+    summary = json.loads((tmp_path / "job" / "report" / "summary.json").read_text())["runs"][0]
+    assert summary["status"] == "finished" and summary["steps"] == total and summary["abandoned_steps"] == 0
+
+
+def test_an_interrupted_default_run_resumes_and_reports_one_series(char_data, tmp_path):
+    """`make run` (`train --checkpoint.resume=auto`, one process): killed before any checkpoint, the next start says
+    so and starts over; Ctrl-C then saves (exit 130) and the next start continues; report shows the steps the run
+    stands on, not the abandoned ones."""
+    args = train_args(char_data, tmp_path, "default", "training.steps=100000", "checkpoint.resume=auto", *CONSTANT_LR)
+    killed = Job(args)
+    killed.wait_for(r"^step +3/")
+    os.kill(killed.proc.pid, signal.SIGKILL)
+    killed.finish()
+    run = tmp_path / "default"
+    assert not (run / "checkpoints").is_dir() or not complete_checkpoints(run / "checkpoints")
+
+    again = Job(args)
+    again.wait_for(r"^step +2/")
+    assert f"no checkpoint in {run}: starting from step 0" in again.text()
+    again.proc.send_signal(signal.SIGINT)
+    assert again.finish() == 130, again.text()[-3000:]
+    step = int(complete_checkpoints(run / "checkpoints")[-1].name.split("-")[1])
+
+    last = Job([a for a in args if "training.steps" not in a] + [f"--training.steps={step + 2}"])
+    assert last.finish() == 0, last.text()[-3000:]
+    assert f"resumed from {run / 'checkpoints' / f'step-{step}'} at step {step}" in last.text()
+    assert sorted(logged_losses(run)) == list(range(1, step + 3))
+    assert cli.main(["report", str(run)]) == 0
+    summary = json.loads((run / "report" / "summary.json").read_text())["runs"][0]
+    assert summary["status"] == "finished" and summary["abandoned_steps"] >= 3
+    assert "a later start of the run went back over" in (run / "report" / "report.md").read_text()
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    """A second SIGINT (a second press, not the first one's relayed copy) ends the process at once with 130, even
+    while the main thread is blocked."""
+    script = ("import time\nfrom paratrain.training.preemption import watching\n"
+              "with watching(60):\n    print('ready', flush=True)\n    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        first = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)  # within INTERRUPT_REPEAT_S: the same press (the launcher's relay)
+        time.sleep(1.2 - (time.monotonic() - first))
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 130
+        err = proc.stderr.read()
+        assert "interrupted: saving a checkpoint" in err and "interrupted again: stopping now" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    """The live processes of session `sid` (a job started with start_new_session: the launcher and all it started)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return found
+
+
+def test_nothing_outlives_a_refused_launch(char_data, tmp_path):
+    """A launch refused after its ranks' forkserver was started (it starts first, so its imports overlap the checks):
+    one line, exit 2, and within a few seconds nothing of the job left, whatever the refusal."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for extra in (["--nproc", "4096"], ["--nproc", "2", f"--metrics.prometheus_port={port}"]):
+            job = Job([*extra, *train_args(char_data, tmp_path, "refused")])
+            assert job.finish() == 2 and "".join(job.err).startswith("error: "), job.text()[-3000:]
+            deadline = time.monotonic() + 5
+            while session_processes(job.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            left = session_processes(job.proc.pid)
+            for p in left:  # (only what this test started: its own session)
+                p.kill()
+            assert not left, f"{extra}: still running after the refused launch: {[p.cmdline()[:4] for p in left]}"
 
 
 def test_sigkill_during_save_keeps_the_previous_checkpoint(char_data, tmp_path, capsys):

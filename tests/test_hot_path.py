@@ -42,7 +42,7 @@ def _origin() -> str:
 @contextlib.contextmanager
 def counting_reads():
     """Yields {iteration: Counter(origin)} of host reads and synchronizes, per loop iteration (counted from each
-    call of ResilienceGuard.preempted, the loop's first call), with the iterations that settled in `settled`."""
+    call of ResilienceGuard.at_boundary, the loop's first call), with the iterations that settled in `settled`."""
     from paratrain.training.loop import Trainer
     from paratrain.training.resilience import ResilienceGuard
 
@@ -65,10 +65,10 @@ def counting_reads():
             return original(*args, **kwargs)
         return wrapper
 
-    def preempted(original):
-        def wrapper(self):
+    def at_boundary(original):
+        def wrapper(self, *args):
             seen["iteration"] += 1
-            return original(self)
+            return original(self, *args)
         return wrapper
 
     def settle(original):
@@ -81,7 +81,7 @@ def counting_reads():
         patch(torch.Tensor, name, lambda f, n=name: counted(f, n))
     patch(torch.cuda, "synchronize", lambda f: counted(f, "cuda.synchronize"))
     patch(torch.cuda.Event, "synchronize", lambda f: counted(f, "Event.synchronize"))
-    patch(ResilienceGuard, "preempted", preempted)
+    patch(ResilienceGuard, "at_boundary", at_boundary)
     patch(Trainer, "_settle", settle)
     try:
         yield seen
@@ -134,8 +134,8 @@ def test_no_host_reads_outside_log_steps_fsdp2(char_data, tmp_path):
     cfg = fast_config(char_data, tmp_path, "fsdp2", *RUN, "optimizer.impl=fused", "parallel.dp_mode=fsdp")
     reads, settled = launch(_counted_run, (cfg,), 2)  # rank 0's
     assert settled == [0, STEPS - 1]
-    # the preemption flag: one all-reduce of a CPU tensor per step (gloo on every backend)
-    assert reads == {"item resilience.py:preempted": STEPS - 2}, reads
+    # the stop and save flags: one all-reduce of a CPU tensor per step (gloo on every backend)
+    assert reads == {"tolist resilience.py:at_boundary": STEPS - 2}, reads
 
 
 def test_build_train_step_keeps_its_grad_comm():

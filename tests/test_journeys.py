@@ -264,9 +264,10 @@ def test_journey_default_run(journey):
     j = journey
     j.doc("paratrain train --checkpoint.resume=auto", TINY, ["--training.steps=3"])
     first = metrics(j.cwd / "runs" / "default")
-    # the same command again: continues runs/default from its final checkpoint (nothing left to train)
-    done = j.train("paratrain train --checkpoint.resume=auto", "--training.steps=3")
-    assert "resumed from" in done.stdout + done.stderr
+    # the same command again: continues runs/default from its final checkpoint (nothing left to train: no
+    # evaluation or sample either)
+    done = j.doc("paratrain train --checkpoint.resume=auto", TINY, [*STEPS, "--training.steps=3"])
+    assert "resumed from" in done.stdout + done.stderr and "runs/default already finished at step 3" in done.stdout
     assert [r["step"] for r in metrics(j.cwd / "runs" / "default") if "loss" in r] == \
         [r["step"] for r in first if "loss" in r]  # no step trained twice
     out = j.doc('paratrain generate --checkpoint runs/default --prompt "ROMEO:" --max-new-tokens 300').stdout
@@ -308,7 +309,8 @@ def test_journey_layouts(journey):
     val = {}
     for command, mesh in LAYOUT_RUNS.items():
         # one global batch for all (micro-batches and accumulation follow): the same training on every layout
-        done = j.train(command, "--sample.prompt=ROMEO:", "--training.micro_batch=1", "--training.global_batch=4")
+        done = j.train(command, "--sample.prompt=ROMEO:", "--training.micro_batch=1", "--training.global_batch=4",
+                       "--verbose")  # (the ranks' mesh positions)
         out = done.stdout + done.stderr
         for axis, size in mesh.items():
             assert f"'{axis}': {size - 1}" in out, f"{command}: no rank at {axis}={size - 1}\n{out[-2000:]}"
@@ -561,7 +563,8 @@ def test_journey_troubleshooting(journey):
             "layers.1.attention.wo (rank 1, step 6, batch 5); replay: paratrain replay runs/watched step-6") in out
     assert "rolled back to runs/watched/checkpoints/step-4" in out
     bad = [r for r in metrics(j.cwd / "runs/watched") if "nonfinite" in r]
-    assert [r["step"] for r in bad] == [6]  # step 7 (the second bad one) rolled back before it was logged
+    assert [r["step"] for r in bad] == [6, 7]  # both bad steps keep their records, marked skipped
+    assert all(r["skipped"] for r in bad)
     assert bad[0]["nonfinite"] == {"module": "layers.1.attention.wo", "rank": 1, "batch": 5}
     assert bad[0]["numerics"]["grad_max"][0] is not None  # a watched step: its own numbers, gradients included
     j.doc("paratrain report runs/watched")

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from conftest import fast_config
-from paratrain.observe.numerics import Finding, headroom_bits, max_logit, row_names
+from paratrain.distributed.initialize import init_weights
+from paratrain.models import Transformer, preset_args
+from paratrain.observe import numerics
+from paratrain.observe.numerics import Finding, NumericsWatch, headroom_bits, max_logit, row_names
+from paratrain.observe.replay import format_numerics
+from paratrain.observe.report import load_run, plot_numerics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -36,7 +41,8 @@ def test_max_logit_is_the_largest_causal_score():
 def test_headroom_and_finding_text():
     bf16, fp16 = torch.finfo(torch.bfloat16).max, torch.finfo(torch.float16).max
     assert headroom_bits(fp16 / 8, fp16) == pytest.approx(3.0)
-    assert headroom_bits(math.inf, bf16) == 0.0 and headroom_bits(math.nan, bf16) == 0.0
+    assert headroom_bits(fp16 * 2, fp16) == 0.0  # a finite value past fp16's max (an fp32 run): it would overflow
+    assert math.isnan(headroom_bits(math.inf, bf16)) and math.isnan(headroom_bits(math.nan, bf16))  # no bits to give
     assert headroom_bits(None, bf16) is None and headroom_bits(0.0, bf16) is None
     found = Finding(step=5, batch=5, module="layers.1.attention.wo", rank=1, run_dir="runs/x")
     assert found.text() == ("first non-finite output: layers.1.attention.wo (rank 1, step 6, batch 5); replay: "
@@ -128,3 +134,106 @@ def test_out_of_memory_writes_the_snapshot_beside_the_estimate(char_data, tmp_pa
     assert json.loads((out / "rank3.json").read_text())["snapshot"] == {
         "segments": 1, "reserved_bytes": 2 << 20, "allocated_bytes": 1 << 20}
     assert "https://pytorch.org/memory_viz" in (out / "rank3.txt").read_text()
+
+
+class _Step:
+    """What the numerics watch asks of a TrainStep: one model on the CPU, no pipeline, forward-only losses."""
+
+    pipeline, device = None, torch.device("cpu")
+
+    def __init__(self, model):
+        self.model = model
+
+    def eval_loss_sum(self, batch, rows: int) -> torch.Tensor:
+        x, y = batch
+        return self.model(x, targets=y, reduction="sum")
+
+
+class _Ranks:
+    """torch.distributed as rank 0 of two sees it, the other rank's tensors given in call order (None: record them
+    instead): MAX as NCCL's (fmax: a NaN beside a number is dropped), SUM."""
+
+    ReduceOp = torch.distributed.ReduceOp
+
+    def __init__(self, theirs=None):
+        self.theirs, self.seen = theirs, []
+
+    def is_initialized(self):
+        return True
+
+    def get_world_size(self):
+        return 2
+
+    def all_reduce(self, t, op=torch.distributed.ReduceOp.SUM):
+        if self.theirs is None:
+            self.seen.append(t.clone())
+            return
+        other = self.theirs.pop(0)
+        t.copy_(torch.fmax(t, other) if op == torch.distributed.ReduceOp.MAX else t + other)
+
+
+def test_a_nan_born_in_block_2_is_named_block_2_everywhere(tmp_path, monkeypatch):
+    """Block 2 of 4 puts a NaN into one position of one sequence on rank 0; rank 1's batch stays finite. The ranks'
+    MAX (NCCL's fmax) drops rank 0's NaN, so block 2's max alone would look fine (issue 35: act max 0.154 beside rms
+    nan, 130.7 bits of headroom); its non-finite count says otherwise. The watch's record, the replay's line and
+    record, the replay table and numerics.png all name block 2."""
+    model = Transformer(preset_args("tiny", vocab_size=65, n_layers=4))
+    init_weights(model, 0)
+    poison = [False]
+
+    def nan_in_block_2(module, args, out):
+        if poison[0]:
+            out = out.clone()
+            out[0, 5, 0] = math.nan
+            return out
+
+    model.layers["2"].register_forward_hook(nan_in_block_2)  # before the watch's hooks: they see its output
+    watch = NumericsWatch(_Step(model), n_layers=4, every=1, precision="bf16")
+    x = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = (x, x.roll(-1, 1))
+
+    def watched_step(ranks):
+        with monkeypatch.context() as m:
+            m.setattr(numerics, "dist", ranks)
+            watch.begin(0)
+            model(batch[0], targets=batch[1]).backward()
+            watch.after_backward()
+            model.zero_grad()
+            return watch.end()()
+
+    other = _Ranks()
+    watched_step(other)  # rank 1's statistics: a finite batch
+    poison[0] = True
+    record = watched_step(_Ranks(other.seen))
+    n, block2 = record["numerics"], 3  # rows: embed, 0, 1, 2, 3, head
+    assert n["rows"][block2] == "2" and n["first_nonfinite"] == "2"
+    assert all(math.isfinite(v) for v in n["act_max"][:block2]) and n["act_nonfinite"][:block2] == [0, 0, 0]
+    assert math.isnan(n["act_max"][block2]) and math.isnan(n["act_rms"][block2]) and n["act_nonfinite"][block2] == 1
+    assert all(math.isnan(n["headroom_bits"][f][block2]) for f in ("bf16", "fp16"))  # not a number of bits
+    assert math.isnan(n["attn_logit_max"][block2 + 1])  # block 3 attends to the NaN: rank 1's logit dropped it too
+    assert math.isnan(n["grad_max"][block2]) and n["grad_nonfinite"][block2] > 0
+    assert math.isnan(record["numerics_act_max"]) and math.isnan(record["numerics_headroom_bits"])
+
+    found = watch.first_nonfinite([batch])  # the replay of the bad step (this rank alone)
+    finding = Finding(step=5, batch=5, module=found["module"], rank=found.get("rank"), run_dir="runs/x",
+                      numerics=found["numerics"])
+    assert finding.text().startswith("first non-finite output: layers.2 (rank 0, step 6, batch 5)")
+    replayed = finding.record()
+    assert replayed["nonfinite"]["module"] == "layers.2" and replayed["numerics"]["first_nonfinite"] == "2"
+    table = format_numerics(n).splitlines()
+    assert [line.split()[0] for line in table if line.endswith("<- first non-finite")] == ["2"]
+    assert "non-finite" in table[1 + block2] and "bits" not in table[1 + block2]
+
+    run = tmp_path / "watched"
+    run.mkdir()
+    # the step's record as the loop writes it: a watched step keeps its own numerics beside the replay's finding
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 6, "loss": math.nan, **replayed, **record}) + "\n")
+    fig = plot_numerics(load_run(run))
+    import matplotlib.pyplot as plt  # (plot_numerics chose the Agg backend)
+
+    act, _, room = fig.axes[:3]  # (then the colour bars)
+    for panel in (act, room):
+        assert {round(t.get_position()[1]) for t in panel.texts if t.get_text() == "x"} == {block2, block2 + 1,
+                                                                                           block2 + 2}
+        assert [round(b.get_xy()[1] + 0.5) for b in panel.patches] == [block2]  # boxed: block 2, not 3 or the head
+    plt.close(fig)

@@ -6,10 +6,14 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import os
+import re
 import struct
+import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -411,3 +415,125 @@ NIC0\tPXB\tPXB\tSYS\t X
     pcie = nvlink.replace("NV18\tNV18\t X", "SYS\tPHB\t X").replace("GPU0\t X \tNV18\tNV18", "GPU0\t X \tNV18\tSYS")
     result = describe_topology(parse_topology(pcie))
     assert result.status == "WARN" and "SYS" in result.message and "NVLink" in result.message
+
+
+# -- what a person sees: the start-up banner, the live line or plain lines, no third-party noise -----------------------
+
+BANNER_MAX_LINES = 8
+# What paratrain/quiet.py filters (torchao with optimizer.name=adamw8bit; DTensor under fp16 FSDP), and any warning
+THIRD_PARTY_NOISE = ("Failed to load", "is an Enum subclass", "Found a non-scalar tensor", "Warning:")
+
+
+def cli_train(char_data, tmp_path, *overrides: str, stdout=subprocess.PIPE) -> subprocess.Popen:
+    """`paratrain train --nproc 2` at tiny size, as a person runs it (its stdout: a pipe unless given)."""
+    args = [f"--{o}" for o in fast_overrides(char_data, tmp_path, "run", *overrides)]
+    return subprocess.Popen([sys.executable, "-m", "paratrain", "train", "--nproc", "2", *args], stdout=stdout,
+                            stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
+
+
+def test_default_train_starts_with_a_short_banner_and_no_third_party_warnings(char_data, tmp_path):
+    """In a pipe: at most 8 lines before the first step (model, layout, memory in one line each; no rank lines, no
+    table: that is in the run folder), plain lines that say step N/M, and nothing on stderr from torchao or DTensor
+    (adamw8bit and fp16 FSDP bring both)."""
+    proc = cli_train(char_data, tmp_path, "metrics.progress=auto", "optimizer.name=adamw8bit",
+                     "training.precision=fp16")
+    out, err = (s.decode() for s in proc.communicate(timeout=300))
+    assert proc.returncode == 0, out + err
+    lines = out.splitlines()
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step "))
+    banner = lines[:first_step]
+    assert len(banner) <= BANNER_MAX_LINES, "\n".join(banner)
+    assert [line.split()[0] for line in banner] == ["model", "layout", "memory:"], "\n".join(banner)
+    assert out.count("model tiny:") == 1 and not any(line.startswith("[rank") for line in lines)
+    assert re.match(r"step +1/4 \| loss \d", lines[first_step]), lines[first_step]
+    table = (tmp_path / "run" / "memory-estimate.txt").read_text()
+    assert "at peak" in table and "at peak" not in out and str(tmp_path / "run" / "memory-estimate.txt") in banner[2]
+    assert not [text for text in THIRD_PARTY_NOISE if text in err], err
+
+
+def test_verbose_adds_the_memory_table_below_the_one_model_line(char_data, tmp_path, capsys):
+    from paratrain.api import train_rank as train
+
+    for verbose in ("false", "true"):
+        cfg = fast_config(char_data, tmp_path, f"verbose-{verbose}", "metrics.progress=lines", "training.steps=1",
+                          f"metrics.verbose={verbose}")
+        train(cfg)
+        out = capsys.readouterr().out
+        assert ("at peak" in out) == (verbose == "true"), out
+        assert out.count("model tiny:") == 1, out  # the table's own model line is not repeated
+        assert "at peak" in (cfg.run_dir / "memory-estimate.txt").read_text()
+
+
+def test_two_ranks_on_a_terminal_draw_one_live_line(char_data, tmp_path):
+    """`--nproc 2` at a terminal: rank 0 writes to it (the ranks inherit the launcher's stdout) and draws the live
+    line, not the plain lines."""
+    import pty
+
+    master, terminal = pty.openpty()
+    proc = cli_train(char_data, tmp_path, "metrics.progress=auto", "training.log_every=1", stdout=terminal)
+    os.close(terminal)
+    chunks: list[bytes] = []
+
+    def read() -> None:
+        try:
+            while chunk := os.read(master, 65536):
+                chunks.append(chunk)
+        except OSError:  # EIO: every process holding the terminal has ended
+            pass
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    err = proc.communicate(timeout=300)[1].decode()
+    reader.join(timeout=30)
+    os.close(master)
+    shown = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0, shown + err
+    live = r"step 4/4 \| loss \d\.\d{4} \| val \d\.\d{4} \| [\d,]+ tok/s \| elapsed \d+:\d\d \| ETA"
+    assert re.search(live, shown), shown
+    assert not re.search(r"^step +\d+/4 \|", shown, re.M), shown  # the plain lines are for pipes and files
+
+
+def test_live_line_says_step_of_total_loss_throughput_elapsed_and_eta():
+    from paratrain.observe.metrics import duration, format_record, live_line
+
+    assert live_line(120, 2000, 3.21, 6294.4, 62, 980) == \
+        "step 120/2000 | loss 3.2100 | 6,294 tok/s | elapsed 1:02 | ETA 16:20"
+    assert live_line(0, 10, None, None, 3, None) == "step 0/10 | elapsed 0:03 | ETA -"  # before the first step
+    assert duration(3723.9) == "1:02:03"
+    assert format_record({"step": 10, "loss": 4.5, "tokens_per_s": 6294.0}, 2000) == \
+        "step    10/2000 | loss 4.5000 | 6,294 tok/s"
+
+
+def test_live_line_of_a_resumed_run_counts_from_its_start(monkeypatch):
+    """Resumed at step 50 of 100: the line starts at 50/100, and the ETA follows the pace since the first step shown
+    (the first step's time includes the start-up), counting down between log steps."""
+    from paratrain.observe import metrics
+
+    now = [100.0]
+    monkeypatch.setattr(metrics, "time", SimpleNamespace(monotonic=lambda: now[0], time=time.time))
+    log = metrics.MetricsLog(None, total_steps=100, start_step=50, mode="bar")
+    try:
+        assert log.live_text() == "step 50/100 | elapsed 0:00 | ETA -"
+        now[0] = 110.0
+        log.log({"step": 51, "loss": 2.5, "tokens_per_s": 1000.0})
+        now[0] = 120.0
+        log.log({"step": 61, "loss": 2.0, "tokens_per_s": 2000.0})  # 10 steps in 10 s: 39 left
+        assert log.live_text() == "step 61/100 | loss 2.0000 | 2,000 tok/s | elapsed 0:20 | ETA 0:39"
+        now[0] = 130.0
+        assert log.live_text().endswith("elapsed 0:30 | ETA 0:29")
+    finally:
+        log.close()
+
+
+def test_memory_fit_line_is_one_line_with_the_verdict():
+    from paratrain.training.loop import memory_fit_line
+
+    gib = 2**30
+    est = SimpleNamespace(total_bytes=int(1.2 * gib), gpu_bytes=80 * gib, fits=True, host={}, host_bytes=0,
+                          suggestion=None)
+    assert memory_fit_line(est, "runs/x/memory-estimate.txt") == \
+        "memory: 1.20 GiB of 80.00 GiB per rank (estimate) fits; table: runs/x/memory-estimate.txt"
+    est.fits, est.suggestion = False, {"change": "--parallel.dp_shard=8"}
+    assert "(estimate) DOES NOT FIT (would fit: --parallel.dp_shard=8);" in memory_fit_line(est, "t")
+    cpu = SimpleNamespace(total_bytes=2 * gib, gpu_bytes=None, fits=None, host={"optimizer": gib}, host_bytes=gib)
+    assert memory_fit_line(cpu, "t") == "memory: 2.00 GiB per rank (estimate); host 1.00 GiB per rank; table: t"

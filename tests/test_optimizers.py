@@ -162,6 +162,32 @@ def test_momentum_schedules():
     assert zo.resets_residuals(10) and not zo.resets_residuals(11) and zo.gradient(10) is GradientReduction.LOCAL
 
 
+def test_onebit_default_warm_up_is_a_share_of_the_run():
+    """freeze_step 0: 1-bit Adam warms up for 6.5% of training.steps (130 of 2000 met the goal, the lr warm-up's 100
+    did not; bench/RESULTS.md), 0/1 Adam until the lr warm-up's end; a set freeze_step wins."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from paratrain.config import ParallelConfig, load_config
+    from paratrain.distributed.compression import GradComm
+    from paratrain.layout import Layout
+    from paratrain.optimizers import MomentumSchedule
+
+    def freeze(steps, *overrides):
+        cfg = load_config(None, [f"training.steps={steps}", "optimizer.warmup_steps=100", *overrides])
+        return MomentumSchedule.from_config(cfg.optimizer, cfg.training.steps).freeze
+
+    assert [freeze(s, "optimizer.name=onebit_adam") for s in (2000, 6000, 100, 4)] == [130, 390, 6, 1]
+    assert freeze(2000, "optimizer.name=onebit_adam", "optimizer.freeze_step=50") == 50
+    assert freeze(2000, "optimizer.name=zero_one_adam") == 100
+    # the run's length reaches the schedule the gradient hooks follow
+    cfg = load_config(None, ["optimizer.name=onebit_adam"])
+    comm = GradComm(ParallelConfig(), SimpleNamespace(layout=Layout.resolve(2, dp_mode="ddp")), torch.device("cpu"),
+                    optimizer=cfg.optimizer, steps=2000)
+    assert comm.schedule.freeze == 130
+
+
 def test_onebit_in_the_estimator_and_the_planner():
     """The estimate counts the moments (0/1 Adam: and its accumulator), the step counts and both residuals; the plan
     predicts each phase and ranks by the compressed one, whose bytes are 1-bit Adam's ~1/32."""

@@ -167,6 +167,17 @@ def test_repeated_bad_steps_roll_back_and_skip_batches(char_data, tmp_path, monk
 
     state = load_trainer_state(run.run_dir / "checkpoints" / "step-12")
     assert state["skip_batches"] == [5, 6, 7] and state["data_step"] == 15
+    # Every step that ran keeps its record (the skipped ones marked), a segment record says where the run went back
+    # to, the skipped-steps counter never goes backwards, and report counts what the rollback undid.
+    records = jsonl(run.run_dir)
+    assert [r["step"] for r in records if r.get("skipped")] == [6, 7, 8]
+    assert [(r["step"], r["batches"]) for r in records if r.get("segment") == "rollback"] == [(4, [5, 6, 7])]
+    counts = [r["skipped_steps"] for r in records if "skipped_steps" in r]
+    assert counts == sorted(counts) and counts[-1] == 3
+    from paratrain.observe.report import load_run, summarize
+
+    summary = summarize(load_run(run.run_dir))
+    assert summary["rolled_back_steps"] == 4 and summary["skipped_steps"] == 3 and summary["steps"] == 12
 
 
 def test_fp16_overflow_is_a_bad_streak_and_never_a_nan_checkpoint(char_data, tmp_path, monkeypatch, capsys):
@@ -190,6 +201,28 @@ def test_fp16_overflow_is_a_bad_streak_and_never_a_nan_checkpoint(char_data, tmp
         run_layout(char_data, tmp_path, "fp16-lost", "single", "training.precision=fp16", "training.steps=8",
                    "resilience.max_bad_steps=3")
     assert not complete_checkpoints(tmp_path / "fp16-lost" / "checkpoints")
+
+
+def test_checkpoints_by_wall_time(char_data, tmp_path):
+    """checkpoint.every_minutes: a save once that much wall time has passed since the last (here: at every step)."""
+    run = train(load_config(None, fast_overrides(char_data, tmp_path, "timed", "training.steps=4", "checkpoint.keep=10",
+                                                 "checkpoint.every_minutes=1e-9")))
+    assert [p.name for p in complete_checkpoints(run.run_dir / "checkpoints")] == [f"step-{i}" for i in range(1, 5)]
+
+
+def test_memory_checked_on_every_rank_before_the_model_is_built(char_data, tmp_path, monkeypatch):
+    """With the real vocabulary, on the ranks (the node's ranks share its host memory): over it, one UserError and no
+    run folder; resilience.memory_check=false (`train --force`) tries anyway."""
+    from paratrain.errors import UserError
+    from paratrain.training import memory_fit
+
+    monkeypatch.setattr(memory_fit, "host_memory_available", lambda: 2**20)
+    with pytest.raises(UserError, match=r"this run needs about .* and this machine has 1.0 MiB of host memory"):
+        train(load_config(None, fast_overrides(char_data, tmp_path, "tight", "training.steps=1")))
+    assert not (tmp_path / "tight").exists()
+    forced = train(load_config(None, fast_overrides(char_data, tmp_path, "forced", "training.steps=1",
+                                                    "resilience.memory_check=false")))
+    assert len(forced.losses) == 1
 
 
 def test_a_checkpoint_with_a_nonfinite_value_is_refused(char_data, tmp_path):
@@ -232,6 +265,20 @@ def test_out_of_memory_halves_micro_batch_same_losses(char_data, tmp_path, monke
     assert out.count("out of memory") == 1 and "micro-batch 8 x accumulation 1 -> 4 x 2" in out
     assert max(abs(a - b) for a, b in zip(run.losses, straight["single"].losses)) <= TOL
     assert [r["micro_batch"] for r in jsonl(run.run_dir) if "loss" in r][-1] == 4
+
+
+def test_out_of_memory_names_one_step(char_data, tmp_path, monkeypatch):
+    """One out-of-memory event names one step everywhere, counted as the progress lines count (issue 35)."""
+    import re
+
+    from paratrain.training.resilience import OutOfMemory
+
+    monkeypatch.setenv("PARATRAIN_FAULTS", "oom@2")  # the third step (PARATRAIN_FAULTS counts from 0)
+    with pytest.raises(OutOfMemory) as e:
+        run_layout(char_data, tmp_path, "oom", "single", "training.micro_batch=1", "training.steps=4")
+    evidence = (tmp_path / "oom" / "oom" / "step-3" / "rank0.txt").read_text().splitlines()[0]
+    for text in (str(e.value), evidence):
+        assert "injected out-of-memory in step 3" in text and set(re.findall(r"step[ -](\d+)", text)) == {"3"}, text
 
 
 def test_out_of_memory_at_micro_batch_one_is_a_clear_error(char_data, tmp_path):

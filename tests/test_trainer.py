@@ -107,9 +107,27 @@ def test_generate_cli(trained_run, capsys):
     assert len(out) == len("ROMEO:") + 20 + 1  # char tokenizer: one character per token
     assert "\ufffd" not in out  # padding ids of the model's vocab are never sampled
     # Deterministic for a seed; a step folder works as well as the run folder.
+    # stderr names the checkpoint and step it sampled from (a run folder: its newest), stdout is the text alone
     step_dir = next((trained_run / "checkpoints").iterdir())
+    assert err == f"sampling from {step_dir} (step 3)\n"
     assert cli.main(["generate", "--checkpoint", str(step_dir), "--prompt", "ROMEO:", "--max-new-tokens", "20"]) == 0
-    assert capsys.readouterr().out == out
+    assert capsys.readouterr() == (out, err)
+
+
+def test_resuming_a_finished_run_trains_nothing(char_data, tmp_path, capsys):
+    """resume=auto on a run whose newest checkpoint is its final step: one line says so, exit 0, nothing trained or
+    written (issue 35)."""
+    from conftest import fast_overrides
+
+    argv = ["train", *(f"--{o}" for o in fast_overrides(char_data, tmp_path, "done", "training.steps=2"))]
+    assert cli.main(argv) == 0
+    run = tmp_path / "done"
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert cli.main([*argv, "--checkpoint.resume=auto"]) == 0
+    out = capsys.readouterr().out
+    assert f"{run} already finished at step 2: nothing to train" in out and "val loss" not in out
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
 def test_bf16_on_cpu(char_data, tmp_path):

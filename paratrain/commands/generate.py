@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from paratrain.errors import OneLineArgumentParser, UserError
 
 MAX_NEW_TOKENS = 1_000_000
@@ -26,8 +28,10 @@ def main(argv: list[str]) -> int:
     from paratrain.generate import prompt_ids, sample
     from paratrain.inference import load_for_generation
 
-    model, tokenizer, _, context = load_for_generation(args.checkpoint)
+    source = []  # which checkpoint and step (a run folder: its newest intact one)
+    model, tokenizer, _, context = load_for_generation(args.checkpoint, notice=source.append)
     ids = prompt_ids(tokenizer, args.prompt)
+    print(*source, file=sys.stderr, flush=True)  # once the prompt passed (a bad one: one error line); stdout: the text
     out = sample(model, ids, args.max_new_tokens, context, args.temperature, args.top_k, args.seed,
                  vocab_limit=tokenizer.vocab_size)
     print(args.prompt + tokenizer.decode(out))

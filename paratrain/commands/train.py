@@ -5,15 +5,18 @@ from __future__ import annotations
 import difflib
 
 from paratrain.config import config_keys_help, load_config
+from paratrain.distributed.failure import EXIT_INTERRUPTED
 from paratrain.errors import UserError
 
-USAGE = """usage: paratrain train [--config FILE.toml] [--nproc N] [--oversubscribe] [--max-restarts N] [--section.key=value ...]
+USAGE = """usage: paratrain train [--config FILE.toml] [--nproc N] [--oversubscribe] [--max-restarts N] [--force] [--verbose] [--section.key=value ...]
        paratrain train --dry-run --world N [--config FILE.toml] [--section.key=value ...]
 
   --config FILE.toml   a config file (e.g. a run's config.toml, or plan/config.toml); overrides win over it
   --nproc N            start N local ranks (one per GPU; on CPU gloo ranks)
   --oversubscribe      allow more CPU ranks than the machine's cores comfortably run
   --max-restarts N     relaunch failed ranks from the newest checkpoint up to N times
+  --force              start even when the memory estimate says the run does not fit this machine
+  --verbose            at start-up also print the memory estimate's table and each rank's place in the mesh
   --dry-run --world N  build the real layout of N ranks here (fake process group, meta device), one rank per
                        pipeline stage, and print their model-state bytes beside the estimator's; no training
 
@@ -71,8 +74,13 @@ def main(argv: list[str]) -> int:
         return 0
     oversubscribe = "--oversubscribe" in argv  # more CPU ranks than paratrain.preflight allows by default
     dry_run = "--dry-run" in argv  # build the layout of --world N ranks here, without training
-    own, overrides = split_overrides([a for a in argv if a not in ("--oversubscribe", "--dry-run")],
+    switches = ("--oversubscribe", "--dry-run", "--force", "--verbose")  # flags without a value
+    own, overrides = split_overrides([a for a in argv if a not in switches],
                                      {"--config", "--nproc", "--max-restarts", "--world"})
+    if "--force" in argv:  # try a run the memory estimate says does not fit
+        overrides.append("resilience.memory_check=false")
+    if "--verbose" in argv:
+        overrides.append("metrics.verbose=true")
     if "--max-restarts" in own:
         overrides.append(f"resilience.max_restarts={int_flag(own, '--max-restarts', 0)}")
     if "--world" in own and not dry_run:
@@ -90,7 +98,7 @@ def main(argv: list[str]) -> int:
         raise
     if result is None or getattr(result, "preempted", False):
         LEAVE_PROMPTLY = True  # a scheduler is waiting for this process to end (see cli.main)
-    return 0
+    return EXIT_INTERRUPTED if getattr(result, "interrupted", False) else 0  # Ctrl-C: saved, and the shell's 130
 
 
 def main_dry_run(cfg, world: int) -> int:

@@ -11,12 +11,12 @@ from pathlib import Path
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "assets" / "tinyshakespeare.txt"
 
 _WHERE = {
-    "Tokenizer": "tokenizers", "load_tokenizer": "tokenizers",
+    "Tokenizer": "tokenizers", "load_tokenizer": "tokenizers", "tokenizer_identity": "tokenizers",
     "choose_dtype": "prepare", "ensure_prepared": "prepare", "prepare_dataset": "prepare",
     "read_meta": "prepare",
     "TokenData": "loader",
     "parse_sources": "mixture",
-    "dataset_meta": "run", "open_split": "run", "prepare_for_config": "run",
+    "dataset_meta": "run", "open_split": "run", "prepare_for_config": "run", "tokenizer_to_prepare": "run",
 }
 
 __all__ = [*_WHERE, "DEFAULT_CORPUS"]

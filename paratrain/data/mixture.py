@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from paratrain.data.tokenizers import load_tokenizer, tokenizer_identity
 from paratrain.errors import ConfigError, UserError
 
 _ONE = 1 << 32  # weights become integer quotas out of 2^32
@@ -70,15 +71,19 @@ class Mixture:
         return out + [r]
 
     def check_tokenizers(self, metas: list):
-        """Every dataset of a mixture must use the same tokenizer (same ids for the same text)."""
+        """Every dataset of a mixture must use the same tokenizer (same ids for the same text), compared by content:
+        one tokenizer.json is the same tokenizer whether a dataset was prepared with it as a file or as "bpe"."""
+        recorded = {m.get("tokenizer_sha256") for m in metas}
+        if len(metas) == 1 or (len(recorded) == 1 and None not in recorded):
+            return  # one recorded hash (an older dataset's is of its files' bytes: the same bytes, the same content)
+        ids = [tokenizer_identity(load_tokenizer(d)) for d in self.dirs]
         ref = metas[0]
-        for d, m in zip(self.dirs[1:], metas[1:]):
-            a = (ref.get("tokenizer"), ref.get("vocab_size"), ref.get("tokenizer_sha256"))
-            b = (m.get("tokenizer"), m.get("vocab_size"), m.get("tokenizer_sha256"))
-            if a != b:
-                raise UserError(f"data.sources: {d} uses a different tokenizer ({b[0]}, vocab {b[1]}) than "
-                                f"{self.dirs[0]} ({a[0]}, vocab {a[1]}); prepare every dataset of a mixture with the "
-                                "same tokenizer (e.g. --tokenizer path/to/tokenizer.json)")
+        for d, m, identity in zip(self.dirs[1:], metas[1:], ids[1:]):
+            if identity != ids[0]:
+                raise UserError(f"data.sources: {d} uses a different tokenizer ({m['tokenizer']}, vocab "
+                                f"{m['vocab_size']}) than {self.dirs[0]} ({ref['tokenizer']}, vocab "
+                                f"{ref['vocab_size']}); prepare every dataset of a mixture with the same tokenizer "
+                                "(e.g. --tokenizer path/to/tokenizer.json)")
 
 
 def parse_sources(entries) -> Mixture:

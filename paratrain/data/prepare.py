@@ -40,7 +40,8 @@ import numpy as np
 
 from paratrain.data.chat import chat_encoder, write_conversations
 from paratrain.data.sources import resolve_inputs
-from paratrain.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, from_spec
+from paratrain.data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, from_spec, load_tokenizer
+from paratrain.data.tokenizers import tokenizer_identity
 from paratrain.data.tokenizers import meta_problem as tokenizer_problem
 from paratrain.errors import UserError, one_line
 from paratrain.files import atomic_dir, holds
@@ -144,7 +145,10 @@ def _build_tokenizer(kind, path, vocab_size, sources, text_field, sample_chars, 
         return CharTokenizer(sorted(chars))
     if kind == "bpe":
         echo(f"training BPE (vocab {vocab_size}) on a sample of at most {sample_chars / 1e6:.0f}M characters")
-        return HFTokenizer.train_bpe(sample_texts(sources, text_field, sample_chars), vocab_size)
+        tok = HFTokenizer.train_bpe(sample_texts(sources, text_field, sample_chars), vocab_size)
+        if tok.vocab_size < vocab_size:  # a small corpus runs out of pairs to merge: the model is built on fewer ids
+            echo(f"vocabulary: {tok.vocab_size:,} ids (asked {vocab_size:,}: the corpus has no more merges)")
+        return tok
     return HFTokenizer.from_file(path)
 
 
@@ -393,14 +397,6 @@ def _claim_partial(out_dir: Path, echo) -> Path:
     return tmp
 
 
-def _tokenizer_checksum(folder: Path, tok) -> str:
-    h = hashlib.sha256(tok.kind.encode())
-    for name in tok.files:
-        h.update((folder / name).read_bytes())
-    h.update(json.dumps([tok.vocab_size, tok.eos_id, tok.bos_id]).encode())
-    return h.hexdigest()
-
-
 def is_validation_doc(doc: int, fraction: float) -> bool:
     """Every 1/fraction-th document, evenly spread: floor((i+1) f) > floor(i f)."""
     return int((doc + 1) * fraction) > int(doc * fraction)
@@ -518,7 +514,7 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
                     source_sha256=combined_checksum(records), sources=records,
                     source_fingerprint=source_fingerprint(sources),
                     val_sources=[s.record() for s in val_sources], tokenizer_files=list(tok.files),
-                    tokenizer_sha256=_tokenizer_checksum(tmp, tok), seconds=round(time.perf_counter() - start, 3))
+                    tokenizer_sha256=tokenizer_identity(tok), seconds=round(time.perf_counter() - start, 3))
         if tok_path is not None:
             meta["tokenizer_source"] = str(tok_path.resolve())
         if chat:
@@ -647,6 +643,21 @@ def ensure_prepared(source, out_dir, tokenizer="char", vocab_size=None, tokenize
                            tokenizer_path=tokenizer_path, overwrite=True, echo=echo, **kw)
 
 
+def planned_tokenizer(source, out_dir, tokenizer=None, vocab_size=None, tokenizer_path=None):
+    """The tokenizer `ensure_prepared` would prepare an empty (or missing) out_dir with, built now and nothing written
+    (BPE trained on the same sample: the same ids); None when out_dir holds something (nothing to prepare, or
+    ensure_prepared's own answer) or no source is given."""
+    meta, problem = _existing_dataset(Path(out_dir))
+    if meta is not None or problem is not None or source is None:
+        return None
+    kind, path = _tokenizer_kind(tokenizer or "char", tokenizer_path)
+    if kind == "bpe" and vocab_size is None:
+        return None  # ensure_prepared names the missing option
+    _check_vocab_args(kind, vocab_size)
+    return _build_tokenizer(kind, path, vocab_size, resolve_inputs(source), "text", int(DEFAULT_SAMPLE_MB * 1e6),
+                            lambda *_: None)
+
+
 def _existing_dataset(out_dir: Path) -> tuple[dict | None, str | None]:
     """(meta, None) for a complete dataset, (None, None) for a missing or empty folder, (None, why) otherwise."""
     if not out_dir.exists():
@@ -669,19 +680,15 @@ def _contradiction(meta: dict, out_dir: Path, tokenizer, vocab_size, tokenizer_p
 
     if tokenizer is not None:
         kind, path = _tokenizer_kind(tokenizer, tokenizer_path)
-        if kind != meta["tokenizer"] or (path is not None and
-                                         _tokenizer_text(path) != _tokenizer_text(out_dir / "tokenizer.json")):
+        if path is not None:  # a file: the same content is the same tokenizer, whatever the dataset recorded it as
+            other = tokenizer_identity(HFTokenizer.from_file(path)) != tokenizer_identity(load_tokenizer(out_dir))
+        else:
+            other = kind != meta["tokenizer"]
+        if other:
             return f"{said('tokenizer', tokenizer_path or tokenizer)} is another tokenizer"
     if vocab_size is not None and vocab_size not in (meta.get("requested_vocab_size"), meta["vocab_size"]):
         return f"{said('vocab_size', vocab_size)} contradicts it"
     return ""
-
-
-def _tokenizer_text(path: Path) -> str | None:
-    try:
-        return HFTokenizer.from_file(path).tok.to_str()
-    except UserError:
-        return None
 
 
 def _described_source(meta: dict) -> str:

@@ -249,10 +249,17 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text):
         # No BOS/EOS here: `prepare` adds them around whole documents.
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return self._encodings([text])[0].ids
 
     def encode_batch(self, texts):
-        return [e.ids for e in self._fast(list(texts), add_special_tokens=False)]
+        return [e.ids for e in self._encodings(list(texts))]
+
+    def _encodings(self, texts: list):
+        try:
+            return self._fast(texts, add_special_tokens=False)
+        except Exception as e:  # the Rust side raises plain Exception, e.g. a WordLevel model without an unk token
+            raise UserError(f"the tokenizer ({self.kind}) cannot encode this text: {one_line(e)}; a tokenizer must "
+                            "encode any text (a WordLevel or WordPiece model needs an unknown token)") from None
 
     def encode_arrays(self, texts):
         # Document text that happens to contain "<|endoftext|>" is text, not a document end.
@@ -260,7 +267,7 @@ class HFTokenizer(Tokenizer):
         if old is not None:
             self.tok.encode_special_tokens = True
         try:
-            return [np.array(e.ids, dtype=np.int64) for e in self._fast(list(texts), add_special_tokens=False)]
+            return [np.array(e.ids, dtype=np.int64) for e in self._encodings(list(texts))]
         finally:
             if old is not None:
                 self.tok.encode_special_tokens = old

@@ -24,6 +24,9 @@ EXIT_CRASH = 1
 EXIT_USER_ERROR = 2
 EXIT_COLLECTIVE_TIMEOUT = 3
 EXIT_INTERRUPTED = 130
+# A Ctrl-C reaches a rank twice (from the terminal, and relayed by the launcher a moment later): one press. A second
+# SIGINT after this long is a second press: stop at once (training/preemption.py, launch.StopRelay).
+INTERRUPT_REPEAT_S = 1.0
 
 _COUNTER, _RECORD = "paratrain/failures", "paratrain/first_failure"
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "communicator was aborted",

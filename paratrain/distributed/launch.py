@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 
-from paratrain.distributed.failure import EXIT_COLLECTIVE_TIMEOUT, EXIT_USER_ERROR
+from paratrain.distributed.failure import EXIT_COLLECTIVE_TIMEOUT, EXIT_INTERRUPTED, EXIT_USER_ERROR, INTERRUPT_REPEAT_S
 from paratrain.distributed.orphans import LAUNCHER_ENV, SERVER_ENV, die_with_parent
 from paratrain.errors import UserError
 
@@ -91,6 +91,12 @@ class Preempted(UserError):
     exit_code = 143
 
 
+class Interrupted(UserError):
+    """The launcher got SIGINT and the ranks ended without saving (exit code 130 = 128 + SIGINT)."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
 def launch(entrypoint, args: tuple, nproc: int, max_restarts: int = 0, grace_s: float = 30.0,
            preload: tuple[str, ...] = ()):
     """Run `entrypoint(*args)` on `nproc` local ranks; returns rank 0's return value. `preload`: modules the ranks
@@ -106,7 +112,7 @@ def launch(entrypoint, args: tuple, nproc: int, max_restarts: int = 0, grace_s: 
     # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    with SigtermRelay(grace_s) as relay:
+    with StopRelay(grace_s) as relay:
         for attempt in range(max_restarts + 1):
             os.environ[ATTEMPT_ENV] = str(attempt)
             try:
@@ -116,6 +122,10 @@ def launch(entrypoint, args: tuple, nproc: int, max_restarts: int = 0, grace_s: 
                 if relay.expired:
                     raise Preempted(f"the ranks did not save and stop within resilience.preempt_grace_s="
                                     f"{grace_s:g} s after SIGTERM; they were killed") from None
+                if relay.aborted:
+                    raise Interrupted("interrupted twice: the ranks were stopped without a checkpoint") from None
+                if relay.interrupted_at is not None:
+                    raise Interrupted(f"interrupted before the ranks had saved (exit codes {codes})") from None
                 if relay.noticed_at is not None:
                     raise Preempted(f"stopped by SIGTERM before the ranks had finished (exit codes {codes})") from None
                 if codes == [EXIT_USER_ERROR]:
@@ -153,11 +163,11 @@ def _launch_once(entrypoint, args: tuple, nproc: int, grace_s: float, preload: t
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # N ranks on one host must not each take every core
-    # SIGTERM is ours (SigtermRelay); elastic keeps the other stop signals, and waits for the ranks at most the
-    # grace period before killing them (its default is 30 s, whatever the scheduler allows).
+    # SIGTERM and SIGINT are ours (StopRelay); elastic keeps the other stop signals, and waits for the ranks at most
+    # the grace period before killing them (its default is 30 s, whatever the scheduler allows).
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"paratrain-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-                          monitor_interval=0.1, signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
+                          monitor_interval=0.1, signals_to_handle="SIGHUP,SIGQUIT",
                           shutdown_timeout=max(1, math.ceil(grace_s)), start_method=START_METHOD)
     start_rank_server(preload)
     quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher",
@@ -173,53 +183,75 @@ def _launch_once(entrypoint, args: tuple, nproc: int, grace_s: float, preload: t
     return results.get(0)
 
 
-class SigtermRelay:
-    """While ranks run: SIGTERM to this launcher is handed to every rank (which saves at its next step boundary and
-    exits 0, so the launcher returns normally), instead of torch elastic's shutdown that waits 30 s for ranks that
-    are waiting for it. Ranks still starting up get the signal too. Past the grace period the ranks are killed."""
+class StopRelay:
+    """While ranks run, the two stop signals to this launcher are handed to every rank, ranks still starting up
+    included, instead of torch elastic's shutdown (which waits 30 s for ranks that are waiting for it):
+    - SIGTERM (a scheduler): each rank saves at its next step boundary and exits 0, so the launcher returns
+      normally; past the grace period the ranks are killed.
+    - SIGINT (Ctrl-C): the same save, with no deadline (the person is there; the run then exits 130). A Ctrl-C at a
+      terminal reaches the ranks directly as well, and they take the relayed copy for the same press
+      (training/preemption.py). A second SIGINT kills the ranks at once, without a checkpoint."""
 
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
-        self.noticed_at: float | None = None
-        self.expired = False
-        self._previous = None
+        self.noticed_at: float | None = None  # the first SIGTERM
+        self.interrupted_at: float | None = None  # the first SIGINT
+        self.expired = False  # the ranks were killed: SIGTERM's grace period ran out
+        self.aborted = False  # the ranks were killed: a second SIGINT
+        self._previous: dict = {}
         self._done = threading.Event()
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_sigterm),
+                              signal.SIGINT: signal.signal(signal.SIGINT, self._on_sigint)}
         return self
 
     def __exit__(self, *exc) -> None:
         self._done.set()
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
     def _on_sigterm(self, signum, frame) -> None:
         if self.noticed_at is None:
             self.noticed_at = time.monotonic()
-            threading.Thread(target=self._relay, name="paratrain-sigterm-relay", daemon=True).start()
+            self._start_relay(signal.SIGTERM, self.noticed_at + self.grace_s)
 
-    def _relay(self) -> None:
+    def _on_sigint(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self.interrupted_at is None:
+            self.interrupted_at = now
+            self._start_relay(signal.SIGINT, math.inf)
+        elif now - self.interrupted_at >= INTERRUPT_REPEAT_S:  # a second press, not the first one's echo
+            self.aborted = True
+            _kill(rank_processes())
+
+    def _start_relay(self, signum, deadline: float) -> None:
+        threading.Thread(target=self._relay, args=(signum, deadline), name="paratrain-stop-relay",
+                         daemon=True).start()
+
+    def _relay(self, signum, deadline: float) -> None:
         told: set[int] = set()
-        deadline = self.noticed_at + self.grace_s
         while not self._done.is_set() and time.monotonic() < deadline:
             for proc in rank_processes():
                 if proc.pid not in told:
                     told.add(proc.pid)
                     try:
-                        proc.send_signal(signal.SIGTERM)
+                        proc.send_signal(signum)
                     except Exception:  # noqa: BLE001 - it exited meanwhile
                         pass
             self._done.wait(0.1)
-        if self._done.is_set():
-            return
-        self.expired = True
-        for proc in rank_processes():
-            try:
-                proc.kill()
-            except Exception:  # noqa: BLE001
-                pass
+        if not self._done.is_set():
+            self.expired = True
+            _kill(rank_processes())
+
+
+def _kill(processes) -> None:
+    for proc in processes:
+        try:
+            proc.kill()
+        except Exception:  # noqa: BLE001 - it exited meanwhile
+            pass
 
 
 class LaunchedUserError(UserError):

@@ -29,13 +29,14 @@ def estimate_for_run(plan, device: str | None = None, gpu_bytes: int | None = No
     trainer compares `Estimate.peak_bytes` (tensors only) with `observe.sysmetrics.device_peak_bytes()` after the
     first steps. On CUDA, gpu_bytes defaults to the device's total memory, so the table says FITS / DOES NOT FIT.
     """
-    import torch  # lazy: the cost model is torch-free (estimate, plan, --help); only a run's own estimate asks it
-
     cfg, lay = plan.cfg, plan.layout
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() and cfg.training.device != "cpu" else "cpu"
-    if gpu_bytes is None and device == "cuda" and torch.cuda.is_available():
-        gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if device is None or (gpu_bytes is None and device == "cuda"):
+        import torch  # lazy: the cost model is torch-free (estimate, plan, --help); only a run's own device asks it
+
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() and cfg.training.device != "cpu" else "cpu"
+        if gpu_bytes is None and device == "cuda" and torch.cuda.is_available():
+            gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     # A pipeline cuts each data-parallel rank's batch into the layout's microbatches (no accumulation loop).
     micro = lay.forward_batch(Batch(plan.global_batch, cfg.training.micro_batch, cfg.training.seq_len))
     recipe = Recipe.from_config(cfg, lay, micro, plan.accum_steps, device)

@@ -705,8 +705,9 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     sizes["overhead"] = overhead
     d = w["dims"]
     notes = list(w["states"].notes)
-    regime = {"single": "fp32 activations", "autocast": "autocast: fp32 residual stream, bf16 matmul/attention",
-              "pure": "bf16 compute, fp32 norm statistics and loss"}[d.regime]
+    half = i.recipe.precision  # (the 16-bit format of the regimes that have one: bf16 or fp16)
+    regime = {"single": "fp32 activations", "autocast": f"autocast: fp32 residual stream, {half} matmul/attention",
+              "pure": f"{half} compute, fp32 norm statistics and loss"}[d.regime]
     notes.append(f"activations: {regime}; per block {fmt_bytes(A.block_stored(d, 'none', None), 'GiB')} "
                  f"without checkpointing")
     if w["moe"] is not None:

@@ -256,7 +256,8 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
         opt_numel = numel
         grads_numel = numel
         if low:
-            notes.append("the sharded fp32 parameters are the master weights; bf16 copies are all-gathered per block")
+            notes.append(f"the sharded fp32 parameters are the master weights; {precision} copies are all-gathered "
+                         "per block")
     else:
         numel = local_numel
         grads_numel = numel
@@ -268,8 +269,8 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
     if low and not layout.uses_fsdp:
         # (routed experts' grouped matmul is not an autocast op: no cached copy of them)
         autocast = sum(count * n for p, count, n in kinds if p.matmul and not p.expert) * BF16
-        notes.append("fp32 parameters are the master weights; autocast caches a bf16 copy of each matmul weight "
-                     "from forward to backward")
+        notes.append(f"fp32 parameters are the master weights; autocast caches each matmul weight's {precision} "
+                     "copy from forward to backward")
     if layout.tp > 1 and not layout.uses_fsdp and stage == 0:
         # Measured (torch 2.13): the vocabulary-parallel embedding's gradient comes back whole (V x C) on every
         # tensor-parallel rank, not as its V/tp shard.

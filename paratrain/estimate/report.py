@@ -13,7 +13,7 @@ ROWS = [  # (key, label)
     ("gradients", "gradients"),
     ("optimizer", "optimizer states"),
     ("master", "fp32 master weights"),
-    ("autocast_copies", "autocast bf16 weight copies"),
+    ("autocast_copies", "autocast 16-bit weight copies"),  # (bf16 or fp16: the run's precision)
     ("activations", "activations (blocks)"),
     ("pipeline", "pipeline in-flight micro-batches"),
     ("logits_loss", "logits and loss"),

@@ -64,12 +64,17 @@ def check_run(args, name: str) -> None:
 
 def dataset_tokenizer(folder: Path, chosen: str | None) -> Path:
     """The tokenizer.json the dataset of the model imported from `folder` is tokenized with: the folder's own
-    (`chosen`, data.tokenizer, may only name that one)."""
+    (`chosen`, data.tokenizer, may only name that one: its file, or a copy with the same content)."""
+    # lazy: the tokenizers library is not needed for the checks of a config without init_from
+    from paratrain.data.tokenizers import HFTokenizer, tokenizer_identity
     # lazy: torch is not needed for the checks before launch
     from paratrain.hf.load import hf_tokenizer_file
 
+    def identity(file) -> str:
+        return tokenizer_identity(HFTokenizer.from_file(file))
+
     path = hf_tokenizer_file(folder)
-    if chosen is not None and (not chosen.endswith(".json") or Path(chosen).resolve() != path.resolve()):
+    if chosen is not None and (not chosen.endswith(".json") or identity(chosen) != identity(path)):
         raise ConfigError(f"data.tokenizer={chosen} conflicts with model.init_from: an imported model reads the "
                           f"ids of its own tokenizer ({path}); leave data.tokenizer unset")
     return path

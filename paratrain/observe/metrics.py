@@ -13,10 +13,16 @@ tokens, rank_memory (list of per-rank dicts, log steps only), checkpoint_save_s 
 step of the save made since the previous record), on the first record of each process layout, world_size, model and params, and with a
 mixture-of-experts model moe_aux_loss, moe_imbalance, moe_dropped_tokens, moe_tokens_per_expert (one list
 per MoE layer; from MoEMeter in distributed/expert_parallel.py), with metrics.numerics_every numerics (per row:
-act_max/_rms, attn_logit_max, mlp_max/_rms, grad_max/_rms, weight_max/_rms, headroom_bits per format) and
+act_max/_rms/_nonfinite, attn_logit_max, mlp_, grad_, weight_max/_rms/_nonfinite, headroom_bits per format, the
+first_nonfinite row) and
 numerics_act_max, numerics_grad_max, numerics_headroom_bits (observe/numerics.py), and on a step the numerics watch
 diagnosed nonfinite (module, rank, batch). mfu is null without a device peak (observe/flops.py).
-The run's last record is {"step", "end": "finished" | "preempted"} with the save made after the last step, if any.
+The run's last record is {"step", "end": "finished" | "preempted" | "interrupted"} with the save made after the
+last step, if any. Every step that ran keeps its record: a step whose update was skipped (non-finite) has
+"skipped": true; steps run after a bad streak and undone by its rollback have "rolled_back": true.
+A segment record {"step": S, "segment": "start" | "resume" | "rollback", ...} opens each start of the run and follows
+each rollback: the records before it for steps after S were abandoned or undone; readers (`in_effect`) keep, for
+each step, the record of the latest segment.
 """
 
 from __future__ import annotations
@@ -80,17 +86,19 @@ class MetricsLog:
         self.enabled = enabled
         self.sinks = list(sinks or [])
         self.file = open(path, "a") if (path is not None and enabled) else None
-        self.total = total_steps
-        if mode == "auto":
+        self.total, self.start_step = total_steps, start_step
+        self.started = time.monotonic()  # the live line's elapsed time: this process's share of the run
+        self.shown: dict = {}  # the shown records so far, merged (the live line's step, loss, val loss, tokens/s)
+        # (step, time) of the first record shown: the ETA's pace counts from there, the start-up left out
+        self.first_shown: tuple[int, float] | None = None
+        self.last_shown_at = self.started  # when the last record was shown: the ETA counts down from there
+        if mode == "auto":  # (a launched rank writes to the launcher's terminal itself: the forkserver's stdout)
             mode = "bar" if sys.stdout.isatty() else "lines"
         self.mode = mode if enabled else "none"
         self.progress = None
         if self.mode == "bar":
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
+            self.progress = live_display(self.live_text)
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step)
             self.progress.start()
         for sink in self.sinks:
             if getattr(sink, "description", None):
@@ -98,8 +106,9 @@ class MetricsLog:
 
     def log(self, record: dict, show: bool = True) -> None:
         record = {"time": round(time.time(), 3), **record}
-        for sink in self.sinks:
-            sink.write(record)
+        if not record.get("rolled_back") and "segment" not in record:  # sinks show the run's numbers as it stands
+            for sink in self.sinks:
+                sink.write(record)
         if not self.enabled:
             return
         if self.file:
@@ -107,19 +116,41 @@ class MetricsLog:
             self.file.flush()
         if not show:
             return
-        text = format_record(record)
         if self.progress is not None:
-            self.progress.update(self.task, completed=record.get("step", 0), info=text)
+            self._advance(record)
         elif self.mode == "lines":
-            print(text, flush=True)
+            print(format_record(record, self.total), flush=True)
 
     def message(self, text: str) -> None:
         if not self.enabled:
             return
-        if self.progress is not None:
-            self.progress.console.print(text)
+        if self.progress is not None and self.shown.get("step", -1) >= self.total:
+            self.progress.stop()  # training is over: the live line stays where it is, above what the run says last
+            self.progress = None
+        if self.progress is not None:  # as printed: no markup ("[rank 1]") and no colours picked by rich
+            self.progress.console.print(text, markup=False, highlight=False)
         elif self.mode != "none":
             print(text, flush=True)
+
+    def _advance(self, record: dict) -> None:
+        """The live line takes a shown record: its step, and what it has of loss, val loss and tokens/s."""
+        now, step = time.monotonic(), record.get("step", self.start_step)
+        self.shown.update({k: v for k, v in record.items() if v is not None})
+        if self.first_shown is None:
+            self.first_shown = (step, now)
+        self.last_shown_at = now
+        self.progress.update(self.task, completed=step)
+
+    def live_text(self) -> str:
+        """The live line's text now (drawn about ten times a second: elapsed and ETA tick between log steps)."""
+        now, step = time.monotonic(), self.shown.get("step", self.start_step)
+        eta = None
+        if self.first_shown is not None and step > self.first_shown[0]:
+            first_step, first_at = self.first_shown
+            per_step = (self.last_shown_at - first_at) / (step - first_step)
+            eta = max(0.0, per_step * (self.total - step) - (now - self.last_shown_at))
+        return live_line(step, self.total, self.shown.get("loss"), self.shown.get("tokens_per_s"), now - self.started,
+                         eta, self.shown.get("val_loss"))
 
     def close(self, linger: bool = True) -> None:
         if self.progress is not None:
@@ -132,13 +163,66 @@ class MetricsLog:
             sink.close()
 
 
-def format_record(r: dict) -> str:
-    parts = [f"step {r['step']:>5}"] if "step" in r else []
+def in_effect(records: list[dict]) -> tuple[list[dict], list[tuple[dict, str]]]:
+    """metrics.jsonl's records (in file order) as the run stands: each segment record (see the module's docstring)
+    undoes the records before it for later steps. Returns (the records in effect, in order; the undone ones with the
+    kind of segment that undid them: "rollback" for a rollback, "start"/"resume" for a later start of the run)."""
+    kept: list[dict] = []
+    undone: list[tuple[dict, str]] = []
+    for r in records:
+        kind, at = r.get("segment"), r.get("step")
+        if isinstance(kind, str) and isinstance(at, int):
+            undone += [(k, kind) for k in kept if isinstance(k.get("step"), int) and k["step"] > at]
+            kept = [k for k in kept if not (isinstance(k.get("step"), int) and k["step"] > at)]
+        kept.append(r)
+    return kept, undone
+
+
+def format_record(r: dict, total: int | None = None) -> str:
+    """A record as one plain line (a pipe or a file: metrics.progress=lines): 'step    10/2000 | loss ... | ...'."""
+    of = f"/{total}" if total is not None else ""
+    parts = [f"step {r['step']:>5}{of}"] if "step" in r else []
     for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val {:.4f}"), ("lr", "lr {:.2e}"),
                      ("grad_norm", "gnorm {:.2f}"), ("tokens_per_s", "{:,.0f} tok/s"), ("mfu", "mfu {:.1%}")):
         if r.get(key) is not None:
             parts.append(fmt.format(r[key]))
     return " | ".join(parts)
+
+
+def live_line(step: int, total: int, loss: float | None, tokens_per_s: float | None, elapsed_s: float,
+              eta_s: float | None, val_loss: float | None = None) -> str:
+    """The live line on a terminal: 'step 120/2000 | loss 3.2100 | 6,294 tok/s | elapsed 1:02 | ETA 16:20'
+    (ETA '-' until two steps have been shown: the first one includes the start-up)."""
+    parts = [f"step {step}/{total}"]
+    if loss is not None:
+        parts.append(f"loss {loss:.4f}")
+    if val_loss is not None:
+        parts.append(f"val {val_loss:.4f}")
+    if tokens_per_s is not None:
+        parts.append(f"{tokens_per_s:,.0f} tok/s")
+    parts.append(f"elapsed {duration(elapsed_s)}")
+    parts.append(f"ETA {duration(eta_s) if eta_s is not None else '-'}")
+    return " | ".join(parts)
+
+
+def duration(seconds: float) -> str:
+    """'0:07', '16:20', '2:03:04' (hours:minutes:seconds)."""
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def live_display(text):
+    """rich's display of the live line: a bar, then `text()`, called at each refresh."""
+    # optional: rich's progress display (~50 ms to import) is loaded only for a terminal
+    from rich.progress import BarColumn, Progress, ProgressColumn
+    from rich.text import Text
+
+    class LiveText(ProgressColumn):
+        def render(self, task) -> Text:
+            return Text(text())
+
+    return Progress(BarColumn(bar_width=20), LiveText())
 
 
 # -- Prometheus ---------------------------------------------------------------------------------

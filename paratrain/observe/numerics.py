@@ -9,9 +9,13 @@ block, the head), max |x| and RMS of
 - after backward, the row's gradients (before clipping: fp16's are the loss-scaled ones, the ones that overflow)
   and its weights,
 and the headroom of the row's largest activation to the bf16 and fp16 maxima, log2(format max / max |x|) in bits
-(0: it overflows). The numbers stay on the device (two all-reduces over every rank: each rank holds some rows'
-values, for its part of the batch) and are read with the step's other numbers at the next settle point
-(`training/loop.py`), as the record's `numerics`.
+(0: it overflows that format). Beside each max the non-finite values are counted: a max (and the ranks' MAX
+all-reduce: NCCL's drops a NaN) may skip a NaN, a count cannot. A row and kind that held one reports max and RMS NaN
+(unless they say inf), its count in `<kind>_nonfinite` and headroom NaN (not a number of bits); `first_nonfinite`
+names the first row, in forward order, whose activations are non-finite: where the NaN started, the row
+`numerics.png` boxes and the replay's table marks. The numbers stay on the device (two all-reduces over every rank:
+each rank holds some rows' values, for its part of the batch) and are read with the step's other numbers at the next
+settle point (`training/loop.py`), as the record's `numerics`.
 
 A step whose loss or gradient norm turns out non-finite at the settle point is replayed forward (no gradients) on
 the same batch and the weights of that moment, every module's output checked: the first module in the order outputs
@@ -36,6 +40,7 @@ from paratrain.distributed.initialize import canonical_name
 from paratrain.distributed.parallelize import unwrap
 from paratrain.distributed.tensors import local_tensor, torch_dtype
 from paratrain.modes import LOW_PRECISIONS, headroom_format
+from paratrain.observe.replay import first_nonfinite_row
 
 FORMATS = {p: torch.finfo(torch_dtype(p)).max for p in LOW_PRECISIONS}  # the largest finite value of each
 ACTIVATIONS, LOGITS, MLP, GRADS, WEIGHTS = range(5)  # the kinds measured per row
@@ -96,8 +101,10 @@ class _LogitWatch:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._watch.active:
-            self._watch.add_max(self._row, LOGITS, max_logit(q, k))
+            top = max_logit(q, k)
+            self._watch.add_max(self._row, LOGITS, top)
             self._watch.sums[self._row, LOGITS, 1] += 1
+            self._watch.sums[self._row, LOGITS, 2] += ~torch.isfinite(top)  # the ranks' MAX may drop its NaN
         return self._inner.attend(q, k, v)
 
 
@@ -179,6 +186,7 @@ class NumericsWatch:
         self.add_max(row, kind, torch.linalg.vector_norm(x, math.inf, dtype=torch.float32))
         self.sums[row, kind, 0] += torch.linalg.vector_norm(x, 2, dtype=torch.float32).square()
         self.sums[row, kind, 1] += x.numel()
+        self.sums[row, kind, 2] += x.numel() - torch.isfinite(x).sum()  # on the device, read with the rest
 
     def add_max(self, row: int, kind: int, value: torch.Tensor) -> None:
         self.max[row, kind] = torch.maximum(self.max[row, kind], value.to(self.max.device))
@@ -202,7 +210,8 @@ class NumericsWatch:
         self.active = True
         self.max = torch.zeros(len(self.rows), len(KIND_NAMES), device=self.device)
         self.max[:, LOGITS] = -math.inf  # a logit can be negative; the other kinds are absolute values
-        self.sums = torch.zeros(len(self.rows), len(KIND_NAMES), 2, device=self.device)
+        # per row and kind: the sum of squares, the count, the count of non-finite values
+        self.sums = torch.zeros(len(self.rows), len(KIND_NAMES), 3, device=self.device)
 
     @torch.no_grad()
     def after_backward(self) -> None:
@@ -234,36 +243,41 @@ class NumericsWatch:
         return lambda: self.record(stats.tolist())
 
     def record(self, values: list[float]) -> dict:
-        """The record's numerics from the reduced statistics (the max of each row and kind, then the sums of squares
-        and the counts)."""
+        """The record's numerics from the reduced statistics (the max of each row and kind, then the sums of squares,
+        the counts and the non-finite counts)."""
         R, K = len(self.rows), len(KIND_NAMES)
         maxes = [values[r * K:(r + 1) * K] for r in range(R)]
         sums = values[R * K:]
 
-        def count(r, k):
-            return sums[(r * K + k) * 2 + 1]
+        def at(r, k, i):  # i: 0 the sum of squares, 1 the count, 2 the non-finite count
+            return sums[(r * K + k) * 3 + i]
+
+        def nonfinite(r, k, v):  # a finite max or RMS beside a non-finite count skipped a NaN
+            return math.nan if at(r, k, 2) > 0 and math.isfinite(v) else v
 
         def amax(r, k):
-            return maxes[r][k] if count(r, k) > 0 else None
+            return nonfinite(r, k, maxes[r][k]) if at(r, k, 1) > 0 else None
 
         def rms(r, k):
-            n = count(r, k)
-            return math.sqrt(sums[(r * K + k) * 2] / n) if n > 0 else None
+            n = at(r, k, 1)
+            return nonfinite(r, k, math.sqrt(at(r, k, 0) / n)) if n > 0 else None
 
         out = {"rows": self.rows}
         for k, kind in enumerate(KIND_NAMES):
             out[f"{kind}_max"] = [amax(r, k) for r in range(R)]
-            if k != LOGITS:
+            if k != LOGITS:  # the logits' count is of attention calls, not of values
                 out[f"{kind}_rms"] = [rms(r, k) for r in range(R)]
-        largest = [max((v for v in (out["act_max"][r], out["mlp_max"][r]) if v is not None), default=None)
-                   for r in range(R)]
+                out[f"{kind}_nonfinite"] = [int(at(r, k, 2)) if at(r, k, 1) > 0 else None for r in range(R)]
+        largest = [_largest(out["act_max"][r], out["mlp_max"][r]) for r in range(R)]
         out["headroom_bits"] = {fmt: [headroom_bits(v, top) for v in largest] for fmt, top in FORMATS.items()}
+        first = first_nonfinite_row(out)
+        out["first_nonfinite"] = None if first is None else self.rows[first]
         summary = {"numerics": out}
         for key in ("act_max", "grad_max"):
             present = [v for v in out[key] if v is not None]
             summary[f"numerics_{key}"] = max(present, key=_nan_last) if present else None
         head = [v for v in out["headroom_bits"][self.low_format] if v is not None]
-        summary["numerics_headroom_bits"] = min(head) if head else None
+        summary["numerics_headroom_bits"] = min(head, key=_nan_first) if head else None  # NaN: a row has none
         return summary
 
     # -- a non-finite step ------------------------------------------------------------------------
@@ -322,12 +336,24 @@ def _nan_last(v: float) -> float:
     return math.inf if math.isnan(v) else v
 
 
+def _nan_first(v: float) -> float:
+    return -math.inf if math.isnan(v) else v
+
+
+def _largest(*values: float | None) -> float | None:
+    """The largest of a row's maxima, a non-finite one first (Python's max keeps or drops a NaN by its place)."""
+    present = [v for v in values if v is not None]
+    return next((v for v in present if not math.isfinite(v)), max(present, default=None))
+
+
 def headroom_bits(largest: float | None, format_max: float) -> float | None:
-    """log2(format max / max |x|): how many doublings the largest value can take before the format overflows
-    (0 once it has: an infinite or NaN max)."""
+    """log2(format max / max |x|): how many doublings the largest value can take before the format overflows (0: a
+    finite value past the format's max); NaN for an infinite or NaN max, which has no headroom to measure."""
     if largest is None:
         return None
-    if not math.isfinite(largest) or largest >= format_max:
+    if not math.isfinite(largest):
+        return math.nan
+    if largest >= format_max:
         return 0.0
     return math.log2(format_max / largest) if largest > 0 else None
 

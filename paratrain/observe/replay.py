@@ -41,17 +41,36 @@ def _f(v, fmt: str = "{:.3g}") -> str:
     return fmt.format(v) if math.isfinite(v) else str(v)
 
 
+FORWARD_KINDS = ("attn_logit_max", "mlp_max", "act_max")  # a row's activations, in the order its forward makes them
+
+
+def _nonfinite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isfinite(v)
+
+
+def first_nonfinite_row(numerics: dict) -> int | None:
+    """The index of the first row, in forward order, whose activations (output, attention logits, MLP hidden) are
+    non-finite in a record's `numerics`: where a NaN or an overflow started. Gradients are left out: backward runs
+    the rows the other way."""
+    columns = [numerics[k] for k in FORWARD_KINDS if isinstance(numerics.get(k), list)]
+    return next((i for i in range(len(numerics["rows"])) if any(i < len(c) and _nonfinite(c[i]) for c in columns)),
+                None)
+
+
 def format_numerics(numerics: dict, low_format: str = "bf16") -> str:
-    """A watch step's numerics (the record's `numerics`) as a table, one line per row."""
+    """A watch step's numerics (the record's `numerics`) as a table, one line per row; the first non-finite row
+    marked."""
     head = (f"{'row':<6} | {'act max':>9} {'act rms':>9} | {'logit max':>9} | {'mlp max':>9} {'mlp rms':>9} | "
             f"{'grad max':>9} {'grad rms':>9} | {'weight max':>10} | {low_format} headroom")
     lines = [head]
+    first = first_nonfinite_row(numerics)
     for i, row in enumerate(numerics["rows"]):
         v = {k: numerics[k][i] for k in numerics if isinstance(numerics[k], list) and k != "rows"}
         room = numerics["headroom_bits"][low_format][i]
         lines.append(f"{row:<6} | {_f(v['act_max']):>9} {_f(v['act_rms']):>9} | {_f(v['attn_logit_max']):>9} | "
                      f"{_f(v['mlp_max']):>9} {_f(v['mlp_rms']):>9} | {_f(v['grad_max']):>9} {_f(v['grad_rms']):>9} | "
-                     f"{_f(v['weight_max']):>10} | {_f(room, '{:.1f} bits')}")
+                     f"{_f(v['weight_max']):>10} | {'non-finite' if _nonfinite(room) else _f(room, '{:.1f} bits')}"
+                     + ("  <- first non-finite" if i == first else ""))
     return "\n".join(lines)
 
 

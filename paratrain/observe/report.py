@@ -31,7 +31,8 @@ from paratrain.config import ParallelConfig, tomllib
 from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Layout
 from paratrain.modes import LOW_PRECISIONS, headroom_format
-from paratrain.observe.metrics import imbalance
+from paratrain.observe.replay import first_nonfinite_row
+from paratrain.observe.metrics import imbalance, in_effect
 
 MIB = 2**20
 
@@ -45,10 +46,12 @@ class Run:
     config: dict = field(default_factory=dict)
     bad_lines: int = 0
     saves: dict[int, float] = field(default_factory=dict)  # checkpoint step -> save duration (s)
-    end: dict | None = None  # the run's last record ({"end": "finished" | "preempted"}), when it wrote one
+    end: dict | None = None  # the run's last record ({"end": "finished" | "preempted" | "interrupted"}), if any
     info: dict = field(default_factory=dict)  # what the last process said it ran: layout, world_size, model, params
     nonfinite: list[dict] = field(default_factory=list)  # every step the numerics watch diagnosed (even rolled back)
     watched: list[dict] = field(default_factory=list)  # every record with the numerics watch's statistics, in log order
+    rolled_back: int = 0  # step records undone by a rollback (the run went back to a checkpoint)
+    abandoned: int = 0  # step records a later start of the run went back over (a restart, a resume)
 
     @property
     def world_size(self) -> int:
@@ -111,8 +114,8 @@ class Run:
         end = self.end if self.end is not None and self.end["step"] >= last else None
         if end is not None and end.get("end") == "finished":
             return "finished"
-        if end is not None and end.get("end") == "preempted":
-            return f"preempted at step {end['step']}{of} (resumable)"
+        if end is not None and end.get("end") in ("preempted", "interrupted"):
+            return f"{end['end']} at step {end['step']}{of} (resumable)"
         if end is None and not self.info and total and last >= total and any(s >= total for s, _ in self.vals):
             return "finished"  # an older log: no end record, but the final evaluation is there
         return f"unfinished (no final record; stopped at step {last}{of})"
@@ -129,7 +132,7 @@ def load_run(path: str | Path) -> Run:
     vals: dict[int, float] = {}
     saves: dict[int, float] = {}
     end, info, nonfinite, watched = None, {}, [], []
-    bad = 0
+    bad, records = 0, []
     for raw in log.read_bytes().splitlines():
         if not raw.strip():
             continue
@@ -138,12 +141,16 @@ def load_run(path: str | Path) -> Run:
         except (UnicodeDecodeError, json.JSONDecodeError):
             bad += 1  # e.g. the last line of a run killed mid-write, or bytes that are not text
             continue
-        if not isinstance(r, dict) or not isinstance(r.get("step"), int):
-            continue
+        if isinstance(r, dict) and isinstance(r.get("step"), int):
+            records.append(r)
+            if isinstance(r.get("nonfinite"), dict):  # kept even when a rollback undoes the step
+                nonfinite.append({"step": r["step"], **r["nonfinite"]})
+    records, undone = in_effect(records)  # a restarted or rolled-back run: the steps it stands on
+    undone_steps = {kind: sum(1 for u, k in undone if k == kind and "loss" in u) for kind in ("rollback", "start")}
+    undone_steps["start"] += sum(1 for u, k in undone if k == "resume" and "loss" in u)
+    for r in records:
         if "loss" in r:
             by_step[r["step"]] = r
-        if isinstance(r.get("nonfinite"), dict):  # kept even when a rollback logs the step again
-            nonfinite.append({"step": r["step"], **r["nonfinite"]})
         if _numerics_record(r):
             watched.append(r)
         if _finite(r.get("val_loss")):
@@ -165,7 +172,7 @@ def load_run(path: str | Path) -> Run:
             config = {}
     name = config.get("run", {}).get("name", path.name)
     return Run(name, path, [by_step[s] for s in sorted(by_step)], sorted(vals.items()), config, bad, saves, end, info,
-               nonfinite, watched)
+               nonfinite, watched, rolled_back=undone_steps["rollback"], abandoned=undone_steps["start"])
 
 
 def _numerics_record(r: dict) -> bool:
@@ -221,6 +228,7 @@ def summarize(run: Run) -> dict:
         "mfu": _median(r.get("mfu") for r in timed),
         "step_time": split,
         "skipped_steps": last.get("skipped_steps", 0), "restarts": max(r.get("restarts", 0) for r in steps),
+        "rolled_back_steps": run.rolled_back, "abandoned_steps": run.abandoned,
         "final_loss_scale": last.get("loss_scale"),  # fp16
         "checkpoint_saves": len(saves), "checkpoint_save_s_mean": _mean(saves),
         "checkpoint_save_s_max": max(saves) if saves else None,
@@ -247,7 +255,7 @@ def numerics_summary(run: Run) -> dict | None:
                     if _is_num(v)]
 
         cells = cells_of(lambda r: r["numerics"]["act_max"])
-        room = cells_of(lambda r: r["numerics"]["headroom_bits"][fmt])
+        room = [c for c in cells_of(lambda r: r["numerics"]["headroom_bits"][fmt]) if math.isfinite(c[0])]  # bits
         if cells:
             v, step, row = max(cells, key=lambda c: math.inf if math.isnan(c[0]) else c[0])
             out["largest_activation"] = {"value": v, "step": step, "row": row}
@@ -393,13 +401,15 @@ def scaling_points(summaries: list[dict]) -> list[dict]:
 
 def plot_numerics(run: Run):
     """Heat maps, layer by watched step (every watched record in log order: a step rolled back and run again
-    appears twice): log10 max |activation|, log10 max |gradient|, headroom in bits."""
+    appears twice): log10 max |activation|, log10 max |gradient|, headroom in bits; non-finite cells marked x, each
+    step's first non-finite row (observe/replay.py) boxed."""
     import numpy as np
 
     plt = _pyplot()
     rows = run.watched[-1]["numerics"]["rows"]
     watched = [r for r in run.watched if r["numerics"]["rows"] == rows]
     steps = [r["step"] for r in watched]
+    firsts = [first_nonfinite_row(r["numerics"]) for r in watched]
     fmt = _low_format(run)
     panels = [("act_max", "log10 max |activation|", True), ("grad_max", "log10 max |gradient|", True),
               (("headroom_bits", fmt), f"{fmt} headroom (bits; 0 = overflow)", False)]
@@ -415,11 +425,14 @@ def plot_numerics(run: Run):
             for j, (_, overflowed) in enumerate(row):
                 if overflowed:
                     ax.text(j, i, "x", ha="center", va="center", color="red", fontsize="small", fontweight="bold")
+        for j, i in enumerate(firsts):
+            if i is not None:
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2))
         ax.set_yticks(range(len(rows)), rows, fontsize="small")
         ax.set_xticks(range(len(steps)), steps, fontsize="x-small", rotation=90 if len(steps) > 20 else 0)
         ax.set(xlabel="step", ylabel="layer", title=title)
         fig.colorbar(image, ax=ax)
-    fig.suptitle(f"{run.name}: numerics watch (x: inf or NaN)")
+    fig.suptitle(f"{run.name}: numerics watch (x: inf or NaN; boxed: where it started)")
     fig.tight_layout()
     return fig
 
@@ -478,6 +491,11 @@ def render_markdown(summaries: list[dict], points: list[dict], plots: list[str],
                      f"{_f(s['final_loss'])} | {best} | {_f(s['final_val_loss'])} | {_f(s['tokens_per_s'], '{:,.0f}')} | "
                      f"{_f(s['tokens_per_s_per_device'], '{:,.0f}')} | {_f(s['mfu'], '{:.2%}')} | "
                      f"{s['skipped_steps']}{_scale(s)} | {s['restarts']} |")
+    for s in summaries:
+        if s["rolled_back_steps"] or s["abandoned_steps"]:
+            lines += ["", f"Note: {s['name']}: the numbers are those of the steps the run stands on; left out: "
+                      f"{s['rolled_back_steps']} step(s) undone by a rollback, {s['abandoned_steps']} step(s) a later "
+                      "start of the run went back over (restarts, resumes from an older checkpoint)."]
     unfinished = [s for s in summaries if s["status"] != "finished"]
     lines += [""] + [f"Note: {s['name']} is {s['status']}: its numbers are those of the steps it logged."
                      for s in unfinished] + [""] * bool(unfinished)

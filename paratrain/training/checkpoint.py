@@ -651,12 +651,21 @@ class Checkpointer:
         self.warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.writer = CheckpointWriter(self.root, cfg.checkpoint.keep, is_main, cfg.checkpoint.async_save, tokenizer)
         self.last_save: dict | None = None  # the last save's duration and step, reported once in the next record
+        self.last_save_at = time.monotonic()  # checkpoint.every_minutes counts from the start and from each save
+        self.save_asked = False  # the wall-clock timer ran out on some rank: every rank saves after this step
+        self.saved_path: Path | None = None  # this run's newest save
         # What makes a resumed run the same run: the ids (the tokenizer) and the data they index.
         self.identity = run_identity(tokenizer, cfg.data)
 
     def due(self, step: int) -> bool:
         every = self.spec.cfg.checkpoint.every
-        return bool(every) and step % every == 0 and step < self.spec.cfg.training.steps
+        return (self.save_asked or bool(every) and step % every == 0) and step < self.spec.cfg.training.steps
+
+    def timer_ran_out(self) -> bool:
+        """checkpoint.every_minutes have passed since the start or the last save, on this rank's clock (the ranks
+        agree on it through `ResilienceGuard.at_boundary`)."""
+        minutes = self.spec.cfg.checkpoint.every_minutes
+        return minutes > 0 and time.monotonic() - self.last_save_at >= minutes * 60
 
     def save(self, next_step: int) -> Path:
         bad = nonfinite_state(self.model, self.optimizer)
@@ -667,6 +676,7 @@ class Checkpointer:
         extra = self.comm.state_dict() if self.comm is not None else None
         path = self.writer.save(next_step, self.model, self.optimizer, self._state(next_step), extra)
         self.last_save = {"checkpoint_save_s": time.perf_counter() - start, "checkpoint_step": next_step}
+        self.last_save_at, self.save_asked, self.saved_path = time.monotonic(), False, path
         return path
 
     def take_save(self) -> dict:
@@ -768,7 +778,10 @@ class Checkpointer:
             tidy(self.root, self.warn)
         _barrier()
         path = resolve_resume(resume, self.root, warn=self.warn, problem=self.problem)
+        self.last_save_at = time.monotonic()  # the wall-clock timer counts training, not start-up
         if path is None:
+            if resume == "auto":  # a person who asked to continue must learn that nothing was there
+                self.notice(f"no checkpoint in {self.spec.cfg.run_dir}: starting from step 0")
             return 0
         step = self.restore(path)
         self.notice(f"resumed from {path} at step {step}")

@@ -17,7 +17,6 @@ steps since the last settle point (a restart replays them from the checkpoint, w
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from paratrain.distributed.parallelize import unwrap
 from paratrain.distributed.pipeline import check_stage_gpu
 from paratrain.errors import UserError
 from paratrain.estimate import estimate_for_run
+from paratrain.estimate.gpus import fmt_bytes
 from paratrain.faults import ATTEMPT_ENV, FaultInjector
 from paratrain.generate import prompt_ids, sample
 from paratrain.models import count_active_params, count_params, flops_per_token, format_params
@@ -71,7 +71,8 @@ class TrainResult:
     final_weights: dict | None = None  # full weights by name (rank 0, when asked for)
     skipped_steps: int = 0
     memory: list[dict] = field(default_factory=list)  # per rank: bytes of params, grads, optimizer state
-    preempted: bool = False
+    preempted: bool = False  # stopped early by SIGTERM or SIGINT, with a checkpoint to resume from
+    interrupted: bool = False  # by SIGINT (Ctrl-C): the command exits 130
     run_dir: Path | None = None
 
 
@@ -116,7 +117,9 @@ class Trainer:
         # index), not yet logged
         if env.world_size > 1:
             register_process()
-            env.print(f"{dev} | mesh position {self.dims.coordinates()} | data shard {self.dims.dp_rank}", all_ranks=True)
+            if cfg.metrics.verbose:  # one line per rank: a screenful on a node, so only when asked for
+                env.print(f"{dev} | mesh position {self.dims.coordinates()} | data shard {self.dims.dp_rank}",
+                          all_ranks=True)
 
     # -- the loop ----------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -127,11 +130,20 @@ class Trainer:
             self._load_hf_weights(folder)
         # The checkpoint to resume from is found, verified and loaded before this run writes anything.
         start = step = self.checkpointer.resume(restarted=self.restarts > 0)
+        # A finished run started again: nothing to do (a checkpoint resumed by path, or a relaunch, at the last step
+        # still evaluates and exports: paratrain verify evaluates checkpoints so).
+        if start >= t.steps and cfg.checkpoint.resume == "auto" and not self.restarts:
+            self.notice(f"{cfg.run_dir} already finished at step {start}: nothing to train")
+            return result
         if env.is_main:
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
             (cfg.run_dir / "config.toml").write_text(dump_toml(resolved_config(cfg, spec.layout)))
-        self.log = MetricsLog(cfg.run_dir / "metrics.jsonl", t.steps, 0, cfg.metrics.progress, enabled=env.is_main,
+        self.log = MetricsLog(cfg.run_dir / "metrics.jsonl", t.steps, start, cfg.metrics.progress, enabled=env.is_main,
                               sinks=build_sinks(cfg.metrics, env, cfg.run.name, cfg.run_dir))
+        # Each start of the run: readers take the records after this one for every step from `start` on (a resumed
+        # or restarted run never shows the steps it abandoned).
+        self.log.log({"step": start, "segment": "resume" if start else "start", "restarts": self.restarts},
+                     show=False)
         if start == 0 and folder is not None and spec.lora is None:  # a fresh optimizer: the weights from the folder
             self._load_hf_weights(folder)
         self._print_header()
@@ -142,13 +154,15 @@ class Trainer:
             while step < t.steps:
                 if self.faults:
                     self.faults.before_step(step)
-                if self.guard.preempted():  # every rank stops at the same step boundary
+                stop, save = self.guard.at_boundary(self.checkpointer.timer_ran_out())  # agreed by every rank
+                if stop:  # SIGTERM or Ctrl-C: every rank saves at the same step boundary
                     back = self._settle(result, start)
                     self._log_settled()
                     step = step if back is None else back
-                    self._save_preempted(step, start)
-                    result.preempted = True
+                    result.preempted, result.interrupted = True, self.guard.preemption.interrupted
+                    self._save_preempted(step, start, result.interrupted)
                     break
+                self.checkpointer.save_asked |= save  # checkpoint.every_minutes: a save after this step
                 self.checkpointer.poll()
                 data_step = self.progress.next_batch()
                 t0 = self.recorder.start(step)
@@ -198,7 +212,8 @@ class Trainer:
                 self._finish(result, start, memory_rows)
             self.checkpointer.finish()
             # The run's last record: how it ended, and the save made after the last step's record (if any).
-            self.log.log({"step": step, "end": "preempted" if result.preempted else "finished",
+            ended = "interrupted" if result.interrupted else "preempted" if result.preempted else "finished"
+            self.log.log({"step": step, "end": ended,
                           **self.checkpointer.take_save()}, show=False)
         self.log.close(linger=not result.preempted)  # preempted: no time to wait for a last scrape
         return result
@@ -206,30 +221,34 @@ class Trainer:
     def _settle(self, result: TrainResult, start: int) -> int | None:
         """A settle point: read every pending step back (one transfer), then in step order let the guard count the
         non-finite ones and keep each loss and record (`self.logged`, written by `_log_settled`). Returns the step a
-        rollback went back to (the pending steps after the bad streak are dropped: they would not have run), else
-        None."""
+        rollback went back to, else None. Every step that ran keeps its record: a skipped update is marked
+        `skipped`, and on a rollback the steps run after the bad streak are logged marked `rolled_back`, followed by
+        a `segment` record that tells readers the records after its step were undone."""
         pending, self.pending, self.logged = self.pending, [], []
-        for entry, values in zip(pending, self.recorder.read(pending)):
-            loss_finite = math.isfinite(values.loss)
-            # (fp16: a finite loss with overflowing gradients is the scaler's to skip: no forward to replay)
-            by_scaler = values.loss_scale is not None and loss_finite
-            finding = None if values.finite or by_scaler else self._diagnose(entry)
+        read = self.recorder.read(pending)
+        for i, (entry, values) in enumerate(zip(pending, read)):
+            finding = None if values.finite or self.guard.by_scaler(values) else self._diagnose(entry)
             detail = finding.text() if finding else ""
-            bad = self.guard.after_update(entry.step, values.finite, entry.data_step, detail, values.loss_scale,
-                                          loss_finite)
+            bad = self.guard.after_update(entry.step, values, entry.data_step, detail)
+            record = self.recorder.finish(entry, values, self.progress.skipped)
+            if not values.finite:
+                record["skipped"] = True
+            if finding:  # a watch step keeps its own numerics (gradients included); others get the replay's
+                record.update({k: v for k, v in finding.record().items() if k not in record})
+            self.logged.append((record, entry.show, entry.profile_index))
             if bad is not None:
+                for later, later_values in zip(pending[i + 1:], read[i + 1:]):  # ran, then undone by the rollback
+                    undone = self.recorder.finish(later, later_values, self.progress.skipped)
+                    self.logged.append(({**undone, "rolled_back": True}, False, later.profile_index))
                 self._log_settled()
                 back = self.checkpointer.rollback(bad)  # also the learning rate (the scheduler's saved state)
                 if back is None:
                     raise UserError(f"{len(bad)} consecutive non-finite steps and no checkpoint to roll back to; "
                                     f"{detail}")
+                self.log.log({"step": back, "segment": "rollback", "batches": sorted(bad)}, show=False)
                 del result.losses[max(0, back - start):]
                 return back
             result.losses.append(values.loss)
-            record = self.recorder.finish(entry, values, self.progress.skipped)
-            if finding:  # a watch step keeps its own numerics (gradients included); others get the replay's
-                record.update({k: v for k, v in finding.record().items() if k not in record})
-            self.logged.append((record, entry.show, entry.profile_index))
         return None
 
     def _diagnose(self, entry: PendingRecord) -> Finding:
@@ -278,10 +297,10 @@ class Trainer:
         n_params, n_active = count_params(spec.model_args), count_active_params(spec.model_args)
         active = f" ({format_params(n_active)} active per token)" if n_active != n_params else ""  # mixture of experts
         self.log.message(f"model {spec.model_name}: {format_params(n_params)} parameters{active} | "
-                         f"layout {spec.layout.describe()} | "
-                         f"global batch {spec.global_batch} x {t.seq_len} tokens (micro {self.progress.micro_batch} x "
-                         f"accum {self.progress.accum_steps} x dp {spec.layout.dp}; {spec.batch_fixed}) | "
                          f"{t.precision} on {self.env.device.type} | {self._peak_text()}")
+        self.log.message(f"layout {spec.layout.describe()} | "
+                         f"global batch {spec.global_batch} x {t.seq_len} tokens (micro {self.progress.micro_batch} x "
+                         f"accum {self.progress.accum_steps} x dp {spec.layout.dp}; {spec.batch_fixed})")
         if spec.layout.pipelined:
             self.log.message(spec.layout.describe_pipeline())
         for line in (self.train_data.describe(), spec.lora and lora_summary(unwrap(self.train_step.model))):
@@ -295,18 +314,21 @@ class Trainer:
         return (f"MFU n/a on {self.env.device.type}: no datasheet peak (measured matmul {self.peak / 1e12:.2f} TFLOP/s "
                 f"is not one; set metrics.peak_tflops for MFU)")
 
-    def _save_preempted(self, step: int, start: int) -> None:
+    def _save_preempted(self, step: int, start: int, interrupted: bool) -> None:
+        what = "interrupted" if interrupted else "preempted"
         self.checkpointer.finish()
         if step == start:  # stopped before the first step: the state is the one this run started from
             if self.env.is_main:
                 mark_preempted(self.cfg.run_dir, step)
-            self.notice(f"preempted at step {step} before any progress: nothing new to save")
+            self.notice(f"{what} at step {step} before any progress: nothing new to save")
             return
-        path = self.checkpointer.save(step)
+        saved = self.checkpointer.saved_path
+        # (a periodic save may have just written this very step: not twice)
+        path = saved if saved is not None and saved.name == f"step-{step}" else self.checkpointer.save(step)
         self.guard.preemption.saved_step = step
         if self.env.is_main:
             mark_preempted(self.cfg.run_dir, step)
-        self.notice(f"preempted: saved {path} at step {step}; resume with --checkpoint.resume=auto")
+        self.notice(f"{what}: saved {path} at step {step}; resume with --checkpoint.resume=auto")
 
     def _finish(self, result: TrainResult, start: int, memory_rows) -> None:
         """Final evaluation, checkpoint, export, memory report and sample."""
@@ -344,13 +366,20 @@ class Trainer:
             log.message(f"val loss {result.val_loss:.4f}")
 
     def _print_memory_estimate(self):
-        """The memory estimator's table for this very layout, before the first step."""
+        """The memory estimator's verdict for this very layout in one line, before the first step; its table goes to
+        RUN_DIR/memory-estimate.txt (and with metrics.verbose to the screen, less the model line shown above)."""
         try:
             estimate = estimate_for_run(self.spec, device=self.env.device.type)
         except UserError as e:
             self.log.message(f"memory estimate unavailable: {e}")
             return None
-        self.log.message(estimate.format_table())
+        table = estimate.format_table()
+        path = self.cfg.run_dir / MEMORY_TABLE
+        if self.env.is_main:
+            path.write_text(table + "\n")
+        self.log.message(memory_fit_line(estimate, path))
+        if self.cfg.metrics.verbose:
+            self.log.message(table.split("\n", 1)[1])
         if self.env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.env.device)
         return estimate
@@ -385,6 +414,21 @@ class Trainer:
         rows = [None] * self.env.world_size
         dist.all_gather_object(rows, mine)
         return rows
+
+
+MEMORY_TABLE = "memory-estimate.txt"  # in the run folder: the estimator's table for the run's layout
+
+
+def memory_fit_line(est, table: Path) -> str:
+    """'memory: 1.20 GiB of 79.65 GiB per rank (estimate) fits; table: runs/x/memory-estimate.txt' (on a CPU, no
+    device memory to compare with: 'memory: 2.1 MiB per rank (estimate); ...')."""
+    size = f"{fmt_bytes(est.total_bytes)} per rank (estimate)"
+    if est.fits is not None:
+        would = f" (would fit: {est.suggestion['change']})" if est.suggestion else ""
+        size = f"{fmt_bytes(est.total_bytes)} of {fmt_bytes(est.gpu_bytes)} per rank (estimate) " + \
+            ("fits" if est.fits else f"DOES NOT FIT{would}")
+    host = f"; host {fmt_bytes(est.host_bytes)} per rank" if est.host else ""  # offloaded states and activations
+    return f"memory: {size}{host}; table: {table}"
 
 
 def format_memory_report(rows: list[dict]) -> str:

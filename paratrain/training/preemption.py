@@ -1,4 +1,4 @@
-"""SIGTERM in a training process: a preemption notice with a deadline.
+"""SIGTERM in a training process: a preemption notice with a deadline; SIGINT (Ctrl-C): the same stop, by a person.
 
 The Python handler only sets a flag; the ranks agree on it at the next step boundary, save, and exit
 (`ResilienceGuard.preempted`). The deadline must hold even when the main thread is blocked inside a collective
@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 
+from paratrain.distributed.failure import EXIT_INTERRUPTED, INTERRUPT_REPEAT_S
 from paratrain.faults import ATTEMPT_ENV
 
 EXIT_PREEMPT_EXPIRED = 143  # 128 + SIGTERM: what a scheduler expects from a job that did not stop in time
@@ -30,11 +31,13 @@ class PreemptionWatch:
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
         self.requested = False
+        self.interrupted_at: float | None = None  # the first SIGINT: the stop was asked by a person (exit 130)
         self.noticed_at: float | None = None
         self.saved_step: int | None = None  # set once the preemption checkpoint is committed
         self.on_signal: list = []  # called from the watcher thread on every SIGTERM
         self.on_dump: list = []  # called from the watcher thread on every SIGUSR2
         self._previous_usr2 = None
+        self._previous_int = None
         self._lock = threading.Lock()
         self._watchdog: threading.Timer | None = None
         self._previous = None
@@ -43,6 +46,16 @@ class PreemptionWatch:
         self._thread: threading.Thread | None = None
 
     # -- the notice -------------------------------------------------------------------------------
+    @property
+    def interrupted(self) -> bool:
+        return self.interrupted_at is not None
+
+    def interrupt(self) -> None:
+        """A SIGINT arrived here, or another rank got one: stop at the next step boundary, with no deadline."""
+        if self.interrupted_at is None:
+            self.interrupted_at = time.monotonic()
+        self.requested = True
+
     def notice(self) -> None:
         """A SIGTERM arrived here, or another rank got one: the grace period starts (once)."""
         self.requested = True
@@ -83,6 +96,22 @@ class PreemptionWatch:
             if signal.SIGUSR2 in data:
                 for hook in list(self.on_dump):
                     hook()
+            if signal.SIGINT in data:
+                self._on_interrupt()
+
+    def _on_interrupt(self) -> None:
+        first = self.interrupted_at is None
+        if not first and time.monotonic() - self.interrupted_at < INTERRUPT_REPEAT_S:
+            return  # the same Ctrl-C, relayed by the launcher
+        if not first:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print("interrupted again: stopping now, without a checkpoint", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(EXIT_INTERRUPTED)
+        self.interrupt()
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("interrupted: saving a checkpoint at the end of this step (Ctrl-C again stops at once, without "
+                  "one)", file=sys.stderr, flush=True)
 
     # -- installing -------------------------------------------------------------------------------
     def start(self) -> "PreemptionWatch":
@@ -91,6 +120,7 @@ class PreemptionWatch:
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         # a Python handler makes the signal reach the wakeup pipe; the watcher thread does the work
         self._previous_usr2 = signal.signal(signal.SIGUSR2, lambda signum, frame: None)
+        self._previous_int = signal.signal(signal.SIGINT, lambda signum, frame: None)
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         self._pipe = (read_fd, write_fd)
@@ -107,6 +137,7 @@ class PreemptionWatch:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             signal.signal(signal.SIGUSR2, self._previous_usr2)
+            signal.signal(signal.SIGINT, self._previous_int)
             self._previous = None
         if self._pipe is not None:
             if self._previous_fd is not None:

@@ -4,6 +4,7 @@ guard the training loop consults once per step (`ResilienceGuard`)."""
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -80,7 +81,7 @@ def preempted_since(run_dir, since: float) -> bool:
 
 
 class ResilienceGuard:
-    """The loop's one contact for what can go wrong in a step: preemption (SIGTERM), out-of-memory (halve the
+    """The loop's one contact for what can go wrong in a step: preemption (SIGTERM) and Ctrl-C (SIGINT), out-of-memory (halve the
     micro-batch, double accumulation: same global batch, same loss), and non-finite steps (skip the update;
     after `max_bad_steps` in a row, ask for a rollback)."""
 
@@ -100,21 +101,26 @@ class ResilienceGuard:
     def __exit__(self, *exc) -> None:
         self._watching.__exit__(*exc)
 
-    def preempted(self) -> bool:
-        """True on every rank, at the same step boundary, once any rank got SIGTERM (one tiny all-reduce per
-        step); a rank that learns of it this way starts its own grace period too. The flag lives in CPU memory and
-        goes over gloo (a gloo group of its own under nccl), so asking never waits for the device."""
-        requested = self.preemption.requested
+    def at_boundary(self, save_due: bool = False) -> tuple[bool, bool]:
+        """At a step boundary, agreed by every rank (one tiny all-reduce per step): (stop, save) = whether any rank
+        got SIGTERM or SIGINT (every rank then stops here; one that learns of it this way starts its own grace period
+        too), and whether any rank's `save_due` (the wall-clock checkpoint timer, whose clocks differ by rank) asks
+        every rank to save after this step. The flags live in CPU memory and go over gloo (a gloo group of its own
+        under nccl), so asking never waits for the device."""
+        watch = self.preemption
+        mine = [2.0 if watch.interrupted else 1.0 if watch.requested else 0.0, 1.0 if save_due else 0.0]
         if not dist.is_initialized():
-            return requested
+            return mine[0] > 0, save_due
         if self.group is None and dist.get_backend() != "gloo":
             self.group = dist.new_group(backend="gloo")  # every rank asks at the same first step boundary
-        flag = torch.tensor([1.0 if requested else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        anyone = flag.item() > 0  # a host read of host memory: no device sync
-        if anyone and not requested:
-            self.preemption.notice()
-        return anyone
+        flags = torch.tensor(mine)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        stop, save = flags.tolist()  # a host read of host memory: no device sync
+        if stop == 2.0 and not watch.interrupted:
+            watch.interrupt()
+        elif stop == 1.0 and not watch.requested:
+            watch.notice()
+        return stop > 0, save > 0
 
     def with_oom_adaptation(self, run_step, zero_grad, evidence=None):
         """`run_step()` until it fits: on out-of-memory every rank halves the micro-batch and tries again.
@@ -145,21 +151,26 @@ class ResilienceGuard:
         self.notice(f"out of memory ({type(error).__name__}): micro-batch {old[0]} x accumulation {old[1]} "
                     f"-> {p.micro_batch} x {p.accum_steps} (global batch unchanged){seen}")
 
-    def after_update(self, step: int, finite: bool, data_step: int, detail: str = "",
-                     loss_scale: float | None = None, loss_finite: bool = True) -> list[int] | None:
-        """Count a non-finite step (its update was skipped on every rank: loss and norm are global); `detail` ends its
-        notice (what the numerics watch found). Returns the bad batches to roll back past once `max_bad_steps` came in
-        a row, else None. fp16 (`loss_scale`: the scale the step ran at): a step whose loss is finite and whose
-        gradients overflowed is the scaler's to skip, and such skips end a streak only at SCALER_SKIPS in a row."""
-        if finite:
+    @staticmethod
+    def by_scaler(values) -> bool:
+        """fp16 (the step ran at a loss scale): a finite loss whose gradients overflowed is the scaler's to skip (no
+        forward to replay)."""
+        return not values.finite and values.loss_scale is not None and math.isfinite(values.loss)
+
+    def after_update(self, step: int, values, data_step: int, detail: str = "") -> list[int] | None:
+        """Count a non-finite step (`values`: its StepValues; its update was skipped on every rank: loss and norm are
+        global); `detail` ends its notice (what the numerics watch found). Returns the bad batches to roll back past
+        once `max_bad_steps` came in a row, else None. fp16 skips by the scaler (`by_scaler`) end a streak only at
+        SCALER_SKIPS in a row."""
+        if values.finite:
             self.bad_streak, self.fruitless_rollbacks, self.scaler_skips = [], 0, 0
             return None
         self.progress.skipped += 1
         self.bad_streak.append(data_step)
-        by_scaler = loss_scale is not None and loss_finite
+        by_scaler = self.by_scaler(values)
         self.scaler_skips += by_scaler
-        what = (f"fp16 gradients overflowed at loss scale {loss_scale:g}, the scaler skipped the update" if by_scaler
-                else "non-finite loss or gradient norm, update skipped")
+        what = (f"fp16 gradients overflowed at loss scale {values.loss_scale:g}, the scaler skipped the update"
+                if by_scaler else "non-finite loss or gradient norm, update skipped")
         self.notice(f"step {step + 1}: {what} ({self.progress.skipped} skipped so far)"
                     + (f"; {detail}" if detail else ""))
         if len(self.bad_streak) - self.scaler_skips < self.cfg.max_bad_steps and self.scaler_skips < SCALER_SKIPS:

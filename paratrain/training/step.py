@@ -308,14 +308,15 @@ class TrainStep:
 def build_train_step(model_args, dims, device: torch.device, *, precision: str = "fp32", activation_checkpoint=None,
                      compile: bool | str = False, seed: int = 0, optimizer=None, parallel=None, memory=None,
                      grad_clip: float = 1.0, memory_budget=None, probe: StepProbe | None = None,
-                     lora=None) -> TrainStep:
+                     lora=None, steps: int = 0) -> TrainStep:
     """The one place a training step is assembled, for the trainer, the memory harness and the benches alike.
 
     `model_args` (ModelArgs), `dims` (ParallelDims: the layout and its meshes), `activation_checkpoint`
     (ActivationCheckpointConfig; None: off), `optimizer` (OptimizerConfig; None: the defaults), `parallel`
     (ParallelConfig: gradient compression, DDP buckets, FSDP prefetching; None: the defaults), `lora` (models.lora_params.LoRA:
     adapters on a frozen model; None: every weight trains), `memory` (MemoryConfig: the memory tiers,
-    paratrain/memory.py; None: the defaults). The model is built on
+    paratrain/memory.py; None: the defaults), `steps` (the run's optimizer steps: 1-bit Adam's default warm-up is a
+    share of them). The model is built on
     the meta device and materialised after sharding; tied embeddings are the exception (materialising from meta would
     untie them), so those models are built for real."""
 
@@ -326,7 +327,8 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
         model = build_model(model_args)
     scaler = make_scaler(layout, precision, device)
     optimizer = optimizer or OptimizerConfig()
-    comm = GradComm(parallel or ParallelConfig(), dims, device, seed, optimizer)  # compression, buckets, prefetching
+    # compression, buckets, prefetching (and 1-bit Adam's schedule)
+    comm = GradComm(parallel or ParallelConfig(), dims, device, seed, optimizer, steps)
     pipeline = None
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
         pipeline = build_pipeline(dims, model, ac, precision, compile, device, seed, ScheduleLoss(scaler), comm, lora,
@@ -354,4 +356,4 @@ def build_run_step(spec, dims, device: torch.device, memory_budget=None) -> Trai
     return build_train_step(spec.model_args, dims, device, precision=t.precision,
                             activation_checkpoint=cfg.activation_checkpoint, compile=t.compile, seed=t.seed,
                             optimizer=cfg.optimizer, parallel=cfg.parallel, memory=cfg.memory, grad_clip=t.grad_clip,
-                            memory_budget=memory_budget, lora=spec.lora)
+                            memory_budget=memory_budget, lora=spec.lora, steps=t.steps)
