@@ -115,6 +115,14 @@ CONFIGS += [
     ("fsdp2 bf16 offload", 2, dict(dp_mode="fsdp", activation_offload="all"), "bf16", "none", 4, 128, 1, MODEL),
     ("tp2+sp fp32 offload", 2, dict(tp=2, activation_offload="all"), "fp32", "none", 4, 128, 1, MODEL),
     ("cp2 fp32 offload", 2, dict(cp=2, activation_offload="all"), "fp32", "none", 4, 128, 1, MODEL),
+    # segment checkpointing: each segment's input kept, the segment recomputed at its last block's backward (MODEL:
+    # round(sqrt(4)) = 2 blocks per segment; segment_blocks=3: one of 3 and one of 1; 8 blocks: 3 + 3 + 2)
+    ("1rank fp32 segments", 1, {}, "fp32", "segments", 4, 128, 1, MODEL),
+    ("1rank bf16 segments3", 1, dict(segment_blocks=3), "bf16", "segments", 2, 256, 1, MODEL),
+    ("1rank fp32 segments 8 blocks", 1, {}, "fp32", "segments", 2, 128, 1, dict(MODEL, n_layers=8)),
+    ("fsdp2 bf16 segments", 2, dict(dp_mode="fsdp"), "bf16", "segments", 4, 128, 1, MODEL),
+    ("fsdp2 fp32 segments3", 2, dict(dp_mode="fsdp", segment_blocks=3), "fp32", "segments", 4, 128, 1, MODEL),
+    ("tp2+sp fp32 segments", 2, dict(dp_mode="fsdp", tp=2), "fp32", "segments", 4, 128, 1, MODEL),
     # low-memory optimizer states (bf16 moments; 8-bit needs torchao: `--only` it where installed)
     ("1rank fp32 adamw-bf16", 1, dict(optimizer="adamw-bf16"), "fp32", "none", 4, 128, 1, MODEL),
     ("fsdp2 bf16 adamw-bf16", 2, dict(dp_mode="fsdp", optimizer="adamw-bf16"), "bf16", "selective", 4, 128, 1, MODEL),
@@ -153,6 +161,7 @@ PP_CONFIGS = [
     _pp("pp2xfsdp2 interleaved_1f1b m4 bf16", 4, 2, "interleaved_1f1b", 4, "bf16", dp_mode="fsdp"),
     _pp("pp2xtp2 1f1b m4 fp32", 4, 2, "1f1b", 4, tp=2),
     _pp("pp2 1f1b m4 fp32 offload", 2, 2, "1f1b", 4, activation_offload="all"),
+    _pp("pp2 1f1b m4 fp32 segments", 2, 2, "1f1b", 4, ckpt="segments", model=MODEL8),  # 3 + 1 blocks a stage
 ]
 CONFIGS += PP_CONFIGS
 

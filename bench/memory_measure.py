@@ -209,6 +209,7 @@ class MeasureSpec:
     precision: str = "fp32"
     checkpointing: str = "none"
     every_k: int = 2
+    segment_blocks: int = 0  # checkpointing segments: blocks per segment (0: round(sqrt(n_layers)))
     micro_batch: int = 2
     seq_len: int = 64
     accum_steps: int = 1
@@ -230,8 +231,8 @@ class MeasureSpec:
         """`build_train_step`'s options for this spec (seed 0, clipping at 1.0, its `[parallel]` section)."""
         from paratrain.config import ActivationCheckpointConfig, MemoryConfig, OptimizerConfig
 
-        return dict(precision=self.precision, activation_checkpoint=ActivationCheckpointConfig(self.checkpointing,
-                                                                                                self.every_k),
+        return dict(precision=self.precision, activation_checkpoint=ActivationCheckpointConfig(
+                        self.checkpointing, self.every_k, self.segment_blocks),
                     optimizer=OptimizerConfig(name=self.optimizer, impl=self.optimizer_impl),
                     memory=MemoryConfig(self.loss_chunks, self.activation_offload, self.offload_every_k),
                     parallel=self.parallel, seed=0, grad_clip=1.0)
@@ -650,6 +651,7 @@ def inputs_for_spec(spec: MeasureSpec, world_size: int):
     # loss_chunks 0 (automatic) is resolved by the estimator with the model's vocabulary (paratrain.memory.loss_chunks)
     tiers = MemoryTiers(spec.loss_chunks, spec.activation_offload, spec.offload_every_k)
     recipe = Recipe(layout, precision=spec.precision, checkpointing=spec.checkpointing, every_k=spec.every_k,
+                    segment_blocks=spec.segment_blocks,
                     micro_batch=spec.micro_batch, accum_steps=spec.accum_steps, seq_len=spec.seq_len, tiers=tiers,
                     optimizer=spec.optimizer, optimizer_impl=spec.optimizer_impl)
     return inputs_for(ModelArgs(**spec.model), recipe, Target(device="cpu", overhead_bytes=0),

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from paratrain.errors import UserError
-from paratrain.estimate.gpus import gpu_peak_flops
+from paratrain.estimate.gpus import GPUS, gpu_from_device_name
 from paratrain.estimate.hardware import add_host_side, default_profile_dir
 from paratrain.estimate.profile import EXECUTION_MODES, GPU_OVERLAP, Hardware, Link
 from paratrain.estimate.step_time import Candidate, Context, all_gather_time, block_costs, predict
@@ -299,12 +299,16 @@ def calibrate(name: str, nproc: int, profile_dir: str | Path | None = None, seco
     if cuda:
         memory = int(r["memory_bytes"])
 
-        peak = gpu_peak_flops(r["device_name"]) or max(rate for _, rate in gemm)
+        # the datasheet's peaks where the table has the GPU: MFU's denominator, and what scales the measured bf16
+        # curves to an fp32 run's GEMMs (Hardware.speed)
+        table = gpu_from_device_name(r["device_name"], memory)
+        peaks = GPUS[table].peaks() if table else {}
+        peak = peaks.get("bf16") or max(rate for _, rate in gemm)
     else:
         import psutil
 
         memory = psutil.virtual_memory().total // nproc
-        peak = max(rate for _, rate in gemm)
+        peak, peaks = max(rate for _, rate in gemm), {}
     cores = os.cpu_count() or 1
     # On a CPU, gloo's collectives run on threads that compete with the compute of nproc ranks: with no spare core
     # nothing overlaps.
@@ -312,7 +316,8 @@ def calibrate(name: str, nproc: int, profile_dir: str | Path | None = None, seco
     hw = Hardware(name, memory, peak, gemm, r["mem_bandwidth"], r["op_overhead_s"], intra, None, overlap,
                   "cuda" if cuda else "cpu", "bf16" if cuda else "fp32", f"calibrated with {n} local ranks",
                   [f"all-reduce points {r['allreduce']}", f"all-gather points {r['allgather']}",
-                   f"reduce-scatter points {r['reducescatter']} (x{intra.reduce_scatter_factor:.2f} the ring formula)"])
+                   f"reduce-scatter points {r['reducescatter']} (x{intra.reduce_scatter_factor:.2f} the ring formula)"],
+                  peaks=peaks)
     add_host_side(hw, max(1, cores // nproc))  # for the memory tiers
     if shapes is not None:
         _apply_model_shapes(hw, r["shapes"], model, shapes, tp)

@@ -9,7 +9,7 @@ import sys
 from paratrain.errors import UserError, environment_error, translated
 
 COMMANDS = ("train", "profile", "prepare", "generate", "verify", "estimate", "plan", "report", "doctor", "export",
-            "checkpoint", "replay")
+            "checkpoint", "replay", "scaling")
 
 
 # command -> the module that holds its arguments, usage and call into the library (`main(argv) -> int`), imported
@@ -28,6 +28,7 @@ COMMAND_MODULES = {
     "export": "paratrain.commands.export",
     "checkpoint": "paratrain.commands.checkpoint",
     "replay": "paratrain.commands.replay",
+    "scaling": "paratrain.commands.scaling",
 }
 
 
@@ -46,6 +47,7 @@ commands:
   export     a checkpoint as a Hugging Face model: paratrain export RUN_DIR --format hf --out DIR [--dtype bf16]
   checkpoint check checkpoints against their checksums: paratrain checkpoint verify RUN_DIR|step-N [...]
   replay     run step N of a run again with the numerics watch: paratrain replay RUN_DIR step-N [--nproc N]
+  scaling    a timed weak or strong scaling sweep: paratrain scaling --weak --nproc 1,2,4 [--layout fsdp]
 """
 
 

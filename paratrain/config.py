@@ -83,6 +83,9 @@ class TrainingConfig:
     global_batch: int | None = None
     seed: int = 1337  # the initial weights and every batch are functions of it, the same on every layout
     precision: Precision = "fp32"  # bf16: fp32 master weights; fp16: dynamic loss scaling too
+    # fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa; A100: 8x plain fp32's peak); unset: on for
+    # fp32 runs on Ampere and newer (compute capability 8.0+), off otherwise. CUDA only
+    tf32: bool | None = None
     grad_clip: float = 1.0  # 0 disables
     eval_every: int = 250  # steps between evaluations of the validation loss (0 disables)
     eval_sequences: int = 240  # the validation set: this many fixed sequences of the val split, split over dp ranks
@@ -162,8 +165,12 @@ class ParallelConfig:
 class ActivationCheckpointConfig:
     """Activation checkpointing (recompute in backward instead of storing)."""
 
+    # what backward recomputes instead of keeping (docs/memory-tiers.md compares the modes)
     mode: CheckpointMode = "none"
-    every_k: int = 2  # mode every_k: blocks 0, k, 2k, ... recompute (full), the others none
+    # mode every_k: blocks 0, k, 2k, ... recompute (full), the blocks between keep everything (segments stores every k)
+    every_k: int = 2
+    # mode segments: blocks per segment (each keeps only its input, recomputed as one unit); 0: round(sqrt(n_layers))
+    segment_blocks: int = 0
 
 
 @dataclass
@@ -352,13 +359,18 @@ def annotation_members(annotation) -> tuple:
     return (annotation,)
 
 
+def parse_bool(key: str, text: str) -> bool:
+    """A boolean as a command line writes it (true/false, 1/0, yes/no, on/off); ConfigError naming `key` else."""
+    if text.lower() in ("true", "1", "yes", "on"):
+        return True
+    if text.lower() in ("false", "0", "no", "off"):
+        return False
+    raise ConfigError(f"{key}: expected true or false, got {text!r}")
+
+
 def _parse_scalar(key: str, text: str, t: type):
     if t is bool:
-        if text.lower() in ("true", "1", "yes", "on"):
-            return True
-        if text.lower() in ("false", "0", "no", "off"):
-            return False
-        raise ConfigError(f"{key}: expected true or false, got {text!r}")
+        return parse_bool(key, text)
     try:
         return t(text)
     except ValueError:
@@ -456,6 +468,8 @@ def validate(cfg: Config) -> None:
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1 and optimizer.beta2 must be in [0, 1)")
     _require(o.eps > 0, "optimizer.eps must be positive")
     _require(cfg.activation_checkpoint.every_k >= 1, "activation_checkpoint.every_k must be >= 1")
+    _require(cfg.activation_checkpoint.segment_blocks >= 0,
+             "activation_checkpoint.segment_blocks must be >= 0 (0: round(sqrt(n_layers)))")
     _require(cfg.memory.loss_chunks >= 0, "memory.loss_chunks must be >= 0 (0: automatic, 1: whole logits)")
     _require(cfg.memory.activation_offload_every_k >= 1, "memory.activation_offload_every_k must be >= 1")
     _require(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 saves only at the end)")

@@ -52,7 +52,9 @@ class FaultInjector:
     def __init__(self, rank: int):
         self.rank = rank
         self.faults = [f for f in parse(os.environ.get(ENV, "")) if f.rank in (None, rank)]
-        self.first_attempt = int(os.environ.get(ATTEMPT_ENV, "0")) == 0
+        # the first launch: paratrain's launcher counts attempts, torchrun's agents count restarts
+        self.first_attempt = (int(os.environ.get(ATTEMPT_ENV, "0")) == 0
+                              and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0)
         self.fired: set[Fault] = set()
 
     def __bool__(self) -> bool:

@@ -8,7 +8,8 @@ single process:
 
 rep: hsdp's replicas; cp, tp, pp, ep: degrees (dp_shard is the rest of the world); sp=off, lp=off: tp without
 sequence or loss parallelism; sched: the pipeline schedule, v its stages per rank (the interleaved schedules'
-default 2 is not written); ac: activation checkpointing (every_k with its k); mb: sequences per micro-batch. The
+default 2 is not written); ac: activation checkpointing (every_k with its k, segments with its blocks per segment
+when set: segments4); mb: sequences per micro-batch. The
 memory tiers in use follow (paratrain/memory.py): loss=N (the loss over N pieces), actoff=all|every_kK (activation
 offloading), cpuoff=on (CPU offload).
 
@@ -42,7 +43,7 @@ TIERS = ("loss", "actoff", "cpuoff")  # the memory tiers' items
 
 
 def layout_name(layout, checkpointing: str | None = None, every_k: int = 2, micro_batch: int | None = None,
-                tiers: MemoryTiers | None = None) -> str:
+                tiers: MemoryTiers | None = None, segment_blocks: int = 0) -> str:
     """The layout's name (see the module doc), with its checkpointing, micro-batch and memory tiers when given."""
     lay = layout
     parts = [lay.dp_mode if lay.dp_cp > 1 else NO_DATA_PARALLEL]
@@ -61,7 +62,7 @@ def layout_name(layout, checkpointing: str | None = None, every_k: int = 2, micr
     if lay.ep > 1:
         parts.append(f"ep={lay.ep}")
     if checkpointing is not None:
-        parts.append(f"ac={checkpointing_label(checkpointing, every_k)}")
+        parts.append(f"ac={checkpointing_label(checkpointing, every_k, segment_blocks)}")
     if micro_batch is not None:
         parts.append(f"mb={micro_batch}")
     return ",".join(parts + (tiers.items() if tiers is not None else []))
@@ -74,6 +75,7 @@ class NamedLayout:
     options: dict = field(default_factory=dict)
     checkpointing: str = "none"
     every_k: int = 2
+    segment_blocks: int = 0  # ac=segmentsK's K (0: segments alone, round(sqrt(n_layers)))
     micro_batch: int | None = None  # None: not named
     tiers: MemoryTiers = field(default_factory=MemoryTiers)
     named: frozenset = frozenset()  # the items the name gives (those not named keep a run's own settings)
@@ -121,9 +123,10 @@ def parse_layout_name(text: str, what: str = "layout") -> NamedLayout:
         raise UserError(f"{where}: sched must be one of {', '.join(SCHEDULES)}")
     ac = parse_checkpointing_label(items.get("ac", "none"))
     if ac is None:
-        raise UserError(f"{where}: ac must be one of {', '.join(CHECKPOINT_MODES)} (every_k with its k: every_k2)")
-    return NamedLayout(_layout_options(mode, degrees, sched, items), ac[0], ac[1], degrees.get("mb"),
-                       _tiers(items, where), frozenset(items))
+        raise UserError(f"{where}: ac must be one of {', '.join(CHECKPOINT_MODES)} (every_k with its k: every_k2; "
+                        "segments with its blocks per segment: segments4)")
+    return NamedLayout(_layout_options(mode, degrees, sched, items), *ac, micro_batch=degrees.get("mb"),
+                       tiers=_tiers(items, where), named=frozenset(items))
 
 
 def _tiers(items: dict[str, str], where: str) -> MemoryTiers:

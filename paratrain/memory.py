@@ -24,7 +24,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from paratrain.errors import ConfigError
-from paratrain.modes import ActivationOffloadMode, low_precision, offload_label, offloads_activations, zero_bubble
+from paratrain.modes import (ActivationOffloadMode, by_segments, low_precision, offload_label, offloads_activations,
+                             zero_bubble)
 
 AUTO_LOSS_CHUNKS = 8  # torchtune's default number of output chunks: 1/8 of the logits live at a time
 # Automatic chunking from this many bytes of one micro-batch's fp32 logits per rank (tokens x vocabulary x 4 B; cp and
@@ -102,6 +103,15 @@ def check_offload(mode: str, layout) -> None:
         raise ConfigError(f"memory.activation_offload={mode} does not work with parallel.pp_schedule="
                           f"{layout.pp_schedule}: its weight-gradient step reads the saved activations again after "
                           "the input-gradient step; use 1f1b, gpipe or interleaved_1f1b")
+
+
+def check_offload_checkpointing(offload: str, checkpointing: str) -> None:
+    """Activation offloading's hooks wrap each block's forward; inside a segment (activation_checkpoint.mode =
+    segments) they would sit within the segment's checkpoint and take its saved tensors from it."""
+    if offloads_activations(offload) and by_segments(checkpointing):
+        raise ConfigError(f"memory.activation_offload={offload} does not work with activation_checkpoint.mode="
+                          f"{checkpointing} (the offloading hooks would sit inside each segment's checkpoint); use "
+                          "mode=full with offloading, or segments without")
 
 
 def check_cpu_offload(enabled: bool, layout) -> None:

@@ -78,9 +78,13 @@ def torch_schedule_name(schedule: str) -> str:
 
 
 # -- activation checkpointing ------------------------------------------------------------------------------------
-# none; full: every block recomputes its forward in backward; every_k: every k-th block does; selective: every
-# block recomputes its element-wise ops (the outputs of its matmuls and attention are kept).
-CheckpointMode = Literal["none", "full", "every_k", "selective"]
+# none; full: every block recomputes its forward in backward (keeps only its input); every_k: blocks 0, k, 2k, ... do
+# that and the blocks between keep all they save (one block in k checkpointed, not "store every k blocks");
+# selective: every block recomputes its element-wise ops (the outputs of its matmuls and attention are kept);
+# segments: each run of k consecutive blocks (`activation_checkpoint.segment_blocks`) keeps only its input and
+# recomputes as one unit in backward (n/k inputs + one segment's k blocks at a time: sqrt(n) segments of sqrt(n)
+# blocks store O(sqrt n)).
+CheckpointMode = Literal["none", "full", "every_k", "selective", "segments"]
 CHECKPOINT_MODES: tuple[str, ...] = get_args(CheckpointMode)
 
 
@@ -90,9 +94,25 @@ def recomputes(mode: str) -> bool:
 
 
 def whole_blocks(mode: str) -> bool:
-    """Blocks recompute their whole forward (full; every_k for every k-th block): a recomputed block keeps only its
-    input, and its forward's communication runs again."""
-    return mode in ("full", "every_k")
+    """Blocks recompute their whole forward (full; every_k for every k-th block; segments, a segment at a time): what
+    a recomputed block keeps is at most its input, and its forward's communication runs again."""
+    return mode in ("full", "every_k", "segments")
+
+
+def by_segments(mode: str) -> bool:
+    """Runs of consecutive blocks keep only their first block's input and recompute together."""
+    return mode == "segments"
+
+
+def segment_size(segment_blocks: int, n_layers: int) -> int:
+    """activation_checkpoint.segment_blocks resolved: 0 is round(sqrt(n_layers)), at least 1."""
+    return segment_blocks or max(1, round(n_layers ** 0.5))
+
+
+def segments(blocks: list, size: int) -> list[list]:
+    """The segments of one model or pipeline stage: its blocks in runs of `size`, in order (the last may be shorter;
+    a segment never crosses a stage boundary)."""
+    return [blocks[i:i + size] for i in range(0, len(blocks), size)]
 
 
 def selective(mode: str) -> bool:
@@ -111,19 +131,20 @@ def every_block_whole(mode: str) -> bool:
 
 
 def uniform(mode: str) -> bool:
-    """Every block is checkpointed alike (every_k alternates full and none)."""
-    return mode != "every_k"
+    """Every block is checkpointed alike (every_k alternates full and none; segments keep their first block's input)."""
+    return mode not in ("every_k", "segments")
 
 
 def block_checkpointing(mode: str, n_layers: int, every_k: int) -> list[str]:
-    """How each block is checkpointed: none, full or selective (every_k: full for blocks 0, k, 2k, ...)."""
-    if not uniform(mode):
+    """How each block is checkpointed: none, full or selective (every_k: full for blocks 0, k, 2k, ...); segments: every
+    block "segments" (which block starts a segment depends on its pipeline stage: `segments`)."""
+    if mode == "every_k":
         return ["full" if i % every_k == 0 else "none" for i in range(n_layers)]
     return [mode] * n_layers
 
 
 def recomputed_blocks(mode: str, n_blocks: int, every_k: int) -> int:
-    """Blocks of `n_blocks` that recompute (all of them for full and selective, 1 in every_k)."""
+    """Blocks of `n_blocks` that recompute (all of them for full, selective and segments, 1 in every_k)."""
     if mode == "none":
         return 0
     return -(-n_blocks // every_k) if mode == "every_k" else n_blocks
@@ -131,29 +152,38 @@ def recomputed_blocks(mode: str, n_blocks: int, every_k: int) -> int:
 
 def recompute_period(mode: str, every_k: int) -> int:
     """One block in this many recomputes, if any does (every_k: k; the others 1)."""
-    return 1 if uniform(mode) else every_k
+    return every_k if mode == "every_k" else 1
 
 
 def forward_repeats(mode: str, every_k: int) -> float:
-    """How many times more a block's whole forward (and its communication) runs, on average over the blocks: full 1,
-    every_k 1/k, selective and none 0 (selective keeps what the communication made)."""
-    if mode == "full":
-        return 1.0
-    return 1 / every_k if mode == "every_k" else 0.0
+    """How many times more a block's whole forward (and its communication) runs, on average over the blocks: full and
+    segments 1, every_k 1/k, selective and none 0 (selective keeps what the communication made)."""
+    if mode == "every_k":
+        return 1 / every_k
+    return 1.0 if whole_blocks(mode) else 0.0
 
 
 def recompute_rank(mode: str) -> int:
-    """How much a mode recomputes, as a rank: none 0, selective 1, every_k 2, full 3."""
-    return 3 if every_block_whole(mode) else 2 if whole_blocks(mode) else int(selective(mode))
+    """How much a mode recomputes, as a rank: none 0, selective 1, every_k 2, full and segments 3."""
+    return 2 if mode == "every_k" else 3 if whole_blocks(mode) else int(selective(mode))
 
 
-def stored_rank(mode: str) -> int:
-    """How much a block stores from forward to backward, as a rank: full 0, every_k and selective 1, none 2."""
-    return 0 if every_block_whole(mode) else 2 if not recomputes(mode) else 1
+def stores_at_least(mode: str, other: str) -> bool:
+    """Blocks under `mode` need at least the memory they need under `other` (the same micro-batch): none more than any
+    mode, every_k and selective more than full; segments less than none only (its segment recomputed at once may
+    hold more than full's or selective's blocks)."""
+    if mode == other or not recomputes(mode):
+        return True
+    if by_segments(mode) or by_segments(other) or not recomputes(other):
+        return False
+    return not every_block_whole(mode) and every_block_whole(other)
 
 
-def checkpointing_label(mode: str, every_k: int) -> str:
-    """The mode as a layout name writes it: every_k with its k (`every_k2`), the others as they are."""
+def checkpointing_label(mode: str, every_k: int, segment_blocks: int = 0) -> str:
+    """The mode as a layout name writes it: every_k with its k (`every_k2`), segments with theirs when set
+    (`segments4`; `segments`: round(sqrt(n_layers))), the others as they are."""
+    if by_segments(mode):
+        return f"{mode}{segment_blocks or ''}"
     return mode if uniform(mode) else f"{mode}{every_k}"
 
 
@@ -166,13 +196,23 @@ def _parse_every_k_label(text: str, modes: tuple[str, ...]) -> tuple[str, int] |
     return (text, 2) if text in modes else None
 
 
-def parse_checkpointing_label(text: str) -> tuple[str, int] | None:
-    """(mode, every_k) of a `checkpointing_label`, None when it names no mode (every_k alone: k = 2)."""
-    return _parse_every_k_label(text, CHECKPOINT_MODES)
+def parse_checkpointing_label(text: str) -> tuple[str, int, int] | None:
+    """(mode, every_k, segment_blocks) of a `checkpointing_label`, None when it names no mode (every_k alone: k = 2;
+    segments alone: 0, round(sqrt(n_layers)))."""
+    if text.startswith("segments"):
+        k = text[len("segments"):]
+        if not k:
+            return ("segments", 2, 0)
+        return ("segments", 2, int(k)) if k.isdigit() and int(k) >= 1 else None
+    parsed = _parse_every_k_label(text, CHECKPOINT_MODES)
+    return (*parsed, 0) if parsed else None
 
 
-def describe_checkpointing(mode: str, every_k: int) -> str:
-    """For tables: `every_k (k=2)`, the others as they are."""
+def describe_checkpointing(mode: str, every_k: int, segment_blocks: int = 0) -> str:
+    """For tables: `every_k (k=2)`, `segments (k=6)` (`segment_blocks` resolved: `segment_size`), the others as they
+    are."""
+    if by_segments(mode):
+        return f"{mode} (k={segment_blocks})"
     return mode if uniform(mode) else f"{mode} (k={every_k})"
 
 
@@ -247,6 +287,25 @@ def value_bytes(precision: str) -> int:
 def dtype_name(precision: str) -> str:
     """torch's name of its dtype (also Hugging Face's config.json `torch_dtype`): float32, bfloat16, float16."""
     return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
+
+
+# The datasheet rates matmuls run at (paratrain/estimate/gpus.py gives each GPU's dense peak of each): plain fp32, fp32
+# on TF32 tensor cores, the 16-bit tensor cores (bf16 and fp16 alike) and the FP8 tensor cores.
+MatmulMath = Literal["fp32", "tf32", "bf16", "fp8"]
+MATMUL_MATHS: tuple[str, ...] = get_args(MatmulMath)
+
+
+def tf32_on(tf32: bool | None, precision: str) -> bool:
+    """training.tf32 resolved: unset is on for fp32 runs (a device without TF32, before Ampere, ignores it)."""
+    return not low_precision(precision) if tf32 is None else tf32
+
+
+def matmul_math(precision: str, tf32: bool | None, tf32_cores: bool) -> str:
+    """The rate matmuls in `precision` run at: bf16 and fp16 the 16-bit tensor cores', fp32 TF32's when
+    training.tf32 is on (`tf32_on`) and the device has TF32 tensor cores (`tf32_cores`), else plain fp32's."""
+    if low_precision(precision):
+        return "bf16"
+    return "tf32" if tf32_on(tf32, precision) and tf32_cores else "fp32"
 
 
 # -- optimizer implementations -----------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 One frozen, torch-free value, resolved (automatic choices made): the layout (degrees, data-parallel mode, pipeline
 schedule), activation checkpointing, the batch shape per rank (micro-batch, accumulation, sequence length), the memory
-tiers, precision, the optimizer entry and its kernels, gradient compression, FSDP's prefetching and LoRA.
+tiers, precision (and TF32), the optimizer entry and its kernels, gradient compression, FSDP's prefetching and LoRA.
 
     recipe = Recipe.from_config(cfg, layout, micro_batch, accum_steps, device_type)   # a run's config, read once
     recipe.name                                                                        # fsdp,tp=2,ac=full,mb=1,loss=8
@@ -35,8 +35,10 @@ class Recipe:
     layout: Layout  # [parallel]'s degrees and schedule (Layout.from_config / to_config); validated where it comes
     # from a run (pp_split, microbatches)
     precision: Precision = setting("bf16", "training.precision")
+    tf32: bool | None = setting(None, "training.tf32")  # fp32 matmuls on TF32 tensor cores (unset: modes.tf32_on)
     checkpointing: CheckpointMode = setting("none", "activation_checkpoint.mode", "--checkpointing")
     every_k: int = setting(2, "activation_checkpoint.every_k")
+    segment_blocks: int = setting(0, "activation_checkpoint.segment_blocks")  # 0: round(sqrt(n_layers))
     micro_batch: int = setting(1, "training.micro_batch")  # sequences per micro-step and rank (per pipeline
     # micro-batch with pp > 1)
     accum_steps: int = 1  # micro-steps per optimizer step (pp > 1: layout.pp_microbatches instead); from the batch
@@ -76,7 +78,8 @@ class Recipe:
     @property
     def name(self) -> str:
         """The layout grammar's one name (paratrain/layout_grammar.py) with checkpointing, micro-batch and tiers."""
-        return layout_name(self.layout, self.checkpointing, self.every_k, self.micro_batch, self.tiers)
+        return layout_name(self.layout, self.checkpointing, self.every_k, self.micro_batch, self.tiers,
+                           self.segment_blocks)
 
     @property
     def micro_steps(self) -> int:

@@ -101,6 +101,13 @@ LAYOUTS: dict[str, tuple] = {
     "fsdp2+cpu_offload": (2, "fsdp,cpuoff=on"),
     "fsdp2xtp2+cpu_offload": (4, "fsdp,tp=2,cpuoff=on"),
     "pp2xdp2+cpu_offload": (4, "fsdp,pp=2,sched=1f1b,cpuoff=on"),
+    # Segment checkpointing (activation_checkpoint.mode=segments): one process with the default round(sqrt(4)) = 2
+    # blocks per segment; fsdp with uneven segments (3 + 1 blocks); tp with sp; a pipeline whose stages (2 blocks
+    # each) cut the segments of 3.
+    "segments": (1, "nodp,ac=segments"),
+    "fsdp2+segments": (2, "fsdp,ac=segments3"),
+    "tp2+segments": (2, "nodp,tp=2,ac=segments2"),
+    "pp2+segments": (2, "nodp,pp=2,sched=1f1b,ac=segments3"),
 }
 DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
                   "fsdp2+every_k", "fsdp2+selective", "accum"]
@@ -113,7 +120,8 @@ QWEN_MATRIX = ["qwen3-fsdp2", "qwen3-tp2+sp", "qwen3-pp2", "qwen3-cp2", "qwen3-m
 LORA_MATRIX = ["lora-fsdp2", "lora-tp2", "lora-pp2"]
 
 MEMORY_MATRIX = ["loss8", "tp2+sp+loss3", "fsdp2+offload", "tp2+offload_every_k+selective", "pp2+offload+full",
-                 "fsdp2+cpu_offload", "fsdp2xtp2+cpu_offload", "pp2xdp2+cpu_offload"]
+                 "fsdp2+cpu_offload", "fsdp2xtp2+cpu_offload", "pp2xdp2+cpu_offload",
+                 "segments", "fsdp2+segments", "tp2+segments", "pp2+segments"]
 
 GLOBAL_BATCH = 8
 EVAL_SEQUENCES = 13  # not divisible by 2, 4 or 8: the data-parallel shares of the validation set are padded
@@ -147,7 +155,8 @@ def layout_overrides(name: str) -> tuple[int, list[str]]:
     named = parse_layout_name(text, f"verify layout {name}")
     layout = named.layout(nproc)
     ours = {"parallel": (layout.to_config(ParallelConfig()), ParallelConfig()),
-            "activation_checkpoint": (ActivationCheckpointConfig(named.checkpointing, named.every_k),
+            "activation_checkpoint": (ActivationCheckpointConfig(named.checkpointing, named.every_k,
+                                                                 named.segment_blocks),
                                       ActivationCheckpointConfig())}
     changed = [f"{section}.{key}={value}" for section, (mine, default) in ours.items()
                for key, value in dataclasses.asdict(mine).items() if value != getattr(default, key)]

@@ -197,3 +197,28 @@ def test_a_model_this_machine_cannot_hold_is_refused_before_anything(tmp_path, c
                      r"[\d.]+ GiB of host memory available", line), line
     assert "--force" in line
     assert snapshot(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["scaling", "--nproc", "1,2"], "needs one of --weak"),
+    (["scaling", "--weak", "--strong", "--nproc", "1,2"], "needs one of --weak"),
+    (["scaling", "--weak"], "needs --nproc N1,N2,... (with --layout) or --layouts"),
+    (["scaling", "--weak", "--nproc", "1,2", "--layouts", "ddp2"], "needs --nproc N1,N2,... (with --layout) or"),
+    (["scaling", "--weak", "--nproc", "one,2"], "--nproc must be a comma-separated list of world sizes"),
+    (["scaling", "--weak", "--layouts", "ddp9"], "unknown layout 'ddp9'"),
+    (["scaling", "--weak", "--nproc", "1,2", "--steps", "0"], "--steps must be >= 1"),
+    (["scaling", "--weak", "--nproc", "1,2", "--training.global_batch=8"], "leave training.global_batch unset"),
+    (["scaling", "--strong", "--nproc", "1,3", "--global-batch", "4", "--training.device=cpu"],
+     "the global batch 4 does not split over the 3 data-parallel ranks"),
+])
+def test_scaling_bad_input_is_one_line(capsys, tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    assert message in run_cli(capsys, argv)
+    assert snapshot(tmp_path) == []
+
+
+def test_scaling_refuses_a_folder_with_earlier_output(capsys, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "scaling.md").write_text("earlier")
+    line = run_cli(capsys, ["scaling", "--weak", "--nproc", "1,2", "--out", str(tmp_path / "out")])
+    assert "already holds output: give --overwrite" in line and snapshot(tmp_path / "out") == ["scaling.md"]

@@ -39,7 +39,7 @@ def test_train_help_lists_every_key(capsys):
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: paratrain train") and "--parallel.cp=1" in out and "--run.overwrite=false" in out
-    assert "(none | full | every_k | selective)" in out
+    assert "(none | full | every_k | selective | segments)" in out
 
 
 def test_layout_error_answers_before_torch_loads():

@@ -246,6 +246,17 @@ CASES = [
     ("train-onebit-one-process", lambda w: w.train("--optimizer.name=onebit_adam"),
      "optimizer.name=onebit_adam averages momenta over data-parallel ranks"),
     ("train-lora-rank", lambda w: w.train("--lora.rank=-2"), "lora.rank must be from 0 \\(off\\) to 65536, got -2"),
+    # -- segment checkpointing
+    ("train-segment-blocks", lambda w: w.train("--activation_checkpoint.segment_blocks=-1"),
+     "activation_checkpoint.segment_blocks must be >= 0"),
+    ("train-segments-offload", lambda w: w.train("--activation_checkpoint.mode=segments",
+                                                 "--memory.activation_offload=all"),
+     "memory.activation_offload=all does not work with activation_checkpoint.mode=segments"),
+    ("estimate-segment-blocks", lambda w: ["estimate", "--model", "llama3-8b", "--segment-blocks", "-1"],
+     "--segment-blocks must be >= 0"),
+    ("estimate-segments-offload", lambda w: ["estimate", "--model", "llama3-8b", "--checkpointing", "segments",
+                                             "--activation-offload", "all"],
+     "memory.activation_offload=all does not work with activation_checkpoint.mode=segments"),
     # -- verify (numerics)
     ("verify-layout", lambda w: ["verify", "--layouts", "fsdp3"], "unknown layout 'fsdp3'"),
     ("verify-steps", lambda w: ["verify", "--steps", "0"], "--steps must be >= 1"),

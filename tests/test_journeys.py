@@ -110,6 +110,7 @@ JOURNEYS = {
         "paratrain plan ... --explain fsdp,tp=16",
         "paratrain plan ... --explain ddp,ac=none,mb=2",
         "paratrain plan ... --gpu-memory 40GiB",
+        "paratrain plan ... --precision fp32 --tf32 false",
         "paratrain plan --model llama3-8b --gpus 8xH100,8xA100 --seq 4096 --global-batch-tokens 1048576",
         "paratrain plan --model llama3-405b --gpus 8192 --gpu H100 --seq 8192 --global-batch-tokens 16777216",
     ],
@@ -134,6 +135,10 @@ JOURNEYS = {
         "paratrain plan --calibrate --name mybox --nproc 4",
         "paratrain plan --calibrate --name mybox --nproc 1 --model llama3.2-1b --seq 2048 --micro-batches 1,2",
         "paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576",
+    ],
+    "scaling": [
+        "paratrain scaling --weak --nproc 1,2,4",
+        "paratrain scaling --strong --layouts ddp2,fsdp2,fsdp4",
     ],
 }
 
@@ -449,6 +454,24 @@ def test_journey_profile(journey):
     assert summary
 
 
+def test_journey_scaling(journey):
+    """Both sweeps at a tiny size, two timed steps per point: the weak one calibrates this machine for the
+    predictions, the strong one reuses that profile."""
+    j = journey
+    tiny = [a for a in TINY if not a.startswith(("--sample", "--metrics"))]
+    j.doc("paratrain scaling --weak --nproc 1,2,4", tiny, ["--steps", "2", "--warmup", "1"])
+    weak = json.loads((j.cwd / "runs/scaling-weak/scaling.json").read_text())
+    assert [(p["ranks"], p["global_batch"]) for p in weak["points"]] == [(1, 2), (2, 4), (4, 8)]
+    assert weak["points"][0]["efficiency"] == 1.0 and all(p["predicted_step_s"] > 0 for p in weak["points"])
+    profile = ["--gpu", "scaling", "--profile-dir", "runs/scaling-weak/profile"]
+    out = j.doc("paratrain scaling --strong --layouts ddp2,fsdp2,fsdp4", tiny, ["--steps", "2", "--warmup", "1",
+                                                                                 *profile]).stdout
+    strong = json.loads((j.cwd / "runs/scaling-strong/scaling.json").read_text())
+    assert [(p["label"], p["global_batch"]) for p in strong["points"]] == [("ddp2", 8), ("fsdp2", 8), ("fsdp4", 8)]
+    assert all(p["samples_per_s"] == pytest.approx(p["tokens_per_s"] / 32) for p in strong["points"])
+    assert "| 4 | fsdp4 | 8 |" in out and (j.cwd / "runs/scaling-strong/scaling.png").is_file()
+
+
 def test_journey_verify(journey):
     """`paratrain verify` at a tiny size: two rows, a few steps (the whole matrix runs in tests/test_distributed.py)."""
     out = journey.doc("paratrain verify", after=["--layouts", "tp2", "--steps", "2"]).stdout
@@ -500,6 +523,9 @@ def test_journey_plan(journey):
     out = j.doc("paratrain plan ... --explain ddp,ac=none,mb=2", before=plan_args, after=["--out", "plan-x2"]).stdout
     assert "does not fit" in out
     out = j.doc("paratrain plan ... --gpu-memory 40GiB", before=plan_args, after=["--out", "plan-40g"]).stdout
+    fp32 = j.doc("paratrain plan ... --precision fp32 --tf32 false", before=plan_args,
+                 after=["--out", "plan-fp32", "--json"]).stdout
+    assert json.loads(fp32)["tf32"] is False and json.loads(fp32)["precision"] == "fp32"
     assert "limit 90% = 36.00 GiB" in out
     j.doc("paratrain plan --model llama3-8b --gpus 8xH100,8xA100 --seq 4096 --global-batch-tokens 1048576",
              after=["--out", "plan-hetero"])

@@ -48,6 +48,10 @@ def test_switches_and_modes_in_names():
     piped = Layout.resolve(4, tp=2, pp=2, loss_parallel=False)  # a pipeline has no loss parallelism to switch off
     assert layout_name(piped) == "nodp,tp=2,pp=2,sched=1f1b" and not piped.loss_parallel
     assert parse_layout_name("zero3").options["dp_mode"] == "fsdp"
+    # segments: k written when set, alone for the default round(sqrt(n_layers))
+    assert layout_name(lay, "segments", 2, 2, segment_blocks=4) == "fsdp,tp=2,sp=off,lp=off,ac=segments4,mb=2"
+    assert (parse_layout_name("fsdp,ac=segments4").segment_blocks, parse_layout_name("fsdp,ac=segments").segment_blocks,
+            parse_layout_name("fsdp,ac=segments").checkpointing) == (4, 0, "segments")
 
 
 def test_memory_tiers_in_names():
@@ -73,6 +77,7 @@ def test_memory_tiers_in_names():
     ("fsdp,sp=on", "sp is on unless sp=off"),
     ("fsdp,pp=2,sched=zbw", "sched must be one of gpipe"),
     ("fsdp,ac=every_kx", "ac must be one of"),
+    ("fsdp,ac=segments0", "segments with its blocks per segment: segments4"),
     ("fsdp,loss=0", "loss must be an integer >= 1"),
     ("fsdp,actoff=some", "actoff must be one of none, all, every_k"),
     ("fsdp,cpuoff=off", "cpuoff is off unless cpuoff=on"),
@@ -111,7 +116,8 @@ def test_every_choice_has_its_entries():
 
     assert all(hasattr(schedules, torch_schedule_name(s)) for s in SCHEDULES)
     assert all(isinstance(getattr(torch, dtype_name(p)), torch.dtype) for p in PRECISIONS)
-    assert all(parse_checkpointing_label(checkpointing_label(m, 3)) == (m, 3 if m == "every_k" else 2)
-               for m in CHECKPOINT_MODES)
+    assert all(parse_checkpointing_label(checkpointing_label(m, 3, k)) == (m, 3 if m == "every_k" else 2,
+                                                                           k if m == "segments" else 0)
+               for m in CHECKPOINT_MODES for k in (0, 4))
     hints = typing.get_type_hints(type(Config().checkpoint))
     assert typing.get_args(hints["export_hf_dtype"]) == PRECISIONS  # exports are written in a training precision

@@ -91,6 +91,47 @@ def test_offload_rules():
         check_offload("all", Layout.resolve(2, pp=2, pp_schedule="zbv"))
 
 
+def test_segments_keep_only_their_inputs_and_recompute_exactly():
+    """Segment checkpointing on one process (5 blocks in segments of 2, 2 and 1): the same loss and gradients bit for
+    bit as without checkpointing, the same parameter names and state dict (nothing wrapped), only the segments' inputs
+    saved through the forward (what the estimator's stored_by_block says), and blocks grouped within a stage."""
+    import copy
+
+    from paratrain.config import ActivationCheckpointConfig
+    from paratrain.distributed.parallelize import apply_activation_checkpointing
+    from paratrain.estimate import activations as A
+    from paratrain.models import build_model
+    from paratrain.models.presets import preset_args
+    from paratrain.modes import segment_size, segments
+
+    torch.manual_seed(0)
+    args = dataclasses.replace(preset_args("tiny", vocab_size=64), n_layers=5)
+    plain = build_model(args)
+    seg = copy.deepcopy(plain)
+    apply_activation_checkpointing(seg, ActivationCheckpointConfig("segments", segment_blocks=2))
+    assert [n for n, _ in seg.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert list(seg.state_dict()) == list(plain.state_dict())
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    saved = {}
+    for name, model in (("none", plain), ("segments", seg)):
+        sizes, h = [], model.tok_embeddings(x)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t) or t, lambda t: t):
+            for block in model.layers.values():  # the model's own loop over its blocks
+                h = block(h, model.rope_cos[:16], model.rope_sin[:16])
+        tables = {b.untyped_storage().data_ptr() for b in model.buffers()}  # the rotary tables: kept anyway
+        saved[name] = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in sizes
+                       if t.untyped_storage().data_ptr() not in tables}
+        model(x, targets=y).backward()
+    d = A.act_dims(args, Layout.resolve(1), "fp32", "paratrain", 2, 16, "cpu")
+    stored = A.stored_by_block(d, ["segments"] * 5, [list(range(5))], {}, 2)
+    assert sum(saved["segments"].values()) == sum(stored.values()) == 3 * A.block_input(d)  # blocks 0, 2, 4's inputs
+    assert sum(saved["none"].values()) > 5 * sum(saved["segments"].values())
+    for a, b in zip(plain.parameters(), seg.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert segment_size(0, 32) == 6 and segment_size(0, 1) == 1 and segment_size(3, 32) == 3
+    assert segments([4, 5, 6, 7], 3) == [[4, 5, 6], [7]]  # a pipeline stage's blocks: no segment crosses it
+
+
 def test_activation_offload_moves_saved_tensors_to_host_and_back():
     """One process: every mode with every checkpointing gives the same loss and gradients bit for bit; what the hooks
     hold between forward and backward is what the estimator says moves (activations.offloaded), and they hold

@@ -94,6 +94,7 @@ def check_scrapes_against_log(scrapes: list[dict], records: list[dict], run_name
     assert value(final, "paratrain_tokens") == last["tokens"]
     assert value(final, "paratrain_tokens_per_second") == last["tokens_per_s"]
     assert value(final, "paratrain_tokens_per_second_per_device") == last["tokens_per_s_per_device"]
+    assert value(final, "paratrain_samples_per_second") == last["samples_per_s"]
     assert value(final, "paratrain_mfu_ratio") == last["mfu"]
     assert value(final, "paratrain_skipped_steps") == last["skipped_steps"] == 0
     assert value(final, "paratrain_restarts") == last["restarts"] == 0
@@ -150,6 +151,8 @@ def test_prometheus_endpoint_matches_jsonl(single_run):
     cfg, result, scrapes, port, elapsed = single_run
     records = read_jsonl(cfg.run_dir / "metrics.jsonl")
     final = check_scrapes_against_log(scrapes, records, "one")
+    last = steps_of(records)[6]
+    assert last["tokens_per_s"] / last["samples_per_s"] == pytest.approx(cfg.training.seq_len)  # sequences per second
     assert value(final, "paratrain_run_info", scope="node", exporter_rank="0", world_size="1") == 1
     assert value(final, "paratrain_loss") == result.losses[-1]
     assert elapsed < 25  # the linger ended at the first scrape after the run, not after 30 s

@@ -141,15 +141,19 @@ def test_scaling_curve_compares_one_model_and_batch(tmp_path):
     assert summary["scaling"][1]["efficiency"] == pytest.approx(0.9)
     left = {x["run"]: x["reason"] for x in summary["scaling_left_out"]}
     assert left == {"b4": "model shakespeare-char (812,000 parameters), not tiny (108,864 parameters)",
-                    "a4big": "global batch 512 tokens per step, not 128"}
+                    "a4big": "global batch 512 tokens per step, not 128; it is on the weak-scaling curve"}
+    # weak scaling: the same model and tokens per device (128 on 1 device, 512 on 4), the global batch growing
+    assert [(p["devices"], p["run"], p["efficiency"]) for p in summary["weak_scaling"]] == [(1, "a1", 1.0),
+                                                                                          (4, "a4big", 1.0)]
     md = (out / "report.md").read_text()
+    assert "| weak | 4 | a4big |" in md and "| strong | 2 | a2 |" in md
     assert "Left out of the scaling curve" in md and "b4 (model shakespeare-char" in md
     assert (out / "scaling.png").is_file()
     # no two comparable runs: no curve at all, and still the reason
     out2 = tmp_path / "out2"
     write_report([runs[0], runs[2]], out2)
     summary = json.loads((out2 / "summary.json").read_text())
-    assert summary["scaling"] == [] and not (out2 / "scaling.png").exists()
+    assert summary["scaling"] == summary["weak_scaling"] == [] and not (out2 / "scaling.png").exists()
     assert [x["run"] for x in summary["scaling_left_out"]] == ["b4"]
 
 

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from paratrain.commands.recipe_flags import add_recipe_flags
 from paratrain.config import Config, LoRAConfig, ParallelConfig, dump_toml, validate
 from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.estimate.gpus import HEADROOM, check_headroom, fmt_bytes, limit_text, parse_memory
@@ -66,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokens per optimizer step (default: 512 sequences or 4Mi tokens, whichever is smaller)")
     p.add_argument("--precision", default=None, help=f"{' | '.join(PRECISIONS)} (default: bf16 on GPUs, fp32 on a "
                    "CPU profile)")
+    add_recipe_flags(p, only=("training.tf32",))  # (the --model config's, else unset)
     p.add_argument("--headroom", type=float, default=None, help="fraction of device memory kept free (0.10, as "
                    "paratrain estimate: the allocator's fragmentation and NCCL buffers)")
     p.add_argument("--host-memory", help="host memory per node, e.g. 512GiB: checks what CPU offload and activation "
@@ -180,11 +182,12 @@ def build_context(args) -> tuple:
     if parallel.ddp_bucket_mb <= 0:
         raise UserError(f"--ddp-bucket-mb must be > 0, got {parallel.ddp_bucket_mb}")
     compile_ = args.compile if args.compile is not None else bool(base is not None and base.training.compile)
+    tf32 = args.tf32 if args.tf32 is not None else base.training.tf32 if base is not None else None
     entry = optimizer_entry(args.optimizer or (base.optimizer.name if base is not None else "adamw"))
     entry.check_compression(compression.method, "--grad-compression")
     optimizer = entry.name
 
-    ctx = Context(margs, seq, tokens // seq, hw, per_node, precision, name, native_max_seq_len=native,
+    ctx = Context(margs, seq, tokens // seq, hw, per_node, precision, name, tf32, native_max_seq_len=native,
                   compression=compression, optimizer=optimizer,
                   ddp_bucket_mb=parallel.ddp_bucket_mb, mode="compile" if compile_ else "eager", float8=args.float8,
                   cluster=groups, lora=_lora(args, base),
@@ -445,11 +448,13 @@ def main(argv: list[str]) -> int:
         print(json.dumps(doc, indent=2))
         return 0 if check is None or check.agrees else 1
     hw = ctx.hw
+    rate = f" (matmuls at the {ctx.math()} peak, {hw.peak(ctx.math()) / 1e12:,.4g} TFLOP/s)" if hw.peaks else ""
     where = (" + ".join(f"{g.count} x {g.name}" for g in ctx.cluster) if ctx.cluster else f"{world} x {hw.name}")
     print(f"plan: {ctx.model_name} on {where} ({hw.source}; {ctx.gpus_per_node} per node, "
           f"intra {hw.intra.name}" + (f", inter {hw.inter.name}" if hw.inter and world > ctx.gpus_per_node else "")
           + f"), seq {ctx.seq_len}, {ctx.global_seqs} sequences = {ctx.global_seqs * ctx.seq_len:,} tokens per step, "
-          f"{ctx.precision}, {ctx.mode}" + (", float8 linears (what-if)" if ctx.float8 else ""))
+          f"{ctx.precision}{rate}, {ctx.mode}"
+          + (", float8 linears (what-if)" if ctx.float8 else ""))
     if ctx.lora is not None:
 
         trainable = trainable_count(ctx.args, ctx.lora)
@@ -536,7 +541,8 @@ def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int
         if ctx.cluster else None,
         "profile_source": hw.source, "gpus_per_node": ctx.gpus_per_node, "seq_len": ctx.seq_len,
         "global_batch_sequences": ctx.global_seqs, "tokens_per_step": ctx.global_seqs * ctx.seq_len,
-        "precision": ctx.precision, "execution_mode": ctx.mode, "float8_what_if": ctx.float8,
+        "precision": ctx.precision, "tf32": ctx.tf32, "matmul_math": ctx.math(), "execution_mode": ctx.mode,
+        "float8_what_if": ctx.float8,
         "grad_compression": ctx.compression.method, "optimizer": ctx.optimizer,
         "considered": p.considered, "rejected": len(p.rejected), "planning_seconds": elapsed,
         "ranked": [layout_json(r) for r in p.ranked[:top]],

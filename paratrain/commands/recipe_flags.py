@@ -9,7 +9,7 @@ import argparse
 import typing
 from typing import Literal, get_origin
 
-from paratrain.config import Config
+from paratrain.config import Config, parse_bool
 from paratrain.config_reference import describe
 from paratrain.recipe import Recipe, recipe_settings
 
@@ -24,12 +24,14 @@ def _dest(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
 
 
-def add_recipe_flags(parser: argparse.ArgumentParser, recipe=Recipe, skip: tuple[str, ...] = ()) -> dict:
-    """Add a flag for every setting of `recipe` but the config keys in `skip` (dest: the flag's name with
-    underscores; None when not given). Returns the argument group of each section, for the caller's own flags."""
+def add_recipe_flags(parser: argparse.ArgumentParser, recipe=Recipe, skip: tuple[str, ...] = (),
+                     only: tuple[str, ...] | None = None) -> dict:
+    """Add a flag for every setting of `recipe` (or those of the config keys in `only`) but the config keys in `skip`
+    (dest: the flag's name with underscores; None when not given). Returns the argument group of each section, for
+    the caller's own flags."""
     groups: dict = {}
     for key, flag in recipe_settings(recipe).items():
-        if key in skip:
+        if key in skip or (only is not None and key not in only):
             continue
         section, name = key.split(".")
         cls = _section_class(section)
@@ -39,6 +41,10 @@ def add_recipe_flags(parser: argparse.ArgumentParser, recipe=Recipe, skip: tuple
         text = describe(section, cls, name)
         if annotation is bool:
             groups[section].add_argument(flag, dest=_dest(flag), action="store_true", default=None, help=text)
+            continue
+        if annotation == bool | None:  # unset by default, so the flag says which: --tf32 false
+            groups[section].add_argument(flag, dest=_dest(flag), default=None, metavar="true|false", help=text,
+                                         type=lambda value, flag=flag: parse_bool(flag, value))
             continue
         # (choices are checked where the setting is, with its own one-line error, not by argparse)
         literal = get_origin(annotation) is Literal

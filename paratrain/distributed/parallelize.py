@@ -11,6 +11,7 @@ The model file stays free of parallel code; the tensor-parallel plan is read fro
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 from torch import nn
@@ -18,7 +19,8 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import CheckpointPolicy, SAC_IGNORED_OPS, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointPolicy, SAC_IGNORED_OPS, _checkpoint_without_reentrant_generator,
+                                    create_selective_checkpoint_contexts)
 
 from paratrain.config import ActivationCheckpointConfig, MemoryConfig
 from paratrain.distributed.compression import GradComm
@@ -31,8 +33,8 @@ from paratrain.distributed.tensor_parallel import apply_tp
 from paratrain.distributed.tensors import full_tensor, right_pad, torch_dtype
 from paratrain.models.lora import apply_lora, freeze_base
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import (block_checkpointing, low_precision, offload_stride, offloaded_blocks,
-                             offloads_activations, recomputes, selective)
+from paratrain.modes import (block_checkpointing, by_segments, low_precision, offload_stride, offloaded_blocks,
+                             offloads_activations, recomputes, segment_size, segments, selective)
 
 
 class SequenceParallelSampler(nn.Module):
@@ -82,8 +84,60 @@ def _sac_ignore_profiler_ops() -> None:
                             profiler._record_function_exit.default, profiler._record_function_exit._RecordFunction})
 
 
+class CheckpointedSegment:
+    """Consecutive blocks checkpointed as one unit: what they save for backward is not kept (only the first block's
+    inputs are), and the first backward that needs any of it runs the whole segment's forward again.
+
+    The model's forward calls its blocks one by one (models/llama.py stays plain), so no single call runs the segment.
+    Hooks open torch's non-reentrant checkpoint (the generator behind torch's composable `checkpoint`, which spans one
+    module the same way) in the first block's forward pre-hook, on that block's inputs, and close it in the last
+    block's forward hook: every tensor saved in between belongs to the checkpoint. The recomputation calls the blocks
+    in order (their FSDP hooks run as in forward; ours stand aside). Nothing is wrapped or registered: parameter names,
+    state dicts and checkpoints stay as they are."""
+
+    def __init__(self, blocks: list[nn.Module]):
+        self.blocks = blocks
+        self.frame = None  # the open checkpoint, from the first block's pre-hook to the last block's hook
+        self.recomputing = False
+        blocks[0].register_forward_pre_hook(self._open, with_kwargs=True)
+        # first among the last block's hooks: the checkpoint closes before FSDP's post-forward (as torch's does)
+        blocks[-1].register_forward_hook(self._close, prepend=True, always_call=True)
+
+    def run(self, h, *args, **kwargs):
+        for block in self.blocks:
+            h = block(h, *args, **kwargs)
+        return h
+
+    @contextmanager
+    def _recomputation(self):
+        self.recomputing = True
+        try:
+            yield
+        finally:
+            self.recomputing = False
+
+    def _open(self, module, args, kwargs):
+        if self.recomputing:
+            return
+        if self.frame is not None:  # a forward that raised inside the segment left its checkpoint open
+            self.frame.close()
+        # (fn, preserve_rng_state: no dropout, context_fn, determinism_check, debug, early_stop, *inputs)
+        self.frame = _checkpoint_without_reentrant_generator(
+            self.run, False, lambda: (nullcontext(), self._recomputation()), "default", False, True, *args, **kwargs)
+        next(self.frame)
+
+    def _close(self, module, args, output):
+        frame, self.frame = self.frame, None
+        if frame is not None:
+            next(frame, None)  # leaves the checkpoint's context (the generator ends)
+
+
 def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
     if not recomputes(cfg.mode):
+        return
+    if by_segments(cfg.mode):  # a stage's blocks in runs of k (a segment never crosses a stage boundary)
+        for blocks in segments(list(model.layers.values()), segment_size(cfg.segment_blocks, model.args.n_layers)):
+            CheckpointedSegment(blocks)
         return
 
     if selective(cfg.mode):

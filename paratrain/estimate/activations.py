@@ -38,7 +38,11 @@ rope's views of them or by an activation checkpoint.
 Checkpointing (parallelize.apply_activation_checkpointing): "full" keeps only each block's input (N C R/sp);
 "every_k" does that for blocks 0, k, 2k, ...; "selective" keeps the outputs of matmuls and attention
 (`_SAVE_OPS`): wq, wk, wv, wo, w1, w3, w2 outputs and SDPA's output and logsumexp, plus the block input;
-wo and w2 outputs are partial sums before tensor parallel's reduction, so they are N C L whole.
+wo and w2 outputs are partial sums before tensor parallel's reduction, so they are N C L whole. "segments" keeps
+each segment's input (its first block's, as "full") and nothing of its other blocks; the backward of the segment's
+last block recomputes the whole segment, so every block of it holds its saved tensors (as without checkpointing) until
+its own backward frees them. The recomputed blocks share the checkpoint's inputs: the first block's norm its fp32
+input (outside "pure"), every block FSDP's cast rotary tables.
 
 The numbers were checked byte for byte against measurement (bench/memory_accuracy.py,
 tests/test_estimate.py); the MoE layer's formula follows paratrain/models/moe.py but is not yet measured.
@@ -55,7 +59,7 @@ from paratrain.layout import Layout
 from paratrain.memory import MIN_OFFLOAD_BYTES
 from paratrain.models.args import ModelArgs
 from paratrain.models.registry import roles
-from paratrain.modes import every_block_whole, low_precision, recomputes, selective, whole_blocks
+from paratrain.modes import by_segments, every_block_whole, low_precision, recomputes, segments, selective, whole_blocks
 
 FP32, INT64 = 4, 8
 
@@ -303,7 +307,8 @@ def offloaded(d: ActDims, mode: str, moe: MoEDims | None = None) -> int:
 
 @functools.lru_cache(maxsize=8192)
 def block_stored(d: ActDims, mode: str, moe: MoEDims | None = None) -> int:
-    """Bytes a block keeps from its forward to its backward under checkpointing `mode`."""
+    """Bytes a block keeps from its forward to its backward under checkpointing `mode` (segments: the first block of a
+    segment; the others keep nothing, `stored_by_block`)."""
     if not recomputes(mode):
         return sum(b for _, b in block_saved(d, moe))
     if whole_blocks(mode):
@@ -311,6 +316,33 @@ def block_stored(d: ActDims, mode: str, moe: MoEDims | None = None) -> int:
     if selective(mode):
         return sum(b for _, b in sac_saved(d, moe))
     raise ValueError(mode)
+
+
+def checkpoint_units(mode: str, stage_blocks: list[int], segment_size: int) -> list[list[int]]:
+    """A stage's blocks as its checkpoints group them: segments of `segment_size` under "segments", else one each."""
+    return segments(stage_blocks, segment_size) if by_segments(mode) else [[l] for l in stage_blocks]
+
+
+def stored_by_block(d: ActDims, modes: list[str], stages: list[list[int]], moe_of: dict,
+                    segment_size: int) -> dict[int, int]:
+    """Bytes each block of these stages (lists of block indices) keeps from its forward to its backward: its mode's
+    `block_stored`, except inside a segment, where only the first block keeps anything (the segment's input)."""
+    out = {}
+    for blocks in stages:
+        for unit in checkpoint_units(modes[blocks[0]] if blocks else "none", blocks, segment_size):
+            out.update({l: block_stored(d, modes[l], moe_of.get(l)) if j == 0 else 0 for j, l in enumerate(unit)})
+    return out
+
+
+@functools.lru_cache(maxsize=8192)
+def segment_recomputed(d: ActDims, first: bool, moe: MoEDims | None = None) -> int:
+    """Bytes a block of a segment holds from the segment's recomputation to its own backward, beyond the checkpoint's
+    inputs: what it saves without checkpointing, less what it shares with them (the first block's fp32 norm input is
+    the segment input outside "pure"; every block's rope views are of the checkpoint's cast tables)."""
+    saved = sum(b for _, b in block_saved(d, moe))
+    if first:
+        return saved + (block_input(d) if d.regime == "pure" else 0) - block_input(d) - d.rope_tables
+    return saved - d.rope_copies
 
 
 def _swiglu_backward(d: ActDims, moe: MoEDims | None) -> tuple[int, int]:
@@ -326,7 +358,7 @@ def _swiglu_backward(d: ActDims, moe: MoEDims | None) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=8192)
-def block_backward_live(d: ActDims, mode: str, moe: MoEDims | None = None) -> tuple[int, int]:
+def block_backward_live(d: ActDims, mode: str, moe: MoEDims | None = None, first: bool = True) -> tuple[int, int]:
     """(activations, temporaries) of one block at the peak of its own backward, beyond the other blocks' bytes.
 
     At the start of the SwiGLU backward everything the block saved (recomputed, when checkpointed) is live,
@@ -335,13 +367,16 @@ def block_backward_live(d: ActDims, mode: str, moe: MoEDims | None = None) -> tu
     checkpoint itself still holds: its input, and with selective checkpointing the cached attention and w1/w3
     outputs the recomputed graph reuses, and the w2 output, which stays in the cache because recomputation
     stops early, before the last matmul would read it. In "pure" precision the recomputed norm makes a new
-    fp32 copy of the stored bf16 input.
+    fp32 copy of the stored bf16 input. Under segments the first block of a segment is as under "full"; the others
+    (`first` False) hold only their recomputed tensors (the segment's input is its first block's).
     """
     saved = sum(b for _, b in block_saved(d, moe))
     width, product = _swiglu_backward(d, moe)
     grads = width + block_input(d)  # the incoming gradient has the block input's size and dtype
     if not recomputes(mode):
         return saved - product, grads + product  # the product (w2's saved input) is freed by w2's backward
+    if by_segments(mode) and not first:
+        return 0, segment_recomputed(d, False, moe) + grads
     pure_extra = block_input(d) if d.regime == "pure" else 0
     if whole_blocks(mode):
         kept = block_input(d) + d.rope_tables
@@ -360,12 +395,13 @@ def block_backward_live(d: ActDims, mode: str, moe: MoEDims | None = None) -> tu
 
 
 @functools.lru_cache(maxsize=8192)
-def recompute_end(d: ActDims, mode: str, moe: MoEDims | None = None) -> tuple[int, int]:
+def recompute_end(d: ActDims, mode: str, moe: MoEDims | None = None, first: bool = True) -> tuple[int, int]:
     """(activations, temporaries) of a checkpointed block when its recomputation stops, before the SwiGLU backward:
     the recomputed forward's frame still holds the last norm's output (and under sequence parallelism its
     all-gathered copy, which autocast does not save), and the incoming gradient is live (all-gathered too under
-    sequence parallelism, by the backward of the w2 reduce-scatter)."""
-    acts, temps = block_backward_live(d, mode, moe)
+    sequence parallelism, by the backward of the w2 reduce-scatter). Under segments: the segment's last block (`first`:
+    whether it is also its first), the other blocks' recomputed tensors apart."""
+    acts, temps = block_backward_live(d, mode, moe, first)
     temps -= _swiglu_backward(d, moe)[0]
     normed = 0 if (not d.sp and d.regime != "autocast") else d.N // d.seq_div * d.C * (2 if d.regime == "pure" else 4)
     gathered = d.N * d.C * FP32 if (d.sp and d.regime == "autocast") else 0

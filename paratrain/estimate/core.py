@@ -35,7 +35,8 @@ from paratrain.layout import Layout, grad_compression_site
 from paratrain.memory import HOST_HEADROOM
 from paratrain.models.presets import count_active_params
 from paratrain.models.registry import family_of
-from paratrain.modes import CompressionSite, block_checkpointing, low_precision, multi_stage, recomputes
+from paratrain.modes import (CompressionSite, block_checkpointing, low_precision, multi_stage, recomputes,
+                             segment_size)
 from paratrain.optimizers import optimizer_entry
 from paratrain.estimate.report import format_table
 from paratrain.estimate.schedule import max_in_flight, rank_actions
@@ -127,7 +128,7 @@ class Estimate:
             "layout": {**dataclasses.asdict(lay), "world_size": lay.world_size, "description": lay.describe()},
             "precision": i.recipe.precision, "accounting": i.accounting, "optimizer": i.recipe.optimizer,
             "optimizer_impl": i.recipe.optimizer_impl, "checkpointing": i.recipe.checkpointing,
-            "every_k": i.recipe.every_k,
+            "every_k": i.recipe.every_k, "segment_blocks": segment_size(i.recipe.segment_blocks, i.model_args.n_layers),
             "compression": dataclasses.asdict(i.recipe.compression),
             "micro_batch": i.recipe.micro_batch, "seq_len": i.recipe.seq_len, "accum_steps": i.recipe.accum_steps,
             "gpu": i.target.gpu_name, "gpu_bytes": i.target.gpu_bytes, "headroom_fraction": i.target.headroom,
@@ -355,7 +356,11 @@ def _walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]]) -> dic
     moe = A.moe_dims(args, lay, i.recipe.micro_batch, i.recipe.seq_len, i.moe_imbalance) if args.moe_experts else None
     modes = block_checkpointing(i.recipe.checkpointing, args.n_layers, i.recipe.every_k)
     moe_of = {l: (moe if args.is_moe_layer(l) else None) for l in by_layer}
-    full = {l: A.block_stored(d, modes[l], moe_of[l]) for l in by_layer}  # each block's saved tensors
+    size = segment_size(i.recipe.segment_blocks, args.n_layers)
+    full = A.stored_by_block(d, modes, list(layers_of.values()), moe_of, size)  # each block's saved tensors
+    # the blocks checkpointed with each block (its segment's, under segments; else itself), per stage
+    unit_of = {l: unit for s in stages for unit in A.checkpoint_units(i.recipe.checkpointing, layers_of[s], size)
+               for l in unit}
     moved, ahead_of = activation_offload_plan(i.recipe.tiers, args.n_layers, d, modes, moe_of, list(by_layer))
     stored = {l: full[l] - moved[l] for l in by_layer}  # what stays on the device (offloading moves the rest)
     emb_params, head_params = r.where("embedding"), r.where("head")
@@ -505,17 +510,22 @@ def _walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]]) -> dic
             if l in ahead_of:
                 stored_below += moved[ahead_of[l]]
                 fetched.add(ahead_of[l])
-            b_acts, b_temps = A.block_backward_live(d, modes[l], moe_of[l])
+            # Under segments the blocks below l in its segment were recomputed with it and hold their tensors (FSDP:
+            # their parameters stay gathered, the recomputation ran inside backward) until their own backward.
+            unit = unit_of[l]
+            before = unit[:unit.index(l)]
+            waiting = sum(A.segment_recomputed(d, m == unit[0], moe_of[m]) for m in before)
+            b_acts, b_temps = A.block_backward_live(d, modes[l], moe_of[l], not before)
             b_acts -= first
             from_head = binp if (last and idx == len(layers) - 1) else 0  # made by the loss/output backward
             what = f"block {l}{where}"
             comm = held_comm
             if per_block:
-                prefetched = sum(unsh[layers[j]][0] for j in range(max(0, idx - ahead), idx))
+                prefetched = sum(unsh[m][0] for m in set(layers[max(0, idx - ahead):idx]) | set(before))
                 kept_gathered = sum(unsh[k][0] for k in layers[:idx - 1]) if (zero2 and idx > 1) else 0
                 comm += unsh[l][0] + prefetched + rs_kept + root_unsh + kept_gathered
             new_grad = dw2[l] * gbytes if (first_bwd and weights and not fsdp) else 0  # FSDP: unsharded, below
-            temps = b_temps + (dw2[l] * pbytes if fsdp else 0) + root_grads_live - from_head
+            temps = b_temps + waiting + (dw2[l] * pbytes if fsdp else 0) + root_grads_live - from_head
             if weights:
                 add(f"backward of {what}", gradients=grads_now + new_grad,
                     activations=stored_below + b_acts + tokens + keep, logits_loss=from_head, comm_buffers=comm,
@@ -540,12 +550,13 @@ def _walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]]) -> dic
                 dout = d.N * d.Hq * d.D * d.L
                 add(f"ring attention backward of {what}", gradients=grads_now,
                     activations=stored_below + kept + tokens + keep, logits_loss=0, comm_buffers=comm,
-                    temporaries=live - kept + A.ring_backward_temps(d) + dout + binp + done + root_grads_live)
-            if recomputes(modes[l]):
-                r_acts, r_temps = A.recompute_end(d, modes[l], moe_of[l])
+                    temporaries=live - kept + A.ring_backward_temps(d) + dout + binp + done + root_grads_live
+                    + waiting)
+            if recomputes(modes[l]) and l == unit[-1]:  # (a segment recomputes in its last block's backward)
+                r_acts, r_temps = A.recompute_end(d, modes[l], moe_of[l], not before)
                 add(f"recomputation of {what}", gradients=grads_now,
                     activations=stored_below + r_acts + tokens + keep - first, logits_loss=from_head + current_head,
-                    comm_buffers=comm, temporaries=held + r_temps - from_head + root_grads_live)
+                    comm_buffers=comm, temporaries=held + r_temps + waiting - from_head + root_grads_live)
             if per_block:
                 # The end of block l's backward (its attention backward), before FSDP's post-backward: all its
                 # unsharded gradients exist (what dominates when the micro-batch is small); of its activations only
@@ -554,7 +565,7 @@ def _walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]]) -> dic
                 q_size = d.N * d.Hq * d.D * d.L
                 add(f"end of {what}'s backward", gradients=grads_now, activations=stored_below + tokens + binp,
                     logits_loss=0, comm_buffers=comm,
-                    temporaries=binp + 3 * q_size + d.N * d.C * d.L + root_grads_live + unsh[l][0])
+                    temporaries=binp + 3 * q_size + d.N * d.C * d.L + root_grads_live + unsh[l][0] + waiting)
                 # FSDP's post-backward of block l: its parameters resharded, its gradients copied into the
                 # reduce-scatter input, the sharded output allocated (gloo also copies the input: CPU runs only).
                 rs_in = unsh[l][1]
@@ -562,7 +573,7 @@ def _walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]]) -> dic
                 comm = (ddp_buckets + prefetched + rs_in + rs_out + (rs_in if i.target.device == "cpu" else 0)
                         + root_unsh + kept_gathered)
                 add(f"reduce-scatter of {what}", gradients=grads_now, activations=stored_below + tokens,
-                    logits_loss=0, comm_buffers=comm, temporaries=binp + root_grads_live + dw2[l] * pbytes)
+                    logits_loss=0, comm_buffers=comm, temporaries=binp + root_grads_live + dw2[l] * pbytes + waiting)
                 rs_kept = rs_in
             if weights and first_bwd:
                 grads_now += block_grads[l]
@@ -751,7 +762,9 @@ def forward_end_bytes(i: EstimateInputs) -> dict[str, int]:
     layers = rank_layers(lay, args)[lay.pp - 1]
     modes = block_checkpointing(i.recipe.checkpointing, args.n_layers, i.recipe.every_k)
     moe_of = {l: moe if args.is_moe_layer(l) else None for l in layers}
-    acts = sum(A.block_stored(d, modes[l], moe_of[l]) for l in layers)
+    stages = [lay.stage_layers(s) for s in lay.local_stages(lay.pp - 1)] if lay.pp > 1 else [layers]
+    acts = sum(A.stored_by_block(d, modes, stages, moe_of,
+                                 segment_size(i.recipe.segment_blocks, args.n_layers)).values())
     acts -= sum(activation_offload_plan(i.recipe.tiers, args.n_layers, d, modes, moe_of, layers)[0].values())
     return {"activations": acts + A.final_residual(d) + A.inputs_bytes(d),
             "logits_loss": sum(b for _, b in A.head_saved(d))}

@@ -2,8 +2,8 @@
 overhead) and the links between devices (bandwidth, latency), either from datasheet tables or measured on this
 machine by `paratrain plan --calibrate` (paratrain/calibration.py) and saved as JSON.
 
-Memory sizes and dense bf16 peaks come from `paratrain.estimate.gpus` (one table each); this module only adds what
-the cost model needs on top: HBM bandwidth, the achievable fraction of peak, and links. The `Hardware` and `Link`
+Memory sizes, memory bandwidth and dense peaks come from `paratrain.estimate.gpus` (one table); this module only adds
+what the cost model needs on top: the achievable fraction of peak, and links. The `Hardware` and `Link`
 types live in `estimate/profile.py` (the cost model reads them; calibration runs the cost model).
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.errors import UserError
-from paratrain.estimate.gpus import GPUS, gpu_memory, gpu_peak_flops
+from paratrain.estimate.gpus import GPUS, gpu_memory
 from paratrain.estimate.profile import GPU_OVERLAP, Hardware, Link
 
 # Link name -> (bandwidth per GPU and direction in bytes/s, latency per message step in s). Bandwidth is the
@@ -29,7 +29,8 @@ LINKS: dict[str, tuple[float, float]] = {
     "eth100": (12.5e9, 25e-6),  # 100 Gb/s Ethernet (RoCE/TCP), per GPU
     "eth25": (3.125e9, 40e-6),  # 25 Gb/s Ethernet
 }
-NVLINK_BY_GPU = {"A100-40GB": 300e9, "A100-80GB": 300e9}  # NVLink 3: 600 GB/s bidirectional
+NVLINK_BY_GPU = {"A100-40GB": 300e9, "A100-80GB": 300e9,  # NVLink 3: 600 GB/s bidirectional
+                 "A800-80GB": 200e9, "H800": 200e9}  # 400 GB/s bidirectional (their datasheets)
 LINK_EFFICIENCY = 0.8
 
 # -- the host side (CPU offload, activation offloading) ------------------------------------------------------------
@@ -39,7 +40,8 @@ LINK_EFFICIENCY = 0.8
 #   c2c   NVLink-C2C, 900 GB/s bidirectional between the Grace CPU and the Hopper GPU (NVIDIA GH200 datasheet)
 HOST_LINKS: dict[str, tuple[float, float]] = {"pcie3": (16e9, 10e-6), "pcie4": (32e9, 10e-6), "pcie5": (64e9, 10e-6),
                                               "c2c": (450e9, 5e-6)}
-GPU_HOST_LINK = {"H100-SXM": "pcie5", "H100-PCIe": "pcie5", "H100-NVL": "pcie5", "H200": "pcie5", "B200": "pcie5",
+GPU_HOST_LINK = {"H100-SXM": "pcie5", "H100-PCIe": "pcie5", "H100-NVL": "pcie5", "H800": "pcie5", "H200": "pcie5",
+                 "B200": "pcie5", "RTX5090": "pcie5",
                  "GH200": "c2c", "V100-16GB": "pcie3", "V100-32GB": "pcie3", "T4": "pcie3",
                  "MI300X": "pcie5", "MI325X": "pcie5"}  # others: pcie4
 # The optimizer step of CPU offload runs torch's fused AdamW on the host's cores: measured 2.6e8 parameters/s on one
@@ -65,16 +67,14 @@ def host_adam_rate(cores: float = HOST_CORES_PER_GPU, bandwidth: float = HOST_ME
     """AdamW parameters per second one rank's share of the host steps (CPU offload)."""
     return min(cores * CPU_ADAM_PARAMS_PER_S_PER_CORE, bandwidth / ADAM_HOST_BYTES)
 
-# GPU -> (HBM/GDDR bandwidth B/s, default intra-node link). Memory and peak come from the shared tables.
-GPU_EXTRA: dict[str, tuple[float, str]] = {
-    "A100-40GB": (1.555e12, "nvlink"), "A100-80GB": (2.039e12, "nvlink"),
-    "H100-SXM": (3.35e12, "nvlink"), "H100-PCIe": (2.0e12, "pcie5"), "H100-NVL": (3.9e12, "pcie5"),
-    "H200": (4.8e12, "nvlink"), "B200": (8.0e12, "nvlink"), "GH200": (4.0e12, "nvlink"),
-    "L40S": (0.864e12, "pcie4"), "L40": (0.864e12, "pcie4"), "L4": (0.3e12, "pcie4"),
-    "A10": (0.6e12, "pcie4"), "A10G": (0.6e12, "pcie4"), "A6000": (0.768e12, "pcie4"),
-    "RTX6000-Ada": (0.96e12, "pcie4"), "RTX4090": (1.008e12, "pcie4"), "RTX3090": (0.936e12, "pcie4"),
-    "V100-16GB": (0.9e12, "nvlink"), "V100-32GB": (0.9e12, "nvlink"), "T4": (0.32e12, "pcie4"),
-    "MI300X": (5.3e12, "nvlink"), "MI250X-GCD": (1.6e12, "nvlink"), "MI325X": (6.0e12, "nvlink"),
+# GPU -> its default intra-node link: NVLink for SXM parts (AMD Instinct's Infinity Fabric counted as NVLink 4), PCIe
+# for cards
+GPU_INTRA = {
+    "A100-40GB": "nvlink", "A100-80GB": "nvlink", "A800-80GB": "nvlink", "H100-SXM": "nvlink", "H100-PCIe": "pcie5",
+    "H100-NVL": "pcie5", "H800": "nvlink", "H200": "nvlink", "B200": "nvlink", "GH200": "nvlink", "L40S": "pcie4",
+    "L40": "pcie4", "L4": "pcie4", "A10": "pcie4", "A10G": "pcie4", "A6000": "pcie4", "RTX6000-Ada": "pcie4",
+    "RTX4090": "pcie4", "RTX3090": "pcie4", "RTX5090": "pcie5", "V100-16GB": "nvlink", "V100-32GB": "nvlink",
+    "T4": "pcie4", "MI300X": "nvlink", "MI250X-GCD": "nvlink", "MI325X": "nvlink",
 }
 GPU_GEMM_HALF_FLOP = 2 * 1024**3  # a GEMM of this many FLOPs reaches half the large-GEMM rate (small ones can't fill
 GPU_OP_OVERHEAD_S = 1.5e-6  # exposed launch cost per kernel (mostly hidden by asynchronous launches)
@@ -88,9 +88,11 @@ GPU_OP_OVERHEAD_S = 1.5e-6  # exposed launch cost per kernel (mostly hidden by a
 #   gemm         bf16 GEMMs of a training step, fraction of the dense bf16 peak (a GEMM of GPU_GEMM_HALF_FLOP FLOPs
 #                reaches half of it). Not what a GEMM benchmark reaches alone (cuBLAS: ~0.7 on H100), but what they
 #                reach inside a step, beside what the model does not count (FSDP's copies on the critical path, NCCL
-#                kernels taking SMs and memory bandwidth, allocator, clocks under power capping).
+#                kernels taking SMs and memory bandwidth, allocator, clocks under power capping). An fp32 run's GEMMs
+#                and attention (plain fp32, or TF32) reach the same fraction of their own dense peak (Hardware.speed:
+#                the ratio of the peaks in estimate/gpus.py), an assumption no measurement here checks.
 #   attention    PyTorch's fused attention (SDPA) forward + backward, fraction of the dense bf16 peak
-#   float8       fp8 GEMMs (dynamic scaling), fraction of the fp8 dense peak (2x the bf16 one); None: no fp8 cores
+#   float8       fp8 GEMMs (dynamic scaling), fraction of the fp8 dense peak (estimate/gpus.py); None: no fp8 cores
 #   elementwise  fraction of the HBM bandwidth that eager element-wise kernels reach
 #
 # Sources (numbers as published; no text copied):
@@ -130,9 +132,10 @@ EFFICIENCY: dict[str, Efficiency] = {
     "cdna2": Efficiency(0.35, 0.20, None, 0.5),
 }
 GENERATION = {
-    "A100-40GB": "ampere", "A100-80GB": "ampere", "A10": "ampere", "A10G": "ampere", "A6000": "ampere",
-    "RTX3090": "ampere", "H100-SXM": "hopper", "H100-PCIe": "hopper", "H100-NVL": "hopper", "H200": "hopper",
-    "GH200": "hopper", "B200": "blackwell", "L40S": "ada", "L40": "ada", "L4": "ada", "RTX6000-Ada": "ada",
+    "A100-40GB": "ampere", "A100-80GB": "ampere", "A800-80GB": "ampere", "A10": "ampere", "A10G": "ampere",
+    "A6000": "ampere", "RTX3090": "ampere", "H100-SXM": "hopper", "H100-PCIe": "hopper", "H100-NVL": "hopper",
+    "H800": "hopper", "H200": "hopper", "GH200": "hopper", "B200": "blackwell", "RTX5090": "blackwell",
+    "L40S": "ada", "L40": "ada", "L4": "ada", "RTX6000-Ada": "ada",
     "RTX4090": "ada", "V100-16GB": "volta", "V100-32GB": "volta", "T4": "turing", "MI300X": "cdna3",
     "MI325X": "cdna3", "MI250X-GCD": "cdna2",
 }
@@ -161,13 +164,9 @@ def gpu_profile(name: str, intra: str | None = None, inter: str | None = None) -
     # (the planner needs a device's speed as well as its memory: a size alone cannot stand in for a name)
     canonical, memory = gpu_memory(name, "or a profile measured on the machine (`paratrain plan --calibrate --name "
                                          "NAME`, then --gpu NAME)")
-    peak = gpu_peak_flops(GPUS[canonical][1])
-    if peak is None or canonical not in GPU_EXTRA:
-        raise UserError(f"GPU '{canonical}' has no peak FLOPs/bandwidth in the planner's table; calibrate it with "
-                        "`paratrain plan --calibrate --name NAME` on the machine and plan with --gpu NAME")
-    if canonical == "MI250X-GCD":
-        peak /= 2  # the table's MI250X figure is for both dies
-    bw, default_intra = GPU_EXTRA[canonical]
+    gpu = GPUS[canonical]
+    peaks = gpu.peaks()
+    peak = peaks["bf16"]
     generation = GENERATION[canonical]
     eff = EFFICIENCY[generation]
 
@@ -175,11 +174,13 @@ def gpu_profile(name: str, intra: str | None = None, inter: str | None = None) -
         half = GPU_GEMM_HALF_FLOP
         return [(x, rate * x / (x + half)) for x in (half / 64, half / 8, half, 8 * half, 64 * half, 512 * half)]
 
-    return Hardware(canonical, memory, peak, curve(eff.gemm * peak), bw * eff.elementwise, GPU_OP_OVERHEAD_S,
-                    link(intra or default_intra, canonical), link(inter or "ib400", canonical), GPU_OVERLAP, "cuda",
-                    "bf16", "datasheet", generation=generation, attention=curve(eff.attention * peak),
-                    float8_gemm=curve(eff.float8 * 2 * peak) if eff.float8 else [], modes=dict(GPU_MODES),
-                    host=host_link(GPU_HOST_LINK.get(canonical, "pcie4")), host_adam_params_per_s=host_adam_rate())
+    fp8 = eff.float8 and peaks.get("fp8")
+    return Hardware(canonical, memory, peak, curve(eff.gemm * peak), gpu.bandwidth * eff.elementwise,
+                    GPU_OP_OVERHEAD_S, link(intra or GPU_INTRA[canonical], canonical),
+                    link(inter or "ib400", canonical), GPU_OVERLAP, "cuda", "bf16", "datasheet", generation=generation,
+                    attention=curve(eff.attention * peak), float8_gemm=curve(eff.float8 * fp8) if fp8 else [],
+                    modes=dict(GPU_MODES), host=host_link(GPU_HOST_LINK.get(canonical, "pcie4")),
+                    host_adam_params_per_s=host_adam_rate(), peaks=peaks)
 
 
 def load_profile(name: str, profile_dir: str | Path | None = None) -> Hardware | None:

@@ -99,6 +99,12 @@ def rank_layers(layout: Layout, args: ModelArgs) -> list[list[int]]:
     return [list(b) for b in _rank_layers(layout.pp, owners, layout.pp_split)]
 
 
+def stage_blocks(layout: Layout, args: ModelArgs) -> list[list[int]]:
+    """Blocks of each pipeline stage (the whole model without a pipeline), split as `rank_layers` splits them."""
+    split = (layout.pp_split or balanced_split(args, layout.num_stages)) if layout.pp > 1 else (args.n_layers,)
+    return [list(range(sum(split[:s]), sum(split[:s + 1]))) for s in range(len(split))]
+
+
 @functools.lru_cache(maxsize=4096)
 def _rank_layers(pp: int, owners: tuple[int, ...], split: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     starts = [sum(split[:s]) for s in range(len(split))]

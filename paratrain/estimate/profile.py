@@ -47,15 +47,15 @@ def p2p_time(nbytes: float, link: Link) -> float:
 class Hardware:
     name: str
     memory_bytes: int
-    peak_flops: float  # dense peak (bf16 for GPUs; measured fp32 matmul for CPUs) for MFU
-    gemm: list[tuple[float, float]]  # (FLOPs of one GEMM, achieved FLOP/s): achieved rate grows with size
+    peak_flops: float  # dense peak at `precision` (bf16 for GPUs; measured fp32 matmul for CPUs)
+    gemm: list[tuple[float, float]]  # (FLOPs of one GEMM, achieved FLOP/s) at `precision`: grows with size
     mem_bandwidth: float  # bytes/s, for element-wise work
     op_overhead_s: float  # exposed fixed cost per operator (launch / dispatch)
     intra: Link
     inter: Link | None = None
     overlap: float = GPU_OVERLAP
     device: str = "cuda"  # cuda | cpu: the estimator counts CUDA/NCCL overhead only on cuda
-    precision: str = "bf16"
+    precision: str = "bf16"  # the matmul rate the curves (gemm, attention) are for: a key of `peaks`
     source: str = "datasheet"
     notes: list[str] = field(default_factory=list)
     compute_scale: float = 1.0  # measured / predicted time of a reference model's training step (calibration)
@@ -71,10 +71,25 @@ class Hardware:
     # each device's link to host memory (PCIe or NVLink-C2C), and the host's AdamW rate for one rank's parameters.
     host: Link | None = None
     host_adam_params_per_s: float = 0.0
+    # the datasheet's dense peak FLOP/s of each matmul rate (paratrain.modes.MatmulMath: fp32, tf32, bf16, fp8; from
+    # estimate/gpus.py); empty: none known (a CPU, whose measured rate is its rate in any precision)
+    peaks: dict[str, float] = field(default_factory=dict)
 
     def gemm_rate(self, flop: float) -> float:
-        """Achieved FLOP/s for one GEMM of `flop` FLOPs: log-log interpolation of the curve, flat outside it."""
+        """Achieved FLOP/s for one GEMM of `flop` FLOPs at `precision`: log-log interpolation of the curve, flat
+        outside it."""
         return interpolate(self.gemm, flop)
+
+    def speed(self, math: str) -> float:
+        """How much faster matmuls at rate `math` run than the curves' (`precision`): the ratio of their datasheet
+        peaks, so an A100's fp32 GEMMs take 16 times its bf16 ones, TF32's twice; 1 without peaks."""
+        if math not in self.peaks or self.precision not in self.peaks:
+            return 1.0
+        return self.peaks[math] / self.peaks[self.precision]
+
+    def peak(self, math: str) -> float:
+        """The dense peak of matmuls at rate `math`: MFU's denominator (without datasheet peaks: `peak_flops`)."""
+        return self.peaks.get(math, self.peak_flops)
 
     def float8_rate(self, flop: float) -> float | None:
         return interpolate(self.float8_gemm, flop) if self.float8_gemm else None

@@ -11,9 +11,9 @@ from paratrain.errors import ConfigError, UserError
 from paratrain.estimate.gpus import HEADROOM
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.layout_grammar import parse_layout_name
-from paratrain.memory import AUTO_LOSS_CHUNKS
+from paratrain.memory import AUTO_LOSS_CHUNKS, check_offload_checkpointing
 from paratrain.modes import (CHECKPOINT_MODES, DP_MODES, SCHEDULES, block_checkpointing, every_block_whole,
-                             interleaved, offload_stride, recompute_rank, recomputes, replicates_shards, stored_rank,
+                             interleaved, offload_stride, recompute_rank, recomputes, replicates_shards, stores_at_least,
                              value_bytes, zero_bubble)
 from paratrain.optimizers import optimizer_entry
 from paratrain.estimate.step_time import Candidate, Context, Prediction, cached, predict
@@ -21,11 +21,11 @@ from paratrain.estimate.tiers import OFFLOAD_EVERY_K
 from paratrain.estimate import Target, activations as A, estimate, inputs_for
 from paratrain.estimate.core import in_flight
 from paratrain.estimate.gpus import fits, fmt_bytes, limit_text, usable_bytes
-from paratrain.estimate.model_states import rank_layers, state_bytes
+from paratrain.estimate.model_states import rank_layers, stage_blocks, state_bytes
 from paratrain.estimate.report import ROWS
 from paratrain.estimate.step_time import attention_time, group_link, ring_time
 from paratrain.models.presets import block_param_count
-from paratrain.modes import offloaded_blocks
+from paratrain.modes import offloaded_blocks, segment_size
 
 # The schedules planned by default: all but interleaved_zero_bubble, which the cost model predicts as interleaved_1f1b
 # (the same bubble) and which allows no checkpointing (`--schedules` or `--pp-schedule` may still name it).
@@ -98,6 +98,7 @@ def structural_reason(c: Candidate, ctx: Context) -> str | None:
         return reason
     try:
         c.layout.check_checkpointing(c.ac)
+        check_offload_checkpointing(c.act_offload, c.ac)
     except ConfigError as e:
         return str(e)
     return None
@@ -315,7 +316,7 @@ def _dominated(c: Candidate, miss_micro_batch: int, miss_ac: str) -> bool:
     recomputation."""
     if c.micro_batch < miss_micro_batch:
         return False
-    return c.ac == miss_ac or stored_rank(c.ac) > stored_rank(miss_ac)
+    return stores_at_least(c.ac, miss_ac)
 
 
 def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
@@ -331,6 +332,8 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     d = A.act_dims(a, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, ctx.hw.device)
     moe = A.moe_dims(a, lay, c.micro_batch, ctx.seq_len, 1.0) if a.moe_experts else None
     modes = block_checkpointing(c.ac, a.n_layers, c.every_k)
+    kept = A.stored_by_block(d, modes, stage_blocks(lay, a), {l: moe for l in range(a.n_layers) if a.is_moe_layer(l)},
+                             segment_size(c.segment_blocks, a.n_layers))
     # A pipelined FSDP stage holds its blocks gathered (compute dtype) with their gradients accumulated unsharded
     # (fp32) through the step (Layout.fsdp_all_gathers): at least that much on top of the sharded states.
     unsharded = value_bytes(ctx.precision) + 4 if (lay.pipelined and lay.uses_fsdp) else 0
@@ -348,8 +351,7 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
             _states(state_bytes(a, lay, ctx.precision, ctx.optimizer, "paratrain", s, layers, ctx.lora))
             if not c.cpu_offload else ())  # (CPU offload: the model states are in host memory)
             + unsharded * sum(block_param_count(a, l) for l in layers[s]) // lay.tp)
-        stored = sum(A.block_stored(d, modes[l], moe if a.is_moe_layer(l) else None)
-                     - (A.offloaded(d, modes[l], moe if a.is_moe_layer(l) else None) if l in offloaded else 0)
+        stored = sum(kept[l] - (A.offloaded(d, modes[l], moe if a.is_moe_layer(l) else None) if l in offloaded else 0)
                      for l in layers[s])
         acts = int(in_flight(lay, s) * stored) + recv_buffers(s)
         if best is None or states + acts > sum(best):
@@ -429,7 +431,7 @@ def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
     if offload_stride(tiers.activation_offload, tiers.activation_offload_every_k) not in (1, OFFLOAD_EVERY_K):
         raise UserError(f"--explain '{text}': the planner predicts actoff=every_k{OFFLOAD_EVERY_K} only")
     return Candidate(layout, named.checkpointing, named.every_k, mb, tiers.loss_chunks, tiers.activation_offload,
-                     tiers.cpu_offload)
+                     tiers.cpu_offload, named.segment_blocks)
 
 
 def explain(text: str, ctx: Context, world: int, opts: Options) -> str:

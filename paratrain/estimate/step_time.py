@@ -7,8 +7,10 @@ bandwidth, execution-mode factors, each with its source), not these formulas.
 Compute. Each rank runs its share of every block's GEMMs (q, k, v, o, w1, w2, w3; the output head on the last
 stage; routed experts with ep) for each micro-step, on micro_batch x seq / cp tokens (context parallelism splits
 every sequence over cp ranks); a GEMM of F FLOPs takes F / rate(F), where rate() is the profile's achieved matmul
-rate at that size (small GEMMs — tp-split, small micro-batches — run slower); with `Context.float8` the blocks'
-linear layers at the profile's float8 rate (a what-if; the head stays bf16). Backward is twice the forward. Attention
+rate at that size (small GEMMs — tp-split, small micro-batches — run slower) for the run's precision
+(`Context.math`): the profile's bf16 curve times the ratio of the datasheet peaks (`Hardware.speed`; an A100's plain
+fp32 is 1/16 of its bf16, TF32 1/2); with `Context.float8` the blocks' linear layers at the profile's float8 rate (a
+what-if; the head stays at the run's). Backward is twice the forward. Attention
 adds 4 x seq x dim / tp FLOPs per token forward (the 12 L C T term of `flops_per_token`; causal: half of it is
 computed; under cp each rank computes its 1/cp, in blocks of seq/cp) at the profile's attention rate (profiles
 without one: at ATTENTION_EFFICIENCY of the GEMM rate). Element-wise work (norms, rotary, SwiGLU, softmax, residuals,
@@ -71,7 +73,8 @@ rank's time per micro-batch is its own blocks (and the head on the last stage) o
 time relative to it: with equal stages that is the formula above.
 
 Recompute: full = one more forward of every block (GEMMs, element-wise and operators); every_k = 1/k of that;
-selective = the element-wise work and operators of the forward (matmul and attention outputs are kept).
+selective = the element-wise work and operators of the forward (matmul and attention outputs are kept); segments =
+as full (every block once more, a segment at a time).
 """
 
 from __future__ import annotations
@@ -86,8 +89,8 @@ from paratrain.layout_grammar import layout_name
 from paratrain.memory import MemoryTiers
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import (Compression, CompressionSite, forward_repeats, offloads_activations, recomputed_blocks,
-                             resolve_impl, selective, value_bytes, whole_blocks)
+from paratrain.modes import (Compression, CompressionSite, forward_repeats, matmul_math, offloads_activations,
+                             recomputed_blocks, resolve_impl, selective, tf32_on, value_bytes, whole_blocks)
 from paratrain.optimizers import GradientReduction, Phase, optimizer_entry
 from paratrain.recipe import Recipe
 from paratrain.estimate.profile import Hardware, Link, p2p_time
@@ -124,6 +127,7 @@ class Candidate:
     loss_chunks: int = 1
     act_offload: str = "none"  # none | all | every_k (blocks 0, every_k, ...)
     cpu_offload: bool = False
+    segment_blocks: int = 0  # ac segments: blocks per segment (0: round(sqrt(n_layers)))
 
     @property
     def world(self) -> int:
@@ -159,11 +163,12 @@ class Candidate:
     def name(self) -> str:
         """The layout's name (paratrain/layout_grammar.py), e.g. `fsdp,tp=2,ac=full,mb=1,loss=8`, with its memory
         tiers."""
-        return layout_name(self.layout, self.ac, self.every_k, self.micro_batch, self.tiers())
+        return layout_name(self.layout, self.ac, self.every_k, self.micro_batch, self.tiers(), self.segment_blocks)
 
     def recipe(self, ctx: "Context") -> Recipe:
         """The recipe this candidate stands for in the context's run (what `paratrain plan` writes as its config)."""
-        return Recipe(self.layout, precision=ctx.precision, checkpointing=self.ac, every_k=self.every_k,
+        return Recipe(self.layout, precision=ctx.precision, tf32=ctx.tf32, checkpointing=self.ac, every_k=self.every_k,
+                      segment_blocks=self.segment_blocks,
                       micro_batch=self.micro_batch, accum_steps=1 if self.layout.pipelined else self.micro_steps(ctx),
                       seq_len=ctx.seq_len, tiers=self.tiers(), optimizer=ctx.optimizer,
                       optimizer_impl=resolve_impl("auto", ctx.hw.device), compression=ctx.compression, lora=ctx.lora)
@@ -174,7 +179,7 @@ class Candidate:
         tiers = recipe.tiers
         return cls(recipe.layout, recipe.checkpointing, recipe.every_k, recipe.micro_batch,
                    loss_chunks=max(tiers.loss_chunks, 1), act_offload=tiers.activation_offload,
-                   cpu_offload=tiers.cpu_offload)
+                   cpu_offload=tiers.cpu_offload, segment_blocks=recipe.segment_blocks)
 
     def tiers(self) -> MemoryTiers:
         """The memory tiers this candidate uses."""
@@ -195,6 +200,7 @@ class Context:
     gpus_per_node: int
     precision: str = "bf16"
     model_name: str = "model"
+    tf32: bool | None = None  # training.tf32: fp32 matmuls on TF32 tensor cores (unset: on for fp32, modes.tf32_on)
     native_max_seq_len: int | None = None  # the model's own max_seq_len when seq_len goes beyond it (long context)
     compression: Compression = field(default_factory=Compression)  # gradient compression, where a layout allows it
     optimizer: str = "adamw"  # an entry of paratrain/optimizers.py: its state (memory) and its step's cost
@@ -209,6 +215,12 @@ class Context:
 
     def rank_hw(self, pp_rank: int) -> Hardware:
         return self.stage_hw[pp_rank] if self.stage_hw else self.hw
+
+    def math(self, hw: Hardware | None = None, precision: str | None = None) -> str:
+        """The datasheet rate matmuls in `precision` (default: the run's) go at on `hw` (default: the context's):
+        modes.matmul_math, TF32 where the device has it."""
+        tf32 = tf32_on(self.tf32, self.precision)  # (an fp32 tensor of a bf16 run: TF32 only if switched on)
+        return matmul_math(precision or self.precision, tf32, "tf32" in (hw or self.hw).peaks)
 
 
 @dataclass
@@ -297,7 +309,7 @@ def cached(ctx: Context, key, compute):
 def block_costs(ctx: Context, hw: Hardware, tp: int, micro_batch: int, ep: int, ac: str, cp: int = 1) -> BlockCosts:
     """The compute terms of the cost model for one shape, cached per context: the planner asks for the same shape
     for every data-parallel mode, schedule and replicate degree."""
-    key = (id(hw), tp, micro_batch, ep, ac, cp, ctx.mode, ctx.float8, ctx.seq_len, ctx.precision, ctx.lora)
+    key = (id(hw), tp, micro_batch, ep, ac, cp, ctx.mode, ctx.float8, ctx.seq_len, ctx.precision, ctx.tf32, ctx.lora)
     return cached(ctx, key, lambda: _block_costs(ctx, hw, tp, micro_batch, ep, ac, cp))
 
 
@@ -309,12 +321,13 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
     moe_frac = moe_layers / a.n_layers
     hd = a.head_dim
     f8 = ctx.float8 and bool(hw.float8_gemm)
+    speed = hw.speed(ctx.math(hw))  # the run's matmuls against the profile's bf16 curves (fp32: 1/16 on an A100)
 
     def gemm(m, k, n, count=1.0, linear=True):
         f = 2.0 * m * k * n
         if f <= 0:
             return 0.0
-        rate = hw.float8_rate(f) if (f8 and linear) else hw.gemm_rate(f)
+        rate = hw.float8_rate(f) if (f8 and linear) else speed * hw.gemm_rate(f)
         return count * f / rate
 
     # forward of one block, one micro-step
@@ -322,7 +335,8 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
             + gemm(T, a.n_heads * hd / t, a.dim))
     # causal: about half the square is computed; under cp, in blocks of seq / cp
     sdpa_flop = 4.0 * T * S * a.n_heads * hd / t / 2
-    sdpa = sdpa_flop / (hw.attention_rate(sdpa_flop) or ATTENTION_EFFICIENCY * hw.gemm_rate(2.0 * (S // cp) ** 2 * hd))
+    sdpa = sdpa_flop / speed / (hw.attention_rate(sdpa_flop)
+                                or ATTENTION_EFFICIENCY * hw.gemm_rate(2.0 * (S // cp) ** 2 * hd))
     attn += sdpa
     dense_mlp = gemm(T, a.dim, a.ffn_hidden / t, 3)
     if moe_layers:
@@ -355,7 +369,7 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
 def compute_key(ctx: Context) -> tuple:
     """What a context's compute terms read besides the candidate (`block_costs`' key): a context made with
     dataclasses.replace shares its cache."""
-    return id(ctx.args), id(ctx.hw), ctx.mode, ctx.float8, ctx.seq_len, ctx.precision, ctx.lora
+    return id(ctx.args), id(ctx.hw), ctx.mode, ctx.float8, ctx.seq_len, ctx.precision, ctx.tf32, ctx.lora
 
 
 def pipeline_key(lay: Layout) -> tuple:
@@ -490,7 +504,8 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
             shapes = [(math.ceil(s[0] / lay.dp_shard), *s[1:]) for s in shapes]
         cost = compression_cost(comp_in, shapes, c.dp if site is CompressionSite.DDP_HOOK else lay.dp_replicate)
         comp_frac, comp_lat = cost.wire_fraction, cost.collectives
-        compress = (cost.gemm_flops / hw.gemm_rate(max(cost.gemm_flops / max(cost.ops, 1), 1.0))
+        fp32 = hw.speed(ctx.math(hw, "fp32"))  # (the gradients are fp32)
+        compress = (cost.gemm_flops / (fp32 * hw.gemm_rate(max(cost.gemm_flops / max(cost.ops, 1), 1.0)))
                     if cost.gemm_flops else 0.0) + cost.memory_bytes / hw.mem_bandwidth + cost.ops * hw.op_overhead_s
     rs_frac = 0.5 if site is CompressionSite.REDUCE_DTYPE else 1.0  # bf16 through FSDP's reduce dtype
 
@@ -592,7 +607,8 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     step = compute + recompute + exposed + bubble + optimizer + compress
     tokens = ctx.global_seqs * S
     tok_s = tokens / step
-    peak = sum(h.peak_flops for h in ctx.stage_hw) / len(ctx.stage_hw) if ctx.stage_hw else hw.peak_flops
+    peaks = [h.peak(ctx.math(h)) for h in ctx.stage_hw or [hw]]  # against the peak of the run's matmul rate
+    peak = sum(peaks) / len(peaks)
     mfu = cached(ctx, ("flops_per_token", S), lambda: flops_per_token(a, S)) * tok_s / (c.world * peak)
     return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm, compress,
                       fsdp_gathers, dp_bytes)

@@ -4,8 +4,8 @@ offloading, CPU offload) that brings an estimate within the GPU's memory, and th
 
 The cheapest is the cheapest in time where the GPU has a planner profile (`--gpu NAME`): the planner's cost model
 (paratrain/estimate/step_time.py, with its PCIe/C2C transfers and the host's optimizer step) predicts each change's GPU
-time per token, against the layout as asked (more GPUs cost their GPU time too). Without one (`--gpu-memory`), a fixed
-order of rough costs ranks them."""
+time per token, its matmuls at the rate of the run's precision and TF32 setting (`--tf32`), against the layout as asked
+(more GPUs cost their GPU time too). Without one (`--gpu-memory`), a fixed order of rough costs ranks them."""
 
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ def _time_cost(i: EstimateInputs):
         steps = lay.pp_microbatches if lay.pipelined else c.recipe.accum_steps
         seqs = c.recipe.micro_batch * steps * lay.dp
         ctx = Context(c.model_args, c.recipe.seq_len, seqs, hw, c.node_ranks, precision=c.recipe.precision,
-                      optimizer=c.recipe.optimizer)
+                      tf32=c.recipe.tf32, optimizer=c.recipe.optimizer)
         return predict(Candidate.of(c.recipe), ctx).step_s * lay.world_size / (seqs * c.recipe.seq_len)
 
     base = gpu_seconds_per_token(i)

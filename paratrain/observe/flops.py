@@ -1,16 +1,18 @@
-"""Peak throughput by device name, for MFU. Dense (no sparsity) bf16 tensor-core figures from vendor datasheets.
+"""Peak throughput by device name, for MFU: the dense (no sparsity) datasheet peak of the matmul rate the run uses
+(paratrain.modes.matmul_math: bf16/fp16 the 16-bit tensor cores', fp32 TF32's or plain fp32's).
 
-`peak_flops` is the denominator of the trainer's MFU; it reads the one table of device peaks
-(`paratrain.estimate.gpus.GPU_PEAK_BF16`, beside the GPUs' memory), which the planner's GPU profiles read too.
-Without a datasheet entry (a CPU) the peak is a short matmul measurement, which is no peak: `is_datasheet_peak` says so, and the trainer then reports no MFU (throughput against a measured
-matmul rate can exceed 100%).
+`peak_flops` is the denominator of the trainer's MFU; it reads the one table of devices (`paratrain.estimate.gpus.GPUS`:
+memory, bandwidth and the peak of each rate), which the planner's GPU profiles read too. Without a datasheet entry
+(a CPU) the peak is a short matmul measurement, which is no peak: `is_datasheet_peak` says so, and the trainer then
+reports no MFU (throughput against a measured matmul rate can exceed 100%).
 """
 
 from __future__ import annotations
 
 import time
 
-from paratrain.estimate.gpus import gpu_peak_flops
+from paratrain.estimate.gpus import GPUS, gpu_from_device_name
+from paratrain.modes import matmul_math
 
 
 def measure_matmul_flops(device, size: int = 512, dtype=None, seconds: float = 0.3) -> float:
@@ -41,8 +43,9 @@ def is_datasheet_peak(source: str) -> bool:
     return source.split(" ")[0] in (CONFIGURED, DATASHEET)
 
 
-def peak_flops(device, configured_tflops: float = 0.0) -> tuple[float, str]:
-    """(peak FLOP/s per device, where the number came from)."""
+def peak_flops(device, configured_tflops: float, precision: str, tf32: bool) -> tuple[float, str]:
+    """(peak FLOP/s per device of the rate a run's matmuls go at (`precision`, with TF32 switched on or not:
+    paratrain.modes.matmul_math), where the number came from)."""
     # lazy: loads torch, which this torch-free module's importers (--help, checks, estimate) do without
     import torch
 
@@ -50,8 +53,10 @@ def peak_flops(device, configured_tflops: float = 0.0) -> tuple[float, str]:
         return configured_tflops * 1e12, CONFIGURED
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        peak = gpu_peak_flops(name)
-        if peak is not None:
-            return peak, f"{DATASHEET} ({name})"
+        table = gpu_from_device_name(name, torch.cuda.get_device_properties(device).total_memory)
+        if table is not None:
+            gpu = GPUS[table]
+            math = matmul_math(precision, tf32, gpu.tf32 is not None)
+            return gpu.peak(math), f"{DATASHEET} ({name}, {math})"
         return measure_matmul_flops(device, 4096, torch.bfloat16), f"measured ({name} not in table)"
     return measure_matmul_flops(device), "measured CPU matmul"

@@ -7,7 +7,8 @@ The trainer builds one `record` dict per step and hands it to `MetricsLog.log`. 
   metrics.prometheus_per_rank each rank serves its own numbers on port + local_rank;
 - a `TensorBoardSink` (metrics.tensorboard) writes scalars under `runs/<name>/tensorboard` (rank 0).
 
-Record keys (all optional but `step`): loss, val_loss, lr, grad_norm, tokens_per_s, tokens_per_s_per_device, mfu,
+Record keys (all optional but `step`): loss, val_loss, lr, grad_norm, tokens_per_s, tokens_per_s_per_device,
+samples_per_s (sequences per second), mfu,
 step_time_s and its split data_time_s / compute_time_s / comm_time_s, skipped_steps, loss_scale (fp16), restarts,
 tokens, rank_memory (list of per-rank dicts, log steps only), checkpoint_save_s and checkpoint_step (duration and
 step of the save made since the previous record), on the first record of each process layout, world_size, model and params, and with a
@@ -237,6 +238,7 @@ PROM_SCALARS = {
     "grad_norm": ("paratrain_grad_norm", "Gradient norm of the last step, before clipping."),
     "tokens_per_s": ("paratrain_tokens_per_second", "Training throughput, all devices together."),
     "tokens_per_s_per_device": ("paratrain_tokens_per_second_per_device", "Training throughput per device."),
+    "samples_per_s": ("paratrain_samples_per_second", "Training throughput in sequences, all devices together."),
     "mfu": ("paratrain_mfu_ratio", "Model FLOPs utilisation (0..1) against the device peak."),
     "skipped_steps": ("paratrain_skipped_steps", "Optimizer steps skipped for non-finite gradients."),
     "loss_scale": ("paratrain_loss_scale", "fp16: the loss scale the last step ran at (the scaler halves it on an "
@@ -420,6 +422,7 @@ def _is_number(v) -> bool:
 
 TB_TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
            "tokens_per_s": "throughput/tokens_per_s", "tokens_per_s_per_device": "throughput/tokens_per_s_per_device",
+           "samples_per_s": "throughput/samples_per_s",
            "mfu": "throughput/mfu", "step_time_s": "time/step_s", "compute_time_s": "time/compute_s",
            "data_time_s": "time/data_wait_s", "comm_time_s": "time/comm_wait_s", "skipped_steps": "train/skipped_steps",
            "loss_scale": "train/loss_scale", "restarts": "train/restarts", "checkpoint_save_s": "time/checkpoint_save_s", "moe_aux_loss": "moe/aux_loss",

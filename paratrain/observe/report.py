@@ -224,6 +224,7 @@ def summarize(run: Run) -> dict:
         "best_val_loss": best[1] if best else None, "best_val_step": best[0] if best else None,
         "final_val_loss": run.vals[-1][1] if run.vals else None, "final_val_step": run.vals[-1][0] if run.vals else None,
         "tokens_per_s": _median(r.get("tokens_per_s") for r in timed),
+        "samples_per_s": _median(r.get("samples_per_s") for r in timed),
         "tokens_per_s_per_device": _median(r.get("tokens_per_s_per_device") for r in timed),
         "mfu": _median(r.get("mfu") for r in timed),
         "step_time": split,
@@ -275,11 +276,11 @@ def _low_format(run: Run) -> str:
 
 # -- plots ----------------------------------------------------------------------------------------
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise UserError("paratrain report needs matplotlib: pip install matplotlib  "
+        raise UserError("plots need matplotlib: pip install matplotlib  "
                         "(or: pip install 'paratrain[report]')") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -288,7 +289,7 @@ def _pyplot():
 
 
 def plot_loss(runs: list[Run]):
-    plt = _pyplot()
+    plt = pyplot()
     fig, (by_step, by_tokens) = plt.subplots(2, 1, figsize=(9, 8))
     for i, run in enumerate(runs):
         color = f"C{i}"
@@ -312,7 +313,7 @@ def plot_loss(runs: list[Run]):
 
 
 def plot_throughput(runs: list[Run]):
-    plt = _pyplot()
+    plt = pyplot()
     fig, (tps, split) = plt.subplots(2, 1, figsize=(9, 8))
     for i, run in enumerate(runs):
         pts = [(r["step"], r["tokens_per_s"]) for r in run.steps if _finite(r.get("tokens_per_s"))]
@@ -346,7 +347,7 @@ def _memory_series(run: Run) -> tuple[str, dict[int, list[tuple[int, float]]]]:
 
 
 def plot_memory(runs: list[Run]):
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5))
     kinds = set()
     for i, run in enumerate(runs):
@@ -383,6 +384,17 @@ def scaling_runs(summaries: list[dict]) -> tuple[list[dict], list[dict]]:
     return chosen, left_out
 
 
+def weak_scaling_runs(summaries: list[dict]) -> list[dict]:
+    """The runs one weak-scaling curve may compare: the same model and the same tokens per step per device (the
+    global batch grows with the devices), on at least two device counts (the largest such group), else []."""
+    groups: dict[tuple, list[dict]] = {}
+    for s in summaries:
+        if s["tokens_per_step"]:
+            groups.setdefault((s["model"], s["tokens_per_step"] / s["world_size"]), []).append(s)
+    weak = [g for g in groups.values() if len({s["world_size"] for s in g}) > 1]
+    return max(weak, key=len) if weak else []
+
+
 def scaling_points(summaries: list[dict]) -> list[dict]:
     """Best tokens/s at each device count, and the efficiency against linear scaling from the smallest count."""
     best: dict[int, dict] = {}
@@ -405,7 +417,7 @@ def plot_numerics(run: Run):
     step's first non-finite row (observe/replay.py) boxed."""
     import numpy as np
 
-    plt = _pyplot()
+    plt = pyplot()
     rows = run.watched[-1]["numerics"]["rows"]
     watched = [r for r in run.watched if r["numerics"]["rows"] == rows]
     steps = [r["step"] for r in watched]
@@ -448,20 +460,28 @@ def _cell(v, log: bool) -> tuple[float, bool]:
     return v, False
 
 
-def plot_scaling(points: list[dict]):
-    plt = _pyplot()
+def plot_scaling(points: list[dict], weak: list[dict] = ()):
+    """tokens/s against devices: the strong-scaling curve (one global batch) and the weak one (one batch per device),
+    each against linear scaling from its smallest point, the legend naming the runs each curve holds."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))
-    n = [p["devices"] for p in points]
-    t = [p["tokens_per_s"] for p in points]
-    ax.plot(n, t, "o-", label="measured")
-    ax.plot(n, [t[0] / n[0] * x for x in n], "k--", alpha=0.5, label=f"linear from {n[0]} device(s)")
-    for p in points:
-        ax.annotate(p["run"], (p["devices"], p["tokens_per_s"]), textcoords="offset points", xytext=(4, 4),
-                    fontsize="small")
-    ax.set(xlabel="devices", ylabel="tokens/s", title="scaling")
-    ax.set_xticks(n)
+    ticks = set()
+    for kind, curve, style in (("strong", points, "o-"), ("weak", weak, "s-")):
+        if len(curve) < 2:
+            continue
+        n = [p["devices"] for p in curve]
+        t = [p["tokens_per_s"] for p in curve]
+        ticks.update(n)
+        line, = ax.plot(n, t, style, label=f"{kind}: {', '.join(p['run'] for p in curve)}")
+        ax.plot(n, [t[0] / n[0] * x for x in n], ":", color=line.get_color(), alpha=0.6,
+                label=f"{kind}: linear from {n[0]} device(s)")
+        for p in curve:
+            ax.annotate(f"{p['efficiency']:.0%}", (p["devices"], p["tokens_per_s"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize="small")
+    ax.set(xlabel="devices", ylabel="tokens/s", title="scaling (labels: efficiency against linear)")
+    ax.set_xticks(sorted(ticks))
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     return fig
 
@@ -479,7 +499,7 @@ def _f(v, fmt: str = "{:.4f}", none: str = "-") -> str:
 
 
 def render_markdown(summaries: list[dict], points: list[dict], plots: list[str],
-                    left_out: list[dict] | None = None) -> str:
+                    left_out: list[dict] | None = None, weak: list[dict] = ()) -> str:
     lines = ["# Training report", ""]
     lines += ["| run | model | devices | layout | status | steps | tokens | final loss | best val loss (step) | "
               "final val loss | tokens/s | tokens/s per device | MFU | skipped steps | restarts |",
@@ -539,12 +559,14 @@ def render_markdown(summaries: list[dict], points: list[dict], plots: list[str],
                   f"{', '.join(_f(v, '{:.2f}') for v in m['layer_imbalance'])} | {_f(m['aux_loss'], '{:.3f}')} | "
                   f"{m['dropped_tokens']} |" for s in summaries if (m := s["moe"])]
         lines.append("")
-    if len(points) > 1:
-        lines += ["## Scaling", "", "| devices | run | tokens/s | tokens/s per device | efficiency |",
-                  "|---:|---|---:|---:|---:|"]
-        lines += [f"| {p['devices']} | {p['run']} | {p['tokens_per_s']:,.0f} | {p['tokens_per_s_per_device']:,.0f} | "
-                  f"{p['efficiency']:.0%} |" for p in points]
-        lines += ["", "Efficiency: tokens/s against linear scaling from the smallest run.", ""]
+    if len(points) > 1 or len(weak) > 1:
+        lines += ["## Scaling", "", "| kind | devices | run | tokens/s | tokens/s per device | efficiency |",
+                  "|---|---:|---|---:|---:|---:|"]
+        lines += [f"| {kind} | {p['devices']} | {p['run']} | {p['tokens_per_s']:,.0f} | "
+                  f"{p['tokens_per_s_per_device']:,.0f} | {p['efficiency']:.0%} |"
+                  for kind, curve in (("strong", points), ("weak", weak)) if len(curve) > 1 for p in curve]
+        lines += ["", "Efficiency: tokens/s per device against the smallest run of the curve (strong: one global "
+                  "batch; weak: one batch per device, the global batch growing with the devices).", ""]
     if left_out:
         lines += ["Left out of the scaling curve (it compares runs of one model and one global batch only): "
                   + "; ".join(f"{x['run']} ({x['reason']})" for x in left_out) + ".", ""]
@@ -577,7 +599,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> d
     for r in runs:
         if names.count(r.name) > 1:  # e.g. two runs named "default" in different folders
             r.name = f"{r.path.resolve().parent.name}/{r.path.name}"
-    plt = _pyplot()
+    plt = pyplot()
     if out is None:
         out = runs[0].path / "report" if len(runs) == 1 else Path("report")
     out = Path(out)
@@ -585,11 +607,16 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> d
     summaries = [summarize(r) for r in runs]
     comparable, left_out = scaling_runs(summaries)
     points = scaling_points(comparable) if len(comparable) > 1 else []
+    weak = weak_scaling_runs(summaries)
+    weak_points = scaling_points(weak)
+    for x in left_out:  # a run left out of the strong-scaling curve may stand on the weak one
+        if any(s["name"] == x["run"] for s in weak):
+            x["reason"] += "; it is on the weak-scaling curve"
     figures = {"loss.png": plot_loss(runs), "throughput.png": plot_throughput(runs)}
     if any(s["memory"] for s in summaries):
         figures["memory.png"] = plot_memory(runs)
-    if len(points) > 1:
-        figures["scaling.png"] = plot_scaling(points)
+    if len(points) > 1 or len(weak_points) > 1:
+        figures["scaling.png"] = plot_scaling(points if len(points) > 1 else [], weak_points)
     for run, s in zip(runs, summaries):
         if s["numerics"] and s["numerics"]["watched_steps"]:
             name = "numerics.png" if len(runs) == 1 else f"numerics-{re.sub(r'[^A-Za-z0-9_.-]', '_', run.name)}.png"
@@ -599,8 +626,8 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> d
         fig.savefig(out / name, dpi=100, metadata={"Software": "paratrain report"})
         plt.close(fig)
         files[name] = out / name
-    (out / "report.md").write_text(render_markdown(summaries, points, list(figures), left_out))
-    (out / "summary.json").write_text(json.dumps({"runs": summaries, "scaling": points,
+    (out / "report.md").write_text(render_markdown(summaries, points, list(figures), left_out, weak_points))
+    (out / "summary.json").write_text(json.dumps({"runs": summaries, "scaling": points, "weak_scaling": weak_points,
                                                   "scaling_left_out": left_out}, indent=2))
     files["report.md"], files["summary.json"] = out / "report.md", out / "summary.json"
     return files

@@ -51,7 +51,7 @@ from paratrain.training.export import export_final
 from paratrain.training.optim import WarmupCosine
 from paratrain.training.record import PendingRecord, StepRecorder
 from paratrain.training.resilience import MemoryBudget, ResilienceGuard, mark_preempted
-from paratrain.training.step import build_run_step
+from paratrain.training.step import apply_tf32, build_run_step
 
 
 def resolved_config(cfg, layout):
@@ -88,6 +88,7 @@ class Trainer:
 
         if spec.layout.pipelined:  # heterogeneous clusters: this rank's stages on the GPU the plan gave them
             check_stage_gpu(stage_gpus(cfg.parallel, spec.layout), self.dims.pp_rank, dev)
+        self.tf32 = apply_tf32(t.tf32, t.precision, dev)  # before any matmul of the run
         budget = cfg.resilience.memory_budget_gib
         self.train_step = build_run_step(spec, self.dims, dev,
                                          memory_budget=MemoryBudget(int(budget * 2**30)) if budget > 0 else None)
@@ -102,7 +103,8 @@ class Trainer:
                                          scheduler=self.scheduler)
         self.evaluate = Evaluator(open_split(cfg.data, "val", t.seq_len), self.train_step, spec, self.dims.dp_rank,
                                   self.dims.loss_group)
-        self.peak, self.peak_source = peak_flops(dev, cfg.metrics.peak_tflops)
+        # MFU against the peak of the rate the run's matmuls go at (an fp32 run's: TF32's or plain fp32's)
+        self.peak, self.peak_source = peak_flops(dev, cfg.metrics.peak_tflops, t.precision, self.tf32)
         self.restarts = int(os.environ.get(ATTEMPT_ENV, "0"))
         mfu_peak = self.peak if is_datasheet_peak(self.peak_source) else None  # no MFU against a measured matmul
         self.recorder = StepRecorder(spec, self.train_step, self.train_data, env, mfu_peak,

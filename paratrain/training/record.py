@@ -144,6 +144,7 @@ class StepRecorder:
         record = {"step": p.step + 1, "batch": p.data_step, "loss": values.loss, "lr": p.lr,
                   "grad_norm": values.grad_norm,
                   "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / world,
+                  "samples_per_s": self.spec.global_batch / seconds,
                   "mfu": self.flops_per_token * tok_s / (self.peak * world) if self.peak else None,
                   "step_time_s": seconds, "skipped_steps": skipped, "tokens": (p.step + 1) * self.spec.tokens_per_step,
                   "micro_batch": p.micro_batch, "restarts": self.restarts, **self.timer.split(seconds, p.phases),

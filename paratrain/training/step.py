@@ -40,7 +40,7 @@ from paratrain.memory import check_loss_chunks, loss_chunks
 from paratrain.models import build_model
 from paratrain.models.llama import cross_entropy
 from paratrain.models.moe import balance_loss, moe_modules
-from paratrain.modes import loss_scaled, low_precision
+from paratrain.modes import loss_scaled, low_precision, tf32_on
 from paratrain.training.optim import build_optimizer, inner_optimizer
 
 
@@ -64,6 +64,24 @@ def make_scaler(layout: Layout, precision: str, device: torch.device):
     if layout.uses_fsdp or layout.tp_enabled or layout.pipelined:
         return ShardedGradScaler(device.type)
     return torch.amp.GradScaler(device.type)
+
+
+TF32_CAPABILITY = (8, 0)  # Ampere: the first tensor cores with TF32
+
+
+def apply_tf32(tf32: bool | None, precision: str, device: torch.device) -> bool:
+    """training.tf32 for this process's fp32 matmuls and convolutions, through torch's switches; whether TF32 is on
+    (the MFU's peak follows it). Unset: on for fp32 runs on compute capability 8.0 and newer (modes.tf32_on). CUDA
+    only: elsewhere nothing is set and it is off."""
+    if device.type != "cuda":
+        return False
+    on = tf32_on(tf32, precision) and (tf32 is not None or torch.cuda.get_device_capability(device) >= TF32_CAPABILITY)
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):  # torch 2.9+: setting the old switches too would be an error there
+        matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32" if on else "ieee"
+    else:
+        matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
+    return on
 
 
 class ScheduleLoss:
