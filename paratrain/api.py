@@ -20,10 +20,9 @@ import time
 
 from paratrain.config import Config
 from paratrain.distributed import failure
-from paratrain.distributed.launch import inside_launcher, launch, start_rank_server
+from paratrain.distributed.launch import attempt, inside_launcher, launch, start_rank_server
 from paratrain.distributed.orphans import LAUNCHER_ENV
 from paratrain.errors import UserError, environment_error, translated
-from paratrain.faults import ATTEMPT_ENV
 from paratrain.observe.metrics import check_metrics_config
 from paratrain.preflight import check_launch, check_new_run, check_overwrite, start_over, warn_disk
 from paratrain.runlock import hold_run_folder, refuse_if_live
@@ -110,7 +109,7 @@ def _train_parts(parts, want_final_weights: bool, keep_group: bool):
 
 def relaunched() -> bool:
     """This rank belongs to a restart (paratrain's launcher or torchrun's --max-restarts), not the first launch."""
-    return int(os.environ.get(ATTEMPT_ENV, "0") or 0) > 0 or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    return attempt() > 0
 
 
 def run_rank(cfg: Config, want_final_weights: bool = False, keep_group: bool = False):

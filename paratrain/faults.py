@@ -20,7 +20,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-from paratrain.distributed.launch import ATTEMPT_ENV  # set by our launcher
+from paratrain.distributed.launch import ATTEMPT_ENV, attempt  # ATTEMPT_ENV: set by our launcher
 
 ENV = "PARATRAIN_FAULTS"
 
@@ -52,9 +52,7 @@ class FaultInjector:
     def __init__(self, rank: int):
         self.rank = rank
         self.faults = [f for f in parse(os.environ.get(ENV, "")) if f.rank in (None, rank)]
-        # the first launch: paratrain's launcher counts attempts, torchrun's agents count restarts
-        self.first_attempt = (int(os.environ.get(ATTEMPT_ENV, "0")) == 0
-                              and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0)
+        self.first_attempt = attempt() == 0
         self.fired: set[Fault] = set()
 
     def __bool__(self) -> bool:

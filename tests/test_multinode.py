@@ -3,6 +3,7 @@
 
 - the 2 x 2 run trains to one process's losses (fp32, the same global batch) within 1e-5, and the checkpoint both
   nodes wrote resumes on one node;
+- `torchrun --max-restarts 1` with a rank killed: the restarted ranks resume from the newest checkpoint;
 - the sbatch script `paratrain plan` writes for 2 nodes runs to the end, its `srun` and `scontrol` replaced by
   stubs that start one agent per node here.
 
@@ -93,6 +94,23 @@ def test_two_nodes_match_one_process_and_their_checkpoint_resumes_on_one(char_da
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / 'step-4'} at step 4" in done.stdout
     close(losses(run), one_process, range(1, STEPS + 1))
+
+
+def test_torchrun_restart_resumes_from_the_newest_checkpoint(char_data, tmp_path, one_process):
+    """`torchrun --max-restarts 1`, rank 1 SIGKILLed before step 4 on the first attempt: the restarted ranks (a store
+    prefix of their own, distributed/env.py `restart_store`) resume from step-2 and end with the uninterrupted
+    losses."""
+    args = [f"--{o}" for o in fast_overrides(char_data, tmp_path, "restarted", f"training.steps={STEPS}",
+                                             "checkpoint.every=2", "training.log_every=1", *SAME)]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--max-restarts", "1", "-m", "paratrain", "train", *args], capture_output=True, text=True,
+                          env={**env(), "PARATRAIN_FAULTS": "kill@3:1"}, timeout=240, start_new_session=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = tmp_path / "restarted"
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in done.stdout
+    close(losses(run), one_process, range(1, STEPS + 1))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert [(r["step"], r["restarts"]) for r in records if r.get("segment")] == [(0, 0), (2, 1)]
 
 
 def test_the_plan_sbatch_script_runs_with_stub_srun(char_data, tmp_path):

@@ -69,12 +69,29 @@ def init_process_group(device: torch.device, timeout_s: float, host_collectives:
     # Groups made later (the mesh's sub-groups, new_group) take torch's default timeout (30 min on gloo, 10 on NCCL),
     # not this group's: make it the run's, so a stuck rank ends the run whichever group it blocks.
     distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=timeout_s)
+    store = restart_store(timeout)
+    where = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
+                                      "world_size": int(os.environ["WORLD_SIZE"])}
     if device.type == "cuda":
         torch.cuda.set_device(device)
         backend = "cuda:nccl,cpu:gloo" if host_collectives else "nccl"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device)
+        dist.init_process_group(backend, timeout=timeout, device_id=device, **where)
     else:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", timeout=timeout, **where)
+
+
+def restart_store(timeout: timedelta):
+    """Under torchrun's `--max-restarts`, a restarted rank's store: torch elastic's agent keeps one store for all its
+    workers' attempts, and the names `new_group` gives the mesh's groups repeat, so without a prefix of its own a
+    restarted rank reads the dead attempt's gloo addresses (connectFullMesh: connection refused). None on a first
+    attempt, or when the ranks do not share the agent's store (paratrain's launcher starts a fresh one per attempt)."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"paratrain/restart_{restart}", agent)
 
 
 def init_distributed(device_preference: str = "auto", timeout_s: float = 600.0,

@@ -24,6 +24,12 @@ from paratrain.errors import UserError
 # would not be.
 START_METHOD = "forkserver"
 ATTEMPT_ENV = "PARATRAIN_ATTEMPT"  # set for the ranks: 0 for the first launch, 1.. for restarts
+
+
+def attempt() -> int:
+    """This rank's launch attempt: 0 for the first launch, 1.. after restarts (paratrain's launcher counts them in
+    ATTEMPT_ENV, torchrun's agents in TORCHELASTIC_RESTART_COUNT)."""
+    return int(os.environ.get(ATTEMPT_ENV, "0") or 0) or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 # rank_server: the forkserver outlives a SIGTERM to the job; torch._dynamo: torch imports it on a model's first
 # initialisation (~1 s). A caller adds what its ranks import (`launch(preload=...)`: the trainer's modules).
 PRELOAD = ("paratrain.distributed.rank_server", "torch._dynamo")

@@ -17,7 +17,6 @@ steps since the last settle point (a restart replays them from the checkpoint, w
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,8 @@ from paratrain.distributed.pipeline import check_stage_gpu
 from paratrain.errors import UserError
 from paratrain.estimate import estimate_for_run
 from paratrain.estimate.gpus import fmt_bytes
-from paratrain.faults import ATTEMPT_ENV, FaultInjector
+from paratrain.distributed.launch import attempt
+from paratrain.faults import FaultInjector
 from paratrain.generate import prompt_ids, sample
 from paratrain.models import count_active_params, count_params, flops_per_token, format_params
 from paratrain.models.lora import lora_summary
@@ -105,7 +105,7 @@ class Trainer:
                                   self.dims.loss_group)
         # MFU against the peak of the rate the run's matmuls go at (an fp32 run's: TF32's or plain fp32's)
         self.peak, self.peak_source = peak_flops(dev, cfg.metrics.peak_tflops, t.precision, self.tf32)
-        self.restarts = int(os.environ.get(ATTEMPT_ENV, "0"))
+        self.restarts = attempt()  # a relaunched rank (ours or torchrun's) resumes from the newest checkpoint
         mfu_peak = self.peak if is_datasheet_peak(self.peak_source) else None  # no MFU against a measured matmul
         self.recorder = StepRecorder(spec, self.train_step, self.train_data, env, mfu_peak,
                                      flops_per_token(spec.model_args, t.seq_len), self.restarts, self.dims.dp_group,
