@@ -57,14 +57,15 @@ def main(argv: list[str]) -> int:
     if kind == "weak" and base.training.global_batch is not None:
         raise UserError("--weak keeps training.micro_batch sequences per data-parallel rank: leave "
                         "training.global_batch unset (it grows with the ranks)")
-    if kind == "strong":
-        largest = max(_dp(load_config(own.get("--config"), [*overrides, *extra]), ranks) for _, ranks, extra in points)
-        global_batch = _int(own, "--global-batch", batch * largest, 1)
+    if kind == "strong":  # each point's data-parallel degree, once
+        dps = {label: _dp(load_config(own.get("--config"), [*overrides, *extra]), ranks)
+               for label, ranks, extra in points}
+        global_batch = _int(own, "--global-batch", batch * max(dps.values()), 1)
     configs = []
     for (label, ranks, extra) in points:
         sizing = ["training.accum_steps=1"]
         if kind == "strong":
-            dp = _dp(load_config(own.get("--config"), [*overrides, *extra]), ranks)
+            dp = dps[label]
             if global_batch % dp:
                 raise UserError(f"--strong: the global batch {global_batch} does not split over the {dp} data-parallel "
                                 f"ranks of {label} (give --global-batch a multiple of every point's dp ranks)")
