@@ -46,6 +46,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def prewarmed():
+    """Commands as fresh processes forked from one that imported torch and the trainer (tests/prewarmed.py)."""
+    from prewarmed import Prewarmed
+
+    server = Prewarmed()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
 def char_data(tmp_path_factory):
     """The bundled corpus prepared once with the char tokenizer (read-only for the tests)."""
     d = tmp_path_factory.mktemp("data") / "tinyshakespeare-char"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,22 +43,21 @@ def test_a_table_is_recognised():
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_bench_smoke(name, tmp_path):
+def test_bench_smoke(name, tmp_path, prewarmed):
     """`python bench/<name>.py --smoke` in an empty working folder (what it writes lands there, or in a temporary
-    folder of its own), one thread per process; exit 0 and a table on stdout."""
+    folder of its own), one thread per process, as a process of its own (forked from one that imported torch:
+    tests/prewarmed.py); exit 0 and a table on stdout."""
     scratch = tempfile.mkdtemp(prefix="bench-smoke-")  # TMPDIR (short: the forkserver's socket lives under it)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": scratch, "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, str(BENCH / f"{name}.py"), "--smoke"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the session this test started: the script and its ranks
-        out, _ = proc.communicate()
-        pytest.fail(f"bench/{name}.py --smoke did not finish in {TIMEOUT_S} s:\n{out[-4000:]}")
+        proc = prewarmed.run([sys.executable, str(BENCH / f"{name}.py"), "--smoke"], cwd=tmp_path, env=env,
+                             timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"bench/{name}.py --smoke did not finish in {TIMEOUT_S} s:\n{(e.output or '')[-4000:]}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.perf_counter() - start
+    out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"bench/{name}.py --smoke exited {proc.returncode} after {seconds:.0f} s:\n{out[-6000:]}"
-    assert printed_table(out), f"bench/{name}.py --smoke printed no table:\n{out[-4000:]}"
+    assert printed_table(proc.stdout), f"bench/{name}.py --smoke printed no table:\n{out[-4000:]}"

@@ -197,10 +197,11 @@ def test_doc_config_blocks_load(tmp_path):
 
 
 class Journey:
-    """A fresh working folder and the documented commands run there as subprocesses."""
+    """A fresh working folder and the documented commands run there as processes of their own (`paratrain ...`
+    forked from a process that imported torch already: tests/prewarmed.py; `python -c ...` as a new interpreter)."""
 
-    def __init__(self, name: str, folder: Path):
-        self.name, self.cwd = name, folder
+    def __init__(self, name: str, folder: Path, prewarmed):
+        self.name, self.cwd, self.prewarmed = name, folder, prewarmed
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                     "XDG_CACHE_HOME": str(folder / ".cache"), "PYTHONUNBUFFERED": "1",
                     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -219,9 +220,11 @@ class Journey:
         if words[0] == "paratrain":
             sub = 3 if words[1] == "checkpoint" else 2
             words = [sys.executable, "-m", "paratrain", *words[1:sub], *before, *words[sub:], *after]
-        elif words[0] == "python":
-            words = [sys.executable, *words[1:]]
-        done = subprocess.run(words, cwd=self.cwd, env=self.env, capture_output=True, text=True, timeout=timeout)
+            done = self.prewarmed.run(words, cwd=self.cwd, env=self.env, timeout=timeout)
+        else:
+            assert words[0] == "python", command
+            done = subprocess.run([sys.executable, *words[1:]], cwd=self.cwd, env=self.env, capture_output=True,
+                                  text=True, timeout=timeout)
         output = done.stdout + done.stderr
         assert done.returncode == expect, f"{command}: exit {done.returncode}\n{output[-4000:]}"
         assert "Traceback" not in output, f"{command}: a traceback\n{output[-4000:]}"
@@ -242,9 +245,9 @@ class Journey:
 
 
 @pytest.fixture
-def journey(request, tmp_path):
+def journey(request, tmp_path, prewarmed):
     name = request.node.name.removeprefix("test_journey_").split("[")[0]
-    return Journey(name, tmp_path)
+    return Journey(name, tmp_path, prewarmed)
 
 
 def metrics(run_dir: Path) -> list[dict]:
