@@ -22,12 +22,14 @@ import tempfile
 import threading
 from pathlib import Path
 
-# What the server imports before its first fork: torch and what a training process imports (the launcher's preload).
-WARM = ("torch", "torch._dynamo", "torch.distributed.checkpoint", "paratrain.cli", "paratrain.api",
-        "paratrain.spec", "paratrain.training.loop", "paratrain.distributed.rank_server")
+from paratrain.api import RANK_MODULES
+from paratrain.distributed.launch import PRELOAD
+
+# What the server imports before its first fork: the CLI, checkpointing, and what the launcher preloads for its ranks.
+WARM = ("paratrain.cli", "torch.distributed.checkpoint", *PRELOAD, *RANK_MODULES)
 
 SERVER = r"""
-import importlib, json, os, runpy, sys
+import importlib, json, os, runpy, sys, tempfile
 for name in sys.argv[1].split(","):
     importlib.import_module(name)
 requests, replies = sys.stdin, sys.stdout
@@ -38,6 +40,7 @@ def child(request):
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # the server's imports settled it from the server's TMPDIR; a fresh one reads this TMPDIR
     sys.path[0] = request["path0"]
     for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY),
                            (2, request["stderr"], os.O_WRONLY)):
@@ -84,7 +87,8 @@ class Prewarmed:
         args = [module, *argv[3:]] if module else argv[1:]
         with self.lock, tempfile.TemporaryDirectory(prefix="prewarmed-") as scratch:
             out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
-            out.touch(), err.touch()
+            out.touch()
+            err.touch()
             path0 = str(Path(cwd).resolve()) if module else str(Path(args[0]).resolve().parent)
             request = {"argv": args, "module": module, "cwd": str(cwd), "env": dict(env), "path0": path0,
                        "stdout": str(out), "stderr": str(err)}
@@ -101,7 +105,7 @@ class Prewarmed:
             if not reply:
                 raise RuntimeError(f"the prewarmed server ended while running {argv}")
             code = json.loads(reply)["returncode"]
-            if stopped:
+            if stopped and code == -signal.SIGKILL:  # (not a command that ended as its time ran out)
                 raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
             return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
 
