@@ -269,6 +269,32 @@ def test_a_second_ctrl_c_stops_at_once():
             proc.kill()
 
 
+def test_a_second_sigterm_while_the_grace_period_starts_is_not_a_deadlock():
+    """SIGTERM to the job's process group reaches a rank twice at once (directly, and relayed by the launcher): the
+    second lands while the first is starting the grace-period watchdog. The watch must still stop in time (it once
+    waited for itself forever: the run was killed when the launcher's grace period ran out)."""
+    script = ("import os, signal, threading, time\n"
+              "from paratrain.training import preemption\n"
+              "class Nesting(threading.Timer):\n"
+              "    def start(self):\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "        time.sleep(0.1)\n"  # the handler runs here, inside notice()
+              "        super().start()\n"
+              "preemption.threading.Timer = Nesting\n"
+              "watch = preemption.PreemptionWatch(60).start()\n"
+              "watch.notice()\n"
+              "time.sleep(0.2)\n"
+              "print('stopping', watch.requested, watch.noticed_at is not None, flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError("the watch deadlocked on a second SIGTERM") from None
+    assert proc.returncode == 0 and out.strip() == "stopping True True", out + err
+
+
 def session_processes(sid: int) -> list[psutil.Process]:
     """The live processes of session `sid` (a job started with start_new_session: the launcher and all it started)."""
     found = []

@@ -38,7 +38,7 @@ class PreemptionWatch:
         self.on_dump: list = []  # called from the watcher thread on every SIGUSR2
         self._previous_usr2 = None
         self._previous_int = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered if a handler runs inside notice() (no wakeup pipe)
         self._watchdog: threading.Timer | None = None
         self._previous = None
         self._previous_fd = -1
@@ -79,7 +79,13 @@ class PreemptionWatch:
         os._exit(EXIT_PREEMPT_EXPIRED)
 
     def _on_sigterm(self, signum, frame) -> None:
-        self.notice()
+        # Only a flag here: the watcher thread, woken by the same signal through the pipe, starts the grace period.
+        # A handler that took the lock could run inside notice() on this thread (a second SIGTERM, as a scheduler's
+        # signal to the job's process group and the launcher's relayed copy arrive together, lands while notice()
+        # waits for its watchdog thread to start) and wait for itself forever.
+        self.requested = True
+        if self._pipe is None or self._previous_fd is None:  # no wakeup pipe: no watcher thread to do it
+            self.notice()
 
     def _watch_pipe(self, read_fd: int) -> None:
         while True:
