@@ -145,8 +145,9 @@ def memory_specs(args, cuda: bool) -> list[tuple[str, object, bool | str]]:
             ("chunked loss, mb 2", dict(micro_batch=2, seq_len=seq, precision=low, loss_chunks=8)),
             ("activation offload, mb 2", dict(micro_batch=2, seq_len=seq, precision=low, activation_offload="all")),
             ("bf16 optimizer states, mb 2", dict(micro_batch=2, seq_len=seq, precision=low, optimizer="adamw-bf16"))]
-    impl = resolve_impl("auto", "cuda" if cuda else "cpu")
-    return [(label, MeasureSpec(model=model, name=label, optimizer_impl=impl, **kw), False)
+    device = "cuda" if cuda else "cpu"
+    return [(label, MeasureSpec(model=model, name=label, optimizer_impl=resolve_impl("auto", device, kw["precision"]),
+                                **kw), False)
             for label, kw in rows]
 
 

@@ -3,7 +3,7 @@ optimizer, in one process, rounds alternating.
 
 Both sides train the default model (preset shakespeare-char, context 64, micro-batch 12, fp32, one process) on the
 same batches (paratrain's data reader, seed 1337) with the same AdamW (the kernels `optimizer.impl=auto` picks on the
-device, `paratrain.modes.resolve_impl`: fused on CUDA, foreach on a CPU; the trainer's weight-decay groups),
+device, `paratrain.modes.resolve_impl`: fused, foreach for fp16 on a CPU; the trainer's weight-decay groups),
 gradient clipping at 1.0 and warmup + cosine learning rate. The plain loop is what one would write by hand: forward,
 cross-entropy, backward, `clip_grad_norm_`, `step`, a LambdaLR, `zero_grad`, the losses kept as tensors. paratrain's
 side is `paratrain.api.train_rank` with the default config (its log steps every 10, the metrics record, the guard,

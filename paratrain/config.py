@@ -104,7 +104,7 @@ class OptimizerConfig:
     beta1: float = 0.9  # Adam's first-moment decay; sgd's momentum
     beta2: float = 0.99  # Adam's second-moment decay
     eps: float = 1e-8
-    impl: Literal["auto", OptimizerImpl] = "auto"  # AdamW's implementation; auto: fused on CUDA, foreach on a CPU
+    impl: Literal["auto", OptimizerImpl] = "auto"  # AdamW's implementation; auto: fused (foreach for fp16 on a CPU)
     # -- onebit_adam, zero_one_adam (docs/optimizers.md; DeepSpeed's names) --
     # onebit_adam: steps of plain AdamW (fp32 all-reduce) before the variance freezes and the momenta go 1-bit
     # (0: 6.5% of training.steps, which kept the loss within 2% of AdamW's at 90% fewer bytes);

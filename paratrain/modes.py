@@ -313,15 +313,19 @@ OptimizerImpl = Literal["fused", "foreach", "for"]  # torch's AdamW kernels (opt
 OPTIMIZER_IMPLS: tuple[str, ...] = get_args(OptimizerImpl)
 
 
-def resolve_impl(impl: str, device_type: str) -> OptimizerImpl:
-    """`optimizer.impl` on a device: "auto" is fused on CUDA, else foreach. The trainer, the estimator, the planner
-    and the benches all resolve it here. Fused on a CPU is 3x foreach on the default recipe's step and runs on
-    FSDP2/TP/EP DTensor parameters on gloo (bench/RESULTS.md 2026-12-02), but torch 2.13's fused AdamW cannot take
-    ShardedGradScaler's found_inf (shape [1] against its scalar step counts: fp16 with fsdp/tp/pp, and so fp16 with
-    CPU offload, whose optimizer steps on the CPU), so it is not the CPU default (optimizer.impl=fused asks for it)."""
+def resolve_impl(impl: str, device_type: str, precision: str, optimizer: str = "adamw") -> OptimizerImpl:
+    """`optimizer.impl` on a device: "auto" is fused, apart from fp16 off CUDA (foreach). The trainer, the estimator,
+    the planner and the benches all resolve it here. Fused on a CPU is 3x foreach on the default recipe's step and
+    runs on FSDP2/TP/EP DTensor parameters on gloo (bench/RESULTS.md 2026-12-02); on DTensor parameters its one
+    kernel also spares the ~15 foreach ops' sharding propagation (~1 s of CPU per rank on a launch's first step).
+    But torch 2.13's fused AdamW on a CPU cannot take ShardedGradScaler's found_inf (shape [1] against its scalar
+    step counts: fp16 with fsdp/tp/pp, and so fp16 with CPU offload, whose optimizer steps on the CPU). SGD is
+    foreach: torch 2.13 has no DTensor sharding rule for fused SGD (FSDP, TP)."""
     if impl != "auto":
         return impl
-    return "fused" if device_type == "cuda" else "foreach"
+    if optimizer == "sgd":
+        return "foreach"
+    return "fused" if device_type == "cuda" or precision != "fp16" else "foreach"
 
 # -- gradient compression ----------------------------------------------------------------------------------------
 GradCompression = Literal["none", "bf16", "powersgd", "sign_ef"]

@@ -58,7 +58,8 @@ class Recipe:
         values = {f.name: _get(cfg, f.metadata["key"]) for f in _keyed_fields(cls)}
         return cls(layout, **{**values, "micro_batch": micro_batch}, accum_steps=accum_steps,
                    tiers=MemoryTiers.from_config(cfg.memory),
-                   optimizer_impl=resolve_impl(cfg.optimizer.impl, device_type),
+                   optimizer_impl=resolve_impl(cfg.optimizer.impl, device_type, cfg.training.precision,
+                                                cfg.optimizer.name),
                    compression=Compression.from_config(cfg.parallel), lora=LoRA.from_config(cfg.lora))
 
     def to_config(self, cfg):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import getpass
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,10 @@ from paratrain.data import DEFAULT_CORPUS, prepare_dataset
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 if str(BENCH) not in sys.path:
     sys.path.append(str(BENCH))
+
+# One Inductor cache for every process of the suite (torchao's AdamW8bit compiles its step on a CPU: ~60 s cold, a
+# second later), also for the commands given a TMPDIR of their own (the default cache sits under TMPDIR).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
 
 # Small and fast on a CPU: the tiny preset, short windows, no sampling, no progress display,
 # a configured peak (no matmul benchmark), a short eval.

@@ -247,7 +247,7 @@ def test_estimate_for_run_and_device_peak(char_data, tmp_path):
     plan = resolve_run(fast_config(char_data, tmp_path, "est", "training.precision=bf16"), 1)
     est = estimate_for_run(plan, device="cpu")
     assert est.overhead_bytes == 0 and est.total_bytes == est.peak_bytes > 0
-    assert "activations" in est.format_table() and est.inputs.recipe.optimizer_impl == "foreach"
+    assert "activations" in est.format_table() and est.inputs.recipe.optimizer_impl == "fused"
     assert device_peak_bytes("cpu") > 0
     assert "measured" in est.compare_line(est.peak_bytes)
 

@@ -5,7 +5,8 @@ On a CPU every tensor is host memory, so the test counts every read and names wh
 allowed outside log steps are the ones that are host memory on a GPU too:
 - `torch.optim`'s foreach/for AdamW reads its own step counters, which torch keeps on the CPU for them on any device;
 - with those optimizers the step reads its `finite` flag once to skip a non-finite update (torch's foreach and for
-  AdamW cannot skip on the device; on CUDA optimizer.impl=auto picks fused AdamW, which can: no read at all);
+  AdamW cannot skip on the device; optimizer.impl=auto picks fused AdamW, which can: no read at all, apart from fp16
+  on a CPU);
 - the preemption flag is all-reduced over a gloo group in CPU memory (multi-process runs).
 """
 
@@ -119,9 +120,9 @@ def test_no_host_reads_outside_log_steps(char_data, tmp_path):
     assert watched == [2, 4, 6]
     assert len(result.losses) == STEPS and sorted(seen["settled"]) == [0, STEPS - 1]  # the first and the last step
     assert hot_reads(seen) == {}
-    # the default on a CPU (foreach): torch.optim's CPU step counters, and the one read of the finite flag per step
+    # foreach (the default for fp16 on a CPU): torch.optim's CPU step counters, and the one read of the finite flag
     with counting_reads() as seen:
-        train_rank(fast_config(char_data, tmp_path, "foreach", *RUN))
+        train_rank(fast_config(char_data, tmp_path, "foreach", *RUN, "optimizer.impl=foreach"))
     reads = hot_reads(seen)
     flag = reads.pop("__bool__ step.py:update")
     assert flag == STEPS - 2

@@ -52,7 +52,10 @@ def test_recipe_from_config_resolves_what_is_automatic():
     cfg.memory.cpu_offload = True
     layout = Layout.resolve(4, dp_mode="fsdp", tp=2)
     recipe = Recipe.from_config(cfg, layout, micro_batch=2, accum_steps=3, device_type="cpu")
-    assert recipe.optimizer_impl == "foreach" and recipe.tiers.cpu_offload
+    assert recipe.optimizer_impl == "fused" and recipe.tiers.cpu_offload
+    assert Recipe.from_config(cfg, layout, 2, 3, "cuda").optimizer_impl == "fused"
+    cfg.training.precision = "fp16"  # torch's fused AdamW on a CPU cannot take ShardedGradScaler's found_inf
+    assert Recipe.from_config(cfg, layout, 2, 3, "cpu").optimizer_impl == "foreach"
     assert Recipe.from_config(cfg, layout, 2, 3, "cuda").optimizer_impl == "fused"
     assert recipe.name.startswith("fsdp,tp=2,ac=none,mb=2") and recipe.name.endswith("cpuoff=on")
     assert recipe.replace(cpu_offload=False).tiers.cpu_offload is False and recipe.micro_steps == 3

@@ -171,7 +171,8 @@ class Candidate:
                       segment_blocks=self.segment_blocks,
                       micro_batch=self.micro_batch, accum_steps=1 if self.layout.pipelined else self.micro_steps(ctx),
                       seq_len=ctx.seq_len, tiers=self.tiers(), optimizer=ctx.optimizer,
-                      optimizer_impl=resolve_impl("auto", ctx.hw.device), compression=ctx.compression, lora=ctx.lora)
+                      optimizer_impl=resolve_impl("auto", ctx.hw.device, ctx.precision, ctx.optimizer),
+                      compression=ctx.compression, lora=ctx.lora)
 
     @classmethod
     def of(cls, recipe: Recipe) -> "Candidate":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
+from dataclasses import replace
 
 from torch import nn
 import torch
@@ -27,7 +28,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def impl_kwargs(cfg: OptimizerConfig, device: torch.device) -> dict:
-    impl = resolve_impl(cfg.impl, device.type)
+    impl = resolve_impl(cfg.impl, device.type, "fp32", cfg.name)  # build_optimizer resolved "auto" (the precision)
     return {"fused": dict(fused=True), "foreach": dict(foreach=True), "for": dict(foreach=False)}[impl]
 
 
@@ -96,9 +97,11 @@ def sgd(cfg: OptimizerConfig, device: torch.device, comm=None):
     return SGD, dict(lr=cfg.lr, momentum=cfg.beta1, **impl_kwargs(cfg, device))
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device, zero1_group=None, comm=None):
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device, zero1_group=None, comm=None,
+                    precision: str = "fp32"):
     """`optimizer.name`'s optimizer over the model's parameter groups; with `zero1_group` wrapped in ZeRO-1.
     `comm`: the run's GradComm (for optimizers that communicate themselves)."""
+    cfg = replace(cfg, impl=resolve_impl(cfg.impl, device.type, precision, cfg.name))
     groups = param_groups(model, cfg.weight_decay)
     cls, kwargs = optimizer_entry(cfg.name).load_builder()(cfg, device, comm)
     if zero1_group is None:

@@ -359,7 +359,7 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
     # optimizer steps there
     opt_device = torch.device("cpu") if memory.cpu_offload else device
     opt = build_optimizer(unwrap(model), optimizer, opt_device,
-                          dims.dp_group if layout.zero1 else None, comm=comm)
+                          dims.dp_group if layout.zero1 else None, comm=comm, precision=precision)
     return TrainStep(model, opt, layout, precision=precision, device=device, grad_clip=grad_clip, scaler=scaler,
                      pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
                      memory_budget=memory_budget, probe=probe, comm=comm,
