@@ -3,7 +3,9 @@
 
 - the 2 x 2 run trains to one process's losses (fp32, the same global batch) within 1e-5, and the checkpoint both
   nodes wrote resumes on one node;
-- `torchrun --max-restarts 1` with a rank killed: the restarted ranks resume from the newest checkpoint;
+- with a rank killed under `--max-restarts 1`, both nodes restart and resume from the newest checkpoint (and under
+  one agent too);
+- `paratrain doctor` across the two agents all-reduces over every node;
 - the sbatch script `paratrain plan` writes for 2 nodes runs to the end, its `srun` and `scontrol` replaced by
   stubs that start one agent per node here.
 
@@ -41,12 +43,14 @@ def env() -> dict:
     return e
 
 
-def agents(args: list[str], extra_env: dict | None = None, restarts: int = 0, timeout: float = 300) -> list[str]:
-    """Two torchrun agents of one job (node ranks from the rendezvous); returns their outputs, both exit 0."""
+def agents(args: list[str], extra_env: dict | None = None, restarts: int = 0, timeout: float = 300,
+           command: list[str] | None = None) -> list[str]:
+    """Two torchrun agents of one job (node ranks from the rendezvous) running `paratrain train ARGS` (or
+    `paratrain COMMAND`); returns their outputs, both exit 0."""
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"job{port}",
-           "--max-restarts", str(restarts), "-m", "paratrain", "train", *args]
+           "--max-restarts", str(restarts), "-m", "paratrain", *(command or ["train", *args])]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**env(), **(extra_env or {})}, start_new_session=True) for _ in range(2)]
     outs = []
@@ -79,13 +83,22 @@ def close(got: dict[int, float], reference: list[float], steps) -> None:
     assert max(abs(got[s] - reference[s - 1]) for s in steps) <= 1e-5, (got, reference)
 
 
-def test_two_nodes_match_one_process_and_their_checkpoint_resumes_on_one(char_data, tmp_path, one_process):
+def test_two_nodes_match_one_process_through_a_restart_and_their_checkpoint_resumes_on_one(char_data, tmp_path,
+                                                                                          one_process):
+    """Two agents, `--max-restarts 1`, rank 1 (the first node's) SIGKILLed before step 4 of the first attempt: its
+    agent restarts its ranks and the other node's agent restarts its healthy ones (a membership change, with an
+    elastic restart count of 0 there). Every rank agrees on attempt 1 from the agents' store, so all resume from
+    the step-2 checkpoint both nodes wrote and the run ends with one process's losses; then one node of two ranks
+    continues it."""
     args = [f"--{o}" for o in fast_overrides(char_data, tmp_path, "two", "training.steps=4", "checkpoint.every=2",
-                                             *SAME)]
-    outs = agents(args)
+                                             "training.log_every=1", *SAME)]
+    outs = agents(args, extra_env={"PARATRAIN_FAULTS": "kill@3:1"}, restarts=1)
     assert "[rank" not in "".join(outs)  # rank lines only with --verbose
     run = tmp_path / "two"
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} at step 2" in "".join(outs)
     close(losses(run), one_process, range(1, 5))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert [(r["step"], r["restarts"]) for r in records if r.get("segment")] == [(0, 0), (2, 1)]
     assert [p.name for p in complete_checkpoints(run / "checkpoints")] == ["step-2", "step-4"]
     # the same run continued by one node of two ranks (paratrain's own launcher)
     done = subprocess.run([sys.executable, "-m", "paratrain", "train", "--nproc", "2", *args,
@@ -94,6 +107,16 @@ def test_two_nodes_match_one_process_and_their_checkpoint_resumes_on_one(char_da
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / 'step-4'} at step 4" in done.stdout
     close(losses(run), one_process, range(1, STEPS + 1))
+
+
+def test_doctor_across_two_agents_all_reduces_over_every_node(tmp_path):
+    """`torchrun --nnodes 2 --nproc-per-node 2 -m paratrain doctor`: one all-reduce over the job's 4 ranks; each
+    node's first rank prints its node's report."""
+    outs = agents([], command=["doctor", "--checkpoint-dir", str(tmp_path)])
+    for out in outs:
+        assert out.count("paratrain doctor") == 1, out
+        assert "4 gloo ranks" in out and "on 2 nodes, 2 per node" in out, out
+        assert "0 FAIL" in out, out
 
 
 def test_torchrun_restart_resumes_from_the_newest_checkpoint(char_data, tmp_path, one_process):

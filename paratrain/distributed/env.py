@@ -12,6 +12,7 @@ import torch
 from torch.distributed import distributed_c10d
 import torch.distributed as dist
 
+from paratrain.distributed.launch import attempt
 from paratrain.errors import ConfigError
 
 
@@ -52,6 +53,8 @@ def quiet_torch_logs() -> None:
     import logging
 
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    # On gloo DTensor's all-to-all is an all-gather and a slice (Muon's redistribution): said once per rank, known
+    logging.getLogger("torch.distributed.tensor._collective_utils").setLevel(logging.ERROR)
 
 
 HISTORY_ENV = "TORCH_FR_BUFFER_SIZE"  # torch's flight recorder: collectives kept per process (0: off)
@@ -82,12 +85,13 @@ def init_process_group(device: torch.device, timeout_s: float, host_collectives:
 
 
 def restart_store(timeout: timedelta):
-    """Under torchrun's `--max-restarts`, a restarted rank's store: torch elastic's agent keeps one store for all its
+    """Under torchrun's `--max-restarts`, a restarted rank's store: torch elastic's agents keep one store for all the
     workers' attempts, and the names `new_group` gives the mesh's groups repeat, so without a prefix of its own a
-    restarted rank reads the dead attempt's gloo addresses (connectFullMesh: connection refused). None on a first
-    attempt, or when the ranks do not share the agent's store (paratrain's launcher starts a fresh one per attempt)."""
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    restarted rank reads the dead attempt's gloo addresses (connectFullMesh: connection refused). The prefix is the
+    attempt every rank of the job agrees on (`launch.attempt`: on every node, also those whose ranks did not fail).
+    None on a first attempt, or when the ranks do not share the agents' store (paratrain's launcher starts a fresh
+    one per attempt)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or (restart := attempt()) == 0:
         return None
     agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
                           is_master=False, timeout=timeout)

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.distributed.launch import launch
+from paratrain.distributed.launch import inside_launcher, launch
 from paratrain.errors import UserError
 
 GIB = 2**30
@@ -314,13 +314,16 @@ def check_disk(checkpoint_dir: str | Path) -> list[Result]:
 
 # -- collective test --------------------------------------------------------------------------------
 
+def first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def _allreduce_worker(backend: str, nbytes: int, iters: int) -> dict:
     """Runs on each launched rank: time an all-reduce of `nbytes` and check its result."""
     try:
         return _allreduce(backend, nbytes, iters)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"[rank {os.environ.get('RANK', '?')}] {backend} all-reduce test failed: {first}", file=sys.stderr,
+        print(f"[rank {os.environ.get('RANK', '?')}] {backend} all-reduce test failed: {first_line(e)}", file=sys.stderr,
               flush=True)
         raise
 
@@ -363,7 +366,9 @@ def check_collective(nproc: int | None) -> list[Result]:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if nproc is None:
+    if inside_launcher():  # torchrun's agents started this process as one rank of the job: the test is the job's
+        nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    elif nproc is None:
         nproc = gpus if gpus else 2
     if nproc == 0:
         return [Result("SKIP", "all-reduce", "--nproc 0: collective test skipped")]
@@ -372,12 +377,23 @@ def check_collective(nproc: int | None) -> list[Result]:
     if gpus and nproc > gpus:
         notes = f" (more ranks than the {gpus} GPU(s): tested gloo on CPU)"
     nbytes, iters = (256 * 2**20, 20) if backend == "nccl" else (8 * 2**20, 5)
-    try:
-        out = launch(_allreduce_worker, (backend, nbytes, iters), nproc)
-    except UserError:
-        return [Result("FAIL", "all-reduce", f"{nproc} local {backend} ranks could not all-reduce (their errors "
-                                             "are printed above): check the NCCL/GLOO variables, and that nothing "
-                                             "blocks TCP on 127.0.0.1")]
+    if inside_launcher():
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+        notes = f" on {nodes} node{'s' * (nodes > 1)}, {nproc} per node{notes}"
+        try:
+            out = _allreduce(backend, nbytes, iters)
+        except Exception as e:  # noqa: BLE001 - this rank's failure is its FAIL line; the agents end the others
+            return [Result("FAIL", "all-reduce", f"rank {os.environ.get('RANK', '?')} of the job could not "
+                                                 f"all-reduce over {backend}: {first_line(e)}; check that every node "
+                                                 "reaches the rendezvous host and MASTER_PORT, and the "
+                                                 "NCCL/GLOO_SOCKET_IFNAME variables")]
+    else:
+        try:
+            out = launch(_allreduce_worker, (backend, nbytes, iters), nproc)
+        except UserError:
+            return [Result("FAIL", "all-reduce", f"{nproc} local {backend} ranks could not all-reduce (their "
+                                                 "errors are printed above): check the NCCL/GLOO variables, and "
+                                                 "that nothing blocks TCP on 127.0.0.1")]
     if not out or not out.get("correct"):
         return [Result("FAIL", "all-reduce", f"{nproc} {backend} ranks: wrong all-reduce result")]
     n, t = out["world"], out["seconds"]
