@@ -126,6 +126,11 @@ CONFIGS += [
     # low-memory optimizer states (bf16 moments; 8-bit needs torchao: `--only` it where installed)
     ("1rank fp32 adamw-bf16", 1, dict(optimizer="adamw-bf16"), "fp32", "none", 4, 128, 1, MODEL),
     ("fsdp2 bf16 adamw-bf16", 2, dict(dp_mode="fsdp", optimizer="adamw-bf16"), "bf16", "selective", 4, 128, 1, MODEL),
+    # Muon: a momentum per hidden matrix (AdamW's two moments for the rest), the step's stacks of whole matrices
+    ("1rank fp32 muon", 1, dict(optimizer="muon"), "fp32", "none", 4, 128, 1, MODEL),
+    ("ddp2 fp32 muon", 2, dict(dp_mode="ddp", optimizer="muon"), "fp32", "none", 4, 128, 1, MODEL),
+    ("fsdp2 bf16 muon", 2, dict(dp_mode="fsdp", optimizer="muon"), "bf16", "none", 4, 128, 1, MODEL),
+    ("fsdp2xtp2 fp32 muon", 4, dict(dp_mode="fsdp", tp=2, optimizer="muon"), "fp32", "selective", 2, 256, 1, MODEL),
 ]
 # Pipeline rows: every schedule, 2-4 stages, several micro-batch counts (the trainer's own stages and schedule,
 # distributed/pipeline.build_pipeline); the 8-block model gives pp4 with 2 stages per rank a block per stage.

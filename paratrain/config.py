@@ -113,6 +113,18 @@ class OptimizerConfig:
     var_update_scaler: int = 16  # zero_one_adam: variance updates at each interval before it doubles (kappa)
     local_step_scaler: int = 32678  # zero_one_adam: steps after the freeze before the local-step interval doubles
     local_step_clipper: int = 16  # zero_one_adam: the largest local-step interval (H)
+    # -- muon (docs/optimizers.md): Muon on the blocks' hidden matrices, AdamW (the keys above) on the rest --
+    muon_lr: float | None = None  # Muon's peak learning rate (the same warm-up and decay); unset: optimizer.lr
+    muon_momentum: float = 0.95  # the momentum buffer's decay (an EMA of the gradients, as torch.optim.Muon)
+    muon_nesterov: bool = True  # orthogonalise the Nesterov look-ahead g + mu (B - g) instead of the buffer B
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per update
+    muon_ns_a: float = 3.4445  # the quintic iteration's coefficients: X <- a X + (b A + c A^2) X, A = X X^T
+    muon_ns_b: float = -4.7750
+    muon_ns_c: float = 2.0315
+    # the update's scale per matrix shape (A x B): match_rms_adamw 0.2 sqrt(max(A, B)) gives it AdamW's RMS (one
+    # learning rate for both parts); original sqrt(max(1, A / B)) (Keller Jordan's); none
+    muon_adjust_lr: Literal["match_rms_adamw", "original", "none"] = "match_rms_adamw"
+    muon_ns_precision: Literal["auto", "fp32", "bf16"] = "auto"  # the iteration's; auto: fp32 runs fp32, else bf16
 
     @property
     def final_lr(self) -> float:
@@ -461,6 +473,13 @@ def validate(cfg: Config) -> None:
     _require(min(o.var_update_scaler, o.local_step_scaler, o.local_step_clipper) >= 1,
              "optimizer.var_update_scaler, local_step_scaler and local_step_clipper must be >= 1")
     _require(o.lr > 0, f"optimizer.lr must be positive, got {o.lr}")
+    if o.name == "muon":
+        _require(o.muon_ns_steps >= 1, f"optimizer.muon_ns_steps must be >= 1 (Newton-Schulz iterations; 0 would "
+                 f"apply the raw momentum, not Muon), got {o.muon_ns_steps}")
+        _require(o.muon_lr is None or o.muon_lr > 0, f"optimizer.muon_lr must be positive, got {o.muon_lr}")
+        _require(0 <= o.muon_momentum < 1, f"optimizer.muon_momentum must be in [0, 1), got {o.muon_momentum}")
+        _require(cfg.lora.rank == 0, "optimizer.name=muon orthogonalises the hidden matrices, which LoRA freezes "
+                 "(its adapters are low-rank factors, not hidden matrices): use adamw with lora.rank > 0")
     _require(o.min_lr is None or 0 <= o.min_lr <= o.lr,
              f"optimizer.min_lr must be between 0 and optimizer.lr ({o.lr}), got {o.min_lr}")
     _require(o.warmup_steps >= 0, "optimizer.warmup_steps must be >= 0")

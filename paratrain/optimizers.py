@@ -7,8 +7,9 @@ planner's optimizer-step cost) and the layouts it refuses (one line each). `para
 entry on any layout: plain and FSDP2 (DTensor) parameters directly, ZeRO-1 by handing the entry's class to torch's
 ZeroRedundancyOptimizer.
 
-Adding an optimizer is one entry in `OPTIMIZERS` and its builder, a function (OptimizerConfig, torch.device) ->
-(optimizer class, keyword arguments) that the class is constructed with (after the parameter groups).
+Adding an optimizer is one entry in `OPTIMIZERS` and its builder, a function (OptimizerConfig, torch.device, comm,
+**context) -> (optimizer class, keyword arguments) that the class is constructed with (after the parameter groups);
+`context` holds the run's precision and the replica mesh (what Muon reads; the others ignore it).
 """
 
 from __future__ import annotations
@@ -169,6 +170,11 @@ class OptimizerEntry:
     compression: GradCompression = "none"
     phases: tuple[Phase, ...] = ()  # its kinds of steps (the planner ranks layouts by the last: the steady state)
     element_bytes: float = FP32  # bytes per element of each param_state tensor (low-memory states: bf16, 8-bit)
+    # Muon: the state of the blocks' hidden matrices (Param.hidden_matrix), which it updates (None: every parameter
+    # keeps param_state); the others keep param_state and scalar_state (AdamW's)
+    hidden_state: tuple[str, ...] | None = None
+    hidden_step_tensors: int = 0  # parameter-sized tensors one update of a hidden matrix reads and writes
+    refuses_compression: tuple[str, ...] = ()  # parallel.grad_compression methods it cannot take (one line why)
 
     @property
     def state_bytes(self) -> float:
@@ -209,6 +215,18 @@ class OptimizerEntry:
         if self.communicates and Compression(grad_compression).enabled:
             raise ConfigError(f"optimizer.name={self.name} compresses its own communication (the momentum's 1-bit "
                               f"all-reduce): {key} must be none, got {grad_compression}")
+        if grad_compression in self.refuses_compression:
+            raise ConfigError(f"optimizer.name={self.name} orthogonalises the averaged gradients' momentum, and "
+                              f"{key}={grad_compression} sends one bit per element (their signs, with error "
+                              "feedback): the singular values Newton-Schulz normalises are the compressor's, not "
+                              "the gradients'; use none, bf16 or powersgd")
+
+    def hidden_state_bytes(self) -> float:
+        """Bytes kept per element of a hidden matrix between steps (`state_bytes` where it has no hidden_state)."""
+        return self.state_bytes if self.hidden_state is None else self.element_bytes * len(self.hidden_state)
+
+    def hidden_tensor_state_bytes(self) -> int:
+        return self.tensor_state_bytes if self.hidden_state is None else 0
 
     def load_builder(self) -> Callable:
         module, _, function = self.builder.partition(":")
@@ -254,6 +272,15 @@ OPTIMIZERS["adamw8bit"] = OptimizerEntry(
     "adamw8bit", "torchao's AdamW8bit: both moments in 8 bits with an fp32 scale per 256 values (pip install "
     "torchao)", "paratrain.training.optim:adamw8bit", param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",),
     step_tensors=3, step_kernels=4, refuses=_no_zero1, element_bytes=1 + 4 / 256)
+# Muon (paratrain/training/muon.py): one momentum per hidden matrix, orthogonalised whole by one rank; AdamW's
+# state and step for the rest. A hidden update reads and writes the parameter, the gradient, the momentum and the
+# Nesterov update (4 tensors), then the Newton-Schulz iteration's matmuls (the planner's `muon_ns_flops`).
+OPTIMIZERS["muon"] = OptimizerEntry(
+    "muon", "Muon (momentum orthogonalised by Newton-Schulz, as torch.optim.Muon) on the blocks' hidden matrices, "
+    "AdamW on the rest; each matrix orthogonalised whole by one rank", "paratrain.training.optim:muon",
+    param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",), step_tensors=4, step_kernels=24,
+    foreach_temporary=True, hidden_state=("momentum_buffer",), hidden_step_tensors=4,
+    refuses_compression=("sign_ef",))
 OPTIMIZER_NAMES: tuple[str, ...] = tuple(OPTIMIZERS)
 
 

@@ -25,6 +25,7 @@ LONG_MODEL = "model.max_seq_len=1024"  # the tiny model with room for long seque
 QWEN3, QWEN3_MOE = "model.preset=tiny-qwen3", "model.preset=tiny-qwen3-moe"  # q/k norms, q/k/v/o biases, head_dim 32
 
 LORA = "lora.rank=4"  # adapters on every projection of the tiny model, its weights frozen
+MUON = "optimizer.name=muon"
 
 # name -> (ranks, layout, other overrides...). The layout is written as its name (paratrain/layout_grammar.py): the
 # data-parallel mode, degrees, checkpointing (ac=), sequences per micro-batch (mb=; default: the global batch over
@@ -108,6 +109,15 @@ LAYOUTS: dict[str, tuple] = {
     "fsdp2+segments": (2, "fsdp,ac=segments3"),
     "tp2+segments": (2, "nodp,tp=2,ac=segments2"),
     "pp2+segments": (2, "nodp,pp=2,sched=1f1b,ac=segments3"),
+    # Muon (the hidden matrices orthogonalised whole by one rank, AdamW for the rest) against one process's Muon.
+    "muon-ddp2": (2, "ddp", MUON),
+    "muon-zero1x2": (2, "zero1", MUON),
+    "muon-fsdp2": (2, "fsdp", MUON),
+    "muon-hsdp2x2": (4, "hsdp,rep=2", MUON),
+    "muon-tp2": (2, "nodp,tp=2", MUON),
+    "muon-fsdp2xtp2": (4, "fsdp,tp=2", MUON),
+    "muon-pp2": (2, "nodp,pp=2,sched=1f1b", MUON),
+    "muon-ep2": (2, "fsdp,ep=2", MOE_PRESET, MUON),
 }
 DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
                   "fsdp2+every_k", "fsdp2+selective", "accum"]
@@ -122,6 +132,8 @@ LORA_MATRIX = ["lora-fsdp2", "lora-tp2", "lora-pp2"]
 MEMORY_MATRIX = ["loss8", "tp2+sp+loss3", "fsdp2+offload", "tp2+offload_every_k+selective", "pp2+offload+full",
                  "fsdp2+cpu_offload", "fsdp2xtp2+cpu_offload", "pp2xdp2+cpu_offload",
                  "segments", "fsdp2+segments", "tp2+segments", "pp2+segments"]
+MUON_MATRIX = ["muon-ddp2", "muon-zero1x2", "muon-fsdp2", "muon-hsdp2x2", "muon-tp2", "muon-fsdp2xtp2", "muon-pp2",
+               "muon-ep2"]
 
 GLOBAL_BATCH = 8
 EVAL_SEQUENCES = 13  # not divisible by 2, 4 or 8: the data-parallel shares of the validation set are padded
@@ -223,9 +235,9 @@ def compare(reference, result) -> tuple[float, float]:
 
 
 def reference_overrides(layout_extra: list[str]) -> list[str]:
-    """The model settings, sequence length and adapters a layout changes (e.g. the MoE preset, a long sequence,
-    LoRA): its reference is one process training that model on those sequences."""
-    return [o for o in layout_extra if o.startswith(("model.", "training.seq_len=", "lora."))]
+    """The model settings, sequence length, adapters and optimizer a layout changes (e.g. the MoE preset, a long
+    sequence, LoRA, Muon): its reference is one process training that model on those sequences with it."""
+    return [o for o in layout_extra if o.startswith(("model.", "training.seq_len=", "lora.", "optimizer."))]
 
 
 def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str = "fp32",

@@ -97,6 +97,11 @@ JOURNEYS = {
         "paratrain estimate --model llama3-8b --accounting classic",
         "paratrain estimate --model plan/config.toml --gpu H100",
     ],
+    "muon": [
+        "paratrain estimate --model llama3-8b --gpu H100 --dp-shard 8 --optimizer muon",
+        "paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576 "
+        "--optimizer muon",
+    ],
     "qwen": [
         "paratrain estimate --model qwen3-8b --gpu H100 --dp-shard 8 --seq-len 4096 --checkpointing selective",
         "paratrain estimate --model qwen3-30b-a3b --gpu H100 --dp-shard 8 --ep 8",
@@ -497,6 +502,17 @@ def test_journey_estimate(journey):
     assert "FITS" in out or "DOES NOT FIT" in out
     out = journey.doc("paratrain estimate --model llama3-8b --accounting classic").stdout
     assert "GiB" in out or "GB" in out
+
+
+def test_journey_muon(journey):
+    """Muon's state and step in the estimate and the plan (docs/optimizers.md): the optimizer state per rank the page
+    states, and the plan's optimizer step with the iterations and its written config running Muon."""
+    out = journey.doc("paratrain estimate --model llama3-8b --gpu H100 --dp-shard 8 --optimizer muon").stdout
+    assert re.search(r"^  optimizer states\s+4\.23 GiB", out, re.M), out
+    out = journey.doc("paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 "
+                      "--global-batch-tokens 1048576 --optimizer muon").stdout
+    assert float(re.search(r"^best: .* optimizer ([\d.]+) ms", out, re.M).group(1)) > 100, out
+    assert 'name = "muon"' in (journey.cwd / "plan" / "config.toml").read_text()
 
 
 def test_journey_qwen(journey):

@@ -43,6 +43,12 @@ def model_params(args: ModelArgs, lora: LoRA | None = None) -> tuple[Param, ...]
     return tuple(adapted_params(parameters(args), lora))
 
 
+@functools.lru_cache(maxsize=64)
+def hidden_matrix_names(args: ModelArgs, lora: LoRA | None = None) -> frozenset[str]:
+    """The trainable hidden matrices' names (`Param.hidden_matrix`: what Muon updates)."""
+    return frozenset(p.name for p in model_params(args, lora) if p.hidden_matrix and p.trainable)
+
+
 def local_shape(p: Param, layout: Layout) -> tuple[int, ...]:
     """Shape of this parameter's tensor on one rank after tp and ep (before FSDP)."""
     shape = list(p.shape)
@@ -238,9 +244,14 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
     ZeRO-1 splits master + moments, ZeRO-2 also gradients, ZeRO-3 also parameters.
     """
     local_numel = sum(count * n for _, count, n in kinds)
-    tensors = sum(count for _, count, _ in kinds)
     entry = optimizer_entry(optimizer)
-    per_opt = entry.state_bytes
+    # Per element and per tensor: what the optimizer keeps (Muon: a momentum for a hidden matrix, AdamW's two moments
+    # and step count for the rest), averaged over the rank's elements
+    hidden = [(count, n) for p, count, n in kinds if p.hidden_matrix] if entry.hidden_state is not None else []
+    hidden_numel = sum(count * n for count, n in hidden)
+    per_opt = entry.state_bytes if not local_numel else \
+        (hidden_numel * entry.hidden_state_bytes() + (local_numel - hidden_numel) * entry.state_bytes) / local_numel
+    tensors = sum(count for _, count, _ in kinds) - sum(count for count, _ in hidden)  # those with a step count
     low = low_precision(precision)
     rope = 2 * args.max_seq_len * (args.head_dim // 2) * FP32  # rope_cos, rope_sin buffers
     notes = []
@@ -254,7 +265,7 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
         def div(k: int) -> int:
             return math.ceil(full / n) if stage_n >= k and n > 1 else full
 
-        return StateBytes(params=div(3) * BF16, grads=div(2) * BF16, optimizer=div(1) * per_opt,
+        return StateBytes(params=div(3) * BF16, grads=div(2) * BF16, optimizer=round(div(1) * per_opt),
                           master=div(1) * FP32, autocast_copies=0, param_numel=div(3), unsharded_numel=full,
                           rope_buffers=0, notes=("classic mixed-precision accounting (Megatron/DeepSpeed style)",))
     if layout.uses_fsdp:
@@ -289,7 +300,7 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
     steps = tensors * entry.tensor_state_bytes
     if steps and layout.zero1:
         steps = math.ceil(tensors / layout.dp) * entry.tensor_state_bytes
-    return StateBytes(params=numel * FP32, grads=grads_numel * FP32, optimizer=opt_numel * per_opt + steps, master=0,
+    return StateBytes(params=numel * FP32, grads=grads_numel * FP32, optimizer=round(opt_numel * per_opt) + steps, master=0,
                       autocast_copies=autocast, param_numel=numel, unsharded_numel=local_numel, rope_buffers=rope,
                       notes=tuple(notes), grads_beyond_shards=whole_numel * FP32)
 

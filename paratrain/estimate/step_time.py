@@ -597,6 +597,9 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
         comm_total += moved - comm[ACT_OFFLOAD]
     if c.loss_chunks > 1:
         recompute += chunked_loss_recompute_s(block_costs(ctx, hw, t, c.micro_batch, c.ep, c.ac, cp).head, n_micro)
+    if entry.hidden_state is not None:  # Muon: the Newton-Schulz iterations and the updates' redistributions
+        iterate, comm[MUON_REDISTRIBUTION] = muon_step_s(c, ctx, shard_link, dp_link)
+        optimizer += iterate
     comm_total += sum(v for k, v in comm.items() if k not in ("data-parallel",))
     exposed = sum(comm.values())
 
@@ -613,6 +616,42 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     mfu = cached(ctx, ("flops_per_token", S), lambda: flops_per_token(a, S)) * tok_s / (c.world * peak)
     return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm, compress,
                       fsdp_gathers, dp_bytes)
+
+
+MUON_REDISTRIBUTION = "Muon redistribution"  # the hidden updates to whole matrices and back (exposed)
+FP32_BYTES = 4
+MUON_NS_STEPS = 5  # optimizer.muon_ns_steps' default (the planner costs the default iteration)
+
+
+def muon_ns_flops(shape: tuple[int, ...], steps: int = MUON_NS_STEPS) -> float:
+    """FLOPs of the Newton-Schulz iteration on one hidden matrix (per expert for a stack): each step X X^T (s x s
+    from s x l), the quintic's A^2 (s^3) and (bA + cA^2) X (s x s times s x l), s <= l the matrix's sides."""
+    *experts, rows, cols = shape
+    small, large = min(rows, cols), max(rows, cols)
+    return math.prod(experts) * steps * 2 * small * small * (2 * large + small)
+
+
+def muon_step_s(c: Candidate, ctx: Context, shard_link: Link, dp_link: Link) -> tuple[float, float]:
+    """(iteration seconds, redistribution seconds) of one Muon step on a rank. Every hidden matrix is orthogonalised
+    by one rank of the ranks holding it, shared out evenly (paratrain/training/muon.py): a rank iterates 1/world of
+    the model's matrices, in fp32 for an fp32 run (at its TF32 rate where on) and bf16 otherwise. Sharded layouts
+    (FSDP, TP, EP) move the rank's updates twice by all-to-all (to whole matrices and back); DDP's replicas gather
+    the orthogonalised matrices once; ZeRO-1's ranks step whole parameters of their own (nothing moved)."""
+    a, hw, lay = ctx.args, ctx.hw, c.layout
+    hidden = cached(ctx, ("muon_hidden", id(a)), lambda: [q for q in model_params(a) if q.hidden_matrix])
+    flops = cached(ctx, ("muon_flops", id(a)), lambda: sum(muon_ns_flops(q.shape) for q in hidden))
+    per_matrix = flops / max(1, len(hidden))
+    speed = hw.speed(ctx.math(hw, "fp32" if ctx.precision == "fp32" else "bf16"))
+    ranks = c.world if not lay.zero1 else c.dp
+    iterate = flops / ranks / (speed * hw.gemm_rate(per_matrix)) * hw.compute_scale
+    numel = cached(ctx, ("muon_numel", id(a)), lambda: sum(q.numel for q in hidden))
+    holders = c.world // c.pp  # the ranks of a stage, among which its matrices are shared out
+    if lay.zero1 or holders <= 1:
+        return iterate, 0.0
+    stage_bytes = numel / c.pp * FP32_BYTES
+    if lay.uses_ddp:
+        return iterate, all_gather_time(stage_bytes, holders, dp_link)
+    return iterate, 2 * all_to_all_time(stage_bytes / holders, holders, shard_link)
 
 
 def trainable_count(args: ModelArgs, lora: LoRA) -> int:

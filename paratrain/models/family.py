@@ -75,6 +75,12 @@ class Param:
         return math.prod(self.shape)
 
     @property
+    def hidden_matrix(self) -> bool:
+        """A block's projection matrix (attention, MLP, shared or routed experts: one matrix per expert), what Muon
+        updates; not the embedding, the head, norms, biases or the router."""
+        return self.layer is not None and self.role in ("colwise", "rowwise", "expert") and len(self.shape) >= 2
+
+    @property
     def module(self) -> str:
         """The module holding it, relative to its block (to the model for layer None)."""
         name = self.name.split(".", 2)[2] if self.layer is not None else self.name

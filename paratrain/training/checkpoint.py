@@ -138,8 +138,10 @@ def _load_zero1_state(model: nn.Module, optimizer, path: Path, entry: OptimizerE
     names = _fqns(model)
     local = optimizer.optim
     wanted = {names[id(p)]: p for g in local.param_groups for p in g["params"]}
-    template = {fqn: {**{k: torch.empty_like(p, dtype=torch.float32) for k in entry.param_state},
-                      **{k: torch.zeros((), dtype=torch.float32) for k in entry.scalar_state}}
+    hidden = {id(p) for g in local.param_groups if g.get("muon") for p in g["params"]}  # Muon's own group
+    template = {fqn: ({k: torch.empty_like(p, dtype=torch.float32) for k in entry.hidden_state} if id(p) in hidden
+                      else {**{k: torch.empty_like(p, dtype=torch.float32) for k in entry.param_state},
+                            **{k: torch.zeros((), dtype=torch.float32) for k in entry.scalar_state}})
                 for fqn, p in wanted.items()}
     loaded = {"optim": {"state": template}}
     safe_dcp.load(loaded, path)

@@ -171,7 +171,7 @@ class OneBitAdam(torch.optim.Optimizer):
             target.copy_(value)
 
 
-def build(cfg, device: torch.device, comm):
+def build(cfg, device: torch.device, comm, **_):
     """The registry's builder for both entries (the schedule is the GradComm's, made from the same config)."""
     if comm is None or comm.schedule is None:
         raise ValueError(f"optimizer.name={cfg.name} needs the run's GradComm on a data-parallel layout")

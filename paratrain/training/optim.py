@@ -15,6 +15,7 @@ import torch
 from paratrain.config import OptimizerConfig
 from paratrain.errors import ConfigError
 from paratrain.modes import resolve_impl
+from paratrain.training.muon import NS_DTYPES, Muon, muon_param_groups
 from paratrain.optimizers import optimizer_entry
 
 
@@ -32,8 +33,18 @@ def impl_kwargs(cfg: OptimizerConfig, device: torch.device) -> dict:
     return {"fused": dict(fused=True), "foreach": dict(foreach=True), "for": dict(foreach=False)}[impl]
 
 
-def adamw(cfg: OptimizerConfig, device: torch.device, comm=None):
+def adamw(cfg: OptimizerConfig, device: torch.device, comm=None, **_):
     return torch.optim.AdamW, dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl_kwargs(cfg, device))
+
+
+def muon(cfg: OptimizerConfig, device: torch.device, comm=None, precision: str = "fp32", replica_mesh=None, **_):
+    """Muon on the hidden matrices (optimizer.muon_*), the adamw entry's AdamW on the rest (paratrain/training/
+    muon.py). The Newton-Schulz precision: optimizer.muon_ns_precision, auto fp32 for an fp32 run, else bf16."""
+    ns = cfg.muon_ns_precision if cfg.muon_ns_precision != "auto" else "fp32" if precision == "fp32" else "bf16"
+    return Muon, dict(muon_lr_ratio=(cfg.lr if cfg.muon_lr is None else cfg.muon_lr) / cfg.lr,
+                      momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
+                      ns_coefficients=(cfg.muon_ns_a, cfg.muon_ns_b, cfg.muon_ns_c), ns_dtype=NS_DTYPES[ns],
+                      adjust_lr=cfg.muon_adjust_lr, replica_mesh=replica_mesh, **adamw(cfg, device)[1])
 
 
 class BF16AdamW(torch.optim.Optimizer):
@@ -67,11 +78,11 @@ class BF16AdamW(torch.optim.Optimizer):
                 p.addcdiv_(m, v.div_(1 - b2 ** t).sqrt_().add_(eps), value=-lr / (1 - b1 ** t))
 
 
-def adamw_bf16(cfg: OptimizerConfig, device: torch.device, comm=None):
+def adamw_bf16(cfg: OptimizerConfig, device: torch.device, comm=None, **_):
     return BF16AdamW, dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
-def adamw8bit(cfg: OptimizerConfig, device: torch.device, comm=None):
+def adamw8bit(cfg: OptimizerConfig, device: torch.device, comm=None, **_):
     """torchao's AdamW8bit (an optional dependency: a one-line error without it)."""
     try:
         from torchao.optim import AdamW8bit
@@ -93,19 +104,26 @@ class SGD(torch.optim.SGD):
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def sgd(cfg: OptimizerConfig, device: torch.device, comm=None):
+def sgd(cfg: OptimizerConfig, device: torch.device, comm=None, **_):
     return SGD, dict(lr=cfg.lr, momentum=cfg.beta1, **impl_kwargs(cfg, device))
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device, zero1_group=None, comm=None,
-                    precision: str = "fp32"):
+                    precision: str = "fp32", hidden: frozenset[str] = frozenset(), replica_mesh=None):
     """`optimizer.name`'s optimizer over the model's parameter groups; with `zero1_group` wrapped in ZeRO-1.
-    `comm`: the run's GradComm (for optimizers that communicate themselves)."""
+    `comm`: the run's GradComm (for optimizers that communicate themselves). For an entry with a hidden_state
+    (Muon): `hidden`, the canonical names of the hidden matrices (its first group), and `replica_mesh`, the mesh over
+    which plain parameters are whole replicas (DDP's data-parallel mesh; None elsewhere)."""
     cfg = replace(cfg, impl=resolve_impl(cfg.impl, device.type, precision, cfg.name))
-    groups = param_groups(model, cfg.weight_decay)
-    cls, kwargs = optimizer_entry(cfg.name).load_builder()(cfg, device, comm)
+    entry = optimizer_entry(cfg.name)
+    groups = muon_param_groups(model, cfg.weight_decay, hidden) if entry.hidden_state else \
+        param_groups(model, cfg.weight_decay)
+    cls, kwargs = entry.load_builder()(cfg, device, comm, precision=precision,
+                                       replica_mesh=None if zero1_group is not None else replica_mesh)
     if zero1_group is None:
         return cls(groups, **kwargs)
+    if entry.hidden_state:  # ZeRO-1 keeps the first group's options as its defaults: the others say theirs
+        kwargs["muon"] = True
 
     # ZeRO-1: each rank keeps the optimizer state only for its partition of the parameters. After the step each
     # rank broadcasts its partition as one flat bucket (parameters_as_bucket_view), not one broadcast per parameter.
@@ -115,7 +133,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
 
     opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls, process_group=zero1_group,
                                   parameters_as_bucket_view=True, weight_decay=groups[0]["weight_decay"], **kwargs)
-    opt.add_param_group(groups[1])
+    for group in groups[1:]:
+        opt.add_param_group(group)
     return opt
 
 

@@ -35,6 +35,7 @@ from paratrain.distributed.grad_norm import clip_grad_norm
 from paratrain.distributed.parallelize import SequenceParallelSampler, parallelize, unwrap
 from paratrain.distributed.pipeline import Pipeline, PipelineSampler, build_pipeline
 from paratrain.distributed.tensors import full_tensor, local_tensor, torch_dtype
+from paratrain.estimate.model_states import hidden_matrix_names
 from paratrain.layout import Layout
 from paratrain.memory import check_loss_chunks, loss_chunks
 from paratrain.models import build_model
@@ -359,7 +360,9 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
     # optimizer steps there
     opt_device = torch.device("cpu") if memory.cpu_offload else device
     opt = build_optimizer(unwrap(model), optimizer, opt_device,
-                          dims.dp_group if layout.zero1 else None, comm=comm, precision=precision)
+                          dims.dp_group if layout.zero1 else None, comm=comm, precision=precision,
+                          hidden=hidden_matrix_names(model_args, lora),
+                          replica_mesh=dims.dp_mesh if layout.uses_ddp else None)
     return TrainStep(model, opt, layout, precision=precision, device=device, grad_clip=grad_clip, scaler=scaler,
                      pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
                      memory_budget=memory_budget, probe=probe, comm=comm,
