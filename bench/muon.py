@@ -5,6 +5,7 @@ orthogonalisation as a ratio to AdamW's step).
 
     python bench/muon.py                         # 1 process and fsdp2, 2000 steps each, both optimizers
     python bench/muon.py --nproc 1 --steps 500
+    python bench/muon.py --nproc 1 --muon-set optimizer.muon_lr=0.004   # Muon's own peak learning rate
     python bench/muon.py --smoke                 # 4 steps on 1 process (seconds; the test suite)
 
 Muon's learning rate is AdamW's (optimizer.muon_adjust_lr=match_rms_adamw gives its update AdamW's RMS), the rest of
@@ -27,15 +28,16 @@ RECIPE = ["model.preset=shakespeare-char", "training.seq_len=64", "training.glob
           "checkpoint.save_final=false", "checkpoint.every=0", "sample.max_new_tokens=0", "metrics.progress=none"]
 
 
-def run(optimizer: str, nproc: int, steps: int, eval_every: int, eval_sequences: int, out: str) -> dict:
+def run(optimizer: str, nproc: int, steps: int, eval_every: int, eval_sequences: int, out: str,
+        extra: list[str] = ()) -> dict:
     from paratrain.api import train
     from paratrain.config import load_config
 
     name = f"{optimizer}-{nproc}"
-    layout = ["parallel.dp_mode=fsdp"] if nproc > 1 else []
+    layout = ["parallel.dp_mode=fsdp", f"training.micro_batch={12 // nproc}"] if nproc > 1 else []
     cfg = load_config(None, [*RECIPE, *layout, f"optimizer.name={optimizer}", f"training.steps={steps}",
                              f"training.eval_every={eval_every}", f"training.eval_sequences={eval_sequences}",
-                             f"run.out_dir={out}", f"run.name={name}"])
+                             f"run.out_dir={out}", f"run.name={name}", *extra])
     train(cfg, nproc=nproc)
     records = [json.loads(line) for line in (Path(out) / name / "metrics.jsonl").open()]
     evals = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
@@ -50,13 +52,16 @@ def main() -> int:
     ap.add_argument("--eval-every", type=int, default=50, help="how often the val loss is measured")
     ap.add_argument("--report-every", type=int, default=500, help="the val losses shown side by side")
     ap.add_argument("--eval-sequences", type=int, default=204)
+    ap.add_argument("--muon-set", action="append", default=[], metavar="optimizer.KEY=VALUE",
+                    help="a setting of Muon's run only (repeatable), e.g. optimizer.muon_lr=0.004")
     ap.add_argument("--smoke", action="store_true", help="4 steps on one process (the test suite)")
     args = ap.parse_args()
     if args.smoke:
         args.steps, args.nproc, args.eval_every, args.report_every, args.eval_sequences = 4, "1", 2, 2, 12
     with tempfile.TemporaryDirectory(prefix="muon-bench-") as out:
         for nproc in map(int, args.nproc.split(",")):
-            got = {o: run(o, nproc, args.steps, args.eval_every, args.eval_sequences, out) for o in ("adamw", "muon")}
+            got = {o: run(o, nproc, args.steps, args.eval_every, args.eval_sequences, out,
+                          args.muon_set if o == "muon" else []) for o in ("adamw", "muon")}
             adamw, muon = got["adamw"], got["muon"]
             final = adamw["evals"][args.steps]
             reached = next((s for s, v in sorted(muon["evals"].items()) if v <= final), None)

@@ -97,11 +97,15 @@ def rank_processes(launcher_pid: int | None = None) -> list:
     """The rank processes of the launcher `launcher_pid` (default: this process), oldest first: the children of its
     forkserver (the launcher's own child; a rank's own children are not ranks)."""
     import psutil
+    from multiprocessing import forkserver
 
+    # This process's own forkserver is known by pid (multiprocessing keeps it); another launcher's is its child
+    # running multiprocessing's forkserver
+    own = forkserver._forkserver._forkserver_pid if launcher_pid in (None, os.getpid()) else None
     found = []
     for child in psutil.Process(launcher_pid).children():
         try:
-            if "forkserver" in " ".join(child.cmdline()):
+            if child.pid == own or (own is None and "forkserver" in " ".join(child.cmdline())):
                 found += child.children()
         except psutil.Error:
             continue
