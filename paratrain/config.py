@@ -124,7 +124,7 @@ class OptimizerConfig:
     # the update's scale per matrix shape (A x B): match_rms_adamw 0.2 sqrt(max(A, B)) gives it AdamW's RMS (one
     # learning rate for both parts); original sqrt(max(1, A / B)) (Keller Jordan's); none
     muon_adjust_lr: Literal["match_rms_adamw", "original", "none"] = "match_rms_adamw"
-    muon_ns_precision: Literal["auto", "fp32", "bf16"] = "auto"  # the iteration's; auto: fp32 runs fp32, else bf16
+    muon_ns_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the iteration's; auto: float32 for an fp32 run, else bfloat16
 
     @property
     def final_lr(self) -> float:

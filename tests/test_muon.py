@@ -28,7 +28,7 @@ def test_one_process_update_is_torch_muon_with_adamw_for_the_rest():
     torch.manual_seed(0)
     ours = build_model(ARGS)
     theirs = copy.deepcopy(ours)
-    cfg = OptimizerConfig(name="muon", muon_ns_precision="bf16", muon_adjust_lr="original", weight_decay=0.1)
+    cfg = OptimizerConfig(name="muon", muon_ns_dtype="bfloat16", muon_adjust_lr="original", weight_decay=0.1)
     opt = build_optimizer(ours, cfg, torch.device("cpu"), hidden=hidden)
     named = dict(theirs.named_parameters())
     rest = [p for n, p in named.items() if n not in hidden]

@@ -242,7 +242,8 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert {(e["model"], e["mode"]) for e in report["mfu"]} == {
         ("tiny 1b-shaped", "eager"), ("tiny 1b-shaped", "compile"), ("tiny 3b-shaped", "eager"),
         ("tiny 3b-shaped", "compile")}
-    assert all(0 < e["mfu"] < 1 and e["predicted_mfu_calibrated"] > 0 for e in report["mfu"])
+    # (MFU against a peak measured under the machine's load can pass 100%: its size is bench/gpu.py's table, not a test)
+    assert all(e["mfu"] > 0 and e["predicted_mfu_calibrated"] > 0 for e in report["mfu"])
     assert len(report["memory"]) >= 6
     for m in report["memory"]:
         assert abs(m["estimate"] - m["allocated"]) / m["allocated"] < 0.05, m

@@ -12,7 +12,7 @@ import torch
 from torch.distributed import distributed_c10d
 import torch.distributed as dist
 
-from paratrain.distributed.launch import attempt
+from paratrain.distributed.attempts import attempt
 from paratrain.errors import ConfigError
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -12,8 +11,8 @@ import sys
 import threading
 import time
 import uuid
-from datetime import timedelta
 
+from paratrain.distributed.attempts import ATTEMPT_ENV, attempt  # (ATTEMPT_ENV: set here for the ranks)
 from paratrain.distributed.failure import EXIT_COLLECTIVE_TIMEOUT, EXIT_INTERRUPTED, EXIT_USER_ERROR, INTERRUPT_REPEAT_S
 from paratrain.distributed.orphans import LAUNCHER_ENV, SERVER_ENV, die_with_parent
 from paratrain.errors import UserError
@@ -25,37 +24,6 @@ from paratrain.errors import UserError
 # is initialised by importing), so forking it is safe where forking the launcher (threads: the rendezvous store)
 # would not be.
 START_METHOD = "forkserver"
-ATTEMPT_ENV = "PARATRAIN_ATTEMPT"  # set for the ranks: 0 for the first launch, 1.. for restarts
-
-
-def attempt() -> int:
-    """This rank's launch attempt: 0 for the first launch, 1.. after restarts. paratrain's launcher counts them in
-    ATTEMPT_ENV; under torchrun's agents the agents' store does (`agent_attempt`), because an agent's own count
-    (TORCHELASTIC_RESTART_COUNT) is only its node's: when a rank fails on one node, the other nodes' agents restart
-    their healthy ranks as a membership change, with a count of 0. Without the agents' store (torchrun with
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), TORCHELASTIC_RESTART_COUNT is what is known."""
-    if ATTEMPT_ENV in os.environ:
-        return int(os.environ[ATTEMPT_ENV] or 0)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return agent_attempt(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]))
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-AGENT_LAUNCHES = "paratrain/launches"  # in the agents' store: how many ranks of the job have started, all attempts
-
-
-@functools.cache
-def agent_attempt(host: str, port: int, world_size: int) -> int:
-    """The attempt number every rank of a torchrun job agrees on, from one counter in the agents' store (it lives as
-    long as the job): each rank adds 1 when it first asks, so the ranks of attempt k read k*world + 1 ..
-    (k+1)*world. Torch elastic starts a new attempt's ranks only after every rank of the last one has stopped, and a
-    rank asks at start (before any step), so the counts of two attempts never interleave. Assumes a fixed world size
-    (`--nnodes N`, not a range)."""
-    # lazy: this module is imported by the command line before torch (the launcher's checks answer without it)
-    import torch.distributed as dist
-
-    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=60))
-    return (store.add(AGENT_LAUNCHES, 1) - 1) // world_size
 
 
 # rank_server: the forkserver outlives a SIGTERM to the job; torch._dynamo: torch imports it on a model's first

@@ -89,8 +89,8 @@ from paratrain.layout_grammar import layout_name
 from paratrain.memory import MemoryTiers
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import (Compression, CompressionSite, forward_repeats, matmul_math, offloads_activations,
-                             recomputed_blocks, resolve_impl, selective, tf32_on, value_bytes, whole_blocks)
+from paratrain.modes import (Compression, CompressionSite, forward_repeats, low_precision, matmul_math,
+                             offloads_activations, recomputed_blocks, resolve_impl, selective, tf32_on, value_bytes, whole_blocks)
 from paratrain.optimizers import GradientReduction, Phase, optimizer_entry
 from paratrain.recipe import Recipe
 from paratrain.estimate.profile import Hardware, Link, p2p_time
@@ -641,7 +641,7 @@ def muon_step_s(c: Candidate, ctx: Context, shard_link: Link, dp_link: Link) -> 
     hidden = cached(ctx, ("muon_hidden", id(a)), lambda: [q for q in model_params(a) if q.hidden_matrix])
     flops = cached(ctx, ("muon_flops", id(a)), lambda: sum(muon_ns_flops(q.shape) for q in hidden))
     per_matrix = flops / max(1, len(hidden))
-    speed = hw.speed(ctx.math(hw, "fp32" if ctx.precision == "fp32" else "bf16"))
+    speed = hw.speed(ctx.math(hw, "bf16" if low_precision(ctx.precision) else "fp32"))
     ranks = c.world if not lay.zero1 else c.dp
     iterate = flops / ranks / (speed * hw.gemm_rate(per_matrix)) * hw.compute_scale
     numel = cached(ctx, ("muon_numel", id(a)), lambda: sum(q.numel for q in hidden))

@@ -22,7 +22,7 @@ memory the whole matrices a rank holds (its share of the stack, twice: input and
 same plan over the data-parallel mesh (each orthogonalises 1/n of the matrices, one all-gather of the results).
 ZeRO-1 needs nothing: each rank steps whole parameters of its partition.
 
-Precision: the iteration runs in `optimizer.muon_ns_precision` (auto: fp32 for fp32 runs, so that every layout
+Precision: the iteration runs in `optimizer.muon_ns_dtype` (auto: fp32 for fp32 runs, so that every layout
 computes exactly one process's update and verify can hold them to 1e-5; bf16 for bf16/fp16 runs, as torch and the
 Muon authors run it: the iteration is a contraction of a normalised matrix, stable at bf16's 8 bits of mantissa,
 and bf16's range holds U / |U|'s Gram matrices where fp16's 5-bit exponent gains nothing).
@@ -41,7 +41,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from paratrain.distributed.initialize import canonical_name
 from paratrain.errors import ConfigError
 
-NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def muon_param_groups(model: nn.Module, weight_decay: float, hidden: frozenset[str]) -> list[dict]:

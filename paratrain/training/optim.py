@@ -14,7 +14,7 @@ import torch
 
 from paratrain.config import OptimizerConfig
 from paratrain.errors import ConfigError
-from paratrain.modes import resolve_impl
+from paratrain.modes import low_precision, resolve_impl
 from paratrain.training.muon import NS_DTYPES, Muon, muon_param_groups
 from paratrain.optimizers import optimizer_entry
 
@@ -39,8 +39,8 @@ def adamw(cfg: OptimizerConfig, device: torch.device, comm=None, **_):
 
 def muon(cfg: OptimizerConfig, device: torch.device, comm=None, precision: str = "fp32", replica_mesh=None, **_):
     """Muon on the hidden matrices (optimizer.muon_*), the adamw entry's AdamW on the rest (paratrain/training/
-    muon.py). The Newton-Schulz precision: optimizer.muon_ns_precision, auto fp32 for an fp32 run, else bf16."""
-    ns = cfg.muon_ns_precision if cfg.muon_ns_precision != "auto" else "fp32" if precision == "fp32" else "bf16"
+    muon.py). The Newton-Schulz precision: optimizer.muon_ns_dtype, auto fp32 for an fp32 run, else bf16."""
+    ns = cfg.muon_ns_dtype if cfg.muon_ns_dtype != "auto" else "bfloat16" if low_precision(precision) else "float32"
     return Muon, dict(muon_lr_ratio=(cfg.lr if cfg.muon_lr is None else cfg.muon_lr) / cfg.lr,
                       momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
                       ns_coefficients=(cfg.muon_ns_a, cfg.muon_ns_b, cfg.muon_ns_c), ns_dtype=NS_DTYPES[ns],
