@@ -39,24 +39,25 @@ requests, replies = sys.stdin, sys.stdout
 
 
 def warm_spawn(path, args, passfds):
-    # multiprocessing starts its helper processes (the ranks' forkserver, the resource tracker) as fresh
-    # interpreters running `python -c CODE`; here CODE runs in a fork of this warm process instead (~8 s of imports
-    # saved per launch). The forkserver's preload is imported already, so rank_server's set-up (the parent-death
-    # signal on the launcher, the ignored stop signals, its pid for the ranks) is run again, as its import would.
+    # multiprocessing starts the ranks' forkserver as a fresh interpreter running `python -c CODE` that imports torch
+    # and the trainer again; here CODE runs in a fork of this warm process instead (~8 s of imports saved per
+    # launch). The forkserver's preload is imported already, so rank_server's set-up (the parent-death signal on the
+    # launcher, the ignored stop signals, its pid for the ranks) is run again, as its import would. Other helpers
+    # (the resource tracker: it imports nothing heavy, and ends when its pipe closes) start as usual.
+    code = args[args.index("-c") + 1] if "-c" in args else ""
+    if "multiprocessing.forkserver" not in code:
+        return spawnv_passfds(path, args, passfds)
     pid = os.fork()
     if pid:
         return pid
     try:
-        code = args[args.index("-c") + 1]
-        if "multiprocessing.forkserver" in code:
-            import importlib
-            import multiprocessing.forkserver as forkserver
-            from paratrain.distributed import rank_server
+        import importlib
+        import threading
+        import multiprocessing.forkserver as forkserver
+        from paratrain.distributed import rank_server
 
-            import threading
-
-            forkserver._forkserver._lock = threading.Lock()  # (the launcher holds its copy's lock right now)
-            importlib.reload(rank_server)
+        forkserver._forkserver._lock = threading.Lock()  # (the launcher holds its copy's lock right now)
+        importlib.reload(rank_server)
         exec(code, {"__name__": "__mp_helper__"})
     except SystemExit:
         pass
@@ -65,8 +66,10 @@ def warm_spawn(path, args, passfds):
 
 
 def child(request):
+    global spawnv_passfds
     import multiprocessing.util
 
+    spawnv_passfds = multiprocessing.util.spawnv_passfds
     multiprocessing.util.spawnv_passfds = warm_spawn
     os.setpgid(0, 0)  # a group of its own, as start_new_session gives a subprocess: killpg ends it and its ranks
     os.chdir(request["cwd"])
