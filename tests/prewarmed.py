@@ -9,9 +9,9 @@ already done. What the fork cannot show (a module the product forgets to import,
 covered by the tests that start real interpreters (tests/test_observability.py, tests/test_faults.py, `make run`).
 
 The server is single-threaded and has run no torch operation (so forking it is safe, as the ranks' forkserver is).
-A command's own helper processes are forks too: multiprocessing would start the ranks' forkserver (and its resource
-tracker) as a fresh interpreter importing torch and the trainer again (~8 s of CPU per launch); in a command here it
-forks the command, whose imports are done (`warm_spawn`), and the forkserver forks the ranks from that as usual.
+A command's forkserver is a fork too: multiprocessing would start the ranks' forkserver as a fresh interpreter
+importing torch and the trainer again (~8 s of CPU per launch); in a command here it forks the command, whose imports
+are done (`warm_spawn`), and the forkserver forks the ranks from that as usual. The resource tracker starts as usual.
 """
 
 from __future__ import annotations
