@@ -9,7 +9,7 @@ import sys
 from paratrain.errors import UserError, environment_error, translated
 
 COMMANDS = ("train", "profile", "prepare", "generate", "verify", "estimate", "plan", "report", "doctor", "export",
-            "checkpoint", "replay", "scaling")
+            "checkpoint", "replay", "scaling", "eval")
 
 
 # command -> the module that holds its arguments, usage and call into the library (`main(argv) -> int`), imported
@@ -29,6 +29,7 @@ COMMAND_MODULES = {
     "checkpoint": "paratrain.commands.checkpoint",
     "replay": "paratrain.commands.replay",
     "scaling": "paratrain.commands.scaling",
+    "eval": "paratrain.commands.eval",
 }
 
 
@@ -48,6 +49,7 @@ commands:
   checkpoint check checkpoints against their checksums: paratrain checkpoint verify RUN_DIR|step-N [...]
   replay     run step N of a run again with the numerics watch: paratrain replay RUN_DIR step-N [--nproc N]
   scaling    a timed weak or strong scaling sweep: paratrain scaling --weak --nproc 1,2,4 [--layout fsdp]
+  eval       downstream tasks (lm-eval) on a checkpoint: paratrain eval RUN_DIR|hf:DIR --tasks T1,T2 [--nproc N]
 """
 
 

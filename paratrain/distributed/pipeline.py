@@ -131,6 +131,16 @@ class Pipeline:
             loss = torch.zeros((), dtype=torch.float64, device=self.device)
         return self._from_last(loss)
 
+    def from_last_stage(self, tokens: torch.Tensor, fn, shape: tuple[int, ...]) -> torch.Tensor:
+        """fn(the last stage's output) -> a float32 tensor of `shape`, computed on the last stage and sent to every pp
+        rank."""
+        out = self.forward(tokens)
+        if self.has_last:
+            value = fn(full_tensor(out)).float().contiguous()
+        else:
+            value = torch.zeros(shape, device=self.device)
+        return self._from_last(value)
+
     def last_logits(self, tokens: torch.Tensor, vocab: int, position: int = -1) -> torch.Tensor:
         """(B, 1, V) logits at `position` on every pp rank."""
         out = self.forward(tokens)

@@ -29,12 +29,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 from paratrain.config import ActivationCheckpointConfig, MemoryConfig, OptimizerConfig, ParallelConfig
 from paratrain.data.batch import as_batch
 from paratrain.distributed.compression import GradComm
-from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler, context_for
+from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler, context_for, whole_sequences
 from paratrain.distributed.expert_parallel import MoEMeter
 from paratrain.distributed.grad_norm import clip_grad_norm
 from paratrain.distributed.parallelize import SequenceParallelSampler, parallelize, unwrap
 from paratrain.distributed.pipeline import Pipeline, PipelineSampler, build_pipeline
-from paratrain.distributed.tensors import full_tensor, local_tensor, torch_dtype
+from paratrain.distributed.tensors import full_tensor, local_tensor, right_pad, torch_dtype
 from paratrain.estimate.model_states import hidden_matrix_names
 from paratrain.layout import Layout
 from paratrain.memory import check_loss_chunks, loss_chunks
@@ -317,6 +317,36 @@ class TrainStep:
             return sampler
         modules = self.pipeline.modules.values() if self.pipeline is not None else [self.model]
         return WholeSequenceSampler(sampler, modules)
+
+    @torch.no_grad()
+    def target_scores(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """(2, B, T) float32 on the CPU: the log-probability of each target after the tokens up to it, and 1.0 where
+        it is the most likely token; the same on every rank of a data-parallel replica (whole sequences under sp and
+        cp, the last stage's answer under pp). lm-eval's requests are scored so (paratrain/harness)."""
+        batch, length = tokens.shape
+        targets = targets.to(self.device)
+
+        def score(logits: torch.Tensor) -> torch.Tensor:  # (B, T', V) -> (2, B, T)
+            logits = full_tensor(logits)[:, :length].float()
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            return torch.stack([logp, (logits.argmax(-1) == targets).float()])
+
+        x = right_pad(tokens.to(self.device), self.layout.tp if self.layout.sp else 1)  # sp splits T over tp
+        modules = list(self.pipeline.modules.values()) if self.pipeline is not None else [self.model]
+        whole = whole_sequences(modules) if self.context is not None else contextlib.nullcontext()
+        was_training = self.model.training
+        for m in modules:
+            m.eval()
+        try:
+            with whole, self.contexts():
+                if self.pipeline is not None:
+                    out = self.pipeline.from_last_stage(x, score, (2, batch, length))
+                else:
+                    out = score(self.model(x))
+        finally:
+            for m in modules:
+                m.train(was_training)
+        return out.cpu()
 
     def eval_chunk(self, micro_batch: int, per_rank: int) -> int:
         """Sequences per forward in evaluation: the training micro-batch, or a pipeline microbatch (of `per_rank`,

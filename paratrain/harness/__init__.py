@@ -1,0 +1,1 @@
+"""Downstream evaluation: lm-evaluation-harness tasks on paratrain models, on any layout."""

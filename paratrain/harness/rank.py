@@ -1,0 +1,135 @@
+"""`paratrain eval`'s ranks: the model of a checkpoint or a Hugging Face folder on the asked layout, then lm-eval.
+
+The weights land on the layout the way training's do: the step is built by `build_train_step` (the model on the
+meta device, laid out, materialised), a checkpoint is read by DCP onto it whatever layout saved it, a Hugging Face
+folder by the importer; a LoRA checkpoint gets its base from its source and its adapters from the checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from paratrain.errors import UserError
+from paratrain.harness.tasks import HarnessSettings
+
+
+@dataclass
+class EvalSource:
+    """What is evaluated: a checked checkpoint folder (step-N) or a Hugging Face folder, its model and tokenizer."""
+    path: Path
+    hf: bool
+    model_args: object  # ModelArgs
+    step: int | None
+    lora: object = None  # AdaptedCheckpoint of a LoRA checkpoint; None: every weight is in the source
+
+    @property
+    def name(self) -> str:
+        return f"hf:{self.path}" if self.hf else str(self.path)
+
+
+def open_source(text: str, notice=None) -> EvalSource:
+    """`paratrain eval`'s first argument: hf:DIR, a step-N checkpoint, or a run folder (its newest intact one)."""
+    from paratrain.hf.load import checked_weights, hf_model_args
+    from paratrain.inference import find_checkpoint
+    from paratrain.models import ModelArgs
+    from paratrain.training.adapters import AdaptedCheckpoint
+    from paratrain.training.checkpoint import load_trainer_state
+
+    if text.startswith("hf:"):
+        folder = Path(text[3:])
+        if not (folder / "config.json").is_file():
+            raise UserError(f"{text}: no Hugging Face model there (config.json is missing)")
+        args = hf_model_args(folder)
+        checked_weights(folder, args)
+        return EvalSource(folder, True, args, None)
+    ckpt = find_checkpoint(text, warn=notice)
+    state = load_trainer_state(ckpt)
+    if "model_args" not in state:
+        raise UserError(f"{ckpt}: trainer.pt has no model dimensions")
+    return EvalSource(ckpt, False, ModelArgs(**state["model_args"]), int(state["step"]),
+                      AdaptedCheckpoint.of(ckpt, state))
+
+
+def source_tokenizer(source: EvalSource):
+    from paratrain.data import load_tokenizer
+    from paratrain.data.tokenizers import HFTokenizer
+    from paratrain.hf.load import check_tokenizer_fits, hf_tokenizer_file
+
+    if source.hf:
+        tokenizer = HFTokenizer.from_file(hf_tokenizer_file(source.path))
+        check_tokenizer_fits(tokenizer, source.model_args, hf_tokenizer_file(source.path))
+        return tokenizer
+    return load_tokenizer(source.path)
+
+
+def load_weights(train_step, source: EvalSource) -> None:
+    """The source's weights onto the laid-out model (a collective: every rank calls it)."""
+    from paratrain import hf
+    from paratrain.distributed.parallelize import unwrap
+    from paratrain.errors import translated
+    from paratrain.training import safe_dcp
+    from paratrain.training.checkpoint import load_checkpoint
+
+    model = train_step.model
+    if source.hf:
+        hf.load_initial_weights(unwrap(model), source.path, source.model_args)
+        return
+    if source.lora is not None and source.lora.hf_folder is not None:  # the base first; the adapters below
+        hf.load_initial_weights(unwrap(model), source.lora.hf_folder, source.model_args)
+
+    def unloadable(error: BaseException) -> UserError:
+        if isinstance(error, safe_dcp.MetadataProblem):
+            return UserError(f"{source.path}: {error}")
+        return UserError(f"{source.path}: cannot load model weights ({type(error).__name__})")
+
+    with translated(unloadable):
+        load_checkpoint(source.path, model, None)
+
+
+@dataclass
+class EvalJob:
+    source: str
+    settings: HarnessSettings
+    parallel: object  # ParallelConfig
+    precision: str = "fp32"
+    device: str = "auto"
+    max_length: int | None = None  # None: the model's context (its export's max_position_embeddings)
+    seed: int = 0
+    activation_checkpoint: object = None  # ActivationCheckpointConfig (None: off)
+    memory: object = None  # MemoryConfig (None: the defaults)
+
+
+def describe(source: EvalSource, layout, precision: str) -> dict:
+    return {"checkpoint": source.name, "step": source.step, "layout": layout.describe(), "precision": precision}
+
+
+def eval_rank(job: EvalJob) -> dict | None:
+    """One rank of `paratrain eval`; rank 0 writes lm-eval's files under the output path and returns
+    {"table": lm-eval's table, "metrics": {task: {metric: value}}, "path": the results file or None}."""
+    from paratrain.distributed.env import init_distributed, shutdown_distributed
+    from paratrain.distributed.parallel_dims import ParallelDims
+    from paratrain.harness.model import ParatrainLM
+    from paratrain.harness.tasks import downstream_metrics, evaluate, table, write_results
+    from paratrain.layout import Layout
+    from paratrain.training.step import build_train_step
+
+    source = open_source(job.source)
+    env = init_distributed(job.device)
+    args = source.model_args
+    layout = Layout.from_config(job.parallel, env.world_size).validate(args, env.world_size)
+    dims = ParallelDims.build(layout, env.device.type)
+    seed = source.lora.seed if source.lora is not None else job.seed
+    train_step = build_train_step(args, dims, env.device, precision=job.precision, seed=seed, parallel=job.parallel,
+                                  activation_checkpoint=job.activation_checkpoint, memory=job.memory,
+                                  lora=source.lora.lora if source.lora is not None else None)
+    load_weights(train_step, source)
+    lm = ParatrainLM(train_step, source_tokenizer(source), job.max_length or args.max_seq_len,
+                     job.settings.batch_size, layout.dp, dims.dp_rank, args.vocab_size, seed=job.seed)
+    results = evaluate(lm, job.settings, describe(source, layout, job.precision))
+    outcome = None
+    if env.is_main:
+        path = write_results(results, job.settings)
+        outcome = {"table": table(results), "metrics": downstream_metrics(results), "path": path and str(path)}
+    shutdown_distributed()
+    return outcome
