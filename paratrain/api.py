@@ -192,6 +192,10 @@ def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversub
     # a live run in this folder: one line naming it before any other check (runlock.py)
     refuse_if_live(parts.folder.path, "this train")
     check_launch(parts.folder, cfg.training.device, cfg.metrics, nproc, oversubscribe)
+    if cfg.eval.tasks:  # lm-eval there, the tasks known, their data readable: before anything starts
+        from paratrain.harness.tasks import check_settings, run_settings
+
+        check_settings(run_settings(cfg.eval), what="eval.")
     # lazy: the checks above answer without torch (the ranks' forkserver imports it meanwhile)
     from paratrain.training.checkpoint import check_resume, resume_path
     from paratrain.training.memory_fit import check_host_memory

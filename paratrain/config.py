@@ -267,6 +267,18 @@ class SampleConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Downstream tasks (lm-evaluation-harness) during training and at its end; docs/evaluation.md."""
+
+    tasks: list = field(default_factory=list)  # lm-eval task or group names, e.g. ["shakespeare"] (bundled)
+    include_path: str = ""  # a folder of task YAML files of your own (its !function entries are code)
+    every: int = 0  # also every N steps (0: only at the end)
+    limit: int = 0  # documents per task (0: all)
+    num_fewshot: int = -1  # few-shot examples per request (-1: each task's own)
+    batch_size: int = 8  # requests per forward
+
+
+@dataclass
 class RunConfig:
     name: str = "default"  # the run folder: out_dir/name (one folder name, at most 100 characters)
     out_dir: str = "runs"
@@ -290,6 +302,7 @@ class Config:
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -317,6 +330,8 @@ def _coerce(key: str, value, annotation):
     allowed = tuple(o for o in options if isinstance(o, type))
     choices = tuple(o for o in options if not isinstance(o, type))  # Literal values
     if list in allowed:  # a TOML array, or on the command line the same written inline
+        if isinstance(value, str) and not value.lstrip().startswith("["):  # names: --eval.tasks=a,b
+            value = [v.strip() for v in value.split(",") if v.strip()]
         if isinstance(value, str):
             try:
                 value = tomllib.loads(f"v = {value}")["v"]
@@ -528,6 +543,13 @@ def validate(cfg: Config) -> None:
     _require(s.max_new_tokens >= 0, "sample.max_new_tokens must be >= 0")
     _require(s.temperature >= 0, "sample.temperature must be >= 0 (0 is greedy)")
     _require(s.top_k >= 0, "sample.top_k must be >= 0 (0 disables)")
+    e = cfg.eval
+    _require(e.every >= 0, "eval.every must be >= 0 (0: only at the end)")
+    _require(e.limit >= 0, "eval.limit must be >= 0 (0: every document)")
+    _require(e.num_fewshot >= -1, "eval.num_fewshot must be >= -1 (-1: each task's own)")
+    _require(e.batch_size >= 1, "eval.batch_size must be at least 1")
+    _require(all(isinstance(t, str) and t for t in e.tasks), "eval.tasks must be a list of task names")
+    _require(not e.every or e.tasks, "eval.every needs eval.tasks (the lm-eval tasks to run)")
     _require(r.collective_timeout_s <= MAX_TIMEOUT_S, f"resilience.collective_timeout_s must be at most "
              f"{MAX_TIMEOUT_S} s (a week), got {r.collective_timeout_s:g}")
 

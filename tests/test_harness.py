@@ -193,3 +193,29 @@ def test_weights_of_another_model(trained, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error:") and "intermediate" in err[-1] or "shape" in err[-1], err
     assert not out.exists()
+
+
+def test_in_loop_evaluation_equals_paratrain_eval_of_the_final_checkpoint(trained, tmp_path, capsys):
+    """`[eval]` every 2 of 4 steps: metrics.jsonl holds the tasks' metrics at steps 2 and 4, the end writes lm-eval's
+    files in RUN_DIR/eval, and the last metrics equal `paratrain eval RUN_DIR` of the final checkpoint."""
+    from paratrain.api import train
+    from paratrain.cli import main
+
+    _, _, tasks = trained
+    cfg = fast_config(tmp_path / "data", tmp_path, "loop", "training.steps=4", f"eval.tasks={','.join(TASKS)}",
+                      f"eval.include_path={tasks}", "eval.every=2", "eval.batch_size=3")
+    result = train(cfg)
+    records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "downstream" in r]
+    assert [r["step"] for r in evaluated] == [2, 4], evaluated
+    assert evaluated[-1]["downstream"] == result.downstream and set(result.downstream) == set(TASKS)
+    assert list((cfg.run_dir / "eval" / "paratrain").glob("results_*.json"))
+    capsys.readouterr()
+    out = tmp_path / "after"
+    assert main(["eval", str(cfg.run_dir), "--tasks", ",".join(TASKS), "--include-path", tasks,
+                 "--batch-size", "3", "--output-path", str(out)]) == 0
+    got = json.loads(sorted(out.rglob("results_*.json"))[-1].read_text())
+    for task, metrics in result.downstream.items():
+        for name, value in metrics.items():
+            assert math.isclose(got["results"][task][f"{name},none"], value, rel_tol=1e-6, abs_tol=1e-9), (task, name)
+    assert got["paratrain"]["step"] == 4

@@ -35,6 +35,13 @@ class HarnessSettings:
     output_path: str = ""  # where lm-eval's results (and samples) files go; "": not written
 
 
+def run_settings(eval_cfg, output_path: str = "") -> HarnessSettings:
+    """The `[eval]` section (config.EvalConfig) as HarnessSettings."""
+    return HarnessSettings(tasks=list(eval_cfg.tasks), include_path=eval_cfg.include_path,
+                           num_fewshot=None if eval_cfg.num_fewshot < 0 else eval_cfg.num_fewshot,
+                           limit=eval_cfg.limit or None, batch_size=eval_cfg.batch_size, output_path=output_path)
+
+
 def require_lm_eval() -> None:
     try:
         import lm_eval  # noqa: F401
@@ -48,6 +55,18 @@ def offline() -> None:
 
 
 _MANAGERS: dict = {}
+
+
+def _git_describe() -> str | None:
+    """lm-eval's record of the working folder's git commit, without git's "fatal: not a git repository" on stderr
+    when there is none."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "describe", "--always"], capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 class _Quiet:
@@ -65,8 +84,10 @@ def task_manager(settings: HarnessSettings):
     offline()
     import logging
 
+    import lm_eval.loggers.utils
     from lm_eval.tasks import TaskManager
 
+    lm_eval.loggers.utils.get_git_commit_hash = _git_describe
     log = logging.getLogger("lm_eval")
     log.setLevel(logging.WARNING)  # (its INFO lines on every rank)
     for handler in [*log.handlers, *logging.getLogger().handlers]:

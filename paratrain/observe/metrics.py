@@ -282,6 +282,7 @@ class PrometheusSink:
         self._memory: list[dict] = []
         self._experts: list[list[float]] = []
         self._numerics: dict | None = None
+        self._downstream: dict = {}  # {task: {metric: value}} of the last downstream evaluation
         self._last_step_time: float | None = None
         self._closing = threading.Event()
         self._final_scraped = threading.Event()
@@ -318,6 +319,8 @@ class PrometheusSink:
                 self._experts = record["moe_tokens_per_expert"]
             if isinstance(record.get("numerics"), dict):
                 self._numerics = record["numerics"]
+            if isinstance(record.get("downstream"), dict):
+                self._downstream = record["downstream"]
 
     # -- the collector protocol ------------------------------------------------------------------
     def collect(self):
@@ -327,6 +330,7 @@ class PrometheusSink:
         with self._lock:
             scalars, phases, memory = dict(self._scalars), dict(self._phases), list(self._memory)
             experts, last, numerics = list(self._experts), self._last_step_time, self._numerics
+            downstream = dict(self._downstream)
         final = self._closing.is_set()  # values are final once close() began: nothing writes after that
         run = [self.run]
         info = GaugeMetricFamily("paratrain_run_info", "Which run this endpoint belongs to and what it covers.",
@@ -368,6 +372,12 @@ class PrometheusSink:
                                                 if v is not None])
         if numerics:
             yield from _numerics_gauges(run, numerics)
+        samples = [(run + [task, metric], float(v)) for task, values in downstream.items()
+                   for metric, v in values.items() if _is_number(v)]
+        if samples:
+            yield _gauge("paratrain_downstream", "Last downstream evaluation ([eval]): lm-eval's metric per task "
+                         "(acc, acc_norm, exact_match, word/byte perplexity, bits_per_byte, ...).",
+                         ["run", "task", "metric"], samples)
         if final:
             self._final_scrape_thread = threading.current_thread()
             self._final_scraped.set()
@@ -463,6 +473,10 @@ class TensorBoardSink:
                     for row, v in zip(n["rows"], n.get(f"{kind}_{stat}") or []):
                         if _is_number(v) and math.isfinite(v):
                             self.writer.add_scalar(f"numerics/{kind}_{stat}/{row}", v, step, walltime=wall)
+        for task, values in (record.get("downstream") or {}).items():
+            for metric, v in values.items():
+                if _is_number(v) and math.isfinite(v):
+                    self.writer.add_scalar(f"downstream/{task}/{metric}", v, step, walltime=wall)
 
     def close(self) -> None:
         self.writer.flush()

@@ -67,6 +67,7 @@ def resolved_config(cfg, layout):
 class TrainResult:
     losses: list[float] = field(default_factory=list)
     val_loss: float | None = None
+    downstream: dict | None = None  # [eval]: the final {task: {metric: value}} (rank 0)
     sample_text: str | None = None
     final_weights: dict | None = None  # full weights by name (rank 0, when asked for)
     skipped_steps: int = 0
@@ -103,6 +104,11 @@ class Trainer:
                                          scheduler=self.scheduler)
         self.evaluate = Evaluator(open_split(cfg.data, "val", t.seq_len), self.train_step, spec, self.dims.dp_rank,
                                   self.dims.loss_group)
+        self.downstream = None  # [eval]: lm-eval's tasks on this model and layout
+        if cfg.eval.tasks:
+            from paratrain.harness.inloop import DownstreamEval  # lazy: lm-eval is an extra, for runs that ask
+
+            self.downstream = DownstreamEval(self.train_step, self.tokenizer, spec, self.dims, env.is_main)
         # MFU against the peak of the rate the run's matmuls go at (an fp32 run's: TF32's or plain fp32's)
         self.peak, self.peak_source = peak_flops(dev, cfg.metrics.peak_tflops, t.precision, self.tf32)
         self.restarts = attempt()  # a relaunched rank (ours or torchrun's) resumes from the newest checkpoint
@@ -190,7 +196,9 @@ class Trainer:
                 if watched is not None:
                     self.pending[-1].later.append(watched)
                 is_eval = t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps
-                show = (step + 1) % t.log_every == 0 or step == start or is_eval
+                every = cfg.eval.every if self.downstream is not None else 0
+                is_downstream = every and (step + 1) % every == 0 and step + 1 < t.steps
+                show = (step + 1) % t.log_every == 0 or step == start or is_eval or is_downstream
                 self.pending[-1].show = show
                 if (show or step + 1 == t.steps or self.checkpointer.due(step + 1)
                         or self.recorder.profile_closing):  # a settle point
@@ -201,6 +209,10 @@ class Trainer:
                     record = self.logged[-1][0]
                     if is_eval:
                         record["val_loss"] = self.evaluate(self.progress.micro_batch)
+                    if is_downstream:
+                        metrics = self.downstream(step + 1)
+                        if metrics is not None:
+                            record["downstream"] = metrics
                     if show:
                         self.recorder.add_rank_stats(record)
                     self._log_settled()
@@ -339,6 +351,12 @@ class Trainer:
         if start < steps or cfg.training.eval_every:
             result.val_loss = self.evaluate(self.progress.micro_batch)
             log.log({"step": steps, "val_loss": result.val_loss})
+        if self.downstream is not None and start < steps:
+            result.downstream = self.downstream(steps, final=True)
+            if result.downstream is not None:
+                log.log({"step": steps, "downstream": result.downstream})
+                log.message(f"downstream tasks (step {steps}; lm-eval's files in {cfg.run_dir / 'eval'}):\n"
+                            + self.downstream.table)
         if cfg.checkpoint.save_final and start < steps:
             log.message(f"checkpoint: {self.checkpointer.save(steps)}")
         if cfg.checkpoint.export_safetensors:
