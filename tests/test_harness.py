@@ -219,3 +219,9 @@ def test_in_loop_evaluation_equals_paratrain_eval_of_the_final_checkpoint(traine
         for name, value in metrics.items():
             assert math.isclose(got["results"][task][f"{name},none"], value, rel_tol=1e-6, abs_tol=1e-9), (task, name)
     assert got["paratrain"]["step"] == 4
+    from paratrain.observe.report import write_report
+
+    files = write_report([cfg.run_dir], tmp_path / "report")
+    assert "downstream.png" in files
+    summary = json.loads(files["summary.json"].read_text())["runs"][0]["downstream"]
+    assert summary == {"step": 4, "tasks": result.downstream}

@@ -141,6 +141,12 @@ JOURNEYS = {
         "paratrain plan --calibrate --name mybox --nproc 1 --model llama3.2-1b --seq 2048 --micro-batches 1,2",
         "paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576",
     ],
+    "evaluation": [
+        "paratrain train --eval.tasks=shakespeare --eval.every=100 --run.name=evaluated",
+        "paratrain eval runs/evaluated --tasks shakespeare",
+        "paratrain eval runs/evaluated --tasks shakespeare --nproc 2 --parallel.tp=2 --output-path eval-tp2",
+        "paratrain eval runs/evaluated --tasks shakespeare_choice --num-fewshot 2 --limit 20 --log-samples",
+    ],
     "scaling": [
         "paratrain scaling --weak --nproc 1,2,4",
         "paratrain scaling --strong --layouts ddp2,fsdp2,fsdp4",
@@ -479,6 +485,32 @@ def test_journey_scaling(journey):
     assert [(p["label"], p["global_batch"]) for p in strong["points"]] == [("ddp2", 8), ("fsdp2", 8), ("fsdp4", 8)]
     assert all(p["samples_per_s"] == pytest.approx(p["tokens_per_s"] / 32) for p in strong["points"])
     assert "| 4 | fsdp4 | 8 |" in out and (j.cwd / "runs/scaling-strong/scaling.png").is_file()
+
+
+def test_journey_evaluation(journey):
+    """docs/evaluation.md's downstream tasks: trained with [eval] (the bundled shakespeare group at the end), then
+    `paratrain eval` of the run on one process and on tp2 (the same numbers), and few-shot with samples."""
+    evaluation = JOURNEYS["evaluation"]
+    done = journey.train(evaluation[0])
+    assert "shakespeare_choice" in done.stdout + done.stderr
+    run = journey.cwd / "runs" / "evaluated"
+    in_loop = [r for r in metrics(run) if "downstream" in r][-1]["downstream"]
+    assert set(in_loop) == {"shakespeare_choice", "shakespeare_perplexity", "shakespeare_speaker"}, in_loop
+    one = journey.doc(evaluation[1]).stdout
+    assert "bits_per_byte" in one and "exact_match" in one
+    journey.doc(evaluation[2])
+
+    def results(folder):
+        return json.loads(sorted((journey.cwd / folder).rglob("results_*.json"))[-1].read_text())
+
+    tp2, single = results("eval-tp2"), results("runs/evaluated/eval")
+    for task, values in in_loop.items():
+        for metric, value in values.items():
+            for got in (tp2, single):
+                assert abs(got["results"][task][f"{metric},none"] - value) <= 1e-6 * max(1.0, abs(value)), (task, metric)
+    journey.doc(evaluation[3])
+    assert list((run / "eval").rglob("samples_shakespeare_choice_*.jsonl"))
+    assert results("runs/evaluated/eval")["n-shot"]["shakespeare_choice"] == 2
 
 
 def test_journey_verify(journey):

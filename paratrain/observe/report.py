@@ -52,6 +52,7 @@ class Run:
     watched: list[dict] = field(default_factory=list)  # every record with the numerics watch's statistics, in log order
     rolled_back: int = 0  # step records undone by a rollback (the run went back to a checkpoint)
     abandoned: int = 0  # step records a later start of the run went back over (a restart, a resume)
+    downstream: list[tuple[int, dict]] = field(default_factory=list)  # (step, {task: {metric: value}}) of [eval]
 
     @property
     def world_size(self) -> int:
@@ -131,6 +132,7 @@ def load_run(path: str | Path) -> Run:
     by_step: dict[int, dict] = {}
     vals: dict[int, float] = {}
     saves: dict[int, float] = {}
+    downstream: dict[int, dict] = {}
     end, info, nonfinite, watched = None, {}, [], []
     bad, records = 0, []
     for raw in log.read_bytes().splitlines():
@@ -155,6 +157,8 @@ def load_run(path: str | Path) -> Run:
             watched.append(r)
         if _finite(r.get("val_loss")):
             vals[r["step"]] = r["val_loss"]
+        if isinstance(r.get("downstream"), dict):
+            downstream[r["step"]] = r["downstream"]
         if _finite(r.get("checkpoint_save_s")):  # a save made before this record; a step saved twice counts once
             at = r.get("checkpoint_step")
             saves[at if isinstance(at, int) else r["step"]] = r["checkpoint_save_s"]
@@ -172,7 +176,8 @@ def load_run(path: str | Path) -> Run:
             config = {}
     name = config.get("run", {}).get("name", path.name)
     return Run(name, path, [by_step[s] for s in sorted(by_step)], sorted(vals.items()), config, bad, saves, end, info,
-               nonfinite, watched, rolled_back=undone_steps["rollback"], abandoned=undone_steps["start"])
+               nonfinite, watched, rolled_back=undone_steps["rollback"], abandoned=undone_steps["start"],
+               downstream=sorted(downstream.items()))
 
 
 def _numerics_record(r: dict) -> bool:
@@ -239,6 +244,7 @@ def summarize(run: Run) -> dict:
                 "layer_imbalance": [imbalance(t) for t in moe["moe_tokens_per_expert"]]} if moe else None,
         "unreadable_lines": run.bad_lines,
         "numerics": numerics_summary(run),
+        "downstream": {"step": run.downstream[-1][0], "tasks": run.downstream[-1][1]} if run.downstream else None,
     }
 
 
@@ -308,6 +314,40 @@ def plot_loss(runs: list[Run]):
     for ax in (by_step, by_tokens):
         ax.grid(alpha=0.3)
         ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def downstream_series(run: Run) -> dict[str, list[tuple[int, float]]]:
+    """{"task/metric": [(step, value)]} of the run's [eval] evaluations (finite values)."""
+    out: dict[str, list] = {}
+    for step, tasks in run.downstream:
+        for task, metrics in tasks.items():
+            for metric, v in (metrics.items() if isinstance(metrics, dict) else ()):
+                if _finite(v):
+                    out.setdefault(f"{task}/{metric}", []).append((step, v))
+    return out
+
+
+def plot_downstream(runs: list[Run]):
+    """Each downstream metric ([eval]) against step (left) and tokens (right), one row per task/metric."""
+    plt = pyplot()
+    names = sorted({name for run in runs for name in downstream_series(run)})
+    fig, axes = plt.subplots(len(names), 2, figsize=(11, 2.6 * len(names)), squeeze=False)
+    for i, run in enumerate(runs):
+        per_token = {r["step"]: r.get("tokens", 0) for r in run.steps}
+        series = downstream_series(run)
+        for (by_step, by_tokens), name in zip(axes, names):
+            if name in series:
+                steps, values = zip(*series[name])
+                by_step.plot(steps, values, "o-", color=f"C{i}", label=run.name)
+                by_tokens.plot([per_token.get(s, 0) for s in steps], values, "o-", color=f"C{i}", label=run.name)
+    for (by_step, by_tokens), name in zip(axes, names):
+        by_step.set(xlabel="step", ylabel=name.split("/")[-1], title=name)
+        by_tokens.set(xlabel="tokens", title=name)
+        for ax in (by_step, by_tokens):
+            ax.grid(alpha=0.3)
+            ax.legend()
     fig.tight_layout()
     return fig
 
@@ -615,6 +655,8 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> d
     figures = {"loss.png": plot_loss(runs), "throughput.png": plot_throughput(runs)}
     if any(s["memory"] for s in summaries):
         figures["memory.png"] = plot_memory(runs)
+    if any(downstream_series(r) for r in runs):
+        figures["downstream.png"] = plot_downstream(runs)
     if len(points) > 1 or len(weak_points) > 1:
         figures["scaling.png"] = plot_scaling(points if len(points) > 1 else [], weak_points)
     for run, s in zip(runs, summaries):
