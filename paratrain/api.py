@@ -193,7 +193,7 @@ def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversub
     refuse_if_live(parts.folder.path, "this train")
     check_launch(parts.folder, cfg.training.device, cfg.metrics, nproc, oversubscribe)
     if cfg.eval.tasks:  # lm-eval there, the tasks known, their data readable: before anything starts
-        from paratrain.harness.tasks import check_settings, run_settings
+        from paratrain.harness.tasks import check_settings, run_settings  # lazy: lm-eval only for runs that ask
 
         check_settings(run_settings(cfg.eval), what="eval.")
     # lazy: the checks above answer without torch (the ranks' forkserver imports it meanwhile)

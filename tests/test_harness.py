@@ -65,7 +65,7 @@ def settings(tasks, out, **changes):
 
 def one_process(checkpoint, tasks, out):
     from paratrain.config import ParallelConfig
-    from paratrain.harness.rank import EvalJob, eval_rank
+    from paratrain.downstream import EvalJob, eval_rank
 
     return eval_rank(EvalJob(str(checkpoint), settings(tasks, out), ParallelConfig()))
 
@@ -143,7 +143,7 @@ def test_layouts_equal_one_process(trained, reference, tmp_path, layout, capsys)
 def test_hf_folder_is_evaluated_through_the_same_code(trained, tmp_path):
     """hf:DIR (the fp32 export) gives the checkpoint's numbers: a baseline before fine-tuning is the same code."""
     from paratrain.config import ParallelConfig
-    from paratrain.harness.rank import EvalJob, eval_rank
+    from paratrain.downstream import EvalJob, eval_rank
 
     checkpoint, export, tasks = trained
     one = eval_rank(EvalJob(str(checkpoint), settings(tasks, tmp_path / "a", log_samples=False), ParallelConfig()))

@@ -63,6 +63,7 @@ def main(argv: list[str]) -> int:
                             "--training.precision, --training.device, --activation_checkpoint.*, --memory.*")
     if "--tasks" not in own:
         raise UserError("--tasks is required (e.g. --tasks hellaswag,arc_easy)")
+    # lazy: torch and lm-eval are not needed for --help and the argument errors above
     from paratrain.config import load_config
     from paratrain.harness.tasks import HarnessSettings, check_settings
 
@@ -80,7 +81,7 @@ def main(argv: list[str]) -> int:
         batch_size=int_flag(own, "--batch-size", 8), bootstrap_iters=int_flag(own, "--bootstrap-iters", 0),
         log_samples="--log-samples" in rest)
     # lazy: torch is not needed for --help and the argument errors above
-    from paratrain.harness.rank import EvalJob, eval_rank, open_source
+    from paratrain.downstream import EvalJob, eval_rank, open_source
     from paratrain.layout import Layout
 
     notices = []
@@ -98,12 +99,14 @@ def main(argv: list[str]) -> int:
     if nproc == 1:
         outcome = eval_rank(job)
     else:
+        # lazy: only a launch needs the launcher
         from paratrain.api import launch_ranks
         from paratrain.preflight import check_nproc
 
         check_nproc(cfg.training.device, nproc, "--oversubscribe" in rest)
         outcome = launch_ranks(eval_rank, (job,), nproc)
     print(outcome["table"])
-    if outcome["path"]:
-        print(f"results: {outcome['path']}", file=sys.stderr)
+    print(f"{outcome['requests']:,} requests in {outcome['seconds']:.1f} s "
+          f"({outcome['requests'] / max(outcome['seconds'], 1e-9):,.1f}/s)"
+          + (f"; results: {outcome['path']}" if outcome["path"] else ""), file=sys.stderr)
     return 0

@@ -39,6 +39,7 @@ class ParatrainLM(TemplateLM):
         self.batch_size, self.dp, self.dp_rank = batch_size, dp, dp_rank
         self.vocab_size, self.seed = vocab_size, seed
         self.requests_scored = 0  # forwards' requests on this rank (a throughput figure)
+        self.requests_answered = 0  # lm-eval's requests (loglikelihood, rolling, generation) answered
 
     # -- what lm-eval asks of a model -----------------------------------------------------------------
     @property
@@ -50,6 +51,10 @@ class ParatrainLM(TemplateLM):
     def prefix_token_id(self):
         bos = self.tokenizer_.bos_id
         return bos if bos is not None else self.eot_token_id
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        self.requests_answered += len(requests)
+        return super().loglikelihood(requests, disable_tqdm)
 
     def tok_encode(self, string: str, **_) -> list[int]:
         return list(self.tokenizer_.encode(string))
@@ -64,6 +69,7 @@ class ParatrainLM(TemplateLM):
         return self._score(rows)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        self.requests_answered += len(requests)
         windows, owner = [], []
         for i, (text,) in enumerate(req.args for req in requests):
             for context, predicted in map(make_disjoint_window, get_rolling_token_windows(
@@ -77,6 +83,7 @@ class ParatrainLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        self.requests_answered += len(requests)
         eos_text = self.tokenizer_.decode([self.eot_token_id]) if self.eot_token_id is not None else None
         jobs = []
         for context, gen_kwargs in (req.args for req in requests):

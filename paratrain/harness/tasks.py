@@ -16,6 +16,9 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from paratrain.errors import UserError, one_line
 
 BUNDLED_TASKS = Path(__file__).resolve().parent.parent / "assets" / "eval_tasks"  # shakespeare, shakespeare_*
@@ -84,10 +87,11 @@ def task_manager(settings: HarnessSettings):
     offline()
     import logging
 
+    import lm_eval.evaluator
     import lm_eval.loggers.utils
     from lm_eval.tasks import TaskManager
 
-    lm_eval.loggers.utils.get_git_commit_hash = _git_describe
+    lm_eval.loggers.utils.get_git_commit_hash = lm_eval.evaluator.get_git_commit_hash = _git_describe
     log = logging.getLogger("lm_eval")
     log.setLevel(logging.WARNING)  # (its INFO lines on every rank)
     for handler in [*log.handlers, *logging.getLogger().handlers]:
@@ -163,9 +167,6 @@ def load_tasks(settings: HarnessSettings) -> dict:
 @contextlib.contextmanager
 def kept_random_state():
     """lm-eval seeds Python's, numpy's and torch's generators; a training run in between keeps its own."""
-    import numpy as np
-    import torch
-
     saved = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
     try:
         yield

@@ -37,6 +37,7 @@ from paratrain.estimate.gpus import fmt_bytes
 from paratrain.distributed.launch import attempt
 from paratrain.faults import FaultInjector
 from paratrain.generate import prompt_ids, sample
+from paratrain.harness.tasks import require_lm_eval
 from paratrain.models import count_active_params, count_params, flops_per_token, format_params
 from paratrain.models.lora import lora_summary
 from paratrain.observe.flops import is_datasheet_peak, peak_flops
@@ -106,7 +107,8 @@ class Trainer:
                                   self.dims.loss_group)
         self.downstream = None  # [eval]: lm-eval's tasks on this model and layout
         if cfg.eval.tasks:
-            from paratrain.harness.inloop import DownstreamEval  # lazy: lm-eval is an extra, for runs that ask
+            require_lm_eval()  # (under torchrun no launcher checked it: one line, not an ImportError)
+            from paratrain.training.downstream import DownstreamEval  # lazy: lm-eval is an extra, for runs that ask
 
             self.downstream = DownstreamEval(self.train_step, self.tokenizer, spec, self.dims, env.is_main)
         # MFU against the peak of the rate the run's matmuls go at (an fp32 run's: TF32's or plain fp32's)

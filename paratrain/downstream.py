@@ -1,4 +1,4 @@
-"""`paratrain eval`'s ranks: the model of a checkpoint or a Hugging Face folder on the asked layout, then lm-eval.
+"""`paratrain eval`'s ranks (imported by the command once its arguments passed: lm-eval and torch): the model of a checkpoint or a Hugging Face folder on the asked layout, then lm-eval.
 
 The weights land on the layout the way training's do: the step is built by `build_train_step` (the model on the
 meta device, laid out, materialised), a checkpoint is read by DCP onto it whatever layout saved it, a Hugging Face
@@ -7,11 +7,27 @@ folder by the importer; a LoRA checkpoint gets its base from its source and its 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.errors import UserError
-from paratrain.harness.tasks import HarnessSettings
+from paratrain import hf
+from paratrain.data import load_tokenizer
+from paratrain.data.tokenizers import HFTokenizer
+from paratrain.distributed.env import init_distributed, shutdown_distributed
+from paratrain.distributed.parallel_dims import ParallelDims
+from paratrain.distributed.parallelize import unwrap
+from paratrain.errors import UserError, translated
+from paratrain.harness.model import ParatrainLM
+from paratrain.harness.tasks import HarnessSettings, downstream_metrics, evaluate, table, write_results
+from paratrain.hf.load import check_tokenizer_fits, checked_weights, hf_model_args, hf_tokenizer_file
+from paratrain.inference import find_checkpoint
+from paratrain.layout import Layout
+from paratrain.models import ModelArgs
+from paratrain.training import safe_dcp
+from paratrain.training.adapters import AdaptedCheckpoint
+from paratrain.training.checkpoint import load_checkpoint, load_trainer_state
+from paratrain.training.step import build_train_step
 
 
 @dataclass
@@ -30,11 +46,6 @@ class EvalSource:
 
 def open_source(text: str, notice=None) -> EvalSource:
     """`paratrain eval`'s first argument: hf:DIR, a step-N checkpoint, or a run folder (its newest intact one)."""
-    from paratrain.hf.load import checked_weights, hf_model_args
-    from paratrain.inference import find_checkpoint
-    from paratrain.models import ModelArgs
-    from paratrain.training.adapters import AdaptedCheckpoint
-    from paratrain.training.checkpoint import load_trainer_state
 
     if text.startswith("hf:"):
         folder = Path(text[3:])
@@ -52,9 +63,6 @@ def open_source(text: str, notice=None) -> EvalSource:
 
 
 def source_tokenizer(source: EvalSource):
-    from paratrain.data import load_tokenizer
-    from paratrain.data.tokenizers import HFTokenizer
-    from paratrain.hf.load import check_tokenizer_fits, hf_tokenizer_file
 
     if source.hf:
         tokenizer = HFTokenizer.from_file(hf_tokenizer_file(source.path))
@@ -65,11 +73,6 @@ def source_tokenizer(source: EvalSource):
 
 def load_weights(train_step, source: EvalSource) -> None:
     """The source's weights onto the laid-out model (a collective: every rank calls it)."""
-    from paratrain import hf
-    from paratrain.distributed.parallelize import unwrap
-    from paratrain.errors import translated
-    from paratrain.training import safe_dcp
-    from paratrain.training.checkpoint import load_checkpoint
 
     model = train_step.model
     if source.hf:
@@ -106,13 +109,8 @@ def describe(source: EvalSource, layout, precision: str) -> dict:
 
 def eval_rank(job: EvalJob) -> dict | None:
     """One rank of `paratrain eval`; rank 0 writes lm-eval's files under the output path and returns
-    {"table": lm-eval's table, "metrics": {task: {metric: value}}, "path": the results file or None}."""
-    from paratrain.distributed.env import init_distributed, shutdown_distributed
-    from paratrain.distributed.parallel_dims import ParallelDims
-    from paratrain.harness.model import ParatrainLM
-    from paratrain.harness.tasks import downstream_metrics, evaluate, table, write_results
-    from paratrain.layout import Layout
-    from paratrain.training.step import build_train_step
+    {"table": lm-eval's table, "metrics": {task: {metric: value}}, "path": the results file or None, "requests":
+    lm-eval's requests answered, "seconds": the evaluation's wall time (the model loaded)}."""
 
     source = open_source(job.source)
     env = init_distributed(job.device)
@@ -126,10 +124,13 @@ def eval_rank(job: EvalJob) -> dict | None:
     load_weights(train_step, source)
     lm = ParatrainLM(train_step, source_tokenizer(source), job.max_length or args.max_seq_len,
                      job.settings.batch_size, layout.dp, dims.dp_rank, args.vocab_size, seed=job.seed)
+    started = time.perf_counter()
     results = evaluate(lm, job.settings, describe(source, layout, job.precision))
+    seconds = time.perf_counter() - started
     outcome = None
     if env.is_main:
         path = write_results(results, job.settings)
-        outcome = {"table": table(results), "metrics": downstream_metrics(results), "path": path and str(path)}
+        outcome = {"table": table(results), "metrics": downstream_metrics(results), "path": path and str(path),
+                   "requests": lm.requests_answered, "seconds": seconds}
     shutdown_distributed()
     return outcome
