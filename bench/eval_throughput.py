@@ -10,6 +10,7 @@ every row must agree (acc / acc_norm / exact_match equal, perplexities within 1e
 
     python bench/eval_throughput.py                      # the three rows, threads: 2 (1 process) and 1 per rank
     python bench/eval_throughput.py --hf-batch-size 1
+    python bench/eval_throughput.py --tasks shakespeare_choice,shakespeare_perplexity   # scoring only
     python bench/eval_throughput.py --smoke              # a tiny model, 4 documents per task, 1 process (the test suite)
 """
 
@@ -115,12 +116,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="paratrain's requests per forward")
     parser.add_argument("--hf-batch-size", type=int, default=8, help="lm-eval HFLM's batch size")
     parser.add_argument("--nproc", default="1,2", help="paratrain rows: ranks of each")
+    parser.add_argument("--tasks", default="shakespeare", help="lm-eval tasks (bundled: shakespeare, shakespeare_*)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     import torch
 
-    tasks, limit = ["shakespeare"], (4 if args.smoke else None)
+    tasks, limit = args.tasks.split(","), (4 if args.smoke else None)
     ranks = [1] if args.smoke else [int(n) for n in args.nproc.split(",")]
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-eval-") as scratch:
         folder = make_model(Path(scratch) / "model", SMOKE if args.smoke else FULL)
