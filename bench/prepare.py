@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from multiprocessing import Pool
+from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
@@ -90,8 +90,11 @@ def make_corpus(folder: Path, shards: int, shard_mb: float = SHARD_TEXT_MB, sent
     todo = [(p, i, shard_mb, sentences) for i, p in enumerate(paths) if not p.exists()]
     if todo:
         start = time.perf_counter()
-        with Pool(min(os.cpu_count() or 1, len(todo))) as pool:
-            pool.map(_write_shard, todo)
+        if len(todo) == 1:  # (the smoke run's one shard: no pool to start)
+            _write_shard(todo[0])
+        else:  # spawn: workers start clean, not as forks of a process whose other threads may hold locks
+            with get_context("spawn").Pool(min(os.cpu_count() or 1, len(todo))) as pool:
+                pool.map(_write_shard, todo)
         print(f"generated {len(todo)} shards in {time.perf_counter() - start:.0f}s", flush=True)
     return paths
 
