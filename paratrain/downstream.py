@@ -115,7 +115,8 @@ def eval_rank(job: EvalJob) -> dict | None:
     source = open_source(job.source)
     env = init_distributed(job.device)
     args = source.model_args
-    layout = Layout.from_config(job.parallel, env.world_size).validate(args, env.world_size)
+    # forwards only: no global batch decides a pipeline's microbatches (lm-eval's batches go through whole)
+    layout = Layout.from_config(job.parallel, env.world_size).validate(args, env.world_size).forward_only()
     dims = ParallelDims.build(layout, env.device.type)
     seed = source.lora.seed if source.lora is not None else job.seed
     train_step = build_train_step(args, dims, env.device, precision=job.precision, seed=seed, parallel=job.parallel,

@@ -326,6 +326,15 @@ class Layout:
             layout = layout._check_batch(args, batch)
         return layout
 
+    def forward_only(self) -> "Layout":
+        """The layout for forwards outside a run (`paratrain eval`: no optimizer step, no batch to cut): a pipeline
+        runs each batch's stages one after the other (`Pipeline.forward`), whatever its size, and never steps its
+        schedule; the schedule is still built, so it gets a microbatch count every schedule accepts (2 x stages,
+        where the automatic rule starts) in place of the step's."""
+        if self.pp == 1:
+            return self
+        return dataclasses.replace(self, pp_microbatches=2 * self.num_stages)
+
     def forward_batch(self, batch: Batch) -> int:
         """Sequences in one forward on a rank: the micro-batch, or with a pipeline one of its microbatches (the
         rank's share of the global batch cut into pp_microbatches)."""

@@ -1,5 +1,6 @@
 """`paratrain eval`: lm-evaluation-harness's tasks on paratrain's model against lm-eval's own Hugging Face backend,
-on one process and on fsdp2 / tp2, with task folders written here (local JSONL, no network)."""
+on one process and on 2 ranks in each kind of layout (fsdp, tp, pp, cp, ddp, ep on a MoE checkpoint, LoRA), with task
+folders written here (local JSONL, no network)."""
 
 import json
 import math
@@ -10,7 +11,7 @@ pytest.importorskip("lm_eval")
 
 from conftest import fast_config  # noqa: E402
 from paratrain.data import DEFAULT_CORPUS  # noqa: E402
-from test_hf import make_llama  # noqa: E402
+from test_hf import make_llama, make_mixtral  # noqa: E402
 
 TASKS = ["t_choice", "t_rolling", "t_gen"]
 
@@ -44,16 +45,28 @@ def write_tasks(folder) -> str:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """(checkpoint, fp32 Hugging Face export, task folder): a tiny imported Llama trained 3 steps."""
+def harness_root(tmp_path_factory):
+    """A folder holding a tiny random Hugging Face Llama (`llama`); runs from it share its data folder (`data`)."""
+    root = tmp_path_factory.mktemp("harness")
+    make_llama(root / "llama")
+    return root
+
+
+def train_from(root, name: str, hf, steps: int, *extra: str):
+    """The last checkpoint of run `name`, started from the Hugging Face folder `hf` on the shared data folder."""
     from paratrain.api import train_rank
 
-    root = tmp_path_factory.mktemp("harness")
-    hf = make_llama(root / "llama")
-    cfg = fast_config(root / "data", root, "ft", f"model.init_from=hf:{hf}", "training.steps=3",
-                      "checkpoint.export_hf=true", "checkpoint.export_hf_dtype=fp32")
-    train_rank(cfg)
-    return root / "ft" / "checkpoints" / "step-3", root / "ft" / "hf", write_tasks(root / "tasks")
+    train_rank(fast_config(root / "data", root, name, f"model.init_from=hf:{hf}", f"training.steps={steps}", *extra))
+    return root / name / "checkpoints" / f"step-{steps}"
+
+
+@pytest.fixture(scope="module")
+def trained(harness_root):
+    """(checkpoint, fp32 Hugging Face export, task folder): a tiny imported Llama trained 3 steps."""
+    root = harness_root
+    checkpoint = train_from(root, "ft", root / "llama", 3, "checkpoint.export_hf=true",
+                            "checkpoint.export_hf_dtype=fp32")
+    return checkpoint, root / "ft" / "hf", write_tasks(root / "tasks")
 
 
 def settings(tasks, out, **changes):
@@ -63,11 +76,31 @@ def settings(tasks, out, **changes):
                               "log_samples": True, "batch_size": 3, **changes})
 
 
-def one_process(checkpoint, tasks, out):
+def one_process(source, tasks, out):
     from paratrain.config import ParallelConfig
     from paratrain.downstream import EvalJob, eval_rank
 
-    return eval_rank(EvalJob(str(checkpoint), settings(tasks, out), ParallelConfig()))
+    return eval_rank(EvalJob(str(source), settings(tasks, out), ParallelConfig()))
+
+
+def eval_command(source, tasks, out, *flags: str) -> dict:
+    """`paratrain eval SOURCE` of every task (batches of 3 requests, samples logged) with `flags`; lm-eval's results
+    file."""
+    from paratrain.cli import main
+
+    code = main(["eval", str(source), "--tasks", ",".join(TASKS), "--include-path", tasks, "--batch-size", "3",
+                 "--output-path", str(out), "--log-samples", *flags])
+    assert code == 0
+    return json.loads(sorted(out.rglob("results_*.json"))[-1].read_text())
+
+
+def assert_same_answers(got: dict, out, reference: dict, reference_out) -> None:
+    """Every metric of a results file within 1e-6 of the reference's, and the same greedy generations."""
+    for task, metrics in reference["metrics"].items():
+        for name, value in metrics.items():
+            assert math.isclose(got["results"][task][f"{name},none"], value, rel_tol=1e-6, abs_tol=1e-9), (
+                task, name)
+    assert generations(out, "t_gen") == generations(reference_out, "t_gen")
 
 
 def results_file(outcome) -> dict:
@@ -117,27 +150,48 @@ def test_one_process_equals_lm_eval_on_the_export(trained, reference, tmp_path):
     assert "layout" in written["paratrain"] and written["config"]["model"] == "paratrain"
 
 
-@pytest.mark.parametrize("layout", [["--parallel.dp_shard=2"], ["--parallel.tp=2"]], ids=["fsdp2", "tp2"])
-def test_layouts_equal_one_process(trained, reference, tmp_path, layout, capsys):
-    """`paratrain eval CHECKPOINT --nproc 2` on fsdp2 and on tp2: every metric within 1e-6 of one process's, the
-    same generations, lm-eval's table on stdout."""
-    from paratrain.cli import main
+LAYOUTS = {"fsdp2": ["--parallel.dp_shard=2"], "tp2": ["--parallel.tp=2"], "pp2": ["--parallel.pp=2"],
+           "pp2-batch1": ["--parallel.pp=2", "--batch-size", "1"], "cp2": ["--parallel.cp=2"],
+           "ddp2": ["--parallel.dp_mode=ddp"]}
 
+
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_layouts_equal_one_process(trained, reference, tmp_path, layout, capsys):
+    """`paratrain eval CHECKPOINT --nproc 2` on each kind of layout: every metric within 1e-6 of one process's, the
+    same generations, lm-eval's table on stdout. pp2-batch1: every batch smaller than the pipeline's stages (the
+    pipeline runs a batch's stages one after the other, never its training schedule)."""
     checkpoint, _, tasks = trained
     ours, one_out = reference
     out = tmp_path / "out"
-    code = main(["eval", str(checkpoint), "--tasks", ",".join(TASKS), "--include-path", tasks, "--nproc", "2",
-                 "--batch-size", "3", "--output-path", str(out), "--log-samples", *layout])
-    assert code == 0
+    got = eval_command(checkpoint, tasks, out, "--nproc", "2", *layout)
     printed = capsys.readouterr().out
     assert "t_choice" in printed and "acc_norm" in printed
-    got = json.loads(sorted(out.rglob("results_*.json"))[-1].read_text())
-    for task, metrics in ours["metrics"].items():
-        for name, value in metrics.items():
-            assert math.isclose(got["results"][task][f"{name},none"], value, rel_tol=1e-6, abs_tol=1e-9), (
-                task, name)
-    assert generations(out, "t_gen") == generations(one_out, "t_gen")
+    assert_same_answers(got, out, ours, one_out)
     assert got["paratrain"]["layout"] != results_file(ours)["paratrain"]["layout"]
+
+
+def test_moe_checkpoint_on_expert_parallel_ranks(harness_root, trained, tmp_path):
+    """A mixture-of-experts checkpoint (a tiny imported Mixtral, 4 experts, trained a step) evaluated with its experts
+    over 2 ranks (ep2) gives one process's metrics within 1e-6 and its generations."""
+    _, _, tasks = trained
+    checkpoint = train_from(harness_root, "moe", make_mixtral(harness_root / "mixtral"), 1)
+    one = one_process(checkpoint, tasks, tmp_path / "one")
+    got = eval_command(checkpoint, tasks, tmp_path / "ep2", "--nproc", "2", "--parallel.ep=2")
+    assert "ep=2" in got["paratrain"]["layout"]
+    assert_same_answers(got, tmp_path / "ep2", one, tmp_path / "one")
+
+
+def test_lora_checkpoint_on_tensor_parallel_ranks(harness_root, trained, tmp_path):
+    """A LoRA checkpoint (adapters on the imported Llama, its base read from the Hugging Face folder) evaluated on tp2
+    gives one process's metrics within 1e-6 and its generations; the adapters count (not the base's numbers)."""
+    _, _, tasks = trained
+    checkpoint = train_from(harness_root, "lora", harness_root / "llama", 1, "lora.rank=4", "lora.alpha=8",
+                            "optimizer.lr=2e-2")
+    one = one_process(checkpoint, tasks, tmp_path / "one")
+    base = one_process(f"hf:{harness_root / 'llama'}", tasks, tmp_path / "base")
+    assert one["metrics"]["t_rolling"] != base["metrics"]["t_rolling"]
+    got = eval_command(checkpoint, tasks, tmp_path / "tp2", "--nproc", "2", "--parallel.tp=2")
+    assert_same_answers(got, tmp_path / "tp2", one, tmp_path / "one")
 
 
 def test_hf_folder_is_evaluated_through_the_same_code(trained, tmp_path):
@@ -160,10 +214,12 @@ BAD = [
     (["--tasks", "t_choice", "--num-fewshot", "99"], "more than task t_choice's few-shot split holds (8 documents)"),
     (["--tasks", "t_choice", "--parallel.tp=3", "--nproc", "3"], "tp"),
     (["--tasks", "t_choice", "--training.steps=3"], "eval takes --parallel.*"),
+    (["--tasks", "t_choice", "--max-length", "65"], "--max-length 65 is longer than the model's context (64 tokens)"),
 ]
 
 
-@pytest.mark.parametrize("extra, message", BAD, ids=["unknown", "include", "limit", "fewshot", "tp", "setting"])
+@pytest.mark.parametrize("extra, message", BAD,
+                         ids=["unknown", "include", "limit", "fewshot", "tp", "setting", "max-length"])
 def test_bad_input_is_one_line(trained, tmp_path, capsys, extra, message):
     from paratrain.cli import main
 

@@ -89,6 +89,9 @@ def main(argv: list[str]) -> int:
     for line in notices:
         print(line, file=sys.stderr, flush=True)
     Layout.from_config(cfg.parallel, nproc).validate(source.model_args, nproc)
+    context = source.model_args.max_seq_len
+    if max_length is not None and max_length > context:  # the model has no positions past its context
+        raise UserError(f"--max-length {max_length} is longer than the model's context ({context} tokens)")
     settings.output_path = own.get("--output-path") or str(default_output(source_text, source))
     check_settings(settings)
     job = EvalJob(str(source.path) if not source.hf else source.name, settings, cfg.parallel,

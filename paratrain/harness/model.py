@@ -6,7 +6,8 @@ lm-eval computes the same metrics and rank 0 writes them. A batch is the same se
 (sorted by length as lm-eval's own Hugging Face backend sorts them, then cut into `batch_size` requests): batch b
 runs on data-parallel rank b % dp, and every rank runs the same number of forwards (the last round padded with a
 repeated batch), which FSDP, expert and pipeline parallelism need. tp, pp and cp peers run the same batch: the train
-step's `target_scores` gives them the whole sequence's answer.
+step's `target_scores` gives them the whole sequence's answer (a pipeline runs the batch's stages one after the other,
+never its training schedule, so a batch of any size goes through; cp peers attend over whole sequences).
 
 What each request means follows lm-eval's Hugging Face backend (models/huggingface.py), so the numbers compare with
 `lm_eval --model hf` on the exported model: a continuation is scored after its context truncated from the left to
