@@ -23,8 +23,9 @@ import tomli_w
 from paratrain.errors import ConfigError
 from paratrain.models.args import ModelArgs, is_int
 from paratrain.modes import (ActivationOffloadMode, CheckpointMode, DPModeOption, GradCompression, OptimizerImpl,
-                             Precision, Schedule)
+                             Float8Compute, Float8Recipe, Precision, Schedule, WeightDtype)
 from paratrain.models.lora_params import lora_problem
+from paratrain.modes import float8_matmuls
 from paratrain.optimizers import OPTIMIZER_NAMES, freeze_step, optimizer_entry
 
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
@@ -82,7 +83,9 @@ class TrainingConfig:
     # If set, the global batch (sequences per optimizer step) is fixed and accum_steps is derived from it.
     global_batch: int | None = None
     seed: int = 1337  # the initial weights and every batch are functions of it, the same on every layout
-    precision: Precision = "fp32"  # bf16: fp32 master weights; fp16: dynamic loss scaling too
+    # bf16: fp32 master weights, bf16 compute; fp16: dynamic loss scaling too; fp8: bf16 with the blocks' linear layers
+    # as float8 matmuls ([float8]; FP8 tensor cores: compute capability 8.9+, emulated on a CPU)
+    precision: Precision = "fp32"
     # fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa; A100: 8x plain fp32's peak); unset: on for
     # fp32 runs on Ampere and newer (compute capability 8.0+), off otherwise. CUDA only
     tf32: bool | None = None
@@ -91,6 +94,9 @@ class TrainingConfig:
     eval_sequences: int = 240  # the validation set: this many fixed sequences of the val split, split over dp ranks
     log_every: int = 10  # steps between log steps (the only steps that read the device)
     compile: bool = False  # torch.compile each block
+    # CUDA graphs: replay each compiled block's kernels as one graph (torch.compile's reduce-overhead mode); needs
+    # training.compile, a CUDA device, a fixed batch shape (no document packing) and no pipeline
+    cuda_graphs: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda where there is one
 
 
@@ -186,6 +192,25 @@ class ActivationCheckpointConfig:
 
 
 @dataclass
+class Float8Config:
+    """training.precision = "fp8" (docs/precision.md; paratrain/distributed/float8.py): which linear layers multiply
+    in float8 and how their scales are taken. The output projection, MoE routers and experts, and any layer whose
+    dimensions are not multiples of 16 always stay in bf16."""
+
+    # tensorwise: one scale per tensor (fastest; float8 all-gathers under FSDP and float8 tensor-parallel styles);
+    # rowwise: one scale per row (more accurate with outliers; bf16 all-gathers)
+    recipe: Float8Recipe = "tensorwise"
+    # module names (or their last part, e.g. "w2") also kept in bf16, comma-separated
+    keep_bf16: str = ""
+    # what the model computes in around the float8 matmuls: bf16 (the speed fp8 is for), or fp32 to see float8's own
+    # error apart from bf16's (paratrain verify's fp8 rows: their layouts then agree within 1e-5)
+    compute: Float8Compute = "bf16"
+    # tensorwise under FSDP: all-gather the float8 weights (half the bytes) with scales precomputed after each
+    # optimizer step; unset: on for tensorwise with FSDP on CUDA
+    fsdp_float8_all_gather: bool | None = None
+
+
+@dataclass
 class MemoryConfig:
     """Training what does not fit on the device (docs/memory-tiers.md; the rules: paratrain/memory.py)."""
 
@@ -216,7 +241,7 @@ class CheckpointConfig:
     async_save: bool = False  # write in the background; committed at a later step boundary
     export_safetensors: bool = False  # also write consolidated weights to RUN_DIR/model.safetensors at the end
     export_hf: bool = False  # at the end, also export the final checkpoint as a Hugging Face folder RUN_DIR/hf
-    export_hf_dtype: Precision = "bf16"  # the dtype of the exported weights
+    export_hf_dtype: WeightDtype = "bf16"  # the dtype of the exported weights
 
 
 @dataclass
@@ -298,6 +323,7 @@ class Config:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    float8: Float8Config = field(default_factory=Float8Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -539,6 +565,12 @@ def validate(cfg: Config) -> None:
         parse_sources(cfg.data.sources)  # dirs, weights >= 0, not all zero, distinct names
 
     _require(not lora_problem(cfg.lora), f"lora: {lora_problem(cfg.lora)}")
+    _require(not (float8_matmuls(t.precision) and cfg.lora.rank), "training.precision=fp8 with lora.rank > 0: "
+             "the frozen base would be cast to float8 at every forward for adapters that train in bf16; use "
+             "training.precision=bf16 for LoRA")
+    _require(not t.cuda_graphs or t.compile, "training.cuda_graphs captures the compiled blocks: it needs "
+             "training.compile=true")
+    _require(not t.cuda_graphs or t.device != "cpu", "training.cuda_graphs needs a CUDA device (training.device=cpu)")
     s = cfg.sample
     _require(s.max_new_tokens >= 0, "sample.max_new_tokens must be >= 0")
     _require(s.temperature >= 0, "sample.temperature must be >= 0 (0 is greedy)")

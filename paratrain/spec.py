@@ -184,7 +184,7 @@ def resolve(parts: RunParts, data_meta: dict) -> RunSpec:
     args = parts.source.args(data_meta["vocab_size"])
     layout = _validated(cfg, parts.source, parts.layout, args, parts.world_size)
     data_dir = Path(data_meta.get("dir", cfg.data.dir))
-    check_packing(cfg.data, data_meta, layout)
+    check_packing(cfg.data, data_meta, layout, cfg.training.cuda_graphs)
     return RunSpec(cfg, layout, args, data_dir, batch.global_batch, layout.accumulation(batch), fixed, parts.source,
                    LoRA.from_config(cfg.lora))
 
@@ -194,7 +194,11 @@ def packs_documents(data, meta: dict) -> bool:
     return data.packing == "documents" or (data.packing == "auto" and bool(meta.get("loss_mask")))
 
 
-def check_packing(data, meta: dict, layout: Layout) -> None:
+def check_packing(data, meta: dict, layout: Layout, cuda_graphs: bool = False) -> None:
+    if packs_documents(data, meta) and cuda_graphs:
+        raise ConfigError("training.cuda_graphs replays one batch shape, and windows of whole documents (data.packing="
+                          "documents, the default for a dataset with loss masks) change their attention masks and "
+                          "positions every batch: use data.packing=none or training.cuda_graphs=false")
     if packs_documents(data, meta) and layout.cp_enabled:
         raise ConfigError("windows of whole documents (data.packing=documents, the default for a dataset with loss "
                           "masks) are not supported with parallel.cp > 1 yet: ring attention attends across the whole "
@@ -212,7 +216,19 @@ def _validated(cfg: Config, source: ModelSource, layout: Layout, args: ModelArgs
                           "(the DCP checkpoint loads on any layout)")
     grad_compression_site(layout, cfg.parallel.grad_compression)  # where compression applies, or a ConfigError
     optimizer_entry(cfg.optimizer.name).check_layout(layout)  # the layouts the optimizer refuses
+    check_compile(cfg.training, layout)
     return layout.validate(args, world_size, batch_of(cfg.training, layout)[0])
+
+
+def check_compile(training, layout: Layout) -> None:
+    """The layouts torch.compile and CUDA graphs can take."""
+    if training.compile and layout.tp_enabled:
+        raise ConfigError("training.compile with parallel.tp > 1 is not supported yet: torch 2.13's compiled blocks "
+                          "hand a plain-tensor gradient back to DTensor's redistribution (AttributeError "
+                          "'_local_tensor' in backward); compile with ddp/fsdp/hsdp, pp, cp or ep, or use tp uncompiled")
+    if training.cuda_graphs and layout.pipelined:
+        raise ConfigError("training.cuda_graphs with parallel.pp > 1: the pipeline schedule's send/receive between "
+                          "stages cannot be captured in a CUDA graph; use training.cuda_graphs=false")
 
 
 def stage_gpus(parallel, layout: Layout) -> list[str]:

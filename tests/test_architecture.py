@@ -370,7 +370,8 @@ def test_private_finder_sees_imports_and_attributes():
 # paratrain/layout.py (the rules about a layout). Everyone else asks their predicates.
 MODE_OWNERS = {PACKAGE / "modes.py", PACKAGE / "layout.py"}
 MODE_SCANNED = (PACKAGE, ROOT / "bench")
-MODE_TYPES = ("DPModeOption", "Schedule", "CheckpointMode", "Precision", "GradCompression")
+MODE_TYPES = ("DPModeOption", "Schedule", "CheckpointMode", "Precision", "GradCompression", "WeightDtype",
+              "Float8Compute")  # (Float8Recipe's "rowwise" is also a tensor-parallel role: its predicate is in modes)
 # Expressions named like a mode: a compared value shared with another setting's choices ("none") counts as a mode's
 # when the other side is one of these.
 MODE_NAMES = {"dp_mode", "pp_schedule", "schedule", "sched", "checkpointing", "activation_checkpoint", "ac",

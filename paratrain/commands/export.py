@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from paratrain.errors import OneLineArgumentParser
-from paratrain.modes import PRECISIONS
+from paratrain.modes import WEIGHT_DTYPES
 from paratrain.runlock import refuse_if_live
 
 
@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
                    help="hf: transformers / vLLM / llama.cpp layout (LoRA: merged into the weights); peft: a LoRA "
                         "checkpoint's adapters as a PEFT adapter folder for its Hugging Face base")
     p.add_argument("--out", required=True, help="folder to create")
-    p.add_argument("--dtype", default="bf16", choices=PRECISIONS)
+    p.add_argument("--dtype", default="bf16", choices=WEIGHT_DTYPES)
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     a = p.parse_args(argv)

@@ -30,7 +30,7 @@ from paratrain.layout import CONFIG_KEYS
 from paratrain.layout_grammar import COMPRESSION_KEYS, LAYOUT_KEYS, add_layout_flags, layout_flags
 from paratrain.models.lora_params import LoRA, lora_problem
 from paratrain.models.presets import count_params, format_params
-from paratrain.modes import DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, Compression, dp_mode_of
+from paratrain.modes import DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, Compression, dp_mode_of, float8_matmuls
 from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
 from paratrain.preflight import check_nproc
 from paratrain.spec import model_from
@@ -56,9 +56,7 @@ def _parser() -> argparse.ArgumentParser:
                    "others, a variant the table lacks)")
     p.add_argument("--compile", action="store_true", default=None,
                    help="plan for training.compile=true (compiled blocks; default: the --model config's setting)")
-    p.add_argument("--float8", action="store_true",
-                   help="what-if: predict the blocks' linear layers as float8 GEMMs where the GPU has them "
-                        "(paratrain trains them in bf16; the written config is bf16)")
+    p.add_argument("--float8", action="store_true", help="the same as --precision fp8 (float8 linear layers)")
     p.add_argument("--json", action="store_true", help="the plan as one JSON document (docs/estimate-and-plan.md)")
     p.add_argument("--intra", help="intra-node link: nvlink | pcie4 | pcie5 (default: the GPU's usual one)")
     p.add_argument("--inter", help="inter-node link: ib400 (default) | ib200 | eth100 | eth25")
@@ -172,9 +170,11 @@ def build_context(args) -> tuple:
     tokens = args.global_batch_tokens or min(4 * 2**20, 512 * seq)
     if tokens % seq:
         raise UserError(f"--global-batch-tokens {tokens} is not a multiple of --seq {seq}")
-    precision = args.precision or ("fp32" if hw.device == "cpu" else "bf16")
+    precision = "fp8" if args.float8 else args.precision or ("fp32" if hw.device == "cpu" else "bf16")
     if precision not in PRECISIONS:
         raise UserError(f"--precision '{precision}' is not one of {', '.join(PRECISIONS)}")
+    if float8_matmuls(precision):
+        check_float8_cores([g.hw for g in groups] if groups else [hw])
 
     flags = layout_flags(args, PLAN_FLAG_KEYS)
     parallel = dataclasses.replace(ParallelConfig(), **flags)
@@ -189,7 +189,8 @@ def build_context(args) -> tuple:
 
     ctx = Context(margs, seq, tokens // seq, hw, per_node, precision, name, tf32, native_max_seq_len=native,
                   compression=compression, optimizer=optimizer,
-                  ddp_bucket_mb=parallel.ddp_bucket_mb, mode="compile" if compile_ else "eager", float8=args.float8,
+                  ddp_bucket_mb=parallel.ddp_bucket_mb, mode="compile" if compile_ else "eager",
+                  float8=float8_matmuls(precision),
                   cluster=groups, lora=_lora(args, base),
                   host_memory_bytes=parse_memory(args.host_memory) if args.host_memory else None)
     fixed = _fixed(flags)
@@ -326,6 +327,14 @@ srun torchrun --nnodes {nodes} --nproc-per-node {gpn} \\
     return "sbatch plan.sbatch", script
 
 
+def check_float8_cores(hardware: list) -> None:
+    """--precision fp8 on GPUs without FP8 tensor cores (before Ada/Hopper): one line naming the first."""
+    for hw in hardware:
+        if not hw.float8_gemm:
+            raise UserError(f"--precision fp8 needs FP8 tensor cores (H100, H200, L4, L40S, RTX 4090, ...); {hw.name} "
+                            "has none: plan bf16")
+
+
 PLAN_FILES = ("config.toml", "plan.sbatch")
 
 
@@ -454,7 +463,7 @@ def main(argv: list[str]) -> int:
           f"intra {hw.intra.name}" + (f", inter {hw.inter.name}" if hw.inter and world > ctx.gpus_per_node else "")
           + f"), seq {ctx.seq_len}, {ctx.global_seqs} sequences = {ctx.global_seqs * ctx.seq_len:,} tokens per step, "
           f"{ctx.precision}{rate}, {ctx.mode}"
-          + (", float8 linears (what-if)" if ctx.float8 else ""))
+          + (", float8 linears" if ctx.float8 else ""))
     if ctx.lora is not None:
 
         trainable = trainable_count(ctx.args, ctx.lora)
@@ -480,8 +489,6 @@ def main(argv: list[str]) -> int:
         print("stages: " + ", ".join(f"{r}: {split[r]} blocks on {h.name}" for r, h in enumerate(best.stage_hw))
               + f"; the even split {','.join(map(str, _even(best, ctx)))} is predicted "
               f"{best.even.step_s / best.pred.step_s - 1:+.0%} slower ({best.even.tokens_per_s:,.0f} tokens/s)")
-    if ctx.float8:
-        print("note: --float8 predicts float8 linear layers; paratrain trains them in bf16 (the written config is bf16)")
     if written:
         print(f"wrote {written['config']}" + (f" and {written['sbatch']}" if written["sbatch"] else ""))
         print(f"launch: {written['launch']}")
@@ -542,7 +549,7 @@ def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int
         "profile_source": hw.source, "gpus_per_node": ctx.gpus_per_node, "seq_len": ctx.seq_len,
         "global_batch_sequences": ctx.global_seqs, "tokens_per_step": ctx.global_seqs * ctx.seq_len,
         "precision": ctx.precision, "tf32": ctx.tf32, "matmul_math": ctx.math(), "execution_mode": ctx.mode,
-        "float8_what_if": ctx.float8,
+        "float8": ctx.float8,
         "grad_compression": ctx.compression.method, "optimizer": ctx.optimizer,
         "considered": p.considered, "rejected": len(p.rejected), "planning_seconds": elapsed,
         "ranked": [layout_json(r) for r in p.ranked[:top]],

@@ -1,6 +1,6 @@
 """Turn a plain Transformer into a parallel one, in a fixed order:
 
-    LoRA adapters (base frozen) -> tensor/sequence parallel -> context parallel (ring attention) -> expert parallel
+    LoRA adapters (base frozen) | float8 linear layers (fp8) -> tensor/sequence parallel -> context parallel (ring attention) -> expert parallel
     -> activation checkpointing -> torch.compile -> activation offloading -> FSDP (over dp_shard x cp) -> materialise
     + deterministic init -> DDP / ZeRO-1 wrapping (DDP needs real weights)
 
@@ -22,10 +22,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import (CheckpointPolicy, SAC_IGNORED_OPS, _checkpoint_without_reentrant_generator,
                                     create_selective_checkpoint_contexts)
 
-from paratrain.config import ActivationCheckpointConfig, MemoryConfig
+from paratrain.config import ActivationCheckpointConfig, Float8Config, MemoryConfig
 from paratrain.distributed.compression import GradComm
 from paratrain.distributed.context_parallel import apply_context_parallel, attention_modules, context_for
 from paratrain.distributed.expert_parallel import distribute_experts, shard_experts
+from paratrain.distributed.float8 import apply_float8, float8_tp_styles
 from paratrain.distributed.initialize import init_weights
 from paratrain.distributed.offload import apply_activation_offload
 from paratrain.distributed.parallel_dims import ParallelDims
@@ -33,8 +34,8 @@ from paratrain.distributed.tensor_parallel import apply_tp
 from paratrain.distributed.tensors import full_tensor, right_pad, torch_dtype
 from paratrain.models.lora import apply_lora, freeze_base
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import (block_checkpointing, by_segments, low_precision, offload_stride, offloaded_blocks,
-                             offloads_activations, recomputes, segment_size, segments, selective)
+from paratrain.modes import (block_checkpointing, by_segments, low_precision, offload_stride,
+                             offloaded_blocks, offloads_activations, recomputes, segment_size, segments, selective)
 
 
 class SequenceParallelSampler(nn.Module):
@@ -152,11 +153,16 @@ def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointCo
         model.layers[key] = checkpoint_wrapper(block, **kwargs)
 
 
-def apply_compile(model: nn.Module, backend: str | None = None) -> None:
+def apply_compile(model: nn.Module, backend: str | None = None, cuda_graphs: bool = False) -> None:
     # Per block, in place (Module.compile keeps parameter names); blocks share one compiled graph. `backend`: torch's
-    # default (inductor) unless given (bench/gpu.py checks the path on a CPU with "aot_eager").
+    # default (inductor) unless given (bench/gpu.py checks the path on a CPU with "aot_eager"). cuda_graphs: Inductor's
+    # reduce-overhead mode, which records each compiled graph's kernels once per shape and replays them (one launch
+    # instead of hundreds: what a small model's step on a fast GPU waits on).
+    options = {"backend": backend} if backend else {}
+    if cuda_graphs:
+        options["mode"] = "reduce-overhead"
     for block in model.layers.values():
-        block.compile(**({"backend": backend} if backend else {}))
+        block.compile(**options)
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_mesh=None,
@@ -203,19 +209,26 @@ def _whole_length(layout):
 def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: ActivationCheckpointConfig,
                 precision: str, compile: bool | str, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0,
                 comm: GradComm | None = None, lora: LoRA | None = None,
-                memory: MemoryConfig | None = None) -> nn.Module:
+                memory: MemoryConfig | None = None, float8: Float8Config | None = None,
+                cuda_graphs: bool = False) -> nn.Module:
     """Apply the layout to a model or pipeline stage built on the meta device; returns the module to train
     (maybe a DDP wrapper). compile: True for torch.compile's default backend, or a backend name. `comm` carries the
     gradient communication settings (`[parallel]`: compression, DDP buckets, FSDP prefetching); None: no
     compression, FSDP2's default prefetching, `ddp_bucket_mb` buckets. `lora`: adapters on the target projections,
     every other parameter frozen (stored in the compute dtype under bf16/fp16: it never changes). `memory`: the
-    `[memory]` tiers applied here (activation offloading, CPU offload); None: none."""
+    `[memory]` tiers applied here (activation offloading, CPU offload); None: none. `float8`: the [float8] settings
+    of an fp8 run (None: no float8 layers; `precision` is then the compute precision around them); `cuda_graphs`: the compiled blocks replay CUDA graphs."""
     layout = dims.layout
     comm = comm or GradComm.default(dims, device, ddp_bucket_mb)
     if lora is not None:
         apply_lora(model, lora, torch_dtype(precision) if low_precision(precision) else None)
+    float8_layers, float8_styles = set(), None
+    if float8 is not None:  # before tensor parallelism, which gives float8 layers their own styles
+        float8_layers = apply_float8(model, float8, device, layout.uses_fsdp)
+        float8_styles = float8_tp_styles(float8.recipe, device)
     if layout.tp_enabled:
-        apply_tp(model, dims.tp_mesh, layout.sequence_parallel, layout.uses_loss_parallel)
+        apply_tp(model, dims.tp_mesh, layout.sequence_parallel, layout.uses_loss_parallel, float8_layers,
+                 float8_styles)
         if lora is not None:
             freeze_base(model)  # the styles that replicate (norms) make new Parameters, trainable ones
     if layout.cp_enabled:  # each rank attends over its chunks of every sequence by ring attention
@@ -228,7 +241,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
     expert_dp_mesh = distribute_experts(model, dims)
     apply_activation_checkpointing(model, activation_checkpoint)
     if compile:
-        apply_compile(model, compile if isinstance(compile, str) else None)
+        apply_compile(model, compile if isinstance(compile, str) else None, cuda_graphs)
     if memory is not None and offloads_activations(memory.activation_offload):  # each chosen block's saved tensors to host
         blocks = offloaded_blocks(memory.activation_offload, memory.activation_offload_every_k, model.args.n_layers)
         stride = offload_stride(memory.activation_offload, memory.activation_offload_every_k)

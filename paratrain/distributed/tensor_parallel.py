@@ -69,8 +69,10 @@ class _Styles:
         self.sp, self.loss_parallel = sequence_parallel, loss_parallel
         self.residual = Shard(1) if sequence_parallel else Replicate()
 
-    def of(self, role: str, sublayer_output):
-        """The style of a module with this role; `sublayer_output`: the layout its sublayer hands back."""
+    def of(self, role: str, sublayer_output, float8_styles=None):
+        """The style of a module with this role; `sublayer_output`: the layout its sublayer hands back;
+        `float8_styles`: (column, row) style classes of a float8 linear layer (paratrain/distributed/float8.py)."""
+        colwise, rowwise = float8_styles or (ColwiseParallel, RowwiseParallel)
 
         if role == "embedding":
             return RowwiseParallel(input_layouts=Replicate(), output_layouts=self.residual)
@@ -79,9 +81,9 @@ class _Styles:
                                    output_layouts=Shard(-1) if self.loss_parallel else Replicate(),
                                    use_local_output=not self.loss_parallel)
         if role == "colwise":
-            return ColwiseParallel()
+            return colwise()
         if role == "rowwise":
-            return RowwiseParallel(output_layouts=sublayer_output)
+            return rowwise(output_layouts=sublayer_output)
         if role == "norm":
             return SequenceParallel() if self.sp else replicated_style()
         if role == "head_norm":
@@ -116,9 +118,11 @@ class _Styles:
                                                  desired_input_layouts=(Replicate(), *rest))
 
 
-def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: bool,
+             float8_layers: set[str] = frozenset(), float8_styles=None) -> None:
     """Lay out `model` (a whole model or a pipeline stage, before any other wrapping) over `tp_mesh` by the roles of
-    its family's parameter table."""
+    its family's parameter table. `float8_layers`: the modules an fp8 run converted, which take `float8_styles`
+    ((column, row) style classes; None: the plain ones)."""
     args = model.args
     family, table = family_of(args), parameters(args)
     styles = _Styles(sequence_parallel, loss_parallel)
@@ -140,7 +144,8 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
             outputs[name], prepare[name] = styles.sublayer(kind)
         plan = {}
         for module, role in module_roles(by_layer[index]).items():
-            style = styles.of(role, outputs.get(module.split(".")[0], styles.residual))
+            float8 = float8_styles if f"layers.{key}.{module}" in float8_layers else None
+            style = styles.of(role, outputs.get(module.split(".")[0], styles.residual), float8)
             if style is not None:
                 plan[module] = style
         plan.update({name: style for name, style in prepare.items() if style is not None})

@@ -35,8 +35,8 @@ from paratrain.layout import Layout, grad_compression_site
 from paratrain.memory import HOST_HEADROOM
 from paratrain.models.presets import count_active_params
 from paratrain.models.registry import family_of
-from paratrain.modes import (CompressionSite, block_checkpointing, low_precision, multi_stage, recomputes,
-                             segment_size)
+from paratrain.modes import (CompressionSite, block_checkpointing, compute_precision, low_precision, multi_stage,
+                             recomputes, segment_size)
 from paratrain.optimizers import optimizer_entry
 from paratrain.estimate.report import format_table
 from paratrain.estimate.schedule import max_in_flight, rank_actions
@@ -744,7 +744,7 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     sizes["overhead"] = overhead
     d = w["dims"]
     notes = list(w["states"].notes)
-    half = i.recipe.precision  # (the 16-bit format of the regimes that have one: bf16 or fp16)
+    half = compute_precision(i.recipe.precision)  # (the 16-bit format of the regimes that have one: bf16 or fp16)
     regime = {"single": "fp32 activations", "autocast": f"autocast: fp32 residual stream, {half} matmul/attention",
               "pure": f"{half} compute, fp32 norm statistics and loss"}[d.regime]
     notes.append(f"activations: {regime}; per block {fmt_bytes(A.block_stored(d, 'none', None), 'GiB')} "

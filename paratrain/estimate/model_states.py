@@ -26,8 +26,8 @@ from paratrain.layout import Layout
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
 from paratrain.models.lora_params import LoRA, adapted_params
-from paratrain.models.registry import parameters
-from paratrain.modes import low_precision, value_bytes
+from paratrain.models.registry import float8_linears, parameters
+from paratrain.modes import compute_precision, float8_matmuls, low_precision, value_bytes
 from paratrain.optimizers import optimizer_entry
 from paratrain.stage_split import balanced_split
 
@@ -273,7 +273,7 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
         opt_numel = numel
         grads_numel = numel
         if low:
-            notes.append(f"the sharded fp32 parameters are the master weights; {precision} copies are all-gathered "
+            notes.append(f"the sharded fp32 parameters are the master weights; {compute_precision(precision)} copies are all-gathered "
                          "per block")
     else:
         numel = local_numel
@@ -283,11 +283,16 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
             opt_numel = zero1_worst_numel([(p, n) for p, count, n in kinds for _ in range(count)], dp)
             notes.append(f"ZeRO-1 partitions whole parameters over {dp} ranks (worst rank shown)")
     autocast = whole_numel = 0
+    float8 = {p.name for p in float8_linears(args)} if float8_matmuls(precision) else set()
     if low and not layout.uses_fsdp:
-        # (routed experts' grouped matmul is not an autocast op: no cached copy of them)
-        autocast = sum(count * n for p, count, n in kinds if p.matmul and not p.expert) * BF16
-        notes.append(f"fp32 parameters are the master weights; autocast caches each matmul weight's {precision} "
-                     "copy from forward to backward")
+        # (routed experts' grouped matmul is not an autocast op: no cached copy of them; float8 layers cast their fp32
+        # weight to float8 themselves, for each matmul, instead of using autocast's cache)
+        autocast = sum(count * n for p, count, n in kinds if p.matmul and not p.expert and p.name not in float8) * BF16
+        notes.append(f"fp32 parameters are the master weights; autocast caches each matmul weight's "
+                     f"{compute_precision(precision)} copy from forward to backward")
+    if float8:
+        notes.append(f"fp8: {len(float8)} linear layers multiply float8 copies of their weights (1 byte per element "
+                     "and a 4-byte scale, made for each matmul and freed after it)")
     if layout.tp > 1 and not layout.uses_fsdp and stage == 0:
         # Measured (torch 2.13): the vocabulary-parallel embedding's gradient comes back whole (V x C) on every
         # tensor-parallel rank, not as its V/tp shard.

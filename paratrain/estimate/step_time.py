@@ -89,8 +89,9 @@ from paratrain.layout_grammar import layout_name
 from paratrain.memory import MemoryTiers
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import (Compression, CompressionSite, forward_repeats, low_precision, matmul_math,
-                             offloads_activations, recomputed_blocks, resolve_impl, selective, tf32_on, value_bytes, whole_blocks)
+from paratrain.modes import (Compression, CompressionSite, compute_precision, forward_repeats, low_precision,
+                             matmul_math, offloads_activations, recomputed_blocks, resolve_impl, selective, tf32_on,
+                             value_bytes, whole_blocks)
 from paratrain.optimizers import GradientReduction, Phase, optimizer_entry
 from paratrain.recipe import Recipe
 from paratrain.estimate.profile import Hardware, Link, p2p_time
@@ -207,7 +208,7 @@ class Context:
     optimizer: str = "adamw"  # an entry of paratrain/optimizers.py: its state (memory) and its step's cost
     ddp_bucket_mb: float = 25.0
     mode: str = "eager"  # eager | compile (training.compile): the profile's factor on the non-matmul time
-    float8: bool = False  # what-if: the blocks' linear layers as float8 GEMMs (the profile's float8 rate)
+    float8: bool = False  # precision fp8: the blocks' linear layers as float8 GEMMs (the profile's float8 rate)
     stage_hw: list[Hardware] | None = None  # heterogeneous clusters: the hardware of each pipeline rank, in order
     cluster: list | None = None  # heterogeneous clusters: the GPU groups in rank order (estimate/hetero.py GpuGroup)
     lora: LoRA | None = None  # adapters on a frozen model: only they have gradients to reduce and states to update
@@ -221,7 +222,8 @@ class Context:
         """The datasheet rate matmuls in `precision` (default: the run's) go at on `hw` (default: the context's):
         modes.matmul_math, TF32 where the device has it."""
         tf32 = tf32_on(self.tf32, self.precision)  # (an fp32 tensor of a bf16 run: TF32 only if switched on)
-        return matmul_math(precision or self.precision, tf32, "tf32" in (hw or self.hw).peaks)
+        # (an fp8 run's other matmuls, attention and the output head, are bf16; its float8 GEMMs: `float8`)
+        return matmul_math(compute_precision(precision or self.precision), tf32, "tf32" in (hw or self.hw).peaks)
 
 
 @dataclass
@@ -611,7 +613,9 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     step = compute + recompute + exposed + bubble + optimizer + compress
     tokens = ctx.global_seqs * S
     tok_s = tokens / step
-    peaks = [h.peak(ctx.math(h)) for h in ctx.stage_hw or [hw]]  # against the peak of the run's matmul rate
+    # against the peak of the run's matmul rate (fp8: the FP8 dense peak, as the trainer's MFU, observe/flops.py)
+    peaks = [h.peak(matmul_math(ctx.precision, tf32_on(ctx.tf32, ctx.precision), "tf32" in h.peaks))
+             for h in ctx.stage_hw or [hw]]
     peak = sum(peaks) / len(peaks)
     mfu = cached(ctx, ("flops_per_token", S), lambda: flops_per_token(a, S)) * tok_s / (c.world * peak)
     return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm, compress,

@@ -38,7 +38,7 @@ from paratrain.hf.files import INDEX, SINGLE
 from paratrain.hf.names import Piece, param_shapes, pieces
 from paratrain.hf.tokenizer import special_tokens, write_tokenizer
 from paratrain.models.args import ModelArgs
-from paratrain.modes import PRECISIONS
+from paratrain.modes import WEIGHT_DTYPES
 from paratrain.preflight import check_export_out
 from paratrain.training.checkpoint import load_trainer_state
 
@@ -104,8 +104,8 @@ def plan_export(ckpt: Path, dtype: str = "bf16", max_shard_bytes: int = 5 * 10**
     """Everything checked and decided before a byte is written."""
 
 
-    if dtype not in PRECISIONS:
-        raise UserError(f"--dtype must be one of {', '.join(PRECISIONS)}, got '{dtype}'")
+    if dtype not in WEIGHT_DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(WEIGHT_DTYPES)}, got '{dtype}'")
     state = load_trainer_state(ckpt)
     if "model_args" not in state:
         raise UserError(f"{ckpt}: trainer.pt has no model dimensions")

@@ -19,7 +19,7 @@ from paratrain.distributed.tensors import torch_dtype
 from paratrain.errors import UserError
 from paratrain.files import atomic_dir
 from paratrain.hf.names import hf_name, hf_names
-from paratrain.modes import PRECISIONS
+from paratrain.modes import WEIGHT_DTYPES
 from paratrain.preflight import check_export_out
 from paratrain.training.adapters import AdaptedCheckpoint, init_folder_of
 from paratrain.training.checkpoint import load_trainer_state
@@ -40,8 +40,8 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "bf16", overwrite: bool = Fa
     """Write the adapters of LoRA checkpoint `ckpt` as a PEFT folder `out` (complete, or not at all)."""
     from safetensors.torch import save_file
 
-    if dtype not in PRECISIONS:
-        raise UserError(f"--dtype must be one of {', '.join(PRECISIONS)}, got '{dtype}'")
+    if dtype not in WEIGHT_DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(WEIGHT_DTYPES)}, got '{dtype}'")
     state = load_trainer_state(ckpt)
     adapted = AdaptedCheckpoint.of(ckpt, state)
     if adapted is None:

@@ -26,11 +26,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor.parallel import loss_parallel
 
-from paratrain.config import ActivationCheckpointConfig, MemoryConfig, OptimizerConfig, ParallelConfig
+from paratrain.config import ActivationCheckpointConfig, Float8Config, MemoryConfig, OptimizerConfig, ParallelConfig
 from paratrain.data.batch import as_batch
 from paratrain.distributed.compression import GradComm
 from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler, context_for, whole_sequences
 from paratrain.distributed.expert_parallel import MoEMeter
+from paratrain.distributed.float8 import gathers_float8, precompute_scales
 from paratrain.distributed.grad_norm import clip_grad_norm
 from paratrain.distributed.parallelize import SequenceParallelSampler, parallelize, unwrap
 from paratrain.distributed.pipeline import Pipeline, PipelineSampler, build_pipeline
@@ -41,7 +42,7 @@ from paratrain.memory import check_loss_chunks, loss_chunks
 from paratrain.models import build_model
 from paratrain.models.llama import cross_entropy
 from paratrain.models.moe import balance_loss, moe_modules
-from paratrain.modes import loss_scaled, low_precision, tf32_on
+from paratrain.modes import float8_matmuls, loss_scaled, low_precision, tf32_on
 from paratrain.training.optim import build_optimizer, inner_optimizer
 
 
@@ -124,11 +125,13 @@ class TrainStep:
     def __init__(self, model: nn.Module, optimizer, layout: Layout, *, precision: str, device: torch.device,
                  grad_clip: float, scaler=None, pipeline: Pipeline | None = None, pp_group=None, loss_group=None,
                  memory_budget=None, probe: StepProbe | None = None, context: ContextParallel | None = None,
-                 comm=None, loss_chunks: int = 1, vocab_size: int = 0):
+                 comm=None, loss_chunks: int = 1, vocab_size: int = 0, float8_gathers: bool = False):
         """`loss_group`: the ranks the loss is averaged over (dp x cp); `comm`: the run's GradComm; `loss_chunks`:
         memory.loss_chunks, the pieces of each micro-batch's tokens the output projection and loss run over (0:
         automatic, resolved per micro-batch from its tokens and `vocab_size`, the model's: `chunks_for`,
-        paratrain/memory.py)."""
+        paratrain/memory.py); `float8_gathers`: FSDP all-gathers float8 weights, whose scales are computed after each
+        optimizer step."""
+        self.float8_gathers = float8_gathers
         self.model, self.optimizer, self.layout, self.device = model, optimizer, layout, device
         self.context = context  # context parallelism: this rank's chunks of each sequence
         self.precision, self.grad_clip, self.scaler = precision, grad_clip, scaler
@@ -273,6 +276,8 @@ class TrainStep:
             # The one host read left on the step: torch's foreach and for AdamW cannot skip an update on the device.
             # (On CUDA, optimizer.impl=auto picks fused AdamW, which does; on a CPU the flag is host memory.)
             self.optimizer.step()
+        if self.float8_gathers:  # the next forward all-gathers float8 weights cast with these scales
+            precompute_scales(self.model)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -357,7 +362,7 @@ class TrainStep:
 def build_train_step(model_args, dims, device: torch.device, *, precision: str = "fp32", activation_checkpoint=None,
                      compile: bool | str = False, seed: int = 0, optimizer=None, parallel=None, memory=None,
                      grad_clip: float = 1.0, memory_budget=None, probe: StepProbe | None = None,
-                     lora=None, steps: int = 0) -> TrainStep:
+                     lora=None, steps: int = 0, float8=None, cuda_graphs: bool = False) -> TrainStep:
     """The one place a training step is assembled, for the trainer, the memory harness and the benches alike.
 
     `model_args` (ModelArgs), `dims` (ParallelDims: the layout and its meshes), `activation_checkpoint`
@@ -365,13 +370,18 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
     (ParallelConfig: gradient compression, DDP buckets, FSDP prefetching; None: the defaults), `lora` (models.lora_params.LoRA:
     adapters on a frozen model; None: every weight trains), `memory` (MemoryConfig: the memory tiers,
     paratrain/memory.py; None: the defaults), `steps` (the run's optimizer steps: 1-bit Adam's default warm-up is a
-    share of them). The model is built on
+    share of them), `float8` (Float8Config of an fp8 run; None: the defaults), `cuda_graphs` (the compiled blocks
+    replay CUDA graphs). The model is built on
     the meta device and materialised after sharding; tied embeddings are the exception (materialising from meta would
     untie them), so those models are built for real."""
 
     layout = dims.layout
     ac = activation_checkpoint or ActivationCheckpointConfig()
     memory = memory or MemoryConfig()
+    # fp8: the float8 layers' settings, and the precision everything else computes in (bf16; fp32 with
+    # [float8] compute = "fp32")
+    float8 = (float8 or Float8Config()) if float8_matmuls(precision) else None
+    precision = float8.compute if float8 is not None else precision
     with torch.device(device if model_args.tie_embeddings else "meta"):
         model = build_model(model_args)
     scaler = make_scaler(layout, precision, device)
@@ -381,10 +391,11 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
     pipeline = None
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
         pipeline = build_pipeline(dims, model, ac, precision, compile, device, seed, ScheduleLoss(scaler), comm, lora,
-                                  memory)
+                                  memory, float8)
         model = pipeline.model
     else:
-        model = parallelize(model, dims, ac, precision, compile, device, seed, comm=comm, lora=lora, memory=memory)
+        model = parallelize(model, dims, ac, precision, compile, device, seed, comm=comm, lora=lora, memory=memory,
+                            float8=float8, cuda_graphs=cuda_graphs)
     comm.prepare()
     # CPU offload: the sharded parameters, their gradients and the optimizer state live in host memory, and the
     # optimizer steps there
@@ -397,7 +408,8 @@ def build_train_step(model_args, dims, device: torch.device, *, precision: str =
                      pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
                      memory_budget=memory_budget, probe=probe, comm=comm,
                      context=context_for(dims),  # cp: batches cut to this rank's chunks
-                     loss_chunks=memory.loss_chunks, vocab_size=model_args.vocab_size)
+                     loss_chunks=memory.loss_chunks, vocab_size=model_args.vocab_size,
+                     float8_gathers=float8 is not None and gathers_float8(float8, device, layout.uses_fsdp))
 
 
 def build_run_step(spec, dims, device: torch.device, memory_budget=None) -> TrainStep:
@@ -407,4 +419,5 @@ def build_run_step(spec, dims, device: torch.device, memory_budget=None) -> Trai
     return build_train_step(spec.model_args, dims, device, precision=t.precision,
                             activation_checkpoint=cfg.activation_checkpoint, compile=t.compile, seed=t.seed,
                             optimizer=cfg.optimizer, parallel=cfg.parallel, memory=cfg.memory, grad_clip=t.grad_clip,
-                            memory_budget=memory_budget, lora=spec.lora, steps=t.steps)
+                            memory_budget=memory_budget, lora=spec.lora, steps=t.steps, float8=cfg.float8,
+                            cuda_graphs=t.cuda_graphs)

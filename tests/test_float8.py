@@ -1,0 +1,129 @@
+"""fp8 training (torchao's float8 linear layers, emulated on a CPU) and torch.compile as training (Inductor), each
+against one process (issue 37); the combinations they refuse, in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paratrain.cli import main
+from paratrain.config import load_config
+from paratrain.errors import ConfigError, UserError
+from paratrain.models import build_model
+from paratrain.models.presets import preset_args
+from paratrain.models.registry import float8_linears
+from paratrain.verify import COMPILE_MATRIX, FP8_MATRIX, run_verify
+
+from conftest import assert_plan_rejected, fast_overrides
+
+TOL = 1e-5
+
+
+def _check(matrix: list[str], steps: int, char_data) -> None:
+    rows, _ = run_verify(matrix, steps=steps, tolerance=TOL, extra_args=[f"data.dir={char_data}"],
+                         echo=lambda line: None, share_launches=True)
+    report = "\n".join(f"{r.layout}: dloss {r.max_loss_diff:.2e} dweight {r.max_weight_diff:.2e} "
+                       f"dval {r.val_diff:.2e} {r.note}" for r in rows)
+    assert [r.layout for r in rows] == matrix
+    for r in rows:
+        assert len(r.losses) == steps and r.passed, report
+
+
+def test_verify_fp8_rows(char_data):
+    """fp8 on fsdp2, tp2, fsdp2 x tp2, pp2, rowwise scales, float8 all-gathers: against one fp8 process within
+    verify.FP8_TOLERANCE (docs/precision.md says why it is not 1e-5)."""
+    _check(FP8_MATRIX, 8, char_data)
+
+
+def test_verify_compile_rows(char_data):
+    """Compiled blocks (Inductor) on one process, fsdp2, fsdp2 with full checkpointing, pp2 and fp8 x fsdp2 against
+    one eager process at 1e-5 (fp8's row at its own tolerance)."""
+    _check(COMPILE_MATRIX, 4, char_data)
+
+
+def test_float8_layers_are_the_blocks_projections():
+    """Which linear layers multiply in float8: the blocks' projections with dimensions divisible by 16, less the ones
+    kept in bf16; never the embedding, the output projection, a router or a routed expert."""
+    args = preset_args("tiny-moe", vocab_size=64)
+    names = {p.name.rsplit(".", 1)[0] for p in float8_linears(args)}
+    assert names and all(n.startswith("layers.") for n in names)
+    assert not any("router" in n or "gate" in n or ".experts" in n for n in names), names
+    kept = {p.name.rsplit(".", 1)[0] for p in float8_linears(args, ("w2", "layers.0.attention.wq"))}
+    assert kept == {n for n in names if not n.endswith(".w2") and n != "layers.0.attention.wq"}
+    odd = preset_args("tiny", vocab_size=64, ffn_hidden=40)  # 40 is not a multiple of 16: the MLP stays bf16
+    assert not any(p.name.split(".")[2] == "feed_forward" for p in float8_linears(odd))
+
+    from torchao.float8.float8_linear import Float8Linear
+
+    from paratrain.config import Float8Config
+    from paratrain.distributed.float8 import apply_float8
+
+    model = build_model(preset_args("tiny", vocab_size=64))
+    chosen = apply_float8(model, Float8Config(), torch.device("cpu"), uses_fsdp=False)
+    converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert converted == chosen and "output" not in converted
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["training.precision=fp8", "lora.rank=4"], "training.precision=fp8 with lora.rank > 0"),
+    (["training.cuda_graphs=true"], "it needs training.compile=true"),
+    (["training.cuda_graphs=true", "training.compile=true", "training.device=cpu"], "needs a CUDA device"),
+    (["float8.recipe=columnwise"], "float8.recipe: 'columnwise' is not one of tensorwise, rowwise"),
+], ids=["fp8-lora", "graphs-no-compile", "graphs-cpu", "recipe"])
+def test_config_refusals(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_layout_refusals(char_data, tmp_path):
+    assert_plan_rejected(char_data, tmp_path, 2, ["parallel.tp=2", "parallel.dp_shard=1", "training.compile=true"],
+                         "training.compile with parallel.tp > 1 is not supported yet")
+    assert_plan_rejected(char_data, tmp_path, 2, ["parallel.pp=2", "parallel.dp_shard=1", "training.compile=true",
+                                                  "training.cuda_graphs=true", "training.device=auto"],
+                         "training.cuda_graphs with parallel.pp > 1")
+
+
+def test_cuda_graphs_refuse_document_packing():
+    from paratrain.layout import Layout
+    from paratrain.spec import check_packing
+
+    cfg = load_config(None, ["training.compile=true", "training.cuda_graphs=true", "data.packing=documents"])
+    with pytest.raises(ConfigError, match="training.cuda_graphs replays one batch shape"):
+        check_packing(cfg.data, {}, Layout.resolve(1), cfg.training.cuda_graphs)
+
+
+def test_fp8_is_refused_on_a_gpu_without_fp8_tensor_cores(monkeypatch):
+    from paratrain.distributed import float8
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(UserError) as e:
+        float8.check_float8_device(torch.device("cuda", 0))
+    assert "NVIDIA A100-SXM4-80GB is 8.0" in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    float8.check_float8_device(torch.device("cuda", 0))  # an H100: no refusal
+
+
+def test_plan_fp8(capsys):
+    """fp8 on an H100 is faster than bf16 (float8 GEMMs), refused on an A100 (no FP8 tensor cores); the written
+    config trains fp8."""
+    from paratrain.commands.plan import context_from_argv
+    from paratrain.estimate.step_time import Candidate, predict
+    from paratrain.layout import Layout
+
+    plan = ["--model", "llama3-8b", "--gpus", "8", "--seq", "8192", "--global-batch-tokens", "1048576"]
+    layout = Candidate(Layout.resolve(8, dp_mode="fsdp"), "full", 2, 1)
+    steps = {p: predict(layout, context_from_argv([*plan, "--gpu", "H100", "--precision", p])[0]).step_s
+             for p in ("bf16", "fp8")}
+    assert steps["fp8"] < steps["bf16"]
+    assert main(["plan", *plan, "--gpu", "A100", "--precision", "fp8", "--no-write"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--precision fp8 needs FP8 tensor cores" in err and "\n" not in err
+
+
+def test_fp8_trains_through_the_cli(char_data, tmp_path, capsys):
+    """`paratrain train --training.precision=fp8` on a CPU: the run trains, evaluates and saves (emulated float8)."""
+    code = main(["train", *[f"--{o}" for o in fast_overrides(char_data, tmp_path, "fp8", "training.precision=fp8")]])
+    assert code == 0
+    assert (tmp_path / "fp8" / "checkpoints" / "step-4").is_dir()
