@@ -79,19 +79,36 @@ def fitting_config(args, seq: int, device: str, gpu_bytes: int | None, precision
     return 1, "full"
 
 
-def train_rate(args, seq: int, mb: int, ac: str, compile_: bool | str, device, steps: int, warmup: int) -> dict:
-    """The trainer's step on one device; median step time after warm-up."""
+# The MFU rows' execution modes: (compiled, precision on CUDA, [float8] recipe, CUDA graphs). On a CPU the bf16 rows
+# run fp32 and the fp8 rows emulate float8 (fp32 around it): the same code paths, not the speed.
+MODES = {"eager": (False, "bf16", "tensorwise", False), "compile": (True, "bf16", "tensorwise", False),
+         "fp8": (False, "fp8", "tensorwise", False), "fp8-rowwise": (False, "fp8", "rowwise", False),
+         "compile+fp8": (True, "fp8", "tensorwise", False), "cuda_graphs": (True, "bf16", "tensorwise", True)}
+CUDA_MODES, CPU_MODES, SMOKE_MODES = ",".join(MODES), "eager,compile,fp8,compile+fp8", "eager,fp8"
+
+
+def mode_precision(mode: str, cuda: bool) -> str:
+    precision = MODES[mode][1]
+    return precision if cuda or precision == "fp8" else "fp32"
+
+
+def train_rate(args, seq: int, mb: int, ac: str, mode: str, device, steps: int, warmup: int) -> dict:
+    """The trainer's step on one device in one of MODES; median step time after warm-up."""
     import torch
 
-    from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
+    from paratrain.config import ActivationCheckpointConfig, Float8Config, OptimizerConfig
     from paratrain.distributed.parallel_dims import ParallelDims
     from paratrain.layout import Layout
     from paratrain.training.step import build_train_step
 
     cuda = device.type == "cuda"
-    step = build_train_step(args, ParallelDims(Layout.resolve(1)), device, precision="bf16" if cuda else "fp32",
-                            activation_checkpoint=ActivationCheckpointConfig(ac), compile=compile_,
-                            optimizer=OptimizerConfig(impl="auto"))  # (fused on CUDA: modes.resolve_impl)
+    compiled, _, recipe, graphs = MODES[mode]
+    float8 = Float8Config(recipe=recipe, compute="bf16" if cuda else "fp32")
+    step = build_train_step(args, ParallelDims(Layout.resolve(1)), device, precision=mode_precision(mode, cuda),
+                            activation_checkpoint=ActivationCheckpointConfig(ac),
+                            compile=(True if cuda else "aot_eager") if compiled else False,
+                            optimizer=OptimizerConfig(impl="auto"),  # (fused on CUDA: modes.resolve_impl)
+                            float8=float8, cuda_graphs=graphs)
     gen = torch.Generator(device=device).manual_seed(0)
     times = []
     first = None
@@ -118,10 +135,13 @@ def train_rate(args, seq: int, mb: int, ac: str, compile_: bool | str, device, s
 def predicted_mfu(args, seq: int, mb: int, ac: str, mode: str, hw) -> float | None:
     from paratrain.layout import Layout
     from paratrain.estimate.step_time import Candidate, Context, predict
+    from paratrain.modes import float8_matmuls
 
-    if hw is None:
+    if hw is None or (float8_matmuls(MODES[mode][1]) and not hw.float8_gemm):
         return None
-    ctx = Context(args, seq, mb, hw, 1, hw.precision, "bench", mode=mode)
+    precision = MODES[mode][1] if hw.device == "cuda" else hw.precision
+    ctx = Context(args, seq, mb, hw, 1, precision, "bench", mode="compile" if MODES[mode][0] else "eager",
+                  float8=float8_matmuls(precision))
     return predict(Candidate(Layout.resolve(1), ac, 2, mb), ctx).mfu
 
 
@@ -157,14 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="measured steps per MFU row (default 8 CUDA, 2 CPU)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3 CUDA, 1 CPU)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length of the MFU rows (default 2048 / 64)")
-    ap.add_argument("--modes", default="eager,compile", help="execution modes of the MFU rows")
+    ap.add_argument("--modes", default=None, help=f"execution modes of the MFU rows, of {', '.join(MODES)} (default: "
+                    f"all on CUDA, {CPU_MODES} on a CPU)")
     ap.add_argument("--skip-calibrate", action="store_true")
     ap.add_argument("--json", help="write every number to this file")
     ap.add_argument("--smoke", action="store_true", help="on the CPU: the first tiny model eager (1 step), 2 memory "
                     "rows, no calibration (seconds; the test suite)")
     a = ap.parse_args(argv)
     if a.smoke:
-        a.device, a.modes, a.steps, a.warmup = "cpu", "eager", a.steps or 1, 0 if a.warmup is None else a.warmup
+        a.device, a.modes, a.steps, a.warmup = "cpu", SMOKE_MODES, a.steps or 1, 0 if a.warmup is None else a.warmup
         a.skip_calibrate = True  # (the calibration launches a rank: `--device cpu` and tests/test_planfid.py run it)
     import torch
 
@@ -186,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     seq = a.seq or (2048 if cuda else 64)
     models = (CUDA_MODELS if cuda else CPU_MODELS)[:1 if a.smoke else None]
     vocab = GPU_VOCAB if cuda else 256
-    compile_backend: bool | str = True if cuda else "aot_eager"
-    peak, peak_source = peak_flops(device, 0.0, "bf16", False)  # the MFU rows run bf16 on CUDA (a CPU's: measured)
+    peak, peak_source = peak_flops(device, 0.0, "bf16", False)  # bf16's (a CPU's: measured); fp8 rows: the FP8 peak
     name = torch.cuda.get_device_name(device) if cuda else "CPU"
     gpu_bytes = torch.cuda.get_device_properties(device).total_memory if cuda else None
     table_name = gpu_from_device_name(name, gpu_bytes) if cuda else None
@@ -203,16 +223,23 @@ def main(argv: list[str] | None = None) -> int:
     rows, report = [], {"device": name, "peak_flops": peak, "mfu": [], "memory": [], "calibration": None}
 
     # 3 first on CUDA would hold the GPU in a child process; measure MFU and memory in this process, then calibrate.
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    modes = [m.strip() for m in (a.modes or (CUDA_MODES if cuda else CPU_MODES)).split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES or (MODES[m][3] and not cuda)]
+    if unknown:
+        print(f"error: --modes {','.join(unknown)}: not one of {', '.join(MODES)} (cuda_graphs: CUDA only)",
+              file=sys.stderr)
+        return 2
     for label, preset, over in models:
         args = model_args(preset, over, vocab)
         mb, ac = fitting_config(args, seq, "cuda" if cuda else "cpu", gpu_bytes, "bf16" if cuda else "fp32")
         for mode in modes:
-            r = train_rate(args, seq, mb, ac, compile_backend if mode == "compile" else False, device, steps, warmup)
-            mfu = flops_per_token(args, seq) * r["tokens_per_s"] / peak
+            r = train_rate(args, seq, mb, ac, mode, device, steps, warmup)
+            precision = mode_precision(mode, cuda)
+            mode_peak = peak_flops(device, 0.0, precision, False)[0] if cuda else peak
+            mfu = flops_per_token(args, seq) * r["tokens_per_s"] / mode_peak
             pred = predicted_mfu(args, seq, mb, ac, mode, datasheet)
             entry = {"model": label, "mode": mode, "micro_batch": mb, "seq": seq, "checkpointing": ac, **r,
-                     "precision": "bf16" if cuda else "fp32",
+                     "precision": precision, "peak_flops": mode_peak,
                      "mfu": mfu, "predicted_mfu_datasheet": pred, "args": dataclasses.asdict(args)}
             report["mfu"].append(entry)
             print(f"  MFU {label} {mode}: {mfu:.1%} ({r['tokens_per_s']:,.0f} tokens/s, mb {mb}, {ac}; first step "

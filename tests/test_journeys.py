@@ -147,6 +147,12 @@ JOURNEYS = {
         "paratrain eval runs/evaluated --tasks shakespeare --nproc 2 --parallel.tp=2 --output-path eval-tp2",
         "paratrain eval runs/evaluated --tasks shakespeare_choice --num-fewshot 2 --limit 20 --log-samples",
     ],
+    "precision": [
+        "paratrain train --training.precision=fp8 --run.name=fp8",
+        "paratrain verify --layouts fp8-fsdp2,fp8-tp2,fp8-pp2",
+        "paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576 "
+        "--precision fp8 --compile",
+    ],
     "scaling": [
         "paratrain scaling --weak --nproc 1,2,4",
         "paratrain scaling --strong --layouts ddp2,fsdp2,fsdp4",
@@ -517,6 +523,19 @@ def test_journey_verify(journey):
     """`paratrain verify` at a tiny size: two rows, a few steps (the whole matrix runs in tests/test_distributed.py)."""
     out = journey.doc("paratrain verify", after=["--layouts", "tp2", "--steps", "2"]).stdout
     assert "PASS" in out and "FAIL" not in out
+
+
+def test_journey_precision(journey):
+    """fp8 (docs/precision.md): a tiny run trains to the end in emulated float8, its layouts pass verify, and the plan
+    predicts it and writes an fp8 config."""
+    journey.train(JOURNEYS["precision"][0])
+    config = (journey.cwd / "runs" / "fp8" / "config.toml").read_text()
+    assert 'precision = "fp8"' in config
+    out = journey.doc(JOURNEYS["precision"][1], after=["--steps", "4"]).stdout
+    assert out.count("PASS") == 3 and "FAIL" not in out, out
+    out = journey.doc(JOURNEYS["precision"][2]).stdout
+    assert "float8 linears" in out, out
+    assert 'precision = "fp8"' in (journey.cwd / "plan" / "config.toml").read_text()
 
 
 def test_journey_estimate(journey):

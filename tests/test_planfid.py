@@ -231,8 +231,8 @@ def test_stage_gpus_must_name_each_pipeline_rank(char_data, tmp_path):
 
 
 def test_gpu_bench_runs_on_cpu(tmp_path):
-    """bench/gpu.py's code on tiny models on a CPU: MFU eager and compiled, estimate vs the step's peak for 8
-    configurations, calibration at the model's shapes; the same table a GPU run prints."""
+    """bench/gpu.py's code on tiny models on a CPU: MFU eager, compiled, fp8 (emulated) and compiled fp8, estimate vs
+    the step's peak for 8 configurations, calibration at the model's shapes; the same table a GPU run prints."""
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu
 
@@ -240,10 +240,12 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert gpu.main(["--device", "cpu", "--steps", "1", "--warmup", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert {(e["model"], e["mode"]) for e in report["mfu"]} == {
-        ("tiny 1b-shaped", "eager"), ("tiny 1b-shaped", "compile"), ("tiny 3b-shaped", "eager"),
-        ("tiny 3b-shaped", "compile")}
-    # (MFU against a peak measured under the machine's load can pass 100%: its size is bench/gpu.py's table, not a test)
-    assert all(e["mfu"] > 0 and e["predicted_mfu_calibrated"] > 0 for e in report["mfu"])
+        (model, mode) for model in ("tiny 1b-shaped", "tiny 3b-shaped") for mode in ("eager", "compile", "fp8",
+                                                                                    "compile+fp8")}
+    # (MFU against a peak measured under the machine's load can pass 100%: its size is bench/gpu.py's table, not a test;
+    # a CPU has no float8 GEMM rate, so the fp8 rows have no prediction)
+    assert all(e["mfu"] > 0 for e in report["mfu"])
+    assert all(e["predicted_mfu_calibrated"] > 0 for e in report["mfu"] if "fp8" not in e["mode"])
     assert len(report["memory"]) >= 6
     for m in report["memory"]:
         assert abs(m["estimate"] - m["allocated"]) / m["allocated"] < 0.05, m
