@@ -222,10 +222,6 @@ def _validated(cfg: Config, source: ModelSource, layout: Layout, args: ModelArgs
 
 def check_compile(training, layout: Layout) -> None:
     """The layouts torch.compile and CUDA graphs can take."""
-    if training.compile and layout.tp_enabled:
-        raise ConfigError("training.compile with parallel.tp > 1 is not supported yet: torch 2.13's compiled blocks "
-                          "hand a plain-tensor gradient back to DTensor's redistribution (AttributeError "
-                          "'_local_tensor' in backward); compile with ddp/fsdp/hsdp, pp, cp or ep, or use tp uncompiled")
     if training.cuda_graphs and layout.pipelined:
         raise ConfigError("training.cuda_graphs with parallel.pp > 1: the pipeline schedule's send/receive between "
                           "stages cannot be captured in a CUDA graph; use training.cuda_graphs=false")

@@ -138,11 +138,11 @@ LAYOUTS: dict[str, tuple] = {
     "fp8-rowwise-fsdp2": (2, "fsdp,mb=2", FP8, FP8_FP32, "float8.recipe=rowwise"),
     "fp8-rowwise-tp2": (2, "nodp,tp=2,mb=2", FP8, FP8_FP32, "float8.recipe=rowwise"),
     "fp8-fsdp2+gather": (2, "fsdp,mb=2", FP8, FP8_FP32, "float8.fsdp_float8_all_gather=true"),
-    # torch.compile (Inductor) against one eager process: alone, under FSDP, with checkpointing, with pp, and with
-    # fp8 (compile with tp is refused: paratrain/spec.py check_compile).
+    # torch.compile (Inductor) against one eager process: alone, under FSDP, with checkpointing, tp, pp and fp8.
     "compile": (1, "nodp", COMPILE),
     "compile-fsdp2": (2, "fsdp", COMPILE),
     "compile-fsdp2+full": (2, "fsdp,ac=full", COMPILE),
+    "compile-tp2+sp": (2, "nodp,tp=2", COMPILE),
     "compile-pp2": (2, "nodp,pp=2,sched=1f1b", COMPILE),
     "compile-fp8-fsdp2": (2, "fsdp,mb=2", COMPILE, FP8, FP8_FP32),
 }
@@ -161,7 +161,7 @@ MEMORY_MATRIX = ["loss8", "tp2+sp+loss3", "fsdp2+offload", "tp2+offload_every_k+
                  "segments", "fsdp2+segments", "tp2+segments", "pp2+segments"]
 FP8_MATRIX = ["fp8-fsdp2", "fp8-tp2", "fp8-fsdp2xtp2", "fp8-pp2", "fp8-rowwise-fsdp2", "fp8-rowwise-tp2",
               "fp8-fsdp2+gather"]
-COMPILE_MATRIX = ["compile", "compile-fsdp2", "compile-fsdp2+full", "compile-pp2", "compile-fp8-fsdp2"]
+COMPILE_MATRIX = ["compile", "compile-fsdp2", "compile-fsdp2+full", "compile-tp2+sp", "compile-pp2", "compile-fp8-fsdp2"]
 MUON_MATRIX = ["muon-ddp2", "muon-zero1x2", "muon-fsdp2", "muon-hsdp2x2", "muon-tp2", "muon-fsdp2xtp2", "muon-pp2",
                "muon-ep2"]
 

@@ -36,8 +36,8 @@ def test_verify_fp8_rows(char_data):
 
 
 def test_verify_compile_rows(char_data):
-    """Compiled blocks (Inductor) on one process, fsdp2, fsdp2 with full checkpointing, pp2 and fp8 x fsdp2 against
-    one eager process at 1e-5 (fp8's row at its own tolerance)."""
+    """Compiled blocks (Inductor) on one process, fsdp2, fsdp2 with full checkpointing, tp2 with sp, pp2 and fp8 x
+    fsdp2 against one eager process at 1e-5 (fp8's row at its own tolerance)."""
     _check(COMPILE_MATRIX, 4, char_data)
 
 
@@ -77,8 +77,6 @@ def test_config_refusals(overrides, message):
 
 
 def test_layout_refusals(char_data, tmp_path):
-    assert_plan_rejected(char_data, tmp_path, 2, ["parallel.tp=2", "parallel.dp_shard=1", "training.compile=true"],
-                         "training.compile with parallel.tp > 1 is not supported yet")
     assert_plan_rejected(char_data, tmp_path, 2, ["parallel.pp=2", "parallel.dp_shard=1", "training.compile=true",
                                                   "training.cuda_graphs=true", "training.device=auto"],
                          "training.cuda_graphs with parallel.pp > 1")

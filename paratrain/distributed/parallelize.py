@@ -16,6 +16,7 @@ from functools import partial
 
 from torch import nn
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -163,6 +164,18 @@ def apply_compile(model: nn.Module, backend: str | None = None, cuda_graphs: boo
         options["mode"] = "reduce-overhead"
     for block in model.layers.values():
         block.compile(**options)
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_not_a_view)
+
+
+def _not_a_view(module, args, output):
+    # Under tensor parallelism the embedding hands the first block a view of its DTensor's local tensor (to_local),
+    # under sequence parallelism still wrapped as a pending collective. A compiled block takes a view input as its base
+    # plus a view replayed inside the graph, and in backward hands the gradient to the base's producer (DTensor's
+    # redistribution) as a plain tensor, skipping to_local's backward, which would have made it a DTensor again (torch
+    # 2.13: AttributeError '_local_tensor'); and a wrapped input is another type, so the blocks' shared graph would be
+    # compiled again for it. A plain copy is an input of its own.
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) or output._is_view() else None
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_mesh=None,
