@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # memory_measure (bench/)
 
-from paratrain.modes import resolve_impl  # noqa: E402 (after the path)
+from paratrain.modes import float8_matmuls, resolve_impl  # noqa: E402 (after the path)
 
 GPU_VOCAB = 128256
 # (label, preset, overrides) -- CPU stand-ins keep the models' proportions at a tiny size
@@ -89,7 +89,7 @@ CUDA_MODES, CPU_MODES, SMOKE_MODES = ",".join(MODES), "eager,compile,fp8,compile
 
 def mode_precision(mode: str, cuda: bool) -> str:
     precision = MODES[mode][1]
-    return precision if cuda or precision == "fp8" else "fp32"
+    return precision if cuda or float8_matmuls(precision) else "fp32"
 
 
 def train_rate(args, seq: int, mb: int, ac: str, mode: str, device, steps: int, warmup: int) -> dict:
@@ -135,8 +135,6 @@ def train_rate(args, seq: int, mb: int, ac: str, mode: str, device, steps: int, 
 def predicted_mfu(args, seq: int, mb: int, ac: str, mode: str, hw) -> float | None:
     from paratrain.layout import Layout
     from paratrain.estimate.step_time import Candidate, Context, predict
-    from paratrain.modes import float8_matmuls
-
     if hw is None or (float8_matmuls(MODES[mode][1]) and not hw.float8_gemm):
         return None
     precision = MODES[mode][1] if hw.device == "cuda" else hw.precision

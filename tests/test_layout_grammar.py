@@ -13,7 +13,7 @@ from paratrain.config import Config, ParallelConfig, load_config
 from paratrain.errors import UserError
 from paratrain.layout import CONFIG_KEYS, Layout
 from paratrain.layout_grammar import FLAG_KEYS, LAYOUT_KEYS, NOT_FLAGS, layout_name, parse_layout_name
-from paratrain.modes import (CHECKPOINT_MODES, PRECISIONS, SCHEDULES, checkpointing_label, dtype_name,
+from paratrain.modes import (CHECKPOINT_MODES, PRECISIONS, SCHEDULES, WEIGHT_DTYPES, checkpointing_label, dtype_name,
                              parse_checkpointing_label, torch_schedule_name)
 from paratrain.commands.plan import context_from_argv
 from paratrain.estimate.search import candidates, parse_layout
@@ -120,4 +120,5 @@ def test_every_choice_has_its_entries():
                                                                            k if m == "segments" else 0)
                for m in CHECKPOINT_MODES for k in (0, 4))
     hints = typing.get_type_hints(type(Config().checkpoint))
-    assert typing.get_args(hints["export_hf_dtype"]) == PRECISIONS  # exports are written in a training precision
+    # exports are written in a weight dtype: a training precision but fp8 (whose weights are fp32 master weights)
+    assert typing.get_args(hints["export_hf_dtype"]) == WEIGHT_DTYPES == tuple(p for p in PRECISIONS if p != "fp8")
