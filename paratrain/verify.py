@@ -138,6 +138,11 @@ LAYOUTS: dict[str, tuple] = {
     "fp8-rowwise-fsdp2": (2, "fsdp,mb=2", FP8, FP8_FP32, "float8.recipe=rowwise"),
     "fp8-rowwise-tp2": (2, "nodp,tp=2,mb=2", FP8, FP8_FP32, "float8.recipe=rowwise"),
     "fp8-fsdp2+gather": (2, "fsdp,mb=2", FP8, FP8_FP32, "float8.fsdp_float8_all_gather=true"),
+    "fp8-hsdp2x2": (4, "hsdp,rep=2,mb=2", FP8, FP8_FP32),
+    "fp8-fsdp2+selective": (2, "fsdp,ac=selective,mb=2", FP8, FP8_FP32),
+    "fp8-fsdp2+full": (2, "fsdp,ac=full,mb=2", FP8, FP8_FP32),
+    "fp8-ep2": (2, "fsdp,ep=2,mb=2", MOE_PRESET, FP8, FP8_FP32),  # the shared expert in float8, routed experts bf16
+    "fp8-cp2": (2, "fsdp,cp=2,mb=2", FP8, FP8_FP32),
     # torch.compile (Inductor) against one eager process: alone, under FSDP, with checkpointing, tp, pp and fp8.
     "compile": (1, "nodp", COMPILE),
     "compile-fsdp2": (2, "fsdp", COMPILE),

@@ -125,3 +125,22 @@ def test_fp8_trains_through_the_cli(char_data, tmp_path, capsys):
     code = main(["train", *[f"--{o}" for o in fast_overrides(char_data, tmp_path, "fp8", "training.precision=fp8")]])
     assert code == 0
     assert (tmp_path / "fp8" / "checkpoints" / "step-4").is_dir()
+
+
+def test_estimate_counts_float8_copies():
+    """Without FSDP a bf16 run's autocast keeps a bf16 copy of every matmul weight from forward to backward; an fp8
+    run keeps that only for the layers that stay bf16 (the output head) and casts each float8 layer's weight per
+    matmul: at most two 1-byte copies of the largest (and their scales) at once."""
+    from paratrain.estimate.model_states import state_bytes
+    from paratrain.layout import Layout
+    from paratrain.models.registry import parameters
+
+    args = preset_args("tiny", vocab_size=64)
+    layout = Layout.resolve(1)
+    bf16 = state_bytes(args, layout, "bf16", "adamw", "paratrain")
+    fp8 = state_bytes(args, layout, "fp8", "adamw", "paratrain")
+    float8 = float8_linears(args)
+    head = sum(p.numel for p in parameters(args) if p.matmul and p not in float8)
+    assert bf16.autocast_copies == 2 * (head + sum(p.numel for p in float8))
+    assert fp8.autocast_copies == 2 * head + 2 * (max(p.numel for p in float8) + 4)
+    assert any("fp8: " in note for note in fp8.notes)

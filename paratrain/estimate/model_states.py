@@ -231,6 +231,9 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
                                                   "state for it",))
 
 
+FLOAT8_WEIGHT_COPIES, FLOAT8_SCALE_BYTES = 2, 4  # a float8 layer's weight cast for forward and for backward
+
+
 def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str, accounting: str, stage: int,
                      kinds: list[tuple[Param, int, int]]) -> StateBytes:
     """Model states of the trainable parameters (`kinds`: (kind, count, local elements)) of the worst rank of
@@ -291,6 +294,10 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
         notes.append(f"fp32 parameters are the master weights; autocast caches each matmul weight's "
                      f"{compute_precision(precision)} copy from forward to backward")
     if float8:
+        # Each float8 matmul casts its weight (1 byte per element and a 4-byte scale; backward casts it again, laid out
+        # for the input gradient's matmul): at most the largest layer's two copies exist at once.
+        largest = max((n for p, count, n in kinds if p.name in float8), default=0)
+        autocast += FLOAT8_WEIGHT_COPIES * (largest + FLOAT8_SCALE_BYTES)
         notes.append(f"fp8: {len(float8)} linear layers multiply float8 copies of their weights (1 byte per element "
                      "and a 4-byte scale, made for each matmul and freed after it)")
     if layout.tp > 1 and not layout.uses_fsdp and stage == 0:
