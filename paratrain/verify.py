@@ -142,7 +142,6 @@ LAYOUTS: dict[str, tuple] = {
     "fp8-fsdp2+selective": (2, "fsdp,ac=selective,mb=2", FP8, FP8_FP32),
     "fp8-fsdp2+full": (2, "fsdp,ac=full,mb=2", FP8, FP8_FP32),
     "fp8-ep2": (2, "fsdp,ep=2,mb=2", MOE_PRESET, FP8, FP8_FP32),  # the shared expert in float8, routed experts bf16
-    "fp8-cp2": (2, "fsdp,cp=2,mb=2", FP8, FP8_FP32),
     # torch.compile (Inductor) against one eager process: alone, under FSDP, with checkpointing, tp, pp and fp8.
     "compile": (1, "nodp", COMPILE),
     "compile-fsdp2": (2, "fsdp", COMPILE),
@@ -165,7 +164,7 @@ MEMORY_MATRIX = ["loss8", "tp2+sp+loss3", "fsdp2+offload", "tp2+offload_every_k+
                  "fsdp2+cpu_offload", "fsdp2xtp2+cpu_offload", "pp2xdp2+cpu_offload",
                  "segments", "fsdp2+segments", "tp2+segments", "pp2+segments"]
 FP8_MATRIX = ["fp8-fsdp2", "fp8-tp2", "fp8-fsdp2xtp2", "fp8-pp2", "fp8-rowwise-fsdp2", "fp8-rowwise-tp2",
-              "fp8-fsdp2+gather"]
+              "fp8-fsdp2+gather", "fp8-hsdp2x2", "fp8-fsdp2+full", "fp8-ep2"]
 COMPILE_MATRIX = ["compile", "compile-fsdp2", "compile-fsdp2+full", "compile-tp2+sp", "compile-pp2", "compile-fp8-fsdp2"]
 MUON_MATRIX = ["muon-ddp2", "muon-zero1x2", "muon-fsdp2", "muon-hsdp2x2", "muon-tp2", "muon-fsdp2xtp2", "muon-pp2",
                "muon-ep2"]
