@@ -100,3 +100,34 @@ def precompute_scales(model: nn.Module) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def plain_tensors(state):
+    """`state` (a nested state dict) with torchao's float8 weight wrappers (the parameters of float8 all-gathers, and
+    the optimizer states made like them) replaced by the plain tensors they wrap, sharing their storage: what a
+    checkpoint saves and loads into. DCP would otherwise pickle the wrapper's class into the checkpoint, which a
+    weights-only load refuses (and which ties the checkpoint to torchao)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return {k: plain_tensors(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [plain_tensors(v) for v in state]
+    if isinstance(state, DTensor):
+        local = state._local_tensor
+        inner = _unwrapped(local)
+        if inner is local:
+            return state
+        return DTensor.from_local(inner, state.device_mesh, state.placements, run_check=False, shape=state.shape,
+                                  stride=state.stride())
+    return _unwrapped(state) if isinstance(state, torch.Tensor) else state
+
+
+def _unwrapped(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside a one-tensor wrapper subclass (torchao's WeightWithDynamicFloat8CastTensor)."""
+    while type(tensor) not in (torch.Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        if len(names) != 1:
+            break
+        tensor = getattr(tensor, names[0])
+    return tensor

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from paratrain.data import dataset_meta
 from paratrain.data.tokenizers import load_tokenizer, tokenizer_identity
+from paratrain.distributed.float8 import plain_tensors
 from paratrain.distributed.initialize import canonical_name
 from paratrain.errors import PeerFailed, UserError, environment_problem, translated
 from paratrain.files import replace_dir
@@ -161,11 +162,13 @@ def model_optim_state(model: nn.Module, optimizer) -> dict:
     LoRA's adapters)."""
     options = _options(model)
     if optimizer is None:
-        return {"model": get_model_state_dict(model, options=options)}
-    if is_zero1(optimizer):
-        return {"model": get_model_state_dict(model, options=options), "optim": _zero1_state(model, optimizer)}
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    return {"model": model_sd, "optim": optim_sd}
+        state = {"model": get_model_state_dict(model, options=options)}
+    elif is_zero1(optimizer):
+        state = {"model": get_model_state_dict(model, options=options), "optim": _zero1_state(model, optimizer)}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        state = {"model": model_sd, "optim": optim_sd}
+    return plain_tensors(state)  # (fp8's float8 all-gather wraps parameters and their optimizer states)
 
 
 # -- saving -------------------------------------------------------------------------------------
