@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from paratrain.errors import UserError
 from paratrain.models.registry import float8_linears
@@ -107,8 +108,6 @@ def plain_tensors(state):
     the optimizer states made like them) replaced by the plain tensors they wrap, sharing their storage: what a
     checkpoint saves and loads into. DCP would otherwise pickle the wrapper's class into the checkpoint, which a
     weights-only load refuses (and which ties the checkpoint to torchao)."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(state, dict):
         return {k: plain_tensors(v) for k, v in state.items()}
     if isinstance(state, list):
