@@ -23,9 +23,8 @@ import tomli_w
 from paratrain.errors import ConfigError
 from paratrain.models.args import ModelArgs, is_int
 from paratrain.modes import (ActivationOffloadMode, CheckpointMode, DPModeOption, GradCompression, OptimizerImpl,
-                             Float8Compute, Float8Recipe, Precision, Schedule, WeightDtype)
+                             Float8Compute, Float8Recipe, Precision, Schedule, WeightDtype, float8_matmuls)
 from paratrain.models.lora_params import lora_problem
-from paratrain.modes import float8_matmuls
 from paratrain.optimizers import OPTIMIZER_NAMES, freeze_step, optimizer_entry
 
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
@@ -203,7 +202,7 @@ class Float8Config:
     # module names (or their last part, e.g. "w2") also kept in bf16, comma-separated
     keep_bf16: str = ""
     # what the model computes in around the float8 matmuls: bf16 (the speed fp8 is for), or fp32 to see float8's own
-    # error apart from bf16's (paratrain verify's fp8 rows: their layouts then agree within 1e-5)
+    # error apart from bf16's (what paratrain verify's fp8 rows compute in: docs/precision.md)
     compute: Float8Compute = "bf16"
     # tensorwise under FSDP: all-gather the float8 weights (half the bytes) with scales precomputed after each
     # optimizer step; unset: on for tensorwise with FSDP on CUDA

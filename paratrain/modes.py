@@ -268,6 +268,7 @@ def tensorwise_scales(recipe: str) -> bool:
     """[float8] recipe tensorwise: one scale per tensor (float8 all-gathers and tensor-parallel styles exist for it)."""
     return recipe == "tensorwise"
 
+
 WeightDtype = Literal["fp32", "bf16", "fp16"]  # what weights are stored in (a Hugging Face export, a frozen base)
 WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
 
@@ -310,7 +311,7 @@ def value_bytes(precision: str) -> int:
 def dtype_name(precision: str) -> str:
     """torch's name of its compute dtype (also Hugging Face's config.json `torch_dtype`): float32, bfloat16,
     float16 (fp8 computes in bfloat16 around its float8 matmuls)."""
-    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}[precision]
+    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[compute_precision(precision)]
 
 
 # The datasheet rates matmuls run at (paratrain/estimate/gpus.py gives each GPU's dense peak of each): plain fp32, fp32

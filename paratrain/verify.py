@@ -34,8 +34,9 @@ FP8_MICRO_BATCH = 2  # sequences per forward of every fp8 row and of its referen
 # difference of 1e-7 that moves a value across a rounding boundary becomes a 2^-4 change of that element, and the runs
 # drift apart faster than fp32 runs do. 3e-4 over 8 steps (the suite's) is 5x tighter than fp8 against fp32 or bf16
 # on the same steps (1.5e-3; measured, docs/precision.md), and scales taken over other values fail it (forwards of 8
-# sequences instead of 2: 7e-4; cp's per-chunk scales: 1.2e-3). Weights within 1e-2: Adam's normalised step moves an element by up to lr either way, so a
-# near-zero gradient whose float8 rounding flips its sign moves it 2 x lr from the reference's.
+# sequences instead of 2: 7e-4; cp's per-chunk scales: 1.2e-3). Weights within 1e-2: Adam's normalised step moves an
+# element by up to lr either way, so a near-zero gradient whose float8 rounding flips its sign moves it 2 x lr from
+# the reference's.
 FP8_TOLERANCE, FP8_WEIGHT_TOLERANCE = 3e-4, 1e-2
 
 # name -> (ranks, layout, other overrides...). The layout is written as its name (paratrain/layout_grammar.py): the
@@ -165,7 +166,8 @@ MEMORY_MATRIX = ["loss8", "tp2+sp+loss3", "fsdp2+offload", "tp2+offload_every_k+
                  "segments", "fsdp2+segments", "tp2+segments", "pp2+segments"]
 FP8_MATRIX = ["fp8-fsdp2", "fp8-tp2", "fp8-fsdp2xtp2", "fp8-pp2", "fp8-rowwise-fsdp2", "fp8-rowwise-tp2",
               "fp8-fsdp2+gather", "fp8-hsdp2x2", "fp8-fsdp2+full", "fp8-ep2"]
-COMPILE_MATRIX = ["compile", "compile-fsdp2", "compile-fsdp2+full", "compile-tp2+sp", "compile-pp2", "compile-fp8-fsdp2"]
+COMPILE_MATRIX = ["compile", "compile-fsdp2", "compile-fsdp2+full", "compile-tp2+sp", "compile-pp2",
+                  "compile-fp8-fsdp2"]
 MUON_MATRIX = ["muon-ddp2", "muon-zero1x2", "muon-fsdp2", "muon-hsdp2x2", "muon-tp2", "muon-fsdp2xtp2", "muon-pp2",
                "muon-ep2"]
 

@@ -83,6 +83,8 @@ def test_prepare_vocab_too_large_for_uint16(tmp_path, capsys):
     ("--optimizer.lr=-1", "optimizer.lr must be positive"),
     ("--optimizer.name=adamx", "optimizer.name: 'adamx' is not one of adamw, sgd.*did you mean 'adamw'"),
     ("--training.precision=fp4", "training.precision: 'fp4' is not one of"),
+    ("--float8.recipe=columnwise", "float8.recipe: 'columnwise' is not one of tensorwise, rowwise"),
+    ("--training.cuda_graphs=true", "training.cuda_graphs captures the compiled blocks: it needs training.compile"),
     ("--training.seq_len=100000", "training.seq_len=100000 is longer than the model's max_seq_len=256"),
     ("--parallel.pp=2", r"parallel.pp \(2\) does not divide the world size 1"),
     ("--parallel.pp_schedule=1f1c", "parallel.pp_schedule: '1f1c' is not one of.*did you mean '1f1b'"),

@@ -1,8 +1,8 @@
 """Turn a plain Transformer into a parallel one, in a fixed order:
 
-    LoRA adapters (base frozen) | float8 linear layers (fp8) -> tensor/sequence parallel -> context parallel (ring attention) -> expert parallel
-    -> activation checkpointing -> torch.compile -> activation offloading -> FSDP (over dp_shard x cp) -> materialise
-    + deterministic init -> DDP / ZeRO-1 wrapping (DDP needs real weights)
+    LoRA adapters (base frozen) | float8 linear layers (fp8) -> tensor/sequence parallel -> context parallel (ring
+    attention) -> expert parallel -> activation checkpointing -> torch.compile -> activation offloading -> FSDP (over
+    dp_shard x cp) -> materialise + deterministic init -> DDP / ZeRO-1 wrapping (DDP needs real weights)
 
 The model file stays free of parallel code; the tensor-parallel plan is read from the model family's parameter roles
 (`tensor_parallel.py`). The rules of the layout live in `paratrain/layout.py`, its mesh in
@@ -35,8 +35,8 @@ from paratrain.distributed.tensor_parallel import apply_tp
 from paratrain.distributed.tensors import full_tensor, right_pad, torch_dtype
 from paratrain.models.lora import apply_lora, freeze_base
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import (block_checkpointing, by_segments, low_precision, offload_stride,
-                             offloaded_blocks, offloads_activations, recomputes, segment_size, segments, selective)
+from paratrain.modes import (block_checkpointing, by_segments, low_precision, offload_stride, offloaded_blocks,
+                             offloads_activations, recomputes, segment_size, segments, selective)
 
 
 class SequenceParallelSampler(nn.Module):
@@ -230,7 +230,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
     compression, FSDP2's default prefetching, `ddp_bucket_mb` buckets. `lora`: adapters on the target projections,
     every other parameter frozen (stored in the compute dtype under bf16/fp16: it never changes). `memory`: the
     `[memory]` tiers applied here (activation offloading, CPU offload); None: none. `float8`: the [float8] settings
-    of an fp8 run (None: no float8 layers; `precision` is then the compute precision around them); `cuda_graphs`: the compiled blocks replay CUDA graphs."""
+    of an fp8 run (None: no float8 layers; `precision` is the compute precision around them); `cuda_graphs`: the
+    compiled blocks replay CUDA graphs."""
     layout = dims.layout
     comm = comm or GradComm.default(dims, device, ddp_bucket_mb)
     if lora is not None:

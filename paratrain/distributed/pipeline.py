@@ -260,8 +260,8 @@ def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str
                    device: torch.device, seed: int, loss_fn, comm=None, lora=None, memory=None,
                    float8=None) -> Pipeline:
     """Cut the meta-device `model` into this rank's stages, lay each out with `parallelize` (with `lora`'s
-    adapters, `memory`'s tiers and an fp8 run's `float8` settings), wrap them and build the schedule. `loss_fn(logits, targets)` is the last stage's
-    loss per microbatch."""
+    adapters, `memory`'s tiers and an fp8 run's `float8` settings), wrap them and build the schedule.
+    `loss_fn(logits, targets)` is the last stage's loss per microbatch."""
 
     layout = dims.layout
     pp_rank, group = dims.pp_rank, dims.pp_group

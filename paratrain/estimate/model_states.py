@@ -276,8 +276,8 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
         opt_numel = numel
         grads_numel = numel
         if low:
-            notes.append(f"the sharded fp32 parameters are the master weights; {compute_precision(precision)} copies are all-gathered "
-                         "per block")
+            notes.append(f"the sharded fp32 parameters are the master weights; {compute_precision(precision)} copies "
+                         "are all-gathered per block")
     else:
         numel = local_numel
         grads_numel = numel

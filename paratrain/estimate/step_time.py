@@ -222,8 +222,7 @@ class Context:
         """The datasheet rate matmuls in `precision` (default: the run's) go at on `hw` (default: the context's):
         modes.matmul_math, TF32 where the device has it."""
         tf32 = tf32_on(self.tf32, self.precision)  # (an fp32 tensor of a bf16 run: TF32 only if switched on)
-        # (an fp8 run's other matmuls, attention and the output head, are bf16; its float8 GEMMs: `float8`)
-        return matmul_math(compute_precision(precision or self.precision), tf32, "tf32" in (hw or self.hw).peaks)
+        return matmul_math(precision or self.precision, tf32, "tf32" in (hw or self.hw).peaks)
 
 
 @dataclass
@@ -324,7 +323,9 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
     moe_frac = moe_layers / a.n_layers
     hd = a.head_dim
     f8 = ctx.float8 and bool(hw.float8_gemm)
-    speed = hw.speed(ctx.math(hw))  # the run's matmuls against the profile's bf16 curves (fp32: 1/16 on an A100)
+    # the run's matmuls against the profile's bf16 curves (fp32: 1/16 on an A100); an fp8 run's other than its float8
+    # GEMMs (attention, the output head) at its compute precision's rate
+    speed = hw.speed(ctx.math(hw, compute_precision(ctx.precision)))
 
     def gemm(m, k, n, count=1.0, linear=True):
         f = 2.0 * m * k * n
@@ -613,9 +614,7 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     step = compute + recompute + exposed + bubble + optimizer + compress
     tokens = ctx.global_seqs * S
     tok_s = tokens / step
-    # against the peak of the run's matmul rate (fp8: the FP8 dense peak, as the trainer's MFU, observe/flops.py)
-    peaks = [h.peak(matmul_math(ctx.precision, tf32_on(ctx.tf32, ctx.precision), "tf32" in h.peaks))
-             for h in ctx.stage_hw or [hw]]
+    peaks = [h.peak(ctx.math(h)) for h in ctx.stage_hw or [hw]]  # the peak of the run's matmul rate (fp8: FP8's)
     peak = sum(peaks) / len(peaks)
     mfu = cached(ctx, ("flops_per_token", S), lambda: flops_per_token(a, S)) * tok_s / (c.world * peak)
     return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm, compress,
