@@ -96,19 +96,22 @@ def train_rate(args, seq: int, mb: int, ac: str, mode: str, device, steps: int, 
     """The trainer's step on one device in one of MODES; median step time after warm-up."""
     import torch
 
-    from paratrain.config import ActivationCheckpointConfig, Float8Config, OptimizerConfig
+    from paratrain.capabilities.float8 import Float8
+    from paratrain.config import OptimizerConfig
     from paratrain.distributed.parallel_dims import ParallelDims
     from paratrain.layout import Layout
-    from paratrain.training.step import build_train_step
+    from paratrain.recipe import Recipe
+    from paratrain.training.step import StepOptions, build_train_step
 
     cuda = device.type == "cuda"
-    compiled, _, recipe, graphs = MODES[mode]
-    float8 = Float8Config(recipe=recipe, compute="bf16" if cuda else "fp32")
-    step = build_train_step(args, ParallelDims(Layout.resolve(1)), device, precision=mode_precision(mode, cuda),
-                            activation_checkpoint=ActivationCheckpointConfig(ac),
-                            compile=(True if cuda else "aot_eager") if compiled else False,
-                            optimizer=OptimizerConfig(impl="auto"),  # (fused on CUDA: modes.resolve_impl)
-                            float8=float8, cuda_graphs=graphs)
+    compiled, _, scales, graphs = MODES[mode]
+    precision = mode_precision(mode, cuda)
+    float8 = (Float8(recipe=scales, compute="bf16" if cuda else "fp32"),) if float8_matmuls(precision) else ()
+    layout = Layout.resolve(1)
+    recipe = Recipe(layout, precision=precision, checkpointing=ac, capabilities=float8, cuda_graphs=graphs,
+                    compile=(True if cuda else "aot_eager") if compiled else False)
+    step = build_train_step(args, ParallelDims(layout), recipe, device,
+                            StepOptions(optimizer=OptimizerConfig(impl="auto")))  # (fused on CUDA: resolve_impl)
     gen = torch.Generator(device=device).manual_seed(0)
     times = []
     first = None

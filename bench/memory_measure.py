@@ -227,15 +227,22 @@ class MeasureSpec:
 
         return Layout.from_config(self.parallel, world_size)
 
-    def step_options(self) -> dict:
-        """`build_train_step`'s options for this spec (seed 0, clipping at 1.0, its `[parallel]` section)."""
-        from paratrain.config import ActivationCheckpointConfig, MemoryConfig, OptimizerConfig
+    def step_recipe(self, layout, compile: bool | str = False):
+        """`build_train_step`'s recipe for this spec on `layout` (paratrain.recipe.Recipe)."""
+        from paratrain.memory import MemoryTiers
+        from paratrain.recipe import Recipe
 
-        return dict(precision=self.precision, activation_checkpoint=ActivationCheckpointConfig(
-                        self.checkpointing, self.every_k, self.segment_blocks),
-                    optimizer=OptimizerConfig(name=self.optimizer, impl=self.optimizer_impl),
-                    memory=MemoryConfig(self.loss_chunks, self.activation_offload, self.offload_every_k),
-                    parallel=self.parallel, seed=0, grad_clip=1.0)
+        return Recipe(layout, precision=self.precision, checkpointing=self.checkpointing, every_k=self.every_k,
+                      segment_blocks=self.segment_blocks, optimizer=self.optimizer, compile=compile,
+                      tiers=MemoryTiers(self.loss_chunks, self.activation_offload, self.offload_every_k))
+
+    def step_options(self):
+        """`build_train_step`'s options for this spec (seed 0, clipping at 1.0, its `[parallel]` section)."""
+        from paratrain.config import OptimizerConfig
+        from paratrain.training.step import StepOptions
+
+        return StepOptions(optimizer=OptimizerConfig(name=self.optimizer, impl=self.optimizer_impl),
+                           parallel=self.parallel, seed=0, grad_clip=1.0)
 
     def batch(self, world_size: int):
         """The batch the spec's layout must divide (a pipeline: micro_batch x pp_microbatches per data rank)."""
@@ -509,7 +516,7 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
     gathers = [0]
     with tracker, _fsdp_labels(tracker), _offload_labels(tracker), _count_fsdp_all_gathers(gathers):
         tracker.label = PARAMS
-        step = build_train_step(args, dims, device, **spec.step_options())  # the trainer's own step
+        step = build_train_step(args, dims, spec.step_recipe(layout), device, spec.step_options())  # the trainer's
         model, optimizer, pipeline = step.model, step.optimizer, step.pipeline
         if hasattr(model, "register_comm_hook"):
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -620,7 +627,8 @@ def device_step_peaks(spec: MeasureSpec, device, compile: bool | str = False, st
     torch.cuda.empty_cache()
     base, base_reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
     args = ModelArgs(**spec.model)
-    step = build_train_step(args, ParallelDims(spec.layout(1)), device, compile=compile, **spec.step_options())
+    layout = spec.layout(1)
+    step = build_train_step(args, ParallelDims(layout), spec.step_recipe(layout, compile), device, spec.step_options())
     gen = torch.Generator(device=device).manual_seed(0)
     for i in range(steps):
         if i == steps - 1:

@@ -83,7 +83,7 @@ def hook_cost(reps: int, every_n: int = EVERY) -> tuple[float, float]:
     from paratrain.training.step import build_train_step
 
     args = preset_args("shakespeare-char", vocab_size=128)
-    steps = [build_train_step(args, ParallelDims(Layout.resolve(1)), torch.device("cpu")) for _ in range(2)]
+    steps = [build_train_step(args, ParallelDims(Layout.resolve(1))) for _ in range(2)]
     NumericsWatch(steps[1], args.n_layers, every_n, "fp32")
     x = torch.randint(0, 128, (12, 64))
     times: list[list[float]] = [[], []]

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import tomli_w
 
+from paratrain import capabilities
 from paratrain.errors import ConfigError
 from paratrain.models.args import ModelArgs, is_int
 from paratrain.modes import (ActivationOffloadMode, CheckpointMode, DPModeOption, GradCompression, OptimizerImpl,
-                             Float8Compute, Float8Recipe, Precision, Schedule, WeightDtype, float8_matmuls)
+                             Precision, Schedule, WeightDtype)
 from paratrain.models.lora_params import lora_problem
 from paratrain.optimizers import OPTIMIZER_NAMES, freeze_step, optimizer_entry
 
@@ -83,7 +84,7 @@ class TrainingConfig:
     global_batch: int | None = None
     seed: int = 1337  # the initial weights and every batch are functions of it, the same on every layout
     # bf16: fp32 master weights, bf16 compute; fp16: dynamic loss scaling too; fp8: bf16 with the blocks' linear layers
-    # as float8 matmuls ([float8]; FP8 tensor cores: compute capability 8.9+, emulated on a CPU)
+    # as 8-bit matmuls (its section: paratrain/capabilities; FP8 tensor cores: compute capability 8.9+, emulated on a CPU)
     precision: Precision = "fp32"
     # fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa; A100: 8x plain fp32's peak); unset: on for
     # fp32 runs on Ampere and newer (compute capability 8.0+), off otherwise. CUDA only
@@ -188,25 +189,6 @@ class ActivationCheckpointConfig:
     every_k: int = 2
     # mode segments: blocks per segment (each keeps only its input, recomputed as one unit); 0: round(sqrt(n_layers))
     segment_blocks: int = 0
-
-
-@dataclass
-class Float8Config:
-    """training.precision = "fp8" (docs/precision.md; paratrain/distributed/float8.py): which linear layers multiply
-    in float8 and how their scales are taken. The output projection, MoE routers and experts, and any layer whose
-    dimensions are not multiples of 16 always stay in bf16."""
-
-    # tensorwise: one scale per tensor (fastest; float8 all-gathers under FSDP and float8 tensor-parallel styles);
-    # rowwise: one scale per row (more accurate with outliers; bf16 all-gathers)
-    recipe: Float8Recipe = "tensorwise"
-    # module names (or their last part, e.g. "w2") also kept in bf16, comma-separated
-    keep_bf16: str = ""
-    # what the model computes in around the float8 matmuls: bf16 (the speed fp8 is for), or fp32 to see float8's own
-    # error apart from bf16's (what paratrain verify's fp8 rows compute in: docs/precision.md)
-    compute: Float8Compute = "bf16"
-    # tensorwise under FSDP: all-gather the float8 weights (half the bytes) with scales precomputed after each
-    # optimizer step; unset: on for tensorwise with FSDP on CUDA
-    fsdp_float8_all_gather: bool | None = None
 
 
 @dataclass
@@ -322,7 +304,6 @@ class Config:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
-    float8: Float8Config = field(default_factory=Float8Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -335,6 +316,33 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _extended(cls: type, added: list[tuple]) -> type:
+    """`cls` with more fields, under the same name and module (pickled with the config to spawned ranks)."""
+    if not added:
+        return cls
+    extended = dataclasses.make_dataclass(cls.__name__, added, bases=(cls,))
+    extended.__module__, extended.__qualname__, extended.__doc__ = __name__, cls.__qualname__, cls.__doc__
+    return extended
+
+
+def _with_capabilities(config: type) -> type:
+    """Config with the capabilities' settings (paratrain/capabilities): the keys they add to a built-in section
+    (a `[training]` key, ...) and the sections they own (fp8's, ...), each declared once, in its capability."""
+    sections = []
+    for f in dataclasses.fields(config):
+        added = [(k.name, typing.get_type_hints(keys)[k.name], field(default=k.default))
+                 for keys in capabilities.added_keys(f.name) for k in dataclasses.fields(keys)]
+        section = _extended(f.default_factory, added)
+        globals()[section.__name__] = section  # `from paratrain.config import TrainingConfig` gets the whole section
+        sections.append((f.name, section, field(default_factory=section)))
+    sections += [(name, section, field(default_factory=section))
+                 for name, section in capabilities.own_sections().items()]
+    return _extended(config, sections)
+
+
+Config = _with_capabilities(Config)
 
 
 # Sections that were renamed: the old name is an error that names the new one.
@@ -564,9 +572,7 @@ def validate(cfg: Config) -> None:
         parse_sources(cfg.data.sources)  # dirs, weights >= 0, not all zero, distinct names
 
     _require(not lora_problem(cfg.lora), f"lora: {lora_problem(cfg.lora)}")
-    _require(not (float8_matmuls(t.precision) and cfg.lora.rank), "training.precision=fp8 with lora.rank > 0: "
-             "the frozen base would be cast to float8 at every forward for adapters that train in bf16; use "
-             "training.precision=bf16 for LoRA")
+    capabilities.check(cfg)
     _require(not t.cuda_graphs or t.compile, "training.cuda_graphs captures the compiled blocks: it needs "
              "training.compile=true")
     _require(not t.cuda_graphs or t.device != "cpu", "training.cuda_graphs needs a CUDA device (training.device=cpu)")

@@ -20,11 +20,12 @@ import inspect
 import io
 import json
 import re
+import sys
 import tokenize
 import typing
 from dataclasses import dataclass, field
 
-from paratrain import config
+from paratrain import capabilities, config
 from paratrain.models import args as model_args
 from paratrain.models.presets import PRESETS
 from paratrain.models.registry import BUILTIN
@@ -93,11 +94,20 @@ def _source_comments(module) -> dict[str, dict[str, Comments]]:
     return out
 
 
+def section_comments(section: str, section_class: type) -> dict[str, Comments]:
+    """The comments of a section's fields, wherever each is declared: config.py, or the capability that owns the
+    section or adds keys to it (paratrain/capabilities)."""
+    out: dict[str, Comments] = {}
+    for cls in [*reversed(section_class.__mro__[:-1]), *capabilities.added_keys(section)]:  # (less `object`)
+        out.update(_source_comments(sys.modules[cls.__module__]).get(cls.__name__, {}))
+    return out
+
+
 def describe(section: str, section_class: type, key: str) -> str:
     """One config key in a line (`section_class`: its section's dataclass): the first sentence of its description
     and its choices (a Literal's, or a registry's): what a command-line flag of that key says
     (paratrain/commands/recipe_flags.py)."""
-    about = _source_comments(config).get(section_class.__name__, {}).get(key)
+    about = section_comments(section, section_class).get(key)
     text = re.split(r"(?<![.])\. (?=[A-Z])", about.text if about else "")[0].rstrip()  # (not "0, k, 2k, ... recompute")
     text = text if text.endswith("...") else text.rstrip(".")
     annotation = typing.get_type_hints(section_class)[key]
@@ -248,7 +258,8 @@ def render() -> str:
         if cls is config.ModelConfig:  # made by make_dataclass: the docstring of the function that makes it
             doc = _maker_docstring(config, cls.__name__)
         doc = _docstring_text(doc)
-        lines += _section(s.name, cls, comments.get(cls.__name__, {}), doc)
+        own = comments["ModelConfig"] if cls is config.ModelConfig else section_comments(s.name, cls)
+        lines += _section(s.name, cls, own, doc)
     return "\n".join(lines).rstrip() + "\n"
 
 

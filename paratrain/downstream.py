@@ -23,11 +23,13 @@ from paratrain.harness.tasks import HarnessSettings, downstream_metrics, evaluat
 from paratrain.hf.load import check_tokenizer_fits, checked_weights, hf_model_args, hf_tokenizer_file
 from paratrain.inference import find_checkpoint
 from paratrain.layout import Layout
+from paratrain.memory import MemoryTiers
 from paratrain.models import ModelArgs
+from paratrain.recipe import Recipe
 from paratrain.training import safe_dcp
 from paratrain.training.adapters import AdaptedCheckpoint
 from paratrain.training.checkpoint import load_checkpoint, load_trainer_state
-from paratrain.training.step import build_train_step
+from paratrain.training.step import StepOptions, build_train_step
 
 
 @dataclass
@@ -101,6 +103,15 @@ class EvalJob:
     seed: int = 0
     activation_checkpoint: object = None  # ActivationCheckpointConfig (None: off)
     memory: object = None  # MemoryConfig (None: the defaults)
+    capabilities: tuple = ()  # the config's (paratrain.capabilities.active): fp8's layers, ...
+
+    def recipe(self, layout: Layout, lora) -> Recipe:
+        """How the model computes on `layout` (paratrain.recipe.Recipe)."""
+        ac = self.activation_checkpoint
+        return Recipe(layout, precision=self.precision, lora=lora, capabilities=self.capabilities,
+                      tiers=MemoryTiers() if self.memory is None else MemoryTiers.from_config(self.memory),
+                      **({} if ac is None else dict(checkpointing=ac.mode, every_k=ac.every_k,
+                                                    segment_blocks=ac.segment_blocks)))
 
 
 def describe(source: EvalSource, layout, precision: str) -> dict:
@@ -119,9 +130,8 @@ def eval_rank(job: EvalJob) -> dict | None:
     layout = Layout.from_config(job.parallel, env.world_size).validate(args, env.world_size).forward_only()
     dims = ParallelDims.build(layout, env.device.type)
     seed = source.lora.seed if source.lora is not None else job.seed
-    train_step = build_train_step(args, dims, env.device, precision=job.precision, seed=seed, parallel=job.parallel,
-                                  activation_checkpoint=job.activation_checkpoint, memory=job.memory,
-                                  lora=source.lora.lora if source.lora is not None else None)
+    recipe = job.recipe(layout, source.lora.lora if source.lora is not None else None)
+    train_step = build_train_step(args, dims, recipe, env.device, StepOptions(seed=seed, parallel=job.parallel))
     load_weights(train_step, source)
     lm = ParatrainLM(train_step, source_tokenizer(source), job.max_length or args.max_seq_len,
                      job.settings.batch_size, layout.dp, dims.dp_rank, args.vocab_size, seed=job.seed)

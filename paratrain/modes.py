@@ -257,7 +257,7 @@ def describe_offload(mode: str, every_k: int) -> str:
 
 # -- precision ---------------------------------------------------------------------------------------------------
 # fp32; bf16: bf16 compute, fp32 master weights; fp16: the same with dynamic loss scaling; fp8: bf16 compute with the
-# blocks' linear layers as float8 matmuls (torchao.float8, dynamic scaling; paratrain/distributed/float8.py).
+# blocks' linear layers as float8 matmuls (torchao.float8, dynamic scaling; paratrain/capabilities/float8.py).
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 Float8Recipe = Literal["tensorwise", "rowwise"]  # [float8] recipe: one scale per tensor, or per row

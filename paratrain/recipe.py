@@ -2,7 +2,8 @@
 
 One frozen, torch-free value, resolved (automatic choices made): the layout (degrees, data-parallel mode, pipeline
 schedule), activation checkpointing, the batch shape per rank (micro-batch, accumulation, sequence length), the memory
-tiers, precision (and TF32), the optimizer entry and its kernels, gradient compression, FSDP's prefetching and LoRA.
+tiers, precision (and TF32), the optimizer entry and its kernels, gradient compression, FSDP's prefetching, LoRA,
+compilation, and the capabilities the run uses (paratrain/capabilities: fp8, z-loss, ...) with their settings.
 
     recipe = Recipe.from_config(cfg, layout, micro_batch, accum_steps, device_type)   # a run's config, read once
     recipe.name                                                                        # fsdp,tp=2,ac=full,mb=1,loss=8
@@ -16,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from paratrain.layout import Layout
+from paratrain import capabilities
+from paratrain.capabilities.base import Capability
+from paratrain.layout import Batch, Layout
 from paratrain.layout_grammar import layout_name
 from paratrain.memory import MemoryTiers
 from paratrain.models.lora_params import LoRA
@@ -50,6 +53,9 @@ class Recipe:
     compression: Compression = field(default_factory=Compression)  # [parallel]'s grad_compression and its settings
     fsdp_backward_prefetch: int = setting(1, "parallel.fsdp_backward_prefetch")
     lora: LoRA | None = None  # [lora]
+    compile: bool | str = False  # training.compile: each block compiled (a backend's name: that backend)
+    cuda_graphs: bool = False  # training.cuda_graphs: the compiled blocks replay CUDA graphs
+    capabilities: tuple[Capability, ...] = ()  # the run's, with their settings (capabilities.active)
 
     @classmethod
     def from_config(cls, cfg, layout: Layout, micro_batch: int, accum_steps: int, device_type: str) -> "Recipe":
@@ -60,7 +66,17 @@ class Recipe:
                    tiers=MemoryTiers.from_config(cfg.memory),
                    optimizer_impl=resolve_impl(cfg.optimizer.impl, device_type, cfg.training.precision,
                                                 cfg.optimizer.name),
-                   compression=Compression.from_config(cfg.parallel), lora=LoRA.from_config(cfg.lora))
+                   compression=Compression.from_config(cfg.parallel), lora=LoRA.from_config(cfg.lora),
+                   compile=cfg.training.compile, cuda_graphs=cfg.training.cuda_graphs,
+                   capabilities=capabilities.active(cfg))
+
+    @classmethod
+    def of_run(cls, cfg, layout: Layout, global_batch: int, accum_steps: int, device_type: str) -> "Recipe":
+        """`from_config` for a run's global batch: a pipeline cuts each data-parallel rank's batch into the layout's
+        microbatches (no accumulation loop), the others run `training.micro_batch` sequences per micro-step."""
+        t = cfg.training
+        micro = layout.forward_batch(Batch(global_batch, t.micro_batch, t.seq_len))
+        return cls.from_config(cfg, layout, micro, accum_steps, device_type)
 
     def to_config(self, cfg):
         """`cfg` (a paratrain.config.Config, changed in place and returned) running this recipe: every field written

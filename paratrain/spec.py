@@ -30,6 +30,7 @@ from paratrain.models.lora_params import LoRA
 from paratrain.models.presets import preset_args, preset_fields
 from paratrain.optimizers import optimizer_entry
 from paratrain.preflight import RunFolder
+from paratrain.recipe import Recipe
 
 VOCAB_PAD = 64  # pad small vocabularies so embedding/output split evenly over tensor-parallel ranks
 
@@ -145,6 +146,10 @@ class RunSpec:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.cfg.training.seq_len
+
+    def recipe(self, device_type: str) -> Recipe:
+        """How this run trains (paratrain.recipe.Recipe) on a device of this type."""
+        return Recipe.of_run(self.cfg, self.layout, self.global_batch, self.accum_steps, device_type)
 
 
 def model_args_from(cfg, data_vocab: int | None = None) -> ModelArgs:

@@ -14,6 +14,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from paratrain import capabilities
 from paratrain.api import launch_ranks, run_rank, train_rank
 from paratrain.config import ActivationCheckpointConfig, ParallelConfig, load_config
 from paratrain.errors import UserError
@@ -26,18 +27,7 @@ QWEN3, QWEN3_MOE = "model.preset=tiny-qwen3", "model.preset=tiny-qwen3-moe"  # q
 
 LORA = "lora.rank=4"  # adapters on every projection of the tiny model, its weights frozen
 MUON = "optimizer.name=muon"
-FP8 = "training.precision=fp8"  # the blocks' projections as float8 matmuls (emulated on a CPU), fp32 around them
-FP8_FP32 = "float8.compute=fp32"
 COMPILE = "training.compile=true"  # each block compiled by Inductor, against one eager process
-FP8_MICRO_BATCH = 2  # sequences per forward of every fp8 row and of its reference
-# An fp8 row's loss and val loss against one fp8 process: float8 rounds to 3 mantissa bits, so a reduction-order
-# difference of 1e-7 that moves a value across a rounding boundary becomes a 2^-4 change of that element, and the runs
-# drift apart faster than fp32 runs do. 3e-4 over 8 steps (the suite's) is 5x tighter than fp8 against fp32 or bf16
-# on the same steps (1.5e-3; measured, docs/precision.md), and scales taken over other values fail it (forwards of 8
-# sequences instead of 2: 7e-4; cp's per-chunk scales: 1.2e-3). Weights within 1e-2: Adam's normalised step moves an
-# element by up to lr either way, so a near-zero gradient whose float8 rounding flips its sign moves it 2 x lr from
-# the reference's.
-FP8_TOLERANCE, FP8_WEIGHT_TOLERANCE = 3e-4, 1e-2
 
 # name -> (ranks, layout, other overrides...). The layout is written as its name (paratrain/layout_grammar.py): the
 # data-parallel mode, degrees, checkpointing (ac=), sequences per micro-batch (mb=; default: the global batch over
@@ -130,26 +120,14 @@ LAYOUTS: dict[str, tuple] = {
     "muon-fsdp2xtp2": (4, "fsdp,tp=2", MUON),
     "muon-pp2": (2, "nodp,pp=2,sched=1f1b", MUON),
     "muon-ep2": (2, "fsdp,ep=2", MOE_PRESET, MUON),
-    # fp8 (docs/precision.md), against one process in fp8 with the same recipe and the same micro-batches (dynamic
-    # float8 scales are taken per forward: FP8_MICRO_BATCH sequences), at FP8_TOLERANCE.
-    "fp8-fsdp2": (2, "fsdp,mb=2", FP8, FP8_FP32),
-    "fp8-tp2": (2, "nodp,tp=2,mb=2", FP8, FP8_FP32),
-    "fp8-fsdp2xtp2": (4, "fsdp,tp=2,mb=2", FP8, FP8_FP32),
-    "fp8-pp2": (2, "nodp,pp=2,sched=1f1b", FP8, FP8_FP32),  # 4 microbatches of 2
-    "fp8-rowwise-fsdp2": (2, "fsdp,mb=2", FP8, FP8_FP32, "float8.recipe=rowwise"),
-    "fp8-rowwise-tp2": (2, "nodp,tp=2,mb=2", FP8, FP8_FP32, "float8.recipe=rowwise"),
-    "fp8-fsdp2+gather": (2, "fsdp,mb=2", FP8, FP8_FP32, "float8.fsdp_float8_all_gather=true"),
-    "fp8-hsdp2x2": (4, "hsdp,rep=2,mb=2", FP8, FP8_FP32),
-    "fp8-fsdp2+selective": (2, "fsdp,ac=selective,mb=2", FP8, FP8_FP32),
-    "fp8-fsdp2+full": (2, "fsdp,ac=full,mb=2", FP8, FP8_FP32),
-    "fp8-ep2": (2, "fsdp,ep=2,mb=2", MOE_PRESET, FP8, FP8_FP32),  # the shared expert in float8, routed experts bf16
     # torch.compile (Inductor) against one eager process: alone, under FSDP, with checkpointing, tp, pp and fp8.
     "compile": (1, "nodp", COMPILE),
     "compile-fsdp2": (2, "fsdp", COMPILE),
     "compile-fsdp2+full": (2, "fsdp,ac=full", COMPILE),
     "compile-tp2+sp": (2, "nodp,tp=2", COMPILE),
     "compile-pp2": (2, "nodp,pp=2,sched=1f1b", COMPILE),
-    "compile-fp8-fsdp2": (2, "fsdp,mb=2", COMPILE, FP8, FP8_FP32),
+    # The capabilities' own rows (paratrain/capabilities: fp8, z-loss, ...), under their names.
+    **capabilities.verify_rows(),
 }
 DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
                   "fsdp2+every_k", "fsdp2+selective", "accum"]
@@ -164,8 +142,8 @@ LORA_MATRIX = ["lora-fsdp2", "lora-tp2", "lora-pp2"]
 MEMORY_MATRIX = ["loss8", "tp2+sp+loss3", "fsdp2+offload", "tp2+offload_every_k+selective", "pp2+offload+full",
                  "fsdp2+cpu_offload", "fsdp2xtp2+cpu_offload", "pp2xdp2+cpu_offload",
                  "segments", "fsdp2+segments", "tp2+segments", "pp2+segments"]
-FP8_MATRIX = ["fp8-fsdp2", "fp8-tp2", "fp8-fsdp2xtp2", "fp8-pp2", "fp8-rowwise-fsdp2", "fp8-rowwise-tp2",
-              "fp8-fsdp2+gather", "fp8-hsdp2x2", "fp8-fsdp2+full", "fp8-ep2"]
+# Each capability's rows, by its name (paratrain verify --layouts takes any of them).
+CAPABILITY_MATRICES = {cls.name: list(cls.verify_rows) for cls in capabilities.CAPABILITIES}
 COMPILE_MATRIX = ["compile", "compile-fsdp2", "compile-fsdp2+full", "compile-tp2+sp", "compile-pp2",
                   "compile-fp8-fsdp2"]
 MUON_MATRIX = ["muon-ddp2", "muon-zero1x2", "muon-fsdp2", "muon-hsdp2x2", "muon-tp2", "muon-fsdp2xtp2", "muon-pp2",
@@ -274,17 +252,20 @@ def reference_overrides(layout_extra: list[str]) -> list[str]:
     """The model settings, sequence length, adapters and optimizer a layout changes (e.g. the MoE preset, a long
     sequence, LoRA, Muon): its reference is one process training that model on those sequences with it."""
     kept = [o for o in layout_extra if o.startswith(("model.", "training.seq_len=", "lora.", "optimizer.",
-                                                     "training.precision=", "float8.recipe=", "float8.compute="))]
-    if FP8 in layout_extra:  # float8 scales are taken per forward's sequences: the reference runs the same forwards
-        kept.append(f"training.micro_batch={FP8_MICRO_BATCH}")
+                                                     *capabilities.reference_keys()))]
+    for cls in capabilities.CAPABILITIES:  # (fp8's scales are taken per forward: the reference runs the same forwards)
+        if cls.uses(layout_extra) and cls.reference_micro_batch:
+            kept.append(f"training.micro_batch={cls.reference_micro_batch}")
     return kept
 
 
 def row_tolerances(layout_extra: list[str], tolerance: float, val_tolerance: float) -> tuple[float, float, float]:
-    """(loss, weight, val loss) tolerances of a row: the run's, looser for fp8 rows (FP8_TOLERANCE)."""
-    if FP8 in layout_extra:
-        return max(tolerance, FP8_TOLERANCE), max(tolerance, FP8_WEIGHT_TOLERANCE), max(val_tolerance, FP8_TOLERANCE)
-    return tolerance, tolerance, val_tolerance
+    """(loss, weight, val loss) tolerances of a row: the run's, or looser where a capability it uses says so (fp8)."""
+    out = (tolerance, tolerance, val_tolerance)
+    for cls in capabilities.CAPABILITIES:
+        if cls.uses(layout_extra) and cls.verify_tolerance:
+            out = tuple(max(a, b) for a, b in zip(out, cls.verify_tolerance))
+    return out
 
 
 def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str = "fp32",

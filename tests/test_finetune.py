@@ -85,7 +85,7 @@ def test_packed_training_equals_each_conversation_alone(chat_data, tmp_path):
     from paratrain.distributed.parallel_dims import ParallelDims
     from paratrain.spec import resolve_run
     from paratrain.training.optim import WarmupCosine
-    from paratrain.training.step import build_train_step
+    from paratrain.training.step import StepOptions, build_train_step
 
     steps = 20
     cfg = load_config(None, overrides(chat_data, tmp_path, "one", f"training.steps={steps}", "training.micro_batch=4"))
@@ -95,8 +95,9 @@ def test_packed_training_equals_each_conversation_alone(chat_data, tmp_path):
     fsdp = launch(run_rank, (load_config(None, overrides(chat_data, tmp_path, "fsdp2", f"training.steps={steps}",
                                                          "training.micro_batch=2", "parallel.dp_mode=fsdp")),), 2)
     spec = resolve_run(cfg, 1)
-    step = build_train_step(spec.model_args, ParallelDims.build(spec.layout, "cpu"), torch.device("cpu"),
-                            seed=cfg.training.seed, optimizer=cfg.optimizer, grad_clip=cfg.training.grad_clip)
+    step = build_train_step(spec.model_args, ParallelDims.build(spec.layout, "cpu"), spec.recipe("cpu"),
+                            torch.device("cpu"), StepOptions(seed=cfg.training.seed, optimizer=cfg.optimizer,
+                                                             grad_clip=cfg.training.grad_clip))
     scheduler = WarmupCosine(step.optimizer, cfg.optimizer, steps)
     data = TokenData(chat_data, "train", SEQ)
     reference = []

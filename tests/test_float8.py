@@ -12,7 +12,10 @@ from paratrain.errors import ConfigError, UserError
 from paratrain.models import build_model
 from paratrain.models.presets import preset_args
 from paratrain.models.registry import float8_linears
-from paratrain.verify import COMPILE_MATRIX, FP8_MATRIX, run_verify
+from paratrain.verify import CAPABILITY_MATRICES, COMPILE_MATRIX, run_verify
+
+# the fp8 rows the suite runs (verify's selective-checkpointing row and the compiled one are available by name)
+FP8_MATRIX = [r for r in CAPABILITY_MATRICES["float8"] if r not in ("fp8-fsdp2+selective", "compile-fp8-fsdp2")]
 
 from conftest import assert_plan_rejected, fast_overrides
 
@@ -31,7 +34,7 @@ def _check(matrix: list[str], steps: int, char_data) -> None:
 
 def test_verify_fp8_rows(char_data):
     """fp8 on fsdp2, tp2, fsdp2 x tp2, pp2, rowwise scales, float8 all-gathers: against one fp8 process within
-    verify.FP8_TOLERANCE (docs/precision.md says why it is not 1e-5)."""
+    capabilities.float8.FP8_TOLERANCE (docs/precision.md says why it is not 1e-5)."""
     _check(FP8_MATRIX, 8, char_data)
 
 
@@ -55,8 +58,7 @@ def test_float8_layers_are_the_blocks_projections():
 
     from torchao.float8.float8_linear import Float8Linear
 
-    from paratrain.config import Float8Config
-    from paratrain.distributed.float8 import apply_float8
+    from paratrain.capabilities.float8 import Float8Config, apply_float8
 
     model = build_model(preset_args("tiny", vocab_size=64))
     chosen = apply_float8(model, Float8Config(), torch.device("cpu"), uses_fsdp=False)
@@ -92,7 +94,7 @@ def test_cuda_graphs_refuse_document_packing():
 
 
 def test_fp8_is_refused_on_a_gpu_without_fp8_tensor_cores(monkeypatch):
-    from paratrain.distributed import float8
+    from paratrain.capabilities import float8
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")

@@ -148,5 +148,5 @@ def test_build_train_step_keeps_its_grad_comm():
     from paratrain.models import preset_args
     from paratrain.training.step import build_train_step
 
-    step = build_train_step(preset_args("tiny", vocab_size=64), ParallelDims(Layout.resolve(1)), torch.device("cpu"))
+    step = build_train_step(preset_args("tiny", vocab_size=64), ParallelDims(Layout.resolve(1)))
     assert isinstance(step.comm, GradComm)

@@ -75,7 +75,7 @@ def test_trainer_and_estimator_resolve_automatic_chunks_alike():
 
     for vocab, (mb, seq) in ((128, (12, 64)), (4096, (32, 256))):
         args = preset_args("tiny", vocab_size=vocab)
-        step = build_train_step(args, ParallelDims(Layout.resolve(1)), torch.device("cpu"))
+        step = build_train_step(args, ParallelDims(Layout.resolve(1)))
         trainer = step.chunks_for(torch.zeros(mb, seq, dtype=torch.long))
         recipe = Recipe(Layout.resolve(1), precision="fp32", micro_batch=mb, seq_len=seq,
                         tiers=MemoryTiers(loss_chunks=0))  # memory.loss_chunks=0, the default: automatic

@@ -1,7 +1,7 @@
 """Turn a plain Transformer into a parallel one, in a fixed order:
 
-    LoRA adapters (base frozen) | float8 linear layers (fp8) -> tensor/sequence parallel -> context parallel (ring
-    attention) -> expert parallel -> activation checkpointing -> torch.compile -> activation offloading -> FSDP (over
+    LoRA adapters (base frozen) | the capabilities' model changes (fp8's linear layers) -> tensor/sequence parallel ->
+    context parallel (ring attention) -> expert parallel -> activation checkpointing -> torch.compile -> activation offloading -> FSDP (over
     dp_shard x cp) -> materialise + deterministic init -> DDP / ZeRO-1 wrapping (DDP needs real weights)
 
 The model file stays free of parallel code; the tensor-parallel plan is read from the model family's parameter roles
@@ -23,11 +23,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import (CheckpointPolicy, SAC_IGNORED_OPS, _checkpoint_without_reentrant_generator,
                                     create_selective_checkpoint_contexts)
 
-from paratrain.config import ActivationCheckpointConfig, Float8Config, MemoryConfig
+from paratrain.capabilities.base import Where
+from paratrain.config import ActivationCheckpointConfig, MemoryConfig
 from paratrain.distributed.compression import GradComm
 from paratrain.distributed.context_parallel import apply_context_parallel, attention_modules, context_for
 from paratrain.distributed.expert_parallel import distribute_experts, shard_experts
-from paratrain.distributed.float8 import apply_float8, float8_tp_styles
 from paratrain.distributed.initialize import init_weights
 from paratrain.distributed.offload import apply_activation_offload
 from paratrain.distributed.parallel_dims import ParallelDims
@@ -222,27 +222,24 @@ def _whole_length(layout):
 def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: ActivationCheckpointConfig,
                 precision: str, compile: bool | str, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0,
                 comm: GradComm | None = None, lora: LoRA | None = None,
-                memory: MemoryConfig | None = None, float8: Float8Config | None = None,
-                cuda_graphs: bool = False) -> nn.Module:
+                memory: MemoryConfig | None = None, capabilities=(), cuda_graphs: bool = False) -> nn.Module:
     """Apply the layout to a model or pipeline stage built on the meta device; returns the module to train
     (maybe a DDP wrapper). compile: True for torch.compile's default backend, or a backend name. `comm` carries the
     gradient communication settings (`[parallel]`: compression, DDP buckets, FSDP prefetching); None: no
     compression, FSDP2's default prefetching, `ddp_bucket_mb` buckets. `lora`: adapters on the target projections,
     every other parameter frozen (stored in the compute dtype under bf16/fp16: it never changes). `memory`: the
-    `[memory]` tiers applied here (activation offloading, CPU offload); None: none. `float8`: the [float8] settings
-    of an fp8 run (None: no float8 layers; `precision` is the compute precision around them); `cuda_graphs`: the
-    compiled blocks replay CUDA graphs."""
+    `[memory]` tiers applied here (activation offloading, CPU offload); None: none. `capabilities`: the run's
+    (paratrain/capabilities), whose `before_parallelize` hooks change the plain model first (`precision` is what the
+    rest computes in: fp8's 8-bit layers take their own); `cuda_graphs`: the compiled blocks replay CUDA graphs."""
     layout = dims.layout
     comm = comm or GradComm.default(dims, device, ddp_bucket_mb)
     if lora is not None:
         apply_lora(model, lora, torch_dtype(precision) if low_precision(precision) else None)
-    float8_layers, float8_styles = set(), None
-    if float8 is not None:  # before tensor parallelism, which gives float8 layers their own styles
-        float8_layers = apply_float8(model, float8, device, layout.uses_fsdp)
-        float8_styles = float8_tp_styles(float8.recipe, device)
+    style_classes = {}  # before tensor parallelism, which gives the modules they change their own styles
+    for capability in capabilities:
+        style_classes.update(capability.before_parallelize(model, Where(device, layout)))
     if layout.tp_enabled:
-        apply_tp(model, dims.tp_mesh, layout.sequence_parallel, layout.uses_loss_parallel, float8_layers,
-                 float8_styles)
+        apply_tp(model, dims.tp_mesh, layout.sequence_parallel, layout.uses_loss_parallel, style_classes)
         if lora is not None:
             freeze_base(model)  # the styles that replicate (norms) make new Parameters, trainable ones
     if layout.cp_enabled:  # each rank attends over its chunks of every sequence by ring attention

@@ -69,10 +69,10 @@ class _Styles:
         self.sp, self.loss_parallel = sequence_parallel, loss_parallel
         self.residual = Shard(1) if sequence_parallel else Replicate()
 
-    def of(self, role: str, sublayer_output, float8_styles=None):
+    def of(self, role: str, sublayer_output, style_classes=None):
         """The style of a module with this role; `sublayer_output`: the layout its sublayer hands back;
-        `float8_styles`: (column, row) style classes of a float8 linear layer (paratrain/distributed/float8.py)."""
-        colwise, rowwise = float8_styles or (ColwiseParallel, RowwiseParallel)
+        `style_classes`: (column, row) style classes a capability gave the module (fp8's styles)."""
+        colwise, rowwise = style_classes or (ColwiseParallel, RowwiseParallel)
 
         if role == "embedding":
             return RowwiseParallel(input_layouts=Replicate(), output_layouts=self.residual)
@@ -119,10 +119,11 @@ class _Styles:
 
 
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: bool,
-             float8_layers: set[str] = frozenset(), float8_styles=None) -> None:
+             style_classes: dict | None = None) -> None:
     """Lay out `model` (a whole model or a pipeline stage, before any other wrapping) over `tp_mesh` by the roles of
-    its family's parameter table. `float8_layers`: the modules an fp8 run converted, which take `float8_styles`
-    ((column, row) style classes; None: the plain ones)."""
+    its family's parameter table. `style_classes`: {module name: (column, row) style classes} for the modules a
+    capability changed (paratrain/capabilities: fp8's layers); the others take the plain ones."""
+    style_classes = style_classes or {}
     args = model.args
     family, table = family_of(args), parameters(args)
     styles = _Styles(sequence_parallel, loss_parallel)
@@ -144,8 +145,8 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
             outputs[name], prepare[name] = styles.sublayer(kind)
         plan = {}
         for module, role in module_roles(by_layer[index]).items():
-            float8 = float8_styles if f"layers.{key}.{module}" in float8_layers else None
-            style = styles.of(role, outputs.get(module.split(".")[0], styles.residual), float8)
+            classes = style_classes.get(f"layers.{key}.{module}")
+            style = styles.of(role, outputs.get(module.split(".")[0], styles.residual), classes)
             if style is not None:
                 plan[module] = style
         plan.update({name: style for name, style in prepare.items() if style is not None})

@@ -13,7 +13,6 @@ from __future__ import annotations
 from paratrain.estimate.core import Estimate, EstimateInputs, estimate
 from paratrain.estimate.gpus import GPUS, gpu_memory, parse_memory
 from paratrain.estimate.inputs import Target, inputs_for
-from paratrain.layout import Batch
 from paratrain.recipe import Recipe
 
 __all__ = ["Estimate", "EstimateInputs", "GPUS", "Target", "inputs_for", "target_device", "estimate", "estimate_for_run", "gpu_memory",
@@ -37,9 +36,7 @@ def estimate_for_run(plan, device: str | None = None, gpu_bytes: int | None = No
             device = "cuda" if torch.cuda.is_available() and cfg.training.device != "cpu" else "cpu"
         if gpu_bytes is None and device == "cuda" and torch.cuda.is_available():
             gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    # A pipeline cuts each data-parallel rank's batch into the layout's microbatches (no accumulation loop).
-    micro = lay.forward_batch(Batch(plan.global_batch, cfg.training.micro_batch, cfg.training.seq_len))
-    recipe = Recipe.from_config(cfg, lay, micro, plan.accum_steps, device)
+    recipe = Recipe.of_run(cfg, lay, plan.global_batch, plan.accum_steps, device)
     target = Target(gpu_bytes=gpu_bytes, overhead_bytes=None if device == "cuda" else 0, device=device)
     inputs = inputs_for(plan.model_args, recipe, target, model_name=plan.model_name)
     return estimate(inputs, suggest=gpu_bytes is not None)

@@ -30,18 +30,23 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
                            ignore_index=NOT_A_TARGET)
 
 
-def _piece_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return cross_entropy(head(hidden), targets, "sum")
+def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return cross_entropy(logits, targets, "sum")
+
+
+def _piece_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, piece_loss) -> torch.Tensor:
+    return piece_loss(head(hidden), targets)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, chunks: int = 1,
-                          reduction: str = "mean") -> torch.Tensor:
+                          reduction: str = "mean", piece_loss=summed_cross_entropy) -> torch.Tensor:
     """Cross-entropy of `head(hidden)` (B, T, C) -> (B, T, V) against targets (B, T), over `chunks` pieces of the
     B x T tokens: each piece's logits are made, reduced to the piece's summed loss and dropped, and backward recomputes
     them piece by piece (activation checkpointing), so the logits of the whole batch never exist at once; the price is
     the head's forward once more in backward. The mean is the sum over pieces / tokens: the same loss up to the order
     of the fp32 additions. reduction="sum": the summed loss (a loss mask's, divided by the caller);
-    reduction="none": the per-token losses, flat (evaluation, without gradients)."""
+    reduction="none": the per-token losses, flat (evaluation, without gradients). `piece_loss(logits, targets)`: a
+    piece's summed loss (the trainer's adds the capabilities' loss terms to the cross-entropy)."""
     if chunks <= 1:
         return cross_entropy(head(hidden), targets, reduction)
     pieces = zip(hidden.flatten(0, 1).tensor_split(chunks), targets.flatten().tensor_split(chunks))
@@ -49,7 +54,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, head: nn.
         return torch.cat([cross_entropy(head(h), y, "none") for h, y in pieces])
     total = None
     for h, y in pieces:
-        piece = checkpoint(_piece_loss, head, h, y, use_reentrant=False)
+        piece = checkpoint(_piece_loss, head, h, y, piece_loss, use_reentrant=False)
         total = piece if total is None else total + piece
     # "mean" is asked for batches without a loss mask only (every target counts): a host integer keeps the loss
     # parallel DTensor's division plain
@@ -270,9 +275,11 @@ class Transformer(nn.Module):
         return 0.02
 
     def forward(self, tokens: torch.Tensor, seq_len: int | None = None, positions: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None, loss_chunks: int = 1, reduction: str = "mean") -> torch.Tensor:
+                targets: torch.Tensor | None = None, loss_chunks: int = 1, reduction: str = "mean",
+                piece_loss=summed_cross_entropy) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab); with `targets` (B, T) the cross-entropy loss instead, its
-        output projection and loss computed over `loss_chunks` pieces of the tokens (`chunked_cross_entropy`).
+        output projection and loss computed over `loss_chunks` pieces of the tokens (`chunked_cross_entropy`, each
+        piece's summed loss by `piece_loss`).
 
         A pipeline stage is this model with pieces removed (set to None): without `tok_embeddings` the input
         is already the hidden states, without `output` the hidden states are returned. `seq_len` is the length of
@@ -294,5 +301,5 @@ class Transformer(nn.Module):
         if self.output is None:
             return h  # (B, T, C) to the next stage
         if targets is not None:
-            return chunked_cross_entropy(self.norm(h), targets, self.output, loss_chunks, reduction)
+            return chunked_cross_entropy(self.norm(h), targets, self.output, loss_chunks, reduction, piece_loss)
         return self.output(self.norm(h))  # (B, T, V)

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from paratrain.data import dataset_meta
 from paratrain.data.tokenizers import load_tokenizer, tokenizer_identity
-from paratrain.distributed.float8 import plain_tensors
+from paratrain.capabilities.float8 import plain_tensors
 from paratrain.distributed.initialize import canonical_name
 from paratrain.errors import PeerFailed, UserError, environment_problem, translated
 from paratrain.files import replace_dir

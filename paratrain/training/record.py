@@ -110,6 +110,7 @@ class StepRecorder:
         later = []  # numbers to read on the host at the settle point
         if self.train_step.moe:  # every rank: one small all-reduce of the step's expert load, read later
             later.append(self.train_step.moe.step_stats(self.dp_group))
+        later.append(self.train_step.token_loss.step_stats())  # the capabilities' loss terms (z-loss, ...), if any
         if self.train_step.pipeline is not None:  # every rank: one tiny all-gather over the pp group (host times)
             idle = self.train_step.pipeline.measured_bubble()
             self.bubble_history.append(idle)

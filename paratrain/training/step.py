@@ -18,7 +18,9 @@ microbatches; evaluation and sampling run the stages forward one after the other
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+from dataclasses import dataclass
 
 from torch import nn
 import torch
@@ -26,23 +28,24 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor.parallel import loss_parallel
 
-from paratrain.config import ActivationCheckpointConfig, Float8Config, MemoryConfig, OptimizerConfig, ParallelConfig
-from paratrain.data.batch import as_batch
+from paratrain.config import ActivationCheckpointConfig, MemoryConfig, OptimizerConfig, ParallelConfig
+from paratrain.capabilities.base import Capability, Where
+from paratrain.data.batch import NOT_A_TARGET, as_batch
 from paratrain.distributed.compression import GradComm
 from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler, context_for, whole_sequences
 from paratrain.distributed.expert_parallel import MoEMeter
-from paratrain.distributed.float8 import gathers_float8, precompute_scales
 from paratrain.distributed.grad_norm import clip_grad_norm
 from paratrain.distributed.parallelize import SequenceParallelSampler, parallelize, unwrap
 from paratrain.distributed.pipeline import Pipeline, PipelineSampler, build_pipeline
 from paratrain.distributed.tensors import full_tensor, local_tensor, right_pad, torch_dtype
 from paratrain.estimate.model_states import hidden_matrix_names
 from paratrain.layout import Layout
-from paratrain.memory import check_loss_chunks, loss_chunks
+from paratrain.memory import MemoryTiers, check_loss_chunks, loss_chunks
 from paratrain.models import build_model
-from paratrain.models.llama import cross_entropy
+from paratrain.models.llama import cross_entropy, summed_cross_entropy
 from paratrain.models.moe import balance_loss, moe_modules
-from paratrain.modes import float8_matmuls, loss_scaled, low_precision, tf32_on
+from paratrain.modes import loss_scaled, low_precision, tf32_on
+from paratrain.recipe import Recipe
 from paratrain.training.optim import build_optimizer, inner_optimizer
 
 
@@ -86,18 +89,66 @@ def apply_tf32(tf32: bool | None, precision: str, device: torch.device) -> bool:
     return on
 
 
+class TokenLoss:
+    """The training loss of logits against targets: the cross-entropy plus the capabilities' loss terms (z-loss, ...;
+    paratrain/capabilities), each term's value summed for the step's metrics while `recording` (in forward only: a
+    chunked loss's pieces run again in backward). Without terms it is the cross-entropy alone."""
+
+    def __init__(self, capabilities, device: torch.device):
+        self.terms = [c for c in capabilities if type(c).loss_term is not Capability.loss_term]
+        self.device, self.recording = device, False
+        self.sums = None  # per term, its per-token values summed over the step's targets; then the targets' count
+
+    def reset(self) -> None:
+        self.sums = torch.zeros(len(self.terms) + 1, dtype=torch.float64, device=self.device) if self.terms else None
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        loss = cross_entropy(logits, targets, reduction)
+        if not self.terms:
+            return loss
+        loss = full_tensor(loss)  # loss parallel's replicated DTensor as a plain tensor: the terms are plain
+        values = [term.loss_term(logits, targets, reduction) for term in self.terms]
+        if self.recording:
+            count = (targets != NOT_A_TARGET).sum().double()
+            sums = [v.detach().double() * (count if reduction == "mean" else 1) for v in values]
+            self.sums += torch.stack([*sums, count])
+        return loss + sum(values)
+
+    def piece(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One piece's summed loss (a chunked loss: `models.llama.chunked_cross_entropy`)."""
+        return self(logits, targets, "sum")
+
+    def step_stats(self):
+        """The step's term metrics (each term's mean per target token, over every rank): the all-reduce now, on the
+        device; returns a callable that reads them on the host (the trainer calls it at its next settle point), or
+        None without terms. Every rank calls it: tensor-parallel ranks count the same tokens, pipeline stages without
+        the loss none, so the mean over the world is the mean over the global batch's targets."""
+        if self.sums is None:
+            return None
+        sums = self.sums.clone()
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        names = [t.name for t in self.terms]
+
+        def read() -> dict:
+            values = sums.tolist()
+            return {name: value / max(values[-1], 1.0) for name, value in zip(names, values)}
+
+        return read
+
+
 class ScheduleLoss:
     """The loss a pipeline schedule backpropagates from the last stage, per microbatch (scaled for fp16): the mean,
     or with a batch's `target_count` the masked sum times `weight` (set before each step)."""
 
-    def __init__(self, scaler):
-        self.scaler, self.weight = scaler, None
+    def __init__(self, scaler, token_loss: TokenLoss):
+        self.scaler, self.weight, self.token_loss = scaler, None, token_loss
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.weight is None:
-            value = cross_entropy(logits, targets)
+            value = self.token_loss(logits, targets)
         else:
-            value = cross_entropy(logits, targets, "sum") * self.weight
+            value = self.token_loss(logits, targets, "sum") * self.weight
         return self.scaler.scale(value) if self.scaler is not None else value
 
 
@@ -125,13 +176,14 @@ class TrainStep:
     def __init__(self, model: nn.Module, optimizer, layout: Layout, *, precision: str, device: torch.device,
                  grad_clip: float, scaler=None, pipeline: Pipeline | None = None, pp_group=None, loss_group=None,
                  memory_budget=None, probe: StepProbe | None = None, context: ContextParallel | None = None,
-                 comm=None, loss_chunks: int = 1, vocab_size: int = 0, float8_gathers: bool = False):
+                 comm=None, loss_chunks: int = 1, vocab_size: int = 0, capabilities=(), token_loss=None):
         """`loss_group`: the ranks the loss is averaged over (dp x cp); `comm`: the run's GradComm; `loss_chunks`:
         memory.loss_chunks, the pieces of each micro-batch's tokens the output projection and loss run over (0:
         automatic, resolved per micro-batch from its tokens and `vocab_size`, the model's: `chunks_for`,
-        paratrain/memory.py); `float8_gathers`: FSDP all-gathers float8 weights, whose scales are computed after each
-        optimizer step."""
-        self.float8_gathers = float8_gathers
+        paratrain/memory.py); `capabilities`: the run's (paratrain/capabilities), whose hooks run after each optimizer
+        step; `token_loss`: the loss of logits (TokenLoss: the cross-entropy and the capabilities' loss terms)."""
+        self.capabilities, self.where = capabilities, Where(device, layout)
+        self.token_loss = token_loss or TokenLoss(capabilities, device)
         self.model, self.optimizer, self.layout, self.device = model, optimizer, layout, device
         self.context = context  # context parallelism: this rank's chunks of each sequence
         self.precision, self.grad_clip, self.scaler = precision, grad_clip, scaler
@@ -163,6 +215,7 @@ class TrainStep:
         """Gradients of this rank's share of the global batch; returns its mean loss (poisoned: NaN, for tests)."""
         if self.moe:
             self.moe.reset()
+        self.token_loss.reset()
         if self.pipeline is not None:
             loss = self._pipeline_forward_backward(micro_batches)
             return loss * float("nan") if poisoned else loss
@@ -174,7 +227,9 @@ class TrainStep:
             self.probe.micro_start(x, y)
             with self.contexts(sync=i == accum - 1):
                 with self.memory_budget.track() if self.memory_budget else contextlib.nullcontext():
+                    self.token_loss.recording = True
                     loss = self._loss(batch, accum)
+                    self.token_loss.recording = False
                     aux = None
                     if self.moe_layers:  # the balance loss, same scaling; recorded before backward recomputes
                         aux = balance_loss(self.moe_layers) / accum
@@ -197,9 +252,11 @@ class TrainStep:
         x, y = batch
         packed = {} if batch.positions is None else {"positions": batch.positions}
         chunks = self.chunks_for(x)
+        loss_of = self.token_loss if reduction != "none" else cross_entropy  # evaluation: the cross-entropy alone
         if chunks > 1:
-            return self.model(x, targets=y, loss_chunks=chunks, reduction=reduction, **packed)
-        return cross_entropy(self.model(x, **packed), y, reduction)
+            piece = self.token_loss.piece if reduction != "none" else summed_cross_entropy
+            return self.model(x, targets=y, loss_chunks=chunks, reduction=reduction, piece_loss=piece, **packed)
+        return loss_of(self.model(x, **packed), y, reduction)
 
     def chunks_for(self, x: torch.Tensor) -> int:
         """The loss's pieces for a micro-batch of this rank's tokens `x` (cut by context parallelism): the rule the
@@ -227,8 +284,10 @@ class TrainStep:
         # The schedule averages its microbatches' losses and gradients: the masked sum is scaled up by their count.
         weight = None if batch.target_count is None else self._per_target(batch) * self.layout.pp_microbatches
         self.pipeline.loss_fn.weight = weight
+        self.token_loss.recording = True  # the last stage's loss runs once per microbatch, in forward
         with self.contexts():
             loss = self.pipeline.train_step(*batch, positions=batch.positions)
+        self.token_loss.recording = False
         return loss / self.scaler.get_scale() if self.scaler else loss
 
     def clip(self) -> torch.Tensor:
@@ -276,8 +335,8 @@ class TrainStep:
             # The one host read left on the step: torch's foreach and for AdamW cannot skip an update on the device.
             # (On CUDA, optimizer.impl=auto picks fused AdamW, which does; on a CPU the flag is host memory.)
             self.optimizer.step()
-        if self.float8_gathers:  # the next forward all-gathers float8 weights cast with these scales
-            precompute_scales(self.model)
+        for capability in self.capabilities:
+            capability.after_optimizer_step(self.model, self.where)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -359,65 +418,83 @@ class TrainStep:
         return max(1, per_rank // self.layout.pp_microbatches) if self.pipeline is not None else micro_batch
 
 
-def build_train_step(model_args, dims, device: torch.device, *, precision: str = "fp32", activation_checkpoint=None,
-                     compile: bool | str = False, seed: int = 0, optimizer=None, parallel=None, memory=None,
-                     grad_clip: float = 1.0, memory_budget=None, probe: StepProbe | None = None,
-                     lora=None, steps: int = 0, float8=None, cuda_graphs: bool = False) -> TrainStep:
-    """The one place a training step is assembled, for the trainer, the memory harness and the benches alike.
+@dataclass(frozen=True)
+class StepOptions:
+    """What a step is built with besides the model, the layout and the recipe: the run's seed (initial weights), its
+    optimizer's hyperparameters and communication settings (the config sections the recipe names but does not hold),
+    clipping, the run's length, and the measuring harness's hooks."""
 
-    `model_args` (ModelArgs), `dims` (ParallelDims: the layout and its meshes), `activation_checkpoint`
-    (ActivationCheckpointConfig; None: off), `optimizer` (OptimizerConfig; None: the defaults), `parallel`
-    (ParallelConfig: gradient compression, DDP buckets, FSDP prefetching; None: the defaults), `lora` (models.lora_params.LoRA:
-    adapters on a frozen model; None: every weight trains), `memory` (MemoryConfig: the memory tiers,
-    paratrain/memory.py; None: the defaults), `steps` (the run's optimizer steps: 1-bit Adam's default warm-up is a
-    share of them), `float8` (Float8Config of an fp8 run; None: the defaults), `cuda_graphs` (the compiled blocks
-    replay CUDA graphs). The model is built on
-    the meta device and materialised after sharding; tied embeddings are the exception (materialising from meta would
-    untie them), so those models are built for real."""
+    seed: int = 0
+    grad_clip: float = 1.0
+    steps: int = 0  # the run's optimizer steps (1-bit Adam's default warm-up is a share of them)
+    optimizer: OptimizerConfig | None = None  # the recipe's optimizer's hyperparameters (None: the defaults)
+    parallel: ParallelConfig | None = None  # compression settings, DDP buckets, FSDP prefetching (None: the defaults)
+    memory_budget: object = None  # observe.oom.MemoryBudget
+    probe: StepProbe | None = None
 
+    @classmethod
+    def of_run(cls, cfg, **more) -> "StepOptions":
+        """A run's config (paratrain.config.Config) read into step options."""
+        t = cfg.training
+        return cls(seed=t.seed, grad_clip=t.grad_clip, steps=t.steps, optimizer=cfg.optimizer, parallel=cfg.parallel,
+                   **more)
+
+
+def default_recipe(layout: Layout) -> Recipe:
+    """The recipe of a step built without one: fp32, no checkpointing, the memory tiers automatic, AdamW."""
+    return Recipe(layout, precision="fp32", tiers=MemoryTiers(loss_chunks=0))
+
+
+def build_train_step(model_args, dims, recipe: Recipe | None = None, device: torch.device = torch.device("cpu"),
+                     options: StepOptions = StepOptions()) -> TrainStep:
+    """The one place a training step is assembled, for the trainer, evaluation, the memory harness and the benches.
+
+    `model_args` (ModelArgs), `dims` (ParallelDims: the layout and its meshes), `recipe` (paratrain.recipe.Recipe:
+    precision, checkpointing, memory tiers, LoRA, compilation and the run's capabilities; None: `default_recipe`),
+    `options` (StepOptions). The model is built on the meta device and materialised after sharding; tied embeddings
+    are the exception (materialising from meta would untie them), so those models are built for real."""
     layout = dims.layout
-    ac = activation_checkpoint or ActivationCheckpointConfig()
-    memory = memory or MemoryConfig()
-    # fp8: the float8 layers' settings, and the precision everything else computes in (bf16; fp32 with
-    # [float8] compute = "fp32")
-    float8 = (float8 or Float8Config()) if float8_matmuls(precision) else None
-    precision = float8.compute if float8 is not None else precision
+    recipe = recipe or default_recipe(layout)
+    capabilities = recipe.capabilities
+    precision = recipe.precision
+    for capability in capabilities:  # the precision the model computes in (fp8: bf16 around its 8-bit matmuls)
+        precision = capability.compute_precision(precision)
+    ac = ActivationCheckpointConfig(recipe.checkpointing, recipe.every_k, recipe.segment_blocks)
+    memory = recipe.tiers.to_config(MemoryConfig())
     with torch.device(device if model_args.tie_embeddings else "meta"):
         model = build_model(model_args)
     scaler = make_scaler(layout, precision, device)
-    optimizer = optimizer or OptimizerConfig()
+    optimizer = dataclasses.replace(options.optimizer or OptimizerConfig(), name=recipe.optimizer)
     # compression, buckets, prefetching (and 1-bit Adam's schedule)
-    comm = GradComm(parallel or ParallelConfig(), dims, device, seed, optimizer, steps)
+    comm = GradComm(options.parallel or ParallelConfig(), dims, device, options.seed, optimizer, options.steps)
+    token_loss = TokenLoss(capabilities, device)
     pipeline = None
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
-        pipeline = build_pipeline(dims, model, ac, precision, compile, device, seed, ScheduleLoss(scaler), comm, lora,
-                                  memory, float8)
+        pipeline = build_pipeline(dims, model, ac, precision, recipe.compile, device, options.seed,
+                                  ScheduleLoss(scaler, token_loss), comm, recipe.lora, memory, capabilities)
         model = pipeline.model
     else:
-        model = parallelize(model, dims, ac, precision, compile, device, seed, comm=comm, lora=lora, memory=memory,
-                            float8=float8, cuda_graphs=cuda_graphs)
+        model = parallelize(model, dims, ac, precision, recipe.compile, device, options.seed, comm=comm,
+                            lora=recipe.lora, memory=memory, capabilities=capabilities,
+                            cuda_graphs=recipe.cuda_graphs)
     comm.prepare()
     # CPU offload: the sharded parameters, their gradients and the optimizer state live in host memory, and the
     # optimizer steps there
     opt_device = torch.device("cpu") if memory.cpu_offload else device
     opt = build_optimizer(unwrap(model), optimizer, opt_device,
                           dims.dp_group if layout.zero1 else None, comm=comm, precision=precision,
-                          hidden=hidden_matrix_names(model_args, lora),
+                          hidden=hidden_matrix_names(model_args, recipe.lora),
                           replica_mesh=dims.dp_mesh if layout.uses_ddp else None)
-    return TrainStep(model, opt, layout, precision=precision, device=device, grad_clip=grad_clip, scaler=scaler,
-                     pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
-                     memory_budget=memory_budget, probe=probe, comm=comm,
+    return TrainStep(model, opt, layout, precision=precision, device=device, grad_clip=options.grad_clip,
+                     scaler=scaler, pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
+                     memory_budget=options.memory_budget, probe=options.probe, comm=comm,
                      context=context_for(dims),  # cp: batches cut to this rank's chunks
-                     loss_chunks=memory.loss_chunks, vocab_size=model_args.vocab_size,
-                     float8_gathers=float8 is not None and gathers_float8(float8, device, layout.uses_fsdp))
+                     loss_chunks=memory.loss_chunks, vocab_size=model_args.vocab_size, capabilities=capabilities,
+                     token_loss=token_loss)
 
 
 def build_run_step(spec, dims, device: torch.device, memory_budget=None) -> TrainStep:
-    """The step of the run `spec` (a RunSpec) on this rank: `build_train_step` with the run's settings, as the trainer
-    and the dry run (`paratrain train --dry-run`) build it."""
-    cfg, t = spec.cfg, spec.cfg.training
-    return build_train_step(spec.model_args, dims, device, precision=t.precision,
-                            activation_checkpoint=cfg.activation_checkpoint, compile=t.compile, seed=t.seed,
-                            optimizer=cfg.optimizer, parallel=cfg.parallel, memory=cfg.memory, grad_clip=t.grad_clip,
-                            memory_budget=memory_budget, lora=spec.lora, steps=t.steps, float8=cfg.float8,
-                            cuda_graphs=t.cuda_graphs)
+    """The step of the run `spec` (a RunSpec) on this rank: `build_train_step` with the run's recipe and settings, as
+    the trainer and the dry run (`paratrain train --dry-run`) build it."""
+    return build_train_step(spec.model_args, dims, spec.recipe(device.type), device,
+                            StepOptions.of_run(spec.cfg, memory_budget=memory_budget))

@@ -7,24 +7,26 @@ moment (dynamic scaling): one scale per tensor ("tensorwise") or per row ("rowwi
 suite, torchao emulates the float8 matmul (`emulate=True`: the same casts and scales, the product of the dequantised
 values), so every layout's fp8 path runs on CPU ranks.
 
-Where the layout is applied (`parallelize`): the conversion comes first (before tensor parallelism, which then gives
+Where the layout is applied (`parallelize`, through the `before_parallelize` hook): the conversion comes first (before tensor parallelism, which then gives
 tensorwise layers torchao's float8 styles: the column-parallel input is cast before its all-gather), and FSDP shards
 the converted layers like any others; with `fsdp_float8_all_gather`, the sharded weights are cast to float8 before
 the all-gather (half the bytes), with their scales computed for every layer in one all-reduce after each optimizer
 step (`precompute_scales`).
+
+Everything fp8 is here: the `[float8]` section, its checks, the hooks into the step, the verify rows (one fp8 process as
+the reference, at FP8_TOLERANCE) and the checkpoint's plain tensors. Torch and torchao are imported inside the
+functions that need them: the config checks, the estimator and the planner read this module without them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
-import torch
-from torch import nn
-from torch.distributed.tensor import DTensor
-
-from paratrain.errors import UserError
+from paratrain.capabilities.base import Capability
+from paratrain.errors import ConfigError, UserError
 from paratrain.models.registry import float8_linears
-from paratrain.modes import tensorwise_scales
+from paratrain.modes import Float8Compute, Float8Recipe, float8_matmuls, tensorwise_scales
 
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first tensor cores with FP8
 
@@ -36,6 +38,8 @@ def keep_names(text: str) -> tuple[str, ...]:
 
 def check_float8_device(device: torch.device) -> None:
     """A one-line refusal on a GPU without FP8 tensor cores (emulating there would be slower than bf16)."""
+    import torch  # lazy: the config checks and the estimator read this module without torch
+
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
         major, minor = torch.cuda.get_device_capability(device)
         raise UserError(f"training.precision=fp8 needs FP8 tensor cores (compute capability 8.9+: H100, H200, L4, "
@@ -62,6 +66,8 @@ def linear_config(cfg, device: torch.device, uses_fsdp: bool):
 def _autocast_input(module, args):
     # torchao's Float8Linear casts its input to CUDA's autocast dtype only; under a CPU autocast do the same, so an
     # emulated run computes in bf16 around its float8 matmuls as a CUDA run does
+    import torch  # lazy: the config checks and the estimator read this module without torch
+
     x = args[0]
     if x.device.type != "cuda" and torch.is_autocast_enabled(x.device.type):
         return (x.to(torch.get_autocast_dtype(x.device.type)), *args[1:])
@@ -98,7 +104,7 @@ def float8_tp_styles(recipe: str, device: torch.device):
 
 def precompute_scales(model: nn.Module) -> None:
     """After an optimizer step with float8 all-gathers: every layer's weight scale in one all-reduce."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # lazy: torchao for fp8 runs only
 
     precompute_float8_dynamic_scale_for_fsdp(model)
 
@@ -108,6 +114,10 @@ def plain_tensors(state):
     the optimizer states made like them) replaced by the plain tensors they wrap, sharing their storage: what a
     checkpoint saves and loads into. DCP would otherwise pickle the wrapper's class into the checkpoint, which a
     weights-only load refuses (and which ties the checkpoint to torchao)."""
+    # lazy: the config checks and the estimator read this module without torch
+    import torch
+    from torch.distributed.tensor import DTensor
+
     if isinstance(state, dict):
         return {k: plain_tensors(v) for k, v in state.items()}
     if isinstance(state, list):
@@ -124,9 +134,107 @@ def plain_tensors(state):
 
 def _unwrapped(tensor: torch.Tensor) -> torch.Tensor:
     """The plain tensor inside a one-tensor wrapper subclass (torchao's WeightWithDynamicFloat8CastTensor)."""
+    # lazy: the config checks and the estimator read this module without torch
+    import torch
+    from torch import nn
+
     while type(tensor) not in (torch.Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__"):
         names, _ = tensor.__tensor_flatten__()
         if len(names) != 1:
             break
         tensor = getattr(tensor, names[0])
     return tensor
+
+
+@dataclass
+class Float8Config:
+    """training.precision = "fp8" (docs/precision.md; paratrain/capabilities/float8.py): which linear layers multiply
+    in float8 and how their scales are taken. The output projection, MoE routers and experts, and any layer whose
+    dimensions are not multiples of 16 always stay in bf16."""
+
+    # tensorwise: one scale per tensor (fastest; float8 all-gathers under FSDP and float8 tensor-parallel styles);
+    # rowwise: one scale per row (more accurate with outliers; bf16 all-gathers)
+    recipe: Float8Recipe = "tensorwise"
+    # module names (or their last part, e.g. "w2") also kept in bf16, comma-separated
+    keep_bf16: str = ""
+    # what the model computes in around the float8 matmuls: bf16 (the speed fp8 is for), or fp32 to see float8's own
+    # error apart from bf16's (what paratrain verify's fp8 rows compute in: docs/precision.md)
+    compute: Float8Compute = "bf16"
+    # tensorwise under FSDP: all-gather the float8 weights (half the bytes) with scales precomputed after each
+    # optimizer step; unset: on for tensorwise with FSDP on CUDA
+    fsdp_float8_all_gather: bool | None = None
+
+
+FP8 = "training.precision=fp8"  # the blocks' projections as float8 matmuls (emulated on a CPU), fp32 around them
+FP8_FP32 = "float8.compute=fp32"
+MOE_PRESET = "model.preset=tiny-moe"
+FP8_MICRO_BATCH = 2  # sequences per forward of every fp8 row and of its reference
+# An fp8 row's loss and val loss against one fp8 process: float8 rounds to 3 mantissa bits, so a reduction-order
+# difference of 1e-7 that moves a value across a rounding boundary becomes a 2^-4 change of that element, and the runs
+# drift apart faster than fp32 runs do. 3e-4 over 8 steps (the suite's) is 5x tighter than fp8 against fp32 or bf16
+# on the same steps (1.5e-3; measured, docs/precision.md), and scales taken over other values fail it (forwards of 8
+# sequences instead of 2: 7e-4; cp's per-chunk scales: 1.2e-3). Weights within 1e-2: Adam's normalised step moves an
+# element by up to lr either way, so a near-zero gradient whose float8 rounding flips its sign moves it 2 x lr from
+# the reference's.
+FP8_TOLERANCE, FP8_WEIGHT_TOLERANCE = 3e-4, 1e-2
+
+
+@dataclass(frozen=True)
+class Float8(Capability):
+    """fp8 training's settings for one run (the `[float8]` section; on when training.precision = "fp8")."""
+
+    recipe: str = "tensorwise"
+    keep_bf16: str = ""
+    compute: str = "bf16"
+    fsdp_float8_all_gather: bool | None = None
+
+    name = "float8"
+    section = Float8Config
+    # against one fp8 process with the same recipe and the same micro-batches (dynamic float8 scales are taken per
+    # forward: FP8_MICRO_BATCH sequences), at FP8_TOLERANCE
+    verify_rows = {
+        "fp8-fsdp2": (2, "fsdp,mb=2", FP8, FP8_FP32),
+        "fp8-tp2": (2, "nodp,tp=2,mb=2", FP8, FP8_FP32),
+        "fp8-fsdp2xtp2": (4, "fsdp,tp=2,mb=2", FP8, FP8_FP32),
+        "fp8-pp2": (2, "nodp,pp=2,sched=1f1b", FP8, FP8_FP32),  # 4 microbatches of 2
+        "fp8-rowwise-fsdp2": (2, "fsdp,mb=2", FP8, FP8_FP32, "float8.recipe=rowwise"),
+        "fp8-rowwise-tp2": (2, "nodp,tp=2,mb=2", FP8, FP8_FP32, "float8.recipe=rowwise"),
+        "fp8-fsdp2+gather": (2, "fsdp,mb=2", FP8, FP8_FP32, "float8.fsdp_float8_all_gather=true"),
+        "fp8-hsdp2x2": (4, "hsdp,rep=2,mb=2", FP8, FP8_FP32),
+        "fp8-fsdp2+selective": (2, "fsdp,ac=selective,mb=2", FP8, FP8_FP32),
+        "fp8-fsdp2+full": (2, "fsdp,ac=full,mb=2", FP8, FP8_FP32),
+        "fp8-ep2": (2, "fsdp,ep=2,mb=2", MOE_PRESET, FP8, FP8_FP32),  # the shared expert in float8, routed experts bf16
+        "compile-fp8-fsdp2": (2, "fsdp,mb=2", "training.compile=true", FP8, FP8_FP32),  # Inductor around float8
+    }
+    verify_tolerance = (FP8_TOLERANCE, FP8_WEIGHT_TOLERANCE, FP8_TOLERANCE)
+    reference_keys = ("training.precision=", "float8.recipe=", "float8.compute=")
+    reference_micro_batch = FP8_MICRO_BATCH
+
+    @classmethod
+    def from_config(cls, cfg) -> "Float8 | None":
+        if not float8_matmuls(cfg.training.precision):
+            return None
+        return cls(**dataclasses.asdict(cfg.float8))
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        if float8_matmuls(cfg.training.precision) and cfg.lora.rank:
+            raise ConfigError("training.precision=fp8 with lora.rank > 0: the frozen base would be cast to float8 at "
+                              "every forward for adapters that train in bf16; use training.precision=bf16 for LoRA")
+
+    @classmethod
+    def uses(cls, overrides: list[str]) -> bool:
+        return FP8 in overrides
+
+    def compute_precision(self, precision: str) -> str:
+        return self.compute  # around the float8 matmuls: bf16, or fp32 ([float8] compute)
+
+    def before_parallelize(self, model, where) -> dict:
+        """Convert the chosen linear layers; under tensor parallelism they take float8 styles (on CUDA)."""
+        chosen = apply_float8(model, self, where.device, where.layout.uses_fsdp)
+        styles = float8_tp_styles(self.recipe, where.device)
+        return {name: styles for name in chosen} if styles is not None else {}
+
+    def after_optimizer_step(self, model, where) -> None:
+        if gathers_float8(self, where.device, where.layout.uses_fsdp):
+            precompute_scales(model)  # the next forward all-gathers float8 weights cast with these scales

@@ -1,0 +1,42 @@
+"""The registered capabilities (paratrain/capabilities/base.py says what one is; docs/architecture.md how to add
+one). Everything else iterates `CAPABILITIES` or a run's `active(cfg)` and names none of them. Torch-free."""
+
+from __future__ import annotations
+
+from paratrain.capabilities.base import Capability
+from paratrain.capabilities.float8 import Float8
+from paratrain.capabilities.z_loss import ZLoss
+
+# In the order their hooks run.
+CAPABILITIES: tuple[type[Capability], ...] = (Float8, ZLoss)
+
+
+def active(cfg) -> tuple[Capability, ...]:
+    """The capabilities a run's config (paratrain.config.Config) uses, with their settings."""
+    return tuple(c for c in (cls.from_config(cfg) for cls in CAPABILITIES) if c is not None)
+
+
+def check(cfg) -> None:
+    """Every capability's checks (one-line ConfigErrors)."""
+    for cls in CAPABILITIES:
+        cls.check(cfg)
+
+
+def own_sections() -> dict[str, type]:
+    """{section name: its dataclass} of the sections capabilities own."""
+    return {cls.name: cls.section for cls in CAPABILITIES if cls.section is not None}
+
+
+def added_keys(section: str) -> list[type]:
+    """The dataclasses of the keys capabilities add to an existing section, in registry order."""
+    return [cls.adds_to[1] for cls in CAPABILITIES if cls.adds_to is not None and cls.adds_to[0] == section]
+
+
+def verify_rows() -> dict[str, tuple]:
+    """Every capability's verify rows (row name -> (ranks, layout name, overrides...))."""
+    return {name: row for cls in CAPABILITIES for name, row in cls.verify_rows.items()}
+
+
+def reference_keys() -> tuple[str, ...]:
+    """Override prefixes a verify row's single-process reference keeps (what the capability computes differently)."""
+    return tuple(k for cls in CAPABILITIES for k in cls.reference_keys)

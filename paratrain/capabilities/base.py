@@ -1,0 +1,79 @@
+"""What a capability is: one class that declares its settings, its checks, its hooks into the training step, its
+memory and time terms and its verify rows, so that the trainer, the estimator, the planner and verify iterate over
+the registered capabilities (paratrain/capabilities/__init__.py) and never name one.
+
+A capability is a frozen dataclass whose fields are its resolved settings for one run; `from_config` reads them from a
+run's config and returns None when the run does not use it. The class says where its keys live: a config section of
+its own (`section`: a dataclass whose fields are the `[name]` keys), and keys it adds to an existing section
+(`adds_to`: (section name, a dataclass of those keys), e.g. z-loss's key in `[training]`). docs/configuration.md, the config's
+checks and the command-line `--section.key=value` overrides follow from those dataclasses.
+
+The hooks are called at fixed points of a step (paratrain/training/step.py), always in the registry's order:
+
+    compute_precision   the precision everything else computes in (fp8: bf16 around its 8-bit matmuls)
+    check_device        before the model is built: a one-line UserError for a device that cannot run it
+    before_parallelize  the plain model (or pipeline stage) on the meta device, before tensor parallelism; returns
+                        tensor-parallel styles for the modules it changed ({module name: (colwise, rowwise)})
+    loss_term           an extra loss on the logits (with the cross-entropy's reduction), logged under its `name`
+    after_optimizer_step  after each optimizer update (fp8's precomputed scales)
+
+`where` (a `Where`) says on which device and layout a hook runs.
+
+This module is torch-free: a capability imports torch inside its hooks (`# lazy:`), so `--help`, the config checks,
+the estimator and the planner never load it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class Where:
+    device: object  # torch.device
+    layout: object  # paratrain.layout.Layout
+
+
+@dataclass(frozen=True)
+class Capability:
+    name: ClassVar[str] = ""  # what metrics and messages call it
+    section: ClassVar[type | None] = None  # the dataclass of its own config section, `[name]`
+    adds_to: ClassVar[tuple[str, type] | None] = None  # (section, dataclass of the keys it adds there)
+    # verify rows: row name -> (ranks, layout name, overrides...), as paratrain/verify.py's LAYOUTS
+    verify_rows: ClassVar[dict[str, tuple]] = {}
+    # the verify tolerances of its rows (loss, weights, val loss), where they are looser than fp32's 1e-5; and the
+    # overrides of a row that its single-process reference keeps (the settings that change what is computed)
+    verify_tolerance: ClassVar[tuple[float, float, float] | None] = None
+    reference_keys: ClassVar[tuple[str, ...]] = ()
+    reference_micro_batch: ClassVar[int | None] = None  # a row's reference runs forwards of this many sequences
+
+    @classmethod
+    def from_config(cls, cfg) -> "Capability | None":
+        """This run's settings (a paratrain.config.Config), or None when the run does not use the capability."""
+        return None
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Checks of its settings that need no world size or data: a one-line ConfigError."""
+
+    @classmethod
+    def uses(cls, overrides: list[str]) -> bool:
+        """A verify row's overrides turn it on (its rows get `verify_tolerance` and their reference its keys)."""
+        return False
+
+    # -- the training step (torch objects; imports inside) --
+    def compute_precision(self, precision: str) -> str:
+        return precision
+
+    def check_device(self, device) -> None:
+        pass
+
+    def before_parallelize(self, model, where: Where) -> dict:
+        return {}
+
+    def loss_term(self, logits, targets, reduction: str):
+        return None
+
+    def after_optimizer_step(self, model, where: Where) -> None:
+        pass
