@@ -26,7 +26,7 @@ from paratrain.models.args import ModelArgs, is_int
 from paratrain.modes import (ActivationOffloadMode, CheckpointMode, DPModeOption, GradCompression, OptimizerImpl,
                              Precision, Schedule, WeightDtype)
 from paratrain.models.lora_params import lora_problem
-from paratrain.optimizers import OPTIMIZER_NAMES, freeze_step, optimizer_entry
+from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
 
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
 
@@ -111,26 +111,6 @@ class OptimizerConfig:
     beta2: float = 0.99  # Adam's second-moment decay
     eps: float = 1e-8
     impl: Literal["auto", OptimizerImpl] = "auto"  # AdamW's implementation; auto: fused (foreach for fp16 on a CPU)
-    # -- onebit_adam, zero_one_adam (docs/optimizers.md; DeepSpeed's names) --
-    # onebit_adam: steps of plain AdamW (fp32 all-reduce) before the variance freezes and the momenta go 1-bit
-    # (0: 6.5% of training.steps, which kept the loss within 2% of AdamW's at 90% fewer bytes);
-    # zero_one_adam: the last step that may update the variance (0: optimizer.warmup_steps, the learning-rate warm-up)
-    freeze_step: int = 0
-    var_update_scaler: int = 16  # zero_one_adam: variance updates at each interval before it doubles (kappa)
-    local_step_scaler: int = 32678  # zero_one_adam: steps after the freeze before the local-step interval doubles
-    local_step_clipper: int = 16  # zero_one_adam: the largest local-step interval (H)
-    # -- muon (docs/optimizers.md): Muon on the blocks' hidden matrices, AdamW (the keys above) on the rest --
-    muon_lr: float | None = None  # Muon's peak learning rate (the same warm-up and decay); unset: optimizer.lr
-    muon_momentum: float = 0.95  # the momentum buffer's decay (an EMA of the gradients, as torch.optim.Muon)
-    muon_nesterov: bool = True  # orthogonalise the Nesterov look-ahead g + mu (B - g) instead of the buffer B
-    muon_ns_steps: int = 5  # Newton-Schulz iterations per update
-    muon_ns_a: float = 3.4445  # the quintic iteration's coefficients: X <- a X + (b A + c A^2) X, A = X X^T
-    muon_ns_b: float = -4.7750
-    muon_ns_c: float = 2.0315
-    # the update's scale per matrix shape (A x B): match_rms_adamw 0.2 sqrt(max(A, B)) gives it AdamW's RMS (one
-    # learning rate for both parts); original sqrt(max(1, A / B)) (Keller Jordan's); none
-    muon_adjust_lr: Literal["match_rms_adamw", "original", "none"] = "match_rms_adamw"
-    muon_ns_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the iteration's; auto: float32 for an fp32 run, else bfloat16
 
     @property
     def final_lr(self) -> float:
@@ -514,20 +494,7 @@ def validate(cfg: Config) -> None:
     _require(t.grad_clip >= 0, "training.grad_clip must be >= 0 (0 disables)")
     entry = optimizer_entry(o.name)  # a registered optimizer, or a ConfigError naming them
     entry.check_compression(cfg.parallel.grad_compression)
-    _require(o.freeze_step >= 0, "optimizer.freeze_step must be >= 0 (0: the default warm-up)")
-    _require(not entry.communicates or freeze_step(o, t.steps) > 0,
-             f"optimizer.name={o.name} needs a warm-up of plain Adam steps: set optimizer.freeze_step (or "
-             "optimizer.warmup_steps) > 0")
-    _require(min(o.var_update_scaler, o.local_step_scaler, o.local_step_clipper) >= 1,
-             "optimizer.var_update_scaler, local_step_scaler and local_step_clipper must be >= 1")
     _require(o.lr > 0, f"optimizer.lr must be positive, got {o.lr}")
-    if o.name == "muon":
-        _require(o.muon_ns_steps >= 1, f"optimizer.muon_ns_steps must be >= 1 (Newton-Schulz iterations; 0 would "
-                 f"apply the raw momentum, not Muon), got {o.muon_ns_steps}")
-        _require(o.muon_lr is None or o.muon_lr > 0, f"optimizer.muon_lr must be positive, got {o.muon_lr}")
-        _require(0 <= o.muon_momentum < 1, f"optimizer.muon_momentum must be in [0, 1), got {o.muon_momentum}")
-        _require(cfg.lora.rank == 0, "optimizer.name=muon orthogonalises the hidden matrices, which LoRA freezes "
-                 "(its adapters are low-rank factors, not hidden matrices): use adamw with lora.rank > 0")
     _require(o.min_lr is None or 0 <= o.min_lr <= o.lr,
              f"optimizer.min_lr must be between 0 and optimizer.lr ({o.lr}), got {o.min_lr}")
     _require(o.warmup_steps >= 0, "optimizer.warmup_steps must be >= 0")

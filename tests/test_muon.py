@@ -55,7 +55,9 @@ def test_verify_muon_matrix(char_data):
     """ddp2, zero1x2, fsdp2, hsdp2x2, tp2, fsdp2xtp2, pp2, ep2 with Muon against one process's Muon (fp32: the
     iteration in fp32), and each layout loading one process's Muon checkpoint for its val loss."""
     from test_distributed import check_matrix
-    from paratrain.verify import MUON_MATRIX
+    from paratrain.verify import CAPABILITY_MATRICES
+
+    MUON_MATRIX = CAPABILITY_MATRICES["muon"]
 
     assert MUON_MATRIX == ["muon-ddp2", "muon-zero1x2", "muon-fsdp2", "muon-hsdp2x2", "muon-tp2", "muon-fsdp2xtp2",
                            "muon-pp2", "muon-ep2"]

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from paratrain.capabilities.base import Capability
 from paratrain.capabilities.float8 import Float8
+from paratrain.capabilities.muon import Muon
+from paratrain.capabilities.onebit import OneBitAdam
 from paratrain.capabilities.z_loss import ZLoss
 
-# In the order their hooks run.
-CAPABILITIES: tuple[type[Capability], ...] = (Float8, ZLoss)
+# In the order their hooks run (and their keys are listed in a section they share).
+CAPABILITIES: tuple[type[Capability], ...] = (Float8, OneBitAdam, Muon, ZLoss)
 
 
 def active(cfg) -> tuple[Capability, ...]:
