@@ -73,7 +73,7 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from paratrain.stage_split import balanced_split
     from paratrain.models import preset_args
-    from paratrain.commands.plan import context_from_argv, main as main_plan
+    from paratrain.commands.plan import main as main_plan
     from paratrain.calibration import calibrate
 
     from paratrain.api import RANK_MODULES
@@ -96,7 +96,6 @@ def main() -> int:
             "--checkpointing", "none", "--schedules", "1f1b", "--micro-batches", "1,2", "--out", str(tmp / "plan")]
     print("paratrain plan " + " ".join(argv))
     main_plan(argv)
-    ctx, _, _, _ = context_from_argv(argv)
     plan_cfg = tmp / "plan" / "config.toml"
     from paratrain.config import load_config
 

@@ -76,16 +76,17 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="2 ranks, 2 data-parallel layouts of 4 steps, no warm-up run, "
                     "a short calibration (seconds; the test suite)")
     a = ap.parse_args()
-    limits = []
+    limits = {}
     if a.smoke:
         a.nproc, a.steps, a.seq, a.global_batch_tokens, a.max_candidates = 2, 4, 32, 32 * 4, 2
         a.dp_modes, a.checkpointing, a.micro_batches, a.calibrate_seconds = "ddp,fsdp", "none", "2", 0.02
-        limits = ["--max-tp", "1", "--max-pp", "1", "--max-cp", "1"]
+        limits = {"max_tp": 1, "max_pp": 1, "max_cp": 1}
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     from paratrain.config import load_config
-    from paratrain.commands.plan import config_for, context_from_argv
+    from paratrain.commands.plan import config_for
     from paratrain.calibration import calibrate
+    from paratrain.estimate.planner import PlanRequest, plan_context
     from paratrain.estimate.search import rank_all
 
     from paratrain.api import RANK_MODULES
@@ -101,13 +102,15 @@ def main() -> int:
           f"alpha {hw.intra.latency * 1e6:.0f} us, {hw.intra.bandwidth / 1e9:.2f} GB/s, reduce-scatter x"
           f"{hw.intra.reduce_scatter_factor:.2f}; overlap {hw.overlap}; compute "
           f"scale {hw.compute_scale:.2f}")
-    argv = ["--model", MODEL, "--gpus", str(a.nproc), "--gpus-per-node", str(a.nproc), "--gpu", "bench-cpu",
-            "--profile-dir", str(tmp / "profiles"), "--seq", str(a.seq), "--global-batch-tokens",
-            str(a.global_batch_tokens), "--dp-modes", a.dp_modes, "--checkpointing", a.checkpointing,
-            "--micro-batches", a.micro_batches, "--schedules", a.schedules, *limits]
-    ctx, world, opts, _ = context_from_argv(argv)
+    ctx, world, opts = plan_context(PlanRequest(
+        MODEL, gpus=a.nproc, gpus_per_node=a.nproc, gpu="bench-cpu", profile_dir=str(tmp / "profiles"), seq=a.seq,
+        global_batch_tokens=a.global_batch_tokens, dp_modes=a.dp_modes.split(","),
+        checkpointing=a.checkpointing.split(","), micro_batches=[int(m) for m in a.micro_batches.split(",")],
+        schedules=a.schedules.split(","), **limits))
     results = [r for r in rank_all(ctx, world, opts) if r.ok]
-    print(f"paratrain plan {' '.join(argv)}\n{len(results)} feasible layouts")
+    print(f"plan: {MODEL} on {world} x bench-cpu, seq {a.seq}, {a.global_batch_tokens} tokens per step, dp modes "
+          f"{a.dp_modes}, checkpointing {a.checkpointing}, micro-batches {a.micro_batches}, schedules {a.schedules}"
+          f"\n{len(results)} feasible layouts")
     if len(results) > a.max_candidates:  # keep the planner's first choice, spread the rest over the ranking
         step = (len(results) - 1) / (a.max_candidates - 1)
         results = [results[round(i * step)] for i in range(a.max_candidates)]

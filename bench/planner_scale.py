@@ -29,14 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="the first case only, without the warm-up plan (the test suite)")
     a = ap.parse_args(argv)
-    from paratrain.commands.plan import context_from_argv
-    from paratrain.estimate.search import plan
+    from paratrain.estimate.planner import PlanRequest, plan_context
 
     def run(model, gpus, seq, seqs):
-        ctx, world, opts, _ = context_from_argv(["--model", model, "--gpus", str(gpus), "--gpu", "H100", "--seq",
-                                                 str(seq), "--global-batch-tokens", str(seq * seqs)])
+        planning = plan_context(PlanRequest(model, gpus=gpus, gpu="H100", seq=seq, global_batch_tokens=seq * seqs))
         w0, c0 = time.perf_counter(), time.process_time()
-        p = plan(ctx, world, opts)
+        p = planning.plan()
         return p, time.perf_counter() - w0, time.process_time() - c0
 
     if not a.smoke:

@@ -156,7 +156,7 @@ def test_planner_and_estimator_know_compression():
     in the estimator."""
     from paratrain.commands.estimate import inputs_from_argv
     from paratrain.estimate.core import estimate
-    from paratrain.commands.plan import context_from_argv
+    from paratrain.estimate.planner import PlanRequest, plan_context
     from paratrain.estimate.step_time import Candidate, predict
 
     shapes = [(512, 256), (256,), (64, 64), (8, 8)]
@@ -171,13 +171,10 @@ def test_planner_and_estimator_know_compression():
     assert power.wire_fraction == (4 * (512 + 256) + 4 * (64 + 64) + 256 + 64) / numel
     assert compression_cost(Compression("bf16"), shapes, 4).wire_fraction == 0.5
 
-    plan = ["--model", "llama3.2-1b", "--gpus", "16", "--gpu", "H100", "--inter", "eth25", "--seq", "2048",
-            "--global-batch-tokens", "1048576"]
     preds = {}
     for method in ("none", "bf16", "powersgd", "sign_ef"):
-        ctx = context_from_argv([*plan, "--grad-compression", method])[0]
-        from paratrain.layout import Layout
-
+        ctx = plan_context(PlanRequest("llama3.2-1b", gpus=16, gpu="H100", inter="eth25", seq=2048,
+                                       global_batch_tokens=1048576, parallel={"grad_compression": method})).ctx
         preds[method] = predict(Candidate(Layout.resolve(16, dp_mode="ddp"), "none", 2, 4), ctx)
     assert preds["none"].compress_s == 0 and all(preds[m].compress_s > 0 for m in ("bf16", "powersgd", "sign_ef"))
     exposed = {m: p.comm_exposed_s for m, p in preds.items()}

@@ -215,6 +215,7 @@ def test_cli_refuses_bad_cp_with_one_line(char_data, tmp_path, capsys, monkeypat
 PLAN_405B = ["--model", "llama3-405b", "--gpus", "1024", "--gpu", "H100", "--seq", "131072",
              "--global-batch-tokens", "16777216"]
 NARROW = ["--dp-modes", "fsdp", "--checkpointing", "full", "--micro-batches", "1"]
+REQUEST_405B = dict(model="llama3-405b", gpus=1024, gpu="H100", seq=131072, global_batch_tokens=16777216)
 
 
 def test_planner_fits_llama3_405b_at_128k_with_cp_only(tmp_path, capsys):
@@ -224,14 +225,13 @@ def test_planner_fits_llama3_405b_at_128k_with_cp_only(tmp_path, capsys):
     from paratrain.cli import main
     from paratrain.config import load_config
     from paratrain.errors import UserError
-    from paratrain.commands.plan import context_from_argv
-    from paratrain.estimate.search import plan
+    from paratrain.estimate.planner import PlanRequest, plan
 
     # (without the memory tiers: CPU offload makes it fit on 1024 H100s without cp, at a host memory price)
-    ctx, world, opts, _ = context_from_argv(PLAN_405B + NARROW + ["--schedules", "1f1b", "--max-cp", "1",
-                                                                  "--no-memory-tiers"])
+    request = PlanRequest(**REQUEST_405B, dp_modes=["fsdp"], checkpointing=["full"], micro_batches=[1],
+                          schedules=["1f1b"], max_cp=1, memory_tiers=False)
     with pytest.raises(UserError, match="no layout fits llama3-405b on 1024"):
-        plan(ctx, world, opts)
+        plan(request)
     out = tmp_path / "plan"
     assert main(["plan", *PLAN_405B, *NARROW, "--out", str(out)]) == 0
     text = capsys.readouterr().out
@@ -244,14 +244,14 @@ def test_planner_fits_llama3_405b_at_128k_with_cp_only(tmp_path, capsys):
 
 def test_planner_explains_the_ring(capsys):
     from paratrain.cli import main
-    from paratrain.commands.plan import context_from_argv
+    from paratrain.estimate.planner import PlanRequest, plan_context
     from paratrain.estimate.step_time import RING, predict
     from paratrain.estimate.search import parse_layout
 
     assert main(["plan", *PLAN_405B, *NARROW, "--explain", "fsdp,cp=8,tp=2,ac=full,mb=1"]) == 0
     text = capsys.readouterr().out
     assert "context-parallel ring over 8 ranks" in text and "point-to-point steps" in text and "exposed" in text
-    ctx, world, opts, _ = context_from_argv(PLAN_405B)
+    ctx, world, _ = plan_context(PlanRequest(**REQUEST_405B))
     c = parse_layout("fsdp,cp=8,tp=2,ac=full,mb=1", ctx, world)
     hidden, bare = predict(c, ctx), predict(c, ctx.__class__(**{**ctx.__dict__, "hw": _no_overlap(ctx.hw)}))
     assert 0 < hidden.comm[RING] < bare.comm[RING]  # the attention compute hides part of the ring

@@ -4,6 +4,7 @@ refusals. Models are tiny and random, the chat data is written here: no network.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -250,9 +251,10 @@ def test_estimate_and_plan_count_frozen_and_trainable():
     planner reduces and updates only the adapters."""
     from paratrain.commands.estimate import inputs_from_argv
     from paratrain.estimate.core import estimate
-    from paratrain.commands.plan import context_from_argv
+    from paratrain.estimate.planner import PlanRequest, plan_context
     from paratrain.estimate.step_time import predict
     from paratrain.estimate.search import rank_all
+    from paratrain.models.lora_params import LoRA
 
     inputs, _ = inputs_from_argv(["--model", "llama3-8b", "--gpu", "RTX4090", "--lora-rank", "16",
                                   "--checkpointing", "full"])
@@ -266,9 +268,9 @@ def test_estimate_and_plan_count_frozen_and_trainable():
     full = estimate(inputs_from_argv(["--model", "llama3-8b", "--gpu", "RTX4090", "--checkpointing", "full"])[0],
                     suggest=False)
     assert not full.fits and full.sizes["gradients"] > 100 * est.sizes["gradients"]
-    argv = ["--model", "llama3-8b", "--gpus", "8", "--gpu", "H100", "--seq", "4096", "--global-batch-tokens", "524288"]
-    lora_ctx, world, opts, _ = context_from_argv(argv + ["--lora-rank", "16"])
-    ctx = context_from_argv(argv)[0]
+    request = PlanRequest("llama3-8b", gpus=8, gpu="H100", seq=4096, global_batch_tokens=524288)
+    lora_ctx, world, opts = plan_context(dataclasses.replace(request, lora=LoRA(rank=16)))
+    ctx = plan_context(request).ctx
     best = rank_all(lora_ctx, world, opts)[0]
     with_lora, without = predict(best.cand, lora_ctx), predict(best.cand, ctx)
     assert with_lora.optimizer_s < without.optimizer_s / 50 and with_lora.compute_s < without.compute_s

@@ -108,13 +108,14 @@ def test_fp8_is_refused_on_a_gpu_without_fp8_tensor_cores(monkeypatch):
 def test_plan_fp8(capsys):
     """fp8 on an H100 is faster than bf16 (float8 GEMMs), refused on an A100 (no FP8 tensor cores); the written
     config trains fp8."""
-    from paratrain.commands.plan import context_from_argv
+    from paratrain.estimate.planner import PlanRequest, plan_context
     from paratrain.estimate.step_time import Candidate, predict
     from paratrain.layout import Layout
 
     plan = ["--model", "llama3-8b", "--gpus", "8", "--seq", "8192", "--global-batch-tokens", "1048576"]
     layout = Candidate(Layout.resolve(8, dp_mode="fsdp"), "full", 2, 1)
-    steps = {p: predict(layout, context_from_argv([*plan, "--gpu", "H100", "--precision", p])[0]).step_s
+    steps = {p: predict(layout, plan_context(PlanRequest("llama3-8b", gpus=8, seq=8192, global_batch_tokens=1048576,
+                                                         gpu="H100", precision=p)).ctx).step_s
              for p in ("bf16", "fp8")}
     assert steps["fp8"] < steps["bf16"]
     assert main(["plan", *plan, "--gpu", "A100", "--precision", "fp8", "--no-write"]) == 2

@@ -15,21 +15,20 @@ from paratrain.layout import CONFIG_KEYS, Layout
 from paratrain.layout_grammar import FLAG_KEYS, LAYOUT_KEYS, NOT_FLAGS, layout_name, parse_layout_name
 from paratrain.modes import (CHECKPOINT_MODES, PRECISIONS, SCHEDULES, WEIGHT_DTYPES, checkpointing_label, dtype_name,
                              parse_checkpointing_label, torch_schedule_name)
-from paratrain.commands.plan import context_from_argv
+from paratrain.estimate.planner import PlanRequest, plan_context
 from paratrain.estimate.search import candidates, parse_layout
 
-PLANS = {  # (plan arguments, items its layouts' names hold): hsdp replicas, cp, tp, pipelines with v=3, experts
-    "dense": (["--model", "llama3-8b", "--gpus", "32", "--gpu", "H100", "--seq", "8192", "--global-batch-tokens",
-               str(8192 * 64), "--micro-batches", "1,2", "--max-pp", "2"],
+PLANS = {  # (what is planned, items its layouts' names hold): hsdp replicas, cp, tp, pipelines with v=3, experts
+    "dense": (PlanRequest("llama3-8b", gpus=32, gpu="H100", seq=8192, global_batch_tokens=8192 * 64,
+                          micro_batches=(1, 2), max_pp=2),
               {"rep", "cp", "tp", "pp", "sched", "v", "ac", "mb"}),
-    "moe": (["--model", "tiny-moe", "--gpus", "8", "--gpu", "H100", "--seq", "256", "--global-batch-tokens",
-             str(256 * 32)], {"ep", "ac", "mb"}),
+    "moe": (PlanRequest("tiny-moe", gpus=8, gpu="H100", seq=256, global_batch_tokens=256 * 32), {"ep", "ac", "mb"}),
 }
 
 
-@pytest.mark.parametrize("argv, items", PLANS.values(), ids=PLANS.keys())
-def test_every_planned_name_parses_back_to_its_candidate_and_config(argv, items):
-    ctx, world, opts, _ = context_from_argv(argv)
+@pytest.mark.parametrize("req, items", PLANS.values(), ids=PLANS.keys())
+def test_every_planned_name_parses_back_to_its_candidate_and_config(req, items):
+    ctx, world, opts = plan_context(req)
     cands = candidates(ctx, world, opts)
     named = {item.split("=")[0] for c in cands for item in c.name.split(",")[1:]}
     assert named >= items, named

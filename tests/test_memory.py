@@ -270,24 +270,23 @@ def test_plan_reaches_for_the_tiers_and_writes_them(tmp_path):
     """Nothing fits 4 x RTX4090 for llama3-8b without a tier: the plan names one, predicts its PCIe copies and host
     optimizer step, and its config loads as `paratrain train --config` would read it."""
     from paratrain.config import load_config
-    from paratrain.commands.plan import context_from_argv, write_outputs
-    from paratrain.estimate.search import plan
+    from paratrain.commands.plan import write_outputs
+    from paratrain.estimate.planner import PlanRequest, plan, plan_context
     from paratrain.spec import check
 
-    ctx, world, opts, base = context_from_argv(["--model", "llama3-8b", "--gpus", "4", "--gpus-per-node", "4", "--gpu",
-                                                "RTX4090", "--intra", "pcie4", "--seq", "4096",
-                                                "--global-batch-tokens", "65536", "--host-memory", "256GiB"])
-    best = plan(ctx, world, opts, top=1).ranked[0]
+    request = PlanRequest("llama3-8b", gpus=4, gpus_per_node=4, gpu="RTX4090", intra="pcie4", seq=4096,
+                          global_batch_tokens=65536, host_memory="256GiB")
+    ctx, world, _ = planning = plan_context(request)
+    best = planning.plan(top=1).ranked[0]
     assert best.cand.tiers() and best.estimate.host_fits
     if best.cand.cpu_offload:
         assert best.pred.optimizer_s > 0.5  # 2B parameters per rank stepped on the host's cores
-    path, _, _ = write_outputs(best, ctx, world, tmp_path / "plan", base, "llama3-8b")
+    path, _, _ = write_outputs(best, ctx, world, tmp_path / "plan", None, "llama3-8b")
     cfg = load_config(path)
     assert (cfg.memory.cpu_offload, cfg.memory.activation_offload) == (best.cand.cpu_offload, best.cand.act_offload)
     assert check(cfg, world).world_size == 4
     with pytest.raises(UserError, match="does not fit in host memory"):
-        tight = dataclasses.replace(ctx, host_memory_bytes=16 * 2**30)
-        plan(tight, world, opts, top=1)
+        plan(dataclasses.replace(request, host_memory=16 * 2**30), top=1)
 
 
 def test_low_memory_optimizer_states():

@@ -114,7 +114,7 @@ def test_muon_in_the_estimator_and_the_planner():
     """State: a momentum (4 bytes) per hidden element, AdamW's moments (8) and a step count per other parameter. The
     plan's step: the Newton-Schulz iterations shared out over the ranks and, on sharded layouts, two
     redistributions of the updates (none under ZeRO-1, whose ranks step their own whole parameters)."""
-    from paratrain.commands.plan import context_from_argv
+    from paratrain.estimate.planner import PlanRequest, plan_context
     from paratrain.estimate.step_time import MUON_REDISTRIBUTION, Candidate, muon_ns_flops, predict
     from paratrain.layout import Layout
 
@@ -127,7 +127,7 @@ def test_muon_in_the_estimator_and_the_planner():
     assert muon_ns_flops((64, 160)) == 5 * 2 * 64 * 64 * (2 * 160 + 64)
     preds = {}
     for name in ("adamw", "muon"):
-        ctx, *_ = context_from_argv(["--model", "llama3-8b", "--gpus", "8", "--optimizer", name])
+        ctx = plan_context(PlanRequest("llama3-8b", gpus=8, optimizer=name)).ctx
         preds[name, "fsdp"] = predict(Candidate(Layout.resolve(8, dp_mode="fsdp"), micro_batch=1), ctx)
         preds[name, "zero1"] = predict(Candidate(Layout.resolve(8, dp_mode="zero1"), micro_batch=1), ctx)
     assert preds["muon", "fsdp"].optimizer_s > preds["adamw", "fsdp"].optimizer_s

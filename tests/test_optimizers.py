@@ -33,8 +33,8 @@ def test_estimator_and_planner_read_the_entry():
     from paratrain.layout import Layout
     from paratrain.models.args import ModelArgs
     from paratrain.models.presets import count_params
-    from paratrain.commands.plan import context_from_argv
     from paratrain.commands.plan import config_for
+    from paratrain.estimate.planner import PlanRequest, plan_context
     from paratrain.estimate.step_time import Candidate, predict
 
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden=128, max_seq_len=64)
@@ -44,7 +44,7 @@ def test_estimator_and_planner_read_the_entry():
     assert state_bytes(args, lay, "fp32", "sgd", "paratrain").optimizer == 4 * n  # one momentum buffer
     plans = {}
     for name in ("adamw", "sgd"):
-        ctx, *_ = context_from_argv(["--model", "llama3-8b", "--gpus", "8", "--optimizer", name])
+        ctx = plan_context(PlanRequest("llama3-8b", gpus=8, optimizer=name)).ctx
         cand = Candidate(Layout.resolve(8, dp_mode="fsdp"), micro_batch=1)
         plans[name] = predict(cand, ctx).optimizer_s
         assert config_for(cand, ctx).optimizer.name == name  # the written config runs the planned optimizer
@@ -200,7 +200,7 @@ def test_onebit_in_the_estimator_and_the_planner():
     from paratrain.layout import Layout
     from paratrain.models.args import ModelArgs
     from paratrain.models.presets import count_params
-    from paratrain.commands.plan import context_from_argv
+    from paratrain.estimate.planner import PlanRequest, plan_context
     from paratrain.estimate.step_time import Candidate, predict
 
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden=128, max_seq_len=64)
@@ -214,11 +214,9 @@ def test_onebit_in_the_estimator_and_the_planner():
                    suggest=False)
     assert est.sizes["compression"] == residuals >= 4 * n + math.ceil(4 * n / 4)  # worker + server (per piece)
     with pytest.raises(UserError, match="--grad-compression must be none"):
-        context_from_argv(["--model", "llama3-8b", "--gpus", "8", "--optimizer", "onebit_adam",
-                           "--grad-compression", "bf16"])
+        plan_context(PlanRequest("llama3-8b", gpus=8, optimizer="onebit_adam", parallel={"grad_compression": "bf16"}))
     for name, kinds in (("onebit_adam", 2), ("zero_one_adam", 4)):
-        ctx, *_ = context_from_argv(["--model", "llama3.2-1b", "--gpus", "16", "--optimizer", name,
-                                     "--inter", "eth25"])
+        ctx = plan_context(PlanRequest("llama3.2-1b", gpus=16, optimizer=name, inter="eth25")).ctx
         pred = predict(Candidate(Layout.resolve(16, dp_mode="ddp"), ac="full", micro_batch=1), ctx)
         assert len(pred.phases) == kinds and pred.step_s == pred.phases[-1][1]
         fp32, compressed = pred.phases[0][2], pred.phases[-1][2]

@@ -162,12 +162,9 @@ def test_plan_for_8192_gpus_ranks_thousands_of_layouts():
     """A 405B plan for 8,192 GPUs completes and ranks what it considered. How long it takes (the goal: under 10 s of
     CPU) is a benchmark, measured by bench/planner_scale.py: a time limit here failed whenever the machine was
     shared (CPU time grows too when other processes take the caches)."""
-    from paratrain.commands.plan import context_from_argv
-    from paratrain.estimate.search import plan
+    from paratrain.estimate.planner import PlanRequest, plan
 
-    ctx, world, opts, _ = context_from_argv(["--model", "llama3-405b", "--gpus", "8192", "--gpu", "H100", "--seq",
-                                             "8192", "--global-batch-tokens", str(2048 * 8192)])
-    p = plan(ctx, world, opts)
+    p = plan(PlanRequest("llama3-405b", gpus=8192, gpu="H100", seq=8192, global_batch_tokens=2048 * 8192))
     assert p.considered > 5000 and p.ranked
 
 

@@ -9,17 +9,13 @@ import pytest
 from paratrain.cli import main
 from paratrain.config import load_config
 from paratrain.errors import UserError
-from paratrain.layout import Layout
-from paratrain.commands.plan import context_from_argv
+from paratrain.layout import CONFIG_KEYS, Layout
+from paratrain.estimate.planner import PlanRequest, plan_context
 from paratrain.estimate.step_time import (Candidate, all_gather_time, all_reduce_time, bubble_fraction, p2p_time, predict)
 from paratrain.calibration import fit_alpha_beta
 from paratrain.estimate.hardware import gpu_profile, resolve_hardware
 from paratrain.estimate.profile import Hardware, Link
-from paratrain.estimate.search import candidates, explain, structural_reason
-
-
-def ctx_for(*argv):
-    return context_from_argv(argv)
+from paratrain.estimate.search import candidates, structural_reason
 
 
 def test_collective_formulas():
@@ -65,8 +61,8 @@ def test_profile_saved_and_loaded_by_name(tmp_path):
 
 
 def test_enumeration_respects_constraints():
-    ctx, world, opts, _ = ctx_for("--model", "llama3-8b", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "H100",
-                                  "--seq", "4096", "--global-batch-tokens", str(4096 * 64))
+    ctx, world, opts = plan_context(PlanRequest("llama3-8b", gpus=16, gpus_per_node=8, gpu="H100", seq=4096,
+                                                global_batch_tokens=4096 * 64))
     cands = candidates(ctx, world, opts)
     assert cands
     assert {c.tp for c in cands} <= {1, 2, 4, 8}  # within a node
@@ -84,8 +80,7 @@ def test_enumeration_respects_constraints():
 
 
 def test_prediction_is_sane():
-    ctx, world, opts, _ = ctx_for("--model", "llama3-8b", "--gpus", "8", "--gpu", "H100", "--seq", "8192",
-                                  "--global-batch-tokens", str(8192 * 64))
+    ctx = plan_context(PlanRequest("llama3-8b", gpus=8, gpu="H100", seq=8192, global_batch_tokens=8192 * 64)).ctx
     base = Candidate(Layout.resolve(8, dp_shard=8), ac="none", micro_batch=1)  # 8 accumulation steps
     p = predict(base, ctx)
     assert 0.2 < p.mfu < 0.8
@@ -134,16 +129,16 @@ def test_bad_inputs_one_line(argv, words, capsys, tmp_path):
 
 
 def test_explain_rejected_and_ranked():
-    ctx, world, opts, _ = ctx_for("--model", "llama3-8b", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "H100",
-                                  "--seq", "4096", "--global-batch-tokens", str(4096 * 64),
-                                  "--checkpointing", "none,full", "--micro-batches", "1,2")
-    assert "crosses nodes" in explain("fsdp,tp=16", ctx, world, opts)
-    text = explain("ddp,ac=none,mb=2", ctx, world, opts)
+    planning = plan_context(PlanRequest("llama3-8b", gpus=16, gpus_per_node=8, gpu="H100", seq=4096,
+                                        global_batch_tokens=4096 * 64, checkpointing=("none", "full"),
+                                        micro_batches=(1, 2)))
+    assert "crosses nodes" in planning.explain("fsdp,tp=16")
+    text = planning.explain("ddp,ac=none,mb=2")
     assert "rejected: does not fit" in text and "largest" in text
-    ranked = explain("fsdp,tp=2,ac=full,mb=1", ctx, world, opts)
+    ranked = planning.explain("fsdp,tp=2,ac=full,mb=1")
     assert "fits" in ranked and ("against the best" in ranked or "planner's choice" in ranked)
     with pytest.raises(UserError):
-        explain("fsdp,xx=3", ctx, world, opts)
+        planning.explain("fsdp,xx=3")
 
 
 def test_calibrate_saves_a_profile_plans_can_use(tmp_path, capsys):
@@ -174,6 +169,7 @@ def test_calibrate_saves_a_profile_plans_can_use(tmp_path, capsys):
 # -- one layout, one answer: plan -> estimate -----------------------------------------------------------------------
 PLAN_8B = ["--model", "llama3-8b", "--gpus", "8", "--gpus-per-node", "8", "--gpu", "H100", "--seq", "8192",
            "--global-batch-tokens", "1048576"]
+REQUEST_8B = PlanRequest("llama3-8b", gpus=8, gpus_per_node=8, gpu="H100", seq=8192, global_batch_tokens=1048576)
 PLAN_70B = ["--model", "llama3-70b", "--gpus", "64", "--gpu", "H100", "--intra", "nvlink", "--inter", "ib400",
             "--seq", "8192", "--global-batch-tokens", "4194304"]
 PLAN_HSDP = ["--model", "llama3-8b", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "A100-80GB", "--seq", "4096",
@@ -224,49 +220,42 @@ def test_estimate_flags_win_over_the_config(tmp_path, capsys):
     assert flags["layout"]["cp"] == 2 and flags["total_bytes"] == best["memory_bytes_per_rank"]
 
 
-# Plans whose best layouts set every layout field (through the layout flags, which fix them): zero2 x cp x tp x an
-# interleaved pipeline with 3 stages per rank and fixed micro-batches; hsdp with sign_ef; experts; ddp with PowerSGD.
-SMALL = ["--gpus-per-node", "8", "--gpu", "H100", "--seq", "4096", "--global-batch-tokens", str(4096 * 64)]
+# Plans whose best layouts set every layout field (through the pinned [parallel] values, the layout flags, which fix
+# them): zero2 x cp x tp x an interleaved pipeline with 3 stages per rank and fixed micro-batches; hsdp with sign_ef;
+# experts; ddp with PowerSGD.
+SMALL = dict(gpus_per_node=8, gpu="H100", seq=4096, global_batch_tokens=4096 * 64)
+TINY = dict(gpu="H100", seq=256, global_batch_tokens=256 * 16)
 PINNED = {
-    "zero2-cp2-tp2-pp2-v3": ["--model", "llama3-8b", "--gpus", "16", *SMALL, "--dp-mode", "zero2", "--cp", "2",
-                             "--tp", "2", "--pp", "2", "--pp-schedule", "interleaved_1f1b", "--pp-virtual", "3",
-                             "--microbatches", "8", "--checkpointing", "every_k"],
-    "hsdp-sign_ef": ["--model", "llama3-8b", "--gpus", "16", *SMALL, "--dp-mode", "hsdp", "--dp-replicate", "2",
-                     "--grad-compression", "sign_ef", "--sign-ef-block", "64", "--checkpointing", "full"],
-    "fsdp-ep4": ["--model", "tiny-moe", "--gpus", "8", *SMALL[2:4], "--seq", "256", "--global-batch-tokens",
-                 str(256 * 16), "--dp-mode", "fsdp", "--ep", "4", "--dp-shard", "8"],
-    "ddp-powersgd": ["--model", "tiny", "--gpus", "4", *SMALL[2:4], "--seq", "256", "--global-batch-tokens",
-                     str(256 * 16), "--dp-mode", "ddp", "--grad-compression", "powersgd", "--powersgd-rank", "2",
-                     "--checkpointing", "selective"],
+    "zero2-cp2-tp2-pp2-v3": PlanRequest("llama3-8b", gpus=16, **SMALL, checkpointing=["every_k"], parallel=dict(
+        dp_mode="zero2", cp=2, tp=2, pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=3, pp_microbatches=8)),
+    "hsdp-sign_ef": PlanRequest("llama3-8b", gpus=16, **SMALL, checkpointing=["full"], parallel=dict(
+        dp_mode="hsdp", dp_replicate=2, grad_compression="sign_ef", sign_ef_block=64)),
+    "fsdp-ep4": PlanRequest("tiny-moe", gpus=8, **TINY, parallel=dict(dp_mode="fsdp", ep=4, dp_shard=8)),
+    "ddp-powersgd": PlanRequest("tiny", gpus=4, **TINY, checkpointing=["selective"], parallel=dict(
+        dp_mode="ddp", grad_compression="powersgd", powersgd_rank=2)),
 }
 
 
-@pytest.mark.parametrize("argv", PINNED.values(), ids=PINNED.keys())
-def test_plan_and_estimate_of_its_config_agree_on_every_layout_field(argv, tmp_path, capsys):
-    """The layout flags fix what the plan chooses; `paratrain estimate --model plan/config.toml` reads back every
+@pytest.mark.parametrize("req", PINNED.values(), ids=PINNED.keys())
+def test_plan_and_estimate_of_its_config_agree_on_every_layout_field(req, tmp_path, capsys):
+    """The pinned values fix what the plan chooses; `paratrain estimate --model plan/config.toml` reads back every
     field of the planned layout (degrees, dp mode, sequence parallelism, schedule, stages per rank, micro-batches,
     blocks per stage), its checkpointing, micro-batch, precision and gradient compression, and the same memory."""
     import dataclasses
 
     from paratrain.layout import Batch
     from paratrain.commands.plan import write_outputs
-    from paratrain.estimate.search import plan
 
-    ctx, world, opts, base = context_from_argv(argv)
-    best = plan(ctx, world, opts, top=1).ranked[0]
+    ctx, world, _ = planning = plan_context(req)
+    best = planning.plan(top=1).ranked[0]
     lay = best.cand.layout.validate(ctx.args, world, Batch(ctx.global_seqs, best.cand.micro_batch, ctx.seq_len))
-    flags = dict(zip(argv[::2], argv[1::2]))
-    for flag, field in (("--tp", "tp"), ("--cp", "cp"), ("--pp", "pp"), ("--ep", "ep"), ("--dp-replicate",
-                        "dp_replicate"), ("--dp-shard", "dp_shard"), ("--pp-virtual", "pp_virtual"),
-                        ("--microbatches", "pp_microbatches")):
-        if flag in flags:
-            assert getattr(lay, field) == int(flags[flag]), field
-    for flag, field in (("--dp-mode", "dp_mode"), ("--pp-schedule", "pp_schedule")):
-        if flag in flags:
-            assert getattr(lay, field) == flags[flag], field
-    assert ctx.compression.method == flags.get("--grad-compression", "none")
-    config, _, _ = write_outputs(best, ctx, world, tmp_path / "plan", base, argv[1])
-    vocab = ["--vocab-size", "128"] if argv[1].startswith("tiny") else []  # (tiny presets: the plan's --vocab-size)
+    field_of = {key: field for field, key in CONFIG_KEYS.items()}
+    for key, value in req.parallel.items():
+        if key in field_of:
+            assert getattr(lay, field_of[key]) == value, key
+    assert ctx.compression.method == req.parallel.get("grad_compression", "none")
+    config, _, _ = write_outputs(best, ctx, world, tmp_path / "plan", None, req.model)
+    vocab = ["--vocab-size", "128"] if req.model.startswith("tiny") else []  # (tiny presets: the plan's vocab_size)
     assert main(["estimate", "--model", str(config), *vocab, "--json"]) == 0
     est = json.loads(capsys.readouterr().out)
     assert {k: est["layout"][k] for k in dataclasses.asdict(lay)} == json.loads(json.dumps(dataclasses.asdict(lay)))
@@ -322,7 +311,7 @@ def test_one_headroom_rule_for_estimate_and_plan(capsys):
     from paratrain.estimate.gpus import HEADROOM, fits
     from paratrain.estimate.search import evaluate, parse_layout
 
-    ctx, world, opts, _ = ctx_for(*PLAN_8B)
+    ctx, world, opts = plan_context(REQUEST_8B)
     assert opts.headroom == HEADROOM == 0.10
     c = parse_layout("zero2,cp=2,ac=none,mb=1", ctx, world)
     total = evaluate(c, ctx, opts.headroom).total_bytes
@@ -385,7 +374,7 @@ def test_predictions_follow_a_changed_context_sharing_its_cache():
 
     from paratrain.estimate.step_time import Context
 
-    ctx, world, opts, _ = ctx_for("--model", "llama3-8b", "--gpus", "16", "--gpu", "H100", "--seq", "4096")
+    ctx, world, opts = plan_context(PlanRequest("llama3-8b", gpus=16, gpu="H100", seq=4096))
     cands = [c for c in candidates(ctx, world, opts) if structural_reason(c, ctx) is None][::37]
     for c in cands:
         predict(c, ctx)

@@ -8,10 +8,10 @@ import torch
 
 from paratrain.cli import main
 from paratrain.commands.estimate import inputs_from_argv
-from paratrain.commands.plan import context_from_argv
 from paratrain.config import load_config
 from paratrain.estimate.gpus import GPUS
 from paratrain.estimate.hardware import gpu_profile
+from paratrain.estimate.planner import PlanRequest, plan_context
 from paratrain.estimate.step_time import Candidate, predict
 from paratrain.layout import Layout
 from paratrain.modes import MATMUL_MATHS
@@ -21,10 +21,11 @@ from paratrain.training.step import apply_tf32
 PLAN = ("--model", "llama3-8b", "--gpus", "8", "--seq", "8192", "--global-batch-tokens", "1048576")
 
 
-def _step(gpu: str, *flags: str):
+def _step(gpu: str, precision: str, tf32: bool | None = None):
     """The predicted step of one layout (FSDP over 8 GPUs, full checkpointing, one sequence per micro-step): the same
     layout in every precision, so the ratios are the matmul rates' (GEMMs dominate an 8B model's step)."""
-    ctx, *_ = context_from_argv([*PLAN, "--gpu", gpu, *flags])
+    ctx = plan_context(PlanRequest("llama3-8b", gpus=8, seq=8192, global_batch_tokens=1048576, gpu=gpu,
+                                   precision=precision, tf32=tf32)).ctx
     return ctx, predict(Candidate(Layout.resolve(8, dp_mode="fsdp"), "full", 2, 1), ctx)
 
 
@@ -32,19 +33,19 @@ def test_fp32_and_tf32_step_times_follow_the_datasheet_rates():
     """A100: 19.5 dense TFLOP/s fp32, 156 TF32, 312 bf16. An fp32 step without TF32 takes at least 10x the bf16 one
     (not the full 16x: element-wise work, communication and the optimizer step do not scale with the matmul rate),
     with TF32 between 1.5x and 3x; unset, TF32 is on for fp32 (Ampere), and the switch does nothing to a bf16 run."""
-    bf16_ctx, bf16 = _step("A100", "--precision", "bf16")
-    fp32_ctx, fp32 = _step("A100", "--precision", "fp32", "--tf32", "false")
-    tf32_ctx, tf32 = _step("A100", "--precision", "fp32", "--tf32", "true")
+    bf16_ctx, bf16 = _step("A100", "bf16")
+    fp32_ctx, fp32 = _step("A100", "fp32", False)
+    tf32_ctx, tf32 = _step("A100", "fp32", True)
     assert (bf16_ctx.math(), fp32_ctx.math(), tf32_ctx.math()) == ("bf16", "fp32", "tf32")
     assert 10 <= fp32.step_s / bf16.step_s < 16
     assert 1.5 <= tf32.step_s / bf16.step_s <= 3
-    assert _step("A100", "--precision", "fp32")[1].step_s == tf32.step_s
-    assert _step("A100", "--precision", "bf16", "--tf32", "false")[1].step_s == bf16.step_s
+    assert _step("A100", "fp32")[1].step_s == tf32.step_s
+    assert _step("A100", "bf16", False)[1].step_s == bf16.step_s
     # MFU against the peak of the run's rate: each within (0, 1), fp32's not 16 times too small
     for pred in (bf16, fp32, tf32):
         assert 0.2 < pred.mfu < 1
     # without TF32 tensor cores (V100) TF32 is plain fp32
-    v100, v100_off = _step("V100", "--precision", "fp32"), _step("V100", "--precision", "fp32", "--tf32", "false")
+    v100, v100_off = _step("V100", "fp32"), _step("V100", "fp32", False)
     assert v100[0].math() == "fp32" and v100[1].step_s == v100_off[1].step_s
 
 

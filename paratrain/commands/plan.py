@@ -1,7 +1,8 @@
 """`paratrain plan`: rank parallel layouts by predicted step time, write the best as a config and a launch command.
 
-The command line: its arguments, the planning context (`build_context`) they make, the best layout written out
-(`write_outputs`), and the printed table or JSON document (`plan_json`; docs/estimate-and-plan.md).
+The command line: its arguments read into a typed `PlanRequest` (`request_from`; the planning itself is
+paratrain/estimate/planner.py's), the best layout written out (`write_outputs`), and the printed plan (`plan_lines`)
+or JSON document (`plan_json`; docs/estimate-and-plan.md).
 
     paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576
     paratrain plan --calibrate --name mybox --nproc 4        # measure this machine; later: --gpu mybox
@@ -14,31 +15,26 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 from paratrain.commands.recipe_flags import add_recipe_flags
-from paratrain.config import Config, LoRAConfig, ParallelConfig, dump_toml, validate
+from paratrain.config import Config, LoRAConfig, dump_toml, validate
 from paratrain.errors import OneLineArgumentParser, UserError
-from paratrain.estimate.gpus import HEADROOM, check_headroom, fmt_bytes, limit_text, parse_memory
-from paratrain.estimate.hardware import resolve_hardware
-from paratrain.estimate.hetero import (MAX_GPUS, build_groups, even_split_layout, parse_gpus, plan_hetero,
-                                       read_cluster, slowest_first, stage_hardware)
+from paratrain.estimate.gpus import fmt_bytes, limit_text
+from paratrain.estimate.hetero import even_split_layout, parse_gpus, read_cluster, stage_hardware
+from paratrain.estimate.planner import (PLAN_FLAG_KEYS, Planning, PlanRequest, checked_choices, micro_batch_sizes,
+                                        plan_context)
 from paratrain.estimate.report import tiers_text
-from paratrain.estimate.search import AC_MODES, PLANNED_SCHEDULES, Options, explain, plan
-from paratrain.estimate.step_time import Context, trainable_count
-from paratrain.layout import CONFIG_KEYS
-from paratrain.layout_grammar import COMPRESSION_KEYS, LAYOUT_KEYS, add_layout_flags, layout_flags
+from paratrain.estimate.search import AC_MODES, PLANNED_SCHEDULES
+from paratrain.estimate.step_time import trainable_count
+from paratrain.layout_grammar import add_layout_flags, layout_flags
 from paratrain.models.lora_params import LoRA, lora_problem
 from paratrain.models.presets import count_params, format_params
-from paratrain.modes import DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, Compression, dp_mode_of, float8_matmuls
-from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
+from paratrain.modes import DP_MODES, PRECISIONS
+from paratrain.optimizers import OPTIMIZER_NAMES
 from paratrain.preflight import check_nproc
 from paratrain.spec import model_from
-
-# The layout flags `paratrain plan` takes (paratrain/layout_grammar.py): each fixes that field of every planned
-# layout; the blocks per stage and tp without sequence or loss parallelism are the planner's to choose.
-PINNED_KEYS = tuple(k for k in LAYOUT_KEYS if k not in ("pp_split", "sequence_parallel", "loss_parallel"))
-PLAN_FLAG_KEYS = (*PINNED_KEYS, *COMPRESSION_KEYS, "ddp_bucket_mb")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -108,123 +104,45 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _csv(text, allowed=None, cast=str, flag=""):
-    if text is None:
-        return None
-    items = tuple(cast(x.strip()) for x in text.split(",") if x.strip())
-    if allowed is not None:
-        bad = [x for x in items if x not in allowed]
-        if bad:
-            raise UserError(f"{flag}: '{bad[0]}' is not one of {', '.join(allowed)}")
-    if not items:
-        raise UserError(f"{flag} is empty")
-    return items
-
-
-def build_context(args) -> tuple:
-    """(Context, world, Options, base config or None) from parsed arguments; UserError on bad input."""
-
-    if args.gpus is None and not args.cluster:
-        raise UserError("--gpus N is required (the number of GPUs to plan for, or groups like 8xH100,8xA100)")
+def request_from(args) -> tuple[PlanRequest, Config | None]:
+    """The plan the parsed arguments ask for (typed values), and the --model config (None for a preset)."""
     if args.gpus is not None and args.cluster:
         raise UserError("give --gpus or --cluster, not both")
-    if args.gpus_per_node < 1:
-        raise UserError("--gpus-per-node must be >= 1")
-    spec = read_cluster(args.cluster) if args.cluster else parse_gpus(args.gpus)
-    if spec is not None and args.gpu_memory:
-        raise UserError("--gpu-memory sets the memory of --gpu's GPUs; a heterogeneous cluster's come from its GPU "
-                        "names or profiles")
-    groups = None
-    if spec is None:
-
-        world = int(args.gpus)
-        if world < 1:
-            raise UserError("--gpus and --gpus-per-node must be >= 1")
-        if world > MAX_GPUS:
-            raise UserError(f"--gpus {world} is more than {MAX_GPUS} GPUs (a typo?); the planner enumerates the "
-                            "layouts of at most that many")
-        if world > args.gpus_per_node and world % args.gpus_per_node:
-            raise UserError(f"--gpus {world} is not divisible by --gpus-per-node {args.gpus_per_node} "
-                            "(whole nodes only)")
-        hw = resolve_hardware(args.gpu, args.intra, args.inter, args.profile_dir)
-        if args.gpu_memory:
-            hw = dataclasses.replace(hw, memory_bytes=parse_memory(args.gpu_memory))
-        per_node = min(args.gpus_per_node, world)
-    else:
-        groups = build_groups(spec, args.gpus_per_node, args.intra, args.inter, args.profile_dir)
-        world = sum(g.count for g in groups)
-        hw = slowest_first(groups)
-        per_node = min(g.gpus_per_node for g in groups)
-        if len(groups) == 1:
-            groups = None  # one type: the ordinary planner
-
-    headroom = check_headroom(HEADROOM if args.headroom is None else args.headroom)
-
+    gpus = read_cluster(args.cluster) if args.cluster else _gpus(args.gpus)
     name, margs, base = model_from(args.model, args.vocab_size)
-    seq = args.seq or min(margs.max_seq_len, 4096)
-    if seq < 1:
-        raise UserError(f"--seq must be >= 1, got {seq}")
-    native = None
-    if seq > margs.max_seq_len:  # a long-context stage: the model trained on longer sequences than its preset's
-        native, margs = margs.max_seq_len, dataclasses.replace(margs, max_seq_len=seq)
-    tokens = args.global_batch_tokens or min(4 * 2**20, 512 * seq)
-    if tokens % seq:
-        raise UserError(f"--global-batch-tokens {tokens} is not a multiple of --seq {seq}")
-    precision = "fp8" if args.float8 else args.precision or ("fp32" if hw.device == "cpu" else "bf16")
-    if precision not in PRECISIONS:
-        raise UserError(f"--precision '{precision}' is not one of {', '.join(PRECISIONS)}")
-    if float8_matmuls(precision):
-        check_float8_cores([g.hw for g in groups] if groups else [hw])
-
-    flags = layout_flags(args, PLAN_FLAG_KEYS)
-    parallel = dataclasses.replace(ParallelConfig(), **flags)
-    compression = Compression.from_config(parallel).check_flags()
-    if parallel.ddp_bucket_mb <= 0:
-        raise UserError(f"--ddp-bucket-mb must be > 0, got {parallel.ddp_bucket_mb}")
-    compile_ = args.compile if args.compile is not None else bool(base is not None and base.training.compile)
-    tf32 = args.tf32 if args.tf32 is not None else base.training.tf32 if base is not None else None
-    entry = optimizer_entry(args.optimizer or (base.optimizer.name if base is not None else "adamw"))
-    entry.check_compression(compression.method, "--grad-compression")
-    optimizer = entry.name
-
-    ctx = Context(margs, seq, tokens // seq, hw, per_node, precision, name, tf32, native_max_seq_len=native,
-                  compression=compression, optimizer=optimizer,
-                  ddp_bucket_mb=parallel.ddp_bucket_mb, mode="compile" if compile_ else "eager",
-                  float8=float8_matmuls(precision),
-                  cluster=groups, lora=_lora(args, base),
-                  host_memory_bytes=parse_memory(args.host_memory) if args.host_memory else None)
-    fixed = _fixed(flags)
-    opts = Options(
-        dp_modes=_one_or_csv(fixed.get("dp_mode"), "--dp-mode", args.dp_modes, "--dp-modes", DP_MODES),
-        schedules=_one_or_csv(fixed.get("pp_schedule"), "--pp-schedule", args.schedules, "--schedules",
-                              PLANNED_SCHEDULES, SCHEDULES),
-        ac_modes=_csv(args.checkpointing, AC_MODES, flag="--checkpointing") or AC_MODES,
-        micro_batches=_csv(args.micro_batches, cast=_posint, flag="--micro-batches"),
-        max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp, headroom=headroom, fixed=fixed,
-        memory_tiers=not args.no_memory_tiers)
-    return ctx, world, opts, base
+    trained = base.training if base is not None else None  # the config's settings are the defaults
+    return PlanRequest(
+        margs, gpus, model_name=name, gpus_per_node=args.gpus_per_node, gpu=args.gpu, gpu_memory=args.gpu_memory,
+        intra=args.intra, inter=args.inter, profile_dir=args.profile_dir, seq=args.seq,
+        global_batch_tokens=args.global_batch_tokens, precision="fp8" if args.float8 else args.precision,
+        compile=args.compile if args.compile is not None else bool(trained is not None and trained.compile),
+        tf32=args.tf32 if args.tf32 is not None else trained.tf32 if trained is not None else None,
+        optimizer=args.optimizer or (base.optimizer.name if base is not None else "adamw"),
+        lora=_lora(args, base), parallel=layout_flags(args, PLAN_FLAG_KEYS), dp_modes=_items(args.dp_modes),
+        schedules=_items(args.schedules), checkpointing=_items(args.checkpointing),
+        micro_batches=_items(args.micro_batches, _integer), max_tp=args.max_tp, max_pp=args.max_pp,
+        max_cp=args.max_cp, headroom=args.headroom, host_memory=args.host_memory,
+        memory_tiers=not args.no_memory_tiers), base
 
 
-def _fixed(flags: dict) -> dict:
-    """The Layout fields the layout flags fix (every planned layout has them): dp_shard -1 fixes nothing."""
-    field_of = {key: field for field, key in CONFIG_KEYS.items()}
-    fixed = {field_of[k]: v for k, v in flags.items() if k in PINNED_KEYS and not (k == "dp_shard" and v == -1)}
-    if "dp_mode" in fixed:
-        if fixed["dp_mode"] not in DP_MODE_OPTIONS:
-            raise UserError(f"--dp-mode '{fixed['dp_mode']}' is not one of {', '.join(DP_MODE_OPTIONS)}")
-        fixed["dp_mode"] = dp_mode_of(fixed["dp_mode"])
-    if "pp_schedule" in fixed and fixed["pp_schedule"] not in SCHEDULES:
-        raise UserError(f"--pp-schedule '{fixed['pp_schedule']}' is not one of {', '.join(SCHEDULES)}")
-    return fixed
+def _gpus(text: str | None):
+    """--gpus: a number of GPUs, GPU groups in rank order (8xH100,8xA100), or None when not given."""
+    if text is None:
+        return None
+    return parse_gpus(text) or int(text)
 
 
-def _one_or_csv(one, one_flag: str, text, flag: str, default: tuple, allowed: tuple | None = None) -> tuple:
-    """A layout flag's one value, or the comma-separated choices to search (`default` when neither is given)."""
-    if one is not None and text is not None:
-        raise UserError(f"give {one_flag} or {flag}, not both")
-    if one is not None:
-        return (one,)
-    return _csv(text, allowed or default, flag=flag) or default
+def _items(text: str | None, cast=str) -> tuple | None:
+    """A comma-separated option's items (checked where they are used), or None when not given."""
+    return None if text is None else tuple(cast(x.strip()) for x in text.split(",") if x.strip())
+
+
+def _integer(x: str) -> int:
+    """One item of --micro-batches."""
+    try:
+        return int(x)
+    except ValueError:
+        raise UserError(f"--micro-batches: '{x}' is not an integer") from None
 
 
 def _lora(args, base):
@@ -237,21 +155,6 @@ def _lora(args, base):
     if why:
         raise UserError(why.replace("lora.rank", "--lora-rank"))
     return LoRA.from_config(section)
-
-
-def context_from_argv(argv: list[str]) -> tuple:
-    """build_context for `paratrain plan` arguments (tests and benchmarks)."""
-    return build_context(_parser().parse_args(list(argv)))
-
-
-def _posint(x: str) -> int:
-    try:
-        v = int(x)
-    except ValueError:
-        raise UserError(f"--micro-batches: '{x}' is not an integer") from None
-    if v < 1:
-        raise UserError("--micro-batches must be >= 1")
-    return v
 
 
 def config_for(c, ctx, base=None, model_spec: str | None = None):
@@ -327,14 +230,6 @@ srun torchrun --nnodes {nodes} --nproc-per-node {gpn} \\
     return "sbatch plan.sbatch", script
 
 
-def check_float8_cores(hardware: list) -> None:
-    """--precision fp8 on GPUs without FP8 tensor cores (before Ada/Hopper): one line naming the first."""
-    for hw in hardware:
-        if not hw.float8_gemm:
-            raise UserError(f"--precision fp8 needs FP8 tensor cores (H100, H200, L4, L40S, RTX 4090, ...); {hw.name} "
-                            "has none: plan bf16")
-
-
 PLAN_FILES = ("config.toml", "plan.sbatch")
 
 
@@ -387,108 +282,32 @@ def format_table(results, ctx) -> str:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.calibrate:
-        # lazy: calibration runs torch and launches ranks; planning itself is torch-free
-        import torch
-
-        from paratrain.calibration import calibrate
-
-        nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
-        check_nproc("auto", nproc, oversubscribe=None)
-        model_given = any(a == "--model" or a.startswith("--model=") for a in argv)
-        margs = model_from(args.model, args.vocab_size)[1] if model_given else None
-        mbs = _csv(args.micro_batches, cast=_posint, flag="--micro-batches") or (1, 2)
-        modes = _csv(args.calibrate_modes, ("eager", "compile"), flag="--calibrate-modes")
-        if not 0 < args.calibrate_seconds <= 60:
-            raise UserError(f"--calibrate-seconds must be in (0, 60], got {args.calibrate_seconds}")
-        hw, path = calibrate(args.name, nproc, args.profile_dir, seconds=args.calibrate_seconds, model=margs,
-                             seq=args.seq, micro_batches=mbs, tp=args.calibrate_tp, modes=modes)
-        if args.json:
-            print(json.dumps({"profile": str(path), **hw.to_json()}, indent=2))
-            return 0
-        print(f"profile '{hw.name}' ({hw.source}) saved to {path}")
-        if hw.shapes:
-            print("  at the model's shapes: " + "; ".join(f"{k} {v * 1e3:.3f} ms" for k, v in hw.shapes.items()))
-            print("  execution modes (factor on the non-matmul time): "
-                  + ", ".join(f"{m} {f:.2f}" for m, f in hw.modes.items()))
-        print("  matmul: " + ", ".join(f"{(f / 2) ** (1 / 3):.0f}^3 {r / 1e9:.2f} GFLOP/s" for f, r in hw.gemm))
-        print(f"  memory bandwidth {hw.mem_bandwidth / 1e9:.2f} GB/s, per-operator overhead "
-              f"{hw.op_overhead_s * 1e6:.1f} us; compute scale {hw.compute_scale:.2f} (reference model step, measured / "
-              "predicted)")
-        print(f"  collectives over {nproc} ranks: latency {hw.intra.latency * 1e6:.1f} us per step, bandwidth "
-              f"{hw.intra.bandwidth / 1e9:.2f} GB/s (alpha-beta fit of all-reduce and all-gather); reduce-scatter "
-              f"x{hw.intra.reduce_scatter_factor:.2f} the ring formula")
-        print(f"  plan with: paratrain plan --gpu {hw.name} --gpus {nproc} --gpus-per-node {nproc}"
-              + (f" --profile-dir {args.profile_dir}" if args.profile_dir else "") + " ...")
-        return 0
-    import time
-
-
-    ctx, world, opts, base = build_context(args)
+        return calibrate_main(args, argv)
+    request, base = request_from(args)
+    planning = plan_context(request)
     if not args.no_write and not args.explain:
         check_out(Path(args.out), args.overwrite)
     if args.explain:
-        if ctx.cluster:
-            raise UserError("--explain plans one GPU type; for a heterogeneous cluster run the plan and read its stages")
-        print(explain(args.explain, ctx, world, opts))
+        print(planning.explain(args.explain))
         return 0
     started = time.perf_counter()
-    if ctx.cluster:
-
-        p = plan_hetero(ctx, opts, top=args.top)
-    else:
-        p = plan(ctx, world, opts, top=args.top)
+    p = planning.plan(args.top)
     elapsed = time.perf_counter() - started
-    best = p.ranked[0]
+    ctx, world, best = planning.ctx, planning.world, p.ranked[0]
+    model_spec = None if base else args.model
     written = None
     if not args.no_write:
-        path, cmd, sb = write_outputs(best, ctx, world, args.out, base, None if base else args.model)
+        path, cmd, sb = write_outputs(best, ctx, world, args.out, base, model_spec)
         written = {"config": str(path), "launch": cmd, "sbatch": str(sb) if sb else None}
     check = None
     if args.check:  # the first choice built for real, one rank per pipeline stage
         from paratrain.training.dryrun import dry_run  # lazy: builds the layout with torch
 
-        check = dry_run(config_for(best.cand, ctx, base, None if base else args.model), world)
+        check = dry_run(config_for(best.cand, ctx, base, model_spec), world)
     if args.json:
-        doc = plan_json(p, ctx, world, elapsed, written, args.top)
-        if check is not None:
-            doc["check"] = {"agrees": check.agrees, "seconds": check.seconds,
-                            "ranks": [{"rank": r.rank, "built": r.built, "estimated": r.estimated,
-                                       "difference": r.difference} for r in check.ranks]}
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(plan_json(p, ctx, world, elapsed, written, args.top, check), indent=2))
         return 0 if check is None or check.agrees else 1
-    hw = ctx.hw
-    rate = f" (matmuls at the {ctx.math()} peak, {hw.peak(ctx.math()) / 1e12:,.4g} TFLOP/s)" if hw.peaks else ""
-    where = (" + ".join(f"{g.count} x {g.name}" for g in ctx.cluster) if ctx.cluster else f"{world} x {hw.name}")
-    print(f"plan: {ctx.model_name} on {where} ({hw.source}; {ctx.gpus_per_node} per node, "
-          f"intra {hw.intra.name}" + (f", inter {hw.inter.name}" if hw.inter and world > ctx.gpus_per_node else "")
-          + f"), seq {ctx.seq_len}, {ctx.global_seqs} sequences = {ctx.global_seqs * ctx.seq_len:,} tokens per step, "
-          f"{ctx.precision}{rate}, {ctx.mode}"
-          + (", float8 linears" if ctx.float8 else ""))
-    if ctx.lora is not None:
-
-        trainable = trainable_count(ctx.args, ctx.lora)
-        print(f"LoRA rank {ctx.lora.rank} on {','.join(ctx.lora.targets)}: {format_params(trainable)} trainable, "
-              f"{format_params(count_params(ctx.args))} frozen (gradients, their reduction and the optimizer step: "
-              "the adapters only)")
-    if ctx.native_max_seq_len:
-        print(f"note: --seq {ctx.seq_len} is longer than {ctx.model_name}'s max_seq_len {ctx.native_max_seq_len}: "
-              f"planned as long-context training (model.max_seq_len={ctx.seq_len} in the written config)")
-
-    print(f"{p.considered} layouts considered: {len(p.rejected)} rejected, {len(p.ranked)} fit among the fastest "
-          f"predicted (memory: paratrain estimate, {limit_text(hw.memory_bytes, opts.headroom)}); planned in "
-          f"{elapsed:.2f} s")
-    print(format_table(p.ranked[: args.top], ctx))
-    print(f"best: {best.cand.describe()} -- {best.pred.breakdown()}")
-    if best.cand.tiers().active:
-
-        print(f"memory tiers (no layout fits without them): {tiers_text(best.estimate.inputs)}; host memory "
-              f"{fmt_bytes(best.estimate.host_bytes)} per rank, {fmt_bytes(best.estimate.host_node_bytes)} per node"
-              + ("" if ctx.host_memory_bytes else " (not checked: give --host-memory)"))
-    if best.stage_hw:
-        split = best.cand.layout.pp_split
-        print("stages: " + ", ".join(f"{r}: {split[r]} blocks on {h.name}" for r, h in enumerate(best.stage_hw))
-              + f"; the even split {','.join(map(str, _even(best, ctx)))} is predicted "
-              f"{best.even.step_s / best.pred.step_s - 1:+.0%} slower ({best.even.tokens_per_s:,.0f} tokens/s)")
+    print("\n".join(plan_lines(p, planning, elapsed, args.top)))
     if written:
         print(f"wrote {written['config']}" + (f" and {written['sbatch']}" if written["sbatch"] else ""))
         print(f"launch: {written['launch']}")
@@ -498,6 +317,79 @@ def main(argv: list[str]) -> int:
         print(format_dry_run(check))
     sys.stdout.flush()
     return 0 if check is None or check.agrees else 1
+
+
+def plan_lines(p, planning: Planning, elapsed: float, top: int) -> list[str]:
+    """The printed plan: what was planned, the table of the fastest layouts and the first choice's details."""
+    ctx, world, opts = planning
+    hw, best = ctx.hw, p.ranked[0]
+    rate = f" (matmuls at the {ctx.math()} peak, {hw.peak(ctx.math()) / 1e12:,.4g} TFLOP/s)" if hw.peaks else ""
+    where = (" + ".join(f"{g.count} x {g.name}" for g in ctx.cluster) if ctx.cluster else f"{world} x {hw.name}")
+    lines = [f"plan: {ctx.model_name} on {where} ({hw.source}; {ctx.gpus_per_node} per node, "
+             f"intra {hw.intra.name}" + (f", inter {hw.inter.name}" if hw.inter and world > ctx.gpus_per_node else "")
+             + f"), seq {ctx.seq_len}, {ctx.global_seqs} sequences = {ctx.global_seqs * ctx.seq_len:,} tokens per "
+             f"step, {ctx.precision}{rate}, {ctx.mode}" + (", float8 linears" if ctx.float8 else "")]
+    if ctx.lora is not None:
+        trainable = trainable_count(ctx.args, ctx.lora)
+        lines.append(f"LoRA rank {ctx.lora.rank} on {','.join(ctx.lora.targets)}: {format_params(trainable)} "
+                     f"trainable, {format_params(count_params(ctx.args))} frozen (gradients, their reduction and the "
+                     "optimizer step: the adapters only)")
+    if ctx.native_max_seq_len:
+        lines.append(f"note: --seq {ctx.seq_len} is longer than {ctx.model_name}'s max_seq_len "
+                     f"{ctx.native_max_seq_len}: planned as long-context training (model.max_seq_len={ctx.seq_len} in "
+                     "the written config)")
+    lines.append(f"{p.considered} layouts considered: {len(p.rejected)} rejected, {len(p.ranked)} fit among the "
+                 f"fastest predicted (memory: paratrain estimate, {limit_text(hw.memory_bytes, opts.headroom)}); "
+                 f"planned in {elapsed:.2f} s")
+    lines.append(format_table(p.ranked[:top], ctx))
+    lines.append(f"best: {best.cand.describe()} -- {best.pred.breakdown()}")
+    if best.cand.tiers().active:
+        lines.append(f"memory tiers (no layout fits without them): {tiers_text(best.estimate.inputs)}; host memory "
+                     f"{fmt_bytes(best.estimate.host_bytes)} per rank, {fmt_bytes(best.estimate.host_node_bytes)} per "
+                     "node" + ("" if ctx.host_memory_bytes else " (not checked: give --host-memory)"))
+    if best.stage_hw:
+        split = best.cand.layout.pp_split
+        lines.append("stages: " + ", ".join(f"{r}: {split[r]} blocks on {h.name}" for r, h in enumerate(best.stage_hw))
+                     + f"; the even split {','.join(map(str, _even(best, ctx)))} is predicted "
+                     f"{best.even.step_s / best.pred.step_s - 1:+.0%} slower ({best.even.tokens_per_s:,.0f} tokens/s)")
+    return lines
+
+
+def calibrate_main(args, argv: list[str]) -> int:
+    """`paratrain plan --calibrate`: measure this machine into a saved profile and print what was measured."""
+    # lazy: calibration runs torch and launches ranks; planning itself is torch-free
+    import torch
+
+    from paratrain.calibration import calibrate
+
+    nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
+    check_nproc("auto", nproc, oversubscribe=None)
+    model_given = any(a == "--model" or a.startswith("--model=") for a in argv)
+    margs = model_from(args.model, args.vocab_size)[1] if model_given else None
+    mbs = micro_batch_sizes(_items(args.micro_batches, _integer)) or (1, 2)
+    modes = checked_choices(_items(args.calibrate_modes), ("eager", "compile"), "--calibrate-modes")
+    if not 0 < args.calibrate_seconds <= 60:
+        raise UserError(f"--calibrate-seconds must be in (0, 60], got {args.calibrate_seconds}")
+    hw, path = calibrate(args.name, nproc, args.profile_dir, seconds=args.calibrate_seconds, model=margs,
+                         seq=args.seq, micro_batches=mbs, tp=args.calibrate_tp, modes=modes)
+    if args.json:
+        print(json.dumps({"profile": str(path), **hw.to_json()}, indent=2))
+        return 0
+    print(f"profile '{hw.name}' ({hw.source}) saved to {path}")
+    if hw.shapes:
+        print("  at the model's shapes: " + "; ".join(f"{k} {v * 1e3:.3f} ms" for k, v in hw.shapes.items()))
+        print("  execution modes (factor on the non-matmul time): "
+              + ", ".join(f"{m} {f:.2f}" for m, f in hw.modes.items()))
+    print("  matmul: " + ", ".join(f"{(f / 2) ** (1 / 3):.0f}^3 {r / 1e9:.2f} GFLOP/s" for f, r in hw.gemm))
+    print(f"  memory bandwidth {hw.mem_bandwidth / 1e9:.2f} GB/s, per-operator overhead "
+          f"{hw.op_overhead_s * 1e6:.1f} us; compute scale {hw.compute_scale:.2f} (reference model step, measured / "
+          "predicted)")
+    print(f"  collectives over {nproc} ranks: latency {hw.intra.latency * 1e6:.1f} us per step, bandwidth "
+          f"{hw.intra.bandwidth / 1e9:.2f} GB/s (alpha-beta fit of all-reduce and all-gather); reduce-scatter "
+          f"x{hw.intra.reduce_scatter_factor:.2f} the ring formula")
+    print(f"  plan with: paratrain plan --gpu {hw.name} --gpus {nproc} --gpus-per-node {nproc}"
+          + (f" --profile-dir {args.profile_dir}" if args.profile_dir else "") + " ...")
+    return 0
 
 
 def _even(r, ctx) -> tuple[int, ...]:
@@ -516,8 +408,9 @@ def _prediction_json(pred) -> dict:
                            for name, step, sent in pred.phases]} if pred.phases else {})}
 
 
-def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int = 5) -> dict:
-    """The plan as one JSON document (`paratrain plan --json`; the schema is in docs/estimate-and-plan.md)."""
+def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int = 5, check=None) -> dict:
+    """The plan as one JSON document (`paratrain plan --json`; the schema is in docs/estimate-and-plan.md), with the
+    first choice's dry run (`--check`) when given."""
 
     def layout_json(r) -> dict:
         lay = r.cand.layout
@@ -541,7 +434,7 @@ def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int
         return out
 
     hw = ctx.hw
-    return {
+    doc = {
         "model": ctx.model_name, "parameters": count_params(ctx.args), "gpus": world,
         "gpu": None if ctx.cluster else hw.name,
         "cluster": [{"gpu": g.name, "count": g.count, "gpus_per_node": g.gpus_per_node} for g in ctx.cluster]
@@ -555,3 +448,8 @@ def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int
         "ranked": [layout_json(r) for r in p.ranked[:top]],
         "written": written,
     }
+    if check is not None:
+        doc["check"] = {"agrees": check.agrees, "seconds": check.seconds,
+                        "ranks": [{"rank": r.rank, "built": r.built, "estimated": r.estimated,
+                                   "difference": r.difference} for r in check.ranks]}
+    return doc
