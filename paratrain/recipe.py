@@ -57,6 +57,10 @@ class Recipe:
     cuda_graphs: bool = False  # training.cuda_graphs: the compiled blocks replay CUDA graphs
     capabilities: tuple[Capability, ...] = ()  # the run's, with their settings (capabilities.active)
 
+    def __post_init__(self):
+        # what the other settings imply (fp8's Float8 for precision fp8, ...), with its defaults
+        object.__setattr__(self, "capabilities", capabilities.implied(self, self.capabilities))
+
     @classmethod
     def from_config(cls, cfg, layout: Layout, micro_batch: int, accum_steps: int, device_type: str) -> "Recipe":
         """A run's config (paratrain.config.Config) on its validated layout and batch: the one reading of the

@@ -18,6 +18,20 @@ def active(cfg) -> tuple[Capability, ...]:
     return tuple(c for c in (cls.from_config(cfg) for cls in CAPABILITIES) if c is not None)
 
 
+def implied(recipe, present: tuple[Capability, ...]) -> tuple[Capability, ...]:
+    """`present` as the recipe's settings decide it (`Capability.implied_by`): an implied capability missing is added
+    with its defaults, one no longer implied is dropped; in registry order."""
+    have = {type(c): c for c in present}
+    out = []
+    for cls in CAPABILITIES:
+        implied_now = cls.implied_by(recipe)
+        if cls in have and implied_now is not False:
+            out.append(have[cls])
+        elif implied_now:
+            out.append(cls())
+    return tuple(out)
+
+
 def check(cfg) -> None:
     """Every capability's checks (one-line ConfigErrors)."""
     for cls in CAPABILITIES:

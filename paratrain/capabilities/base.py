@@ -54,6 +54,14 @@ class Capability:
         return None
 
     @classmethod
+    def implied_by(cls, recipe) -> bool | None:
+        """Whether a recipe's other settings turn it on (fp8's precision, Muon's optimizer), for a capability that
+        such a setting decides: a Recipe holds it exactly when implied (`Recipe.__post_init__`: added with its defaults,
+        or dropped), so the estimator and the planner see it on every recipe. None: no setting decides it (its own
+        keys do: z-loss)."""
+        return None
+
+    @classmethod
     def check(cls, cfg) -> None:
         """Checks of its settings that need no world size or data: a one-line ConfigError."""
 

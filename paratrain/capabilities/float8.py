@@ -217,6 +217,10 @@ class Float8(Capability):
         return cls(**dataclasses.asdict(cfg.float8))
 
     @classmethod
+    def implied_by(cls, recipe) -> bool:
+        return float8_matmuls(recipe.precision)
+
+    @classmethod
     def check(cls, cfg) -> None:
         if float8_matmuls(cfg.training.precision) and cfg.lora.rank:
             raise ConfigError("training.precision=fp8 with lora.rank > 0: the frozen base would be cast to float8 at "

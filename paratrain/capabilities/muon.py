@@ -57,6 +57,10 @@ class Muon(Capability):
         return cls() if cfg.optimizer.name == cls.name else None
 
     @classmethod
+    def implied_by(cls, recipe) -> bool:
+        return recipe.optimizer == cls.name
+
+    @classmethod
     def check(cls, cfg) -> None:
         o = cfg.optimizer
         if o.name != cls.name:

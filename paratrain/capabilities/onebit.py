@@ -37,6 +37,10 @@ class OneBitAdam(Capability):
         return cls() if optimizer_entry(cfg.optimizer.name).communicates else None
 
     @classmethod
+    def implied_by(cls, recipe) -> bool:
+        return optimizer_entry(recipe.optimizer).communicates
+
+    @classmethod
     def check(cls, cfg) -> None:
         o = cfg.optimizer
         if o.freeze_step < 0:
