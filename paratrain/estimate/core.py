@@ -345,321 +345,481 @@ def _walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]]) -> dic
     gradients accumulated unsharded to the step's end (`Layout.reshard_after_forward`). Gradients of a stage exist
     from its first backward on (accumulation's earlier micro-steps, and classic accounting's preallocated buffers:
     all of them from the start)."""
-    args, lay = i.model_args, i.layout
-    pipelined = lay.pp > 1
-    stages = lay.local_stages(rank) if pipelined else [0]
-    layers_of = {s: lay.stage_layers(s) for s in stages} if pipelined else {0: layers_by_stage[0]}
-    last_stage = lay.num_stages - 1 if pipelined else 0
-    r = _rank(i, rank, layers_by_stage, [l for s in stages for l in layers_of[s]])
-    st, d, params, by_layer = r.st, r.d, r.params, r.by_layer
-    classic, fsdp, pbytes, local_numel = r.classic, r.fsdp, r.pbytes, r.local_numel
-    moe = A.moe_dims(args, lay, i.recipe.micro_batch, i.recipe.seq_len, i.moe_imbalance) if args.moe_experts else None
-    modes = block_checkpointing(i.recipe.checkpointing, args.n_layers, i.recipe.every_k)
-    moe_of = {l: (moe if args.is_moe_layer(l) else None) for l in by_layer}
-    size = segment_size(i.recipe.segment_blocks, args.n_layers)
-    full = A.stored_by_block(d, modes, list(layers_of.values()), moe_of, size)  # each block's saved tensors
-    # the blocks checkpointed with each block (its segment's, under segments; else itself), per stage
-    unit_of = {l: unit for s in stages for unit in A.checkpoint_units(i.recipe.checkpointing, layers_of[s], size)
-               for l in unit}
-    moved, ahead_of = activation_offload_plan(i.recipe.tiers, args.n_layers, d, modes, moe_of, list(by_layer))
-    stored = {l: full[l] - moved[l] for l in by_layer}  # what stays on the device (offloading moves the rest)
-    emb_params, head_params = r.where("embedding"), r.where("head")
-    per_block = fsdp and not pipelined  # FSDP gathers and reduce-scatters block by block (a pipeline: once a step)
-    zero2 = per_block and not lay.reshard_after_forward  # gathered parameters kept from forward to backward
-    gbytes = BF16 if classic else FP32  # gradient dtype held by the optimizer
-    accum = i.recipe.accum_steps
+    walk = _Walk(i, rank, layers_by_stage)
+    peaks = walk.schedule()
+    walk.end_of_pipeline_step(peaks)
+    host_states = walk.optimizer_step(peaks)
+    return walk.result(peaks, host_states)
 
-    def reduced_grad_bytes(ps):  # this rank's gradients of these params once reduced (FSDP: its shards)
+
+class _Walk:
+    """One rank's walk of a training step (`_walk`): what its stages hold, set up once concern by concern (the
+    rank's stages, activations, gradients, communication buffers, gradient compression), then its schedule's
+    backwards (`_StageBackward`), the end of a pipeline step and the optimizer step, collected in one `_Peaks`."""
+
+    def __init__(self, i: EstimateInputs, rank: int, layers_by_stage: list[list[int]]):
+        self.i, self.rank = i, rank
+        self._set_up_stages(layers_by_stage)
+        self._set_up_activations()
+        self._set_up_gradients()
+        self._set_up_communication()
+        self._set_up_compression()
+        self._set_up_held_throughout()
+
+    def _set_up_stages(self, layers_by_stage: list[list[int]]) -> None:
+        """The rank's pipeline stages and their blocks, its `_Rank` context and the MoE dimensions."""
+        i, rank = self.i, self.rank
+        args, lay = self.args, self.lay = i.model_args, i.layout
+        pipelined = self.pipelined = lay.pp > 1
+        stages = self.stages = lay.local_stages(rank) if pipelined else [0]
+        layers_of = self.layers_of = {s: lay.stage_layers(s) for s in stages} if pipelined else {0: layers_by_stage[0]}
+        self.last_stage = lay.num_stages - 1 if pipelined else 0
+        r = self.r = _rank(i, rank, layers_by_stage, [l for s in stages for l in layers_of[s]])
+        self.st, self.d, self.params, self.by_layer = r.st, r.d, r.params, r.by_layer
+        self.classic, self.fsdp, self.pbytes = r.classic, r.fsdp, r.pbytes
+        self.moe = (A.moe_dims(args, lay, i.recipe.micro_batch, i.recipe.seq_len, i.moe_imbalance) if args.moe_experts
+                    else None)
+
+    def _set_up_activations(self) -> None:
+        """What each block saves (less what activation offloading moves), what each stage holds per micro-batch in
+        flight, the token ids and a pipeline's receive buffers."""
+        i, args, d, by_layer, stages = self.i, self.args, self.d, self.by_layer, self.stages
+        layers_of, last_stage, pipelined = self.layers_of, self.last_stage, self.pipelined
+        modes = self.modes = block_checkpointing(i.recipe.checkpointing, args.n_layers, i.recipe.every_k)
+        moe_of = self.moe_of = {l: (self.moe if args.is_moe_layer(l) else None) for l in by_layer}
+        size = segment_size(i.recipe.segment_blocks, args.n_layers)
+        full = self.full = A.stored_by_block(d, modes, list(layers_of.values()), moe_of, size)  # each block's saved
+        # the blocks checkpointed with each block (its segment's, under segments; else itself), per stage
+        self.unit_of = {l: unit for s in stages for unit in A.checkpoint_units(i.recipe.checkpointing, layers_of[s],
+                                                                                size) for l in unit}
+        moved, self.ahead_of = activation_offload_plan(i.recipe.tiers, args.n_layers, d, modes, moe_of, list(by_layer))
+        self.moved = moved
+        stored = self.stored = {l: full[l] - moved[l] for l in by_layer}  # what stays on the device (offloading
+        # moves the rest)
+        binp = self.binp = A.block_input(d)
+        head = self.head = sum(b for _, b in A.head_saved(d))
+        logits = self.logits = d.N * d.V * d.L if pipelined else 0  # a pipeline's last stage keeps its output for
+        # its backward
+        shared_input = binp if (pipelined and d.R == FP32) else 0  # the first block saves the receive buffer itself
+        # (an offloaded first block saves a host copy of it instead, and backward gets a device copy back)
+        self.shared_of = {s: 0 if (s == 0 or moved[layers_of[s][0]]) else shared_input for s in stages
+                          if layers_of[s]}
+        # per in-flight micro-batch: activations, and the last stage's logits and loss tensors
+        self.hold, self.hold_head = {}, {}
+        for s in stages:
+            h = sum(stored[l] for l in layers_of[s]) + (A.final_residual(d) if s == last_stage else binp)
+            self.hold[s] = h - self.shared_of.get(s, 0)
+            self.hold_head[s] = head + logits if s == last_stage else 0
+        m = self.m = self.lay.pp_microbatches if pipelined else 1
+        self.tokens = m * A.inputs_bytes(d)  # the micro-batches this rank runs (a pipeline's whole batch)
+        self.p2p = sum(((s > 0) + (s < last_stage)) * m * binp for s in stages)
+
+    def _set_up_gradients(self) -> None:
+        """When each stage's and block's gradients appear and how many bytes they hold, and the loss's backward."""
+        i, lay, r, d, st = self.i, self.lay, self.r, self.d, self.st
+        pipelined, by_layer, last_stage = self.pipelined, self.by_layer, self.last_stage
+        emb_params, head_params = r.where("embedding"), r.where("head")
+        per_block = self.per_block = self.fsdp and not pipelined  # FSDP gathers and reduce-scatters block by block
+        # (a pipeline: once a step)
+        self.zero2 = per_block and not lay.reshard_after_forward  # gathered parameters kept from forward to backward
+        self.gbytes = BF16 if self.classic else FP32  # gradient dtype held by the optimizer
+        accum = self.accum = i.recipe.accum_steps
+        # Megatron/DeepSpeed allocate their gradient buffers up front (classic accounting), and accumulation's earlier
+        # micro-steps left every gradient: all live from the start, none added.
+        self.g_const = st.grads if (self.classic or (accum > 1 and not pipelined)) else 0
+        self.stage_grads = {s: self.step_grads([p for l in self.layers_of[s] for p in by_layer[l]]
+                                               + (emb_params if s == 0 else [])
+                                               + (head_params if s == last_stage else []))
+                            for s in self.stages}
+        self.block_grads = {l: self.step_grads(by_layer[l]) for l in by_layer}
+        # FSDP block by block: the head's gradients stay unsharded until the root's post-backward, at backward's end
+        self.head_grads = 0 if per_block else self.step_grads(head_params)
+        self.root_grads_live = r.grad_numel(head_params) * self.pbytes if per_block else 0
+        self.dw2 = {l: r.ffn_output(l) for l in by_layer}  # elements of the first weight gradient of a block's
+        # backward
+        # the output weight's gradient in the dtype autograd sums it in: the unsharded parameter's under FSDP,
+        # autocast's bf16 copy's, else fp32
+        output_weight = [p for p in head_params if p.role == "output"] or r.where("embedding")
+        self.loss_extra = A.loss_backward_extra(d, r.local_numel(output_weight) * (
+            self.pbytes if self.fsdp else BF16 if d.regime == "autocast" else FP32))
+
+    def reduced_grad_bytes(self, ps) -> int:
+        """This rank's gradients of these params once reduced (FSDP: its shards)."""
         ps = [p for p in ps if p.trainable]
-        if classic:
-            return math.ceil(local_numel(ps) / lay.shard_degree) * gbytes
-        if fsdp:
-            return sum(fsdp_numel(p, lay) for p in ps) * FP32
-        return local_numel(ps) * FP32
+        if self.classic:
+            return math.ceil(self.r.local_numel(ps) / self.lay.shard_degree) * self.gbytes
+        if self.fsdp:
+            return sum(fsdp_numel(p, self.lay) for p in ps) * FP32
+        return self.r.local_numel(ps) * FP32
 
-    def step_grads(ps):  # gradient bytes these params hold on the device from their backward to the step's end
-        if classic or (per_block and r.host):  # preallocated (counted in full); CPU offload: reduced to the host
+    def step_grads(self, ps) -> int:
+        """Gradient bytes these params hold on the device from their backward to the step's end."""
+        if self.classic or (self.per_block and self.r.host):  # preallocated (counted in full); CPU offload: reduced
+            # to the host
             return 0
-        if per_block:
-            return reduced_grad_bytes(ps)
-        if fsdp:
-            return _fsdp_bytes(ps, lay, pbytes)[1]  # accumulated unsharded to the step's end
-        return r.grad_numel(ps) * FP32
+        if self.per_block:
+            return self.reduced_grad_bytes(ps)
+        if self.fsdp:
+            return _fsdp_bytes(ps, self.lay, self.pbytes)[1]  # accumulated unsharded to the step's end
+        return self.r.grad_numel(ps) * FP32
 
-    # Megatron/DeepSpeed allocate their gradient buffers up front (classic accounting), and accumulation's earlier
-    # micro-steps left every gradient: all live from the start, none added.
-    g_const = st.grads if (classic or (accum > 1 and not pipelined)) else 0
-    stage_grads = {s: step_grads([p for l in layers_of[s] for p in by_layer[l]]
-                                 + (emb_params if s == 0 else []) + (head_params if s == last_stage else []))
-                   for s in stages}
-    block_grads = {l: step_grads(by_layer[l]) for l in by_layer}
-    # FSDP block by block: the head's gradients stay unsharded until the root's post-backward, at backward's end
-    head_grads = 0 if per_block else step_grads(head_params)
-    root_grads_live = r.grad_numel(head_params) * pbytes if per_block else 0
-    dw2 = {l: r.ffn_output(l) for l in by_layer}  # elements of the first weight gradient of a block's backward
-    # DDP's flat bucket buffers are a second copy of the gradients (gradient_as_bucket_view=False); classic
-    # frameworks reduce from one contiguous gradient buffer instead.
-    ddp_buckets = r.grad_numel(params) * gbytes if (lay.uses_ddp and not classic) else 0
-    autocast = st.autocast_copies
-    binp = A.block_input(d)
-    head = sum(b for _, b in A.head_saved(d))
-    # the output weight's gradient in the dtype autograd sums it in: the unsharded parameter's under FSDP, autocast's
-    # bf16 copy's, else fp32
-    output_weight = [p for p in head_params if p.role == "output"] or r.where("embedding")
-    loss_extra = A.loss_backward_extra(d, local_numel(output_weight) * (pbytes if fsdp else BF16 if d.regime ==
-                                                                        "autocast" else FP32))
-    logits = d.N * d.V * d.L if pipelined else 0  # a pipeline's last stage keeps its output for its backward
-    shared_input = binp if (pipelined and d.R == FP32) else 0  # the first block saves the receive buffer itself
-    # (an offloaded first block saves a host copy of it instead, and backward gets a device copy back)
-    shared_of = {s: 0 if (s == 0 or moved[layers_of[s][0]]) else shared_input for s in stages if layers_of[s]}
-    hold, hold_head = {}, {}  # per in-flight micro-batch: activations, and the last stage's logits and loss tensors
-    for s in stages:
-        h = sum(stored[l] for l in layers_of[s]) + (A.final_residual(d) if s == last_stage else binp)
-        hold[s] = h - shared_of.get(s, 0)
-        hold_head[s] = head + logits if s == last_stage else 0
-    m = lay.pp_microbatches if pipelined else 1
-    tokens = m * A.inputs_bytes(d)  # the micro-batches this rank runs (a pipeline's whole batch)
-    p2p = sum(((s > 0) + (s < last_stage)) * m * binp for s in stages)
+    def _set_up_communication(self) -> None:
+        """DDP's buckets, FSDP's working copies (unsharded bytes per block and of the root, reduce-scatter inputs) and
+        what is held for communication through the whole backward."""
+        i, lay, r, fsdp, per_block, by_layer = self.i, self.lay, self.r, self.fsdp, self.per_block, self.by_layer
+        # DDP's flat bucket buffers are a second copy of the gradients (gradient_as_bucket_view=False); classic
+        # frameworks reduce from one contiguous gradient buffer instead.
+        self.ddp_buckets = r.grad_numel(self.params) * self.gbytes if (lay.uses_ddp and not self.classic) else 0
+        site = grad_compression_site(lay, i.recipe.compression.method)
+        rbytes = BF16 if site is CompressionSite.REDUCE_DTYPE else FP32
+        unsh = self.unsh = ({l: _fsdp_bytes(by_layer[l], lay, self.pbytes, rbytes if per_block else FP32)
+                             for l in by_layer} if fsdp else {})
+        self.root_unsh = _fsdp_bytes(r.root, lay, self.pbytes)[0] if (fsdp and r.root) else 0
+        gathered = sum(u for u, _ in unsh.values()) + self.root_unsh if (fsdp and not per_block) else 0
+        self.held_comm = self.ddp_buckets + self.p2p + gathered  # communication buffers live the whole backward
+        self.ahead = max(1, i.recipe.fsdp_backward_prefetch)  # blocks gathered ahead of the one in backward
 
-    # FSDP's working copies: unsharded bytes per block and of the root, and reduce-scatter inputs.
-    site = grad_compression_site(lay, i.recipe.compression.method)
-    rbytes = BF16 if site is CompressionSite.REDUCE_DTYPE else FP32
-    unsh = {l: _fsdp_bytes(by_layer[l], lay, pbytes, rbytes if per_block else FP32) for l in by_layer} if fsdp else {}
-    root_unsh = _fsdp_bytes(r.root, lay, pbytes)[0] if (fsdp and r.root) else 0
-    gathered = sum(u for u, _ in unsh.values()) + root_unsh if (fsdp and not per_block) else 0
-    held_comm = ddp_buckets + p2p + gathered  # communication buffers live the whole backward
-    ahead = max(1, i.recipe.fsdp_backward_prefetch)  # blocks gathered ahead of the one in backward
+    def _set_up_compression(self) -> None:
+        """Gradient compression (or the optimizer's own, 1-bit Adam's of the momenta): error feedback kept between
+        steps; the hook's temporaries (DDP: at the end of backward)."""
+        i, lay = self.i, self.lay
+        self.run_comp = optimizer_entry(i.recipe.optimizer).run_compression(i.recipe.compression)
+        self.comp_site = grad_compression_site(lay, self.run_comp.method)
+        self.comp = None
+        if self.comp_site.hooked:
+            shapes = [local_shape(q, lay) for q in self.params if q.trainable]
+            if self.comp_site is CompressionSite.REPLICATE_HOOK:
+                shapes = [(math.ceil(sh[0] / lay.dp_shard), *sh[1:]) for sh in shapes]
+            self.comp = compression_cost(self.run_comp, shapes,
+                                         lay.dp if self.comp_site is CompressionSite.DDP_HOOK else lay.dp_replicate)
 
-    # Gradient compression (or the optimizer's own, 1-bit Adam's of the momenta): error feedback kept between steps;
-    # the hook's temporaries (DDP: at the end of backward).
-    run_comp = optimizer_entry(i.recipe.optimizer).run_compression(i.recipe.compression)
-    comp_site = grad_compression_site(lay, run_comp.method)
-    comp = None
-    if comp_site.hooked:
-        shapes = [local_shape(q, lay) for q in params if q.trainable]
-        if comp_site is CompressionSite.REPLICATE_HOOK:
-            shapes = [(math.ceil(sh[0] / lay.dp_shard), *sh[1:]) for sh in shapes]
-        comp = compression_cost(run_comp, shapes,
-                                lay.dp if comp_site is CompressionSite.DDP_HOOK else lay.dp_replicate)
+    def _set_up_held_throughout(self) -> None:
+        """The model states every candidate peak holds, and what a zero-bubble input-gradient step leaves for the
+        weight-gradient step, per stage."""
+        st, d, comp = self.st, self.d, self.comp
+        self.base = dict(parameters=st.params + st.rope_buffers * len(self.stages), frozen=st.frozen,
+                         optimizer=st.optimizer, master=st.master, compression=comp.state_bytes if comp else 0)
+        self.autocast = st.autocast_copies
+        self.inter = {s: len(self.layers_of[s]) * _zb_intermediates(d)
+                      + (_zb_head_intermediates(d) if s == self.last_stage else 0) for s in self.stages}
 
-    base = dict(parameters=st.params + st.rope_buffers * len(stages), frozen=st.frozen, optimizer=st.optimizer,
-                master=st.master, compression=comp.state_bytes if comp else 0)
-    # what an input-gradient step leaves for the weight-gradient step, per stage
-    inter = {s: len(layers_of[s]) * _zb_intermediates(d) + (_zb_head_intermediates(d) if s == last_stage else 0)
-             for s in stages}
+    def schedule(self) -> _Peaks:
+        """The rank's schedule in order, each backward's candidate peaks shifted by what the rest of the schedule
+        holds then.
 
-    def backward(stage: int, kind: str, first_bwd: bool) -> _Peaks:
-        """Candidate peaks of one stage's backward of one micro-batch, alone (the schedule adds what else is held):
-        "B" (the whole backward), the zero-bubble input-gradient step "I" (nothing is freed: the graph is kept for
-        "W", and each block leaves the gradients of its weights' outputs), or the weight-gradient step "W" (at its
-        start, and at its end when the stage's gradients exist)."""
-        found = _Peaks()
+        What the rank's stages hold as the schedule runs: per micro-batch forwarded and not yet (weight-)backwarded
+        its `hold` (and the last stage's `hold_head`); per micro-batch of a zero-bubble schedule whose input
+        gradients are done and weight gradients not yet, its `inter`; and the gradients of the stages that have run a
+        backward. The multi-stage schedules wait for their sends only at the end of the step, and a send keeps its
+        tensor: every stage output sent to another rank (once its micro-batch is backwarded, no longer counted in
+        `hold`) and every input gradient sent back stays allocated to the end of the step."""
+        lay, rank, hold, hold_head, inter = self.lay, self.rank, self.hold, self.hold_head, self.inter
+        peaks = _Peaks()
+        stash_sends = self.pipelined and multi_stage(lay.pp_schedule)
+        remote_next = {s: s < self.last_stage and lay.stage_owner(s + 1) != rank for s in self.stages}
+        remote_prev = {s: s > 0 and lay.stage_owner(s - 1) != rank for s in self.stages}
+        actions = (rank_actions(lay.pp_schedule, lay.pp, lay.pp_virtual, self.m, rank) if self.pipelined
+                   else ((0, "F", 0), (0, "B", 0)))
+        held = held_head = grads_so_far = sent_out = sent_grads = 0
+        grads_done: set[int] = set()
+        walked: dict = {}
+        for stage, kind, _ in actions:
+            if kind == "F":
+                held += hold[stage]
+                held_head += hold_head[stage]
+                continue
+            if kind == "I" and stage == 0:
+                continue  # the first stage has no input gradients: its "W" runs the whole backward
+            if kind == "W" and stage == 0:
+                kind = "B"
+            others = held - hold[stage] + sent_out - (inter[stage] if kind == "W" else 0)
+            first_bwd = stage not in grads_done and not self.g_const
+            # The stage's own walk is the same at every micro-batch (what else is held only adds to each of its
+            # candidates): walked once per (stage, kind, first backward), shifted by this point's additions.
+            if (stage, kind, first_bwd) not in walked:
+                walked[stage, kind, first_bwd] = _StageBackward(self, stage, kind, first_bwd).peaks()
+            peaks.add_shifted(walked[stage, kind, first_bwd], {
+                "pipeline": others, "logits_loss": held_head - hold_head[stage],
+                "gradients": self.g_const + grads_so_far, "comm_buffers": sent_grads})
+            if kind in ("I", "B") and stash_sends and remote_prev[stage]:
+                sent_grads += self.binp
+            if kind == "I":
+                held += inter[stage]
+            else:
+                held -= hold[stage]
+                held_head -= hold_head[stage]
+                if first_bwd:
+                    grads_so_far += self.stage_grads[stage]
+                grads_done.add(stage)
+                if kind == "W":
+                    held -= inter[stage]
+                if stash_sends and remote_next[stage]:
+                    sent_out += self.binp
+        return peaks
 
-        def add(phase, **cats):  # (autocast's cached low-precision weights live until the backward ends)
-            found.add(phase, **base, autocast_copies=autocast, **cats)
+    def end_of_pipeline_step(self, peaks: _Peaks) -> None:
+        """The end of a pipeline step: FSDP reshards and reduce-scatters each group's accumulated gradients (the
+        largest group's buffers at the worst time: all gradients still unsharded)."""
+        if self.fsdp and not self.per_block and self.unsh:
+            rs_in = max(x for _, x in self.unsh.values())
+            peaks.add("reduce-scatter after the last micro-batch", **self.base,
+                      gradients=sum(self.stage_grads.values()), comm_buffers=self.held_comm + rs_in // self.lay.shard_degree
+                      + (rs_in if self.i.target.device == "cpu" else 0), activations=self.tokens)
 
-        layers, last = layers_of[stage], stage == last_stage
-        where = f" (stage {stage}{', input gradients' if kind == 'I' else ''})" if pipelined else ""
-        shared = shared_of.get(stage, 0)
-        stage_acts = sum(stored[l] for l in layers) - shared
-        keep = binp if not last else 0  # a stage's output stays referenced to the end of its backward
-        if kind == "W":
-            add(f"weight gradients (stage {stage})", gradients=0, activations=stage_acts + tokens + keep,
-                logits_loss=(head + logits if last else 0), comm_buffers=held_comm,
-                temporaries=len(layers) * _zb_intermediates(d) + (_zb_head_intermediates(d) if last else 0))
-            add(f"end of weight gradients (stage {stage})", gradients=stage_grads[stage] if first_bwd else 0,
-                activations=tokens, comm_buffers=held_comm)
-            return found
-        weights = kind == "B"
-        grads_now = 0
-        held = 0  # zero bubble: the weights' output gradients kept so far
-        current_head = head + logits if (last and not weights) else 0  # kept for "W"
-        comm = held_comm
-        if per_block:
-            if zero2:
-                comm += sum(u for u, _ in unsh.values()) + root_unsh
-            elif layers:  # the last block is not resharded after forward, except expert-parallel experts
-                comm += _fsdp_bytes([p for p in by_layer[layers[-1]] if not (p.expert and lay.ep > 1)], lay,
-                                    pbytes)[0]
+    def optimizer_step(self, peaks: _Peaks) -> dict:
+        """O, the optimizer step (and a DDP hook's compression of the last bucket before it); returns the host
+        memory of CPU-offloaded model states then."""
+        st, comp = self.st, self.comp
+        opt_temp = self._optimizer_temporaries()
+        host_states = _host_total(self.r.host, opt_temp)
+        if self.r.host:
+            opt_temp = 0  # the optimizer steps on the CPU
+        if comp is not None and self.comp_site is CompressionSite.DDP_HOOK:  # the hook compresses the last bucket:
+            # all grads
+            peaks.add("gradient compression (DDP hook)", **self.base, gradients=st.grads,
+                      comm_buffers=self.ddp_buckets + self.p2p, temporaries=comp.transient_bytes)
+        if comp is not None and self.run_comp is not self.i.recipe.compression:  # the optimizer compresses its
+            # momenta in its step
+            opt_temp = max(opt_temp, comp.transient_bytes)
+        peaks.add("optimizer step", **self.base, gradients=st.grads, comm_buffers=self.ddp_buckets + self.p2p,
+                  temporaries=opt_temp)
+        return host_states
+
+    def _optimizer_temporaries(self) -> int:
+        """What the optimizer step allocates beside the states: foreach's per-group temporaries, Muon's matrices."""
+        i, lay, st, params = self.i, self.lay, self.st, self.params
+        opt_temp = 0
+        if i.recipe.optimizer_impl != "fused" and optimizer_entry(i.recipe.optimizer).foreach_temporary:
+            # _multi_tensor_adam: torch._foreach_sqrt(exp_avg_sqs) per parameter group (matrices, then norm gains)
+            small = self.reduced_grad_bytes([p for p in params if len(p.shape) < 2])
+            opt_temp = max(self.r.host.get("gradients", st.grads) - small, small) * (FP32 // self.gbytes)
+            if lay.zero1:
+                opt_temp = math.ceil(st.optimizer / 2)
+        if optimizer_entry(i.recipe.optimizer).hidden_state is not None:
+            opt_temp = max(opt_temp, muon_temporaries([p for p in params if p.hidden_matrix and p.trainable], lay,
+                                                      self.reduced_grad_bytes, i.target.device == "cpu"))
+        return opt_temp
+
+    def result(self, peaks: _Peaks, host_states: dict) -> dict:
+        """The walk's answer (`_Peaks.result`), with the gradients' size and the host memory per rank."""
+        out = peaks.result(self.r, self.moe)
+        out["sizes"]["gradients"] = max(out["sizes"].get("gradients", 0), self.st.grads)
+        host_acts = int(in_flight(self.lay, self.rank) * sum(self.moved.values()))  # offloaded micro-batches in
+        # flight
+        out["host"] = {**host_states, **({"activations": host_acts} if host_acts else {})}
+        return out
+
+
+@dataclass
+class _Block:
+    """One block in a stage's backward: what its candidate peaks share."""
+
+    layer: int
+    index: int  # its place among the stage's blocks
+    first: int  # the stage's receive buffer, which the stage's first block saves as its input (else 0)
+    unit: list[int]  # the blocks checkpointed with it
+    before: list[int]  # the blocks of its unit below it (recomputed with it, holding their tensors)
+    waiting: int  # what those hold until their own backward
+    acts: int  # its activations live in its backward
+    live_temps: int  # its backward's own temporaries
+    from_head: int  # the gradient the loss/output backward made (its stage's last block on the last stage)
+    what: str  # its name in a phase
+    comm: int  # communication buffers live in its backward
+    prefetched: int = 0  # FSDP block by block: the blocks gathered ahead of it
+    kept_gathered: int = 0  # zero2: the blocks below kept gathered
+
+
+class _StageBackward:
+    """Candidate peaks of one stage's backward of one micro-batch, alone (the schedule adds what else is held):
+    "B" (the whole backward), the zero-bubble input-gradient step "I" (nothing is freed: the graph is kept for "W",
+    and each block leaves the gradients of its weights' outputs), or the weight-gradient step "W" (at its start, and
+    at its end when the stage's gradients exist)."""
+
+    def __init__(self, w: _Walk, stage: int, kind: str, first_bwd: bool):
+        self.w, self.stage, self.kind, self.first_bwd = w, stage, kind, first_bwd
+        self.found = _Peaks()
+        self.layers, self.last = w.layers_of[stage], stage == w.last_stage
+        self.where = f" (stage {stage}{', input gradients' if kind == 'I' else ''})" if w.pipelined else ""
+        self.shared = w.shared_of.get(stage, 0)
+        self.stage_acts = sum(w.stored[l] for l in self.layers) - self.shared
+        self.keep = w.binp if not self.last else 0  # a stage's output stays referenced to the end of its backward
+        self.weights = kind == "B"
+        self.grads_now = 0
+        self.held = 0  # zero bubble: the weights' output gradients kept so far
+        self.current_head = w.head + w.logits if (self.last and not self.weights) else 0  # kept for "W"
         # The root's parameters are gathered again by its pre-backward, when the gradient reaches its forward's
         # output: the logits (the whole loss is computed after the model's forward), or the loss itself (a chunked
         # loss is part of the forward). zero2 keeps them gathered throughout.
-        root_at_norm = root_unsh if (per_block and not zero2) else 0
-        if last:
-            micro = f" (micro-step {accum} of {accum})" if (accum > 1 and not pipelined) else ""
-            add(f"loss backward{where or micro}", gradients=0, activations=stage_acts + A.final_residual(d) + tokens,
-                logits_loss=head + logits + loss_extra, comm_buffers=comm + (root_at_norm if d.chunks > 1 else 0))
-            if weights and first_bwd:  # (an input-gradient step makes no weight gradients)
-                grads_now += head_grads
-            if not weights:
-                held += _zb_head_intermediates(d)
-            # the final norm's backward: the head's gradients made, the logits gone (the peak once they are small:
-            # chunked)
-            add(f"final norm backward{where}", gradients=grads_now, activations=stage_acts + A.final_residual(d) +
-                tokens, logits_loss=A.final_norm_backward(d) + current_head, comm_buffers=comm + root_at_norm,
-                temporaries=held + root_grads_live)
-        stored_below = stage_acts
-        fetched: set[int] = set()
-        rs_kept = 0  # FSDP block by block: the last reduce-scatter's buffer, kept until the next
-        for idx in reversed(range(len(layers))):
-            l = layers[idx]
-            first = shared if idx == 0 else 0
-            # an offloaded block's tensors are back for its backward, and the offloaded block below it is fetched
-            # ahead
-            stored_below -= (full[l] if l in fetched else stored[l]) - first
-            if l in ahead_of:
-                stored_below += moved[ahead_of[l]]
-                fetched.add(ahead_of[l])
-            # Under segments the blocks below l in its segment were recomputed with it and hold their tensors (FSDP:
-            # their parameters stay gathered, the recomputation ran inside backward) until their own backward.
-            unit = unit_of[l]
-            before = unit[:unit.index(l)]
-            waiting = sum(A.segment_recomputed(d, m == unit[0], moe_of[m]) for m in before)
-            b_acts, b_temps = A.block_backward_live(d, modes[l], moe_of[l], not before)
-            b_acts -= first
-            from_head = binp if (last and idx == len(layers) - 1) else 0  # made by the loss/output backward
-            what = f"block {l}{where}"
-            comm = held_comm
-            if per_block:
-                prefetched = sum(unsh[m][0] for m in set(layers[max(0, idx - ahead):idx]) | set(before))
-                kept_gathered = sum(unsh[k][0] for k in layers[:idx - 1]) if (zero2 and idx > 1) else 0
-                comm += unsh[l][0] + prefetched + rs_kept + root_unsh + kept_gathered
-            new_grad = dw2[l] * gbytes if (first_bwd and weights and not fsdp) else 0  # FSDP: unsharded, below
-            temps = b_temps + waiting + (dw2[l] * pbytes if fsdp else 0) + root_grads_live - from_head
-            if weights:
-                add(f"backward of {what}", gradients=grads_now + new_grad,
-                    activations=stored_below + b_acts + tokens + keep, logits_loss=from_head, comm_buffers=comm,
-                    temporaries=temps)
-            else:  # nothing of the block is freed; its weights' output gradients accumulate
-                add(f"backward of {what}", gradients=grads_now, activations=stage_acts + tokens + keep,
-                    logits_loss=from_head + current_head, comm_buffers=comm,
-                    temporaries=held + b_temps - (stored[l] - first - b_acts) - from_head)
-                held += _zb_intermediates(d)
-                add(f"end of {what}", gradients=grads_now, activations=stage_acts + tokens + keep,
-                    logits_loss=current_head, comm_buffers=comm,
-                    temporaries=held + (ZB_NORM_BACKWARD_VALUES * d.N // d.seq_div * d.C - d.N // d.seq_div * d.C)
-                    * FP32 + binp)
-            if lay.cp > 1 and weights:
-                # Ring attention's backward (context parallel): the block's MLP is done (its gradients exist,
-                # unsharded under FSDP), its attention tensors are still saved, the ring's buffers are live beside
-                # the incoming gradients (the residual's and the attention output's). (Under checkpointing the
-                # recomputed tensors count as temporaries, what the checkpoint holds as activations.)
-                live = A.ring_backward_block(d, modes[l])
-                kept = min(live, full[l]) if recomputes(modes[l]) else live  # (an offloaded block's are back)
-                done = r.after_attention_inputs(l) * pbytes
-                dout = d.N * d.Hq * d.D * d.L
-                add(f"ring attention backward of {what}", gradients=grads_now,
-                    activations=stored_below + kept + tokens + keep, logits_loss=0, comm_buffers=comm,
-                    temporaries=live - kept + A.ring_backward_temps(d) + dout + binp + done + root_grads_live
-                    + waiting)
-            if recomputes(modes[l]) and l == unit[-1]:  # (a segment recomputes in its last block's backward)
-                r_acts, r_temps = A.recompute_end(d, modes[l], moe_of[l], not before)
-                add(f"recomputation of {what}", gradients=grads_now,
-                    activations=stored_below + r_acts + tokens + keep - first, logits_loss=from_head + current_head,
-                    comm_buffers=comm, temporaries=held + r_temps + waiting - from_head + root_grads_live)
-            if per_block:
-                # The end of block l's backward (its attention backward), before FSDP's post-backward: all its
-                # unsharded gradients exist (what dominates when the micro-batch is small); of its activations only
-                # the input is left; SDPA's backward has made dq, dk, dv, then the q/k/v input's gradient, beside
-                # the incoming one.
-                q_size = d.N * d.Hq * d.D * d.L
-                add(f"end of {what}'s backward", gradients=grads_now, activations=stored_below + tokens + binp,
-                    logits_loss=0, comm_buffers=comm,
-                    temporaries=binp + 3 * q_size + d.N * d.C * d.L + root_grads_live + unsh[l][0] + waiting)
-                # FSDP's post-backward of block l: its parameters resharded, its gradients copied into the
-                # reduce-scatter input, the sharded output allocated (gloo also copies the input: CPU runs only).
-                rs_in = unsh[l][1]
-                rs_out = rs_in // lay.shard_degree
-                comm = (ddp_buckets + prefetched + rs_in + rs_out + (rs_in if i.target.device == "cpu" else 0)
-                        + root_unsh + kept_gathered)
-                add(f"reduce-scatter of {what}", gradients=grads_now, activations=stored_below + tokens,
-                    logits_loss=0, comm_buffers=comm, temporaries=binp + root_grads_live + dw2[l] * pbytes + waiting)
-                rs_kept = rs_in
-            if weights and first_bwd:
-                grads_now += block_grads[l]
-        return found
+        self.root_at_norm = w.root_unsh if (w.per_block and not w.zero2) else 0
+        self.stored_below = self.stage_acts
+        self.fetched: set[int] = set()
+        self.rs_kept = 0  # FSDP block by block: the last reduce-scatter's buffer, kept until the next
 
-    peaks = _Peaks()
-    # What the rank's stages hold as the schedule runs: per micro-batch forwarded and not yet (weight-)backwarded its
-    # `hold` (and the last stage's `hold_head`); per micro-batch of a zero-bubble schedule whose input gradients are
-    # done and weight gradients not yet, its `inter`; and the gradients of the stages that have run a backward.
-    # The multi-stage schedules wait for their sends only at the end of the step, and a send keeps its tensor: every
-    # stage output sent to another rank (once its micro-batch is backwarded, no longer counted in `hold`) and every
-    # input gradient sent back stays allocated to the end of the step.
-    stash_sends = pipelined and multi_stage(lay.pp_schedule)
-    remote_next = {s: s < last_stage and lay.stage_owner(s + 1) != rank for s in stages}
-    remote_prev = {s: s > 0 and lay.stage_owner(s - 1) != rank for s in stages}
-    actions = rank_actions(lay.pp_schedule, lay.pp, lay.pp_virtual, m, rank) if pipelined else ((0, "F", 0),
-                                                                                               (0, "B", 0))
-    held = held_head = grads_so_far = sent_out = sent_grads = 0
-    grads_done: set[int] = set()
-    walked: dict = {}
-    for stage, kind, _ in actions:
-        if kind == "F":
-            held += hold[stage]
-            held_head += hold_head[stage]
-            continue
-        if kind == "I" and stage == 0:
-            continue  # the first stage has no input gradients: its "W" runs the whole backward
-        if kind == "W" and stage == 0:
-            kind = "B"
-        others = held - hold[stage] + sent_out - (inter[stage] if kind == "W" else 0)
-        first_bwd = stage not in grads_done and not g_const
-        # The stage's own walk is the same at every micro-batch (what else is held only adds to each of its
-        # candidates): walked once per (stage, kind, first backward), shifted by this point's additions.
-        if (stage, kind, first_bwd) not in walked:
-            walked[stage, kind, first_bwd] = backward(stage, kind, first_bwd)
-        peaks.add_shifted(walked[stage, kind, first_bwd], {
-            "pipeline": others, "logits_loss": held_head - hold_head[stage], "gradients": g_const + grads_so_far,
-            "comm_buffers": sent_grads})
-        if kind in ("I", "B") and stash_sends and remote_prev[stage]:
-            sent_grads += binp
-        if kind == "I":
-            held += inter[stage]
+    def add(self, phase: str, **cats) -> None:
+        """A candidate peak, with the model states (autocast's cached low-precision weights live until the backward
+        ends)."""
+        self.found.add(phase, **self.w.base, autocast_copies=self.w.autocast, **cats)
+
+    def peaks(self) -> _Peaks:
+        """Every candidate peak of this backward: the weight-gradient step's, or the loss's and each block's, last to
+        first."""
+        if self.kind == "W":
+            self.weight_gradient_step()
+            return self.found
+        if self.last:
+            self.loss_backward()
+        for idx in reversed(range(len(self.layers))):
+            self.block_backward(idx)
+        return self.found
+
+    def weight_gradient_step(self) -> None:
+        """"W": at its start (the input-gradient step's intermediates live), and at its end."""
+        w, d, last, stage = self.w, self.w.d, self.last, self.stage
+        self.add(f"weight gradients (stage {stage})", gradients=0, activations=self.stage_acts + w.tokens + self.keep,
+                 logits_loss=(w.head + w.logits if last else 0), comm_buffers=w.held_comm,
+                 temporaries=len(self.layers) * _zb_intermediates(d) + (_zb_head_intermediates(d) if last else 0))
+        self.add(f"end of weight gradients (stage {stage})",
+                 gradients=w.stage_grads[stage] if self.first_bwd else 0, activations=w.tokens,
+                 comm_buffers=w.held_comm)
+
+    def loss_backward(self) -> None:
+        """The last stage's loss backward and its final norm's backward."""
+        w, d = self.w, self.w.d
+        comm = w.held_comm
+        if w.per_block:
+            if w.zero2:
+                comm += sum(u for u, _ in w.unsh.values()) + w.root_unsh
+            elif self.layers:  # the last block is not resharded after forward, except expert-parallel experts
+                comm += _fsdp_bytes([p for p in w.by_layer[self.layers[-1]] if not (p.expert and w.lay.ep > 1)], w.lay,
+                                    w.pbytes)[0]
+        micro = f" (micro-step {w.accum} of {w.accum})" if (w.accum > 1 and not w.pipelined) else ""
+        self.add(f"loss backward{self.where or micro}", gradients=0,
+                 activations=self.stage_acts + A.final_residual(d) + w.tokens,
+                 logits_loss=w.head + w.logits + w.loss_extra,
+                 comm_buffers=comm + (self.root_at_norm if d.chunks > 1 else 0))
+        if self.weights and self.first_bwd:  # (an input-gradient step makes no weight gradients)
+            self.grads_now += w.head_grads
+        if not self.weights:
+            self.held += _zb_head_intermediates(d)
+        # the final norm's backward: the head's gradients made, the logits gone (the peak once they are small:
+        # chunked)
+        self.add(f"final norm backward{self.where}", gradients=self.grads_now,
+                 activations=self.stage_acts + A.final_residual(d) + w.tokens,
+                 logits_loss=A.final_norm_backward(d) + self.current_head, comm_buffers=comm + self.root_at_norm,
+                 temporaries=self.held + w.root_grads_live)
+
+    def block_backward(self, idx: int) -> None:
+        """The backward of the stage's block `idx`: its own peaks, ring attention's, its recomputation's, FSDP's end
+        of it and reduce-scatter; then its gradients exist."""
+        w = self.w
+        b = self._block(idx)
+        l = b.layer
+        if self.weights:
+            temps = b.live_temps + b.waiting + (w.dw2[l] * w.pbytes if w.fsdp else 0) + w.root_grads_live - b.from_head
+            self.add(f"backward of {b.what}", gradients=self.grads_now + self._new_grad(l),
+                     activations=self.stored_below + b.acts + w.tokens + self.keep, logits_loss=b.from_head,
+                     comm_buffers=b.comm, temporaries=temps)
         else:
-            held -= hold[stage]
-            held_head -= hold_head[stage]
-            if first_bwd:
-                grads_so_far += stage_grads[stage]
-            grads_done.add(stage)
-            if kind == "W":
-                held -= inter[stage]
-            if stash_sends and remote_next[stage]:
-                sent_out += binp
+            self._input_gradient_peaks(b)
+        if w.lay.cp > 1 and self.weights:
+            self._ring_attention_peak(b)
+        if recomputes(w.modes[l]) and l == b.unit[-1]:  # (a segment recomputes in its last block's backward)
+            self._recomputation_peak(b)
+        if w.per_block:
+            self._fsdp_block_end_peaks(b)
+        if self.weights and self.first_bwd:
+            self.grads_now += w.block_grads[l]
 
-    # the end of a pipeline step: FSDP reshards and reduce-scatters each group's accumulated gradients (the largest
-    # group's buffers at the worst time: all gradients still unsharded)
-    if fsdp and not per_block and unsh:
-        rs_in = max(x for _, x in unsh.values())
-        peaks.add("reduce-scatter after the last micro-batch", **base, gradients=sum(stage_grads.values()),
-                  comm_buffers=held_comm + rs_in // lay.shard_degree + (rs_in if i.target.device == "cpu" else 0),
-                  activations=tokens)
-    # O: the optimizer step
-    opt_temp = 0
-    if i.recipe.optimizer_impl != "fused" and optimizer_entry(i.recipe.optimizer).foreach_temporary:
-        # _multi_tensor_adam: torch._foreach_sqrt(exp_avg_sqs) per parameter group (matrices, then norm gains)
-        small = reduced_grad_bytes([p for p in params if len(p.shape) < 2])
-        opt_temp = max(r.host.get("gradients", st.grads) - small, small) * (FP32 // gbytes)
-        if lay.zero1:
-            opt_temp = math.ceil(st.optimizer / 2)
-    if optimizer_entry(i.recipe.optimizer).hidden_state is not None:
-        opt_temp = max(opt_temp, muon_temporaries([p for p in params if p.hidden_matrix and p.trainable], lay,
-                                                  reduced_grad_bytes, i.target.device == "cpu"))
-    host_states = _host_total(r.host, opt_temp)
-    if r.host:
-        opt_temp = 0  # the optimizer steps on the CPU
-    if comp is not None and comp_site is CompressionSite.DDP_HOOK:  # the hook compresses the last bucket: all grads
-        peaks.add("gradient compression (DDP hook)", **base, gradients=st.grads, comm_buffers=ddp_buckets + p2p,
-                  temporaries=comp.transient_bytes)
-    if comp is not None and run_comp is not i.recipe.compression:  # the optimizer compresses its momenta in its step
-        opt_temp = max(opt_temp, comp.transient_bytes)
-    peaks.add("optimizer step", **base, gradients=st.grads, comm_buffers=ddp_buckets + p2p, temporaries=opt_temp)
+    def _block(self, idx: int) -> _Block:
+        """Block `idx`'s shared terms; moves `stored_below` to what the blocks below it hold (and fetches the
+        offloaded block below it ahead)."""
+        w, d, layers = self.w, self.w.d, self.layers
+        l = layers[idx]
+        first = self.shared if idx == 0 else 0
+        # an offloaded block's tensors are back for its backward, and the offloaded block below it is fetched ahead
+        self.stored_below -= (w.full[l] if l in self.fetched else w.stored[l]) - first
+        if l in w.ahead_of:
+            self.stored_below += w.moved[w.ahead_of[l]]
+            self.fetched.add(w.ahead_of[l])
+        # Under segments the blocks below l in its segment were recomputed with it and hold their tensors (FSDP:
+        # their parameters stay gathered, the recomputation ran inside backward) until their own backward.
+        unit = w.unit_of[l]
+        before = unit[:unit.index(l)]
+        waiting = sum(A.segment_recomputed(d, m == unit[0], w.moe_of[m]) for m in before)
+        b_acts, b_temps = A.block_backward_live(d, w.modes[l], w.moe_of[l], not before)
+        b_acts -= first
+        from_head = w.binp if (self.last and idx == len(layers) - 1) else 0  # made by the loss/output backward
+        comm = w.held_comm
+        prefetched = kept_gathered = 0
+        if w.per_block:
+            prefetched = sum(w.unsh[m][0] for m in set(layers[max(0, idx - w.ahead):idx]) | set(before))
+            kept_gathered = sum(w.unsh[k][0] for k in layers[:idx - 1]) if (w.zero2 and idx > 1) else 0
+            comm += w.unsh[l][0] + prefetched + self.rs_kept + w.root_unsh + kept_gathered
+        return _Block(l, idx, first, unit, before, waiting, b_acts, b_temps, from_head, f"block {l}{self.where}",
+                      comm, prefetched, kept_gathered)
 
-    out = peaks.result(r, moe)
-    out["sizes"]["gradients"] = max(out["sizes"].get("gradients", 0), st.grads)
-    host_acts = int(in_flight(lay, rank) * sum(moved.values()))  # offloaded micro-batches in flight
-    out["host"] = {**host_states, **({"activations": host_acts} if host_acts else {})}
-    return out
+    def _new_grad(self, l: int) -> int:
+        """The first weight gradient of block `l`'s backward, where it is new (FSDP: unsharded, in its temporaries)."""
+        w = self.w
+        return w.dw2[l] * w.gbytes if (self.first_bwd and self.weights and not w.fsdp) else 0
+
+    def _input_gradient_peaks(self, b: _Block) -> None:
+        """A zero-bubble input-gradient step of the block: nothing of it is freed; its weights' output gradients
+        accumulate."""
+        w, d, l = self.w, self.w.d, b.layer
+        self.add(f"backward of {b.what}", gradients=self.grads_now, activations=self.stage_acts + w.tokens + self.keep,
+                 logits_loss=b.from_head + self.current_head, comm_buffers=b.comm,
+                 temporaries=self.held + b.live_temps - (w.stored[l] - b.first - b.acts) - b.from_head)
+        self.held += _zb_intermediates(d)
+        self.add(f"end of {b.what}", gradients=self.grads_now, activations=self.stage_acts + w.tokens + self.keep,
+                 logits_loss=self.current_head, comm_buffers=b.comm,
+                 temporaries=self.held + (ZB_NORM_BACKWARD_VALUES * d.N // d.seq_div * d.C - d.N // d.seq_div * d.C)
+                 * FP32 + w.binp)
+
+    def _ring_attention_peak(self, b: _Block) -> None:
+        """Ring attention's backward (context parallel): the block's MLP is done (its gradients exist, unsharded under
+        FSDP), its attention tensors are still saved, the ring's buffers are live beside the incoming gradients (the
+        residual's and the attention output's). (Under checkpointing the recomputed tensors count as temporaries,
+        what the checkpoint holds as activations.)"""
+        w, d, l = self.w, self.w.d, b.layer
+        live = A.ring_backward_block(d, w.modes[l])
+        kept = min(live, w.full[l]) if recomputes(w.modes[l]) else live  # (an offloaded block's are back)
+        done = w.r.after_attention_inputs(l) * w.pbytes
+        dout = d.N * d.Hq * d.D * d.L
+        self.add(f"ring attention backward of {b.what}", gradients=self.grads_now,
+                 activations=self.stored_below + kept + w.tokens + self.keep, logits_loss=0, comm_buffers=b.comm,
+                 temporaries=live - kept + A.ring_backward_temps(d) + dout + w.binp + done + w.root_grads_live
+                 + b.waiting)
+
+    def _recomputation_peak(self, b: _Block) -> None:
+        """The end of the block's recomputation (a segment's, in its last block's backward)."""
+        w, l = self.w, b.layer
+        r_acts, r_temps = A.recompute_end(w.d, w.modes[l], w.moe_of[l], not b.before)
+        self.add(f"recomputation of {b.what}", gradients=self.grads_now,
+                 activations=self.stored_below + r_acts + w.tokens + self.keep - b.first,
+                 logits_loss=b.from_head + self.current_head, comm_buffers=b.comm,
+                 temporaries=self.held + r_temps + b.waiting - b.from_head + w.root_grads_live)
+
+    def _fsdp_block_end_peaks(self, b: _Block) -> None:
+        """FSDP block by block: the end of the block's backward, and its post-backward's reduce-scatter."""
+        w, d, l = self.w, self.w.d, b.layer
+        # The end of block l's backward (its attention backward), before FSDP's post-backward: all its unsharded
+        # gradients exist (what dominates when the micro-batch is small); of its activations only the input is left;
+        # SDPA's backward has made dq, dk, dv, then the q/k/v input's gradient, beside the incoming one.
+        q_size = d.N * d.Hq * d.D * d.L
+        self.add(f"end of {b.what}'s backward", gradients=self.grads_now,
+                 activations=self.stored_below + w.tokens + w.binp, logits_loss=0, comm_buffers=b.comm,
+                 temporaries=w.binp + 3 * q_size + d.N * d.C * d.L + w.root_grads_live + w.unsh[l][0] + b.waiting)
+        # FSDP's post-backward of block l: its parameters resharded, its gradients copied into the reduce-scatter
+        # input, the sharded output allocated (gloo also copies the input: CPU runs only).
+        rs_in = w.unsh[l][1]
+        rs_out = rs_in // w.lay.shard_degree
+        comm = (w.ddp_buckets + b.prefetched + rs_in + rs_out + (rs_in if w.i.target.device == "cpu" else 0)
+                + w.root_unsh + b.kept_gathered)
+        self.add(f"reduce-scatter of {b.what}", gradients=self.grads_now, activations=self.stored_below + w.tokens,
+                 logits_loss=0, comm_buffers=comm,
+                 temporaries=w.binp + w.root_grads_live + w.dw2[l] * w.pbytes + b.waiting)
+        self.rs_kept = rs_in
 
 
 def muon_temporaries(hidden: list, lay: Layout, reduced_grad_bytes, gloo: bool) -> int:

@@ -248,29 +248,13 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
     """
     local_numel = sum(count * n for _, count, n in kinds)
     entry = optimizer_entry(optimizer)
-    # Per element and per tensor: what the optimizer keeps (Muon: a momentum for a hidden matrix, AdamW's two moments
-    # and step count for the rest), averaged over the rank's elements
-    hidden = [(count, n) for p, count, n in kinds if p.hidden_matrix] if entry.hidden_state is not None else []
-    hidden_numel = sum(count * n for count, n in hidden)
-    per_opt = entry.state_bytes if not local_numel else \
-        (hidden_numel * entry.hidden_state_bytes() + (local_numel - hidden_numel) * entry.state_bytes) / local_numel
-    tensors = sum(count for _, count, _ in kinds) - sum(count for count, _ in hidden)  # those with a step count
+    per_opt, tensors = _optimizer_state_per_element(entry, kinds, local_numel)
     low = low_precision(precision)
     rope = 2 * args.max_seq_len * (args.head_dim // 2) * FP32  # rope_cos, rope_sin buffers
     notes = []
     dp = layout.dp
     if accounting == "classic" and low:
-        # By ZeRO stage: ddp = none, zero1 = optimizer+master, zero2 = + grads, fsdp/hsdp = + params.
-        n = layout.dp_shard if layout.hybrid else dp
-        stage_n = layout.zero_stage
-        full = local_numel
-
-        def div(k: int) -> int:
-            return math.ceil(full / n) if stage_n >= k and n > 1 else full
-
-        return StateBytes(params=div(3) * BF16, grads=div(2) * BF16, optimizer=round(div(1) * per_opt),
-                          master=div(1) * FP32, autocast_copies=0, param_numel=div(3), unsharded_numel=full,
-                          rope_buffers=0, notes=("classic mixed-precision accounting (Megatron/DeepSpeed style)",))
+        return _classic_states(layout, local_numel, per_opt)
     if layout.uses_fsdp:
         numel = sum(count * fsdp_numel(p, layout) for p, count, _ in kinds)
         opt_numel = numel
@@ -285,7 +269,49 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
         if layout.zero1:
             opt_numel = zero1_worst_numel([(p, n) for p, count, n in kinds for _ in range(count)], dp)
             notes.append(f"ZeRO-1 partitions whole parameters over {dp} ranks (worst rank shown)")
-    autocast = whole_numel = 0
+    autocast = _low_precision_weight_copies(args, layout, precision, kinds, notes)
+    whole_numel = _whole_embedding_gradient(layout, stage, kinds, notes)
+    grads_numel += whole_numel
+    # Per parameter tensor: Adam's step count (a 4-byte fp32 tensor each; ZeRO-1: its partition's share).
+    steps = tensors * entry.tensor_state_bytes
+    if steps and layout.zero1:
+        steps = math.ceil(tensors / layout.dp) * entry.tensor_state_bytes
+    return StateBytes(params=numel * FP32, grads=grads_numel * FP32, optimizer=round(opt_numel * per_opt) + steps,
+                      master=0, autocast_copies=autocast, param_numel=numel, unsharded_numel=local_numel, rope_buffers=rope,
+                      notes=tuple(notes), grads_beyond_shards=whole_numel * FP32)
+
+
+def _optimizer_state_per_element(entry, kinds: list[tuple[Param, int, int]], local_numel: int) -> tuple[float, int]:
+    """(bytes the optimizer keeps per element, averaged over the rank's elements; the parameter tensors with a step
+    count). Muon keeps a momentum for a hidden matrix, AdamW's two moments and step count for the rest."""
+    hidden = [(count, n) for p, count, n in kinds if p.hidden_matrix] if entry.hidden_state is not None else []
+    hidden_numel = sum(count * n for count, n in hidden)
+    per_opt = entry.state_bytes if not local_numel else \
+        (hidden_numel * entry.hidden_state_bytes() + (local_numel - hidden_numel) * entry.state_bytes) / local_numel
+    tensors = sum(count for _, count, _ in kinds) - sum(count for count, _ in hidden)  # those with a step count
+    return per_opt, tensors
+
+
+def _classic_states(layout: Layout, full: int, per_opt: float) -> StateBytes:
+    """Classic mixed-precision accounting (Megatron/DeepSpeed) by ZeRO stage: ddp = none, zero1 = optimizer+master,
+    zero2 = + grads, fsdp/hsdp = + params."""
+    n = layout.dp_shard if layout.hybrid else layout.dp
+    stage_n = layout.zero_stage
+
+    def div(k: int) -> int:
+        return math.ceil(full / n) if stage_n >= k and n > 1 else full
+
+    return StateBytes(params=div(3) * BF16, grads=div(2) * BF16, optimizer=round(div(1) * per_opt),
+                      master=div(1) * FP32, autocast_copies=0, param_numel=div(3), unsharded_numel=full,
+                      rope_buffers=0, notes=("classic mixed-precision accounting (Megatron/DeepSpeed style)",))
+
+
+def _low_precision_weight_copies(args: ModelArgs, layout: Layout, precision: str, kinds: list[tuple[Param, int, int]],
+                                 notes: list[str]) -> int:
+    """Bytes of the low-precision weight copies a step keeps: autocast's cache of each matmul weight (no FSDP), and
+    the float8 layers' casts (each with its note)."""
+    low = low_precision(precision)
+    autocast = 0
     float8 = {p.name for p in float8_linears(args)} if float8_matmuls(precision) else set()
     if low and not layout.uses_fsdp:
         # (routed experts' grouped matmul is not an autocast op: no cached copy of them; float8 layers cast their fp32
@@ -300,21 +326,20 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
         autocast += FLOAT8_WEIGHT_COPIES * (largest + FLOAT8_SCALE_BYTES)
         notes.append(f"fp8: {len(float8)} linear layers multiply float8 copies of their weights (1 byte per element "
                      "and a 4-byte scale, made for each matmul and freed after it)")
+    return autocast
+
+
+def _whole_embedding_gradient(layout: Layout, stage: int, kinds: list[tuple[Param, int, int]],
+                              notes: list[str]) -> int:
+    """Elements of the embedding's gradient beyond its tensor-parallel shard (with its note)."""
     if layout.tp > 1 and not layout.uses_fsdp and stage == 0:
         # Measured (torch 2.13): the vocabulary-parallel embedding's gradient comes back whole (V x C) on every
         # tensor-parallel rank, not as its V/tp shard.
         emb = next((p for p, _, _ in kinds if p.where == "embedding"), None)  # (LoRA: the embedding is frozen)
         if emb is not None:
-            whole_numel = emb.numel - math.prod(local_shape(emb, layout))
-            grads_numel += whole_numel
             notes.append("tensor parallel: the embedding's gradient is whole (V x C) on each rank")
-    # Per parameter tensor: Adam's step count (a 4-byte fp32 tensor each; ZeRO-1: its partition's share).
-    steps = tensors * entry.tensor_state_bytes
-    if steps and layout.zero1:
-        steps = math.ceil(tensors / layout.dp) * entry.tensor_state_bytes
-    return StateBytes(params=numel * FP32, grads=grads_numel * FP32, optimizer=round(opt_numel * per_opt) + steps, master=0,
-                      autocast_copies=autocast, param_numel=numel, unsharded_numel=local_numel, rope_buffers=rope,
-                      notes=tuple(notes), grads_beyond_shards=whole_numel * FP32)
+            return emb.numel - math.prod(local_shape(emb, layout))
+    return 0
 
 
 def zero_table(args: ModelArgs, ranks: int, optimizer: str = "adamw") -> list[dict]:

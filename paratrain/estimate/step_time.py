@@ -468,140 +468,41 @@ def predict(c: Candidate, ctx: Context) -> Prediction:
 
 
 def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Prediction:
+    """One kind of step (`phase`: an optimizer's own, or None): compute and recompute of the slowest pipeline rank,
+    the exposed communication, the pipeline bubble, the optimizer step and gradient compression."""
     a, hw, S, lay = ctx.args, ctx.hw, ctx.seq_len, c.layout
-    t, ab, cp = c.tp, _act_bytes(ctx), lay.cp
-    T = c.micro_batch * S // cp  # tokens per micro-step per rank (tp ranks share them, cp ranks split them)
+    T = c.micro_batch * S // lay.cp  # tokens per micro-step per rank (tp ranks share them, cp ranks split them)
     n_micro = c.micro_steps(ctx)
     blocks = rank_blocks(ctx, lay)
     layers = blocks.most  # the busiest pipeline rank's blocks
     moe_layers = cached(ctx, ("moe_layers", id(a)), lambda: sum(1 for i in range(a.n_layers) if a.is_moe_layer(i)))
     slowest, per_step, fill = _slowest(c, ctx)
     compute, recompute = (n_micro * x for x in per_step)
-
-    # parameters of this rank's stage, before data-parallel sharding
-    P = cached(ctx, "params", lambda: count_params(a))
-    # routed experts are sharded over ep (and FSDP-gathered only over dp_shard / ep): count them once per ep group
-    experts = moe_layers * a.moe_experts * 3 * a.dim * a.expert_hidden if moe_layers else 0
-    P_stage = (P - experts + experts / c.ep) / c.pp / t
-    # what has gradients and optimizer state: every parameter, or LoRA's adapters (the base is only gathered)
-    G_stage = P_stage if ctx.lora is None else cached(ctx, "trainable", lambda: trainable_count(a, ctx.lora)) / c.pp / t
-    opt_params = G_stage / lay.optimizer_shards
+    P_stage, G_stage = _stage_params(c, ctx, moe_layers)
     entry = optimizer_entry(ctx.optimizer)
-    optimizer = (opt_params * entry.step_bytes / hw.mem_bandwidth + entry.step_kernels * hw.op_overhead_s) \
-        * hw.compute_scale
-    if c.cpu_offload:
-        optimizer = cpu_offload_optimizer_s(opt_params, entry.step_bytes, optimizer_entry("adamw").step_bytes, hw)
-
-    # gradient compression: what the compressed collective sends, and the compute it costs (an optimizer's phase:
-    # its own collective, none in a local step, in the optimizer step when not in the backward)
-    comp_in = ctx.compression
-    silent = after_backward = False
-    if phase is not None:
-        comp_in = optimizer_entry(ctx.optimizer).phase_compression(phase, comp_in)
-        silent, after_backward = phase.reduction is GradientReduction.LOCAL, not phase.in_backward
-    site = grad_compression_site(lay, comp_in.method)
-    comp_frac, comp_lat, compress = 1.0, 1, 0.0
-    if site.hooked:
-
-        shapes = [local_shape(q, lay) for q in model_params(a, ctx.lora) if q.trainable]  # (no pp or tp here)
-        if site is CompressionSite.REPLICATE_HOOK:  # the FSDP shard of each parameter (dim 0 over dp_shard)
-            shapes = [(math.ceil(s[0] / lay.dp_shard), *s[1:]) for s in shapes]
-        cost = compression_cost(comp_in, shapes, c.dp if site is CompressionSite.DDP_HOOK else lay.dp_replicate)
-        comp_frac, comp_lat = cost.wire_fraction, cost.collectives
-        fp32 = hw.speed(ctx.math(hw, "fp32"))  # (the gradients are fp32)
-        compress = (cost.gemm_flops / (fp32 * hw.gemm_rate(max(cost.gemm_flops / max(cost.ops, 1), 1.0)))
-                    if cost.gemm_flops else 0.0) + cost.memory_bytes / hw.mem_bandwidth + cost.ops * hw.op_overhead_s
-    rs_frac = 0.5 if site is CompressionSite.REDUCE_DTYPE else 1.0  # bf16 through FSDP's reduce dtype
-
-    # communication
-    pbytes = value_bytes(ctx.precision)
-    shard = lay.dp_shard * cp  # FSDP's group: dp_shard x cp, contiguous in the mesh
-    tp_link = group_link(ctx, 1, t)
-    shard_link = group_link(ctx, t, shard)
-    dp_link = group_link(ctx, t, c.dp)
-    rep_link = group_link(ctx, t * shard, lay.dp_replicate)
-    pp_link = group_link(ctx, t * c.dp * cp, c.pp)
-    comm = {}
-    overlappable = 0.0
-    min_exposed = 0.0
-    fsdp_gathers = 0
-    dp_bytes = 0.0  # what this rank sends for the data-parallel reduction in one step
-    if lay.dp_cp > 1:
-        if lay.uses_ddp:
-            g = G_stage * 4
-            buckets = max(1, math.ceil(g / (ctx.ddp_bucket_mb * 2**20)))
-            latency = all_reduce_time(0.0, c.dp, dp_link)  # per collective; a compressed bucket may need several
-            ar = buckets * (comp_lat * latency + all_reduce_time(g * comp_frac / buckets, c.dp, dp_link) - latency)
-            if after_backward:
-                comm[MOMENTUM_ALL_REDUCE] = 0.0 if silent else ar
-            else:
-                overlappable += ar
-                min_exposed += ar / buckets
-            dp_bytes = 0.0 if silent else 2 * (c.dp - 1) / c.dp * g * comp_frac
-            if lay.zero1:
-                comm["zero1 param all-gather"] = all_gather_time(G_stage * 4, c.dp, dp_link)
-        else:
-            # The one rule the trainer follows and the estimator uses (Layout.fsdp_all_gathers): pipelined stages
-            # gather each group once per step and reduce-scatter once; otherwise per micro-step.
-            groups = lay.fsdp_groups(layers, blocks.moe[blocks.busiest], blocks.busiest)
-            n_ag, n_rs = lay.fsdp_all_gathers(n_micro, groups), lay.fsdp_reduce_scatters(n_micro, groups)
-            # (pipelined: each group once per step, whatever the micro-batches: one entry for all of them)
-            key = (("gathers", id(a), lay, n_micro) if not lay.pipelined
-                   else ("gathers", id(a), *_without_microbatches(lay)))
-            fsdp_gathers = cached(ctx, key, lambda: fsdp_gathers_per_step(lay, a, n_micro, blocks.layers,
-                                                                          blocks.moe))
-            group = FSDP_GROUP_OPS * hw.op_overhead_s
-            ag = n_ag * (all_gather_time(P_stage * pbytes / groups, shard, shard_link) + group)
-            rs = n_rs * (reduce_scatter_time(G_stage * 4 * rs_frac / groups, shard, shard_link) + group)
-            overlappable += ag + rs
-            min_exposed += ag / n_ag + rs / n_rs  # one group's worth stays exposed
-            dp_bytes = (shard - 1) / shard * G_stage * 4 * rs_frac * n_rs / groups
-            if c.cpu_offload:
-                overlappable += cpu_offload_copy_s(n_ag + n_rs, P_stage * 4 / shard / groups, hw)
-            if lay.hybrid:
-                frac = rs_frac if site is CompressionSite.REDUCE_DTYPE else comp_frac
-                r = lay.dp_replicate
-                latency = all_reduce_time(0.0, r, rep_link)
-                if after_backward:  # once per step, over the whole shard
-                    comm[MOMENTUM_ALL_REDUCE] = 0.0 if silent else (
-                        all_reduce_time(G_stage * 4 * frac / shard, r, rep_link) + (comp_lat - 1) * latency)
-                    dp_bytes += 0.0 if silent else 2 * (r - 1) / r * G_stage * 4 * frac / shard
-                else:
-                    hr = n_rs * (all_reduce_time(G_stage * 4 * frac / shard / groups, r, rep_link)
-                                 + (comp_lat - 1) * latency + group)
-                    overlappable += hr
-                    min_exposed += hr / n_rs
-                    dp_bytes += 2 * (r - 1) / r * G_stage * 4 * frac / shard * n_rs / groups
-    comm_total = overlappable
-    if overlappable:
-        hidden = min(overlappable - min_exposed, hw.overlap * (compute + recompute))
-        comm["data-parallel"] = overlappable - max(0.0, hidden)
-    if t > 1:
-        act = T * a.dim * ab
-        # sequence parallel (the planner's layouts always use it)
-        per_block_f = 2 * all_gather_time(act, t, tp_link) + 2 * reduce_scatter_time(act, t, tp_link)
-        extra = forward_repeats(c.ac, c.every_k)
-        emb = 4 * all_reduce_time(T * 4, t, tp_link) + 2 * all_gather_time(act, t, tp_link)
-        comm["tensor-parallel"] = n_micro * (layers * per_block_f * (2 + extra) + emb)
-    if c.pp > 1:
-        act = T * a.dim * ab / (t if t > 1 else 1)
-        comm["pipeline p2p"] = 2 * lay.pp_virtual * n_micro * p2p_time(act, pp_link)
-    if c.ep > 1 and moe_layers:
-        ep_link = group_link(ctx, t, c.ep)  # an ep group is ep consecutive dp_shard ranks
-        a2a = all_to_all_time(T * a.moe_top_k * a.dim * ab, c.ep, ep_link) + all_to_all_time(64, c.ep, ep_link)
-        comm["expert all-to-all"] = n_micro * math.ceil(moe_layers / c.pp) * 4 * a2a
-    if cp > 1:
-        key = ("ring", compute_key(ctx), ctx.gpus_per_node, t, cp, c.micro_batch, c.ep, c.ac, c.every_k, n_micro,
-               c.pp)
+    optimizer = _optimizer_step_s(c, ctx, G_stage)
+    comp = _StepCompression.of(c, ctx, phase)
+    links = _Links.of(c, ctx)
+    dp = _data_parallel(c, ctx, comp, links, P_stage, G_stage, n_micro, blocks)
+    comm = dp.comm
+    comm_total = dp.overlappable
+    if dp.overlappable:
+        hidden = min(dp.overlappable - dp.min_exposed, hw.overlap * (compute + recompute))
+        comm["data-parallel"] = dp.overlappable - max(0.0, hidden)
+    _model_parallel_comm(c, ctx, comm, links, T, n_micro, layers, moe_layers)
+    if lay.cp > 1:
+        key = ("ring", compute_key(ctx), ctx.gpus_per_node, c.tp, lay.cp, c.micro_batch, c.ep, c.ac, c.every_k,
+               n_micro, c.pp)
         ring_total, comm[RING] = cached(ctx, key, lambda: ring_time(ctx, c, T, attention_time(ctx, c)))
         comm_total += ring_total - comm[RING]  # the hidden part (the exposed part is added below)
     if offloads_activations(c.act_offload):
         comm[ACT_OFFLOAD], moved = activation_offload_time(c, ctx, layers, compute / max(n_micro, 1))
         comm_total += moved - comm[ACT_OFFLOAD]
     if c.loss_chunks > 1:
-        recompute += chunked_loss_recompute_s(block_costs(ctx, hw, t, c.micro_batch, c.ep, c.ac, cp).head, n_micro)
+        recompute += chunked_loss_recompute_s(block_costs(ctx, hw, c.tp, c.micro_batch, c.ep, c.ac, lay.cp).head,
+                                              n_micro)
     if entry.hidden_state is not None:  # Muon: the Newton-Schulz iterations and the updates' redistributions
-        iterate, comm[MUON_REDISTRIBUTION] = muon_step_s(c, ctx, shard_link, dp_link)
+        iterate, comm[MUON_REDISTRIBUTION] = muon_step_s(c, ctx, links.shard, links.dp)
         optimizer += iterate
     comm_total += sum(v for k, v in comm.items() if k not in ("data-parallel",))
     exposed = sum(comm.values())
@@ -610,7 +511,8 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
         + comm.get("expert all-to-all", 0.0) + comm.get(RING, 0.0)
     bubble = pipelined * fill / (n_micro * lay.pp_virtual) if c.pp > 1 else 0.0
     # hsdp's hook reduces every micro-step; DDP and an optimizer's own all-reduce once per step
-    compress *= n_micro if site is CompressionSite.REPLICATE_HOOK and not after_backward else 1
+    compress = comp.seconds
+    compress *= n_micro if comp.site is CompressionSite.REPLICATE_HOOK and not comp.after_backward else 1
     step = compute + recompute + exposed + bubble + optimizer + compress
     tokens = ctx.global_seqs * S
     tok_s = tokens / step
@@ -618,7 +520,204 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     peak = sum(peaks) / len(peaks)
     mfu = cached(ctx, ("flops_per_token", S), lambda: flops_per_token(a, S)) * tok_s / (c.world * peak)
     return Prediction(step, compute, exposed, bubble, recompute, optimizer, comm_total, tok_s, mfu, comm, compress,
-                      fsdp_gathers, dp_bytes)
+                      dp.fsdp_gathers, dp.dp_bytes)
+
+
+def _stage_params(c: Candidate, ctx: Context, moe_layers: int) -> tuple[float, float]:
+    """(parameters of this rank's stage before data-parallel sharding, those of them with gradients and optimizer
+    state: every parameter, or LoRA's adapters, the base being only gathered)."""
+    a, t = ctx.args, c.tp
+    P = cached(ctx, "params", lambda: count_params(a))
+    # routed experts are sharded over ep (and FSDP-gathered only over dp_shard / ep): count them once per ep group
+    experts = moe_layers * a.moe_experts * 3 * a.dim * a.expert_hidden if moe_layers else 0
+    P_stage = (P - experts + experts / c.ep) / c.pp / t
+    G_stage = P_stage if ctx.lora is None else cached(ctx, "trainable", lambda: trainable_count(a, ctx.lora)) / c.pp / t
+    return P_stage, G_stage
+
+
+def _optimizer_step_s(c: Candidate, ctx: Context, G_stage: float) -> float:
+    """Seconds of the optimizer step on the rank's shards of what has optimizer state (CPU offload: on the host)."""
+    hw = ctx.hw
+    opt_params = G_stage / c.layout.optimizer_shards
+    entry = optimizer_entry(ctx.optimizer)
+    optimizer = (opt_params * entry.step_bytes / hw.mem_bandwidth + entry.step_kernels * hw.op_overhead_s) \
+        * hw.compute_scale
+    if c.cpu_offload:
+        optimizer = cpu_offload_optimizer_s(opt_params, entry.step_bytes, optimizer_entry("adamw").step_bytes, hw)
+    return optimizer
+
+
+@dataclass(frozen=True)
+class _StepCompression:
+    """Gradient compression in one kind of step: where it acts, the fraction of the bytes it sends, its collectives
+    per bucket and its compute seconds (an optimizer's phase: its own collective, none in a local step (`silent`),
+    in the optimizer step when not in the backward (`after_backward`))."""
+
+    site: CompressionSite
+    wire_fraction: float = 1.0
+    collectives: int = 1
+    seconds: float = 0.0
+    silent: bool = False
+    after_backward: bool = False
+
+    @property
+    def reduce_fraction(self) -> float:
+        """What FSDP's reduce-scatter sends: half in bf16 through its reduce dtype."""
+        return 0.5 if self.site is CompressionSite.REDUCE_DTYPE else 1.0
+
+    @classmethod
+    def of(cls, c: Candidate, ctx: Context, phase: Phase | None) -> "_StepCompression":
+        a, hw, lay = ctx.args, ctx.hw, c.layout
+        comp_in = ctx.compression
+        silent = after_backward = False
+        if phase is not None:
+            comp_in = optimizer_entry(ctx.optimizer).phase_compression(phase, comp_in)
+            silent, after_backward = phase.reduction is GradientReduction.LOCAL, not phase.in_backward
+        site = grad_compression_site(lay, comp_in.method)
+        if not site.hooked:
+            return cls(site, silent=silent, after_backward=after_backward)
+        shapes = [local_shape(q, lay) for q in model_params(a, ctx.lora) if q.trainable]  # (no pp or tp here)
+        if site is CompressionSite.REPLICATE_HOOK:  # the FSDP shard of each parameter (dim 0 over dp_shard)
+            shapes = [(math.ceil(s[0] / lay.dp_shard), *s[1:]) for s in shapes]
+        cost = compression_cost(comp_in, shapes, c.dp if site is CompressionSite.DDP_HOOK else lay.dp_replicate)
+        fp32 = hw.speed(ctx.math(hw, "fp32"))  # (the gradients are fp32)
+        compress = (cost.gemm_flops / (fp32 * hw.gemm_rate(max(cost.gemm_flops / max(cost.ops, 1), 1.0)))
+                    if cost.gemm_flops else 0.0) + cost.memory_bytes / hw.mem_bandwidth + cost.ops * hw.op_overhead_s
+        return cls(site, cost.wire_fraction, cost.collectives, compress, silent, after_backward)
+
+
+@dataclass(frozen=True)
+class _Links:
+    """The links of a rank's groups: tensor parallel, FSDP's shard (dp_shard x cp), data parallel, hsdp's replicas
+    and the pipeline."""
+
+    tp: Link
+    shard: Link
+    dp: Link
+    rep: Link
+    pp: Link
+
+    @classmethod
+    def of(cls, c: Candidate, ctx: Context) -> "_Links":
+        lay, t = c.layout, c.tp
+        shard = lay.dp_shard * lay.cp  # FSDP's group: dp_shard x cp, contiguous in the mesh
+        return cls(group_link(ctx, 1, t), group_link(ctx, t, shard), group_link(ctx, t, c.dp),
+                   group_link(ctx, t * shard, lay.dp_replicate), group_link(ctx, t * c.dp * lay.cp, c.pp))
+
+
+@dataclass
+class _DataParallel:
+    """The data-parallel reduction of one step: its exposed terms by name (those it never overlaps), the seconds
+    that can overlap compute and the least of them left exposed, FSDP's all-gathers per step and the bytes this rank
+    sends."""
+
+    comm: dict = field(default_factory=dict)
+    overlappable: float = 0.0
+    min_exposed: float = 0.0
+    fsdp_gathers: int = 0
+    dp_bytes: float = 0.0
+
+
+def _data_parallel(c: Candidate, ctx: Context, comp: _StepCompression, links: _Links, P_stage: float,
+                   G_stage: float, n_micro: int, blocks: RankBlocks) -> _DataParallel:
+    """The data-parallel reduction: DDP's (and ZeRO-1's) or FSDP's (and hsdp's replicas'), none without data
+    parallelism."""
+    dp = _DataParallel()
+    if c.layout.dp_cp > 1:
+        if c.layout.uses_ddp:
+            _ddp_reduction(dp, c, ctx, comp, links, G_stage)
+        else:
+            _fsdp_reduction(dp, c, ctx, comp, links, P_stage, G_stage, n_micro, blocks)
+    return dp
+
+
+def _ddp_reduction(dp: _DataParallel, c: Candidate, ctx: Context, comp: _StepCompression, links: _Links,
+                   G_stage: float) -> None:
+    """DDP's bucketed all-reduce of the fp32 gradients once per step (an optimizer's own: after the backward,
+    exposed), and ZeRO-1's all-gather of the updated parameters."""
+    g = G_stage * 4
+    buckets = max(1, math.ceil(g / (ctx.ddp_bucket_mb * 2**20)))
+    latency = all_reduce_time(0.0, c.dp, links.dp)  # per collective; a compressed bucket may need several
+    ar = buckets * (comp.collectives * latency + all_reduce_time(g * comp.wire_fraction / buckets, c.dp, links.dp)
+                    - latency)
+    if comp.after_backward:
+        dp.comm[MOMENTUM_ALL_REDUCE] = 0.0 if comp.silent else ar
+    else:
+        dp.overlappable += ar
+        dp.min_exposed += ar / buckets
+    dp.dp_bytes = 0.0 if comp.silent else 2 * (c.dp - 1) / c.dp * g * comp.wire_fraction
+    if c.layout.zero1:
+        dp.comm["zero1 param all-gather"] = all_gather_time(G_stage * 4, c.dp, links.dp)
+
+
+def _fsdp_reduction(dp: _DataParallel, c: Candidate, ctx: Context, comp: _StepCompression, links: _Links,
+                    P_stage: float, G_stage: float, n_micro: int, blocks: RankBlocks) -> None:
+    """FSDP's all-gathers of the parameters and reduce-scatters of the gradients, group by group (CPU offload's
+    copies with them), then hsdp's all-reduce over the replicas."""
+    a, hw, lay = ctx.args, ctx.hw, c.layout
+    shard = lay.dp_shard * lay.cp
+    pbytes = value_bytes(ctx.precision)
+    rs_frac = comp.reduce_fraction
+    # The one rule the trainer follows and the estimator uses (Layout.fsdp_all_gathers): pipelined stages gather
+    # each group once per step and reduce-scatter once; otherwise per micro-step.
+    groups = lay.fsdp_groups(blocks.most, blocks.moe[blocks.busiest], blocks.busiest)
+    n_ag, n_rs = lay.fsdp_all_gathers(n_micro, groups), lay.fsdp_reduce_scatters(n_micro, groups)
+    # (pipelined: each group once per step, whatever the micro-batches: one entry for all of them)
+    key = (("gathers", id(a), lay, n_micro) if not lay.pipelined
+           else ("gathers", id(a), *_without_microbatches(lay)))
+    dp.fsdp_gathers = cached(ctx, key, lambda: fsdp_gathers_per_step(lay, a, n_micro, blocks.layers, blocks.moe))
+    group = FSDP_GROUP_OPS * hw.op_overhead_s
+    ag = n_ag * (all_gather_time(P_stage * pbytes / groups, shard, links.shard) + group)
+    rs = n_rs * (reduce_scatter_time(G_stage * 4 * rs_frac / groups, shard, links.shard) + group)
+    dp.overlappable += ag + rs
+    dp.min_exposed += ag / n_ag + rs / n_rs  # one group's worth stays exposed
+    dp.dp_bytes = (shard - 1) / shard * G_stage * 4 * rs_frac * n_rs / groups
+    if c.cpu_offload:
+        dp.overlappable += cpu_offload_copy_s(n_ag + n_rs, P_stage * 4 / shard / groups, hw)
+    if lay.hybrid:
+        _replicate_reduction(dp, c, comp, links, G_stage, n_rs, groups, group)
+
+
+def _replicate_reduction(dp: _DataParallel, c: Candidate, comp: _StepCompression, links: _Links, G_stage: float,
+                         n_rs: int, groups: int, group: float) -> None:
+    """hsdp's all-reduce of the gradient shards over its replicas: with each reduce-scatter, or once per step over
+    the whole shard (an optimizer's own, after the backward)."""
+    lay = c.layout
+    shard = lay.dp_shard * lay.cp
+    frac = comp.reduce_fraction if comp.site is CompressionSite.REDUCE_DTYPE else comp.wire_fraction
+    r = lay.dp_replicate
+    latency = all_reduce_time(0.0, r, links.rep)
+    if comp.after_backward:  # once per step, over the whole shard
+        dp.comm[MOMENTUM_ALL_REDUCE] = 0.0 if comp.silent else (
+            all_reduce_time(G_stage * 4 * frac / shard, r, links.rep) + (comp.collectives - 1) * latency)
+        dp.dp_bytes += 0.0 if comp.silent else 2 * (r - 1) / r * G_stage * 4 * frac / shard
+    else:
+        hr = n_rs * (all_reduce_time(G_stage * 4 * frac / shard / groups, r, links.rep)
+                     + (comp.collectives - 1) * latency + group)
+        dp.overlappable += hr
+        dp.min_exposed += hr / n_rs
+        dp.dp_bytes += 2 * (r - 1) / r * G_stage * 4 * frac / shard * n_rs / groups
+
+
+def _model_parallel_comm(c: Candidate, ctx: Context, comm: dict, links: _Links, T: int, n_micro: int, layers: int,
+                         moe_layers: int) -> None:
+    """The exposed communication of tensor parallelism (sequence parallel), the pipeline's point-to-point sends and
+    expert parallelism's all-to-all, added to `comm`."""
+    a, t, ab = ctx.args, c.tp, _act_bytes(ctx)
+    if t > 1:
+        act = T * a.dim * ab
+        # sequence parallel (the planner's layouts always use it)
+        per_block_f = 2 * all_gather_time(act, t, links.tp) + 2 * reduce_scatter_time(act, t, links.tp)
+        extra = forward_repeats(c.ac, c.every_k)
+        emb = 4 * all_reduce_time(T * 4, t, links.tp) + 2 * all_gather_time(act, t, links.tp)
+        comm["tensor-parallel"] = n_micro * (layers * per_block_f * (2 + extra) + emb)
+    if c.pp > 1:
+        act = T * a.dim * ab / (t if t > 1 else 1)
+        comm["pipeline p2p"] = 2 * c.layout.pp_virtual * n_micro * p2p_time(act, links.pp)
+    if c.ep > 1 and moe_layers:
+        ep_link = group_link(ctx, t, c.ep)  # an ep group is ep consecutive dp_shard ranks
+        a2a = all_to_all_time(T * a.moe_top_k * a.dim * ab, c.ep, ep_link) + all_to_all_time(64, c.ep, ep_link)
+        comm["expert all-to-all"] = n_micro * math.ceil(moe_layers / c.pp) * 4 * a2a
 
 
 MUON_REDISTRIBUTION = "Muon redistribution"  # the hidden updates to whole matrices and back (exposed)

@@ -540,10 +540,29 @@ def _f(v, fmt: str = "{:.4f}", none: str = "-") -> str:
 
 def render_markdown(summaries: list[dict], points: list[dict], plots: list[str],
                     left_out: list[dict] | None = None, weak: list[dict] = ()) -> str:
+    """report.md: the runs, their step time, memory, checkpoint saves, expert load, scaling and numerics, and the
+    plots (a section only where some run has its numbers)."""
     lines = ["# Training report", ""]
-    lines += ["| run | model | devices | layout | status | steps | tokens | final loss | best val loss (step) | "
-              "final val loss | tokens/s | tokens/s per device | MFU | skipped steps | restarts |",
-              "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += _runs_table(summaries)
+    lines += _step_time_table(summaries)
+    lines += _memory_table(summaries)
+    lines += _checkpoint_table(summaries)
+    lines += _expert_load_table(summaries)
+    lines += _scaling_table(points, weak, left_out)
+    lines += _numerics_table(summaries)
+    bad = [s for s in summaries if s["unreadable_lines"]]
+    for s in bad:
+        lines.append(f"Note: {s['name']}: {s['unreadable_lines']} unreadable line(s) in metrics.jsonl were skipped.")
+    lines += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def _runs_table(summaries: list[dict]) -> list[str]:
+    """One row per run (status, steps, losses, throughput, MFU, skipped steps, restarts), and notes on what its
+    numbers stand on."""
+    lines = ["| run | model | devices | layout | status | steps | tokens | final loss | best val loss (step) | "
+             "final val loss | tokens/s | tokens/s per device | MFU | skipped steps | restarts |",
+             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summaries:
         best = f"{_f(s['best_val_loss'])} ({s['best_val_step']})" if s["best_val_loss"] is not None else "-"
         lines.append(f"| {s['name']} | {s['model']} | {s['world_size']} | {s['layout']} | {s['status']} | "
@@ -560,9 +579,13 @@ def render_markdown(summaries: list[dict], points: list[dict], plots: list[str],
     lines += [""] + [f"Note: {s['name']} is {s['status']}: its numbers are those of the steps it logged."
                      for s in unfinished] + [""] * bool(unfinished)
     lines += ["Throughput and MFU are medians over steps (the first step of the log is left out as warm-up). MFU is "
-              "against a datasheet peak or metrics.peak_tflops; `-` where there is none (e.g. on a CPU).", "",
-              "## Step time", "",
-              "| run | step | compute | data wait | comm wait |", "|---|---:|---:|---:|---:|"]
+              "against a datasheet peak or metrics.peak_tflops; `-` where there is none (e.g. on a CPU).", ""]
+    return lines
+
+
+def _step_time_table(summaries: list[dict]) -> list[str]:
+    """Each run's step time and its split: compute, data wait, comm wait."""
+    lines = ["## Step time", "", "| run | step | compute | data wait | comm wait |", "|---|---:|---:|---:|---:|"]
     for s in summaries:
         t = s["step_time"]
         total = t["step_time_s"]
@@ -575,30 +598,54 @@ def render_markdown(summaries: list[dict], points: list[dict], plots: list[str],
                      f"{part('data_time_s')} | {part('comm_time_s')} |")
     lines += ["", "Comm wait is the explicit loss all-reduce (including waiting for the slowest rank); collectives "
               "inside forward and backward (FSDP, DDP, tensor parallel) overlap compute and are counted as compute.", ""]
-    if any(s["memory"] for s in summaries):
-        lines += ["## Memory per rank (peak over log steps)", "",
-                  "| run | rank | node | RSS | CUDA allocated | CUDA reserved | allocator retries | OOMs |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for s in summaries:
-            for m in s["memory"]:
-                mib = lambda k: _f(m.get(k) and m[k] / MIB, "{:,.1f} MiB")  # noqa: E731
-                lines.append(f"| {s['name']} | {m['rank']} | {m['node']} | {mib('rss_bytes')} | "
-                             f"{mib('cuda_peak_allocated_bytes')} | {mib('cuda_reserved_bytes')} | "
-                             f"{m.get('cuda_alloc_retries', '-')} | {m.get('cuda_ooms', '-')} |")
-        lines.append("")
-    if any(s["checkpoint_saves"] for s in summaries):
-        lines += ["## Checkpoint saves", "", "| run | saves | mean | max |", "|---|---:|---:|---:|"]
-        lines += [f"| {s['name']} | {s['checkpoint_saves']} | {_f(s['checkpoint_save_s_mean'], '{:.3f} s')} | "
-                  f"{_f(s['checkpoint_save_s_max'], '{:.3f} s')} |" for s in summaries if s["checkpoint_saves"]]
-        lines.append("")
-    if any(s["moe"] for s in summaries):
-        lines += ["## Expert load (last step; imbalance = busiest expert's tokens / mean, 1.00 = balanced)", "",
-                  "| run | step | imbalance (worst layer) | per MoE layer | aux loss | dropped assignments (all steps) |",
-                  "|---|---:|---:|---|---:|---:|"]
-        lines += [f"| {s['name']} | {m['step']} | {_f(m['imbalance'], '{:.2f}')} | "
-                  f"{', '.join(_f(v, '{:.2f}') for v in m['layer_imbalance'])} | {_f(m['aux_loss'], '{:.3f}')} | "
-                  f"{m['dropped_tokens']} |" for s in summaries if (m := s["moe"])]
-        lines.append("")
+    return lines
+
+
+def _memory_table(summaries: list[dict]) -> list[str]:
+    """Each rank's peak memory over the log steps (host RSS, CUDA allocated and reserved, allocator retries, OOMs)."""
+    if not any(s["memory"] for s in summaries):
+        return []
+    lines = ["## Memory per rank (peak over log steps)", "",
+             "| run | rank | node | RSS | CUDA allocated | CUDA reserved | allocator retries | OOMs |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in summaries:
+        for m in s["memory"]:
+            mib = lambda k: _f(m.get(k) and m[k] / MIB, "{:,.1f} MiB")  # noqa: E731
+            lines.append(f"| {s['name']} | {m['rank']} | {m['node']} | {mib('rss_bytes')} | "
+                         f"{mib('cuda_peak_allocated_bytes')} | {mib('cuda_reserved_bytes')} | "
+                         f"{m.get('cuda_alloc_retries', '-')} | {m.get('cuda_ooms', '-')} |")
+    lines.append("")
+    return lines
+
+
+def _checkpoint_table(summaries: list[dict]) -> list[str]:
+    """Each saving run's checkpoint saves: how many, their mean and longest time."""
+    if not any(s["checkpoint_saves"] for s in summaries):
+        return []
+    lines = ["## Checkpoint saves", "", "| run | saves | mean | max |", "|---|---:|---:|---:|"]
+    lines += [f"| {s['name']} | {s['checkpoint_saves']} | {_f(s['checkpoint_save_s_mean'], '{:.3f} s')} | "
+              f"{_f(s['checkpoint_save_s_max'], '{:.3f} s')} |" for s in summaries if s["checkpoint_saves"]]
+    lines.append("")
+    return lines
+
+
+def _expert_load_table(summaries: list[dict]) -> list[str]:
+    """Mixture-of-experts runs: the experts' load at the last step, the aux loss and the dropped assignments."""
+    if not any(s["moe"] for s in summaries):
+        return []
+    lines = ["## Expert load (last step; imbalance = busiest expert's tokens / mean, 1.00 = balanced)", "",
+             "| run | step | imbalance (worst layer) | per MoE layer | aux loss | dropped assignments (all steps) |",
+             "|---|---:|---:|---|---:|---:|"]
+    lines += [f"| {s['name']} | {m['step']} | {_f(m['imbalance'], '{:.2f}')} | "
+              f"{', '.join(_f(v, '{:.2f}') for v in m['layer_imbalance'])} | {_f(m['aux_loss'], '{:.3f}')} | "
+              f"{m['dropped_tokens']} |" for s in summaries if (m := s["moe"])]
+    lines.append("")
+    return lines
+
+
+def _scaling_table(points: list[dict], weak: list[dict], left_out: list[dict] | None) -> list[str]:
+    """The strong and weak scaling curves' points with their efficiency, and the runs left out of them."""
+    lines = []
     if len(points) > 1 or len(weak) > 1:
         lines += ["## Scaling", "", "| kind | devices | run | tokens/s | tokens/s per device | efficiency |",
                   "|---|---:|---|---:|---:|---:|"]
@@ -610,26 +657,28 @@ def render_markdown(summaries: list[dict], points: list[dict], plots: list[str],
     if left_out:
         lines += ["Left out of the scaling curve (it compares runs of one model and one global batch only): "
                   + "; ".join(f"{x['run']} ({x['reason']})" for x in left_out) + ".", ""]
-    if any(s["numerics"] for s in summaries):
-        lines += ["## Numerics watch", "", "| run | watched steps | largest max abs(activation) | least headroom | "
-                  "first non-finite output |", "|---|---:|---|---|---|"]
-        for s in summaries:
-            n = s["numerics"]
-            if not n:
-                continue
-            big, room = n.get("largest_activation"), n.get("least_headroom")
-            found = "; ".join(f"step {f['step']}: {f.get('module') or 'none (loss or backward)'}"
-                              + (f" on rank {f['rank']}" if f.get("rank") is not None else "") for f in n["nonfinite"])
-            lines.append(f"| {s['name']} | {n['watched_steps']} | "
-                         + (f"{big['value']:.3g} ({big['row']}, step {big['step']})" if big else "-") + " | "
-                         + (f"{room['bits']:.1f} bits of {room['format']} ({room['row']}, step {room['step']})"
-                            if room else "-") + f" | {found or '-'} |")
-        lines.append("")
-    bad = [s for s in summaries if s["unreadable_lines"]]
-    for s in bad:
-        lines.append(f"Note: {s['name']}: {s['unreadable_lines']} unreadable line(s) in metrics.jsonl were skipped.")
-    lines += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
-    return "\n".join(lines)
+    return lines
+
+
+def _numerics_table(summaries: list[dict]) -> list[str]:
+    """The numerics watch of each watched run: its largest activation, least headroom, first non-finite output."""
+    if not any(s["numerics"] for s in summaries):
+        return []
+    lines = ["## Numerics watch", "", "| run | watched steps | largest max abs(activation) | least headroom | "
+             "first non-finite output |", "|---|---:|---|---|---|"]
+    for s in summaries:
+        n = s["numerics"]
+        if not n:
+            continue
+        big, room = n.get("largest_activation"), n.get("least_headroom")
+        found = "; ".join(f"step {f['step']}: {f.get('module') or 'none (loss or backward)'}"
+                          + (f" on rank {f['rank']}" if f.get("rank") is not None else "") for f in n["nonfinite"])
+        lines.append(f"| {s['name']} | {n['watched_steps']} | "
+                     + (f"{big['value']:.3g} ({big['row']}, step {big['step']})" if big else "-") + " | "
+                     + (f"{room['bits']:.1f} bits of {room['format']} ({room['row']}, step {room['step']})"
+                        if room else "-") + f" | {found or '-'} |")
+    lines.append("")
+    return lines
 
 
 def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> dict:
