@@ -310,16 +310,22 @@ def _extended(cls: type, added: list[tuple]) -> type:
 def _with_capabilities(config: type) -> type:
     """Config with the capabilities' settings (paratrain/capabilities): the keys they add to a built-in section
     (a `[training]` key, ...) and the sections they own (fp8's, ...), each declared once, in its capability."""
-    sections = []
-    for f in dataclasses.fields(config):
+    owned = capabilities.own_sections()
+    sections = [(name, section, field(default_factory=section)) for name, (section, after) in owned.items()
+                if after is None]  # (at the end)
+    for f in reversed(dataclasses.fields(config)):
+        sections[:0] = [(name, section, field(default_factory=section)) for name, (section, after) in owned.items()
+                        if after == f.name]
         added = [(k.name, typing.get_type_hints(keys)[k.name], field(default=k.default))
                  for keys in capabilities.added_keys(f.name) for k in dataclasses.fields(keys)]
         section = _extended(f.default_factory, added)
         globals()[section.__name__] = section  # `from paratrain.config import TrainingConfig` gets the whole section
-        sections.append((f.name, section, field(default_factory=section)))
-    sections += [(name, section, field(default_factory=section))
-                 for name, section in capabilities.own_sections().items()]
-    return _extended(config, sections)
+        sections.insert(0, (f.name, section, field(default_factory=section)))
+    # a new class (not a subclass: a subclass would list the sections it adds after the built-in ones)
+    methods = {k: v for k, v in vars(config).items() if not k.startswith("__")}
+    extended = dataclasses.make_dataclass(config.__name__, sections, namespace=methods)
+    extended.__module__, extended.__qualname__, extended.__doc__ = __name__, config.__qualname__, config.__doc__
+    return extended
 
 
 Config = _with_capabilities(Config)

@@ -38,9 +38,9 @@ def check(cfg) -> None:
         cls.check(cfg)
 
 
-def own_sections() -> dict[str, type]:
-    """{section name: its dataclass} of the sections capabilities own."""
-    return {cls.name: cls.section for cls in CAPABILITIES if cls.section is not None}
+def own_sections() -> dict[str, tuple[type, str | None]]:
+    """{section name: (its dataclass, the section it follows)} of the sections capabilities own."""
+    return {cls.name: (cls.section, cls.section_after) for cls in CAPABILITIES if cls.section is not None}
 
 
 def added_keys(section: str) -> list[type]:

@@ -17,6 +17,8 @@ The hooks are called at fixed points of a step (paratrain/training/step.py), alw
     loss_term           an extra loss on the logits (with the cross-entropy's reduction), logged under its `name`
     after_optimizer_step  after each optimizer update (fp8's precomputed scales)
 
+and the estimator asks (torch-free): `weight_copies` (the low-precision weight copies a step keeps).
+
 `where` (a `Where`) says on which device and layout a hook runs.
 
 This module is torch-free: a capability imports torch inside its hooks (`# lazy:`), so `--help`, the config checks,
@@ -36,9 +38,21 @@ class Where:
 
 
 @dataclass(frozen=True)
+class WeightCopies:
+    """A capability's term of the estimator's low-precision weight copies (paratrain/estimate/model_states.py): the
+    parameters whose copy autocast does not cache (the capability casts them itself), and the bytes of its own copies
+    at their peak, with the line the estimate's notes print."""
+
+    uncached: frozenset[str] = frozenset()
+    bytes: int = 0
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class Capability:
     name: ClassVar[str] = ""  # what metrics and messages call it
     section: ClassVar[type | None] = None  # the dataclass of its own config section, `[name]`
+    section_after: ClassVar[str | None] = None  # the built-in section it follows in a config file (None: at the end)
     adds_to: ClassVar[tuple[str, type] | None] = None  # (section, dataclass of the keys it adds there)
     # verify rows: row name -> (ranks, layout name, overrides...), as paratrain/verify.py's LAYOUTS
     verify_rows: ClassVar[dict[str, tuple]] = {}
@@ -85,3 +99,9 @@ class Capability:
 
     def after_optimizer_step(self, model, where: Where) -> None:
         pass
+
+    # -- the estimator (torch-free) --
+    def weight_copies(self, args, params) -> WeightCopies | None:
+        """Its weight copies on a rank holding `params` ((Param, count, local elements) of the model's parameter table:
+        paratrain/models/family.py), or None."""
+        return None

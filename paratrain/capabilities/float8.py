@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from paratrain.capabilities.base import Capability
+from paratrain.capabilities.base import Capability, WeightCopies
 from paratrain.errors import ConfigError, UserError
 from paratrain.models.registry import float8_linears
 from paratrain.modes import Float8Compute, Float8Recipe, float8_matmuls, tensorwise_scales
@@ -165,6 +165,7 @@ class Float8Config:
     fsdp_float8_all_gather: bool | None = None
 
 
+FLOAT8_WEIGHT_COPIES, FLOAT8_SCALE_BYTES = 2, 4  # a float8 layer's weight cast for forward and for backward
 FP8 = "training.precision=fp8"  # the blocks' projections as float8 matmuls (emulated on a CPU), fp32 around them
 FP8_FP32 = "float8.compute=fp32"
 MOE_PRESET = "model.preset=tiny-moe"
@@ -190,6 +191,7 @@ class Float8(Capability):
 
     name = "float8"
     section = Float8Config
+    section_after = "memory"
     # against one fp8 process with the same recipe and the same micro-batches (dynamic float8 scales are taken per
     # forward: FP8_MICRO_BATCH sequences), at FP8_TOLERANCE
     verify_rows = {
@@ -238,6 +240,16 @@ class Float8(Capability):
         chosen = apply_float8(model, self, where.device, where.layout.uses_fsdp)
         styles = float8_tp_styles(self.recipe, where.device)
         return {name: styles for name in chosen} if styles is not None else {}
+
+    def weight_copies(self, args, params) -> WeightCopies:
+        """Its layers cast their fp32 weights to float8 for each matmul instead of using autocast's cache: 1 byte per
+        element and a 4-byte scale, cast again in backward (laid out for the input gradient's matmul), freed after
+        it: at most the largest layer's two copies exist at once."""
+        names = frozenset(p.name for p in float8_linears(args, keep_names(self.keep_bf16)))
+        largest = max((n for p, count, n in params if p.name in names), default=0)
+        return WeightCopies(names, FLOAT8_WEIGHT_COPIES * (largest + FLOAT8_SCALE_BYTES),
+                            f"fp8: {len(names)} linear layers multiply float8 copies of their weights (1 byte per "
+                            "element and a 4-byte scale, made for each matmul and freed after it)")
 
     def after_optimizer_step(self, model, where) -> None:
         if gathers_float8(self, where.device, where.layout.uses_fsdp):

@@ -271,7 +271,8 @@ def _act_dims(i: EstimateInputs) -> A.ActDims:
 def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers: list[int]) -> _Rank:
     args, lay = i.model_args, i.layout
     rec = i.recipe
-    st = state_bytes(args, lay, rec.precision, rec.optimizer, i.accounting, rank, layers_by_stage, rec.lora)
+    st = state_bytes(args, lay, rec.precision, rec.optimizer, i.accounting, rank, layers_by_stage, rec.lora,
+                     rec.capabilities)
     d = _act_dims(i)
     params = rank_params(args, lay, rank, layers_by_stage, i.recipe.lora)
     by_layer = {l: [] for l in layers}

@@ -21,13 +21,15 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from paratrain.capabilities import implied as implied_capabilities
 from paratrain.layout import Layout
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
 from paratrain.models.lora_params import LoRA, adapted_params
-from paratrain.models.registry import float8_linears, parameters
-from paratrain.modes import compute_precision, float8_matmuls, low_precision, value_bytes
+from paratrain.models.registry import parameters
+from paratrain.modes import compute_precision, low_precision, value_bytes
 from paratrain.optimizers import optimizer_entry
 from paratrain.stage_split import balanced_split
 
@@ -168,17 +170,29 @@ class StateBytes:
 _STATES: dict = {}
 
 
+class Settings(NamedTuple):
+    """What decides the capabilities a run implies without a Recipe (`Capability.implied_by`)."""
+
+    precision: str
+    optimizer: str
+
+
 def state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str, accounting: str, stage: int = 0,
-                layers: list[list[int]] | None = None, lora: LoRA | None = None) -> StateBytes:
+                layers: list[list[int]] | None = None, lora: LoRA | None = None,
+                capabilities: tuple | None = None) -> StateBytes:
     """Model states of the worst rank of pipeline stage `stage` (see `_state_bytes`; cached: the planner asks for the
-    same ones often). `lora`: adapters train, the rest is frozen."""
+    same ones often). `lora`: adapters train, the rest is frozen. `capabilities`: the recipe's (paratrain/capabilities),
+    whose weight copies count; None: those the precision and the optimizer imply (the planner's)."""
     layers = layers or rank_layers(layout, args)
-    key = (args, layout, precision, optimizer, accounting, stage, tuple(map(tuple, layers)), lora)
+    if capabilities is None:
+        capabilities = implied_capabilities(Settings(precision, optimizer), ())
+    key = (args, layout, precision, optimizer, accounting, stage, tuple(map(tuple, layers)), lora, capabilities)
     hit = _STATES.get(key)
     if hit is None:
         if len(_STATES) > 4096:
             _STATES.clear()
-        hit = _STATES[key] = _state_bytes(args, layout, precision, optimizer, accounting, stage, layers, lora)
+        hit = _STATES[key] = _state_bytes(args, layout, precision, optimizer, accounting, stage, layers, lora,
+                                          capabilities)
     return hit
 
 
@@ -207,13 +221,14 @@ def _param_kinds(args: ModelArgs, layout: Layout, rank: int, layers: list[list[i
 
 
 def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str, accounting: str, stage: int,
-                 layers: list[list[int]], lora: LoRA | None = None) -> StateBytes:
+                 layers: list[list[int]], lora: LoRA | None = None, capabilities: tuple = ()) -> StateBytes:
     """Model states of the worst rank of pipeline stage `stage`: its trainable parameters' (`_trainable_bytes`) and,
     with LoRA, its frozen ones' (stored in the compute dtype, sharded like the rest; nothing else)."""
     layers = layers or rank_layers(layout, args)
     kinds = [(p, count, math.prod(local_shape(p, layout))) for p, count in _param_kinds(args, layout, stage, layers,
                                                                                          lora)]
-    out = _trainable_bytes(args, layout, precision, optimizer, accounting, stage, [k for k in kinds if k[0].trainable])
+    out = _trainable_bytes(args, layout, precision, optimizer, accounting, stage, [k for k in kinds if k[0].trainable],
+                           capabilities)
     frozen = [k for k in kinds if not k[0].trainable]
     if not frozen:
         return out
@@ -231,11 +246,8 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
                                                   "state for it",))
 
 
-FLOAT8_WEIGHT_COPIES, FLOAT8_SCALE_BYTES = 2, 4  # a float8 layer's weight cast for forward and for backward
-
-
 def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str, accounting: str, stage: int,
-                     kinds: list[tuple[Param, int, int]]) -> StateBytes:
+                     kinds: list[tuple[Param, int, int]], capabilities: tuple = ()) -> StateBytes:
     """Model states of the trainable parameters (`kinds`: (kind, count, local elements)) of the worst rank of
     pipeline stage `stage`.
 
@@ -269,7 +281,7 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
         if layout.zero1:
             opt_numel = zero1_worst_numel([(p, n) for p, count, n in kinds for _ in range(count)], dp)
             notes.append(f"ZeRO-1 partitions whole parameters over {dp} ranks (worst rank shown)")
-    autocast = _low_precision_weight_copies(args, layout, precision, kinds, notes)
+    autocast = _low_precision_weight_copies(args, layout, precision, kinds, notes, capabilities)
     whole_numel = _whole_embedding_gradient(layout, stage, kinds, notes)
     grads_numel += whole_numel
     # Per parameter tensor: Adam's step count (a 4-byte fp32 tensor each; ZeRO-1: its partition's share).
@@ -307,25 +319,21 @@ def _classic_states(layout: Layout, full: int, per_opt: float) -> StateBytes:
 
 
 def _low_precision_weight_copies(args: ModelArgs, layout: Layout, precision: str, kinds: list[tuple[Param, int, int]],
-                                 notes: list[str]) -> int:
+                                 notes: list[str], capabilities: tuple = ()) -> int:
     """Bytes of the low-precision weight copies a step keeps: autocast's cache of each matmul weight (no FSDP), and
-    the float8 layers' casts (each with its note)."""
-    low = low_precision(precision)
+    the capabilities' own (fp8's casts; `Capability.weight_copies`), each with its note."""
+    copies = [c for c in (cap.weight_copies(args, kinds) for cap in capabilities) if c is not None]
+    uncached = frozenset().union(*(c.uncached for c in copies))
     autocast = 0
-    float8 = {p.name for p in float8_linears(args)} if float8_matmuls(precision) else set()
-    if low and not layout.uses_fsdp:
-        # (routed experts' grouped matmul is not an autocast op: no cached copy of them; float8 layers cast their fp32
-        # weight to float8 themselves, for each matmul, instead of using autocast's cache)
-        autocast = sum(count * n for p, count, n in kinds if p.matmul and not p.expert and p.name not in float8) * BF16
+    if low_precision(precision) and not layout.uses_fsdp:
+        # (routed experts' grouped matmul is not an autocast op: no cached copy of them; a capability's layers that
+        # cast their weights themselves do not use autocast's cache either)
+        autocast = sum(count * n for p, count, n in kinds if p.matmul and not p.expert and p.name not in uncached) * BF16
         notes.append(f"fp32 parameters are the master weights; autocast caches each matmul weight's "
                      f"{compute_precision(precision)} copy from forward to backward")
-    if float8:
-        # Each float8 matmul casts its weight (1 byte per element and a 4-byte scale; backward casts it again, laid out
-        # for the input gradient's matmul): at most the largest layer's two copies exist at once.
-        largest = max((n for p, count, n in kinds if p.name in float8), default=0)
-        autocast += FLOAT8_WEIGHT_COPIES * (largest + FLOAT8_SCALE_BYTES)
-        notes.append(f"fp8: {len(float8)} linear layers multiply float8 copies of their weights (1 byte per element "
-                     "and a 4-byte scale, made for each matmul and freed after it)")
+    for c in copies:
+        autocast += c.bytes
+        notes.append(c.note)
     return autocast
 
 

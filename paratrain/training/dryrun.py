@@ -125,7 +125,7 @@ def _estimated_states(i) -> list[dict]:
     out = []
     for stage in range(i.layout.pp):
         st = state_bytes(i.model_args, i.layout, i.recipe.precision, i.recipe.optimizer, i.accounting, stage, layers,
-                         i.recipe.lora)
+                         i.recipe.lora, i.recipe.capabilities)
         # the gradients a backward would make beyond the parameters' shapes (whole where torch returns them whole)
         # are not built here: compared without them, and named
         out.append({"params": st.params + st.frozen, "grads": st.grads - st.grads_beyond_shards, "optimizer": st.optimizer,
