@@ -36,7 +36,8 @@ class MuonKeys:
 
 @dataclass(frozen=True)
 class Muon(Capability):
-    """On when optimizer.name = "muon"; its settings are read by the optimizer's builder from `[optimizer]`."""
+    """On when optimizer.name = "muon" (`implied_by`); its settings are read by the optimizer's builder from
+    `[optimizer]`."""
 
     name = "muon"
     adds_to = ("optimizer", MuonKeys)
@@ -51,10 +52,6 @@ class Muon(Capability):
         "muon-pp2": (2, "nodp,pp=2,sched=1f1b", MUON),
         "muon-ep2": (2, "fsdp,ep=2", MOE_PRESET, MUON),
     }
-
-    @classmethod
-    def from_config(cls, cfg) -> "Muon | None":
-        return cls() if cfg.optimizer.name == cls.name else None
 
     @classmethod
     def implied_by(cls, recipe) -> bool:

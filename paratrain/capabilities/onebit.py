@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from paratrain.capabilities.base import Capability
 from paratrain.errors import ConfigError
-from paratrain.optimizers import freeze_step, optimizer_entry
+from paratrain.optimizers import OPTIMIZERS, freeze_step, optimizer_entry
 
 
 @dataclass
@@ -27,18 +27,16 @@ class OneBitKeys:
 
 @dataclass(frozen=True)
 class OneBitAdam(Capability):
-    """On for an optimizer that communicates itself (onebit_adam, zero_one_adam: `OptimizerEntry.communicates`)."""
+    """On for an optimizer that communicates itself (onebit_adam, zero_one_adam: `OptimizerEntry.communicates`;
+    `implied_by`)."""
 
     name = "onebit_adam"
     adds_to = ("optimizer", OneBitKeys)
 
     @classmethod
-    def from_config(cls, cfg) -> "OneBitAdam | None":
-        return cls() if optimizer_entry(cfg.optimizer.name).communicates else None
-
-    @classmethod
     def implied_by(cls, recipe) -> bool:
-        return optimizer_entry(recipe.optimizer).communicates
+        entry = OPTIMIZERS.get(recipe.optimizer)  # (an unknown name is refused by whoever reads it, in its words)
+        return entry is not None and entry.communicates
 
     @classmethod
     def check(cls, cfg) -> None:
