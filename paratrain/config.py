@@ -490,6 +490,13 @@ def validate(cfg: Config) -> None:
                 _coerce(f"{section.name}.{key}", getattr(table, key), annotation)
     _check_numbers_and_paths(cfg)
     check_run_name(cfg.run.name)
+    _check_training_and_optimizer(cfg)
+    _check_runtime(cfg)
+    _check_features_and_outputs(cfg)
+
+
+def _check_training_and_optimizer(cfg: Config) -> None:
+    """The batch and the step counts, and the optimizer's common settings (an optimizer's own: its capability)."""
     t, o = cfg.training, cfg.optimizer
     for dotted in ("training.steps", "training.seq_len", "training.micro_batch", "training.accum_steps",
                    "training.eval_sequences", "training.log_every"):
@@ -507,6 +514,10 @@ def validate(cfg: Config) -> None:
     _require(o.weight_decay >= 0, "optimizer.weight_decay must be >= 0")
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1 and optimizer.beta2 must be in [0, 1)")
     _require(o.eps > 0, "optimizer.eps must be positive")
+
+
+def _check_runtime(cfg: Config) -> None:
+    """Checkpointing, memory tiers, checkpoints, resilience, communication, metrics and data."""
     _require(cfg.activation_checkpoint.every_k >= 1, "activation_checkpoint.every_k must be >= 1")
     _require(cfg.activation_checkpoint.segment_blocks >= 0,
              "activation_checkpoint.segment_blocks must be >= 0 (0: round(sqrt(n_layers)))")
@@ -544,6 +555,10 @@ def validate(cfg: Config) -> None:
 
         parse_sources(cfg.data.sources)  # dirs, weights >= 0, not all zero, distinct names
 
+
+def _check_features_and_outputs(cfg: Config) -> None:
+    """LoRA, the capabilities' own checks (paratrain/capabilities), CUDA graphs, the sample and downstream evaluation."""
+    t, r = cfg.training, cfg.resilience
     _require(not lora_problem(cfg.lora), f"lora: {lora_problem(cfg.lora)}")
     capabilities.check(cfg)
     _require(not t.cuda_graphs or t.compile, "training.cuda_graphs captures the compiled blocks: it needs "

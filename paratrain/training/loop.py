@@ -133,33 +133,13 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
     def fit(self) -> TrainResult:
-        cfg, spec, env, t = self.cfg, self.spec, self.env, self.cfg.training
+        cfg, t = self.cfg, self.cfg.training
         result = TrainResult(run_dir=cfg.run_dir)
-        folder = spec.source.hf_folder
-        if folder is not None and spec.lora is not None:  # LoRA: the frozen base always comes from its folder
-            self._load_hf_weights(folder)
-        # The checkpoint to resume from is found, verified and loaded before this run writes anything.
-        start = step = self.checkpointer.resume(restarted=self.restarts > 0)
-        # A finished run started again: nothing to do (a checkpoint resumed by path, or a relaunch, at the last step
-        # still evaluates and exports: paratrain verify evaluates checkpoints so).
-        if start >= t.steps and cfg.checkpoint.resume == "auto" and not self.restarts:
-            self.notice(f"{cfg.run_dir} already finished at step {start}: nothing to train")
+        start = self._begin()
+        if start is None:
             return result
-        if env.is_main:
-            cfg.run_dir.mkdir(parents=True, exist_ok=True)
-            (cfg.run_dir / "config.toml").write_text(dump_toml(resolved_config(cfg, spec.layout)))
-        self.log = MetricsLog(cfg.run_dir / "metrics.jsonl", t.steps, start, cfg.metrics.progress, enabled=env.is_main,
-                              sinks=build_sinks(cfg.metrics, env, cfg.run.name, cfg.run_dir))
-        # Each start of the run: readers take the records after this one for every step from `start` on (a resumed
-        # or restarted run never shows the steps it abandoned).
-        self.log.log({"step": start, "segment": "resume" if start else "start", "restarts": self.restarts},
-                     show=False)
-        if start == 0 and folder is not None and spec.lora is None:  # a fresh optimizer: the weights from the folder
-            self._load_hf_weights(folder)
-        self._print_header()
-        memory_rows = None
-        ts = self.train_step
-        ts.model.train()
+        step, memory_rows = start, None
+        self.train_step.model.train()
         with self.guard:
             while step < t.steps:
                 if self.faults:
@@ -174,65 +154,113 @@ class Trainer:
                     break
                 self.checkpointer.save_asked |= save  # checkpoint.every_minutes: a save after this step
                 self.checkpointer.poll()
-                data_step = self.progress.next_batch()
-                t0 = self.recorder.start(step)
-                loss = self.guard.with_oom_adaptation(lambda: self._forward_backward(step, data_step), ts.zero_grad,
-                                                      evidence=lambda error: self._oom_evidence(step, error))
-                self.numerics.after_backward()
-                grad_norm = ts.clip()
-                with self.recorder.timer("comm_time_s", env.device):
-                    loss = ts.mean_loss(loss)  # over dp x cp
-                finite = ts.finite(loss, grad_norm)  # a device bool: the update is skipped on the device
-                ts.update(finite)
-                lr = self.scheduler.lr
-                self.scheduler.step()
-                if step == t.steps - 1:
-                    memory_rows = self.memory_report()
-                ts.zero_grad()
-                if step == start + 1:
-                    self._print_measured_peak()
-                self.progress.data_step += 1
-                self.pending.append(self.recorder.record(step, data_step, loss, lr, grad_norm, finite, t0,
-                                                         self.progress, self.checkpointer.take_save()))
-                watched = self.numerics.end()  # a watch step's statistics, read at the settle point
-                if watched is not None:
-                    self.pending[-1].later.append(watched)
-                is_eval = t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps
-                every = cfg.eval.every if self.downstream is not None else 0
-                is_downstream = every and (step + 1) % every == 0 and step + 1 < t.steps
-                show = (step + 1) % t.log_every == 0 or step == start or is_eval or is_downstream
-                self.pending[-1].show = show
-                if (show or step + 1 == t.steps or self.checkpointer.due(step + 1)
-                        or self.recorder.profile_closing):  # a settle point
-                    back = self._settle(result, start)
-                    if back is not None:
-                        step = back
-                        continue
-                    record = self.logged[-1][0]
-                    if is_eval:
-                        record["val_loss"] = self.evaluate(self.progress.micro_batch)
-                    if is_downstream:
-                        metrics = self.downstream(step + 1)
-                        if metrics is not None:
-                            record["downstream"] = metrics
-                    if show:
-                        self.recorder.add_rank_stats(record)
-                    self._log_settled()
+                rows = self._step(step, start)
+                memory_rows = memory_rows if rows is None else rows
+                back = self._after_step(step, start, result)
+                if back is not None:  # rolled back to a checkpoint
+                    step = back
+                    continue
                 step += 1
                 if self.checkpointer.due(step):
                     self.checkpointer.save(step)
-            for held, shown in self.recorder.close():
-                self.log.log(held, show=shown)
-            result.skipped_steps = self.progress.skipped
-            if not result.preempted:
-                self._finish(result, start, memory_rows)
-            self.checkpointer.finish()
-            # The run's last record: how it ended, and the save made after the last step's record (if any).
-            ended = "interrupted" if result.interrupted else "preempted" if result.preempted else "finished"
-            self.log.log({"step": step, "end": ended,
-                          **self.checkpointer.take_save()}, show=False)
+            self._end(result, start, step, memory_rows)
         self.log.close(linger=not result.preempted)  # preempted: no time to wait for a last scrape
         return result
+
+    def _begin(self) -> int | None:
+        """Before the first step: the checkpoint resumed (found, verified and loaded before this run writes anything),
+        the resolved config, the metrics log and the header; the step to start from, or None when the run had already
+        finished."""
+        cfg, spec, env, t = self.cfg, self.spec, self.env, self.cfg.training
+        folder = spec.source.hf_folder
+        if folder is not None and spec.lora is not None:  # LoRA: the frozen base always comes from its folder
+            self._load_hf_weights(folder)
+        start = self.checkpointer.resume(restarted=self.restarts > 0)
+        # A finished run started again: nothing to do (a checkpoint resumed by path, or a relaunch, at the last step
+        # still evaluates and exports: paratrain verify evaluates checkpoints so).
+        if start >= t.steps and cfg.checkpoint.resume == "auto" and not self.restarts:
+            self.notice(f"{cfg.run_dir} already finished at step {start}: nothing to train")
+            return None
+        if env.is_main:
+            cfg.run_dir.mkdir(parents=True, exist_ok=True)
+            (cfg.run_dir / "config.toml").write_text(dump_toml(resolved_config(cfg, spec.layout)))
+        self.log = MetricsLog(cfg.run_dir / "metrics.jsonl", t.steps, start, cfg.metrics.progress, enabled=env.is_main,
+                              sinks=build_sinks(cfg.metrics, env, cfg.run.name, cfg.run_dir))
+        # Each start of the run: readers take the records after this one for every step from `start` on (a resumed
+        # or restarted run never shows the steps it abandoned).
+        self.log.log({"step": start, "segment": "resume" if start else "start", "restarts": self.restarts},
+                     show=False)
+        if start == 0 and folder is not None and spec.lora is None:  # a fresh optimizer: the weights from the folder
+            self._load_hf_weights(folder)
+        self._print_header()
+        return start
+
+    def _step(self, step: int, start: int):
+        """One optimizer step: forward and backward (adapting to out-of-memory), clipping, the update (skipped on the
+        device when not finite), the learning rate, and its pending record (nothing read from the device). The last
+        step returns the memory report (taken before its gradients are freed)."""
+        ts, env = self.train_step, self.env
+        data_step = self.progress.next_batch()
+        t0 = self.recorder.start(step)
+        loss = self.guard.with_oom_adaptation(lambda: self._forward_backward(step, data_step), ts.zero_grad,
+                                              evidence=lambda error: self._oom_evidence(step, error))
+        self.numerics.after_backward()
+        grad_norm = ts.clip()
+        with self.recorder.timer("comm_time_s", env.device):
+            loss = ts.mean_loss(loss)  # over dp x cp
+        finite = ts.finite(loss, grad_norm)  # a device bool: the update is skipped on the device
+        ts.update(finite)
+        lr = self.scheduler.lr
+        self.scheduler.step()
+        memory_rows = self.memory_report() if step == self.cfg.training.steps - 1 else None
+        ts.zero_grad()
+        if step == start + 1:
+            self._print_measured_peak()
+        self.progress.data_step += 1
+        self.pending.append(self.recorder.record(step, data_step, loss, lr, grad_norm, finite, t0,
+                                                 self.progress, self.checkpointer.take_save()))
+        watched = self.numerics.end()  # a watch step's statistics, read at the settle point
+        if watched is not None:
+            self.pending[-1].later.append(watched)
+        return memory_rows
+
+    def _after_step(self, step: int, start: int, result: TrainResult) -> int | None:
+        """At a settle point (a log, evaluation or downstream step, the last step, a save, the profiler's window
+        closing): the pending records read and logged, the evaluations run. Returns the step rolled back to, if any."""
+        cfg, t = self.cfg, self.cfg.training
+        is_eval = t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps
+        every = cfg.eval.every if self.downstream is not None else 0
+        is_downstream = every and (step + 1) % every == 0 and step + 1 < t.steps
+        show = (step + 1) % t.log_every == 0 or step == start or is_eval or is_downstream
+        self.pending[-1].show = show
+        if not (show or step + 1 == t.steps or self.checkpointer.due(step + 1) or self.recorder.profile_closing):
+            return None
+        back = self._settle(result, start)
+        if back is not None:
+            return back
+        record = self.logged[-1][0]
+        if is_eval:
+            record["val_loss"] = self.evaluate(self.progress.micro_batch)
+        if is_downstream:
+            metrics = self.downstream(step + 1)
+            if metrics is not None:
+                record["downstream"] = metrics
+        if show:
+            self.recorder.add_rank_stats(record)
+        self._log_settled()
+        return None
+
+    def _end(self, result: TrainResult, start: int, step: int, memory_rows) -> None:
+        """After the last step (or a preemption): the profiler's held records, the final evaluation, sample and export,
+        the checkpointer's last save, and the run's last record (how it ended)."""
+        for held, shown in self.recorder.close():
+            self.log.log(held, show=shown)
+        result.skipped_steps = self.progress.skipped
+        if not result.preempted:
+            self._finish(result, start, memory_rows)
+        self.checkpointer.finish()
+        ended = "interrupted" if result.interrupted else "preempted" if result.preempted else "finished"
+        self.log.log({"step": step, "end": ended, **self.checkpointer.take_save()}, show=False)
 
     def _settle(self, result: TrainResult, start: int) -> int | None:
         """A settle point: read every pending step back (one transfer), then in step order let the guard count the
