@@ -137,12 +137,13 @@ def train_rate(args, seq: int, mb: int, ac: str, mode: str, device, steps: int, 
 
 def predicted_mfu(args, seq: int, mb: int, ac: str, mode: str, hw) -> float | None:
     from paratrain.layout import Layout
+    from paratrain.capabilities import implied_by_settings
     from paratrain.estimate.step_time import Candidate, Context, predict
     if hw is None or (float8_matmuls(MODES[mode][1]) and not hw.float8_gemm):
         return None
     precision = MODES[mode][1] if hw.device == "cuda" else hw.precision
     ctx = Context(args, seq, mb, hw, 1, precision, "bench", mode="compile" if MODES[mode][0] else "eager",
-                  float8=float8_matmuls(precision))
+                  capabilities=implied_by_settings(precision, "adamw"))
     return predict(Candidate(Layout.resolve(1), ac, 2, mb), ctx).mfu
 
 

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="the first two rows only (seconds; the test suite)")
     a = ap.parse_args(argv)
+    from paratrain.capabilities.float8 import Float8
     from paratrain.layout import Layout
     from paratrain.models import preset_args
     from paratrain.estimate.step_time import Candidate, Context, predict
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         hw = gpu_profile(gpu)
         args = preset_args(model, vocab_size=128256)
         lay = Layout.resolve(world, **lay_kw)
-        ctx = Context(args, seq, seqs, hw, 8, "bf16", model, mode=mode, float8=f8)
+        ctx = Context(args, seq, seqs, hw, 8, "bf16", model, mode=mode, capabilities=(Float8(),) if f8 else ())
         pred = predict(Candidate(lay, ac, 2, mb), ctx)
         tps = pred.tokens_per_s / world
         target = published * factor

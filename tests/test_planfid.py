@@ -106,8 +106,10 @@ def _tps(gpu, model, world, gseqs, lay, ac, mb, mode="eager", float8=False, seq=
     from paratrain.estimate.step_time import Candidate, Context, predict
     from paratrain.estimate.hardware import gpu_profile
 
+    from paratrain.capabilities.float8 import Float8
+
     ctx = Context(preset_args(model, vocab_size=128256), seq, gseqs, gpu_profile(gpu), 8, "bf16", model, mode=mode,
-                  float8=float8)
+                  capabilities=(Float8(),) if float8 else ())  # (a bf16 run's what-if with float8 linears)
     return predict(Candidate(lay, ac, 2, mb), ctx).tokens_per_s / world
 
 

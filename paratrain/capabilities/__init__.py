@@ -3,6 +3,8 @@ one). Everything else iterates `CAPABILITIES` or a run's `active(cfg)` and names
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from paratrain.capabilities.base import Capability
 from paratrain.capabilities.float8 import Float8
 from paratrain.capabilities.muon import Muon
@@ -30,6 +32,18 @@ def implied(recipe, present: tuple[Capability, ...]) -> tuple[Capability, ...]:
         elif implied_now:
             out.append(cls())
     return tuple(out)
+
+
+class Settings(NamedTuple):
+    """What decides the capabilities a run implies where there is no Recipe (the planner's context)."""
+
+    precision: str
+    optimizer: str
+
+
+def implied_by_settings(precision: str, optimizer: str) -> tuple[Capability, ...]:
+    """The capabilities a precision and an optimizer imply, with their defaults (fp8's, Muon's, ...)."""
+    return implied(Settings(precision, optimizer), ())
 
 
 def check(cfg) -> None:

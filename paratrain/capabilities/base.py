@@ -17,7 +17,8 @@ The hooks are called at fixed points of a step (paratrain/training/step.py), alw
     loss_term           an extra loss on the logits (with the cross-entropy's reduction), logged under its `name`
     after_optimizer_step  after each optimizer update (fp8's precomputed scales)
 
-and the estimator asks (torch-free): `weight_copies` (the low-precision weight copies a step keeps).
+and the estimator and the planner ask (torch-free): `weight_copies` (the low-precision weight copies a step keeps),
+`linear_gemm_rate` and `elementwise_values` (a block's compute time).
 
 `where` (a `Where`) says on which device and layout a hook runs.
 
@@ -100,7 +101,19 @@ class Capability:
     def after_optimizer_step(self, model, where: Where) -> None:
         pass
 
-    # -- the estimator (torch-free) --
+    # -- the estimator and the planner (torch-free) --
+    plan_label: ClassVar[str] = ""  # what `paratrain plan`'s header says of it ("" : nothing)
+
+    def linear_gemm_rate(self, hw, flop: float) -> float | None:
+        """The FLOP/s of one of the blocks' linear GEMMs of `flop` on `hw` (an estimate.profile.Hardware) where the
+        capability changes it (fp8: the profile's float8 rate), else None; the head and attention keep theirs."""
+        return None
+
+    def elementwise_values(self, hw, dim: float, ffn_width: float) -> float:
+        """Values per token a block's forward and backward read and write on `hw` besides the model's own element-wise
+        ops (`dim`: the model width, `ffn_width`: the MLP's hidden width on a tensor-parallel rank)."""
+        return 0.0
+
     def weight_copies(self, args, params) -> WeightCopies | None:
         """Its weight copies on a rank holding `params` ((Param, count, local elements) of the model's parameter table:
         paratrain/models/family.py), or None."""

@@ -166,6 +166,7 @@ class Float8Config:
 
 
 FLOAT8_WEIGHT_COPIES, FLOAT8_SCALE_BYTES = 2, 4  # a float8 layer's weight cast for forward and for backward
+FLOAT8_CAST_VALUES = 6  # values per token and width read/written by amax + cast, forward + backward
 FP8 = "training.precision=fp8"  # the blocks' projections as float8 matmuls (emulated on a CPU), fp32 around them
 FP8_FP32 = "float8.compute=fp32"
 MOE_PRESET = "model.preset=tiny-moe"
@@ -250,6 +251,17 @@ class Float8(Capability):
         return WeightCopies(names, FLOAT8_WEIGHT_COPIES * (largest + FLOAT8_SCALE_BYTES),
                             f"fp8: {len(names)} linear layers multiply float8 copies of their weights (1 byte per "
                             "element and a 4-byte scale, made for each matmul and freed after it)")
+
+    plan_label = "float8 linears"
+
+    def linear_gemm_rate(self, hw, flop: float) -> float | None:
+        """The profile's float8 GEMM rate, where the GPU has FP8 tensor cores."""
+        return hw.float8_rate(flop) if hw.float8_gemm else None
+
+    def elementwise_values(self, hw, dim: float, ffn_width: float) -> float:
+        """Dynamic scaling: each linear's input and output gradient read for the scale and cast to float8 (where the
+        GPU multiplies in float8)."""
+        return FLOAT8_CAST_VALUES * (dim + ffn_width) if hw.float8_gemm else 0.0
 
     def after_optimizer_step(self, model, where) -> None:
         if gathers_float8(self, where.device, where.layout.uses_fsdp):

@@ -328,7 +328,7 @@ def plan_lines(p, planning: Planning, elapsed: float, top: int) -> list[str]:
     lines = [f"plan: {ctx.model_name} on {where} ({hw.source}; {ctx.gpus_per_node} per node, "
              f"intra {hw.intra.name}" + (f", inter {hw.inter.name}" if hw.inter and world > ctx.gpus_per_node else "")
              + f"), seq {ctx.seq_len}, {ctx.global_seqs} sequences = {ctx.global_seqs * ctx.seq_len:,} tokens per "
-             f"step, {ctx.precision}{rate}, {ctx.mode}" + (", float8 linears" if ctx.float8 else "")]
+             f"step, {ctx.precision}{rate}, {ctx.mode}" + "".join(f", {c.plan_label}" for c in ctx.capabilities if c.plan_label)]
     if ctx.lora is not None:
         trainable = trainable_count(ctx.args, ctx.lora)
         lines.append(f"LoRA rank {ctx.lora.rank} on {','.join(ctx.lora.targets)}: {format_params(trainable)} "
@@ -442,7 +442,7 @@ def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int
         "profile_source": hw.source, "gpus_per_node": ctx.gpus_per_node, "seq_len": ctx.seq_len,
         "global_batch_sequences": ctx.global_seqs, "tokens_per_step": ctx.global_seqs * ctx.seq_len,
         "precision": ctx.precision, "tf32": ctx.tf32, "matmul_math": ctx.math(), "execution_mode": ctx.mode,
-        "float8": ctx.float8,
+        "float8": any(c.name == "float8" for c in ctx.capabilities),  # (the documented key: fp8's GEMMs)
         "grad_compression": ctx.compression.method, "optimizer": ctx.optimizer,
         "considered": p.considered, "rejected": len(p.rejected), "planning_seconds": elapsed,
         "ranked": [layout_json(r) for r in p.ranked[:top]],

@@ -21,9 +21,8 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
-from paratrain.capabilities import implied as implied_capabilities
+from paratrain.capabilities import implied_by_settings
 from paratrain.layout import Layout
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
@@ -170,13 +169,6 @@ class StateBytes:
 _STATES: dict = {}
 
 
-class Settings(NamedTuple):
-    """What decides the capabilities a run implies without a Recipe (`Capability.implied_by`)."""
-
-    precision: str
-    optimizer: str
-
-
 def state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str, accounting: str, stage: int = 0,
                 layers: list[list[int]] | None = None, lora: LoRA | None = None,
                 capabilities: tuple | None = None) -> StateBytes:
@@ -185,7 +177,7 @@ def state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str,
     whose weight copies count; None: those the precision and the optimizer imply (the planner's)."""
     layers = layers or rank_layers(layout, args)
     if capabilities is None:
-        capabilities = implied_capabilities(Settings(precision, optimizer), ())
+        capabilities = implied_by_settings(precision, optimizer)
     key = (args, layout, precision, optimizer, accounting, stage, tuple(map(tuple, layers)), lora, capabilities)
     hit = _STATES.get(key)
     if hit is None:

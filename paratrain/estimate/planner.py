@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import NamedTuple
 
+from paratrain.capabilities import implied_by_settings
 from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
 from paratrain.estimate.gpus import HEADROOM, check_headroom, parse_memory
@@ -126,8 +127,8 @@ def plan_context(request: PlanRequest) -> Planning:
     host = _bytes(r.host_memory)
     ctx = Context(margs, seq, tokens // seq, hw, per_node, precision, name, r.tf32, native_max_seq_len=native,
                   compression=compression, optimizer=entry.name, ddp_bucket_mb=parallel.ddp_bucket_mb,
-                  mode="compile" if r.compile else "eager", float8=float8_matmuls(precision), cluster=groups,
-                  lora=r.lora, host_memory_bytes=host)
+                  mode="compile" if r.compile else "eager", cluster=groups, lora=r.lora, host_memory_bytes=host,
+                  capabilities=implied_by_settings(precision, entry.name))  # (fp8's GEMM rate and casts)
     return Planning(ctx, world, _options(r, fixed_fields(flags), headroom))
 
 

@@ -9,8 +9,8 @@ stage; routed experts with ep) for each micro-step, on micro_batch x seq / cp to
 every sequence over cp ranks); a GEMM of F FLOPs takes F / rate(F), where rate() is the profile's achieved matmul
 rate at that size (small GEMMs — tp-split, small micro-batches — run slower) for the run's precision
 (`Context.math`): the profile's bf16 curve times the ratio of the datasheet peaks (`Hardware.speed`; an A100's plain
-fp32 is 1/16 of its bf16, TF32 1/2); with `Context.float8` the blocks' linear layers at the profile's float8 rate (a
-what-if; the head stays at the run's). Backward is twice the forward. Attention
+fp32 is 1/16 of its bf16, TF32 1/2); the blocks' linear layers at a capability's rate where it has one
+(`Context.capabilities`: fp8's GEMM rate; the head stays at the run's). Backward is twice the forward. Attention
 adds 4 x seq x dim / tp FLOPs per token forward (the 12 L C T term of `flops_per_token`; causal: half of it is
 computed; under cp each rank computes its 1/cp, in blocks of seq/cp) at the profile's attention rate (profiles
 without one: at ATTENTION_EFFICIENCY of the GEMM rate). Element-wise work (norms, rotary, SwiGLU, softmax, residuals,
@@ -111,7 +111,6 @@ TP_DISPATCH = {"cpu": 30.0, "cuda": 3.0}
 FSDP_GROUP_OPS = 150
 # Profiles without an attention rate (CPU calibrations without a model): fused attention at half the GEMM rate.
 ATTENTION_EFFICIENCY = 0.5
-FLOAT8_CAST_VALUES = 6  # float8 what-if: values per token and width read/written by amax + cast, fwd + bwd
 RING = "context-parallel ring"  # the exposed part of ring attention's point-to-point traffic
 
 
@@ -208,7 +207,9 @@ class Context:
     optimizer: str = "adamw"  # an entry of paratrain/optimizers.py: its state (memory) and its step's cost
     ddp_bucket_mb: float = 25.0
     mode: str = "eager"  # eager | compile (training.compile): the profile's factor on the non-matmul time
-    float8: bool = False  # precision fp8: the blocks' linear layers as float8 GEMMs (the profile's float8 rate)
+    # the capabilities whose time terms count (paratrain/capabilities: fp8's GEMMs and casts; the planner's are what
+    # its precision implies, a what-if may name them)
+    capabilities: tuple = ()
     stage_hw: list[Hardware] | None = None  # heterogeneous clusters: the hardware of each pipeline rank, in order
     cluster: list | None = None  # heterogeneous clusters: the GPU groups in rank order (estimate/hetero.py GpuGroup)
     lora: LoRA | None = None  # adapters on a frozen model: only they have gradients to reduce and states to update
@@ -311,7 +312,8 @@ def cached(ctx: Context, key, compute):
 def block_costs(ctx: Context, hw: Hardware, tp: int, micro_batch: int, ep: int, ac: str, cp: int = 1) -> BlockCosts:
     """The compute terms of the cost model for one shape, cached per context: the planner asks for the same shape
     for every data-parallel mode, schedule and replicate degree."""
-    key = (id(hw), tp, micro_batch, ep, ac, cp, ctx.mode, ctx.float8, ctx.seq_len, ctx.precision, ctx.tf32, ctx.lora)
+    key = (id(hw), tp, micro_batch, ep, ac, cp, ctx.mode, ctx.capabilities, ctx.seq_len, ctx.precision, ctx.tf32,
+           ctx.lora)
     return cached(ctx, key, lambda: _block_costs(ctx, hw, tp, micro_batch, ep, ac, cp))
 
 
@@ -322,17 +324,18 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
     moe_layers = sum(1 for i in range(a.n_layers) if a.is_moe_layer(i))
     moe_frac = moe_layers / a.n_layers
     hd = a.head_dim
-    f8 = ctx.float8 and bool(hw.float8_gemm)
-    # the run's matmuls against the profile's bf16 curves (fp32: 1/16 on an A100); an fp8 run's other than its float8
-    # GEMMs (attention, the output head) at its compute precision's rate
+    # the run's matmuls against the profile's bf16 curves (fp32: 1/16 on an A100); the blocks' linear GEMMs at a
+    # capability's rate where it has one (fp8's 8-bit GEMMs), the others (attention, the output head) at the compute
+    # precision's
     speed = hw.speed(ctx.math(hw, compute_precision(ctx.precision)))
+    rates = [c.linear_gemm_rate for c in ctx.capabilities]
 
     def gemm(m, k, n, count=1.0, linear=True):
         f = 2.0 * m * k * n
         if f <= 0:
             return 0.0
-        rate = hw.float8_rate(f) if (f8 and linear) else speed * hw.gemm_rate(f)
-        return count * f / rate
+        own = next((r for r in (rate(hw, f) for rate in rates) if r is not None), None) if linear else None
+        return count * f / (own if own is not None else speed * hw.gemm_rate(f))
 
     # forward of one block, one micro-step
     attn = (gemm(T, a.dim, a.n_heads * hd / t) + 2 * gemm(T, a.dim, a.n_kv_heads * hd / t)
@@ -353,8 +356,8 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
     mlp = (1 - moe_frac) * dense_mlp + moe_frac * moe_mlp
     ffn_w = a.ffn_hidden if not moe_layers else a.expert_hidden * (a.moe_top_k + a.moe_shared_experts)
     ew_values = ELEMWISE_VALUES_PER_TOKEN[0] * a.dim / (t if t > 1 else 1) + ELEMWISE_VALUES_PER_TOKEN[1] * ffn_w / t
-    if f8:  # dynamic scaling: each linear's input and output gradient read for the scale and cast to fp8
-        ew_values += FLOAT8_CAST_VALUES * (a.dim + ffn_w / t)
+    for capability in ctx.capabilities:  # (fp8's dynamic scaling: the casts' reads and writes)
+        ew_values += capability.elementwise_values(hw, a.dim, ffn_w / t)
     mode = hw.mode_factor(ctx.mode)  # eager 1; compiled blocks fuse their element-wise kernels
     elemwise_fb = mode * T * ew_values * ab / hw.mem_bandwidth  # fwd + bwd
     op_cost = mode * hw.op_overhead_s * (TP_DISPATCH.get(hw.device, 3.0) if t > 1 else 1.0)
@@ -362,7 +365,7 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
     # backward: each GEMM's input and weight gradients; a frozen base (LoRA) has no weight gradients to make
     gemm_b = 1 if ctx.lora is not None else 2
     block_b = gemm_b * (attn - sdpa + mlp) + 2 * sdpa + 2 * elemwise_fb / 3 + 2 * OPS_PER_BLOCK * op_cost
-    # the output head stays bf16 under float8 (as torchao/torchtitan leave it)
+    # the output head stays in the compute precision (torchao/torchtitan leave it out of fp8)
     head = (1 + gemm_b) * gemm(T, a.dim, a.vocab_size / t, linear=False) \
         + 3 * T * a.vocab_size / t * 4 * 3 / hw.mem_bandwidth
     rec = block_f if whole_blocks(ac) else (elemwise_fb / 3 + OPS_PER_BLOCK * op_cost) if selective(ac) else 0.0
@@ -373,7 +376,7 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
 def compute_key(ctx: Context) -> tuple:
     """What a context's compute terms read besides the candidate (`block_costs`' key): a context made with
     dataclasses.replace shares its cache."""
-    return id(ctx.args), id(ctx.hw), ctx.mode, ctx.float8, ctx.seq_len, ctx.precision, ctx.tf32, ctx.lora
+    return id(ctx.args), id(ctx.hw), ctx.mode, ctx.capabilities, ctx.seq_len, ctx.precision, ctx.tf32, ctx.lora
 
 
 def pipeline_key(lay: Layout) -> tuple:
