@@ -58,7 +58,7 @@ class Recipe:
     capabilities: tuple[Capability, ...] = ()  # the run's, with their settings (capabilities.active)
 
     def __post_init__(self):
-        # what the other settings imply (fp8's Float8 for precision fp8, ...), with its defaults
+        # the capabilities its other settings imply (Capability.implied_by), with their defaults
         object.__setattr__(self, "capabilities", capabilities.implied(self, self.capabilities))
 
     @classmethod

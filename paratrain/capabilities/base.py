@@ -70,7 +70,7 @@ class Capability:
 
     @classmethod
     def implied_by(cls, recipe) -> bool | None:
-        """Whether a recipe's other settings turn it on (fp8's precision, Muon's optimizer), for a capability that
+        """Whether a recipe's other settings turn it on (its precision, its optimizer), for a capability that
         such a setting decides: a Recipe holds it exactly when implied (`Recipe.__post_init__`: added with its defaults,
         or dropped), so the estimator and the planner see it on every recipe. None: no setting decides it (its own
         keys do: z-loss)."""
@@ -104,9 +104,12 @@ class Capability:
     # -- the estimator and the planner (torch-free) --
     plan_label: ClassVar[str] = ""  # what `paratrain plan`'s header says of it ("" : nothing)
 
+    def check_hardware(self, hardware: list) -> None:
+        """The planner's GPUs (estimate.profile.Hardware, each group's): a one-line UserError where it cannot run."""
+
     def linear_gemm_rate(self, hw, flop: float) -> float | None:
         """The FLOP/s of one of the blocks' linear GEMMs of `flop` on `hw` (an estimate.profile.Hardware) where the
-        capability changes it (fp8: the profile's float8 rate), else None; the head and attention keep theirs."""
+        capability changes it (fp8: the profile's 8-bit rate), else None; the head and attention keep theirs."""
         return None
 
     def elementwise_values(self, hw, dim: float, ffn_width: float) -> float:

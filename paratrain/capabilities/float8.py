@@ -254,6 +254,13 @@ class Float8(Capability):
 
     plan_label = "float8 linears"
 
+    def check_hardware(self, hardware: list) -> None:
+        """GPUs without FP8 tensor cores (before Ada/Hopper): one line naming the first."""
+        for hw in hardware:
+            if not hw.float8_gemm:
+                raise UserError(f"--precision fp8 needs FP8 tensor cores (H100, H200, L4, L40S, RTX 4090, ...); "
+                                f"{hw.name} has none: plan bf16")
+
     def linear_gemm_rate(self, hw, flop: float) -> float | None:
         """The profile's float8 GEMM rate, where the GPU has FP8 tensor cores."""
         return hw.float8_rate(flop) if hw.float8_gemm else None

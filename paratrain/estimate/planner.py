@@ -31,7 +31,7 @@ from paratrain.layout_grammar import COMPRESSION_KEYS, LAYOUT_KEYS, layout_flags
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
 from paratrain.models.presets import preset_args
-from paratrain.modes import DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, Compression, dp_mode_of, float8_matmuls
+from paratrain.modes import DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, Compression, dp_mode_of
 from paratrain.optimizers import optimizer_entry
 
 # The [parallel] values a plan may pin (the layout flags of `paratrain plan`, paratrain/layout_grammar.py): each fixes
@@ -115,8 +115,8 @@ def plan_context(request: PlanRequest) -> Planning:
     precision = r.precision or ("fp32" if hw.device == "cpu" else "bf16")
     if precision not in PRECISIONS:
         raise UserError(f"--precision '{precision}' is not one of {', '.join(PRECISIONS)}")
-    if float8_matmuls(precision):
-        check_float8_cores([g.hw for g in groups] if groups else [hw])
+    for capability in implied_by_settings(precision, r.optimizer):  # (fp8 needs FP8 tensor cores)
+        capability.check_hardware([g.hw for g in groups] if groups else [hw])
     flags = pinned_values(r.parallel)
     parallel = dataclasses.replace(ParallelConfig(), **flags)
     compression = Compression.from_config(parallel).check_flags()
@@ -242,11 +242,3 @@ def _one_or_choices(one, one_flag: str, many, flag: str, default: tuple, allowed
     if one is not None:
         return (one,)
     return checked_choices(many, allowed or default, flag) or default
-
-
-def check_float8_cores(hardware: list) -> None:
-    """fp8 on GPUs without FP8 tensor cores (before Ada/Hopper): one line naming the first."""
-    for hw in hardware:
-        if not hw.float8_gemm:
-            raise UserError(f"--precision fp8 needs FP8 tensor cores (H100, H200, L4, L40S, RTX 4090, ...); {hw.name} "
-                            "has none: plan bf16")
