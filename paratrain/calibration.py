@@ -101,114 +101,141 @@ def _calibrate_worker(sizes: list[int], msg_sizes: list[int], seconds: float, sh
                       modes: tuple[str, ...] = ("eager",)) -> dict:
     """On each local rank at once (so the rates are what a rank gets when all ranks compute): matmul rate at
     several sizes, memory bandwidth, per-operator overhead, and all-reduce / all-gather times by message size."""
-
-
-
     warnings.filterwarnings("ignore", category=FutureWarning)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", world_from_env()[2]) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     init_process_group(device, timeout_s=120)
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    def timed(fn, min_s):
-        """Local work: as many iterations as fit in min_s (each rank on its own, all at the same time); the median
-        iteration (robust to the odd pause of a shared machine)."""
-        fn()
-        sync()
-        dist.barrier()
-        times, t0 = [], time.perf_counter()
-        while True:
-            t1 = time.perf_counter()
-            fn()
-            sync()
-            t2 = time.perf_counter()
-            times.append(t2 - t1)
-            if t2 - t0 >= min_s and len(times) >= 3:
-                return sorted(times)[len(times) // 2]
-
-    def timed_collective(fn, iters):
-        """Collectives: the same number of iterations on every rank; the median."""
-        fn()
-        sync()
-        times = []
-        for _ in range(iters):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
-
-    out = {"gemm": [], "allreduce": [], "allgather": [], "reducescatter": []}
+    clock = _Clock(device if cuda else None)
     try:
-        for s in sizes:
-            a = torch.randn(s, s, device=device, dtype=dtype)
-            b = torch.randn(s, s, device=device, dtype=dtype)
-            t = timed(lambda: a @ b, seconds)
-            out["gemm"].append((2.0 * s**3, 2.0 * s**3 / t))
-        big = torch.empty(8 * 2**20, device=device)  # 32 MiB
-        t = timed(lambda: big.mul_(1.0001), seconds)
-        out["mem_bandwidth"] = 2 * big.numel() * 4 / t
-        x = torch.randn(16, 16, device=device, requires_grad=True)
-
-        def ops():
-            y = x
-            for _ in range(20):
-                y = y * 1.0001
-            y.sum().backward()
-        out["op_overhead_s"] = timed(ops, seconds) / 42  # 20 mul + sum forward, as many backward
-        # a reference model (not the one being planned): one training step, forward + backward + AdamW
-
-        ref_args = reference_args()
-        torch.manual_seed(0)
-        model = build_model(ref_args).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        tokens = torch.randint(0, ref_args.vocab_size, (REF_BATCH, REF_SEQ + 1), device=device)
-
-        def train_step():
-            logits = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        out["reference_step_s"] = timed(train_step, 2 * seconds)
+        out = _local_rates(sizes, seconds, device, dtype, clock)
+        out["reference_step_s"] = clock.timed(_reference_step(device), 2 * seconds)
         if shapes is not None:
-            out["shapes"] = _measure_model_shapes(shapes, modes, device, dtype, lambda fn: timed(fn, seconds))
-        world = dist.get_world_size()
-        for nbytes in msg_sizes:
-            v = torch.ones(nbytes // 4, device=device)
-            iters = 20 if nbytes <= 2**18 else 6
-            out["allreduce"].append((nbytes, timed_collective(lambda: dist.all_reduce(v), iters)))
-            part = torch.ones(nbytes // 4 // world, device=device)
-            res = torch.empty(part.numel() * world, device=device)
-            out["allgather"].append((nbytes, timed_collective(lambda: dist.all_gather_into_tensor(res, part), iters)))
-            out["reducescatter"].append((nbytes, timed_collective(lambda: dist.reduce_scatter_tensor(part, v), iters)))
-        # every rank's numbers: the slowest rank decides
-        vec = torch.tensor([r for _, r in out["gemm"]] + [out["mem_bandwidth"]], dtype=torch.float64, device=device)
-        dist.all_reduce(vec, op=dist.ReduceOp.MIN)
-        out["gemm"] = [(f, float(r)) for (f, _), r in zip(out["gemm"], vec[:-1].tolist())]
-        out["mem_bandwidth"] = float(vec[-1])
-        times = torch.tensor([t for _, t in out["allreduce"] + out["allgather"] + out["reducescatter"]]
-                             + [out["reference_step_s"], out["op_overhead_s"]], dtype=torch.float64, device=device)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        k = len(msg_sizes)
-        tl = times.tolist()
-        out["allreduce"] = [(n, tl[i]) for i, n in enumerate(msg_sizes)]
-        out["allgather"] = [(n, tl[k + i]) for i, n in enumerate(msg_sizes)]
-        out["reducescatter"] = [(n, tl[2 * k + i]) for i, n in enumerate(msg_sizes)]
-        out["op_overhead_s"] = tl[-1]
-        out["reference_step_s"] = tl[-2]
-        out["world"], out["cuda"] = world, cuda
+            out["shapes"] = _measure_model_shapes(shapes, modes, device, dtype, lambda fn: clock.timed(fn, seconds))
+        out.update(_collective_times(msg_sizes, device, clock))
+        _agree_on_the_slowest(out, msg_sizes, device)
+        out["world"], out["cuda"] = dist.get_world_size(), cuda
         if cuda:
             out["memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
             out["device_name"] = torch.cuda.get_device_name(device)
         return out
     finally:
         dist.destroy_process_group()
+
+
+class _Clock:
+    """Median times of local work and of collectives on one rank (`device`: the CUDA device to synchronize, or
+    None)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def sync(self) -> None:
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
+
+    def timed(self, fn, min_s: float) -> float:
+        """Local work: as many iterations as fit in min_s (each rank on its own, all at the same time); the median
+        iteration (robust to the odd pause of a shared machine)."""
+        fn()
+        self.sync()
+        dist.barrier()
+        times, t0 = [], time.perf_counter()
+        while True:
+            t1 = time.perf_counter()
+            fn()
+            self.sync()
+            t2 = time.perf_counter()
+            times.append(t2 - t1)
+            if t2 - t0 >= min_s and len(times) >= 3:
+                return sorted(times)[len(times) // 2]
+
+    def timed_collective(self, fn, iters: int) -> float:
+        """Collectives: the same number of iterations on every rank; the median."""
+        fn()
+        self.sync()
+        times = []
+        for _ in range(iters):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+
+def _local_rates(sizes: list[int], seconds: float, device, dtype, clock: _Clock) -> dict:
+    """This rank's matmul rate at each size, memory bandwidth and per-operator overhead."""
+    out = {"gemm": []}
+    for s in sizes:
+        a = torch.randn(s, s, device=device, dtype=dtype)
+        b = torch.randn(s, s, device=device, dtype=dtype)
+        t = clock.timed(lambda: a @ b, seconds)
+        out["gemm"].append((2.0 * s**3, 2.0 * s**3 / t))
+    big = torch.empty(8 * 2**20, device=device)  # 32 MiB
+    t = clock.timed(lambda: big.mul_(1.0001), seconds)
+    out["mem_bandwidth"] = 2 * big.numel() * 4 / t
+    x = torch.randn(16, 16, device=device, requires_grad=True)
+
+    def ops():
+        y = x
+        for _ in range(20):
+            y = y * 1.0001
+        y.sum().backward()
+    out["op_overhead_s"] = clock.timed(ops, seconds) / 42  # 20 mul + sum forward, as many backward
+    return out
+
+
+def _reference_step(device):
+    """One training step of the reference model (not the one being planned): forward + backward + AdamW."""
+    ref_args = reference_args()
+    torch.manual_seed(0)
+    model = build_model(ref_args).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, ref_args.vocab_size, (REF_BATCH, REF_SEQ + 1), device=device)
+
+    def train_step():
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return train_step
+
+
+def _collective_times(msg_sizes: list[int], device, clock: _Clock) -> dict:
+    """All-reduce, all-gather and reduce-scatter seconds by message size: [(bytes, seconds)] each."""
+    out = {"allreduce": [], "allgather": [], "reducescatter": []}
+    world = dist.get_world_size()
+    for nbytes in msg_sizes:
+        v = torch.ones(nbytes // 4, device=device)
+        iters = 20 if nbytes <= 2**18 else 6
+        out["allreduce"].append((nbytes, clock.timed_collective(lambda: dist.all_reduce(v), iters)))
+        part = torch.ones(nbytes // 4 // world, device=device)
+        res = torch.empty(part.numel() * world, device=device)
+        out["allgather"].append((nbytes, clock.timed_collective(lambda: dist.all_gather_into_tensor(res, part),
+                                                                 iters)))
+        out["reducescatter"].append((nbytes, clock.timed_collective(lambda: dist.reduce_scatter_tensor(part, v),
+                                                                     iters)))
+    return out
+
+
+def _agree_on_the_slowest(out: dict, msg_sizes: list[int], device) -> None:
+    """Every rank's numbers: the slowest rank decides (the least rates, the largest times)."""
+    vec = torch.tensor([r for _, r in out["gemm"]] + [out["mem_bandwidth"]], dtype=torch.float64, device=device)
+    dist.all_reduce(vec, op=dist.ReduceOp.MIN)
+    out["gemm"] = [(f, float(r)) for (f, _), r in zip(out["gemm"], vec[:-1].tolist())]
+    out["mem_bandwidth"] = float(vec[-1])
+    times = torch.tensor([t for _, t in out["allreduce"] + out["allgather"] + out["reducescatter"]]
+                         + [out["reference_step_s"], out["op_overhead_s"]], dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    k = len(msg_sizes)
+    tl = times.tolist()
+    out["allreduce"] = [(n, tl[i]) for i, n in enumerate(msg_sizes)]
+    out["allgather"] = [(n, tl[k + i]) for i, n in enumerate(msg_sizes)]
+    out["reducescatter"] = [(n, tl[2 * k + i]) for i, n in enumerate(msg_sizes)]
+    out["op_overhead_s"] = tl[-1]
+    out["reference_step_s"] = tl[-2]
 
 
 def _apply_model_shapes(hw: Hardware, measured: dict, model, shapes: dict, tp: int) -> None:

@@ -432,28 +432,8 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
     echo = echo or (lambda *_: None)
     out_dir = Path(out_dir)
     kind, tok_path = _tokenizer_kind(tokenizer, tokenizer_path)
-    _check_vocab_args(kind, vocab_size)
-    if chat and kind != "tokenizer.json":
-        raise UserError(f"--chat renders conversations with a Hugging Face tokenizer and its chat template: give "
-                        f"--tokenizer path/to/tokenizer.json (not {kind})")
-    if not chat and (chat_template is not None or loss_on != "assistant"):
-        raise UserError("--chat-template and --loss-on apply to chat data: add --chat")
-    if not (isinstance(val_fraction, (int, float)) and 0 < val_fraction <= 0.5):
-        raise UserError(f"val fraction must be in (0, 0.5], got {val_fraction!r}")
-    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
-        raise UserError(f"shard tokens must be a positive integer, got {shard_tokens!r}")
-    if shard_tokens < MIN_SHARD_TOKENS:
-        raise UserError(f"--shard-tokens {shard_tokens} is below {MIN_SHARD_TOKENS}: a shard file per handful of "
-                        "tokens (the default is 268435456)")
-    if isinstance(sample_mb, bool) or not isinstance(sample_mb, (int, float)) or not sample_mb > 0:
-        raise UserError(f"--sample-mb must be positive, got {sample_mb!r}")
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
-        raise UserError(f"workers must be an integer >= 0 (0: tokenize in this process), got {workers!r}")
-    if workers is not None and workers > max_workers():
-        raise UserError(f"--workers {workers} is more than this machine runs ({max_workers()}: 4 per core, at "
-                        "least 8)")
-    if not text_field:
-        raise UserError("--text-field must not be empty")
+    _check_prepare_options(kind, vocab_size, val_fraction, shard_tokens, sample_mb, workers, text_field, chat,
+                           chat_template, loss_on)
     choose_dtype(0, dtype)  # reject a bad dtype name before the slow part
     sources = resolve_inputs(source)
     val_sources = resolve_inputs(val_input, "validation input") if val_input else []
@@ -483,38 +463,12 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
             _tokenize_into(stream, tok, writers, workers, progress)
         if not counters["text"]:
             raise UserError(f"input {source} is empty (no text to tokenize)")
-        train, val = writers["train"].close(), writers["val"]
-        n_docs = counters["docs"]
-        if val_sources:
-            val_split = "val-input"
-        elif n_docs == 1 and not chat:  # one document (a single text file): cut it, its tail is the validation split
-            n = train["tokens"] - (tok.bos_id is not None) - (tok.eos_id is not None)  # the text's own tokens
-            n_val = int(n * val_fraction)  # as before EOS existed: the same train tokens, val gains the EOS
-            if n_val < 1 or n - n_val < 1:
-                raise UserError(f"input is too small: {n} tokens cannot be split into non-empty train and val sets "
-                                f"(val fraction {val_fraction})")
-            tail = n_val + (tok.eos_id is not None)
-            train, val_split = _move_tail(tmp, train, val, tail, dtype), "tokens of the single document"
-        else:
-            val_split = "documents"
-        val = val.close()
-        if val["tokens"] == 0:
-            raise UserError(f"--val-fraction {val_fraction} of {n_docs} documents leaves no validation document; "
-                            "use a larger --val-fraction, more documents, or --val-input")
-        if train["tokens"] == 0:
-            raise UserError(f"no training documents left ({n_docs} documents in the input)")
+        train, val, val_split = _close_splits(tmp, writers, tok, dtype, counters["docs"], val_fraction,
+                                              bool(val_sources), chat)
         tok.save(tmp)
-        records = [s.record() for s in sources]
         meta = json.loads((tmp / "meta.json").read_text())  # tokenizer, vocab_size, eos_id, bos_id from save()
-        meta.update(format=FORMAT, dtype=dtype, train_tokens=train["tokens"], val_tokens=val["tokens"],
-                    train_documents=train["documents"], val_documents=val["documents"],
-                    val_fraction=None if val_sources else val_fraction, val_split=val_split,
-                    text_characters=progress.chars, splits={"train": train, "val": val}, shard_tokens=int(shard_tokens), text_field=text_field,
-                    source=[str(s) for s in source] if isinstance(source, (list, tuple)) else str(source),
-                    source_sha256=combined_checksum(records), sources=records,
-                    source_fingerprint=source_fingerprint(sources),
-                    val_sources=[s.record() for s in val_sources], tokenizer_files=list(tok.files),
-                    tokenizer_sha256=tokenizer_identity(tok), seconds=round(time.perf_counter() - start, 3))
+        meta.update(_dataset_record(source, sources, val_sources, tok, dtype, train, val, val_fraction, val_split,
+                                    progress.chars, shard_tokens, text_field, start))
         if tok_path is not None:
             meta["tokenizer_source"] = str(tok_path.resolve())
         if chat:
@@ -525,6 +479,75 @@ def prepare_dataset(source, out_dir, tokenizer="char", vocab_size=None, tokenize
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")  # written last: the commit point
         _check_out_dir(out_dir, overwrite)  # again: someone may have written there meanwhile
     return meta
+
+
+def _check_prepare_options(kind, vocab_size, val_fraction, shard_tokens, sample_mb, workers, text_field, chat,
+                           chat_template, loss_on) -> None:
+    """prepare's options, each refused in one line before anything is read or written."""
+    _check_vocab_args(kind, vocab_size)
+    if chat and kind != "tokenizer.json":
+        raise UserError(f"--chat renders conversations with a Hugging Face tokenizer and its chat template: give "
+                        f"--tokenizer path/to/tokenizer.json (not {kind})")
+    if not chat and (chat_template is not None or loss_on != "assistant"):
+        raise UserError("--chat-template and --loss-on apply to chat data: add --chat")
+    if not (isinstance(val_fraction, (int, float)) and 0 < val_fraction <= 0.5):
+        raise UserError(f"val fraction must be in (0, 0.5], got {val_fraction!r}")
+    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise UserError(f"shard tokens must be a positive integer, got {shard_tokens!r}")
+    if shard_tokens < MIN_SHARD_TOKENS:
+        raise UserError(f"--shard-tokens {shard_tokens} is below {MIN_SHARD_TOKENS}: a shard file per handful of "
+                        "tokens (the default is 268435456)")
+    if isinstance(sample_mb, bool) or not isinstance(sample_mb, (int, float)) or not sample_mb > 0:
+        raise UserError(f"--sample-mb must be positive, got {sample_mb!r}")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+        raise UserError(f"workers must be an integer >= 0 (0: tokenize in this process), got {workers!r}")
+    if workers is not None and workers > max_workers():
+        raise UserError(f"--workers {workers} is more than this machine runs ({max_workers()}: 4 per core, at "
+                        "least 8)")
+    if not text_field:
+        raise UserError("--text-field must not be empty")
+
+
+def _close_splits(tmp: Path, writers: dict, tok, dtype: str, n_docs: int, val_fraction, val_input: bool,
+                  chat: bool) -> tuple[dict, dict, str]:
+    """(train, val, how the validation split was made): the splits' writers closed, a single document's tail moved
+    to the validation split, an empty split refused."""
+    train, val = writers["train"].close(), writers["val"]
+    if val_input:
+        val_split = "val-input"
+    elif n_docs == 1 and not chat:  # one document (a single text file): cut it, its tail is the validation split
+        n = train["tokens"] - (tok.bos_id is not None) - (tok.eos_id is not None)  # the text's own tokens
+        n_val = int(n * val_fraction)  # as before EOS existed: the same train tokens, val gains the EOS
+        if n_val < 1 or n - n_val < 1:
+            raise UserError(f"input is too small: {n} tokens cannot be split into non-empty train and val sets "
+                            f"(val fraction {val_fraction})")
+        tail = n_val + (tok.eos_id is not None)
+        train, val_split = _move_tail(tmp, train, val, tail, dtype), "tokens of the single document"
+    else:
+        val_split = "documents"
+    val = val.close()
+    if val["tokens"] == 0:
+        raise UserError(f"--val-fraction {val_fraction} of {n_docs} documents leaves no validation document; "
+                        "use a larger --val-fraction, more documents, or --val-input")
+    if train["tokens"] == 0:
+        raise UserError(f"no training documents left ({n_docs} documents in the input)")
+    return train, val, val_split
+
+
+def _dataset_record(source, sources, val_sources, tok, dtype: str, train: dict, val: dict, val_fraction,
+                    val_split: str, chars: int, shard_tokens, text_field: str, start: float) -> dict:
+    """The index's description of the dataset: its splits, its sources and their checksums, its tokenizer."""
+    records = [s.record() for s in sources]
+    return dict(format=FORMAT, dtype=dtype, train_tokens=train["tokens"], val_tokens=val["tokens"],
+                train_documents=train["documents"], val_documents=val["documents"],
+                val_fraction=None if val_sources else val_fraction, val_split=val_split,
+                text_characters=chars, splits={"train": train, "val": val}, shard_tokens=int(shard_tokens),
+                text_field=text_field,
+                source=[str(s) for s in source] if isinstance(source, (list, tuple)) else str(source),
+                source_sha256=combined_checksum(records), sources=records,
+                source_fingerprint=source_fingerprint(sources),
+                val_sources=[s.record() for s in val_sources], tokenizer_files=list(tok.files),
+                tokenizer_sha256=tokenizer_identity(tok), seconds=round(time.perf_counter() - start, 3))
 
 
 # ---------------------------------------------------------------------------- reading the index
