@@ -1,15 +1,16 @@
 """The optimizer registry: `optimizer.name` selects an `OptimizerEntry`, the one description of an optimizer.
 
-An entry says how the trainer builds it (`builder`: an import path "module:function", loaded lazily so that this
-table stays torch-free; the estimator and the planner read it), what it keeps per parameter (the estimator's
+An entry says how the trainer builds it (its builder, named in `BUILDERS` and loaded lazily so that this table
+stays torch-free; the estimator and the planner read it), what it keeps per parameter (the estimator's
 optimizer states, and the template a ZeRO-1 checkpoint is loaded into), what one step reads and writes (the
 planner's optimizer-step cost) and the layouts it refuses (one line each). `paratrain/training/optim.py` builds any
 entry on any layout: plain and FSDP2 (DTensor) parameters directly, ZeRO-1 by handing the entry's class to torch's
 ZeroRedundancyOptimizer.
 
-Adding an optimizer is one entry in `OPTIMIZERS` and its builder, a function (OptimizerConfig, torch.device, comm,
-**context) -> (optimizer class, keyword arguments) that the class is constructed with (after the parameter groups);
-`context` holds the run's precision and the replica mesh (what Muon reads; the others ignore it).
+Adding an optimizer is one entry in `OPTIMIZERS` and its builder (a line in `BUILDERS`), a function
+(OptimizerConfig, torch.device, comm, **context) -> (optimizer class, keyword arguments) that the class is
+constructed with (after the parameter groups); `context` holds the run's precision and the replica mesh (what Muon
+reads; the others ignore it).
 """
 
 from __future__ import annotations
@@ -156,9 +157,8 @@ class MomentumSchedule:
 
 @dataclass(frozen=True)
 class OptimizerEntry:
-    name: str
+    name: str  # its key in OPTIMIZERS and BUILDERS
     summary: str  # one line, for --help and docs/configuration.md
-    builder: str  # "module:function" -> (optimizer class, kwargs), see the module docstring
     param_state: tuple[str, ...]  # fp32 state tensors shaped like the parameter (ZeRO-1's checkpoint template)
     scalar_state: tuple[str, ...] = ()  # fp32 0-dim state tensors per parameter (step counters)
     step_tensors: int = 0  # parameter-sized fp32 tensors one update reads and writes (parameter, gradient, state)
@@ -229,28 +229,48 @@ class OptimizerEntry:
         return self.tensor_state_bytes if self.hidden_state is None else 0
 
     def load_builder(self) -> Callable:
-        module, _, function = self.builder.partition(":")
+        """Its builder (`BUILDERS`), imported now: the trainer's side, which loads torch."""
+        module, _, function = BUILDERS[self.name].partition(":")
         return getattr(importlib.import_module(module), function)
+
+
+# Each optimizer's builder (OPTIMIZERS' names -> "module:function"; the function gives the optimizer class and its
+# keyword arguments, see the module docstring). Named by string, and imported only when the trainer builds the
+# optimizer (`OptimizerEntry.load_builder`): this registry is torch-free (the estimator and the planner read it) and
+# every builder lives on the torch side (paratrain/training/), which imports this registry, so importing the builders
+# here would load torch into `paratrain estimate` and `paratrain plan` and tie paratrain.optimizers and
+# paratrain.training into an import cycle. This table is the one place in paratrain/ that names a function by its
+# "module:function" string (tests/test_architecture.py: every path imports and is callable, the import graph counts
+# each as an import of its module by this one, and no other such string names a paratrain module; the model
+# families' `module`, their nn.Module class, is the one other kind it allows).
+BUILDERS: dict[str, str] = {
+    "adamw": "paratrain.training.optim:adamw",
+    "sgd": "paratrain.training.optim:sgd",
+    "onebit_adam": "paratrain.training.onebit:build",
+    "zero_one_adam": "paratrain.training.onebit:build",
+    "adamw-bf16": "paratrain.training.optim:adamw_bf16",
+    "adamw8bit": "paratrain.training.optim:adamw8bit",
+    "muon": "paratrain.training.optim:muon",
+}
 
 
 OPTIMIZERS: dict[str, OptimizerEntry] = {
     "adamw": OptimizerEntry(
         "adamw", "AdamW (torch.optim.AdamW): decoupled weight decay on matrices, fused / foreach / for",
-        "paratrain.training.optim:adamw", param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",),
-        step_tensors=4, step_kernels=20, foreach_temporary=True),
+        param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",), step_tensors=4, step_kernels=20,
+        foreach_temporary=True),
     "sgd": OptimizerEntry(
         "sgd", "SGD with momentum optimizer.beta1 (torch.optim.SGD): weight decay as an L2 term on matrices",
-        "paratrain.training.optim:sgd", param_state=("momentum_buffer",), step_tensors=3, step_kernels=8,
-        foreach_temporary=True),
+        param_state=("momentum_buffer",), step_tensors=3, step_kernels=8, foreach_temporary=True),
     "onebit_adam": OptimizerEntry(
         "onebit_adam", "1-bit Adam: AdamW for optimizer.freeze_step steps, then the variance frozen and the momenta "
-        "averaged by the error-compensated 1-bit all-reduce", "paratrain.training.onebit:build",
+        "averaged by the error-compensated 1-bit all-reduce",
         param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step", "variance_steps"), step_tensors=6,
         step_kernels=24, refuses=momentum_layouts, compression="sign_ef",
         phases=(Phase("warm-up: fp32 gradients", GradientReduction.MEAN, True), Phase("1-bit momenta", GradientReduction.ONE_BIT, False))),
     "zero_one_adam": OptimizerEntry(
         "zero_one_adam", "0/1 Adam: the variance updated on exponentially rarer steps until optimizer.freeze_step, "
-        "1-bit gradients between them, then local steps and 1-bit averaged momenta", "paratrain.training.onebit:build",
+        "1-bit gradients between them, then local steps and 1-bit averaged momenta",
         param_state=("exp_avg", "exp_avg_sq", "accumulator"), scalar_state=("step", "variance_steps", "window_lr"),
         step_tensors=7, step_kernels=30, refuses=momentum_layouts, compression="sign_ef",
         phases=(Phase("variance step: fp32 gradients", GradientReduction.MEAN, True), Phase("1-bit gradients", GradientReduction.ONE_BIT, True),
@@ -266,18 +286,18 @@ def _no_zero1(layout: Layout) -> str | None:
 # Low-memory optimizer states (docs/memory-tiers.md): the same AdamW update from moments kept in fewer bits.
 OPTIMIZERS["adamw-bf16"] = OptimizerEntry(
     "adamw-bf16", "AdamW with both moments kept in bf16 (paratrain.training.optim.BF16AdamW): half AdamW's state",
-    "paratrain.training.optim:adamw_bf16", param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",),
+    param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",),
     step_tensors=3, step_kernels=8, refuses=_no_zero1, element_bytes=2)
 OPTIMIZERS["adamw8bit"] = OptimizerEntry(
     "adamw8bit", "torchao's AdamW8bit: both moments in 8 bits with an fp32 scale per 256 values (pip install "
-    "torchao)", "paratrain.training.optim:adamw8bit", param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",),
+    "torchao)", param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",),
     step_tensors=3, step_kernels=4, refuses=_no_zero1, element_bytes=1 + 4 / 256)
 # Muon (paratrain/training/muon.py): one momentum per hidden matrix, orthogonalised whole by one rank; AdamW's
 # state and step for the rest. A hidden update reads and writes the parameter, the gradient, the momentum and the
 # Nesterov update (4 tensors), then the Newton-Schulz iteration's matmuls (the planner's `muon_ns_flops`).
 OPTIMIZERS["muon"] = OptimizerEntry(
     "muon", "Muon (momentum orthogonalised by Newton-Schulz, as torch.optim.Muon) on the blocks' hidden matrices, "
-    "AdamW on the rest; each matrix orthogonalised whole by one rank", "paratrain.training.optim:muon",
+    "AdamW on the rest; each matrix orthogonalised whole by one rank",
     param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",), step_tensors=4, step_kernels=24,
     foreach_temporary=True, hidden_state=("momentum_buffer",), hidden_step_tensors=4,
     refuses_compression=("sign_ef",))

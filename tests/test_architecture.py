@@ -5,15 +5,17 @@ paratrain/layout.py), the layout is light, and no module but the error path catc
 The graph is read with `ast`, not by importing: an edge A -> B for every `import` / `from ... import` in A (at
 module level or inside a function: a lazy import still ties the two together), and for every string literal in A
 that is exactly the name of a paratrain module (`importlib.import_module("paratrain.x")`, tables of such names
-like cli.py's LAZY_COMMANDS, `__import__("paratrain.x")`). Importing `paratrain.a.b` counts as an edge to
-`paratrain.a.b` only, not to the packages above it (Python has those half-initialised already, so they do not
-make a cycle).
+like cli.py's LAZY_COMMANDS, `__import__("paratrain.x")`) or names one of its attributes as "paratrain.x:attr" (the
+optimizer registry's BUILDERS, a model family's `module`: imported later by importlib). Importing `paratrain.a.b`
+counts as an edge to `paratrain.a.b` only, not to the packages above it (Python has those half-initialised already,
+so they do not make a cycle).
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -71,6 +73,13 @@ class Edge:
         return f"{self.source} -> {self.target}  ({MODULES[self.source].relative_to(ROOT)}:{self.line}: {self.how})"
 
 
+def attribute_module(value: str) -> str | None:
+    """The paratrain module a "module:attr" string names one attribute of (a function or class imported later by
+    importlib; an f-string's first part may end at the colon), else None."""
+    module, colon, attr = value.partition(":")
+    return module if colon and module in MODULES and (not attr or attr.isidentifier()) else None
+
+
 def imported_modules(importer: str, tree: ast.Module):
     """(target module, line, how) for every paratrain module `importer` loads, by statement or by name string."""
     for node in ast.walk(tree):
@@ -88,6 +97,8 @@ def imported_modules(importer: str, tree: ast.Module):
                     yield module, node.lineno, f"from {module} import {alias.name}"
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in MODULES:
             yield node.value, node.lineno, repr(node.value)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and attribute_module(node.value):
+            yield attribute_module(node.value), node.lineno, repr(node.value)
 
 
 def import_graph() -> dict[str, list[Edge]]:
@@ -161,11 +172,82 @@ def test_cycle_finder_sees_function_level_and_string_edges():
     """The detector itself: a lazy import inside a function and a module name in a string table both count."""
     tree_a = ast.parse("def f():\n    from paratrain.errors import UserError\n")
     tree_b = ast.parse("TABLE = {'x': ('paratrain.cli', 'main')}\n")
+    tree_c = ast.parse("TABLE = {'x': 'paratrain.cli:main', 'y': f'paratrain.api:{z}', 'w': 'paratrain.cli: no'}\n")
     assert [t for t, *_ in imported_modules("paratrain.config", tree_a)] == ["paratrain.errors"]
     assert [t for t, *_ in imported_modules("paratrain.errors", tree_b)] == ["paratrain.cli"]
+    assert sorted(t for t, *_ in imported_modules("paratrain.errors", tree_c)) == ["paratrain.api", "paratrain.cli"]
     graph = {"paratrain.config": [Edge("paratrain.config", "paratrain.errors", 2, "lazy")],
              "paratrain.errors": [Edge("paratrain.errors", "paratrain.config", 1, "string")]}
     assert [[e.target for e in c] for _, c in cycles(graph)] == [["paratrain.errors", "paratrain.config"]]
+
+
+# -- functions named by string --------------------------------------------------------------------------------
+# The torch-free optimizer registry names each builder as "module:function" in one table, optimizers.BUILDERS (the
+# builders live on the torch side, which imports the registry); a model family names its nn.Module class as
+# "module:Class" in its `module` (ModelFamily, models/family.py: a family's table is torch-free too). The import
+# graph above counts each such string as an import; nothing else in paratrain/ names a paratrain module's attribute
+# by string: it imports it.
+BUILDER_TABLE = (PACKAGE / "optimizers.py", "BUILDERS")
+FAMILY_MODULE = ("ModelFamily", "module")  # the keyword of a family's declaration that names its nn.Module
+
+
+def named_attribute_strings(tree: ast.Module, allowed_table: str | None = None) -> list[tuple[int, str]]:
+    """(line, string) for each string (or f-string's first part) naming a paratrain module's attribute
+    ("paratrain.x:attr"), outside the dict assigned to `allowed_table` and the `module=` of ModelFamily(...) calls."""
+    allowed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and allowed_table is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == allowed_table for t in targets) and node.value is not None:
+                allowed |= {id(n) for n in ast.walk(node.value)}
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == \
+                FAMILY_MODULE[0]:
+            allowed |= {id(n) for k in node.keywords if k.arg == FAMILY_MODULE[1] for n in ast.walk(k.value)}
+    return sorted((node.lineno, node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and attribute_module(node.value) and id(node) not in allowed)
+
+
+def test_every_builder_in_the_table_resolves():
+    """Each optimizers.BUILDERS path imports and names a callable, and every registered optimizer has one."""
+    from paratrain.optimizers import BUILDERS, OPTIMIZERS
+
+    assert set(BUILDERS) == set(OPTIMIZERS), f"optimizers without a builder or builders without an optimizer: " \
+                                             f"{sorted(set(BUILDERS) ^ set(OPTIMIZERS))}"
+    bad = []
+    for name, path in BUILDERS.items():
+        module, _, function = path.partition(":")
+        if attribute_module(path) != module or not callable(getattr(importlib.import_module(module), function, None)):
+            bad.append(f"{name}: {path}")
+    assert not bad, "builders that do not resolve to a callable:\n" + "\n".join(bad)
+
+
+def test_builder_table_entries_are_import_edges():
+    """The import graph counts each BUILDERS entry as an import of its module by paratrain.optimizers."""
+    from paratrain.optimizers import BUILDERS
+
+    edges = {e.target for e in import_graph()["paratrain.optimizers"]}
+    missing = {path.partition(":")[0] for path in BUILDERS.values()} - edges
+    assert not missing, f"BUILDERS modules the import graph does not see: {sorted(missing)}"
+
+
+def test_no_function_is_named_by_string_outside_the_builder_table():
+    """No "paratrain.x:attr" string in paratrain/ but optimizers.BUILDERS' entries (and a family's `module`)."""
+    path, table = BUILDER_TABLE
+    found = [f"{p.relative_to(ROOT)}:{line}: {value!r}" for p in python_files(PACKAGE)
+             for line, value in named_attribute_strings(parse(p), table if p == path else None)]
+    assert not found, ("a paratrain module's attribute named by a \"module:attr\" string outside optimizers.BUILDERS "
+                       "and the model families' `module` (import it instead):\n" + "\n".join(found))
+
+
+def test_named_attribute_finder():
+    source = ("BUILDERS = {'a': 'paratrain.cli:main'}\n"
+              "OTHER = {'a': 'paratrain.cli:main'}\n"
+              "F = ModelFamily(name='x', module=f'paratrain.api:{c}')\n"
+              "G = ModelFamily(name='paratrain.api:train')\n"
+              "H = 'paratrain.nowhere:x', 'paratrain.cli', 'see paratrain.cli: main'\n")
+    assert named_attribute_strings(ast.parse(source), "BUILDERS") == [(2, "paratrain.cli:main"),
+                                                                      (4, "paratrain.api:train")]
 
 
 # -- packages --------------------------------------------------------------------------------------------------
@@ -526,3 +608,42 @@ def test_base_exception_finder():
                                                     "x.py:7: except (OSError, BaseException)", "x.py:11: except"]
     assert base_exception_catches(tree, "x.py", restore_and_raise=True) == ["x.py:3: except BaseException",
                                                                             "x.py:11: except"]
+
+
+# -- function length -----------------------------------------------------------------------------------------------
+# A function (a method, a nested function) fits on a screen: longer ones are split by meaning (a phase, a concern),
+# each part named for what it does.
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(tree: ast.Module, where) -> list[str]:
+    """`where:line: name (N lines)` for each function longer than MAX_FUNCTION_LINES, from its def line to its last
+    line, nested ones by their qualified name."""
+    found = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = prefix
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}."
+                lines = child.end_lineno - child.lineno + 1
+                if not isinstance(child, ast.ClassDef) and lines > MAX_FUNCTION_LINES:
+                    found.append(f"{where}:{child.lineno}: {prefix}{child.name} ({lines} lines)")
+            visit(child, name)
+
+    visit(tree, "")
+    return found
+
+
+def test_no_function_is_longer_than_80_lines():
+    found = [line for path in python_files(PACKAGE) for line in long_functions(parse(path), path.relative_to(ROOT))]
+    assert not found, (f"functions longer than {MAX_FUNCTION_LINES} lines (def to last line): split each by meaning "
+                       "(a phase, a concern), the parts named for what they do:\n" + "\n".join(found))
+
+
+def test_long_function_finder():
+    def function(name: str, lines: int, indent: str = "") -> str:
+        return f"{indent}def {name}():\n" + "".join(f"{indent}    x = {k}\n" for k in range(lines - 1))
+
+    source = function("short", 80) + function("long", 81) + "class C:\n" + function("method", 81, "    ")
+    assert long_functions(ast.parse(source), "x.py") == ["x.py:81: long (81 lines)", "x.py:163: C.method (81 lines)"]

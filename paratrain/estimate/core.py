@@ -12,9 +12,9 @@ One walk (`_walk`) for every rank: its schedule's actions in order, a rank witho
 schedule is the last micro-step's forward and backward (with gradient accumulation the last micro-step is the worst:
 gradients from the earlier ones are live). Pipeline ranks are each walked with their own stages and in-flight
 micro-batches, and the worst is reported. Categories are what is live at that moment; `size` is each category's own
-maximum over the step (their sum is the naive upper bound other tools print). The walk reads one rank's context
-(`_Rank`: model states, activation sizes, parameters by block, FSDP's dtypes) and collects its candidate peaks in one
-`_Peaks`. What is asked and its checks
+maximum over the step (their sum is the naive upper bound other tools print). The walk (`_Walk`, one stage's backward
+`_StageBackward`) reads one rank's context (`_Rank`: model states, activation sizes, parameters by block, FSDP's
+dtypes) and collects its candidate peaks in one `_Peaks`. What is asked and its checks
 are inputs.py, the printed table report.py, the change that would fit suggest.py.
 """
 
