@@ -1,16 +1,16 @@
 """The optimizer registry: `optimizer.name` selects an `OptimizerEntry`, the one description of an optimizer.
 
-An entry says how the trainer builds it (its builder, named in `BUILDERS` and loaded lazily so that this table
-stays torch-free; the estimator and the planner read it), what it keeps per parameter (the estimator's
+An entry says what the optimizer keeps per parameter (the estimator's
 optimizer states, and the template a ZeRO-1 checkpoint is loaded into), what one step reads and writes (the
 planner's optimizer-step cost) and the layouts it refuses (one line each). `paratrain/training/optim.py` builds any
 entry on any layout: plain and FSDP2 (DTensor) parameters directly, ZeRO-1 by handing the entry's class to torch's
 ZeroRedundancyOptimizer.
 
-Adding an optimizer is one entry in `OPTIMIZERS` and its builder (a line in `BUILDERS`), a function
-(OptimizerConfig, torch.device, comm, **context) -> (optimizer class, keyword arguments) that the class is
-constructed with (after the parameter groups); `context` holds the run's precision and the replica mesh (what Muon
-reads; the others ignore it).
+This table is torch-free (the estimator and the planner read it); the builders live on the torch side, in
+`paratrain/training/optim.py`'s `BUILDERS` (imported there, by name of the entry). Adding an optimizer is one entry in
+`OPTIMIZERS` and its builder there, a function (OptimizerConfig, torch.device, comm, **context) -> (optimizer class,
+keyword arguments) that the class is constructed with (after the parameter groups); `context` holds the run's
+precision and the replica mesh (what Muon reads; the others ignore it).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
-import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -157,7 +156,7 @@ class MomentumSchedule:
 
 @dataclass(frozen=True)
 class OptimizerEntry:
-    name: str  # its key in OPTIMIZERS and BUILDERS
+    name: str  # its key in OPTIMIZERS (and in training/optim.py's BUILDERS)
     summary: str  # one line, for --help and docs/configuration.md
     param_state: tuple[str, ...]  # fp32 state tensors shaped like the parameter (ZeRO-1's checkpoint template)
     scalar_state: tuple[str, ...] = ()  # fp32 0-dim state tensors per parameter (step counters)
@@ -228,30 +227,6 @@ class OptimizerEntry:
     def hidden_tensor_state_bytes(self) -> int:
         return self.tensor_state_bytes if self.hidden_state is None else 0
 
-    def load_builder(self) -> Callable:
-        """Its builder (`BUILDERS`), imported now: the trainer's side, which loads torch."""
-        module, _, function = BUILDERS[self.name].partition(":")
-        return getattr(importlib.import_module(module), function)
-
-
-# Each optimizer's builder (OPTIMIZERS' names -> "module:function"; the function gives the optimizer class and its
-# keyword arguments, see the module docstring). Named by string, and imported only when the trainer builds the
-# optimizer (`OptimizerEntry.load_builder`): this registry is torch-free (the estimator and the planner read it) and
-# every builder lives on the torch side (paratrain/training/), which imports this registry, so importing the builders
-# here would load torch into `paratrain estimate` and `paratrain plan` and tie paratrain.optimizers and
-# paratrain.training into an import cycle. This table is the one place in paratrain/ that names a function by its
-# "module:function" string (tests/test_architecture.py: every path imports and is callable, the import graph counts
-# each as an import of its module by this one, and no other such string names a paratrain module; the model
-# families' `module`, their nn.Module class, is the one other kind it allows).
-BUILDERS: dict[str, str] = {
-    "adamw": "paratrain.training.optim:adamw",
-    "sgd": "paratrain.training.optim:sgd",
-    "onebit_adam": "paratrain.training.onebit:build",
-    "zero_one_adam": "paratrain.training.onebit:build",
-    "adamw-bf16": "paratrain.training.optim:adamw_bf16",
-    "adamw8bit": "paratrain.training.optim:adamw8bit",
-    "muon": "paratrain.training.optim:muon",
-}
 
 
 OPTIMIZERS: dict[str, OptimizerEntry] = {

@@ -5,8 +5,8 @@ paratrain/layout.py), the layout is light, and no module but the error path catc
 The graph is read with `ast`, not by importing: an edge A -> B for every `import` / `from ... import` in A (at
 module level or inside a function: a lazy import still ties the two together), and for every string literal in A
 that is exactly the name of a paratrain module (`importlib.import_module("paratrain.x")`, tables of such names
-like cli.py's LAZY_COMMANDS, `__import__("paratrain.x")`) or names one of its attributes as "paratrain.x:attr" (the
-optimizer registry's BUILDERS, a model family's `module`: imported later by importlib). Importing `paratrain.a.b`
+like cli.py's LAZY_COMMANDS, `__import__("paratrain.x")`) or names one of its attributes as "paratrain.x:attr" (a
+model family's `module`: imported later by importlib). Importing `paratrain.a.b`
 counts as an edge to `paratrain.a.b` only, not to the packages above it (Python has those half-initialised already,
 so they do not make a cycle).
 """
@@ -182,12 +182,12 @@ def test_cycle_finder_sees_function_level_and_string_edges():
 
 
 # -- functions named by string --------------------------------------------------------------------------------
-# The torch-free optimizer registry names each builder as "module:function" in one table, optimizers.BUILDERS (the
-# builders live on the torch side, which imports the registry); a model family names its nn.Module class as
-# "module:Class" in its `module` (ModelFamily, models/family.py: a family's table is torch-free too). The import
-# graph above counts each such string as an import; nothing else in paratrain/ names a paratrain module's attribute
-# by string: it imports it.
-BUILDER_TABLE = (PACKAGE / "optimizers.py", "BUILDERS")
+# Builders are imported (the optimizers' in training/optim.py's BUILDERS, beside the code that calls them). The one
+# kind of name a torch-free table keeps for torch-side code is a model family's `module` ("module:Class" in its
+# ModelFamily declaration, models/family.py): the family's parameter table is read by the estimator and the planner
+# without torch, and a plug-in family outside paratrain is registered the same way. The import graph above counts
+# each such string as an import (so a cycle through it fails the cycle tests); nothing else in paratrain/ names a
+# paratrain module's attribute by string.
 FAMILY_MODULE = ("ModelFamily", "module")  # the keyword of a family's declaration that names its nn.Module
 
 
@@ -208,36 +208,36 @@ def named_attribute_strings(tree: ast.Module, allowed_table: str | None = None) 
                   and attribute_module(node.value) and id(node) not in allowed)
 
 
-def test_every_builder_in_the_table_resolves():
-    """Each optimizers.BUILDERS path imports and names a callable, and every registered optimizer has one."""
-    from paratrain.optimizers import BUILDERS, OPTIMIZERS
+def test_every_optimizer_has_an_imported_builder():
+    """training/optim.py's BUILDERS: a callable for every registered optimizer, imported (not named)."""
+    from paratrain.optimizers import OPTIMIZERS
+    from paratrain.training.optim import BUILDERS
 
     assert set(BUILDERS) == set(OPTIMIZERS), f"optimizers without a builder or builders without an optimizer: " \
                                              f"{sorted(set(BUILDERS) ^ set(OPTIMIZERS))}"
-    bad = []
-    for name, path in BUILDERS.items():
-        module, _, function = path.partition(":")
-        if attribute_module(path) != module or not callable(getattr(importlib.import_module(module), function, None)):
-            bad.append(f"{name}: {path}")
-    assert not bad, "builders that do not resolve to a callable:\n" + "\n".join(bad)
+    assert all(callable(b) for b in BUILDERS.values())
 
 
-def test_builder_table_entries_are_import_edges():
-    """The import graph counts each BUILDERS entry as an import of its module by paratrain.optimizers."""
-    from paratrain.optimizers import BUILDERS
+def test_every_family_module_resolves_and_is_an_import_edge():
+    """Each built-in family's `module` imports and names a class, and the import graph sees it (an edge from the
+    module that declares the family)."""
+    from paratrain.models.registry import BUILTIN, get_family
 
-    edges = {e.target for e in import_graph()["paratrain.optimizers"]}
-    missing = {path.partition(":")[0] for path in BUILDERS.values()} - edges
-    assert not missing, f"BUILDERS modules the import graph does not see: {sorted(missing)}"
+    graph = import_graph()
+    for name in BUILTIN:
+        family = get_family(name)
+        module, _, cls = family.module.partition(":")
+        assert isinstance(getattr(importlib.import_module(module), cls, None), type), family.module
+        declaring = [m for m, edges in graph.items() if any(e.target == module and ":" in e.how for e in edges)]
+        assert declaring, f"no import edge to {module} from the family {name}'s declaration"
 
 
-def test_no_function_is_named_by_string_outside_the_builder_table():
-    """No "paratrain.x:attr" string in paratrain/ but optimizers.BUILDERS' entries (and a family's `module`)."""
-    path, table = BUILDER_TABLE
+def test_no_function_is_named_by_string_outside_the_families():
+    """No "paratrain.x:attr" string in paratrain/ but a model family's `module`."""
     found = [f"{p.relative_to(ROOT)}:{line}: {value!r}" for p in python_files(PACKAGE)
-             for line, value in named_attribute_strings(parse(p), table if p == path else None)]
-    assert not found, ("a paratrain module's attribute named by a \"module:attr\" string outside optimizers.BUILDERS "
-                       "and the model families' `module` (import it instead):\n" + "\n".join(found))
+             for line, value in named_attribute_strings(parse(p))]
+    assert not found, ("a paratrain module's attribute named by a \"module:attr\" string outside the model families' "
+                       "`module` (import it instead):\n" + "\n".join(found))
 
 
 def test_named_attribute_finder():

@@ -11,7 +11,7 @@ from paratrain.estimate.gpus import HEADROOM, check_headroom
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.memory import check_cpu_offload, check_offload, check_offload_checkpointing, loss_chunks
 from paratrain.models.args import ModelArgs
-from paratrain.models.lora_params import targets_of
+from paratrain.models.registry import targets_of
 from paratrain.modes import ACTIVATION_OFFLOAD_MODES, CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS
 from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
 from paratrain.recipe import Recipe

@@ -18,8 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from paratrain.data.batch import NOT_A_TARGET
 from paratrain.models.args import ModelArgs
-from paratrain.models.lora import adapter_init_std
-from paratrain.models.lora_params import is_adapter
+from paratrain.models.lora_params import adapter_init_std, is_adapter
 from paratrain.models.moe import MoE
 
 

@@ -9,8 +9,9 @@ from torch import nn
 import torch
 import torch.nn.functional as F
 
-from paratrain.models.lora_params import LoRA, is_adapter, targets_of
+from paratrain.models.lora_params import LoRA, is_adapter
 from paratrain.models.presets import format_params
+from paratrain.models.registry import targets_of
 
 
 class LoRALinear(nn.Linear):
@@ -59,11 +60,6 @@ def freeze_base(model: nn.Module) -> None:
     """Only the adapters train."""
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
-
-
-def adapter_init_std(name: str) -> float:
-    """LoRA's initialisation: A drawn like the other matmul weights, B zero, so the adapted model starts as the base."""
-    return 0.0 if name.endswith(".lora_b") else 0.02
 
 
 def lora_summary(model: nn.Module) -> str:

@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 
 from paratrain.models.args import ModelArgs, is_int, is_number
 from paratrain.models.family import Param
-from paratrain.models.registry import parameters
 
 TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
@@ -106,9 +105,9 @@ def adapted_params(table, lora: LoRA | None) -> list[Param]:
     return out
 
 
-def targets_of(args: ModelArgs, lora: LoRA) -> list[Param]:
-    """The target weights of the model, in table order."""
-    return [p for p in parameters(args) if is_target(p, lora)]
+def adapter_init_std(name: str) -> float:
+    """LoRA's initialisation: A drawn like the other matmul weights, B zero, so the adapted model starts as the base."""
+    return 0.0 if name.endswith(".lora_b") else 0.02
 
 
 def record_problem(record) -> str | None:

@@ -15,6 +15,7 @@ import torch
 from paratrain.config import OptimizerConfig
 from paratrain.errors import ConfigError
 from paratrain.modes import low_precision, resolve_impl
+from paratrain.training import onebit
 from paratrain.training.muon import NS_DTYPES, Muon, muon_param_groups
 from paratrain.optimizers import optimizer_entry
 
@@ -108,6 +109,11 @@ def sgd(cfg: OptimizerConfig, device: torch.device, comm=None, **_):
     return SGD, dict(lr=cfg.lr, momentum=cfg.beta1, **impl_kwargs(cfg, device))
 
 
+# Each registered optimizer's builder (paratrain/optimizers.py's names; the torch-free registry does not import them).
+BUILDERS = {"adamw": adamw, "sgd": sgd, "onebit_adam": onebit.build, "zero_one_adam": onebit.build,
+            "adamw-bf16": adamw_bf16, "adamw8bit": adamw8bit, "muon": muon}
+
+
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device, zero1_group=None, comm=None,
                     precision: str = "fp32", hidden: frozenset[str] = frozenset(), replica_mesh=None):
     """`optimizer.name`'s optimizer over the model's parameter groups; with `zero1_group` wrapped in ZeRO-1.
@@ -118,7 +124,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     entry = optimizer_entry(cfg.name)
     groups = muon_param_groups(model, cfg.weight_decay, hidden) if entry.hidden_state else \
         param_groups(model, cfg.weight_decay)
-    cls, kwargs = entry.load_builder()(cfg, device, comm, precision=precision,
+    cls, kwargs = BUILDERS[entry.name](cfg, device, comm, precision=precision,
                                        replica_mesh=None if zero1_group is not None else replica_mesh)
     if zero1_group is None:
         return cls(groups, **kwargs)
