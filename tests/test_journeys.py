@@ -147,6 +147,10 @@ JOURNEYS = {
         "paratrain eval runs/evaluated --tasks shakespeare --nproc 2 --parallel.tp=2 --output-path eval-tp2",
         "paratrain eval runs/evaluated --tasks shakespeare_choice --num-fewshot 2 --limit 20 --log-samples",
     ],
+    "architecture": [
+        "paratrain verify --layouts fsdp2,tp2 --set training.z_loss=1e-4",
+        "paratrain train --training.z_loss=1e-4 --run.name=zloss",
+    ],
     "precision": [
         "paratrain train --training.precision=fp8 --run.name=fp8",
         "paratrain verify --layouts fp8-fsdp2,fp8-tp2,fp8-pp2",
@@ -523,6 +527,15 @@ def test_journey_verify(journey):
     """`paratrain verify` at a tiny size: two rows, a few steps (the whole matrix runs in tests/test_distributed.py)."""
     out = journey.doc("paratrain verify", after=["--layouts", "tp2", "--steps", "2"]).stdout
     assert "PASS" in out and "FAIL" not in out
+
+
+def test_journey_architecture(journey):
+    """docs/architecture.md's worked capability, z-loss: verify passes on fsdp2 and tp2 with it, and a run logs it."""
+    out = journey.doc(JOURNEYS["architecture"][0], after=["--steps", "4"]).stdout
+    assert out.count("PASS") == 2 and "FAIL" not in out, out
+    journey.train(JOURNEYS["architecture"][1])
+    logged = [r["z_loss"] for r in metrics(journey.cwd / "runs" / "zloss") if "loss" in r and "step" in r]
+    assert logged and all(z > 0 for z in logged), logged
 
 
 def test_journey_precision(journey):
