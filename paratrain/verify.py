@@ -241,7 +241,7 @@ def compare(reference, result) -> tuple[float, float]:
 
 def reference_overrides(layout_extra: list[str]) -> list[str]:
     """The model settings, sequence length, adapters and optimizer a layout changes (e.g. the MoE preset, a long
-    sequence, LoRA, Muon): its reference is one process training that model on those sequences with it."""
+    sequence, LoRA, an optimizer): its reference is one process training that model on those sequences with it."""
     kept = [o for o in layout_extra if o.startswith(("model.", "training.seq_len=", "lora.", "optimizer.",
                                                      *capabilities.reference_keys()))]
     for cls in capabilities.CAPABILITIES:  # (fp8's scales are taken per forward: the reference runs the same forwards)
