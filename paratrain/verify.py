@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 from paratrain import capabilities
 from paratrain.api import launch_ranks, run_rank, train_rank
+from paratrain.capabilities.base import MOE_PRESET
 from paratrain.config import ActivationCheckpointConfig, ParallelConfig, load_config
 from paratrain.errors import UserError
 from paratrain.layout_grammar import parse_layout_name
 from paratrain.modes import low_precision
 
-MOE_PRESET = "model.preset=tiny-moe"  # with the base's model.n_layers=4: 1 dense + 3 MoE layers
 LONG_MODEL = "model.max_seq_len=1024"  # the tiny model with room for long sequences
 QWEN3, QWEN3_MOE = "model.preset=tiny-qwen3", "model.preset=tiny-qwen3-moe"  # q/k norms, q/k/v/o biases, head_dim 32
 

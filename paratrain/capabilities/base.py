@@ -32,6 +32,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 
+MOE_PRESET = "model.preset=tiny-moe"  # verify rows: with the base's 4 layers, 1 dense + 3 MoE layers
+
+
 @dataclass(frozen=True)
 class Where:
     device: object  # torch.device

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from paratrain.capabilities.base import Capability, WeightCopies
+from paratrain.capabilities.base import MOE_PRESET, Capability, WeightCopies
 from paratrain.errors import ConfigError, UserError
 from paratrain.models.registry import float8_linears
 from paratrain.modes import Float8Compute, Float8Recipe, float8_matmuls, tensorwise_scales
@@ -79,7 +79,6 @@ def apply_float8(model: nn.Module, cfg, device: torch.device, uses_fsdp: bool) -
     other part of the layout); returns their module names."""
     from torchao.float8 import convert_to_float8_training  # lazy: torchao is imported by fp8 runs only
 
-    check_float8_device(device)
     chosen = {p.name.rsplit(".", 1)[0] for p in float8_linears(model.args, keep_names(cfg.keep_bf16))}
     convert_to_float8_training(model, config=linear_config(cfg, device, uses_fsdp),
                                module_filter_fn=lambda module, name: name in chosen)
@@ -169,7 +168,6 @@ FLOAT8_WEIGHT_COPIES, FLOAT8_SCALE_BYTES = 2, 4  # a float8 layer's weight cast 
 FLOAT8_CAST_VALUES = 6  # values per token and width read/written by amax + cast, forward + backward
 FP8 = "training.precision=fp8"  # the blocks' projections as float8 matmuls (emulated on a CPU), fp32 around them
 FP8_FP32 = "float8.compute=fp32"
-MOE_PRESET = "model.preset=tiny-moe"
 FP8_MICRO_BATCH = 2  # sequences per forward of every fp8 row and of its reference
 # An fp8 row's loss and val loss against one fp8 process: float8 rounds to 3 mantissa bits, so a reduction-order
 # difference of 1e-7 that moves a value across a rounding boundary becomes a 2^-4 change of that element, and the runs
@@ -235,6 +233,9 @@ class Float8(Capability):
 
     def compute_precision(self, precision: str) -> str:
         return self.compute  # around the float8 matmuls: bf16, or fp32 ([float8] compute)
+
+    def check_device(self, device) -> None:
+        check_float8_device(device)
 
     def before_parallelize(self, model, where) -> dict:
         """Convert the chosen linear layers; under tensor parallelism they take float8 styles (on CUDA)."""

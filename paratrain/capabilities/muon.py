@@ -11,11 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from paratrain.capabilities.base import Capability
+from paratrain.capabilities.base import MOE_PRESET, Capability
 from paratrain.errors import ConfigError
 
 MUON = "optimizer.name=muon"
-MOE_PRESET = "model.preset=tiny-moe"
 
 
 @dataclass

@@ -457,7 +457,8 @@ def build_train_step(model_args, dims, recipe: Recipe | None = None, device: tor
     recipe = recipe or default_recipe(layout)
     capabilities = recipe.capabilities
     precision = recipe.precision
-    for capability in capabilities:  # the precision the model computes in (fp8: bf16 around its 8-bit matmuls)
+    for capability in capabilities:  # the device it runs on (fp8: FP8 tensor cores), the precision the model
+        capability.check_device(device)  # computes in (fp8: bf16 around its 8-bit matmuls)
         precision = capability.compute_precision(precision)
     ac = ActivationCheckpointConfig(recipe.checkpointing, recipe.every_k, recipe.segment_blocks)
     memory = recipe.tiers.to_config(MemoryConfig())
