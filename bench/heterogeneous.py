@@ -35,7 +35,7 @@ def slower(hw, factor: float, name: str):
     """The profile of a device `factor` times slower at compute (links unchanged)."""
     return dataclasses.replace(
         hw, name=name, gemm=[(f, r / factor) for f, r in hw.gemm], attention=[(f, r / factor) for f, r in hw.attention],
-        float8_gemm=[], mem_bandwidth=hw.mem_bandwidth / factor, op_overhead_s=hw.op_overhead_s * factor,
+        fp8_gemm=[], mem_bandwidth=hw.mem_bandwidth / factor, op_overhead_s=hw.op_overhead_s * factor,
         peak_flops=hw.peak_flops / factor, notes=hw.notes + [f"{name}: {factor}x slower than {hw.name} (simulated)"])
 
 

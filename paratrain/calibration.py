@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from paratrain.capabilities import CAPABILITIES
 from paratrain.errors import UserError
 from paratrain.estimate.gpus import GPUS, gpu_from_device_name
 from paratrain.estimate.hardware import add_host_side, default_profile_dir
@@ -60,19 +61,18 @@ def model_shapes(args, seq: int, micro_batches: tuple[int, ...], tp: int = 1) ->
 
 
 def _measure_model_shapes(job: dict, modes: tuple[str, ...], device, dtype, timed) -> dict:
-    """GEMM, float8 GEMM, attention and one block forward+backward (per execution mode) at a model's shapes."""
+    """GEMM, the capabilities' own GEMMs (fp8's), attention and one block forward+backward (per execution mode) at a
+    model's shapes."""
 
-    out = {"gemm": [], "float8": [], "attention": [], "block": {}}
+    out = {"gemm": [], "attention": [], "block": {}, **{cap.gemm_math: [] for cap in CAPABILITIES if cap.gemm_math}}
     for m, k, n in job["gemms"]:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
         out["gemm"].append((2.0 * m * k * n, 2.0 * m * k * n / timed(lambda: a @ b)))
-        if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9) and k % 16 == 0 and n % 16 == 0:
-            a8 = a.to(torch.float8_e4m3fn)
-            b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major second operand
-            one = torch.ones((), device=device)
-            t8 = timed(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
-            out["float8"].append((2.0 * m * k * n, 2.0 * m * k * n / t8))
+        for cap in CAPABILITIES:
+            seconds = cap.time_gemm(a, b, timed) if cap.gemm_math else None
+            if seconds is not None:
+                out[cap.gemm_math].append((2.0 * m * k * n, 2.0 * m * k * n / seconds))
     for b, h, s, d in job["attention"]:
         q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
 
@@ -244,7 +244,7 @@ def _apply_model_shapes(hw: Hardware, measured: dict, model, shapes: dict, tp: i
 
     hw.gemm = sorted(set(hw.gemm) | {tuple(x) for x in measured["gemm"]})
     hw.attention = sorted(tuple(x) for x in measured["attention"])
-    hw.float8_gemm = sorted(tuple(x) for x in measured["float8"])
+    hw.fp8_gemm = sorted(tuple(x) for x in measured.get("fp8", []))
     block_args = dataclasses.replace(model, **{k: shapes["block"][k] for k in ("n_heads", "n_kv_heads", "ffn_hidden")},
                                      head_dim=model.head_dim)
     seq, mb = shapes["seq"], shapes["block_batch"]
@@ -286,7 +286,7 @@ def calibrate(name: str, nproc: int, profile_dir: str | Path | None = None, seco
     """Measure this machine with `nproc` local ranks and save the profile as NAME.json.
 
     With `model` (ModelArgs), also at that model's own shapes (sequence `seq`, `micro_batches`, `tp`): its GEMMs (and
-    float8 GEMMs where the GPU has them) join the GEMM curve, its attention gives the attention curve, and one of its
+    fp8 GEMMs where the GPU has FP8 tensor cores) join the GEMM curve, its attention gives the attention curve, and one of its
     blocks, timed forward + backward in each execution mode (`modes`; default eager and compile on CUDA, eager on a
     CPU), gives each mode's factor on the non-matmul time: (measured - the GEMMs and attention at the measured
     rates) / what the cost model counts for the rest."""

@@ -257,24 +257,15 @@ def describe_offload(mode: str, every_k: int) -> str:
 
 # -- precision ---------------------------------------------------------------------------------------------------
 # fp32; bf16: bf16 compute, fp32 master weights; fp16: the same with dynamic loss scaling; fp8: bf16 compute with the
-# blocks' linear layers as float8 matmuls (torchao.float8, dynamic scaling; paratrain/capabilities/float8.py).
+# blocks' linear layers as 8-bit matmuls (converted by the fp8 capability module in paratrain/capabilities/).
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
-Float8Recipe = Literal["tensorwise", "rowwise"]  # [float8] recipe: one scale per tensor, or per row
-Float8Compute = Literal["bf16", "fp32"]  # [float8] compute: the precision around the float8 matmuls
-
-
-def tensorwise_scales(recipe: str) -> bool:
-    """[float8] recipe tensorwise: one scale per tensor (float8 all-gathers and tensor-parallel styles exist for it)."""
-    return recipe == "tensorwise"
-
-
 WeightDtype = Literal["fp32", "bf16", "fp16"]  # what weights are stored in (a Hugging Face export, a frozen base)
 WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
 
 
 def low_precision(precision: str) -> bool:
-    """Matmuls, attention and FSDP's gathered parameters in 16 bits (bf16, fp16; fp8 around its float8 matmuls)."""
+    """Matmuls, attention and FSDP's gathered parameters in 16 bits (bf16, fp16; fp8 around its 8-bit matmuls)."""
     return precision != "fp32"
 
 
@@ -283,15 +274,15 @@ def loss_scaled(precision: str) -> bool:
     return precision == "fp16"
 
 
-def float8_matmuls(precision: str) -> bool:
-    """fp8: the blocks' linear layers multiply float8 copies of their inputs, weights and output gradients (each with a
+def fp8_matmuls(precision: str) -> bool:
+    """fp8: the blocks' linear layers multiply 8-bit floating-point copies of their inputs, weights and output gradients (each with a
     scale), accumulating in higher precision; everything else computes as bf16 does."""
     return precision == "fp8"
 
 
 def compute_precision(precision: str) -> str:
-    """The 16-bit (or fp32) format a run computes in outside float8 matmuls: fp8 runs compute in bf16."""
-    return "bf16" if float8_matmuls(precision) else precision
+    """The 16-bit (or fp32) format a run computes in outside 8-bit matmuls: fp8 runs compute in bf16."""
+    return "bf16" if fp8_matmuls(precision) else precision
 
 
 LOW_PRECISIONS: tuple[str, ...] = tuple(p for p in WEIGHT_DTYPES if low_precision(p))  # the 16-bit formats
@@ -299,18 +290,18 @@ LOW_PRECISIONS: tuple[str, ...] = tuple(p for p in WEIGHT_DTYPES if low_precisio
 
 def headroom_format(precision: str) -> str:
     """The 16-bit format whose range a run's numbers are judged against: fp16 for an fp16 run, else bf16 (what a
-    fp32 run would overflow first if it moved to 16 bits; an fp8 run's float8 casts are scaled to fit)."""
+    fp32 run would overflow first if it moved to 16 bits; an fp8 run's 8-bit casts are scaled to fit)."""
     return precision if precision in LOW_PRECISIONS else "bf16"
 
 
 def value_bytes(precision: str) -> int:
-    """Bytes of one value computed in this precision (fp8: the bf16 activations around its float8 matmuls)."""
+    """Bytes of one value computed in this precision (fp8: the bf16 activations around its 8-bit matmuls)."""
     return 4 if precision == "fp32" else 2
 
 
 def dtype_name(precision: str) -> str:
     """torch's name of its compute dtype (also Hugging Face's config.json `torch_dtype`): float32, bfloat16,
-    float16 (fp8 computes in bfloat16 around its float8 matmuls)."""
+    float16 (fp8 computes in bfloat16 around its 8-bit matmuls)."""
     return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[compute_precision(precision)]
 
 
@@ -329,7 +320,7 @@ def matmul_math(precision: str, tf32: bool | None, tf32_cores: bool) -> str:
     """The rate matmuls in `precision` run at: fp8 the FP8 tensor cores', bf16 and fp16 the 16-bit tensor cores',
     fp32 TF32's when training.tf32 is on (`tf32_on`) and the device has TF32 tensor cores (`tf32_cores`), else plain
     fp32's."""
-    if float8_matmuls(precision):
+    if fp8_matmuls(precision):
         return "fp8"
     if low_precision(precision):
         return "bf16"

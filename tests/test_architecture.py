@@ -1,6 +1,6 @@
 """Architecture rules, checked on the source: the import graph of `paratrain` has no cycle, no module reaches into
 another module's private names, a mode's strings are compared in its owners only (paratrain/modes.py,
-paratrain/layout.py), the layout is light, and no module but the error path catches BaseException.
+paratrain/layout.py, a capability module for its own section's), the layout is light, and no module but the error path catches BaseException.
 
 The graph is read with `ast`, not by importing: an edge A -> B for every `import` / `from ... import` in A (at
 module level or inside a function: a lazy import still ties the two together), and for every string literal in A
@@ -449,11 +449,23 @@ def test_private_finder_sees_imports_and_attributes():
 
 # -- modes -----------------------------------------------------------------------------------------------------------
 # Where a mode's string may be compared: paratrain/modes.py (the choices, and the questions about one mode) and
-# paratrain/layout.py (the rules about a layout). Everyone else asks their predicates.
-MODE_OWNERS = {PACKAGE / "modes.py", PACKAGE / "layout.py"}
+# paratrain/layout.py (the rules about a layout), and a capability module (the modes of its own section: fp8's
+# recipe and compute). Everyone else asks their predicates.
+MODE_OWNERS = {PACKAGE / "modes.py", PACKAGE / "layout.py", *(PACKAGE / "capabilities").glob("*.py")}
 MODE_SCANNED = (PACKAGE, ROOT / "bench")
 MODE_TYPES = ("DPModeOption", "Schedule", "CheckpointMode", "Precision", "GradCompression", "WeightDtype",
-              "Float8Compute")  # (Float8Recipe's "rowwise" is also a tensor-parallel role: its predicate is in modes)
+              "Float8Compute")  # (Float8Recipe's "rowwise" is also a tensor-parallel role: its predicate is fp8's)
+CAPABILITY_MODE_TYPES = {"Float8Compute": "float8"}  # a mode type declared in its capability module
+
+
+def mode_type(name: str):
+    import importlib
+
+    from paratrain import modes
+
+    if name in CAPABILITY_MODE_TYPES:
+        return getattr(importlib.import_module(f"paratrain.capabilities.{CAPABILITY_MODE_TYPES[name]}"), name)
+    return getattr(modes, name)
 # Expressions named like a mode: a compared value shared with another setting's choices ("none") counts as a mode's
 # when the other side is one of these.
 MODE_NAMES = {"dp_mode", "pp_schedule", "schedule", "sched", "checkpointing", "activation_checkpoint", "ac",
@@ -468,13 +480,13 @@ def mode_values() -> tuple[dict[str, str], set[str]]:
 
     values = {}
     for name in MODE_TYPES:
-        values.update({v: name for v in typing.get_args(getattr(modes, name)) if v not in values})
+        values.update({v: name for v in typing.get_args(mode_type(name)) if v not in values})
     values.update({site.value: "CompressionSite" for site in modes.CompressionSite if site.value not in values})
     others = set()
     for section in dataclasses.fields(config.Config):
         for annotation in typing.get_type_hints(type(getattr(config.Config(), section.name))).values():
             args = config.annotation_members(annotation)  # (its Literal values and types)
-            if not any(typing.get_args(getattr(modes, name)) == args for name in MODE_TYPES):
+            if not any(typing.get_args(mode_type(name)) == args for name in MODE_TYPES):
                 others.update(a for a in args if isinstance(a, str))
     return values, others & set(values)
 
@@ -531,7 +543,8 @@ def find_mode_strings(tree: ast.Module, values: dict[str, str], shared: set[str]
 
 def test_modes_are_compared_in_their_owners_only():
     """A mode's string (dp mode, pipeline schedule, checkpointing mode, precision, gradient compression method or
-    site) is compared, and its choices are listed, only in paratrain/modes.py and paratrain/layout.py: like
+    site) is compared, and its choices are listed, only in paratrain/modes.py, paratrain/layout.py and the capability
+    module whose section it is: like
     `grep -rn '== "fsdp"'`, through the syntax tree."""
     values, shared = mode_values()
     hits = []
@@ -541,7 +554,8 @@ def test_modes_are_compared_in_their_owners_only():
                 continue
             hits += [f"{path.relative_to(ROOT)}:{line}: {what}" for line, what in find_mode_strings(parse(path),
                                                                                                      values, shared)]
-    assert not hits, ("mode strings outside paratrain/modes.py and paratrain/layout.py (ask their predicates, take "
+    assert not hits, ("mode strings outside their owners (paratrain/modes.py, layout.py, capabilities/; ask their "
+                      "predicates, take "
                       "the choices from their Literal types):\n" + "\n".join(hits))
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paratrain.capabilities.float8 import float8_linears
 from paratrain.cli import main
 from paratrain.config import load_config
 from paratrain.errors import ConfigError, UserError
 from paratrain.models import build_model
 from paratrain.models.presets import preset_args
-from paratrain.models.registry import float8_linears
 from paratrain.verify import CAPABILITY_MATRICES, COMPILE_MATRIX, run_verify
 
 # the fp8 rows the suite runs (verify's selective-checkpointing row and the compiled one are available by name)

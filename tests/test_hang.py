@@ -149,3 +149,11 @@ def test_records_written_at_once_by_two_threads_stay_whole(tmp_path):
         assert not list((tmp_path / hang.FOLDER).glob(".*.tmp"))
     finally:
         dist.destroy_process_group()
+
+
+def test_dtype_bytes_of_flight_recorder_names():
+    """c10's names: a table for those without a width, the width for the others (BFloat16, the 8-bit floats)."""
+    from paratrain.observe.hang import dtype_bytes
+
+    assert [dtype_bytes(n) for n in ("Float", "Long", "Bool", "BFloat16", "Float8_e4m3fn", "Float8_e5m2", "Odd")] \
+        == [4, 8, 1, 2, 1, 1, 4]

@@ -153,7 +153,7 @@ def test_calibrate_saves_a_profile_plans_can_use(tmp_path, capsys):
     assert hw.device == "cpu" and hw.intra.bandwidth > 0 and hw.compute_scale >= 1.0
     assert all(rate > 0 for _, rate in hw.gemm)
     assert hw.attention and hw.modes["eager"] > 0 and any(k.startswith("block eager") for k in hw.shapes)
-    assert not hw.float8_gemm  # no float8 on a CPU
+    assert not hw.fp8_gemm  # no FP8 tensor cores on a CPU
     back = resolve_hardware("cpu-test", profile_dir=tmp_path)
     assert back.gemm == hw.gemm and back.compute_scale == hw.compute_scale
     assert back.attention == hw.attention and back.modes == hw.modes

@@ -57,7 +57,7 @@ def test_one_table_of_dense_peaks():
         assert hw.peaks == gpu.peaks() and hw.peak_flops == gpu.peak("bf16") and hw.memory_bytes == gpu.memory
         rates = [gpu.peak(m) for m in MATMUL_MATHS if gpu.peak(m)]
         assert rates == sorted(rates), name
-        assert bool(hw.float8_gemm) == (gpu.fp8 is not None), name
+        assert bool(hw.fp8_gemm) == (gpu.fp8 is not None), name
     with_fp8 = {"H100-SXM", "H100-PCIe", "H100-NVL", "H800", "H200", "GH200", "B200", "L4", "L40", "L40S",
                 "RTX4090", "RTX6000-Ada", "RTX5090", "MI300X", "MI325X"}
     assert {name for name, gpu in GPUS.items() if gpu.fp8} == with_fp8

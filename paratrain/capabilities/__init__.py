@@ -52,6 +52,13 @@ def check(cfg) -> None:
         cls.check(cfg)
 
 
+def checkpoint_state(state):
+    """A checkpoint's state as plain tensors (`Capability.checkpoint_state` of each)."""
+    for cls in CAPABILITIES:
+        state = cls.checkpoint_state(state)
+    return state
+
+
 def own_sections() -> dict[str, tuple[type, str | None]]:
     """{section name: (its dataclass, the section it follows)} of the sections capabilities own."""
     return {cls.name: (cls.section, cls.section_after) for cls in CAPABILITIES if cls.section is not None}

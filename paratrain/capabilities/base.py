@@ -16,6 +16,8 @@ The hooks are called at fixed points of a step (paratrain/training/step.py), alw
                         tensor-parallel styles for the modules it changed ({module name: (colwise, rowwise)})
     loss_term           an extra loss on the logits (with the cross-entropy's reduction), logged under its `name`
     after_optimizer_step  after each optimizer update (fp8's precomputed scales)
+    checkpoint_state    the state a checkpoint saves and loads into, as plain tensors (a classmethod: every registered
+                        capability's runs on every run's state, as a wrapper can outlive the run that made it)
 
 and the estimator and the planner ask (torch-free): `weight_copies` (the low-precision weight copies a step keeps),
 `linear_gemm_rate` and `elementwise_values` (a block's compute time).
@@ -50,6 +52,22 @@ class WeightCopies:
     uncached: frozenset[str] = frozenset()
     bytes: int = 0
     note: str = ""
+
+
+@dataclass(frozen=True)
+class PlanFlag:
+    """`paratrain plan`'s switch of a capability, a shorthand for another setting (the request's `setting` given
+    `value`: fp8's flag is `--precision fp8`); the plan's JSON says under the flag's name whether the plan uses the
+    capability."""
+
+    flag: str
+    help: str
+    setting: str  # a field of estimate.planner.PlanRequest
+    value: object
+
+    @property
+    def key(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
 
 
 @dataclass(frozen=True)
@@ -104,8 +122,25 @@ class Capability:
     def after_optimizer_step(self, model, where: Where) -> None:
         pass
 
+    @classmethod
+    def checkpoint_state(cls, state):
+        """`state` (a nested state dict) with the tensor subclasses the capability wraps parameters or optimizer
+        states in replaced by the plain tensors inside: DCP would pickle the subclass, which a weights-only load
+        refuses."""
+        return state
+
     # -- the estimator and the planner (torch-free) --
     plan_label: ClassVar[str] = ""  # what `paratrain plan`'s header says of it ("" : nothing)
+    plan_flag: ClassVar[PlanFlag | None] = None  # `paratrain plan`'s switch for it (and its key in the JSON)
+    # the matmul rate (paratrain.modes.MatmulMath) of GEMMs it runs on their own tensor cores, which calibration
+    # times (`time_gemm`) for the profile's curve of that rate (estimate.profile.Hardware: "fp8" -> fp8_gemm)
+    gemm_math: ClassVar[str | None] = None
+
+    @classmethod
+    def time_gemm(cls, a, b, timed) -> float | None:
+        """Seconds of its GEMM of the 16-bit `a @ b` on their device (`timed(fn)` times a call), None where the device
+        or the shapes cannot run it."""
+        return None
 
     def check_hardware(self, hardware: list) -> None:
         """The planner's GPUs (estimate.profile.Hardware, each group's): a one-line UserError where it cannot run."""

@@ -1,6 +1,6 @@
 """fp8 training (`training.precision = "fp8"`): the blocks' linear layers multiply in float8 through torchao.
 
-Which layers: `paratrain.models.registry.float8_linears` (the blocks' projections with dimensions divisible by 16,
+Which layers: `float8_linears` (the blocks' projections with dimensions divisible by 16,
 less `[float8] keep_bf16`); the rest of the model computes in bf16 as a bf16 run does. Each converted layer casts its
 input, its weight and its output gradient to float8 with a scale taken from the tensor's absolute maximum at that
 moment (dynamic scaling): one scale per tensor ("tensorwise") or per row ("rowwise"). Off CUDA, and so in the test
@@ -22,13 +22,39 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
-from paratrain.capabilities.base import MOE_PRESET, Capability, WeightCopies
+from paratrain.capabilities.base import MOE_PRESET, Capability, PlanFlag, WeightCopies
 from paratrain.errors import ConfigError, UserError
-from paratrain.models.registry import float8_linears
-from paratrain.modes import Float8Compute, Float8Recipe, float8_matmuls, tensorwise_scales
+from paratrain.models.args import ModelArgs
+from paratrain.models.family import Param
+from paratrain.models.registry import parameters
+from paratrain.modes import fp8_matmuls
 
+Float8Recipe = Literal["tensorwise", "rowwise"]  # [float8] recipe: one scale per tensor, or per row
+Float8Compute = Literal["bf16", "fp32"]  # [float8] compute: the precision around the float8 matmuls
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first tensor cores with FP8
+FLOAT8_MULTIPLE = 16  # float8 matmuls (torch._scaled_mm) need both dimensions of a weight to be multiples of 16
+
+
+def float8_linears(args: ModelArgs, keep_bf16: tuple[str, ...] = ()) -> tuple[Param, ...]:
+    """The weights of the linear layers an fp8 run multiplies in float8: the blocks' column- and row-parallel
+    projections (attention, MLP, shared experts) whose dimensions are multiples of 16, apart from the modules named in
+    `keep_bf16` (a whole name, `layers.0.attention.wq`, or its last part, `wq`). The embedding, the output projection,
+    norms, MoE routers and routed experts stay in bf16."""
+    out = []
+    for p in parameters(args):
+        module = p.name.rsplit(".", 1)[0]
+        if (p.layer is not None and p.role in ("colwise", "rowwise") and len(p.shape) == 2
+                and all(d % FLOAT8_MULTIPLE == 0 for d in p.shape)
+                and module not in keep_bf16 and module.rsplit(".", 1)[-1] not in keep_bf16):
+            out.append(p)
+    return tuple(out)
+
+
+def tensorwise_scales(recipe: str) -> bool:
+    """[float8] recipe tensorwise: one scale per tensor (float8 all-gathers and tensor-parallel styles exist for it)."""
+    return recipe == "tensorwise"
 
 
 def keep_names(text: str) -> tuple[str, ...]:
@@ -213,17 +239,17 @@ class Float8(Capability):
 
     @classmethod
     def from_config(cls, cfg) -> "Float8 | None":
-        if not float8_matmuls(cfg.training.precision):
+        if not fp8_matmuls(cfg.training.precision):
             return None
         return cls(**dataclasses.asdict(cfg.float8))
 
     @classmethod
     def implied_by(cls, recipe) -> bool:
-        return float8_matmuls(recipe.precision)
+        return fp8_matmuls(recipe.precision)
 
     @classmethod
     def check(cls, cfg) -> None:
-        if float8_matmuls(cfg.training.precision) and cfg.lora.rank:
+        if fp8_matmuls(cfg.training.precision) and cfg.lora.rank:
             raise ConfigError("training.precision=fp8 with lora.rank > 0: the frozen base would be cast to float8 at "
                               "every forward for adapters that train in bf16; use training.precision=bf16 for LoRA")
 
@@ -254,23 +280,42 @@ class Float8(Capability):
                             "element and a 4-byte scale, made for each matmul and freed after it)")
 
     plan_label = "float8 linears"
+    plan_flag = PlanFlag("--float8", "the same as --precision fp8 (float8 linear layers)", "precision", "fp8")
+    gemm_math = "fp8"
+
+    @classmethod
+    def time_gemm(cls, a, b, timed) -> float | None:
+        """torch._scaled_mm of float8 copies (unit scales), on FP8 tensor cores and weights its layers can have."""
+        import torch  # lazy: the config checks and the estimator read this module without torch
+
+        if (a.device.type != "cuda" or torch.cuda.get_device_capability(a.device) < FP8_CAPABILITY
+                or any(d % FLOAT8_MULTIPLE for d in b.shape)):
+            return None
+        a8 = a.to(torch.float8_e4m3fn)
+        b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major second operand
+        one = torch.ones((), device=a.device)
+        return timed(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
 
     def check_hardware(self, hardware: list) -> None:
         """GPUs without FP8 tensor cores (before Ada/Hopper): one line naming the first."""
         for hw in hardware:
-            if not hw.float8_gemm:
+            if not hw.fp8_gemm:
                 raise UserError(f"--precision fp8 needs FP8 tensor cores (H100, H200, L4, L40S, RTX 4090, ...); "
                                 f"{hw.name} has none: plan bf16")
 
     def linear_gemm_rate(self, hw, flop: float) -> float | None:
         """The profile's float8 GEMM rate, where the GPU has FP8 tensor cores."""
-        return hw.float8_rate(flop) if hw.float8_gemm else None
+        return hw.fp8_rate(flop) if hw.fp8_gemm else None
 
     def elementwise_values(self, hw, dim: float, ffn_width: float) -> float:
         """Dynamic scaling: each linear's input and output gradient read for the scale and cast to float8 (where the
         GPU multiplies in float8)."""
-        return FLOAT8_CAST_VALUES * (dim + ffn_width) if hw.float8_gemm else 0.0
+        return FLOAT8_CAST_VALUES * (dim + ffn_width) if hw.fp8_gemm else 0.0
 
     def after_optimizer_step(self, model, where) -> None:
         if gathers_float8(self, where.device, where.layout.uses_fsdp):
             precompute_scales(model)  # the next forward all-gathers float8 weights cast with these scales
+
+    @classmethod
+    def checkpoint_state(cls, state):
+        return plain_tensors(state)  # (the float8 all-gather wraps parameters and their optimizer states)

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from paratrain.capabilities import CAPABILITIES
 from paratrain.commands.recipe_flags import add_recipe_flags
 from paratrain.config import Config, LoRAConfig, dump_toml, validate
 from paratrain.errors import OneLineArgumentParser, UserError
@@ -52,7 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                    "others, a variant the table lacks)")
     p.add_argument("--compile", action="store_true", default=None,
                    help="plan for training.compile=true (compiled blocks; default: the --model config's setting)")
-    p.add_argument("--float8", action="store_true", help="the same as --precision fp8 (float8 linear layers)")
+    for cap in CAPABILITIES:
+        if cap.plan_flag is not None:
+            p.add_argument(cap.plan_flag.flag, action="store_true", help=cap.plan_flag.help)
     p.add_argument("--json", action="store_true", help="the plan as one JSON document (docs/estimate-and-plan.md)")
     p.add_argument("--intra", help="intra-node link: nvlink | pcie4 | pcie5 (default: the GPU's usual one)")
     p.add_argument("--inter", help="inter-node link: ib400 (default) | ib200 | eth100 | eth25")
@@ -111,10 +114,12 @@ def request_from(args) -> tuple[PlanRequest, Config | None]:
     gpus = read_cluster(args.cluster) if args.cluster else _gpus(args.gpus)
     name, margs, base = model_from(args.model, args.vocab_size)
     trained = base.training if base is not None else None  # the config's settings are the defaults
-    return PlanRequest(
+    switched = {cap.plan_flag.setting: cap.plan_flag.value for cap in CAPABILITIES  # (a shorthand flag)
+                if cap.plan_flag is not None and getattr(args, cap.plan_flag.key)}
+    request = PlanRequest(
         margs, gpus, model_name=name, gpus_per_node=args.gpus_per_node, gpu=args.gpu, gpu_memory=args.gpu_memory,
         intra=args.intra, inter=args.inter, profile_dir=args.profile_dir, seq=args.seq,
-        global_batch_tokens=args.global_batch_tokens, precision="fp8" if args.float8 else args.precision,
+        global_batch_tokens=args.global_batch_tokens, precision=args.precision,
         compile=args.compile if args.compile is not None else bool(trained is not None and trained.compile),
         tf32=args.tf32 if args.tf32 is not None else trained.tf32 if trained is not None else None,
         optimizer=args.optimizer or (base.optimizer.name if base is not None else "adamw"),
@@ -122,7 +127,8 @@ def request_from(args) -> tuple[PlanRequest, Config | None]:
         schedules=_items(args.schedules), checkpointing=_items(args.checkpointing),
         micro_batches=_items(args.micro_batches, _integer), max_tp=args.max_tp, max_pp=args.max_pp,
         max_cp=args.max_cp, headroom=args.headroom, host_memory=args.host_memory,
-        memory_tiers=not args.no_memory_tiers), base
+        memory_tiers=not args.no_memory_tiers)
+    return dataclasses.replace(request, **switched), base
 
 
 def _gpus(text: str | None):
@@ -442,7 +448,8 @@ def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int
         "profile_source": hw.source, "gpus_per_node": ctx.gpus_per_node, "seq_len": ctx.seq_len,
         "global_batch_sequences": ctx.global_seqs, "tokens_per_step": ctx.global_seqs * ctx.seq_len,
         "precision": ctx.precision, "tf32": ctx.tf32, "matmul_math": ctx.math(), "execution_mode": ctx.mode,
-        "float8": any(c.name == "float8" for c in ctx.capabilities),  # (the documented key: fp8's GEMMs)
+        **{cap.plan_flag.key: any(isinstance(c, cap) for c in ctx.capabilities)
+           for cap in CAPABILITIES if cap.plan_flag is not None},
         "grad_compression": ctx.compression.method, "optimizer": ctx.optimizer,
         "considered": p.considered, "rejected": len(p.rejected), "planning_seconds": elapsed,
         "ranked": [layout_json(r) for r in p.ranked[:top]],

@@ -92,15 +92,15 @@ GPU_OP_OVERHEAD_S = 1.5e-6  # exposed launch cost per kernel (mostly hidden by a
 #                and attention (plain fp32, or TF32) reach the same fraction of their own dense peak (Hardware.speed:
 #                the ratio of the peaks in estimate/gpus.py), an assumption no measurement here checks.
 #   attention    PyTorch's fused attention (SDPA) forward + backward, fraction of the dense bf16 peak
-#   float8       fp8 GEMMs (dynamic scaling), fraction of the fp8 dense peak (estimate/gpus.py); None: no fp8 cores
+#   fp8          fp8 GEMMs (dynamic scaling), fraction of the fp8 dense peak (estimate/gpus.py); None: no fp8 cores
 #   elementwise  fraction of the HBM bandwidth that eager element-wise kernels reach
 #
 # Sources (numbers as published; no text copied):
 #   hopper  torchtitan, benchmarks/llama3_h100_202412_torchtitan.md: Llama 3.1 8B, FSDP over 8 H100, local batch 2,
 #           seq 8192, selective checkpointing: 5,762 tokens/s/GPU eager, 6,667 with torch.compile (+16%), 8,532
-#           compiled with float8 linears (+28%); those H100s ran at 500 W, and the page's footnote puts their peak
+#           compiled with fp8 linears (+28%); those H100s ran at 500 W, and the page's footnote puts their peak
 #           between the SXM's and the NVL's, so the targets here are its numbers x 989/912 (the midpoint). gemm,
-#           elementwise, GPU_MODES["compile"] and float8 are fitted to those three rows (grid search, bench/RESULTS.md);
+#           elementwise, GPU_MODES["compile"] and fp8 are fitted to those three rows (grid search, bench/RESULTS.md);
 #           attention keeps FlashAttention-3's ratio (Shah et al. 2024, arXiv 2407.08608: FlashAttention-2, which SDPA
 #           runs on H100, reaches about 35% of the peak where GEMMs reach about 62%).
 #   ampere  torchtitan, docs/performance.md: FSDP on 64 A100 80GB, local batch 1, seq 8192: Llama 3 8B with
@@ -117,7 +117,7 @@ GPU_OP_OVERHEAD_S = 1.5e-6  # exposed launch cost per kernel (mostly hidden by a
 class Efficiency:
     gemm: float
     attention: float
-    float8: float | None
+    fp8: float | None
     elementwise: float = 0.5
 
 
@@ -174,11 +174,11 @@ def gpu_profile(name: str, intra: str | None = None, inter: str | None = None) -
         half = GPU_GEMM_HALF_FLOP
         return [(x, rate * x / (x + half)) for x in (half / 64, half / 8, half, 8 * half, 64 * half, 512 * half)]
 
-    fp8 = eff.float8 and peaks.get("fp8")
+    fp8 = eff.fp8 and peaks.get("fp8")
     return Hardware(canonical, memory, peak, curve(eff.gemm * peak), gpu.bandwidth * eff.elementwise,
                     GPU_OP_OVERHEAD_S, link(intra or GPU_INTRA[canonical], canonical),
                     link(inter or "ib400", canonical), GPU_OVERLAP, "cuda", "bf16", "datasheet", generation=generation,
-                    attention=curve(eff.attention * peak), float8_gemm=curve(eff.float8 * fp8) if fp8 else [],
+                    attention=curve(eff.attention * peak), fp8_gemm=curve(eff.fp8 * fp8) if fp8 else [],
                     modes=dict(GPU_MODES), host=host_link(GPU_HOST_LINK.get(canonical, "pcie4")),
                     host_adam_params_per_s=host_adam_rate(), peaks=peaks)
 

@@ -63,7 +63,7 @@ class Hardware:
     # fused attention (SDPA) forward+backward: (forward FLOPs of one micro-step's attention on a rank, achieved
     # FLOP/s); empty: ATTENTION_EFFICIENCY x the GEMM rate (CPU profiles without a model calibration)
     attention: list[tuple[float, float]] = field(default_factory=list)
-    float8_gemm: list[tuple[float, float]] = field(default_factory=list)  # fp8 GEMMs; empty: no fp8 tensor cores
+    fp8_gemm: list[tuple[float, float]] = field(default_factory=list)  # GEMMs on the FP8 tensor cores; empty: none
     # execution mode -> factor on the non-matmul time (element-wise traffic and per-operator cost); eager is 1
     modes: dict[str, float] = field(default_factory=lambda: {"eager": 1.0})
     shapes: dict[str, float] = field(default_factory=dict)  # calibration at a model's shapes: what -> seconds
@@ -91,8 +91,8 @@ class Hardware:
         """The dense peak of matmuls at rate `math`: MFU's denominator (without datasheet peaks: `peak_flops`)."""
         return self.peaks.get(math, self.peak_flops)
 
-    def float8_rate(self, flop: float) -> float | None:
-        return interpolate(self.float8_gemm, flop) if self.float8_gemm else None
+    def fp8_rate(self, flop: float) -> float | None:
+        return interpolate(self.fp8_gemm, flop) if self.fp8_gemm else None
 
     def attention_rate(self, forward_flop: float) -> float | None:
         return interpolate(self.attention, forward_flop) if self.attention else None
@@ -110,6 +110,8 @@ class Hardware:
         d["intra"] = Link(**d["intra"])
         d["inter"] = Link(**d["inter"]) if d.get("inter") else None
         d["host"] = Link(**d["host"]) if d.get("host") else None
-        for key in ("gemm", "attention", "float8_gemm"):
+        if "float8_gemm" in d:  # the FP8 curve's name in profiles saved before 2026-12-07
+            d["fp8_gemm"] = d.pop("float8_gemm")
+        for key in ("gemm", "attention", "fp8_gemm"):
             d[key] = [tuple(x) for x in d.get(key, [])]
         return cls(**d)

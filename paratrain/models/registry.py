@@ -61,24 +61,6 @@ def parameters(args: ModelArgs) -> tuple[Param, ...]:
     return tuple(family_of(args).params(args))
 
 
-FLOAT8_MULTIPLE = 16  # float8 matmuls (torch._scaled_mm) need both dimensions of a weight to be multiples of 16
-
-
-def float8_linears(args: ModelArgs, keep_bf16: tuple[str, ...] = ()) -> tuple[Param, ...]:
-    """The weights of the linear layers an fp8 run multiplies in float8: the blocks' column- and row-parallel
-    projections (attention, MLP, shared experts) whose dimensions are multiples of 16, apart from the modules named in
-    `keep_bf16` (a whole name, `layers.0.attention.wq`, or its last part, `wq`). The embedding, the output projection,
-    norms, MoE routers and routed experts stay in bf16."""
-    out = []
-    for p in parameters(args):
-        module = p.name.rsplit(".", 1)[0]
-        if (p.layer is not None and p.role in ("colwise", "rowwise") and len(p.shape) == 2
-                and all(d % FLOAT8_MULTIPLE == 0 for d in p.shape)
-                and module not in keep_bf16 and module.rsplit(".", 1)[-1] not in keep_bf16):
-            out.append(p)
-    return tuple(out)
-
-
 @functools.lru_cache(maxsize=256)
 def block_numels(args: ModelArgs) -> tuple[tuple[int, int], ...]:
     """(parameters, parameters one token uses) of each block. A token uses top_k of a layer's routed experts."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -42,8 +43,16 @@ _FAILED = [False]  # this process wrote the record of its own failed collective
 _WRITING = threading.Lock()
 _ENTRY_FIELDS = ("pg_id", "process_group", "collective_seq_id", "p2p_seq_id", "profiling_name", "input_sizes",
                  "input_dtypes", "output_sizes", "output_dtypes", "state", "retired", "is_p2p", "time_created_ns")
-DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
-               "Byte": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1}
+# c10's scalar type names without a width in them; the others carry theirs (BFloat16, the 8-bit floating types, ...)
+DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1, "Byte": 1, "Bool": 1}
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a flight-recorder dtype name (4 where it is not known)."""
+    if name in DTYPE_BYTES:
+        return DTYPE_BYTES[name]
+    width = re.match(r"[A-Za-z]+(\d+)", name)
+    return int(width.group(1)) // 8 if width and int(width.group(1)) >= 8 else 4
 
 
 def at_step(step: int) -> None:
@@ -247,7 +256,7 @@ class Issued:
             n = 1
             for d in shape:
                 n *= d
-            total += n * DTYPE_BYTES.get(str(dtype), 4)
+            total += n * dtype_bytes(str(dtype))
             parts.append(f"{'x'.join(map(str, shape)) or 'scalar'} {str(dtype).lower()}")
         return f"{', '.join(parts) or '?'} ({_bytes(total)})"
 

@@ -36,9 +36,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
 
+from paratrain.capabilities import checkpoint_state
 from paratrain.data import dataset_meta
 from paratrain.data.tokenizers import load_tokenizer, tokenizer_identity
-from paratrain.capabilities.float8 import plain_tensors
 from paratrain.distributed.initialize import canonical_name
 from paratrain.errors import PeerFailed, UserError, environment_problem, translated
 from paratrain.files import replace_dir
@@ -168,7 +168,7 @@ def model_optim_state(model: nn.Module, optimizer) -> dict:
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
-    return plain_tensors(state)  # (fp8's float8 all-gather wraps parameters and their optimizer states)
+    return checkpoint_state(state)  # (plain tensors where a capability wraps parameters or their states)
 
 
 # -- saving -------------------------------------------------------------------------------------
