@@ -58,11 +58,10 @@ def make_model(folder: Path, sizes: dict) -> Path:
 
 
 def paratrain_row(folder: Path, tasks: list[str], limit, batch: int, nproc: int) -> dict:
-    from paratrain.config import ParallelConfig
     from paratrain.downstream import EvalJob, eval_rank
     from paratrain.harness.tasks import HarnessSettings
 
-    job = EvalJob(f"hf:{folder}", HarnessSettings(tasks=tasks, limit=limit, batch_size=batch), ParallelConfig())
+    job = EvalJob(f"hf:{folder}", HarnessSettings(tasks=tasks, limit=limit, batch_size=batch))
     if nproc == 1:
         out = eval_rank(job)
     else:

@@ -8,10 +8,11 @@ folder by the importer; a LoRA checkpoint gets its base from its source and its 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from paratrain import hf
+from paratrain.config import Config
 from paratrain.data import load_tokenizer
 from paratrain.data.tokenizers import HFTokenizer
 from paratrain.distributed.env import init_distributed, shutdown_distributed
@@ -23,7 +24,7 @@ from paratrain.harness.tasks import HarnessSettings, downstream_metrics, evaluat
 from paratrain.hf.load import check_tokenizer_fits, checked_weights, hf_model_args, hf_tokenizer_file
 from paratrain.inference import find_checkpoint
 from paratrain.layout import Layout
-from paratrain.memory import MemoryTiers
+from paratrain.modes import Compression
 from paratrain.models import ModelArgs
 from paratrain.recipe import Recipe
 from paratrain.training import safe_dcp
@@ -96,22 +97,18 @@ def load_weights(train_step, source: EvalSource) -> None:
 class EvalJob:
     source: str
     settings: HarnessSettings
-    parallel: object  # ParallelConfig
-    precision: str = "fp32"
-    device: str = "auto"
+    # the run's settings (paratrain.config.Config: --config and --set): [parallel], the device, and how the model
+    # computes (precision, TF32, checkpointing, memory tiers, capabilities); the defaults: fp32 on one rank
+    config: Config = field(default_factory=Config)
     max_length: int | None = None  # None: the model's context (its export's max_position_embeddings)
     seed: int = 0
-    activation_checkpoint: object = None  # ActivationCheckpointConfig (None: off)
-    memory: object = None  # MemoryConfig (None: the defaults)
-    capabilities: tuple = ()  # the config's (paratrain.capabilities.active): fp8's layers, ...
 
-    def recipe(self, layout: Layout, lora) -> Recipe:
-        """How the model computes on `layout` (paratrain.recipe.Recipe)."""
-        ac = self.activation_checkpoint
-        return Recipe(layout, precision=self.precision, lora=lora, capabilities=self.capabilities,
-                      tiers=MemoryTiers() if self.memory is None else MemoryTiers.from_config(self.memory),
-                      **({} if ac is None else dict(checkpointing=ac.mode, every_k=ac.every_k,
-                                                    segment_blocks=ac.segment_blocks)))
+    def recipe(self, layout: Layout, lora, device_type: str) -> Recipe:
+        """How the model computes on `layout`: the config's recipe (paratrain.recipe.Recipe) for forwards of one
+        sequence at a time as built, with the source's adapters, not compiled, and without gradient compression
+        (nothing is reduced)."""
+        recipe = Recipe.from_config(self.config, layout, 1, 1, device_type)
+        return recipe.replace(lora=lora, compile=False, cuda_graphs=False, compression=Compression())
 
 
 def describe(source: EvalSource, layout, precision: str) -> dict:
@@ -124,19 +121,19 @@ def eval_rank(job: EvalJob) -> dict | None:
     lm-eval's requests answered, "seconds": the evaluation's wall time (the model loaded)}."""
 
     source = open_source(job.source)
-    env = init_distributed(job.device)
+    env = init_distributed(job.config.training.device)
     args = source.model_args
     # forwards only: no global batch decides a pipeline's microbatches (lm-eval's batches go through whole)
-    layout = Layout.from_config(job.parallel, env.world_size).validate(args, env.world_size).forward_only()
+    layout = Layout.from_config(job.config.parallel, env.world_size).validate(args, env.world_size).forward_only()
     dims = ParallelDims.build(layout, env.device.type)
     seed = source.lora.seed if source.lora is not None else job.seed
-    recipe = job.recipe(layout, source.lora.lora if source.lora is not None else None)
-    train_step = build_train_step(args, dims, recipe, env.device, StepOptions(seed=seed, parallel=job.parallel))
+    recipe = job.recipe(layout, source.lora.lora if source.lora is not None else None, env.device.type)
+    train_step = build_train_step(args, dims, recipe, env.device, StepOptions(seed=seed, parallel=job.config.parallel))
     load_weights(train_step, source)
     lm = ParatrainLM(train_step, source_tokenizer(source), job.max_length or args.max_seq_len,
                      job.settings.batch_size, layout.dp, dims.dp_rank, args.vocab_size, seed=job.seed)
     started = time.perf_counter()
-    results = evaluate(lm, job.settings, describe(source, layout, job.precision))
+    results = evaluate(lm, job.settings, describe(source, layout, job.config.training.precision))
     seconds = time.perf_counter() - started
     outcome = None
     if env.is_main:

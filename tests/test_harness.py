@@ -77,10 +77,9 @@ def settings(tasks, out, **changes):
 
 
 def one_process(source, tasks, out):
-    from paratrain.config import ParallelConfig
     from paratrain.downstream import EvalJob, eval_rank
 
-    return eval_rank(EvalJob(str(source), settings(tasks, out), ParallelConfig()))
+    return eval_rank(EvalJob(str(source), settings(tasks, out)))
 
 
 def eval_command(source, tasks, out, *flags: str) -> dict:
@@ -196,12 +195,11 @@ def test_lora_checkpoint_on_tensor_parallel_ranks(harness_root, trained, tmp_pat
 
 def test_hf_folder_is_evaluated_through_the_same_code(trained, tmp_path):
     """hf:DIR (the fp32 export) gives the checkpoint's numbers: a baseline before fine-tuning is the same code."""
-    from paratrain.config import ParallelConfig
     from paratrain.downstream import EvalJob, eval_rank
 
     checkpoint, export, tasks = trained
-    one = eval_rank(EvalJob(str(checkpoint), settings(tasks, tmp_path / "a", log_samples=False), ParallelConfig()))
-    hf = eval_rank(EvalJob(f"hf:{export}", settings(tasks, tmp_path / "b", log_samples=False), ParallelConfig()))
+    one = eval_rank(EvalJob(str(checkpoint), settings(tasks, tmp_path / "a", log_samples=False)))
+    hf = eval_rank(EvalJob(f"hf:{export}", settings(tasks, tmp_path / "b", log_samples=False)))
     for task, metrics in one["metrics"].items():
         for name, value in metrics.items():
             assert math.isclose(hf["metrics"][task][name], value, rel_tol=1e-6), (task, name)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from paratrain import capabilities
 from paratrain.commands.train import int_flag, split_overrides
 from paratrain.errors import UserError
 
@@ -95,9 +94,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--max-length {max_length} is longer than the model's context ({context} tokens)")
     settings.output_path = own.get("--output-path") or str(default_output(source_text, source))
     check_settings(settings)
-    job = EvalJob(str(source.path) if not source.hf else source.name, settings, cfg.parallel,
-                  cfg.training.precision, cfg.training.device, max_length, int_flag(own, "--seed", 0),
-                  cfg.activation_checkpoint, cfg.memory, capabilities.active(cfg))
+    job = EvalJob(str(source.path) if not source.hf else source.name, settings, cfg, max_length,
+                  int_flag(own, "--seed", 0))
     print(f"eval: {source.name}" + (f" (step {source.step})" if source.step is not None else "")
           + f" on {nproc} rank{'s' if nproc > 1 else ''}, tasks {','.join(settings.tasks)}", file=sys.stderr, flush=True)
     if nproc == 1:
