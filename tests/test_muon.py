@@ -115,7 +115,8 @@ def test_muon_in_the_estimator_and_the_planner():
     plan's step: the Newton-Schulz iterations shared out over the ranks and, on sharded layouts, two
     redistributions of the updates (none under ZeRO-1, whose ranks step their own whole parameters)."""
     from paratrain.estimate.planner import PlanRequest, plan_context
-    from paratrain.estimate.step_time import MUON_REDISTRIBUTION, Candidate, muon_ns_flops, predict
+    from paratrain.capabilities.muon import REDISTRIBUTION, ns_flops
+    from paratrain.estimate.step_time import Candidate, predict
     from paratrain.layout import Layout
 
     params = model_params(ARGS)
@@ -124,12 +125,12 @@ def test_muon_in_the_estimator_and_the_planner():
     lay = Layout.resolve(1)
     assert state_bytes(ARGS, lay, "fp32", "muon", "paratrain").optimizer == \
         4 * hidden + 8 * sum(p.numel for p in rest) + 4 * len(rest)
-    assert muon_ns_flops((64, 160)) == 5 * 2 * 64 * 64 * (2 * 160 + 64)
+    assert ns_flops((64, 160)) == 5 * 2 * 64 * 64 * (2 * 160 + 64)
     preds = {}
     for name in ("adamw", "muon"):
         ctx = plan_context(PlanRequest("llama3-8b", gpus=8, optimizer=name)).ctx
         preds[name, "fsdp"] = predict(Candidate(Layout.resolve(8, dp_mode="fsdp"), micro_batch=1), ctx)
         preds[name, "zero1"] = predict(Candidate(Layout.resolve(8, dp_mode="zero1"), micro_batch=1), ctx)
     assert preds["muon", "fsdp"].optimizer_s > preds["adamw", "fsdp"].optimizer_s
-    assert preds["muon", "fsdp"].comm[MUON_REDISTRIBUTION] > 0 and preds["muon", "zero1"].comm[MUON_REDISTRIBUTION] == 0
-    assert MUON_REDISTRIBUTION not in preds["adamw", "fsdp"].comm
+    assert preds["muon", "fsdp"].comm[REDISTRIBUTION] > 0 and preds["muon", "zero1"].comm[REDISTRIBUTION] == 0
+    assert REDISTRIBUTION not in preds["adamw", "fsdp"].comm

@@ -18,7 +18,9 @@ The hooks are called at fixed points of a step (paratrain/training/step.py), alw
     after_optimizer_step  after each optimizer update (fp8's precomputed scales)
 
 and the estimator and the planner ask (torch-free): `weight_copies` (the low-precision weight copies a step keeps),
-`linear_gemm_rate` and `elementwise_values` (a block's compute time).
+`linear_gemm_rate` and `elementwise_values` (a block's compute time), `optimizer_temporaries` (what an optimizer it
+brings allocates in its step beside the states) and `optimizer_step_s` (that step's own seconds and the communication
+it exposes).
 
 `where` (a `Where`) says on which device and layout a hook runs.
 
@@ -123,4 +125,18 @@ class Capability:
     def weight_copies(self, args, params) -> WeightCopies | None:
         """Its weight copies on a rank holding `params` ((Param, count, local elements) of the model's parameter table:
         paratrain/models/family.py), or None."""
+        return None
+
+    def optimizer_temporaries(self, params, layout, reduced_grad_bytes, gloo: bool) -> int:
+        """Bytes the optimizer step allocates beside the states, for an optimizer the capability brings, on a rank
+        holding `params` (the Params of the model's parameter table it holds) on `layout` (a paratrain.layout.Layout):
+        `reduced_grad_bytes(some params)` is this rank's bytes of their reduced gradients; `gloo`: the collectives are
+        gloo's (a CPU run). The estimator keeps the largest of every term's (0: none)."""
+        return 0
+
+    def optimizer_step_s(self, step) -> tuple[float, dict[str, float]] | None:
+        """The planner's terms of its optimizer's step on a rank: (seconds of its own work, added to the optimizer
+        step's; {label: exposed communication seconds}, printed in the plan's communication breakdown), or None.
+        `step` (paratrain.estimate.step_time.OptimizerStep): the candidate, the model's parameters and the cost
+        model's prices of matmuls and collectives. Asked of the capabilities the planned optimizer implies."""
         return None

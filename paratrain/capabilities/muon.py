@@ -1,20 +1,26 @@
 """Muon (docs/optimizers.md; the optimizer: paratrain/training/muon.py): momentum orthogonalised by a Newton-Schulz
-iteration on the blocks' hidden matrices, AdamW on the rest. Here: its `[optimizer]` keys, their checks and its verify
-rows (every layout against one process's Muon, at fp32's 1e-5: the iteration runs in fp32 for fp32 runs).
+iteration on the blocks' hidden matrices, AdamW on the rest. Here: its `[optimizer]` keys, their checks, its verify
+rows (every layout against one process's Muon, at fp32's 1e-5: the iteration runs in fp32 for fp32 runs), and what
+its step holds and costs beside AdamW's (`optimizer_temporaries`, `optimizer_step_s`: the estimator's and the
+planner's terms).
 
-The optimizer's registry entry (what it keeps and what one step costs, for the estimator and the planner) is in
-paratrain/optimizers.py with the others.
+The optimizer's registry entry (what it keeps and what one step reads and writes) is in paratrain/optimizers.py with
+the others.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 from paratrain.capabilities.base import MOE_PRESET, Capability
 from paratrain.errors import ConfigError
+from paratrain.modes import low_precision
+from paratrain.optimizers import FP32
 
 MUON = "optimizer.name=muon"
+REDISTRIBUTION = "Muon redistribution"  # the plan's exposed term: the hidden updates to whole matrices and back
 
 
 @dataclass
@@ -31,6 +37,15 @@ class MuonKeys:
     # learning rate for both parts); original sqrt(max(1, A / B)) (Keller Jordan's); none
     muon_adjust_lr: Literal["match_rms_adamw", "original", "none"] = "match_rms_adamw"
     muon_ns_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the iteration's; auto: float32 for an fp32 run, else bfloat16
+
+
+def ns_flops(shape: tuple[int, ...], steps: int = MuonKeys.muon_ns_steps) -> float:
+    """FLOPs of the Newton-Schulz iteration on one hidden matrix (per expert for a stack): each step X X^T (s x s
+    from s x l), the quintic's A^2 (s^3) and (bA + cA^2) X (s x s times s x l), s <= l the matrix's sides. The
+    planner costs the default iteration (optimizer.muon_ns_steps' default)."""
+    *experts, rows, cols = shape
+    small, large = min(rows, cols), max(rows, cols)
+    return math.prod(experts) * steps * 2 * small * small * (2 * large + small)
 
 
 @dataclass(frozen=True)
@@ -71,3 +86,50 @@ class Muon(Capability):
         if cfg.lora.rank:
             raise ConfigError("optimizer.name=muon orthogonalises the hidden matrices, which LoRA freezes (its adapters "
                               "are low-rank factors, not hidden matrices): use adamw with lora.rank > 0")
+
+    def optimizer_temporaries(self, params, layout, reduced_grad_bytes, gloo: bool) -> int:
+        """What its step holds beside the states (paratrain/training/muon.py), at its largest batch (the hidden
+        matrices of one shape): their updates (the Nesterov look-ahead; this rank's shards), and either their results
+        (orthogonalised here: one process, ZeRO-1) or the stack of the updates, the whole matrices this rank
+        orthogonalises (its share of the stack: input and result) and the stack brought back; plus the iteration's
+        own matrices (X, its Gram and the quintic's update, for one matrix). On gloo (a CPU) DTensor's all-to-all is
+        an all-gather and a slice: the share in flight is the whole stack."""
+        shapes: dict = {}
+        for p in params:
+            if p.hidden_matrix and p.trainable:
+                shapes.setdefault(p.shape, []).append(p)
+        if not shapes:
+            return 0
+        group = max(shapes.values(), key=lambda ps: reduced_grad_bytes(ps))
+        mine = reduced_grad_bytes(group)
+        rows, cols = group[0].shape[-2:]
+        small, large = min(rows, cols), max(rows, cols)
+        iteration = (2 * small * large + 2 * small * small) * FP32
+        holders = max(1, layout.world_size // layout.pp)
+        if holders == 1 or layout.zero1:
+            return 2 * mine + iteration
+        whole = len(group) * math.prod(group[0].shape) * FP32
+        share = whole if gloo else math.ceil(len(group) / holders) * math.prod(group[0].shape) * FP32
+        return 3 * mine + 2 * share + iteration
+
+    def optimizer_step_s(self, step) -> tuple[float, dict[str, float]]:
+        """(iteration seconds, {REDISTRIBUTION: seconds}) of one step on a rank. Every hidden matrix is orthogonalised
+        by one rank of the ranks holding it, shared out evenly (paratrain/training/muon.py): a rank iterates 1/world
+        of the model's matrices, in fp32 for an fp32 run (at its TF32 rate where on) and bf16 otherwise. Sharded
+        layouts (FSDP, TP, EP) move the rank's updates twice by all-to-all (to whole matrices and back); DDP's
+        replicas gather the orthogonalised matrices once; ZeRO-1's ranks step whole parameters of their own (nothing
+        moved)."""
+        c, lay = step.candidate, step.candidate.layout
+        hidden = step.cached("muon_hidden", lambda: [q for q in step.params if q.hidden_matrix])
+        flops = step.cached("muon_flops", lambda: sum(ns_flops(q.shape) for q in hidden))
+        per_matrix = flops / max(1, len(hidden))
+        ranks = c.world if not lay.zero1 else c.dp
+        iterate = step.matmul_s(flops / ranks, per_matrix, "bf16" if low_precision(step.precision) else "fp32")
+        numel = step.cached("muon_numel", lambda: sum(q.numel for q in hidden))
+        holders = c.world // c.pp  # the ranks of a stage, among which its matrices are shared out
+        if lay.zero1 or holders <= 1:
+            return iterate, {REDISTRIBUTION: 0.0}
+        stage_bytes = numel / c.pp * FP32
+        if lay.uses_ddp:
+            return iterate, {REDISTRIBUTION: step.all_gather_s(stage_bytes, holders)}
+        return iterate, {REDISTRIBUTION: 2 * step.all_to_all_s(stage_bytes / holders, holders)}
