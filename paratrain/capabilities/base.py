@@ -67,6 +67,9 @@ class Capability:
     verify_tolerance: ClassVar[tuple[float, float, float] | None] = None
     reference_keys: ClassVar[tuple[str, ...]] = ()
     reference_micro_batch: ClassVar[int | None] = None  # a row's reference runs forwards of this many sequences
+    # the optimizer-table entries it brings (paratrain.optimizers.OptimizerEntry; their builders: training/optim.py's
+    # BUILDERS): `optimizer.name` selects them as a built-in one (paratrain.capabilities.OPTIMIZERS)
+    optimizers: ClassVar[tuple] = ()
 
     @classmethod
     def from_config(cls, cfg) -> "Capability | None":

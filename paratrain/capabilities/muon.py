@@ -4,8 +4,8 @@ rows (every layout against one process's Muon, at fp32's 1e-5: the iteration run
 its step holds and costs beside AdamW's (`optimizer_temporaries`, `optimizer_step_s`: the estimator's and the
 planner's terms).
 
-The optimizer's registry entry (what it keeps and what one step reads and writes) is in paratrain/optimizers.py with
-the others.
+Its optimizer-table entry (`ENTRY`: what it keeps and what one step reads and writes) is registered with the
+capability (`Capability.optimizers`); its builder is paratrain/training/muon.py's `build`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Literal
 
 from paratrain.capabilities.base import MOE_PRESET, Capability
 from paratrain.errors import ConfigError
-from paratrain.modes import low_precision
-from paratrain.optimizers import FP32
+from paratrain.modes import Compression, low_precision
+from paratrain.optimizers import FP32, OptimizerEntry
 
 MUON = "optimizer.name=muon"
 REDISTRIBUTION = "Muon redistribution"  # the plan's exposed term: the hidden updates to whole matrices and back
@@ -39,6 +39,25 @@ class MuonKeys:
     muon_ns_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the iteration's; auto: float32 for an fp32 run, else bfloat16
 
 
+def _one_bit_gradients(method: str, key: str) -> str | None:
+    if not Compression(method).one_bit:
+        return None
+    return (f"orthogonalises the averaged gradients' momentum, and {key}={method} sends one bit per element (their "
+            "signs, with error feedback): the singular values Newton-Schulz normalises are the compressor's, not the "
+            "gradients'; use none, bf16 or powersgd")
+
+
+# One momentum per hidden matrix, orthogonalised whole by one rank; AdamW's state and step for the rest. A hidden
+# update reads and writes the parameter, the gradient, the momentum and the Nesterov update (4 tensors), then the
+# Newton-Schulz iteration's matmuls (`ns_flops`, the planner's `optimizer_step_s`).
+ENTRY = OptimizerEntry(
+    "muon", "Muon (momentum orthogonalised by Newton-Schulz, as torch.optim.Muon) on the blocks' hidden matrices, "
+    "AdamW on the rest; each matrix orthogonalised whole by one rank",
+    param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",), step_tensors=4, step_kernels=24,
+    foreach_temporary=True, hidden_state=("momentum_buffer",), hidden_step_tensors=4,
+    refuses_compression=_one_bit_gradients)
+
+
 def ns_flops(shape: tuple[int, ...], steps: int = MuonKeys.muon_ns_steps) -> float:
     """FLOPs of the Newton-Schulz iteration on one hidden matrix (per expert for a stack): each step X X^T (s x s
     from s x l), the quintic's A^2 (s^3) and (bA + cA^2) X (s x s times s x l), s <= l the matrix's sides. The
@@ -55,6 +74,7 @@ class Muon(Capability):
 
     name = "muon"
     adds_to = ("optimizer", MuonKeys)
+    optimizers = (ENTRY,)
     # against one process's Muon (the hidden matrices orthogonalised whole by one rank, AdamW for the rest)
     verify_rows = {
         "muon-ddp2": (2, "ddp", MUON),
@@ -69,12 +89,12 @@ class Muon(Capability):
 
     @classmethod
     def implied_by(cls, recipe) -> bool:
-        return recipe.optimizer == cls.name
+        return recipe.optimizer == ENTRY.name
 
     @classmethod
     def check(cls, cfg) -> None:
         o = cfg.optimizer
-        if o.name != cls.name:
+        if o.name != ENTRY.name:
             return
         if o.muon_ns_steps < 1:
             raise ConfigError(f"optimizer.muon_ns_steps must be >= 1 (Newton-Schulz iterations; 0 would apply the raw "

@@ -31,13 +31,13 @@ from paratrain.estimate.inputs import EstimateInputs, validate
 from paratrain.estimate.model_states import (BF16, FP32, Param, StateBytes, fsdp_gathers_per_step, fsdp_numel,
                                              local_shape, model_params, rank_layers, rank_params, state_bytes,
                                              zero_table)
+from paratrain.capabilities import optimizer_entry
 from paratrain.layout import Layout, grad_compression_site
 from paratrain.memory import HOST_HEADROOM
 from paratrain.models.presets import count_active_params
 from paratrain.models.registry import family_of
 from paratrain.modes import (CompressionSite, block_checkpointing, compute_precision, low_precision, multi_stage,
                              recomputes, segment_size)
-from paratrain.optimizers import optimizer_entry
 from paratrain.estimate.report import format_table
 from paratrain.estimate.schedule import max_in_flight, rank_actions
 from paratrain.estimate.suggest import suggest_changes

@@ -22,14 +22,13 @@ import functools
 import math
 from dataclasses import dataclass
 
-from paratrain.capabilities import implied_by_settings
+from paratrain.capabilities import implied_by_settings, optimizer_entry
 from paratrain.layout import Layout
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
 from paratrain.models.lora_params import LoRA, adapted_params
 from paratrain.models.registry import parameters
 from paratrain.modes import compute_precision, low_precision, value_bytes
-from paratrain.optimizers import optimizer_entry
 from paratrain.stage_split import balanced_split
 
 # Bytes per element.

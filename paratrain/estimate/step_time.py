@@ -82,7 +82,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from paratrain.capabilities import implied_by_settings
+from paratrain.capabilities import implied_by_settings, optimizer_entry
 from paratrain.estimate.compression import compression_cost
 from paratrain.estimate.model_states import fsdp_gathers_per_step, rank_layers
 from paratrain.layout import Batch, Layout, grad_compression_site, predicted_bubble
@@ -93,7 +93,7 @@ from paratrain.models.lora_params import LoRA
 from paratrain.modes import (Compression, CompressionSite, compute_precision, forward_repeats,
                              matmul_math, offloads_activations, recomputed_blocks, resolve_impl, selective, tf32_on,
                              value_bytes, whole_blocks)
-from paratrain.optimizers import GradientReduction, Phase, optimizer_entry
+from paratrain.optimizers import GradientReduction, Phase
 from paratrain.recipe import Recipe
 from paratrain.estimate.profile import Hardware, Link, p2p_time
 from paratrain.estimate.tiers import (OFFLOAD_EVERY_K, activation_offload_s, chunked_loss_recompute_s,
