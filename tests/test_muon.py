@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,3 +136,14 @@ def test_muon_in_the_estimator_and_the_planner():
     assert preds["muon", "fsdp"].optimizer_s > preds["adamw", "fsdp"].optimizer_s
     assert preds["muon", "fsdp"].comm[REDISTRIBUTION] > 0 and preds["muon", "zero1"].comm[REDISTRIBUTION] == 0
     assert REDISTRIBUTION not in preds["adamw", "fsdp"].comm
+
+
+def test_muon_is_named_by_its_capability_its_kernels_and_their_registrations_only():
+    """The estimator, the planner, the checkpoint and the optimizer table ask the capability seam (its hooks, its
+    optimizer entry, the HIDDEN_STATE group key): the name is its capability module's, its torch module's and the two
+    tables' that register them (the capabilities, the builders)."""
+    root = Path(__file__).resolve().parents[1]
+    found = subprocess.run(["grep", "-rliE", "muon", "paratrain", "--include=*.py"], cwd=root,
+                           capture_output=True, text=True).stdout.split()
+    assert sorted(found) == ["paratrain/capabilities/__init__.py", "paratrain/capabilities/muon.py",
+                             "paratrain/training/muon.py", "paratrain/training/optim.py"]
