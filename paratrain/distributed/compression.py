@@ -23,8 +23,8 @@ all-reduce: about 1/32 (97% fewer bytes). Everything is per parameter, never per
 depend on how DDP groups parameters (it regroups them after the first step, and a resumed run starts with the
 initial grouping again): resuming from a checkpoint continues bit for bit.
 
-1-bit Adam and 0/1 Adam (`optimizer.name` onebit_adam, zero_one_adam; paratrain/training/onebit.py) use the same
-SignEF on their momenta: their `MomentumSchedule` tells the hooks, step by step, to take the fp32 mean, the 1-bit
+1-bit Adam and 0/1 Adam (the optimizers that communicate themselves: `OptimizerEntry.compression`; their kernels in
+paratrain/training/) use the same SignEF on their momenta: their `MomentumSchedule` tells the hooks, step by step, to take the fp32 mean, the 1-bit
 mean, or to leave each rank its own gradient, and the optimizer averages its momenta with `GradComm.momentum_mean_`.
 
 PowerSGD is torch's hook; its state (error feedback, the warm-started Q matrices) is per bucket in torch, so the
