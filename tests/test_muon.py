@@ -147,3 +147,17 @@ def test_muon_is_named_by_its_capability_its_kernels_and_their_registrations_onl
                            capture_output=True, text=True).stdout.split()
     assert sorted(found) == ["paratrain/capabilities/__init__.py", "paratrain/capabilities/muon.py",
                              "paratrain/training/muon.py", "paratrain/training/optim.py"]
+
+
+def test_an_older_checkpoints_group_key_is_read():
+    """Checkpoints before 2026-12-07 mark the hidden matrices' group "muon": loaded, it is the HIDDEN_STATE group."""
+    from paratrain.optimizers import HIDDEN_STATE
+
+    opt = build_optimizer(build_model(ARGS), OptimizerConfig(name="muon"), torch.device("cpu"),
+                          hidden=hidden_matrix_names(ARGS))
+    state = opt.state_dict()
+    older = {**state, "param_groups": [{("muon" if k == HIDDEN_STATE else k): v for k, v in g.items()}
+                                       for g in state["param_groups"]]}
+    opt.load_state_dict(older)
+    assert [g[HIDDEN_STATE] for g in opt.param_groups] == [True, False, False]
+    assert all("muon" not in g for g in opt.param_groups)
