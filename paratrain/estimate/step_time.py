@@ -205,7 +205,7 @@ class Context:
     tf32: bool | None = None  # training.tf32: fp32 matmuls on TF32 tensor cores (unset: on for fp32, modes.tf32_on)
     native_max_seq_len: int | None = None  # the model's own max_seq_len when seq_len goes beyond it (long context)
     compression: Compression = field(default_factory=Compression)  # gradient compression, where a layout allows it
-    optimizer: str = "adamw"  # an entry of paratrain/optimizers.py: its state (memory) and its step's cost
+    optimizer: str = "adamw"  # an entry of the optimizer table (capabilities.OPTIMIZERS): its state and step's cost
     ddp_bucket_mb: float = 25.0
     mode: str = "eager"  # eager | compile (training.compile): the profile's factor on the non-matmul time
     # the capabilities whose time terms count (paratrain/capabilities: fp8's GEMMs and casts; the planner's are what
@@ -504,8 +504,9 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     if c.loss_chunks > 1:
         recompute += chunked_loss_recompute_s(block_costs(ctx, hw, c.tp, c.micro_batch, c.ep, c.ac, lay.cp).head,
                                               n_micro)
-    for seconds, exposed in optimizer_capability_terms(c, ctx, links):  # (an optimizer's work beside its updates:
-        optimizer += seconds  # whole matrices orthogonalised, their redistributions)
+    # a capability's optimizer's own work beside its updates (whole matrices orthogonalised, their redistributions)
+    for seconds, exposed in optimizer_capability_terms(c, ctx, links):
+        optimizer += seconds
         comm.update(exposed)
     comm_total += sum(v for k, v in comm.items() if k not in ("data-parallel",))
     exposed = sum(comm.values())
