@@ -21,12 +21,12 @@ from pathlib import Path
 import tomli_w
 
 from paratrain import capabilities
+from paratrain.capabilities import OPTIMIZER_NAMES, optimizer_entry
 from paratrain.errors import ConfigError
 from paratrain.models.args import ModelArgs, is_int
 from paratrain.modes import (ActivationOffloadMode, CheckpointMode, DPModeOption, GradCompression, OptimizerImpl,
                              Precision, Schedule, WeightDtype)
 from paratrain.models.lora_params import lora_problem
-from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
 
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
 

@@ -26,10 +26,10 @@ import typing
 from dataclasses import dataclass, field
 
 from paratrain import capabilities, config
+from paratrain.capabilities import OPTIMIZERS
 from paratrain.models import args as model_args
 from paratrain.models.presets import PRESETS
 from paratrain.models.registry import BUILTIN
-from paratrain.optimizers import OPTIMIZERS
 
 COMMAND = "python -m paratrain.config_reference > docs/configuration.md"
 HEADING = re.compile(r"^--\s*(.*?)\s*--$")  # `# -- communication (...) --`: a group of keys

@@ -1,4 +1,4 @@
-"""The optimizer registry: `optimizer.name` selects an `OptimizerEntry`, the one description of an optimizer.
+"""The optimizer table's entries: `optimizer.name` selects an `OptimizerEntry`, the one description of an optimizer.
 
 An entry says what the optimizer keeps per parameter (the estimator's
 optimizer states, and the template a ZeRO-1 checkpoint is loaded into), what one step reads and writes (the
@@ -6,17 +6,19 @@ planner's optimizer-step cost) and the layouts it refuses (one line each). `para
 entry on any layout: plain and FSDP2 (DTensor) parameters directly, ZeRO-1 by handing the entry's class to torch's
 ZeroRedundancyOptimizer.
 
-This table is torch-free (the estimator and the planner read it); the builders live on the torch side, in
-`paratrain/training/optim.py`'s `BUILDERS` (imported there, by name of the entry). Adding an optimizer is one entry in
-`OPTIMIZERS` and its builder there, a function (OptimizerConfig, torch.device, comm, **context) -> (optimizer class,
-keyword arguments) that the class is constructed with (after the parameter groups); `context` holds the run's
-precision and the replica mesh (what Muon reads; the others ignore it).
+`BUILT_IN` holds the entries shipped here; a capability brings its optimizer's own (`Capability.optimizers`), and
+`paratrain.capabilities.OPTIMIZERS` is the whole table (`optimizer_entry` looks a name up there). The table is
+torch-free (the estimator and the planner read it); the builders live on the torch side, in
+`paratrain/training/optim.py`'s `BUILDERS` (imported there, by name of the entry). Adding an optimizer is one entry
+and its builder there, a function (OptimizerConfig, torch.device, comm, **context) -> (optimizer class, keyword
+arguments) that the class is constructed with (after the parameter groups); `context` holds the run's precision, the
+replica mesh and AdamW's keyword arguments (for an optimizer that steps some parameters with AdamW; the others ignore
+them).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 from dataclasses import dataclass
 from typing import Callable
@@ -26,6 +28,7 @@ from paratrain.layout import Layout
 from paratrain.modes import Compression, GradCompression
 
 FP32 = 4
+HIDDEN_STATE = "hidden_state"  # the parameter-group key of the hidden matrices' group (OptimizerEntry.hidden_state)
 
 
 class GradientReduction(enum.Enum):
@@ -47,6 +50,10 @@ class Phase:
 
 
 def any_layout(layout: Layout) -> str | None:
+    return None
+
+
+def any_compression(method: str, key: str) -> str | None:
     return None
 
 
@@ -156,7 +163,7 @@ class MomentumSchedule:
 
 @dataclass(frozen=True)
 class OptimizerEntry:
-    name: str  # its key in OPTIMIZERS (and in training/optim.py's BUILDERS)
+    name: str  # its key in the table (and in training/optim.py's BUILDERS)
     summary: str  # one line, for --help and docs/configuration.md
     param_state: tuple[str, ...]  # fp32 state tensors shaped like the parameter (ZeRO-1's checkpoint template)
     scalar_state: tuple[str, ...] = ()  # fp32 0-dim state tensors per parameter (step counters)
@@ -169,11 +176,13 @@ class OptimizerEntry:
     compression: GradCompression = "none"
     phases: tuple[Phase, ...] = ()  # its kinds of steps (the planner ranks layouts by the last: the steady state)
     element_bytes: float = FP32  # bytes per element of each param_state tensor (low-memory states: bf16, 8-bit)
-    # Muon: the state of the blocks' hidden matrices (Param.hidden_matrix), which it updates (None: every parameter
-    # keeps param_state); the others keep param_state and scalar_state (AdamW's)
+    # An optimizer that updates the blocks' hidden matrices (Param.hidden_matrix) on their own: the state they keep
+    # (their parameter group is marked HIDDEN_STATE), the others keeping param_state and scalar_state (AdamW's; None:
+    # every parameter keeps param_state)
     hidden_state: tuple[str, ...] | None = None
     hidden_step_tensors: int = 0  # parameter-sized tensors one update of a hidden matrix reads and writes
-    refuses_compression: tuple[str, ...] = ()  # parallel.grad_compression methods it cannot take (one line why)
+    # why it cannot take a parallel.grad_compression method (the method, the key that set it) -> one line (None: it can)
+    refuses_compression: Callable[[str, str], str | None] = any_compression
 
     @property
     def state_bytes(self) -> float:
@@ -214,11 +223,9 @@ class OptimizerEntry:
         if self.communicates and Compression(grad_compression).enabled:
             raise ConfigError(f"optimizer.name={self.name} compresses its own communication (the momentum's 1-bit "
                               f"all-reduce): {key} must be none, got {grad_compression}")
-        if grad_compression in self.refuses_compression:
-            raise ConfigError(f"optimizer.name={self.name} orthogonalises the averaged gradients' momentum, and "
-                              f"{key}={grad_compression} sends one bit per element (their signs, with error "
-                              "feedback): the singular values Newton-Schulz normalises are the compressor's, not "
-                              "the gradients'; use none, bf16 or powersgd")
+        reason = self.refuses_compression(grad_compression, key)
+        if reason:
+            raise ConfigError(f"optimizer.name={self.name} {reason}")
 
     def hidden_state_bytes(self) -> float:
         """Bytes kept per element of a hidden matrix between steps (`state_bytes` where it has no hidden_state)."""
@@ -229,7 +236,7 @@ class OptimizerEntry:
 
 
 
-OPTIMIZERS: dict[str, OptimizerEntry] = {
+BUILT_IN: dict[str, OptimizerEntry] = {
     "adamw": OptimizerEntry(
         "adamw", "AdamW (torch.optim.AdamW): decoupled weight decay on matrices, fused / foreach / for",
         param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",), step_tensors=4, step_kernels=20,
@@ -259,31 +266,11 @@ def _no_zero1(layout: Layout) -> str | None:
 
 
 # Low-memory optimizer states (docs/memory-tiers.md): the same AdamW update from moments kept in fewer bits.
-OPTIMIZERS["adamw-bf16"] = OptimizerEntry(
+BUILT_IN["adamw-bf16"] = OptimizerEntry(
     "adamw-bf16", "AdamW with both moments kept in bf16 (paratrain.training.optim.BF16AdamW): half AdamW's state",
     param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",),
     step_tensors=3, step_kernels=8, refuses=_no_zero1, element_bytes=2)
-OPTIMIZERS["adamw8bit"] = OptimizerEntry(
+BUILT_IN["adamw8bit"] = OptimizerEntry(
     "adamw8bit", "torchao's AdamW8bit: both moments in 8 bits with an fp32 scale per 256 values (pip install "
     "torchao)", param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",),
     step_tensors=3, step_kernels=4, refuses=_no_zero1, element_bytes=1 + 4 / 256)
-# Muon (paratrain/training/muon.py): one momentum per hidden matrix, orthogonalised whole by one rank; AdamW's
-# state and step for the rest. A hidden update reads and writes the parameter, the gradient, the momentum and the
-# Nesterov update (4 tensors), then the Newton-Schulz iteration's matmuls (the planner's `muon_ns_flops`).
-OPTIMIZERS["muon"] = OptimizerEntry(
-    "muon", "Muon (momentum orthogonalised by Newton-Schulz, as torch.optim.Muon) on the blocks' hidden matrices, "
-    "AdamW on the rest; each matrix orthogonalised whole by one rank",
-    param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",), step_tensors=4, step_kernels=24,
-    foreach_temporary=True, hidden_state=("momentum_buffer",), hidden_step_tensors=4,
-    refuses_compression=("sign_ef",))
-OPTIMIZER_NAMES: tuple[str, ...] = tuple(OPTIMIZERS)
-
-
-def optimizer_entry(name: str) -> OptimizerEntry:
-    """The registered optimizer `name`, or a one-line ConfigError naming the known ones."""
-    entry = OPTIMIZERS.get(name)
-    if entry is None:
-        close = difflib.get_close_matches(str(name), OPTIMIZER_NAMES, n=1)
-        raise ConfigError(f"optimizer.name: '{name}' is not one of {', '.join(OPTIMIZER_NAMES)}"
-                          + (f" (did you mean '{close[0]}'?)" if close else ""))
-    return entry

@@ -22,13 +22,13 @@ from pathlib import Path
 from paratrain import hf, memory
 from paratrain.config import Config, DataConfig, DEFAULT_DATA_DIR, ModelConfig, load_config
 from paratrain.data import DEFAULT_CORPUS
+from paratrain.capabilities import optimizer_entry
 from paratrain.errors import ConfigError, UserError
 from paratrain.hf import check_run
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
 from paratrain.models.presets import preset_args, preset_fields
-from paratrain.optimizers import optimizer_entry
 from paratrain.preflight import RunFolder
 from paratrain.recipe import Recipe
 

@@ -182,7 +182,8 @@ def test_cycle_finder_sees_function_level_and_string_edges():
 
 
 # -- functions named by string --------------------------------------------------------------------------------
-# Builders are imported (the optimizers' in training/optim.py's BUILDERS, beside the code that calls them). The one
+# Builders are imported (the optimizers' in training/optim.py's BUILDERS, beside the code that calls them; a
+# capability's optimizer's from its torch module, training/muon.py's). The one
 # kind of name a torch-free table keeps for torch-side code is a model family's `module` ("module:Class" in its
 # ModelFamily declaration, models/family.py): the family's parameter table is read by the estimator and the planner
 # without torch, and a plug-in family outside paratrain is registered the same way. The import graph above counts
@@ -210,7 +211,7 @@ def named_attribute_strings(tree: ast.Module, allowed_table: str | None = None) 
 
 def test_every_optimizer_has_an_imported_builder():
     """training/optim.py's BUILDERS: a callable for every registered optimizer, imported (not named)."""
-    from paratrain.optimizers import OPTIMIZERS
+    from paratrain.capabilities import OPTIMIZERS
     from paratrain.training.optim import BUILDERS
 
     assert set(BUILDERS) == set(OPTIMIZERS), f"optimizers without a builder or builders without an optimizer: " \

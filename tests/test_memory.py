@@ -297,7 +297,7 @@ def test_low_memory_optimizer_states():
     from paratrain.config import OptimizerConfig
     from paratrain.estimate.model_states import state_bytes
     from paratrain.models.presets import preset_args
-    from paratrain.optimizers import optimizer_entry
+    from paratrain.capabilities import optimizer_entry
     from paratrain.training.optim import build_optimizer
 
     torch.manual_seed(0)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,7 +117,8 @@ def test_muon_in_the_estimator_and_the_planner():
     plan's step: the Newton-Schulz iterations shared out over the ranks and, on sharded layouts, two
     redistributions of the updates (none under ZeRO-1, whose ranks step their own whole parameters)."""
     from paratrain.estimate.planner import PlanRequest, plan_context
-    from paratrain.estimate.step_time import MUON_REDISTRIBUTION, Candidate, muon_ns_flops, predict
+    from paratrain.capabilities.muon import REDISTRIBUTION, ns_flops
+    from paratrain.estimate.step_time import Candidate, predict
     from paratrain.layout import Layout
 
     params = model_params(ARGS)
@@ -124,12 +127,37 @@ def test_muon_in_the_estimator_and_the_planner():
     lay = Layout.resolve(1)
     assert state_bytes(ARGS, lay, "fp32", "muon", "paratrain").optimizer == \
         4 * hidden + 8 * sum(p.numel for p in rest) + 4 * len(rest)
-    assert muon_ns_flops((64, 160)) == 5 * 2 * 64 * 64 * (2 * 160 + 64)
+    assert ns_flops((64, 160)) == 5 * 2 * 64 * 64 * (2 * 160 + 64)
     preds = {}
     for name in ("adamw", "muon"):
         ctx = plan_context(PlanRequest("llama3-8b", gpus=8, optimizer=name)).ctx
         preds[name, "fsdp"] = predict(Candidate(Layout.resolve(8, dp_mode="fsdp"), micro_batch=1), ctx)
         preds[name, "zero1"] = predict(Candidate(Layout.resolve(8, dp_mode="zero1"), micro_batch=1), ctx)
     assert preds["muon", "fsdp"].optimizer_s > preds["adamw", "fsdp"].optimizer_s
-    assert preds["muon", "fsdp"].comm[MUON_REDISTRIBUTION] > 0 and preds["muon", "zero1"].comm[MUON_REDISTRIBUTION] == 0
-    assert MUON_REDISTRIBUTION not in preds["adamw", "fsdp"].comm
+    assert preds["muon", "fsdp"].comm[REDISTRIBUTION] > 0 and preds["muon", "zero1"].comm[REDISTRIBUTION] == 0
+    assert REDISTRIBUTION not in preds["adamw", "fsdp"].comm
+
+
+def test_muon_is_named_by_its_capability_its_kernels_and_their_registrations_only():
+    """The estimator, the planner, the checkpoint and the optimizer table ask the capability seam (its hooks, its
+    optimizer entry, the HIDDEN_STATE group key): the name is its capability module's, its torch module's and the two
+    tables' that register them (the capabilities, the builders)."""
+    root = Path(__file__).resolve().parents[1]
+    found = subprocess.run(["grep", "-rliE", "muon", "paratrain", "--include=*.py"], cwd=root,
+                           capture_output=True, text=True).stdout.split()
+    assert sorted(found) == ["paratrain/capabilities/__init__.py", "paratrain/capabilities/muon.py",
+                             "paratrain/training/muon.py", "paratrain/training/optim.py"]
+
+
+def test_an_older_checkpoints_group_key_is_read():
+    """Checkpoints before 2026-12-07 mark the hidden matrices' group "muon": loaded, it is the HIDDEN_STATE group."""
+    from paratrain.optimizers import HIDDEN_STATE
+
+    opt = build_optimizer(build_model(ARGS), OptimizerConfig(name="muon"), torch.device("cpu"),
+                          hidden=hidden_matrix_names(ARGS))
+    state = opt.state_dict()
+    older = {**state, "param_groups": [{("muon" if k == HIDDEN_STATE else k): v for k, v in g.items()}
+                                       for g in state["param_groups"]]}
+    opt.load_state_dict(older)
+    assert [g[HIDDEN_STATE] for g in opt.param_groups] == [True, False, False]
+    assert all("muon" not in g for g in opt.param_groups)

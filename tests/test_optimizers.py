@@ -10,7 +10,7 @@ import pytest
 from conftest import fast_config
 from paratrain.api import train_rank
 from paratrain.errors import ConfigError, UserError
-from paratrain.optimizers import OPTIMIZER_NAMES, OPTIMIZERS, optimizer_entry
+from paratrain.capabilities import OPTIMIZER_NAMES, OPTIMIZERS, optimizer_entry
 
 
 def test_registry_names_are_the_choices_everywhere(capsys):
@@ -186,7 +186,7 @@ def test_onebit_default_warm_up_is_a_share_of_the_run():
     # the run's length reaches the schedule the gradient hooks follow
     cfg = load_config(None, ["optimizer.name=onebit_adam"])
     comm = GradComm(ParallelConfig(), SimpleNamespace(layout=Layout.resolve(2, dp_mode="ddp")), torch.device("cpu"),
-                    optimizer=cfg.optimizer, steps=2000)
+                    optimizer=cfg.optimizer, steps=2000, entry=optimizer_entry("onebit_adam"))
     assert comm.schedule.freeze == 130
 
 

@@ -3,6 +3,7 @@ one). Everything else iterates `CAPABILITIES` or a run's `active(cfg)` and names
 
 from __future__ import annotations
 
+import difflib
 from typing import NamedTuple
 
 from paratrain.capabilities.base import Capability
@@ -10,9 +11,26 @@ from paratrain.capabilities.float8 import Float8
 from paratrain.capabilities.muon import Muon
 from paratrain.capabilities.onebit import OneBitAdam
 from paratrain.capabilities.z_loss import ZLoss
+from paratrain.errors import ConfigError
+from paratrain.optimizers import BUILT_IN, OptimizerEntry
 
 # In the order their hooks run (and their keys are listed in a section they share).
 CAPABILITIES: tuple[type[Capability], ...] = (Float8, OneBitAdam, Muon, ZLoss)
+
+# The optimizer table `optimizer.name` selects from: the built-in entries (paratrain/optimizers.py), then those the
+# capabilities bring (`Capability.optimizers`), in registry order.
+OPTIMIZERS: dict[str, OptimizerEntry] = {**BUILT_IN, **{e.name: e for cls in CAPABILITIES for e in cls.optimizers}}
+OPTIMIZER_NAMES: tuple[str, ...] = tuple(OPTIMIZERS)
+
+
+def optimizer_entry(name: str) -> OptimizerEntry:
+    """The registered optimizer `name`, or a one-line ConfigError naming the known ones."""
+    entry = OPTIMIZERS.get(name)
+    if entry is None:
+        close = difflib.get_close_matches(str(name), OPTIMIZER_NAMES, n=1)
+        raise ConfigError(f"optimizer.name: '{name}' is not one of {', '.join(OPTIMIZER_NAMES)}"
+                          + (f" (did you mean '{close[0]}'?)" if close else ""))
+    return entry
 
 
 def active(cfg) -> tuple[Capability, ...]:

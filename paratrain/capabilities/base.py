@@ -20,7 +20,9 @@ The hooks are called at fixed points of a step (paratrain/training/step.py), alw
                         capability's runs on every run's state, as a wrapper can outlive the run that made it)
 
 and the estimator and the planner ask (torch-free): `weight_copies` (the low-precision weight copies a step keeps),
-`linear_gemm_rate` and `elementwise_values` (a block's compute time).
+`linear_gemm_rate` and `elementwise_values` (a block's compute time), `optimizer_temporaries` (what an optimizer it
+brings allocates in its step beside the states) and `optimizer_step_s` (that step's own seconds and the communication
+it exposes).
 
 `where` (a `Where`) says on which device and layout a hook runs.
 
@@ -83,6 +85,9 @@ class Capability:
     verify_tolerance: ClassVar[tuple[float, float, float] | None] = None
     reference_keys: ClassVar[tuple[str, ...]] = ()
     reference_micro_batch: ClassVar[int | None] = None  # a row's reference runs forwards of this many sequences
+    # the optimizer-table entries it brings (paratrain.optimizers.OptimizerEntry; their builders: training/optim.py's
+    # BUILDERS): `optimizer.name` selects them as a built-in one (paratrain.capabilities.OPTIMIZERS)
+    optimizers: ClassVar[tuple] = ()
 
     @classmethod
     def from_config(cls, cfg) -> "Capability | None":
@@ -158,4 +163,18 @@ class Capability:
     def weight_copies(self, args, params) -> WeightCopies | None:
         """Its weight copies on a rank holding `params` ((Param, count, local elements) of the model's parameter table:
         paratrain/models/family.py), or None."""
+        return None
+
+    def optimizer_temporaries(self, params, layout, reduced_grad_bytes, gloo: bool) -> int:
+        """Bytes the optimizer step allocates beside the states, for an optimizer the capability brings, on a rank
+        holding `params` (the Params of the model's parameter table it holds) on `layout` (a paratrain.layout.Layout):
+        `reduced_grad_bytes(some params)` is this rank's bytes of their reduced gradients; `gloo`: the collectives are
+        gloo's (a CPU run). The estimator keeps the largest of every term's (0: none)."""
+        return 0
+
+    def optimizer_step_s(self, step) -> tuple[float, dict[str, float]] | None:
+        """The planner's terms of its optimizer's step on a rank: (seconds of its own work, added to the optimizer
+        step's; {label: exposed communication seconds}, printed in the plan's communication breakdown), or None.
+        `step` (paratrain.estimate.step_time.OptimizerStep): the candidate, the model's parameters and the cost
+        model's prices of matmuls and collectives. Asked of the capabilities the planned optimizer implies."""
         return None

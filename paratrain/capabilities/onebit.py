@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from paratrain.capabilities.base import Capability
 from paratrain.errors import ConfigError
-from paratrain.optimizers import OPTIMIZERS, freeze_step, optimizer_entry
+from paratrain.optimizers import BUILT_IN, freeze_step
 
 
 @dataclass
@@ -35,7 +35,13 @@ class OneBitAdam(Capability):
 
     @classmethod
     def implied_by(cls, recipe) -> bool:
-        entry = OPTIMIZERS.get(recipe.optimizer)  # (an unknown name is refused by whoever reads it, in its words)
+        return cls.communicating(recipe.optimizer)
+
+    @staticmethod
+    def communicating(name: str) -> bool:
+        """`name` is an optimizer that communicates itself (built in: paratrain/optimizers.py). An unknown name is
+        refused by whoever reads it, in its words (config.validate)."""
+        entry = BUILT_IN.get(name)
         return entry is not None and entry.communicates
 
     @classmethod
@@ -43,7 +49,7 @@ class OneBitAdam(Capability):
         o = cfg.optimizer
         if o.freeze_step < 0:
             raise ConfigError("optimizer.freeze_step must be >= 0 (0: the default warm-up)")
-        if optimizer_entry(o.name).communicates and freeze_step(o, cfg.training.steps) <= 0:
+        if cls.communicating(o.name) and freeze_step(o, cfg.training.steps) <= 0:
             raise ConfigError(f"optimizer.name={o.name} needs a warm-up of plain Adam steps: set optimizer.freeze_step "
                               "(or optimizer.warmup_steps) > 0")
         if min(o.var_update_scaler, o.local_step_scaler, o.local_step_clipper) < 1:

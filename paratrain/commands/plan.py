@@ -21,6 +21,7 @@ from pathlib import Path
 from paratrain.capabilities import CAPABILITIES
 from paratrain.commands.recipe_flags import add_recipe_flags
 from paratrain.config import Config, LoRAConfig, dump_toml, validate
+from paratrain.capabilities import OPTIMIZER_NAMES
 from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.estimate.gpus import fmt_bytes, limit_text
 from paratrain.estimate.hetero import even_split_layout, parse_gpus, read_cluster, stage_hardware
@@ -33,7 +34,6 @@ from paratrain.layout_grammar import add_layout_flags, layout_flags
 from paratrain.models.lora_params import LoRA, lora_problem
 from paratrain.models.presets import count_params, format_params
 from paratrain.modes import DP_MODES, PRECISIONS
-from paratrain.optimizers import OPTIMIZER_NAMES
 from paratrain.preflight import check_nproc
 from paratrain.spec import model_from
 

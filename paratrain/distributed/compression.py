@@ -23,8 +23,8 @@ all-reduce: about 1/32 (97% fewer bytes). Everything is per parameter, never per
 depend on how DDP groups parameters (it regroups them after the first step, and a resumed run starts with the
 initial grouping again): resuming from a checkpoint continues bit for bit.
 
-1-bit Adam and 0/1 Adam (`optimizer.name` onebit_adam, zero_one_adam; paratrain/training/onebit.py) use the same
-SignEF on their momenta: their `MomentumSchedule` tells the hooks, step by step, to take the fp32 mean, the 1-bit
+1-bit Adam and 0/1 Adam (the optimizers that communicate themselves: `OptimizerEntry.compression`; their kernels in
+paratrain/training/) use the same SignEF on their momenta: their `MomentumSchedule` tells the hooks, step by step, to take the fp32 mean, the 1-bit
 mean, or to leave each rank its own gradient, and the optimizer averages its momenta with `GradComm.momentum_mean_`.
 
 PowerSGD is torch's hook; its state (error feedback, the warm-started Q matrices) is per bucket in torch, so the
@@ -52,7 +52,7 @@ from paratrain.distributed.tensors import local_tensor
 from paratrain.estimate.compression import powersgd_matrix
 from paratrain.layout import grad_compression_site
 from paratrain.modes import Compression, CompressionSite
-from paratrain.optimizers import GradientReduction, MomentumSchedule, optimizer_entry
+from paratrain.optimizers import GradientReduction, MomentumSchedule, OptimizerEntry
 
 STATE_PREFIX = "grad_comm"  # checkpoint keys: grad_comm/<method>/w<world>/rank<r>/<parameter>|<kind>
 
@@ -346,15 +346,16 @@ class GradComm:
     leaving each rank its own), the optimizer averages its momenta through `momentum_mean_` (the same SignEF and
     error feedback), and its per-rank state (`attach_optimizer`) is checkpointed with the residuals."""
 
-    def __init__(self, parallel, dims, device: torch.device, seed: int = 0, optimizer=None, steps: int = 0):
-        """`optimizer`: the OptimizerConfig (None: AdamW's defaults); `steps`: the run's optimizer steps (1-bit
-        Adam's default warm-up is a share of them)."""
+    def __init__(self, parallel, dims, device: torch.device, seed: int = 0, optimizer=None, steps: int = 0,
+                 entry: OptimizerEntry | None = None):
+        """`optimizer`: the OptimizerConfig (None: AdamW's defaults) and `entry` its table entry (None: one that does
+        not communicate itself); `steps`: the run's optimizer steps (1-bit Adam's default warm-up is a share of
+        them)."""
         self.dims, self.layout, self.device, self.seed = dims, dims.layout, device, seed
         self.method = parallel.grad_compression
         self.compression = Compression.from_config(parallel)
         self.schedule: MomentumSchedule | None = None
-        entry = optimizer_entry(optimizer.name) if optimizer is not None else None
-        if entry is not None and entry.communicates and self.layout.dp > 1:
+        if optimizer is not None and entry is not None and entry.communicates and self.layout.dp > 1:
             self.schedule = MomentumSchedule.from_config(optimizer, steps)
             self.compression = entry.run_compression(self.compression)  # its 1-bit all-reduce (sign_ef_block)
             self.method = entry.name  # it names the state in checkpoints and the notices

@@ -53,7 +53,8 @@ def quiet_torch_logs() -> None:
     import logging
 
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    # On gloo DTensor's all-to-all is an all-gather and a slice (Muon's redistribution): said once per rank, known
+    # On gloo DTensor's all-to-all is an all-gather and a slice (a capability's optimizer redistributing sharded
+    # updates to whole matrices, paratrain/capabilities): said once per rank, known
     logging.getLogger("torch.distributed.tensor._collective_utils").setLevel(logging.ERROR)
 
 

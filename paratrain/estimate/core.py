@@ -31,13 +31,13 @@ from paratrain.estimate.inputs import EstimateInputs, validate
 from paratrain.estimate.model_states import (BF16, FP32, Param, StateBytes, fsdp_gathers_per_step, fsdp_numel,
                                              local_shape, model_params, rank_layers, rank_params, state_bytes,
                                              zero_table)
+from paratrain.capabilities import optimizer_entry
 from paratrain.layout import Layout, grad_compression_site
 from paratrain.memory import HOST_HEADROOM
 from paratrain.models.presets import count_active_params
 from paratrain.models.registry import family_of
 from paratrain.modes import (CompressionSite, block_checkpointing, compute_precision, low_precision, multi_stage,
                              recomputes, segment_size)
-from paratrain.optimizers import optimizer_entry
 from paratrain.estimate.report import format_table
 from paratrain.estimate.schedule import max_in_flight, rank_actions
 from paratrain.estimate.suggest import suggest_changes
@@ -587,7 +587,8 @@ class _Walk:
         return host_states
 
     def _optimizer_temporaries(self) -> int:
-        """What the optimizer step allocates beside the states: foreach's per-group temporaries, Muon's matrices."""
+        """What the optimizer step allocates beside the states: foreach's per-group temporaries, or a capability's
+        optimizer's own (`Capability.optimizer_temporaries`: whole matrices orthogonalised) where larger."""
         i, lay, st, params = self.i, self.lay, self.st, self.params
         opt_temp = 0
         if i.recipe.optimizer_impl != "fused" and optimizer_entry(i.recipe.optimizer).foreach_temporary:
@@ -596,9 +597,9 @@ class _Walk:
             opt_temp = max(self.r.host.get("gradients", st.grads) - small, small) * (FP32 // self.gbytes)
             if lay.zero1:
                 opt_temp = math.ceil(st.optimizer / 2)
-        if optimizer_entry(i.recipe.optimizer).hidden_state is not None:
-            opt_temp = max(opt_temp, muon_temporaries([p for p in params if p.hidden_matrix and p.trainable], lay,
-                                                      self.reduced_grad_bytes, i.target.device == "cpu"))
+        for capability in i.recipe.capabilities:
+            opt_temp = max(opt_temp, capability.optimizer_temporaries(params, lay, self.reduced_grad_bytes,
+                                                                      i.target.device == "cpu"))
         return opt_temp
 
     def result(self, peaks: _Peaks, host_states: dict) -> dict:
@@ -821,31 +822,6 @@ class _StageBackward:
                  logits_loss=0, comm_buffers=comm,
                  temporaries=w.binp + w.root_grads_live + w.dw2[l] * w.pbytes + b.waiting)
         self.rs_kept = rs_in
-
-
-def muon_temporaries(hidden: list, lay: Layout, reduced_grad_bytes, gloo: bool) -> int:
-    """What Muon's step holds beside the states (paratrain/training/muon.py), at its largest batch (the hidden
-    matrices of one shape): their updates (the Nesterov look-ahead; this rank's shards), and either their results
-    (orthogonalised here: one process, ZeRO-1) or the stack of the updates, the whole matrices this rank
-    orthogonalises (its share of the stack: input and result) and the stack brought back; plus the iteration's own
-    matrices (X, its Gram and the quintic's update, for one matrix). On gloo (a CPU) DTensor's all-to-all is an
-    all-gather and a slice: the share in flight is the whole stack."""
-    if not hidden:
-        return 0
-    shapes: dict = {}
-    for p in hidden:
-        shapes.setdefault(p.shape, []).append(p)
-    group = max(shapes.values(), key=lambda ps: reduced_grad_bytes(ps))
-    mine = reduced_grad_bytes(group)
-    rows, cols = group[0].shape[-2:]
-    small, large = min(rows, cols), max(rows, cols)
-    iteration = (2 * small * large + 2 * small * small) * FP32
-    holders = max(1, lay.world_size // lay.pp)
-    if holders == 1 or lay.zero1:
-        return 2 * mine + iteration
-    whole = len(group) * math.prod(group[0].shape) * FP32
-    share = whole if gloo else math.ceil(len(group) / holders) * math.prod(group[0].shape) * FP32
-    return 3 * mine + 2 * share + iteration
 
 
 def _host_total(states: dict, opt_temp: int) -> dict:

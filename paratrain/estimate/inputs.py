@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from paratrain.capabilities import OPTIMIZER_NAMES, optimizer_entry
 from paratrain.errors import UserError
 from paratrain.estimate.gpus import HEADROOM, check_headroom
 from paratrain.layout import Batch, Layout, grad_compression_site
@@ -13,7 +14,6 @@ from paratrain.memory import check_cpu_offload, check_offload, check_offload_che
 from paratrain.models.args import ModelArgs
 from paratrain.models.registry import targets_of
 from paratrain.modes import ACTIVATION_OFFLOAD_MODES, CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS
-from paratrain.optimizers import OPTIMIZER_NAMES, optimizer_entry
 from paratrain.recipe import Recipe
 
 ACCOUNTINGS = ("paratrain", "classic")

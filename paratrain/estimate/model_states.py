@@ -22,14 +22,13 @@ import functools
 import math
 from dataclasses import dataclass
 
-from paratrain.capabilities import implied_by_settings
+from paratrain.capabilities import implied_by_settings, optimizer_entry
 from paratrain.layout import Layout
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
 from paratrain.models.lora_params import LoRA, adapted_params
 from paratrain.models.registry import parameters
 from paratrain.modes import compute_precision, low_precision, value_bytes
-from paratrain.optimizers import optimizer_entry
 from paratrain.stage_split import balanced_split
 
 # Bytes per element.
@@ -46,7 +45,8 @@ def model_params(args: ModelArgs, lora: LoRA | None = None) -> tuple[Param, ...]
 
 @functools.lru_cache(maxsize=64)
 def hidden_matrix_names(args: ModelArgs, lora: LoRA | None = None) -> frozenset[str]:
-    """The trainable hidden matrices' names (`Param.hidden_matrix`: what Muon updates)."""
+    """The trainable hidden matrices' names (`Param.hidden_matrix`: what an optimizer with a hidden_state updates on
+    its own, as whole matrices)."""
     return frozenset(p.name for p in model_params(args, lora) if p.hidden_matrix and p.trainable)
 
 
@@ -287,7 +287,8 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
 
 def _optimizer_state_per_element(entry, kinds: list[tuple[Param, int, int]], local_numel: int) -> tuple[float, int]:
     """(bytes the optimizer keeps per element, averaged over the rank's elements; the parameter tensors with a step
-    count). Muon keeps a momentum for a hidden matrix, AdamW's two moments and step count for the rest."""
+    count). An entry with a hidden_state keeps that for a hidden matrix (an orthogonalising optimizer: one momentum)
+    and its param_state and step count (AdamW's) for the rest."""
     hidden = [(count, n) for p, count, n in kinds if p.hidden_matrix] if entry.hidden_state is not None else []
     hidden_numel = sum(count * n for count, n in hidden)
     per_opt = entry.state_bytes if not local_numel else \

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import NamedTuple
 
-from paratrain.capabilities import implied_by_settings
+from paratrain.capabilities import implied_by_settings, optimizer_entry
 from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
 from paratrain.estimate.gpus import HEADROOM, check_headroom, parse_memory
@@ -32,7 +32,6 @@ from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
 from paratrain.models.presets import preset_args
 from paratrain.modes import DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, Compression, dp_mode_of
-from paratrain.optimizers import optimizer_entry
 
 # The [parallel] values a plan may pin (the layout flags of `paratrain plan`, paratrain/layout_grammar.py): each fixes
 # that field of every planned layout; the blocks per stage and tp without sequence or loss parallelism are the

@@ -7,6 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from paratrain.capabilities import optimizer_entry
 from paratrain.errors import ConfigError, UserError
 from paratrain.estimate.gpus import HEADROOM
 from paratrain.layout import Batch, Layout, grad_compression_site
@@ -15,7 +16,6 @@ from paratrain.memory import AUTO_LOSS_CHUNKS, check_offload_checkpointing
 from paratrain.modes import (CHECKPOINT_MODES, DP_MODES, SCHEDULES, block_checkpointing, every_block_whole,
                              interleaved, offload_stride, recompute_rank, recomputes, replicates_shards, stores_at_least,
                              value_bytes, zero_bubble)
-from paratrain.optimizers import optimizer_entry
 from paratrain.estimate.step_time import Candidate, Context, Prediction, cached, predict
 from paratrain.estimate.tiers import OFFLOAD_EVERY_K
 from paratrain.estimate import Target, activations as A, estimate, inputs_for

@@ -82,6 +82,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from paratrain.capabilities import implied_by_settings, optimizer_entry
 from paratrain.estimate.compression import compression_cost
 from paratrain.estimate.model_states import fsdp_gathers_per_step, rank_layers
 from paratrain.layout import Batch, Layout, grad_compression_site, predicted_bubble
@@ -89,10 +90,10 @@ from paratrain.layout_grammar import layout_name
 from paratrain.memory import MemoryTiers
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import (Compression, CompressionSite, compute_precision, forward_repeats, low_precision,
+from paratrain.modes import (Compression, CompressionSite, compute_precision, forward_repeats,
                              matmul_math, offloads_activations, recomputed_blocks, resolve_impl, selective, tf32_on,
                              value_bytes, whole_blocks)
-from paratrain.optimizers import GradientReduction, Phase, optimizer_entry
+from paratrain.optimizers import GradientReduction, Phase
 from paratrain.recipe import Recipe
 from paratrain.estimate.profile import Hardware, Link, p2p_time
 from paratrain.estimate.tiers import (OFFLOAD_EVERY_K, activation_offload_s, chunked_loss_recompute_s,
@@ -204,7 +205,7 @@ class Context:
     tf32: bool | None = None  # training.tf32: fp32 matmuls on TF32 tensor cores (unset: on for fp32, modes.tf32_on)
     native_max_seq_len: int | None = None  # the model's own max_seq_len when seq_len goes beyond it (long context)
     compression: Compression = field(default_factory=Compression)  # gradient compression, where a layout allows it
-    optimizer: str = "adamw"  # an entry of paratrain/optimizers.py: its state (memory) and its step's cost
+    optimizer: str = "adamw"  # an entry of the optimizer table (capabilities.OPTIMIZERS): its state and step's cost
     ddp_bucket_mb: float = 25.0
     mode: str = "eager"  # eager | compile (training.compile): the profile's factor on the non-matmul time
     # the capabilities whose time terms count (paratrain/capabilities: fp8's GEMMs and casts; the planner's are what
@@ -482,7 +483,6 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     slowest, per_step, fill = _slowest(c, ctx)
     compute, recompute = (n_micro * x for x in per_step)
     P_stage, G_stage = _stage_params(c, ctx, moe_layers)
-    entry = optimizer_entry(ctx.optimizer)
     optimizer = _optimizer_step_s(c, ctx, G_stage)
     comp = _StepCompression.of(c, ctx, phase)
     links = _Links.of(c, ctx)
@@ -504,9 +504,10 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     if c.loss_chunks > 1:
         recompute += chunked_loss_recompute_s(block_costs(ctx, hw, c.tp, c.micro_batch, c.ep, c.ac, lay.cp).head,
                                               n_micro)
-    if entry.hidden_state is not None:  # Muon: the Newton-Schulz iterations and the updates' redistributions
-        iterate, comm[MUON_REDISTRIBUTION] = muon_step_s(c, ctx, links.shard, links.dp)
-        optimizer += iterate
+    # a capability's optimizer's own work beside its updates (whole matrices orthogonalised, their redistributions)
+    for seconds, exposed in optimizer_capability_terms(c, ctx, links):
+        optimizer += seconds
+        comm.update(exposed)
     comm_total += sum(v for k, v in comm.items() if k not in ("data-parallel",))
     exposed = sum(comm.values())
 
@@ -723,40 +724,52 @@ def _model_parallel_comm(c: Candidate, ctx: Context, comm: dict, links: _Links, 
         comm["expert all-to-all"] = n_micro * math.ceil(moe_layers / c.pp) * 4 * a2a
 
 
-MUON_REDISTRIBUTION = "Muon redistribution"  # the hidden updates to whole matrices and back (exposed)
-FP32_BYTES = 4
-MUON_NS_STEPS = 5  # optimizer.muon_ns_steps' default (the planner costs the default iteration)
+@dataclass(frozen=True)
+class OptimizerStep:
+    """What a capability's optimizer-step term (`Capability.optimizer_step_s`) is priced with: a candidate on the
+    context's model and hardware, and the cost model's prices of matmuls and collectives (torch-free)."""
+
+    candidate: Candidate
+    ctx: Context
+    links: _Links
+
+    @property
+    def params(self) -> tuple:
+        """The model's parameter table (paratrain/models/family.py's Params)."""
+        return model_params(self.ctx.args)
+
+    @property
+    def precision(self) -> str:
+        return self.ctx.precision
+
+    def cached(self, key: str, compute):
+        """`compute()` once per context and model (a term of the model alone, not of the candidate)."""
+        return cached(self.ctx, (key, id(self.ctx.args)), compute)
+
+    def matmul_s(self, flops: float, per_matrix: float, precision: str) -> float:
+        """Seconds of `flops` of matmuls in `precision`, each of `per_matrix` FLOPs, on the context's hardware."""
+        hw = self.ctx.hw
+        speed = hw.speed(self.ctx.math(hw, precision))
+        return flops / (speed * hw.gemm_rate(per_matrix)) * hw.compute_scale
+
+    def all_gather_s(self, nbytes: float, ranks: int) -> float:
+        """An all-gather of `nbytes` (the output) over the data-parallel group's link."""
+        return all_gather_time(nbytes, ranks, self.links.dp)
+
+    def all_to_all_s(self, nbytes: float, ranks: int) -> float:
+        """An all-to-all of `nbytes` per rank over FSDP's shard group's link."""
+        return all_to_all_time(nbytes, ranks, self.links.shard)
 
 
-def muon_ns_flops(shape: tuple[int, ...], steps: int = MUON_NS_STEPS) -> float:
-    """FLOPs of the Newton-Schulz iteration on one hidden matrix (per expert for a stack): each step X X^T (s x s
-    from s x l), the quintic's A^2 (s^3) and (bA + cA^2) X (s x s times s x l), s <= l the matrix's sides."""
-    *experts, rows, cols = shape
-    small, large = min(rows, cols), max(rows, cols)
-    return math.prod(experts) * steps * 2 * small * small * (2 * large + small)
-
-
-def muon_step_s(c: Candidate, ctx: Context, shard_link: Link, dp_link: Link) -> tuple[float, float]:
-    """(iteration seconds, redistribution seconds) of one Muon step on a rank. Every hidden matrix is orthogonalised
-    by one rank of the ranks holding it, shared out evenly (paratrain/training/muon.py): a rank iterates 1/world of
-    the model's matrices, in fp32 for an fp32 run (at its TF32 rate where on) and bf16 otherwise. Sharded layouts
-    (FSDP, TP, EP) move the rank's updates twice by all-to-all (to whole matrices and back); DDP's replicas gather
-    the orthogonalised matrices once; ZeRO-1's ranks step whole parameters of their own (nothing moved)."""
-    a, hw, lay = ctx.args, ctx.hw, c.layout
-    hidden = cached(ctx, ("muon_hidden", id(a)), lambda: [q for q in model_params(a) if q.hidden_matrix])
-    flops = cached(ctx, ("muon_flops", id(a)), lambda: sum(muon_ns_flops(q.shape) for q in hidden))
-    per_matrix = flops / max(1, len(hidden))
-    speed = hw.speed(ctx.math(hw, "bf16" if low_precision(ctx.precision) else "fp32"))
-    ranks = c.world if not lay.zero1 else c.dp
-    iterate = flops / ranks / (speed * hw.gemm_rate(per_matrix)) * hw.compute_scale
-    numel = cached(ctx, ("muon_numel", id(a)), lambda: sum(q.numel for q in hidden))
-    holders = c.world // c.pp  # the ranks of a stage, among which its matrices are shared out
-    if lay.zero1 or holders <= 1:
-        return iterate, 0.0
-    stage_bytes = numel / c.pp * FP32_BYTES
-    if lay.uses_ddp:
-        return iterate, all_gather_time(stage_bytes, holders, dp_link)
-    return iterate, 2 * all_to_all_time(stage_bytes / holders, holders, shard_link)
+def optimizer_capability_terms(c: Candidate, ctx: Context, links: _Links) -> list[tuple[float, dict[str, float]]]:
+    """The optimizer step's own terms of the capabilities the context's optimizer implies, with their defaults (the
+    planner costs an optimizer's default settings): (seconds, {exposed communication: seconds}) each."""
+    implied = cached(ctx, ("optimizer capabilities", ctx.precision, ctx.optimizer),
+                     lambda: implied_by_settings(ctx.precision, ctx.optimizer))
+    if not implied:
+        return []
+    step = OptimizerStep(c, ctx, links)
+    return [t for t in (capability.optimizer_step_s(step) for capability in implied) if t is not None]
 
 
 def trainable_count(args: ModelArgs, lora: LoRA) -> int:

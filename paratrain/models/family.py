@@ -76,8 +76,9 @@ class Param:
 
     @property
     def hidden_matrix(self) -> bool:
-        """A block's projection matrix (attention, MLP, shared or routed experts: one matrix per expert), what Muon
-        updates; not the embedding, the head, norms, biases or the router."""
+        """A block's projection matrix (attention, MLP, shared or routed experts: one matrix per expert), what an
+        optimizer that orthogonalises whole matrices updates (`OptimizerEntry.hidden_state`); not the embedding, the
+        head, norms, biases or the router."""
         return self.layer is not None and self.role in ("colwise", "rowwise", "expert") and len(self.shape) >= 2
 
     @property

@@ -45,7 +45,8 @@ from paratrain.files import replace_dir
 from paratrain.hf.arch import resume_hint
 from paratrain.models.args import DEFAULT_FAMILY, fields_problem, is_int
 from paratrain.models.lora_params import record_problem
-from paratrain.optimizers import OPTIMIZERS, OptimizerEntry, optimizer_entry
+from paratrain.capabilities import OPTIMIZERS, optimizer_entry
+from paratrain.optimizers import HIDDEN_STATE, OptimizerEntry
 from paratrain.training import integrity, safe_dcp
 from paratrain.training.optim import inner_optimizer, is_zero1
 
@@ -139,7 +140,7 @@ def _load_zero1_state(model: nn.Module, optimizer, path: Path, entry: OptimizerE
     names = _fqns(model)
     local = optimizer.optim
     wanted = {names[id(p)]: p for g in local.param_groups for p in g["params"]}
-    hidden = {id(p) for g in local.param_groups if g.get("muon") for p in g["params"]}  # Muon's own group
+    hidden = {id(p) for g in local.param_groups if g.get(HIDDEN_STATE) for p in g["params"]}
     template = {fqn: ({k: torch.empty_like(p, dtype=torch.float32) for k in entry.hidden_state} if id(p) in hidden
                       else {**{k: torch.empty_like(p, dtype=torch.float32) for k in entry.param_state},
                             **{k: torch.zeros((), dtype=torch.float32) for k in entry.scalar_state}})

@@ -38,26 +38,32 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from paratrain.distributed.initialize import canonical_name
-from paratrain.errors import ConfigError
+from paratrain.capabilities.muon import ENTRY
+from paratrain.modes import low_precision
+from paratrain.optimizers import HIDDEN_STATE
 
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def muon_param_groups(model: nn.Module, weight_decay: float, hidden: frozenset[str]) -> list[dict]:
-    """Muon's group (the trainable parameters named in `hidden`: the model family's hidden matrices,
-    `Param.hidden_matrix`), then AdamW's: decayed matrices (embeddings, output) and the rest undecayed. Order follows
-    named_parameters on every layout."""
-    muon, decay, no_decay = [], [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (muon if canonical_name(name) in hidden else decay if p.dim() >= 2 else no_decay).append(p)
-    if not muon:
-        raise ConfigError("optimizer.name=muon: the model has no trainable hidden matrices (attention and MLP "
-                          "projections) for Muon to update: use adamw")
-    return [{"params": muon, "weight_decay": weight_decay, "muon": True},
-            {"params": decay, "weight_decay": weight_decay, "muon": False},
-            {"params": no_decay, "weight_decay": 0.0, "muon": False}]
+def build(cfg, device: torch.device, comm=None, precision: str = "fp32", replica_mesh=None, adamw=None, **_):
+    """The builder of the table's entry (paratrain/capabilities/muon.py): Muon on the hidden matrices
+    (optimizer.muon_*), AdamW (`adamw`: the adamw entry's keyword arguments) on the rest. The Newton-Schulz precision:
+    optimizer.muon_ns_dtype, auto fp32 for an fp32 run, else bf16."""
+    ns = cfg.muon_ns_dtype if cfg.muon_ns_dtype != "auto" else "bfloat16" if low_precision(precision) else "float32"
+    return Muon, dict(muon_lr_ratio=(cfg.lr if cfg.muon_lr is None else cfg.muon_lr) / cfg.lr,
+                      momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
+                      ns_coefficients=(cfg.muon_ns_a, cfg.muon_ns_b, cfg.muon_ns_c), ns_dtype=NS_DTYPES[ns],
+                      adjust_lr=cfg.muon_adjust_lr, replica_mesh=replica_mesh, **adamw)
+
+
+BUILDERS = {ENTRY.name: build}  # (training/optim.py's BUILDERS takes these)
+
+
+def _renamed_group_key(optimizer, state_dict: dict) -> dict:
+    """Checkpoints written before 2026-12-07 mark the hidden matrices' group "muon" (now HIDDEN_STATE): a loaded
+    group replaces the optimizer's whole."""
+    groups = [{HIDDEN_STATE if k == "muon" else k: v for k, v in g.items()} for g in state_dict["param_groups"]]
+    return {**state_dict, "param_groups": groups}
 
 
 def update_scale(rule: str, rows: int, cols: int) -> float:
@@ -93,19 +99,21 @@ def _stacked(placement):
 
 
 class Muon(torch.optim.AdamW):
-    """Muon on the param groups marked `muon`, torch's AdamW on the others (its fused / foreach implementation, as
+    """Muon on the param groups marked HIDDEN_STATE (the hidden matrices), torch's AdamW on the others (its fused / foreach implementation, as
     `optimizer.impl` resolves). `replica_mesh`: the data-parallel mesh over which plain (not DTensor) parameters are
     whole replicas with averaged gradients (DDP): their orthogonalisation is shared out over it. None on one process
     and under ZeRO-1 (whose ranks each step their own whole parameters)."""
 
     def __init__(self, params, *, muon_lr_ratio: float = 1.0, momentum: float = 0.95, nesterov: bool = True,
                  ns_steps: int = 5, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_dtype: torch.dtype = torch.float32,
-                 adjust_lr: str = "match_rms_adamw", ns_eps: float = 1e-7, replica_mesh=None, muon: bool = False,
-                 **adamw):
+                 adjust_lr: str = "match_rms_adamw", ns_eps: float = 1e-7, replica_mesh=None,
+                 hidden_state: bool = False, **adamw):
         super().__init__(params, **adamw)
-        self.defaults["muon"] = muon  # a group added without the key (ZeRO-1's first group takes the defaults)
+        # a group added without the key (ZeRO-1's first group takes the defaults)
+        self.defaults[HIDDEN_STATE] = hidden_state
         for group in self.param_groups:
-            group.setdefault("muon", muon)
+            group.setdefault(HIDDEN_STATE, hidden_state)
+        self.register_load_state_dict_pre_hook(_renamed_group_key)
         self.muon_lr_ratio, self.momentum, self.nesterov = muon_lr_ratio, momentum, nesterov
         self.ns_steps, self.ns_coefficients, self.ns_dtype = ns_steps, tuple(ns_coefficients), ns_dtype
         self.adjust_lr, self.ns_eps, self.replica_mesh = adjust_lr, ns_eps, replica_mesh
@@ -120,9 +128,9 @@ class Muon(torch.optim.AdamW):
     def step(self, closure=None):
         groups = self.param_groups
         for group in groups:
-            if group.get("muon"):
+            if group.get(HIDDEN_STATE):
                 self._muon_step(group)
-        self.param_groups = [g for g in groups if not g.get("muon")]
+        self.param_groups = [g for g in groups if not g.get(HIDDEN_STATE)]
         try:
             return super().step(closure)
         finally:

@@ -1,6 +1,6 @@
-"""Building the optimizer of `optimizer.name` (paratrain/optimizers.py: the registry) on any layout, the builders of
-the entries shipped here (AdamW, SGD), and a warmup + cosine learning-rate schedule (`lr_at`, run by the
-`WarmupCosine` scheduler object)."""
+"""Building the optimizer of `optimizer.name` (paratrain.capabilities.OPTIMIZERS: the table; paratrain/optimizers.py:
+its entries) on any layout, the builders of the entries shipped here (AdamW, SGD), and a warmup + cosine
+learning-rate schedule (`lr_at`, run by the `WarmupCosine` scheduler object)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from dataclasses import replace
 from torch import nn
 import torch
 
+from paratrain.capabilities import optimizer_entry
 from paratrain.config import OptimizerConfig
+from paratrain.distributed.initialize import canonical_name
 from paratrain.errors import ConfigError
-from paratrain.modes import low_precision, resolve_impl
-from paratrain.training import onebit
-from paratrain.training.muon import NS_DTYPES, Muon, muon_param_groups
-from paratrain.optimizers import optimizer_entry
+from paratrain.modes import resolve_impl
+from paratrain.optimizers import HIDDEN_STATE
+from paratrain.training import muon, onebit
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -29,6 +30,21 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def hidden_param_groups(model: nn.Module, cfg: OptimizerConfig, hidden: frozenset[str]) -> list[dict]:
+    """For an entry with a hidden_state: the trainable parameters named in `hidden` (the model family's hidden
+    matrices, `Param.hidden_matrix`) first, in a group marked HIDDEN_STATE, then `param_groups`'s two (AdamW's
+    decayed matrices, embeddings and output, and the rest undecayed). Order follows named_parameters on every
+    layout."""
+    mine = [p for name, p in model.named_parameters() if p.requires_grad and canonical_name(name) in hidden]
+    if not mine:
+        raise ConfigError(f"optimizer.name={cfg.name}: the model has no trainable hidden matrices (attention and MLP "
+                          "projections) for it to update: use adamw")
+    ids = {id(p) for p in mine}
+    rest = [{**g, "params": [p for p in g["params"] if id(p) not in ids], HIDDEN_STATE: False}
+            for g in param_groups(model, cfg.weight_decay)]
+    return [{"params": mine, "weight_decay": cfg.weight_decay, HIDDEN_STATE: True}, *rest]
+
+
 def impl_kwargs(cfg: OptimizerConfig, device: torch.device) -> dict:
     impl = resolve_impl(cfg.impl, device.type, "fp32", cfg.name)  # build_optimizer resolved "auto" (the precision)
     return {"fused": dict(fused=True), "foreach": dict(foreach=True), "for": dict(foreach=False)}[impl]
@@ -36,16 +52,6 @@ def impl_kwargs(cfg: OptimizerConfig, device: torch.device) -> dict:
 
 def adamw(cfg: OptimizerConfig, device: torch.device, comm=None, **_):
     return torch.optim.AdamW, dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl_kwargs(cfg, device))
-
-
-def muon(cfg: OptimizerConfig, device: torch.device, comm=None, precision: str = "fp32", replica_mesh=None, **_):
-    """Muon on the hidden matrices (optimizer.muon_*), the adamw entry's AdamW on the rest (paratrain/training/
-    muon.py). The Newton-Schulz precision: optimizer.muon_ns_dtype, auto fp32 for an fp32 run, else bf16."""
-    ns = cfg.muon_ns_dtype if cfg.muon_ns_dtype != "auto" else "bfloat16" if low_precision(precision) else "float32"
-    return Muon, dict(muon_lr_ratio=(cfg.lr if cfg.muon_lr is None else cfg.muon_lr) / cfg.lr,
-                      momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
-                      ns_coefficients=(cfg.muon_ns_a, cfg.muon_ns_b, cfg.muon_ns_c), ns_dtype=NS_DTYPES[ns],
-                      adjust_lr=cfg.muon_adjust_lr, replica_mesh=replica_mesh, **adamw(cfg, device)[1])
 
 
 class BF16AdamW(torch.optim.Optimizer):
@@ -111,25 +117,24 @@ def sgd(cfg: OptimizerConfig, device: torch.device, comm=None, **_):
 
 # Each registered optimizer's builder (paratrain/optimizers.py's names; the torch-free registry does not import them).
 BUILDERS = {"adamw": adamw, "sgd": sgd, "onebit_adam": onebit.build, "zero_one_adam": onebit.build,
-            "adamw-bf16": adamw_bf16, "adamw8bit": adamw8bit, "muon": muon}
+            "adamw-bf16": adamw_bf16, "adamw8bit": adamw8bit, **muon.BUILDERS}
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device, zero1_group=None, comm=None,
                     precision: str = "fp32", hidden: frozenset[str] = frozenset(), replica_mesh=None):
     """`optimizer.name`'s optimizer over the model's parameter groups; with `zero1_group` wrapped in ZeRO-1.
-    `comm`: the run's GradComm (for optimizers that communicate themselves). For an entry with a hidden_state
-    (Muon): `hidden`, the canonical names of the hidden matrices (its first group), and `replica_mesh`, the mesh over
-    which plain parameters are whole replicas (DDP's data-parallel mesh; None elsewhere)."""
+    `comm`: the run's GradComm (for optimizers that communicate themselves). For an entry with a hidden_state:
+    `hidden`, the canonical names of the hidden matrices (its first group), and `replica_mesh`, the mesh over which
+    plain parameters are whole replicas (DDP's data-parallel mesh; None elsewhere)."""
     cfg = replace(cfg, impl=resolve_impl(cfg.impl, device.type, precision, cfg.name))
     entry = optimizer_entry(cfg.name)
-    groups = muon_param_groups(model, cfg.weight_decay, hidden) if entry.hidden_state else \
-        param_groups(model, cfg.weight_decay)
-    cls, kwargs = BUILDERS[entry.name](cfg, device, comm, precision=precision,
+    groups = hidden_param_groups(model, cfg, hidden) if entry.hidden_state else param_groups(model, cfg.weight_decay)
+    cls, kwargs = BUILDERS[entry.name](cfg, device, comm, precision=precision, adamw=adamw(cfg, device)[1],
                                        replica_mesh=None if zero1_group is not None else replica_mesh)
     if zero1_group is None:
         return cls(groups, **kwargs)
     if entry.hidden_state:  # ZeRO-1 keeps the first group's options as its defaults: the others say theirs
-        kwargs["muon"] = True
+        kwargs[HIDDEN_STATE] = True
 
     # ZeRO-1: each rank keeps the optimizer state only for its partition of the parameters. After the step each
     # rank broadcasts its partition as one flat bucket (parameters_as_bucket_view), not one broadcast per parameter.

@@ -29,6 +29,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor.parallel import loss_parallel
 
 from paratrain.config import ActivationCheckpointConfig, MemoryConfig, OptimizerConfig, ParallelConfig
+from paratrain.capabilities import optimizer_entry
 from paratrain.capabilities.base import Capability, Where
 from paratrain.data.batch import NOT_A_TARGET, as_batch
 from paratrain.distributed.compression import GradComm
@@ -467,7 +468,8 @@ def build_train_step(model_args, dims, recipe: Recipe | None = None, device: tor
     scaler = make_scaler(layout, precision, device)
     optimizer = dataclasses.replace(options.optimizer or OptimizerConfig(), name=recipe.optimizer)
     # compression, buckets, prefetching (and 1-bit Adam's schedule)
-    comm = GradComm(options.parallel or ParallelConfig(), dims, device, options.seed, optimizer, options.steps)
+    comm = GradComm(options.parallel or ParallelConfig(), dims, device, options.seed, optimizer, options.steps,
+                    optimizer_entry(recipe.optimizer))
     token_loss = TokenLoss(capabilities, device)
     pipeline = None
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
