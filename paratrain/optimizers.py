@@ -260,17 +260,14 @@ BUILT_IN: dict[str, OptimizerEntry] = {
 }
 
 
-def _no_zero1(layout: Layout) -> str | None:
+def no_zero1(layout: Layout) -> str | None:
     return ("keeps low-precision states that ZeRO-1's fp32 partitions cannot hold: use dp_mode zero2 or fsdp (the "
             "state is sharded there too)" if layout.zero1 else None)
 
 
-# Low-memory optimizer states (docs/memory-tiers.md): the same AdamW update from moments kept in fewer bits.
+# Low-memory optimizer states (docs/memory-tiers.md): the same AdamW update from moments kept in fewer bits (8 bits:
+# torchao's, a capability module in paratrain/capabilities/).
 BUILT_IN["adamw-bf16"] = OptimizerEntry(
     "adamw-bf16", "AdamW with both moments kept in bf16 (paratrain.training.optim.BF16AdamW): half AdamW's state",
     param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",),
-    step_tensors=3, step_kernels=8, refuses=_no_zero1, element_bytes=2)
-BUILT_IN["adamw8bit"] = OptimizerEntry(
-    "adamw8bit", "torchao's AdamW8bit: both moments in 8 bits with an fp32 scale per 256 values (pip install "
-    "torchao)", param_state=("exp_avg", "exp_avg_sq"), scalar_state=("step",),
-    step_tensors=3, step_kernels=4, refuses=_no_zero1, element_bytes=1 + 4 / 256)
+    step_tensors=3, step_kernels=8, refuses=no_zero1, element_bytes=2)

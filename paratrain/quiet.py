@@ -23,7 +23,7 @@ class _DropMessages(logging.Filter):
         return not any(text in message for text in self.texts)
 
 
-# torchao (optimizer.name=adamw8bit) tries its prebuilt CUDA kernels (mxfp8, CUTLASS for sm90a) at import and logs each
+# torchao (the 8-bit optimizer states) tries its prebuilt CUDA kernels (mxfp8, CUTLASS for sm90a) at import and logs each
 # one that does not load for this torch or machine. paratrain uses its 8-bit AdamW, which is plain PyTorch and needs
 # none of them.
 logging.getLogger("torchao").addFilter(_DropMessages("Failed to load"))

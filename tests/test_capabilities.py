@@ -72,6 +72,7 @@ def test_z_loss_is_logged(tmp_path, char_data):
 NAMED_ALSO_IN = {
     "z_loss": set(),
     "float8": {"paratrain/estimate/profile.py"},  # (the FP8 curve's name in calibration profiles saved before)
+    "adamw8bit": {"paratrain/training/optim.py"},  # (its builder, imported into the builders' table)
 }
 
 

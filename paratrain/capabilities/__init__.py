@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 from typing import NamedTuple
 
+from paratrain.capabilities.adamw8bit import EightBitAdam
 from paratrain.capabilities.base import Capability
 from paratrain.capabilities.float8 import Float8
 from paratrain.capabilities.muon import Muon
@@ -15,7 +16,7 @@ from paratrain.errors import ConfigError
 from paratrain.optimizers import BUILT_IN, OptimizerEntry
 
 # In the order their hooks run (and their keys are listed in a section they share).
-CAPABILITIES: tuple[type[Capability], ...] = (Float8, OneBitAdam, Muon, ZLoss)
+CAPABILITIES: tuple[type[Capability], ...] = (Float8, OneBitAdam, EightBitAdam, Muon, ZLoss)
 
 # The optimizer table `optimizer.name` selects from: the built-in entries (paratrain/optimizers.py), then those the
 # capabilities bring (`Capability.optimizers`), in registry order.

@@ -12,7 +12,7 @@ from dataclasses import replace
 from torch import nn
 import torch
 
-from paratrain.capabilities import optimizer_entry
+from paratrain.capabilities import adamw8bit as eight_bit, optimizer_entry
 from paratrain.config import OptimizerConfig
 from paratrain.distributed.initialize import canonical_name
 from paratrain.errors import ConfigError
@@ -89,13 +89,12 @@ def adamw_bf16(cfg: OptimizerConfig, device: torch.device, comm=None, **_):
     return BF16AdamW, dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
-def adamw8bit(cfg: OptimizerConfig, device: torch.device, comm=None, **_):
-    """torchao's AdamW8bit (an optional dependency: a one-line error without it)."""
+def eight_bit_adamw(cfg: OptimizerConfig, device: torch.device, comm=None, **_):
+    """torchao's 8-bit AdamW (an optional dependency: a one-line error without it; paratrain/capabilities/)."""
     try:
         from torchao.optim import AdamW8bit
     except ImportError:
-        raise ConfigError("optimizer.name=adamw8bit needs torchao, which is not installed (pip install torchao)") \
-            from None
+        raise ConfigError(eight_bit.MISSING) from None
     return AdamW8bit, dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
@@ -117,7 +116,7 @@ def sgd(cfg: OptimizerConfig, device: torch.device, comm=None, **_):
 
 # Each registered optimizer's builder (paratrain/optimizers.py's names; the torch-free registry does not import them).
 BUILDERS = {"adamw": adamw, "sgd": sgd, "onebit_adam": onebit.build, "zero_one_adam": onebit.build,
-            "adamw-bf16": adamw_bf16, "adamw8bit": adamw8bit, **muon.BUILDERS}
+            "adamw-bf16": adamw_bf16, eight_bit.ENTRY.name: eight_bit_adamw, **muon.BUILDERS}
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device, zero1_group=None, comm=None,
