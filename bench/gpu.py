@@ -168,8 +168,8 @@ def memory_specs(args, cuda: bool) -> list[tuple[str, object, bool | str]]:
             ("activation offload, mb 2", dict(micro_batch=2, seq_len=seq, precision=low, activation_offload="all")),
             ("bf16 optimizer states, mb 2", dict(micro_batch=2, seq_len=seq, precision=low, optimizer="adamw-bf16"))]
     device = "cuda" if cuda else "cpu"
-    return [(label, MeasureSpec(model=model, name=label, optimizer_impl=resolve_impl("auto", device, kw["precision"]),
-                                **kw), False)
+    return [(label, MeasureSpec.of(model, name=label, optimizer_impl=resolve_impl("auto", device, kw["precision"]),
+                                   **kw), False)
             for label, kw in rows]
 
 
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     mem_args = model_args(models[0][1], models[0][2], vocab)
     for label, spec, comp in memory_specs(mem_args, cuda)[:2 if a.smoke else None]:
         measured = device_step_peaks(spec, device, comp)
-        inputs = inputs_for_spec(spec, 1).with_recipe(optimizer_impl=spec.optimizer_impl).with_target(
+        inputs = inputs_for_spec(spec, 1).with_target(
             device=a.device, overhead_bytes=0)
         est = estimate(inputs, suggest=False)
         report["memory"].append({"config": label, "estimate": est.peak_bytes, **measured, "phase": est.phase})

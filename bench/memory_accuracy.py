@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # memory_measure (bench/)
 
 from paratrain.config import ParallelConfig
-from memory_measure import CATEGORIES, MeasureSpec, inputs_for_spec, measure  # bench/memory_measure.py
+from memory_measure import CATEGORIES, MeasureSpec, inputs_for_spec, measure, recipe_keys  # bench/memory_measure.py
 
 # A small Llama (GQA, SwiGLU) whose activations, parameters and logits are all a visible share of the peak.
 MODEL = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=352, max_seq_len=512)
@@ -179,17 +179,17 @@ TOLERANCE = 0.05  # every configuration's predicted total peak within 5% of the 
 SMALL = 0.02  # categories under 2% of the peak are compared in % of the peak (relative errors of tiny numbers mean little)
 
 
-# A row's settings: its [parallel] section, and beside it the spec's own fields for the other sections ([memory]:
-# loss_chunks, activation_offload, offload_every_k; [optimizer]: optimizer), as MeasureSpec names them.
-OWN_FIELDS = {f.name for f in dataclasses.fields(MeasureSpec)} - {"model", "parallel"}
+# A row's settings: its [parallel] section, and beside it the other sections' settings as the Recipe names them
+# ([memory]: loss_chunks, activation_offload, ...; [optimizer]: optimizer; memory_measure.recipe_keys).
+OWN_FIELDS = set(recipe_keys())
 
 
 def spec_of(row) -> MeasureSpec:
     name, _, settings, precision, ckpt, mb, seq, accum, model = row
     own = {k: v for k, v in settings.items() if k in OWN_FIELDS}
     layout = {k: v for k, v in settings.items() if k not in OWN_FIELDS}
-    return MeasureSpec(model=model, parallel=ParallelConfig(**layout), precision=precision, checkpointing=ckpt,
-                       micro_batch=mb, seq_len=seq, accum_steps=accum, name=name, **own)
+    return MeasureSpec.of(model, ParallelConfig(**layout), precision=precision, checkpointing=ckpt, micro_batch=mb,
+                          seq_len=seq, accum_steps=accum, name=name, **own)
 
 
 def predicted(spec: MeasureSpec, world: int):
@@ -227,12 +227,12 @@ def compare(rows_measured: list[dict], spec: MeasureSpec, world: int) -> dict:
     if host or est.host_bytes:  # activation offloading's host copies (the worst rank's)
         out["host"] = {"measured": host, "predicted": est.host_bytes}
     fe = worst["forward_end"]
-    if spec.parallel.pp == 1:  # (a pipeline's schedule interleaves forwards and backwards: no "end of forward")
+    if spec.config.parallel.pp == 1:  # (a pipeline's schedule interleaves forwards and backwards: no "end of forward")
         out["fwd_activations"] = {"measured": fe.get("activations", 0), "predicted": fwd_acts}
         out["fwd_logits_loss"] = {"measured": fe.get("logits_loss", 0), "predicted": fwd_head}
     # FSDP parameter all-gathers per step: measured in the trainer's step against the rule the cost model uses
     lay = spec.layout(world).validate(est.inputs.model_args, world, spec.batch(world))
-    micro = lay.pp_microbatches if lay.pipelined else spec.accum_steps
+    micro = lay.pp_microbatches if lay.pipelined else spec.training.accum_steps
     from paratrain.estimate.model_states import rank_layers
 
     pp_rank = worst["rank"] // (world // lay.pp)  # pp is the outermost mesh axis

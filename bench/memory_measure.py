@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from paratrain.config import ParallelConfig
+from paratrain.config import Config, ParallelConfig
 
 # Categories (shared with the estimator's rows).
 PARAMS = "parameters"
@@ -199,58 +199,85 @@ class StorageTracker(TorchDispatchMode):
 
 
 # ---------------------------------------------------------------------------------------------
+def measure_config() -> Config:
+    """A measured run's defaults where they are not a run's: fp32 on a CPU, sequences of 64, two of them per
+    micro-step, torch's foreach AdamW kernels (what the estimator's CPU rows assume), seed 0, clipping at 1.0."""
+    cfg = Config()
+    cfg.training.device, cfg.training.precision, cfg.training.micro_batch, cfg.training.seq_len = "cpu", "fp32", 2, 64
+    cfg.training.accum_steps, cfg.training.seed, cfg.training.grad_clip = 1, 0, 1.0
+    cfg.optimizer.impl = "foreach"
+    return cfg
+
+
+def recipe_keys() -> dict[str, str]:
+    """{a setting as the Recipe names it: its config key}: the recipe's keyed fields (paratrain.recipe.setting),
+    its memory tiers' ([memory]), and the two a run resolves (the accumulation from the batch, the optimizer's
+    kernels on the device)."""
+    from paratrain.memory import MemoryTiers
+    from paratrain.recipe import Recipe
+
+    keys = {f.name: f.metadata["key"] for f in dataclasses.fields(Recipe) if "key" in f.metadata}
+    keys.update({f.name: f"memory.{f.name}" for f in dataclasses.fields(MemoryTiers)})
+    return {**keys, "accum_steps": "training.accum_steps", "optimizer_impl": "optimizer.impl"}
+
+
 @dataclass
 class MeasureSpec:
-    """One configuration to run: model dimensions, its layout's `[parallel]` section, precision, checkpointing,
-    batch."""
+    """One configuration to run: model dimensions and a run's config (its `[parallel]` layout, precision,
+    checkpointing, batch, memory tiers and optimizer: each setting declared once, in paratrain.config), measured at
+    the last of `steps` steps (the first creates the optimizer state). A pipeline runs pp_microbatches of
+    training.micro_batch."""
 
     model: dict  # ModelArgs fields
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # a pipeline: pp_microbatches of micro_batch
-    precision: str = "fp32"
-    checkpointing: str = "none"
-    every_k: int = 2
-    segment_blocks: int = 0  # checkpointing segments: blocks per segment (0: round(sqrt(n_layers)))
-    micro_batch: int = 2
-    seq_len: int = 64
-    accum_steps: int = 1
-    optimizer_impl: str = "foreach"
-    optimizer: str = "adamw"  # optimizer.name (paratrain/optimizers.py)
-    loss_chunks: int = 0  # memory.loss_chunks (0: automatic, as the trainer)
-    activation_offload: str = "none"  # memory.activation_offload and its every_k
-    offload_every_k: int = 2
-    steps: int = 2  # the last one is measured (the first creates the optimizer state)
+    config: Config = field(default_factory=measure_config)
+    steps: int = 2
     name: str = ""
+
+    @classmethod
+    def of(cls, model: dict, parallel: ParallelConfig | None = None, *, steps: int = 2, name: str = "",
+           **settings) -> "MeasureSpec":
+        """A spec from `measure_config` with `parallel` and `settings` named as the Recipe names them (precision=,
+        checkpointing=, every_k=, segment_blocks=, micro_batch=, seq_len=, accum_steps=, optimizer=,
+        optimizer_impl=, loss_chunks=, activation_offload=, activation_offload_every_k=: `recipe_keys`)."""
+        cfg, keys = measure_config(), recipe_keys()
+        cfg.parallel = parallel if parallel is not None else ParallelConfig()
+        for setting, value in settings.items():
+            section, key = keys[setting].split(".")
+            setattr(getattr(cfg, section), key, value)
+        return cls(model, cfg, steps, name)
+
+    @property
+    def training(self):
+        return self.config.training  # (the batch's shape: micro_batch, seq_len, accum_steps)
 
     def layout(self, world_size: int):
         """The spec's parallel layout on `world_size` ranks (paratrain.layout.Layout; ConfigError if it cannot run)."""
         from paratrain.layout import Layout
 
-        return Layout.from_config(self.parallel, world_size)
+        return Layout.from_config(self.config.parallel, world_size)
 
-    def step_recipe(self, layout, compile: bool | str = False):
-        """`build_train_step`'s recipe for this spec on `layout` (paratrain.recipe.Recipe)."""
-        from paratrain.memory import MemoryTiers
+    def recipe(self, layout, compile: bool | str = False):
+        """The run's recipe on `layout` (paratrain.recipe.Recipe: what `build_train_step` and the estimator read)."""
         from paratrain.recipe import Recipe
 
-        return Recipe(layout, precision=self.precision, checkpointing=self.checkpointing, every_k=self.every_k,
-                      segment_blocks=self.segment_blocks, optimizer=self.optimizer, compile=compile,
-                      tiers=MemoryTiers(self.loss_chunks, self.activation_offload, self.offload_every_k))
+        t = self.training
+        return Recipe.from_config(self.config, layout, t.micro_batch, t.accum_steps, "cpu").replace(compile=compile)
 
     def step_options(self):
-        """`build_train_step`'s options for this spec (seed 0, clipping at 1.0, its `[parallel]` section)."""
-        from paratrain.config import OptimizerConfig
+        """`build_train_step`'s options for this spec (its seed, clipping, `[optimizer]` and `[parallel]`)."""
         from paratrain.training.step import StepOptions
 
-        return StepOptions(optimizer=OptimizerConfig(name=self.optimizer, impl=self.optimizer_impl),
-                           parallel=self.parallel, seed=0, grad_clip=1.0)
+        t = self.config.training
+        return StepOptions(seed=t.seed, grad_clip=t.grad_clip, optimizer=self.config.optimizer,
+                           parallel=self.config.parallel)
 
     def batch(self, world_size: int):
         """The batch the spec's layout must divide (a pipeline: micro_batch x pp_microbatches per data rank)."""
         from paratrain.layout import Batch
 
-        lay = self.layout(world_size)
-        steps = lay.pp_microbatches if lay.pipelined else self.accum_steps
-        return Batch(self.micro_batch * steps * lay.dp, self.micro_batch, self.seq_len)
+        lay, t = self.layout(world_size), self.training
+        steps = lay.pp_microbatches if lay.pipelined else t.accum_steps
+        return Batch(t.micro_batch * steps * lay.dp, t.micro_batch, t.seq_len)
 
 
 @dataclass
@@ -516,7 +543,7 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
     gathers = [0]
     with tracker, _fsdp_labels(tracker), _offload_labels(tracker), _count_fsdp_all_gathers(gathers):
         tracker.label = PARAMS
-        step = build_train_step(args, dims, spec.step_recipe(layout), device, spec.step_options())  # the trainer's
+        step = build_train_step(args, dims, spec.recipe(layout), device, spec.step_options())  # the trainer's
         model, optimizer, pipeline = step.model, step.optimizer, step.pipeline
         if hasattr(model, "register_comm_hook"):
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -533,11 +560,11 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
         tracker.param_storages = {id(st) for p in unwrap(model).parameters() for st in _storages(_local(p))}
         inner = unwrap(model)
         probe = (_PipelinePhases(tracker, pipeline) if pipeline is not None
-                 else _PhaseLabels(tracker, inner, spec.accum_steps))
+                 else _PhaseLabels(tracker, inner, spec.training.accum_steps))
         step.probe = probe
         gen = torch.Generator().manual_seed(1234)
-        rows = spec.micro_batch * (layout.pp_microbatches if pipeline is not None else 1)
-        chunks = 1 if pipeline is not None else spec.accum_steps
+        rows = spec.training.micro_batch * (layout.pp_microbatches if pipeline is not None else 1)
+        chunks = 1 if pipeline is not None else spec.training.accum_steps
         # DDP rebuilds its buckets (in gradient-ready order) in the second iteration: measure after that.
         steps = max(spec.steps, 3) if hasattr(model, "register_comm_hook") else spec.steps
         for i in range(steps):
@@ -547,8 +574,8 @@ def measure_step(spec: MeasureSpec, mesh_cache: dict | None = None) -> Measureme
                 gathers[0] = 0
             if pipeline is None:
                 tracker.label = ACTS  # the batch is part of the forward's inputs
-            micro = [(torch.randint(0, args.vocab_size, (rows, spec.seq_len), generator=gen),
-                      torch.randint(0, args.vocab_size, (rows, spec.seq_len), generator=gen))
+            micro = [(torch.randint(0, args.vocab_size, (rows, spec.training.seq_len), generator=gen),
+                      torch.randint(0, args.vocab_size, (rows, spec.training.seq_len), generator=gen))
                      for _ in range(chunks)]
             if pipeline is not None:
                 probe.micro_start(*micro[0])
@@ -628,14 +655,15 @@ def device_step_peaks(spec: MeasureSpec, device, compile: bool | str = False, st
     base, base_reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
     args = ModelArgs(**spec.model)
     layout = spec.layout(1)
-    step = build_train_step(args, ParallelDims(layout), spec.step_recipe(layout, compile), device, spec.step_options())
+    step = build_train_step(args, ParallelDims(layout), spec.recipe(layout, compile), device, spec.step_options())
     gen = torch.Generator(device=device).manual_seed(0)
     for i in range(steps):
         if i == steps - 1:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        micro = [tuple(torch.randint(0, args.vocab_size, (spec.micro_batch, spec.seq_len), device=device, generator=gen)
-                       for _ in range(2)) for _ in range(spec.accum_steps)]
+        t = spec.training
+        micro = [tuple(torch.randint(0, args.vocab_size, (t.micro_batch, t.seq_len), device=device, generator=gen)
+                       for _ in range(2)) for _ in range(t.accum_steps)]
         step.forward_backward(micro)
         step.clip()
         step.update(finite=True)
@@ -649,18 +677,10 @@ def device_step_peaks(spec: MeasureSpec, device, compile: bool | str = False, st
 
 
 def inputs_for_spec(spec: MeasureSpec, world_size: int):
-    """The estimator's inputs for a measured configuration (CPU: no runtime overhead, foreach optimizer)."""
+    """The estimator's inputs for a measured configuration (CPU: no runtime overhead, the spec's optimizer kernels);
+    loss_chunks 0 (automatic) is resolved by the estimator with the model's vocabulary (paratrain.memory.loss_chunks)."""
     from paratrain.estimate.inputs import Target, inputs_for
-    from paratrain.memory import MemoryTiers
     from paratrain.models.args import ModelArgs
-    from paratrain.recipe import Recipe
 
-    layout = spec.layout(world_size)
-    # loss_chunks 0 (automatic) is resolved by the estimator with the model's vocabulary (paratrain.memory.loss_chunks)
-    tiers = MemoryTiers(spec.loss_chunks, spec.activation_offload, spec.offload_every_k)
-    recipe = Recipe(layout, precision=spec.precision, checkpointing=spec.checkpointing, every_k=spec.every_k,
-                    segment_blocks=spec.segment_blocks,
-                    micro_batch=spec.micro_batch, accum_steps=spec.accum_steps, seq_len=spec.seq_len, tiers=tiers,
-                    optimizer=spec.optimizer, optimizer_impl=spec.optimizer_impl)
-    return inputs_for(ModelArgs(**spec.model), recipe, Target(device="cpu", overhead_bytes=0),
-                      model_name=spec.name or "bench")
+    return inputs_for(ModelArgs(**spec.model), spec.recipe(spec.layout(world_size)),
+                      Target(device="cpu", overhead_bytes=0), model_name=spec.name or "bench")

@@ -97,7 +97,7 @@ def _four_ranks():
         errors += [(t.grad - shard_sequence(r.grad, cp, rank, dim=2)).abs().max().item() for t, r in zip(local, leaves)]
         result[f"ring{cp}"] = errors
     for cp in (4, 2):
-        m = measure_step(MeasureSpec(MEMORY_MODEL, ParallelConfig(cp=cp), steps=1, **MEMORY_BATCH))
+        m = measure_step(MeasureSpec.of(MEMORY_MODEL, ParallelConfig(cp=cp), steps=1, **MEMORY_BATCH))
         result[f"memory{cp}"] = m.forward_end["activations"]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
@@ -129,12 +129,12 @@ def test_activation_memory_per_rank_falls_by_cp(four_ranks):
     from paratrain.layout import Layout
     from paratrain.models.args import ModelArgs
 
-    one = measure_step(MeasureSpec(MEMORY_MODEL, steps=1, **MEMORY_BATCH)).forward_end["activations"]
+    one = measure_step(MeasureSpec.of(MEMORY_MODEL, steps=1, **MEMORY_BATCH)).forward_end["activations"]
     args = ModelArgs(**MEMORY_MODEL)
     for cp, world in ((2, 4), (4, 4)):
         measured = max(r[f"memory{cp}"] for r in four_ranks)
         assert 0.85 * cp <= one / measured <= 1.15 * cp, (cp, one, measured)
-        spec = MeasureSpec(MEMORY_MODEL, ParallelConfig(cp=cp), **MEMORY_BATCH)
+        spec = MeasureSpec.of(MEMORY_MODEL, ParallelConfig(cp=cp), **MEMORY_BATCH)
         predicted = forward_end_bytes(estimate(inputs_for_spec(spec, world), suggest=False).inputs)["activations"]
         assert abs(predicted - measured) <= 0.01 * measured, (cp, predicted, measured)
         # per block, attention and MLP separately

@@ -131,7 +131,7 @@ def test_moe_expert_parallel_divides_experts():
 # -- against measurement --------------------------------------------------------------------
 def _spec(tp: int = 1, **kw) -> MeasureSpec:
     base = dict(model=TINY, precision="fp32", checkpointing="none", micro_batch=2, seq_len=32)
-    return MeasureSpec(parallel=ParallelConfig(dp_mode="fsdp", tp=tp), **{**base, **kw})
+    return MeasureSpec.of(parallel=ParallelConfig(dp_mode="fsdp", tp=tp), **{**base, **kw})
 
 
 def _check(rows, spec, world, tol_total=0.05, tol_acts=0.10):

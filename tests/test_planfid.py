@@ -27,8 +27,8 @@ def test_pipeline_memory_and_fsdp_gathers_match_the_trainer():
     from memory_measure import MeasureSpec, inputs_for_spec, measure  # bench/ (tests/conftest.py)
 
     parallel = ParallelConfig(dp_mode="fsdp", pp=2, pp_schedule="1f1b", pp_microbatches=4)
-    specs = [MeasureSpec(model=MODEL, parallel=parallel, micro_batch=1, seq_len=64, precision="bf16",
-                         name="pp2xfsdp2 1f1b bf16")]
+    specs = [MeasureSpec.of(MODEL, parallel, micro_batch=1, seq_len=64, precision="bf16",
+                            name="pp2xfsdp2 1f1b bf16")]
     for spec, ranks in zip(specs, measure(specs, 4)):
         est = estimate(inputs_for_spec(spec, 4), suggest=False)
         worst = max(r["peak"] for r in ranks)
