@@ -36,7 +36,8 @@ class CpuOffload(Capability):
     tier_label = "CPU offload (parameters, gradients, optimizer state)"
     suggestion = (1.8, "--cpu-offload", "model states in host memory: shards over PCIe each gather, the optimizer step "
                   "on the CPU")
-    # against one process on the device: the host holds the same fp32 values, so exactly (fp32's tolerance)
+    # its rows run in the memory tiers' sweep (paratrain/verify.py), exact against one process (fp32's 1e-5): the host
+    # holds the same fp32 values the device would
     verify_matrix = "memory"
     verify_rows = {"fsdp2+cpu_offload": (2, "fsdp,cpuoff=on"),
                    "fsdp2xtp2+cpu_offload": (4, "fsdp,tp=2,cpuoff=on"),
