@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from paratrain import capabilities
 from paratrain.config import Config
 from paratrain.distributed import failure
 from paratrain.distributed.launch import attempt, inside_launcher, launch, start_rank_server
@@ -76,7 +77,9 @@ def _train_parts(parts, want_final_weights: bool, keep_group: bool):
     if first_launch:  # every rank looks before any of them can write (they meet in init_distributed first)
         check_new_run(folder)
         check_overwrite(folder)
-    env = init_distributed(cfg.training.device, cfg.resilience.collective_timeout_s, cfg.memory.cpu_offload)
+    # (CPU offload: on CUDA also collectives on host tensors, where the gradients are)
+    host_collectives = any(c.states_on_host for c in capabilities.active(cfg))
+    env = init_distributed(cfg.training.device, cfg.resilience.collective_timeout_s, host_collectives)
     if world > 1:
         # One rank prepares the data; the others wait, then read it or raise the same error.
         box = [None]

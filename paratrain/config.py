@@ -184,9 +184,6 @@ class MemoryConfig:
     # pinned buffers and a side stream): none | all blocks | every_k (blocks 0, k, 2k, ...).
     activation_offload: ActivationOffloadMode = "none"
     activation_offload_every_k: int = 2  # every_k: blocks 0, k, 2k, ...
-    # Sharded parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy; the optimizer step
-    # runs on the CPU): fsdp, zero2 and hsdp layouts, with tp, pp, ep and cp.
-    cpu_offload: bool = False
 
 
 @dataclass

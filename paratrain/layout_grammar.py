@@ -11,7 +11,7 @@ sequence or loss parallelism; sched: the pipeline schedule, v its stages per ran
 default 2 is not written); ac: activation checkpointing (every_k with its k, segments with its blocks per segment
 when set: segments4); mb: sequences per micro-batch. The
 memory tiers in use follow (paratrain/memory.py): loss=N (the loss over N pieces), actoff=all|every_kK (activation
-offloading), cpuoff=on (CPU offload).
+offloading), then the capabilities' switches (`Capability.layout_item`: cpuoff=on, CPU offload).
 
 The flags are one per `[parallel]` setting (`FLAGS`, derived from config.ParallelConfig; `--tp`, `--pp-schedule`,
 `--no-sequence-parallel`, `--grad-compression`, ...): `add_layout_flags` adds those a command takes, `layout_flags` reads what was given as
@@ -27,6 +27,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal, get_origin
 
+from paratrain import capabilities
 from paratrain.config import ParallelConfig
 from paratrain.config_reference import describe
 from paratrain.errors import UserError
@@ -39,12 +40,14 @@ from paratrain.modes import (ACTIVATION_OFFLOAD_MODES, CHECKPOINT_MODES, DP_MODE
 NO_DATA_PARALLEL = "nodp"
 DEGREES = ("rep", "cp", "tp", "pp", "v", "ep", "mb")
 SWITCHES = {"sp": "sequence_parallel", "lp": "loss_parallel"}  # item -> Layout field, written only when off
-TIERS = ("loss", "actoff", "cpuoff")  # the memory tiers' items
+TIERS = ("loss", "actoff")  # the memory tiers' items
+SWITCHED = {cls.layout_item: cls for cls in capabilities.switches()}  # item -> the capability `item=on` turns on
 
 
 def layout_name(layout, checkpointing: str | None = None, every_k: int = 2, micro_batch: int | None = None,
-                tiers: MemoryTiers | None = None, segment_blocks: int = 0) -> str:
-    """The layout's name (see the module doc), with its checkpointing, micro-batch and memory tiers when given."""
+                tiers: MemoryTiers | None = None, segment_blocks: int = 0, switched: tuple = ()) -> str:
+    """The layout's name (see the module doc), with its checkpointing, micro-batch and memory tiers when given, and
+    the items of the capabilities in `switched` that a name switches on."""
     lay = layout
     parts = [lay.dp_mode if lay.dp_cp > 1 else NO_DATA_PARALLEL]
     if lay.hybrid:
@@ -65,7 +68,8 @@ def layout_name(layout, checkpointing: str | None = None, every_k: int = 2, micr
         parts.append(f"ac={checkpointing_label(checkpointing, every_k, segment_blocks)}")
     if micro_batch is not None:
         parts.append(f"mb={micro_batch}")
-    return ",".join(parts + (tiers.items() if tiers is not None else []))
+    parts += tiers.items() if tiers is not None else []
+    return ",".join(parts + [f"{c.layout_item}=on" for c in switched if c.layout_item])
 
 
 @dataclass
@@ -79,12 +83,16 @@ class NamedLayout:
     micro_batch: int | None = None  # None: not named
     tiers: MemoryTiers = field(default_factory=MemoryTiers)
     named: frozenset = frozenset()  # the items the name gives (those not named keep a run's own settings)
+    switched: tuple = ()  # the capabilities its switches turn on (cpuoff=on: CPU offload), with their defaults
 
     def memory_values(self) -> dict:
-        """The `[memory]` settings the name gives (loss=, actoff=, cpuoff=), as {key: value}."""
-        keys = {"loss": ("loss_chunks",), "actoff": ("activation_offload", "activation_offload_every_k"),
-                "cpuoff": ("cpu_offload",)}
-        return {key: getattr(self.tiers, key) for item in TIERS if item in self.named for key in keys[item]}
+        """The settings the name's memory tiers give (loss=, actoff=, and the switches: cpuoff=), as {"section.key":
+        value}."""
+        keys = {"loss": ("loss_chunks",), "actoff": ("activation_offload", "activation_offload_every_k")}
+        out = {f"memory.{key}": getattr(self.tiers, key) for item in TIERS if item in self.named for key in keys[item]}
+        for capability in self.switched:
+            out.update(capability.config_values())
+        return out
 
     def layout(self, world_size: int, **more):
         """The layout on `world_size` ranks (ConfigError when it is none paratrain can run)."""
@@ -105,9 +113,9 @@ def parse_layout_name(text: str, what: str = "layout") -> NamedLayout:
     items: dict[str, str] = {}
     for tok in tokens[1:]:
         k, eq, v = tok.partition("=")
-        if not eq or k not in (*DEGREES, *SWITCHES, *TIERS, "sched", "ac") or k in items:
+        if not eq or k not in (*DEGREES, *SWITCHES, *TIERS, *SWITCHED, "sched", "ac") or k in items:
             raise UserError(f"{where}: unknown or repeated item '{tok}' (use {'=, '.join(DEGREES)}=, sched=, ac=, "
-                            "sp=off, lp=off, loss=, actoff=, cpuoff=on)")
+                            f"sp=off, lp=off, loss=, actoff={''.join(f', {item}=on' for item in SWITCHED)})")
         items[k] = v
     degrees = {}
     for k in DEGREES:
@@ -126,7 +134,7 @@ def parse_layout_name(text: str, what: str = "layout") -> NamedLayout:
         raise UserError(f"{where}: ac must be one of {', '.join(CHECKPOINT_MODES)} (every_k with its k: every_k2; "
                         "segments with its blocks per segment: segments4)")
     return NamedLayout(_layout_options(mode, degrees, sched, items), *ac, micro_batch=degrees.get("mb"),
-                       tiers=_tiers(items, where), named=frozenset(items))
+                       tiers=_tiers(items, where), named=frozenset(items), switched=_switched(items, where))
 
 
 def _tiers(items: dict[str, str], where: str) -> MemoryTiers:
@@ -137,9 +145,15 @@ def _tiers(items: dict[str, str], where: str) -> MemoryTiers:
     if offload is None:
         raise UserError(f"{where}: actoff must be one of {', '.join(ACTIVATION_OFFLOAD_MODES)} (every_k with its k: "
                         "every_k2)")
-    if items.get("cpuoff", "on") != "on":
-        raise UserError(f"{where}: cpuoff is off unless cpuoff=on")
-    return MemoryTiers(int(chunks), offload[0], offload[1], "cpuoff" in items)
+    return MemoryTiers(int(chunks), offload[0], offload[1])
+
+
+def _switched(items: dict[str, str], where: str) -> tuple:
+    """The capabilities the name's switches turn on (`item=on`), in the registry's order."""
+    for item in SWITCHED:
+        if items.get(item, "on") != "on":
+            raise UserError(f"{where}: {item} is off unless {item}=on")
+    return tuple(cls() for item, cls in SWITCHED.items() if item in items)
 
 
 def _layout_options(mode: str, degrees: dict, sched: str, items: dict) -> dict:

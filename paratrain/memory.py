@@ -13,9 +13,8 @@ Activation offload (`memory.activation_offload`): the saved tensors of every blo
 ("every_k") go to host memory in forward and come back in backward (distributed/offload.py). Not with the zero-bubble
 schedules, whose weight-gradient step reads the saved tensors a second time after the input-gradient step.
 
-CPU offload (`memory.cpu_offload`): FSDP2's CPUOffloadPolicy keeps each rank's shards of the parameters and
-gradients, and so the optimizer state, in host memory, and the optimizer step runs on the CPU; it needs FSDP to hold
-the parameters (fsdp, zero2, hsdp; with tp, pp, ep, cp).
+CPU offload, the third tier, is a capability (`CpuOffload` in paratrain/capabilities): its key, its check and its
+terms live there.
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ class MemoryTiers:
     loss_chunks: int = 1
     activation_offload: ActivationOffloadMode = "none"
     activation_offload_every_k: int = dataclasses.field(default=2, metadata={"flag": "--offload-every-k"})
-    cpu_offload: bool = False
 
     @classmethod
     def from_config(cls, memory) -> "MemoryTiers":
@@ -61,14 +59,14 @@ class MemoryTiers:
 
     @property
     def active(self) -> bool:
-        return self.loss_chunks > 1 or offloads_activations(self.activation_offload) or self.cpu_offload
+        return self.loss_chunks > 1 or offloads_activations(self.activation_offload)
 
     def items(self) -> list[str]:
-        """Layout-name items: loss=N, actoff=all|every_kK, cpuoff=on (only those in use)."""
+        """Layout-name items: loss=N, actoff=all|every_kK (only those in use)."""
         out = [f"loss={self.loss_chunks}"] if self.loss_chunks > 1 else []
         if offloads_activations(self.activation_offload):
             out.append(f"actoff={offload_label(self.activation_offload, self.activation_offload_every_k)}")
-        return out + (["cpuoff=on"] if self.cpu_offload else [])
+        return out
 
 
 def logit_bytes(layout, vocab_size: int, tokens: int) -> int:
@@ -114,14 +112,7 @@ def check_offload_checkpointing(offload: str, checkpointing: str) -> None:
                           "mode=full with offloading, or segments without")
 
 
-def check_cpu_offload(enabled: bool, layout) -> None:
-    if enabled and not layout.uses_fsdp:
-        raise ConfigError("memory.cpu_offload needs FSDP to hold the parameters: dp_mode fsdp, zero2 or hsdp with "
-                          f"more than one data-parallel or context-parallel rank (this layout: {layout.describe()})")
-
-
 def check(memory, layout, precision: str) -> None:
     """Every `[memory]` setting against the layout (ConfigError naming the setting)."""
     check_loss_chunks(memory.loss_chunks, layout)
     check_offload(memory.activation_offload, layout)
-    check_cpu_offload(memory.cpu_offload, layout)

@@ -90,6 +90,8 @@ class Recipe:
             setattr(getattr(cfg, section), key, getattr(self, f.name))
         cfg.parallel = dataclasses.replace(self.layout.to_config(cfg.parallel), **self.compression.config_values())
         cfg.memory = self.tiers.to_config(cfg.memory)
+        for key, value in capabilities.switch_values(self.capabilities).items():  # (CPU offload's key)
+            _set(cfg, key, value)
         cfg.training.accum_steps = self.accum_steps
         if self.lora is not None:
             cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout = self.lora.rank, self.lora.alpha, self.lora.dropout
@@ -100,7 +102,7 @@ class Recipe:
     def name(self) -> str:
         """The layout grammar's one name (paratrain/layout_grammar.py) with checkpointing, micro-batch and tiers."""
         return layout_name(self.layout, self.checkpointing, self.every_k, self.micro_batch, self.tiers,
-                           self.segment_blocks)
+                           self.segment_blocks, self.capabilities)
 
     @property
     def micro_steps(self) -> int:
@@ -108,7 +110,7 @@ class Recipe:
         return self.layout.pp_microbatches if self.layout.pipelined else self.accum_steps
 
     def replace(self, **changes) -> "Recipe":
-        """A changed copy; memory tiers by their own names (loss_chunks=, activation_offload=, cpu_offload=, ...)."""
+        """A changed copy; memory tiers by their own names (loss_chunks=, activation_offload=, ...)."""
         tier_keys = {f.name for f in dataclasses.fields(MemoryTiers)} & changes.keys()
         if tier_keys:
             changes["tiers"] = dataclasses.replace(self.tiers, **{k: changes.pop(k) for k in tier_keys})
@@ -117,10 +119,12 @@ class Recipe:
 
 def recipe_settings(recipe=Recipe) -> dict[str, str]:
     """{config key ("section.key"): its command-line flag} of every setting a recipe reads from a run's config: the
-    recipe's own keyed fields and the memory tiers' ([memory], MemoryTiers' fields). The layout's `[parallel]` keys
-    have theirs in layout_grammar (`FLAG_KEYS`)."""
+    recipe's own keyed fields, the memory tiers' ([memory], MemoryTiers' fields) and the keys of the capabilities a
+    layout's name switches on (CPU offload's). The layout's `[parallel]` keys have theirs in layout_grammar
+    (`FLAG_KEYS`)."""
     out = {f.metadata["key"]: f.metadata.get("flag") for f in _keyed_fields(recipe)}
     out.update({f"memory.{f.name}": f.metadata.get("flag") for f in dataclasses.fields(MemoryTiers)})
+    out.update({key: None for key in capabilities.switch_values(())})
     return {key: flag or "--" + key.split(".")[1].replace("_", "-") for key, flag in out.items()}
 
 
@@ -131,3 +135,8 @@ def _keyed_fields(recipe) -> list:
 def _get(cfg, key: str):
     section, name = key.split(".")
     return getattr(getattr(cfg, section), name)
+
+
+def _set(cfg, key: str, value) -> None:
+    section, name = key.split(".")
+    setattr(getattr(cfg, section), name, value)

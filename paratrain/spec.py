@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain import hf, memory
+from paratrain import capabilities, hf, memory
 from paratrain.config import Config, DataConfig, DEFAULT_DATA_DIR, ModelConfig, load_config
 from paratrain.data import DEFAULT_CORPUS
 from paratrain.capabilities import optimizer_entry
@@ -214,6 +214,8 @@ def _validated(cfg: Config, source: ModelSource, layout: Layout, args: ModelArgs
     source.check_export(cfg.checkpoint, args)
     layout.check_checkpointing(cfg.activation_checkpoint.mode)
     memory.check(cfg.memory, layout, cfg.training.precision)  # the memory tiers the layout can use
+    for capability in capabilities.active(cfg):  # (CPU offload: FSDP layouts)
+        capability.check_layout(layout)
     memory.check_offload_checkpointing(cfg.memory.activation_offload, cfg.activation_checkpoint.mode)
     stage_gpus(cfg.parallel, layout)
     if layout.pipelined and cfg.checkpoint.export_safetensors:

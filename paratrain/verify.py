@@ -100,9 +100,7 @@ LAYOUTS: dict[str, tuple] = {
     "fsdp2+offload": (2, "fsdp,actoff=all"),
     "tp2+offload_every_k+selective": (2, "nodp,tp=2,ac=selective,actoff=every_k2"),
     "pp2+offload+full": (2, "nodp,pp=2,sched=1f1b,ac=full,actoff=all"),
-    "fsdp2+cpu_offload": (2, "fsdp,cpuoff=on"),
-    "fsdp2xtp2+cpu_offload": (4, "fsdp,tp=2,cpuoff=on"),
-    "pp2xdp2+cpu_offload": (4, "fsdp,pp=2,sched=1f1b,cpuoff=on"),
+    **capabilities.verify_rows("memory"),  # the capabilities that are memory tiers (CPU offload)
     # Segment checkpointing (activation_checkpoint.mode=segments): one process with the default round(sqrt(4)) = 2
     # blocks per segment; fsdp with uneven segments (3 + 1 blocks); tp with sp; a pipeline whose stages (2 blocks
     # each) cut the segments of 3.
@@ -117,7 +115,7 @@ LAYOUTS: dict[str, tuple] = {
     "compile-tp2+sp": (2, "nodp,tp=2", COMPILE),
     "compile-pp2": (2, "nodp,pp=2,sched=1f1b", COMPILE),
     # The capabilities' own rows (paratrain/capabilities: fp8, z-loss, ...), under their names.
-    **capabilities.verify_rows(),
+    **capabilities.verify_rows(""),
 }
 DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
                   "fsdp2+every_k", "fsdp2+selective", "accum"]
@@ -130,13 +128,13 @@ QWEN_MATRIX = ["qwen3-fsdp2", "qwen3-tp2+sp", "qwen3-pp2", "qwen3-cp2", "qwen3-m
 LORA_MATRIX = ["lora-fsdp2", "lora-tp2", "lora-pp2"]
 
 MEMORY_MATRIX = ["loss8", "tp2+sp+loss3", "fsdp2+offload", "tp2+offload_every_k+selective", "pp2+offload+full",
-                 "fsdp2+cpu_offload", "fsdp2xtp2+cpu_offload", "pp2xdp2+cpu_offload",
-                 "segments", "fsdp2+segments", "tp2+segments", "pp2+segments"]
+                 *capabilities.verify_rows("memory"), "segments", "fsdp2+segments", "tp2+segments", "pp2+segments"]
 # Each capability's rows, by its name (paratrain verify --layouts takes any of them).
 CAPABILITY_MATRICES = {cls.name: list(cls.verify_rows) for cls in capabilities.CAPABILITIES}
 # Those held to the run's tolerance (fp32's 1e-5): in `paratrain verify`'s default sweep (fp8's, looser, by name)
-EXACT_CAPABILITY_ROWS = [row for cls in capabilities.CAPABILITIES if cls.verify_tolerance is None
-                         for row in cls.verify_rows]
+# (a capability's rows in another sweep, `verify_matrix`, run there)
+EXACT_CAPABILITY_ROWS = [row for cls in capabilities.CAPABILITIES
+                         if cls.verify_tolerance is None and not cls.verify_matrix for row in cls.verify_rows]
 COMPILE_MATRIX = ["compile", "compile-fsdp2", "compile-fsdp2+full", "compile-tp2+sp", "compile-pp2",
                   "compile-fp8-fsdp2"]
 
@@ -177,7 +175,7 @@ def layout_overrides(name: str) -> tuple[int, list[str]]:
                                       ActivationCheckpointConfig())}
     changed = [f"{section}.{key}={value}" for section, (mine, default) in ours.items()
                for key, value in dataclasses.asdict(mine).items() if value != getattr(default, key)]
-    changed += [f"memory.{key}={value}" for key, value in named.memory_values().items()]  # the tiers it names
+    changed += [f"{key}={value}" for key, value in named.memory_values().items()]  # the tiers it names
     micro_batch = named.micro_batch or GLOBAL_BATCH // layout.dp
     return nproc, [*changed, f"training.micro_batch={micro_batch}", *extra]
 

@@ -54,14 +54,19 @@ def test_switches_and_modes_in_names():
 
 
 def test_memory_tiers_in_names():
-    """A plan's memory tiers are items of its name (loss=, actoff=, cpuoff=on), read back by --explain."""
+    """A plan's memory tiers are items of its name (loss=, actoff=, and the capabilities' switches: cpuoff=on), read
+    back by --explain."""
+    from paratrain.capabilities.cpu_offload import CpuOffload
     from paratrain.memory import MemoryTiers
 
     lay = Layout.resolve(4, dp_mode="fsdp", tp=2)
-    for tiers in (MemoryTiers(8, "all", 2, True), MemoryTiers(1, "every_k", 3, False), MemoryTiers()):
-        name = layout_name(lay, "full", 2, 1, tiers)
-        assert parse_layout_name(name).tiers == tiers and parse_layout_name(name).layout(4) == lay
-    tiered = layout_name(lay, "full", 2, 1, MemoryTiers(8, "all", 2, True))
+    for tiers, switched in ((MemoryTiers(8, "all", 2), (CpuOffload(),)), (MemoryTiers(1, "every_k", 3), ()),
+                            (MemoryTiers(), ())):
+        name = layout_name(lay, "full", 2, 1, tiers, switched=switched)
+        named = parse_layout_name(name)
+        assert (named.tiers, named.switched) == (tiers, switched) and named.layout(4) == lay
+        assert named.memory_values().get("memory.cpu_offload", False) is bool(switched)
+    tiered = layout_name(lay, "full", 2, 1, MemoryTiers(8, "all", 2), switched=(CpuOffload(),))
     assert tiered == "fsdp,tp=2,ac=full,mb=1,loss=8,actoff=all,cpuoff=on"
     assert layout_name(lay, "full", 2, 1, MemoryTiers()) == "fsdp,tp=2,ac=full,mb=1"
 

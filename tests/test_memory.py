@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 
+from paratrain.capabilities.cpu_offload import CpuOffload
 from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Layout
 from paratrain.memory import AUTO_LOSS_CHUNKS, AUTO_LOSS_MIN_BYTES, MemoryTiers, check_offload, loss_chunks
@@ -256,13 +257,13 @@ def test_estimate_names_a_tier_that_fits_on_the_same_gpus():
     tier = best["inputs"]
     assert tier["loss_chunks"] > 1 or tier["activation_offload"] != "none" or tier["cpu_offload"]
     plain = estimate(asked.with_recipe(checkpointing="full"), suggest=False)
-    off = estimate(asked.with_recipe(checkpointing="full", cpu_offload=True), suggest=False)
+    offloaded = asked.with_recipe(checkpointing="full", capabilities=(CpuOffload(),))
+    off = estimate(offloaded, suggest=False)
     assert off.host["optimizer"] == plain.at_peak["optimizer"] and off.at_peak.get("optimizer", 0) == 0
     rope = off.at_peak["parameters"]  # the device keeps the rotary tables (buffers)
     assert off.host["parameters"] + rope == plain.at_peak["parameters"] and rope < 0.001 * plain.at_peak["parameters"]
     assert off.fits and off.host_node_bytes == 4 * off.host_bytes
-    small = estimate(asked.with_recipe(checkpointing="full", cpu_offload=True).with_target(host_bytes=64 * GiB),
-                     suggest=False)
+    small = estimate(offloaded.with_target(host_bytes=64 * GiB), suggest=False)
     assert small.host_fits is False and small.fits is False
 
 
@@ -279,11 +280,12 @@ def test_plan_reaches_for_the_tiers_and_writes_them(tmp_path):
     ctx, world, _ = planning = plan_context(request)
     best = planning.plan(top=1).ranked[0]
     assert best.cand.tiers() and best.estimate.host_fits
-    if best.cand.cpu_offload:
+    offloads = best.cand.switched == (CpuOffload(),)
+    if offloads:
         assert best.pred.optimizer_s > 0.5  # 2B parameters per rank stepped on the host's cores
     path, _, _ = write_outputs(best, ctx, world, tmp_path / "plan", None, "llama3-8b")
     cfg = load_config(path)
-    assert (cfg.memory.cpu_offload, cfg.memory.activation_offload) == (best.cand.cpu_offload, best.cand.act_offload)
+    assert (cfg.memory.cpu_offload, cfg.memory.activation_offload) == (offloads, best.cand.act_offload)
     assert check(cfg, world).world_size == 4
     with pytest.raises(UserError, match="does not fit in host memory"):
         plan(dataclasses.replace(request, host_memory=16 * 2**30), top=1)

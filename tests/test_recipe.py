@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from paratrain.capabilities.cpu_offload import CpuOffload
 from paratrain.config import Config
 from paratrain.layout import Layout
 from paratrain.recipe import Recipe
@@ -52,13 +53,13 @@ def test_recipe_from_config_resolves_what_is_automatic():
     cfg.memory.cpu_offload = True
     layout = Layout.resolve(4, dp_mode="fsdp", tp=2)
     recipe = Recipe.from_config(cfg, layout, micro_batch=2, accum_steps=3, device_type="cpu")
-    assert recipe.optimizer_impl == "fused" and recipe.tiers.cpu_offload
+    assert recipe.optimizer_impl == "fused" and recipe.capabilities == (CpuOffload(),)
     assert Recipe.from_config(cfg, layout, 2, 3, "cuda").optimizer_impl == "fused"
     cfg.training.precision = "fp16"  # torch's fused AdamW on a CPU cannot take ShardedGradScaler's found_inf
     assert Recipe.from_config(cfg, layout, 2, 3, "cpu").optimizer_impl == "foreach"
     assert Recipe.from_config(cfg, layout, 2, 3, "cuda").optimizer_impl == "fused"
     assert recipe.name.startswith("fsdp,tp=2,ac=none,mb=2") and recipe.name.endswith("cpuoff=on")
-    assert recipe.replace(cpu_offload=False).tiers.cpu_offload is False and recipe.micro_steps == 3
+    assert recipe.replace(capabilities=()).capabilities == () and recipe.micro_steps == 3
 
 
 def _calls(name: str) -> list[str]:
@@ -92,9 +93,9 @@ def test_to_config_and_from_config_are_one_mapping():
 
     layout = Layout.resolve(8, dp_mode="hsdp", dp_replicate=2, tp=2)
     recipe = Recipe(layout, precision="fp16", checkpointing="every_k", every_k=3, micro_batch=4, accum_steps=2,
-                    seq_len=512, tiers=MemoryTiers(4, "every_k", 3, True), optimizer="sgd", optimizer_impl="foreach",
+                    seq_len=512, tiers=MemoryTiers(4, "every_k", 3), optimizer="sgd", optimizer_impl="foreach",
                     compression=Compression("sign_ef", 4, 64), fsdp_backward_prefetch=2,
-                    lora=LoRA(8, 32.0, 0.1, ("wq", "wv")))
+                    lora=LoRA(8, 32.0, 0.1, ("wq", "wv")), capabilities=(CpuOffload(),))
     cfg = recipe.to_config(Config())
     cfg.optimizer.impl = "foreach"
     assert Recipe.from_config(cfg, Layout.from_config(cfg.parallel, 8), 4, 2, "cuda") == recipe

@@ -3,11 +3,13 @@ one). Everything else iterates `CAPABILITIES` or a run's `active(cfg)` and names
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from typing import NamedTuple
 
 from paratrain.capabilities.adamw8bit import EightBitAdam
 from paratrain.capabilities.base import Capability
+from paratrain.capabilities.cpu_offload import CpuOffload
 from paratrain.capabilities.float8 import Float8
 from paratrain.capabilities.muon import Muon
 from paratrain.capabilities.onebit import OneBitAdam
@@ -16,7 +18,7 @@ from paratrain.errors import ConfigError
 from paratrain.optimizers import BUILT_IN, OptimizerEntry
 
 # In the order their hooks run (and their keys are listed in a section they share).
-CAPABILITIES: tuple[type[Capability], ...] = (Float8, OneBitAdam, EightBitAdam, Muon, ZLoss)
+CAPABILITIES: tuple[type[Capability], ...] = (Float8, OneBitAdam, EightBitAdam, Muon, ZLoss, CpuOffload)
 
 # The optimizer table `optimizer.name` selects from: the built-in entries (paratrain/optimizers.py), then those the
 # capabilities bring (`Capability.optimizers`), in registry order.
@@ -88,11 +90,35 @@ def added_keys(section: str) -> list[type]:
     return [cls.adds_to[1] for cls in CAPABILITIES if cls.adds_to is not None and cls.adds_to[0] == section]
 
 
-def verify_rows() -> dict[str, tuple]:
-    """Every capability's verify rows (row name -> (ranks, layout name, overrides...))."""
-    return {name: row for cls in CAPABILITIES for name, row in cls.verify_rows.items()}
+def verify_rows(matrix: str | None = None) -> dict[str, tuple]:
+    """Every capability's verify rows (row name -> (ranks, layout name, overrides...)), or those joining one sweep
+    (`Capability.verify_matrix`; "": the capabilities' own)."""
+    return {name: row for cls in CAPABILITIES if matrix in (None, cls.verify_matrix)
+            for name, row in cls.verify_rows.items()}
 
 
 def reference_keys() -> tuple[str, ...]:
     """Override prefixes a verify row's single-process reference keeps (what the capability computes differently)."""
     return tuple(k for cls in CAPABILITIES for k in cls.reference_keys)
+
+
+def switches() -> tuple[type[Capability], ...]:
+    """The capabilities a layout's name switches on (`Capability.layout_item`: CPU offload's `cpuoff=on`)."""
+    return tuple(cls for cls in CAPABILITIES if cls.layout_item)
+
+
+def switched_on(present: tuple[Capability, ...]) -> dict[str, bool]:
+    """{name: used} of every switch (the JSON documents' `memory_tiers` keys, after the `[memory]` section's own)."""
+    return {cls.name: any(isinstance(c, cls) for c in present) for cls in switches()}
+
+
+def switch_values(present: tuple[Capability, ...]) -> dict[str, object]:
+    """{"section.key": value} of every switch's keys in a config running `present`: the values of those present,
+    the defaults of the others."""
+    out = {}
+    for cls in switches():
+        section, keys = cls.adds_to
+        on = next((c for c in present if isinstance(c, cls)), None)
+        out.update({f"{section}.{f.name}": f.default for f in dataclasses.fields(keys)})
+        out.update(on.config_values() if on is not None else {})
+    return out

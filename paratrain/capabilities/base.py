@@ -178,3 +178,46 @@ class Capability:
         `step` (paratrain.estimate.step_time.OptimizerStep): the candidate, the model's parameters and the cost
         model's prices of matmuls and collectives. Asked of the capabilities the planned optimizer implies."""
         return None
+
+    # -- a memory tier as a capability (CPU offload): where the model states live -----------------------------------
+    # A capability with a `layout_item` is a switch a layout's name turns on (`cpuoff=on`, after the memory tiers'
+    # items): the planner's candidates carry it (`estimate.step_time.Candidate.capabilities`), the planner tries the
+    # layouts it `runs_on` with it when none fits, `paratrain estimate` takes its keys as flags and suggests it.
+    layout_item: ClassVar[str] = ""  # its item in a layout's name ("" : none)
+    tier_label: ClassVar[str] = ""  # what the estimate says of it among the memory tiers in use
+    suggestion: ClassVar[tuple[float, str, str] | None] = None  # a suggestion's (cost rank, flag, what it costs)
+    verify_matrix: ClassVar[str] = ""  # the sweep its verify rows join (paratrain/verify.py; "" : its own)
+    # the sharded parameters, gradients and optimizer state live in host memory: the optimizer steps there, a CUDA
+    # run also needs collectives on host tensors (gloo beside NCCL), the planner's lower bound counts no states
+    states_on_host: ClassVar[bool] = False
+
+    @classmethod
+    def runs_on(cls, layout) -> bool:
+        """Whether a layout can run it (the planner's tier variants, the suggestions)."""
+        return True
+
+    def check_layout(self, layout) -> None:
+        """Checks against the run's layout: a one-line ConfigError (after the `[memory]` tiers' own: memory.py)."""
+
+    def config_values(self) -> dict:
+        """{"section.key": value} a config running it says (a layout name's switch: verify's rows, the planner's
+        configs); a run without it has its keys' defaults."""
+        return {}
+
+    def fsdp_offload_policy(self, where: Where):
+        """FSDP2's OffloadPolicy for every `fully_shard` group, or None (torch's default: nothing offloaded)."""
+        return None
+
+    def host_states(self, st):
+        """Memory: a rank's model states (estimate.model_states.StateBytes) as (what stays on the device, {category:
+        bytes in host memory}), or None where it moves none."""
+        return None
+
+    def host_optimizer_s(self, opt_params: float, step_bytes: float, hw) -> float | None:
+        """Time: the optimizer step of `opt_params` parameters (`step_bytes` each) where it runs it elsewhere, or
+        None (the device's)."""
+        return None
+
+    def fsdp_copy_s(self, copies: int, shard_bytes: float, hw) -> float:
+        """Time: what `copies` FSDP collectives of `shard_bytes` each add besides the collectives, overlappable."""
+        return 0.0

@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from paratrain.capabilities import CAPABILITIES
+from paratrain import capabilities
+from paratrain.capabilities import CAPABILITIES, OPTIMIZER_NAMES
 from paratrain.commands.recipe_flags import add_recipe_flags
 from paratrain.config import Config, LoRAConfig, dump_toml, validate
-from paratrain.capabilities import OPTIMIZER_NAMES
 from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.estimate.gpus import fmt_bytes, limit_text
 from paratrain.estimate.hetero import even_split_layout, parse_gpus, read_cluster, stage_hardware
@@ -349,7 +349,7 @@ def plan_lines(p, planning: Planning, elapsed: float, top: int) -> list[str]:
                  f"planned in {elapsed:.2f} s")
     lines.append(format_table(p.ranked[:top], ctx))
     lines.append(f"best: {best.cand.describe()} -- {best.pred.breakdown()}")
-    if best.cand.tiers().active:
+    if best.cand.tiers().active or best.cand.switched:
         lines.append(f"memory tiers (no layout fits without them): {tiers_text(best.estimate.inputs)}; host memory "
                      f"{fmt_bytes(best.estimate.host_bytes)} per rank, {fmt_bytes(best.estimate.host_node_bytes)} per "
                      "node" + ("" if ctx.host_memory_bytes else " (not checked: give --host-memory)"))
@@ -429,7 +429,7 @@ def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int
                "pp_split": list(lay.pp_split) if (lay.pp > 1 and lay.pp_split) else None,
                "activation_checkpoint": r.cand.ac, "micro_batch": r.cand.micro_batch,
                "memory_tiers": {"loss_chunks": r.cand.loss_chunks, "activation_offload": r.cand.act_offload,
-                                "cpu_offload": r.cand.cpu_offload},
+                                **capabilities.switched_on(r.cand.switched)},
                "predicted": _prediction_json(r.pred), "memory_bytes_per_rank": r.total_bytes,
                "host_bytes_per_rank": r.estimate.host_bytes if r.estimate is not None else None}
         if r.stage_hw:

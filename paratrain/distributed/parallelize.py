@@ -18,7 +18,7 @@ from torch import nn
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import (CheckpointPolicy, SAC_IGNORED_OPS, _checkpoint_without_reentrant_generator,
                                     create_selective_checkpoint_contexts)
@@ -179,14 +179,13 @@ def _not_a_view(module, args, output):
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_mesh=None,
-               comm: GradComm | None = None, cpu_offload: bool = False, device: torch.device | None = None) -> None:
-    """cpu_offload: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and so the optimizer state in host memory,
-    pinned on CUDA; each group's shards are copied to `device` for its all-gather, its gradient shards back)."""
+               comm: GradComm | None = None, offload: OffloadPolicy | None = None) -> None:
+    """offload: FSDP2's offload policy for every group (a capability's `fsdp_offload_policy`: CPU offload's keeps the
+    sharded parameters, gradients and so the optimizer state in host memory); None: nothing offloaded."""
     comm = comm or GradComm.default(dims, torch.device("cpu"))
     # Gradients are reduced in fp32, or in bf16 with parallel.grad_compression=bf16.
     mp = MixedPrecisionPolicy(param_dtype=torch_dtype(precision), reduce_dtype=comm.reduce_dtype)
-    offload = CPUOffloadPolicy(pin_memory=device is not None and device.type == "cuda") if cpu_offload else OffloadPolicy()
-    policies = dict(mp_policy=mp, offload_policy=offload)
+    policies = dict(mp_policy=mp, offload_policy=offload if offload is not None else OffloadPolicy())
     mesh = comm.fsdp_mesh()  # hsdp compressing its replicate all-reduce shards over dp_shard only
     # zero2: gradients and optimizer state sharded, parameters kept gathered from forward to backward.
     reshard = dims.layout.reshard_after_forward
@@ -228,9 +227,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
     gradient communication settings (`[parallel]`: compression, DDP buckets, FSDP prefetching); None: no
     compression, FSDP2's default prefetching, `ddp_bucket_mb` buckets. `lora`: adapters on the target projections,
     every other parameter frozen (stored in the compute dtype under bf16/fp16: it never changes). `memory`: the
-    `[memory]` tiers applied here (activation offloading, CPU offload); None: none. `capabilities`: the run's
+    `[memory]` tiers applied here (activation offloading); None: none. `capabilities`: the run's
     (paratrain/capabilities), whose `before_parallelize` hooks change the plain model first (`precision` is what the
-    rest computes in: fp8's 8-bit layers take their own); `cuda_graphs`: the compiled blocks replay CUDA graphs."""
+    rest computes in: fp8's 8-bit layers take their own) and whose `fsdp_offload_policy` FSDP's groups take (CPU
+    offload); `cuda_graphs`: the compiled blocks replay CUDA graphs."""
     layout = dims.layout
     comm = comm or GradComm.default(dims, device, ddp_bucket_mb)
     if lora is not None:
@@ -257,11 +257,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
         blocks = offloaded_blocks(memory.activation_offload, memory.activation_offload_every_k, model.args.n_layers)
         stride = offload_stride(memory.activation_offload, memory.activation_offload_every_k)
         apply_activation_offload(model, blocks, device, stride)
-    cpu_offload = memory is not None and memory.cpu_offload
     if layout.uses_fsdp:
-        apply_fsdp(model, dims, precision, expert_dp_mesh, comm, cpu_offload, device)
+        offload = [p for p in (c.fsdp_offload_policy(Where(device, layout)) for c in capabilities) if p is not None]
+        apply_fsdp(model, dims, precision, expert_dp_mesh, comm, offload[0] if offload else None)
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
-        if cpu_offload:  # the sharded parameters live in host memory; the buffers (rotary tables) on the device
+        # (CPU offload: the sharded parameters live in host memory; the buffers (rotary tables) on the device)
+        if any(c.states_on_host for c in capabilities):
             model.to_empty(device="cpu")
             _buffers_to(model, device)
         else:

@@ -24,6 +24,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from paratrain import capabilities
 from paratrain.estimate import activations as A
 from paratrain.estimate.compression import compression_cost
 from paratrain.estimate.gpus import GiB, fits, fmt_bytes, usable_bytes
@@ -41,7 +42,7 @@ from paratrain.modes import (CompressionSite, block_checkpointing, compute_preci
 from paratrain.estimate.report import format_table
 from paratrain.estimate.schedule import max_in_flight, rank_actions
 from paratrain.estimate.suggest import suggest_changes
-from paratrain.estimate.tiers import activation_offload_plan, cpu_offload_states
+from paratrain.estimate.tiers import activation_offload_plan
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
 # not see): the CUDA context and kernels (~0.5-0.8 GiB with lazy module loading), cuBLAS/cuDNN workspaces and
@@ -143,7 +144,8 @@ class Estimate:
             "suggestion": self.suggestion, "alternatives": self.alternatives,
             "host_bytes": self.host_bytes, "host_breakdown_bytes": self.host, "host_node_bytes": self.host_node_bytes,
             "host_memory_bytes": i.target.host_bytes, "host_fits": self.host_fits,
-            "memory_tiers": dataclasses.asdict(i.recipe.tiers),  # ([memory]'s keys: MemoryTiers has their names)
+            # ([memory]'s keys: MemoryTiers has their names, the switches theirs: CPU offload's)
+            "memory_tiers": {**dataclasses.asdict(i.recipe.tiers), **capabilities.switched_on(i.recipe.capabilities)},
         }
 
     def memory_line(self) -> str:
@@ -284,8 +286,10 @@ def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers
     fsdp = lay.uses_fsdp and not (classic and lay.zero_stage == 2)
     pbytes = BF16 if (low and (fsdp or classic)) else FP32
     host = {}
-    if i.recipe.tiers.cpu_offload:
-        st, host = cpu_offload_states(st)
+    for capability in rec.capabilities:  # (CPU offload: the sharded states in host memory)
+        moved = capability.host_states(st)
+        if moved is not None:
+            st, host = moved
     return _Rank(i, st, d, params, by_layer, [p for p in params if p.layer is None], classic, fsdp, pbytes, host)
 
 

@@ -10,7 +10,7 @@ from paratrain.capabilities import OPTIMIZER_NAMES, optimizer_entry
 from paratrain.errors import UserError
 from paratrain.estimate.gpus import HEADROOM, check_headroom
 from paratrain.layout import Batch, Layout, grad_compression_site
-from paratrain.memory import check_cpu_offload, check_offload, check_offload_checkpointing, loss_chunks
+from paratrain.memory import check_offload, check_offload_checkpointing, loss_chunks
 from paratrain.models.args import ModelArgs
 from paratrain.models.registry import targets_of
 from paratrain.modes import ACTIVATION_OFFLOAD_MODES, CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS
@@ -112,7 +112,8 @@ def validate(i: EstimateInputs) -> EstimateInputs:
         raise UserError(f"--offload-every-k must be >= 1, got {i.recipe.tiers.activation_offload_every_k}")
     check_offload(i.recipe.tiers.activation_offload, lay)
     check_offload_checkpointing(i.recipe.tiers.activation_offload, i.recipe.checkpointing)
-    check_cpu_offload(i.recipe.tiers.cpu_offload, lay)
+    for capability in i.recipe.capabilities:  # (CPU offload: FSDP layouts)
+        capability.check_layout(lay)
     if i.target.ranks_per_node < 0 or (i.target.host_bytes is not None and i.target.host_bytes <= 0):
         raise UserError("--gpus-per-node and --host-memory must be positive")
     if i.recipe.tiers.loss_chunks < 0:

@@ -40,8 +40,7 @@ def tiers_text(i) -> str:
     if offloads_activations(i.recipe.tiers.activation_offload):
         tiers = i.recipe.tiers
         parts.append("activation offload " + describe_offload(tiers.activation_offload, tiers.activation_offload_every_k))
-    if i.recipe.tiers.cpu_offload:
-        parts.append("CPU offload (parameters, gradients, optimizer state)")
+    parts += [c.tier_label for c in i.recipe.capabilities if c.tier_label]  # (CPU offload)
     return ", ".join(parts)
 
 

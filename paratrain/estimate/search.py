@@ -7,6 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from paratrain import capabilities
 from paratrain.capabilities import optimizer_entry
 from paratrain.errors import ConfigError, UserError
 from paratrain.estimate.gpus import HEADROOM
@@ -228,8 +229,9 @@ def evaluate(c: Candidate, ctx: Context, headroom: float, with_memory: bool = Tr
 
 def tier_variants(c: Candidate, ctx: Context) -> list[Candidate]:
     """A candidate with the memory tiers (paratrain/memory.py) that can make it fit: the chunked loss (without a
-    pipeline), activation offloading, CPU offload (FSDP layouts), and both offloads, each with the chunked loss. (The
-    offloads need the profile's host side: a hand-made profile without one gets the chunked loss only.)"""
+    pipeline), activation offloading, each capability a name switches on where it runs (CPU offload: FSDP layouts),
+    and it with activation offloading, each with the chunked loss. (The offloads need the profile's host side: a
+    hand-made profile without one gets the chunked loss only.)"""
     base = dataclasses.replace(c, loss_chunks=AUTO_LOSS_CHUNKS) if c.pp == 1 else c
     out = [base] if base is not c else []
     if ctx.hw.host is None:
@@ -237,10 +239,11 @@ def tier_variants(c: Candidate, ctx: Context) -> list[Candidate]:
     saved_twice = c.pp > 1 and zero_bubble(c.layout.pp_schedule)  # (its W step reads the saved tensors again)
     if not saved_twice:
         out.append(dataclasses.replace(base, act_offload="all"))
-    if c.layout.uses_fsdp:
-        out.append(dataclasses.replace(base, cpu_offload=True))
-        if not saved_twice:
-            out.append(dataclasses.replace(base, cpu_offload=True, act_offload="all"))
+    for cls in capabilities.switches():
+        if cls.runs_on(c.layout):
+            out.append(dataclasses.replace(base, switched=(cls(),)))
+            if not saved_twice:
+                out.append(dataclasses.replace(base, switched=(cls(),), act_offload="all"))
     return out
 
 
@@ -308,7 +311,7 @@ def _fitting(results: list[Result], rejected: list[Result], ctx: Context, opts: 
 def _memory_key(c: Candidate) -> tuple:
     """Candidates with the same key differ only in micro-batch (a smaller one makes more pipeline micro-batches) and
     checkpointing: a larger micro-batch with no more recomputation needs at least as much memory."""
-    return dataclasses.replace(c.layout, pp_microbatches=0), c.loss_chunks, c.act_offload, c.cpu_offload
+    return dataclasses.replace(c.layout, pp_microbatches=0), c.loss_chunks, c.act_offload, c.switched
 
 
 def _dominated(c: Candidate, miss_micro_batch: int, miss_ac: str) -> bool:
@@ -346,10 +349,11 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
 
     best = None
     offloaded = set(offloaded_blocks(c.act_offload, OFFLOAD_EVERY_K, a.n_layers))
+    on_host = any(cap.states_on_host for cap in c.switched)  # (CPU offload: the model states are in host memory)
     for s in ranks:
-        states = cached(ctx, ("states", dataclasses.replace(lay, pp_microbatches=0), s, c.cpu_offload), lambda: sum(
+        states = cached(ctx, ("states", dataclasses.replace(lay, pp_microbatches=0), s, on_host), lambda: sum(
             _states(state_bytes(a, lay, ctx.precision, ctx.optimizer, "paratrain", s, layers, ctx.lora))
-            if not c.cpu_offload else ())  # (CPU offload: the model states are in host memory)
+            if not on_host else ())
             + unsharded * sum(block_param_count(a, l) for l in layers[s]) // lay.tp)
         stored = sum(kept[l] - (A.offloaded(d, modes[l], moe if a.is_moe_layer(l) else None) if l in offloaded else 0)
                      for l in layers[s])
@@ -431,7 +435,7 @@ def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
     if offload_stride(tiers.activation_offload, tiers.activation_offload_every_k) not in (1, OFFLOAD_EVERY_K):
         raise UserError(f"--explain '{text}': the planner predicts actoff=every_k{OFFLOAD_EVERY_K} only")
     return Candidate(layout, named.checkpointing, named.every_k, mb, tiers.loss_chunks, tiers.activation_offload,
-                     tiers.cpu_offload, named.segment_blocks)
+                     named.switched, named.segment_blocks)
 
 
 def explain(text: str, ctx: Context, world: int, opts: Options) -> str:

@@ -96,8 +96,7 @@ from paratrain.modes import (Compression, CompressionSite, compute_precision, fo
 from paratrain.optimizers import GradientReduction, Phase
 from paratrain.recipe import Recipe
 from paratrain.estimate.profile import Hardware, Link, p2p_time
-from paratrain.estimate.tiers import (OFFLOAD_EVERY_K, activation_offload_s, chunked_loss_recompute_s,
-                                      cpu_offload_copy_s, cpu_offload_optimizer_s)
+from paratrain.estimate.tiers import OFFLOAD_EVERY_K, activation_offload_s, chunked_loss_recompute_s
 from paratrain.estimate import activations as A
 from paratrain.estimate.model_states import local_shape, model_params
 from paratrain.models.presets import count_params, flops_per_token
@@ -124,10 +123,11 @@ class Candidate:
     ac: str = "none"  # activation checkpointing (paratrain.modes.CheckpointMode)
     every_k: int = 2
     micro_batch: int = 1  # sequences per micro-step (per pipeline micro-batch with pp)
-    # the memory tiers (paratrain/memory.py; `[memory]`): chunked loss, activation offloading, CPU offload
+    # the memory tiers (paratrain/memory.py; `[memory]`): chunked loss, activation offloading, and the capabilities a
+    # layout's name switches on (Capability.layout_item: CPU offload), with their settings
     loss_chunks: int = 1
     act_offload: str = "none"  # none | all | every_k (blocks 0, every_k, ...)
-    cpu_offload: bool = False
+    switched: tuple = ()
     segment_blocks: int = 0  # ac segments: blocks per segment (0: round(sqrt(n_layers)))
 
     @property
@@ -164,7 +164,8 @@ class Candidate:
     def name(self) -> str:
         """The layout's name (paratrain/layout_grammar.py), e.g. `fsdp,tp=2,ac=full,mb=1,loss=8`, with its memory
         tiers."""
-        return layout_name(self.layout, self.ac, self.every_k, self.micro_batch, self.tiers(), self.segment_blocks)
+        return layout_name(self.layout, self.ac, self.every_k, self.micro_batch, self.tiers(), self.segment_blocks,
+                           self.switched)
 
     def recipe(self, ctx: "Context") -> Recipe:
         """The recipe this candidate stands for in the context's run (what `paratrain plan` writes as its config)."""
@@ -173,7 +174,7 @@ class Candidate:
                       micro_batch=self.micro_batch, accum_steps=1 if self.layout.pipelined else self.micro_steps(ctx),
                       seq_len=ctx.seq_len, tiers=self.tiers(), optimizer=ctx.optimizer,
                       optimizer_impl=resolve_impl("auto", ctx.hw.device, ctx.precision, ctx.optimizer),
-                      compression=ctx.compression, lora=ctx.lora)
+                      compression=ctx.compression, lora=ctx.lora, capabilities=self.switched)
 
     @classmethod
     def of(cls, recipe: Recipe) -> "Candidate":
@@ -181,11 +182,12 @@ class Candidate:
         tiers = recipe.tiers
         return cls(recipe.layout, recipe.checkpointing, recipe.every_k, recipe.micro_batch,
                    loss_chunks=max(tiers.loss_chunks, 1), act_offload=tiers.activation_offload,
-                   cpu_offload=tiers.cpu_offload, segment_blocks=recipe.segment_blocks)
+                   switched=tuple(c for c in recipe.capabilities if c.layout_item),
+                   segment_blocks=recipe.segment_blocks)
 
     def tiers(self) -> MemoryTiers:
         """The memory tiers this candidate uses."""
-        return MemoryTiers(self.loss_chunks, self.act_offload, OFFLOAD_EVERY_K, self.cpu_offload)
+        return MemoryTiers(self.loss_chunks, self.act_offload, OFFLOAD_EVERY_K)
 
     def describe(self) -> str:
         return self.layout.short_name()
@@ -546,8 +548,9 @@ def _optimizer_step_s(c: Candidate, ctx: Context, G_stage: float) -> float:
     entry = optimizer_entry(ctx.optimizer)
     optimizer = (opt_params * entry.step_bytes / hw.mem_bandwidth + entry.step_kernels * hw.op_overhead_s) \
         * hw.compute_scale
-    if c.cpu_offload:
-        optimizer = cpu_offload_optimizer_s(opt_params, entry.step_bytes, optimizer_entry("adamw").step_bytes, hw)
+    for capability in c.switched:  # (CPU offload: on the host)
+        elsewhere = capability.host_optimizer_s(opt_params, entry.step_bytes, hw)
+        optimizer = optimizer if elsewhere is None else elsewhere
     return optimizer
 
 
@@ -676,8 +679,8 @@ def _fsdp_reduction(dp: _DataParallel, c: Candidate, ctx: Context, comp: _StepCo
     dp.overlappable += ag + rs
     dp.min_exposed += ag / n_ag + rs / n_rs  # one group's worth stays exposed
     dp.dp_bytes = (shard - 1) / shard * G_stage * 4 * rs_frac * n_rs / groups
-    if c.cpu_offload:
-        dp.overlappable += cpu_offload_copy_s(n_ag + n_rs, P_stage * 4 / shard / groups, hw)
+    for capability in c.switched:  # (CPU offload: each group's fp32 shards in and its gradients out)
+        dp.overlappable += capability.fsdp_copy_s(n_ag + n_rs, P_stage * 4 / shard / groups, hw)
     if lay.hybrid:
         _replicate_reduction(dp, c, comp, links, G_stage, n_rs, groups, group)
 

@@ -9,6 +9,7 @@ time per token, its matmuls at the rate of the run's precision and TF32 setting 
 
 from __future__ import annotations
 
+from paratrain import capabilities
 from paratrain.errors import ConfigError, UserError
 from paratrain.estimate.inputs import EstimateInputs
 from paratrain.layout import Layout
@@ -64,9 +65,9 @@ def candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]
     if not offloads_activations(i.recipe.tiers.activation_offload) and not (lay.pp > 1 and zero_bubble(lay.pp_schedule)):
         out.append((1.2, "--activation-offload all", "saved activations over PCIe to host memory and back, beside "
                     "compute", i.with_recipe(activation_offload="all")))
-    if not i.recipe.tiers.cpu_offload and lay.uses_fsdp:
-        out.append((1.8, "--cpu-offload", "model states in host memory: shards over PCIe each gather, the "
-                    "optimizer step on the CPU", i.with_recipe(cpu_offload=True)))
+    for cls in capabilities.switches():  # (CPU offload)
+        if cls.suggestion and cls.runs_on(lay) and not any(isinstance(c, cls) for c in i.recipe.capabilities):
+            out.append((*cls.suggestion, i.with_recipe(capabilities=(*i.recipe.capabilities, cls()))))
     if i.recipe.micro_batch > 1 and lay.pp == 1:
         out.append((1.5, f"--micro-batch {i.recipe.micro_batch // 2} (accumulation x2, same global batch)",
                     "smaller matmuls",
@@ -185,4 +186,4 @@ def _describe_inputs(c: EstimateInputs) -> dict:
             "pp": lay.pp, "ep": lay.ep, "checkpointing": c.recipe.checkpointing, "micro_batch": c.recipe.micro_batch,
             "accum_steps": c.recipe.accum_steps, "world_size": lay.world_size,
             "loss_chunks": c.recipe.tiers.loss_chunks, "activation_offload": c.recipe.tiers.activation_offload,
-            "cpu_offload": c.recipe.tiers.cpu_offload}
+            **capabilities.switched_on(c.recipe.capabilities)}

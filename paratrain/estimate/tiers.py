@@ -2,16 +2,14 @@
 it) and what it costs per step (the planner's prediction, step_time.py, reads it).
 
 The settings are `paratrain.memory.MemoryTiers` (`[memory]`), their checks paratrain/memory.py; the runtime is
-distributed/offload.py (activation offloading), FSDP2's CPUOffloadPolicy (distributed/parallelize.py) and
-models/llama.chunked_cross_entropy. A new tier adds its field there, its runtime, and its two terms here.
+distributed/offload.py (activation offloading) and models/llama.chunked_cross_entropy. A new tier adds its field
+there, its runtime, and its two terms here; or it is a capability that a layout's name switches on, with its terms as
+its hooks (CPU offload, `CpuOffload` in paratrain/capabilities).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from paratrain.estimate import activations as A
-from paratrain.estimate.model_states import StateBytes
 from paratrain.estimate.profile import Hardware, Link, p2p_time
 from paratrain.memory import MemoryTiers
 from paratrain.modes import offload_stride, offloaded_blocks
@@ -22,27 +20,6 @@ def host_link(hw: Hardware) -> Link:
     if hw.host is None:
         raise ValueError(f"profile {hw.name} has no host side: the offloading tiers cannot be predicted on it")
     return hw.host
-
-
-# --- cpu_offload: FSDP2 keeps the sharded parameters, gradients and optimizer state in host memory ---------------
-
-def cpu_offload_states(st: StateBytes) -> tuple[StateBytes, dict[str, int]]:
-    """Memory: (what stays on the device, what is in host memory, by category). The device keeps only what it
-    gathers and computes with."""
-    host = {"parameters": st.params, "gradients": st.grads, "optimizer": st.optimizer + st.master}
-    return dataclasses.replace(st, params=0, grads=0, optimizer=0, master=0), host
-
-
-def cpu_offload_optimizer_s(opt_params: float, step_bytes: float, adamw_step_bytes: float, hw: Hardware) -> float:
-    """Time: the host steps this rank's shards (estimate/hardware.py: host_adam_rate, measured with AdamW; an
-    optimizer that moves more bytes per parameter takes as much longer)."""
-    host_link(hw)
-    return opt_params / hw.host_adam_params_per_s * step_bytes / adamw_step_bytes
-
-
-def cpu_offload_copy_s(copies: int, shard_bytes: float, hw: Hardware) -> float:
-    """Time: each FSDP gather copies its group's fp32 shards in, each reduce-scatter its gradients out."""
-    return copies * p2p_time(shard_bytes, host_link(hw))
 
 
 # --- activation_offload: chosen blocks' saved tensors to host in forward, back for backward -----------------------

@@ -481,9 +481,9 @@ def build_train_step(model_args, dims, recipe: Recipe | None = None, device: tor
                             lora=recipe.lora, memory=memory, capabilities=capabilities,
                             cuda_graphs=recipe.cuda_graphs)
     comm.prepare()
-    # CPU offload: the sharded parameters, their gradients and the optimizer state live in host memory, and the
-    # optimizer steps there
-    opt_device = torch.device("cpu") if memory.cpu_offload else device
+    # CPU offload (Capability.states_on_host): the sharded parameters, their gradients and the optimizer state live in
+    # host memory, and the optimizer steps there
+    opt_device = torch.device("cpu") if any(c.states_on_host for c in capabilities) else device
     opt = build_optimizer(unwrap(model), optimizer, opt_device,
                           dims.dp_group if layout.zero1 else None, comm=comm, precision=precision,
                           hidden=hidden_matrix_names(model_args, recipe.lora),
