@@ -73,6 +73,8 @@ NAMED_ALSO_IN = {
     "z_loss": set(),
     "float8": {"paratrain/estimate/profile.py"},  # (the FP8 curve's name in calibration profiles saved before)
     "adamw8bit": {"paratrain/training/optim.py"},  # (its builder, imported into the builders' table)
+    "muon": {"paratrain/training/muon.py", "paratrain/training/optim.py"},  # (its kernels; their builders' table)
+    "cpu_offload": {"paratrain/training/checkpoint.py"},  # (torch's StateDictOptions(cpu_offload=True), not ours)
 }
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from paratrain.capabilities.base import Capability
 from paratrain.errors import ConfigError
-from paratrain.optimizers import optimizer_entry
+from paratrain.optimizers import BUILT_IN
 
 KEY = "memory.cpu_offload"
 
@@ -77,7 +77,7 @@ class CpuOffload(Capability):
         """Time: the host steps this rank's shards (estimate/hardware.py: host_adam_rate, measured with AdamW; an
         optimizer that moves more bytes per parameter takes as much longer)."""
         _host_link(hw)
-        return opt_params / hw.host_adam_params_per_s * step_bytes / optimizer_entry("adamw").step_bytes
+        return opt_params / hw.host_adam_params_per_s * step_bytes / BUILT_IN["adamw"].step_bytes
 
     def fsdp_copy_s(self, copies: int, shard_bytes: float, hw) -> float:
         """Time: each FSDP gather copies its group's fp32 shards in, each reduce-scatter its gradients out, one send
