@@ -214,10 +214,12 @@ def recipe_keys() -> dict[str, str]:
     its memory tiers' ([memory]), and the two a run resolves (the accumulation from the batch, the optimizer's
     kernels on the device)."""
     from paratrain.memory import MemoryTiers
-    from paratrain.recipe import Recipe
+    from paratrain.recipe import Recipe, recipe_settings
 
     keys = {f.name: f.metadata["key"] for f in dataclasses.fields(Recipe) if "key" in f.metadata}
     keys.update({f.name: f"memory.{f.name}" for f in dataclasses.fields(MemoryTiers)})
+    # (and the keys of the capabilities a layout's name switches on: activation offload's, CPU offload's)
+    keys.update({key.split(".")[1]: key for key in recipe_settings() if key.startswith("memory.")})
     return {**keys, "accum_steps": "training.accum_steps", "optimizer_impl": "optimizer.impl"}
 
 

@@ -24,8 +24,8 @@ from paratrain import capabilities
 from paratrain.capabilities import OPTIMIZER_NAMES, optimizer_entry
 from paratrain.errors import ConfigError
 from paratrain.models.args import ModelArgs, is_int
-from paratrain.modes import (ActivationOffloadMode, CheckpointMode, DPModeOption, GradCompression, OptimizerImpl,
-                             Precision, Schedule, WeightDtype)
+from paratrain.modes import (CheckpointMode, DPModeOption, GradCompression, OptimizerImpl, Precision, Schedule,
+                             WeightDtype)
 from paratrain.models.lora_params import lora_problem
 
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
@@ -180,10 +180,6 @@ class MemoryConfig:
     # exact (fp32 gradients; not under a pipeline) and one rank's fp32 logits of a micro-batch are 64 MiB or more;
     # 1: the whole logits at once.
     loss_chunks: int = 0
-    # Saved activations of blocks moved to host memory in forward and back in backward (saved-tensor hooks; on CUDA
-    # pinned buffers and a side stream): none | all blocks | every_k (blocks 0, k, 2k, ...).
-    activation_offload: ActivationOffloadMode = "none"
-    activation_offload_every_k: int = 2  # every_k: blocks 0, k, 2k, ...
 
 
 @dataclass
@@ -519,7 +515,6 @@ def _check_runtime(cfg: Config) -> None:
     _require(cfg.activation_checkpoint.segment_blocks >= 0,
              "activation_checkpoint.segment_blocks must be >= 0 (0: round(sqrt(n_layers)))")
     _require(cfg.memory.loss_chunks >= 0, "memory.loss_chunks must be >= 0 (0: automatic, 1: whole logits)")
-    _require(cfg.memory.activation_offload_every_k >= 1, "memory.activation_offload_every_k must be >= 1")
     _require(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 saves only at the end)")
     _require(cfg.checkpoint.every_minutes >= 0, "checkpoint.every_minutes must be >= 0 (0: off)")
     _require(cfg.checkpoint.keep >= 2, "checkpoint.keep must be >= 2 so a bad save never leaves no checkpoint")

@@ -10,8 +10,9 @@ rep: hsdp's replicas; cp, tp, pp, ep: degrees (dp_shard is the rest of the world
 sequence or loss parallelism; sched: the pipeline schedule, v its stages per rank (the interleaved schedules'
 default 2 is not written); ac: activation checkpointing (every_k with its k, segments with its blocks per segment
 when set: segments4); mb: sequences per micro-batch. The
-memory tiers in use follow (paratrain/memory.py): loss=N (the loss over N pieces), actoff=all|every_kK (activation
-offloading), then the capabilities' switches (`Capability.layout_item`: cpuoff=on, CPU offload).
+memory tiers in use follow (paratrain/memory.py): loss=N (the loss over N pieces), then the capabilities' switches
+(`Capability.layout_item`, in the registry's order, each documented in its module: activation offload's mode,
+cpuoff=on for CPU offload).
 
 The flags are one per `[parallel]` setting (`FLAGS`, derived from config.ParallelConfig; `--tp`, `--pp-schedule`,
 `--no-sequence-parallel`, `--grad-compression`, ...): `add_layout_flags` adds those a command takes, `layout_flags` reads what was given as
@@ -33,15 +34,14 @@ from paratrain.config_reference import describe
 from paratrain.errors import UserError
 from paratrain.layout import CONFIG_KEYS, Layout
 from paratrain.memory import MemoryTiers
-from paratrain.modes import (ACTIVATION_OFFLOAD_MODES, CHECKPOINT_MODES, DP_MODE_OPTIONS, SCHEDULES,
-                             checkpointing_label, dp_mode_of, parse_checkpointing_label, parse_offload_label,
-                             replicates_shards)
+from paratrain.modes import (CHECKPOINT_MODES, DP_MODE_OPTIONS, SCHEDULES, checkpointing_label, dp_mode_of,
+                             parse_checkpointing_label, replicates_shards)
 
 NO_DATA_PARALLEL = "nodp"
 DEGREES = ("rep", "cp", "tp", "pp", "v", "ep", "mb")
 SWITCHES = {"sp": "sequence_parallel", "lp": "loss_parallel"}  # item -> Layout field, written only when off
-TIERS = ("loss", "actoff")  # the memory tiers' items
-SWITCHED = {cls.layout_item: cls for cls in capabilities.switches()}  # item -> the capability `item=on` turns on
+TIERS = ("loss",)  # the memory tiers' items
+SWITCHED = {cls.layout_item: cls for cls in capabilities.switches()}  # item -> the capability `item=...` turns on
 
 
 def layout_name(layout, checkpointing: str | None = None, every_k: int = 2, micro_batch: int | None = None,
@@ -69,7 +69,7 @@ def layout_name(layout, checkpointing: str | None = None, every_k: int = 2, micr
     if micro_batch is not None:
         parts.append(f"mb={micro_batch}")
     parts += tiers.items() if tiers is not None else []
-    return ",".join(parts + [f"{c.layout_item}=on" for c in switched if c.layout_item])
+    return ",".join(parts + [f"{c.layout_item}={c.layout_value()}" for c in switched if c.layout_item])
 
 
 @dataclass
@@ -83,16 +83,14 @@ class NamedLayout:
     micro_batch: int | None = None  # None: not named
     tiers: MemoryTiers = field(default_factory=MemoryTiers)
     named: frozenset = frozenset()  # the items the name gives (those not named keep a run's own settings)
-    switched: tuple = ()  # the capabilities its switches turn on (cpuoff=on: CPU offload), with their defaults
+    switched: tuple = ()  # the capabilities its switches turn on (cpuoff=on: CPU offload), with their settings
 
     def memory_values(self) -> dict:
-        """The settings the name's memory tiers give (loss=, actoff=, and the switches: cpuoff=), as {"section.key":
+        """The settings the name's memory tiers give (loss=, and the switches named: cpuoff=, ...), as {"section.key":
         value}."""
-        keys = {"loss": ("loss_chunks",), "actoff": ("activation_offload", "activation_offload_every_k")}
-        out = {f"memory.{key}": getattr(self.tiers, key) for item in TIERS if item in self.named for key in keys[item]}
-        for capability in self.switched:
-            out.update(capability.config_values())
-        return out
+        out = {"memory.loss_chunks": self.tiers.loss_chunks} if "loss" in self.named else {}
+        named = tuple(cls for item, cls in SWITCHED.items() if item in self.named)  # (named off: its defaults)
+        return {**out, **capabilities.switch_values(self.switched, named)}
 
     def layout(self, world_size: int, **more):
         """The layout on `world_size` ranks (ConfigError when it is none paratrain can run)."""
@@ -115,7 +113,7 @@ def parse_layout_name(text: str, what: str = "layout") -> NamedLayout:
         k, eq, v = tok.partition("=")
         if not eq or k not in (*DEGREES, *SWITCHES, *TIERS, *SWITCHED, "sched", "ac") or k in items:
             raise UserError(f"{where}: unknown or repeated item '{tok}' (use {'=, '.join(DEGREES)}=, sched=, ac=, "
-                            f"sp=off, lp=off, loss=, actoff={''.join(f', {item}=on' for item in SWITCHED)})")
+                            f"sp=off, lp=off, loss={''.join(f', {i}={c.layout_hint}' for i, c in SWITCHED.items())})")
         items[k] = v
     degrees = {}
     for k in DEGREES:
@@ -141,19 +139,14 @@ def _tiers(items: dict[str, str], where: str) -> MemoryTiers:
     chunks = items.get("loss", "1")
     if not chunks.isdigit() or int(chunks) < 1:
         raise UserError(f"{where}: loss must be an integer >= 1 (pieces of the loss), got '{chunks}'")
-    offload = parse_offload_label(items.get("actoff", "none"))
-    if offload is None:
-        raise UserError(f"{where}: actoff must be one of {', '.join(ACTIVATION_OFFLOAD_MODES)} (every_k with its k: "
-                        "every_k2)")
-    return MemoryTiers(int(chunks), offload[0], offload[1])
+    return MemoryTiers(int(chunks))
 
 
 def _switched(items: dict[str, str], where: str) -> tuple:
-    """The capabilities the name's switches turn on (`item=on`), in the registry's order."""
-    for item in SWITCHED:
-        if items.get(item, "on") != "on":
-            raise UserError(f"{where}: {item} is off unless {item}=on")
-    return tuple(cls() for item, cls in SWITCHED.items() if item in items)
+    """The capabilities the name's switches turn on (`item=on`, or its value:
+    `Capability.from_layout_value`), in the registry's order."""
+    on = [cls.from_layout_value(items[item], where) for item, cls in SWITCHED.items() if item in items]
+    return tuple(c for c in on if c is not None)
 
 
 def _layout_options(mode: str, degrees: dict, sched: str, items: dict) -> dict:

@@ -9,12 +9,8 @@ logits to the schedule's loss function, which has no hidden states to cut. Autom
 logits of one micro-batch are big (`AUTO_LOSS_MIN_BYTES`): each piece is a checkpointed call whose fixed cost (the
 head's forward again, the checkpoint's bookkeeping, its kernel launches) a small vocabulary's logits never pay back.
 
-Activation offload (`memory.activation_offload`): the saved tensors of every block ("all") or of blocks 0, k, 2k, ...
-("every_k") go to host memory in forward and come back in backward (distributed/offload.py). Not with the zero-bubble
-schedules, whose weight-gradient step reads the saved tensors a second time after the input-gradient step.
-
-CPU offload, the third tier, is a capability (`CpuOffload` in paratrain/capabilities): its key, its check and its
-terms live there.
+Activation offload and CPU offload, the other tiers, are capabilities (`ActivationOffload`, `CpuOffload` in
+paratrain/capabilities): a layout's name switches them on, and their keys, checks and terms live there.
 """
 
 from __future__ import annotations
@@ -23,8 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from paratrain.errors import ConfigError
-from paratrain.modes import (ActivationOffloadMode, by_segments, low_precision, offload_label, offloads_activations,
-                             zero_bubble)
+from paratrain.modes import low_precision
 
 AUTO_LOSS_CHUNKS = 8  # torchtune's default number of output chunks: 1/8 of the logits live at a time
 # Automatic chunking from this many bytes of one micro-batch's fp32 logits per rank (tokens x vocabulary x 4 B; cp and
@@ -45,8 +40,6 @@ class MemoryTiers:
     until the model and the micro-batch are known (`loss_chunks`); 1 is the whole logits."""
 
     loss_chunks: int = 1
-    activation_offload: ActivationOffloadMode = "none"
-    activation_offload_every_k: int = dataclasses.field(default=2, metadata={"flag": "--offload-every-k"})
 
     @classmethod
     def from_config(cls, memory) -> "MemoryTiers":
@@ -59,14 +52,11 @@ class MemoryTiers:
 
     @property
     def active(self) -> bool:
-        return self.loss_chunks > 1 or offloads_activations(self.activation_offload)
+        return self.loss_chunks > 1
 
     def items(self) -> list[str]:
-        """Layout-name items: loss=N, actoff=all|every_kK (only those in use)."""
-        out = [f"loss={self.loss_chunks}"] if self.loss_chunks > 1 else []
-        if offloads_activations(self.activation_offload):
-            out.append(f"actoff={offload_label(self.activation_offload, self.activation_offload_every_k)}")
-        return out
+        """Layout-name items: loss=N (only when in use)."""
+        return [f"loss={self.loss_chunks}"] if self.loss_chunks > 1 else []
 
 
 def logit_bytes(layout, vocab_size: int, tokens: int) -> int:
@@ -96,23 +86,6 @@ def loss_chunks(setting: int, layout, precision: str, *, vocab_size: int, tokens
     return setting
 
 
-def check_offload(mode: str, layout) -> None:
-    if offloads_activations(mode) and layout.pipelined and zero_bubble(layout.pp_schedule):
-        raise ConfigError(f"memory.activation_offload={mode} does not work with parallel.pp_schedule="
-                          f"{layout.pp_schedule}: its weight-gradient step reads the saved activations again after "
-                          "the input-gradient step; use 1f1b, gpipe or interleaved_1f1b")
-
-
-def check_offload_checkpointing(offload: str, checkpointing: str) -> None:
-    """Activation offloading's hooks wrap each block's forward; inside a segment (activation_checkpoint.mode =
-    segments) they would sit within the segment's checkpoint and take its saved tensors from it."""
-    if offloads_activations(offload) and by_segments(checkpointing):
-        raise ConfigError(f"memory.activation_offload={offload} does not work with activation_checkpoint.mode="
-                          f"{checkpointing} (the offloading hooks would sit inside each segment's checkpoint); use "
-                          "mode=full with offloading, or segments without")
-
-
 def check(memory, layout, precision: str) -> None:
     """Every `[memory]` setting against the layout (ConfigError naming the setting)."""
     check_loss_chunks(memory.loss_chunks, layout)
-    check_offload(memory.activation_offload, layout)

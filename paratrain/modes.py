@@ -216,45 +216,6 @@ def describe_checkpointing(mode: str, every_k: int, segment_blocks: int = 0) -> 
     return mode if uniform(mode) else f"{mode} (k={every_k})"
 
 
-# -- activation offloading (a memory tier, paratrain/memory.py) --------------------------------------------------
-# none; all: every block's saved tensors go to host memory in forward and come back in backward; every_k: blocks 0, k,
-# 2k, ... do.
-ActivationOffloadMode = Literal["none", "all", "every_k"]
-ACTIVATION_OFFLOAD_MODES: tuple[str, ...] = get_args(ActivationOffloadMode)
-
-
-def offloads_activations(mode: str) -> bool:
-    """Some block's saved activations go to host memory."""
-    return mode != "none"
-
-
-def offload_stride(mode: str, every_k: int) -> int:
-    """Blocks between two offloaded ones (the one below an offloaded block's is prefetched in backward)."""
-    return every_k if mode == "every_k" else 1
-
-
-def offloaded_blocks(mode: str, every_k: int, n_layers: int) -> list[int]:
-    """The blocks whose saved activations the mode moves to host memory."""
-    if not offloads_activations(mode):
-        return []
-    return list(range(0, n_layers, offload_stride(mode, every_k)))
-
-
-def offload_label(mode: str, every_k: int) -> str:
-    """The mode as a layout name writes it: every_k with its k (`every_k2`), the others as they are."""
-    return checkpointing_label(mode, every_k)  # (the same spelling as checkpointing's)
-
-
-def parse_offload_label(text: str) -> tuple[str, int] | None:
-    """(mode, every_k) of an `offload_label`, None when it names no mode (every_k alone: k = 2)."""
-    return _parse_every_k_label(text, ACTIVATION_OFFLOAD_MODES)
-
-
-def describe_offload(mode: str, every_k: int) -> str:
-    """For reports: `(every block)`, `(every 2 blocks)`."""
-    return "(every block)" if offload_stride(mode, every_k) == 1 else f"(every {every_k} blocks)"
-
-
 # -- precision ---------------------------------------------------------------------------------------------------
 # fp32; bf16: bf16 compute, fp32 master weights; fp16: the same with dynamic loss scaling; fp8: bf16 compute with the
 # blocks' linear layers as 8-bit matmuls (converted by the fp8 capability module in paratrain/capabilities/).

@@ -90,7 +90,7 @@ class Recipe:
             setattr(getattr(cfg, section), key, getattr(self, f.name))
         cfg.parallel = dataclasses.replace(self.layout.to_config(cfg.parallel), **self.compression.config_values())
         cfg.memory = self.tiers.to_config(cfg.memory)
-        for key, value in capabilities.switch_values(self.capabilities).items():  # (CPU offload's key)
+        for key, value in capabilities.switch_values(self.capabilities).items():  # (the switches' keys: offloads)
             _set(cfg, key, value)
         cfg.training.accum_steps = self.accum_steps
         if self.lora is not None:
@@ -110,7 +110,7 @@ class Recipe:
         return self.layout.pp_microbatches if self.layout.pipelined else self.accum_steps
 
     def replace(self, **changes) -> "Recipe":
-        """A changed copy; memory tiers by their own names (loss_chunks=, activation_offload=, ...)."""
+        """A changed copy; memory tiers by their own names (loss_chunks=; the switched ones are `capabilities`)."""
         tier_keys = {f.name for f in dataclasses.fields(MemoryTiers)} & changes.keys()
         if tier_keys:
             changes["tiers"] = dataclasses.replace(self.tiers, **{k: changes.pop(k) for k in tier_keys})
@@ -120,11 +120,12 @@ class Recipe:
 def recipe_settings(recipe=Recipe) -> dict[str, str]:
     """{config key ("section.key"): its command-line flag} of every setting a recipe reads from a run's config: the
     recipe's own keyed fields, the memory tiers' ([memory], MemoryTiers' fields) and the keys of the capabilities a
-    layout's name switches on (CPU offload's). The layout's `[parallel]` keys have theirs in layout_grammar
-    (`FLAG_KEYS`)."""
+    layout's name switches on (activation offload's, CPU offload's; a key's field may name its flag). The layout's
+    `[parallel]` keys have theirs in layout_grammar (`FLAG_KEYS`)."""
     out = {f.metadata["key"]: f.metadata.get("flag") for f in _keyed_fields(recipe)}
     out.update({f"memory.{f.name}": f.metadata.get("flag") for f in dataclasses.fields(MemoryTiers)})
-    out.update({key: None for key in capabilities.switch_values(())})
+    out.update({f"{cls.adds_to[0]}.{f.name}": f.metadata.get("flag") for cls in capabilities.switches()
+                for f in dataclasses.fields(cls.adds_to[1])})
     return {key: flag or "--" + key.split(".")[1].replace("_", "-") for key, flag in out.items()}
 
 

@@ -214,9 +214,9 @@ def _validated(cfg: Config, source: ModelSource, layout: Layout, args: ModelArgs
     source.check_export(cfg.checkpoint, args)
     layout.check_checkpointing(cfg.activation_checkpoint.mode)
     memory.check(cfg.memory, layout, cfg.training.precision)  # the memory tiers the layout can use
-    for capability in capabilities.active(cfg):  # (CPU offload: FSDP layouts)
+    for capability in capabilities.active(cfg):  # (activation offload: its schedules, no segments; CPU offload: FSDP)
         capability.check_layout(layout)
-    memory.check_offload_checkpointing(cfg.memory.activation_offload, cfg.activation_checkpoint.mode)
+        capability.check_checkpointing(cfg.activation_checkpoint.mode)
     stage_gpus(cfg.parallel, layout)
     if layout.pipelined and cfg.checkpoint.export_safetensors:
         raise ConfigError("checkpoint.export_safetensors is not supported with parallel.pp > 1 yet "

@@ -75,6 +75,9 @@ NAMED_ALSO_IN = {
     "adamw8bit": {"paratrain/training/optim.py"},  # (its builder, imported into the builders' table)
     "muon": {"paratrain/training/muon.py", "paratrain/training/optim.py"},  # (its kernels; their builders' table)
     "cpu_offload": {"paratrain/training/checkpoint.py"},  # (torch's StateDictOptions(cpu_offload=True), not ours)
+    # (its runtime, the saved-tensor hooks, a torch module that parallelize applies to the blocks it names: the
+    # capabilities package may not import distributed/, which imports it)
+    "activation_offload": {"paratrain/distributed/offload.py", "paratrain/distributed/parallelize.py"},
 }
 
 

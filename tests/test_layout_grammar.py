@@ -54,21 +54,25 @@ def test_switches_and_modes_in_names():
 
 
 def test_memory_tiers_in_names():
-    """A plan's memory tiers are items of its name (loss=, actoff=, and the capabilities' switches: cpuoff=on), read
-    back by --explain."""
+    """A plan's memory tiers are items of its name (loss=, and the capabilities' switches: actoff=all|every_kK,
+    cpuoff=on), read back by --explain."""
+    from paratrain.capabilities.activation_offload import ActivationOffload
     from paratrain.capabilities.cpu_offload import CpuOffload
     from paratrain.memory import MemoryTiers
 
     lay = Layout.resolve(4, dp_mode="fsdp", tp=2)
-    for tiers, switched in ((MemoryTiers(8, "all", 2), (CpuOffload(),)), (MemoryTiers(1, "every_k", 3), ()),
-                            (MemoryTiers(), ())):
+    for tiers, switched in ((MemoryTiers(8), (ActivationOffload("all"), CpuOffload())),
+                            (MemoryTiers(1), (ActivationOffload("every_k", 3),)), (MemoryTiers(), ())):
         name = layout_name(lay, "full", 2, 1, tiers, switched=switched)
         named = parse_layout_name(name)
         assert (named.tiers, named.switched) == (tiers, switched) and named.layout(4) == lay
-        assert named.memory_values().get("memory.cpu_offload", False) is bool(switched)
-    tiered = layout_name(lay, "full", 2, 1, MemoryTiers(8, "all", 2), switched=(CpuOffload(),))
+        assert named.memory_values().get("memory.cpu_offload", False) is (CpuOffload() in switched)
+    tiered = layout_name(lay, "full", 2, 1, MemoryTiers(8), switched=(ActivationOffload("all"), CpuOffload()))
     assert tiered == "fsdp,tp=2,ac=full,mb=1,loss=8,actoff=all,cpuoff=on"
     assert layout_name(lay, "full", 2, 1, MemoryTiers()) == "fsdp,tp=2,ac=full,mb=1"
+    # actoff=none names the setting off (its keys' defaults over a run's own)
+    assert parse_layout_name("fsdp,actoff=none").memory_values() == {"memory.activation_offload": "none",
+                                                                     "memory.activation_offload_every_k": 2}
 
 
 @pytest.mark.parametrize("text, words", [

@@ -13,8 +13,8 @@ import torch
 from paratrain.capabilities.cpu_offload import CpuOffload
 from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Layout
-from paratrain.memory import AUTO_LOSS_CHUNKS, AUTO_LOSS_MIN_BYTES, MemoryTiers, check_offload, loss_chunks
-from paratrain.modes import offloaded_blocks
+from paratrain.capabilities.activation_offload import ActivationOffload
+from paratrain.memory import AUTO_LOSS_CHUNKS, AUTO_LOSS_MIN_BYTES, MemoryTiers, loss_chunks
 from paratrain.verify import MEMORY_MATRIX
 
 from test_distributed import check_matrix
@@ -85,11 +85,11 @@ def test_trainer_and_estimator_resolve_automatic_chunks_alike():
 
 
 def test_offload_rules():
-    assert offloaded_blocks("none", 2, 5) == [] and offloaded_blocks("all", 2, 3) == [0, 1, 2]
-    assert offloaded_blocks("every_k", 2, 5) == [0, 2, 4]
-    check_offload("all", Layout.resolve(2, pp=2))  # 1f1b: fine
+    assert ActivationOffload("all").host_activations(3) == ([0, 1, 2], 1)
+    assert ActivationOffload("every_k", 2).host_activations(5) == ([0, 2, 4], 2)
+    ActivationOffload("all").check_layout(Layout.resolve(2, pp=2))  # 1f1b: fine
     with pytest.raises(ConfigError, match="activation_offload=all does not work with parallel.pp_schedule=zbv"):
-        check_offload("all", Layout.resolve(2, pp=2, pp_schedule="zbv"))
+        ActivationOffload("all").check_layout(Layout.resolve(2, pp=2, pp_schedule="zbv"))
 
 
 def test_segments_keep_only_their_inputs_and_recompute_exactly():
@@ -137,7 +137,7 @@ def test_activation_offload_moves_saved_tensors_to_host_and_back():
     """One process: every mode with every checkpointing gives the same loss and gradients bit for bit; what the hooks
     hold between forward and backward is what the estimator says moves (activations.offloaded), and they hold
     nothing after backward."""
-    from paratrain.config import ActivationCheckpointConfig, MemoryConfig
+    from paratrain.config import ActivationCheckpointConfig
     from paratrain.distributed import offload
     from paratrain.distributed.initialize import canonical_name
     from paratrain.distributed.parallel_dims import ParallelDims
@@ -160,7 +160,8 @@ def test_activation_offload_moves_saved_tensors_to_host_and_back():
         with torch.device("meta"):
             model = build_model(args)
         model = parallelize(model, ParallelDims(Layout.resolve(1)), ActivationCheckpointConfig(ac), "fp32", False,
-                            torch.device("cpu"), 0, memory=MemoryConfig(activation_offload=mode))
+                            torch.device("cpu"), 0,
+                            capabilities=(ActivationOffload(mode),) if mode != "none" else ())
         gen = torch.Generator().manual_seed(0)
         x, y = (torch.randint(0, 64, (4, 64), generator=gen) for _ in range(2))
         offload.ActivationOffloader._to_host = to_host
@@ -173,7 +174,7 @@ def test_activation_offload_moves_saved_tensors_to_host_and_back():
         assert all(ref() is None for _, ref in held), "host copies outlive the backward"
         held.clear()
         results[mode, ac] = loss.detach(), {canonical_name(n): p.grad for n, p in model.named_parameters()}, hosted
-        blocks = offloaded_blocks(mode, 2, args.n_layers)
+        blocks = ActivationOffload(mode).host_activations(args.n_layers)[0] if mode != "none" else []
         from paratrain.estimate.activations import act_dims
 
         d = act_dims(args, Layout.resolve(1), "fp32", "paratrain", 4, 64, "cpu")
@@ -280,12 +281,13 @@ def test_plan_reaches_for_the_tiers_and_writes_them(tmp_path):
     ctx, world, _ = planning = plan_context(request)
     best = planning.plan(top=1).ranked[0]
     assert best.cand.tiers() and best.estimate.host_fits
-    offloads = best.cand.switched == (CpuOffload(),)
+    offloads = CpuOffload() in best.cand.switched
     if offloads:
         assert best.pred.optimizer_s > 0.5  # 2B parameters per rank stepped on the host's cores
     path, _, _ = write_outputs(best, ctx, world, tmp_path / "plan", None, "llama3-8b")
     cfg = load_config(path)
-    assert (cfg.memory.cpu_offload, cfg.memory.activation_offload) == (offloads, best.cand.act_offload)
+    actoff = next((c.mode for c in best.cand.switched if isinstance(c, ActivationOffload)), "none")
+    assert (cfg.memory.cpu_offload, cfg.memory.activation_offload) == (offloads, actoff)
     assert check(cfg, world).world_size == 4
     with pytest.raises(UserError, match="does not fit in host memory"):
         plan(dataclasses.replace(request, host_memory=16 * 2**30), top=1)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from paratrain.capabilities.activation_offload import ActivationOffload
 from paratrain.capabilities.cpu_offload import CpuOffload
 from paratrain.config import Config
 from paratrain.layout import Layout
@@ -93,9 +94,10 @@ def test_to_config_and_from_config_are_one_mapping():
 
     layout = Layout.resolve(8, dp_mode="hsdp", dp_replicate=2, tp=2)
     recipe = Recipe(layout, precision="fp16", checkpointing="every_k", every_k=3, micro_batch=4, accum_steps=2,
-                    seq_len=512, tiers=MemoryTiers(4, "every_k", 3), optimizer="sgd", optimizer_impl="foreach",
+                    seq_len=512, tiers=MemoryTiers(4), optimizer="sgd", optimizer_impl="foreach",
                     compression=Compression("sign_ef", 4, 64), fsdp_backward_prefetch=2,
-                    lora=LoRA(8, 32.0, 0.1, ("wq", "wv")), capabilities=(CpuOffload(),))
+                    lora=LoRA(8, 32.0, 0.1, ("wq", "wv")),
+                    capabilities=(ActivationOffload("every_k", 3), CpuOffload()))
     cfg = recipe.to_config(Config())
     cfg.optimizer.impl = "foreach"
     assert Recipe.from_config(cfg, Layout.from_config(cfg.parallel, 8), 4, 2, "cuda") == recipe

@@ -7,6 +7,7 @@ import dataclasses
 import difflib
 from typing import NamedTuple
 
+from paratrain.capabilities.activation_offload import ActivationOffload
 from paratrain.capabilities.adamw8bit import EightBitAdam
 from paratrain.capabilities.base import Capability
 from paratrain.capabilities.cpu_offload import CpuOffload
@@ -18,7 +19,8 @@ from paratrain.errors import ConfigError
 from paratrain.optimizers import BUILT_IN, OptimizerEntry
 
 # In the order their hooks run (and their keys are listed in a section they share).
-CAPABILITIES: tuple[type[Capability], ...] = (Float8, OneBitAdam, EightBitAdam, Muon, ZLoss, CpuOffload)
+CAPABILITIES: tuple[type[Capability], ...] = (Float8, OneBitAdam, EightBitAdam, Muon, ZLoss, ActivationOffload,
+                                               CpuOffload)
 
 # The optimizer table `optimizer.name` selects from: the built-in entries (paratrain/optimizers.py), then those the
 # capabilities bring (`Capability.optimizers`), in registry order.
@@ -103,20 +105,23 @@ def reference_keys() -> tuple[str, ...]:
 
 
 def switches() -> tuple[type[Capability], ...]:
-    """The capabilities a layout's name switches on (`Capability.layout_item`: CPU offload's `cpuoff=on`)."""
+    """The capabilities a layout's name switches on (`Capability.layout_item`: CPU offload's `cpuoff=on`, activation
+    offload's)."""
     return tuple(cls for cls in CAPABILITIES if cls.layout_item)
 
 
-def switched_on(present: tuple[Capability, ...]) -> dict[str, bool]:
-    """{name: used} of every switch (the JSON documents' `memory_tiers` keys, after the `[memory]` section's own)."""
-    return {cls.name: any(isinstance(c, cls) for c in present) for cls in switches()}
+def switched_on(present: tuple[Capability, ...]) -> dict[str, object]:
+    """{name: its state} of every switch (`Capability.tier_state`: the JSON documents' `memory_tiers` keys, after the
+    `[memory]` section's own)."""
+    return {cls.name: cls.tier_state(next((c for c in present if isinstance(c, cls)), None)) for cls in switches()}
 
 
-def switch_values(present: tuple[Capability, ...]) -> dict[str, object]:
-    """{"section.key": value} of every switch's keys in a config running `present`: the values of those present,
-    the defaults of the others."""
+def switch_values(present: tuple[Capability, ...],
+                  of: tuple[type[Capability], ...] | None = None) -> dict[str, object]:
+    """{"section.key": value} of every switch's keys (or those of the switches `of`) in a config running `present`:
+    the values of those present, the defaults of the others."""
     out = {}
-    for cls in switches():
+    for cls in switches() if of is None else of:
         section, keys = cls.adds_to
         on = next((c for c in present if isinstance(c, cls)), None)
         out.update({f"{section}.{f.name}": f.default for f in dataclasses.fields(keys)})

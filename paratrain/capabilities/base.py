@@ -35,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from paratrain.errors import UserError
+
 
 MOE_PRESET = "model.preset=tiny-moe"  # verify rows: with the base's 4 layers, 1 dense + 3 MoE layers
 
@@ -184,6 +186,7 @@ class Capability:
     # items): the planner's candidates carry it (`estimate.step_time.Candidate.capabilities`), the planner tries the
     # layouts it `runs_on` with it when none fits, `paratrain estimate` takes its keys as flags and suggests it.
     layout_item: ClassVar[str] = ""  # its item in a layout's name ("" : none)
+    layout_hint: ClassVar[str] = "on"  # what an unknown item's message says its value is (`cpuoff=on`)
     tier_label: ClassVar[str] = ""  # what the estimate says of it among the memory tiers in use
     suggestion: ClassVar[tuple[float, str, str] | None] = None  # a suggestion's (cost rank, flag, what it costs)
     verify_matrix: ClassVar[str] = ""  # the sweep its verify rows join (paratrain/verify.py; "" : its own)
@@ -198,6 +201,31 @@ class Capability:
 
     def check_layout(self, layout) -> None:
         """Checks against the run's layout: a one-line ConfigError (after the `[memory]` tiers' own: memory.py)."""
+
+    def layout_value(self) -> str:
+        """Its item's value in a layout's name (`cpuoff=on`; activation offload's: its mode, every_k with its k)."""
+        return "on"
+
+    @classmethod
+    def from_layout_value(cls, value: str, where: str) -> "Capability | None":
+        """The capability a layout name's `item=value` turns on (None: the value names it off), or a one-line
+        UserError."""
+        if value != "on":
+            raise UserError(f"{where}: {cls.layout_item} is off unless {cls.layout_item}=on")
+        return cls()
+
+    @classmethod
+    def tier_state(cls, on: "Capability | None") -> object:
+        """What the JSON documents say under its name among the memory tiers (`on`: the run's, or None): on or not
+        (activation offload: its mode)."""
+        return on is not None
+
+    def plan_problem(self) -> str | None:
+        """Why the planner cannot predict it with these settings (`paratrain plan --explain`), or None."""
+        return None
+
+    def check_checkpointing(self, mode: str) -> None:
+        """Checks against activation checkpointing's mode (paratrain.modes.CheckpointMode): a one-line ConfigError."""
 
     def config_values(self) -> dict:
         """{"section.key": value} a config running it says (a layout name's switch: verify's rows, the planner's
@@ -221,3 +249,19 @@ class Capability:
     def fsdp_copy_s(self, copies: int, shard_bytes: float, hw) -> float:
         """Time: what `copies` FSDP collectives of `shard_bytes` each add besides the collectives, overlappable."""
         return 0.0
+
+    # -- a memory tier as a capability (activation offload): where the blocks' saved activations live ---------------
+    copy_label: ClassVar[str] = ""  # the plan's communication breakdown's name of its `host_activation_s` copies
+
+    def host_activations(self, n_layers: int) -> tuple[list[int], int] | None:
+        """The blocks (of `n_layers`) whose saved activations it keeps in host memory from their forward to their
+        backward, and the distance between two of them (a block's backward fetches the one that far below ahead), or
+        None. `parallelize` applies distributed/offload.py's hooks to them; the estimator takes their bytes off the
+        device."""
+        return None
+
+    def host_activation_s(self, block_bytes: int, moved: int, blocks: int, micro_steps: int, compute_s: float,
+                          hw) -> tuple[float, float]:
+        """Time: (exposed, total) seconds per step of copying `moved` of a rank's `blocks` blocks' `block_bytes`
+        saved activations to host and back (`compute_s`: the rank's compute per micro-step)."""
+        return 0.0, 0.0

@@ -428,8 +428,7 @@ def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int
                "pp_virtual_stages": lay.pp_virtual if lay.pp > 1 else None,
                "pp_split": list(lay.pp_split) if (lay.pp > 1 and lay.pp_split) else None,
                "activation_checkpoint": r.cand.ac, "micro_batch": r.cand.micro_batch,
-               "memory_tiers": {"loss_chunks": r.cand.loss_chunks, "activation_offload": r.cand.act_offload,
-                                **capabilities.switched_on(r.cand.switched)},
+               "memory_tiers": {"loss_chunks": r.cand.loss_chunks, **capabilities.switched_on(r.cand.switched)},
                "predicted": _prediction_json(r.pred), "memory_bytes_per_rank": r.total_bytes,
                "host_bytes_per_rank": r.estimate.host_bytes if r.estimate is not None else None}
         if r.stage_hw:

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, SAC_IGNORED_OPS, _checkpoi
                                     create_selective_checkpoint_contexts)
 
 from paratrain.capabilities.base import Where
-from paratrain.config import ActivationCheckpointConfig, MemoryConfig
+from paratrain.config import ActivationCheckpointConfig
 from paratrain.distributed.compression import GradComm
 from paratrain.distributed.context_parallel import apply_context_parallel, attention_modules, context_for
 from paratrain.distributed.expert_parallel import distribute_experts, shard_experts
@@ -35,8 +35,8 @@ from paratrain.distributed.tensor_parallel import apply_tp
 from paratrain.distributed.tensors import full_tensor, right_pad, torch_dtype
 from paratrain.models.lora import apply_lora, freeze_base
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import (block_checkpointing, by_segments, low_precision, offload_stride, offloaded_blocks,
-                             offloads_activations, recomputes, segment_size, segments, selective)
+from paratrain.modes import (block_checkpointing, by_segments, low_precision, recomputes, segment_size, segments,
+                             selective)
 
 
 class SequenceParallelSampler(nn.Module):
@@ -220,17 +220,17 @@ def _whole_length(layout):
 
 def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: ActivationCheckpointConfig,
                 precision: str, compile: bool | str, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0,
-                comm: GradComm | None = None, lora: LoRA | None = None,
-                memory: MemoryConfig | None = None, capabilities=(), cuda_graphs: bool = False) -> nn.Module:
+                comm: GradComm | None = None, lora: LoRA | None = None, capabilities=(),
+                cuda_graphs: bool = False) -> nn.Module:
     """Apply the layout to a model or pipeline stage built on the meta device; returns the module to train
     (maybe a DDP wrapper). compile: True for torch.compile's default backend, or a backend name. `comm` carries the
     gradient communication settings (`[parallel]`: compression, DDP buckets, FSDP prefetching); None: no
     compression, FSDP2's default prefetching, `ddp_bucket_mb` buckets. `lora`: adapters on the target projections,
-    every other parameter frozen (stored in the compute dtype under bf16/fp16: it never changes). `memory`: the
-    `[memory]` tiers applied here (activation offloading); None: none. `capabilities`: the run's
-    (paratrain/capabilities), whose `before_parallelize` hooks change the plain model first (`precision` is what the
-    rest computes in: fp8's 8-bit layers take their own) and whose `fsdp_offload_policy` FSDP's groups take (CPU
-    offload); `cuda_graphs`: the compiled blocks replay CUDA graphs."""
+    every other parameter frozen (stored in the compute dtype under bf16/fp16: it never changes). `capabilities`: the
+    run's (paratrain/capabilities), whose `before_parallelize` hooks change the plain model first (`precision` is what
+    the rest computes in: fp8's 8-bit layers take their own), whose `host_activations` blocks keep their saved tensors
+    in host memory (activation offload) and whose `fsdp_offload_policy` FSDP's groups take (CPU offload);
+    `cuda_graphs`: the compiled blocks replay CUDA graphs."""
     layout = dims.layout
     comm = comm or GradComm.default(dims, device, ddp_bucket_mb)
     if lora is not None:
@@ -253,10 +253,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
     apply_activation_checkpointing(model, activation_checkpoint)
     if compile:
         apply_compile(model, compile if isinstance(compile, str) else None, cuda_graphs)
-    if memory is not None and offloads_activations(memory.activation_offload):  # each chosen block's saved tensors to host
-        blocks = offloaded_blocks(memory.activation_offload, memory.activation_offload_every_k, model.args.n_layers)
-        stride = offload_stride(memory.activation_offload, memory.activation_offload_every_k)
-        apply_activation_offload(model, blocks, device, stride)
+    for capability in capabilities:  # each chosen block's saved tensors to host (distributed/offload.py)
+        on_host = capability.host_activations(model.args.n_layers)
+        if on_host is not None:
+            apply_activation_offload(model, on_host[0], device, on_host[1])
     if layout.uses_fsdp:
         offload = [p for p in (c.fsdp_offload_policy(Where(device, layout)) for c in capabilities) if p is not None]
         apply_fsdp(model, dims, precision, expert_dp_mesh, comm, offload[0] if offload else None)

@@ -42,7 +42,7 @@ from paratrain.modes import (CompressionSite, block_checkpointing, compute_preci
 from paratrain.estimate.report import format_table
 from paratrain.estimate.schedule import max_in_flight, rank_actions
 from paratrain.estimate.suggest import suggest_changes
-from paratrain.estimate.tiers import activation_offload_plan
+from paratrain.estimate.tiers import saved_on_host
 
 # Runtime overhead per rank outside PyTorch's tensor allocations (what torch.cuda.max_memory_allocated does
 # not see): the CUDA context and kernels (~0.5-0.8 GiB with lazy module loading), cuBLAS/cuDNN workspaces and
@@ -121,6 +121,8 @@ class Estimate:
     def to_dict(self) -> dict:
         i = self.inputs
         lay = i.layout
+        switched = capabilities.switch_values(i.recipe.capabilities)  # ("memory.cpu_offload": under "cpu_offload")
+        switched = {key.split(".")[1]: value for key, value in switched.items()}
         return {
             "model": i.model_name, "parameters": sum(p.numel for p in model_params(i.model_args)),
             "active_parameters": count_active_params(i.model_args),
@@ -144,8 +146,8 @@ class Estimate:
             "suggestion": self.suggestion, "alternatives": self.alternatives,
             "host_bytes": self.host_bytes, "host_breakdown_bytes": self.host, "host_node_bytes": self.host_node_bytes,
             "host_memory_bytes": i.target.host_bytes, "host_fits": self.host_fits,
-            # ([memory]'s keys: MemoryTiers has their names, the switches theirs: CPU offload's)
-            "memory_tiers": {**dataclasses.asdict(i.recipe.tiers), **capabilities.switched_on(i.recipe.capabilities)},
+            # ([memory]'s keys by their names: MemoryTiers' fields, then the switches': activation and CPU offload's)
+            "memory_tiers": {**dataclasses.asdict(i.recipe.tiers), **switched},
         }
 
     def memory_line(self) -> str:
@@ -397,7 +399,7 @@ class _Walk:
         # the blocks checkpointed with each block (its segment's, under segments; else itself), per stage
         self.unit_of = {l: unit for s in stages for unit in A.checkpoint_units(i.recipe.checkpointing, layers_of[s],
                                                                                 size) for l in unit}
-        moved, self.ahead_of = activation_offload_plan(i.recipe.tiers, args.n_layers, d, modes, moe_of, list(by_layer))
+        moved, self.ahead_of = saved_on_host(i.recipe.capabilities, args.n_layers, d, modes, moe_of, list(by_layer))
         self.moved = moved
         stored = self.stored = {l: full[l] - moved[l] for l in by_layer}  # what stays on the device (offloading
         # moves the rest)
@@ -934,6 +936,6 @@ def forward_end_bytes(i: EstimateInputs) -> dict[str, int]:
     stages = [lay.stage_layers(s) for s in lay.local_stages(lay.pp - 1)] if lay.pp > 1 else [layers]
     acts = sum(A.stored_by_block(d, modes, stages, moe_of,
                                  segment_size(i.recipe.segment_blocks, args.n_layers)).values())
-    acts -= sum(activation_offload_plan(i.recipe.tiers, args.n_layers, d, modes, moe_of, layers)[0].values())
+    acts -= sum(saved_on_host(i.recipe.capabilities, args.n_layers, d, modes, moe_of, layers)[0].values())
     return {"activations": acts + A.final_residual(d) + A.inputs_bytes(d),
             "logits_loss": sum(b for _, b in A.head_saved(d))}

@@ -10,10 +10,10 @@ from paratrain.capabilities import OPTIMIZER_NAMES, optimizer_entry
 from paratrain.errors import UserError
 from paratrain.estimate.gpus import HEADROOM, check_headroom
 from paratrain.layout import Batch, Layout, grad_compression_site
-from paratrain.memory import check_offload, check_offload_checkpointing, loss_chunks
+from paratrain.memory import loss_chunks
 from paratrain.models.args import ModelArgs
 from paratrain.models.registry import targets_of
-from paratrain.modes import ACTIVATION_OFFLOAD_MODES, CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS
+from paratrain.modes import CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS
 from paratrain.recipe import Recipe
 
 ACCOUNTINGS = ("paratrain", "classic")
@@ -105,15 +105,9 @@ def validate(i: EstimateInputs) -> EstimateInputs:
     entry = optimizer_entry(i.recipe.optimizer)
     entry.check_compression(i.recipe.compression.method, "--grad-compression")
     entry.check_layout(lay)
-    if i.recipe.tiers.activation_offload not in ACTIVATION_OFFLOAD_MODES:
-        raise UserError(f"--activation-offload '{i.recipe.tiers.activation_offload}' is not one of "
-                        f"{', '.join(ACTIVATION_OFFLOAD_MODES)}")
-    if i.recipe.tiers.activation_offload_every_k < 1:
-        raise UserError(f"--offload-every-k must be >= 1, got {i.recipe.tiers.activation_offload_every_k}")
-    check_offload(i.recipe.tiers.activation_offload, lay)
-    check_offload_checkpointing(i.recipe.tiers.activation_offload, i.recipe.checkpointing)
-    for capability in i.recipe.capabilities:  # (CPU offload: FSDP layouts)
+    for capability in i.recipe.capabilities:  # (activation offload: its mode and schedule; CPU offload: FSDP layouts)
         capability.check_layout(lay)
+        capability.check_checkpointing(i.recipe.checkpointing)
     if i.target.ranks_per_node < 0 or (i.target.host_bytes is not None and i.target.host_bytes <= 0):
         raise UserError("--gpus-per-node and --host-memory must be positive")
     if i.recipe.tiers.loss_chunks < 0:

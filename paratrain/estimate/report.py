@@ -5,7 +5,7 @@ from __future__ import annotations
 from paratrain.estimate.gpus import GB, fmt_bytes, verdict_text
 from paratrain.estimate.model_states import model_params
 from paratrain.models.presets import count_active_params, format_params
-from paratrain.modes import describe_checkpointing, describe_offload, low_precision, offloads_activations, segment_size
+from paratrain.modes import describe_checkpointing, low_precision, segment_size
 
 ROWS = [  # (key, label)
     ("parameters", "parameters"),
@@ -37,10 +37,7 @@ def tiers_text(i) -> str:
     parts = []
     if i.recipe.tiers.loss_chunks > 1:
         parts.append(f"chunked loss ({i.recipe.tiers.loss_chunks} pieces)")
-    if offloads_activations(i.recipe.tiers.activation_offload):
-        tiers = i.recipe.tiers
-        parts.append("activation offload " + describe_offload(tiers.activation_offload, tiers.activation_offload_every_k))
-    parts += [c.tier_label for c in i.recipe.capabilities if c.tier_label]  # (CPU offload)
+    parts += [c.tier_label for c in i.recipe.capabilities if c.tier_label]  # (activation offload, CPU offload)
     return ", ".join(parts)
 
 

@@ -13,12 +13,11 @@ from paratrain.errors import ConfigError, UserError
 from paratrain.estimate.gpus import HEADROOM
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.layout_grammar import parse_layout_name
-from paratrain.memory import AUTO_LOSS_CHUNKS, check_offload_checkpointing
+from paratrain.memory import AUTO_LOSS_CHUNKS
 from paratrain.modes import (CHECKPOINT_MODES, DP_MODES, SCHEDULES, block_checkpointing, every_block_whole,
-                             interleaved, offload_stride, recompute_rank, recomputes, replicates_shards, stores_at_least,
-                             value_bytes, zero_bubble)
+                             interleaved, recompute_rank, recomputes, replicates_shards, stores_at_least, value_bytes,
+                             zero_bubble)
 from paratrain.estimate.step_time import Candidate, Context, Prediction, cached, predict
-from paratrain.estimate.tiers import OFFLOAD_EVERY_K
 from paratrain.estimate import Target, activations as A, estimate, inputs_for
 from paratrain.estimate.core import in_flight
 from paratrain.estimate.gpus import fits, fmt_bytes, limit_text, usable_bytes
@@ -26,7 +25,7 @@ from paratrain.estimate.model_states import rank_layers, stage_blocks, state_byt
 from paratrain.estimate.report import ROWS
 from paratrain.estimate.step_time import attention_time, group_link, ring_time
 from paratrain.models.presets import block_param_count
-from paratrain.modes import offloaded_blocks, segment_size
+from paratrain.modes import segment_size
 
 # The schedules planned by default: all but interleaved_zero_bubble, which the cost model predicts as interleaved_1f1b
 # (the same bubble) and which allows no checkpointing (`--schedules` or `--pp-schedule` may still name it).
@@ -99,7 +98,8 @@ def structural_reason(c: Candidate, ctx: Context) -> str | None:
         return reason
     try:
         c.layout.check_checkpointing(c.ac)
-        check_offload_checkpointing(c.act_offload, c.ac)
+        for capability in c.switched:  # (activation offload: not inside checkpointed segments)
+            capability.check_checkpointing(c.ac)
     except ConfigError as e:
         return str(e)
     return None
@@ -229,22 +229,18 @@ def evaluate(c: Candidate, ctx: Context, headroom: float, with_memory: bool = Tr
 
 def tier_variants(c: Candidate, ctx: Context) -> list[Candidate]:
     """A candidate with the memory tiers (paratrain/memory.py) that can make it fit: the chunked loss (without a
-    pipeline), activation offloading, each capability a name switches on where it runs (CPU offload: FSDP layouts),
-    and it with activation offloading, each with the chunked loss. (The offloads need the profile's host side: a
-    hand-made profile without one gets the chunked loss only.)"""
+    pipeline), and each combination of the capabilities a name switches on that run on its layout (activation offload:
+    not under a zero-bubble schedule; CPU offload: FSDP layouts), each with the chunked loss: either offload, both.
+    (The offloads need the profile's host side: a hand-made profile without one gets the chunked loss only.)"""
     base = dataclasses.replace(c, loss_chunks=AUTO_LOSS_CHUNKS) if c.pp == 1 else c
     out = [base] if base is not c else []
     if ctx.hw.host is None:
         return out
-    saved_twice = c.pp > 1 and zero_bubble(c.layout.pp_schedule)  # (its W step reads the saved tensors again)
-    if not saved_twice:
-        out.append(dataclasses.replace(base, act_offload="all"))
+    combinations = [()]
     for cls in capabilities.switches():
         if cls.runs_on(c.layout):
-            out.append(dataclasses.replace(base, switched=(cls(),)))
-            if not saved_twice:
-                out.append(dataclasses.replace(base, switched=(cls(),), act_offload="all"))
-    return out
+            combinations += [(*on, cls()) for on in combinations]
+    return out + [dataclasses.replace(base, switched=on) for on in combinations[1:]]
 
 
 def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) -> Plan:
@@ -311,7 +307,7 @@ def _fitting(results: list[Result], rejected: list[Result], ctx: Context, opts: 
 def _memory_key(c: Candidate) -> tuple:
     """Candidates with the same key differ only in micro-batch (a smaller one makes more pipeline micro-batches) and
     checkpointing: a larger micro-batch with no more recomputation needs at least as much memory."""
-    return dataclasses.replace(c.layout, pp_microbatches=0), c.loss_chunks, c.act_offload, c.switched
+    return dataclasses.replace(c.layout, pp_microbatches=0), c.loss_chunks, c.switched
 
 
 def _dominated(c: Candidate, miss_micro_batch: int, miss_ac: str) -> bool:
@@ -348,7 +344,8 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
         return sum((s > 0) + (s < lay.num_stages - 1) for s in stages) * lay.pp_microbatches * A.block_input(d)
 
     best = None
-    offloaded = set(offloaded_blocks(c.act_offload, OFFLOAD_EVERY_K, a.n_layers))
+    # (activation offload: these blocks' saved tensors are in host memory)
+    offloaded = {b for cap in c.switched for b in (cap.host_activations(a.n_layers) or ((), 0))[0]}
     on_host = any(cap.states_on_host for cap in c.switched)  # (CPU offload: the model states are in host memory)
     for s in ranks:
         states = cached(ctx, ("states", dataclasses.replace(lay, pp_microbatches=0), s, on_host), lambda: sum(
@@ -431,11 +428,11 @@ def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
     o = named.options
     dp = max(1, world // (o["tp"] * o["pp"] * o["cp"]))  # Layout.resolve says when tp x pp x cp does not divide it
     layout = named.layout(world, pp_microbatches=max(1, ctx.global_seqs // (dp * mb)))
-    tiers = named.tiers
-    if offload_stride(tiers.activation_offload, tiers.activation_offload_every_k) not in (1, OFFLOAD_EVERY_K):
-        raise UserError(f"--explain '{text}': the planner predicts actoff=every_k{OFFLOAD_EVERY_K} only")
-    return Candidate(layout, named.checkpointing, named.every_k, mb, tiers.loss_chunks, tiers.activation_offload,
-                     named.switched, named.segment_blocks)
+    for capability in named.switched:
+        if capability.plan_problem():
+            raise UserError(f"--explain '{text}': {capability.plan_problem()}")
+    return Candidate(layout, named.checkpointing, named.every_k, mb, named.tiers.loss_chunks, named.switched,
+                     named.segment_blocks)
 
 
 def explain(text: str, ctx: Context, world: int, opts: Options) -> str:

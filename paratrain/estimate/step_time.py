@@ -91,16 +91,16 @@ from paratrain.memory import MemoryTiers
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
 from paratrain.modes import (Compression, CompressionSite, compute_precision, forward_repeats,
-                             matmul_math, offloads_activations, recomputed_blocks, resolve_impl, selective, tf32_on,
-                             value_bytes, whole_blocks)
+                             matmul_math, recomputed_blocks, resolve_impl, selective, tf32_on, value_bytes,
+                             whole_blocks)
 from paratrain.optimizers import GradientReduction, Phase
 from paratrain.recipe import Recipe
 from paratrain.estimate.profile import Hardware, Link, p2p_time
-from paratrain.estimate.tiers import OFFLOAD_EVERY_K, activation_offload_s, chunked_loss_recompute_s
+from paratrain.estimate.tiers import chunked_loss_recompute_s
 from paratrain.estimate import activations as A
 from paratrain.estimate.model_states import local_shape, model_params
 from paratrain.models.presets import count_params, flops_per_token
-from paratrain.modes import offloaded_blocks, uniform
+from paratrain.modes import uniform
 
 ELEMWISE_VALUES_PER_TOKEN = (80, 20)  # x dim, x ffn/tp: values read+written per token and block, fwd+bwd
 OPS_PER_BLOCK = 35  # operators in one block's forward (backward: twice)
@@ -123,10 +123,9 @@ class Candidate:
     ac: str = "none"  # activation checkpointing (paratrain.modes.CheckpointMode)
     every_k: int = 2
     micro_batch: int = 1  # sequences per micro-step (per pipeline micro-batch with pp)
-    # the memory tiers (paratrain/memory.py; `[memory]`): chunked loss, activation offloading, and the capabilities a
-    # layout's name switches on (Capability.layout_item: CPU offload), with their settings
+    # the memory tiers (paratrain/memory.py; `[memory]`): chunked loss, and the capabilities a layout's name switches
+    # on (Capability.layout_item: activation offload, CPU offload), with their settings
     loss_chunks: int = 1
-    act_offload: str = "none"  # none | all | every_k (blocks 0, every_k, ...)
     switched: tuple = ()
     segment_blocks: int = 0  # ac segments: blocks per segment (0: round(sqrt(n_layers)))
 
@@ -178,16 +177,15 @@ class Candidate:
 
     @classmethod
     def of(cls, recipe: Recipe) -> "Candidate":
-        """The candidate a recipe is (the inverse of `recipe`; a candidate offloads every OFFLOAD_EVERY_K-th block)."""
-        tiers = recipe.tiers
+        """The candidate a recipe is (the inverse of `recipe`)."""
         return cls(recipe.layout, recipe.checkpointing, recipe.every_k, recipe.micro_batch,
-                   loss_chunks=max(tiers.loss_chunks, 1), act_offload=tiers.activation_offload,
+                   loss_chunks=max(recipe.tiers.loss_chunks, 1),
                    switched=tuple(c for c in recipe.capabilities if c.layout_item),
                    segment_blocks=recipe.segment_blocks)
 
     def tiers(self) -> MemoryTiers:
         """The memory tiers this candidate uses."""
-        return MemoryTiers(self.loss_chunks, self.act_offload, OFFLOAD_EVERY_K)
+        return MemoryTiers(self.loss_chunks)
 
     def describe(self) -> str:
         return self.layout.short_name()
@@ -500,9 +498,11 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
                n_micro, c.pp)
         ring_total, comm[RING] = cached(ctx, key, lambda: ring_time(ctx, c, T, attention_time(ctx, c)))
         comm_total += ring_total - comm[RING]  # the hidden part (the exposed part is added below)
-    if offloads_activations(c.act_offload):
-        comm[ACT_OFFLOAD], moved = activation_offload_time(c, ctx, layers, compute / max(n_micro, 1))
-        comm_total += moved - comm[ACT_OFFLOAD]
+    for capability in c.switched:  # (activation offload: blocks' saved tensors to host and back)
+        if capability.host_activations(layers) is not None:
+            exposed, moved = host_activation_time(capability, c, ctx, layers, compute / max(n_micro, 1))
+            comm[capability.copy_label] = exposed
+            comm_total += moved - exposed
     if c.loss_chunks > 1:
         recompute += chunked_loss_recompute_s(block_costs(ctx, hw, c.tp, c.micro_batch, c.ep, c.ac, lay.cp).head,
                                               n_micro)
@@ -779,17 +779,16 @@ def trainable_count(args: ModelArgs, lora: LoRA) -> int:
     return sum(p.numel for p in model_params(args, lora) if p.trainable)
 
 
-ACT_OFFLOAD = "activation offload"  # the exposed part of activation offloading's copies
-
-
-def activation_offload_time(c: Candidate, ctx: Context, blocks: int, compute_s: float) -> tuple[float, float]:
-    """(exposed, total) seconds per step of activation offloading's copies on the busiest rank (estimate/tiers.py)
-    for a candidate offloading every_k blocks: an offloaded block's saved tensors as without checkpointing."""
+def host_activation_time(capability, c: Candidate, ctx: Context, blocks: int,
+                         compute_s: float) -> tuple[float, float]:
+    """(exposed, total) seconds per step of the copies of a capability that keeps blocks' saved activations in host
+    memory (`Capability.host_activation_s`: activation offload) on the busiest rank, holding `blocks` blocks: a
+    moved block's saved tensors as without checkpointing."""
     lay, hw = c.layout, ctx.hw
     d = A.act_dims(ctx.args, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, hw.device)
     mode = c.ac if uniform(c.ac) else "none"
-    n = len(offloaded_blocks(c.act_offload, OFFLOAD_EVERY_K, blocks))
-    return activation_offload_s(A.offloaded(d, mode), n, blocks, c.micro_steps(ctx), compute_s, hw)
+    n = len(capability.host_activations(blocks)[0])
+    return capability.host_activation_s(A.offloaded(d, mode), n, blocks, c.micro_steps(ctx), compute_s, hw)
 
 
 def attention_time(ctx: Context, c: Candidate) -> float:

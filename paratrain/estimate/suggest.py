@@ -14,7 +14,7 @@ from paratrain.errors import ConfigError, UserError
 from paratrain.estimate.inputs import EstimateInputs
 from paratrain.layout import Layout
 from paratrain.memory import AUTO_LOSS_CHUNKS
-from paratrain.modes import FLAT_DP_MODES, every_block_whole, keeps_some_blocks_whole, offloads_activations, zero_bubble
+from paratrain.modes import FLAT_DP_MODES, every_block_whole, keeps_some_blocks_whole
 from paratrain.estimate.hardware import gpu_profile
 from paratrain.estimate.step_time import Candidate, Context, predict
 
@@ -62,10 +62,7 @@ def candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]
     if i.recipe.tiers.loss_chunks <= 1 and lay.pp == 1:
         out.append((0.4, f"--loss-chunks {AUTO_LOSS_CHUNKS}", "the output projection's forward once more",
                     i.with_recipe(loss_chunks=AUTO_LOSS_CHUNKS)))
-    if not offloads_activations(i.recipe.tiers.activation_offload) and not (lay.pp > 1 and zero_bubble(lay.pp_schedule)):
-        out.append((1.2, "--activation-offload all", "saved activations over PCIe to host memory and back, beside "
-                    "compute", i.with_recipe(activation_offload="all")))
-    for cls in capabilities.switches():  # (CPU offload)
+    for cls in capabilities.switches():  # (activation offload, CPU offload)
         if cls.suggestion and cls.runs_on(lay) and not any(isinstance(c, cls) for c in i.recipe.capabilities):
             out.append((*cls.suggestion, i.with_recipe(capabilities=(*i.recipe.capabilities, cls()))))
     if i.recipe.micro_batch > 1 and lay.pp == 1:
@@ -185,5 +182,4 @@ def _describe_inputs(c: EstimateInputs) -> dict:
     return {"dp_mode": lay.dp_mode, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp,
             "pp": lay.pp, "ep": lay.ep, "checkpointing": c.recipe.checkpointing, "micro_batch": c.recipe.micro_batch,
             "accum_steps": c.recipe.accum_steps, "world_size": lay.world_size,
-            "loss_chunks": c.recipe.tiers.loss_chunks, "activation_offload": c.recipe.tiers.activation_offload,
-            **capabilities.switched_on(c.recipe.capabilities)}
+            "loss_chunks": c.recipe.tiers.loss_chunks, **capabilities.switched_on(c.recipe.capabilities)}

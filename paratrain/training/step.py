@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor.parallel import loss_parallel
 
-from paratrain.config import ActivationCheckpointConfig, MemoryConfig, OptimizerConfig, ParallelConfig
+from paratrain.config import ActivationCheckpointConfig, OptimizerConfig, ParallelConfig
 from paratrain.capabilities import optimizer_entry
 from paratrain.capabilities.base import Capability, Where
 from paratrain.data.batch import NOT_A_TARGET, as_batch
@@ -462,7 +462,6 @@ def build_train_step(model_args, dims, recipe: Recipe | None = None, device: tor
         capability.check_device(device)  # computes in (fp8: bf16 around its 8-bit matmuls)
         precision = capability.compute_precision(precision)
     ac = ActivationCheckpointConfig(recipe.checkpointing, recipe.every_k, recipe.segment_blocks)
-    memory = recipe.tiers.to_config(MemoryConfig())
     with torch.device(device if model_args.tie_embeddings else "meta"):
         model = build_model(model_args)
     scaler = make_scaler(layout, precision, device)
@@ -474,11 +473,11 @@ def build_train_step(model_args, dims, recipe: Recipe | None = None, device: tor
     pipeline = None
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
         pipeline = build_pipeline(dims, model, ac, precision, recipe.compile, device, options.seed,
-                                  ScheduleLoss(scaler, token_loss), comm, recipe.lora, memory, capabilities)
+                                  ScheduleLoss(scaler, token_loss), comm, recipe.lora, capabilities)
         model = pipeline.model
     else:
         model = parallelize(model, dims, ac, precision, recipe.compile, device, options.seed, comm=comm,
-                            lora=recipe.lora, memory=memory, capabilities=capabilities,
+                            lora=recipe.lora, capabilities=capabilities,
                             cuda_graphs=recipe.cuda_graphs)
     comm.prepare()
     # CPU offload (Capability.states_on_host): the sharded parameters, their gradients and the optimizer state live in
@@ -492,7 +491,7 @@ def build_train_step(model_args, dims, recipe: Recipe | None = None, device: tor
                      scaler=scaler, pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
                      memory_budget=options.memory_budget, probe=options.probe, comm=comm,
                      context=context_for(dims),  # cp: batches cut to this rank's chunks
-                     loss_chunks=memory.loss_chunks, vocab_size=model_args.vocab_size, capabilities=capabilities,
+                     loss_chunks=recipe.tiers.loss_chunks, vocab_size=model_args.vocab_size, capabilities=capabilities,
                      token_loss=token_loss)
 
 
