@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from paratrain.capabilities.base import Capability
+from paratrain.capabilities.base import Capability, host_link
 from paratrain.errors import ConfigError, UserError
 from paratrain.modes import by_segments, zero_bubble
 
@@ -133,9 +133,8 @@ class ActivationOffload(Capability):
         link (estimate.profile.p2p_time: latency + bytes / bandwidth), on a side stream beside the compute of one
         block (its own forward, the block above's backward: a share `overlap` of it hides them). `compute_s`: the
         rank's compute per micro-step over its `blocks`."""
-        if hw.host is None:
-            raise ValueError(f"profile {hw.name} has no host side: the offloading tiers cannot be predicted on it")
-        one = hw.host.latency + block_bytes / hw.host.bandwidth  # one block's copy, one way
+        link = host_link(hw)
+        one = link.latency + block_bytes / link.bandwidth  # one block's copy, one way
         per_block = compute_s / max(blocks, 1) / 3  # forward; backward is twice that
         exposed = max(0.0, one - hw.overlap * per_block) + max(0.0, one - hw.overlap * 2 * per_block)
         return micro_steps * moved * exposed, micro_steps * moved * 2 * one

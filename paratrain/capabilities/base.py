@@ -24,6 +24,17 @@ and the estimator and the planner ask (torch-free): `weight_copies` (the low-pre
 brings allocates in its step beside the states) and `optimizer_step_s` (that step's own seconds and the communication
 it exposes).
 
+A memory tier can be a capability that a layout's name switches on (`layout_item`; CPU offload, activation offload):
+
+    layout_value, from_layout_value   its item's value in a name, and the capability a name's value turns on
+    tier_state          what the JSON documents say under its name (on or not; activation offload: its mode)
+    runs_on, check_layout, check_checkpointing   the layouts and checkpointing modes it can run with
+    plan_problem        why the planner cannot predict it with these settings (`plan --explain`), or None
+    fsdp_offload_policy, states_on_host   FSDP's offload policy; the model states (and the optimizer) on the host
+    host_activations    the blocks whose saved activations it keeps in host memory (parallelize applies
+                        distributed/offload.py's hooks to them; the estimator takes their bytes off the device)
+    host_states, host_optimizer_s, fsdp_copy_s, host_activation_s   its memory and time terms
+
 `where` (a `Where`) says on which device and layout a hook runs.
 
 This module is torch-free: a capability imports torch inside its hooks (`# lazy:`), so `--help`, the config checks,
@@ -39,6 +50,13 @@ from paratrain.errors import UserError
 
 
 MOE_PRESET = "model.preset=tiny-moe"  # verify rows: with the base's 4 layers, 1 dense + 3 MoE layers
+
+
+def host_link(hw):
+    """The device <-> host link of a profile (estimate.profile.Hardware) the offloading tiers copy over."""
+    if hw.host is None:
+        raise ValueError(f"profile {hw.name} has no host side: the offloading tiers cannot be predicted on it")
+    return hw.host
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from paratrain.capabilities.base import Capability
+from paratrain.capabilities.base import Capability, host_link
 from paratrain.errors import ConfigError
 from paratrain.optimizers import BUILT_IN
 
@@ -76,18 +76,12 @@ class CpuOffload(Capability):
     def host_optimizer_s(self, opt_params: float, step_bytes: float, hw) -> float:
         """Time: the host steps this rank's shards (estimate/hardware.py: host_adam_rate, measured with AdamW; an
         optimizer that moves more bytes per parameter takes as much longer)."""
-        _host_link(hw)
+        host_link(hw)
         return opt_params / hw.host_adam_params_per_s * step_bytes / BUILT_IN["adamw"].step_bytes
 
     def fsdp_copy_s(self, copies: int, shard_bytes: float, hw) -> float:
         """Time: each FSDP gather copies its group's fp32 shards in, each reduce-scatter its gradients out, one send
         each over the device <-> host link (estimate.profile.p2p_time: latency + bytes / bandwidth)."""
-        link = _host_link(hw)
+        link = host_link(hw)
         return copies * (link.latency + shard_bytes / link.bandwidth)
 
-
-def _host_link(hw):
-    """The device <-> host link of a profile (estimate.profile.Hardware), as estimate/tiers.py's `host_link`."""
-    if hw.host is None:
-        raise ValueError(f"profile {hw.name} has no host side: the offloading tiers cannot be predicted on it")
-    return hw.host

@@ -121,7 +121,7 @@ class Estimate:
     def to_dict(self) -> dict:
         i = self.inputs
         lay = i.layout
-        switched = capabilities.switch_values(i.recipe.capabilities)  # ("memory.cpu_offload": under "cpu_offload")
+        switched = capabilities.switch_values(i.recipe.capabilities)  # (JSON: each key without its section)
         switched = {key.split(".")[1]: value for key, value in switched.items()}
         return {
             "model": i.model_name, "parameters": sum(p.numel for p in model_params(i.model_args)),
