@@ -78,7 +78,7 @@ class ActivationOffload(Capability):
 
     @classmethod
     def from_layout_value(cls, value: str, where: str) -> "ActivationOffload | None":
-        k = value[len("every_k"):] or "2" if value.startswith("every_k") else None
+        k = (value[len("every_k"):] or "2") if value.startswith("every_k") else None  # (every_k alone: k = 2)
         if k is not None and k.isdigit() and int(k) >= 1:
             return cls("every_k", int(k))
         if value in MODES:
