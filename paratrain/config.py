@@ -25,7 +25,7 @@ from paratrain.capabilities import OPTIMIZER_NAMES, optimizer_entry
 from paratrain.errors import ConfigError
 from paratrain.models.args import ModelArgs, is_int
 from paratrain.modes import (ActivationOffloadMode, CheckpointMode, DPModeOption, GradCompression, OptimizerImpl,
-                             Precision, Schedule, WeightDtype)
+                             Precision, ScheduleName, WeightDtype)
 from paratrain.models.lora_params import lora_problem
 
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
@@ -139,7 +139,7 @@ class ParallelConfig:
     sequence_parallel: bool = True  # with tp > 1: shard norms and residuals along the sequence
     loss_parallel: bool = True  # with tp > 1: keep logits sharded by vocab through the loss
     pp: int = 1  # pipeline stages (ranks along the pp mesh axis)
-    pp_schedule: Schedule = "1f1b"
+    pp_schedule: ScheduleName = "1f1b"
     pp_microbatches: int = 0  # pipeline micro-batches per optimizer step and data-parallel rank; 0: automatic
     pp_virtual_stages: int = 1  # stages per rank for the interleaved schedules (1: automatic, 2)
     pp_split: str = ""  # blocks per stage, e.g. "3,2,2,1"; empty: balanced by parameter count

@@ -23,8 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from paratrain.errors import ConfigError
-from paratrain.modes import (ActivationOffloadMode, by_segments, low_precision, offload_label, offloads_activations,
-                             zero_bubble)
+from paratrain.modes import ActivationOffloadMode, by_segments, low_precision, offload_label, offloads_activations
 
 AUTO_LOSS_CHUNKS = 8  # torchtune's default number of output chunks: 1/8 of the logits live at a time
 # Automatic chunking from this many bytes of one micro-batch's fp32 logits per rank (tokens x vocabulary x 4 B; cp and
@@ -97,7 +96,7 @@ def loss_chunks(setting: int, layout, precision: str, *, vocab_size: int, tokens
 
 
 def check_offload(mode: str, layout) -> None:
-    if offloads_activations(mode) and layout.pipelined and zero_bubble(layout.pp_schedule):
+    if offloads_activations(mode) and layout.pipelined and layout.pp_schedule.zero_bubble:
         raise ConfigError(f"memory.activation_offload={mode} does not work with parallel.pp_schedule="
                           f"{layout.pp_schedule}: its weight-gradient step reads the saved activations again after "
                           "the input-gradient step; use 1f1b, gpipe or interleaved_1f1b")

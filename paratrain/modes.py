@@ -15,66 +15,87 @@ from typing import Literal, get_args
 from paratrain.errors import UserError
 
 # -- data parallelism --------------------------------------------------------------------------------------------
-# In the order of what they shard (ZeRO stages): ddp nothing, zero1 the optimizer state, zero2 also the gradients,
-# fsdp also the parameters, hsdp as fsdp within each replica.
-DPMode = Literal["ddp", "zero1", "zero2", "fsdp", "hsdp"]
-DPModeOption = Literal[DPMode, "zero3"]  # what a config may say: zero3 is another name for fsdp
-DP_MODES: tuple[str, ...] = get_args(DPMode)
-DP_MODE_OPTIONS: tuple[str, ...] = get_args(DPModeOption)
+class DPMode(enum.StrEnum):
+    """A data-parallel mode (`parallel.dp_mode`), in the order of what they shard (ZeRO stages): ddp nothing, zero1 the
+    optimizer state, zero2 also the gradients, fsdp also the parameters, hsdp as fsdp within each replica.
+    `DPMode(option)` takes a config's option: zero3 is another name for fsdp."""
+
+    DDP = "ddp"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    FSDP = "fsdp"
+    HSDP = "hsdp"
+
+    @classmethod
+    def _missing_(cls, value):
+        return cls.FSDP if value == "zero3" else None
+
+    @property
+    def zero_stage(self) -> int:
+        """What it shards: 0 nothing, 1 the optimizer state, 2 also the gradients, 3 also the parameters."""
+        return _ZERO_STAGES[self]
+
+    @property
+    def replicates_shards(self) -> bool:
+        """hsdp: FSDP within each replica group, the replicas all-reducing their shards."""
+        return self is DPMode.HSDP
 
 
-def dp_mode_of(option: str) -> str:
-    """The data-parallel mode a config's option names (zero3 -> fsdp)."""
-    return "fsdp" if option == "zero3" else option
-
-
-# What each mode shards: 0 nothing, 1 the optimizer state, 2 also the gradients, 3 also the parameters (a table:
-# the planner asks it for every layout it tries).
-ZERO_STAGES: dict[str, int] = {mode: min(i, 3) for i, mode in enumerate(DP_MODES)}
-
-
-def replicates_shards(mode: str) -> bool:
-    """hsdp: FSDP within each replica group, the replicas all-reducing their shards."""
-    return mode == "hsdp"
-
+DP_MODES: tuple[str, ...] = tuple(m.value for m in DPMode)
+DP_MODE_OPTIONS: tuple[str, ...] = (*DP_MODES, "zero3")
+DPModeOption = Literal[DP_MODE_OPTIONS]  # what a config may say (config.py's schema reads a Literal's choices)
+_ZERO_STAGES: dict[DPMode, int] = {mode: min(i, 3) for i, mode in enumerate(DPMode)}  # (a table: the planner asks
+# it for every layout it tries)
 
 # Data-parallel modes over one flat axis, by ZeRO stage (what a change of mode to shard more can choose).
-FLAT_DP_MODES: tuple[str, ...] = tuple(m for m in DP_MODES if not replicates_shards(m))
+FLAT_DP_MODES: tuple[DPMode, ...] = tuple(m for m in DPMode if not m.replicates_shards)
 
 # -- pipeline schedules ------------------------------------------------------------------------------------------
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"]
-SCHEDULES: tuple[str, ...] = get_args(Schedule)
+class Schedule(enum.StrEnum):
+    """A pipeline schedule (`parallel.pp_schedule`) and the questions asked about one."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    INTERLEAVED_ZERO_BUBBLE = "interleaved_zero_bubble"
+    ZBV = "zbv"
+
+    @property
+    def all_forwards_first(self) -> bool:
+        """gpipe: every micro-batch's forward, then every backward (no minimum of micro-batches)."""
+        return self is Schedule.GPIPE
+
+    @property
+    def interleaved(self) -> bool:
+        """pp_virtual stages per rank, assigned round robin."""
+        return self in (Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZERO_BUBBLE)
+
+    @property
+    def v_shaped(self) -> bool:
+        """zbv: exactly two stages per rank, in a V (rank r runs stages r and 2pp-1-r)."""
+        return self is Schedule.ZBV
+
+    @property
+    def multi_stage(self) -> bool:
+        """Several stages per rank."""
+        return self.interleaved or self.v_shaped
+
+    @property
+    def zero_bubble(self) -> bool:
+        """The backward split into input-gradient and weight-gradient steps."""
+        return self in (Schedule.INTERLEAVED_ZERO_BUBBLE, Schedule.ZBV)
+
+    @property
+    def torch_schedule_name(self) -> str:
+        """The class of torch.distributed.pipelining.schedules that runs it."""
+        return {Schedule.GPIPE: "ScheduleGPipe", Schedule.ONE_F_ONE_B: "Schedule1F1B",
+                Schedule.INTERLEAVED_1F1B: "ScheduleInterleaved1F1B",
+                Schedule.INTERLEAVED_ZERO_BUBBLE: "ScheduleInterleavedZeroBubble",
+                Schedule.ZBV: "ScheduleZBVZeroBubble"}[self]
 
 
-def all_forwards_first(schedule: str) -> bool:
-    """gpipe: every micro-batch's forward, then every backward (no minimum of micro-batches)."""
-    return schedule == "gpipe"
-
-
-def interleaved(schedule: str) -> bool:
-    """pp_virtual stages per rank, assigned round robin."""
-    return schedule in ("interleaved_1f1b", "interleaved_zero_bubble")
-
-
-def v_shaped(schedule: str) -> bool:
-    """zbv: exactly two stages per rank, in a V (rank r runs stages r and 2pp-1-r)."""
-    return schedule == "zbv"
-
-
-def multi_stage(schedule: str) -> bool:
-    """Several stages per rank."""
-    return interleaved(schedule) or v_shaped(schedule)
-
-
-def zero_bubble(schedule: str) -> bool:
-    """The backward split into input-gradient and weight-gradient steps."""
-    return schedule in ("interleaved_zero_bubble", "zbv")
-
-
-def torch_schedule_name(schedule: str) -> str:
-    """The class of torch.distributed.pipelining.schedules that runs it."""
-    return {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-            "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}[schedule]
+SCHEDULES: tuple[str, ...] = tuple(s.value for s in Schedule)
+ScheduleName = Literal[SCHEDULES]  # what a config may say (config.py's schema reads a Literal's choices)
 
 
 # -- activation checkpointing ------------------------------------------------------------------------------------

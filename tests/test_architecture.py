@@ -467,6 +467,15 @@ def mode_type(name: str):
     if name in CAPABILITY_MODE_TYPES:
         return getattr(importlib.import_module(f"paratrain.capabilities.{CAPABILITY_MODE_TYPES[name]}"), name)
     return getattr(modes, name)
+
+
+def mode_choices(name: str) -> tuple:
+    """The strings a mode type's choices are: a Literal's values, or an enum's members' values."""
+    import enum
+    import typing
+
+    kind = mode_type(name)
+    return tuple(m.value for m in kind) if isinstance(kind, enum.EnumMeta) else typing.get_args(kind)
 # Expressions named like a mode: a compared value shared with another setting's choices ("none") counts as a mode's
 # when the other side is one of these.
 MODE_NAMES = {"dp_mode", "pp_schedule", "schedule", "sched", "checkpointing", "activation_checkpoint", "ac",
@@ -481,13 +490,13 @@ def mode_values() -> tuple[dict[str, str], set[str]]:
 
     values = {}
     for name in MODE_TYPES:
-        values.update({v: name for v in typing.get_args(mode_type(name)) if v not in values})
+        values.update({v: name for v in mode_choices(name) if v not in values})
     values.update({site.value: "CompressionSite" for site in modes.CompressionSite if site.value not in values})
     others = set()
     for section in dataclasses.fields(config.Config):
         for annotation in typing.get_type_hints(type(getattr(config.Config(), section.name))).values():
             args = config.annotation_members(annotation)  # (its Literal values and types)
-            if not any(typing.get_args(mode_type(name)) == args for name in MODE_TYPES):
+            if not any(mode_choices(name) == args for name in MODE_TYPES):
                 others.update(a for a in args if isinstance(a, str))
     return values, others & set(values)
 

@@ -37,8 +37,8 @@ from paratrain.layout import Layout, grad_compression_site
 from paratrain.memory import HOST_HEADROOM
 from paratrain.models.presets import count_active_params
 from paratrain.models.registry import family_of
-from paratrain.modes import (CompressionSite, block_checkpointing, compute_precision, low_precision, multi_stage,
-                             recomputes, segment_size)
+from paratrain.modes import (CompressionSite, block_checkpointing, compute_precision, low_precision, recomputes,
+                             segment_size)
 from paratrain.estimate.report import format_table
 from paratrain.estimate.schedule import max_in_flight, rank_actions
 from paratrain.estimate.suggest import suggest_changes
@@ -520,7 +520,7 @@ class _Walk:
         `hold`) and every input gradient sent back stays allocated to the end of the step."""
         lay, rank, hold, hold_head, inter = self.lay, self.rank, self.hold, self.hold_head, self.inter
         peaks = _Peaks()
-        stash_sends = self.pipelined and multi_stage(lay.pp_schedule)
+        stash_sends = self.pipelined and lay.pp_schedule.multi_stage
         remote_next = {s: s < self.last_stage and lay.stage_owner(s + 1) != rank for s in self.stages}
         remote_prev = {s: s > 0 and lay.stage_owner(s - 1) != rank for s in self.stages}
         actions = (rank_actions(lay.pp_schedule, lay.pp, lay.pp_virtual, self.m, rank) if self.pipelined

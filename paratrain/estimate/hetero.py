@@ -30,7 +30,7 @@ from pathlib import Path
 
 from paratrain.errors import UserError
 from paratrain.layout import Layout
-from paratrain.modes import multi_stage, recompute_period
+from paratrain.modes import Schedule, recompute_period
 from paratrain.estimate.profile import Hardware
 from paratrain.stage_split import min_max_partition
 from paratrain.config import read_toml
@@ -190,7 +190,7 @@ def plan_hetero(ctx, opts, top: int = 5):
     groups = ctx.cluster
     world = sum(g.count for g in groups)
     # one stage per rank: the uneven split is per pipeline rank
-    opts = dataclasses.replace(opts, schedules=tuple(s for s in opts.schedules if not multi_stage(s)) or ("1f1b",))
+    opts = dataclasses.replace(opts, schedules=tuple(s for s in opts.schedules if not s.multi_stage) or (Schedule.ONE_F_ONE_B,))
     results, rejected = [], []
     considered = 0
     for c in candidates(ctx, world, opts):

@@ -14,9 +14,9 @@ from paratrain.estimate.gpus import HEADROOM
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.layout_grammar import parse_layout_name
 from paratrain.memory import AUTO_LOSS_CHUNKS, check_offload_checkpointing
-from paratrain.modes import (CHECKPOINT_MODES, DP_MODES, SCHEDULES, block_checkpointing, every_block_whole,
-                             interleaved, offload_stride, recompute_rank, recomputes, replicates_shards, stores_at_least,
-                             value_bytes, zero_bubble)
+from paratrain.modes import (CHECKPOINT_MODES, DPMode, Schedule, block_checkpointing, every_block_whole,
+                             offload_stride, recompute_rank, recomputes, stores_at_least,
+                             value_bytes)
 from paratrain.estimate.step_time import Candidate, Context, Prediction, cached, predict
 from paratrain.estimate.tiers import OFFLOAD_EVERY_K
 from paratrain.estimate import Target, activations as A, estimate, inputs_for
@@ -30,7 +30,7 @@ from paratrain.modes import offloaded_blocks, segment_size
 
 # The schedules planned by default: all but interleaved_zero_bubble, which the cost model predicts as interleaved_1f1b
 # (the same bubble) and which allows no checkpointing (`--schedules` or `--pp-schedule` may still name it).
-PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if not (interleaved(s) and zero_bubble(s)))
+PLANNED_SCHEDULES = tuple(s for s in Schedule if not (s.interleaved and s.zero_bubble))
 AC_MODES = tuple(sorted(CHECKPOINT_MODES, key=recompute_rank))  # the least recomputation first
 # Context parallelism is enumerated while each rank keeps at least this many tokens of a sequence: below it a ring
 # step's attention is too short to hide the K/V transfer, so more cp only adds exposed communication.
@@ -39,8 +39,8 @@ MIN_CP_TOKENS = 1024
 
 @dataclass
 class Options:
-    dp_modes: tuple[str, ...] = DP_MODES
-    schedules: tuple[str, ...] = PLANNED_SCHEDULES
+    dp_modes: tuple[DPMode, ...] = tuple(DPMode)
+    schedules: tuple[Schedule, ...] = PLANNED_SCHEDULES
     ac_modes: tuple[str, ...] = AC_MODES
     micro_batches: tuple[int, ...] | None = None  # None: powers of two up to 16
     max_tp: int | None = None
@@ -177,9 +177,9 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
     for mode in opts.dp_modes:
         if dp == 1:
             if not modes:
-                modes.append(("fsdp", 1, 1))
+                modes.append((DPMode.FSDP, 1, 1))
             continue
-        if replicates_shards(mode):
+        if mode.replicates_shards:
             modes += [(mode, r, dp // r) for r in _divisors(dp) if 1 < r < dp]
         else:
             modes.append((mode, 1, dp))
@@ -194,11 +194,11 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                 if ctx.global_seqs % (dp * mb):
                     continue
                 m = ctx.global_seqs // (dp * mb)  # pipeline microbatches (pp > 1)
-                for sched in ("1f1b",) if pp == 1 else opts.schedules:
+                for sched in (Schedule.ONE_F_ONE_B,) if pp == 1 else opts.schedules:
                     # interleaved: 2 stages per rank, and 3 where the blocks allow (a smaller bubble for more
                     # point-to-point traffic; torch's runtime keeps at most 3 stages' FSDP parameters gathered, so
                     # with more they would be gathered again within a step)
-                    for v in ((2, 3) if (pp > 1 and interleaved(sched)) else (1,)):
+                    for v in ((2, 3) if (pp > 1 and sched.interleaved) else (1,)):
                         if pp * v > a.n_layers:
                             continue
                         try:
@@ -209,7 +209,7 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                         if any(getattr(lay, key) != value for key, value in opts.fixed.items()):
                             continue
                         for ac in opts.ac_modes:
-                            if recomputes(ac) and pp > 1 and zero_bubble(sched):
+                            if recomputes(ac) and pp > 1 and sched.zero_bubble:
                                 continue  # Layout.check_checkpointing
                             out.append(Candidate(lay, ac, 2, mb))
     return out
@@ -236,7 +236,7 @@ def tier_variants(c: Candidate, ctx: Context) -> list[Candidate]:
     out = [base] if base is not c else []
     if ctx.hw.host is None:
         return out
-    saved_twice = c.pp > 1 and zero_bubble(c.layout.pp_schedule)  # (its W step reads the saved tensors again)
+    saved_twice = c.pp > 1 and c.layout.pp_schedule.zero_bubble  # (its W step reads the saved tensors again)
     if not saved_twice:
         out.append(dataclasses.replace(base, act_offload="all"))
     for cls in capabilities.switches():

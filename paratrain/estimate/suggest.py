@@ -14,7 +14,7 @@ from paratrain.errors import ConfigError, UserError
 from paratrain.estimate.inputs import EstimateInputs
 from paratrain.layout import Layout
 from paratrain.memory import AUTO_LOSS_CHUNKS
-from paratrain.modes import FLAT_DP_MODES, every_block_whole, keeps_some_blocks_whole, offloads_activations, zero_bubble
+from paratrain.modes import FLAT_DP_MODES, every_block_whole, keeps_some_blocks_whole, offloads_activations
 from paratrain.estimate.hardware import gpu_profile
 from paratrain.estimate.step_time import Candidate, Context, predict
 
@@ -62,7 +62,7 @@ def candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]
     if i.recipe.tiers.loss_chunks <= 1 and lay.pp == 1:
         out.append((0.4, f"--loss-chunks {AUTO_LOSS_CHUNKS}", "the output projection's forward once more",
                     i.with_recipe(loss_chunks=AUTO_LOSS_CHUNKS)))
-    if not offloads_activations(i.recipe.tiers.activation_offload) and not (lay.pp > 1 and zero_bubble(lay.pp_schedule)):
+    if not offloads_activations(i.recipe.tiers.activation_offload) and not (lay.pp > 1 and lay.pp_schedule.zero_bubble):
         out.append((1.2, "--activation-offload all", "saved activations over PCIe to host memory and back, beside "
                     "compute", i.with_recipe(activation_offload="all")))
     for cls in capabilities.switches():  # (CPU offload)
