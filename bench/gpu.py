@@ -64,12 +64,12 @@ def fitting_config(args, seq: int, device: str, gpu_bytes: int | None, precision
     from paratrain.estimate import Target, estimate, inputs_for
     from paratrain.layout import Layout
     from paratrain.memory import MemoryTiers
-    from paratrain.modes import CHECKPOINT_MODES, recompute_rank, uniform
+    from paratrain.modes import CheckpointMode
     from paratrain.recipe import Recipe
 
     if gpu_bytes is None:
         return 2, "none"
-    for ac in sorted((m for m in CHECKPOINT_MODES if uniform(m)), key=recompute_rank):
+    for ac in sorted((m for m in CheckpointMode if m.uniform), key=lambda m: m.recompute_rank):
         for mb in (8, 4, 2, 1):
             recipe = Recipe(Layout.resolve(1), precision=precision, checkpointing=ac, micro_batch=mb, seq_len=seq,
                             tiers=MemoryTiers(loss_chunks=0))  # (0: the trainer's automatic choice)

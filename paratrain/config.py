@@ -24,7 +24,7 @@ from paratrain import capabilities
 from paratrain.capabilities import OPTIMIZER_NAMES, optimizer_entry
 from paratrain.errors import ConfigError
 from paratrain.models.args import ModelArgs, is_int
-from paratrain.modes import (ActivationOffloadMode, CheckpointMode, DPModeOption, GradCompression, OptimizerImpl,
+from paratrain.modes import (ActivationOffloadMode, CheckpointModeName, DPModeOption, GradCompression, OptimizerImpl,
                              Precision, ScheduleName, WeightDtype)
 from paratrain.models.lora_params import lora_problem
 
@@ -164,7 +164,7 @@ class ActivationCheckpointConfig:
     """Activation checkpointing (recompute in backward instead of storing)."""
 
     # what backward recomputes instead of keeping (docs/memory-tiers.md compares the modes)
-    mode: CheckpointMode = "none"
+    mode: CheckpointModeName = "none"
     # mode every_k: blocks 0, k, 2k, ... recompute (full), the blocks between keep everything (segments stores every k)
     every_k: int = 2
     # mode segments: blocks per segment (each keeps only its input, recomputed as one unit); 0: round(sqrt(n_layers))

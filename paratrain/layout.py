@@ -24,8 +24,8 @@ import difflib
 from dataclasses import dataclass
 
 from paratrain.errors import ConfigError
-from paratrain.modes import (DP_MODE_OPTIONS, GRAD_COMPRESSIONS, SCHEDULES, CompressionSite, DPMode, Schedule,
-                             Compression, recomputes)
+from paratrain.modes import (DP_MODE_OPTIONS, GRAD_COMPRESSIONS, SCHEDULES, CheckpointMode, CompressionSite,
+                             DPMode, Schedule, Compression)
 from paratrain.stage_split import balanced_split
 
 
@@ -437,7 +437,7 @@ class Layout:
         selective checkpointing refuses ("backward an extra time") and which keeps every micro-batch's recomputed
         forward to the end of the step (measured with torch 2.13: zbv with full checkpointing peaks 22% above zbv
         without), so checkpointing only costs there."""
-        if self.pp > 1 and self.pp_schedule.zero_bubble and recomputes(mode):
+        if self.pp > 1 and self.pp_schedule.zero_bubble and CheckpointMode(mode).recomputes:
             raise ConfigError(f"activation_checkpoint.mode={mode} does not work with parallel.pp_schedule="
                               f"{self.pp_schedule} (the zero-bubble backward keeps the recomputed activations to the end "
                               "of the step); use pp_schedule=1f1b or interleaved_1f1b, or mode=none")

@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from paratrain.errors import ConfigError
-from paratrain.modes import ActivationOffloadMode, by_segments, low_precision, offload_label, offloads_activations
+from paratrain.modes import ActivationOffloadMode, CheckpointMode, low_precision, offload_label, offloads_activations
 
 AUTO_LOSS_CHUNKS = 8  # torchtune's default number of output chunks: 1/8 of the logits live at a time
 # Automatic chunking from this many bytes of one micro-batch's fp32 logits per rank (tokens x vocabulary x 4 B; cp and
@@ -105,7 +105,7 @@ def check_offload(mode: str, layout) -> None:
 def check_offload_checkpointing(offload: str, checkpointing: str) -> None:
     """Activation offloading's hooks wrap each block's forward; inside a segment (activation_checkpoint.mode =
     segments) they would sit within the segment's checkpoint and take its saved tensors from it."""
-    if offloads_activations(offload) and by_segments(checkpointing):
+    if offloads_activations(offload) and CheckpointMode(checkpointing).by_segments:
         raise ConfigError(f"memory.activation_offload={offload} does not work with activation_checkpoint.mode="
                           f"{checkpointing} (the offloading hooks would sit inside each segment's checkpoint); use "
                           "mode=full with offloading, or segments without")

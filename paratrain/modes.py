@@ -99,30 +99,101 @@ ScheduleName = Literal[SCHEDULES]  # what a config may say (config.py's schema r
 
 
 # -- activation checkpointing ------------------------------------------------------------------------------------
-# none; full: every block recomputes its forward in backward (keeps only its input); every_k: blocks 0, k, 2k, ... do
-# that and the blocks between keep all they save (one block in k checkpointed, not "store every k blocks");
-# selective: every block recomputes its element-wise ops (the outputs of its matmuls and attention are kept);
-# segments: each run of k consecutive blocks (`activation_checkpoint.segment_blocks`) keeps only its input and
-# recomputes as one unit in backward (n/k inputs + one segment's k blocks at a time: sqrt(n) segments of sqrt(n)
-# blocks store O(sqrt n)).
-CheckpointMode = Literal["none", "full", "every_k", "selective", "segments"]
-CHECKPOINT_MODES: tuple[str, ...] = get_args(CheckpointMode)
+class CheckpointMode(enum.StrEnum):
+    """An activation checkpointing mode (`activation_checkpoint.mode`) and the questions asked about one.
+
+    none; full: every block recomputes its forward in backward (keeps only its input); every_k: blocks 0, k, 2k, ... do
+    that and the blocks between keep all they save (one block in k checkpointed, not "store every k blocks");
+    selective: every block recomputes its element-wise ops (the outputs of its matmuls and attention are kept);
+    segments: each run of k consecutive blocks (`activation_checkpoint.segment_blocks`) keeps only its input and
+    recomputes as one unit in backward (n/k inputs + one segment's k blocks at a time: sqrt(n) segments of sqrt(n)
+    blocks store O(sqrt n))."""
+
+    NONE = "none"
+    FULL = "full"
+    EVERY_K = "every_k"
+    SELECTIVE = "selective"
+    SEGMENTS = "segments"
+
+    @property
+    def recomputes(self) -> bool:
+        """Some block recomputes part of its forward in backward."""
+        return self is not CheckpointMode.NONE
+
+    @property
+    def whole_blocks(self) -> bool:
+        """Blocks recompute their whole forward (full; every_k for every k-th block; segments, a segment at a time):
+        what a recomputed block keeps is at most its input, and its forward's communication runs again."""
+        return self in (CheckpointMode.FULL, CheckpointMode.EVERY_K, CheckpointMode.SEGMENTS)
+
+    @property
+    def by_segments(self) -> bool:
+        """Runs of consecutive blocks keep only their first block's input and recompute together."""
+        return self is CheckpointMode.SEGMENTS
+
+    @property
+    def selective(self) -> bool:
+        """Each block recomputes its element-wise ops and keeps the outputs of its matmuls and attention."""
+        return self is CheckpointMode.SELECTIVE
+
+    @property
+    def keeps_some_blocks_whole(self) -> bool:
+        """Some block keeps every activation it saves (no checkpointing, or every_k's blocks in between)."""
+        return self in (CheckpointMode.NONE, CheckpointMode.EVERY_K)
+
+    @property
+    def every_block_whole(self) -> bool:
+        """full: every block keeps only its input (the least memory)."""
+        return self is CheckpointMode.FULL
+
+    @property
+    def uniform(self) -> bool:
+        """Every block is checkpointed alike (every_k alternates full and none; segments keep their first block's
+        input)."""
+        return self not in (CheckpointMode.EVERY_K, CheckpointMode.SEGMENTS)
+
+    @property
+    def recompute_rank(self) -> int:
+        """How much it recomputes, as a rank: none 0, selective 1, every_k 2, full and segments 3."""
+        return 2 if self is CheckpointMode.EVERY_K else 3 if self.whole_blocks else int(self.selective)
+
+    def block_checkpointing(self, n_layers: int, every_k: int) -> list[CheckpointMode]:
+        """How each block is checkpointed: none, full or selective (every_k: full for blocks 0, k, 2k, ...); segments:
+        every block "segments" (which block starts a segment depends on its pipeline stage: `segments`)."""
+        if self is CheckpointMode.EVERY_K:
+            return [CheckpointMode.FULL if i % every_k == 0 else CheckpointMode.NONE for i in range(n_layers)]
+        return [self] * n_layers
+
+    def recomputed_blocks(self, n_blocks: int, every_k: int) -> int:
+        """Blocks of `n_blocks` that recompute (all of them for full, selective and segments, 1 in every_k)."""
+        if not self.recomputes:
+            return 0
+        return -(-n_blocks // every_k) if self is CheckpointMode.EVERY_K else n_blocks
+
+    def recompute_period(self, every_k: int) -> int:
+        """One block in this many recomputes, if any does (every_k: k; the others 1)."""
+        return every_k if self is CheckpointMode.EVERY_K else 1
+
+    def forward_repeats(self, every_k: int) -> float:
+        """How many times more a block's whole forward (and its communication) runs, on average over the blocks: full
+        and segments 1, every_k 1/k, selective and none 0 (selective keeps what the communication made)."""
+        if self is CheckpointMode.EVERY_K:
+            return 1 / every_k
+        return 1.0 if self.whole_blocks else 0.0
+
+    def stores_at_least(self, other: CheckpointMode) -> bool:
+        """Blocks under this mode need at least the memory they need under `other` (the same micro-batch): none more
+        than any mode, every_k and selective more than full; segments less than none only (its segment recomputed at
+        once may hold more than full's or selective's blocks)."""
+        if self is other or not self.recomputes:
+            return True
+        if self.by_segments or other.by_segments or not other.recomputes:
+            return False
+        return not self.every_block_whole and other.every_block_whole
 
 
-def recomputes(mode: str) -> bool:
-    """Some block recomputes part of its forward in backward."""
-    return mode != "none"
-
-
-def whole_blocks(mode: str) -> bool:
-    """Blocks recompute their whole forward (full; every_k for every k-th block; segments, a segment at a time): what
-    a recomputed block keeps is at most its input, and its forward's communication runs again."""
-    return mode in ("full", "every_k", "segments")
-
-
-def by_segments(mode: str) -> bool:
-    """Runs of consecutive blocks keep only their first block's input and recompute together."""
-    return mode == "segments"
+CHECKPOINT_MODES: tuple[str, ...] = tuple(m.value for m in CheckpointMode)
+CheckpointModeName = Literal[CHECKPOINT_MODES]  # what a config may say (config.py's schema reads a Literal's choices)
 
 
 def segment_size(segment_blocks: int, n_layers: int) -> int:
@@ -136,76 +207,12 @@ def segments(blocks: list, size: int) -> list[list]:
     return [blocks[i:i + size] for i in range(0, len(blocks), size)]
 
 
-def selective(mode: str) -> bool:
-    """Each block recomputes its element-wise ops and keeps the outputs of its matmuls and attention."""
-    return mode == "selective"
-
-
-def keeps_some_blocks_whole(mode: str) -> bool:
-    """Some block keeps every activation it saves (no checkpointing, or every_k's blocks in between)."""
-    return mode in ("none", "every_k")
-
-
-def every_block_whole(mode: str) -> bool:
-    """full: every block keeps only its input (the least memory)."""
-    return mode == "full"
-
-
-def uniform(mode: str) -> bool:
-    """Every block is checkpointed alike (every_k alternates full and none; segments keep their first block's input)."""
-    return mode not in ("every_k", "segments")
-
-
-def block_checkpointing(mode: str, n_layers: int, every_k: int) -> list[str]:
-    """How each block is checkpointed: none, full or selective (every_k: full for blocks 0, k, 2k, ...); segments: every
-    block "segments" (which block starts a segment depends on its pipeline stage: `segments`)."""
-    if mode == "every_k":
-        return ["full" if i % every_k == 0 else "none" for i in range(n_layers)]
-    return [mode] * n_layers
-
-
-def recomputed_blocks(mode: str, n_blocks: int, every_k: int) -> int:
-    """Blocks of `n_blocks` that recompute (all of them for full, selective and segments, 1 in every_k)."""
-    if mode == "none":
-        return 0
-    return -(-n_blocks // every_k) if mode == "every_k" else n_blocks
-
-
-def recompute_period(mode: str, every_k: int) -> int:
-    """One block in this many recomputes, if any does (every_k: k; the others 1)."""
-    return every_k if mode == "every_k" else 1
-
-
-def forward_repeats(mode: str, every_k: int) -> float:
-    """How many times more a block's whole forward (and its communication) runs, on average over the blocks: full and
-    segments 1, every_k 1/k, selective and none 0 (selective keeps what the communication made)."""
-    if mode == "every_k":
-        return 1 / every_k
-    return 1.0 if whole_blocks(mode) else 0.0
-
-
-def recompute_rank(mode: str) -> int:
-    """How much a mode recomputes, as a rank: none 0, selective 1, every_k 2, full and segments 3."""
-    return 2 if mode == "every_k" else 3 if whole_blocks(mode) else int(selective(mode))
-
-
-def stores_at_least(mode: str, other: str) -> bool:
-    """Blocks under `mode` need at least the memory they need under `other` (the same micro-batch): none more than any
-    mode, every_k and selective more than full; segments less than none only (its segment recomputed at once may
-    hold more than full's or selective's blocks)."""
-    if mode == other or not recomputes(mode):
-        return True
-    if by_segments(mode) or by_segments(other) or not recomputes(other):
-        return False
-    return not every_block_whole(mode) and every_block_whole(other)
-
-
 def checkpointing_label(mode: str, every_k: int, segment_blocks: int = 0) -> str:
     """The mode as a layout name writes it: every_k with its k (`every_k2`), segments with theirs when set
-    (`segments4`; `segments`: round(sqrt(n_layers))), the others as they are."""
-    if by_segments(mode):
+    (`segments4`; `segments`: round(sqrt(n_layers))), the others as they are (also an activation offload mode's)."""
+    if mode == CheckpointMode.SEGMENTS:
         return f"{mode}{segment_blocks or ''}"
-    return mode if uniform(mode) else f"{mode}{every_k}"
+    return f"{mode}{every_k}" if mode == CheckpointMode.EVERY_K else str(mode)
 
 
 def _parse_every_k_label(text: str, modes: tuple[str, ...]) -> tuple[str, int] | None:
@@ -229,12 +236,12 @@ def parse_checkpointing_label(text: str) -> tuple[str, int, int] | None:
     return (*parsed, 0) if parsed else None
 
 
-def describe_checkpointing(mode: str, every_k: int, segment_blocks: int = 0) -> str:
+def describe_checkpointing(mode: CheckpointMode, every_k: int, segment_blocks: int = 0) -> str:
     """For tables: `every_k (k=2)`, `segments (k=6)` (`segment_blocks` resolved: `segment_size`), the others as they
     are."""
-    if by_segments(mode):
+    if mode.by_segments:
         return f"{mode} (k={segment_blocks})"
-    return mode if uniform(mode) else f"{mode} (k={every_k})"
+    return str(mode) if mode.uniform else f"{mode} (k={every_k})"
 
 
 # -- activation offloading (a memory tier, paratrain/memory.py) --------------------------------------------------

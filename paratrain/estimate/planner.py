@@ -31,7 +31,8 @@ from paratrain.layout_grammar import COMPRESSION_KEYS, LAYOUT_KEYS, layout_flags
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
 from paratrain.models.presets import preset_args
-from paratrain.modes import DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, Compression, DPMode, Schedule
+from paratrain.modes import (DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, CheckpointMode, Compression, DPMode,
+                             Schedule)
 
 # The [parallel] values a plan may pin (the layout flags of `paratrain plan`, paratrain/layout_grammar.py): each fixes
 # that field of every planned layout; the blocks per stage and tp without sequence or loss parallelism are the
@@ -184,7 +185,7 @@ def _options(r: PlanRequest, fixed: dict, headroom: float) -> Options:
                                                    DP_MODES))),
         schedules=tuple(map(Schedule, _one_or_choices(fixed.get("pp_schedule"), "--pp-schedule", r.schedules,
                                                       "--schedules", PLANNED_SCHEDULES, SCHEDULES))),
-        ac_modes=checked_choices(r.checkpointing, AC_MODES, "--checkpointing") or AC_MODES,
+        ac_modes=tuple(map(CheckpointMode, checked_choices(r.checkpointing, AC_MODES, "--checkpointing") or AC_MODES)),
         micro_batches=micro_batch_sizes(r.micro_batches), max_tp=r.max_tp, max_pp=r.max_pp, max_cp=r.max_cp,
         headroom=headroom, fixed=fixed, memory_tiers=r.memory_tiers)
 

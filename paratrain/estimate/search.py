@@ -14,9 +14,7 @@ from paratrain.estimate.gpus import HEADROOM
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.layout_grammar import parse_layout_name
 from paratrain.memory import AUTO_LOSS_CHUNKS, check_offload_checkpointing
-from paratrain.modes import (CHECKPOINT_MODES, DPMode, Schedule, block_checkpointing, every_block_whole,
-                             offload_stride, recompute_rank, recomputes, stores_at_least,
-                             value_bytes)
+from paratrain.modes import CheckpointMode, DPMode, Schedule, offload_stride, value_bytes
 from paratrain.estimate.step_time import Candidate, Context, Prediction, cached, predict
 from paratrain.estimate.tiers import OFFLOAD_EVERY_K
 from paratrain.estimate import Target, activations as A, estimate, inputs_for
@@ -31,7 +29,7 @@ from paratrain.modes import offloaded_blocks, segment_size
 # The schedules planned by default: all but interleaved_zero_bubble, which the cost model predicts as interleaved_1f1b
 # (the same bubble) and which allows no checkpointing (`--schedules` or `--pp-schedule` may still name it).
 PLANNED_SCHEDULES = tuple(s for s in Schedule if not (s.interleaved and s.zero_bubble))
-AC_MODES = tuple(sorted(CHECKPOINT_MODES, key=recompute_rank))  # the least recomputation first
+AC_MODES = tuple(sorted(CheckpointMode, key=lambda mode: mode.recompute_rank))  # the least recomputation first
 # Context parallelism is enumerated while each rank keeps at least this many tokens of a sequence: below it a ring
 # step's attention is too short to hide the K/V transfer, so more cp only adds exposed communication.
 MIN_CP_TOKENS = 1024
@@ -209,7 +207,7 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                         if any(getattr(lay, key) != value for key, value in opts.fixed.items()):
                             continue
                         for ac in opts.ac_modes:
-                            if recomputes(ac) and pp > 1 and sched.zero_bubble:
+                            if ac.recomputes and pp > 1 and sched.zero_bubble:
                                 continue  # Layout.check_checkpointing
                             out.append(Candidate(lay, ac, 2, mb))
     return out
@@ -299,7 +297,7 @@ def _fitting(results: list[Result], rejected: list[Result], ctx: Context, opts: 
     if not ranked:
         # the most memory-frugal layouts (full checkpointing, the smallest micro-batch) may fit though slower
         smallest = min((x.cand.micro_batch for x in results), default=1)
-        frugal = [r for r in results if r.total_bytes is None and every_block_whole(r.cand.ac)
+        frugal = [r for r in results if r.total_bytes is None and r.cand.ac.every_block_whole
                   and r.cand.micro_batch == smallest]
         for r in frugal[: opts.estimate_limit]:
             _check(r, ctx, opts)
@@ -314,12 +312,12 @@ def _memory_key(c: Candidate) -> tuple:
     return dataclasses.replace(c.layout, pp_microbatches=0), c.loss_chunks, c.act_offload, c.switched
 
 
-def _dominated(c: Candidate, miss_micro_batch: int, miss_ac: str) -> bool:
+def _dominated(c: Candidate, miss_micro_batch: int, miss_ac: CheckpointMode) -> bool:
     """c needs at least the memory of a miss with the same `_memory_key`: a micro-batch no smaller and no more
     recomputation."""
     if c.micro_batch < miss_micro_batch:
         return False
-    return stores_at_least(c.ac, miss_ac)
+    return c.ac.stores_at_least(miss_ac)
 
 
 def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
@@ -334,7 +332,7 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     layers = rank_layers(lay, a)
     d = A.act_dims(a, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, ctx.hw.device)
     moe = A.moe_dims(a, lay, c.micro_batch, ctx.seq_len, 1.0) if a.moe_experts else None
-    modes = block_checkpointing(c.ac, a.n_layers, c.every_k)
+    modes = c.ac.block_checkpointing(a.n_layers, c.every_k)
     kept = A.stored_by_block(d, modes, stage_blocks(lay, a), {l: moe for l in range(a.n_layers) if a.is_moe_layer(l)},
                              segment_size(c.segment_blocks, a.n_layers))
     # A pipelined FSDP stage holds its blocks gathered (compute dtype) with their gradients accumulated unsharded

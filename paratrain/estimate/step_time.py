@@ -90,9 +90,8 @@ from paratrain.layout_grammar import layout_name
 from paratrain.memory import MemoryTiers
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import (Compression, CompressionSite, compute_precision, forward_repeats,
-                             matmul_math, offloads_activations, recomputed_blocks, resolve_impl, selective, tf32_on,
-                             value_bytes, whole_blocks)
+from paratrain.modes import (CheckpointMode, Compression, CompressionSite, compute_precision, matmul_math,
+                             offloads_activations, resolve_impl, tf32_on, value_bytes)
 from paratrain.optimizers import GradientReduction, Phase
 from paratrain.recipe import Recipe
 from paratrain.estimate.profile import Hardware, Link, p2p_time
@@ -100,7 +99,7 @@ from paratrain.estimate.tiers import OFFLOAD_EVERY_K, activation_offload_s, chun
 from paratrain.estimate import activations as A
 from paratrain.estimate.model_states import local_shape, model_params
 from paratrain.models.presets import count_params, flops_per_token
-from paratrain.modes import offloaded_blocks, uniform
+from paratrain.modes import offloaded_blocks
 
 ELEMWISE_VALUES_PER_TOKEN = (80, 20)  # x dim, x ffn/tp: values read+written per token and block, fwd+bwd
 OPS_PER_BLOCK = 35  # operators in one block's forward (backward: twice)
@@ -120,7 +119,7 @@ class Candidate:
     microbatches) and what is not layout: activation checkpointing and the micro-batch."""
 
     layout: Layout
-    ac: str = "none"  # activation checkpointing (paratrain.modes.CheckpointMode)
+    ac: CheckpointMode = CheckpointMode.NONE  # activation checkpointing (a name coerced: `__post_init__`)
     every_k: int = 2
     micro_batch: int = 1  # sequences per micro-step (per pipeline micro-batch with pp)
     # the memory tiers (paratrain/memory.py; `[memory]`): chunked loss, activation offloading, and the capabilities a
@@ -129,6 +128,9 @@ class Candidate:
     act_offload: str = "none"  # none | all | every_k (blocks 0, every_k, ...)
     switched: tuple = ()
     segment_blocks: int = 0  # ac segments: blocks per segment (0: round(sqrt(n_layers)))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ac", CheckpointMode(self.ac))  # (a layout name's or a flag's)
 
     @property
     def world(self) -> int:
@@ -371,7 +373,7 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
     # the output head stays in the compute precision (torchao/torchtitan leave it out of fp8)
     head = (1 + gemm_b) * gemm(T, a.dim, a.vocab_size / t, linear=False) \
         + 3 * T * a.vocab_size / t * 4 * 3 / hw.mem_bandwidth
-    rec = block_f if whole_blocks(ac) else (elemwise_fb / 3 + OPS_PER_BLOCK * op_cost) if selective(ac) else 0.0
+    rec = block_f if ac.whole_blocks else (elemwise_fb / 3 + OPS_PER_BLOCK * op_cost) if ac.selective else 0.0
     scale = hw.compute_scale  # a calibrated profile's correction (1.0 for datasheets)
     return BlockCosts(block_f * scale, block_b * scale, rec * scale, head * scale, sdpa * scale)
 
@@ -429,7 +431,7 @@ def _rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
         bc = one or block_costs(ctx, ctx.rank_hw(r), c.tp, c.micro_batch, c.ep, c.ac, c.layout.cp)
         n = len(blocks)
         out.append((n * (bc.forward + bc.backward) + (bc.head if r == last_owner else 0.0),
-                    recomputed_blocks(c.ac, n, c.every_k) * bc.recompute))
+                    c.ac.recomputed_blocks(n, c.every_k) * bc.recompute))
     return out
 
 
@@ -715,7 +717,7 @@ def _model_parallel_comm(c: Candidate, ctx: Context, comm: dict, links: _Links, 
         act = T * a.dim * ab
         # sequence parallel (the planner's layouts always use it)
         per_block_f = 2 * all_gather_time(act, t, links.tp) + 2 * reduce_scatter_time(act, t, links.tp)
-        extra = forward_repeats(c.ac, c.every_k)
+        extra = c.ac.forward_repeats(c.every_k)
         emb = 4 * all_reduce_time(T * 4, t, links.tp) + 2 * all_gather_time(act, t, links.tp)
         comm["tensor-parallel"] = n_micro * (layers * per_block_f * (2 + extra) + emb)
     if c.pp > 1:
@@ -787,7 +789,7 @@ def activation_offload_time(c: Candidate, ctx: Context, blocks: int, compute_s: 
     for a candidate offloading every_k blocks: an offloaded block's saved tensors as without checkpointing."""
     lay, hw = c.layout, ctx.hw
     d = A.act_dims(ctx.args, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, hw.device)
-    mode = c.ac if uniform(c.ac) else "none"
+    mode = c.ac if c.ac.uniform else CheckpointMode.NONE
     n = len(offloaded_blocks(c.act_offload, OFFLOAD_EVERY_K, blocks))
     return activation_offload_s(A.offloaded(d, mode), n, blocks, c.micro_steps(ctx), compute_s, hw)
 
@@ -809,6 +811,6 @@ def ring_time(ctx: Context, c: Candidate, tokens: int, attention_s: float) -> tu
     fwd, fwd_exposed = (cp - 1) * step_kv, (cp - 1) * max(0.0, step_kv - hide_f)
     bwd = (cp - 1) * step_kv + cp * step_dkv
     bwd_exposed = (cp - 1) * max(0.0, step_kv + step_dkv - hide_b) + step_dkv  # the last hop home is not hidden
-    repeat = forward_repeats(c.ac, c.every_k)
+    repeat = c.ac.forward_repeats(c.every_k)
     blocks = c.micro_steps(ctx) * math.ceil(a.n_layers / c.pp)
     return blocks * (fwd * (1 + repeat) + bwd), blocks * (fwd_exposed * (1 + repeat) + bwd_exposed)
