@@ -1,9 +1,13 @@
-"""Every choice of a mode, declared once as a `Literal` type, and the questions asked about one mode.
+"""Every choice of a mode, declared once, and the questions asked about one mode.
 
-The config's sections (config.py) are typed with these, so a config value is checked against them; command lines
-offer their `get_args` tuples; and code that depends on a mode asks a predicate here (or on the `Layout`, for what a
-whole layout decides) instead of comparing strings: tests/test_architecture.py fails on a mode string compared
-anywhere but here and in paratrain/layout.py. Torch-free.
+A kind of mode is a `StrEnum` (Schedule, DPMode, CheckpointMode) whose members are its choices and whose properties
+and methods are the questions (`layout.pp_schedule.interleaved`), or a `Literal` type with predicates here (the
+others). A member is its string: it compares, hashes, formats and serialises as the config writes it. The config's
+sections (config.py) are typed with Literal types (an enum's derived from its members), so a config value is checked
+against them; command lines offer their tuples of choices; a name that enters as a string is made a member once
+(`Layout`, `Recipe`, the planner's candidates); and code that depends on a mode asks its member, a predicate here
+(or the `Layout`, for what a whole layout decides) instead of comparing strings: tests/test_architecture.py fails on
+a mode string or member compared anywhere but here and in paratrain/layout.py. Torch-free.
 """
 
 from __future__ import annotations
