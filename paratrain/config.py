@@ -25,7 +25,7 @@ from paratrain.capabilities import OPTIMIZER_NAMES, optimizer_entry
 from paratrain.errors import ConfigError
 from paratrain.models.args import ModelArgs, is_int
 from paratrain.modes import (ActivationOffloadMode, CheckpointModeName, DPModeOption, GradCompression, OptimizerImpl,
-                             Precision, ScheduleName, WeightDtype)
+                             PrecisionName, ScheduleName, WeightDtype)
 from paratrain.models.lora_params import lora_problem
 
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
@@ -85,7 +85,7 @@ class TrainingConfig:
     seed: int = 1337  # the initial weights and every batch are functions of it, the same on every layout
     # bf16: fp32 master weights, bf16 compute; fp16: dynamic loss scaling too; fp8: bf16 with the blocks' linear layers
     # as 8-bit matmuls (its section: paratrain/capabilities; FP8 tensor cores: compute capability 8.9+, emulated on a CPU)
-    precision: Precision = "fp32"
+    precision: PrecisionName = "fp32"
     # fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa; A100: 8x plain fp32's peak); unset: on for
     # fp32 runs on Ampere and newer (compute capability 8.0+), off otherwise. CUDA only
     tf32: bool | None = None

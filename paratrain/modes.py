@@ -288,75 +288,81 @@ def describe_offload(mode: str, every_k: int) -> str:
 
 
 # -- precision ---------------------------------------------------------------------------------------------------
-# fp32; bf16: bf16 compute, fp32 master weights; fp16: the same with dynamic loss scaling; fp8: bf16 compute with the
-# blocks' linear layers as 8-bit matmuls (converted by the fp8 capability module in paratrain/capabilities/).
-Precision = Literal["fp32", "bf16", "fp16", "fp8"]
-PRECISIONS: tuple[str, ...] = get_args(Precision)
+class Precision(enum.StrEnum):
+    """A run's precision (`training.precision`) and the questions asked about one: fp32; bf16: bf16 compute, fp32
+    master weights; fp16: the same with dynamic loss scaling; fp8: bf16 compute with the blocks' linear layers as 8-bit
+    matmuls (converted by the fp8 capability module in paratrain/capabilities/). Also a weight dtype's (fp32, bf16,
+    fp16: `WeightDtype`)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8 = "fp8"
+
+    @property
+    def low_precision(self) -> bool:
+        """Matmuls, attention and FSDP's gathered parameters in 16 bits (bf16, fp16; fp8 around its 8-bit matmuls)."""
+        return self is not Precision.FP32
+
+    @property
+    def loss_scaled(self) -> bool:
+        """fp16: a dynamic loss scaler keeps small gradients representable."""
+        return self is Precision.FP16
+
+    @property
+    def fp8_matmuls(self) -> bool:
+        """fp8: the blocks' linear layers multiply 8-bit floating-point copies of their inputs, weights and output
+        gradients (each with a scale), accumulating in higher precision; everything else computes as bf16 does."""
+        return self is Precision.FP8
+
+    @property
+    def compute_precision(self) -> Precision:
+        """The 16-bit (or fp32) format a run computes in outside 8-bit matmuls: fp8 runs compute in bf16."""
+        return Precision.BF16 if self.fp8_matmuls else self
+
+    @property
+    def headroom_format(self) -> Precision:
+        """The 16-bit format whose range a run's numbers are judged against: fp16 for an fp16 run, else bf16 (what a
+        fp32 run would overflow first if it moved to 16 bits; an fp8 run's 8-bit casts are scaled to fit)."""
+        return self if self in LOW_PRECISIONS else Precision.BF16
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of one value computed in this precision (fp8: the bf16 activations around its 8-bit matmuls)."""
+        return 4 if self is Precision.FP32 else 2
+
+    @property
+    def dtype_name(self) -> str:
+        """torch's name of its compute dtype (also Hugging Face's config.json `torch_dtype`): float32, bfloat16,
+        float16 (fp8 computes in bfloat16 around its 8-bit matmuls)."""
+        return {Precision.FP32: "float32", Precision.BF16: "bfloat16",
+                Precision.FP16: "float16"}[self.compute_precision]
+
+    def tf32_on(self, tf32: bool | None) -> bool:
+        """training.tf32 resolved: unset is on for fp32 runs (a device without TF32, before Ampere, ignores it)."""
+        return not self.low_precision if tf32 is None else tf32
+
+    def matmul_math(self, tf32: bool | None, tf32_cores: bool) -> str:
+        """The rate its matmuls run at: fp8 the FP8 tensor cores', bf16 and fp16 the 16-bit tensor cores', fp32 TF32's
+        when training.tf32 is on (`tf32_on`) and the device has TF32 tensor cores (`tf32_cores`), else plain fp32's."""
+        if self.fp8_matmuls:
+            return "fp8"
+        if self.low_precision:
+            return "bf16"
+        return "tf32" if self.tf32_on(tf32) and tf32_cores else "fp32"
+
+
+PRECISIONS: tuple[str, ...] = tuple(p.value for p in Precision)
+PrecisionName = Literal[PRECISIONS]  # what a config may say (config.py's schema reads a Literal's choices)
 WeightDtype = Literal["fp32", "bf16", "fp16"]  # what weights are stored in (a Hugging Face export, a frozen base)
 WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
-
-
-def low_precision(precision: str) -> bool:
-    """Matmuls, attention and FSDP's gathered parameters in 16 bits (bf16, fp16; fp8 around its 8-bit matmuls)."""
-    return precision != "fp32"
-
-
-def loss_scaled(precision: str) -> bool:
-    """fp16: a dynamic loss scaler keeps small gradients representable."""
-    return precision == "fp16"
-
-
-def fp8_matmuls(precision: str) -> bool:
-    """fp8: the blocks' linear layers multiply 8-bit floating-point copies of their inputs, weights and output gradients (each with a
-    scale), accumulating in higher precision; everything else computes as bf16 does."""
-    return precision == "fp8"
-
-
-def compute_precision(precision: str) -> str:
-    """The 16-bit (or fp32) format a run computes in outside 8-bit matmuls: fp8 runs compute in bf16."""
-    return "bf16" if fp8_matmuls(precision) else precision
-
-
-LOW_PRECISIONS: tuple[str, ...] = tuple(p for p in WEIGHT_DTYPES if low_precision(p))  # the 16-bit formats
-
-
-def headroom_format(precision: str) -> str:
-    """The 16-bit format whose range a run's numbers are judged against: fp16 for an fp16 run, else bf16 (what a
-    fp32 run would overflow first if it moved to 16 bits; an fp8 run's 8-bit casts are scaled to fit)."""
-    return precision if precision in LOW_PRECISIONS else "bf16"
-
-
-def value_bytes(precision: str) -> int:
-    """Bytes of one value computed in this precision (fp8: the bf16 activations around its 8-bit matmuls)."""
-    return 4 if precision == "fp32" else 2
-
-
-def dtype_name(precision: str) -> str:
-    """torch's name of its compute dtype (also Hugging Face's config.json `torch_dtype`): float32, bfloat16,
-    float16 (fp8 computes in bfloat16 around its 8-bit matmuls)."""
-    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[compute_precision(precision)]
-
+LOW_PRECISIONS: tuple[Precision, ...] = tuple(Precision(p) for p in WEIGHT_DTYPES if Precision(p).low_precision)
+# (the 16-bit formats)
 
 # The datasheet rates matmuls run at (paratrain/estimate/gpus.py gives each GPU's dense peak of each): plain fp32, fp32
 # on TF32 tensor cores, the 16-bit tensor cores (bf16 and fp16 alike) and the FP8 tensor cores.
 MatmulMath = Literal["fp32", "tf32", "bf16", "fp8"]
 MATMUL_MATHS: tuple[str, ...] = get_args(MatmulMath)
-
-
-def tf32_on(tf32: bool | None, precision: str) -> bool:
-    """training.tf32 resolved: unset is on for fp32 runs (a device without TF32, before Ampere, ignores it)."""
-    return not low_precision(precision) if tf32 is None else tf32
-
-
-def matmul_math(precision: str, tf32: bool | None, tf32_cores: bool) -> str:
-    """The rate matmuls in `precision` run at: fp8 the FP8 tensor cores', bf16 and fp16 the 16-bit tensor cores',
-    fp32 TF32's when training.tf32 is on (`tf32_on`) and the device has TF32 tensor cores (`tf32_cores`), else plain
-    fp32's."""
-    if fp8_matmuls(precision):
-        return "fp8"
-    if low_precision(precision):
-        return "bf16"
-    return "tf32" if tf32_on(tf32, precision) and tf32_cores else "fp32"
 
 
 # -- optimizer implementations -----------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ from paratrain.layout import Batch, Layout
 from paratrain.layout_grammar import layout_name
 from paratrain.memory import MemoryTiers
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import CHECKPOINT_MODES, CheckpointMode, Compression, OptimizerImpl, Precision, resolve_impl
+from paratrain.modes import (CHECKPOINT_MODES, PRECISIONS, CheckpointMode, Compression, OptimizerImpl, Precision,
+                             resolve_impl)
 
 
 def setting(default, key: str, flag: str | None = None):
@@ -60,7 +61,10 @@ class Recipe:
 
     def __post_init__(self):
         # the capabilities its other settings imply (Capability.implied_by), with their defaults
-        if self.checkpointing not in CHECKPOINT_MODES:  # (a config's or a flag's name, coerced)
+        if self.precision not in PRECISIONS:  # (a config's or a flag's name, coerced)
+            raise UserError(f"--precision '{self.precision}' is not one of {', '.join(PRECISIONS)}")
+        object.__setattr__(self, "precision", Precision(self.precision))
+        if self.checkpointing not in CHECKPOINT_MODES:
             raise UserError(f"--checkpointing '{self.checkpointing}' is not one of {', '.join(CHECKPOINT_MODES)}")
         object.__setattr__(self, "checkpointing", CheckpointMode(self.checkpointing))
         object.__setattr__(self, "capabilities", capabilities.implied(self, self.capabilities))

@@ -35,7 +35,7 @@ from paratrain.distributed.tensor_parallel import apply_tp
 from paratrain.distributed.tensors import full_tensor, right_pad, torch_dtype
 from paratrain.models.lora import apply_lora, freeze_base
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import (CheckpointMode, low_precision, offload_stride, offloaded_blocks, offloads_activations,
+from paratrain.modes import (CheckpointMode, Precision, offload_stride, offloaded_blocks, offloads_activations,
                              segment_size, segments)
 
 
@@ -235,7 +235,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
     layout = dims.layout
     comm = comm or GradComm.default(dims, device, ddp_bucket_mb)
     if lora is not None:
-        apply_lora(model, lora, torch_dtype(precision) if low_precision(precision) else None)
+        apply_lora(model, lora, torch_dtype(precision) if Precision(precision).low_precision else None)
     style_classes = {}  # before tensor parallelism, which gives the modules they change their own styles
     for capability in capabilities:
         style_classes.update(capability.before_parallelize(model, Where(device, layout)))

@@ -59,7 +59,7 @@ from paratrain.layout import Layout
 from paratrain.memory import MIN_OFFLOAD_BYTES
 from paratrain.models.args import ModelArgs
 from paratrain.models.registry import roles
-from paratrain.modes import CheckpointMode, low_precision, segments
+from paratrain.modes import CheckpointMode, Precision, segments
 
 FP32, INT64 = 4, 8
 
@@ -140,7 +140,7 @@ def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, m
              device: str = "cuda", frozen_base: bool = False, loss_chunks: int = 1) -> ActDims:
     """`frozen_base`: LoRA's base is stored in the compute dtype, so everything computes in it ("pure");
     `loss_chunks`: memory.loss_chunks, resolved (paratrain.memory.loss_chunks)."""
-    if not low_precision(precision):
+    if not Precision(precision).low_precision:
         regime = "single"
     elif accounting == "classic" or layout.uses_fsdp or frozen_base:
         regime = "pure"

@@ -37,7 +37,7 @@ from paratrain.layout import Layout, grad_compression_site
 from paratrain.memory import HOST_HEADROOM
 from paratrain.models.presets import count_active_params
 from paratrain.models.registry import family_of
-from paratrain.modes import CheckpointMode, CompressionSite, compute_precision, low_precision, segment_size
+from paratrain.modes import CheckpointMode, CompressionSite, segment_size
 from paratrain.estimate.report import format_table
 from paratrain.estimate.schedule import max_in_flight, rank_actions
 from paratrain.estimate.suggest import suggest_changes
@@ -280,7 +280,7 @@ def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers
     for p in params:
         if p.layer is not None:
             by_layer[p.layer].append(p)
-    low = low_precision(i.recipe.precision)
+    low = i.recipe.precision.low_precision
     classic = i.accounting == "classic" and low
     fsdp = lay.uses_fsdp and not (classic and lay.zero_stage == 2)
     pbytes = BF16 if (low and (fsdp or classic)) else FP32
@@ -884,7 +884,7 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     sizes["overhead"] = overhead
     d = w["dims"]
     notes = list(w["states"].notes)
-    half = compute_precision(i.recipe.precision)  # (the 16-bit format of the regimes that have one: bf16 or fp16)
+    half = i.recipe.precision.compute_precision  # (the 16-bit format of the regimes that have one: bf16 or fp16)
     regime = {"single": "fp32 activations", "autocast": f"autocast: fp32 residual stream, {half} matmul/attention",
               "pure": f"{half} compute, fp32 norm statistics and loss"}[d.regime]
     unchecked = A.block_stored(d, CheckpointMode.NONE, None)
@@ -911,7 +911,7 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     if lay.pp > 1:
         est.stages = [{"stage": s, "tensor_peak_bytes": int(x["peak"]), "total_bytes": int(x["peak"]) + overhead,
                        "phase": x["phase"]} for s, x in walks.items()]
-    if low_precision(i.recipe.precision) and optimizer_entry(i.recipe.optimizer).state_bytes and i.recipe.lora is None:
+    if i.recipe.precision.low_precision and optimizer_entry(i.recipe.optimizer).state_bytes and i.recipe.lora is None:
         est.zero_ranks = lay.dp if lay.dp > 1 else 8
         est.zero = zero_table(args, est.zero_ranks, i.recipe.optimizer)
     if suggest and est.fits is False:

@@ -13,7 +13,7 @@ from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.memory import check_offload, check_offload_checkpointing, loss_chunks
 from paratrain.models.args import ModelArgs
 from paratrain.models.registry import targets_of
-from paratrain.modes import ACTIVATION_OFFLOAD_MODES, OPTIMIZER_IMPLS, PRECISIONS
+from paratrain.modes import ACTIVATION_OFFLOAD_MODES, OPTIMIZER_IMPLS
 from paratrain.recipe import Recipe
 
 ACCOUNTINGS = ("paratrain", "classic")
@@ -68,8 +68,7 @@ def inputs_for(model_args: ModelArgs, recipe: Recipe, target: Target = Target(),
 def validate(i: EstimateInputs) -> EstimateInputs:
     """Check the inputs (UserError; the layout's ConfigError names the setting); returns them with the layout
     validated against the model and the batch (a pipeline's blocks per stage filled in)."""
-    for name, value, options in (("--precision", i.recipe.precision, PRECISIONS),
-                                 ("--optimizer", i.recipe.optimizer, OPTIMIZER_NAMES),
+    for name, value, options in (("--optimizer", i.recipe.optimizer, OPTIMIZER_NAMES),
                                  ("--accounting", i.accounting, ACCOUNTINGS),
                                  ("--optimizer-impl", i.recipe.optimizer_impl, OPTIMIZER_IMPLS)):
         if value not in options:

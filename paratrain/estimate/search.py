@@ -14,7 +14,7 @@ from paratrain.estimate.gpus import HEADROOM
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.layout_grammar import parse_layout_name
 from paratrain.memory import AUTO_LOSS_CHUNKS, check_offload_checkpointing
-from paratrain.modes import CheckpointMode, DPMode, Schedule, offload_stride, value_bytes
+from paratrain.modes import CheckpointMode, DPMode, Schedule, offload_stride
 from paratrain.estimate.step_time import Candidate, Context, Prediction, cached, predict
 from paratrain.estimate.tiers import OFFLOAD_EVERY_K
 from paratrain.estimate import Target, activations as A, estimate, inputs_for
@@ -337,7 +337,7 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
                              segment_size(c.segment_blocks, a.n_layers))
     # A pipelined FSDP stage holds its blocks gathered (compute dtype) with their gradients accumulated unsharded
     # (fp32) through the step (Layout.fsdp_all_gathers): at least that much on top of the sharded states.
-    unsharded = value_bytes(ctx.precision) + 4 if (lay.pipelined and lay.uses_fsdp) else 0
+    unsharded = ctx.precision.value_bytes + 4 if (lay.pipelined and lay.uses_fsdp) else 0
 
     def recv_buffers(rank: int) -> int:
         # torch.distributed.pipelining allocates a receive buffer per micro-batch for each stage input and each
@@ -499,7 +499,7 @@ def ring_line(c: Candidate, ctx: Context) -> str:
     pred = predict(c, ctx)
     total, exposed = ring_time(ctx, c, tokens, attention_time(ctx, c))
     link = group_link(ctx, c.tp, lay.cp)
-    kv = 2 * tokens * a.n_kv_heads * a.head_dim / c.tp * value_bytes(ctx.precision)
+    kv = 2 * tokens * a.n_kv_heads * a.head_dim / c.tp * ctx.precision.value_bytes
     return (f"context-parallel ring over {lay.cp} ranks ({link.name}): per block, {lay.cp - 1} point-to-point steps "
             f"of a {kv / 2**20:.1f} MiB K/V block forward, {lay.cp - 1} + {lay.cp} (fp32 dK/dV) backward; "
             f"{total * 1e3:.1f} ms per step, {exposed * 1e3:.1f} ms exposed after overlapping the attention "

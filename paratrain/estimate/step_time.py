@@ -90,8 +90,8 @@ from paratrain.layout_grammar import layout_name
 from paratrain.memory import MemoryTiers
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import (CheckpointMode, Compression, CompressionSite, compute_precision, matmul_math,
-                             offloads_activations, resolve_impl, tf32_on, value_bytes)
+from paratrain.modes import (CheckpointMode, Compression, CompressionSite, Precision, offloads_activations,
+                             resolve_impl)
 from paratrain.optimizers import GradientReduction, Phase
 from paratrain.recipe import Recipe
 from paratrain.estimate.profile import Hardware, Link, p2p_time
@@ -204,7 +204,7 @@ class Context:
     global_seqs: int  # sequences per optimizer step
     hw: Hardware
     gpus_per_node: int
-    precision: str = "bf16"
+    precision: Precision = Precision.BF16  # (a name coerced: `__post_init__`)
     model_name: str = "model"
     tf32: bool | None = None  # training.tf32: fp32 matmuls on TF32 tensor cores (unset: on for fp32, modes.tf32_on)
     native_max_seq_len: int | None = None  # the model's own max_seq_len when seq_len goes beyond it (long context)
@@ -221,14 +221,17 @@ class Context:
     host_memory_bytes: int | None = None  # host memory per node (--host-memory; None: not checked)
     cache: dict = field(default_factory=dict, repr=False, compare=False)  # per-shape compute terms (block_costs)
 
+    def __post_init__(self) -> None:
+        self.precision = Precision(self.precision)
+
     def rank_hw(self, pp_rank: int) -> Hardware:
         return self.stage_hw[pp_rank] if self.stage_hw else self.hw
 
     def math(self, hw: Hardware | None = None, precision: str | None = None) -> str:
         """The datasheet rate matmuls in `precision` (default: the run's) go at on `hw` (default: the context's):
         modes.matmul_math, TF32 where the device has it."""
-        tf32 = tf32_on(self.tf32, self.precision)  # (an fp32 tensor of a bf16 run: TF32 only if switched on)
-        return matmul_math(precision or self.precision, tf32, "tf32" in (hw or self.hw).peaks)
+        tf32 = self.precision.tf32_on(self.tf32)  # (an fp32 tensor of a bf16 run: TF32 only if switched on)
+        return Precision(precision or self.precision).matmul_math(tf32, "tf32" in (hw or self.hw).peaks)
 
 
 @dataclass
@@ -292,7 +295,7 @@ def group_link(ctx: Context, stride: int, size: int) -> Link:
 # -- the model -----------------------------------------------------------------------------------------------------
 
 def _act_bytes(ctx: Context) -> int:
-    return value_bytes(ctx.precision)
+    return ctx.precision.value_bytes
 
 
 @dataclass(frozen=True)
@@ -332,7 +335,7 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
     # the run's matmuls against the profile's bf16 curves (fp32: 1/16 on an A100); the blocks' linear GEMMs at a
     # capability's rate where it has one (fp8's 8-bit GEMMs), the others (attention, the output head) at the compute
     # precision's
-    speed = hw.speed(ctx.math(hw, compute_precision(ctx.precision)))
+    speed = hw.speed(ctx.math(hw, ctx.precision.compute_precision))
     rates = [c.linear_gemm_rate for c in ctx.capabilities]
 
     def gemm(m, k, n, count=1.0, linear=True):
@@ -665,7 +668,7 @@ def _fsdp_reduction(dp: _DataParallel, c: Candidate, ctx: Context, comp: _StepCo
     copies with them), then hsdp's all-reduce over the replicas."""
     a, hw, lay = ctx.args, ctx.hw, c.layout
     shard = lay.dp_shard * lay.cp
-    pbytes = value_bytes(ctx.precision)
+    pbytes = ctx.precision.value_bytes
     rs_frac = comp.reduce_fraction
     # The one rule the trainer follows and the estimator uses (Layout.fsdp_all_gathers): pipelined stages gather
     # each group once per step and reduce-scatter once; otherwise per micro-step.
