@@ -144,7 +144,8 @@ class Muon(Capability):
         flops = step.cached("muon_flops", lambda: sum(ns_flops(q.shape) for q in hidden))
         per_matrix = flops / max(1, len(hidden))
         ranks = c.world if not lay.zero1 else c.dp
-        iterate = step.matmul_s(flops / ranks, per_matrix, "bf16" if Precision(step.precision).low_precision else "fp32")
+        low = Precision(step.precision).low_precision
+        iterate = step.matmul_s(flops / ranks, per_matrix, "bf16" if low else "fp32")
         numel = step.cached("muon_numel", lambda: sum(q.numel for q in hidden))
         holders = c.world // c.pp  # the ranks of a stage, among which its matrices are shared out
         if lay.zero1 or holders <= 1:

@@ -190,7 +190,8 @@ def plan_hetero(ctx, opts, top: int = 5):
     groups = ctx.cluster
     world = sum(g.count for g in groups)
     # one stage per rank: the uneven split is per pipeline rank
-    opts = dataclasses.replace(opts, schedules=tuple(s for s in opts.schedules if not s.multi_stage) or (Schedule.ONE_F_ONE_B,))
+    opts = dataclasses.replace(opts, schedules=tuple(s for s in opts.schedules if not s.multi_stage)
+                               or (Schedule.ONE_F_ONE_B,))
     results, rejected = [], []
     considered = 0
     for c in candidates(ctx, world, opts):

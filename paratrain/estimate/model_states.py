@@ -232,7 +232,8 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
         numel = sum(count * fsdp_numel(p, layout) for p, count, _ in frozen)
     else:
         numel = sum(count * n for _, count, n in frozen)
-    return dataclasses.replace(out, frozen=numel * Precision(precision).value_bytes, param_numel=out.param_numel + numel,
+    frozen_bytes = numel * Precision(precision).value_bytes
+    return dataclasses.replace(out, frozen=frozen_bytes, param_numel=out.param_numel + numel,
                                unsharded_numel=out.unsharded_numel + sum(count * n for _, count, n in frozen),
                                notes=out.notes + (f"LoRA: the frozen base in {precision}, no gradients or optimizer "
                                                   "state for it",))
@@ -264,8 +265,8 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
         opt_numel = numel
         grads_numel = numel
         if low:
-            notes.append(f"the sharded fp32 parameters are the master weights; {Precision(precision).compute_precision} copies "
-                         "are all-gathered per block")
+            notes.append(f"the sharded fp32 parameters are the master weights; "
+                         f"{Precision(precision).compute_precision} copies are all-gathered per block")
     else:
         numel = local_numel
         grads_numel = numel

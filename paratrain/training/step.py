@@ -81,7 +81,8 @@ def apply_tf32(tf32: bool | None, precision: str, device: torch.device) -> bool:
     only: elsewhere nothing is set and it is off."""
     if device.type != "cuda":
         return False
-    on = Precision(precision).tf32_on(tf32) and (tf32 is not None or torch.cuda.get_device_capability(device) >= TF32_CAPABILITY)
+    on = Precision(precision).tf32_on(tf32) and (tf32 is not None
+                                                 or torch.cuda.get_device_capability(device) >= TF32_CAPABILITY)
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):  # torch 2.9+: setting the old switches too would be an error there
         matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32" if on else "ieee"
