@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # memory_measure (bench/)
 
-from paratrain.modes import fp8_matmuls, resolve_impl  # noqa: E402 (after the path)
+from paratrain.modes import Precision, resolve_impl  # noqa: E402 (after the path)
 
 GPU_VOCAB = 128256
 # (label, preset, overrides) -- CPU stand-ins keep the models' proportions at a tiny size
@@ -64,12 +64,12 @@ def fitting_config(args, seq: int, device: str, gpu_bytes: int | None, precision
     from paratrain.estimate import Target, estimate, inputs_for
     from paratrain.layout import Layout
     from paratrain.memory import MemoryTiers
-    from paratrain.modes import CHECKPOINT_MODES, recompute_rank, uniform
+    from paratrain.modes import CheckpointMode
     from paratrain.recipe import Recipe
 
     if gpu_bytes is None:
         return 2, "none"
-    for ac in sorted((m for m in CHECKPOINT_MODES if uniform(m)), key=recompute_rank):
+    for ac in sorted((m for m in CheckpointMode if m.uniform), key=lambda m: m.recompute_rank):
         for mb in (8, 4, 2, 1):
             recipe = Recipe(Layout.resolve(1), precision=precision, checkpointing=ac, micro_batch=mb, seq_len=seq,
                             tiers=MemoryTiers(loss_chunks=0))  # (0: the trainer's automatic choice)
@@ -89,7 +89,7 @@ CUDA_MODES, CPU_MODES, SMOKE_MODES = ",".join(MODES), "eager,compile,fp8,compile
 
 def mode_precision(mode: str, cuda: bool) -> str:
     precision = MODES[mode][1]
-    return precision if cuda or fp8_matmuls(precision) else "fp32"
+    return precision if cuda or Precision(precision).fp8_matmuls else "fp32"
 
 
 def train_rate(args, seq: int, mb: int, ac: str, mode: str, device, steps: int, warmup: int) -> dict:
@@ -106,7 +106,7 @@ def train_rate(args, seq: int, mb: int, ac: str, mode: str, device, steps: int, 
     cuda = device.type == "cuda"
     compiled, _, scales, graphs = MODES[mode]
     precision = mode_precision(mode, cuda)
-    float8 = (Float8(recipe=scales, compute="bf16" if cuda else "fp32"),) if fp8_matmuls(precision) else ()
+    float8 = (Float8(recipe=scales, compute="bf16" if cuda else "fp32"),) if Precision(precision).fp8_matmuls else ()
     layout = Layout.resolve(1)
     recipe = Recipe(layout, precision=precision, checkpointing=ac, capabilities=float8, cuda_graphs=graphs,
                     compile=(True if cuda else "aot_eager") if compiled else False)
@@ -139,7 +139,7 @@ def predicted_mfu(args, seq: int, mb: int, ac: str, mode: str, hw) -> float | No
     from paratrain.layout import Layout
     from paratrain.capabilities import implied_by_settings
     from paratrain.estimate.step_time import Candidate, Context, predict
-    if hw is None or (fp8_matmuls(MODES[mode][1]) and not hw.fp8_gemm):
+    if hw is None or (Precision(MODES[mode][1]).fp8_matmuls and not hw.fp8_gemm):
         return None
     precision = MODES[mode][1] if hw.device == "cuda" else hw.precision
     ctx = Context(args, seq, mb, hw, 1, precision, "bench", mode="compile" if MODES[mode][0] else "eager",

@@ -18,7 +18,7 @@ import time
 import torch
 
 from paratrain.models.llama import cross_entropy
-from paratrain.modes import all_forwards_first
+from paratrain.modes import Schedule
 
 
 def _data(args, steps):
@@ -114,7 +114,7 @@ def main() -> None:
     for pp in [int(x) for x in args.pp.split(",")]:
         for schedule in args.schedules.split(","):
             for m in [int(x) for x in args.microbatches.split(",")]:
-                if not all_forwards_first(schedule) and m < pp:  # (Layout's rule)
+                if not Schedule(schedule).all_forwards_first and m < pp:  # (Layout's rule)
                     continue
                 step, measured, predicted = launch(ranked, (a, pp, schedule, m), pp,
                                                    preload=("paratrain.distributed.pipeline",))

@@ -30,6 +30,7 @@ from paratrain.distributed.launch import launch
 from paratrain.layout import Layout
 from paratrain.models import ModelArgs, build_model
 from paratrain.models.presets import preset_args
+from paratrain.modes import CheckpointMode
 
 # The reference model whose training step calibrates `compute_scale` (what the GEMM/element-wise/operator terms
 # miss: autograd, the loss, the optimizer, allocator). Deliberately not a preset the benchmark plans.
@@ -254,7 +255,7 @@ def _apply_model_shapes(hw: Hardware, measured: dict, model, shapes: dict, tp: i
         for factor in (1.0, 0.0):
             probe = dataclasses.replace(hw, modes={"eager": factor}, compute_scale=1.0)
             ctx = Context(block_args, seq, mb, probe, 1, hw.precision, "calibration")
-            bc = block_costs(ctx, probe, 1, mb, 1, "none")
+            bc = block_costs(ctx, probe, 1, mb, 1, CheckpointMode.NONE)
             times.append(bc.forward + bc.backward)
         full, matmul = times
         hw.modes[mode] = min(20.0, max(0.05, (seconds - matmul) / max(full - matmul, 1e-12)))

@@ -24,7 +24,7 @@ from paratrain import capabilities
 from paratrain.capabilities import OPTIMIZER_NAMES, optimizer_entry
 from paratrain.errors import ConfigError
 from paratrain.models.args import ModelArgs, is_int
-from paratrain.modes import (CheckpointMode, DPModeOption, GradCompression, OptimizerImpl, Precision, Schedule,
+from paratrain.modes import (CheckpointModeName, DPModeOption, GradCompression, OptimizerImpl, PrecisionName, ScheduleName,
                              WeightDtype)
 from paratrain.models.lora_params import lora_problem
 
@@ -85,7 +85,7 @@ class TrainingConfig:
     seed: int = 1337  # the initial weights and every batch are functions of it, the same on every layout
     # bf16: fp32 master weights, bf16 compute; fp16: dynamic loss scaling too; fp8: bf16 with the blocks' linear layers
     # as 8-bit matmuls (its section: paratrain/capabilities; FP8 tensor cores: compute capability 8.9+, emulated on a CPU)
-    precision: Precision = "fp32"
+    precision: PrecisionName = "fp32"
     # fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa; A100: 8x plain fp32's peak); unset: on for
     # fp32 runs on Ampere and newer (compute capability 8.0+), off otherwise. CUDA only
     tf32: bool | None = None
@@ -139,7 +139,7 @@ class ParallelConfig:
     sequence_parallel: bool = True  # with tp > 1: shard norms and residuals along the sequence
     loss_parallel: bool = True  # with tp > 1: keep logits sharded by vocab through the loss
     pp: int = 1  # pipeline stages (ranks along the pp mesh axis)
-    pp_schedule: Schedule = "1f1b"
+    pp_schedule: ScheduleName = "1f1b"
     pp_microbatches: int = 0  # pipeline micro-batches per optimizer step and data-parallel rank; 0: automatic
     pp_virtual_stages: int = 1  # stages per rank for the interleaved schedules (1: automatic, 2)
     pp_split: str = ""  # blocks per stage, e.g. "3,2,2,1"; empty: balanced by parameter count
@@ -164,7 +164,7 @@ class ActivationCheckpointConfig:
     """Activation checkpointing (recompute in backward instead of storing)."""
 
     # what backward recomputes instead of keeping (docs/memory-tiers.md compares the modes)
-    mode: CheckpointMode = "none"
+    mode: CheckpointModeName = "none"
     # mode every_k: blocks 0, k, 2k, ... recompute (full), the blocks between keep everything (segments stores every k)
     every_k: int = 2
     # mode segments: blocks per segment (each keeps only its input, recomputed as one unit); 0: round(sqrt(n_layers))

@@ -24,9 +24,8 @@ import difflib
 from dataclasses import dataclass
 
 from paratrain.errors import ConfigError
-from paratrain.modes import (DP_MODE_OPTIONS, GRAD_COMPRESSIONS, SCHEDULES, ZERO_STAGES, CompressionSite, DPMode,
-                             Schedule, Compression, all_forwards_first, dp_mode_of, multi_stage, recomputes,
-                             replicates_shards, v_shaped, zero_bubble)
+from paratrain.modes import (DP_MODE_OPTIONS, GRAD_COMPRESSIONS, SCHEDULES, CheckpointMode, CompressionSite,
+                             DPMode, Schedule, Compression)
 from paratrain.stage_split import balanced_split
 
 
@@ -41,7 +40,7 @@ class Batch:
 
 @dataclass(frozen=True)
 class Layout:
-    dp_mode: DPMode = "fsdp"
+    dp_mode: DPMode = DPMode.FSDP  # (an option coerced: `__post_init__`)
     dp_replicate: int = 1  # replicas (ddp and zero1 keep their whole data-parallel degree here)
     dp_shard: int = 1  # ranks each parameter is sharded over (FSDP)
     tp: int = 1
@@ -49,11 +48,15 @@ class Layout:
     ep: int = 1  # experts sharded over this many of the dp_shard ranks
     sequence_parallel: bool = True
     loss_parallel: bool = True
-    pp_schedule: Schedule = "1f1b"
+    pp_schedule: Schedule = Schedule.ONE_F_ONE_B  # (a name coerced: `__post_init__`)
     pp_virtual: int = 1  # stages per pp rank
     pp_microbatches: int = 0  # per optimizer step and data-parallel rank; 0 until validate() picks it
     pp_split: tuple[int, ...] | None = None  # blocks per stage; None until validate() balances them
     cp: int = 1  # context parallel: each sequence split over cp ranks (2 x cp chunks, load-balanced)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dp_mode", DPMode(self.dp_mode))  # (a config's or a flag's name)
+        object.__setattr__(self, "pp_schedule", Schedule(self.pp_schedule))
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
@@ -67,7 +70,7 @@ class Layout:
         by `validate`."""
         _check_choice("parallel.dp_mode", dp_mode, DP_MODE_OPTIONS)
         _check_choice("parallel.pp_schedule", pp_schedule, SCHEDULES)
-        mode = dp_mode_of(dp_mode)
+        mode = DPMode(dp_mode)
         if world_size < 1:
             raise ConfigError(f"world size must be >= 1, got {world_size}")
         for key, value in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp),
@@ -83,16 +86,16 @@ class Layout:
             raise ConfigError(f"parallel.tp ({tp}) x parallel.pp ({pp})" + (f" x parallel.cp ({cp})" if cp > 1 else "")
                               + f" does not divide the world size {world_size}")
         replicate, shard = dp_replicate, dp_shard
-        if ZERO_STAGES[mode] < 2:
+        if mode.zero_stage < 2:
             # One flat, replicated data-parallel axis; either degree may name it.
             if replicate > 1 and shard not in (-1, 1):
                 raise ConfigError(f"dp_mode={mode} has one data-parallel degree: give parallel.dp_replicate or "
                                   "parallel.dp_shard, not both")
             replicate, shard = (replicate if replicate > 1 else (rest if shard == -1 else shard)), 1
-        elif not replicates_shards(mode) and replicate != 1:
+        elif not mode.replicates_shards and replicate != 1:
             raise ConfigError(f"parallel.dp_replicate={replicate} with dp_mode={mode}: use dp_mode=hsdp to replicate "
                               "shards")
-        elif replicates_shards(mode) and replicate == 1 and world_size > 1:
+        elif mode.replicates_shards and replicate == 1 and world_size > 1:
             raise ConfigError("dp_mode=hsdp needs parallel.dp_replicate > 1 (replicas) and dp_shard (ranks per replica)")
         if shard == -1:
             shard, r = divmod(rest, replicate)
@@ -104,23 +107,23 @@ class Layout:
             raise ConfigError(f"parallel degrees dp_replicate={replicate} x dp_shard={shard} x "
                               + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp} x pp={pp} = {product}, but the world "
                               f"size is {world_size}")
-        if replicates_shards(mode) and replicate > 1 and shard == 1 and cp == 1:
+        if mode.replicates_shards and replicate > 1 and shard == 1 and cp == 1:
             raise ConfigError(f"dp_mode=hsdp with dp_shard=1 shards nothing (each replica is one rank): use "
                               f"dp_mode=ddp (or zero1) for {replicate} replicas, or give parallel.dp_shard > 1")
         dp = replicate * shard
-        if dp > 1 and ZERO_STAGES[mode] < 2 and (tp > 1 or pp > 1):
+        if dp > 1 and mode.zero_stage < 2 and (tp > 1 or pp > 1):
             raise ConfigError(f"dp_mode={mode} does not compose with tp or pp; use dp_mode=fsdp, zero2 or hsdp")
-        if cp > 1 and ZERO_STAGES[mode] < 2:
+        if cp > 1 and mode.zero_stage < 2:
             raise ConfigError(f"parallel.cp={cp} needs dp_mode fsdp, zero2 or hsdp (parameters and gradients are "
                               f"sharded over dp_shard x cp), not {mode}")
         if ep > 1:
-            if ZERO_STAGES[mode] < 2:
+            if mode.zero_stage < 2:
                 raise ConfigError(f"parallel.ep={ep} needs dp_mode fsdp, zero2 or hsdp (experts are sharded over the "
                                   f"data-parallel ranks), not {mode}")
             if shard % ep:
                 raise ConfigError(f"parallel.ep={ep} does not fit the mesh: expert parallelism borrows its ranks from "
                                   f"dp_shard={shard}, which it must divide")
-        virtual = _virtual_stages(pp_schedule, pp_virtual) if pp > 1 else 1
+        virtual = _virtual_stages(Schedule(pp_schedule), pp_virtual) if pp > 1 else 1
         split = _parse_split(pp_split) if pp > 1 else None
         if split is not None and len(split) != pp * virtual:
             raise ConfigError(_split_error(split, pp * virtual))
@@ -174,7 +177,7 @@ class Layout:
     def zero_stage(self) -> int:
         """What data parallelism shards (0: nothing, 1: optimizer state, 2: + gradients, 3: + parameters); context
         parallel ranks hold different tokens, so they share FSDP's sharding like data-parallel ones."""
-        return ZERO_STAGES[self.dp_mode] if self.dp_cp > 1 else 0
+        return self.dp_mode.zero_stage if self.dp_cp > 1 else 0
 
     @property
     def uses_fsdp(self) -> bool:
@@ -184,7 +187,7 @@ class Layout:
     @property
     def uses_ddp(self) -> bool:
         """DistributedDataParallel wraps the model (ddp, zero1)."""
-        return self.dp > 1 and ZERO_STAGES[self.dp_mode] < 2
+        return self.dp > 1 and self.dp_mode.zero_stage < 2
 
     @property
     def zero1(self) -> bool:
@@ -194,7 +197,7 @@ class Layout:
     @property
     def hybrid(self) -> bool:
         """HSDP: shards within a replica group, replicas across."""
-        return replicates_shards(self.dp_mode) and self.dp > 1
+        return self.dp_mode.replicates_shards and self.dp > 1
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -203,7 +206,7 @@ class Layout:
         backward within the step, and torch.distributed.pipelining already keeps parameters gathered after each
         micro-batch's backward and holds the reduce-scatter back to the last one; resharding after forward would
         re-gather every block once per micro-batch (torchtitan makes the same choice)."""
-        return ZERO_STAGES[self.dp_mode] != 2 and not self.pipelined
+        return self.dp_mode.zero_stage != 2 and not self.pipelined
 
     def fsdp_groups(self, blocks: int, moe_blocks: int = 0, pp_rank: int = 0) -> int:
         """FSDP parameter groups that all-gather on pipeline rank `pp_rank`, holding `blocks` blocks (`moe_blocks` of
@@ -293,7 +296,7 @@ class Layout:
 
     def stage_owner(self, stage: int) -> int:
         """The pp rank that runs a stage: round robin, or a V for zbv (rank r runs r and 2p-1-r)."""
-        if v_shaped(self.pp_schedule):
+        if self.pp_schedule.v_shaped:
             return stage if stage < self.pp else 2 * self.pp - 1 - stage
         return stage % self.pp
 
@@ -419,11 +422,11 @@ class Layout:
         elif per_rank % m:
             raise ConfigError(f"parallel.pp_microbatches={m} does not divide the batch of each data-parallel rank "
                               f"({per_rank} sequences = global batch / data-parallel degree)")
-        if not all_forwards_first(self.pp_schedule) and m < self.pp:
+        if not self.pp_schedule.all_forwards_first and m < self.pp:
             raise ConfigError(f"parallel.pp_schedule={self.pp_schedule} needs at least parallel.pp={self.pp} "
                               f"microbatches, got {m} (parallel.pp_microbatches, at most the {per_rank} sequences per "
                               "data-parallel rank)")
-        if multi_stage(self.pp_schedule) and m % max(1, m // self.pp):
+        if self.pp_schedule.multi_stage and m % max(1, m // self.pp):
             raise ConfigError(f"parallel.pp_schedule={self.pp_schedule}: {m} microbatches must be a multiple of the "
                               f"{m // self.pp} rounds of {self.pp} (choose a multiple of parallel.pp)")
         return dataclasses.replace(self, pp_microbatches=m)
@@ -434,7 +437,7 @@ class Layout:
         selective checkpointing refuses ("backward an extra time") and which keeps every micro-batch's recomputed
         forward to the end of the step (measured with torch 2.13: zbv with full checkpointing peaks 22% above zbv
         without), so checkpointing only costs there."""
-        if self.pp > 1 and zero_bubble(self.pp_schedule) and recomputes(mode):
+        if self.pp > 1 and self.pp_schedule.zero_bubble and CheckpointMode(mode).recomputes:
             raise ConfigError(f"activation_checkpoint.mode={mode} does not work with parallel.pp_schedule="
                               f"{self.pp_schedule} (the zero-bubble backward keeps the recomputed activations to the end "
                               "of the step); use pp_schedule=1f1b or interleaved_1f1b, or mode=none")
@@ -516,10 +519,10 @@ def predicted_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
     return (pp - 1) / (microbatches + pp - 1) / virtual
 
 
-def _virtual_stages(schedule: str, requested: int) -> int:
-    if multi_stage(schedule):
+def _virtual_stages(schedule: Schedule, requested: int) -> int:
+    if schedule.multi_stage:
         virtual = requested if requested > 1 else 2
-        if v_shaped(schedule) and virtual != 2:
+        if schedule.v_shaped and virtual != 2:
             raise ConfigError(f"parallel.pp_schedule=zbv runs exactly 2 stages per rank, not "
                               f"parallel.pp_virtual_stages={virtual}")
         return virtual

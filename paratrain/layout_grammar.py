@@ -34,8 +34,8 @@ from paratrain.config_reference import describe
 from paratrain.errors import UserError
 from paratrain.layout import CONFIG_KEYS, Layout
 from paratrain.memory import MemoryTiers
-from paratrain.modes import (CHECKPOINT_MODES, DP_MODE_OPTIONS, SCHEDULES, checkpointing_label, dp_mode_of,
-                             parse_checkpointing_label, replicates_shards)
+from paratrain.modes import (CHECKPOINT_MODES, DP_MODE_OPTIONS, SCHEDULES, DPMode, checkpointing_label,
+                             parse_checkpointing_label)
 
 NO_DATA_PARALLEL = "nodp"
 DEGREES = ("rep", "cp", "tp", "pp", "v", "ep", "mb")
@@ -107,7 +107,7 @@ def parse_layout_name(text: str, what: str = "layout") -> NamedLayout:
     if mode not in (*DP_MODE_OPTIONS, NO_DATA_PARALLEL):
         raise UserError(f"{where}: the first item must be a dp mode ({', '.join(DP_MODE_OPTIONS)}) or "
                         f"{NO_DATA_PARALLEL}")
-    mode = dp_mode_of(mode) if mode != NO_DATA_PARALLEL else "fsdp"
+    mode = DPMode(mode) if mode != NO_DATA_PARALLEL else DPMode.FSDP
     items: dict[str, str] = {}
     for tok in tokens[1:]:
         k, eq, v = tok.partition("=")
@@ -149,8 +149,8 @@ def _switched(items: dict[str, str], where: str) -> tuple:
     return tuple(c for c in on if c is not None)
 
 
-def _layout_options(mode: str, degrees: dict, sched: str, items: dict) -> dict:
-    return dict(dp_mode=mode, dp_replicate=degrees.get("rep", 1) if replicates_shards(mode) else 1,
+def _layout_options(mode: DPMode, degrees: dict, sched: str, items: dict) -> dict:
+    return dict(dp_mode=mode, dp_replicate=degrees.get("rep", 1) if mode.replicates_shards else 1,
                 tp=degrees.get("tp", 1), pp=degrees.get("pp", 1), ep=degrees.get("ep", 1), cp=degrees.get("cp", 1),
                 pp_schedule=sched, pp_virtual=degrees.get("v", 1),
                 **{name: False for k, name in SWITCHES.items() if k in items})

@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from paratrain.errors import ConfigError
-from paratrain.modes import low_precision
+from paratrain.modes import Precision
 
 AUTO_LOSS_CHUNKS = 8  # torchtune's default number of output chunks: 1/8 of the logits live at a time
 # Automatic chunking from this many bytes of one micro-batch's fp32 logits per rank (tokens x vocabulary x 4 B; cp and
@@ -82,7 +82,7 @@ def loss_chunks(setting: int, layout, precision: str, *, vocab_size: int, tokens
         return 1
     if setting == 0:
         big = logit_bytes(layout, vocab_size, tokens) >= AUTO_LOSS_MIN_BYTES
-        return AUTO_LOSS_CHUNKS if big and not low_precision(precision) else 1
+        return AUTO_LOSS_CHUNKS if big and not Precision(precision).low_precision else 1
     return setting
 
 

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 
 from paratrain import capabilities
 from paratrain.capabilities.base import Capability
+from paratrain.errors import UserError
 from paratrain.layout import Batch, Layout
 from paratrain.layout_grammar import layout_name
 from paratrain.memory import MemoryTiers
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import CheckpointMode, Compression, OptimizerImpl, Precision, resolve_impl
+from paratrain.modes import (CHECKPOINT_MODES, PRECISIONS, CheckpointMode, Compression, OptimizerImpl, Precision,
+                             resolve_impl)
 
 
 def setting(default, key: str, flag: str | None = None):
@@ -59,6 +61,12 @@ class Recipe:
 
     def __post_init__(self):
         # the capabilities its other settings imply (Capability.implied_by), with their defaults
+        if self.precision not in PRECISIONS:  # (a config's or a flag's name, coerced)
+            raise UserError(f"--precision '{self.precision}' is not one of {', '.join(PRECISIONS)}")
+        object.__setattr__(self, "precision", Precision(self.precision))
+        if self.checkpointing not in CHECKPOINT_MODES:
+            raise UserError(f"--checkpointing '{self.checkpointing}' is not one of {', '.join(CHECKPOINT_MODES)}")
+        object.__setattr__(self, "checkpointing", CheckpointMode(self.checkpointing))
         object.__setattr__(self, "capabilities", capabilities.implied(self, self.capabilities))
 
     @classmethod

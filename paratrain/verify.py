@@ -20,7 +20,7 @@ from paratrain.capabilities.base import MOE_PRESET
 from paratrain.config import ActivationCheckpointConfig, ParallelConfig, load_config
 from paratrain.errors import UserError
 from paratrain.layout_grammar import parse_layout_name
-from paratrain.modes import low_precision
+from paratrain.modes import Precision
 
 LONG_MODEL = "model.max_seq_len=1024"  # the tiny model with room for long sequences
 QWEN3, QWEN3_MOE = "model.preset=tiny-qwen3", "model.preset=tiny-qwen3-moe"  # q/k norms, q/k/v/o biases, head_dim 32
@@ -326,7 +326,7 @@ def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str 
             passed = loss_diff <= loss_tol and weight_diff <= weight_tol and val_diff <= val_tol
             rows.append(Row(name, nproc, loss_diff, weight_diff, val_diff, time.perf_counter() - start, passed, note,
                             losses))
-            echo(format_row(rows[-1], tolerance, judged=not low_precision(precision)))
+            echo(format_row(rows[-1], tolerance, judged=not Precision(precision).low_precision))
     return rows, ref_seconds
 
 

@@ -467,6 +467,15 @@ def mode_type(name: str):
     if name in CAPABILITY_MODE_TYPES:
         return getattr(importlib.import_module(f"paratrain.capabilities.{CAPABILITY_MODE_TYPES[name]}"), name)
     return getattr(modes, name)
+
+
+def mode_choices(name: str) -> tuple:
+    """The strings a mode type's choices are: a Literal's values, or an enum's members' values."""
+    import enum
+    import typing
+
+    kind = mode_type(name)
+    return tuple(m.value for m in kind) if isinstance(kind, enum.EnumMeta) else typing.get_args(kind)
 # Expressions named like a mode: a compared value shared with another setting's choices ("none") counts as a mode's
 # when the other side is one of these.
 MODE_NAMES = {"dp_mode", "pp_schedule", "schedule", "sched", "checkpointing", "activation_checkpoint", "ac",
@@ -481,13 +490,13 @@ def mode_values() -> tuple[dict[str, str], set[str]]:
 
     values = {}
     for name in MODE_TYPES:
-        values.update({v: name for v in typing.get_args(mode_type(name)) if v not in values})
+        values.update({v: name for v in mode_choices(name) if v not in values})
     values.update({site.value: "CompressionSite" for site in modes.CompressionSite if site.value not in values})
     others = set()
     for section in dataclasses.fields(config.Config):
         for annotation in typing.get_type_hints(type(getattr(config.Config(), section.name))).values():
             args = config.annotation_members(annotation)  # (its Literal values and types)
-            if not any(typing.get_args(mode_type(name)) == args for name in MODE_TYPES):
+            if not any(mode_choices(name) == args for name in MODE_TYPES):
                 others.update(a for a in args if isinstance(a, str))
     return values, others & set(values)
 
@@ -514,10 +523,29 @@ def _names(node: ast.AST) -> set[str]:
     return out
 
 
+def mode_enums() -> set[str]:
+    """The kinds of mode that are StrEnums in paratrain/modes.py (their members compared outside the owners decide a
+    mode there too; CompressionSite, a plain Enum, is `Layout`'s answer, asked everywhere)."""
+    import enum
+
+    from paratrain import modes
+
+    return {name for name, kind in vars(modes).items() if isinstance(kind, type) and issubclass(kind, enum.StrEnum)}
+
+
+def _members(node: ast.AST, enums: set[str]) -> list[str]:
+    """The members of a mode enum a compared operand names: `Schedule.ZBV`, or a tuple/list/set of them."""
+    elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [f"{e.value.id}.{e.attr}" for e in elts
+            if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id in enums]
+
+
 def find_mode_strings(tree: ast.Module, values: dict[str, str], shared: set[str]) -> list[tuple[int, str]]:
-    """(line, what) for each comparison with a mode's string (`x == "fp32"`, `mode in ("none", "every_k")`) and each
-    table of a mode's choices written out again (a tuple, list, set or dict keys of two or more)."""
+    """(line, what) for each comparison with a mode's string (`x == "fp32"`, `mode in ("none", "every_k")`) or a mode
+    enum's member (`s is Schedule.ZBV`) and each table of a mode's choices written out again (a tuple, list, set or
+    dict keys of two or more)."""
     found = []
+    enums = mode_enums()
     compared = {id(o) for node in ast.walk(tree) if isinstance(node, ast.Compare)
                 for o in (node.left, *node.comparators)}  # (a compared tuple is no table)
     for node in ast.walk(tree):
@@ -526,8 +554,11 @@ def find_mode_strings(tree: ast.Module, values: dict[str, str], shared: set[str]
             named = set().union(*(_names(o) for o in operands if not _strings(o)))
             hits = [v for o in operands for v in _strings(o) if v in values
                     and (v not in shared or named & MODE_NAMES)]
+            members = [m for o in operands for m in _members(o, enums)]
             if hits:
                 found.append((node.lineno, f"compares {values[hits[0]]} '{hits[0]}'"))
+            elif members:
+                found.append((node.lineno, f"compares {members[0]}"))
         else:
             if isinstance(node, ast.Dict):
                 items = [k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
@@ -556,8 +587,8 @@ def test_modes_are_compared_in_their_owners_only():
             hits += [f"{path.relative_to(ROOT)}:{line}: {what}" for line, what in find_mode_strings(parse(path),
                                                                                                      values, shared)]
     assert not hits, ("mode strings outside their owners (paratrain/modes.py, layout.py, capabilities/; ask their "
-                      "predicates, take "
-                      "the choices from their Literal types):\n" + "\n".join(hits))
+                      "predicates or their enum members' properties, take "
+                      "the choices from their types):\n" + "\n".join(hits))
 
 
 def test_mode_finder_sees_comparisons_and_tables():
@@ -569,9 +600,11 @@ def test_mode_finder_sees_comparisons_and_tables():
               "d = ac.mode == 'none' or checkpointing != 'none'\n"
               "e = {'fp32': 4, 'bf16': 2}\n"
               "f = ('none', 'bf16')\n"  # one compression method and a precision: no table
-              "g = row['method'] == 'none'\n")
+              "g = row['method'] == 'none'\n"
+              "h = lay.pp_schedule is Schedule.ZBV or mode in (DPMode.DDP, DPMode.ZERO1)\n"
+              "i = [Schedule.GPIPE] + [CheckpointMode.NONE]\n")  # (members named, not compared)
     found = find_mode_strings(ast.parse(source), values, shared)
-    assert sorted({line for line, _ in found}) == [1, 2, 4, 5, 7], found
+    assert sorted({line for line, _ in found}) == [1, 2, 4, 5, 7, 8], found
 
 
 def test_layout_does_not_import_torch():

@@ -13,8 +13,8 @@ from paratrain.config import Config, ParallelConfig, load_config
 from paratrain.errors import UserError
 from paratrain.layout import CONFIG_KEYS, Layout
 from paratrain.layout_grammar import FLAG_KEYS, LAYOUT_KEYS, NOT_FLAGS, layout_name, parse_layout_name
-from paratrain.modes import (CHECKPOINT_MODES, PRECISIONS, SCHEDULES, WEIGHT_DTYPES, checkpointing_label, dtype_name,
-                             parse_checkpointing_label, torch_schedule_name)
+from paratrain.modes import (CHECKPOINT_MODES, PRECISIONS, WEIGHT_DTYPES, Precision, Schedule, checkpointing_label,
+                             parse_checkpointing_label)
 from paratrain.estimate.planner import PlanRequest, plan_context
 from paratrain.estimate.search import candidates, parse_layout
 
@@ -122,8 +122,8 @@ def test_every_choice_has_its_entries():
     import torch
     from torch.distributed.pipelining import schedules
 
-    assert all(hasattr(schedules, torch_schedule_name(s)) for s in SCHEDULES)
-    assert all(isinstance(getattr(torch, dtype_name(p)), torch.dtype) for p in PRECISIONS)
+    assert all(hasattr(schedules, s.torch_schedule_name) for s in Schedule)
+    assert all(isinstance(getattr(torch, p.dtype_name), torch.dtype) for p in Precision)
     assert all(parse_checkpointing_label(checkpointing_label(m, 3, k)) == (m, 3 if m == "every_k" else 2,
                                                                            k if m == "segments" else 0)
                for m in CHECKPOINT_MODES for k in (0, 4))

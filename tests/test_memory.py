@@ -15,6 +15,7 @@ from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Layout
 from paratrain.capabilities.activation_offload import ActivationOffload
 from paratrain.memory import AUTO_LOSS_CHUNKS, AUTO_LOSS_MIN_BYTES, MemoryTiers, loss_chunks
+from paratrain.modes import CheckpointMode
 from paratrain.verify import MEMORY_MATRIX
 
 from test_distributed import check_matrix
@@ -124,7 +125,7 @@ def test_segments_keep_only_their_inputs_and_recompute_exactly():
                        if t.untyped_storage().data_ptr() not in tables}
         model(x, targets=y).backward()
     d = A.act_dims(args, Layout.resolve(1), "fp32", "paratrain", 2, 16, "cpu")
-    stored = A.stored_by_block(d, ["segments"] * 5, [list(range(5))], {}, 2)
+    stored = A.stored_by_block(d, [CheckpointMode.SEGMENTS] * 5, [list(range(5))], {}, 2)
     assert sum(saved["segments"].values()) == sum(stored.values()) == 3 * A.block_input(d)  # blocks 0, 2, 4's inputs
     assert sum(saved["none"].values()) > 5 * sum(saved["segments"].values())
     for a, b in zip(plain.parameters(), seg.parameters()):
@@ -178,7 +179,7 @@ def test_activation_offload_moves_saved_tensors_to_host_and_back():
         from paratrain.estimate.activations import act_dims
 
         d = act_dims(args, Layout.resolve(1), "fp32", "paratrain", 4, 64, "cpu")
-        assert hosted == len(blocks) * A.offloaded(d, ac), (mode, ac)
+        assert hosted == len(blocks) * A.offloaded(d, CheckpointMode(ac)), (mode, ac)
     loss0, grads0, _ = results["none", "none"]
     for (mode, ac), (loss, grads, _) in results.items():
         assert torch.equal(loss, loss0) and all(torch.equal(grads[n], grads0[n]) for n in grads0), (mode, ac)

@@ -17,7 +17,7 @@ from typing import Literal, get_args
 
 from paratrain.capabilities.base import Capability, host_link
 from paratrain.errors import ConfigError, UserError
-from paratrain.modes import by_segments, zero_bubble
+from paratrain.modes import CheckpointMode
 
 KEY = "memory.activation_offload"
 # none; all: every block's saved tensors go to host memory in forward and come back in backward; every_k: blocks 0, k,
@@ -94,7 +94,7 @@ class ActivationOffload(Capability):
     @classmethod
     def runs_on(cls, layout) -> bool:
         # (a zero-bubble schedule's weight-gradient step reads the saved tensors again after the input-gradient step)
-        return not (layout.pipelined and zero_bubble(layout.pp_schedule))
+        return not (layout.pipelined and layout.pp_schedule.zero_bubble)
 
     def check_layout(self, layout) -> None:
         # (a config's own checks say these first: these are the estimator's flags)
@@ -110,7 +110,7 @@ class ActivationOffload(Capability):
     def check_checkpointing(self, mode: str) -> None:
         """Its hooks wrap each block's forward; inside a segment (activation_checkpoint.mode = segments) they would
         sit within the segment's checkpoint and take its saved tensors from it."""
-        if by_segments(mode):
+        if CheckpointMode(mode).by_segments:
             raise ConfigError(f"{KEY}={self.mode} does not work with activation_checkpoint.mode={mode} (the "
                               "offloading hooks would sit inside each segment's checkpoint); use mode=full with "
                               "offloading, or segments without")

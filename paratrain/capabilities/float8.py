@@ -29,7 +29,7 @@ from paratrain.errors import ConfigError, UserError
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
 from paratrain.models.registry import parameters
-from paratrain.modes import fp8_matmuls
+from paratrain.modes import Precision
 
 Float8Recipe = Literal["tensorwise", "rowwise"]  # [float8] recipe: one scale per tensor, or per row
 Float8Compute = Literal["bf16", "fp32"]  # [float8] compute: the precision around the float8 matmuls
@@ -239,17 +239,17 @@ class Float8(Capability):
 
     @classmethod
     def from_config(cls, cfg) -> "Float8 | None":
-        if not fp8_matmuls(cfg.training.precision):
+        if not Precision(cfg.training.precision).fp8_matmuls:
             return None
         return cls(**dataclasses.asdict(cfg.float8))
 
     @classmethod
     def implied_by(cls, recipe) -> bool:
-        return fp8_matmuls(recipe.precision)
+        return Precision(recipe.precision).fp8_matmuls
 
     @classmethod
     def check(cls, cfg) -> None:
-        if fp8_matmuls(cfg.training.precision) and cfg.lora.rank:
+        if Precision(cfg.training.precision).fp8_matmuls and cfg.lora.rank:
             raise ConfigError("training.precision=fp8 with lora.rank > 0: the frozen base would be cast to float8 at "
                               "every forward for adapters that train in bf16; use training.precision=bf16 for LoRA")
 

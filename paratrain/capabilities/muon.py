@@ -16,7 +16,7 @@ from typing import Literal
 
 from paratrain.capabilities.base import MOE_PRESET, Capability
 from paratrain.errors import ConfigError
-from paratrain.modes import Compression, low_precision
+from paratrain.modes import Compression, Precision
 from paratrain.optimizers import FP32, OptimizerEntry
 
 MUON = "optimizer.name=muon"
@@ -144,7 +144,8 @@ class Muon(Capability):
         flops = step.cached("muon_flops", lambda: sum(ns_flops(q.shape) for q in hidden))
         per_matrix = flops / max(1, len(hidden))
         ranks = c.world if not lay.zero1 else c.dp
-        iterate = step.matmul_s(flops / ranks, per_matrix, "bf16" if low_precision(step.precision) else "fp32")
+        low = Precision(step.precision).low_precision
+        iterate = step.matmul_s(flops / ranks, per_matrix, "bf16" if low else "fp32")
         numel = step.cached("muon_numel", lambda: sum(q.numel for q in hidden))
         holders = c.world // c.pp  # the ranks of a stage, among which its matrices are shared out
         if lay.zero1 or holders <= 1:

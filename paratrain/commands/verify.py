@@ -6,7 +6,7 @@ import json
 
 from paratrain import verify
 from paratrain.errors import OneLineArgumentParser, UserError
-from paratrain.modes import PRECISIONS, low_precision
+from paratrain.modes import PRECISIONS, Precision
 from paratrain.verify import (CP_MATRIX, DEFAULT_MATRIX, EXACT_CAPABILITY_ROWS, HEADER, LAYOUTS, LORA_MATRIX,
                               MEMORY_MATRIX, MOE_MATRIX, PP_MATRIX, QWEN_MATRIX, layout_overrides, run_verify)
 
@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     print(HEADER)
     rows, _ = run_verify(layouts, args.steps, args.tolerance, args.precision, [f"training.device={args.device}", *args.set],
                          echo=lambda line: print(line, flush=True))
-    failed = [r.layout for r in rows if not r.passed and (not low_precision(args.precision) or r.note)]
+    failed = [r.layout for r in rows if not r.passed and (not Precision(args.precision).low_precision or r.note)]
     print(f"{len(rows) - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
     if args.json:
         with open(args.json, "w") as f:

@@ -35,8 +35,7 @@ from paratrain.distributed.tensor_parallel import apply_tp
 from paratrain.distributed.tensors import full_tensor, right_pad, torch_dtype
 from paratrain.models.lora import apply_lora, freeze_base
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import (block_checkpointing, by_segments, low_precision, recomputes, segment_size, segments,
-                             selective)
+from paratrain.modes import CheckpointMode, Precision, segment_size, segments
 
 
 class SequenceParallelSampler(nn.Module):
@@ -135,21 +134,22 @@ class CheckpointedSegment:
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
-    if not recomputes(cfg.mode):
+    checkpointing = CheckpointMode(cfg.mode)
+    if not checkpointing.recomputes:
         return
-    if by_segments(cfg.mode):  # a stage's blocks in runs of k (a segment never crosses a stage boundary)
+    if checkpointing.by_segments:  # a stage's blocks in runs of k (a segment never crosses a stage boundary)
         for blocks in segments(list(model.layers.values()), segment_size(cfg.segment_blocks, model.args.n_layers)):
             CheckpointedSegment(blocks)
         return
 
-    if selective(cfg.mode):
+    if checkpointing.selective:
         _sac_ignore_profiler_ops()
     blocks = list(model.layers.items())
-    for (key, block), mode in zip(blocks, block_checkpointing(cfg.mode, len(blocks), cfg.every_k)):
-        if not recomputes(mode):
+    for (key, block), mode in zip(blocks, checkpointing.block_checkpointing(len(blocks), cfg.every_k)):
+        if not mode.recomputes:
             continue
         kwargs = dict(preserve_rng_state=False)
-        if selective(mode):
+        if mode.selective:
             kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy)
         model.layers[key] = checkpoint_wrapper(block, **kwargs)
 
@@ -234,7 +234,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
     layout = dims.layout
     comm = comm or GradComm.default(dims, device, ddp_bucket_mb)
     if lora is not None:
-        apply_lora(model, lora, torch_dtype(precision) if low_precision(precision) else None)
+        apply_lora(model, lora, torch_dtype(precision) if Precision(precision).low_precision else None)
     style_classes = {}  # before tensor parallelism, which gives the modules they change their own styles
     for capability in capabilities:
         style_classes.update(capability.before_parallelize(model, Where(device, layout)))

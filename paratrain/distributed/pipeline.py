@@ -25,7 +25,6 @@ from paratrain.distributed.tensors import full_tensor, right_pad
 from paratrain.errors import UserError
 from paratrain.estimate.gpus import gpu_from_device_name, gpu_memory
 from paratrain.layout import Layout
-from paratrain.modes import multi_stage, torch_schedule_name
 
 
 # -- building ------------------------------------------------------------------------------------
@@ -275,10 +274,10 @@ def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str
     from torch.distributed.pipelining import PipelineStage, schedules
 
     stages = [PipelineStage(modules[s], s, layout.num_stages, device, group=group) for s in sorted(modules)]
-    cls = getattr(schedules, torch_schedule_name(layout.pp_schedule))
+    cls = getattr(schedules, layout.pp_schedule.torch_schedule_name)
     # Each microbatch's loss is a mean; scale_grads divides the summed gradients by the microbatch count, so
     # the gradient is the mean over this rank's batch (FSDP then averages over data-parallel ranks).
-    schedule = cls(stages if multi_stage(layout.pp_schedule) else stages[0],
+    schedule = cls(stages if layout.pp_schedule.multi_stage else stages[0],
                    n_microbatches=layout.pp_microbatches, loss_fn=loss_fn, scale_grads=True)
     pipe = Pipeline(layout, rank_model, modules, stages, schedule, group, pp_rank, device, loss_fn)
     slowdown = simulated_slowdown(dist.get_rank())

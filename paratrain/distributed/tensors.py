@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.modes import dtype_name
+from paratrain.modes import Precision
 
 
 def torch_dtype(precision: str) -> torch.dtype:
     """The dtype of a precision's name (paratrain.modes.Precision: fp32, bf16, fp16)."""
-    return getattr(torch, dtype_name(precision))
+    return getattr(torch, Precision(precision).dtype_name)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

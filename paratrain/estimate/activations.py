@@ -59,7 +59,7 @@ from paratrain.layout import Layout
 from paratrain.memory import MIN_OFFLOAD_BYTES
 from paratrain.models.args import ModelArgs
 from paratrain.models.registry import roles
-from paratrain.modes import by_segments, every_block_whole, low_precision, recomputes, segments, selective, whole_blocks
+from paratrain.modes import CheckpointMode, Precision, segments
 
 FP32, INT64 = 4, 8
 
@@ -140,7 +140,7 @@ def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, m
              device: str = "cuda", frozen_base: bool = False, loss_chunks: int = 1) -> ActDims:
     """`frozen_base`: LoRA's base is stored in the compute dtype, so everything computes in it ("pure");
     `loss_chunks`: memory.loss_chunks, resolved (paratrain.memory.loss_chunks)."""
-    if not low_precision(precision):
+    if not Precision(precision).low_precision:
         regime = "single"
     elif accounting == "classic" or layout.uses_fsdp or frozen_base:
         regime = "pure"
@@ -298,9 +298,9 @@ def offloaded(d: ActDims, mode: str, moe: MoEDims | None = None) -> int:
     """Bytes of what a block stores (`block_stored`) that activation offloading moves to host memory
     (distributed/offload.py): every saved tensor of at least MIN_OFFLOAD_BYTES; under selective checkpointing only
     the checkpoint's inputs (its cache of matmul outputs is not saved tensors and stays)."""
-    if selective(mode):
+    if mode.selective:
         return block_input(d) + d.rope_tables
-    if every_block_whole(mode):
+    if mode.every_block_whole:
         return block_stored(d, mode, moe)
     return sum(b for _, b in block_saved(d, moe) if b >= MIN_OFFLOAD_BYTES)
 
@@ -309,18 +309,18 @@ def offloaded(d: ActDims, mode: str, moe: MoEDims | None = None) -> int:
 def block_stored(d: ActDims, mode: str, moe: MoEDims | None = None) -> int:
     """Bytes a block keeps from its forward to its backward under checkpointing `mode` (segments: the first block of a
     segment; the others keep nothing, `stored_by_block`)."""
-    if not recomputes(mode):
+    if not mode.recomputes:
         return sum(b for _, b in block_saved(d, moe))
-    if whole_blocks(mode):
+    if mode.whole_blocks:
         return block_input(d) + d.rope_tables
-    if selective(mode):
+    if mode.selective:
         return sum(b for _, b in sac_saved(d, moe))
     raise ValueError(mode)
 
 
 def checkpoint_units(mode: str, stage_blocks: list[int], segment_size: int) -> list[list[int]]:
     """A stage's blocks as its checkpoints group them: segments of `segment_size` under "segments", else one each."""
-    return segments(stage_blocks, segment_size) if by_segments(mode) else [[l] for l in stage_blocks]
+    return segments(stage_blocks, segment_size) if mode.by_segments else [[l] for l in stage_blocks]
 
 
 def stored_by_block(d: ActDims, modes: list[str], stages: list[list[int]], moe_of: dict,
@@ -329,7 +329,7 @@ def stored_by_block(d: ActDims, modes: list[str], stages: list[list[int]], moe_o
     `block_stored`, except inside a segment, where only the first block keeps anything (the segment's input)."""
     out = {}
     for blocks in stages:
-        for unit in checkpoint_units(modes[blocks[0]] if blocks else "none", blocks, segment_size):
+        for unit in checkpoint_units(modes[blocks[0]] if blocks else CheckpointMode.NONE, blocks, segment_size):
             out.update({l: block_stored(d, modes[l], moe_of.get(l)) if j == 0 else 0 for j, l in enumerate(unit)})
     return out
 
@@ -373,12 +373,12 @@ def block_backward_live(d: ActDims, mode: str, moe: MoEDims | None = None, first
     saved = sum(b for _, b in block_saved(d, moe))
     width, product = _swiglu_backward(d, moe)
     grads = width + block_input(d)  # the incoming gradient has the block input's size and dtype
-    if not recomputes(mode):
+    if not mode.recomputes:
         return saved - product, grads + product  # the product (w2's saved input) is freed by w2's backward
-    if by_segments(mode) and not first:
+    if mode.by_segments and not first:
         return 0, segment_recomputed(d, False, moe) + grads
     pure_extra = block_input(d) if d.regime == "pure" else 0
-    if whole_blocks(mode):
+    if mode.whole_blocks:
         kept = block_input(d) + d.rope_tables
         return kept, saved + grads + pure_extra - kept
     N, L = d.N, d.L
@@ -416,10 +416,10 @@ def ring_backward_block(d: ActDims, mode: str) -> int:
     cache has handed out its entries by then, except v, the attention output and logsumexp (saved by the ring's
     backward, counted with the attention) and the w2 output, which the early-stopping recomputation never read."""
     attn = sum(b for _, b in attention_saved(d))
-    if not recomputes(mode):
+    if not mode.recomputes:
         return attn
     extra_input = block_input(d) if d.regime == "pure" else 0  # in fp32 the norm's input is the block input
-    leftover = d.N * d.C * d.L if selective(mode) else 0
+    leftover = d.N * d.C * d.L if mode.selective else 0
     return attn + extra_input + d.rope_tables + leftover
 
 

@@ -37,8 +37,7 @@ from paratrain.layout import Layout, grad_compression_site
 from paratrain.memory import HOST_HEADROOM
 from paratrain.models.presets import count_active_params
 from paratrain.models.registry import family_of
-from paratrain.modes import (CompressionSite, block_checkpointing, compute_precision, low_precision, multi_stage,
-                             recomputes, segment_size)
+from paratrain.modes import CheckpointMode, CompressionSite, segment_size
 from paratrain.estimate.report import format_table
 from paratrain.estimate.schedule import max_in_flight, rank_actions
 from paratrain.estimate.suggest import suggest_changes
@@ -283,7 +282,7 @@ def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers
     for p in params:
         if p.layer is not None:
             by_layer[p.layer].append(p)
-    low = low_precision(i.recipe.precision)
+    low = i.recipe.precision.low_precision
     classic = i.accounting == "classic" and low
     fsdp = lay.uses_fsdp and not (classic and lay.zero_stage == 2)
     pbytes = BF16 if (low and (fsdp or classic)) else FP32
@@ -392,7 +391,7 @@ class _Walk:
         flight, the token ids and a pipeline's receive buffers."""
         i, args, d, by_layer, stages = self.i, self.args, self.d, self.by_layer, self.stages
         layers_of, last_stage, pipelined = self.layers_of, self.last_stage, self.pipelined
-        modes = self.modes = block_checkpointing(i.recipe.checkpointing, args.n_layers, i.recipe.every_k)
+        modes = self.modes = i.recipe.checkpointing.block_checkpointing(args.n_layers, i.recipe.every_k)
         moe_of = self.moe_of = {l: (self.moe if args.is_moe_layer(l) else None) for l in by_layer}
         size = segment_size(i.recipe.segment_blocks, args.n_layers)
         full = self.full = A.stored_by_block(d, modes, list(layers_of.values()), moe_of, size)  # each block's saved
@@ -522,7 +521,7 @@ class _Walk:
         `hold`) and every input gradient sent back stays allocated to the end of the step."""
         lay, rank, hold, hold_head, inter = self.lay, self.rank, self.hold, self.hold_head, self.inter
         peaks = _Peaks()
-        stash_sends = self.pipelined and multi_stage(lay.pp_schedule)
+        stash_sends = self.pipelined and lay.pp_schedule.multi_stage
         remote_next = {s: s < self.last_stage and lay.stage_owner(s + 1) != rank for s in self.stages}
         remote_prev = {s: s > 0 and lay.stage_owner(s - 1) != rank for s in self.stages}
         actions = (rank_actions(lay.pp_schedule, lay.pp, lay.pp_virtual, self.m, rank) if self.pipelined
@@ -731,7 +730,7 @@ class _StageBackward:
             self._input_gradient_peaks(b)
         if w.lay.cp > 1 and self.weights:
             self._ring_attention_peak(b)
-        if recomputes(w.modes[l]) and l == b.unit[-1]:  # (a segment recomputes in its last block's backward)
+        if w.modes[l].recomputes and l == b.unit[-1]:  # (a segment recomputes in its last block's backward)
             self._recomputation_peak(b)
         if w.per_block:
             self._fsdp_block_end_peaks(b)
@@ -791,7 +790,7 @@ class _StageBackward:
         what the checkpoint holds as activations.)"""
         w, d, l = self.w, self.w.d, b.layer
         live = A.ring_backward_block(d, w.modes[l])
-        kept = min(live, w.full[l]) if recomputes(w.modes[l]) else live  # (an offloaded block's are back)
+        kept = min(live, w.full[l]) if w.modes[l].recomputes else live  # (an offloaded block's are back)
         done = w.r.after_attention_inputs(l) * w.pbytes
         dout = d.N * d.Hq * d.D * d.L
         self.add(f"ring attention backward of {b.what}", gradients=self.grads_now,
@@ -887,10 +886,11 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     sizes["overhead"] = overhead
     d = w["dims"]
     notes = list(w["states"].notes)
-    half = compute_precision(i.recipe.precision)  # (the 16-bit format of the regimes that have one: bf16 or fp16)
+    half = i.recipe.precision.compute_precision  # (the 16-bit format of the regimes that have one: bf16 or fp16)
     regime = {"single": "fp32 activations", "autocast": f"autocast: fp32 residual stream, {half} matmul/attention",
               "pure": f"{half} compute, fp32 norm statistics and loss"}[d.regime]
-    notes.append(f"activations: {regime}; per block {fmt_bytes(A.block_stored(d, 'none', None), 'GiB')} "
+    unchecked = A.block_stored(d, CheckpointMode.NONE, None)
+    notes.append(f"activations: {regime}; per block {fmt_bytes(unchecked, 'GiB')} "
                  f"without checkpointing")
     if w["moe"] is not None:
         notes.append("MoE layers: activation formula from paratrain/models/moe.py, not yet checked against "
@@ -913,7 +913,7 @@ def estimate(i: EstimateInputs, suggest: bool = True, all_ranks: bool = True) ->
     if lay.pp > 1:
         est.stages = [{"stage": s, "tensor_peak_bytes": int(x["peak"]), "total_bytes": int(x["peak"]) + overhead,
                        "phase": x["phase"]} for s, x in walks.items()]
-    if low_precision(i.recipe.precision) and optimizer_entry(i.recipe.optimizer).state_bytes and i.recipe.lora is None:
+    if i.recipe.precision.low_precision and optimizer_entry(i.recipe.optimizer).state_bytes and i.recipe.lora is None:
         est.zero_ranks = lay.dp if lay.dp > 1 else 8
         est.zero = zero_table(args, est.zero_ranks, i.recipe.optimizer)
     if suggest and est.fits is False:
@@ -931,7 +931,7 @@ def forward_end_bytes(i: EstimateInputs) -> dict[str, int]:
     d = _act_dims(i)
     moe = A.moe_dims(args, lay, i.recipe.micro_batch, i.recipe.seq_len, i.moe_imbalance) if args.moe_experts else None
     layers = rank_layers(lay, args)[lay.pp - 1]
-    modes = block_checkpointing(i.recipe.checkpointing, args.n_layers, i.recipe.every_k)
+    modes = i.recipe.checkpointing.block_checkpointing(args.n_layers, i.recipe.every_k)
     moe_of = {l: moe if args.is_moe_layer(l) else None for l in layers}
     stages = [lay.stage_layers(s) for s in lay.local_stages(lay.pp - 1)] if lay.pp > 1 else [layers]
     acts = sum(A.stored_by_block(d, modes, stages, moe_of,

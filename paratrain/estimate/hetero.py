@@ -30,7 +30,7 @@ from pathlib import Path
 
 from paratrain.errors import UserError
 from paratrain.layout import Layout
-from paratrain.modes import multi_stage, recompute_period
+from paratrain.modes import Schedule
 from paratrain.estimate.profile import Hardware
 from paratrain.stage_split import min_max_partition
 from paratrain.config import read_toml
@@ -151,7 +151,7 @@ def uneven_split(ctx, c, stage_hw: list[Hardware], caps: list[int] | None = None
     per_block, fixed = [], []
     for r, hw in enumerate(stage_hw):
         bc = block_costs(ctx, hw, c.tp, c.micro_batch, c.ep, c.ac)
-        per_block.append(bc.forward + bc.backward + bc.recompute / recompute_period(c.ac, c.every_k))
+        per_block.append(bc.forward + bc.backward + bc.recompute / c.ac.recompute_period(c.every_k))
         fixed.append(bc.head if r == pp - 1 else 0.0)
     return min_max_partition(n, pp, lambda r, j, k: fixed[r] + (k - j) * per_block[r], caps)
 
@@ -190,7 +190,8 @@ def plan_hetero(ctx, opts, top: int = 5):
     groups = ctx.cluster
     world = sum(g.count for g in groups)
     # one stage per rank: the uneven split is per pipeline rank
-    opts = dataclasses.replace(opts, schedules=tuple(s for s in opts.schedules if not multi_stage(s)) or ("1f1b",))
+    opts = dataclasses.replace(opts, schedules=tuple(s for s in opts.schedules if not s.multi_stage)
+                               or (Schedule.ONE_F_ONE_B,))
     results, rejected = [], []
     considered = 0
     for c in candidates(ctx, world, opts):

@@ -13,7 +13,7 @@ from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.memory import loss_chunks
 from paratrain.models.args import ModelArgs
 from paratrain.models.registry import targets_of
-from paratrain.modes import CHECKPOINT_MODES, OPTIMIZER_IMPLS, PRECISIONS
+from paratrain.modes import OPTIMIZER_IMPLS
 from paratrain.recipe import Recipe
 
 ACCOUNTINGS = ("paratrain", "classic")
@@ -68,9 +68,7 @@ def inputs_for(model_args: ModelArgs, recipe: Recipe, target: Target = Target(),
 def validate(i: EstimateInputs) -> EstimateInputs:
     """Check the inputs (UserError; the layout's ConfigError names the setting); returns them with the layout
     validated against the model and the batch (a pipeline's blocks per stage filled in)."""
-    for name, value, options in (("--precision", i.recipe.precision, PRECISIONS),
-                                 ("--optimizer", i.recipe.optimizer, OPTIMIZER_NAMES),
-                                 ("--checkpointing", i.recipe.checkpointing, CHECKPOINT_MODES),
+    for name, value, options in (("--optimizer", i.recipe.optimizer, OPTIMIZER_NAMES),
                                  ("--accounting", i.accounting, ACCOUNTINGS),
                                  ("--optimizer-impl", i.recipe.optimizer_impl, OPTIMIZER_IMPLS)):
         if value not in options:

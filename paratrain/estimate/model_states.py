@@ -28,7 +28,7 @@ from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
 from paratrain.models.lora_params import LoRA, adapted_params
 from paratrain.models.registry import parameters
-from paratrain.modes import compute_precision, low_precision, value_bytes
+from paratrain.modes import Precision
 from paratrain.stage_split import balanced_split
 
 # Bytes per element.
@@ -224,7 +224,7 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
     frozen = [k for k in kinds if not k[0].trainable]
     if not frozen:
         return out
-    if accounting == "classic" and low_precision(precision):
+    if accounting == "classic" and Precision(precision).low_precision:
         full = sum(count * n for _, count, n in frozen)
         n = layout.dp_shard if layout.hybrid else layout.dp
         numel = math.ceil(full / n) if layout.zero_stage >= 3 and n > 1 else full
@@ -232,7 +232,8 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
         numel = sum(count * fsdp_numel(p, layout) for p, count, _ in frozen)
     else:
         numel = sum(count * n for _, count, n in frozen)
-    return dataclasses.replace(out, frozen=numel * value_bytes(precision), param_numel=out.param_numel + numel,
+    frozen_bytes = numel * Precision(precision).value_bytes
+    return dataclasses.replace(out, frozen=frozen_bytes, param_numel=out.param_numel + numel,
                                unsharded_numel=out.unsharded_numel + sum(count * n for _, count, n in frozen),
                                notes=out.notes + (f"LoRA: the frozen base in {precision}, no gradients or optimizer "
                                                   "state for it",))
@@ -253,7 +254,7 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
     local_numel = sum(count * n for _, count, n in kinds)
     entry = optimizer_entry(optimizer)
     per_opt, tensors = _optimizer_state_per_element(entry, kinds, local_numel)
-    low = low_precision(precision)
+    low = Precision(precision).low_precision
     rope = 2 * args.max_seq_len * (args.head_dim // 2) * FP32  # rope_cos, rope_sin buffers
     notes = []
     dp = layout.dp
@@ -264,8 +265,8 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
         opt_numel = numel
         grads_numel = numel
         if low:
-            notes.append(f"the sharded fp32 parameters are the master weights; {compute_precision(precision)} copies "
-                         "are all-gathered per block")
+            notes.append(f"the sharded fp32 parameters are the master weights; "
+                         f"{Precision(precision).compute_precision} copies are all-gathered per block")
     else:
         numel = local_numel
         grads_numel = numel
@@ -318,12 +319,12 @@ def _low_precision_weight_copies(args: ModelArgs, layout: Layout, precision: str
     copies = [c for c in (cap.weight_copies(args, kinds) for cap in capabilities) if c is not None]
     uncached = frozenset().union(*(c.uncached for c in copies))
     autocast = 0
-    if low_precision(precision) and not layout.uses_fsdp:
+    if Precision(precision).low_precision and not layout.uses_fsdp:
         # (routed experts' grouped matmul is not an autocast op: no cached copy of them; a capability's layers that
         # cast their weights themselves do not use autocast's cache either)
         autocast = sum(count * n for p, count, n in kinds if p.matmul and not p.expert and p.name not in uncached) * BF16
         notes.append(f"fp32 parameters are the master weights; autocast caches each matmul weight's "
-                     f"{compute_precision(precision)} copy from forward to backward")
+                     f"{Precision(precision).compute_precision} copy from forward to backward")
     for c in copies:
         autocast += c.bytes
         notes.append(c.note)

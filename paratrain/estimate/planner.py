@@ -31,7 +31,8 @@ from paratrain.layout_grammar import COMPRESSION_KEYS, LAYOUT_KEYS, layout_flags
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
 from paratrain.models.presets import preset_args
-from paratrain.modes import DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, Compression, dp_mode_of
+from paratrain.modes import (DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, CheckpointMode, Compression, DPMode,
+                             Schedule)
 
 # The [parallel] values a plan may pin (the layout flags of `paratrain plan`, paratrain/layout_grammar.py): each fixes
 # that field of every planned layout; the blocks per stage and tp without sequence or loss parallelism are the
@@ -180,10 +181,11 @@ def _shape(r: PlanRequest) -> tuple:
 
 def _options(r: PlanRequest, fixed: dict, headroom: float) -> Options:
     return Options(
-        dp_modes=_one_or_choices(fixed.get("dp_mode"), "--dp-mode", r.dp_modes, "--dp-modes", DP_MODES),
-        schedules=_one_or_choices(fixed.get("pp_schedule"), "--pp-schedule", r.schedules, "--schedules",
-                                  PLANNED_SCHEDULES, SCHEDULES),
-        ac_modes=checked_choices(r.checkpointing, AC_MODES, "--checkpointing") or AC_MODES,
+        dp_modes=tuple(map(DPMode, _one_or_choices(fixed.get("dp_mode"), "--dp-mode", r.dp_modes, "--dp-modes",
+                                                   DP_MODES))),
+        schedules=tuple(map(Schedule, _one_or_choices(fixed.get("pp_schedule"), "--pp-schedule", r.schedules,
+                                                      "--schedules", PLANNED_SCHEDULES, SCHEDULES))),
+        ac_modes=tuple(map(CheckpointMode, checked_choices(r.checkpointing, AC_MODES, "--checkpointing") or AC_MODES)),
         micro_batches=micro_batch_sizes(r.micro_batches), max_tp=r.max_tp, max_pp=r.max_pp, max_cp=r.max_cp,
         headroom=headroom, fixed=fixed, memory_tiers=r.memory_tiers)
 
@@ -207,7 +209,7 @@ def fixed_fields(flags: dict) -> dict:
     if "dp_mode" in fixed:
         if fixed["dp_mode"] not in DP_MODE_OPTIONS:
             raise UserError(f"--dp-mode '{fixed['dp_mode']}' is not one of {', '.join(DP_MODE_OPTIONS)}")
-        fixed["dp_mode"] = dp_mode_of(fixed["dp_mode"])
+        fixed["dp_mode"] = DPMode(fixed["dp_mode"])
     if "pp_schedule" in fixed and fixed["pp_schedule"] not in SCHEDULES:
         raise UserError(f"--pp-schedule '{fixed['pp_schedule']}' is not one of {', '.join(SCHEDULES)}")
     return fixed

@@ -5,7 +5,7 @@ from __future__ import annotations
 from paratrain.estimate.gpus import GB, fmt_bytes, verdict_text
 from paratrain.estimate.model_states import model_params
 from paratrain.models.presets import count_active_params, format_params
-from paratrain.modes import describe_checkpointing, low_precision, segment_size
+from paratrain.modes import describe_checkpointing, segment_size
 
 ROWS = [  # (key, label)
     ("parameters", "parameters"),
@@ -74,8 +74,8 @@ def format_table(est, units: str = "GiB") -> str:
     lines.append(f"  {'':<{w}} {'at peak':>12} {'its max':>12}")
     for key, label in ROWS:
         at, size = est.at_peak.get(key, 0), est.sizes.get(key, 0)
-        if key == "master" and not (i.accounting == "classic" and low_precision(i.recipe.precision)):
-            label = label + (" (= the fp32 params)" if low_precision(i.recipe.precision) else " (none: fp32)")
+        if key == "master" and not (i.accounting == "classic" and i.recipe.precision.low_precision):
+            label = label + (" (= the fp32 params)" if i.recipe.precision.low_precision else " (none: fp32)")
         if key == "parameters" and i.recipe.lora is not None:
             label = "trainable parameters (adapters)"
         if not at and not size and key not in ("parameters", "gradients", "optimizer", "master", "activations"):

@@ -22,7 +22,7 @@ import functools
 
 from functools import lru_cache
 
-from paratrain.modes import SCHEDULES, all_forwards_first, interleaved, torch_schedule_name, v_shaped, zero_bubble
+from paratrain.modes import SCHEDULES, Schedule
 
 Action = tuple[int, str, int]  # (stage, kind: F | B | I | W, micro-batch)
 
@@ -33,11 +33,12 @@ def rank_actions(schedule: str, pp: int, virtual: int, microbatches: int, rank: 
     m = microbatches
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule}")
-    if all_forwards_first(schedule):  # gpipe
+    schedule = Schedule(schedule)
+    if schedule.all_forwards_first:  # gpipe
         return tuple([(rank, "F", j) for j in range(m)] + [(rank, "B", j) for j in range(m)])
-    if interleaved(schedule):
-        return _interleaved(pp, virtual, m, rank, zero_bubble(schedule))
-    if v_shaped(schedule):  # zbv
+    if schedule.interleaved:
+        return _interleaved(pp, virtual, m, rank, schedule.zero_bubble)
+    if schedule.v_shaped:  # zbv
         return _zbv(pp, m, rank)
     warm = min(m, pp - rank)  # 1f1b
     ops: list[Action] = [(rank, "F", j) for j in range(warm)]
@@ -136,7 +137,7 @@ def torch_order(schedule: str, pp: int, virtual: int, m: int, rank: int) -> tupl
 
     from torch.distributed.pipelining import schedules as S  # lazy: the cost model is torch-free
 
-    cls = getattr(S, torch_schedule_name(schedule))
+    cls = getattr(S, Schedule(schedule).torch_schedule_name)
     rounds = max(1, m // pp)
     # the attributes these schedules' constructors set before computing the order (no stages or groups needed)
     fake = SimpleNamespace(pp_group_size=pp, n_local_stages=virtual, _n_microbatches=m, number_of_rounds=rounds,

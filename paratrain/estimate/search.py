@@ -14,9 +14,7 @@ from paratrain.estimate.gpus import HEADROOM
 from paratrain.layout import Batch, Layout, grad_compression_site
 from paratrain.layout_grammar import parse_layout_name
 from paratrain.memory import AUTO_LOSS_CHUNKS
-from paratrain.modes import (CHECKPOINT_MODES, DP_MODES, SCHEDULES, block_checkpointing, every_block_whole,
-                             interleaved, recompute_rank, recomputes, replicates_shards, stores_at_least, value_bytes,
-                             zero_bubble)
+from paratrain.modes import CheckpointMode, DPMode, Schedule
 from paratrain.estimate.step_time import Candidate, Context, Prediction, cached, predict
 from paratrain.estimate import Target, activations as A, estimate, inputs_for
 from paratrain.estimate.core import in_flight
@@ -29,8 +27,8 @@ from paratrain.modes import segment_size
 
 # The schedules planned by default: all but interleaved_zero_bubble, which the cost model predicts as interleaved_1f1b
 # (the same bubble) and which allows no checkpointing (`--schedules` or `--pp-schedule` may still name it).
-PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if not (interleaved(s) and zero_bubble(s)))
-AC_MODES = tuple(sorted(CHECKPOINT_MODES, key=recompute_rank))  # the least recomputation first
+PLANNED_SCHEDULES = tuple(s for s in Schedule if not (s.interleaved and s.zero_bubble))
+AC_MODES = tuple(sorted(CheckpointMode, key=lambda mode: mode.recompute_rank))  # the least recomputation first
 # Context parallelism is enumerated while each rank keeps at least this many tokens of a sequence: below it a ring
 # step's attention is too short to hide the K/V transfer, so more cp only adds exposed communication.
 MIN_CP_TOKENS = 1024
@@ -38,8 +36,8 @@ MIN_CP_TOKENS = 1024
 
 @dataclass
 class Options:
-    dp_modes: tuple[str, ...] = DP_MODES
-    schedules: tuple[str, ...] = PLANNED_SCHEDULES
+    dp_modes: tuple[DPMode, ...] = tuple(DPMode)
+    schedules: tuple[Schedule, ...] = PLANNED_SCHEDULES
     ac_modes: tuple[str, ...] = AC_MODES
     micro_batches: tuple[int, ...] | None = None  # None: powers of two up to 16
     max_tp: int | None = None
@@ -177,9 +175,9 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
     for mode in opts.dp_modes:
         if dp == 1:
             if not modes:
-                modes.append(("fsdp", 1, 1))
+                modes.append((DPMode.FSDP, 1, 1))
             continue
-        if replicates_shards(mode):
+        if mode.replicates_shards:
             modes += [(mode, r, dp // r) for r in _divisors(dp) if 1 < r < dp]
         else:
             modes.append((mode, 1, dp))
@@ -194,11 +192,11 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                 if ctx.global_seqs % (dp * mb):
                     continue
                 m = ctx.global_seqs // (dp * mb)  # pipeline microbatches (pp > 1)
-                for sched in ("1f1b",) if pp == 1 else opts.schedules:
+                for sched in (Schedule.ONE_F_ONE_B,) if pp == 1 else opts.schedules:
                     # interleaved: 2 stages per rank, and 3 where the blocks allow (a smaller bubble for more
                     # point-to-point traffic; torch's runtime keeps at most 3 stages' FSDP parameters gathered, so
                     # with more they would be gathered again within a step)
-                    for v in ((2, 3) if (pp > 1 and interleaved(sched)) else (1,)):
+                    for v in ((2, 3) if (pp > 1 and sched.interleaved) else (1,)):
                         if pp * v > a.n_layers:
                             continue
                         try:
@@ -209,7 +207,7 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                         if any(getattr(lay, key) != value for key, value in opts.fixed.items()):
                             continue
                         for ac in opts.ac_modes:
-                            if recomputes(ac) and pp > 1 and zero_bubble(sched):
+                            if ac.recomputes and pp > 1 and sched.zero_bubble:
                                 continue  # Layout.check_checkpointing
                             out.append(Candidate(lay, ac, 2, mb))
     return out
@@ -295,7 +293,7 @@ def _fitting(results: list[Result], rejected: list[Result], ctx: Context, opts: 
     if not ranked:
         # the most memory-frugal layouts (full checkpointing, the smallest micro-batch) may fit though slower
         smallest = min((x.cand.micro_batch for x in results), default=1)
-        frugal = [r for r in results if r.total_bytes is None and every_block_whole(r.cand.ac)
+        frugal = [r for r in results if r.total_bytes is None and r.cand.ac.every_block_whole
                   and r.cand.micro_batch == smallest]
         for r in frugal[: opts.estimate_limit]:
             _check(r, ctx, opts)
@@ -310,12 +308,12 @@ def _memory_key(c: Candidate) -> tuple:
     return dataclasses.replace(c.layout, pp_microbatches=0), c.loss_chunks, c.switched
 
 
-def _dominated(c: Candidate, miss_micro_batch: int, miss_ac: str) -> bool:
+def _dominated(c: Candidate, miss_micro_batch: int, miss_ac: CheckpointMode) -> bool:
     """c needs at least the memory of a miss with the same `_memory_key`: a micro-batch no smaller and no more
     recomputation."""
     if c.micro_batch < miss_micro_batch:
         return False
-    return stores_at_least(c.ac, miss_ac)
+    return c.ac.stores_at_least(miss_ac)
 
 
 def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
@@ -330,12 +328,12 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     layers = rank_layers(lay, a)
     d = A.act_dims(a, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, ctx.hw.device)
     moe = A.moe_dims(a, lay, c.micro_batch, ctx.seq_len, 1.0) if a.moe_experts else None
-    modes = block_checkpointing(c.ac, a.n_layers, c.every_k)
+    modes = c.ac.block_checkpointing(a.n_layers, c.every_k)
     kept = A.stored_by_block(d, modes, stage_blocks(lay, a), {l: moe for l in range(a.n_layers) if a.is_moe_layer(l)},
                              segment_size(c.segment_blocks, a.n_layers))
     # A pipelined FSDP stage holds its blocks gathered (compute dtype) with their gradients accumulated unsharded
     # (fp32) through the step (Layout.fsdp_all_gathers): at least that much on top of the sharded states.
-    unsharded = value_bytes(ctx.precision) + 4 if (lay.pipelined and lay.uses_fsdp) else 0
+    unsharded = ctx.precision.value_bytes + 4 if (lay.pipelined and lay.uses_fsdp) else 0
 
     def recv_buffers(rank: int) -> int:
         # torch.distributed.pipelining allocates a receive buffer per micro-batch for each stage input and each
@@ -498,7 +496,7 @@ def ring_line(c: Candidate, ctx: Context) -> str:
     pred = predict(c, ctx)
     total, exposed = ring_time(ctx, c, tokens, attention_time(ctx, c))
     link = group_link(ctx, c.tp, lay.cp)
-    kv = 2 * tokens * a.n_kv_heads * a.head_dim / c.tp * value_bytes(ctx.precision)
+    kv = 2 * tokens * a.n_kv_heads * a.head_dim / c.tp * ctx.precision.value_bytes
     return (f"context-parallel ring over {lay.cp} ranks ({link.name}): per block, {lay.cp - 1} point-to-point steps "
             f"of a {kv / 2**20:.1f} MiB K/V block forward, {lay.cp - 1} + {lay.cp} (fp32 dK/dV) backward; "
             f"{total * 1e3:.1f} ms per step, {exposed * 1e3:.1f} ms exposed after overlapping the attention "

@@ -90,9 +90,7 @@ from paratrain.layout_grammar import layout_name
 from paratrain.memory import MemoryTiers
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import (Compression, CompressionSite, compute_precision, forward_repeats,
-                             matmul_math, recomputed_blocks, resolve_impl, selective, tf32_on, value_bytes,
-                             whole_blocks)
+from paratrain.modes import CheckpointMode, Compression, CompressionSite, Precision, resolve_impl
 from paratrain.optimizers import GradientReduction, Phase
 from paratrain.recipe import Recipe
 from paratrain.estimate.profile import Hardware, Link, p2p_time
@@ -100,7 +98,6 @@ from paratrain.estimate.tiers import chunked_loss_recompute_s
 from paratrain.estimate import activations as A
 from paratrain.estimate.model_states import local_shape, model_params
 from paratrain.models.presets import count_params, flops_per_token
-from paratrain.modes import uniform
 
 ELEMWISE_VALUES_PER_TOKEN = (80, 20)  # x dim, x ffn/tp: values read+written per token and block, fwd+bwd
 OPS_PER_BLOCK = 35  # operators in one block's forward (backward: twice)
@@ -120,7 +117,7 @@ class Candidate:
     microbatches) and what is not layout: activation checkpointing and the micro-batch."""
 
     layout: Layout
-    ac: str = "none"  # activation checkpointing (paratrain.modes.CheckpointMode)
+    ac: CheckpointMode = CheckpointMode.NONE  # activation checkpointing (a name coerced: `__post_init__`)
     every_k: int = 2
     micro_batch: int = 1  # sequences per micro-step (per pipeline micro-batch with pp)
     # the memory tiers (paratrain/memory.py; `[memory]`): chunked loss, and the capabilities a layout's name switches
@@ -128,6 +125,9 @@ class Candidate:
     loss_chunks: int = 1
     switched: tuple = ()
     segment_blocks: int = 0  # ac segments: blocks per segment (0: round(sqrt(n_layers)))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ac", CheckpointMode(self.ac))  # (a layout name's or a flag's)
 
     @property
     def world(self) -> int:
@@ -200,7 +200,7 @@ class Context:
     global_seqs: int  # sequences per optimizer step
     hw: Hardware
     gpus_per_node: int
-    precision: str = "bf16"
+    precision: Precision = Precision.BF16  # (a name coerced: `__post_init__`)
     model_name: str = "model"
     tf32: bool | None = None  # training.tf32: fp32 matmuls on TF32 tensor cores (unset: on for fp32, modes.tf32_on)
     native_max_seq_len: int | None = None  # the model's own max_seq_len when seq_len goes beyond it (long context)
@@ -217,14 +217,17 @@ class Context:
     host_memory_bytes: int | None = None  # host memory per node (--host-memory; None: not checked)
     cache: dict = field(default_factory=dict, repr=False, compare=False)  # per-shape compute terms (block_costs)
 
+    def __post_init__(self) -> None:
+        self.precision = Precision(self.precision)
+
     def rank_hw(self, pp_rank: int) -> Hardware:
         return self.stage_hw[pp_rank] if self.stage_hw else self.hw
 
     def math(self, hw: Hardware | None = None, precision: str | None = None) -> str:
         """The datasheet rate matmuls in `precision` (default: the run's) go at on `hw` (default: the context's):
         modes.matmul_math, TF32 where the device has it."""
-        tf32 = tf32_on(self.tf32, self.precision)  # (an fp32 tensor of a bf16 run: TF32 only if switched on)
-        return matmul_math(precision or self.precision, tf32, "tf32" in (hw or self.hw).peaks)
+        tf32 = self.precision.tf32_on(self.tf32)  # (an fp32 tensor of a bf16 run: TF32 only if switched on)
+        return Precision(precision or self.precision).matmul_math(tf32, "tf32" in (hw or self.hw).peaks)
 
 
 @dataclass
@@ -288,7 +291,7 @@ def group_link(ctx: Context, stride: int, size: int) -> Link:
 # -- the model -----------------------------------------------------------------------------------------------------
 
 def _act_bytes(ctx: Context) -> int:
-    return value_bytes(ctx.precision)
+    return ctx.precision.value_bytes
 
 
 @dataclass(frozen=True)
@@ -328,7 +331,7 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
     # the run's matmuls against the profile's bf16 curves (fp32: 1/16 on an A100); the blocks' linear GEMMs at a
     # capability's rate where it has one (fp8's 8-bit GEMMs), the others (attention, the output head) at the compute
     # precision's
-    speed = hw.speed(ctx.math(hw, compute_precision(ctx.precision)))
+    speed = hw.speed(ctx.math(hw, ctx.precision.compute_precision))
     rates = [c.linear_gemm_rate for c in ctx.capabilities]
 
     def gemm(m, k, n, count=1.0, linear=True):
@@ -369,7 +372,7 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
     # the output head stays in the compute precision (torchao/torchtitan leave it out of fp8)
     head = (1 + gemm_b) * gemm(T, a.dim, a.vocab_size / t, linear=False) \
         + 3 * T * a.vocab_size / t * 4 * 3 / hw.mem_bandwidth
-    rec = block_f if whole_blocks(ac) else (elemwise_fb / 3 + OPS_PER_BLOCK * op_cost) if selective(ac) else 0.0
+    rec = block_f if ac.whole_blocks else (elemwise_fb / 3 + OPS_PER_BLOCK * op_cost) if ac.selective else 0.0
     scale = hw.compute_scale  # a calibrated profile's correction (1.0 for datasheets)
     return BlockCosts(block_f * scale, block_b * scale, rec * scale, head * scale, sdpa * scale)
 
@@ -427,7 +430,7 @@ def _rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
         bc = one or block_costs(ctx, ctx.rank_hw(r), c.tp, c.micro_batch, c.ep, c.ac, c.layout.cp)
         n = len(blocks)
         out.append((n * (bc.forward + bc.backward) + (bc.head if r == last_owner else 0.0),
-                    recomputed_blocks(c.ac, n, c.every_k) * bc.recompute))
+                    c.ac.recomputed_blocks(n, c.every_k) * bc.recompute))
     return out
 
 
@@ -663,7 +666,7 @@ def _fsdp_reduction(dp: _DataParallel, c: Candidate, ctx: Context, comp: _StepCo
     copies with them), then hsdp's all-reduce over the replicas."""
     a, hw, lay = ctx.args, ctx.hw, c.layout
     shard = lay.dp_shard * lay.cp
-    pbytes = value_bytes(ctx.precision)
+    pbytes = ctx.precision.value_bytes
     rs_frac = comp.reduce_fraction
     # The one rule the trainer follows and the estimator uses (Layout.fsdp_all_gathers): pipelined stages gather
     # each group once per step and reduce-scatter once; otherwise per micro-step.
@@ -715,7 +718,7 @@ def _model_parallel_comm(c: Candidate, ctx: Context, comm: dict, links: _Links, 
         act = T * a.dim * ab
         # sequence parallel (the planner's layouts always use it)
         per_block_f = 2 * all_gather_time(act, t, links.tp) + 2 * reduce_scatter_time(act, t, links.tp)
-        extra = forward_repeats(c.ac, c.every_k)
+        extra = c.ac.forward_repeats(c.every_k)
         emb = 4 * all_reduce_time(T * 4, t, links.tp) + 2 * all_gather_time(act, t, links.tp)
         comm["tensor-parallel"] = n_micro * (layers * per_block_f * (2 + extra) + emb)
     if c.pp > 1:
@@ -786,7 +789,7 @@ def host_activation_time(capability, c: Candidate, ctx: Context, blocks: int,
     moved block's saved tensors as without checkpointing."""
     lay, hw = c.layout, ctx.hw
     d = A.act_dims(ctx.args, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, hw.device)
-    mode = c.ac if uniform(c.ac) else "none"
+    mode = c.ac if c.ac.uniform else CheckpointMode.NONE
     n = len(capability.host_activations(blocks)[0])
     return capability.host_activation_s(A.offloaded(d, mode), n, blocks, c.micro_steps(ctx), compute_s, hw)
 
@@ -808,6 +811,6 @@ def ring_time(ctx: Context, c: Candidate, tokens: int, attention_s: float) -> tu
     fwd, fwd_exposed = (cp - 1) * step_kv, (cp - 1) * max(0.0, step_kv - hide_f)
     bwd = (cp - 1) * step_kv + cp * step_dkv
     bwd_exposed = (cp - 1) * max(0.0, step_kv + step_dkv - hide_b) + step_dkv  # the last hop home is not hidden
-    repeat = forward_repeats(c.ac, c.every_k)
+    repeat = c.ac.forward_repeats(c.every_k)
     blocks = c.micro_steps(ctx) * math.ceil(a.n_layers / c.pp)
     return blocks * (fwd * (1 + repeat) + bwd), blocks * (fwd_exposed * (1 + repeat) + bwd_exposed)

@@ -14,7 +14,7 @@ from paratrain.errors import ConfigError, UserError
 from paratrain.estimate.inputs import EstimateInputs
 from paratrain.layout import Layout
 from paratrain.memory import AUTO_LOSS_CHUNKS
-from paratrain.modes import FLAT_DP_MODES, every_block_whole, keeps_some_blocks_whole
+from paratrain.modes import FLAT_DP_MODES
 from paratrain.estimate.hardware import gpu_profile
 from paratrain.estimate.step_time import Candidate, Context, predict
 
@@ -55,7 +55,7 @@ def candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]
     if lay.hybrid:
         add(0.6, "--dp-mode fsdp (shard over all data-parallel ranks)", "sharding across nodes",
             _changed(lay, dp_mode="fsdp", dp_replicate=1, dp_shard=lay.dp))
-    if keeps_some_blocks_whole(i.recipe.checkpointing):
+    if i.recipe.checkpointing.keeps_some_blocks_whole:
         out.append((1.0, "--checkpointing selective", "recomputes element-wise ops (a few % slower)",
                     i.with_recipe(checkpointing="selective")))
     # the memory tiers (paratrain/memory.py)
@@ -69,7 +69,7 @@ def candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]
         out.append((1.5, f"--micro-batch {i.recipe.micro_batch // 2} (accumulation x2, same global batch)",
                     "smaller matmuls",
                     i.with_recipe(micro_batch=i.recipe.micro_batch // 2, accum_steps=i.recipe.accum_steps * 2)))
-    if not every_block_whole(i.recipe.checkpointing):
+    if not i.recipe.checkpointing.every_block_whole:
         out.append((2.0, "--checkpointing full", "recomputes each block's forward (~1/3 more compute)",
                     i.with_recipe(checkpointing="full")))
     if lay.tp * 2 <= 8 and lay.uses_fsdp and lay.dp_shard % 2 == 0:

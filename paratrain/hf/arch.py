@@ -21,7 +21,7 @@ from paratrain.models.args import MAX_COUNT, MAX_DIMENSION, MAX_POSITIONS, MAX_V
 from paratrain.models.family import HFArch, ModelFamily
 from paratrain.models.presets import validate_args, validate_moe
 from paratrain.models.registry import FAMILIES, family_of
-from paratrain.modes import dtype_name
+from paratrain.modes import Precision
 
 ROPE_TYPES = ("default", "llama3")
 
@@ -332,7 +332,7 @@ def hf_config_from_args(args: ModelArgs, vocab_size: int, dtype: str, bos_id: in
         "use_cache": True,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
-        "torch_dtype": dtype_name(dtype),
+        "torch_dtype": Precision(dtype).dtype_name,
         **arch.fixed,
         **arch.written,
     }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from paratrain.estimate.gpus import GPUS, gpu_from_device_name
-from paratrain.modes import matmul_math
+from paratrain.modes import Precision
 
 
 def measure_matmul_flops(device, size: int = 512, dtype=None, seconds: float = 0.3) -> float:
@@ -56,7 +56,7 @@ def peak_flops(device, configured_tflops: float, precision: str, tf32: bool) -> 
         table = gpu_from_device_name(name, torch.cuda.get_device_properties(device).total_memory)
         if table is not None:
             gpu = GPUS[table]
-            math = matmul_math(precision, tf32, gpu.tf32 is not None)
+            math = Precision(precision).matmul_math(tf32, gpu.tf32 is not None)
             return gpu.peak(math), f"{DATASHEET} ({name}, {math})"
         return measure_matmul_flops(device, 4096, torch.bfloat16), f"measured ({name} not in table)"
     return measure_matmul_flops(device), "measured CPU matmul"

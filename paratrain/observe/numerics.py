@@ -39,7 +39,7 @@ import torch.distributed as dist
 from paratrain.distributed.initialize import canonical_name
 from paratrain.distributed.parallelize import unwrap
 from paratrain.distributed.tensors import local_tensor, torch_dtype
-from paratrain.modes import LOW_PRECISIONS, headroom_format
+from paratrain.modes import LOW_PRECISIONS, Precision
 from paratrain.observe.replay import first_nonfinite_row
 
 FORMATS = {p: torch.finfo(torch_dtype(p)).max for p in LOW_PRECISIONS}  # the largest finite value of each
@@ -134,7 +134,7 @@ class NumericsWatch:
 
     def __init__(self, train_step, n_layers: int, every: int, precision: str):
         self.train_step, self.n_layers, self.every = train_step, n_layers, every
-        self.low_format = headroom_format(precision)
+        self.low_format = Precision(precision).headroom_format
         self.rows = row_names(n_layers)
         self.active = False
         self.max = self.sums = None

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from paratrain.errors import UserError
-from paratrain.modes import headroom_format
+from paratrain.modes import Precision
 
 
 def parse_step(text: str) -> int:
@@ -88,7 +88,7 @@ def summary(run_dir: Path, step: int, checkpoint: Path | None, replayed: dict, l
             lines.append(f"note: the replay read another batch: the run rolled back after {start} and skipped "
                          "batches that checkpoint does not know of")
     if replayed.get("numerics"):
-        lines.append(format_numerics(replayed["numerics"], headroom_format(precision)))
+        lines.append(format_numerics(replayed["numerics"], Precision(precision).headroom_format))
     found = replayed.get("nonfinite")
     if found:
         lines.append(f"first non-finite output: {found['module']} (rank {found['rank']})" if found.get("module")

@@ -30,7 +30,7 @@ from pathlib import Path
 from paratrain.config import ParallelConfig, tomllib
 from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Layout
-from paratrain.modes import LOW_PRECISIONS, headroom_format
+from paratrain.modes import LOW_PRECISIONS, Precision
 from paratrain.observe.replay import first_nonfinite_row
 from paratrain.observe.metrics import imbalance, in_effect
 
@@ -277,7 +277,7 @@ def _is_num(v) -> bool:
 
 
 def _low_format(run: Run) -> str:
-    return headroom_format(run.section("training").get("precision") or "fp32")
+    return Precision(run.section("training").get("precision") or "fp32").headroom_format
 
 
 # -- plots ----------------------------------------------------------------------------------------

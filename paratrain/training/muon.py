@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from paratrain.capabilities.muon import ENTRY
-from paratrain.modes import low_precision
+from paratrain.modes import Precision
 from paratrain.optimizers import HIDDEN_STATE
 
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -49,7 +49,8 @@ def build(cfg, device: torch.device, comm=None, precision: str = "fp32", replica
     """The builder of the table's entry (paratrain/capabilities/muon.py): Muon on the hidden matrices
     (optimizer.muon_*), AdamW (`adamw`: the adamw entry's keyword arguments) on the rest. The Newton-Schulz precision:
     optimizer.muon_ns_dtype, auto fp32 for an fp32 run, else bf16."""
-    ns = cfg.muon_ns_dtype if cfg.muon_ns_dtype != "auto" else "bfloat16" if low_precision(precision) else "float32"
+    low = Precision(precision).low_precision
+    ns = cfg.muon_ns_dtype if cfg.muon_ns_dtype != "auto" else "bfloat16" if low else "float32"
     return Muon, dict(muon_lr_ratio=(cfg.lr if cfg.muon_lr is None else cfg.muon_lr) / cfg.lr,
                       momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
                       ns_coefficients=(cfg.muon_ns_a, cfg.muon_ns_b, cfg.muon_ns_c), ns_dtype=NS_DTYPES[ns],

@@ -45,7 +45,7 @@ from paratrain.memory import MemoryTiers, check_loss_chunks, loss_chunks
 from paratrain.models import build_model
 from paratrain.models.llama import cross_entropy, summed_cross_entropy
 from paratrain.models.moe import balance_loss, moe_modules
-from paratrain.modes import loss_scaled, low_precision, tf32_on
+from paratrain.modes import Precision
 from paratrain.recipe import Recipe
 from paratrain.training.optim import build_optimizer, inner_optimizer
 
@@ -65,7 +65,7 @@ def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, rows: int)
 def make_scaler(layout: Layout, precision: str, device: torch.device):
     """fp16's dynamic loss scaler (None otherwise). With DTensor gradients the sharded scaler unscales local
     shards and agrees on overflow across ranks."""
-    if not loss_scaled(precision):
+    if not Precision(precision).loss_scaled:
         return None
     if layout.uses_fsdp or layout.tp_enabled or layout.pipelined:
         return ShardedGradScaler(device.type)
@@ -81,7 +81,8 @@ def apply_tf32(tf32: bool | None, precision: str, device: torch.device) -> bool:
     only: elsewhere nothing is set and it is off."""
     if device.type != "cuda":
         return False
-    on = tf32_on(tf32, precision) and (tf32 is not None or torch.cuda.get_device_capability(device) >= TF32_CAPABILITY)
+    on = Precision(precision).tf32_on(tf32) and (tf32 is not None
+                                                 or torch.cuda.get_device_capability(device) >= TF32_CAPABILITY)
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):  # torch 2.9+: setting the old switches too would be an error there
         matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32" if on else "ieee"
@@ -194,7 +195,7 @@ class TrainStep:
         check_loss_chunks(loss_chunks, layout)
         self.loss_chunks, self.vocab_size = loss_chunks, vocab_size
         # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does the low-precision compute.
-        self.autocast = low_precision(precision) and not layout.uses_fsdp
+        self.autocast = Precision(precision).low_precision and not layout.uses_fsdp
         self.moe_layers = moe_modules(unwrap(model))
         self.moe = MoEMeter(unwrap(model)) if self.moe_layers else None  # expert load statistics
         # fused AdamW (and SGD) take `found_inf` and skip the update in their kernel (AdamW's step counts too): no
