@@ -102,7 +102,7 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"  # an entry of paratrain/optimizers.py's registry (OPTIMIZER_NAMES)
+    name: str = "adamw"  # an entry of the optimizer table (paratrain.capabilities.OPTIMIZER_NAMES)
     lr: float = 1e-3  # the peak: linear warm-up to it, then cosine decay to min_lr at the last step
     min_lr: float | None = None  # where the cosine ends; unset: lr / 10
     warmup_steps: int = 100
