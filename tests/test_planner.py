@@ -11,7 +11,7 @@ from paratrain.config import load_config
 from paratrain.errors import UserError
 from paratrain.layout import CONFIG_KEYS, Layout
 from paratrain.estimate.planner import PlanRequest, plan_context
-from paratrain.estimate.step_time import (Candidate, all_gather_time, all_reduce_time, bubble_fraction, p2p_time, predict)
+from paratrain.estimate.step_time import (Candidate, all_gather_time, all_reduce_time, bubble_fraction, predict)
 from paratrain.calibration import fit_alpha_beta
 from paratrain.estimate.hardware import gpu_profile, resolve_hardware
 from paratrain.estimate.profile import Hardware, Link
@@ -24,7 +24,7 @@ def test_collective_formulas():
     assert all_reduce_time(n, 1, link) == 0.0
     assert all_reduce_time(n, 4, link) == pytest.approx(2 * 3 * 5e-6 + 2 * 3 / 4 * n / 100e9)
     assert all_gather_time(n, 8, link) == pytest.approx(7 * 5e-6 + 7 / 8 * n / 100e9)
-    assert p2p_time(n, link) == pytest.approx(5e-6 + n / 100e9)
+    assert link.p2p_time(n) == pytest.approx(5e-6 + n / 100e9)
     # all-reduce = reduce-scatter + all-gather
     assert all_reduce_time(n, 8, link) == pytest.approx(2 * all_gather_time(n, 8, link))
 

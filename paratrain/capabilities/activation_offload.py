@@ -130,11 +130,10 @@ class ActivationOffload(Capability):
                           hw) -> tuple[float, float]:
         """Time: (exposed, total) seconds per step of the copies on the busiest rank: each of the `moved` blocks'
         `block_bytes` go to host in its forward and come back in backward, one send each over the device <-> host
-        link (estimate.profile.p2p_time: latency + bytes / bandwidth), on a side stream beside the compute of one
+        link (`Link.p2p_time`), on a side stream beside the compute of one
         block (its own forward, the block above's backward: a share `overlap` of it hides them). `compute_s`: the
         rank's compute per micro-step over its `blocks`."""
-        link = host_link(hw)
-        one = link.latency + block_bytes / link.bandwidth  # one block's copy, one way
+        one = host_link(hw).p2p_time(block_bytes)  # one block's copy, one way
         per_block = compute_s / max(blocks, 1) / 3  # forward; backward is twice that
         exposed = max(0.0, one - hw.overlap * per_block) + max(0.0, one - hw.overlap * 2 * per_block)
         return micro_steps * moved * exposed, micro_steps * moved * 2 * one

@@ -81,7 +81,6 @@ class CpuOffload(Capability):
 
     def fsdp_copy_s(self, copies: int, shard_bytes: float, hw) -> float:
         """Time: each FSDP gather copies its group's fp32 shards in, each reduce-scatter its gradients out, one send
-        each over the device <-> host link (estimate.profile.p2p_time: latency + bytes / bandwidth)."""
-        link = host_link(hw)
-        return copies * (link.latency + shard_bytes / link.bandwidth)
+        each over the device <-> host link (`Link.p2p_time`)."""
+        return copies * host_link(hw).p2p_time(shard_bytes)
 

@@ -37,10 +37,10 @@ class Link:
     # reduce-scatter as more than an all-reduce (bench/RESULTS.md), NCCL as the ring
     reduce_scatter_factor: float = 1.0
 
-
-def p2p_time(nbytes: float, link: Link) -> float:
-    """Seconds to send `nbytes` once over `link` (alpha + bytes / bandwidth)."""
-    return link.latency + nbytes / link.bandwidth
+    def p2p_time(self, nbytes: float) -> float:
+        """Seconds to send `nbytes` once over the link (alpha + bytes / bandwidth): a method, so that a capability's
+        terms (which may not import the estimator) price their copies with it too."""
+        return self.latency + nbytes / self.bandwidth
 
 
 @dataclass

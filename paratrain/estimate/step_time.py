@@ -93,7 +93,7 @@ from paratrain.models.lora_params import LoRA
 from paratrain.modes import CheckpointMode, Compression, CompressionSite, Precision, resolve_impl
 from paratrain.optimizers import GradientReduction, Phase
 from paratrain.recipe import Recipe
-from paratrain.estimate.profile import Hardware, Link, p2p_time
+from paratrain.estimate.profile import Hardware, Link
 from paratrain.estimate.tiers import chunked_loss_recompute_s
 from paratrain.estimate import activations as A
 from paratrain.estimate.model_states import local_shape, model_params
@@ -723,7 +723,7 @@ def _model_parallel_comm(c: Candidate, ctx: Context, comm: dict, links: _Links, 
         comm["tensor-parallel"] = n_micro * (layers * per_block_f * (2 + extra) + emb)
     if c.pp > 1:
         act = T * a.dim * ab / (t if t > 1 else 1)
-        comm["pipeline p2p"] = 2 * c.layout.pp_virtual * n_micro * p2p_time(act, links.pp)
+        comm["pipeline p2p"] = 2 * c.layout.pp_virtual * n_micro * links.pp.p2p_time(act)
     if c.ep > 1 and moe_layers:
         ep_link = group_link(ctx, t, c.ep)  # an ep group is ep consecutive dp_shard ranks
         a2a = all_to_all_time(T * a.moe_top_k * a.dim * ab, c.ep, ep_link) + all_to_all_time(64, c.ep, ep_link)
@@ -806,7 +806,7 @@ def ring_time(ctx: Context, c: Candidate, tokens: int, attention_s: float) -> tu
     cp = lay.cp
     link = group_link(ctx, c.tp, cp)  # the cp axis sits just outside tp
     kv = 2 * tokens * a.n_kv_heads * a.head_dim / c.tp * _act_bytes(ctx)  # one K/V block
-    step_kv, step_dkv = p2p_time(kv, link), p2p_time(kv / _act_bytes(ctx) * 4, link)  # dK/dV travel in fp32
+    step_kv, step_dkv = link.p2p_time(kv), link.p2p_time(kv / _act_bytes(ctx) * 4)  # dK/dV travel in fp32
     hide_f, hide_b = hw.overlap * attention_s / cp, hw.overlap * 2 * attention_s / cp  # per ring step
     fwd, fwd_exposed = (cp - 1) * step_kv, (cp - 1) * max(0.0, step_kv - hide_f)
     bwd = (cp - 1) * step_kv + cp * step_dkv
