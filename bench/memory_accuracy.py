@@ -21,7 +21,6 @@ torch.cuda.max_memory_allocated (the trainer's step, no tracker).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time

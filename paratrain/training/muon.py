@@ -34,7 +34,6 @@ import math
 from collections import defaultdict
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 

@@ -43,7 +43,7 @@ from paratrain.estimate.model_states import hidden_matrix_names
 from paratrain.layout import Layout
 from paratrain.memory import MemoryTiers, check_loss_chunks, loss_chunks
 from paratrain.models import build_model
-from paratrain.models.llama import cross_entropy, summed_cross_entropy
+from paratrain.models.llama import cross_entropy
 from paratrain.models.moe import balance_loss, moe_modules
 from paratrain.modes import Precision
 from paratrain.recipe import Recipe
@@ -255,9 +255,9 @@ class TrainStep:
         packed = {} if batch.positions is None else {"positions": batch.positions}
         chunks = self.chunks_for(x)
         loss_of = self.token_loss if reduction != "none" else cross_entropy  # evaluation: the cross-entropy alone
-        if chunks > 1:
-            piece = self.token_loss.piece if reduction != "none" else summed_cross_entropy
-            return self.model(x, targets=y, loss_chunks=chunks, reduction=reduction, piece_loss=piece, **packed)
+        if chunks > 1:  # (reduction "none" takes per-token losses, not pieces: the piece loss goes unused)
+            return self.model(x, targets=y, loss_chunks=chunks, reduction=reduction, piece_loss=self.token_loss.piece,
+                              **packed)
         return loss_of(self.model(x, **packed), y, reduction)
 
     def chunks_for(self, x: torch.Tensor) -> int:
