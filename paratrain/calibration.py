@@ -350,16 +350,19 @@ def calibrate(name: str, nproc: int, profile_dir: str | Path | None = None, seco
     add_host_side(hw, max(1, cores // nproc))  # for the memory tiers
     if shapes is not None:
         _apply_model_shapes(hw, r["shapes"], model, shapes, tp)
-    # compute_scale: the reference step measured against what the cost model predicts for it on this profile
-
-    ctx = Context(reference_args(), planned_run(hw, precision=hw.precision, seq_len=REF_SEQ), REF_BATCH, hw, 1,
-                  "reference")
-    ref = predict(ctx.candidate(Layout.resolve(1), micro_batch=REF_BATCH), ctx)
-    hw.compute_scale = max(1.0, r["reference_step_s"] / (ref.compute_s + ref.optimizer_s))
-    hw.notes.append(f"reference step {r['reference_step_s'] * 1e3:.2f} ms measured, "
-                    f"{(ref.compute_s + ref.optimizer_s) * 1e3:.2f} ms predicted before scaling")
+    _scale_to_reference(hw, r["reference_step_s"])
     d = Path(profile_dir or default_profile_dir())
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{name}.json"
     path.write_text(json.dumps(hw.to_json(), indent=2))
     return hw, path
+
+
+def _scale_to_reference(hw: Hardware, measured_s: float) -> None:
+    """compute_scale: the reference step measured against what the cost model predicts for it on this profile."""
+    ctx = Context(reference_args(), planned_run(hw, precision=hw.precision, seq_len=REF_SEQ), REF_BATCH, hw, 1,
+                  "reference")
+    ref = predict(ctx.candidate(Layout.resolve(1), micro_batch=REF_BATCH), ctx)
+    hw.compute_scale = max(1.0, measured_s / (ref.compute_s + ref.optimizer_s))
+    hw.notes.append(f"reference step {measured_s * 1e3:.2f} ms measured, "
+                    f"{(ref.compute_s + ref.optimizer_s) * 1e3:.2f} ms predicted before scaling")

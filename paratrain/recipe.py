@@ -153,16 +153,26 @@ _SHAPE_FIELDS = frozenset({"layout", "checkpointing", "every_k", "segment_blocks
                            "tiers"})
 
 
+def setting_keys(recipe=Recipe) -> dict[str, str]:
+    """{a setting as the Recipe names it: its config key ("section.key")} of every setting a recipe reads from a
+    run's config: the recipe's own keyed fields, the memory tiers' ([memory], MemoryTiers' fields) and the keys of the
+    capabilities a layout's name switches on (activation offload's, CPU offload's). The layout's `[parallel]` keys
+    are Layout's (`Layout.from_config`)."""
+    return {name: key for name, key, _ in _settings(recipe)}
+
+
 def recipe_settings(recipe=Recipe) -> dict[str, str]:
-    """{config key ("section.key"): its command-line flag} of every setting a recipe reads from a run's config: the
-    recipe's own keyed fields, the memory tiers' ([memory], MemoryTiers' fields) and the keys of the capabilities a
-    layout's name switches on (activation offload's, CPU offload's; a key's field may name its flag). The layout's
+    """{config key: its command-line flag} of `setting_keys`' settings (a field may name its flag). The layout's
     `[parallel]` keys have theirs in layout_grammar (`FLAG_KEYS`)."""
-    out = {f.metadata["key"]: f.metadata.get("flag") for f in _keyed_fields(recipe)}
-    out.update({f"memory.{f.name}": f.metadata.get("flag") for f in dataclasses.fields(MemoryTiers)})
-    out.update({f"{cls.adds_to[0]}.{f.name}": f.metadata.get("flag") for cls in capabilities.switches()
-                for f in dataclasses.fields(cls.adds_to[1])})
-    return {key: flag or "--" + key.split(".")[1].replace("_", "-") for key, flag in out.items()}
+    return {key: flag or "--" + key.split(".")[1].replace("_", "-") for _, key, flag in _settings(recipe)}
+
+
+def _settings(recipe) -> list[tuple[str, str, str | None]]:
+    """(name, config key, flag or None) of each setting a recipe reads from a run's config."""
+    out = [(f.name, f.metadata["key"], f.metadata.get("flag")) for f in _keyed_fields(recipe)]
+    out += [(f.name, f"memory.{f.name}", f.metadata.get("flag")) for f in dataclasses.fields(MemoryTiers)]
+    return out + [(f.name, f"{cls.adds_to[0]}.{f.name}", f.metadata.get("flag")) for cls in capabilities.switches()
+                  for f in dataclasses.fields(cls.adds_to[1])]
 
 
 def _keyed_fields(recipe) -> list:

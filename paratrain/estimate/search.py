@@ -422,16 +422,14 @@ def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
     if any(value is False for value in named.options.values()):  # sp=off, lp=off
         raise UserError(f"--explain '{text}': the planner predicts tensor parallelism with sequence and loss "
                         "parallelism only (no sp=off or lp=off)")
-    mb = named.micro_batch or 1
+    mb = named.settings.get("micro_batch", 1)
     o = named.options
     dp = max(1, world // (o["tp"] * o["pp"] * o["cp"]))  # Layout.resolve says when tp x pp x cp does not divide it
     layout = named.layout(world, pp_microbatches=max(1, ctx.global_seqs // (dp * mb)))
     for capability in named.switched:
         if capability.plan_problem():
             raise UserError(f"--explain '{text}': {capability.plan_problem()}")
-    return ctx.candidate(layout, checkpointing=named.checkpointing, every_k=named.every_k, micro_batch=mb,
-                         loss_chunks=named.tiers.loss_chunks, segment_blocks=named.segment_blocks
-                         ).switching(named.switched)
+    return ctx.candidate(layout, **{**named.settings, "micro_batch": mb}).switching(named.switched)
 
 
 def explain(text: str, ctx: Context, world: int, opts: Options) -> str:
