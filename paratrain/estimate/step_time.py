@@ -119,34 +119,14 @@ class Candidate:
 
     recipe: Recipe  # (what `paratrain plan` writes as its config)
 
-    @property
-    def layout(self) -> Layout:
-        return self.recipe.layout
-
-    @property
-    def ac(self) -> CheckpointMode:
-        return self.recipe.checkpointing
-
-    @property
-    def every_k(self) -> int:
-        return self.recipe.every_k
-
-    @property
-    def segment_blocks(self) -> int:
-        return self.recipe.segment_blocks
-
-    @property
-    def micro_batch(self) -> int:
-        return self.recipe.micro_batch
-
-    @property
-    def loss_chunks(self) -> int:
-        return self.recipe.tiers.loss_chunks
-
-    @property
-    def switched(self) -> tuple:
-        """The capabilities its name switches on, with their settings."""
-        return tuple(c for c in self.recipe.capabilities if c.layout_item)
+    def __post_init__(self) -> None:
+        # the recipe's settings a candidate is read by, as plain attributes: the planner reads them in its inner loops
+        # (layout, ac: the checkpointing mode, every_k, segment_blocks, micro_batch, loss_chunks; switched: the
+        # capabilities its name switches on, with their settings)
+        r = self.recipe
+        self.__dict__.update(layout=r.layout, ac=r.checkpointing, every_k=r.every_k, segment_blocks=r.segment_blocks,
+                             micro_batch=r.micro_batch, loss_chunks=r.tiers.loss_chunks,
+                             switched=tuple(c for c in r.capabilities if c.layout_item))
 
     @property
     def world(self) -> int:
@@ -228,41 +208,17 @@ class Context:
         accum = 1 if layout.pipelined else max(1, self.global_seqs // (layout.dp * micro_batch))
         return Candidate(self.run.replace(layout=layout, accum_steps=accum, **settings))
 
-    @property
-    def seq_len(self) -> int:
-        return self.run.seq_len
-
-    @property
-    def precision(self) -> Precision:
-        return self.run.precision
-
-    @property
-    def tf32(self) -> bool | None:
-        return self.run.tf32
-
-    @property
-    def optimizer(self) -> str:
-        """An entry of the optimizer table (capabilities.OPTIMIZERS): its state and step's cost."""
-        return self.run.optimizer
-
-    @property
-    def compression(self) -> Compression:
-        return self.run.compression
-
-    @property
-    def lora(self) -> LoRA | None:
-        """Adapters on a frozen model: only they have gradients to reduce and states to update."""
-        return self.run.lora
-
-    @property
-    def capabilities(self) -> tuple:
-        """Those whose time terms count (fp8's GEMMs and casts, ...): the run's."""
-        return self.run.capabilities
-
-    @property
-    def mode(self) -> str:
-        """eager | compile (training.compile): the profile's factor on the non-matmul time."""
-        return "compile" if self.run.compile else "eager"
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name == "run":
+            # the run's settings the cost model reads, as plain attributes (it reads them in the planner's inner
+            # loops): seq_len, precision, tf32, optimizer (an entry of capabilities.OPTIMIZERS), compression, lora
+            # (adapters on a frozen model: only they reduce gradients and update states), capabilities (whose time
+            # terms count: fp8's GEMMs and casts, ...), mode (eager | compile: the profile's factor on the
+            # non-matmul time)
+            self.__dict__.update(seq_len=value.seq_len, precision=value.precision, tf32=value.tf32,
+                                 optimizer=value.optimizer, compression=value.compression, lora=value.lora,
+                                 capabilities=value.capabilities, mode="compile" if value.compile else "eager")
 
     def rank_hw(self, pp_rank: int) -> Hardware:
         return self.stage_hw[pp_rank] if self.stage_hw else self.hw
