@@ -137,14 +137,12 @@ def train_rate(args, seq: int, mb: int, ac: str, mode: str, device, steps: int, 
 
 def predicted_mfu(args, seq: int, mb: int, ac: str, mode: str, hw) -> float | None:
     from paratrain.layout import Layout
-    from paratrain.capabilities import implied_by_settings
-    from paratrain.estimate.step_time import Candidate, Context, predict
+    from paratrain.estimate.step_time import Context, planned_run, predict
     if hw is None or (Precision(MODES[mode][1]).fp8_matmuls and not hw.fp8_gemm):
         return None
     precision = MODES[mode][1] if hw.device == "cuda" else hw.precision
-    ctx = Context(args, seq, mb, hw, 1, precision, "bench", mode="compile" if MODES[mode][0] else "eager",
-                  capabilities=implied_by_settings(precision, "adamw"))
-    return predict(Candidate(Layout.resolve(1), ac, 2, mb), ctx).mfu
+    ctx = Context(args, planned_run(hw, precision=precision, seq_len=seq, compile=MODES[mode][0]), mb, hw, 1, "bench")
+    return predict(ctx.candidate(Layout.resolve(1), checkpointing=ac, micro_batch=mb), ctx).mfu
 
 
 def memory_specs(args, cuda: bool) -> list[tuple[str, object, bool | str]]:

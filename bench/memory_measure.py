@@ -210,17 +210,12 @@ def measure_config() -> Config:
 
 
 def recipe_keys() -> dict[str, str]:
-    """{a setting as the Recipe names it: its config key}: the recipe's keyed fields (paratrain.recipe.setting),
-    its memory tiers' ([memory]), and the two a run resolves (the accumulation from the batch, the optimizer's
+    """{a setting as the Recipe names it: its config key}: those a recipe reads from a config
+    (paratrain.recipe.setting_keys), and the two a run resolves (the accumulation from the batch, the optimizer's
     kernels on the device)."""
-    from paratrain.memory import MemoryTiers
-    from paratrain.recipe import Recipe, recipe_settings
+    from paratrain.recipe import setting_keys
 
-    keys = {f.name: f.metadata["key"] for f in dataclasses.fields(Recipe) if "key" in f.metadata}
-    keys.update({f.name: f"memory.{f.name}" for f in dataclasses.fields(MemoryTiers)})
-    # (and the keys of the capabilities a layout's name switches on: activation offload's, CPU offload's)
-    keys.update({key.split(".")[1]: key for key in recipe_settings() if key.startswith("memory.")})
-    return {**keys, "accum_steps": "training.accum_steps", "optimizer_impl": "optimizer.impl"}
+    return {**setting_keys(), "accum_steps": "training.accum_steps", "optimizer_impl": "optimizer.impl"}
 
 
 @dataclass

@@ -56,10 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="the first two rows only (seconds; the test suite)")
     a = ap.parse_args(argv)
-    from paratrain.capabilities.float8 import Float8
     from paratrain.layout import Layout
     from paratrain.models import preset_args
-    from paratrain.estimate.step_time import Candidate, Context, predict
+    from paratrain.estimate.step_time import Context, planned_run, predict
     from paratrain.estimate.hardware import gpu_profile
 
     print("| model | GPUs | layout | checkpointing, micro-batch | mode | published tokens/s/GPU (x factor) | "
@@ -70,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         hw = gpu_profile(gpu)
         args = preset_args(model, vocab_size=128256)
         lay = Layout.resolve(world, **lay_kw)
-        ctx = Context(args, seq, seqs, hw, 8, "bf16", model, mode=mode, capabilities=(Float8(),) if f8 else ())
-        pred = predict(Candidate(lay, ac, 2, mb), ctx)
+        run = planned_run(hw, precision="fp8" if f8 else "bf16", seq_len=seq, compile=mode == "compile")
+        ctx = Context(args, run, seqs, hw, 8, model)
+        pred = predict(ctx.candidate(lay, checkpointing=ac, micro_batch=mb), ctx)
         tps = pred.tokens_per_s / world
         target = published * factor
         print(f"| {model} | {world} x {hw.name} | {lay.short_name()} | {ac}, {mb} | {mode}{' + float8' if f8 else ''} "

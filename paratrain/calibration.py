@@ -24,7 +24,7 @@ from paratrain.errors import UserError
 from paratrain.estimate.gpus import GPUS, gpu_from_device_name
 from paratrain.estimate.hardware import add_host_side, default_profile_dir
 from paratrain.estimate.profile import EXECUTION_MODES, GPU_OVERLAP, Hardware, Link
-from paratrain.estimate.step_time import Candidate, Context, all_gather_time, block_costs, predict
+from paratrain.estimate.step_time import Context, all_gather_time, block_costs, planned_run, predict
 from paratrain.distributed.env import init_process_group, world_from_env
 from paratrain.distributed.launch import launch
 from paratrain.layout import Layout
@@ -254,7 +254,8 @@ def _apply_model_shapes(hw: Hardware, measured: dict, model, shapes: dict, tp: i
         times = []
         for factor in (1.0, 0.0):
             probe = dataclasses.replace(hw, modes={"eager": factor}, compute_scale=1.0)
-            ctx = Context(block_args, seq, mb, probe, 1, hw.precision, "calibration")
+            ctx = Context(block_args, planned_run(probe, precision=hw.precision, seq_len=seq), mb, probe, 1,
+                          "calibration")
             bc = block_costs(ctx, probe, 1, mb, 1, CheckpointMode.NONE)
             times.append(bc.forward + bc.backward)
         full, matmul = times
@@ -349,15 +350,19 @@ def calibrate(name: str, nproc: int, profile_dir: str | Path | None = None, seco
     add_host_side(hw, max(1, cores // nproc))  # for the memory tiers
     if shapes is not None:
         _apply_model_shapes(hw, r["shapes"], model, shapes, tp)
-    # compute_scale: the reference step measured against what the cost model predicts for it on this profile
-
-    ref = predict(Candidate(Layout.resolve(1), micro_batch=REF_BATCH),
-                  Context(reference_args(), REF_SEQ, REF_BATCH, hw, 1, hw.precision, "reference"))
-    hw.compute_scale = max(1.0, r["reference_step_s"] / (ref.compute_s + ref.optimizer_s))
-    hw.notes.append(f"reference step {r['reference_step_s'] * 1e3:.2f} ms measured, "
-                    f"{(ref.compute_s + ref.optimizer_s) * 1e3:.2f} ms predicted before scaling")
+    _scale_to_reference(hw, r["reference_step_s"])
     d = Path(profile_dir or default_profile_dir())
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{name}.json"
     path.write_text(json.dumps(hw.to_json(), indent=2))
     return hw, path
+
+
+def _scale_to_reference(hw: Hardware, measured_s: float) -> None:
+    """compute_scale: the reference step measured against what the cost model predicts for it on this profile."""
+    ctx = Context(reference_args(), planned_run(hw, precision=hw.precision, seq_len=REF_SEQ), REF_BATCH, hw, 1,
+                  "reference")
+    ref = predict(ctx.candidate(Layout.resolve(1), micro_batch=REF_BATCH), ctx)
+    hw.compute_scale = max(1.0, measured_s / (ref.compute_s + ref.optimizer_s))
+    hw.notes.append(f"reference step {measured_s * 1e3:.2f} ms measured, "
+                    f"{(ref.compute_s + ref.optimizer_s) * 1e3:.2f} ms predicted before scaling")

@@ -74,23 +74,21 @@ def layout_name(layout, checkpointing: str | None = None, every_k: int = 2, micr
 
 @dataclass
 class NamedLayout:
-    """What a layout name says: `Layout.resolve`'s options (the world size aside), checkpointing, micro-batch."""
+    """What a layout name says: `Layout.resolve`'s options (the world size aside), the recipe settings its items give
+    and the capabilities its switches turn on; what it does not name keeps a run's own settings."""
 
     options: dict = field(default_factory=dict)
-    checkpointing: str = "none"
-    every_k: int = 2
-    segment_blocks: int = 0  # ac=segmentsK's K (0: segments alone, round(sqrt(n_layers)))
-    micro_batch: int | None = None  # None: not named
-    tiers: MemoryTiers = field(default_factory=MemoryTiers)
-    named: frozenset = frozenset()  # the items the name gives (those not named keep a run's own settings)
+    # {a Recipe field: its value} for the items named: ac= (checkpointing, every_k, segment_blocks: segmentsK's K, 0
+    # for segments alone), mb= (micro_batch), loss= (loss_chunks)
+    settings: dict = field(default_factory=dict)
+    named: frozenset = frozenset()  # the items the name gives
     switched: tuple = ()  # the capabilities its switches turn on (cpuoff=on: CPU offload), with their settings
 
-    def memory_values(self) -> dict:
-        """The settings the name's memory tiers give (loss=, and the switches named: cpuoff=, ...), as {"section.key":
-        value}."""
-        out = {"memory.loss_chunks": self.tiers.loss_chunks} if "loss" in self.named else {}
-        named = tuple(cls for item, cls in SWITCHED.items() if item in self.named)  # (named off: its defaults)
-        return {**out, **capabilities.switch_values(self.switched, named)}
+    def switch_values(self) -> dict:
+        """The settings of the switches named (cpuoff=, actoff=, ...), as {"section.key": value} (a switch named off:
+        its keys' defaults)."""
+        named = tuple(cls for item, cls in SWITCHED.items() if item in self.named)
+        return capabilities.switch_values(self.switched, named)
 
     def layout(self, world_size: int, **more):
         """The layout on `world_size` ranks (ConfigError when it is none paratrain can run)."""
@@ -131,15 +129,17 @@ def parse_layout_name(text: str, what: str = "layout") -> NamedLayout:
     if ac is None:
         raise UserError(f"{where}: ac must be one of {', '.join(CHECKPOINT_MODES)} (every_k with its k: every_k2; "
                         "segments with its blocks per segment: segments4)")
-    return NamedLayout(_layout_options(mode, degrees, sched, items), *ac, micro_batch=degrees.get("mb"),
-                       tiers=_tiers(items, where), named=frozenset(items), switched=_switched(items, where))
+    settings = dict(zip(("checkpointing", "every_k", "segment_blocks"), ac)) if "ac" in items else {}
+    settings.update({"micro_batch": degrees["mb"]} if "mb" in items else {})
+    settings.update({"loss_chunks": _loss_chunks(items["loss"], where)} if "loss" in items else {})
+    return NamedLayout(_layout_options(mode, degrees, sched, items), settings, frozenset(items),
+                       _switched(items, where))
 
 
-def _tiers(items: dict[str, str], where: str) -> MemoryTiers:
-    chunks = items.get("loss", "1")
+def _loss_chunks(chunks: str, where: str) -> int:
     if not chunks.isdigit() or int(chunks) < 1:
         raise UserError(f"{where}: loss must be an integer >= 1 (pieces of the loss), got '{chunks}'")
-    return MemoryTiers(int(chunks))
+    return int(chunks)
 
 
 def _switched(items: dict[str, str], where: str) -> tuple:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from paratrain import capabilities
 from paratrain.capabilities.base import Capability
+from paratrain.config import Config
 from paratrain.errors import UserError
 from paratrain.layout import Batch, Layout
 from paratrain.layout_grammar import layout_name
@@ -28,35 +29,49 @@ from paratrain.modes import (CHECKPOINT_MODES, PRECISIONS, CheckpointMode, Compr
                              resolve_impl)
 
 
-def setting(default, key: str, flag: str | None = None):
-    """A recipe field read from and written to one config key ("section.key"): declaring it here is all
-    `Recipe.from_config`, `Recipe.to_config` and the commands' flags (`recipe_settings`) need. `flag`: its
-    command-line name where that is not the key's own (`--` and the key with dashes)."""
-    return field(default=default, metadata={"key": key, **({"flag": flag} if flag else {})})
+def _get(cfg, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+_CONFIG_DEFAULTS = Config()  # (a run's config as `paratrain train` starts from it: the keyed fields' defaults)
+
+
+def config_default(key: str):
+    """The default of a config key ("section.key"), as paratrain/config.py declares it."""
+    return _get(_CONFIG_DEFAULTS, key)
+
+
+def setting(key: str, flag: str | None = None):
+    """A recipe field read from and written to one config key ("section.key"), whose default is the config's (the
+    key is declared once, in paratrain/config.py): declaring it here is all `Recipe.from_config`, `Recipe.to_config`
+    and the commands' flags (`recipe_settings`) need. `flag`: its command-line name where that is not the key's own
+    (`--` and the key with dashes)."""
+    return field(default=config_default(key), metadata={"key": key, **({"flag": flag} if flag else {})})
 
 
 @dataclass(frozen=True)
 class Recipe:
     layout: Layout  # [parallel]'s degrees and schedule (Layout.from_config / to_config); validated where it comes
     # from a run (pp_split, microbatches)
-    precision: Precision = setting("bf16", "training.precision")
-    tf32: bool | None = setting(None, "training.tf32")  # fp32 matmuls on TF32 tensor cores (unset: modes.tf32_on)
-    checkpointing: CheckpointMode = setting("none", "activation_checkpoint.mode", "--checkpointing")
-    every_k: int = setting(2, "activation_checkpoint.every_k")
-    segment_blocks: int = setting(0, "activation_checkpoint.segment_blocks")  # 0: round(sqrt(n_layers))
-    micro_batch: int = setting(1, "training.micro_batch")  # sequences per micro-step and rank (per pipeline
+    precision: Precision = setting("training.precision")
+    tf32: bool | None = setting("training.tf32")  # fp32 matmuls on TF32 tensor cores (unset: modes.tf32_on)
+    checkpointing: CheckpointMode = setting("activation_checkpoint.mode", "--checkpointing")
+    every_k: int = setting("activation_checkpoint.every_k")
+    segment_blocks: int = setting("activation_checkpoint.segment_blocks")  # 0: round(sqrt(n_layers))
+    micro_batch: int = setting("training.micro_batch")  # sequences per micro-step and rank (per pipeline
     # micro-batch with pp > 1)
     accum_steps: int = 1  # micro-steps per optimizer step (pp > 1: layout.pp_microbatches instead); from the batch
-    seq_len: int = setting(2048, "training.seq_len")
+    seq_len: int = setting("training.seq_len")
     tiers: MemoryTiers = field(default_factory=MemoryTiers)  # [memory] (loss_chunks 0: automatic, resolved by the
     # estimator and the trainer once the model is known)
-    optimizer: str = setting("adamw", "optimizer.name", "--optimizer")  # an entry of paratrain/optimizers.py
+    optimizer: str = setting("optimizer.name", "--optimizer")  # an entry of the optimizer table
     optimizer_impl: OptimizerImpl = "fused"  # optimizer.impl resolved on the run's device (modes.resolve_impl)
     compression: Compression = field(default_factory=Compression)  # [parallel]'s grad_compression and its settings
-    fsdp_backward_prefetch: int = setting(1, "parallel.fsdp_backward_prefetch")
+    fsdp_backward_prefetch: int = setting("parallel.fsdp_backward_prefetch")
     lora: LoRA | None = None  # [lora]
-    compile: bool | str = False  # training.compile: each block compiled (a backend's name: that backend)
-    cuda_graphs: bool = False  # training.cuda_graphs: the compiled blocks replay CUDA graphs
+    compile: bool | str = config_default("training.compile")  # each block compiled (a backend's name: that backend)
+    cuda_graphs: bool = config_default("training.cuda_graphs")  #: the compiled blocks replay CUDA graphs
     capabilities: tuple[Capability, ...] = ()  # the run's, with their settings (capabilities.active)
 
     def __post_init__(self):
@@ -119,31 +134,49 @@ class Recipe:
 
     def replace(self, **changes) -> "Recipe":
         """A changed copy; memory tiers by their own names (loss_chunks=; the switched ones are `capabilities`)."""
-        tier_keys = {f.name for f in dataclasses.fields(MemoryTiers)} & changes.keys()
+        tier_keys = _TIER_FIELDS & changes.keys()
         if tier_keys:
             changes["tiers"] = dataclasses.replace(self.tiers, **{k: changes.pop(k) for k in tier_keys})
+        if changes.keys() <= _SHAPE_FIELDS and isinstance(changes.get("checkpointing", CheckpointMode.NONE),
+                                                          CheckpointMode):
+            # (the planner's candidates: tens of thousands per plan) nothing to coerce, and no capability implied
+            # anew: `Capability.implied_by` reads only the precision and the optimizer (capabilities.Settings)
+            copy = object.__new__(type(self))
+            copy.__dict__.update(self.__dict__, **changes)
+            return copy
         return dataclasses.replace(self, **changes)
 
 
+_TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(MemoryTiers))
+# The fields a candidate layout changes, which `Recipe.replace` sets without `__post_init__`.
+_SHAPE_FIELDS = frozenset({"layout", "checkpointing", "every_k", "segment_blocks", "micro_batch", "accum_steps",
+                           "tiers"})
+
+
+def setting_keys(recipe=Recipe) -> dict[str, str]:
+    """{a setting as the Recipe names it: its config key ("section.key")} of every setting a recipe reads from a
+    run's config: the recipe's own keyed fields, the memory tiers' ([memory], MemoryTiers' fields) and the keys of the
+    capabilities a layout's name switches on (activation offload's, CPU offload's). The layout's `[parallel]` keys
+    are Layout's (`Layout.from_config`)."""
+    return {name: key for name, key, _ in _settings(recipe)}
+
+
 def recipe_settings(recipe=Recipe) -> dict[str, str]:
-    """{config key ("section.key"): its command-line flag} of every setting a recipe reads from a run's config: the
-    recipe's own keyed fields, the memory tiers' ([memory], MemoryTiers' fields) and the keys of the capabilities a
-    layout's name switches on (activation offload's, CPU offload's; a key's field may name its flag). The layout's
+    """{config key: its command-line flag} of `setting_keys`' settings (a field may name its flag). The layout's
     `[parallel]` keys have theirs in layout_grammar (`FLAG_KEYS`)."""
-    out = {f.metadata["key"]: f.metadata.get("flag") for f in _keyed_fields(recipe)}
-    out.update({f"memory.{f.name}": f.metadata.get("flag") for f in dataclasses.fields(MemoryTiers)})
-    out.update({f"{cls.adds_to[0]}.{f.name}": f.metadata.get("flag") for cls in capabilities.switches()
-                for f in dataclasses.fields(cls.adds_to[1])})
-    return {key: flag or "--" + key.split(".")[1].replace("_", "-") for key, flag in out.items()}
+    return {key: flag or "--" + key.split(".")[1].replace("_", "-") for _, key, flag in _settings(recipe)}
+
+
+def _settings(recipe) -> list[tuple[str, str, str | None]]:
+    """(name, config key, flag or None) of each setting a recipe reads from a run's config."""
+    out = [(f.name, f.metadata["key"], f.metadata.get("flag")) for f in _keyed_fields(recipe)]
+    out += [(f.name, f"memory.{f.name}", f.metadata.get("flag")) for f in dataclasses.fields(MemoryTiers)]
+    return out + [(f.name, f"{cls.adds_to[0]}.{f.name}", f.metadata.get("flag")) for cls in capabilities.switches()
+                  for f in dataclasses.fields(cls.adds_to[1])]
 
 
 def _keyed_fields(recipe) -> list:
     return [f for f in dataclasses.fields(recipe) if "key" in f.metadata]
-
-
-def _get(cfg, key: str):
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
 
 
 def _set(cfg, key: str, value) -> None:

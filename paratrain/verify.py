@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from paratrain import capabilities
 from paratrain.api import launch_ranks, run_rank, train_rank
 from paratrain.capabilities.base import MOE_PRESET
-from paratrain.config import ActivationCheckpointConfig, ParallelConfig, load_config
+from paratrain.config import ParallelConfig, load_config
 from paratrain.errors import UserError
 from paratrain.layout_grammar import parse_layout_name
 from paratrain.modes import Precision
+from paratrain.recipe import config_default, setting_keys
 
 LONG_MODEL = "model.max_seq_len=1024"  # the tiny model with room for long sequences
 QWEN3, QWEN3_MOE = "model.preset=tiny-qwen3", "model.preset=tiny-qwen3-moe"  # q/k norms, q/k/v/o biases, head_dim 32
@@ -166,14 +167,14 @@ def layout_overrides(name: str) -> tuple[int, list[str]]:
     nproc, text, *extra = LAYOUTS[name]
     named = parse_layout_name(text, f"verify layout {name}")
     layout = named.layout(nproc)
-    ours = {"parallel": (layout.to_config(ParallelConfig()), ParallelConfig()),
-            "activation_checkpoint": (ActivationCheckpointConfig(named.checkpointing, named.every_k,
-                                                                 named.segment_blocks),
-                                      ActivationCheckpointConfig())}
-    changed = [f"{section}.{key}={value}" for section, (mine, default) in ours.items()
-               for key, value in dataclasses.asdict(mine).items() if value != getattr(default, key)]
-    changed += [f"{key}={value}" for key, value in named.memory_values().items()]  # the tiers it names
-    micro_batch = named.micro_batch or GLOBAL_BATCH // layout.dp
+    parallel, default = layout.to_config(ParallelConfig()), ParallelConfig()
+    changed = [f"parallel.{key}={value}" for key, value in dataclasses.asdict(parallel).items()
+               if value != getattr(default, key)]
+    keys = setting_keys()  # (the settings it names other than the micro-batch: checkpointing, the loss's chunks)
+    changed += [f"{keys[name]}={value}" for name, value in named.settings.items()
+                if name != "micro_batch" and value != config_default(keys[name])]
+    changed += [f"{key}={value}" for key, value in named.switch_values().items()]  # the tiers it switches on
+    micro_batch = named.settings.get("micro_batch", GLOBAL_BATCH // layout.dp)
     return nproc, [*changed, f"training.micro_batch={micro_batch}", *extra]
 
 

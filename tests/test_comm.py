@@ -157,7 +157,7 @@ def test_planner_and_estimator_know_compression():
     from paratrain.commands.estimate import inputs_from_argv
     from paratrain.estimate.core import estimate
     from paratrain.estimate.planner import PlanRequest, plan_context
-    from paratrain.estimate.step_time import Candidate, predict
+    from paratrain.estimate.step_time import predict
 
     shapes = [(512, 256), (256,), (64, 64), (8, 8)]
     numel = 512 * 256 + 256 + 64 * 64 + 64
@@ -175,7 +175,7 @@ def test_planner_and_estimator_know_compression():
     for method in ("none", "bf16", "powersgd", "sign_ef"):
         ctx = plan_context(PlanRequest("llama3.2-1b", gpus=16, gpu="H100", inter="eth25", seq=2048,
                                        global_batch_tokens=1048576, parallel={"grad_compression": method})).ctx
-        preds[method] = predict(Candidate(Layout.resolve(16, dp_mode="ddp"), "none", 2, 4), ctx)
+        preds[method] = predict(ctx.candidate(Layout.resolve(16, dp_mode="ddp"), checkpointing="none", micro_batch=4), ctx)
     assert preds["none"].compress_s == 0 and all(preds[m].compress_s > 0 for m in ("bf16", "powersgd", "sign_ef"))
     exposed = {m: p.comm_exposed_s for m, p in preds.items()}
     assert exposed["sign_ef"] < exposed["powersgd"] < exposed["bf16"] < exposed["none"]

@@ -3,6 +3,7 @@ the planner's long-context answer and the refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
@@ -253,7 +254,7 @@ def test_planner_explains_the_ring(capsys):
     assert "context-parallel ring over 8 ranks" in text and "point-to-point steps" in text and "exposed" in text
     ctx, world, _ = plan_context(PlanRequest(**REQUEST_405B))
     c = parse_layout("fsdp,cp=8,tp=2,ac=full,mb=1", ctx, world)
-    hidden, bare = predict(c, ctx), predict(c, ctx.__class__(**{**ctx.__dict__, "hw": _no_overlap(ctx.hw)}))
+    hidden, bare = predict(c, ctx), predict(c, dataclasses.replace(ctx, hw=_no_overlap(ctx.hw)))
     assert 0 < hidden.comm[RING] < bare.comm[RING]  # the attention compute hides part of the ring
     assert bare.comm_total_s == pytest.approx(hidden.comm_total_s, rel=0.05)
 

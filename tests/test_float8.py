@@ -109,14 +109,14 @@ def test_plan_fp8(capsys):
     """fp8 on an H100 is faster than bf16 (float8 GEMMs), refused on an A100 (no FP8 tensor cores); the written
     config trains fp8."""
     from paratrain.estimate.planner import PlanRequest, plan_context
-    from paratrain.estimate.step_time import Candidate, predict
+    from paratrain.estimate.step_time import predict
     from paratrain.layout import Layout
 
     plan = ["--model", "llama3-8b", "--gpus", "8", "--seq", "8192", "--global-batch-tokens", "1048576"]
-    layout = Candidate(Layout.resolve(8, dp_mode="fsdp"), "full", 2, 1)
-    steps = {p: predict(layout, plan_context(PlanRequest("llama3-8b", gpus=8, seq=8192, global_batch_tokens=1048576,
-                                                         gpu="H100", precision=p)).ctx).step_s
-             for p in ("bf16", "fp8")}
+    contexts = {p: plan_context(PlanRequest("llama3-8b", gpus=8, seq=8192, global_batch_tokens=1048576, gpu="H100",
+                                            precision=p)).ctx for p in ("bf16", "fp8")}
+    steps = {p: predict(ctx.candidate(Layout.resolve(8, dp_mode="fsdp"), checkpointing="full", micro_batch=1),
+                        ctx).step_s for p, ctx in contexts.items()}
     assert steps["fp8"] < steps["bf16"]
     assert main(["plan", *plan, "--gpu", "A100", "--precision", "fp8", "--no-write"]) == 2
     err = capsys.readouterr().err.strip()

@@ -42,15 +42,18 @@ def test_switches_and_modes_in_names():
     name = layout_name(lay, "every_k", 3, 2)
     assert name == "fsdp,tp=2,sp=off,lp=off,ac=every_k3,mb=2"
     named = parse_layout_name(name)
-    assert named.layout(4) == lay and (named.checkpointing, named.every_k, named.micro_batch) == ("every_k", 3, 2)
+    assert named.layout(4) == lay and named.settings == {"checkpointing": "every_k", "every_k": 3, "segment_blocks": 0,
+                                                         "micro_batch": 2}
     assert layout_name(Layout.resolve(2, tp=2)) == "nodp,tp=2"
     piped = Layout.resolve(4, tp=2, pp=2, loss_parallel=False)  # a pipeline has no loss parallelism to switch off
     assert layout_name(piped) == "nodp,tp=2,pp=2,sched=1f1b" and not piped.loss_parallel
     assert parse_layout_name("zero3").options["dp_mode"] == "fsdp"
     # segments: k written when set, alone for the default round(sqrt(n_layers))
     assert layout_name(lay, "segments", 2, 2, segment_blocks=4) == "fsdp,tp=2,sp=off,lp=off,ac=segments4,mb=2"
-    assert (parse_layout_name("fsdp,ac=segments4").segment_blocks, parse_layout_name("fsdp,ac=segments").segment_blocks,
-            parse_layout_name("fsdp,ac=segments").checkpointing) == (4, 0, "segments")
+    assert (parse_layout_name("fsdp,ac=segments4").settings["segment_blocks"],
+            parse_layout_name("fsdp,ac=segments").settings["segment_blocks"],
+            parse_layout_name("fsdp,ac=segments").settings["checkpointing"]) == (4, 0, "segments")
+    assert parse_layout_name("fsdp,tp=2").settings == {}  # (what a name does not give keeps a run's own)
 
 
 def test_memory_tiers_in_names():
@@ -65,13 +68,14 @@ def test_memory_tiers_in_names():
                             (MemoryTiers(1), (ActivationOffload("every_k", 3),)), (MemoryTiers(), ())):
         name = layout_name(lay, "full", 2, 1, tiers, switched=switched)
         named = parse_layout_name(name)
-        assert (named.tiers, named.switched) == (tiers, switched) and named.layout(4) == lay
-        assert named.memory_values().get("memory.cpu_offload", False) is (CpuOffload() in switched)
+        assert (named.settings.get("loss_chunks", 1), named.switched) == (tiers.loss_chunks, switched)
+        assert named.layout(4) == lay
+        assert named.switch_values().get("memory.cpu_offload", False) is (CpuOffload() in switched)
     tiered = layout_name(lay, "full", 2, 1, MemoryTiers(8), switched=(ActivationOffload("all"), CpuOffload()))
     assert tiered == "fsdp,tp=2,ac=full,mb=1,loss=8,actoff=all,cpuoff=on"
     assert layout_name(lay, "full", 2, 1, MemoryTiers()) == "fsdp,tp=2,ac=full,mb=1"
     # actoff=none names the setting off (its keys' defaults over a run's own)
-    assert parse_layout_name("fsdp,actoff=none").memory_values() == {"memory.activation_offload": "none",
+    assert parse_layout_name("fsdp,actoff=none").switch_values() == {"memory.activation_offload": "none",
                                                                      "memory.activation_offload_every_k": 2}
 
 

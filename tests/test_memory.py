@@ -281,7 +281,7 @@ def test_plan_reaches_for_the_tiers_and_writes_them(tmp_path):
                           global_batch_tokens=65536, host_memory="256GiB")
     ctx, world, _ = planning = plan_context(request)
     best = planning.plan(top=1).ranked[0]
-    assert best.cand.tiers() and best.estimate.host_fits
+    assert best.cand.recipe.tiers and best.estimate.host_fits
     offloads = CpuOffload() in best.cand.switched
     if offloads:
         assert best.pred.optimizer_s > 0.5  # 2B parameters per rank stepped on the host's cores

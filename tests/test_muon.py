@@ -118,7 +118,7 @@ def test_muon_in_the_estimator_and_the_planner():
     redistributions of the updates (none under ZeRO-1, whose ranks step their own whole parameters)."""
     from paratrain.estimate.planner import PlanRequest, plan_context
     from paratrain.capabilities.muon import REDISTRIBUTION, ns_flops
-    from paratrain.estimate.step_time import Candidate, predict
+    from paratrain.estimate.step_time import predict
     from paratrain.layout import Layout
 
     params = model_params(ARGS)
@@ -131,8 +131,8 @@ def test_muon_in_the_estimator_and_the_planner():
     preds = {}
     for name in ("adamw", "muon"):
         ctx = plan_context(PlanRequest("llama3-8b", gpus=8, optimizer=name)).ctx
-        preds[name, "fsdp"] = predict(Candidate(Layout.resolve(8, dp_mode="fsdp"), micro_batch=1), ctx)
-        preds[name, "zero1"] = predict(Candidate(Layout.resolve(8, dp_mode="zero1"), micro_batch=1), ctx)
+        preds[name, "fsdp"] = predict(ctx.candidate(Layout.resolve(8, dp_mode="fsdp"), micro_batch=1), ctx)
+        preds[name, "zero1"] = predict(ctx.candidate(Layout.resolve(8, dp_mode="zero1"), micro_batch=1), ctx)
     assert preds["muon", "fsdp"].optimizer_s > preds["adamw", "fsdp"].optimizer_s
     assert preds["muon", "fsdp"].comm[REDISTRIBUTION] > 0 and preds["muon", "zero1"].comm[REDISTRIBUTION] == 0
     assert REDISTRIBUTION not in preds["adamw", "fsdp"].comm

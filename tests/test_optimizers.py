@@ -37,7 +37,7 @@ def test_estimator_and_planner_read_the_entry():
     from paratrain.models.presets import count_params
     from paratrain.commands.plan import config_for
     from paratrain.estimate.planner import PlanRequest, plan_context
-    from paratrain.estimate.step_time import Candidate, predict
+    from paratrain.estimate.step_time import predict
 
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden=128, max_seq_len=64)
     n, tensors = count_params(args), len(model_params(args))
@@ -47,7 +47,7 @@ def test_estimator_and_planner_read_the_entry():
     plans = {}
     for name in ("adamw", "sgd"):
         ctx = plan_context(PlanRequest("llama3-8b", gpus=8, optimizer=name)).ctx
-        cand = Candidate(Layout.resolve(8, dp_mode="fsdp"), micro_batch=1)
+        cand = ctx.candidate(Layout.resolve(8, dp_mode="fsdp"), micro_batch=1)
         plans[name] = predict(cand, ctx).optimizer_s
         assert config_for(cand, ctx).optimizer.name == name  # the written config runs the planned optimizer
     sgd, adamw = optimizer_entry("sgd"), optimizer_entry("adamw")
@@ -203,7 +203,7 @@ def test_onebit_in_the_estimator_and_the_planner():
     from paratrain.models.args import ModelArgs
     from paratrain.models.presets import count_params
     from paratrain.estimate.planner import PlanRequest, plan_context
-    from paratrain.estimate.step_time import Candidate, predict
+    from paratrain.estimate.step_time import predict
 
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden=128, max_seq_len=64)
     n, tensors = count_params(args), len(model_params(args))
@@ -219,7 +219,7 @@ def test_onebit_in_the_estimator_and_the_planner():
         plan_context(PlanRequest("llama3-8b", gpus=8, optimizer="onebit_adam", parallel={"grad_compression": "bf16"}))
     for name, kinds in (("onebit_adam", 2), ("zero_one_adam", 4)):
         ctx = plan_context(PlanRequest("llama3.2-1b", gpus=16, optimizer=name, inter="eth25")).ctx
-        pred = predict(Candidate(Layout.resolve(16, dp_mode="ddp"), ac="full", micro_batch=1), ctx)
+        pred = predict(ctx.candidate(Layout.resolve(16, dp_mode="ddp"), checkpointing="full", micro_batch=1), ctx)
         assert len(pred.phases) == kinds and pred.step_s == pred.phases[-1][1]
         fp32, compressed = pred.phases[0][2], pred.phases[-1][2]
         assert 0.02 < compressed / fp32 < 0.04  # signs + a scale per piece: ~1/32

@@ -42,20 +42,21 @@ def test_cost_model_and_estimator_count_the_same_fsdp_gathers():
     from paratrain.estimate import estimate, inputs_for
     from paratrain.recipe import Recipe
     from paratrain.models import preset_args
-    from paratrain.estimate.step_time import Candidate, Context, predict
+    from paratrain.estimate.step_time import Context, planned_run, predict
     from paratrain.estimate.hardware import gpu_profile
 
     args = preset_args("llama3-8b", vocab_size=128256)
-    ctx = Context(args, 4096, 64, gpu_profile("H100"), 8)
+    hw = gpu_profile("H100")
+    ctx = Context(args, planned_run(hw, precision="bf16", seq_len=4096), 64, hw, 8)
     layouts = [Layout.resolve(8, dp_mode="fsdp", pp=2, pp_schedule="1f1b", pp_microbatches=8),
                Layout.resolve(8, dp_mode="fsdp", pp=2, pp_schedule="interleaved_1f1b", pp_microbatches=8),
                Layout.resolve(16, dp_mode="hsdp", dp_replicate=2, pp=4, pp_schedule="gpipe", pp_microbatches=4),
                Layout.resolve(8, dp_mode="fsdp"), Layout.resolve(8, dp_mode="zero2", tp=2)]
     for lay in layouts:
         ctx.global_seqs = 8 * lay.dp
-        c = Candidate(lay, "full", 2, 1)
-        pred = predict(c, Context(args, 4096, ctx.global_seqs, ctx.hw, 8))
-        micro = lay.pp_microbatches if lay.pipelined else c.micro_steps(ctx)
+        c = ctx.candidate(lay, checkpointing="full", micro_batch=1)
+        pred = predict(c, Context(args, ctx.run, ctx.global_seqs, ctx.hw, 8))
+        micro = c.micro_steps
         est = estimate(inputs_for(args, Recipe(lay, seq_len=4096, micro_batch=1, checkpointing="full",
                                                  accum_steps=1 if lay.pipelined else micro)), suggest=False)
         assert pred.fsdp_all_gathers == est.fsdp_all_gathers > 0, (lay.short_name(), pred.fsdp_all_gathers,
@@ -103,14 +104,13 @@ def test_schedule_orders_match_torch():
 
 def _tps(gpu, model, world, gseqs, lay, ac, mb, mode="eager", float8=False, seq=8192):
     from paratrain.models import preset_args
-    from paratrain.estimate.step_time import Candidate, Context, predict
+    from paratrain.estimate.step_time import Context, planned_run, predict
     from paratrain.estimate.hardware import gpu_profile
 
-    from paratrain.capabilities.float8 import Float8
-
-    ctx = Context(preset_args(model, vocab_size=128256), seq, gseqs, gpu_profile(gpu), 8, "bf16", model, mode=mode,
-                  capabilities=(Float8(),) if float8 else ())  # (a bf16 run's what-if with float8 linears)
-    return predict(Candidate(lay, ac, 2, mb), ctx).tokens_per_s / world
+    hw = gpu_profile(gpu)
+    run = planned_run(hw, precision="fp8" if float8 else "bf16", seq_len=seq, compile=mode == "compile")
+    ctx = Context(preset_args(model, vocab_size=128256), run, gseqs, hw, 8, model)
+    return predict(ctx.candidate(lay, checkpointing=ac, micro_batch=mb), ctx).tokens_per_s / world
 
 
 def test_efficiency_model_matches_published_runs():

@@ -11,7 +11,7 @@ from paratrain.config import load_config
 from paratrain.errors import UserError
 from paratrain.layout import CONFIG_KEYS, Layout
 from paratrain.estimate.planner import PlanRequest, plan_context
-from paratrain.estimate.step_time import (Candidate, all_gather_time, all_reduce_time, bubble_fraction, predict)
+from paratrain.estimate.step_time import (all_gather_time, all_reduce_time, bubble_fraction, predict)
 from paratrain.calibration import fit_alpha_beta
 from paratrain.estimate.hardware import gpu_profile, resolve_hardware
 from paratrain.estimate.profile import Hardware, Link
@@ -73,21 +73,21 @@ def test_enumeration_respects_constraints():
             assert c.tp == 1 and c.pp == 1
         if structural_reason(c, ctx) is None:
             assert 32 % c.tp == 0 and 8 % c.tp == 0  # heads and kv heads divisible
-    big = Candidate(Layout.resolve(world, tp=16))
+    big = ctx.candidate(Layout.resolve(world, tp=16), micro_batch=1)
     assert "crosses nodes" in structural_reason(big, ctx)
-    odd = Candidate(Layout.resolve(world, dp_shard=16), micro_batch=3)
+    odd = ctx.candidate(Layout.resolve(world, dp_shard=16), micro_batch=3)
     assert "does not divide" in structural_reason(odd, ctx)
 
 
 def test_prediction_is_sane():
     ctx = plan_context(PlanRequest("llama3-8b", gpus=8, gpu="H100", seq=8192, global_batch_tokens=8192 * 64)).ctx
-    base = Candidate(Layout.resolve(8, dp_shard=8), ac="none", micro_batch=1)  # 8 accumulation steps
+    base = ctx.candidate(Layout.resolve(8, dp_shard=8), checkpointing="none", micro_batch=1)  # 8 accumulation steps
     p = predict(base, ctx)
     assert 0.2 < p.mfu < 0.8
     assert p.step_s == pytest.approx(p.compute_s + p.comm_exposed_s + p.bubble_s + p.recompute_s + p.optimizer_s)
-    full = predict(Candidate(Layout.resolve(8, dp_shard=8), ac="full", micro_batch=1), ctx)
+    full = predict(ctx.candidate(Layout.resolve(8, dp_shard=8), checkpointing="full", micro_batch=1), ctx)
     assert full.recompute_s > 0.2 * p.compute_s and full.step_s > p.step_s
-    piped = predict(Candidate(Layout.resolve(8, dp_shard=4, pp=2, pp_schedule="1f1b", pp_microbatches=16)), ctx)
+    piped = predict(ctx.candidate(Layout.resolve(8, dp_shard=4, pp=2, pp_schedule="1f1b", pp_microbatches=16)), ctx)
     assert piped.bubble_s > 0
 
 
@@ -378,7 +378,8 @@ def test_predictions_follow_a_changed_context_sharing_its_cache():
     cands = [c for c in candidates(ctx, world, opts) if structural_reason(c, ctx) is None][::37]
     for c in cands:
         predict(c, ctx)
-    for changes in ({"mode": "compile"}, {"hw": gpu_profile("A100")}, {"seq_len": 2048, "global_seqs": 256}):
+    for changes in ({"run": ctx.run.replace(compile=True)}, {"hw": gpu_profile("A100")},
+                    {"run": ctx.run.replace(seq_len=2048), "global_seqs": 256}):
         other = dataclasses.replace(ctx, **changes)
         fresh = Context(**{**{f.name: getattr(other, f.name) for f in dataclasses.fields(Context)}, "cache": {}})
         for c in cands:

@@ -12,7 +12,7 @@ from paratrain.config import load_config
 from paratrain.estimate.gpus import GPUS
 from paratrain.estimate.hardware import gpu_profile
 from paratrain.estimate.planner import PlanRequest, plan_context
-from paratrain.estimate.step_time import Candidate, predict
+from paratrain.estimate.step_time import predict
 from paratrain.layout import Layout
 from paratrain.modes import MATMUL_MATHS
 from paratrain.observe.flops import peak_flops
@@ -26,7 +26,7 @@ def _step(gpu: str, precision: str, tf32: bool | None = None):
     layout in every precision, so the ratios are the matmul rates' (GEMMs dominate an 8B model's step)."""
     ctx = plan_context(PlanRequest("llama3-8b", gpus=8, seq=8192, global_batch_tokens=1048576, gpu=gpu,
                                    precision=precision, tf32=tf32)).ctx
-    return ctx, predict(Candidate(Layout.resolve(8, dp_mode="fsdp"), "full", 2, 1), ctx)
+    return ctx, predict(ctx.candidate(Layout.resolve(8, dp_mode="fsdp"), checkpointing="full", micro_batch=1), ctx)
 
 
 def test_fp32_and_tf32_step_times_follow_the_datasheet_rates():

@@ -111,7 +111,7 @@ def test_a_setting_declared_with_its_key_needs_no_other_code():
 
     from paratrain.recipe import setting
 
-    Extended = dataclasses.make_dataclass("Extended", [("throwaway", float, setting(1.0, "training.grad_clip"))],
+    Extended = dataclasses.make_dataclass("Extended", [("throwaway", float, setting("training.grad_clip"))],
                                           bases=(Recipe,), frozen=True)
     cfg = Config()
     cfg.training.grad_clip = 0.25

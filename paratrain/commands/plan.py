@@ -172,7 +172,7 @@ def config_for(c, ctx, base=None, model_spec: str | None = None):
     # Every degree written out (no dp_shard=-1): the file names its layout and world size, so `paratrain estimate
     # --model plan/config.toml` estimates the planned layout and the trainer refuses another world size. A
     # heterogeneous cluster's layout carries its uneven split. The memory tiers as the plan estimated them.
-    c.recipe(ctx).to_config(cfg)
+    c.recipe.to_config(cfg)
     t, p = cfg.training, cfg.parallel
     t.global_batch, t.accum_steps = ctx.global_seqs, 1  # (the accumulation follows from the global batch)
     if ctx.native_max_seq_len:  # planned beyond the preset's context: the config says so
@@ -349,7 +349,7 @@ def plan_lines(p, planning: Planning, elapsed: float, top: int) -> list[str]:
                  f"planned in {elapsed:.2f} s")
     lines.append(format_table(p.ranked[:top], ctx))
     lines.append(f"best: {best.cand.describe()} -- {best.pred.breakdown()}")
-    if best.cand.tiers().active or best.cand.switched:
+    if best.cand.recipe.tiers.active or best.cand.switched:
         lines.append(f"memory tiers (no layout fits without them): {tiers_text(best.estimate.inputs)}; host memory "
                      f"{fmt_bytes(best.estimate.host_bytes)} per rank, {fmt_bytes(best.estimate.host_node_bytes)} per "
                      "node" + ("" if ctx.host_memory_bytes else " (not checked: give --host-memory)"))

@@ -182,8 +182,7 @@ def _predictor(own: dict, base, ranks: int, out: Path):
         cfg, lay = spec.cfg, spec.layout
         micro = lay.forward_batch(Batch(spec.global_batch, cfg.training.micro_batch, cfg.training.seq_len))
         recipe = Recipe.from_config(cfg, lay, micro, spec.accum_steps, device)
-        ctx = Context(spec.model_args, cfg.training.seq_len, spec.global_batch, hw, lay.world_size,
-                      cfg.training.precision, spec.model_name, cfg.training.tf32, optimizer=cfg.optimizer.name)
+        ctx = Context(spec.model_args, recipe, spec.global_batch, hw, lay.world_size, spec.model_name)
         return predict(Candidate.of(recipe), ctx).step_s
 
     return step_s

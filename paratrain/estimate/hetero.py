@@ -166,7 +166,7 @@ def place(ctx, c, stage_hw: list[Hardware], headroom: float, rounds: int = 6):
         split = uneven_split(ctx, c, stage_hw, caps)
         if split is None:
             return c, "no split of the blocks fits every stage's memory"
-        c = dataclasses.replace(c, layout=dataclasses.replace(lay, pp_split=split))
+        c = c.replace(layout=dataclasses.replace(lay, pp_split=split))
         est = memory(c, ctx, all_ranks=True)
         over = [s["stage"] for s in est.stages
                 if not fits(s["total_bytes"], stage_hw[s["stage"]].memory_bytes, headroom)]
@@ -208,7 +208,7 @@ def plan_hetero(ctx, opts, top: int = 5):
             continue
         cctx = dataclasses.replace(ctx, stage_hw=shw, cache=ctx.cache)
         split = uneven_split(cctx, c, shw)
-        c = dataclasses.replace(c, layout=dataclasses.replace(c.layout, pp_split=split))
+        c = c.replace(layout=dataclasses.replace(c.layout, pp_split=split))
         r = Result(c, pred=predict(c, cctx))
         r.stage_hw = shw
         results.append(r)
@@ -226,7 +226,7 @@ def plan_hetero(ctx, opts, top: int = 5):
             continue
         r.cand, r.pred, r.estimate = c, predict(c, cctx), verdict
         r.total_bytes = verdict.total_bytes
-        even = dataclasses.replace(c, layout=even_split_layout(c.layout, ctx.args))
+        even = c.replace(layout=even_split_layout(c.layout, ctx.args))
         r.even = predict(even, cctx)
         ranked.append(r)
     ranked.sort(key=lambda r: r.pred.step_s)

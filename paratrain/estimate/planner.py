@@ -25,7 +25,7 @@ from paratrain.estimate.hardware import resolve_hardware
 from paratrain.estimate.hetero import MAX_GPUS, build_groups, plan_hetero, slowest_first
 from paratrain.estimate.search import AC_MODES, PLANNED_SCHEDULES, Options, Plan, explain
 from paratrain.estimate.search import plan as search_plan
-from paratrain.estimate.step_time import Context
+from paratrain.estimate.step_time import Context, planned_run
 from paratrain.layout import CONFIG_KEYS
 from paratrain.layout_grammar import COMPRESSION_KEYS, LAYOUT_KEYS, layout_flags
 from paratrain.models.args import ModelArgs
@@ -125,10 +125,12 @@ def plan_context(request: PlanRequest) -> Planning:
     entry = optimizer_entry(r.optimizer)
     entry.check_compression(compression.method, "--grad-compression")
     host = _bytes(r.host_memory)
-    ctx = Context(margs, seq, tokens // seq, hw, per_node, precision, name, r.tf32, native_max_seq_len=native,
-                  compression=compression, optimizer=entry.name, ddp_bucket_mb=parallel.ddp_bucket_mb,
-                  mode="compile" if r.compile else "eager", cluster=groups, lora=r.lora, host_memory_bytes=host,
-                  capabilities=implied_by_settings(precision, entry.name))  # (fp8's GEMM rate and casts)
+    # the settings every candidate shares (each sets its own layout, checkpointing, micro-batch and memory tiers);
+    # the capabilities its precision and optimizer imply come with it (fp8's GEMM rate and casts)
+    run = planned_run(hw, precision=precision, tf32=r.tf32, seq_len=seq, optimizer=entry.name,
+                      compression=compression, lora=r.lora, compile=r.compile)
+    ctx = Context(margs, run, tokens // seq, hw, per_node, name, native_max_seq_len=native,
+                  ddp_bucket_mb=parallel.ddp_bucket_mb, cluster=groups, host_memory_bytes=host)
     return Planning(ctx, world, _options(r, fixed_fields(flags), headroom))
 
 

@@ -122,7 +122,7 @@ def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
     target = Target(gpu_name=ctx.hw.name, gpu_bytes=ctx.hw.memory_bytes,
                     overhead_bytes=None if ctx.hw.device == "cuda" else 0, device=ctx.hw.device,
                     host_bytes=ctx.host_memory_bytes, ranks_per_node=min(c.world, ctx.gpus_per_node))
-    inputs = inputs_for(ctx.args, c.recipe(ctx), target, model_name=ctx.model_name)
+    inputs = inputs_for(ctx.args, c.recipe, target, model_name=ctx.model_name)
     return estimate(inputs, suggest=False, all_ranks=all_ranks)
 
 
@@ -209,7 +209,7 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                         for ac in opts.ac_modes:
                             if ac.recomputes and pp > 1 and sched.zero_bubble:
                                 continue  # Layout.check_checkpointing
-                            out.append(Candidate(lay, ac, 2, mb))
+                            out.append(ctx.candidate(lay, checkpointing=ac, every_k=2, micro_batch=mb))
     return out
 
 
@@ -230,7 +230,7 @@ def tier_variants(c: Candidate, ctx: Context) -> list[Candidate]:
     pipeline), and each combination of the capabilities a name switches on that run on its layout (activation offload:
     not under a zero-bubble schedule; CPU offload: FSDP layouts), each with the chunked loss: either offload, both.
     (The offloads need the profile's host side: a hand-made profile without one gets the chunked loss only.)"""
-    base = dataclasses.replace(c, loss_chunks=AUTO_LOSS_CHUNKS) if c.pp == 1 else c
+    base = c.replace(loss_chunks=AUTO_LOSS_CHUNKS) if c.pp == 1 else c
     out = [base] if base is not c else []
     if ctx.hw.host is None:
         return out
@@ -238,7 +238,7 @@ def tier_variants(c: Candidate, ctx: Context) -> list[Candidate]:
     for cls in capabilities.switches():
         if cls.runs_on(c.layout):
             combinations += [(*on, cls()) for on in combinations]
-    return out + [dataclasses.replace(base, switched=on) for on in combinations[1:]]
+    return out + [base.switching(on) for on in combinations[1:]]
 
 
 def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) -> Plan:
@@ -422,15 +422,14 @@ def parse_layout(text: str, ctx: Context, world: int) -> Candidate:
     if any(value is False for value in named.options.values()):  # sp=off, lp=off
         raise UserError(f"--explain '{text}': the planner predicts tensor parallelism with sequence and loss "
                         "parallelism only (no sp=off or lp=off)")
-    mb = named.micro_batch or 1
+    mb = named.settings.get("micro_batch", 1)
     o = named.options
     dp = max(1, world // (o["tp"] * o["pp"] * o["cp"]))  # Layout.resolve says when tp x pp x cp does not divide it
     layout = named.layout(world, pp_microbatches=max(1, ctx.global_seqs // (dp * mb)))
     for capability in named.switched:
         if capability.plan_problem():
             raise UserError(f"--explain '{text}': {capability.plan_problem()}")
-    return Candidate(layout, named.checkpointing, named.every_k, mb, named.tiers.loss_chunks, named.switched,
-                     named.segment_blocks)
+    return ctx.candidate(layout, **{**named.settings, "micro_batch": mb}).switching(named.switched)
 
 
 def explain(text: str, ctx: Context, world: int, opts: Options) -> str:

@@ -85,8 +85,7 @@ from dataclasses import dataclass, field
 from paratrain.capabilities import implied_by_settings, optimizer_entry
 from paratrain.estimate.compression import compression_cost
 from paratrain.estimate.model_states import fsdp_gathers_per_step, rank_layers
-from paratrain.layout import Batch, Layout, grad_compression_site, predicted_bubble
-from paratrain.layout_grammar import layout_name
+from paratrain.layout import Layout, grad_compression_site, predicted_bubble
 from paratrain.memory import MemoryTiers
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
@@ -113,21 +112,21 @@ RING = "context-parallel ring"  # the exposed part of ring attention's point-to-
 
 @dataclass(frozen=True)
 class Candidate:
-    """One configuration the planner considers: a parallel layout (degrees, dp mode, pipeline schedule and
-    microbatches) and what is not layout: activation checkpointing and the micro-batch."""
+    """One configuration the planner considers: a view of the recipe it stands for (`Context.candidate`), the run's
+    settings with its own layout (degrees, dp mode, pipeline schedule and microbatches), activation checkpointing,
+    micro-batch and memory tiers (the chunked loss, and the capabilities a layout's name switches on:
+    Capability.layout_item, activation offload, CPU offload)."""
 
-    layout: Layout
-    ac: CheckpointMode = CheckpointMode.NONE  # activation checkpointing (a name coerced: `__post_init__`)
-    every_k: int = 2
-    micro_batch: int = 1  # sequences per micro-step (per pipeline micro-batch with pp)
-    # the memory tiers (paratrain/memory.py; `[memory]`): chunked loss, and the capabilities a layout's name switches
-    # on (Capability.layout_item: activation offload, CPU offload), with their settings
-    loss_chunks: int = 1
-    switched: tuple = ()
-    segment_blocks: int = 0  # ac segments: blocks per segment (0: round(sqrt(n_layers)))
+    recipe: Recipe  # (what `paratrain plan` writes as its config)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ac", CheckpointMode(self.ac))  # (a layout name's or a flag's)
+        # the recipe's settings a candidate is read by, as plain attributes: the planner reads them in its inner loops
+        # (layout, ac: the checkpointing mode, every_k, segment_blocks, micro_batch, loss_chunks; switched: the
+        # capabilities its name switches on, with their settings)
+        r = self.recipe
+        self.__dict__.update(layout=r.layout, ac=r.checkpointing, every_k=r.every_k, segment_blocks=r.segment_blocks,
+                             micro_batch=r.micro_batch, loss_chunks=r.tiers.loss_chunks,
+                             switched=tuple(c for c in r.capabilities if c.layout_item))
 
     @property
     def world(self) -> int:
@@ -153,39 +152,30 @@ class Candidate:
     def cp(self) -> int:
         return self.layout.cp
 
-    def micro_steps(self, ctx: "Context") -> int:
+    @property
+    def micro_steps(self) -> int:
         """Micro-batches per rank and optimizer step: the pipeline's, else gradient accumulation steps."""
-        if self.layout.pipelined:
-            return self.layout.pp_microbatches
-        return self.layout.accumulation(Batch(ctx.global_seqs, self.micro_batch, ctx.seq_len))
+        return self.recipe.micro_steps
 
     @property
     def name(self) -> str:
         """The layout's name (paratrain/layout_grammar.py), e.g. `fsdp,tp=2,ac=full,mb=1,loss=8`, with its memory
         tiers."""
-        return layout_name(self.layout, self.ac, self.every_k, self.micro_batch, self.tiers(), self.segment_blocks,
-                           self.switched)
-
-    def recipe(self, ctx: "Context") -> Recipe:
-        """The recipe this candidate stands for in the context's run (what `paratrain plan` writes as its config)."""
-        return Recipe(self.layout, precision=ctx.precision, tf32=ctx.tf32, checkpointing=self.ac, every_k=self.every_k,
-                      segment_blocks=self.segment_blocks,
-                      micro_batch=self.micro_batch, accum_steps=1 if self.layout.pipelined else self.micro_steps(ctx),
-                      seq_len=ctx.seq_len, tiers=self.tiers(), optimizer=ctx.optimizer,
-                      optimizer_impl=resolve_impl("auto", ctx.hw.device, ctx.precision, ctx.optimizer),
-                      compression=ctx.compression, lora=ctx.lora, capabilities=self.switched)
+        return self.recipe.name
 
     @classmethod
     def of(cls, recipe: Recipe) -> "Candidate":
-        """The candidate a recipe is (the inverse of `recipe`)."""
-        return cls(recipe.layout, recipe.checkpointing, recipe.every_k, recipe.micro_batch,
-                   loss_chunks=max(recipe.tiers.loss_chunks, 1),
-                   switched=tuple(c for c in recipe.capabilities if c.layout_item),
-                   segment_blocks=recipe.segment_blocks)
+        """The candidate a run's recipe is (its chunked loss automatic: one chunk, as the planner starts from)."""
+        return cls(recipe.replace(loss_chunks=max(recipe.tiers.loss_chunks, 1)))
 
-    def tiers(self) -> MemoryTiers:
-        """The memory tiers this candidate uses."""
-        return MemoryTiers(self.loss_chunks)
+    def replace(self, **changes) -> "Candidate":
+        """This candidate with other recipe settings (`Recipe.replace`)."""
+        return Candidate(self.recipe.replace(**changes))
+
+    def switching(self, on: tuple) -> "Candidate":
+        """This candidate with the layout-switched capabilities `on` instead of its own."""
+        kept = tuple(c for c in self.recipe.capabilities if not c.layout_item)
+        return self.replace(capabilities=(*kept, *on))
 
     def describe(self) -> str:
         return self.layout.short_name()
@@ -193,32 +183,42 @@ class Candidate:
 
 @dataclass
 class Context:
-    """What every candidate shares: model, sequence, batch, hardware, topology."""
+    """What every candidate shares: model, batch, hardware, topology, and the run's settings (`run`: the sequence
+    length, precision, TF32, optimizer, gradient compression, LoRA, compilation and capabilities; each candidate
+    replaces its layout, checkpointing, micro-batch and memory tiers)."""
 
     args: ModelArgs
-    seq_len: int
+    run: Recipe
     global_seqs: int  # sequences per optimizer step
     hw: Hardware
     gpus_per_node: int
-    precision: Precision = Precision.BF16  # (a name coerced: `__post_init__`)
     model_name: str = "model"
-    tf32: bool | None = None  # training.tf32: fp32 matmuls on TF32 tensor cores (unset: on for fp32, modes.tf32_on)
     native_max_seq_len: int | None = None  # the model's own max_seq_len when seq_len goes beyond it (long context)
-    compression: Compression = field(default_factory=Compression)  # gradient compression, where a layout allows it
-    optimizer: str = "adamw"  # an entry of the optimizer table (capabilities.OPTIMIZERS): its state and step's cost
     ddp_bucket_mb: float = 25.0
-    mode: str = "eager"  # eager | compile (training.compile): the profile's factor on the non-matmul time
-    # the capabilities whose time terms count (paratrain/capabilities: fp8's GEMMs and casts; the planner's are what
-    # its precision implies, a what-if may name them)
-    capabilities: tuple = ()
     stage_hw: list[Hardware] | None = None  # heterogeneous clusters: the hardware of each pipeline rank, in order
     cluster: list | None = None  # heterogeneous clusters: the GPU groups in rank order (estimate/hetero.py GpuGroup)
-    lora: LoRA | None = None  # adapters on a frozen model: only they have gradients to reduce and states to update
     host_memory_bytes: int | None = None  # host memory per node (--host-memory; None: not checked)
     cache: dict = field(default_factory=dict, repr=False, compare=False)  # per-shape compute terms (block_costs)
 
-    def __post_init__(self) -> None:
-        self.precision = Precision(self.precision)
+    def candidate(self, layout: Layout, **settings) -> Candidate:
+        """The run on `layout` with the recipe `settings` given (checkpointing=, every_k=, micro_batch=,
+        loss_chunks=, ...), its accumulation from the global batch (a batch that does not divide is
+        `search.structural_reason`'s to reject)."""
+        micro_batch = settings.get("micro_batch", self.run.micro_batch)
+        accum = 1 if layout.pipelined else max(1, self.global_seqs // (layout.dp * micro_batch))
+        return Candidate(self.run.replace(layout=layout, accum_steps=accum, **settings))
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name == "run":
+            # the run's settings the cost model reads, as plain attributes (it reads them in the planner's inner
+            # loops): seq_len, precision, tf32, optimizer (an entry of capabilities.OPTIMIZERS), compression, lora
+            # (adapters on a frozen model: only they reduce gradients and update states), capabilities (whose time
+            # terms count: fp8's GEMMs and casts, ...), mode (eager | compile: the profile's factor on the
+            # non-matmul time)
+            self.__dict__.update(seq_len=value.seq_len, precision=value.precision, tf32=value.tf32,
+                                 optimizer=value.optimizer, compression=value.compression, lora=value.lora,
+                                 capabilities=value.capabilities, mode="compile" if value.compile else "eager")
 
     def rank_hw(self, pp_rank: int) -> Hardware:
         return self.stage_hw[pp_rank] if self.stage_hw else self.hw
@@ -228,6 +228,16 @@ class Context:
         modes.matmul_math, TF32 where the device has it."""
         tf32 = self.precision.tf32_on(self.tf32)  # (an fp32 tensor of a bf16 run: TF32 only if switched on)
         return Precision(precision or self.precision).matmul_math(tf32, "tf32" in (hw or self.hw).peaks)
+
+
+def planned_run(hw: Hardware, **settings) -> Recipe:
+    """A Context's run (`Context.run`) from the Recipe's settings by name (precision=, seq_len=, optimizer=, ...); the
+    rest as the planner starts from them: one sequence per micro-step, the loss in one chunk, the optimizer's
+    kernels those `optimizer.impl = "auto"` picks on the hardware's device."""
+    run = Recipe(Layout.resolve(1), **{"micro_batch": 1, "tiers": MemoryTiers(loss_chunks=1), **settings})
+    if "optimizer_impl" in settings:
+        return run
+    return run.replace(optimizer_impl=resolve_impl("auto", hw.device, run.precision, run.optimizer))
 
 
 @dataclass
@@ -479,7 +489,7 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     the exposed communication, the pipeline bubble, the optimizer step and gradient compression."""
     a, hw, S, lay = ctx.args, ctx.hw, ctx.seq_len, c.layout
     T = c.micro_batch * S // lay.cp  # tokens per micro-step per rank (tp ranks share them, cp ranks split them)
-    n_micro = c.micro_steps(ctx)
+    n_micro = c.micro_steps
     blocks = rank_blocks(ctx, lay)
     layers = blocks.most  # the busiest pipeline rank's blocks
     moe_layers = cached(ctx, ("moe_layers", id(a)), lambda: sum(1 for i in range(a.n_layers) if a.is_moe_layer(i)))
@@ -791,7 +801,7 @@ def host_activation_time(capability, c: Candidate, ctx: Context, blocks: int,
     d = A.act_dims(ctx.args, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, hw.device)
     mode = c.ac if c.ac.uniform else CheckpointMode.NONE
     n = len(capability.host_activations(blocks)[0])
-    return capability.host_activation_s(A.offloaded(d, mode), n, blocks, c.micro_steps(ctx), compute_s, hw)
+    return capability.host_activation_s(A.offloaded(d, mode), n, blocks, c.micro_steps, compute_s, hw)
 
 
 def attention_time(ctx: Context, c: Candidate) -> float:
@@ -812,5 +822,5 @@ def ring_time(ctx: Context, c: Candidate, tokens: int, attention_s: float) -> tu
     bwd = (cp - 1) * step_kv + cp * step_dkv
     bwd_exposed = (cp - 1) * max(0.0, step_kv + step_dkv - hide_b) + step_dkv  # the last hop home is not hidden
     repeat = c.ac.forward_repeats(c.every_k)
-    blocks = c.micro_steps(ctx) * math.ceil(a.n_layers / c.pp)
+    blocks = c.micro_steps * math.ceil(a.n_layers / c.pp)
     return blocks * (fwd * (1 + repeat) + bwd), blocks * (fwd_exposed * (1 + repeat) + bwd_exposed)

@@ -169,8 +169,7 @@ def _time_cost(i: EstimateInputs):
         lay = c.layout
         steps = lay.pp_microbatches if lay.pipelined else c.recipe.accum_steps
         seqs = c.recipe.micro_batch * steps * lay.dp
-        ctx = Context(c.model_args, c.recipe.seq_len, seqs, hw, c.node_ranks, precision=c.recipe.precision,
-                      tf32=c.recipe.tf32, optimizer=c.recipe.optimizer)
+        ctx = Context(c.model_args, c.recipe, seqs, hw, c.node_ranks)
         return predict(Candidate.of(c.recipe), ctx).step_s * lay.world_size / (seqs * c.recipe.seq_len)
 
     base = gpu_seconds_per_token(i)
