@@ -147,7 +147,8 @@ def test_onebit_settings_refused():
 
 def test_momentum_schedules():
     """The published policies, step by step (1-based s in the papers; 0-based steps here)."""
-    from paratrain.optimizers import GradientReduction, MomentumSchedule
+    from paratrain.capabilities.onebit import MomentumSchedule
+    from paratrain.optimizers import GradientReduction
 
     onebit = MomentumSchedule(zero_one=False, freeze=3)
     assert [onebit.gradient(t) for t in range(5)] == [GradientReduction.MEAN] * 3 + [GradientReduction.LOCAL] * 2
@@ -174,7 +175,7 @@ def test_onebit_default_warm_up_is_a_share_of_the_run():
     from paratrain.config import ParallelConfig, load_config
     from paratrain.distributed.compression import GradComm
     from paratrain.layout import Layout
-    from paratrain.optimizers import MomentumSchedule
+    from paratrain.capabilities.onebit import MomentumSchedule
 
     def freeze(steps, *overrides):
         cfg = load_config(None, [f"training.steps={steps}", "optimizer.warmup_steps=100", *overrides])

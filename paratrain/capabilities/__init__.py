@@ -22,9 +22,26 @@ from paratrain.optimizers import BUILT_IN, OptimizerEntry
 CAPABILITIES: tuple[type[Capability], ...] = (Float8, OneBitAdam, EightBitAdam, Muon, ZLoss, ActivationOffload,
                                                CpuOffload)
 
-# The optimizer table `optimizer.name` selects from: the built-in entries (paratrain/optimizers.py), then those the
-# capabilities bring (`Capability.optimizers`), in registry order.
-OPTIMIZERS: dict[str, OptimizerEntry] = {**BUILT_IN, **{e.name: e for cls in CAPABILITIES for e in cls.optimizers}}
+# Where a capability's optimizer entries sit in the table among the built-in ones: {built-in entry: the capabilities
+# whose entries follow it}. The table's order is `optimizer.name`'s choices in --help, docs/configuration.md and the
+# planner's listings; 1-bit Adam's entries were built in after sgd before they moved to their capability.
+PLACED_AFTER: dict[str, tuple[type[Capability], ...]] = {"sgd": (OneBitAdam,)}
+
+
+def _optimizer_table() -> dict[str, OptimizerEntry]:
+    """The built-in entries (paratrain/optimizers.py) with the capabilities placed among them (PLACED_AFTER), then
+    those the other capabilities bring (`Capability.optimizers`), in registry order."""
+    placed = {cls for after in PLACED_AFTER.values() for cls in after}
+    table = {}
+    for name, entry in BUILT_IN.items():
+        table[name] = entry
+        table.update({e.name: e for cls in PLACED_AFTER.get(name, ()) for e in cls.optimizers})
+    table.update({e.name: e for cls in CAPABILITIES if cls not in placed for e in cls.optimizers})
+    return table
+
+
+# The optimizer table `optimizer.name` selects from.
+OPTIMIZERS: dict[str, OptimizerEntry] = _optimizer_table()
 OPTIMIZER_NAMES: tuple[str, ...] = tuple(OPTIMIZERS)
 
 

@@ -24,8 +24,9 @@ depend on how DDP groups parameters (it regroups them after the first step, and 
 initial grouping again): resuming from a checkpoint continues bit for bit.
 
 1-bit Adam and 0/1 Adam (the optimizers that communicate themselves: `OptimizerEntry.compression`; their kernels in
-paratrain/training/) use the same SignEF on their momenta: their `MomentumSchedule` tells the hooks, step by step, to take the fp32 mean, the 1-bit
-mean, or to leave each rank its own gradient, and the optimizer averages its momenta with `GradComm.momentum_mean_`.
+paratrain/training/) use the same SignEF on their momenta: their schedule (`OptimizerEntry.schedule`, made by their
+capability: paratrain/capabilities/onebit.py) tells the hooks, step by step, to take the fp32 mean, the 1-bit mean, or
+to leave each rank its own gradient, and the optimizer averages its momenta with `GradComm.momentum_mean_`.
 
 PowerSGD is torch's hook; its state (error feedback, the warm-started Q matrices) is per bucket in torch, so the
 wrapper here moves it to and from per-parameter dictionaries around each call, for the same reason.
@@ -52,7 +53,7 @@ from paratrain.distributed.tensors import local_tensor
 from paratrain.estimate.compression import powersgd_matrix
 from paratrain.layout import grad_compression_site
 from paratrain.modes import Compression, CompressionSite
-from paratrain.optimizers import GradientReduction, MomentumSchedule, OptimizerEntry
+from paratrain.optimizers import GradientReduction, OptimizerEntry
 
 STATE_PREFIX = "grad_comm"  # checkpoint keys: grad_comm/<method>/w<world>/rank<r>/<parameter>|<kind>
 
@@ -341,8 +342,8 @@ class GradComm:
     hsdp's replicate hook) and `attach_ddp` after wrapping DDP; the trainer logs `step_metrics` and checkpoints
     `state_dict`.
 
-    An optimizer that communicates itself (1-bit Adam, 0/1 Adam: `OptimizerEntry.compression`) brings its
-    `MomentumSchedule`: the hooks then do what it says for each step's gradients (fp32 mean, 1-bit mean, or nothing,
+    An optimizer that communicates itself (1-bit Adam, 0/1 Adam: `OptimizerEntry.compression`) brings its schedule
+    (`OptimizerEntry.schedule`): the hooks then do what it says for each step's gradients (fp32 mean, 1-bit mean, or nothing,
     leaving each rank its own), the optimizer averages its momenta through `momentum_mean_` (the same SignEF and
     error feedback), and its per-rank state (`attach_optimizer`) is checkpointed with the residuals."""
 
@@ -354,9 +355,9 @@ class GradComm:
         self.dims, self.layout, self.device, self.seed = dims, dims.layout, device, seed
         self.method = parallel.grad_compression
         self.compression = Compression.from_config(parallel)
-        self.schedule: MomentumSchedule | None = None
+        self.schedule = None  # the optimizer's (capabilities/onebit.py's MomentumSchedule), made by its entry
         if optimizer is not None and entry is not None and entry.communicates and self.layout.dp > 1:
-            self.schedule = MomentumSchedule.from_config(optimizer, steps)
+            self.schedule = entry.schedule(optimizer, steps)
             self.compression = entry.run_compression(self.compression)  # its 1-bit all-reduce (sign_ef_block)
             self.method = entry.name  # it names the state in checkpoints and the notices
         self.site = grad_compression_site(self.layout, self.compression.method)
