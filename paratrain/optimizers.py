@@ -18,14 +18,12 @@ them).
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Callable
 
 from paratrain.errors import ConfigError
 from paratrain.layout import Layout
-from paratrain.modes import Compression, GradCompression
 
 FP32 = 4
 HIDDEN_STATE = "hidden_state"  # the parameter-group key of the hidden matrices' group (OptimizerEntry.hidden_state)
@@ -67,9 +65,9 @@ class OptimizerEntry:
     step_kernels: int = 0  # kernel launches of one update (foreach sweeps over the two parameter groups)
     foreach_temporary: bool = False  # its foreach implementation allocates one parameter group's size
     refuses: Callable[[Layout], str | None] = any_layout  # why it cannot run on a layout (None: it can)
-    # The compressed all-reduce the optimizer runs itself (sign_ef: 1-bit Adam's, of the momentum), with a
-    # MomentumSchedule saying when; "none": the gradients' reduction is parallel.grad_compression's.
-    compression: GradCompression = "none"
+    # The compressed all-reduce the optimizer runs itself (a gradient compression method, capabilities/: sign_ef, 1-bit
+    # Adam's, of the momentum), with its `schedule` saying when; "none": the gradients' reduction is `[parallel]`'s.
+    compression: str = "none"
     phases: tuple[Phase, ...] = ()  # its kinds of steps (the planner ranks layouts by the last: the steady state)
     element_bytes: float = FP32  # bytes per element of each param_state tensor (low-memory states: bf16, 8-bit)
     # An optimizer that updates the blocks' hidden matrices (Param.hidden_matrix) on their own: the state they keep
@@ -77,11 +75,11 @@ class OptimizerEntry:
     # every parameter keeps param_state)
     hidden_state: tuple[str, ...] | None = None
     hidden_step_tensors: int = 0  # parameter-sized tensors one update of a hidden matrix reads and writes
-    # why it cannot take a parallel.grad_compression method (the method, the key that set it) -> one line (None: it can)
+    # why it cannot take a gradient compression method (the method, the key that set it) -> one line (None: it can)
     refuses_compression: Callable[[str, str], str | None] = any_compression
     # An optimizer that communicates itself: (OptimizerConfig, the run's optimizer steps) -> its schedule (a
     # capability's, e.g. 1-bit Adam's MomentumSchedule), which the run's GradComm follows step by step (`gradient`:
-    # a GradientReduction, `resets_residuals`). The trainer makes it; distributed/ never imports the capability.
+    # a GradientReduction, `resets_residuals`); gradient compression's `gradient_reduction` hook makes it for the trainer.
     schedule: Callable[[object, int], object] | None = None
 
     @property
@@ -106,26 +104,9 @@ class OptimizerEntry:
 
     @property
     def communicates(self) -> bool:
-        """It runs its own compressed all-reduce (and parallel.grad_compression must stay none)."""
-        return Compression(self.compression).enabled
-
-    def run_compression(self, comp: Compression) -> Compression:
-        """The compressed collective a run holds state for: `comp` (parallel.grad_compression and its settings), or
-        this optimizer's own with comp's settings (sign_ef_block)."""
-        return dataclasses.replace(comp, method=self.compression) if self.communicates else comp
-
-    def phase_compression(self, phase: Phase, comp: Compression) -> Compression:
-        """What one of its phases' reductions sends: its 1-bit all-reduce, else the uncompressed one."""
-        own = phase.reduction is GradientReduction.ONE_BIT
-        return self.run_compression(comp) if own else dataclasses.replace(comp, method=Compression().method)
-
-    def check_compression(self, grad_compression: str, key: str = "parallel.grad_compression") -> None:
-        if self.communicates and Compression(grad_compression).enabled:
-            raise ConfigError(f"optimizer.name={self.name} compresses its own communication (the momentum's 1-bit "
-                              f"all-reduce): {key} must be none, got {grad_compression}")
-        reason = self.refuses_compression(grad_compression, key)
-        if reason:
-            raise ConfigError(f"optimizer.name={self.name} {reason}")
+        """It runs its own compressed all-reduce on its schedule (and the gradients' compression must stay none:
+        `Compression.check_optimizer`, paratrain/capabilities)."""
+        return self.schedule is not None
 
     def hidden_state_bytes(self) -> float:
         """Bytes kept per element of a hidden matrix between steps (`state_bytes` where it has no hidden_state)."""
