@@ -2,8 +2,9 @@
 AdamW warm-up steps with fp32 gradients, then momenta (and 0/1 Adam's gradients) averaged by the error-compensated
 1-bit all-reduce. Here: their `[optimizer]` keys and the checks of them, their optimizer-table entries (states,
 phases, the layouts they refuse; `Capability.optimizers`, placed after sgd in the table by paratrain/capabilities), and
-their communication schedule, `MomentumSchedule` (torch-free: the planner reads the entries' phases; the trainer gives
-the run's GradComm the schedule through the entries' `schedule` factory, as distributed/ may not import capabilities).
+their communication schedule, `MomentumSchedule` (torch-free: the planner reads the entries' phases; the run's GradComm
+gets the schedule from the entry's `schedule` factory, through the `gradient_reduction` hook the trainer asks, and never
+imports this module).
 """
 
 from __future__ import annotations
