@@ -23,7 +23,7 @@ from pathlib import Path
 
 from paratrain.api import train
 from paratrain.config import load_config
-from paratrain.modes import GRAD_COMPRESSIONS, Compression
+from paratrain.capabilities.grad_compression import GRAD_COMPRESSIONS, Compression
 from paratrain.capabilities import OPTIMIZERS
 
 OPTIMIZER_METHODS = tuple(name for name, entry in OPTIMIZERS.items() if entry.communicates)  # 1-bit Adam, 0/1 Adam

@@ -22,9 +22,10 @@ import tomli_w
 
 from paratrain import capabilities
 from paratrain.capabilities import OPTIMIZER_NAMES, optimizer_entry
+from paratrain.capabilities.grad_compression import Compression
 from paratrain.errors import ConfigError
 from paratrain.models.args import ModelArgs, is_int
-from paratrain.modes import (CheckpointModeName, DPModeOption, GradCompression, OptimizerImpl, PrecisionName, ScheduleName,
+from paratrain.modes import (CheckpointModeName, DPModeOption, OptimizerImpl, PrecisionName, ScheduleName,
                              WeightDtype)
 from paratrain.models.lora_params import lora_problem
 
@@ -147,14 +148,8 @@ class ParallelConfig:
     ep: int = 1  # expert parallel (MoE): experts sharded over ep of the dp_shard ranks
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention; seq_len divisible by 2 x cp)
     ddp_bucket_mb: float = 25.0  # DDP gradient bucket size
-    # -- communication (docs/optimizers.md: gradient compression; docs/layouts.md: overlap) --
-    # Compress the data-parallel gradient all-reduce: ddp/zero1 (DDP comm hook), hsdp's replicate dimension (sign_ef:
-    # FSDP all-reduce hook; bf16: reduce dtype); bf16 also reduce-scatters fsdp/zero2 gradients in bf16.
-    grad_compression: GradCompression = "none"
-    powersgd_rank: int = 4  # PowerSGD's matrix approximation rank
-    powersgd_warmup_steps: int = 10  # plain all-reduce for the first steps (>= 2: DDP rebuilds its buckets at step 1)
-    sign_ef_block: int = 0  # sign_ef: one scale per this many elements (a multiple of 8; 0: one per tensor piece)
-    sign_ef_warmup_steps: int = 0  # sign_ef: plain fp32 all-reduce for the first steps (1-bit Adam's warm-up stage)
+    # (here gradient compression's keys, the "communication" group: paratrain/capabilities/grad_compression.py)
+
     fsdp_forward_prefetch: int = 0  # blocks whose all-gather is issued ahead in forward (0: FSDP2's implicit order)
     fsdp_backward_prefetch: int = 1  # blocks prefetched ahead in backward (1: FSDP2's default, the previous block)
 
@@ -291,13 +286,27 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def _extended(cls: type, added: list[tuple]) -> type:
-    """`cls` with more fields, under the same name and module (pickled with the config to spawned ranks)."""
-    if not added:
+def _extended(cls: type, added: list[tuple], after: dict[str, list[tuple]] | None = None) -> type:
+    """`cls` with more fields, under the same name and module (pickled with the config to spawned ranks): `added` at
+    the end, `after` {key of cls: fields placed right after it}."""
+    if not added and not after:
         return cls
-    extended = dataclasses.make_dataclass(cls.__name__, added, bases=(cls,))
+    if after:  # a new class with every field in place (a subclass would list its fields after the base's)
+        hints = typing.get_type_hints(cls)
+        fields = [(f.name, hints[f.name], _same_default(f)) for f in dataclasses.fields(cls)]
+        fields = [placed for one in fields for placed in [one, *after.get(one[0], [])]]
+        methods = {k: v for k, v in vars(cls).items() if not k.startswith("__")}
+        extended = dataclasses.make_dataclass(cls.__name__, fields + added, namespace=methods)
+    else:
+        extended = dataclasses.make_dataclass(cls.__name__, added, bases=(cls,))
     extended.__module__, extended.__qualname__, extended.__doc__ = __name__, cls.__qualname__, cls.__doc__
     return extended
+
+
+def _same_default(f: dataclasses.Field) -> dataclasses.Field:
+    if f.default_factory is not dataclasses.MISSING:
+        return field(default_factory=f.default_factory, metadata=f.metadata)
+    return field(default=f.default, metadata=f.metadata)
 
 
 def _with_capabilities(config: type) -> type:
@@ -309,9 +318,12 @@ def _with_capabilities(config: type) -> type:
     for f in reversed(dataclasses.fields(config)):
         sections[:0] = [(name, section, field(default_factory=section)) for name, (section, after) in owned.items()
                         if after == f.name]
-        added = [(k.name, typing.get_type_hints(keys)[k.name], field(default=k.default))
-                 for keys in capabilities.added_keys(f.name) for k in dataclasses.fields(keys)]
-        section = _extended(f.default_factory, added)
+        added, after = [], {}
+        for keys, key in capabilities.added_keys_after(f.name):
+            fields = [(k.name, typing.get_type_hints(keys)[k.name], field(default=k.default))
+                      for k in dataclasses.fields(keys)]
+            (added if key is None else after.setdefault(key, [])).extend(fields)
+        section = _extended(f.default_factory, added, after)
         globals()[section.__name__] = section  # `from paratrain.config import TrainingConfig` gets the whole section
         sections.insert(0, (f.name, section, field(default_factory=section)))
     # a new class (not a subclass: a subclass would list the sections it adds after the built-in ones)
@@ -499,7 +511,7 @@ def _check_training_and_optimizer(cfg: Config) -> None:
     _require(t.eval_every >= 0, "training.eval_every must be >= 0 (0 disables)")
     _require(t.grad_clip >= 0, "training.grad_clip must be >= 0 (0 disables)")
     entry = optimizer_entry(o.name)  # a registered optimizer, or a ConfigError naming them
-    entry.check_compression(cfg.parallel.grad_compression)
+    Compression.from_config(cfg.parallel).check_optimizer(entry)
     _require(o.lr > 0, f"optimizer.lr must be positive, got {o.lr}")
     _require(o.min_lr is None or 0 <= o.min_lr <= o.lr,
              f"optimizer.min_lr must be between 0 and optimizer.lr ({o.lr}), got {o.min_lr}")
@@ -530,12 +542,6 @@ def _check_runtime(cfg: Config) -> None:
     _require(r.memory_budget_gib >= 0, "resilience.memory_budget_gib must be >= 0 (0 disables)")
     p = cfg.parallel  # the degrees are checked against the world size by paratrain.layout.Layout
     _require(p.ddp_bucket_mb > 0, "parallel.ddp_bucket_mb must be positive")
-    _require(p.powersgd_rank >= 1, "parallel.powersgd_rank must be >= 1")
-    _require(p.sign_ef_warmup_steps >= 0, "parallel.sign_ef_warmup_steps must be >= 0")
-    _require(p.sign_ef_block >= 0 and p.sign_ef_block % 8 == 0,
-             "parallel.sign_ef_block must be 0 (one scale per tensor piece) or a positive multiple of 8")
-    _require(p.powersgd_warmup_steps >= 2, "parallel.powersgd_warmup_steps must be >= 2 (DDP rebuilds its gradient "
-             "buckets after the first step; PowerSGD's state is kept per bucket)")
     _require(p.fsdp_forward_prefetch >= 0 and p.fsdp_backward_prefetch >= 1,
              "parallel.fsdp_forward_prefetch must be >= 0 and parallel.fsdp_backward_prefetch >= 1")
     _require(cfg.metrics.profile_steps >= 0 and cfg.metrics.profile_start >= 0,

@@ -24,7 +24,7 @@ from paratrain.harness.tasks import HarnessSettings, downstream_metrics, evaluat
 from paratrain.hf.load import check_tokenizer_fits, checked_weights, hf_model_args, hf_tokenizer_file
 from paratrain.inference import find_checkpoint
 from paratrain.layout import Layout
-from paratrain.modes import Compression
+from paratrain.capabilities.grad_compression import Compression
 from paratrain.models import ModelArgs
 from paratrain.recipe import Recipe
 from paratrain.training import safe_dcp

@@ -24,8 +24,7 @@ import difflib
 from dataclasses import dataclass
 
 from paratrain.errors import ConfigError
-from paratrain.modes import (DP_MODE_OPTIONS, GRAD_COMPRESSIONS, SCHEDULES, CheckpointMode, CompressionSite,
-                             DPMode, Schedule, Compression)
+from paratrain.modes import DP_MODE_OPTIONS, SCHEDULES, CheckpointMode, DPMode, Schedule
 from paratrain.stage_split import balanced_split
 
 
@@ -68,8 +67,8 @@ class Layout:
 
         pp_virtual=1 with an interleaved schedule means "automatic" (2); pp_microbatches=0 is chosen from the batch
         by `validate`."""
-        _check_choice("parallel.dp_mode", dp_mode, DP_MODE_OPTIONS)
-        _check_choice("parallel.pp_schedule", pp_schedule, SCHEDULES)
+        check_choice("parallel.dp_mode", dp_mode, DP_MODE_OPTIONS)
+        check_choice("parallel.pp_schedule", pp_schedule, SCHEDULES)
         mode = DPMode(dp_mode)
         if world_size < 1:
             raise ConfigError(f"world size must be >= 1, got {world_size}")
@@ -478,42 +477,6 @@ CONFIG_KEYS: dict[str, str] = {f.name: {"pp_virtual": "pp_virtual_stages"}.get(f
                                for f in dataclasses.fields(Layout)}
 
 
-# -- gradient compression ------------------------------------------------------------------------------------------
-def grad_compression_site(layout: Layout, method: str) -> CompressionSite:
-    """Where `parallel.grad_compression` acts on this layout, or a ConfigError naming what would work:
-
-      NONE            no compression
-      DDP_HOOK        ddp / zero1: a DDP communication hook replaces the gradient all-reduce (every method)
-      REPLICATE_HOOK  hsdp: FSDP reduce-scatters within a replica uncompressed, then a hook all-reduces the shard
-                      over dp_replicate compressed (sign_ef)
-      REDUCE_DTYPE    bf16 with FSDP (zero2, fsdp, hsdp, also under tp/pp/ep): MixedPrecisionPolicy(reduce_dtype=
-                      bf16) reduce-scatters (and for hsdp all-reduces) the gradients in bf16
-    """
-    _check_choice("parallel.grad_compression", method, GRAD_COMPRESSIONS)
-    comp = Compression(method)
-    if not comp.enabled:
-        return CompressionSite.NONE
-    key = f"parallel.grad_compression={method}"
-    if layout.dp_cp == 1:
-        raise ConfigError(f"{key} compresses the data-parallel gradient reduction, but {layout.describe()} has no data "
-                          "parallelism; use it with dp_mode ddp, zero1 or hsdp over several ranks")
-    if layout.uses_ddp:
-        return CompressionSite.DDP_HOOK
-    if comp.casts_to_bf16:
-        return CompressionSite.REDUCE_DTYPE
-    if not layout.hybrid:
-        raise ConfigError(f"{key} compresses all-reduces (ddp, zero1, hsdp's dp_replicate dimension); dp_mode="
-                          f"{layout.dp_mode} reduce-scatters its gradients, where only bf16 applies (reduce-scatter in "
-                          "bf16); use dp_mode=ddp or zero1, or hsdp with dp_replicate > 1")
-    if comp.low_rank:
-        raise ConfigError(f"{key} is PyTorch's DDP hook and needs whole gradient matrices; hsdp's replicate all-reduce "
-                          "sees flat shards: use sign_ef or bf16 with hsdp, or powersgd with dp_mode=ddp or zero1")
-    if layout.tp > 1 or layout.pp > 1 or layout.ep > 1 or layout.cp > 1:
-        raise ConfigError(f"{key} with hsdp supports no tp, pp, ep or cp yet (the hook needs one FSDP mesh of dense "
-                          "blocks); use bf16 there, or hsdp alone")
-    return CompressionSite.REPLICATE_HOOK
-
-
 def predicted_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
     """Idle fraction of a GPipe/1F1B pipeline, (p-1)/(m+p-1); interleaving divides it by the stages per rank."""
     return (pp - 1) / (microbatches + pp - 1) / virtual
@@ -555,7 +518,7 @@ def _split_error(split, stages: int, n_layers: int | None = None) -> str:
     return f"parallel.pp_split='{_fmt(split)}' must give {stages} stages of at least one block each{total}"
 
 
-def _check_choice(key: str, value: str, options: tuple[str, ...]) -> None:
+def check_choice(key: str, value: str, options: tuple[str, ...]) -> None:
     if value not in options:
         close = difflib.get_close_matches(str(value), options, n=1)
         raise ConfigError(f"{key}: '{value}' is not one of {', '.join(options)}"

@@ -13,10 +13,7 @@ a mode string or member compared anywhere but here and in paratrain/layout.py. T
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from typing import Literal, get_args
-
-from paratrain.errors import UserError
 
 # -- data parallelism --------------------------------------------------------------------------------------------
 class DPMode(enum.StrEnum):
@@ -345,13 +342,10 @@ def resolve_impl(impl: str, device_type: str, precision: str, optimizer: str = "
         return "foreach"
     return "fused" if device_type == "cuda" or precision != "fp16" else "foreach"
 
-# -- gradient compression ----------------------------------------------------------------------------------------
-GradCompression = Literal["none", "bf16", "powersgd", "sign_ef"]
-GRAD_COMPRESSIONS: tuple[str, ...] = get_args(GradCompression)
-
-
+# -- gradient compression (a capability: paratrain/capabilities/) --------------------------------------------------
 class CompressionSite(enum.Enum):
-    """Where `parallel.grad_compression` acts on a layout (`paratrain.layout.grad_compression_site` decides)."""
+    """Where gradient compression acts on a layout (its capability decides: `Compression.site`); a word here, which
+    the runtime (distributed/compression.py), the estimator and the planner all ask."""
 
     NONE = "none"  # no compression
     DDP_HOOK = "ddp_hook"  # ddp / zero1: a DDP communication hook replaces the gradient all-reduce (every method)
@@ -362,48 +356,3 @@ class CompressionSite(enum.Enum):
     def hooked(self) -> bool:
         """A communication hook compresses an all-reduce (its bytes, state and compute are the method's)."""
         return self in (CompressionSite.DDP_HOOK, CompressionSite.REPLICATE_HOOK)
-
-
-@dataclass(frozen=True)
-class Compression:
-    """The `[parallel]` settings that decide what the gradient reduction sends; every question about the method."""
-
-    method: GradCompression = "none"
-    powersgd_rank: int = 4
-    sign_ef_block: int = 0
-
-    @classmethod
-    def from_config(cls, parallel) -> "Compression":
-        return cls(parallel.grad_compression, parallel.powersgd_rank, parallel.sign_ef_block)
-
-    def config_values(self) -> dict:
-        """Its `[parallel]` keys and values (`from_config` backwards)."""
-        return {"grad_compression": self.method, "powersgd_rank": self.powersgd_rank,
-                "sign_ef_block": self.sign_ef_block}
-
-    @property
-    def enabled(self) -> bool:
-        return self.method != "none"
-
-    @property
-    def casts_to_bf16(self) -> bool:
-        """bf16: the gradients travel as a bf16 copy."""
-        return self.method == "bf16"
-
-    @property
-    def low_rank(self) -> bool:
-        """powersgd: each gradient matrix travels as a rank-r approximation with error feedback."""
-        return self.method == "powersgd"
-
-    @property
-    def one_bit(self) -> bool:
-        """sign_ef: each element travels as its sign, with a scale per tensor piece and error feedback."""
-        return self.method == "sign_ef"
-
-    def check_flags(self) -> "Compression":
-        """These settings as command-line flags (`plan`, `estimate`): a one-line error where no run could use them."""
-        if self.method not in GRAD_COMPRESSIONS:
-            raise UserError(f"--grad-compression '{self.method}' is not one of {', '.join(GRAD_COMPRESSIONS)}")
-        if self.powersgd_rank < 1 or self.sign_ef_block < 0 or self.sign_ef_block % 8:
-            raise UserError("--powersgd-rank must be >= 1 and --sign-ef-block 0 or a multiple of 8")
-        return self

@@ -25,8 +25,8 @@ from paratrain.layout import Batch, Layout
 from paratrain.layout_grammar import layout_name
 from paratrain.memory import MemoryTiers
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import (CHECKPOINT_MODES, PRECISIONS, CheckpointMode, Compression, OptimizerImpl, Precision,
-                             resolve_impl)
+from paratrain.capabilities.grad_compression import Compression
+from paratrain.modes import CHECKPOINT_MODES, PRECISIONS, CheckpointMode, OptimizerImpl, Precision, resolve_impl
 
 
 def _get(cfg, key: str):

@@ -25,7 +25,8 @@ from paratrain.data import DEFAULT_CORPUS
 from paratrain.capabilities import optimizer_entry
 from paratrain.errors import ConfigError, UserError
 from paratrain.hf import check_run
-from paratrain.layout import Batch, Layout, grad_compression_site
+from paratrain.capabilities.grad_compression import grad_compression_site
+from paratrain.layout import Batch, Layout
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
 from paratrain.models.presets import preset_args, preset_fields

@@ -456,7 +456,8 @@ MODE_OWNERS = {PACKAGE / "modes.py", PACKAGE / "layout.py", *(PACKAGE / "capabil
 MODE_SCANNED = (PACKAGE, ROOT / "bench")
 MODE_TYPES = ("DPModeOption", "Schedule", "CheckpointMode", "Precision", "GradCompression", "WeightDtype",
               "Float8Compute")  # (Float8Recipe's "rowwise" is also a tensor-parallel role: its predicate is fp8's)
-CAPABILITY_MODE_TYPES = {"Float8Compute": "float8"}  # a mode type declared in its capability module
+# a mode type declared in its capability module
+CAPABILITY_MODE_TYPES = {"Float8Compute": "float8", "GradCompression": "grad_compression"}
 
 
 def mode_type(name: str):

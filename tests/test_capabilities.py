@@ -78,6 +78,19 @@ NAMED_ALSO_IN = {
     # (its runtime, the saved-tensor hooks, a torch module that parallelize applies to the blocks it names: the
     # capabilities package may not import distributed/, which imports it)
     "activation_offload": {"paratrain/distributed/offload.py", "paratrain/distributed/parallelize.py"},
+    # (their kernels, a torch module; their builders' table. Their entries and MomentumSchedule are the module's: the
+    # run's GradComm gets the schedule from the entry's `schedule` factory, handed over by the trainer)
+    "onebit": {"paratrain/training/onebit.py", "paratrain/training/optim.py"},
+    # Its value type, `Compression`, is a field of every Recipe and of the planner's Context (`none` included), so the
+    # modules that build or read those name its module: the Recipe, the planner's flags and Context, `estimate`'s
+    # flags, evaluation (no compression), Muon (refuses sign_ef's 1-bit gradients). Besides: the optimizer's check
+    # against the method (config.py, with the optimizer's other checks, in their order), the run's layout check
+    # (spec.py), the [parallel] flags plan and estimate share (layout_grammar.py), the plan JSON's key (plan.py), and
+    # its runtime (distributed/compression.py's GradComm: the torch hooks, which take the torch-free decisions from it)
+    "grad_compression": {"paratrain/recipe.py", "paratrain/estimate/planner.py", "paratrain/estimate/step_time.py",
+                         "paratrain/commands/estimate.py", "paratrain/downstream.py", "paratrain/capabilities/muon.py",
+                         "paratrain/config.py", "paratrain/spec.py", "paratrain/layout_grammar.py",
+                         "paratrain/commands/plan.py", "paratrain/distributed/compression.py"},
 }
 
 

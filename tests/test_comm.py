@@ -16,9 +16,9 @@ from paratrain.api import run_rank
 from paratrain.config import load_config
 from paratrain.distributed.launch import launch
 from paratrain.errors import ConfigError
-from paratrain.estimate.compression import compression_cost
-from paratrain.modes import Compression, CompressionSite
-from paratrain.layout import Layout, grad_compression_site
+from paratrain.capabilities.grad_compression import Compression, grad_compression_site
+from paratrain.modes import CompressionSite
+from paratrain.layout import Layout
 
 from conftest import assert_plan_rejected, fast_overrides
 
@@ -93,7 +93,7 @@ def test_sign_ef_resume_is_bitwise_and_sends_a_thirtieth(char_data, tmp_path):
     from paratrain.spec import model_args_from
 
     shapes = [q.shape for q in model_params(model_args_from(cfgs[0], read_meta(char_data)["vocab_size"]))]
-    predicted = compression_cost(Compression("sign_ef"), shapes, 2).wire_fraction
+    predicted = Compression("sign_ef").cost(shapes, 2).wire_fraction
     assert abs(records[-1]["compression_ratio"] - predicted) < 0.05 * predicted
     power_ratios = [r["compression_ratio"] for r in _records(powersgd.run_dir)]
     assert power_ratios[:2] == [1.0, 1.0] and max(power_ratios[2:]) < 0.5  # plain all-reduce while warming up
@@ -161,15 +161,15 @@ def test_planner_and_estimator_know_compression():
 
     shapes = [(512, 256), (256,), (64, 64), (8, 8)]
     numel = 512 * 256 + 256 + 64 * 64 + 64
-    sign = compression_cost(Compression("sign_ef"), shapes, 4)
+    sign = Compression("sign_ef").cost(shapes, 4)
     assert sign.wire_fraction == (numel / 8 + 4 * len(shapes) * 4) / (4 * numel)
     assert sign.state_bytes == 4 * numel + numel  # worker residual + this rank's quarter (server residual)
-    blocks = compression_cost(Compression("sign_ef", sign_ef_block=64), shapes, 4)
+    blocks = Compression("sign_ef", sign_ef_block=64).cost(shapes, 4)
     assert blocks.wire_fraction == 1 / 32 + 1 / 64
-    power = compression_cost(Compression("powersgd", powersgd_rank=4), shapes, 4)
+    power = Compression("powersgd", powersgd_rank=4).cost(shapes, 4)
     # 512x256 and 64x64 compressed at rank 4; the vector and the 8x8 matrix sent as they are
     assert power.wire_fraction == (4 * (512 + 256) + 4 * (64 + 64) + 256 + 64) / numel
-    assert compression_cost(Compression("bf16"), shapes, 4).wire_fraction == 0.5
+    assert Compression("bf16").cost(shapes, 4).wire_fraction == 0.5
 
     preds = {}
     for method in ("none", "bf16", "powersgd", "sign_ef"):

@@ -147,7 +147,9 @@ def test_onebit_settings_refused():
 
 def test_momentum_schedules():
     """The published policies, step by step (1-based s in the papers; 0-based steps here)."""
-    from paratrain.optimizers import GradientReduction, MomentumSchedule
+    from paratrain.capabilities import gradient_reduction
+    from paratrain.capabilities.onebit import MomentumSchedule
+    from paratrain.optimizers import GradientReduction
 
     onebit = MomentumSchedule(zero_one=False, freeze=3)
     assert [onebit.gradient(t) for t in range(5)] == [GradientReduction.MEAN] * 3 + [GradientReduction.LOCAL] * 2
@@ -174,7 +176,8 @@ def test_onebit_default_warm_up_is_a_share_of_the_run():
     from paratrain.config import ParallelConfig, load_config
     from paratrain.distributed.compression import GradComm
     from paratrain.layout import Layout
-    from paratrain.optimizers import MomentumSchedule
+    from paratrain.capabilities import gradient_reduction
+    from paratrain.capabilities.onebit import MomentumSchedule
 
     def freeze(steps, *overrides):
         cfg = load_config(None, [f"training.steps={steps}", "optimizer.warmup_steps=100", *overrides])
@@ -185,8 +188,9 @@ def test_onebit_default_warm_up_is_a_share_of_the_run():
     assert freeze(2000, "optimizer.name=zero_one_adam") == 100
     # the run's length reaches the schedule the gradient hooks follow
     cfg = load_config(None, ["optimizer.name=onebit_adam"])
-    comm = GradComm(ParallelConfig(), SimpleNamespace(layout=Layout.resolve(2, dp_mode="ddp")), torch.device("cpu"),
-                    optimizer=cfg.optimizer, steps=2000, entry=optimizer_entry("onebit_adam"))
+    layout = Layout.resolve(2, dp_mode="ddp")
+    reduction = gradient_reduction(ParallelConfig(), layout, optimizer_entry("onebit_adam"), cfg.optimizer, 2000)
+    comm = GradComm(ParallelConfig(), SimpleNamespace(layout=layout), torch.device("cpu"), reduction=reduction)
     assert comm.schedule.freeze == 130
 
 
@@ -196,8 +200,7 @@ def test_onebit_in_the_estimator_and_the_planner():
     from paratrain.estimate import Target, estimate, inputs_for
     from paratrain.memory import MemoryTiers
     from paratrain.recipe import Recipe
-    from paratrain.estimate.compression import compression_cost
-    from paratrain.modes import Compression
+    from paratrain.capabilities.grad_compression import Compression
     from paratrain.estimate.model_states import model_params, state_bytes
     from paratrain.layout import Layout
     from paratrain.models.args import ModelArgs
@@ -210,7 +213,7 @@ def test_onebit_in_the_estimator_and_the_planner():
     ddp = Layout.resolve(4, dp_mode="ddp")
     assert state_bytes(args, ddp, "fp32", "onebit_adam", "paratrain").optimizer == 8 * n + 8 * tensors
     assert state_bytes(args, ddp, "fp32", "zero_one_adam", "paratrain").optimizer == 12 * n + 12 * tensors
-    residuals = compression_cost(Compression("sign_ef"), [q.shape for q in model_params(args)], 4).state_bytes
+    residuals = Compression("sign_ef").cost([q.shape for q in model_params(args)], 4).state_bytes
     est = estimate(inputs_for(args, Recipe(ddp, precision="fp32", optimizer="onebit_adam", seq_len=64,
                                      tiers=MemoryTiers(loss_chunks=0)), Target(device="cpu")),
                    suggest=False)

@@ -12,6 +12,7 @@ from paratrain.capabilities.adamw8bit import EightBitAdam
 from paratrain.capabilities.base import Capability
 from paratrain.capabilities.cpu_offload import CpuOffload
 from paratrain.capabilities.float8 import Float8
+from paratrain.capabilities.grad_compression import GradientCompression
 from paratrain.capabilities.muon import Muon
 from paratrain.capabilities.onebit import OneBitAdam
 from paratrain.capabilities.z_loss import ZLoss
@@ -20,11 +21,28 @@ from paratrain.optimizers import BUILT_IN, OptimizerEntry
 
 # In the order their hooks run (and their keys are listed in a section they share).
 CAPABILITIES: tuple[type[Capability], ...] = (Float8, OneBitAdam, EightBitAdam, Muon, ZLoss, ActivationOffload,
-                                               CpuOffload)
+                                               CpuOffload, GradientCompression)
 
-# The optimizer table `optimizer.name` selects from: the built-in entries (paratrain/optimizers.py), then those the
-# capabilities bring (`Capability.optimizers`), in registry order.
-OPTIMIZERS: dict[str, OptimizerEntry] = {**BUILT_IN, **{e.name: e for cls in CAPABILITIES for e in cls.optimizers}}
+# Where a capability's optimizer entries sit in the table among the built-in ones: {built-in entry: the capabilities
+# whose entries follow it}. The table's order is `optimizer.name`'s choices in --help, docs/configuration.md and the
+# planner's listings; 1-bit Adam's entries were built in after sgd before they moved to their capability.
+PLACED_AFTER: dict[str, tuple[type[Capability], ...]] = {"sgd": (OneBitAdam,)}
+
+
+def _optimizer_table() -> dict[str, OptimizerEntry]:
+    """The built-in entries (paratrain/optimizers.py) with the capabilities placed among them (PLACED_AFTER), then
+    those the other capabilities bring (`Capability.optimizers`), in registry order."""
+    placed = {cls for after in PLACED_AFTER.values() for cls in after}
+    table = {}
+    for name, entry in BUILT_IN.items():
+        table[name] = entry
+        table.update({e.name: e for cls in PLACED_AFTER.get(name, ()) for e in cls.optimizers})
+    table.update({e.name: e for cls in CAPABILITIES if cls not in placed for e in cls.optimizers})
+    return table
+
+
+# The optimizer table `optimizer.name` selects from.
+OPTIMIZERS: dict[str, OptimizerEntry] = _optimizer_table()
 OPTIMIZER_NAMES: tuple[str, ...] = tuple(OPTIMIZERS)
 
 
@@ -75,6 +93,13 @@ def check(cfg) -> None:
         cls.check(cfg)
 
 
+def gradient_reduction(parallel, layout, entry, optimizer=None, steps: int = 0):
+    """What a run's data-parallel gradient reduction runs (`Capability.gradient_reduction`: the first answer; None:
+    the plain reduction)."""
+    answers = (cls.gradient_reduction(parallel, layout, entry, optimizer, steps) for cls in CAPABILITIES)
+    return next((r for r in answers if r is not None), None)
+
+
 def checkpoint_state(state):
     """A checkpoint's state as plain tensors (`Capability.checkpoint_state` of each)."""
     for cls in CAPABILITIES:
@@ -89,7 +114,14 @@ def own_sections() -> dict[str, tuple[type, str | None]]:
 
 def added_keys(section: str) -> list[type]:
     """The dataclasses of the keys capabilities add to an existing section, in registry order."""
-    return [cls.adds_to[1] for cls in CAPABILITIES if cls.adds_to is not None and cls.adds_to[0] == section]
+    return [keys for keys, _ in added_keys_after(section)]
+
+
+def added_keys_after(section: str) -> list[tuple[type, str | None]]:
+    """(the dataclass of the keys a capability adds to an existing section, the key they follow or None: at the
+    end), in registry order."""
+    return [(cls.adds_to[1], cls.adds_after) for cls in CAPABILITIES
+            if cls.adds_to is not None and cls.adds_to[0] == section]
 
 
 def verify_rows(matrix: str | None = None) -> dict[str, tuple]:

@@ -16,6 +16,8 @@ The hooks are called at fixed points of a step (paratrain/training/step.py), alw
                         tensor-parallel styles for the modules it changed ({module name: (colwise, rowwise)})
     loss_term           an extra loss on the logits (with the cross-entropy's reduction), logged under its `name`
     after_optimizer_step  after each optimizer update (fp8's precomputed scales)
+    gradient_reduction  what the data-parallel gradient reduction runs (a classmethod: gradient compression's
+                        `GradReduction`, which the run's GradComm takes; distributed/ never imports the registry)
     checkpoint_state    the state a checkpoint saves and loads into, as plain tensors (a classmethod: every registered
                         capability's runs on every run's state, as a wrapper can outlive the run that made it)
 
@@ -98,6 +100,9 @@ class Capability:
     section: ClassVar[type | None] = None  # the dataclass of its own config section, `[name]`
     section_after: ClassVar[str | None] = None  # the built-in section it follows in a config file (None: at the end)
     adds_to: ClassVar[tuple[str, type] | None] = None  # (section, dataclass of the keys it adds there)
+    # the key of that section its keys follow (None: after the section's own and earlier capabilities'): where they
+    # were before they moved to the capability, so configs, --help and docs/configuration.md list them in place
+    adds_after: ClassVar[str | None] = None
     # verify rows: row name -> (ranks, layout name, overrides...), as paratrain/verify.py's LAYOUTS
     verify_rows: ClassVar[dict[str, tuple]] = {}
     # the verify tolerances of its rows (loss, weights, val loss), where they are looser than fp32's 1e-5; and the
@@ -146,6 +151,15 @@ class Capability:
 
     def after_optimizer_step(self, model, where: Where) -> None:
         pass
+
+    @classmethod
+    def gradient_reduction(cls, parallel, layout, entry, optimizer=None, steps: int = 0):
+        """The gradient-communication point (training/step.py, before the model is laid out): what the run's
+        data-parallel gradient reduction runs on `layout` (a value distributed/compression.py's GradComm takes: the
+        collective, where it acts, an optimizer's schedule), from `[parallel]` (a ParallelConfig), the optimizer's
+        table entry, its OptimizerConfig and the run's optimizer steps; None where the capability does not decide it
+        (a classmethod: the registry's first answer counts; gradient compression's is every run's)."""
+        return None
 
     @classmethod
     def checkpoint_state(cls, state):

@@ -16,7 +16,8 @@ from typing import Literal
 
 from paratrain.capabilities.base import MOE_PRESET, Capability
 from paratrain.errors import ConfigError
-from paratrain.modes import Compression, Precision
+from paratrain.capabilities.grad_compression import Compression
+from paratrain.modes import Precision
 from paratrain.optimizers import FP32, OptimizerEntry
 
 MUON = "optimizer.name=muon"

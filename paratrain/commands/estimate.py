@@ -17,7 +17,7 @@ from paratrain.estimate.core import estimate
 from paratrain.estimate.gpus import GiB, HEADROOM, check_headroom, gpu_memory, parse_memory
 from paratrain.estimate.inputs import Target, inputs_for
 from paratrain.layout import Layout
-from paratrain.modes import Compression
+from paratrain.capabilities.grad_compression import Compression
 from paratrain.recipe import Recipe
 from paratrain.commands.recipe_flags import add_recipe_flags, with_recipe_flags
 from paratrain.spec import batch_of, model_from

@@ -1,6 +1,7 @@
 """The data-parallel gradient reduction: compression hooks, their state, and the bytes they put on the wire.
 
-`parallel.grad_compression` (rules in `paratrain.layout.grad_compression_site`):
+`parallel.grad_compression` (the capability: paratrain/capabilities/grad_compression.py, with the rules of where each
+method acts, `grad_compression_site`; the trainer hands a run's decisions to `GradComm` as a `GradReduction`):
 
   none      DDP's own bucketed all-reduce / FSDP's reduce-scatter, untouched (no hook is registered)
   bf16      ddp/zero1: torch's `bf16_compress_hook` (all-reduce in bf16); FSDP (zero2, fsdp, hsdp, also under
@@ -24,8 +25,9 @@ depend on how DDP groups parameters (it regroups them after the first step, and 
 initial grouping again): resuming from a checkpoint continues bit for bit.
 
 1-bit Adam and 0/1 Adam (the optimizers that communicate themselves: `OptimizerEntry.compression`; their kernels in
-paratrain/training/) use the same SignEF on their momenta: their `MomentumSchedule` tells the hooks, step by step, to take the fp32 mean, the 1-bit
-mean, or to leave each rank its own gradient, and the optimizer averages its momenta with `GradComm.momentum_mean_`.
+paratrain/training/) use the same SignEF on their momenta: their schedule (`OptimizerEntry.schedule`, made by their
+capability, handed here in the run's `GradReduction`) tells the hooks, step by step, to take the fp32 mean, the 1-bit mean, or
+to leave each rank its own gradient, and the optimizer averages its momenta with `GradComm.momentum_mean_`.
 
 PowerSGD is torch's hook; its state (error feedback, the warm-started Q matrices) is per bucket in torch, so the
 wrapper here moves it to and from per-parameter dictionaries around each call, for the same reason.
@@ -46,13 +48,12 @@ from torch import nn
 import torch
 import torch.distributed as dist
 
+from paratrain.capabilities.grad_compression import GradReduction, powersgd_matrix
 from paratrain.config import ParallelConfig
 from paratrain.distributed.initialize import canonical_name
 from paratrain.distributed.tensors import local_tensor
-from paratrain.estimate.compression import powersgd_matrix
-from paratrain.layout import grad_compression_site
-from paratrain.modes import Compression, CompressionSite
-from paratrain.optimizers import GradientReduction, MomentumSchedule, OptimizerEntry
+from paratrain.modes import CompressionSite
+from paratrain.optimizers import GradientReduction
 
 STATE_PREFIX = "grad_comm"  # checkpoint keys: grad_comm/<method>/w<world>/rank<r>/<parameter>|<kind>
 
@@ -341,25 +342,21 @@ class GradComm:
     hsdp's replicate hook) and `attach_ddp` after wrapping DDP; the trainer logs `step_metrics` and checkpoints
     `state_dict`.
 
-    An optimizer that communicates itself (1-bit Adam, 0/1 Adam: `OptimizerEntry.compression`) brings its
-    `MomentumSchedule`: the hooks then do what it says for each step's gradients (fp32 mean, 1-bit mean, or nothing,
+    An optimizer that communicates itself (1-bit Adam, 0/1 Adam: `OptimizerEntry.compression`) brings its schedule
+    (`OptimizerEntry.schedule`): the hooks then do what it says for each step's gradients (fp32 mean, 1-bit mean, or nothing,
     leaving each rank its own), the optimizer averages its momenta through `momentum_mean_` (the same SignEF and
     error feedback), and its per-rank state (`attach_optimizer`) is checkpointed with the residuals."""
 
-    def __init__(self, parallel, dims, device: torch.device, seed: int = 0, optimizer=None, steps: int = 0,
-                 entry: OptimizerEntry | None = None):
-        """`optimizer`: the OptimizerConfig (None: AdamW's defaults) and `entry` its table entry (None: one that does
-        not communicate itself); `steps`: the run's optimizer steps (1-bit Adam's default warm-up is a share of
-        them)."""
+    def __init__(self, parallel, dims, device: torch.device, seed: int = 0, reduction: GradReduction | None = None):
+        """`parallel`: the `[parallel]` settings (buckets, prefetching, the compressors' ranks, blocks and warm-ups);
+        `reduction`: what the reduction runs on this layout, decided by the capability
+        (`GradReduction.of_run(parallel, layout, ...)`, with an optimizer's schedule; None: no compression)."""
+        reduction = reduction or GradReduction()
         self.dims, self.layout, self.device, self.seed = dims, dims.layout, device, seed
-        self.method = parallel.grad_compression
-        self.compression = Compression.from_config(parallel)
-        self.schedule: MomentumSchedule | None = None
-        if optimizer is not None and entry is not None and entry.communicates and self.layout.dp > 1:
-            self.schedule = MomentumSchedule.from_config(optimizer, steps)
-            self.compression = entry.run_compression(self.compression)  # its 1-bit all-reduce (sign_ef_block)
-            self.method = entry.name  # it names the state in checkpoints and the notices
-        self.site = grad_compression_site(self.layout, self.compression.method)
+        self.method = reduction.name  # the method, or the optimizer's name: names the state in checkpoints, notices
+        self.compression = reduction.compression  # the collective it holds state for (1-bit Adam's: its own)
+        self.schedule = reduction.schedule  # an optimizer's (1-bit Adam's MomentumSchedule), None for the others
+        self.site = reduction.site
         self.step = 0  # the optimizer step being reduced (start_step)
         self.optimizer = None  # an optimizer with per-rank state (attach_optimizer)
         self.bucket_mb = parallel.ddp_bucket_mb

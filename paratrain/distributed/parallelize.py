@@ -183,7 +183,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_m
     """offload: FSDP2's offload policy for every group (a capability's `fsdp_offload_policy`: CPU offload's keeps the
     sharded parameters, gradients and so the optimizer state in host memory); None: nothing offloaded."""
     comm = comm or GradComm.default(dims, torch.device("cpu"))
-    # Gradients are reduced in fp32, or in bf16 with parallel.grad_compression=bf16.
+    # Gradients are reduced in fp32, or in bf16 with bf16 gradient compression (`comm.reduce_dtype`).
     mp = MixedPrecisionPolicy(param_dtype=torch_dtype(precision), reduce_dtype=comm.reduce_dtype)
     policies = dict(mp_policy=mp, offload_policy=offload if offload is not None else OffloadPolicy())
     mesh = comm.fsdp_mesh()  # hsdp compressing its replicate all-reduce shards over dp_shard only

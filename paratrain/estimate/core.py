@@ -26,14 +26,13 @@ from dataclasses import dataclass, field
 
 from paratrain import capabilities
 from paratrain.estimate import activations as A
-from paratrain.estimate.compression import compression_cost
 from paratrain.estimate.gpus import GiB, fits, fmt_bytes, usable_bytes
 from paratrain.estimate.inputs import EstimateInputs, validate
 from paratrain.estimate.model_states import (BF16, FP32, Param, StateBytes, fsdp_gathers_per_step, fsdp_numel,
                                              local_shape, model_params, rank_layers, rank_params, state_bytes,
                                              zero_table)
 from paratrain.capabilities import optimizer_entry
-from paratrain.layout import Layout, grad_compression_site
+from paratrain.layout import Layout
 from paratrain.memory import HOST_HEADROOM
 from paratrain.models.presets import count_active_params
 from paratrain.models.registry import family_of
@@ -191,7 +190,7 @@ _FSDP_BYTES: dict = {}
 
 def _fsdp_bytes(params: list[Param], layout: Layout, pbytes: int, rbytes: int = FP32) -> tuple[int, int]:
     """(unsharded bytes in the compute dtype, reduce-scatter input bytes in the reduce dtype: fp32, or bf16 with
-    grad_compression=bf16) of an FSDP group: each parameter padded to a multiple of the ranks it is sharded over
+    bf16 gradient compression) of an FSDP group: each parameter padded to a multiple of the ranks it is sharded over
     (experts under ep: dp_shard / ep). Cached: the planner asks for the same groups thousands of times."""
     key = (tuple((p.shape, p.tp_dim, p.expert, p.trainable) for p in params), layout, pbytes, rbytes)
     hit = _FSDP_BYTES.get(key)
@@ -476,7 +475,7 @@ class _Walk:
         # DDP's flat bucket buffers are a second copy of the gradients (gradient_as_bucket_view=False); classic
         # frameworks reduce from one contiguous gradient buffer instead.
         self.ddp_buckets = r.grad_numel(self.params) * self.gbytes if (lay.uses_ddp and not self.classic) else 0
-        site = grad_compression_site(lay, i.recipe.compression.method)
+        site = i.recipe.compression.site(lay)
         rbytes = BF16 if site is CompressionSite.REDUCE_DTYPE else FP32
         unsh = self.unsh = ({l: _fsdp_bytes(by_layer[l], lay, self.pbytes, rbytes if per_block else FP32)
                              for l in by_layer} if fsdp else {})
@@ -489,15 +488,15 @@ class _Walk:
         """Gradient compression (or the optimizer's own, 1-bit Adam's of the momenta): error feedback kept between
         steps; the hook's temporaries (DDP: at the end of backward)."""
         i, lay = self.i, self.lay
-        self.run_comp = optimizer_entry(i.recipe.optimizer).run_compression(i.recipe.compression)
-        self.comp_site = grad_compression_site(lay, self.run_comp.method)
+        self.run_comp = i.recipe.compression.run_by(optimizer_entry(i.recipe.optimizer))
+        self.comp_site = self.run_comp.site(lay)
         self.comp = None
         if self.comp_site.hooked:
             shapes = [local_shape(q, lay) for q in self.params if q.trainable]
             if self.comp_site is CompressionSite.REPLICATE_HOOK:
                 shapes = [(math.ceil(sh[0] / lay.dp_shard), *sh[1:]) for sh in shapes]
-            self.comp = compression_cost(self.run_comp, shapes,
-                                         lay.dp if self.comp_site is CompressionSite.DDP_HOOK else lay.dp_replicate)
+            self.comp = self.run_comp.cost(shapes, lay.dp if self.comp_site is CompressionSite.DDP_HOOK
+                                           else lay.dp_replicate)
 
     def _set_up_held_throughout(self) -> None:
         """The model states every candidate peak holds, and what a zero-bubble input-gradient step leaves for the

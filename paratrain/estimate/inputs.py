@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from paratrain.capabilities import OPTIMIZER_NAMES, optimizer_entry
 from paratrain.errors import UserError
 from paratrain.estimate.gpus import HEADROOM, check_headroom
-from paratrain.layout import Batch, Layout, grad_compression_site
+from paratrain.layout import Batch, Layout
 from paratrain.memory import loss_chunks
 from paratrain.models.args import ModelArgs
 from paratrain.models.registry import targets_of
@@ -99,9 +99,9 @@ def validate(i: EstimateInputs) -> EstimateInputs:
     steps = lay.pp_microbatches if lay.pp > 1 else i.recipe.accum_steps
     batch = Batch(global_batch=i.recipe.micro_batch * steps * lay.dp, micro_batch=i.recipe.micro_batch,
                   seq_len=i.recipe.seq_len)
-    grad_compression_site(lay, i.recipe.compression.method)  # ConfigError where it cannot apply
+    i.recipe.compression.site(lay)  # ConfigError where it cannot apply
     entry = optimizer_entry(i.recipe.optimizer)
-    entry.check_compression(i.recipe.compression.method, "--grad-compression")
+    i.recipe.compression.check_optimizer(entry, "--grad-compression")
     entry.check_layout(lay)
     for capability in i.recipe.capabilities:  # (activation offload: its mode and schedule; CPU offload: FSDP layouts)
         capability.check_layout(lay)

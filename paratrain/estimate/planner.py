@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from typing import NamedTuple
 
 from paratrain.capabilities import implied_by_settings, optimizer_entry
+from paratrain.capabilities.grad_compression import Compression
 from paratrain.config import ParallelConfig
 from paratrain.errors import UserError
 from paratrain.estimate.gpus import HEADROOM, check_headroom, parse_memory
@@ -31,8 +32,7 @@ from paratrain.layout_grammar import COMPRESSION_KEYS, LAYOUT_KEYS, layout_flags
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
 from paratrain.models.presets import preset_args
-from paratrain.modes import (DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, CheckpointMode, Compression, DPMode,
-                             Schedule)
+from paratrain.modes import DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, CheckpointMode, DPMode, Schedule
 
 # The [parallel] values a plan may pin (the layout flags of `paratrain plan`, paratrain/layout_grammar.py): each fixes
 # that field of every planned layout; the blocks per stage and tp without sequence or loss parallelism are the
@@ -123,7 +123,7 @@ def plan_context(request: PlanRequest) -> Planning:
     if parallel.ddp_bucket_mb <= 0:
         raise UserError(f"--ddp-bucket-mb must be > 0, got {parallel.ddp_bucket_mb}")
     entry = optimizer_entry(r.optimizer)
-    entry.check_compression(compression.method, "--grad-compression")
+    compression.check_optimizer(entry, "--grad-compression")
     host = _bytes(r.host_memory)
     # the settings every candidate shares (each sets its own layout, checkpointing, micro-batch and memory tiers);
     # the capabilities its precision and optimizer imply come with it (fp8's GEMM rate and casts)

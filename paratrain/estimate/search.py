@@ -11,7 +11,7 @@ from paratrain import capabilities
 from paratrain.capabilities import optimizer_entry
 from paratrain.errors import ConfigError, UserError
 from paratrain.estimate.gpus import HEADROOM
-from paratrain.layout import Batch, Layout, grad_compression_site
+from paratrain.layout import Batch, Layout
 from paratrain.layout_grammar import parse_layout_name
 from paratrain.memory import AUTO_LOSS_CHUNKS
 from paratrain.modes import CheckpointMode, DPMode, Schedule
@@ -108,7 +108,7 @@ def _layout_reason(c: Candidate, ctx: Context) -> str:
     mode, so cached per layout and micro-batch)."""
     try:
         c.layout.validate(ctx.args, c.world, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
-        grad_compression_site(c.layout, ctx.compression.method)  # --grad-compression applies to this layout
+        ctx.compression.site(c.layout)  # --grad-compression applies to this layout
         optimizer_entry(ctx.optimizer).check_layout(c.layout)  # and --optimizer
     except ConfigError as e:
         return str(e)

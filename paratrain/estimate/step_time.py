@@ -48,7 +48,8 @@ ranks numbered node by node), else the inter-node link. FSDP shards over dp_shar
              the fp32 dK/dV accumulators, cp steps. Each step overlaps the attention of the block in hand by the
              profile's `overlap` fraction (a step's attention is 1/cp of the rank's); the rest is exposed.
              Full checkpointing repeats the forward ring (selective keeps the ring's output).
-Gradient compression (`--grad-compression`, `[parallel] grad_compression`; paratrain/estimate/compression.py): the
+Gradient compression (`--grad-compression`, `[parallel] grad_compression`; its terms: `Compression.cost` and
+`CompressionCost.seconds`, paratrain/capabilities/grad_compression.py, priced on the profile passed here): the
 compressed collective sends its bytes times the method's wire fraction (bf16 1/2, powersgd sum r(n+m) / sum nm over
 the matrices it compresses, sign_ef ~1/32) and pays its latency per collective (powersgd 3 all-reduces per bucket,
 sign_ef an all-to-all and an all-gather); compressing and decompressing is compute on the critical path
@@ -83,13 +84,12 @@ import math
 from dataclasses import dataclass, field
 
 from paratrain.capabilities import implied_by_settings, optimizer_entry
-from paratrain.estimate.compression import compression_cost
 from paratrain.estimate.model_states import fsdp_gathers_per_step, rank_layers
-from paratrain.layout import Layout, grad_compression_site, predicted_bubble
+from paratrain.layout import Layout, predicted_bubble
 from paratrain.memory import MemoryTiers
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import LoRA
-from paratrain.modes import CheckpointMode, Compression, CompressionSite, Precision, resolve_impl
+from paratrain.modes import CheckpointMode, CompressionSite, Precision, resolve_impl
 from paratrain.optimizers import GradientReduction, Phase
 from paratrain.recipe import Recipe
 from paratrain.estimate.profile import Hardware, Link
@@ -591,18 +591,16 @@ class _StepCompression:
         comp_in = ctx.compression
         silent = after_backward = False
         if phase is not None:
-            comp_in = optimizer_entry(ctx.optimizer).phase_compression(phase, comp_in)
+            comp_in = comp_in.in_phase(optimizer_entry(ctx.optimizer), phase)
             silent, after_backward = phase.reduction is GradientReduction.LOCAL, not phase.in_backward
-        site = grad_compression_site(lay, comp_in.method)
+        site = comp_in.site(lay)
         if not site.hooked:
             return cls(site, silent=silent, after_backward=after_backward)
         shapes = [local_shape(q, lay) for q in model_params(a, ctx.lora) if q.trainable]  # (no pp or tp here)
         if site is CompressionSite.REPLICATE_HOOK:  # the FSDP shard of each parameter (dim 0 over dp_shard)
             shapes = [(math.ceil(s[0] / lay.dp_shard), *s[1:]) for s in shapes]
-        cost = compression_cost(comp_in, shapes, c.dp if site is CompressionSite.DDP_HOOK else lay.dp_replicate)
-        fp32 = hw.speed(ctx.math(hw, "fp32"))  # (the gradients are fp32)
-        compress = (cost.gemm_flops / (fp32 * hw.gemm_rate(max(cost.gemm_flops / max(cost.ops, 1), 1.0)))
-                    if cost.gemm_flops else 0.0) + cost.memory_bytes / hw.mem_bandwidth + cost.ops * hw.op_overhead_s
+        cost = comp_in.cost(shapes, c.dp if site is CompressionSite.DDP_HOOK else lay.dp_replicate)
+        compress = cost.seconds(hw, hw.speed(ctx.math(hw, "fp32")))  # (the gradients are fp32)
         return cls(site, cost.wire_fraction, cost.collectives, compress, silent, after_backward)
 
 

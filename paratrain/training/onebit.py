@@ -1,10 +1,10 @@
 """1-bit Adam and 0/1 Adam (registry entries `onebit_adam`, `zero_one_adam`): Adam whose data-parallel communication
 after a warm-up is the error-compensated 1-bit all-reduce of the momentum, not the gradients' fp32 all-reduce.
 
-When a step communicates what is `paratrain.optimizers.MomentumSchedule` (torch-free, the planner reads it too). The
-run's `GradComm` (paratrain/distributed/compression.py) carries it out: its gradient hook takes the fp32 mean, the
-1-bit mean or nothing (each rank keeps its own gradient), and `momentum_mean_` averages momenta with sign_ef's
-compressor (signs and scales, worker and server residuals).
+When a step communicates what is `paratrain.capabilities.onebit.MomentumSchedule` (torch-free, the planner reads it
+too). The run's `GradComm` (paratrain/distributed/compression.py) carries it out: its gradient hook takes the fp32
+mean, the 1-bit mean or nothing (each rank keeps its own gradient), and `momentum_mean_` averages momenta with
+sign_ef's compressor (signs and scales, worker and server residuals).
 
 The update is AdamW's (bias-corrected moments, decoupled weight decay on matrices; torch's foreach arithmetic), with:
 - the variance updated only on the schedule's variance steps, from all-reduced gradients; its bias correction counts

@@ -29,7 +29,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor.parallel import loss_parallel
 
 from paratrain.config import ActivationCheckpointConfig, OptimizerConfig, ParallelConfig
-from paratrain.capabilities import optimizer_entry
+from paratrain.capabilities import gradient_reduction, optimizer_entry
 from paratrain.capabilities.base import Capability, Where
 from paratrain.data.batch import NOT_A_TARGET, as_batch
 from paratrain.distributed.compression import GradComm
@@ -467,9 +467,11 @@ def build_train_step(model_args, dims, recipe: Recipe | None = None, device: tor
         model = build_model(model_args)
     scaler = make_scaler(layout, precision, device)
     optimizer = dataclasses.replace(options.optimizer or OptimizerConfig(), name=recipe.optimizer)
-    # compression, buckets, prefetching (and 1-bit Adam's schedule)
-    comm = GradComm(options.parallel or ParallelConfig(), dims, device, options.seed, optimizer, options.steps,
-                    optimizer_entry(recipe.optimizer))
+    # the gradient-communication point: buckets, prefetching, and what the reduction runs (the compression
+    # capability decides it on this layout, with the schedule of an optimizer that communicates itself: 1-bit Adam's)
+    parallel = options.parallel or ParallelConfig()
+    reduction = gradient_reduction(parallel, layout, optimizer_entry(recipe.optimizer), optimizer, options.steps)
+    comm = GradComm(parallel, dims, device, options.seed, reduction)
     token_loss = TokenLoss(capabilities, device)
     pipeline = None
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
