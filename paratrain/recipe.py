@@ -23,7 +23,7 @@ from paratrain.errors import UserError
 from paratrain.layout import Batch, Layout
 from paratrain.layout_grammar import layout_name
 from paratrain.memory import MemoryTiers
-from paratrain.models.lora_params import LoRA
+from paratrain.capabilities.lora import LoRA
 from paratrain.modes import (CHECKPOINT_MODES, PRECISIONS, CheckpointMode, Compression, OptimizerImpl, Precision,
                              resolve_impl)
 
@@ -78,7 +78,7 @@ class Recipe:
                    tiers=MemoryTiers.from_config(cfg.memory),
                    optimizer_impl=resolve_impl(cfg.optimizer.impl, device_type, cfg.training.precision,
                                                 cfg.optimizer.name),
-                   compression=Compression.from_config(cfg.parallel), lora=LoRA.from_config(cfg.lora),
+                   compression=Compression.from_config(cfg.parallel), lora=LoRA.from_config(cfg),
                    compile=cfg.training.compile, cuda_graphs=cfg.training.cuda_graphs,
                    capabilities=capabilities.active(cfg))
 

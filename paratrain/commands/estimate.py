@@ -7,7 +7,7 @@ import json
 import math
 import sys
 
-from paratrain.models.lora_params import lora_problem
+from paratrain.capabilities.lora import lora_problem
 from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.layout_grammar import FLAG_KEYS, add_layout_flags, with_layout_flags
 from paratrain.modes import OPTIMIZER_IMPLS

@@ -89,7 +89,7 @@ from paratrain.layout import Batch, Layout, grad_compression_site, predicted_bub
 from paratrain.layout_grammar import layout_name
 from paratrain.memory import MemoryTiers
 from paratrain.models.args import ModelArgs
-from paratrain.models.lora_params import LoRA
+from paratrain.capabilities.lora import LoRA
 from paratrain.modes import CheckpointMode, Compression, CompressionSite, Precision, resolve_impl
 from paratrain.optimizers import GradientReduction, Phase
 from paratrain.recipe import Recipe
