@@ -22,7 +22,7 @@ import contextlib
 from dataclasses import dataclass
 
 from paratrain.capabilities.base import Capability
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, UserError
 from paratrain.models.args import ModelArgs, is_int, is_number
 from paratrain.models.family import Param
 from paratrain.models.lora_params import is_target
@@ -32,6 +32,7 @@ from paratrain.modes import Precision
 TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 MAX_RANK = 1 << 16
 ROW = "lora.rank=4"  # verify: adapters on every projection of the tiny model, its weights frozen
+FLAGS = {"rank": "--lora-rank", "targets": "--lora-targets"}  # `paratrain estimate`'s and `plan`'s flags of its keys
 
 
 @dataclass
@@ -65,6 +66,20 @@ def lora_problem(section) -> str | None:
         return (f"lora.targets names {unknown[0]!r}, not a projection of a block" if unknown else
                 "lora.targets is empty") + f" (choose from {', '.join(TARGETS)})"
     return None
+
+
+def with_flags(section, **given):
+    """`section` (a `[lora]` section, changed in place and returned) with the keys a command's flags give (None: not
+    given), checked: a one-line UserError naming the flags of the keys `given`."""
+    for key, value in given.items():
+        if value is not None:
+            setattr(section, key, value)
+    why = lora_problem(section)
+    if why:
+        for key in given:
+            why = why.replace(f"lora.{key}", FLAGS[key])
+        raise UserError(why)
+    return section
 
 
 def record_problem(record) -> str | None:
