@@ -101,9 +101,9 @@ class Recipe:
         for key, value in capabilities.switch_values(self.capabilities).items():  # (the switches' keys: offloads)
             _set(cfg, key, value)
         cfg.training.accum_steps = self.accum_steps
-        if self.lora is not None:
-            cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout = self.lora.rank, self.lora.alpha, self.lora.dropout
-            cfg.lora.targets = ",".join(self.lora.targets)
+        for capability in self.capabilities:  # the others' keys (a recipe field's: the adapters' [lora])
+            for key, value in capability.config_values().items() if not capability.layout_item else ():
+                _set(cfg, key, value)
         return cfg
 
     @property

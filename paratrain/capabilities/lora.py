@@ -138,6 +138,10 @@ class LoRA(Capability):
         if why:
             raise ConfigError(f"lora: {why}")
 
+    def config_values(self) -> dict:
+        return {"lora.rank": self.rank, "lora.alpha": self.alpha, "lora.dropout": self.dropout,
+                "lora.targets": ",".join(self.targets)}
+
     def record(self) -> dict:
         """What a checkpoint's trainer.pt keeps of it."""
         return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
