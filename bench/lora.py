@@ -125,7 +125,8 @@ def main_bench(argv=None) -> None:
         base = base_val_loss(common)
         lora, lora_s = run(common, "lora", f"lora.rank={a.rank}", f"training.steps={a.steps}", "optimizer.lr=3e-3")
         full, full_s = run(common, "full", f"training.steps={a.steps}", "optimizer.lr=3e-4")
-    from paratrain.models.lora_params import LoRA, adapted_params
+    from paratrain.capabilities.lora import LoRA
+    from paratrain.models.lora_params import adapted_params
     from paratrain.models.registry import parameters
     from paratrain.spec import model_args_from
 

@@ -27,7 +27,6 @@ from paratrain.errors import ConfigError
 from paratrain.models.args import ModelArgs, is_int
 from paratrain.modes import (CheckpointModeName, DPModeOption, OptimizerImpl, PrecisionName, ScheduleName,
                              WeightDtype)
-from paratrain.models.lora_params import lora_problem
 
 DEFAULT_DATA_DIR = "data/cache/tinyshakespeare-char"  # where the bundled corpus is prepared when no data is given
 
@@ -116,19 +115,6 @@ class OptimizerConfig:
     @property
     def final_lr(self) -> float:
         return self.lr / 10 if self.min_lr is None else self.min_lr
-
-
-@dataclass
-class LoRAConfig:
-    """Low-rank adapters: rank 0 trains every weight; rank r > 0 freezes the model (no gradients, no optimizer state)
-    and trains W + (alpha / r) B A on each target projection of every block (A: r x in, B: out x r, B starting at
-    zero), with dropout on the adapters' input. Targets: the blocks' projections by name (wq, wk, wv, wo of the
-    attention, w1, w2, w3 of the MLP and of shared experts; routed experts are not adapted)."""
-
-    rank: int = 0  # 0: every weight trains
-    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
-    dropout: float = 0.0  # on the adapters' input
-    targets: str = "wq,wk,wv,wo,w1,w2,w3"  # the projections adapted, comma-separated
 
 
 @dataclass
@@ -269,7 +255,6 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -555,9 +540,8 @@ def _check_runtime(cfg: Config) -> None:
 
 
 def _check_features_and_outputs(cfg: Config) -> None:
-    """LoRA, the capabilities' own checks (paratrain/capabilities), CUDA graphs, the sample and downstream evaluation."""
+    """The capabilities' own checks (paratrain/capabilities), CUDA graphs, the sample and downstream evaluation."""
     t, r = cfg.training, cfg.resilience
-    _require(not lora_problem(cfg.lora), f"lora: {lora_problem(cfg.lora)}")
     capabilities.check(cfg)
     _require(not t.cuda_graphs or t.compile, "training.cuda_graphs captures the compiled blocks: it needs "
              "training.compile=true")

@@ -24,8 +24,8 @@ from paratrain.errors import UserError
 from paratrain.layout import Batch, Layout
 from paratrain.layout_grammar import layout_name
 from paratrain.memory import MemoryTiers
-from paratrain.models.lora_params import LoRA
 from paratrain.capabilities.grad_compression import Compression
+from paratrain.capabilities.lora import LoRA
 from paratrain.modes import CHECKPOINT_MODES, PRECISIONS, CheckpointMode, OptimizerImpl, Precision, resolve_impl
 
 
@@ -93,7 +93,7 @@ class Recipe:
                    tiers=MemoryTiers.from_config(cfg.memory),
                    optimizer_impl=resolve_impl(cfg.optimizer.impl, device_type, cfg.training.precision,
                                                 cfg.optimizer.name),
-                   compression=Compression.from_config(cfg.parallel), lora=LoRA.from_config(cfg.lora),
+                   compression=Compression.from_config(cfg.parallel), lora=LoRA.from_config(cfg),
                    compile=cfg.training.compile, cuda_graphs=cfg.training.cuda_graphs,
                    capabilities=capabilities.active(cfg))
 
@@ -116,9 +116,9 @@ class Recipe:
         for key, value in capabilities.switch_values(self.capabilities).items():  # (the switches' keys: offloads)
             _set(cfg, key, value)
         cfg.training.accum_steps = self.accum_steps
-        if self.lora is not None:
-            cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout = self.lora.rank, self.lora.alpha, self.lora.dropout
-            cfg.lora.targets = ",".join(self.lora.targets)
+        for capability in self.capabilities:  # the others' keys (a recipe field's: the adapters' [lora])
+            for key, value in capability.config_values().items() if not capability.layout_item else ():
+                _set(cfg, key, value)
         return cfg
 
     @property

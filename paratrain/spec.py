@@ -28,7 +28,7 @@ from paratrain.hf import check_run
 from paratrain.capabilities.grad_compression import grad_compression_site
 from paratrain.layout import Batch, Layout
 from paratrain.models.args import ModelArgs
-from paratrain.models.lora_params import LoRA
+from paratrain.capabilities.lora import LoRA
 from paratrain.models.presets import preset_args, preset_fields
 from paratrain.preflight import RunFolder
 from paratrain.recipe import Recipe
@@ -192,7 +192,7 @@ def resolve(parts: RunParts, data_meta: dict) -> RunSpec:
     data_dir = Path(data_meta.get("dir", cfg.data.dir))
     check_packing(cfg.data, data_meta, layout, cfg.training.cuda_graphs)
     return RunSpec(cfg, layout, args, data_dir, batch.global_batch, layout.accumulation(batch), fixed, parts.source,
-                   LoRA.from_config(cfg.lora))
+                   LoRA.from_config(cfg))
 
 
 def packs_documents(data, meta: dict) -> bool:
@@ -255,7 +255,7 @@ def provisional(parts: RunParts) -> RunSpec:
     batch, fixed = batch_of(cfg.training, parts.layout)
     args = parts.source.args(VOCAB_PAD * parts.layout.tp)
     return RunSpec(cfg, parts.layout, args, Path(cfg.data.dir), batch.global_batch, parts.layout.accumulation(batch),
-                   fixed, parts.source, LoRA.from_config(cfg.lora))
+                   fixed, parts.source, LoRA.from_config(cfg))
 
 
 def prepare_data(data: DataSource, resume: Path | None = None) -> dict:

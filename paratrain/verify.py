@@ -26,7 +26,6 @@ from paratrain.recipe import config_default, setting_keys
 LONG_MODEL = "model.max_seq_len=1024"  # the tiny model with room for long sequences
 QWEN3, QWEN3_MOE = "model.preset=tiny-qwen3", "model.preset=tiny-qwen3-moe"  # q/k norms, q/k/v/o biases, head_dim 32
 
-LORA = "lora.rank=4"  # adapters on every projection of the tiny model, its weights frozen
 COMPILE = "training.compile=true"  # each block compiled by Inductor, against one eager process
 
 # name -> (ranks, layout, other overrides...). The layout is written as its name (paratrain/layout_grammar.py): the
@@ -91,10 +90,9 @@ LAYOUTS: dict[str, tuple] = {
     "qwen3-cp2": (2, "fsdp,cp=2", QWEN3),
     "qwen3-moe-ep2xfsdp2": (4, "fsdp,ep=2", QWEN3_MOE),
 
-    # LoRA: adapters trained on a frozen tiny model, against one process training the same adapters.
-    "lora-fsdp2": (2, "fsdp", LORA),
-    "lora-tp2": (2, "nodp,tp=2", LORA),
-    "lora-pp2": (2, "nodp,pp=2,sched=1f1b", LORA),
+    # The capabilities that change the model (`verify_matrix` "model": adapters on a frozen tiny model), against one
+    # process training the same model.
+    **capabilities.verify_rows("model"),
     # Memory tiers (paratrain/memory.py) against the reference, which computes its loss in 8 pieces (fp32's default):
     "loss8": (1, "nodp,loss=8"),  # the loss over 8 pieces (the tiny model's logits are whole by default)
     "tp2+sp+loss3": (2, "nodp,tp=2,loss=3"),  # loss parallel over 3 uneven pieces
@@ -123,7 +121,7 @@ PP_MATRIX = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2-zb", "pp2xdp2", "p
 CP_MATRIX = ["cp2", "cp2xfsdp2", "cp2xtp2", "cp2xpp2", "cp4-seq1024"]
 QWEN_MATRIX = ["qwen3-fsdp2", "qwen3-tp2+sp", "qwen3-pp2", "qwen3-cp2", "qwen3-moe-ep2xfsdp2"]
 
-LORA_MATRIX = ["lora-fsdp2", "lora-tp2", "lora-pp2"]
+MODEL_CAPABILITY_MATRIX = list(capabilities.verify_rows("model"))
 
 MEMORY_MATRIX = ["loss8", "tp2+sp+loss3", *capabilities.verify_rows("memory"), "segments", "fsdp2+segments",
                  "tp2+segments", "pp2+segments"]
@@ -236,9 +234,10 @@ def compare(reference, result) -> tuple[float, float]:
 
 
 def reference_overrides(layout_extra: list[str]) -> list[str]:
-    """The model settings, sequence length, adapters and optimizer a layout changes (e.g. the MoE preset, a long
-    sequence, LoRA, an optimizer): its reference is one process training that model on those sequences with it."""
-    kept = [o for o in layout_extra if o.startswith(("model.", "training.seq_len=", "lora.", "optimizer.",
+    """The model settings, sequence length, optimizer and capabilities a layout changes (e.g. the MoE preset, a long
+    sequence, an optimizer, adapters): its reference is one process training that model on those sequences with
+    it."""
+    kept = [o for o in layout_extra if o.startswith(("model.", "training.seq_len=", "optimizer.",
                                                      *capabilities.reference_keys()))]
     for cls in capabilities.CAPABILITIES:  # (fp8's scales are taken per forward: the reference runs the same forwards)
         if cls.uses(layout_extra) and cls.reference_micro_batch:

@@ -91,6 +91,37 @@ NAMED_ALSO_IN = {
                          "paratrain/commands/estimate.py", "paratrain/downstream.py", "paratrain/capabilities/muon.py",
                          "paratrain/config.py", "paratrain/spec.py", "paratrain/layout_grammar.py",
                          "paratrain/commands/plan.py", "paratrain/distributed/compression.py"},
+    "lora": {
+        # the capabilities that refuse it (a conflict names both; each refusal stays with the capability that cannot
+        # run with frozen adapters: fp8's casts of the frozen base, Muon's hidden matrices)
+        "paratrain/capabilities/float8.py", "paratrain/capabilities/muon.py",
+        # the models layer, which the capabilities import (so it takes the LoRA value and imports nothing of it): the
+        # adapted parameter table (torch-free) and LoRALinear / apply_lora, the adapters' init (llama.py) and the
+        # parameter table's `trainable` flag (family.py)
+        "paratrain/models/lora_params.py", "paratrain/models/lora.py", "paratrain/models/llama.py",
+        "paratrain/models/family.py",
+        # the value on a Recipe (`Recipe.lora`), a RunSpec (the checkpoint's adapters and base) and the planner's
+        # request and candidates (`PlanRequest.lora`, `Context.lora`): fields the seam does not replace
+        "paratrain/recipe.py", "paratrain/spec.py", "paratrain/estimate/planner.py",
+        # the estimator's parameter accounting (`adapted_params`: adapters trainable, the base frozen) and what it
+        # says of it: model states, step time (no weight gradients for a frozen base), activations (the base stored
+        # in the compute dtype), the planner's search, the report's lines, its inputs' check; the step's hidden
+        # matrices and the dry run's comparison ask the same table
+        "paratrain/estimate/model_states.py", "paratrain/estimate/core.py", "paratrain/estimate/step_time.py",
+        "paratrain/estimate/activations.py", "paratrain/estimate/search.py", "paratrain/estimate/report.py",
+        "paratrain/estimate/inputs.py", "paratrain/training/step.py", "paratrain/training/dryrun.py",
+        # `paratrain estimate`'s --lora-rank/--lora-targets and `plan`'s --lora-rank (integer flags of a section: the
+        # seam's plan_flag is a switch, recipe settings are Recipe fields), and the plan's LoRA line
+        "paratrain/commands/estimate.py", "paratrain/commands/plan.py",
+        # a checkpoint of adapters only (and the base it names), loaded at every start (loop.py: the base from its
+        # folder, the run's header line), outside its run (adapters.py: generation, downstream evaluation,
+        # inference), exported merged into the base (export.py, hf/) or as a PEFT adapter folder (peft_export.py),
+        # and an imported Hugging Face model's weights less the adapters (hf/load.py)
+        "paratrain/training/checkpoint.py", "paratrain/training/loop.py", "paratrain/training/adapters.py",
+        "paratrain/downstream.py", "paratrain/inference.py", "paratrain/training/export.py",
+        "paratrain/training/peft_export.py", "paratrain/commands/export.py", "paratrain/hf/__init__.py",
+        "paratrain/hf/load.py",
+    },
 }
 
 

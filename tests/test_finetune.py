@@ -149,7 +149,8 @@ def test_lora_starts_as_the_base_and_its_table_is_the_module():
     from paratrain.distributed.initialize import init_weights
     from paratrain.models import build_model, preset_args
     from paratrain.models.lora import apply_lora
-    from paratrain.models.lora_params import LoRA, adapted_params
+    from paratrain.capabilities.lora import LoRA
+    from paratrain.models.lora_params import adapted_params
     from paratrain.models.registry import parameters
 
     for args in (preset_args("tiny", vocab_size=128), preset_args("tiny-moe", vocab_size=128),
@@ -170,9 +171,9 @@ def test_lora_starts_as_the_base_and_its_table_is_the_module():
 def test_verify_lora_matrix(char_data):
     """LoRA on fsdp2, tp2 and pp2 against one process training the same adapters: losses, final weights and the val
     loss of the reference's (adapters-only) checkpoint."""
-    from paratrain.verify import LORA_MATRIX
+    from paratrain.verify import CAPABILITY_MATRICES
 
-    check_matrix(LORA_MATRIX, char_data)
+    check_matrix(CAPABILITY_MATRICES["lora"], char_data)
 
 
 def test_lora_checkpoints_and_exports(hf_chat, tmp_path, capsys):
@@ -254,7 +255,7 @@ def test_estimate_and_plan_count_frozen_and_trainable():
     from paratrain.estimate.planner import PlanRequest, plan_context
     from paratrain.estimate.step_time import predict
     from paratrain.estimate.search import rank_all
-    from paratrain.models.lora_params import LoRA
+    from paratrain.capabilities.lora import LoRA
 
     inputs, _ = inputs_from_argv(["--model", "llama3-8b", "--gpu", "RTX4090", "--lora-rank", "16",
                                   "--checkpointing", "full"])

@@ -89,7 +89,7 @@ def test_optimizer_impl_rule_is_written_once():
 def test_to_config_and_from_config_are_one_mapping():
     """A recipe written into a config reads back as itself (every field, tiers and compression included)."""
     from paratrain.memory import MemoryTiers
-    from paratrain.models.lora_params import LoRA
+    from paratrain.capabilities.lora import LoRA
     from paratrain.capabilities.grad_compression import Compression
 
     layout = Layout.resolve(8, dp_mode="hsdp", dp_replicate=2, tp=2)

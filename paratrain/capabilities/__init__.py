@@ -13,6 +13,7 @@ from paratrain.capabilities.base import Capability
 from paratrain.capabilities.cpu_offload import CpuOffload
 from paratrain.capabilities.float8 import Float8
 from paratrain.capabilities.grad_compression import GradientCompression
+from paratrain.capabilities.lora import LoRA
 from paratrain.capabilities.muon import Muon
 from paratrain.capabilities.onebit import OneBitAdam
 from paratrain.capabilities.z_loss import ZLoss
@@ -20,8 +21,8 @@ from paratrain.errors import ConfigError
 from paratrain.optimizers import BUILT_IN, OptimizerEntry
 
 # In the order their hooks run (and their keys are listed in a section they share).
-CAPABILITIES: tuple[type[Capability], ...] = (Float8, OneBitAdam, EightBitAdam, Muon, ZLoss, ActivationOffload,
-                                               CpuOffload, GradientCompression)
+CAPABILITIES: tuple[type[Capability], ...] = (LoRA, Float8, OneBitAdam, EightBitAdam, Muon, ZLoss,
+                                               ActivationOffload, CpuOffload, GradientCompression)
 
 # Where a capability's optimizer entries sit in the table among the built-in ones: {built-in entry: the capabilities
 # whose entries follow it}. The table's order is `optimizer.name`'s choices in --help, docs/configuration.md and the
@@ -63,10 +64,15 @@ def active(cfg) -> tuple[Capability, ...]:
 
 def implied(recipe, present: tuple[Capability, ...]) -> tuple[Capability, ...]:
     """`present` as the recipe's settings decide it (`Capability.implied_by`): an implied capability missing is added
-    with its defaults, one no longer implied is dropped; in registry order."""
+    with its defaults, one no longer implied is dropped; one a recipe field holds (`Capability.recipe_field`) is that
+    field's value; in registry order."""
     have = {type(c): c for c in present}
     out = []
     for cls in CAPABILITIES:
+        if cls.recipe_field is not None:
+            held = getattr(recipe, cls.recipe_field, None)  # (the planner's Settings hold none)
+            out += [held] if held is not None else []
+            continue
         implied_now = cls.implied_by(recipe)
         if cls in have and implied_now is not False:
             out.append(have[cls])

@@ -14,6 +14,8 @@ The hooks are called at fixed points of a step (paratrain/training/step.py), alw
     check_device        before the model is built: a one-line UserError for a device that cannot run it
     before_parallelize  the plain model (or pipeline stage) on the meta device, before tensor parallelism; returns
                         tensor-parallel styles for the modules it changed ({module name: (colwise, rowwise)})
+    around_tensor_parallel  a context manager tensor parallelism lays the model out inside (low-rank adapters:
+                        held aside, then split with the weights they adapt)
     loss_term           an extra loss on the logits (with the cross-entropy's reduction), logged under its `name`
     after_optimizer_step  after each optimizer update (fp8's precomputed scales)
     gradient_reduction  what the data-parallel gradient reduction runs (a classmethod: gradient compression's
@@ -45,6 +47,7 @@ the estimator and the planner never load it.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -65,6 +68,7 @@ def host_link(hw):
 class Where:
     device: object  # torch.device
     layout: object  # paratrain.layout.Layout
+    precision: str | None = None  # what the model computes in (parallelize's hooks; a paratrain.modes.Precision)
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,11 @@ class Capability:
         keys do: z-loss)."""
         return None
 
+    # the Recipe field that holds it, for a capability a recipe carries as a setting of its own (the low-rank
+    # adapters'): a Recipe holds it among its capabilities exactly when that field does (`capabilities.implied`),
+    # however the recipe was made or replaced
+    recipe_field: ClassVar[str | None] = None
+
     @classmethod
     def check(cls, cfg) -> None:
         """Checks of its settings that need no world size or data: a one-line ConfigError."""
@@ -145,6 +154,10 @@ class Capability:
 
     def before_parallelize(self, model, where: Where) -> dict:
         return {}
+
+    def around_tensor_parallel(self, model, tp_mesh):
+        """A context manager that `model`'s tensor-parallel plan is applied inside (over `tp_mesh`)."""
+        return contextlib.nullcontext()
 
     def loss_term(self, logits, targets, reduction: str):
         return None

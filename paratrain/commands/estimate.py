@@ -7,7 +7,7 @@ import json
 import math
 import sys
 
-from paratrain.models.lora_params import lora_problem
+from paratrain.capabilities.lora import with_flags
 from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.layout_grammar import FLAG_KEYS, add_layout_flags, with_layout_flags
 from paratrain.modes import OPTIMIZER_IMPLS
@@ -118,13 +118,7 @@ def _with_flags(cfg, args):
             setattr(t, flag, getattr(args, flag))
     if args.accum_steps is not None and args.global_batch is None:
         t.global_batch = None
-    if args.lora_rank is not None:
-        cfg.lora.rank = args.lora_rank
-    if args.lora_targets is not None:
-        cfg.lora.targets = args.lora_targets
-    why = lora_problem(cfg.lora)
-    if why:
-        raise UserError(why.replace("lora.rank", "--lora-rank").replace("lora.targets", "--lora-targets"))
+    with_flags(cfg.lora, rank=args.lora_rank, targets=args.lora_targets)
     return cfg
 
 

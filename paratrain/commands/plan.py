@@ -21,7 +21,7 @@ from pathlib import Path
 from paratrain import capabilities
 from paratrain.capabilities import CAPABILITIES, OPTIMIZER_NAMES
 from paratrain.commands.recipe_flags import add_recipe_flags
-from paratrain.config import Config, LoRAConfig, dump_toml, validate
+from paratrain.config import Config, dump_toml, validate
 from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.estimate.gpus import fmt_bytes, limit_text
 from paratrain.estimate.hetero import even_split_layout, parse_gpus, read_cluster, stage_hardware
@@ -31,7 +31,7 @@ from paratrain.estimate.report import tiers_text
 from paratrain.estimate.search import AC_MODES, PLANNED_SCHEDULES
 from paratrain.estimate.step_time import trainable_count
 from paratrain.layout_grammar import add_layout_flags, layout_flags
-from paratrain.models.lora_params import LoRA, lora_problem
+from paratrain.capabilities.lora import LoRA, LoRAConfig, with_flags
 from paratrain.models.presets import count_params, format_params
 from paratrain.modes import DP_MODES, PRECISIONS
 from paratrain.preflight import check_nproc
@@ -155,12 +155,7 @@ def _lora(args, base):
     """The adapters planned: --lora-rank (with the config's other [lora] keys), else the --model config's."""
 
     section = dataclasses.replace(base.lora) if base is not None else LoRAConfig()
-    if args.lora_rank is not None:
-        section.rank = args.lora_rank
-    why = lora_problem(section)
-    if why:
-        raise UserError(why.replace("lora.rank", "--lora-rank"))
-    return LoRA.from_config(section)
+    return LoRA.from_section(with_flags(section, rank=args.lora_rank))
 
 
 def config_for(c, ctx, base=None, model_spec: str | None = None):

@@ -1,6 +1,6 @@
 """Turn a plain Transformer into a parallel one, in a fixed order:
 
-    LoRA adapters (base frozen) | the capabilities' model changes (fp8's linear layers) -> tensor/sequence parallel ->
+    the capabilities' model changes (adapters on a frozen base, fp8's linear layers) -> tensor/sequence parallel ->
     context parallel (ring attention) -> expert parallel -> activation checkpointing -> torch.compile -> activation offloading -> FSDP (over
     dp_shard x cp) -> materialise + deterministic init -> DDP / ZeRO-1 wrapping (DDP needs real weights)
 
@@ -11,7 +11,7 @@ The model file stays free of parallel code; the tensor-parallel plan is read fro
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from functools import partial
 
 from torch import nn
@@ -33,9 +33,7 @@ from paratrain.distributed.offload import apply_activation_offload
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.tensor_parallel import apply_tp
 from paratrain.distributed.tensors import full_tensor, right_pad, torch_dtype
-from paratrain.models.lora import apply_lora, freeze_base
-from paratrain.models.lora_params import LoRA
-from paratrain.modes import CheckpointMode, Precision, segment_size, segments
+from paratrain.modes import CheckpointMode, segment_size, segments
 
 
 class SequenceParallelSampler(nn.Module):
@@ -220,28 +218,27 @@ def _whole_length(layout):
 
 def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: ActivationCheckpointConfig,
                 precision: str, compile: bool | str, device: torch.device, seed: int, ddp_bucket_mb: float = 25.0,
-                comm: GradComm | None = None, lora: LoRA | None = None, capabilities=(),
+                comm: GradComm | None = None, capabilities=(),
                 cuda_graphs: bool = False) -> nn.Module:
     """Apply the layout to a model or pipeline stage built on the meta device; returns the module to train
     (maybe a DDP wrapper). compile: True for torch.compile's default backend, or a backend name. `comm` carries the
     gradient communication settings (`[parallel]`: compression, DDP buckets, FSDP prefetching); None: no
-    compression, FSDP2's default prefetching, `ddp_bucket_mb` buckets. `lora`: adapters on the target projections,
-    every other parameter frozen (stored in the compute dtype under bf16/fp16: it never changes). `capabilities`: the
-    run's (paratrain/capabilities), whose `before_parallelize` hooks change the plain model first (`precision` is what
-    the rest computes in: fp8's 8-bit layers take their own), whose `host_activations` blocks keep their saved tensors
+    compression, FSDP2's default prefetching, `ddp_bucket_mb` buckets. `capabilities`: the run's
+    (paratrain/capabilities), whose `before_parallelize` hooks change the plain model first (`precision` is what the
+    rest computes in: fp8's 8-bit layers take their own), inside whose `around_tensor_parallel` contexts tensor
+    parallelism lays it out, whose `host_activations` blocks keep their saved tensors
     in host memory (activation offload) and whose `fsdp_offload_policy` FSDP's groups take (CPU offload);
     `cuda_graphs`: the compiled blocks replay CUDA graphs."""
     layout = dims.layout
     comm = comm or GradComm.default(dims, device, ddp_bucket_mb)
-    if lora is not None:
-        apply_lora(model, lora, torch_dtype(precision) if Precision(precision).low_precision else None)
     style_classes = {}  # before tensor parallelism, which gives the modules they change their own styles
     for capability in capabilities:
-        style_classes.update(capability.before_parallelize(model, Where(device, layout)))
+        style_classes.update(capability.before_parallelize(model, Where(device, layout, precision)))
     if layout.tp_enabled:
-        apply_tp(model, dims.tp_mesh, layout.sequence_parallel, layout.uses_loss_parallel, style_classes)
-        if lora is not None:
-            freeze_base(model)  # the styles that replicate (norms) make new Parameters, trainable ones
+        with ExitStack() as around:
+            for capability in capabilities:
+                around.enter_context(capability.around_tensor_parallel(model, dims.tp_mesh))
+            apply_tp(model, dims.tp_mesh, layout.sequence_parallel, layout.uses_loss_parallel, style_classes)
     if layout.cp_enabled:  # each rank attends over its chunks of every sequence by ring attention
         apply_context_parallel(model, context_for(dims))
     if layout.cp_enabled or (layout.sp and model.tok_embeddings is None):

@@ -256,9 +256,9 @@ class StageGroup(nn.Module):
 
 
 def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str, compile: bool,
-                   device: torch.device, seed: int, loss_fn, comm=None, lora=None, capabilities=()) -> Pipeline:
-    """Cut the meta-device `model` into this rank's stages, lay each out with `parallelize` (with `lora`'s
-    adapters and the run's `capabilities`), wrap them and build the schedule.
+                   device: torch.device, seed: int, loss_fn, comm=None, capabilities=()) -> Pipeline:
+    """Cut the meta-device `model` into this rank's stages, lay each out with `parallelize` (with the run's
+    `capabilities`), wrap them and build the schedule.
     `loss_fn(logits, targets)` is the last stage's loss per microbatch."""
 
     layout = dims.layout
@@ -267,7 +267,7 @@ def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str
     for s in layout.local_stages(pp_rank):
         stage = prune(copy.deepcopy(model), layout.stage_layers(s), s == 0, s == layout.num_stages - 1)
         modules[s] = parallelize(stage, dims, activation_checkpoint, precision, compile, device, seed, comm=comm,
-                                 lora=lora, capabilities=capabilities)
+                                 capabilities=capabilities)
     rank_model = next(iter(modules.values())) if len(modules) == 1 else StageGroup(modules)
 
     # lazy: ~1 s of imports (torch.distributed.pipelining) that every rank's forkserver would pay, pipeline or not

@@ -17,7 +17,6 @@ from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleI
 from torch.distributed.tensor.parallel import SequenceParallel
 from torch.distributed.tensor.parallel import parallelize_module
 
-from paratrain.distributed.adapters import adapters_aside
 from paratrain.models.registry import family_of, parameters
 
 # A sublayer's inputs under sequence parallelism: the residual stream first (gathered), the rest untouched.
@@ -150,5 +149,4 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
             if style is not None:
                 plan[module] = style
         plan.update({name: style for name, style in prepare.items() if style is not None})
-        with adapters_aside(block, tp_mesh):  # LoRA adapters split with the weights they adapt
-            parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, plan)

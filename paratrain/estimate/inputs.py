@@ -12,7 +12,6 @@ from paratrain.estimate.gpus import HEADROOM, check_headroom
 from paratrain.layout import Batch, Layout
 from paratrain.memory import loss_chunks
 from paratrain.models.args import ModelArgs
-from paratrain.models.registry import targets_of
 from paratrain.modes import OPTIMIZER_IMPLS
 from paratrain.recipe import Recipe
 
@@ -93,7 +92,7 @@ def validate(i: EstimateInputs) -> EstimateInputs:
     if i.recipe.fsdp_backward_prefetch < 1:
         raise UserError(f"--fsdp-backward-prefetch must be >= 1, got {i.recipe.fsdp_backward_prefetch}")
     check_headroom(i.target.headroom)
-    if i.recipe.lora is not None and not targets_of(args, i.recipe.lora):
+    if i.recipe.lora is not None and not i.recipe.lora.target_weights(args):
         raise UserError(f"--lora-targets {','.join(i.recipe.lora.targets)}: the model has none of these projections")
     lay.check_checkpointing(i.recipe.checkpointing)
     steps = lay.pp_microbatches if lay.pp > 1 else i.recipe.accum_steps

@@ -26,7 +26,8 @@ from paratrain.capabilities import implied_by_settings, optimizer_entry
 from paratrain.layout import Layout
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
-from paratrain.models.lora_params import LoRA, adapted_params
+from paratrain.capabilities.lora import LoRA
+from paratrain.models.lora_params import adapted_params
 from paratrain.models.registry import parameters
 from paratrain.modes import Precision
 from paratrain.stage_split import balanced_split

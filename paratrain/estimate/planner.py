@@ -30,7 +30,7 @@ from paratrain.estimate.step_time import Context, planned_run
 from paratrain.layout import CONFIG_KEYS
 from paratrain.layout_grammar import COMPRESSION_KEYS, LAYOUT_KEYS, layout_flags
 from paratrain.models.args import ModelArgs
-from paratrain.models.lora_params import LoRA
+from paratrain.capabilities.lora import LoRA
 from paratrain.models.presets import preset_args
 from paratrain.modes import DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, CheckpointMode, DPMode, Schedule
 

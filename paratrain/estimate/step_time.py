@@ -88,7 +88,7 @@ from paratrain.estimate.model_states import fsdp_gathers_per_step, rank_layers
 from paratrain.layout import Layout, predicted_bubble
 from paratrain.memory import MemoryTiers
 from paratrain.models.args import ModelArgs
-from paratrain.models.lora_params import LoRA
+from paratrain.capabilities.lora import LoRA
 from paratrain.modes import CheckpointMode, CompressionSite, Precision, resolve_impl
 from paratrain.optimizers import GradientReduction, Phase
 from paratrain.recipe import Recipe

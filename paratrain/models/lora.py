@@ -1,7 +1,8 @@
 """LoRA adapters on a plain model (no parallel code): `apply_lora` turns each target projection (models/lora_params.py)
 into a `LoRALinear` — the same Linear, its `weight` (and bias) unchanged under the same names, plus `lora_a` and
-`lora_b` — and freezes every other parameter. `paratrain/distributed/parallelize.py` calls it first, on the meta
-device, so tensor parallelism, FSDP and pipeline stages lay the adapters out like the rest."""
+`lora_b` — and freezes every other parameter. The capability's `before_parallelize` hook
+(paratrain/capabilities/lora.py, whose `LoRA` value these functions take) calls it first, on the meta device, so
+tensor parallelism, FSDP and pipeline stages lay the adapters out like the rest."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ from torch import nn
 import torch
 import torch.nn.functional as F
 
-from paratrain.models.lora_params import LoRA, is_adapter
+from paratrain.models.lora_params import is_adapter
 from paratrain.models.presets import format_params
-from paratrain.models.registry import targets_of
 
 
 class LoRALinear(nn.Linear):
@@ -24,7 +24,7 @@ class LoRALinear(nn.Linear):
         return super().forward(x) + F.linear(h, self.lora_b.to(x.dtype)) * self.lora_scale
 
     @classmethod
-    def adapting(cls, linear: nn.Linear, lora: LoRA) -> LoRALinear:
+    def adapting(cls, linear: nn.Linear, lora) -> LoRALinear:
         """A LoRALinear holding `linear`'s own parameters (same tensors, same names) and new adapters on its device."""
         out = cls.__new__(cls)
         nn.Module.__init__(out)
@@ -39,10 +39,10 @@ class LoRALinear(nn.Linear):
         return out
 
 
-def apply_lora(model: nn.Module, lora: LoRA, frozen_dtype: torch.dtype | None = None) -> None:
+def apply_lora(model: nn.Module, lora, frozen_dtype: torch.dtype | None = None) -> None:
     """Adapters on every target of `model` (a whole model or a pipeline stage: blocks it lacks are skipped); every
     other parameter frozen, and stored in `frozen_dtype` when given (it never changes: no fp32 master copy)."""
-    for p in targets_of(model.args, lora):
+    for p in lora.target_weights(model.args):
         _, index, rest = p.name.split(".", 2)
         if index not in model.layers:
             continue

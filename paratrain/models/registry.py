@@ -11,7 +11,6 @@ from paratrain.errors import UserError
 from paratrain.models import llama_params, qwen_params
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import ModelFamily, Param
-from paratrain.models.lora_params import LoRA, is_target
 
 # The families shipped with paratrain, one line each.
 FAMILIES: dict[str, ModelFamily] = {
@@ -82,7 +81,3 @@ def build_model(args: ModelArgs):
     """The family's nn.Module for `args` (on the current default device)."""
     return family_of(args).model_class()(args)
 
-
-def targets_of(args: ModelArgs, lora: LoRA) -> list[Param]:
-    """The target weights of the model, in table order."""
-    return [p for p in parameters(args) if is_target(p, lora)]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from paratrain.capabilities.lora import LoRA
 from paratrain.distributed.initialize import init_weights, initial_value
 from paratrain.errors import UserError
 from paratrain.hf.load import checked_weights, load_hf_weights, read_block
@@ -18,8 +19,7 @@ from paratrain.hf.names import param_shapes, pieces_by_param
 from paratrain.models import build_model
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora import apply_lora
-from paratrain.models.lora_params import LoRA, adapters_of, is_target
-from paratrain.models.registry import parameters
+from paratrain.models.lora_params import adapters_of
 from paratrain.training import safe_dcp
 
 try:
@@ -71,14 +71,12 @@ class AdaptedCheckpoint:
     @functools.cached_property
     def targets(self) -> dict[str, tuple[str, str]]:
         """Target weight name -> the names of its (lora_a, lora_b)."""
-        return {p.name: tuple(a.name for a in adapters_of(p, self.lora)) for p in parameters(self.args)
-                if is_target(p, self.lora)}
+        return {p.name: tuple(a.name for a in adapters_of(p, self.lora)) for p in self.lora.target_weights(self.args)}
 
     @functools.cached_property
     def adapter_shapes(self) -> dict[str, tuple]:
         """Every adapter's name and shape (what the checkpoint holds of the model)."""
-        return {q.name: q.shape for p in parameters(self.args) if is_target(p, self.lora)
-                for q in adapters_of(p, self.lora)}
+        return {q.name: q.shape for p in self.lora.target_weights(self.args) for q in adapters_of(p, self.lora)}
 
     def load_adapters(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The adapters `names` as saved (fp32), read in this process alone (no process group)."""

@@ -44,7 +44,7 @@ from paratrain.errors import PeerFailed, UserError, environment_problem, transla
 from paratrain.files import replace_dir
 from paratrain.hf.arch import resume_hint
 from paratrain.models.args import DEFAULT_FAMILY, fields_problem, is_int
-from paratrain.models.lora_params import record_problem
+from paratrain.capabilities.lora import record_problem
 from paratrain.capabilities import OPTIMIZERS, optimizer_entry
 from paratrain.optimizers import HIDDEN_STATE, OptimizerEntry
 from paratrain.training import integrity, safe_dcp

@@ -476,12 +476,11 @@ def build_train_step(model_args, dims, recipe: Recipe | None = None, device: tor
     pipeline = None
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
         pipeline = build_pipeline(dims, model, ac, precision, recipe.compile, device, options.seed,
-                                  ScheduleLoss(scaler, token_loss), comm, recipe.lora, capabilities)
+                                  ScheduleLoss(scaler, token_loss), comm, capabilities)
         model = pipeline.model
     else:
         model = parallelize(model, dims, ac, precision, recipe.compile, device, options.seed, comm=comm,
-                            lora=recipe.lora, capabilities=capabilities,
-                            cuda_graphs=recipe.cuda_graphs)
+                            capabilities=capabilities, cuda_graphs=recipe.cuda_graphs)
     comm.prepare()
     # CPU offload (Capability.states_on_host): the sharded parameters, their gradients and the optimizer state live in
     # host memory, and the optimizer steps there
