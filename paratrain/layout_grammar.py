@@ -85,7 +85,7 @@ class NamedLayout:
     switched: tuple = ()  # the capabilities its switches turn on (cpuoff=on: CPU offload), with their settings
 
     def switch_values(self) -> dict:
-        """The settings of the switches named (cpuoff=, actoff=, ...), as {"section.key": value} (a switch named off:
+        """The settings of the switches named (cpuoff=, ...), as {"section.key": value} (a switch named off:
         its keys' defaults)."""
         named = tuple(cls for item, cls in SWITCHED.items() if item in self.named)
         return capabilities.switch_values(self.switched, named)
