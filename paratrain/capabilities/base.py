@@ -154,7 +154,7 @@ class Capability:
 
     @classmethod
     def section_problem(cls, section) -> str | None:
-        """What is wrong with its own section's values, naming the key ("lora.rank ..."), or None: what its
+        """What is wrong with its own section's values, naming the key as "section.key", or None: what its
         `section_flags` are checked by."""
         return None
 
