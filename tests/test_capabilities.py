@@ -100,9 +100,9 @@ NAMED_ALSO_IN = {
         # parameter table's `trainable` flag (family.py)
         "paratrain/models/lora_params.py", "paratrain/models/lora.py", "paratrain/models/llama.py",
         "paratrain/models/family.py",
-        # the value on a Recipe (`Recipe.lora`), a RunSpec (the checkpoint's adapters and base) and the planner's
-        # request and candidates (`PlanRequest.lora`, `Context.lora`): fields the seam does not replace
-        "paratrain/recipe.py", "paratrain/spec.py", "paratrain/estimate/planner.py",
+        # the value on a Recipe (`Recipe.lora`) and a RunSpec (the checkpoint's adapters and base): fields the seam
+        # does not replace
+        "paratrain/recipe.py", "paratrain/spec.py",
         # the estimator's parameter accounting (`adapted_params`: adapters trainable, the base frozen) and what it
         # says of it: model states, step time (no weight gradients for a frozen base), activations (the base stored
         # in the compute dtype), the planner's search, the report's lines, its inputs' check; the step's hidden
@@ -110,9 +110,6 @@ NAMED_ALSO_IN = {
         "paratrain/estimate/model_states.py", "paratrain/estimate/core.py", "paratrain/estimate/step_time.py",
         "paratrain/estimate/activations.py", "paratrain/estimate/search.py", "paratrain/estimate/report.py",
         "paratrain/estimate/inputs.py", "paratrain/training/step.py", "paratrain/training/dryrun.py",
-        # `paratrain estimate`'s --lora-rank/--lora-targets and `plan`'s --lora-rank (integer flags of a section: the
-        # seam's plan_flag is a switch, recipe settings are Recipe fields), and the plan's LoRA line
-        "paratrain/commands/estimate.py", "paratrain/commands/plan.py",
         # a checkpoint of adapters only (and the base it names), loaded at every start (loop.py: the base from its
         # folder, the run's header line), outside its run (adapters.py: generation, downstream evaluation,
         # inference), exported merged into the base (export.py, hf/) or as a PEFT adapter folder (peft_export.py),

@@ -270,7 +270,7 @@ def test_estimate_and_plan_count_frozen_and_trainable():
                     suggest=False)
     assert not full.fits and full.sizes["gradients"] > 100 * est.sizes["gradients"]
     request = PlanRequest("llama3-8b", gpus=8, gpu="H100", seq=4096, global_batch_tokens=524288)
-    lora_ctx, world, opts = plan_context(dataclasses.replace(request, lora=LoRA(rank=16)))
+    lora_ctx, world, opts = plan_context(dataclasses.replace(request, capabilities=(LoRA(rank=16),)))
     ctx = plan_context(request).ctx
     best = rank_all(lora_ctx, world, opts)[0]
     with_lora, without = predict(best.cand, lora_ctx), predict(best.cand, ctx)

@@ -83,6 +83,18 @@ class WeightCopies:
 
 
 @dataclass(frozen=True)
+class SectionFlag:
+    """A command-line flag of one key of a capability's own section, taken by the commands it has help for
+    (`helps`: {"estimate" | "plan": its help there}): given, it sets the key over the config's (or the defaults'),
+    and a bad value is the section's problem (`section_problem`) named by the flag."""
+
+    flag: str
+    key: str
+    helps: dict
+    type: type = str
+
+
+@dataclass(frozen=True)
 class PlanFlag:
     """`paratrain plan`'s switch of a capability, a shorthand for another setting (the request's `setting` given
     `value`: fp8's flag is `--precision fp8`); the plan's JSON says under the flag's name whether the plan uses the
@@ -141,6 +153,12 @@ class Capability:
         """Checks of its settings that need no world size or data: a one-line ConfigError."""
 
     @classmethod
+    def section_problem(cls, section) -> str | None:
+        """What is wrong with its own section's values, naming the key as "section.key", or None: what its
+        `section_flags` are checked by."""
+        return None
+
+    @classmethod
     def uses(cls, overrides: list[str]) -> bool:
         """A verify row's overrides turn it on (its rows get `verify_tolerance` and their reference its keys)."""
         return False
@@ -183,6 +201,7 @@ class Capability:
 
     # -- the estimator and the planner (torch-free) --
     plan_label: ClassVar[str] = ""  # what `paratrain plan`'s header says of it ("" : nothing)
+    section_flags: ClassVar[tuple[SectionFlag, ...]] = ()  # `paratrain estimate`'s and `plan`'s flags of its keys
     plan_flag: ClassVar[PlanFlag | None] = None  # `paratrain plan`'s switch for it (and its key in the JSON)
     # the matmul rate (paratrain.modes.MatmulMath) of GEMMs it runs on their own tensor cores, which calibration
     # times (`time_gemm`) for the profile's curve of that rate (estimate.profile.Hardware: "fp8" -> fp8_gemm)
@@ -264,6 +283,10 @@ class Capability:
         """What the JSON documents say under its name among the memory tiers (`on`: the run's, or None): on or not
         (activation offload: its mode)."""
         return on is not None
+
+    def plan_note(self, args) -> str | None:
+        """A line `paratrain plan` prints under its header about it, for the model of ModelArgs `args` (None: none)."""
+        return None
 
     def plan_problem(self) -> str | None:
         """Why the planner cannot predict it with these settings (`paratrain plan --explain`), or None."""

@@ -21,18 +21,18 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from paratrain.capabilities.base import Capability
-from paratrain.errors import ConfigError, UserError
+from paratrain.capabilities.base import Capability, SectionFlag
+from paratrain.errors import ConfigError
 from paratrain.models.args import ModelArgs, is_int, is_number
 from paratrain.models.family import Param
-from paratrain.models.lora_params import is_target
+from paratrain.models.lora_params import adapted_params, is_target
+from paratrain.models.presets import count_params, format_params
 from paratrain.models.registry import parameters
 from paratrain.modes import Precision
 
 TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 MAX_RANK = 1 << 16
 ROW = "lora.rank=4"  # verify: adapters on every projection of the tiny model, its weights frozen
-FLAGS = {"rank": "--lora-rank", "targets": "--lora-targets"}  # `paratrain estimate`'s and `plan`'s flags of its keys
 
 
 @dataclass
@@ -68,20 +68,6 @@ def lora_problem(section) -> str | None:
     return None
 
 
-def with_flags(section, **given):
-    """`section` (a `[lora]` section, changed in place and returned) with the keys a command's flags give (None: not
-    given), checked: a one-line UserError naming the flags of the keys `given`."""
-    for key, value in given.items():
-        if value is not None:
-            setattr(section, key, value)
-    why = lora_problem(section)
-    if why:
-        for key in given:
-            why = why.replace(f"lora.{key}", FLAGS[key])
-        raise UserError(why)
-    return section
-
-
 def record_problem(record) -> str | None:
     """What is wrong with a checkpoint's LoRA record (`LoRA.record`, from a file), naming the field, or None."""
     from types import SimpleNamespace
@@ -110,6 +96,12 @@ class LoRA(Capability):
     section = LoRAConfig
     section_after = "parallel"
     recipe_field = "lora"
+    section_flags = (
+        SectionFlag("--lora-rank", "rank", {
+            "estimate": "LoRA adapters of this rank on a frozen model (a config's [lora] otherwise)",
+            "plan": "plan LoRA adapters of this rank on a frozen model (default: the --model config's [lora])"}, int),
+        SectionFlag("--lora-targets", "targets", {
+            "estimate": "the projections LoRA adapts (default wq,wk,wv,wo,w1,w2,w3)"}))
     # adapters trained on a frozen tiny model, against one process training the same adapters; in the sweep of the
     # rows that change the model (paratrain/verify.py)
     verify_matrix = "model"
@@ -138,6 +130,10 @@ class LoRA(Capability):
         if why:
             raise ConfigError(f"lora: {why}")
 
+    @classmethod
+    def section_problem(cls, section) -> str | None:
+        return lora_problem(section)
+
     def config_values(self) -> dict:
         return {"lora.rank": self.rank, "lora.alpha": self.alpha, "lora.dropout": self.dropout,
                 "lora.targets": ",".join(self.targets)}
@@ -145,6 +141,15 @@ class LoRA(Capability):
     def record(self) -> dict:
         """What a checkpoint's trainer.pt keeps of it."""
         return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
+
+    def trainable_count(self, args: ModelArgs) -> int:
+        """The adapters' parameters on the model of `args` (all that trains)."""
+        return sum(p.numel for p in adapted_params(parameters(args), self) if p.trainable)
+
+    def plan_note(self, args) -> str:
+        return (f"LoRA rank {self.rank} on {','.join(self.targets)}: {format_params(self.trainable_count(args))} "
+                f"trainable, {format_params(count_params(args))} frozen (gradients, their reduction and the "
+                "optimizer step: the adapters only)")
 
     def target_weights(self, args: ModelArgs) -> list[Param]:
         """The target weights of the model, in table order."""

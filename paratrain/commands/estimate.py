@@ -7,7 +7,6 @@ import json
 import math
 import sys
 
-from paratrain.capabilities.lora import with_flags
 from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.layout_grammar import FLAG_KEYS, add_layout_flags, with_layout_flags
 from paratrain.modes import OPTIMIZER_IMPLS
@@ -19,7 +18,7 @@ from paratrain.estimate.inputs import Target, inputs_for
 from paratrain.layout import Layout
 from paratrain.capabilities.grad_compression import Compression
 from paratrain.recipe import Recipe
-from paratrain.commands.recipe_flags import add_recipe_flags, with_recipe_flags
+from paratrain.commands.recipe_flags import add_recipe_flags, add_section_flags, with_recipe_flags, with_section_flags
 from paratrain.spec import batch_of, model_from
 
 # The layout flags `paratrain estimate` takes (paratrain/layout_grammar.py): every [parallel] setting that changes
@@ -59,9 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     add_layout_flags(p, ESTIMATE_FLAG_KEYS, "the [parallel] settings, over the --model config's or the defaults\n"
                      "(a pipeline: --microbatches micro-batches per step, default 2 x pp, of --micro-batch sequences)")
     p.add_argument("--moe-imbalance", type=float, default=1.0, help="routed tokens per ep rank / balanced share")
-    p.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank on a frozen model "
-                   "(a config's [lora] otherwise)")
-    p.add_argument("--lora-targets", default=None, help="the projections LoRA adapts (default wq,wk,wv,wo,w1,w2,w3)")
+    add_section_flags(p, "estimate")  # (keys of the capabilities' own sections: Capability.section_flags)
     p.add_argument("--accounting", default="paratrain", help="paratrain | classic (see below)")
     p.add_argument("--optimizer-impl", default=None, help=f"{' | '.join(OPTIMIZER_IMPLS)} (default fused on GPUs)")
     p.add_argument("--accum-steps", type=int, default=None, help="gradient accumulation micro-steps")
@@ -118,7 +115,7 @@ def _with_flags(cfg, args):
             setattr(t, flag, getattr(args, flag))
     if args.accum_steps is not None and args.global_batch is None:
         t.global_batch = None
-    with_flags(cfg.lora, rank=args.lora_rank, targets=args.lora_targets)
+    with_section_flags(cfg, args, "estimate")
     return cfg
 
 

@@ -12,6 +12,7 @@ or JSON document (`plan_json`; docs/estimate-and-plan.md).
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import sys
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from paratrain import capabilities
 from paratrain.capabilities import CAPABILITIES, OPTIMIZER_NAMES
-from paratrain.commands.recipe_flags import add_recipe_flags
+from paratrain.commands.recipe_flags import add_recipe_flags, add_section_flags, with_section_flags
 from paratrain.config import Config, dump_toml, validate
 from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.estimate.gpus import fmt_bytes, limit_text
@@ -29,10 +30,8 @@ from paratrain.estimate.planner import (PLAN_FLAG_KEYS, Planning, PlanRequest, c
                                         plan_context)
 from paratrain.estimate.report import tiers_text
 from paratrain.estimate.search import AC_MODES, PLANNED_SCHEDULES
-from paratrain.estimate.step_time import trainable_count
 from paratrain.layout_grammar import add_layout_flags, layout_flags
-from paratrain.capabilities.lora import LoRA, LoRAConfig, with_flags
-from paratrain.models.presets import count_params, format_params
+from paratrain.models.presets import count_params
 from paratrain.modes import DP_MODES, PRECISIONS
 from paratrain.preflight import check_nproc
 from paratrain.spec import model_from
@@ -81,8 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     add_layout_flags(p, PLAN_FLAG_KEYS, "each fixes that setting of every planned layout (--grad-compression: plans "
                      "the layouts it applies to, with its bytes and compute; docs/optimizers.md)")
 
-    p.add_argument("--lora-rank", type=int, default=None, help="plan LoRA adapters of this rank on a frozen model "
-                   "(default: the --model config's [lora])")
+    add_section_flags(p, "plan")  # (keys of the capabilities' own sections: Capability.section_flags)
     p.add_argument("--max-tp", type=int)
     p.add_argument("--max-pp", type=int)
     p.add_argument("--max-cp", type=int, help="largest context-parallel degree to try (default: any that leaves each "
@@ -123,8 +121,8 @@ def request_from(args) -> tuple[PlanRequest, Config | None]:
         compile=args.compile if args.compile is not None else bool(trained is not None and trained.compile),
         tf32=args.tf32 if args.tf32 is not None else trained.tf32 if trained is not None else None,
         optimizer=args.optimizer or (base.optimizer.name if base is not None else "adamw"),
-        lora=_lora(args, base), parallel=layout_flags(args, PLAN_FLAG_KEYS), dp_modes=_items(args.dp_modes),
-        schedules=_items(args.schedules), checkpointing=_items(args.checkpointing),
+        capabilities=_section_capabilities(args, base), parallel=layout_flags(args, PLAN_FLAG_KEYS),
+        dp_modes=_items(args.dp_modes), schedules=_items(args.schedules), checkpointing=_items(args.checkpointing),
         micro_batches=_items(args.micro_batches, _integer), max_tp=args.max_tp, max_pp=args.max_pp,
         max_cp=args.max_cp, headroom=args.headroom, host_memory=args.host_memory,
         memory_tiers=not args.no_memory_tiers)
@@ -151,11 +149,12 @@ def _integer(x: str) -> int:
         raise UserError(f"--micro-batches: '{x}' is not an integer") from None
 
 
-def _lora(args, base):
-    """The adapters planned: --lora-rank (with the config's other [lora] keys), else the --model config's."""
-
-    section = dataclasses.replace(base.lora) if base is not None else LoRAConfig()
-    return LoRA.from_section(with_flags(section, rank=args.lora_rank))
+def _section_capabilities(args, base) -> tuple:
+    """The capabilities of sections of their own that the plan runs: their section flags given over the --model
+    config's sections, else its or the defaults' (Capability.section_flags)."""
+    cfg = with_section_flags(copy.deepcopy(base) if base is not None else Config(), args, "plan")
+    return tuple(c for cls in CAPABILITIES if any("plan" in f.helps for f in cls.section_flags)
+                 for c in (cls.from_config(cfg),) if c is not None)
 
 
 def config_for(c, ctx, base=None, model_spec: str | None = None):
@@ -330,11 +329,7 @@ def plan_lines(p, planning: Planning, elapsed: float, top: int) -> list[str]:
              f"intra {hw.intra.name}" + (f", inter {hw.inter.name}" if hw.inter and world > ctx.gpus_per_node else "")
              + f"), seq {ctx.seq_len}, {ctx.global_seqs} sequences = {ctx.global_seqs * ctx.seq_len:,} tokens per "
              f"step, {ctx.precision}{rate}, {ctx.mode}" + "".join(f", {c.plan_label}" for c in ctx.capabilities if c.plan_label)]
-    if ctx.lora is not None:
-        trainable = trainable_count(ctx.args, ctx.lora)
-        lines.append(f"LoRA rank {ctx.lora.rank} on {','.join(ctx.lora.targets)}: {format_params(trainable)} "
-                     f"trainable, {format_params(count_params(ctx.args))} frozen (gradients, their reduction and the "
-                     "optimizer step: the adapters only)")
+    lines += [note for note in (c.plan_note(ctx.args) for c in ctx.capabilities) if note]
     if ctx.native_max_seq_len:
         lines.append(f"note: --seq {ctx.seq_len} is longer than {ctx.model_name}'s max_seq_len "
                      f"{ctx.native_max_seq_len}: planned as long-context training (model.max_seq_len={ctx.seq_len} in "

@@ -9,7 +9,9 @@ import argparse
 import typing
 from typing import Literal, get_origin
 
+from paratrain.capabilities import CAPABILITIES
 from paratrain.config import Config, parse_bool
+from paratrain.errors import UserError
 from paratrain.config_reference import describe
 from paratrain.recipe import Recipe, recipe_settings
 
@@ -64,4 +66,33 @@ def with_recipe_flags(cfg: Config, args: argparse.Namespace, recipe=Recipe) -> C
     for key, value in recipe_flag_values(args, recipe).items():
         section, name = key.split(".")
         setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+# -- keys of the capabilities' own sections (Capability.section_flags) ------------------------------------------------
+
+def add_section_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """Add the flags the capabilities give `command` ("estimate" | "plan") for keys of their own sections."""
+    for cls in CAPABILITIES:
+        for f in cls.section_flags:
+            if command in f.helps:
+                parser.add_argument(f.flag, dest=_dest(f.flag), type=f.type, default=None, help=f.helps[command])
+
+
+def with_section_flags(cfg: Config, args: argparse.Namespace, command: str) -> Config:
+    """`cfg` with the section flags of `command` given written over the capabilities' sections (changed in place and
+    returned), each section checked: a one-line UserError naming the flag of a bad key."""
+    for cls in CAPABILITIES:
+        flags = [f for f in cls.section_flags if command in f.helps]
+        if not flags:
+            continue
+        section = getattr(cfg, cls.name)
+        for f in flags:
+            if getattr(args, _dest(f.flag)) is not None:
+                setattr(section, f.key, getattr(args, _dest(f.flag)))
+        why = cls.section_problem(section)
+        if why:
+            for f in flags:
+                why = why.replace(f"{cls.name}.{f.key}", f.flag)
+            raise UserError(why)
     return cfg

@@ -30,7 +30,6 @@ from paratrain.estimate.step_time import Context, planned_run
 from paratrain.layout import CONFIG_KEYS
 from paratrain.layout_grammar import COMPRESSION_KEYS, LAYOUT_KEYS, layout_flags
 from paratrain.models.args import ModelArgs
-from paratrain.capabilities.lora import LoRA
 from paratrain.models.presets import preset_args
 from paratrain.modes import DP_MODE_OPTIONS, DP_MODES, PRECISIONS, SCHEDULES, CheckpointMode, DPMode, Schedule
 
@@ -46,7 +45,8 @@ GpuGroupSpec = tuple[int, str] | Mapping  # (count, GPU name or profile), or a c
 @dataclass(frozen=True)
 class PlanRequest:
     """What to plan, `paratrain plan`'s defaults where unset; a field is the flag of its name (`parallel`: the layout
-    flags, `lora`: --lora-rank with the other [lora] keys, `memory_tiers`: not --no-memory-tiers)."""
+    flags, `capabilities`: the capabilities' section flags with their sections' other keys, `memory_tiers`: not
+    --no-memory-tiers)."""
 
     model: str | ModelArgs  # a preset name, or the model's ModelArgs
     # ranks in all, or GPU groups in rank order (a heterogeneous cluster: [(8, "H100"), (8, "A100")], or the
@@ -66,7 +66,9 @@ class PlanRequest:
     compile: bool = False  # training.compile: compiled blocks
     tf32: bool | None = None  # training.tf32 (unset: on for fp32 where the GPU has TF32)
     optimizer: str = "adamw"  # an entry of paratrain/optimizers.py
-    lora: LoRA | None = None  # adapters on a frozen model
+    # what the run uses besides what its precision and optimizer imply (a capability with a section of its own, e.g.
+    # adapters on a frozen model)
+    capabilities: tuple = ()
     parallel: Mapping[str, object] = field(default_factory=dict)  # pinned [parallel] values (keys: PLAN_FLAG_KEYS)
     dp_modes: Sequence[str] | None = None  # the choices searched (default: all)
     schedules: Sequence[str] | None = None  # (default: PLANNED_SCHEDULES)
@@ -128,7 +130,8 @@ def plan_context(request: PlanRequest) -> Planning:
     # the settings every candidate shares (each sets its own layout, checkpointing, micro-batch and memory tiers);
     # the capabilities its precision and optimizer imply come with it (fp8's GEMM rate and casts)
     run = planned_run(hw, precision=precision, tf32=r.tf32, seq_len=seq, optimizer=entry.name,
-                      compression=compression, lora=r.lora, compile=r.compile)
+                      compression=compression, compile=r.compile, capabilities=r.capabilities,
+                      **{c.recipe_field: c for c in r.capabilities if c.recipe_field})  # (a field of its own)
     ctx = Context(margs, run, tokens // seq, hw, per_node, name, native_max_seq_len=native,
                   ddp_bucket_mb=parallel.ddp_bucket_mb, cluster=groups, host_memory_bytes=host)
     return Planning(ctx, world, _options(r, fixed_fields(flags), headroom))

@@ -88,7 +88,6 @@ from paratrain.estimate.model_states import fsdp_gathers_per_step, rank_layers
 from paratrain.layout import Layout, predicted_bubble
 from paratrain.memory import MemoryTiers
 from paratrain.models.args import ModelArgs
-from paratrain.capabilities.lora import LoRA
 from paratrain.modes import CheckpointMode, CompressionSite, Precision, resolve_impl
 from paratrain.optimizers import GradientReduction, Phase
 from paratrain.recipe import Recipe
@@ -550,7 +549,7 @@ def _stage_params(c: Candidate, ctx: Context, moe_layers: int) -> tuple[float, f
     # routed experts are sharded over ep (and FSDP-gathered only over dp_shard / ep): count them once per ep group
     experts = moe_layers * a.moe_experts * 3 * a.dim * a.expert_hidden if moe_layers else 0
     P_stage = (P - experts + experts / c.ep) / c.pp / t
-    G_stage = P_stage if ctx.lora is None else cached(ctx, "trainable", lambda: trainable_count(a, ctx.lora)) / c.pp / t
+    G_stage = P_stage if ctx.lora is None else cached(ctx, "trainable", lambda: ctx.lora.trainable_count(a)) / c.pp / t
     return P_stage, G_stage
 
 
@@ -784,10 +783,6 @@ def optimizer_capability_terms(c: Candidate, ctx: Context, links: _Links) -> lis
         return []
     step = OptimizerStep(c, ctx, links)
     return [t for t in (capability.optimizer_step_s(step) for capability in implied) if t is not None]
-
-
-def trainable_count(args: ModelArgs, lora: LoRA) -> int:
-    return sum(p.numel for p in model_params(args, lora) if p.trainable)
 
 
 def host_activation_time(capability, c: Candidate, ctx: Context, blocks: int,
