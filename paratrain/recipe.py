@@ -144,7 +144,7 @@ class Recipe:
             copy = object.__new__(type(self))
             copy.__dict__.update(self.__dict__, **changes)
             if not _CHECKPOINTING_FIELDS.isdisjoint(changes):  # (a checkpointing mode that is a capability)
-                copy.__dict__["capabilities"] = capabilities.implied(copy, self.capabilities)
+                copy.__dict__["capabilities"] = capabilities.implied_checkpointing(copy, self.capabilities)
             return copy
         return dataclasses.replace(self, **changes)
 

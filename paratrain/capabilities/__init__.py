@@ -85,6 +85,19 @@ def implied(recipe, present: tuple[Capability, ...]) -> tuple[Capability, ...]:
     return tuple(out)
 
 
+# {an activation checkpointing mode: the capability that is it} (`Capability.checkpoint_mode`: segments')
+CHECKPOINTING_MODES: dict[str, type[Capability]] = {cls.checkpoint_mode: cls for cls in CAPABILITIES
+                                                    if cls.checkpoint_mode is not None}
+
+
+def implied_checkpointing(recipe, present: tuple[Capability, ...]) -> tuple[Capability, ...]:
+    """`implied` where only the recipe's checkpointing settings changed (the planner's candidates: `Recipe.replace`'s
+    fast path), `present` itself where neither the old nor the new mode is a capability."""
+    if recipe.checkpointing not in CHECKPOINTING_MODES and not any(c.checkpoint_mode for c in present):
+        return present
+    return implied(recipe, present)
+
+
 class Settings(NamedTuple):
     """What decides the capabilities a run implies where there is no Recipe (the planner's context)."""
 
