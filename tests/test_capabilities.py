@@ -130,7 +130,8 @@ NAMED_ALSO_IN = {
         # hooks would sit inside a segment's checkpoint)
         "paratrain/modes.py", "paratrain/config.py", "paratrain/capabilities/activation_offload.py",
         # `Recipe.segment_blocks`, the field the planner's candidates set (`Recipe.replace(segment_blocks=)`, with the
-        # checkpointing mode's capability implied again) and `Candidate.segment_blocks` reads; the layout grammar's
+        # checkpointing mode's capability implied again), and the candidates' plain attribute of it (step_time.py's
+        # `Candidate.segment_blocks`, beside every_k and micro_batch); the layout grammar's
         # documented `ac=segmentsK` and its error message, and the settings a built-in mode's `ac=` resets
         "paratrain/recipe.py", "paratrain/estimate/step_time.py", "paratrain/layout_grammar.py",
         # the estimator: the bytes a recomputed segment holds (`segment_recomputed`, on the estimator's ActDims, which
@@ -199,3 +200,28 @@ def test_checkpoint_state_unwraps_what_a_capability_wraps():
     out = capabilities.checkpoint_state(state)
     assert type(out["model"]["w"]) is torch.Tensor and out["model"]["w"].data_ptr() == plain.data_ptr()
     assert out["model"]["b"] is state["model"]["b"] and out["step"] == 3
+
+
+def test_segment_checkpointing_is_held_exactly_when_the_mode_is_segments():
+    """A Recipe holds segment checkpointing's capability exactly when its checkpointing mode is segments, with its
+    segment_blocks, however it was made or replaced (Recipe.replace's fast path: the planner's candidates), and its
+    units, label and words follow."""
+    from paratrain.capabilities.segment_checkpointing import SegmentCheckpointing
+    from paratrain.layout import Layout
+    from paratrain.modes import CheckpointMode
+    from paratrain.recipe import Recipe
+
+    def held(recipe):
+        return [c for c in recipe.capabilities if isinstance(c, SegmentCheckpointing)]
+
+    plain = Recipe(Layout.resolve(1))
+    seg = plain.replace(checkpointing=CheckpointMode.SEGMENTS, segment_blocks=3)
+    assert held(plain) == [] and held(seg) == [SegmentCheckpointing(3)]
+    assert held(Recipe(Layout.resolve(1), checkpointing="segments")) == [SegmentCheckpointing(0)]
+    assert held(seg.replace(segment_blocks=0)) == [SegmentCheckpointing(0)]
+    assert held(seg.replace(checkpointing=CheckpointMode.FULL)) == [] and held(seg.replace(micro_batch=2)) == held(seg)
+    assert "ac=segments3" in seg.name and "ac=segments," in seg.replace(segment_blocks=0).name
+    assert capabilities.checkpoint_units(seg.capabilities, [4, 5, 6, 7], 8) == [[4, 5, 6], [7]]
+    assert capabilities.checkpoint_units(plain.capabilities, [4, 5], 8) == [[4], [5]]
+    assert SegmentCheckpointing(0).describe_checkpointing(32) == "segments (k=6)"
+    assert SegmentCheckpointing.parse_checkpointing_label("segments0") is None
