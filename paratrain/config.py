@@ -148,8 +148,6 @@ class ActivationCheckpointConfig:
     mode: CheckpointModeName = "none"
     # mode every_k: blocks 0, k, 2k, ... recompute (full), the blocks between keep everything (segments stores every k)
     every_k: int = 2
-    # mode segments: blocks per segment (each keeps only its input, recomputed as one unit); 0: round(sqrt(n_layers))
-    segment_blocks: int = 0
 
 
 @dataclass
@@ -509,8 +507,6 @@ def _check_training_and_optimizer(cfg: Config) -> None:
 def _check_runtime(cfg: Config) -> None:
     """Checkpointing, memory tiers, checkpoints, resilience, communication, metrics and data."""
     _require(cfg.activation_checkpoint.every_k >= 1, "activation_checkpoint.every_k must be >= 1")
-    _require(cfg.activation_checkpoint.segment_blocks >= 0,
-             "activation_checkpoint.segment_blocks must be >= 0 (0: round(sqrt(n_layers)))")
     _require(cfg.memory.loss_chunks >= 0, "memory.loss_chunks must be >= 0 (0: automatic, 1: whole logits)")
     _require(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 saves only at the end)")
     _require(cfg.checkpoint.every_minutes >= 0, "checkpoint.every_minutes must be >= 0 (0: off)")

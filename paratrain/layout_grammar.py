@@ -45,9 +45,10 @@ SWITCHED = {cls.layout_item: cls for cls in capabilities.switches()}  # item -> 
 
 
 def layout_name(layout, checkpointing: str | None = None, every_k: int = 2, micro_batch: int | None = None,
-                tiers: MemoryTiers | None = None, segment_blocks: int = 0, switched: tuple = ()) -> str:
+                tiers: MemoryTiers | None = None, switched: tuple = ()) -> str:
     """The layout's name (see the module doc), with its checkpointing, micro-batch and memory tiers when given, and
-    the items of the capabilities in `switched` that a name switches on."""
+    the items of the capabilities in `switched` that a name switches on (a capability that is the checkpointing mode
+    writes its `ac=` value: segments4)."""
     lay = layout
     parts = [lay.dp_mode if lay.dp_cp > 1 else NO_DATA_PARALLEL]
     if lay.hybrid:
@@ -65,7 +66,8 @@ def layout_name(layout, checkpointing: str | None = None, every_k: int = 2, micr
     if lay.ep > 1:
         parts.append(f"ep={lay.ep}")
     if checkpointing is not None:
-        parts.append(f"ac={checkpointing_label(checkpointing, every_k, segment_blocks)}")
+        owner = capabilities.checkpointing(switched)
+        parts.append(f"ac={owner.checkpointing_label() if owner else checkpointing_label(checkpointing, every_k)}")
     if micro_batch is not None:
         parts.append(f"mb={micro_batch}")
     parts += tiers.items() if tiers is not None else []
@@ -125,15 +127,21 @@ def parse_layout_name(text: str, what: str = "layout") -> NamedLayout:
     sched = items.get("sched", "1f1b")
     if sched not in SCHEDULES:
         raise UserError(f"{where}: sched must be one of {', '.join(SCHEDULES)}")
-    ac = parse_checkpointing_label(items.get("ac", "none"))
+    ac = capabilities.parse_checkpointing_label(items.get("ac", "none"))  # (a capability's mode: segments4)
+    ac = ac or _builtin_checkpointing(items.get("ac", "none"))
     if ac is None:
         raise UserError(f"{where}: ac must be one of {', '.join(CHECKPOINT_MODES)} (every_k with its k: every_k2; "
                         "segments with its blocks per segment: segments4)")
-    settings = dict(zip(("checkpointing", "every_k", "segment_blocks"), ac)) if "ac" in items else {}
+    settings = dict(ac) if "ac" in items else {}
     settings.update({"micro_batch": degrees["mb"]} if "mb" in items else {})
     settings.update({"loss_chunks": _loss_chunks(items["loss"], where)} if "loss" in items else {})
     return NamedLayout(_layout_options(mode, degrees, sched, items), settings, frozenset(items),
                        _switched(items, where))
+
+
+def _builtin_checkpointing(text: str) -> dict | None:
+    parsed = parse_checkpointing_label(text)
+    return {"checkpointing": parsed[0], "every_k": parsed[1], "segment_blocks": 0} if parsed else None
 
 
 def _loss_chunks(chunks: str, where: str) -> int:

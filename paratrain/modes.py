@@ -197,22 +197,9 @@ CHECKPOINT_MODES: tuple[str, ...] = tuple(m.value for m in CheckpointMode)
 CheckpointModeName = Literal[CHECKPOINT_MODES]  # what a config may say (config.py's schema reads a Literal's choices)
 
 
-def segment_size(segment_blocks: int, n_layers: int) -> int:
-    """activation_checkpoint.segment_blocks resolved: 0 is round(sqrt(n_layers)), at least 1."""
-    return segment_blocks or max(1, round(n_layers ** 0.5))
-
-
-def segments(blocks: list, size: int) -> list[list]:
-    """The segments of one model or pipeline stage: its blocks in runs of `size`, in order (the last may be shorter;
-    a segment never crosses a stage boundary)."""
-    return [blocks[i:i + size] for i in range(0, len(blocks), size)]
-
-
-def checkpointing_label(mode: str, every_k: int, segment_blocks: int = 0) -> str:
-    """The mode as a layout name writes it: every_k with its k (`every_k2`), segments with theirs when set
-    (`segments4`; `segments`: round(sqrt(n_layers))), the others as they are (also an activation offload mode's)."""
-    if mode == CheckpointMode.SEGMENTS:
-        return f"{mode}{segment_blocks or ''}"
+def checkpointing_label(mode: str, every_k: int) -> str:
+    """The mode as a layout name writes it: every_k with its k (`every_k2`), the others as they are (also an
+    activation offload mode's; a mode that is a capability writes its own: `Capability.checkpointing_label`)."""
     return f"{mode}{every_k}" if mode == CheckpointMode.EVERY_K else str(mode)
 
 
@@ -225,23 +212,14 @@ def _parse_every_k_label(text: str, modes: tuple[str, ...]) -> tuple[str, int] |
     return (text, 2) if text in modes else None
 
 
-def parse_checkpointing_label(text: str) -> tuple[str, int, int] | None:
-    """(mode, every_k, segment_blocks) of a `checkpointing_label`, None when it names no mode (every_k alone: k = 2;
-    segments alone: 0, round(sqrt(n_layers)))."""
-    if text.startswith("segments"):
-        k = text[len("segments"):]
-        if not k:
-            return ("segments", 2, 0)
-        return ("segments", 2, int(k)) if k.isdigit() and int(k) >= 1 else None
-    parsed = _parse_every_k_label(text, CHECKPOINT_MODES)
-    return (*parsed, 0) if parsed else None
+def parse_checkpointing_label(text: str) -> tuple[str, int] | None:
+    """(mode, every_k) of a `checkpointing_label`, None when it names no mode (every_k alone: k = 2)."""
+    return _parse_every_k_label(text, CHECKPOINT_MODES)
 
 
-def describe_checkpointing(mode: CheckpointMode, every_k: int, segment_blocks: int = 0) -> str:
-    """For tables: `every_k (k=2)`, `segments (k=6)` (`segment_blocks` resolved: `segment_size`), the others as they
-    are."""
-    if mode.by_segments:
-        return f"{mode} (k={segment_blocks})"
+def describe_checkpointing(mode: CheckpointMode, every_k: int) -> str:
+    """For tables: `every_k (k=2)`, the others as they are (a mode that is a capability:
+    `Capability.describe_checkpointing`)."""
     return str(mode) if mode.uniform else f"{mode} (k={every_k})"
 
 

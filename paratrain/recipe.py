@@ -125,7 +125,7 @@ class Recipe:
     def name(self) -> str:
         """The layout grammar's one name (paratrain/layout_grammar.py) with checkpointing, micro-batch and tiers."""
         return layout_name(self.layout, self.checkpointing, self.every_k, self.micro_batch, self.tiers,
-                           self.segment_blocks, self.capabilities)
+                           switched=self.capabilities)
 
     @property
     def micro_steps(self) -> int:
@@ -140,17 +140,21 @@ class Recipe:
         if changes.keys() <= _SHAPE_FIELDS and isinstance(changes.get("checkpointing", CheckpointMode.NONE),
                                                           CheckpointMode):
             # (the planner's candidates: tens of thousands per plan) nothing to coerce, and no capability implied
-            # anew: `Capability.implied_by` reads only the precision and the optimizer (capabilities.Settings)
+            # anew but a checkpointing mode's: `Capability.implied_by` reads only the precision and the optimizer
             copy = object.__new__(type(self))
             copy.__dict__.update(self.__dict__, **changes)
+            if not _CHECKPOINTING_FIELDS.isdisjoint(changes):  # (a checkpointing mode that is a capability)
+                copy.__dict__["capabilities"] = capabilities.implied_checkpointing(copy, self.capabilities)
             return copy
         return dataclasses.replace(self, **changes)
 
 
 _TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(MemoryTiers))
-# The fields a candidate layout changes, which `Recipe.replace` sets without `__post_init__`.
+# The fields a candidate layout changes, which `Recipe.replace` sets without `__post_init__` (those that decide a
+# checkpointing mode's capability, `Capability.checkpoint_mode`, with its capabilities implied again).
 _SHAPE_FIELDS = frozenset({"layout", "checkpointing", "every_k", "segment_blocks", "micro_batch", "accum_steps",
                            "tiers"})
+_CHECKPOINTING_FIELDS = frozenset({"checkpointing", "segment_blocks"})
 
 
 def setting_keys(recipe=Recipe) -> dict[str, str]:

@@ -215,7 +215,7 @@ def _validated(cfg: Config, source: ModelSource, layout: Layout, args: ModelArgs
     source.check_export(cfg.checkpoint, args)
     layout.check_checkpointing(cfg.activation_checkpoint.mode)
     memory.check(cfg.memory, layout, cfg.training.precision)  # the memory tiers the layout can use
-    for capability in capabilities.active(cfg):  # (activation offload: its schedules, no segments; CPU offload: FSDP)
+    for capability in capabilities.active(cfg):  # (activation offload: its schedules and modes; CPU offload: FSDP)
         capability.check_layout(layout)
         capability.check_checkpointing(cfg.activation_checkpoint.mode)
     stage_gpus(cfg.parallel, layout)

@@ -96,14 +96,7 @@ LAYOUTS: dict[str, tuple] = {
     # Memory tiers (paratrain/memory.py) against the reference, which computes its loss in 8 pieces (fp32's default):
     "loss8": (1, "nodp,loss=8"),  # the loss over 8 pieces (the tiny model's logits are whole by default)
     "tp2+sp+loss3": (2, "nodp,tp=2,loss=3"),  # loss parallel over 3 uneven pieces
-    **capabilities.verify_rows("memory"),  # the capabilities that are memory tiers (activation offload, CPU offload)
-    # Segment checkpointing (activation_checkpoint.mode=segments): one process with the default round(sqrt(4)) = 2
-    # blocks per segment; fsdp with uneven segments (3 + 1 blocks); tp with sp; a pipeline whose stages (2 blocks
-    # each) cut the segments of 3.
-    "segments": (1, "nodp,ac=segments"),
-    "fsdp2+segments": (2, "fsdp,ac=segments3"),
-    "tp2+segments": (2, "nodp,tp=2,ac=segments2"),
-    "pp2+segments": (2, "nodp,pp=2,sched=1f1b,ac=segments3"),
+    **capabilities.verify_rows("memory"),  # the capabilities that are memory tiers (offloading) or checkpointing modes
     # torch.compile (Inductor) against one eager process: alone, under FSDP, with checkpointing, tp, pp and fp8.
     "compile": (1, "nodp", COMPILE),
     "compile-fsdp2": (2, "fsdp", COMPILE),
@@ -123,8 +116,7 @@ QWEN_MATRIX = ["qwen3-fsdp2", "qwen3-tp2+sp", "qwen3-pp2", "qwen3-cp2", "qwen3-m
 
 MODEL_CAPABILITY_MATRIX = list(capabilities.verify_rows("model"))
 
-MEMORY_MATRIX = ["loss8", "tp2+sp+loss3", *capabilities.verify_rows("memory"), "segments", "fsdp2+segments",
-                 "tp2+segments", "pp2+segments"]
+MEMORY_MATRIX = ["loss8", "tp2+sp+loss3", *capabilities.verify_rows("memory")]
 # Each capability's rows, by its name (paratrain verify --layouts takes any of them).
 CAPABILITY_MATRICES = {cls.name: list(cls.verify_rows) for cls in capabilities.CAPABILITIES}
 # Those held to the run's tolerance (fp32's 1e-5): in `paratrain verify`'s default sweep (fp8's, looser, by name)

@@ -119,7 +119,34 @@ NAMED_ALSO_IN = {
         "paratrain/training/peft_export.py", "paratrain/commands/export.py", "paratrain/hf/__init__.py",
         "paratrain/hf/load.py",
     },
+    # segment checkpointing (capabilities/segment_checkpointing.py), grepped by its word:
+    "segment": {
+        # a value of the one `activation_checkpoint.mode` setting: CheckpointMode.SEGMENTS and the questions the cost
+        # model asks of every mode (how much it recomputes, whether it stores at least another's); every_k's key
+        # comment contrasts the two (docs/configuration.md, generated from it); activation offload refuses it (its
+        # hooks would sit inside a segment's checkpoint)
+        "paratrain/modes.py", "paratrain/config.py", "paratrain/capabilities/activation_offload.py",
+        # `Recipe.segment_blocks`, the field the planner's candidates set (`Recipe.replace(segment_blocks=)`, with the
+        # checkpointing mode's capability implied again), and the candidates' plain attribute of it (step_time.py's
+        # `Candidate.segment_blocks`, beside every_k and micro_batch); the layout grammar's
+        # documented `ac=segmentsK` and its error message, and the settings a built-in mode's `ac=` resets
+        "paratrain/recipe.py", "paratrain/estimate/step_time.py", "paratrain/layout_grammar.py",
+        # the estimator: the bytes a recomputed segment holds (`segment_recomputed`, on the estimator's ActDims, which
+        # the capabilities may not import) and the walk's recomputation of a unit in its last block's backward, the
+        # JSON's `segment_blocks` of every estimate, the `--segment-blocks` flag's check among the others
+        "paratrain/estimate/activations.py", "paratrain/estimate/core.py", "paratrain/estimate/inputs.py",
+        # its runtime: CheckpointedSegment, torch hooks that parallelize applies to the units `checkpoint_units` names
+        # (the capabilities may not import distributed/)
+        "paratrain/distributed/parallelize.py",
+        # the word's other meanings: metrics.jsonl's segment records (metrics.py, loop.py), the CUDA allocator's
+        # segments (oom.py), a packed sequence's documents (packing.py), a flat gradient buffer's pieces
+        # (compression.py)
+        "paratrain/observe/metrics.py", "paratrain/training/loop.py", "paratrain/observe/oom.py",
+        "paratrain/data/packing.py", "paratrain/distributed/compression.py",
+    },
 }
+# The module of a capability whose entry above is keyed by another word than its module's name.
+MODULE_OF = {"segment": "segment_checkpointing"}
 
 
 @pytest.mark.parametrize("name", sorted(NAMED_ALSO_IN))
@@ -129,8 +156,8 @@ def test_a_capability_is_named_in_its_module_and_its_registration_only(name):
     registered capabilities. (z-loss was added through the seam.)"""
     found = subprocess.run(["grep", "-rliE", name, "paratrain", "--include=*.py"], cwd=ROOT,
                            capture_output=True, text=True).stdout.split()
-    assert set(found) == {"paratrain/capabilities/__init__.py", f"paratrain/capabilities/{name}.py",
-                          *NAMED_ALSO_IN[name]}
+    module = f"paratrain/capabilities/{MODULE_OF.get(name, name)}.py"
+    assert set(found) == {"paratrain/capabilities/__init__.py", module, *NAMED_ALSO_IN[name]}
 
 
 def test_a_capabilitys_plan_flag_and_json_key(tmp_path):
@@ -170,3 +197,28 @@ def test_checkpoint_state_unwraps_what_a_capability_wraps():
     out = capabilities.checkpoint_state(state)
     assert type(out["model"]["w"]) is torch.Tensor and out["model"]["w"].data_ptr() == plain.data_ptr()
     assert out["model"]["b"] is state["model"]["b"] and out["step"] == 3
+
+
+def test_segment_checkpointing_is_held_exactly_when_the_mode_is_segments():
+    """A Recipe holds segment checkpointing's capability exactly when its checkpointing mode is segments, with its
+    segment_blocks, however it was made or replaced (Recipe.replace's fast path: the planner's candidates), and its
+    units, label and words follow."""
+    from paratrain.capabilities.segment_checkpointing import SegmentCheckpointing
+    from paratrain.layout import Layout
+    from paratrain.modes import CheckpointMode
+    from paratrain.recipe import Recipe
+
+    def held(recipe):
+        return [c for c in recipe.capabilities if isinstance(c, SegmentCheckpointing)]
+
+    plain = Recipe(Layout.resolve(1))
+    seg = plain.replace(checkpointing=CheckpointMode.SEGMENTS, segment_blocks=3)
+    assert held(plain) == [] and held(seg) == [SegmentCheckpointing(3)]
+    assert held(Recipe(Layout.resolve(1), checkpointing="segments")) == [SegmentCheckpointing(0)]
+    assert held(seg.replace(segment_blocks=0)) == [SegmentCheckpointing(0)]
+    assert held(seg.replace(checkpointing=CheckpointMode.FULL)) == [] and held(seg.replace(micro_batch=2)) == held(seg)
+    assert "ac=segments3" in seg.name and "ac=segments," in seg.replace(segment_blocks=0).name
+    assert capabilities.checkpoint_units(seg.capabilities, [4, 5, 6, 7], 8) == [[4, 5, 6], [7]]
+    assert capabilities.checkpoint_units(plain.capabilities, [4, 5], 8) == [[4], [5]]
+    assert SegmentCheckpointing(0).describe_checkpointing(32) == "segments (k=6)"
+    assert SegmentCheckpointing.parse_checkpointing_label("segments0") is None

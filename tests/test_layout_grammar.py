@@ -9,6 +9,7 @@ import typing
 
 import pytest
 
+from paratrain.capabilities.segment_checkpointing import SegmentCheckpointing
 from paratrain.config import Config, ParallelConfig, load_config
 from paratrain.errors import UserError
 from paratrain.layout import CONFIG_KEYS, Layout
@@ -49,7 +50,8 @@ def test_switches_and_modes_in_names():
     assert layout_name(piped) == "nodp,tp=2,pp=2,sched=1f1b" and not piped.loss_parallel
     assert parse_layout_name("zero3").options["dp_mode"] == "fsdp"
     # segments: k written when set, alone for the default round(sqrt(n_layers))
-    assert layout_name(lay, "segments", 2, 2, segment_blocks=4) == "fsdp,tp=2,sp=off,lp=off,ac=segments4,mb=2"
+    assert (layout_name(lay, "segments", 2, 2, switched=(SegmentCheckpointing(4),))
+            == "fsdp,tp=2,sp=off,lp=off,ac=segments4,mb=2")
     assert (parse_layout_name("fsdp,ac=segments4").settings["segment_blocks"],
             parse_layout_name("fsdp,ac=segments").settings["segment_blocks"],
             parse_layout_name("fsdp,ac=segments").settings["checkpointing"]) == (4, 0, "segments")
@@ -128,9 +130,10 @@ def test_every_choice_has_its_entries():
 
     assert all(hasattr(schedules, s.torch_schedule_name) for s in Schedule)
     assert all(isinstance(getattr(torch, p.dtype_name), torch.dtype) for p in Precision)
-    assert all(parse_checkpointing_label(checkpointing_label(m, 3, k)) == (m, 3 if m == "every_k" else 2,
-                                                                           k if m == "segments" else 0)
-               for m in CHECKPOINT_MODES for k in (0, 4))
+    assert all(parse_checkpointing_label(checkpointing_label(m, 3)) == (m, 3 if m == "every_k" else 2)
+               for m in CHECKPOINT_MODES)
+    assert all(SegmentCheckpointing.parse_checkpointing_label(SegmentCheckpointing(k).checkpointing_label())
+               == {"checkpointing": "segments", "every_k": 2, "segment_blocks": k} for k in (0, 4))
     hints = typing.get_type_hints(type(Config().checkpoint))
     # exports are written in a weight dtype: a training precision but fp8 (whose weights are fp32 master weights)
     assert typing.get_args(hints["export_hf_dtype"]) == WEIGHT_DTYPES == tuple(p for p in PRECISIONS if p != "fp8")

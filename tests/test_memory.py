@@ -99,18 +99,18 @@ def test_segments_keep_only_their_inputs_and_recompute_exactly():
     saved through the forward (what the estimator's stored_by_block says), and blocks grouped within a stage."""
     import copy
 
+    from paratrain.capabilities.segment_checkpointing import SegmentCheckpointing, segment_size, segments
     from paratrain.config import ActivationCheckpointConfig
     from paratrain.distributed.parallelize import apply_activation_checkpointing
     from paratrain.estimate import activations as A
     from paratrain.models import build_model
     from paratrain.models.presets import preset_args
-    from paratrain.modes import segment_size, segments
 
     torch.manual_seed(0)
     args = dataclasses.replace(preset_args("tiny", vocab_size=64), n_layers=5)
     plain = build_model(args)
     seg = copy.deepcopy(plain)
-    apply_activation_checkpointing(seg, ActivationCheckpointConfig("segments", segment_blocks=2))
+    apply_activation_checkpointing(seg, ActivationCheckpointConfig("segments"), (SegmentCheckpointing(2),))
     assert [n for n, _ in seg.named_parameters()] == [n for n, _ in plain.named_parameters()]
     assert list(seg.state_dict()) == list(plain.state_dict())
     x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
@@ -125,7 +125,7 @@ def test_segments_keep_only_their_inputs_and_recompute_exactly():
                        if t.untyped_storage().data_ptr() not in tables}
         model(x, targets=y).backward()
     d = A.act_dims(args, Layout.resolve(1), "fp32", "paratrain", 2, 16, "cpu")
-    stored = A.stored_by_block(d, [CheckpointMode.SEGMENTS] * 5, [list(range(5))], {}, 2)
+    stored = A.stored_by_block(d, [CheckpointMode.SEGMENTS] * 5, [list(range(5))], {}, (SegmentCheckpointing(2),))
     assert sum(saved["segments"].values()) == sum(stored.values()) == 3 * A.block_input(d)  # blocks 0, 2, 4's inputs
     assert sum(saved["none"].values()) > 5 * sum(saved["segments"].values())
     for a, b in zip(plain.parameters(), seg.parameters()):

@@ -16,13 +16,14 @@ from paratrain.capabilities.grad_compression import GradientCompression
 from paratrain.capabilities.lora import LoRA
 from paratrain.capabilities.muon import Muon
 from paratrain.capabilities.onebit import OneBitAdam
+from paratrain.capabilities.segment_checkpointing import SegmentCheckpointing
 from paratrain.capabilities.z_loss import ZLoss
 from paratrain.errors import ConfigError
 from paratrain.optimizers import BUILT_IN, OptimizerEntry
 
 # In the order their hooks run (and their keys are listed in a section they share).
 CAPABILITIES: tuple[type[Capability], ...] = (LoRA, Float8, OneBitAdam, EightBitAdam, Muon, ZLoss,
-                                               ActivationOffload, CpuOffload, GradientCompression)
+                                               ActivationOffload, CpuOffload, GradientCompression, SegmentCheckpointing)
 
 # Where a capability's optimizer entries sit in the table among the built-in ones: {built-in entry: the capabilities
 # whose entries follow it}. The table's order is `optimizer.name`'s choices in --help, docs/configuration.md and the
@@ -73,12 +74,28 @@ def implied(recipe, present: tuple[Capability, ...]) -> tuple[Capability, ...]:
             held = getattr(recipe, cls.recipe_field, None)  # (the planner's Settings hold none)
             out += [held] if held is not None else []
             continue
+        if cls.checkpoint_mode is not None:  # (the planner's Settings have no checkpointing)
+            out += [cls.from_recipe(recipe)] if getattr(recipe, "checkpointing", None) == cls.checkpoint_mode else []
+            continue
         implied_now = cls.implied_by(recipe)
         if cls in have and implied_now is not False:
             out.append(have[cls])
         elif implied_now:
             out.append(cls())
     return tuple(out)
+
+
+# {an activation checkpointing mode: the capability that is it} (`Capability.checkpoint_mode`: segments')
+CHECKPOINTING_MODES: dict[str, type[Capability]] = {cls.checkpoint_mode: cls for cls in CAPABILITIES
+                                                    if cls.checkpoint_mode is not None}
+
+
+def implied_checkpointing(recipe, present: tuple[Capability, ...]) -> tuple[Capability, ...]:
+    """`implied` where only the recipe's checkpointing settings changed (the planner's candidates: `Recipe.replace`'s
+    fast path), `present` itself where neither the old nor the new mode is a capability."""
+    if recipe.checkpointing not in CHECKPOINTING_MODES and not any(c.checkpoint_mode for c in present):
+        return present
+    return implied(recipe, present)
 
 
 class Settings(NamedTuple):
@@ -165,3 +182,21 @@ def switch_values(present: tuple[Capability, ...],
         out.update({f"{section}.{f.name}": f.default for f in dataclasses.fields(keys)})
         out.update(on.config_values() if on is not None else {})
     return out
+
+
+def checkpointing(present: tuple[Capability, ...]) -> Capability | None:
+    """The capability among `present` that is the run's checkpointing mode (`Capability.checkpoint_mode`: segment
+    checkpointing), or None: a mode of paratrain.modes.CheckpointMode's own."""
+    return next((c for c in present if c.checkpoint_mode is not None), None)
+
+
+def checkpoint_units(present: tuple[Capability, ...], blocks: list, n_layers: int) -> list[list]:
+    """A model's or stage's `blocks` as its checkpoints group them (`Capability.checkpoint_units`; else one each)."""
+    owner = checkpointing(present)
+    units = owner.checkpoint_units(blocks, n_layers) if owner is not None else None
+    return units if units is not None else [[b] for b in blocks]
+
+
+def parse_checkpointing_label(text: str) -> dict | None:
+    """{a Recipe field: its value} of a layout name's `ac=` value naming a capability's checkpointing mode, or None."""
+    return next((s for s in (cls.parse_checkpointing_label(text) for cls in CAPABILITIES) if s is not None), None)

@@ -39,6 +39,10 @@ A memory tier can be a capability that a layout's name switches on (`layout_item
                         distributed/offload.py's hooks to them; the estimator takes their bytes off the device)
     host_states, host_optimizer_s, fsdp_copy_s, host_activation_s   its memory and time terms
 
+A checkpointing mode can be a capability (`checkpoint_mode`; runs of blocks recomputed as one): `from_recipe` its value,
+`checkpoint_units` the blocks that recompute together (the estimator's walk, parallelize's checkpoints),
+`checkpointing_label` / `parse_checkpointing_label` its `ac=` value in a layout's name, `describe_checkpointing`.
+
 `where` (a `Where`) says on which device and layout a hook runs.
 
 This module is torch-free: a capability imports torch inside its hooks (`# lazy:`), so `--help`, the config checks,
@@ -147,6 +151,15 @@ class Capability:
     # adapters'): a Recipe holds it among its capabilities exactly when that field does (`capabilities.implied`),
     # however the recipe was made or replaced
     recipe_field: ClassVar[str | None] = None
+    # the activation checkpointing mode it is (`activation_checkpoint.mode`, a paratrain.modes.CheckpointMode value): a
+    # Recipe holds it exactly when its mode is this one (`from_recipe`: with the recipe's settings), however the
+    # recipe was made or replaced
+    checkpoint_mode: ClassVar[str | None] = None
+
+    @classmethod
+    def from_recipe(cls, recipe) -> "Capability":
+        """Its value in a recipe whose checkpointing mode is `checkpoint_mode` (with the recipe's settings of it)."""
+        return cls()
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -333,3 +346,25 @@ class Capability:
         """Time: (exposed, total) seconds per step of copying `moved` of a rank's `blocks` blocks' `block_bytes`
         saved activations to host and back (`compute_s`: the rank's compute per micro-step)."""
         return 0.0, 0.0
+
+    # -- a checkpointing mode as a capability: which blocks recompute together ---------------------------------------
+    def checkpoint_units(self, blocks: list, n_layers: int) -> list[list] | None:
+        """One model's or pipeline stage's `blocks` (of `n_layers`) as its checkpoints group them: each unit keeps
+        only its first block's input and recomputes as one, in its last block's backward (the estimator's activation
+        walk; `parallelize` applies distributed/parallelize.py's multi-block checkpoint to each), or None: the mode's
+        own, one block each."""
+        return None
+
+    def checkpointing_label(self) -> str:
+        """Its checkpointing mode as a layout's name writes it (the value of `ac=`, with its settings)."""
+        return str(self.checkpoint_mode)
+
+    @classmethod
+    def parse_checkpointing_label(cls, text: str) -> dict | None:
+        """{a Recipe field: its value} (checkpointing, every_k, ...) of a layout name's `ac=` value that names its
+        mode, or None."""
+        return None
+
+    def describe_checkpointing(self, n_layers: int) -> str:
+        """Its checkpointing mode as the estimate's tables say it (with its settings resolved for `n_layers`)."""
+        return str(self.checkpoint_mode)

@@ -33,7 +33,7 @@ from paratrain.distributed.offload import apply_activation_offload
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.tensor_parallel import apply_tp
 from paratrain.distributed.tensors import full_tensor, right_pad, torch_dtype
-from paratrain.modes import CheckpointMode, segment_size, segments
+from paratrain.modes import CheckpointMode
 
 
 class SequenceParallelSampler(nn.Module):
@@ -131,14 +131,17 @@ class CheckpointedSegment:
             next(frame, None)  # leaves the checkpoint's context (the generator ends)
 
 
-def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
+def apply_activation_checkpointing(model: nn.Module, cfg: ActivationCheckpointConfig, capabilities=()) -> None:
     checkpointing = CheckpointMode(cfg.mode)
     if not checkpointing.recomputes:
         return
-    if checkpointing.by_segments:  # a stage's blocks in runs of k (a segment never crosses a stage boundary)
-        for blocks in segments(list(model.layers.values()), segment_size(cfg.segment_blocks, model.args.n_layers)):
-            CheckpointedSegment(blocks)
-        return
+    for capability in capabilities:  # a mode that is a capability: its units of this stage's blocks, each recomputed
+        # as one
+        units = capability.checkpoint_units(list(model.layers.values()), model.args.n_layers)
+        if units is not None:
+            for blocks in units:
+                CheckpointedSegment(blocks)
+            return
 
     if checkpointing.selective:
         _sac_ignore_profiler_ops()
@@ -226,7 +229,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
     compression, FSDP2's default prefetching, `ddp_bucket_mb` buckets. `capabilities`: the run's
     (paratrain/capabilities), whose `before_parallelize` hooks change the plain model first (`precision` is what the
     rest computes in: fp8's 8-bit layers take their own), inside whose `around_tensor_parallel` contexts tensor
-    parallelism lays it out, whose `host_activations` blocks keep their saved tensors
+    parallelism lays it out, whose `checkpoint_units` recompute together (a checkpointing mode's), whose
+    `host_activations` blocks keep their saved tensors
     in host memory (activation offload) and whose `fsdp_offload_policy` FSDP's groups take (CPU offload);
     `cuda_graphs`: the compiled blocks replay CUDA graphs."""
     layout = dims.layout
@@ -247,7 +251,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, activation_checkpoint: Act
         model.register_forward_pre_hook(_whole_length(layout), with_kwargs=True)
     # Mixture of experts: experts sharded over ep / replicated over tp, all-to-all token routing when ep > 1.
     expert_dp_mesh = distribute_experts(model, dims)
-    apply_activation_checkpointing(model, activation_checkpoint)
+    apply_activation_checkpointing(model, activation_checkpoint, capabilities)
     if compile:
         apply_compile(model, compile if isinstance(compile, str) else None, cuda_graphs)
     for capability in capabilities:  # each chosen block's saved tensors to host (distributed/offload.py)

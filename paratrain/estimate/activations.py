@@ -55,11 +55,12 @@ import functools
 import math
 from dataclasses import dataclass
 
+from paratrain import capabilities
 from paratrain.layout import Layout
 from paratrain.memory import MIN_OFFLOAD_BYTES
 from paratrain.models.args import ModelArgs
 from paratrain.models.registry import roles
-from paratrain.modes import CheckpointMode, Precision, segments
+from paratrain.modes import Precision
 
 FP32, INT64 = 4, 8
 
@@ -318,18 +319,14 @@ def block_stored(d: ActDims, mode: str, moe: MoEDims | None = None) -> int:
     raise ValueError(mode)
 
 
-def checkpoint_units(mode: str, stage_blocks: list[int], segment_size: int) -> list[list[int]]:
-    """A stage's blocks as its checkpoints group them: segments of `segment_size` under "segments", else one each."""
-    return segments(stage_blocks, segment_size) if mode.by_segments else [[l] for l in stage_blocks]
-
-
 def stored_by_block(d: ActDims, modes: list[str], stages: list[list[int]], moe_of: dict,
-                    segment_size: int) -> dict[int, int]:
+                    present: tuple = ()) -> dict[int, int]:
     """Bytes each block of these stages (lists of block indices) keeps from its forward to its backward: its mode's
-    `block_stored`, except inside a segment, where only the first block keeps anything (the segment's input)."""
+    `block_stored`, except inside a checkpoint of several blocks (`present`, the run's capabilities: a checkpointing
+    mode's `checkpoint_units`, segments), where only the first block keeps anything (the unit's input)."""
     out = {}
     for blocks in stages:
-        for unit in checkpoint_units(modes[blocks[0]] if blocks else CheckpointMode.NONE, blocks, segment_size):
+        for unit in capabilities.checkpoint_units(present, blocks, len(modes)):
             out.update({l: block_stored(d, modes[l], moe_of.get(l)) if j == 0 else 0 for j, l in enumerate(unit)})
     return out
 
@@ -375,7 +372,7 @@ def block_backward_live(d: ActDims, mode: str, moe: MoEDims | None = None, first
     grads = width + block_input(d)  # the incoming gradient has the block input's size and dtype
     if not mode.recomputes:
         return saved - product, grads + product  # the product (w2's saved input) is freed by w2's backward
-    if mode.by_segments and not first:
+    if not first:  # (a later block of a segment)
         return 0, segment_recomputed(d, False, moe) + grads
     pure_extra = block_input(d) if d.regime == "pure" else 0
     if mode.whole_blocks:

@@ -32,11 +32,12 @@ from paratrain.estimate.model_states import (BF16, FP32, Param, StateBytes, fsdp
                                              local_shape, model_params, rank_layers, rank_params, state_bytes,
                                              zero_table)
 from paratrain.capabilities import optimizer_entry
+from paratrain.capabilities.segment_checkpointing import segment_size
 from paratrain.layout import Layout
 from paratrain.memory import HOST_HEADROOM
 from paratrain.models.presets import count_active_params
 from paratrain.models.registry import family_of
-from paratrain.modes import CheckpointMode, CompressionSite, segment_size
+from paratrain.modes import CheckpointMode, CompressionSite
 from paratrain.estimate.report import format_table
 from paratrain.estimate.schedule import max_in_flight, rank_actions
 from paratrain.estimate.suggest import suggest_changes
@@ -392,11 +393,11 @@ class _Walk:
         layers_of, last_stage, pipelined = self.layers_of, self.last_stage, self.pipelined
         modes = self.modes = i.recipe.checkpointing.block_checkpointing(args.n_layers, i.recipe.every_k)
         moe_of = self.moe_of = {l: (self.moe if args.is_moe_layer(l) else None) for l in by_layer}
-        size = segment_size(i.recipe.segment_blocks, args.n_layers)
-        full = self.full = A.stored_by_block(d, modes, list(layers_of.values()), moe_of, size)  # each block's saved
+        present = i.recipe.capabilities  # (a checkpointing mode that is a capability groups the blocks)
+        full = self.full = A.stored_by_block(d, modes, list(layers_of.values()), moe_of, present)  # each block's saved
         # the blocks checkpointed with each block (its segment's, under segments; else itself), per stage
-        self.unit_of = {l: unit for s in stages for unit in A.checkpoint_units(i.recipe.checkpointing, layers_of[s],
-                                                                                size) for l in unit}
+        self.unit_of = {l: unit for s in stages for unit in capabilities.checkpoint_units(present, layers_of[s],
+                                                                                          args.n_layers) for l in unit}
         moved, self.ahead_of = saved_on_host(i.recipe.capabilities, args.n_layers, d, modes, moe_of, list(by_layer))
         self.moved = moved
         stored = self.stored = {l: full[l] - moved[l] for l in by_layer}  # what stays on the device (offloading
@@ -933,8 +934,7 @@ def forward_end_bytes(i: EstimateInputs) -> dict[str, int]:
     modes = i.recipe.checkpointing.block_checkpointing(args.n_layers, i.recipe.every_k)
     moe_of = {l: moe if args.is_moe_layer(l) else None for l in layers}
     stages = [lay.stage_layers(s) for s in lay.local_stages(lay.pp - 1)] if lay.pp > 1 else [layers]
-    acts = sum(A.stored_by_block(d, modes, stages, moe_of,
-                                 segment_size(i.recipe.segment_blocks, args.n_layers)).values())
+    acts = sum(A.stored_by_block(d, modes, stages, moe_of, i.recipe.capabilities).values())
     acts -= sum(saved_on_host(i.recipe.capabilities, args.n_layers, d, modes, moe_of, layers)[0].values())
     return {"activations": acts + A.final_residual(d) + A.inputs_bytes(d),
             "logits_loss": sum(b for _, b in A.head_saved(d))}

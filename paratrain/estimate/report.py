@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from paratrain import capabilities
 from paratrain.estimate.gpus import GB, fmt_bytes, verdict_text
 from paratrain.estimate.model_states import model_params
 from paratrain.models.presets import count_active_params, format_params
-from paratrain.modes import describe_checkpointing, segment_size
+from paratrain.modes import describe_checkpointing
 
 ROWS = [  # (key, label)
     ("parameters", "parameters"),
@@ -55,8 +56,9 @@ def format_table(est, units: str = "GiB") -> str:
     i, lay = est.inputs, est.inputs.layout
     fb = lambda n: fmt_bytes(n, units)  # noqa: E731
     n_params = sum(p.numel for p in model_params(i.model_args))
-    mode = describe_checkpointing(i.recipe.checkpointing, i.recipe.every_k,
-                                  segment_size(i.recipe.segment_blocks, i.model_args.n_layers))
+    owner = capabilities.checkpointing(i.recipe.capabilities)  # (a mode that is a capability says itself)
+    mode = (owner.describe_checkpointing(i.model_args.n_layers) if owner is not None
+            else describe_checkpointing(i.recipe.checkpointing, i.recipe.every_k))
     active = count_active_params(i.model_args)
     per_token = f", {format_params(active)} active per token ({active:,})" if active != n_params else ""
     lines = [f"model {i.model_name}: {format_params(n_params)} parameters ({n_params:,}){per_token}" + lora_text(i),

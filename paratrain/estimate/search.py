@@ -23,7 +23,6 @@ from paratrain.estimate.model_states import rank_layers, stage_blocks, state_byt
 from paratrain.estimate.report import ROWS
 from paratrain.estimate.step_time import attention_time, group_link, ring_time
 from paratrain.models.presets import block_param_count
-from paratrain.modes import segment_size
 
 # The schedules planned by default: all but interleaved_zero_bubble, which the cost model predicts as interleaved_1f1b
 # (the same bubble) and which allows no checkpointing (`--schedules` or `--pp-schedule` may still name it).
@@ -96,7 +95,7 @@ def structural_reason(c: Candidate, ctx: Context) -> str | None:
         return reason
     try:
         c.layout.check_checkpointing(c.ac)
-        for capability in c.switched:  # (activation offload: not inside checkpointed segments)
+        for capability in c.switched:  # (activation offload: not with every mode)
             capability.check_checkpointing(c.ac)
     except ConfigError as e:
         return str(e)
@@ -330,7 +329,7 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     moe = A.moe_dims(a, lay, c.micro_batch, ctx.seq_len, 1.0) if a.moe_experts else None
     modes = c.ac.block_checkpointing(a.n_layers, c.every_k)
     kept = A.stored_by_block(d, modes, stage_blocks(lay, a), {l: moe for l in range(a.n_layers) if a.is_moe_layer(l)},
-                             segment_size(c.segment_blocks, a.n_layers))
+                             c.recipe.capabilities)
     # A pipelined FSDP stage holds its blocks gathered (compute dtype) with their gradients accumulated unsharded
     # (fp32) through the step (Layout.fsdp_all_gathers): at least that much on top of the sharded states.
     unsharded = ctx.precision.value_bytes + 4 if (lay.pipelined and lay.uses_fsdp) else 0

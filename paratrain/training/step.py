@@ -462,7 +462,7 @@ def build_train_step(model_args, dims, recipe: Recipe | None = None, device: tor
     for capability in capabilities:  # the device it runs on (fp8: FP8 tensor cores), the precision the model
         capability.check_device(device)  # computes in (fp8: bf16 around its 8-bit matmuls)
         precision = capability.compute_precision(precision)
-    ac = ActivationCheckpointConfig(recipe.checkpointing, recipe.every_k, recipe.segment_blocks)
+    ac = ActivationCheckpointConfig(recipe.checkpointing, recipe.every_k)
     with torch.device(device if model_args.tie_embeddings else "meta"):
         model = build_model(model_args)
     scaler = make_scaler(layout, precision, device)
