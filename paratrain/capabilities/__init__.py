@@ -10,6 +10,7 @@ from typing import NamedTuple
 from paratrain.capabilities.activation_offload import ActivationOffload
 from paratrain.capabilities.adamw8bit import EightBitAdam
 from paratrain.capabilities.base import Capability
+from paratrain.capabilities.chunked_loss import ChunkedLoss
 from paratrain.capabilities.cpu_offload import CpuOffload
 from paratrain.capabilities.float8 import Float8
 from paratrain.capabilities.grad_compression import GradientCompression
@@ -21,7 +22,7 @@ from paratrain.errors import ConfigError
 from paratrain.optimizers import BUILT_IN, OptimizerEntry
 
 # In the order their hooks run (and their keys are listed in a section they share).
-CAPABILITIES: tuple[type[Capability], ...] = (LoRA, Float8, OneBitAdam, EightBitAdam, Muon, ZLoss,
+CAPABILITIES: tuple[type[Capability], ...] = (LoRA, Float8, OneBitAdam, EightBitAdam, Muon, ZLoss, ChunkedLoss,
                                                ActivationOffload, CpuOffload, GradientCompression)
 
 # Where a capability's optimizer entries sit in the table among the built-in ones: {built-in entry: the capabilities
