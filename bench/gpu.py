@@ -63,7 +63,6 @@ def fitting_config(args, seq: int, device: str, gpu_bytes: int | None, precision
     full."""
     from paratrain.estimate import Target, estimate, inputs_for
     from paratrain.layout import Layout
-    from paratrain.memory import MemoryTiers
     from paratrain.modes import CheckpointMode
     from paratrain.recipe import Recipe
 
@@ -71,8 +70,8 @@ def fitting_config(args, seq: int, device: str, gpu_bytes: int | None, precision
         return 2, "none"
     for ac in sorted((m for m in CheckpointMode if m.uniform), key=lambda m: m.recompute_rank):
         for mb in (8, 4, 2, 1):
-            recipe = Recipe(Layout.resolve(1), precision=precision, checkpointing=ac, micro_batch=mb, seq_len=seq,
-                            tiers=MemoryTiers(loss_chunks=0))  # (0: the trainer's automatic choice)
+            recipe = Recipe(Layout.resolve(1), precision=precision, checkpointing=ac, micro_batch=mb,
+                            seq_len=seq).replace(loss_chunks=0)  # (0: the trainer's automatic choice)
             est = estimate(inputs_for(args, recipe, Target(device=device, gpu_bytes=gpu_bytes)), suggest=False)
             if est.fits:
                 return mb, ac

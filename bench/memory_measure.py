@@ -675,7 +675,7 @@ def device_step_peaks(spec: MeasureSpec, device, compile: bool | str = False, st
 
 def inputs_for_spec(spec: MeasureSpec, world_size: int):
     """The estimator's inputs for a measured configuration (CPU: no runtime overhead, the spec's optimizer kernels);
-    loss_chunks 0 (automatic) is resolved by the estimator with the model's vocabulary (paratrain.memory.loss_chunks)."""
+    loss_chunks 0 (automatic) is resolved by the estimator with the model's vocabulary (`ChunkedLoss.resolved`)."""
     from paratrain.estimate.inputs import Target, inputs_for
     from paratrain.models.args import ModelArgs
 

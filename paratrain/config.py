@@ -152,13 +152,8 @@ class ActivationCheckpointConfig:
 
 @dataclass
 class MemoryConfig:
-    """Training what does not fit on the device (docs/memory-tiers.md; the rules: paratrain/memory.py)."""
-
-    # The output projection and cross-entropy over this many pieces of each micro-batch's tokens, so the logits of
-    # the whole micro-batch never exist at once (backward recomputes each piece's). 0: automatic, 8 where it is
-    # exact (fp32 gradients; not under a pipeline) and one rank's fp32 logits of a micro-batch are 64 MiB or more;
-    # 1: the whole logits at once.
-    loss_chunks: int = 0
+    """Training what does not fit on the device (docs/memory-tiers.md; each tier's keys and rules: its capability,
+    paratrain/capabilities)."""
 
 
 @dataclass
@@ -507,7 +502,6 @@ def _check_training_and_optimizer(cfg: Config) -> None:
 def _check_runtime(cfg: Config) -> None:
     """Checkpointing, memory tiers, checkpoints, resilience, communication, metrics and data."""
     _require(cfg.activation_checkpoint.every_k >= 1, "activation_checkpoint.every_k must be >= 1")
-    _require(cfg.memory.loss_chunks >= 0, "memory.loss_chunks must be >= 0 (0: automatic, 1: whole logits)")
     _require(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 saves only at the end)")
     _require(cfg.checkpoint.every_minutes >= 0, "checkpoint.every_minutes must be >= 0 (0: off)")
     _require(cfg.checkpoint.keep >= 2, "checkpoint.keep must be >= 2 so a bad save never leaves no checkpoint")

@@ -10,9 +10,8 @@ rep: hsdp's replicas; cp, tp, pp, ep: degrees (dp_shard is the rest of the world
 sequence or loss parallelism; sched: the pipeline schedule, v its stages per rank (the interleaved schedules'
 default 2 is not written); ac: activation checkpointing (every_k with its k, segments with its blocks per segment
 when set: segments4); mb: sequences per micro-batch. The
-memory tiers in use follow (paratrain/memory.py): loss=N (the loss over N pieces), then the capabilities' switches
-(`Capability.layout_item`, in the registry's order, each documented in its module: activation offload's mode,
-cpuoff=on for CPU offload).
+memory tiers in use follow, the capabilities' switches (`Capability.layout_item`, in the registry's order, each
+documented in its module): loss=N (the loss over N pieces), activation offload's mode, cpuoff=on for CPU offload.
 
 The flags are one per `[parallel]` setting (`FLAGS`, derived from config.ParallelConfig; `--tp`, `--pp-schedule`,
 `--no-sequence-parallel`, `--grad-compression`, ...): `add_layout_flags` adds those a command takes, `layout_flags` reads what was given as
@@ -33,22 +32,20 @@ from paratrain.config import ParallelConfig
 from paratrain.config_reference import describe
 from paratrain.errors import UserError
 from paratrain.layout import CONFIG_KEYS, Layout
-from paratrain.memory import MemoryTiers
 from paratrain.modes import (CHECKPOINT_MODES, DP_MODE_OPTIONS, SCHEDULES, DPMode, checkpointing_label,
                              parse_checkpointing_label)
 
 NO_DATA_PARALLEL = "nodp"
 DEGREES = ("rep", "cp", "tp", "pp", "v", "ep", "mb")
 SWITCHES = {"sp": "sequence_parallel", "lp": "loss_parallel"}  # item -> Layout field, written only when off
-TIERS = ("loss",)  # the memory tiers' items
 SWITCHED = {cls.layout_item: cls for cls in capabilities.switches()}  # item -> the capability `item=...` turns on
 
 
 def layout_name(layout, checkpointing: str | None = None, every_k: int = 2, micro_batch: int | None = None,
-                tiers: MemoryTiers | None = None, switched: tuple = ()) -> str:
-    """The layout's name (see the module doc), with its checkpointing, micro-batch and memory tiers when given, and
-    the items of the capabilities in `switched` that a name switches on (a capability that is the checkpointing mode
-    writes its `ac=` value: segments4)."""
+                switched: tuple = ()) -> str:
+    """The layout's name (see the module doc), with its checkpointing and micro-batch when given, and the items of
+    the capabilities in `switched` that a name switches on (the memory tiers; a capability that is the checkpointing
+    mode writes its `ac=` value: segments4)."""
     lay = layout
     parts = [lay.dp_mode if lay.dp_cp > 1 else NO_DATA_PARALLEL]
     if lay.hybrid:
@@ -70,8 +67,8 @@ def layout_name(layout, checkpointing: str | None = None, every_k: int = 2, micr
         parts.append(f"ac={owner.checkpointing_label() if owner else checkpointing_label(checkpointing, every_k)}")
     if micro_batch is not None:
         parts.append(f"mb={micro_batch}")
-    parts += tiers.items() if tiers is not None else []
-    return ",".join(parts + [f"{c.layout_item}={c.layout_value()}" for c in switched if c.layout_item])
+    return ",".join(parts + [f"{c.layout_item}={c.layout_value()}" for c in switched
+                             if c.layout_item and c.layout_value()])
 
 
 @dataclass
@@ -81,14 +78,14 @@ class NamedLayout:
 
     options: dict = field(default_factory=dict)
     # {a Recipe field: its value} for the items named: ac= (checkpointing, every_k, segment_blocks: segmentsK's K, 0
-    # for segments alone), mb= (micro_batch), loss= (loss_chunks)
+    # for segments alone), mb= (micro_batch)
     settings: dict = field(default_factory=dict)
     named: frozenset = frozenset()  # the items the name gives
-    switched: tuple = ()  # the capabilities its switches turn on (cpuoff=on: CPU offload), with their settings
+    switched: tuple = ()  # the capabilities its switches turn on (loss=8, cpuoff=on: CPU offload), with their settings
 
     def switch_values(self) -> dict:
-        """The settings of the switches named (cpuoff=, ...), as {"section.key": value} (a switch named off:
-        its keys' defaults)."""
+        """The settings of the switches named (loss=, actoff=, cpuoff=, ...), as {"section.key": value} (a switch
+        named off: its keys' defaults, or its `off_values`)."""
         named = tuple(cls for item, cls in SWITCHED.items() if item in self.named)
         return capabilities.switch_values(self.switched, named)
 
@@ -111,9 +108,9 @@ def parse_layout_name(text: str, what: str = "layout") -> NamedLayout:
     items: dict[str, str] = {}
     for tok in tokens[1:]:
         k, eq, v = tok.partition("=")
-        if not eq or k not in (*DEGREES, *SWITCHES, *TIERS, *SWITCHED, "sched", "ac") or k in items:
+        if not eq or k not in (*DEGREES, *SWITCHES, *SWITCHED, "sched", "ac") or k in items:
             raise UserError(f"{where}: unknown or repeated item '{tok}' (use {'=, '.join(DEGREES)}=, sched=, ac=, "
-                            f"sp=off, lp=off, loss={''.join(f', {i}={c.layout_hint}' for i, c in SWITCHED.items())})")
+                            f"sp=off, lp=off{''.join(f', {i}={c.layout_hint}' for i, c in SWITCHED.items())})")
         items[k] = v
     degrees = {}
     for k in DEGREES:
@@ -134,7 +131,6 @@ def parse_layout_name(text: str, what: str = "layout") -> NamedLayout:
                         "segments with its blocks per segment: segments4)")
     settings = dict(ac) if "ac" in items else {}
     settings.update({"micro_batch": degrees["mb"]} if "mb" in items else {})
-    settings.update({"loss_chunks": _loss_chunks(items["loss"], where)} if "loss" in items else {})
     return NamedLayout(_layout_options(mode, degrees, sched, items), settings, frozenset(items),
                        _switched(items, where))
 
@@ -142,12 +138,6 @@ def parse_layout_name(text: str, what: str = "layout") -> NamedLayout:
 def _builtin_checkpointing(text: str) -> dict | None:
     parsed = parse_checkpointing_label(text)
     return {"checkpointing": parsed[0], "every_k": parsed[1], "segment_blocks": 0} if parsed else None
-
-
-def _loss_chunks(chunks: str, where: str) -> int:
-    if not chunks.isdigit() or int(chunks) < 1:
-        raise UserError(f"{where}: loss must be an integer >= 1 (pieces of the loss), got '{chunks}'")
-    return int(chunks)
 
 
 def _switched(items: dict[str, str], where: str) -> tuple:

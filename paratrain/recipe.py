@@ -1,8 +1,8 @@
 """The recipe: everything that says how a model is trained on a world, apart from the model and the data.
 
 One frozen, torch-free value, resolved (automatic choices made): the layout (degrees, data-parallel mode, pipeline
-schedule), activation checkpointing, the batch shape per rank (micro-batch, accumulation, sequence length), the memory
-tiers, precision (and TF32), the optimizer entry and its kernels, gradient compression, FSDP's prefetching, LoRA,
+schedule), activation checkpointing, the batch shape per rank (micro-batch, accumulation, sequence length),
+precision (and TF32), the optimizer entry and its kernels, gradient compression, FSDP's prefetching, LoRA,
 compilation, and the capabilities the run uses (paratrain/capabilities: fp8, z-loss, ...) with their settings.
 
     recipe = Recipe.from_config(cfg, layout, micro_batch, accum_steps, device_type)   # a run's config, read once
@@ -23,7 +23,6 @@ from paratrain.config import Config
 from paratrain.errors import UserError
 from paratrain.layout import Batch, Layout
 from paratrain.layout_grammar import layout_name
-from paratrain.memory import MemoryTiers
 from paratrain.capabilities.grad_compression import Compression
 from paratrain.capabilities.lora import LoRA
 from paratrain.modes import CHECKPOINT_MODES, PRECISIONS, CheckpointMode, OptimizerImpl, Precision, resolve_impl
@@ -63,8 +62,6 @@ class Recipe:
     # micro-batch with pp > 1)
     accum_steps: int = 1  # micro-steps per optimizer step (pp > 1: layout.pp_microbatches instead); from the batch
     seq_len: int = setting("training.seq_len")
-    tiers: MemoryTiers = field(default_factory=MemoryTiers)  # [memory] (loss_chunks 0: automatic, resolved by the
-    # estimator and the trainer once the model is known)
     optimizer: str = setting("optimizer.name", "--optimizer")  # an entry of the optimizer table
     optimizer_impl: OptimizerImpl = "fused"  # optimizer.impl resolved on the run's device (modes.resolve_impl)
     compression: Compression = field(default_factory=Compression)  # [parallel]'s grad_compression and its settings
@@ -72,7 +69,8 @@ class Recipe:
     lora: LoRA | None = None  # [lora]
     compile: bool | str = config_default("training.compile")  # each block compiled (a backend's name: that backend)
     cuda_graphs: bool = config_default("training.cuda_graphs")  #: the compiled blocks replay CUDA graphs
-    capabilities: tuple[Capability, ...] = ()  # the run's, with their settings (capabilities.active)
+    capabilities: tuple[Capability, ...] = ()  # the run's, with their settings (capabilities.active): the memory
+    # tiers too (the chunked loss: its pieces read and replaced by name, 0 automatic until the model is known)
 
     def __post_init__(self):
         # the capabilities its other settings imply (Capability.implied_by), with their defaults
@@ -84,13 +82,19 @@ class Recipe:
         object.__setattr__(self, "checkpointing", CheckpointMode(self.checkpointing))
         object.__setattr__(self, "capabilities", capabilities.implied(self, self.capabilities))
 
+    def __getattr__(self, name: str):
+        """A capability's setting by its name (`Capability.recipe_setting`: the chunked loss's pieces, 1 where the
+        recipe holds none)."""
+        if name not in capabilities.SETTINGS:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        return capabilities.setting(self.capabilities, name)
+
     @classmethod
     def from_config(cls, cfg, layout: Layout, micro_batch: int, accum_steps: int, device_type: str) -> "Recipe":
         """A run's config (paratrain.config.Config) on its validated layout and batch: the one reading of the
         sections a recipe is made of. `micro_batch` is what one micro-step runs (a pipeline's micro-batch)."""
         values = {f.name: _get(cfg, f.metadata["key"]) for f in _keyed_fields(cls)}
         return cls(layout, **{**values, "micro_batch": micro_batch}, accum_steps=accum_steps,
-                   tiers=MemoryTiers.from_config(cfg.memory),
                    optimizer_impl=resolve_impl(cfg.optimizer.impl, device_type, cfg.training.precision,
                                                 cfg.optimizer.name),
                    compression=Compression.from_config(cfg.parallel), lora=LoRA.from_config(cfg),
@@ -112,8 +116,7 @@ class Recipe:
             section, key = f.metadata["key"].split(".")
             setattr(getattr(cfg, section), key, getattr(self, f.name))
         cfg.parallel = dataclasses.replace(self.layout.to_config(cfg.parallel), **self.compression.config_values())
-        cfg.memory = self.tiers.to_config(cfg.memory)
-        for key, value in capabilities.switch_values(self.capabilities).items():  # (the switches' keys: offloads)
+        for key, value in capabilities.switch_values(self.capabilities).items():  # (the switches' keys: [memory])
             _set(cfg, key, value)
         cfg.training.accum_steps = self.accum_steps
         for capability in self.capabilities:  # the others' keys (a recipe field's: the adapters' [lora])
@@ -124,8 +127,7 @@ class Recipe:
     @property
     def name(self) -> str:
         """The layout grammar's one name (paratrain/layout_grammar.py) with checkpointing, micro-batch and tiers."""
-        return layout_name(self.layout, self.checkpointing, self.every_k, self.micro_batch, self.tiers,
-                           switched=self.capabilities)
+        return layout_name(self.layout, self.checkpointing, self.every_k, self.micro_batch, switched=self.capabilities)
 
     @property
     def micro_steps(self) -> int:
@@ -133,34 +135,38 @@ class Recipe:
         return self.layout.pp_microbatches if self.layout.pipelined else self.accum_steps
 
     def replace(self, **changes) -> "Recipe":
-        """A changed copy; memory tiers by their own names (loss_chunks=; the switched ones are `capabilities`)."""
-        tier_keys = _TIER_FIELDS & changes.keys()
-        if tier_keys:
-            changes["tiers"] = dataclasses.replace(self.tiers, **{k: changes.pop(k) for k in tier_keys})
-        if changes.keys() <= _SHAPE_FIELDS and isinstance(changes.get("checkpointing", CheckpointMode.NONE),
-                                                          CheckpointMode):
+        """A changed copy; a capability's setting by its name (`Capability.recipe_setting`: the chunked loss's
+        pieces)."""
+        shape = _SHAPE_FIELDS
+        named = changes.keys() & capabilities.SETTINGS.keys()
+        if named:
+            shape = (_SHAPE_FIELDS | {"capabilities"}) if "capabilities" not in changes else shape
+            for name in named:
+                changes["capabilities"] = capabilities.with_setting(changes.get("capabilities", self.capabilities),
+                                                                    name, changes.pop(name))
+        if changes.keys() <= shape and isinstance(changes.get("checkpointing", CheckpointMode.NONE), CheckpointMode):
             # (the planner's candidates: tens of thousands per plan) nothing to coerce, and no capability implied
             # anew but a checkpointing mode's: `Capability.implied_by` reads only the precision and the optimizer
+            # (capabilities.Settings), and a setting's capability (`with_setting`) implies none and keeps the
+            # registry's order
             copy = object.__new__(type(self))
             copy.__dict__.update(self.__dict__, **changes)
             if not _CHECKPOINTING_FIELDS.isdisjoint(changes):  # (a checkpointing mode that is a capability)
-                copy.__dict__["capabilities"] = capabilities.implied_checkpointing(copy, self.capabilities)
+                copy.__dict__["capabilities"] = capabilities.implied_checkpointing(copy, copy.capabilities)
             return copy
         return dataclasses.replace(self, **changes)
 
 
-_TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(MemoryTiers))
 # The fields a candidate layout changes, which `Recipe.replace` sets without `__post_init__` (those that decide a
 # checkpointing mode's capability, `Capability.checkpoint_mode`, with its capabilities implied again).
-_SHAPE_FIELDS = frozenset({"layout", "checkpointing", "every_k", "segment_blocks", "micro_batch", "accum_steps",
-                           "tiers"})
+_SHAPE_FIELDS = frozenset({"layout", "checkpointing", "every_k", "segment_blocks", "micro_batch", "accum_steps"})
 _CHECKPOINTING_FIELDS = frozenset({"checkpointing", "segment_blocks"})
 
 
 def setting_keys(recipe=Recipe) -> dict[str, str]:
     """{a setting as the Recipe names it: its config key ("section.key")} of every setting a recipe reads from a
-    run's config: the recipe's own keyed fields, the memory tiers' ([memory], MemoryTiers' fields) and the keys of the
-    capabilities a layout's name switches on (activation offload's, CPU offload's). The layout's `[parallel]` keys
+    run's config: the recipe's own keyed fields and the keys of the capabilities a layout's name switches on (the
+    memory tiers, `[memory]`: the chunked loss's, activation offload's, CPU offload's). The layout's `[parallel]` keys
     are Layout's (`Layout.from_config`)."""
     return {name: key for name, key, _ in _settings(recipe)}
 
@@ -174,7 +180,6 @@ def recipe_settings(recipe=Recipe) -> dict[str, str]:
 def _settings(recipe) -> list[tuple[str, str, str | None]]:
     """(name, config key, flag or None) of each setting a recipe reads from a run's config."""
     out = [(f.name, f.metadata["key"], f.metadata.get("flag")) for f in _keyed_fields(recipe)]
-    out += [(f.name, f"memory.{f.name}", f.metadata.get("flag")) for f in dataclasses.fields(MemoryTiers)]
     return out + [(f.name, f"{cls.adds_to[0]}.{f.name}", f.metadata.get("flag")) for cls in capabilities.switches()
                   for f in dataclasses.fields(cls.adds_to[1])]
 

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain import capabilities, hf, memory
+from paratrain import capabilities, hf
 from paratrain.config import Config, DataConfig, DEFAULT_DATA_DIR, ModelConfig, load_config
 from paratrain.data import DEFAULT_CORPUS
 from paratrain.capabilities import optimizer_entry
@@ -214,8 +214,9 @@ def check_packing(data, meta: dict, layout: Layout, cuda_graphs: bool = False) -
 def _validated(cfg: Config, source: ModelSource, layout: Layout, args: ModelArgs, world_size: int) -> Layout:
     source.check_export(cfg.checkpoint, args)
     layout.check_checkpointing(cfg.activation_checkpoint.mode)
-    memory.check(cfg.memory, layout, cfg.training.precision)  # the memory tiers the layout can use
-    for capability in capabilities.active(cfg):  # (activation offload: its schedules and modes; CPU offload: FSDP)
+    # the layouts the capabilities run on (the memory tiers: the chunked loss without a pipeline, activation offload's
+    # schedules and no segments, CPU offload's FSDP)
+    for capability in capabilities.active(cfg):
         capability.check_layout(layout)
         capability.check_checkpointing(cfg.activation_checkpoint.mode)
     stage_gpus(cfg.parallel, layout)

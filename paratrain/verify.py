@@ -30,8 +30,8 @@ COMPILE = "training.compile=true"  # each block compiled by Inductor, against on
 
 # name -> (ranks, layout, other overrides...). The layout is written as its name (paratrain/layout_grammar.py): the
 # data-parallel mode, degrees, checkpointing (ac=), sequences per micro-batch (mb=; default: the global batch over
-# the data-parallel ranks) and the memory tiers it names (loss=, the capabilities' switches: activation offload's,
-# cpuoff=on; the others keep the default); `layout_overrides` turns it into the run's settings.
+# the data-parallel ranks) and the memory tiers it names (the capabilities' switches: the chunked loss's loss=,
+# activation offload's, cpuoff=on; the others keep the default); `layout_overrides` turns it into the run's settings.
 LAYOUTS: dict[str, tuple] = {
     "ddp2": (2, "ddp"),
     "zero1x2": (2, "zero1"),
@@ -93,10 +93,9 @@ LAYOUTS: dict[str, tuple] = {
     # The capabilities that change the model (`verify_matrix` "model": adapters on a frozen tiny model), against one
     # process training the same model.
     **capabilities.verify_rows("model"),
-    # Memory tiers (paratrain/memory.py) against the reference, which computes its loss in 8 pieces (fp32's default):
-    "loss8": (1, "nodp,loss=8"),  # the loss over 8 pieces (the tiny model's logits are whole by default)
-    "tp2+sp+loss3": (2, "nodp,tp=2,loss=3"),  # loss parallel over 3 uneven pieces
-    **capabilities.verify_rows("memory"),  # the capabilities that are memory tiers (offloading) or checkpointing modes
+    # The capabilities that are memory tiers (the chunked loss, activation offload, CPU offload) or checkpointing modes
+    # (segments), against a reference that computes its loss in 8 pieces (fp32's default)
+    **capabilities.verify_rows("memory"),
     # torch.compile (Inductor) against one eager process: alone, under FSDP, with checkpointing, tp, pp and fp8.
     "compile": (1, "nodp", COMPILE),
     "compile-fsdp2": (2, "fsdp", COMPILE),
@@ -116,7 +115,7 @@ QWEN_MATRIX = ["qwen3-fsdp2", "qwen3-tp2+sp", "qwen3-pp2", "qwen3-cp2", "qwen3-m
 
 MODEL_CAPABILITY_MATRIX = list(capabilities.verify_rows("model"))
 
-MEMORY_MATRIX = ["loss8", "tp2+sp+loss3", *capabilities.verify_rows("memory")]
+MEMORY_MATRIX = list(capabilities.verify_rows("memory"))
 # Each capability's rows, by its name (paratrain verify --layouts takes any of them).
 CAPABILITY_MATRICES = {cls.name: list(cls.verify_rows) for cls in capabilities.CAPABILITIES}
 # Those held to the run's tolerance (fp32's 1e-5): in `paratrain verify`'s default sweep (fp8's, looser, by name)

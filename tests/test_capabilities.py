@@ -41,8 +41,11 @@ def test_z_loss_is_palms_penalty():
 
 
 def test_z_loss_config():
-    assert capabilities.active(load_config(None, [])) == ()
-    assert capabilities.active(load_config(None, ["--training.z_loss=1e-4"])) == (ZLoss(1e-4),)
+    from paratrain.capabilities.chunked_loss import ChunkedLoss
+
+    automatic = ChunkedLoss(0)  # (every default run holds the chunked loss, automatic: memory.loss_chunks=0)
+    assert capabilities.active(load_config(None, [])) == (automatic,)
+    assert capabilities.active(load_config(None, ["--training.z_loss=1e-4"])) == (ZLoss(1e-4), automatic)
     with pytest.raises(ConfigError, match="training.z_loss must be >= 0"):
         load_config(None, ["--training.z_loss=-1"])
 
@@ -144,9 +147,18 @@ NAMED_ALSO_IN = {
         "paratrain/observe/metrics.py", "paratrain/training/loop.py", "paratrain/observe/oom.py",
         "paratrain/data/packing.py", "paratrain/distributed/compression.py",
     },
+    # The chunked loss, named by its key (`memory.loss_chunks`, the JSON documents' `memory_tiers` name), in
+    # capabilities/chunked_loss.py. Its runtime is the model's forward (`targets=, loss_chunks=`: llama.py's
+    # chunked_cross_entropy; family.py's forward contract): the models layer, which may not import capabilities, takes
+    # the count as a plain argument, and the trainer (training/step.py) passes it, resolved per micro-batch through
+    # the hook, and builds a step without a recipe with it automatic. The planner's Candidate keeps it as a plain
+    # attribute for its inner loops, and `Candidate.of` starts a run's automatic (0) at one piece (step_time.py).
+    "loss_chunks": {"paratrain/models/llama.py", "paratrain/models/family.py", "paratrain/training/step.py",
+                    "paratrain/estimate/step_time.py"},
 }
-# The module of a capability whose entry above is keyed by another word than its module's name.
-MODULE_OF = {"segment": "segment_checkpointing"}
+# A capability's module where it is not named after it (its entry above is keyed by another word: segment
+# checkpointing by its word, the chunked loss by its key, `loss_chunks`).
+MODULE_OF = {"segment": "segment_checkpointing", "loss_chunks": "chunked_loss"}
 
 
 @pytest.mark.parametrize("name", sorted(NAMED_ALSO_IN))
@@ -222,3 +234,33 @@ def test_segment_checkpointing_is_held_exactly_when_the_mode_is_segments():
     assert capabilities.checkpoint_units(plain.capabilities, [4, 5], 8) == [[4], [5]]
     assert SegmentCheckpointing(0).describe_checkpointing(32) == "segments (k=6)"
     assert SegmentCheckpointing.parse_checkpointing_label("segments0") is None
+
+
+def test_the_chunked_loss_is_a_recipe_setting_by_name():
+    """The chunked loss is a capability a Recipe holds where its count is not 1 and gives by name
+    (`Capability.recipe_setting`): `recipe.loss_chunks`, `Recipe.replace(loss_chunks=)` (the planner's fast path keeps
+    the registry's order), its config key and its layout item, the same value each way."""
+    import pickle
+
+    from paratrain.capabilities.chunked_loss import ChunkedLoss
+    from paratrain.capabilities.cpu_offload import CpuOffload
+    from paratrain.config import Config
+    from paratrain.estimate.step_time import Candidate
+    from paratrain.layout import Layout
+    from paratrain.recipe import Recipe
+
+    fsdp = Layout.resolve(2, dp_mode="fsdp")
+    plain = Recipe(fsdp, precision="fp32", capabilities=(CpuOffload(),))
+    assert plain.loss_chunks == 1 and ChunkedLoss not in map(type, plain.capabilities)
+    chunked = plain.replace(loss_chunks=8, micro_batch=2)
+    assert chunked.capabilities == (ChunkedLoss(8), CpuOffload()) and chunked.loss_chunks == 8
+    assert chunked == Recipe(fsdp, precision="fp32", micro_batch=2, capabilities=(CpuOffload(), ChunkedLoss(8)))
+    assert chunked.replace(loss_chunks=1) == plain.replace(micro_batch=2)
+    assert chunked.name.endswith("loss=8,cpuoff=on") and pickle.loads(pickle.dumps(chunked)) == chunked
+    assert Candidate(chunked).loss_chunks == 8 and Candidate.of(plain.replace(loss_chunks=0)).loss_chunks == 1
+    for value in (0, 1, 8):
+        cfg = Recipe(fsdp).replace(loss_chunks=value).to_config(Config())
+        assert cfg.memory.loss_chunks == value
+        assert Recipe.from_config(cfg, fsdp, 1, 1, "cpu").loss_chunks == value
+    with pytest.raises(AttributeError):
+        plain.no_such_setting

@@ -63,19 +63,22 @@ def test_memory_tiers_in_names():
     cpuoff=on), read back by --explain."""
     from paratrain.capabilities.activation_offload import ActivationOffload
     from paratrain.capabilities.cpu_offload import CpuOffload
-    from paratrain.memory import MemoryTiers
+    from paratrain.capabilities.chunked_loss import ChunkedLoss
 
     lay = Layout.resolve(4, dp_mode="fsdp", tp=2)
-    for tiers, switched in ((MemoryTiers(8), (ActivationOffload("all"), CpuOffload())),
-                            (MemoryTiers(1), (ActivationOffload("every_k", 3),)), (MemoryTiers(), ())):
-        name = layout_name(lay, "full", 2, 1, tiers, switched=switched)
+    for switched in ((ChunkedLoss(8), ActivationOffload("all"), CpuOffload()), (ActivationOffload("every_k", 3),),
+                     ()):
+        name = layout_name(lay, "full", 2, 1, switched=switched)
         named = parse_layout_name(name)
-        assert (named.settings.get("loss_chunks", 1), named.switched) == (tiers.loss_chunks, switched)
+        assert named.switched == switched
         assert named.layout(4) == lay
         assert named.switch_values().get("memory.cpu_offload", False) is (CpuOffload() in switched)
-    tiered = layout_name(lay, "full", 2, 1, MemoryTiers(8), switched=(ActivationOffload("all"), CpuOffload()))
+    tiered = layout_name(lay, "full", 2, 1, switched=(ChunkedLoss(8), ActivationOffload("all"), CpuOffload()))
     assert tiered == "fsdp,tp=2,ac=full,mb=1,loss=8,actoff=all,cpuoff=on"
-    assert layout_name(lay, "full", 2, 1, MemoryTiers()) == "fsdp,tp=2,ac=full,mb=1"
+    # loss=1 names the whole logits (no chunked loss), automatic (0) is not written
+    assert layout_name(lay, "full", 2, 1, switched=(ChunkedLoss(0),)) == "fsdp,tp=2,ac=full,mb=1"
+    assert parse_layout_name("fsdp,loss=1").switched == ()
+    assert parse_layout_name("fsdp,loss=1").switch_values() == {"memory.loss_chunks": 1}
     # actoff=none names the setting off (its keys' defaults over a run's own)
     assert parse_layout_name("fsdp,actoff=none").switch_values() == {"memory.activation_offload": "none",
                                                                      "memory.activation_offload_every_k": 2}

@@ -14,7 +14,7 @@ from paratrain.capabilities.cpu_offload import CpuOffload
 from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Layout
 from paratrain.capabilities.activation_offload import ActivationOffload
-from paratrain.memory import AUTO_LOSS_CHUNKS, AUTO_LOSS_MIN_BYTES, MemoryTiers, loss_chunks
+from paratrain.capabilities.chunked_loss import AUTO_LOSS_CHUNKS, AUTO_LOSS_MIN_BYTES, ChunkedLoss
 from paratrain.modes import CheckpointMode
 from paratrain.verify import MEMORY_MATRIX
 
@@ -44,6 +44,12 @@ def test_chunked_loss_is_the_whole_loss_and_its_gradients():
     (l1, g1, t1), (l7, g7, t7) = results
     assert torch.allclose(l1, l7, atol=1e-6) and torch.allclose(t1, t7, atol=1e-6)
     assert all(torch.allclose(g1[n], g7[n], atol=1e-7) for n in g1)
+
+
+def loss_chunks(setting: int, layout, precision: str, *, vocab_size: int, tokens: int) -> int:
+    """The pieces a run of `memory.loss_chunks = setting` computes its loss in (ChunkedLoss.loss_pieces)."""
+    on = ChunkedLoss.from_setting(setting)
+    return on.loss_pieces(layout, precision, vocab_size, tokens) if on is not None else 1
 
 
 def test_loss_chunks_rules():
@@ -79,9 +85,9 @@ def test_trainer_and_estimator_resolve_automatic_chunks_alike():
         args = preset_args("tiny", vocab_size=vocab)
         step = build_train_step(args, ParallelDims(Layout.resolve(1)))
         trainer = step.chunks_for(torch.zeros(mb, seq, dtype=torch.long))
-        recipe = Recipe(Layout.resolve(1), precision="fp32", micro_batch=mb, seq_len=seq,
-                        tiers=MemoryTiers(loss_chunks=0))  # memory.loss_chunks=0, the default: automatic
-        estimated = validate(inputs_for(args, recipe, Target(device="cpu"))).recipe.tiers.loss_chunks
+        recipe = Recipe(Layout.resolve(1), precision="fp32", micro_batch=mb,
+                        seq_len=seq).replace(loss_chunks=0)  # memory.loss_chunks=0, the default: automatic
+        estimated = validate(inputs_for(args, recipe, Target(device="cpu"))).recipe.loss_chunks
         assert trainer == estimated == (1 if vocab == 128 else AUTO_LOSS_CHUNKS), (vocab, trainer, estimated)
 
 
@@ -281,7 +287,7 @@ def test_plan_reaches_for_the_tiers_and_writes_them(tmp_path):
                           global_batch_tokens=65536, host_memory="256GiB")
     ctx, world, _ = planning = plan_context(request)
     best = planning.plan(top=1).ranked[0]
-    assert best.cand.recipe.tiers and best.estimate.host_fits
+    assert best.cand.switched and best.estimate.host_fits
     offloads = CpuOffload() in best.cand.switched
     if offloads:
         assert best.pred.optimizer_s > 0.5  # 2B parameters per rank stepped on the host's cores

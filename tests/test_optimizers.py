@@ -198,7 +198,6 @@ def test_onebit_in_the_estimator_and_the_planner():
     """The estimate counts the moments (0/1 Adam: and its accumulator), the step counts and both residuals; the plan
     predicts each phase and ranks by the compressed one, whose bytes are 1-bit Adam's ~1/32."""
     from paratrain.estimate import Target, estimate, inputs_for
-    from paratrain.memory import MemoryTiers
     from paratrain.recipe import Recipe
     from paratrain.capabilities.grad_compression import Compression
     from paratrain.estimate.model_states import model_params, state_bytes
@@ -214,8 +213,8 @@ def test_onebit_in_the_estimator_and_the_planner():
     assert state_bytes(args, ddp, "fp32", "onebit_adam", "paratrain").optimizer == 8 * n + 8 * tensors
     assert state_bytes(args, ddp, "fp32", "zero_one_adam", "paratrain").optimizer == 12 * n + 12 * tensors
     residuals = Compression("sign_ef").cost([q.shape for q in model_params(args)], 4).state_bytes
-    est = estimate(inputs_for(args, Recipe(ddp, precision="fp32", optimizer="onebit_adam", seq_len=64,
-                                     tiers=MemoryTiers(loss_chunks=0)), Target(device="cpu")),
+    est = estimate(inputs_for(args, Recipe(ddp, precision="fp32", optimizer="onebit_adam",
+                                           seq_len=64).replace(loss_chunks=0), Target(device="cpu")),
                    suggest=False)
     assert est.sizes["compression"] == residuals >= 4 * n + math.ceil(4 * n / 4)  # worker + server (per piece)
     with pytest.raises(UserError, match="--grad-compression must be none"):

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from paratrain.capabilities.activation_offload import ActivationOffload
+from paratrain.capabilities.chunked_loss import ChunkedLoss
 from paratrain.capabilities.cpu_offload import CpuOffload
 from paratrain.config import Config
 from paratrain.layout import Layout
@@ -54,7 +55,8 @@ def test_recipe_from_config_resolves_what_is_automatic():
     cfg.memory.cpu_offload = True
     layout = Layout.resolve(4, dp_mode="fsdp", tp=2)
     recipe = Recipe.from_config(cfg, layout, micro_batch=2, accum_steps=3, device_type="cpu")
-    assert recipe.optimizer_impl == "fused" and recipe.capabilities == (CpuOffload(),)
+    assert recipe.optimizer_impl == "fused" and recipe.capabilities == (ChunkedLoss(0), CpuOffload())
+    assert recipe.loss_chunks == 0  # (the chunked loss automatic until the model and the micro-batch are known)
     assert Recipe.from_config(cfg, layout, 2, 3, "cuda").optimizer_impl == "fused"
     cfg.training.precision = "fp16"  # torch's fused AdamW on a CPU cannot take ShardedGradScaler's found_inf
     assert Recipe.from_config(cfg, layout, 2, 3, "cpu").optimizer_impl == "foreach"
@@ -88,16 +90,15 @@ def test_optimizer_impl_rule_is_written_once():
 
 def test_to_config_and_from_config_are_one_mapping():
     """A recipe written into a config reads back as itself (every field, tiers and compression included)."""
-    from paratrain.memory import MemoryTiers
     from paratrain.capabilities.lora import LoRA
     from paratrain.capabilities.grad_compression import Compression
 
     layout = Layout.resolve(8, dp_mode="hsdp", dp_replicate=2, tp=2)
     recipe = Recipe(layout, precision="fp16", checkpointing="every_k", every_k=3, micro_batch=4, accum_steps=2,
-                    seq_len=512, tiers=MemoryTiers(4), optimizer="sgd", optimizer_impl="foreach",
+                    seq_len=512, optimizer="sgd", optimizer_impl="foreach",
                     compression=Compression("sign_ef", 4, 64), fsdp_backward_prefetch=2,
                     lora=LoRA(8, 32.0, 0.1, ("wq", "wv")),
-                    capabilities=(ActivationOffload("every_k", 3), CpuOffload()))
+                    capabilities=(ChunkedLoss(4), ActivationOffload("every_k", 3), CpuOffload()))
     cfg = recipe.to_config(Config())
     cfg.optimizer.impl = "foreach"
     assert Recipe.from_config(cfg, Layout.from_config(cfg.parallel, 8), 4, 2, "cuda") == recipe

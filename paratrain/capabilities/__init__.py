@@ -10,6 +10,7 @@ from typing import NamedTuple
 from paratrain.capabilities.activation_offload import ActivationOffload
 from paratrain.capabilities.adamw8bit import EightBitAdam
 from paratrain.capabilities.base import Capability
+from paratrain.capabilities.chunked_loss import ChunkedLoss
 from paratrain.capabilities.cpu_offload import CpuOffload
 from paratrain.capabilities.float8 import Float8
 from paratrain.capabilities.grad_compression import GradientCompression
@@ -22,7 +23,7 @@ from paratrain.errors import ConfigError
 from paratrain.optimizers import BUILT_IN, OptimizerEntry
 
 # In the order their hooks run (and their keys are listed in a section they share).
-CAPABILITIES: tuple[type[Capability], ...] = (LoRA, Float8, OneBitAdam, EightBitAdam, Muon, ZLoss,
+CAPABILITIES: tuple[type[Capability], ...] = (LoRA, Float8, OneBitAdam, EightBitAdam, Muon, ZLoss, ChunkedLoss,
                                                ActivationOffload, CpuOffload, GradientCompression, SegmentCheckpointing)
 
 # Where a capability's optimizer entries sit in the table among the built-in ones: {built-in entry: the capabilities
@@ -160,14 +161,14 @@ def reference_keys() -> tuple[str, ...]:
 
 
 def switches() -> tuple[type[Capability], ...]:
-    """The capabilities a layout's name switches on (`Capability.layout_item`: CPU offload's `cpuoff=on`, activation
-    offload's)."""
+    """The capabilities a layout's name switches on (`Capability.layout_item`: the chunked loss's `loss=8`, CPU
+    offload's `cpuoff=on`, activation offload's)."""
     return tuple(cls for cls in CAPABILITIES if cls.layout_item)
 
 
 def switched_on(present: tuple[Capability, ...]) -> dict[str, object]:
-    """{name: its state} of every switch (`Capability.tier_state`: the JSON documents' `memory_tiers` keys, after the
-    `[memory]` section's own)."""
+    """{name: its state} of every switch (`Capability.tier_state`: the JSON documents' `memory_tiers` keys: the
+    chunked loss's pieces, the offloads')."""
     return {cls.name: cls.tier_state(next((c for c in present if isinstance(c, cls)), None)) for cls in switches()}
 
 
@@ -180,7 +181,7 @@ def switch_values(present: tuple[Capability, ...],
         section, keys = cls.adds_to
         on = next((c for c in present if isinstance(c, cls)), None)
         out.update({f"{section}.{f.name}": f.default for f in dataclasses.fields(keys)})
-        out.update(on.config_values() if on is not None else {})
+        out.update(on.config_values() if on is not None else cls.off_values())
     return out
 
 
@@ -200,3 +201,29 @@ def checkpoint_units(present: tuple[Capability, ...], blocks: list, n_layers: in
 def parse_checkpointing_label(text: str) -> dict | None:
     """{a Recipe field: its value} of a layout name's `ac=` value naming a capability's checkpointing mode, or None."""
     return next((s for s in (cls.parse_checkpointing_label(text) for cls in CAPABILITIES) if s is not None), None)
+
+
+# The settings a Recipe gives by name (`Capability.recipe_setting`: the chunked loss's `loss_chunks`) -> their
+# capability.
+SETTINGS: dict[str, type[Capability]] = {cls.recipe_setting: cls for cls in CAPABILITIES if cls.recipe_setting}
+
+
+def setting(present: tuple[Capability, ...], name: str):
+    """The value of the recipe setting `name` (`SETTINGS`) among the capabilities `present`."""
+    cls = SETTINGS[name]
+    return cls.tier_state(next((c for c in present if type(c) is cls), None))
+
+
+def with_setting(present: tuple[Capability, ...], name: str, value) -> tuple[Capability, ...]:
+    """`present` with the recipe setting `name` at `value` (its capability replaced, added or dropped), in registry
+    order."""
+    cls = SETTINGS[name]
+    on = cls.from_setting(value)
+    out = [c for c in present if type(c) is not cls] + ([on] if on is not None else [])
+    return tuple(sorted(out, key=lambda c: CAPABILITIES.index(type(c))))
+
+
+def loss_pieces(present: tuple[Capability, ...], layout, precision: str, vocab_size: int, tokens: int) -> int:
+    """The pieces the output projection and the loss run over for a micro-batch of `tokens` (`Capability.loss_pieces`:
+    the chunked loss's; 1: whole), for the trainer and the estimator alike."""
+    return max((c.loss_pieces(layout, precision, vocab_size, tokens) for c in present), default=1)

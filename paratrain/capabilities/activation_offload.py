@@ -45,6 +45,7 @@ class ActivationOffload(Capability):
     adds_to = ("memory", ActivationOffloadKeys)
     layout_item = "actoff"
     layout_hint = ""  # (its values: the error of a bad one lists them)
+    host_side = True
     copy_label = "activation offload"
     suggestion = (1.2, "--activation-offload all", "saved activations over PCIe to host memory and back, beside "
                   "compute")

@@ -39,6 +39,16 @@ A memory tier can be a capability that a layout's name switches on (`layout_item
                         distributed/offload.py's hooks to them; the estimator takes their bytes off the device)
     host_states, host_optimizer_s, fsdp_copy_s, host_activation_s   its memory and time terms
 
+and one a Recipe gives by name (`recipe_setting`: the chunked loss's pieces), always resolved, with its automatic
+value decided once the model and the micro-batch are known:
+
+    tier_state, from_setting   the setting's value (read as a Recipe attribute), and the capability a value is (None:
+                        off)
+    loss_pieces         the pieces the output projection and the loss run over for a micro-batch (the trainer,
+                        per micro-batch; the estimator's memory of the logits)
+    resolved            the capability with its automatic settings decided (the estimator's recipe)
+    head_recompute_s    its time term: what backward recomputes of the output head
+
 A checkpointing mode can be a capability (`checkpoint_mode`; runs of blocks recomputed as one): `from_recipe` its value,
 `checkpoint_units` the blocks that recompute together (the estimator's walk, parallelize's checkpoints),
 `checkpointing_label` / `parse_checkpointing_label` its `ac=` value in a layout's name, `describe_checkpointing`.
@@ -263,6 +273,10 @@ class Capability:
     # items): the planner's candidates carry it (`estimate.step_time.Candidate.capabilities`), the planner tries the
     # layouts it `runs_on` with it when none fits, `paratrain estimate` takes its keys as flags and suggests it.
     layout_item: ClassVar[str] = ""  # its item in a layout's name ("" : none)
+    # the planner's tier variants all use it where it runs, rather than trying each layout with and without it (the
+    # chunked loss: the head's forward once more buys most of the logits' memory)
+    with_every_tier: ClassVar[bool] = False
+    host_side: ClassVar[bool] = False  # its terms need the profile's host side (the offloads: the device <-> host link)
     layout_hint: ClassVar[str] = "on"  # what an unknown item's message says its value is (`cpuoff=on`)
     tier_label: ClassVar[str] = ""  # what the estimate says of it among the memory tiers in use
     suggestion: ClassVar[tuple[float, str, str] | None] = None  # a suggestion's (cost rank, flag, what it costs)
@@ -280,7 +294,8 @@ class Capability:
         """Checks against the run's layout: a one-line ConfigError (after the `[memory]` tiers' own: memory.py)."""
 
     def layout_value(self) -> str:
-        """Its item's value in a layout's name (`cpuoff=on`; activation offload's: its mode, every_k with its k)."""
+        """Its item's value in a layout's name (`cpuoff=on`; activation offload's: its mode, every_k with its k; "":
+        the name says nothing, the chunked loss left automatic)."""
         return "on"
 
     @classmethod
@@ -310,8 +325,40 @@ class Capability:
 
     def config_values(self) -> dict:
         """{"section.key": value} a config running it says (a layout name's switch: verify's rows, the planner's
-        configs); a run without it has its keys' defaults."""
+        configs); a run without it has its keys' defaults, or its `off_values`."""
         return {}
+
+    @classmethod
+    def off_values(cls) -> dict:
+        """{"section.key": value} a config without it says where that is not its keys' default (the chunked loss:
+        one piece, where the default is automatic)."""
+        return {}
+
+    # -- a setting a Recipe gives by name (the chunked loss: always resolved) ----------------------------------------
+    # `recipe.<recipe_setting>` reads it (its `tier_state`) and `Recipe.replace(<recipe_setting>=N)` sets it
+    # (`from_setting`), so the planner's candidates change it as they change a Recipe field
+    recipe_setting: ClassVar[str] = ""
+
+    @classmethod
+    def from_setting(cls, value) -> "Capability | None":
+        """The capability the recipe setting's `value` is (None: the value turns it off)."""
+        return None
+
+    def loss_pieces(self, layout, precision: str, vocab_size: int, tokens: int) -> int:
+        """The pieces the output projection and the loss run over for a micro-batch of `tokens` (sequences x sequence
+        length on one data-parallel rank, before context parallelism cuts them) of a model of `vocab_size`: the
+        trainer's forward (the model's `targets=` and pieces), the estimator's logits. 1: whole."""
+        return 1
+
+    def resolved(self, layout, precision: str, vocab_size: int, tokens: int) -> "Capability | None":
+        """This capability with its automatic settings decided for the model and a micro-batch (`loss_pieces`' terms;
+        None: that turns it off): what the estimator's recipe holds."""
+        return self
+
+    def head_recompute_s(self, head_s: float, micro_steps: int) -> float:
+        """Time: what backward recomputes of the output head per step (`head_s`: the head's and the loss's forward +
+        backward of one micro-step)."""
+        return 0.0
 
     def fsdp_offload_policy(self, where: Where):
         """FSDP2's OffloadPolicy for every `fully_shard` group, or None (torch's default: nothing offloaded)."""

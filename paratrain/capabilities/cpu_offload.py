@@ -33,6 +33,7 @@ class CpuOffload(Capability):
     adds_to = ("memory", CpuOffloadKeys)
     layout_item = "cpuoff"
     states_on_host = True
+    host_side = True
     tier_label = "CPU offload (parameters, gradients, optimizer state)"
     suggestion = (1.8, "--cpu-offload", "model states in host memory: shards over PCIe each gather, the optimizer step "
                   "on the CPU")

@@ -339,7 +339,7 @@ def plan_lines(p, planning: Planning, elapsed: float, top: int) -> list[str]:
                  f"planned in {elapsed:.2f} s")
     lines.append(format_table(p.ranked[:top], ctx))
     lines.append(f"best: {best.cand.describe()} -- {best.pred.breakdown()}")
-    if best.cand.recipe.tiers.active or best.cand.switched:
+    if best.cand.switched:
         lines.append(f"memory tiers (no layout fits without them): {tiers_text(best.estimate.inputs)}; host memory "
                      f"{fmt_bytes(best.estimate.host_bytes)} per rank, {fmt_bytes(best.estimate.host_node_bytes)} per "
                      "node" + ("" if ctx.host_memory_bytes else " (not checked: give --host-memory)"))
@@ -418,7 +418,7 @@ def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int
                "pp_virtual_stages": lay.pp_virtual if lay.pp > 1 else None,
                "pp_split": list(lay.pp_split) if (lay.pp > 1 and lay.pp_split) else None,
                "activation_checkpoint": r.cand.ac, "micro_batch": r.cand.micro_batch,
-               "memory_tiers": {"loss_chunks": r.cand.loss_chunks, **capabilities.switched_on(r.cand.switched)},
+               "memory_tiers": capabilities.switched_on(r.cand.switched),
                "predicted": _prediction_json(r.pred), "memory_bytes_per_rank": r.total_bytes,
                "host_bytes_per_rank": r.estimate.host_bytes if r.estimate is not None else None}
         if r.stage_hw:

@@ -89,7 +89,7 @@ class ActDims:
     cp: int = 1  # context parallel: s is this rank's share of the sequence; ring attention
     max_seq: int = 0  # the whole sequence's length: the rows of the rotary tables the model hands each block
     qk_norm: bool = False  # per-head RMSNorm on q and k before rotary (the family's "head_norm" parameters: Qwen3)
-    chunks: int = 1  # memory.loss_chunks: pieces of the N tokens the output projection and the loss run over
+    chunks: int = 1  # the chunked loss's pieces of the N tokens the output projection and the loss run over
 
     @property
     def N(self) -> int:
@@ -138,9 +138,9 @@ class ActDims:
 
 
 def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, micro_batch: int, seq_len: int,
-             device: str = "cuda", frozen_base: bool = False, loss_chunks: int = 1) -> ActDims:
+             device: str = "cuda", frozen_base: bool = False, loss_pieces: int = 1) -> ActDims:
     """`frozen_base`: LoRA's base is stored in the compute dtype, so everything computes in it ("pure");
-    `loss_chunks`: memory.loss_chunks, resolved (paratrain.memory.loss_chunks)."""
+    `loss_pieces`: the chunked loss's, resolved (capabilities.loss_pieces)."""
     if not Precision(precision).low_precision:
         regime = "single"
     elif accounting == "classic" or layout.uses_fsdp or frozen_base:
@@ -153,7 +153,7 @@ def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, m
     return ActDims(micro_batch, seq_len // layout.cp, args.dim, args.n_heads // t, args.n_kv_heads // t, D,
                    args.ffn_hidden // t, args.vocab_size // t if lp else args.vocab_size, t, layout.sp, regime,
                    layout.uses_fsdp and accounting != "classic", args.n_kv_heads != args.n_heads, lp, device == "cuda",
-                   layout.cp, seq_len, "head_norm" in roles(args), loss_chunks)
+                   layout.cp, seq_len, "head_norm" in roles(args), loss_pieces)
 
 
 def _norm(d: ActDims) -> list[tuple[str, int]]:

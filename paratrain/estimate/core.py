@@ -145,8 +145,8 @@ class Estimate:
             "suggestion": self.suggestion, "alternatives": self.alternatives,
             "host_bytes": self.host_bytes, "host_breakdown_bytes": self.host, "host_node_bytes": self.host_node_bytes,
             "host_memory_bytes": i.target.host_bytes, "host_fits": self.host_fits,
-            # ([memory]'s keys by their names: MemoryTiers' fields, then the switches': activation and CPU offload's)
-            "memory_tiers": {**dataclasses.asdict(i.recipe.tiers), **switched},
+            # ([memory]'s keys by their names: the switches', the chunked loss's and activation and CPU offload's)
+            "memory_tiers": switched,
         }
 
     def memory_line(self) -> str:
@@ -267,8 +267,10 @@ class _Rank:
 
 def _act_dims(i: EstimateInputs) -> A.ActDims:
     rec = i.recipe
+    pieces = capabilities.loss_pieces(rec.capabilities, i.layout, rec.precision, i.model_args.vocab_size,
+                                      rec.micro_batch * rec.seq_len)  # (the chunked loss's, resolved)
     return A.act_dims(i.model_args, i.layout, rec.precision, i.accounting, rec.micro_batch, rec.seq_len,
-                      i.target.device, rec.lora is not None, rec.tiers.loss_chunks)
+                      i.target.device, rec.lora is not None, pieces)
 
 
 def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers: list[int]) -> _Rank:

@@ -10,7 +10,6 @@ from paratrain.capabilities import OPTIMIZER_NAMES, optimizer_entry
 from paratrain.errors import UserError
 from paratrain.estimate.gpus import HEADROOM, check_headroom
 from paratrain.layout import Batch, Layout
-from paratrain.memory import loss_chunks
 from paratrain.models.args import ModelArgs
 from paratrain.modes import OPTIMIZER_IMPLS
 from paratrain.recipe import Recipe
@@ -107,8 +106,7 @@ def validate(i: EstimateInputs) -> EstimateInputs:
         capability.check_checkpointing(i.recipe.checkpointing)
     if i.target.ranks_per_node < 0 or (i.target.host_bytes is not None and i.target.host_bytes <= 0):
         raise UserError("--gpus-per-node and --host-memory must be positive")
-    if i.recipe.tiers.loss_chunks < 0:
-        raise UserError(f"--loss-chunks must be >= 0 (0: automatic), got {i.recipe.tiers.loss_chunks}")
-    chunks = loss_chunks(i.recipe.tiers.loss_chunks, lay, i.recipe.precision, vocab_size=args.vocab_size,
-                         tokens=i.recipe.micro_batch * i.recipe.seq_len)
-    return i.with_recipe(layout=lay.validate(args, lay.world_size, batch), loss_chunks=chunks)
+    tokens = i.recipe.micro_batch * i.recipe.seq_len  # (the chunked loss's automatic pieces decided for the model)
+    resolved = (c.resolved(lay, i.recipe.precision, args.vocab_size, tokens) for c in i.recipe.capabilities)
+    return i.with_recipe(layout=lay.validate(args, lay.world_size, batch),
+                         capabilities=tuple(c for c in resolved if c is not None))

@@ -35,11 +35,7 @@ def lora_text(i) -> str:
             f"trainable ({trainable:,}), {format_params(sum(p.numel for p in params) - trainable)} frozen")
 def tiers_text(i) -> str:
     """The memory tiers the inputs use, in words ("" for none)."""
-    parts = []
-    if i.recipe.tiers.loss_chunks > 1:
-        parts.append(f"chunked loss ({i.recipe.tiers.loss_chunks} pieces)")
-    parts += [c.tier_label for c in i.recipe.capabilities if c.tier_label]  # (activation offload, CPU offload)
-    return ", ".join(parts)
+    return ", ".join(c.tier_label for c in i.recipe.capabilities if c.tier_label)  # (chunked loss, offloads)
 
 
 def _host_and_time(s: dict, fb) -> str:

@@ -13,7 +13,6 @@ from paratrain.errors import ConfigError, UserError
 from paratrain.estimate.gpus import HEADROOM
 from paratrain.layout import Batch, Layout
 from paratrain.layout_grammar import parse_layout_name
-from paratrain.memory import AUTO_LOSS_CHUNKS
 from paratrain.modes import CheckpointMode, DPMode, Schedule
 from paratrain.estimate.step_time import Candidate, Context, Prediction, cached, predict
 from paratrain.estimate import Target, activations as A, estimate, inputs_for
@@ -225,19 +224,17 @@ def evaluate(c: Candidate, ctx: Context, headroom: float, with_memory: bool = Tr
 
 
 def tier_variants(c: Candidate, ctx: Context) -> list[Candidate]:
-    """A candidate with the memory tiers (paratrain/memory.py) that can make it fit: the chunked loss (without a
-    pipeline), and each combination of the capabilities a name switches on that run on its layout (activation offload:
-    not under a zero-bubble schedule; CPU offload: FSDP layouts), each with the chunked loss: either offload, both.
-    (The offloads need the profile's host side: a hand-made profile without one gets the chunked loss only.)"""
-    base = c.replace(loss_chunks=AUTO_LOSS_CHUNKS) if c.pp == 1 else c
-    out = [base] if base is not c else []
-    if ctx.hw.host is None:
-        return out
+    """A candidate with the memory tiers that can make it fit: each combination of the capabilities a name switches on
+    that run on its layout (the chunked loss: without a pipeline; activation offload: not under a zero-bubble
+    schedule; CPU offload: FSDP layouts), those `with_every_tier` in every one: the chunked loss alone, then with
+    either offload, both. (The offloads need the profile's host side, `host_side`: a hand-made profile without one
+    gets the chunked loss only.)"""
     combinations = [()]
     for cls in capabilities.switches():
-        if cls.runs_on(c.layout):
-            combinations += [(*on, cls()) for on in combinations]
-    return out + [base.switching(on) for on in combinations[1:]]
+        if cls.runs_on(c.layout) and (ctx.hw.host is not None or not cls.host_side):
+            with_it = [(*on, cls()) for on in combinations]
+            combinations = with_it if cls.with_every_tier else combinations + with_it
+    return [c.switching(on) for on in combinations if on]
 
 
 def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) -> Plan:
@@ -304,7 +301,7 @@ def _fitting(results: list[Result], rejected: list[Result], ctx: Context, opts: 
 def _memory_key(c: Candidate) -> tuple:
     """Candidates with the same key differ only in micro-batch (a smaller one makes more pipeline micro-batches) and
     checkpointing: a larger micro-batch with no more recomputation needs at least as much memory."""
-    return dataclasses.replace(c.layout, pp_microbatches=0), c.loss_chunks, c.switched
+    return dataclasses.replace(c.layout, pp_microbatches=0), c.switched  # (the switched: the memory tiers)
 
 
 def _dominated(c: Candidate, miss_micro_batch: int, miss_ac: CheckpointMode) -> bool:

@@ -86,13 +86,11 @@ from dataclasses import dataclass, field
 from paratrain.capabilities import implied_by_settings, optimizer_entry
 from paratrain.estimate.model_states import fsdp_gathers_per_step, rank_layers
 from paratrain.layout import Layout, predicted_bubble
-from paratrain.memory import MemoryTiers
 from paratrain.models.args import ModelArgs
 from paratrain.modes import CheckpointMode, CompressionSite, Precision, resolve_impl
 from paratrain.optimizers import GradientReduction, Phase
 from paratrain.recipe import Recipe
 from paratrain.estimate.profile import Hardware, Link
-from paratrain.estimate.tiers import chunked_loss_recompute_s
 from paratrain.estimate import activations as A
 from paratrain.estimate.model_states import local_shape, model_params
 from paratrain.models.presets import count_params, flops_per_token
@@ -124,7 +122,7 @@ class Candidate:
         # capabilities its name switches on, with their settings)
         r = self.recipe
         self.__dict__.update(layout=r.layout, ac=r.checkpointing, every_k=r.every_k, segment_blocks=r.segment_blocks,
-                             micro_batch=r.micro_batch, loss_chunks=r.tiers.loss_chunks,
+                             micro_batch=r.micro_batch, loss_chunks=r.loss_chunks,
                              switched=tuple(c for c in r.capabilities if c.layout_item))
 
     @property
@@ -165,7 +163,7 @@ class Candidate:
     @classmethod
     def of(cls, recipe: Recipe) -> "Candidate":
         """The candidate a run's recipe is (its chunked loss automatic: one chunk, as the planner starts from)."""
-        return cls(recipe.replace(loss_chunks=max(recipe.tiers.loss_chunks, 1)))
+        return cls(recipe.replace(loss_chunks=max(recipe.loss_chunks, 1)))
 
     def replace(self, **changes) -> "Candidate":
         """This candidate with other recipe settings (`Recipe.replace`)."""
@@ -233,7 +231,7 @@ def planned_run(hw: Hardware, **settings) -> Recipe:
     """A Context's run (`Context.run`) from the Recipe's settings by name (precision=, seq_len=, optimizer=, ...); the
     rest as the planner starts from them: one sequence per micro-step, the loss in one chunk, the optimizer's
     kernels those `optimizer.impl = "auto"` picks on the hardware's device."""
-    run = Recipe(Layout.resolve(1), **{"micro_batch": 1, "tiers": MemoryTiers(loss_chunks=1), **settings})
+    run = Recipe(Layout.resolve(1), **{"micro_batch": 1, **settings})  # (a Recipe's loss: whole, unless given)
     if "optimizer_impl" in settings:
         return run
     return run.replace(optimizer_impl=resolve_impl("auto", hw.device, run.precision, run.optimizer))
@@ -515,9 +513,9 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
             exposed, moved = host_activation_time(capability, c, ctx, layers, compute / max(n_micro, 1))
             comm[capability.copy_label] = exposed
             comm_total += moved - exposed
-    if c.loss_chunks > 1:
-        recompute += chunked_loss_recompute_s(block_costs(ctx, hw, c.tp, c.micro_batch, c.ep, c.ac, lay.cp).head,
-                                              n_micro)
+    for capability in c.switched:  # (the chunked loss: the head's forward once more, piece by piece)
+        recompute += capability.head_recompute_s(block_costs(ctx, hw, c.tp, c.micro_batch, c.ep, c.ac, lay.cp).head,
+                                                 n_micro)
     # a capability's optimizer's own work beside its updates (whole matrices orthogonalised, their redistributions)
     for seconds, exposed in optimizer_capability_terms(c, ctx, links):
         optimizer += seconds

@@ -13,7 +13,6 @@ from paratrain import capabilities
 from paratrain.errors import ConfigError, UserError
 from paratrain.estimate.inputs import EstimateInputs
 from paratrain.layout import Layout
-from paratrain.memory import AUTO_LOSS_CHUNKS
 from paratrain.modes import FLAT_DP_MODES
 from paratrain.estimate.hardware import gpu_profile
 from paratrain.estimate.step_time import Candidate, Context, predict
@@ -58,11 +57,7 @@ def candidates(i: EstimateInputs) -> list[tuple[float, str, str, EstimateInputs]
     if i.recipe.checkpointing.keeps_some_blocks_whole:
         out.append((1.0, "--checkpointing selective", "recomputes element-wise ops (a few % slower)",
                     i.with_recipe(checkpointing="selective")))
-    # the memory tiers (paratrain/memory.py)
-    if i.recipe.tiers.loss_chunks <= 1 and lay.pp == 1:
-        out.append((0.4, f"--loss-chunks {AUTO_LOSS_CHUNKS}", "the output projection's forward once more",
-                    i.with_recipe(loss_chunks=AUTO_LOSS_CHUNKS)))
-    for cls in capabilities.switches():  # (activation offload, CPU offload)
+    for cls in capabilities.switches():  # the memory tiers (the chunked loss, activation offload, CPU offload)
         if cls.suggestion and cls.runs_on(lay) and not any(isinstance(c, cls) for c in i.recipe.capabilities):
             out.append((*cls.suggestion, i.with_recipe(capabilities=(*i.recipe.capabilities, cls()))))
     if i.recipe.micro_batch > 1 and lay.pp == 1:
@@ -181,4 +176,4 @@ def _describe_inputs(c: EstimateInputs) -> dict:
     return {"dp_mode": lay.dp_mode, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp,
             "pp": lay.pp, "ep": lay.ep, "checkpointing": c.recipe.checkpointing, "micro_batch": c.recipe.micro_batch,
             "accum_steps": c.recipe.accum_steps, "world_size": lay.world_size,
-            "loss_chunks": c.recipe.tiers.loss_chunks, **capabilities.switched_on(c.recipe.capabilities)}
+            **capabilities.switched_on(c.recipe.capabilities)}

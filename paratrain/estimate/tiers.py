@@ -1,10 +1,9 @@
-"""The memory tiers' costs, each beside its name: what a tier takes off the device (the memory walk, core.py, reads
-it) and what it costs per step (the planner's prediction, step_time.py, reads it).
+"""The memory tiers' costs where the estimator's own quantities price them: what a tier takes off the device (the
+memory walk, core.py, reads it).
 
-The settings are `paratrain.memory.MemoryTiers` (`[memory]`), their checks paratrain/memory.py; the runtime is
-models/llama.chunked_cross_entropy. A new tier adds its field there, its runtime, and its two terms here; or it is a
-capability that a layout's name switches on, with its terms as its hooks (activation offload, CPU offload: their
-modules in paratrain/capabilities), asked here where the estimator's own quantities price them.
+Every memory tier is a capability that a layout's name switches on (the chunked loss, activation offload, CPU offload:
+their modules in paratrain/capabilities), with its settings, checks and terms as its hooks; this module asks them
+where the walk's per-block quantities are needed.
 """
 
 from __future__ import annotations
@@ -28,13 +27,3 @@ def saved_on_host(present: tuple, n_layers: int, d: A.ActDims, modes: list[str],
         moved.update({l: A.offloaded(d, modes[l], moe_of.get(l)) for l in layers if l in chosen})
         ahead_of.update({l: l - stride for l in chosen if l - stride in chosen})
     return moved, ahead_of
-
-
-# --- loss_chunks: the output projection and loss in pieces, each piece's logits recomputed in backward -------------
-# Memory: activations.head_saved keeps only the normed hidden states, activations.loss_backward_extra holds one
-# piece's logits at a time (both read ActDims.chunks).
-
-def chunked_loss_recompute_s(head_s: float, micro_steps: int) -> float:
-    """Time: the head's forward once more, piece by piece, in backward (`head_s`: the output head's and the loss's
-    forward + backward of one micro-step, as block_costs gives it; a third of it is the forward)."""
-    return micro_steps * head_s / 3

@@ -29,7 +29,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor.parallel import loss_parallel
 
 from paratrain.config import ActivationCheckpointConfig, OptimizerConfig, ParallelConfig
-from paratrain.capabilities import gradient_reduction, optimizer_entry
+from paratrain.capabilities import gradient_reduction, loss_pieces, optimizer_entry
 from paratrain.capabilities.base import Capability, Where
 from paratrain.data.batch import NOT_A_TARGET, as_batch
 from paratrain.distributed.compression import GradComm
@@ -41,7 +41,6 @@ from paratrain.distributed.pipeline import Pipeline, PipelineSampler, build_pipe
 from paratrain.distributed.tensors import full_tensor, local_tensor, right_pad, torch_dtype
 from paratrain.estimate.model_states import hidden_matrix_names
 from paratrain.layout import Layout
-from paratrain.memory import MemoryTiers, check_loss_chunks, loss_chunks
 from paratrain.models import build_model
 from paratrain.models.llama import cross_entropy
 from paratrain.models.moe import balance_loss, moe_modules
@@ -178,12 +177,12 @@ class TrainStep:
     def __init__(self, model: nn.Module, optimizer, layout: Layout, *, precision: str, device: torch.device,
                  grad_clip: float, scaler=None, pipeline: Pipeline | None = None, pp_group=None, loss_group=None,
                  memory_budget=None, probe: StepProbe | None = None, context: ContextParallel | None = None,
-                 comm=None, loss_chunks: int = 1, vocab_size: int = 0, capabilities=(), token_loss=None):
-        """`loss_group`: the ranks the loss is averaged over (dp x cp); `comm`: the run's GradComm; `loss_chunks`:
-        memory.loss_chunks, the pieces of each micro-batch's tokens the output projection and loss run over (0:
-        automatic, resolved per micro-batch from its tokens and `vocab_size`, the model's: `chunks_for`,
-        paratrain/memory.py); `capabilities`: the run's (paratrain/capabilities), whose hooks run after each optimizer
-        step; `token_loss`: the loss of logits (TokenLoss: the cross-entropy and the capabilities' loss terms)."""
+                 comm=None, vocab_size: int = 0, capabilities=(), token_loss=None):
+        """`loss_group`: the ranks the loss is averaged over (dp x cp); `comm`: the run's GradComm; `vocab_size`: the
+        model's (the chunked loss's automatic pieces, resolved per micro-batch from its tokens: `chunks_for`);
+        `capabilities`: the run's (paratrain/capabilities), checked against the layout, whose hooks run after each
+        optimizer step; `token_loss`: the loss of logits (TokenLoss: the cross-entropy and the capabilities' loss
+        terms)."""
         self.capabilities, self.where = capabilities, Where(device, layout)
         self.token_loss = token_loss or TokenLoss(capabilities, device)
         self.model, self.optimizer, self.layout, self.device = model, optimizer, layout, device
@@ -192,8 +191,9 @@ class TrainStep:
         self.step_scale: torch.Tensor | None = None  # fp16: the loss scale the last step ran at (a device scalar)
         self.pipeline, self.pp_group, self.loss_group, self.comm = pipeline, pp_group, loss_group, comm
         self.memory_budget, self.probe = memory_budget, probe or StepProbe()
-        check_loss_chunks(loss_chunks, layout)
-        self.loss_chunks, self.vocab_size = loss_chunks, vocab_size
+        for capability in capabilities:  # (the chunked loss: not under a pipeline)
+            capability.check_layout(layout)
+        self.vocab_size = vocab_size
         # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does the low-precision compute.
         self.autocast = Precision(precision).low_precision and not layout.uses_fsdp
         self.moe_layers = moe_modules(unwrap(model))
@@ -262,9 +262,8 @@ class TrainStep:
 
     def chunks_for(self, x: torch.Tensor) -> int:
         """The loss's pieces for a micro-batch of this rank's tokens `x` (cut by context parallelism): the rule the
-        estimator reads too (paratrain.memory.loss_chunks), on the micro-batch's whole sequences."""
-        return loss_chunks(self.loss_chunks, self.layout, self.precision, vocab_size=self.vocab_size,
-                           tokens=x.numel() * self.layout.cp)
+        estimator reads too (`Capability.loss_pieces`: the chunked loss's), on the micro-batch's whole sequences."""
+        return loss_pieces(self.capabilities, self.layout, self.precision, self.vocab_size, x.numel() * self.layout.cp)
 
     def _loss(self, batch, accum: int) -> torch.Tensor:
         """This rank's share of the step's loss: the mean over its share of the batch (dp x cp ranks hold as many
@@ -444,7 +443,7 @@ class StepOptions:
 
 def default_recipe(layout: Layout) -> Recipe:
     """The recipe of a step built without one: fp32, no checkpointing, the memory tiers automatic, AdamW."""
-    return Recipe(layout, precision="fp32", tiers=MemoryTiers(loss_chunks=0))
+    return Recipe(layout, precision="fp32").replace(loss_chunks=0)
 
 
 def build_train_step(model_args, dims, recipe: Recipe | None = None, device: torch.device = torch.device("cpu"),
@@ -493,7 +492,7 @@ def build_train_step(model_args, dims, recipe: Recipe | None = None, device: tor
                      scaler=scaler, pipeline=pipeline, pp_group=dims.pp_group, loss_group=dims.loss_group,
                      memory_budget=options.memory_budget, probe=options.probe, comm=comm,
                      context=context_for(dims),  # cp: batches cut to this rank's chunks
-                     loss_chunks=recipe.tiers.loss_chunks, vocab_size=model_args.vocab_size, capabilities=capabilities,
+                     vocab_size=model_args.vocab_size, capabilities=capabilities,
                      token_loss=token_loss)
 
 
