@@ -147,7 +147,6 @@ def test_onebit_settings_refused():
 
 def test_momentum_schedules():
     """The published policies, step by step (1-based s in the papers; 0-based steps here)."""
-    from paratrain.capabilities import gradient_reduction
     from paratrain.capabilities.onebit import MomentumSchedule
     from paratrain.optimizers import GradientReduction
 
