@@ -214,8 +214,8 @@ def check_packing(data, meta: dict, layout: Layout, cuda_graphs: bool = False) -
 def _validated(cfg: Config, source: ModelSource, layout: Layout, args: ModelArgs, world_size: int) -> Layout:
     source.check_export(cfg.checkpoint, args)
     layout.check_checkpointing(cfg.activation_checkpoint.mode)
-    # the layouts the capabilities run on (the memory tiers: the chunked loss without a pipeline, activation offload's
-    # schedules and no segments, CPU offload's FSDP)
+    # the layouts and checkpointing modes the capabilities run with (the memory tiers: the chunked loss without a
+    # pipeline, activation offload's schedules and modes, CPU offload's FSDP)
     for capability in capabilities.active(cfg):
         capability.check_layout(layout)
         capability.check_checkpointing(cfg.activation_checkpoint.mode)

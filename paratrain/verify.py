@@ -93,8 +93,8 @@ LAYOUTS: dict[str, tuple] = {
     # The capabilities that change the model (`verify_matrix` "model": adapters on a frozen tiny model), against one
     # process training the same model.
     **capabilities.verify_rows("model"),
-    # The capabilities that are memory tiers (the chunked loss, activation offload, CPU offload) or checkpointing modes
-    # (segments), against a reference that computes its loss in 8 pieces (fp32's default)
+    # The capabilities that are memory tiers (the chunked loss, activation offload, CPU offload) or checkpointing
+    # modes, against a reference that computes its loss in 8 pieces (fp32's default)
     **capabilities.verify_rows("memory"),
     # torch.compile (Inductor) against one eager process: alone, under FSDP, with checkpointing, tp, pp and fp8.
     "compile": (1, "nodp", COMPILE),
