@@ -84,7 +84,7 @@ class NamedLayout:
     switched: tuple = ()  # the capabilities its switches turn on (loss=8, cpuoff=on: CPU offload), with their settings
 
     def switch_values(self) -> dict:
-        """The settings of the switches named (loss=, actoff=, cpuoff=, ...), as {"section.key": value} (a switch
+        """The settings of the switches named (loss=, cpuoff=, ...), as {"section.key": value} (a switch
         named off: its keys' defaults, or its `off_values`)."""
         named = tuple(cls for item, cls in SWITCHED.items() if item in self.named)
         return capabilities.switch_values(self.switched, named)
