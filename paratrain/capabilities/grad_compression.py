@@ -80,6 +80,11 @@ class Compression:
                 "sign_ef_block": self.sign_ef_block, "powersgd_warmup_steps": self.powersgd_warmup_steps,
                 "sign_ef_warmup_steps": self.sign_ef_warmup_steps}
 
+    def wire_settings(self) -> dict:
+        """What decides the bytes a step sends, by name (the estimate's JSON): the method and its rank or block (the
+        warm-ups are steps of the run before it)."""
+        return {"method": self.method, "powersgd_rank": self.powersgd_rank, "sign_ef_block": self.sign_ef_block}
+
     @property
     def enabled(self) -> bool:
         return self.method != "none"
