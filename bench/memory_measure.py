@@ -261,12 +261,11 @@ class MeasureSpec:
         return Recipe.from_config(self.config, layout, t.micro_batch, t.accum_steps, "cpu").replace(compile=compile)
 
     def step_options(self):
-        """`build_train_step`'s options for this spec (its seed, clipping, `[optimizer]` and `[parallel]`)."""
+        """`build_train_step`'s options for this spec (its seed, clipping and `[optimizer]`; the rest is its recipe's)."""
         from paratrain.training.step import StepOptions
 
         t = self.config.training
-        return StepOptions(seed=t.seed, grad_clip=t.grad_clip, optimizer=self.config.optimizer,
-                           parallel=self.config.parallel)
+        return StepOptions(seed=t.seed, grad_clip=t.grad_clip, optimizer=self.config.optimizer)
 
     def batch(self, world_size: int):
         """The batch the spec's layout must divide (a pipeline: micro_batch x pp_microbatches per data rank)."""

@@ -128,7 +128,7 @@ def eval_rank(job: EvalJob) -> dict | None:
     dims = ParallelDims.build(layout, env.device.type)
     seed = source.lora.seed if source.lora is not None else job.seed
     recipe = job.recipe(layout, source.lora.lora if source.lora is not None else None, env.device.type)
-    train_step = build_train_step(args, dims, recipe, env.device, StepOptions(seed=seed, parallel=job.config.parallel))
+    train_step = build_train_step(args, dims, recipe, env.device, StepOptions(seed=seed))
     load_weights(train_step, source)
     lm = ParatrainLM(train_step, source_tokenizer(source), job.max_length or args.max_seq_len,
                      job.settings.batch_size, layout.dp, dims.dp_rank, args.vocab_size, seed=job.seed)

@@ -41,12 +41,15 @@ def config_default(key: str):
     return _get(_CONFIG_DEFAULTS, key)
 
 
+NO_FLAG = ""  # a setting's `flag` when no command takes it as a flag
+
+
 def setting(key: str, flag: str | None = None):
     """A recipe field read from and written to one config key ("section.key"), whose default is the config's (the
     key is declared once, in paratrain/config.py): declaring it here is all `Recipe.from_config`, `Recipe.to_config`
     and the commands' flags (`recipe_settings`) need. `flag`: its command-line name where that is not the key's own
-    (`--` and the key with dashes)."""
-    return field(default=config_default(key), metadata={"key": key, **({"flag": flag} if flag else {})})
+    (`--` and the key with dashes; NO_FLAG: none)."""
+    return field(default=config_default(key), metadata={"key": key, **({"flag": flag} if flag is not None else {})})
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,13 @@ class Recipe:
     optimizer_impl: OptimizerImpl = "fused"  # optimizer.impl resolved on the run's device (modes.resolve_impl)
     compression: Compression = field(default_factory=Compression)  # [parallel]'s grad_compression and its settings
     fsdp_backward_prefetch: int = setting("parallel.fsdp_backward_prefetch")
+    # the gradient communication's buckets and FSDP's forward prefetching (no command-line flag: neither the layout
+    # nor its memory; the planner's DDP buckets are `paratrain plan --ddp-bucket-mb`, a [parallel] flag)
+    fsdp_forward_prefetch: int = setting("parallel.fsdp_forward_prefetch", NO_FLAG)
+    ddp_bucket_mb: float = setting("parallel.ddp_bucket_mb", NO_FLAG)
     lora: LoRA | None = None  # [lora]
     compile: bool | str = config_default("training.compile")  # each block compiled (a backend's name: that backend)
-    cuda_graphs: bool = config_default("training.cuda_graphs")  #: the compiled blocks replay CUDA graphs
+    cuda_graphs: bool = config_default("training.cuda_graphs")  # the compiled blocks replay CUDA graphs
     capabilities: tuple[Capability, ...] = ()  # the run's, with their settings (capabilities.active): the memory
     # tiers too (the chunked loss: its pieces read and replaced by name, 0 automatic until the model is known)
 
@@ -174,7 +181,8 @@ def setting_keys(recipe=Recipe) -> dict[str, str]:
 def recipe_settings(recipe=Recipe) -> dict[str, str]:
     """{config key: its command-line flag} of `setting_keys`' settings (a field may name its flag). The layout's
     `[parallel]` keys have theirs in layout_grammar (`FLAG_KEYS`)."""
-    return {key: flag or "--" + key.split(".")[1].replace("_", "-") for _, key, flag in _settings(recipe)}
+    return {key: flag or "--" + key.split(".")[1].replace("_", "-") for _, key, flag in _settings(recipe)
+            if flag != NO_FLAG}
 
 
 def _settings(recipe) -> list[tuple[str, str, str | None]]:

@@ -176,6 +176,7 @@ def test_onebit_default_warm_up_is_a_share_of_the_run():
     from paratrain.distributed.compression import GradComm
     from paratrain.layout import Layout
     from paratrain.capabilities import gradient_reduction
+    from paratrain.capabilities.grad_compression import Compression
     from paratrain.capabilities.onebit import MomentumSchedule
 
     def freeze(steps, *overrides):
@@ -188,7 +189,7 @@ def test_onebit_default_warm_up_is_a_share_of_the_run():
     # the run's length reaches the schedule the gradient hooks follow
     cfg = load_config(None, ["optimizer.name=onebit_adam"])
     layout = Layout.resolve(2, dp_mode="ddp")
-    reduction = gradient_reduction(ParallelConfig(), layout, optimizer_entry("onebit_adam"), cfg.optimizer, 2000)
+    reduction = gradient_reduction(Compression(), layout, optimizer_entry("onebit_adam"), cfg.optimizer, 2000)
     comm = GradComm(ParallelConfig(), SimpleNamespace(layout=layout), torch.device("cpu"), reduction=reduction)
     assert comm.schedule.freeze == 130
 

@@ -117,10 +117,10 @@ def check(cfg) -> None:
         cls.check(cfg)
 
 
-def gradient_reduction(parallel, layout, entry, optimizer=None, steps: int = 0):
-    """What a run's data-parallel gradient reduction runs (`Capability.gradient_reduction`: the first answer; None:
-    the plain reduction)."""
-    answers = (cls.gradient_reduction(parallel, layout, entry, optimizer, steps) for cls in CAPABILITIES)
+def gradient_reduction(compression, layout, entry, optimizer=None, steps: int = 0):
+    """What a run's data-parallel gradient reduction runs with its `compression` (Recipe.compression)
+    (`Capability.gradient_reduction`: the first answer; None: the plain reduction)."""
+    answers = (cls.gradient_reduction(compression, layout, entry, optimizer, steps) for cls in CAPABILITIES)
     return next((r for r in answers if r is not None), None)
 
 

@@ -207,10 +207,10 @@ class Capability:
         pass
 
     @classmethod
-    def gradient_reduction(cls, parallel, layout, entry, optimizer=None, steps: int = 0):
+    def gradient_reduction(cls, compression, layout, entry, optimizer=None, steps: int = 0):
         """The gradient-communication point (training/step.py, before the model is laid out): what the run's
         data-parallel gradient reduction runs on `layout` (a value distributed/compression.py's GradComm takes: the
-        collective, where it acts, an optimizer's schedule), from `[parallel]` (a ParallelConfig), the optimizer's
+        collective, where it acts, an optimizer's schedule), from the recipe's `compression`, the optimizer's
         table entry, its OptimizerConfig and the run's optimizer steps; None where the capability does not decide it
         (a classmethod: the registry's first answer counts; gradient compression's is every run's)."""
         return None

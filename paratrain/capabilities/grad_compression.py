@@ -66,15 +66,24 @@ class Compression:
     method: GradCompression = "none"
     powersgd_rank: int = 4
     sign_ef_block: int = 0
+    powersgd_warmup_steps: int = 10  # (the run's: plain all-reduces before the compressed ones)
+    sign_ef_warmup_steps: int = 0
 
     @classmethod
     def from_config(cls, parallel) -> "Compression":
-        return cls(parallel.grad_compression, parallel.powersgd_rank, parallel.sign_ef_block)
+        return cls(parallel.grad_compression, parallel.powersgd_rank, parallel.sign_ef_block,
+                   parallel.powersgd_warmup_steps, parallel.sign_ef_warmup_steps)
 
     def config_values(self) -> dict:
         """Its `[parallel]` keys and values (`from_config` backwards)."""
         return {"grad_compression": self.method, "powersgd_rank": self.powersgd_rank,
-                "sign_ef_block": self.sign_ef_block}
+                "sign_ef_block": self.sign_ef_block, "powersgd_warmup_steps": self.powersgd_warmup_steps,
+                "sign_ef_warmup_steps": self.sign_ef_warmup_steps}
+
+    def wire_settings(self) -> dict:
+        """What decides the bytes a step sends, by name (the estimate's JSON): the method and its rank or block (the
+        warm-ups are steps of the run before it)."""
+        return {"method": self.method, "powersgd_rank": self.powersgd_rank, "sign_ef_block": self.sign_ef_block}
 
     @property
     def enabled(self) -> bool:
@@ -199,12 +208,12 @@ class GradReduction:
     name: str = "none"
 
     @classmethod
-    def of_run(cls, parallel, layout: Layout, entry: OptimizerEntry | None = None, optimizer=None,
+    def of_run(cls, compression: Compression, layout: Layout, entry: OptimizerEntry | None = None, optimizer=None,
                steps: int = 0) -> "GradReduction":
-        """`parallel` ([parallel]: grad_compression and its settings) on `layout`, for the optimizer `entry` with its
+        """The run's `compression` (Recipe.compression) on `layout`, for the optimizer `entry` with its
         OptimizerConfig `optimizer` (None: one that does not communicate itself) in a run of `steps` optimizer steps
         (1-bit Adam's default warm-up is a share of them)."""
-        comp, schedule, name = Compression.from_config(parallel), None, parallel.grad_compression
+        comp, schedule, name = compression, None, compression.method
         if optimizer is not None and entry is not None and entry.communicates and layout.dp > 1:
             schedule = entry.schedule(optimizer, steps)
             comp = comp.run_by(entry)  # its 1-bit all-reduce (sign_ef_block)
@@ -270,8 +279,8 @@ class GradientCompression(Capability):
         return None
 
     @classmethod
-    def gradient_reduction(cls, parallel, layout, entry, optimizer=None, steps: int = 0) -> GradReduction:
-        return GradReduction.of_run(parallel, layout, entry, optimizer, steps)
+    def gradient_reduction(cls, compression, layout, entry, optimizer=None, steps: int = 0) -> GradReduction:
+        return GradReduction.of_run(compression, layout, entry, optimizer, steps)
 
     @classmethod
     def check(cls, cfg) -> None:

@@ -173,7 +173,6 @@ def config_for(c, ctx, base=None, model_spec: str | None = None):
         cfg.model.max_seq_len = ctx.args.max_seq_len
     if ctx.hw.device == "cpu":
         t.device = "cpu"
-    p.ddp_bucket_mb = ctx.ddp_bucket_mb
     if ctx.cluster:  # which GPU type each pipeline rank runs on
 
         p.pp_stage_gpus = ",".join(h.name for h in stage_hardware(ctx.cluster, c.layout.pp))

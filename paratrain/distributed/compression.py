@@ -347,10 +347,11 @@ class GradComm:
     leaving each rank its own), the optimizer averages its momenta through `momentum_mean_` (the same SignEF and
     error feedback), and its per-rank state (`attach_optimizer`) is checkpointed with the residuals."""
 
-    def __init__(self, parallel, dims, device: torch.device, seed: int = 0, reduction: GradReduction | None = None):
-        """`parallel`: the `[parallel]` settings (buckets, prefetching, the compressors' ranks, blocks and warm-ups);
-        `reduction`: what the reduction runs on this layout, decided by the capability
-        (`GradReduction.of_run(parallel, layout, ...)`, with an optimizer's schedule; None: no compression)."""
+    def __init__(self, run, dims, device: torch.device, seed: int = 0, reduction: GradReduction | None = None):
+        """`run`: the run's DDP bucket size and FSDP prefetching (`ddp_bucket_mb`, `fsdp_forward_prefetch`,
+        `fsdp_backward_prefetch`: a Recipe's, or a `[parallel]` section's); `reduction`: what the reduction runs on
+        this layout (the compressors' ranks, blocks and warm-ups in its `compression`), decided by the capability
+        (`GradReduction.of_run(recipe.compression, layout, ...)`, with an optimizer's schedule; None: none)."""
         reduction = reduction or GradReduction()
         self.dims, self.layout, self.device, self.seed = dims, dims.layout, device, seed
         self.method = reduction.name  # the method, or the optimizer's name: names the state in checkpoints, notices
@@ -359,10 +360,11 @@ class GradComm:
         self.site = reduction.site
         self.step = 0  # the optimizer step being reduced (start_step)
         self.optimizer = None  # an optimizer with per-rank state (attach_optimizer)
-        self.bucket_mb = parallel.ddp_bucket_mb
-        self.forward_prefetch, self.backward_prefetch = parallel.fsdp_forward_prefetch, parallel.fsdp_backward_prefetch
-        self.powersgd_rank, self.powersgd_warmup = parallel.powersgd_rank, parallel.powersgd_warmup_steps
-        self.sign_block, self.sign_warmup = parallel.sign_ef_block, parallel.sign_ef_warmup_steps
+        self.bucket_mb = run.ddp_bucket_mb
+        self.forward_prefetch, self.backward_prefetch = run.fsdp_forward_prefetch, run.fsdp_backward_prefetch
+        c = self.compression
+        self.powersgd_rank, self.powersgd_warmup = c.powersgd_rank, c.powersgd_warmup_steps
+        self.sign_block, self.sign_warmup = c.sign_ef_block, c.sign_ef_warmup_steps
         self.meter = CommMeter()
         self.compressor: SignEF | PowerSGD | None = None
         self.models: list[nn.Module] = []  # what was laid out (a pipeline rank: its stages)

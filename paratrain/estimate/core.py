@@ -131,7 +131,7 @@ class Estimate:
             "precision": i.recipe.precision, "accounting": i.accounting, "optimizer": i.recipe.optimizer,
             "optimizer_impl": i.recipe.optimizer_impl, "checkpointing": i.recipe.checkpointing,
             "every_k": i.recipe.every_k, "segment_blocks": segment_size(i.recipe.segment_blocks, i.model_args.n_layers),
-            "compression": dataclasses.asdict(i.recipe.compression),
+            "compression": i.recipe.compression.wire_settings(),
             "micro_batch": i.recipe.micro_batch, "seq_len": i.recipe.seq_len, "accum_steps": i.recipe.accum_steps,
             "gpu": i.target.gpu_name, "gpu_bytes": i.target.gpu_bytes, "headroom_fraction": i.target.headroom,
             "usable_bytes": self.usable_bytes,

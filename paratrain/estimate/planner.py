@@ -130,10 +130,11 @@ def plan_context(request: PlanRequest) -> Planning:
     # the settings every candidate shares (each sets its own layout, checkpointing, micro-batch and memory tiers);
     # the capabilities its precision and optimizer imply come with it (fp8's GEMM rate and casts)
     run = planned_run(hw, precision=precision, tf32=r.tf32, seq_len=seq, optimizer=entry.name,
-                      compression=compression, compile=r.compile, capabilities=r.capabilities,
+                      compression=compression, ddp_bucket_mb=parallel.ddp_bucket_mb, compile=r.compile,
+                      capabilities=r.capabilities,
                       **{c.recipe_field: c for c in r.capabilities if c.recipe_field})  # (a field of its own)
-    ctx = Context(margs, run, tokens // seq, hw, per_node, name, native_max_seq_len=native,
-                  ddp_bucket_mb=parallel.ddp_bucket_mb, cluster=groups, host_memory_bytes=host)
+    ctx = Context(margs, run, tokens // seq, hw, per_node, name, native_max_seq_len=native, cluster=groups,
+                  host_memory_bytes=host)
     return Planning(ctx, world, _options(r, fixed_fields(flags), headroom))
 
 

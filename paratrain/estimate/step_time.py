@@ -191,7 +191,6 @@ class Context:
     gpus_per_node: int
     model_name: str = "model"
     native_max_seq_len: int | None = None  # the model's own max_seq_len when seq_len goes beyond it (long context)
-    ddp_bucket_mb: float = 25.0
     stage_hw: list[Hardware] | None = None  # heterogeneous clusters: the hardware of each pipeline rank, in order
     cluster: list | None = None  # heterogeneous clusters: the GPU groups in rank order (estimate/hetero.py GpuGroup)
     host_memory_bytes: int | None = None  # host memory per node (--host-memory; None: not checked)
@@ -212,10 +211,11 @@ class Context:
             # loops): seq_len, precision, tf32, optimizer (an entry of capabilities.OPTIMIZERS), compression, lora
             # (adapters on a frozen model: only they reduce gradients and update states), capabilities (whose time
             # terms count: fp8's GEMMs and casts, ...), mode (eager | compile: the profile's factor on the
-            # non-matmul time)
+            # non-matmul time), ddp_bucket_mb (DDP's buckets: their all-reduces' latency)
             self.__dict__.update(seq_len=value.seq_len, precision=value.precision, tf32=value.tf32,
                                  optimizer=value.optimizer, compression=value.compression, lora=value.lora,
-                                 capabilities=value.capabilities, mode="compile" if value.compile else "eager")
+                                 capabilities=value.capabilities, mode="compile" if value.compile else "eager",
+                                 ddp_bucket_mb=value.ddp_bucket_mb)
 
     def rank_hw(self, pp_rank: int) -> Hardware:
         return self.stage_hw[pp_rank] if self.stage_hw else self.hw

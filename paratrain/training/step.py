@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor.parallel import loss_parallel
 
-from paratrain.config import ActivationCheckpointConfig, OptimizerConfig, ParallelConfig
+from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
 from paratrain.capabilities import gradient_reduction, loss_pieces, optimizer_entry
 from paratrain.capabilities.base import Capability, Where
 from paratrain.data.batch import NOT_A_TARGET, as_batch
@@ -422,14 +422,13 @@ class TrainStep:
 @dataclass(frozen=True)
 class StepOptions:
     """What a step is built with besides the model, the layout and the recipe: the run's seed (initial weights), its
-    optimizer's hyperparameters and communication settings (the config sections the recipe names but does not hold),
-    clipping, the run's length, and the measuring harness's hooks."""
+    optimizer's hyperparameters (the section the recipe names but does not hold), clipping, the run's length, and the
+    measuring harness's hooks."""
 
     seed: int = 0
     grad_clip: float = 1.0
     steps: int = 0  # the run's optimizer steps (1-bit Adam's default warm-up is a share of them)
     optimizer: OptimizerConfig | None = None  # the recipe's optimizer's hyperparameters (None: the defaults)
-    parallel: ParallelConfig | None = None  # compression settings, DDP buckets, FSDP prefetching (None: the defaults)
     memory_budget: object = None  # observe.oom.MemoryBudget
     probe: StepProbe | None = None
 
@@ -437,8 +436,7 @@ class StepOptions:
     def of_run(cls, cfg, **more) -> "StepOptions":
         """A run's config (paratrain.config.Config) read into step options."""
         t = cfg.training
-        return cls(seed=t.seed, grad_clip=t.grad_clip, steps=t.steps, optimizer=cfg.optimizer, parallel=cfg.parallel,
-                   **more)
+        return cls(seed=t.seed, grad_clip=t.grad_clip, steps=t.steps, optimizer=cfg.optimizer, **more)
 
 
 def default_recipe(layout: Layout) -> Recipe:
@@ -468,9 +466,9 @@ def build_train_step(model_args, dims, recipe: Recipe | None = None, device: tor
     optimizer = dataclasses.replace(options.optimizer or OptimizerConfig(), name=recipe.optimizer)
     # the gradient-communication point: buckets, prefetching, and what the reduction runs (the compression
     # capability decides it on this layout, with the schedule of an optimizer that communicates itself: 1-bit Adam's)
-    parallel = options.parallel or ParallelConfig()
-    reduction = gradient_reduction(parallel, layout, optimizer_entry(recipe.optimizer), optimizer, options.steps)
-    comm = GradComm(parallel, dims, device, options.seed, reduction)
+    reduction = gradient_reduction(recipe.compression, layout, optimizer_entry(recipe.optimizer), optimizer,
+                                   options.steps)
+    comm = GradComm(recipe, dims, device, options.seed, reduction)
     token_loss = TokenLoss(capabilities, device)
     pipeline = None
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
