@@ -262,7 +262,7 @@ def test_plan_and_estimate_of_its_config_agree_on_every_layout_field(req, tmp_pa
     assert est["layout"]["world_size"] == world
     assert (est["checkpointing"], est["every_k"], est["micro_batch"]) == (best.cand.ac, best.cand.every_k,
                                                                         best.cand.micro_batch)
-    assert est["precision"] == ctx.precision and est["compression"] == dataclasses.asdict(ctx.compression)
+    assert est["precision"] == ctx.precision and est["compression"] == ctx.compression.wire_settings()
     assert abs(est["total_bytes"] - best.total_bytes) <= 0.01 * best.total_bytes
 
 
