@@ -80,9 +80,11 @@ as full (every block once more, a segment at a time).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
+from paratrain import capabilities
 from paratrain.capabilities import implied_by_settings, optimizer_entry
 from paratrain.estimate.model_states import fsdp_gathers_per_step, rank_layers
 from paratrain.layout import Layout, predicted_bubble
@@ -122,8 +124,7 @@ class Candidate:
         # capabilities its name switches on, with their settings)
         r = self.recipe
         self.__dict__.update(layout=r.layout, ac=r.checkpointing, every_k=r.every_k, segment_blocks=r.segment_blocks,
-                             micro_batch=r.micro_batch, loss_chunks=r.loss_chunks,
-                             switched=tuple(c for c in r.capabilities if c.layout_item))
+                             micro_batch=r.micro_batch, **_capability_views(r.capabilities))
 
     @property
     def world(self) -> int:
@@ -178,6 +179,13 @@ class Candidate:
         return self.layout.short_name()
 
 
+@functools.lru_cache(maxsize=256)
+def _capability_views(present: tuple) -> dict:
+    """A candidate's `loss_chunks` and `switched` of its recipe's capabilities, once per tuple of them."""
+    return {"loss_chunks": capabilities.setting(present, "loss_chunks"),
+            "switched": tuple(c for c in present if c.layout_item)}
+
+
 @dataclass
 class Context:
     """What every candidate shares: model, batch, hardware, topology, and the run's settings (`run`: the sequence
@@ -200,9 +208,15 @@ class Context:
         """The run on `layout` with the recipe `settings` given (checkpointing=, every_k=, micro_batch=,
         loss_chunks=, ...), its accumulation from the global batch (a batch that does not divide is
         `search.structural_reason`'s to reject)."""
-        micro_batch = settings.get("micro_batch", self.run.micro_batch)
+        micro_batch = settings.pop("micro_batch", self.run.micro_batch)
         accum = 1 if layout.pipelined else max(1, self.global_seqs // (layout.dp * micro_batch))
-        return Candidate(self.run.replace(layout=layout, accum_steps=accum, **settings))
+        # (the run with the other settings once per context: the planner's candidates differ in layout and micro-batch;
+        # a context made by dataclasses.replace shares the cache, so a base is the run's it was made of)
+        key = ("candidate settings", *sorted(settings.items()))
+        hit = self.cache.get(key)
+        if hit is None or hit[0] is not self.run:
+            hit = self.cache[key] = (self.run, self.run.replace(**settings))
+        return Candidate(hit[1].replace(layout=layout, accum_steps=accum, micro_batch=micro_batch))
 
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)
