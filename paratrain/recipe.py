@@ -74,8 +74,10 @@ class Recipe:
     fsdp_forward_prefetch: int = setting("parallel.fsdp_forward_prefetch", NO_FLAG)
     ddp_bucket_mb: float = setting("parallel.ddp_bucket_mb", NO_FLAG)
     lora: LoRA | None = None  # [lora]
-    compile: bool | str = config_default("training.compile")  # each block compiled (a backend's name: that backend)
-    cuda_graphs: bool = config_default("training.cuda_graphs")  # the compiled blocks replay CUDA graphs
+    # each block compiled (a backend's name: that backend), its blocks replaying CUDA graphs (no estimate/plan flag:
+    # `plan --compile` is the planner's request)
+    compile: bool | str = setting("training.compile", NO_FLAG)
+    cuda_graphs: bool = setting("training.cuda_graphs", NO_FLAG)
     capabilities: tuple[Capability, ...] = ()  # the run's, with their settings (capabilities.active): the memory
     # tiers too (the chunked loss: its pieces read and replaced by name, 0 automatic until the model is known)
 
@@ -105,7 +107,6 @@ class Recipe:
                    optimizer_impl=resolve_impl(cfg.optimizer.impl, device_type, cfg.training.precision,
                                                 cfg.optimizer.name),
                    compression=Compression.from_config(cfg.parallel), lora=LoRA.from_config(cfg),
-                   compile=cfg.training.compile, cuda_graphs=cfg.training.cuda_graphs,
                    capabilities=capabilities.active(cfg))
 
     @classmethod

@@ -176,7 +176,6 @@ def config_for(c, ctx, base=None, model_spec: str | None = None):
     if ctx.cluster:  # which GPU type each pipeline rank runs on
 
         p.pp_stage_gpus = ",".join(h.name for h in stage_hardware(ctx.cluster, c.layout.pp))
-    t.compile = ctx.mode == "compile"
     validate(cfg)
     return cfg
 
