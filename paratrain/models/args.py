@@ -49,6 +49,28 @@ class ModelArgs:
     moe_norm_topk: bool = True
     moe_aux_loss_coef: float = 0.01
     moe_capacity_factor: float = 0.0  # 0: no capacity limit (no token dropping)
+    # DeepSeek-V3's group-limited routing: the experts form `moe_n_group` equal groups and a token's top-k are chosen
+    # only among its `moe_topk_group` best groups (a group scores the sum of its two best experts); 1 group: no limit.
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_routed_scaling_factor: float = 1.0  # the routed experts' gates are multiplied by it (DeepSeek-V3: 2.5)
+    moe_shared_gate: bool = False  # Qwen2-MoE: the shared experts' output times sigmoid(a learned dim -> 1 linear)
+    # A per-expert bias added to the routing scores for the top-k choice only, the gates keep the unbiased scores
+    # (DeepSeek-V3's e_score_correction_bias); `[moe] balancing = "aux_free"` updates it after each optimizer step.
+    moe_expert_bias: bool = False
+    # Multi-head latent attention (DeepSeek-V2/V3; the "deepseek" family): queries through a rank-`mla_q_lora_rank`
+    # compression (0: projected directly), keys and values through one rank-`mla_kv_lora_rank` latent; each head's
+    # query and key are a `mla_qk_nope_head_dim` part without rotary and a `mla_qk_rope_head_dim` rotary part (the key's
+    # shared by every head), its value `mla_v_head_dim` wide.
+    mla_q_lora_rank: int = 0
+    mla_kv_lora_rank: int = 0
+    mla_qk_nope_head_dim: int = 0
+    mla_qk_rope_head_dim: int = 0
+    mla_v_head_dim: int = 0
+    # Multi-token prediction (DeepSeek-V3): `mtp_depth` sequential modules after the last block, module d predicting
+    # the token d + 1 places after the next one, their mean loss weighted by `mtp_loss_weight` (0 modules: none).
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
     # The model family (`paratrain.models.family`): which module is built and which parameter table, TP plan and
     # Hugging Face names describe it. The fields above are its dimensions.
     family: str = DEFAULT_FAMILY
@@ -81,11 +103,16 @@ _INT_RANGES = {
     "n_kv_heads": (1, MAX_COUNT), "ffn_hidden": (1, MAX_DIMENSION), "max_seq_len": (1, MAX_POSITIONS),
     "head_dim": (2, MAX_COUNT), "rope_original_max_seq_len": (1, MAX_POSITIONS), "moe_experts": (0, MAX_COUNT),
     "moe_top_k": (1, MAX_COUNT), "moe_shared_experts": (0, MAX_COUNT), "moe_ffn_hidden": (1, MAX_DIMENSION),
-    "moe_first_dense_layers": (0, MAX_COUNT),
+    "moe_first_dense_layers": (0, MAX_COUNT), "moe_n_group": (1, MAX_COUNT), "moe_topk_group": (1, MAX_COUNT),
+    "mla_q_lora_rank": (0, MAX_DIMENSION), "mla_kv_lora_rank": (0, MAX_DIMENSION),
+    "mla_qk_nope_head_dim": (0, MAX_COUNT), "mla_qk_rope_head_dim": (0, MAX_COUNT), "mla_v_head_dim": (0, MAX_COUNT),
+    "mtp_depth": (0, MAX_COUNT),
 }
 _OPTIONAL = ("head_dim", "moe_ffn_hidden")
-_POSITIVE = ("rope_theta", "norm_eps", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor")
-_NON_NEGATIVE = ("moe_aux_loss_coef", "moe_capacity_factor")
+_POSITIVE = ("rope_theta", "norm_eps", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+             "moe_routed_scaling_factor")
+_NON_NEGATIVE = ("moe_aux_loss_coef", "moe_capacity_factor", "mtp_loss_weight")
+_BOOLEAN = ("tie_embeddings", "moe_norm_topk", "moe_shared_gate", "moe_expert_bias")
 
 
 def is_int(value) -> bool:
@@ -125,7 +152,7 @@ def fields_problem(fields, prefix: str = "") -> str | None:
         elif name == "moe_dense_layers" and not (isinstance(value, (list, tuple))
                                                  and all(is_int(i) and 0 <= i < MAX_COUNT for i in value)):
             return f"{prefix}{name} must be a list of layer indices, got {value!r}"
-        elif name in ("tie_embeddings", "moe_norm_topk") and not isinstance(value, bool):
+        elif name in _BOOLEAN and not isinstance(value, bool):
             return f"{prefix}{name} must be true or false, got {value!r}"
         elif name in ("rope_scaling", "moe_score_func") and not isinstance(value, str):
             return f"{prefix}{name} must be a string, got {value!r}"

@@ -431,7 +431,8 @@ def resolve_resume(resume: str, ckpt_root: Path, warn=None, problem=checkpoint_p
 # Model dimensions that decide the parameters' shapes: a checkpoint loads only into a model that agrees on them.
 ARCHITECTURE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
                      "tie_embeddings", "moe_experts", "moe_shared_experts", "moe_ffn_hidden", "moe_first_dense_layers",
-                     "moe_dense_layers", "family")
+                     "moe_dense_layers", "family", "moe_shared_gate", "moe_expert_bias", "mla_q_lora_rank",
+                     "mla_kv_lora_rank", "mla_qk_nope_head_dim", "mla_qk_rope_head_dim", "mla_v_head_dim", "mtp_depth")
 
 
 def model_mismatch(trainer_state: dict, model_args) -> str | None:
@@ -440,8 +441,9 @@ def model_mismatch(trainer_state: dict, model_args) -> str | None:
     if not isinstance(saved, dict):
         return "its trainer.pt has no model dimensions"
     ours = dataclasses.asdict(model_args)
-    # saved before families had names, or before blocks could be dense by index
-    saved = {"family": DEFAULT_FAMILY, "moe_dense_layers": (), **saved}
+    # saved before families had names, before blocks could be dense by index, before a key existed: its default
+    saved = {**{f.name: f.default for f in dataclasses.fields(model_args) if f.name in ARCHITECTURE_KEYS
+                and f.default is not dataclasses.MISSING}, "family": DEFAULT_FAMILY, "moe_dense_layers": (), **saved}
     saved["moe_dense_layers"] = tuple(saved["moe_dense_layers"])
     diffs = [f"{k} {saved.get(k)} (this run: {ours.get(k)})" for k in ARCHITECTURE_KEYS if saved.get(k) != ours.get(k)]
     return "it holds another model: " + ", ".join(diffs) if diffs else None
