@@ -130,7 +130,8 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
     top = {m: gathered_sequence_parallel() if (r == "norm" and sequence_parallel) else styles.of(r, styles.residual)
            for m, r in module_roles(p for p in table if p.layer is None).items()
            if getattr(model, m.split(".")[0]) is not None}
-    parallelize_module(model, tp_mesh, top)
+    # (routed experts outside the blocks, multi-token prediction's: no style, spread by expert parallelism)
+    parallelize_module(model, tp_mesh, {m: style for m, style in top.items() if style is not None})
 
     by_layer: dict[int, list] = {}
     for p in table:

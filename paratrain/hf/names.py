@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from paratrain.errors import UserError
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import HFNames
+from paratrain.models.llama_params import MTP_PREFIX
 from paratrain.models.registry import family_of, parameters
 
 # Tensors some Hugging Face checkpoints carry that are derived, not learned; ignored on import.
@@ -64,6 +65,8 @@ def pieces(args: ModelArgs, vocab_size: int | None = None) -> list[Piece]:
     names = hf_names(args)
     out = []
     for p in parameters(args):
+        if p.name.startswith(MTP_PREFIX):  # multi-token prediction's modules: training only, not exported
+            continue
         if p.expert:
             E, _, _ = p.shape
             out += [Piece(hf_name(names, p.name, e), p.name, (p.shape[2], p.shape[1]), e) for e in range(E)]

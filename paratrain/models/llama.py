@@ -240,6 +240,13 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Multi-token prediction's modules (models/mtp.py, built of this module's blocks; lazy: it imports this one)
+        self.mtp = None
+        if args.mtp_depth:
+            from paratrain.models.mtp import MultiTokenPrediction
+
+            self.mtp = MultiTokenPrediction(args, self.attention_class)
+        self.mtp_losses = None  # the last training forward's, per depth (`mtp_targets`)
         # Rotary tables are derived, not learned: non-persistent, rebuilt by reset_buffers().
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args=args)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -275,7 +282,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, seq_len: int | None = None, positions: torch.Tensor | None = None,
                 targets: torch.Tensor | None = None, loss_chunks: int = 1, reduction: str = "mean",
-                piece_loss=summed_cross_entropy) -> torch.Tensor:
+                piece_loss=summed_cross_entropy, mtp_targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab); with `targets` (B, T) the cross-entropy loss instead, its
         output projection and loss computed over `loss_chunks` pieces of the tokens (`chunked_cross_entropy`, each
         piece's summed loss by `piece_loss`).
@@ -284,7 +291,9 @@ class Transformer(nn.Module):
         is already the hidden states, without `output` the hidden states are returned. `seq_len` is the length of
         the sequences the input belongs to, when the input holds only part of each (default: its own length).
         `positions` (B, T): windows packed with whole documents, each token's position in its document (rotary
-        angles restart and attention stays inside each document; see `Documents`)."""
+        angles restart and attention stays inside each document; see `Documents`). `mtp_targets` (B, T): the targets
+        of a training forward, for multi-token prediction's modules (models/mtp.py), which then run and leave each
+        depth's summed cross-entropy in `mtp_losses`; without it (evaluation, generation) they do not run."""
         T = seq_len or tokens.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}")
@@ -299,6 +308,9 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents=documents)
         if self.output is None:
             return h  # (B, T, C) to the next stage
+        if self.mtp is not None and mtp_targets is not None:  # from the last block's output, before the final norm
+            self.mtp_losses = self.mtp(h, tokens, mtp_targets, self.tok_embeddings, self.output, cos, sin, documents,
+                                       loss_chunks)
         if targets is not None:
             return chunked_cross_entropy(self.norm(h), targets, self.output, loss_chunks, reduction, piece_loss)
         return self.output(self.norm(h))  # (B, T, V)

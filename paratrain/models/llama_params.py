@@ -47,13 +47,34 @@ def decoder_params(args: ModelArgs, attention=attention_params) -> list[Param]:
     C, V = args.dim, args.vocab_size
     out = [Param("tok_embeddings.weight", (V, C), "embedding")]
     for i in range(args.n_layers):
-        out.append(Param(f"layers.{i}.attention_norm.weight", (C,), "norm", i))
-        out += attention(args, i)
-        out.append(Param(f"layers.{i}.ffn_norm.weight", (C,), "norm", i))
-        out += feed_forward_params(args, i)
+        out += block_params(args, i, attention)
     out.append(Param("norm.weight", (C,), "norm"))
     if not args.tie_embeddings:
         out.append(Param("output.weight", (V, C), "output", matmul=True))
+    return out + mtp_params(args, attention)
+
+
+def block_params(args: ModelArgs, i: int, attention=attention_params) -> list[Param]:
+    """Block i: norm, attention, norm, feed-forward."""
+    C = args.dim
+    return [Param(f"layers.{i}.attention_norm.weight", (C,), "norm", i), *attention(args, i),
+            Param(f"layers.{i}.ffn_norm.weight", (C,), "norm", i), *feed_forward_params(args, i)]
+
+
+MTP_PREFIX = "mtp."  # multi-token prediction's parameter names start so (models/mtp.py; export drops them)
+
+
+def mtp_params(args: ModelArgs, attention=attention_params) -> list[Param]:
+    """Multi-token prediction's modules (models/mtp.py), after the output head: each depth's block (of index
+    n_layers + d - 1, named `mtp.{d-1}.block.`), its input norms, its 2C -> C projection (replicated: a small matrix
+    beside the block's) and its own final norm. `layer` None: on a pipeline's last stage, with the head."""
+    C, out = args.dim, []
+    for d in range(args.mtp_depth):
+        p = f"{MTP_PREFIX}{d}."
+        out += [Param(p + "block." + q.name.split(".", 2)[2], q.shape, q.role, None, q.matmul)
+                for q in block_params(args, args.n_layers + d, attention)]
+        out += [Param(p + "enorm.weight", (C,), "norm"), Param(p + "hnorm.weight", (C,), "norm"),
+                Param(p + "eh_proj.weight", (C, 2 * C), "replicated", matmul=True), Param(p + "norm.weight", (C,), "norm")]
     return out
 
 

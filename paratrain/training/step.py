@@ -32,6 +32,7 @@ from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
 from paratrain.capabilities import gradient_reduction, loss_pieces, optimizer_entry
 from paratrain.capabilities.base import Capability, Where
 from paratrain.data.batch import NOT_A_TARGET, as_batch
+from paratrain.errors import ConfigError
 from paratrain.distributed.compression import GradComm
 from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler, context_for, whole_sequences
 from paratrain.distributed.expert_parallel import MoEMeter
@@ -44,6 +45,7 @@ from paratrain.layout import Layout
 from paratrain.models import build_model
 from paratrain.models.llama import cross_entropy
 from paratrain.models.moe import balance_loss, moe_modules
+from paratrain.models.mtp import depth_targets
 from paratrain.modes import Precision
 from paratrain.recipe import Recipe
 from paratrain.training.optim import build_optimizer, inner_optimizer
@@ -93,27 +95,36 @@ def apply_tf32(tf32: bool | None, precision: str, device: torch.device) -> bool:
 class TokenLoss:
     """The training loss of logits against targets: the cross-entropy plus the capabilities' loss terms (z-loss, ...;
     paratrain/capabilities), each term's value summed for the step's metrics while `recording` (in forward only: a
-    chunked loss's pieces run again in backward). Without terms it is the cross-entropy alone."""
+    chunked loss's pieces run again in backward). Without terms it is the cross-entropy alone. `extra`: the names of
+    more metrics the step `record`s beside the terms, per target token like them (multi-token prediction's)."""
 
-    def __init__(self, capabilities, device: torch.device):
+    def __init__(self, capabilities, device: torch.device, extra: tuple[str, ...] = ()):
         self.terms = [c for c in capabilities if type(c).loss_term is not Capability.loss_term]
+        self.names = [t.name for t in self.terms] + list(extra)
         self.device, self.recording = device, False
-        self.sums = None  # per term, its per-token values summed over the step's targets; then the targets' count
+        self.sums = None  # per metric, its per-token values summed over the step's targets; then the targets' count
 
     def reset(self) -> None:
-        self.sums = torch.zeros(len(self.terms) + 1, dtype=torch.float64, device=self.device) if self.terms else None
+        self.sums = torch.zeros(len(self.names) + 1, dtype=torch.float64, device=self.device) if self.names else None
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         loss = cross_entropy(logits, targets, reduction)
+        if self.recording and self.sums is not None:
+            self.sums[-1] += (targets != NOT_A_TARGET).sum()
         if not self.terms:
             return loss
         loss = full_tensor(loss)  # loss parallel's replicated DTensor as a plain tensor: the terms are plain
         values = [term.loss_term(logits, targets, reduction) for term in self.terms]
-        if self.recording:
-            count = (targets != NOT_A_TARGET).sum().double()
-            sums = [v.detach().double() * (count if reduction == "mean" else 1) for v in values]
-            self.sums += torch.stack([*sums, count])
+        for term, value in zip(self.terms, values):
+            self.record(term.name, value, reduction, targets)
         return loss + sum(values)
+
+    def record(self, name: str, value: torch.Tensor, reduction: str, targets: torch.Tensor) -> None:
+        """Add a metric's value on `targets` to the step's sums while recording: a mean over the targets ("mean"),
+        counted once per target, or their sum."""
+        if self.recording:
+            count = (targets != NOT_A_TARGET).sum().double() if reduction == "mean" else 1
+            self.sums[self.names.index(name)] += value.detach().double() * count
 
     def piece(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One piece's summed loss (a chunked loss: `models.llama.chunked_cross_entropy`)."""
@@ -129,7 +140,7 @@ class TokenLoss:
         sums = self.sums.clone()
         if dist.is_initialized():
             dist.all_reduce(sums)
-        names = [t.name for t in self.terms]
+        names = self.names
 
         def read() -> dict:
             values = sums.tolist()
@@ -198,6 +209,8 @@ class TrainStep:
         self.autocast = Precision(precision).low_precision and not layout.uses_fsdp
         self.moe_layers = moe_modules(unwrap(model))
         self.moe = MoEMeter(unwrap(model)) if self.moe_layers else None  # expert load statistics
+        # multi-token prediction (models/mtp.py): the model whose training forward leaves its depths' losses
+        self.mtp_model = unwrap(model) if getattr(unwrap(model), "mtp", None) is not None else None
         # fused AdamW (and SGD) take `found_inf` and skip the update in their kernel (AdamW's step counts too): no
         # host read
         self.skips_on_device = bool(getattr(inner_optimizer(optimizer), "_step_supports_amp_scaling", False))
@@ -230,7 +243,7 @@ class TrainStep:
             with self.contexts(sync=i == accum - 1):
                 with self.memory_budget.track() if self.memory_budget else contextlib.nullcontext():
                     self.token_loss.recording = True
-                    loss = self._loss(batch, accum)
+                    loss, mtp = self._loss(batch, accum)
                     self.token_loss.recording = False
                     aux = None
                     if self.moe_layers:  # the balance loss, same scaling; recorded before backward recomputes
@@ -239,12 +252,13 @@ class TrainStep:
                 if poisoned:
                     loss = loss * float("nan")
                 self.probe.forward_done()
-                # The balance loss is a second root: the loss may be a DTensor (loss parallel), aux never is.
-                roots = [loss] if aux is None else [loss, aux]
+                # The balance loss and multi-token prediction's are more roots: the loss may be a DTensor (loss
+                # parallel), they never are.
+                roots = [r for r in (loss, aux, mtp) if r is not None]
                 torch.autograd.backward([self.scaler.scale(r) for r in roots] if self.scaler else roots)
             if self.memory_budget:
                 self.memory_budget.check()
-            total += full_tensor(loss.detach())
+            total += full_tensor(loss.detach()) + (mtp.detach() if mtp is not None else 0)
         return total
 
     def _model_loss(self, batch, reduction: str) -> torch.Tensor:
@@ -255,6 +269,8 @@ class TrainStep:
         packed = {} if batch.positions is None else {"positions": batch.positions}
         chunks = self.chunks_for(x)
         loss_of = self.token_loss if reduction != "none" else cross_entropy  # evaluation: the cross-entropy alone
+        if self.mtp_model is not None and reduction != "none":  # training: multi-token prediction's modules run too
+            packed["mtp_targets"] = y
         if chunks > 1:  # (reduction "none" takes per-token losses, not pieces: the piece loss goes unused)
             return self.model(x, targets=y, loss_chunks=chunks, reduction=reduction, piece_loss=self.token_loss.piece,
                               **packed)
@@ -265,13 +281,29 @@ class TrainStep:
         estimator reads too (`Capability.loss_pieces`: the chunked loss's), on the micro-batch's whole sequences."""
         return loss_pieces(self.capabilities, self.layout, self.precision, self.vocab_size, x.numel() * self.layout.cp)
 
-    def _loss(self, batch, accum: int) -> torch.Tensor:
+    def _loss(self, batch, accum: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's share of the step's loss: the mean over its share of the batch (dp x cp ranks hold as many
         tokens each) / accum, or with a loss mask its summed target losses over the global batch's target count,
-        times the dp x cp ranks whose gradients FSDP/DDP average."""
+        times the dp x cp ranks whose gradients FSDP/DDP average; and multi-token prediction's, scaled so (or None)."""
         if batch.target_count is None:
-            return self._model_loss(batch, "mean") / accum
-        return self._model_loss(batch, "sum") * self._per_target(batch)
+            return self._model_loss(batch, "mean") / accum, self._mtp_loss(batch[1], True, lambda v: v / accum)
+        per_target = self._per_target(batch)
+        return self._model_loss(batch, "sum") * per_target, self._mtp_loss(batch[1], False, lambda v: v * per_target)
+
+    def _mtp_loss(self, y: torch.Tensor, mean: bool, scale) -> torch.Tensor | None:
+        """Multi-token prediction's term of the forward just run (models/mtp.py): model.mtp_loss_weight x the mean
+        over depths of each depth's loss (its mean over its targets, or with a loss mask its sum), `scale`d like the
+        main loss; the unweighted mean is the step's `mtp_loss` metric. None without the modules."""
+        if self.mtp_model is None:
+            return None
+        losses, self.mtp_model.mtp_losses = self.mtp_model.mtp_losses, None
+        per_depth = torch.stack([full_tensor(v) for v in losses])  # (D,) summed: loss parallel's replicated DTensors
+        if mean:
+            counts = [(depth_targets(y, d) != NOT_A_TARGET).sum() for d in range(1, len(losses) + 1)]
+            per_depth = per_depth / torch.stack(counts).clamp(min=1)
+        value = per_depth.mean()
+        self.token_loss.record(MTP_METRIC, value, "mean" if mean else "sum", y)
+        return scale(value) * self.mtp_model.args.mtp_loss_weight
 
     def _per_target(self, batch) -> float:
         ranks = dist.get_world_size(self.loss_group) if self.loss_group is not None else 1
@@ -439,6 +471,22 @@ class StepOptions:
         return cls(seed=t.seed, grad_clip=t.grad_clip, steps=t.steps, optimizer=cfg.optimizer, **more)
 
 
+MTP_METRIC = "mtp_loss"  # multi-token prediction's loss in the step's metrics (the mean of its depths', unweighted)
+
+
+def check_mtp_layout(layout: Layout) -> None:
+    """The layouts multi-token prediction (model.mtp_depth > 0) cannot run on yet: a one-line ConfigError."""
+    if layout.cp > 1:
+        raise ConfigError(f"model.mtp_depth > 0 does not support parallel.cp={layout.cp}: depth d reads the tokens d "
+                          "places ahead, which lie in another rank's slice of the sequence; set parallel.cp=1")
+    if layout.pipelined:
+        raise ConfigError("model.mtp_depth > 0 does not support pipeline parallelism yet: its modules on the last "
+                          "stage need the input embedding and the tokens of the first; set parallel.pp=1")
+    if layout.sp:
+        raise ConfigError("model.mtp_depth > 0 does not support sequence parallelism yet (its blocks are not laid out "
+                          "for sequence-sharded input); set parallel.sequence_parallel=false")
+
+
 def default_recipe(layout: Layout) -> Recipe:
     """The recipe of a step built without one: fp32, no checkpointing, the memory tiers automatic, AdamW."""
     return Recipe(layout, precision="fp32").replace(loss_chunks=0)
@@ -469,7 +517,9 @@ def build_train_step(model_args, dims, recipe: Recipe | None = None, device: tor
     reduction = gradient_reduction(recipe.compression, layout, optimizer_entry(recipe.optimizer), optimizer,
                                    options.steps)
     comm = GradComm(recipe, dims, device, options.seed, reduction)
-    token_loss = TokenLoss(capabilities, device)
+    if model_args.mtp_depth:
+        check_mtp_layout(layout)
+    token_loss = TokenLoss(capabilities, device, (MTP_METRIC,) if model_args.mtp_depth else ())
     pipeline = None
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
         pipeline = build_pipeline(dims, model, ac, precision, recipe.compile, device, options.seed,

@@ -1,0 +1,78 @@
+"""Multi-token prediction (DeepSeek-V3, section 2.2): `mtp_depth` sequential modules after the last block, module d
+(1..D) predicting the token d + 1 places after the next one.
+
+At position i, module d combines the previous depth's hidden state h_i^{d-1} (d = 1: the last block's output, before
+the final norm) with the shared input embedding of token t_{i+d}:
+
+    h'_i^d = eh_proj([enorm(Emb(t_{i+d})); hnorm(h_i^{d-1})])    (2C -> C)
+    h_i^d  = block_d(h'_i^d)                                      (a Transformer block of the model's kind)
+    logits = output(norm_d(h_i^d))                               (its own final norm, the shared output head)
+
+and is trained by the cross-entropy against t_{i+1+d}; the last d positions of a sequence have no such target
+(NOT_A_TARGET). The names follow DeepSeek-V3's (enorm, hnorm, eh_proj; `norm` is its shared_head.norm). The block
+has index n_layers + d - 1 for its kind (a mixture of experts from `moe_first_dense_layers` on, as DeepSeek-V3's MTP
+layer is). Generation, evaluation and export use the main head only: the modules run only when the trainer passes
+targets (`Transformer.forward(mtp_targets=...)`), and export leaves their weights out (`llama_params.MTP_PREFIX`).
+
+A plain nn.Module like the rest of the model; its parameters are in the family's table (`llama_params.mtp_params`:
+after the output head, `layer` None, so a pipeline would hold them on its last stage, with the head).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratrain.data.batch import NOT_A_TARGET
+from paratrain.models.args import ModelArgs
+from paratrain.models.llama import RMSNorm, TransformerBlock, chunked_cross_entropy
+
+def shifted(values: torch.Tensor, d: int, fill: int | None = None) -> torch.Tensor:
+    """values (B, T) moved d positions left: position i holds values[i + d]; the last d positions hold `fill`, or
+    (None) the first d values (wrapped: a token there feeds only positions without a target, under causal attention)."""
+    if fill is None:
+        return values.roll(-d, dims=1)
+    return torch.cat([values[:, d:], values.new_full((values.shape[0], d), fill)], dim=1)
+
+
+class MTPModule(nn.Module):
+    """One depth: the block of index `index`, the two input norms, the projection and its own final norm."""
+
+    def __init__(self, args: ModelArgs, index: int, attention):
+        super().__init__()
+        self.block = TransformerBlock(args, index, attention)
+        self.enorm = RMSNorm(args.dim, args.norm_eps)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.norm = RMSNorm(args.dim, args.norm_eps)  # DeepSeek-V3's shared_head.norm
+
+    def forward(self, h: torch.Tensor, embedded: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents=None) -> torch.Tensor:
+        """h: the previous depth's hidden states (B, T, C), embedded: Emb(t_{i+d}) (B, T, C) -> h^d (B, T, C)."""
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))  # (B, T, 2C) -> (B, T, C)
+        return self.block(x, cos, sin) if documents is None else self.block(x, cos, sin, documents=documents)
+
+
+class MultiTokenPrediction(nn.ModuleList):
+    """The `mtp_depth` modules, in order."""
+
+    def __init__(self, args: ModelArgs, attention):
+        super().__init__([MTPModule(args, args.n_layers + d, attention) for d in range(args.mtp_depth)])
+
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor, embedding: nn.Module,
+                head: nn.Module, cos: torch.Tensor, sin: torch.Tensor, documents=None,
+                loss_chunks: int = 1) -> list[torch.Tensor]:
+        """Each depth's summed cross-entropy over its targets (a list of D scalars: the trainer divides, weights and
+        adds them). h: the last block's output (B, T, C); tokens, targets (B, T): the main model's input and targets;
+        `embedding`, `head`: the model's shared input embedding and output head; `loss_chunks`: pieces of the
+        head's logits (`chunked_cross_entropy`)."""
+        losses = []
+        for d, module in enumerate(self, start=1):
+            h = module(h, embedding(shifted(tokens, d)), cos, sin, documents)  # (B, T, C)
+            losses.append(chunked_cross_entropy(module.norm(h), depth_targets(targets, d), head, loss_chunks, "sum"))
+        return losses
+
+
+def depth_targets(targets: torch.Tensor, depth: int) -> torch.Tensor:
+    """The targets of depth d (1-based) at each position, (B, T): the main targets moved d left, none at the end."""
+    return shifted(targets, depth, NOT_A_TARGET)
