@@ -1,0 +1,141 @@
+"""Multi-token prediction (DeepSeek-V3; models/mtp.py): the modules' parameters in the family's table, the loss against
+a hand computation from the modules, the trainer's weighted term and its `mtp_loss` metric, generation and export
+without the modules, the layouts it refuses, and its layouts against one process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paratrain.data.batch import NOT_A_TARGET
+from paratrain.errors import ConfigError
+from paratrain.models import build_model, preset_args
+from paratrain.models.registry import parameters
+
+V = 64
+
+
+def tiny(preset: str = "tiny-moe", depth: int = 2):
+    torch.manual_seed(0)
+    args = preset_args(preset, vocab_size=V, mtp_depth=depth)
+    model = build_model(args)
+    for p in model.parameters():  # norm gains off 1, so a missing norm would show
+        torch.nn.init.normal_(p, 1.0 if p.dim() == 1 else 0.0, 0.05 if p.dim() == 1 else 0.02)
+    return args, model
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-qwen3"])
+def test_table_lists_the_modules_in_named_parameters_order(preset):
+    args, model = tiny(preset)
+    table = parameters(args)
+    assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == [(p.name, p.shape) for p in table]
+    mtp = [p for p in table if p.name.startswith("mtp.")]
+    assert mtp and all(p.where == "head" for p in mtp)  # a pipeline's last stage, with the output head
+
+
+def test_loss_is_the_hand_computation():
+    """Depth d at position i: eh_proj([enorm(Emb(t_{i+d})); hnorm(h^{d-1}_i)]), the block, its own norm, the shared
+    head; cross-entropy against t_{i+1+d}, the last d positions without a target."""
+    args, model = tiny()
+    x = torch.randint(0, V, (2, 12))
+    y = torch.randint(0, V, (2, 12))
+    model(x, mtp_targets=y)
+    got = [float(v.detach()) for v in model.mtp_losses]
+
+    T = x.shape[1]
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    h = model.tok_embeddings(x)
+    for block in model.layers.values():
+        h = block(h, cos, sin)  # the last block's output, before the final norm
+    for d, m in enumerate(model.mtp, start=1):
+        ahead = torch.cat([x[:, d:], x[:, :d]], 1)  # t_{i+d}: the tokens d ahead (the wrapped ones feed no target)
+        h = m.block(m.eh_proj(torch.cat([m.enorm(model.tok_embeddings(ahead)), m.hnorm(h)], -1)), cos, sin)
+        logits = model.output(m.norm(h))[:, :T - d]
+        want = F.cross_entropy(logits.flatten(0, 1), y[:, d:].flatten(), reduction="sum")
+        assert got[d - 1] == pytest.approx(float(want.detach()), rel=1e-6)
+
+
+def test_train_step_adds_the_weighted_mean_and_records_mtp_loss():
+    from paratrain.distributed.parallel_dims import ParallelDims
+    from paratrain.layout import Layout
+    from paratrain.models.llama import cross_entropy
+    from paratrain.training.step import build_train_step
+
+    args = preset_args("tiny-moe", vocab_size=V, mtp_depth=2, mtp_loss_weight=0.5, moe_aux_loss_coef=0.0)
+    step = build_train_step(args, ParallelDims(Layout.resolve(1)))
+    x, y = torch.randint(0, V, (2, 16)), torch.randint(0, V, (2, 16))
+    y[0, 3] = NOT_A_TARGET
+    loss = step.forward_backward([(x, y)])
+    model = step.model
+    with torch.no_grad():
+        main = cross_entropy(model(x, mtp_targets=y), y)
+        depths = [s / (y[:, d:] != NOT_A_TARGET).sum() for d, s in enumerate(model.mtp_losses, start=1)]
+    mtp = torch.stack(depths).mean()
+    assert float(loss) == pytest.approx(float(main + 0.5 * mtp), rel=1e-5)
+    assert step.token_loss.step_stats()()["mtp_loss"] == pytest.approx(float(mtp), rel=1e-5)
+    assert all(p.grad is not None for n, p in model.named_parameters() if n.startswith("mtp."))
+
+
+def test_generation_ignores_the_modules():
+    """The same main weights give the same logits with and without the modules; they run only with targets."""
+    args, model = tiny(depth=1)
+    plain = build_model(preset_args("tiny-moe", vocab_size=V))
+    missing = plain.load_state_dict(model.state_dict(), strict=False)
+    assert not missing.missing_keys and all(k.startswith("mtp.") for k in missing.unexpected_keys)
+    x = torch.randint(0, V, (2, 10))
+    model.mtp_losses = None
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    assert model.mtp_losses is None
+
+
+def test_export_drops_the_modules():
+    from paratrain.hf.names import pieces
+
+    args = preset_args("tiny", vocab_size=V, mtp_depth=2)
+    exported = pieces(args)
+    assert exported and [p for p in exported if p.param.startswith("mtp.")] == []
+    assert [p.hf for p in exported] == [p.hf for p in pieces(preset_args("tiny", vocab_size=V))]
+
+
+@pytest.mark.parametrize("degrees, word", [(dict(cp=2), "parallel.cp=2"), (dict(pp=2), "pipeline"),
+                                           (dict(tp=2), "sequence parallelism")])
+def test_refused_layouts(degrees, word):
+    from paratrain.layout import Layout
+    from paratrain.training.step import check_mtp_layout
+
+    check_mtp_layout(Layout.resolve(2, tp=2, sequence_parallel=False))  # tensor parallel without sp runs
+    with pytest.raises(ConfigError, match=word) as e:
+        check_mtp_layout(Layout.resolve(2, **degrees))
+    assert "\n" not in str(e.value)
+
+
+def test_mtp_loss_is_logged(tmp_path, char_data):
+    run = subprocess.run([sys.executable, "-m", "paratrain", "train", "--training.steps=2", "--training.log_every=1",
+                          "--model.preset=tiny", "--model.mtp_depth=1", "--training.seq_len=32",
+                          "--training.micro_batch=2", f"--data.dir={char_data}", f"--run.out_dir={tmp_path}",
+                          "--sample.max_new_tokens=0", "--training.eval_every=0", "--checkpoint.save_final=false",
+                          "--metrics.progress=none"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    records = [json.loads(line) for line in (tmp_path / "default" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["mtp_loss"] for r in records if "loss" in r]
+    assert len(logged) == 2 and all(2 < v < 6 for v in logged), records
+
+
+def test_layouts_match_one_process(char_data):
+    from paratrain.capabilities.base import MOE_PRESET
+    from paratrain.verify import LAYOUTS, run_verify
+
+    rows = {f"mtp-{name}": (*LAYOUTS[name][:2], MOE_PRESET, "model.mtp_depth=1") for name in ("fsdp2", "tp2", "ep2")}
+    LAYOUTS.update(rows)
+    try:
+        result, _ = run_verify(list(rows), steps=4, tolerance=1e-5, extra_args=[f"data.dir={char_data}"],
+                               echo=lambda line: None, share_launches=True)
+    finally:
+        for name in rows:
+            del LAYOUTS[name]
+    assert [r.layout for r in result if r.passed] == list(rows), result
