@@ -61,15 +61,15 @@ class MultiTokenPrediction(nn.ModuleList):
 
     def forward(self, h: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor, embedding: nn.Module,
                 head: nn.Module, cos: torch.Tensor, sin: torch.Tensor, documents=None,
-                loss_chunks: int = 1) -> list[torch.Tensor]:
+                pieces: int = 1) -> list[torch.Tensor]:
         """Each depth's summed cross-entropy over its targets (a list of D scalars: the trainer divides, weights and
         adds them). h: the last block's output (B, T, C); tokens, targets (B, T): the main model's input and targets;
-        `embedding`, `head`: the model's shared input embedding and output head; `loss_chunks`: pieces of the
+        `embedding`, `head`: the model's shared input embedding and output head; `pieces`: pieces of the
         head's logits (`chunked_cross_entropy`)."""
         losses = []
         for d, module in enumerate(self, start=1):
             h = module(h, embedding(shifted(tokens, d)), cos, sin, documents)  # (B, T, C)
-            losses.append(chunked_cross_entropy(module.norm(h), depth_targets(targets, d), head, loss_chunks, "sum"))
+            losses.append(chunked_cross_entropy(module.norm(h), depth_targets(targets, d), head, pieces, "sum"))
         return losses
 
 
