@@ -115,3 +115,12 @@ def test_bad_routing_settings_are_one_line_errors(char_data, tmp_path, overrides
         resolve_run(load_config(None, fast_overrides(char_data, tmp_path, "bad", "model.preset=tiny-moe",
                                                      *overrides)), 1)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_routing_and_capacity_layouts_match_one_process(char_data):
+    """Group routing + routed scaling + the gated shared expert on fsdp2, tp2, ep2 and ep2 x tp2, and token dropping
+    (a capacity factor) under expert parallelism, each against one process training the same model."""
+    from test_distributed import check_matrix
+
+    check_matrix(["moe-routing-fsdp2", "moe-routing-tp2", "moe-routing-ep2", "moe-routing-ep2xtp2", "ep2+capacity"],
+                 char_data)
