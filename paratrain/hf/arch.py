@@ -6,10 +6,10 @@ Qwen3ForCausalLM and Qwen3MoeForCausalLM for the Qwen families (models/qwen_para
 What every one of them shares is read here: RMSNorm, grouped-query attention with rotary embeddings in the
 split-halves layout, an optional head_dim, SwiGLU, optional tied embeddings, optional Llama 3.1 "llama3" rope
 scaling, and for a mixture of experts softmax top-k routing over routed experts (with Qwen2-MoE's gated shared
-expert). What differs is the
-architecture's data (fields with one value, defaults, key names). Anything else in a config.json is refused with one
-line naming the setting and why; a model paratrain can train but transformers has no class for (shared experts,
-sigmoid routing, a family without a Hugging Face counterpart, ...) is refused on export the same way.
+expert). What differs is the architecture's data (fields with one value, defaults, key names). Anything else in a
+config.json is refused with one line naming the setting and why; a model paratrain can train but transformers has no
+class for (ungated shared experts, sigmoid or group-limited routing, a family without a Hugging Face counterpart, ...)
+is refused on export the same way.
 """
 
 from __future__ import annotations
