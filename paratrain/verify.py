@@ -26,6 +26,9 @@ from paratrain.recipe import config_default, setting_keys
 LONG_MODEL = "model.max_seq_len=1024"  # the tiny model with room for long sequences
 QWEN3, QWEN3_MOE = "model.preset=tiny-qwen3", "model.preset=tiny-qwen3-moe"  # q/k norms, q/k/v/o biases, head_dim 32
 
+ROUTING = (MOE_PRESET, "model.moe_experts=8", "model.moe_score_func=sigmoid", "model.moe_n_group=4",
+           "model.moe_topk_group=2", "model.moe_routed_scaling_factor=2.5", "model.moe_shared_gate=true")
+
 COMPILE = "training.compile=true"  # each block compiled by Inductor, against one eager process
 
 # name -> (ranks, layout, other overrides...). The layout is written as its name (paratrain/layout_grammar.py): the
@@ -61,6 +64,12 @@ LAYOUTS: dict[str, tuple] = {
     "ep2+selective": (2, "fsdp,ep=2,ac=selective", MOE_PRESET),
     "ep2+accum": (2, "fsdp,ep=2,mb=2", MOE_PRESET),
     "ep2xhsdp2": (4, "hsdp,rep=2,ep=2", MOE_PRESET),
+    "ep2+capacity": (2, "fsdp,ep=2", MOE_PRESET, "model.moe_capacity_factor=1.0"),  # tokens dropped per sequence
+    # DeepSeek-V3's routing (8 sigmoid-scored experts in 4 groups, top-2 within the best 2, gates scaled by 2.5) with
+    # Qwen2-MoE's gated shared expert.
+    **{f"moe-routing-{name}": (ranks, layout, *ROUTING) for name, ranks, layout in (
+        ("fsdp2", 2, "fsdp"), ("tp2", 2, "nodp,tp=2,sp=off"), ("ep2", 2, "fsdp,ep=2"),
+        ("ep2xtp2", 4, "fsdp,tp=2,ep=2"))},
     # Pipeline parallelism (the base model has 4 blocks: 2 stages of 2, or 2 ranks x 2 virtual stages of 1).
     "pp2-gpipe": (2, "nodp,pp=2,sched=gpipe"),
     "pp2-1f1b": (2, "nodp,pp=2,sched=1f1b"),

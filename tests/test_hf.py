@@ -346,7 +346,7 @@ def _hf_variant(tmp_path, hf_models, name="untied", **config_changes):
 
 @pytest.mark.parametrize("change, message", [
     ({"attention_bias": True}, "attention_bias=true is not supported"),
-    ({"architectures": ["Qwen2MoeForCausalLM"]}, "architecture Qwen2MoeForCausalLM is not supported"),
+    ({"architectures": ["GPTNeoXForCausalLM"]}, "architecture GPTNeoXForCausalLM is not supported"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope scaling 'yarn' is not supported"),
     ({"hidden_act": "gelu"}, "activation 'gelu' is not supported"),
     ({"intermediate_size": 80}, "has shape [96, 48] in model.safetensors, but config.json implies [80, 48]"),

@@ -1,14 +1,15 @@
 """Hugging Face config.json <-> paratrain ModelArgs, for every transformers architecture a model family declares
 (`ModelFamily.hf_archs`, each a `paratrain.models.family.HFArch`): LlamaForCausalLM, MistralForCausalLM (read only)
-and MixtralForCausalLM for the Llama family (models/llama_params.py), Qwen2ForCausalLM, Qwen3ForCausalLM and
-Qwen3MoeForCausalLM for the Qwen families (models/qwen_params.py).
+and MixtralForCausalLM for the Llama family (models/llama_params.py), Qwen2ForCausalLM, Qwen2MoeForCausalLM,
+Qwen3ForCausalLM and Qwen3MoeForCausalLM for the Qwen families (models/qwen_params.py).
 
 What every one of them shares is read here: RMSNorm, grouped-query attention with rotary embeddings in the
 split-halves layout, an optional head_dim, SwiGLU, optional tied embeddings, optional Llama 3.1 "llama3" rope
-scaling, and for a mixture of experts softmax top-k routing over routed experts only. What differs is the
-architecture's data (fields with one value, defaults, key names). Anything else in a config.json is refused with one
-line naming the setting and why; a model paratrain can train but transformers has no class for (shared experts,
-sigmoid routing, a family without a Hugging Face counterpart, ...) is refused on export the same way.
+scaling, and for a mixture of experts softmax top-k routing over routed experts (with Qwen2-MoE's gated shared
+expert). What differs is the architecture's data (fields with one value, defaults, key names). Anything else in a
+config.json is refused with one line naming the setting and why; a model paratrain can train but transformers has no
+class for (ungated shared experts, sigmoid or group-limited routing, a family without a Hugging Face counterpart, ...)
+is refused on export the same way.
 """
 
 from __future__ import annotations
@@ -112,9 +113,10 @@ _REQUIRED_INTS = {"hidden_size": MAX_DIMENSION, "num_hidden_layers": MAX_COUNT, 
                   "intermediate_size": MAX_DIMENSION, "vocab_size": MAX_VOCAB}
 _OPTIONAL_INTS = {"num_key_value_heads": MAX_COUNT, "head_dim": MAX_COUNT, "max_position_embeddings": MAX_POSITIONS,
                   "num_local_experts": MAX_COUNT, "num_experts": MAX_COUNT, "num_experts_per_tok": MAX_COUNT,
-                  "moe_intermediate_size": MAX_DIMENSION, "decoder_sparse_step": MAX_COUNT, "sliding_window": None}
+                  "moe_intermediate_size": MAX_DIMENSION, "decoder_sparse_step": MAX_COUNT, "sliding_window": None,
+                  "shared_expert_intermediate_size": MAX_DIMENSION}
 _POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
-_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob", "use_sliding_window")
+_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob", "use_sliding_window", "qkv_bias")
 _ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "rope_theta")
 
 
@@ -132,6 +134,8 @@ def check_hf_fields(cfg: dict, where: str) -> None:
         if problem:
             raise UserError(f"{where}: {problem}")
     for key, upper in _OPTIONAL_INTS.items():
+        if key == "sliding_window" and cfg.get(key) == 0 and cfg.get("use_sliding_window") is False:
+            continue  # Qwen2MoeConfig saves 0 for "no window"
         if cfg.get(key) is not None and (problem := _int_problem(key, cfg[key], upper)):
             raise UserError(f"{where}: {problem}")
     for key in _POSITIVE_NUMBERS:
@@ -207,7 +211,8 @@ def _family_for(cfg: dict, name: str, where: str) -> tuple[ModelFamily, HFArch]:
 
 
 def _moe_fields(cfg: dict, arch: HFArch, where: str) -> dict:
-    """The mixture-of-experts dimensions: softmax top-k over routed experts, no shared experts; the dense blocks of
+    """The mixture-of-experts dimensions: softmax top-k over routed experts, and the gated shared expert where the
+    architecture has one (n shared experts of the routed width: its width must be a multiple); the dense blocks of
     decoder_sparse_step / mlp_only_layers where the architecture has them."""
     given = [cfg[k] for k in arch.experts_keys if cfg.get(k) is not None]
     experts = given[0] if given else arch.defaults.get(arch.experts_keys[0])
@@ -215,12 +220,19 @@ def _moe_fields(cfg: dict, arch: HFArch, where: str) -> dict:
     renormalised = _value(cfg, arch, arch.norm_topk_key) if arch.norm_topk_key else True
     _refuse_if(renormalised and top_k < 2, where, f"num_experts_per_tok={top_k} with renormalised gates: transformers' "
                "single gate is then 1, paratrain's the router probability (top_k >= 2 renormalises the same way)")
+    expert_hidden, shared = _value(cfg, arch, arch.expert_hidden_key), 0
+    if arch.shared_expert_key:
+        width = _value(cfg, arch, arch.shared_expert_key)
+        _refuse_if(width % expert_hidden, where, f"{arch.shared_expert_key}={width} is not a multiple of "
+                   f"{arch.expert_hidden_key}={expert_hidden} (paratrain's shared experts have the routed width)")
+        shared = width // expert_hidden
     dense = ()
     if arch.sparse_layers:
         step, only = _value(cfg, arch, "decoder_sparse_step"), cfg.get("mlp_only_layers") or []
         dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only or (i + 1) % step)
-    return dict(moe_experts=experts, moe_top_k=top_k, moe_ffn_hidden=_value(cfg, arch, arch.expert_hidden_key),
-                moe_score_func="softmax", moe_norm_topk=bool(renormalised), moe_shared_experts=0,
+    return dict(moe_experts=experts, moe_top_k=top_k, moe_ffn_hidden=expert_hidden,
+                moe_score_func="softmax", moe_norm_topk=bool(renormalised), moe_shared_experts=shared,
+                moe_shared_gate=bool(shared),
                 moe_first_dense_layers=0, moe_dense_layers=dense, moe_capacity_factor=0.0,
                 moe_aux_loss_coef=float(_value(cfg, arch, "router_aux_loss_coef")))
 
@@ -272,8 +284,14 @@ def _export_arch(args: ModelArgs) -> HFArch | None:
 
 def _moe_mismatch(args: ModelArgs, arch: HFArch) -> str | None:
     reasons = []
-    if args.moe_shared_experts:
+    if arch.shared_expert_key and not (args.moe_shared_experts and args.moe_shared_gate):
+        reasons.append("no gated shared expert" if not args.moe_shared_experts else "ungated shared experts")
+    if args.moe_shared_experts and not arch.shared_expert_key:
         reasons.append(f"{args.moe_shared_experts} shared expert(s)")
+    if args.moe_n_group > 1:
+        reasons.append(f"group-limited routing ({args.moe_n_group} groups)")
+    if args.moe_routed_scaling_factor != 1.0:
+        reasons.append(f"routed gates scaled by {args.moe_routed_scaling_factor}")
     if args.moe_first_dense_layers and not arch.sparse_layers:
         reasons.append(f"{args.moe_first_dense_layers} dense first layer(s)")
     if args.moe_dense_layers and not arch.sparse_layers:
@@ -287,7 +305,8 @@ def _moe_mismatch(args: ModelArgs, arch: HFArch) -> str | None:
         reasons.append("top-k gates that are not renormalised")
     if not reasons:
         return None
-    return ", ".join(reasons) + f" ({arch.name} has softmax top-k routing over routed experts only)"
+    shared = "with one sigmoid-gated shared expert" if arch.shared_expert_key else "over routed experts only"
+    return ", ".join(reasons) + f" ({arch.name} has softmax top-k routing {shared})"
 
 
 def export_mismatch(args: ModelArgs) -> str | None:
@@ -346,6 +365,8 @@ def hf_config_from_args(args: ModelArgs, vocab_size: int, dtype: str, bos_id: in
                     arch.expert_hidden_key: args.expert_hidden, "router_aux_loss_coef": args.moe_aux_loss_coef})
         if arch.norm_topk_key:
             cfg[arch.norm_topk_key] = args.moe_norm_topk
+        if arch.shared_expert_key:
+            cfg[arch.shared_expert_key] = args.expert_hidden * args.moe_shared_experts
         if arch.sparse_layers:
             cfg.update(decoder_sparse_step=1, mlp_only_layers=[i for i in range(args.n_layers)
                                                                if not args.is_moe_layer(i)])

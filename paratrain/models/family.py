@@ -122,6 +122,9 @@ class HFArch:
     expert_hidden_key: str = "intermediate_size"
     sparse_layers: bool = False
     norm_topk_key: str | None = None
+    # The key of its one sigmoid-gated shared expert's width (Qwen2-MoE's shared_expert_intermediate_size): paratrain's
+    # moe_shared_experts experts of the routed width (the width over moe_ffn_hidden) with moe_shared_gate; None: none.
+    shared_expert_key: str | None = None
     window_flag: str | None = None  # the field that turns `sliding_window` on (Qwen's use_sliding_window), if any
 
 

@@ -207,7 +207,8 @@ def moe_block(args: ModelArgs) -> MoE:
     shared = FeedForward(args.dim, args.expert_hidden * args.moe_shared_experts) if args.moe_shared_experts else None
     return MoE(args.dim, args.moe_experts, args.moe_top_k, args.expert_hidden, shared=shared,
                score_func=args.moe_score_func, norm_topk=args.moe_norm_topk, aux_loss_coef=args.moe_aux_loss_coef,
-               capacity_factor=args.moe_capacity_factor)
+               capacity_factor=args.moe_capacity_factor, n_group=args.moe_n_group, topk_group=args.moe_topk_group,
+               routed_scaling_factor=args.moe_routed_scaling_factor, shared_gate=args.moe_shared_gate)
 
 
 class TransformerBlock(nn.Module):

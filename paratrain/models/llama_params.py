@@ -38,6 +38,8 @@ def feed_forward_params(args: ModelArgs, i: int) -> list[Param]:
            Param(p + "experts.w3", (E, C, H), "expert", i, matmul=True)]
     if args.moe_shared_experts:
         out += swiglu_params(p + "shared.", C, H * args.moe_shared_experts, i)
+        if args.moe_shared_gate:  # Qwen2-MoE's sigmoid gate on the shared output, replicated like the router
+            out.append(Param(p + "shared_gate.weight", (1, C), "replicated", i))
     return out
 
 

@@ -8,9 +8,13 @@ when it shards the experts; this file never changes for it.
 Numerics that are the same on every layout (so `paratrain verify` can compare at 1e-5):
 
 - Routing is fp32. Ties in the top-k are broken toward the lower expert index (stable sort).
+- Group-limited routing (DeepSeek-V3, `n_group` > 1): the experts form n_group equal groups, a group scores the sum
+  of its two best experts, and a token's top-k are chosen among the experts of its `topk_group` best groups.
 - Gates are the selected scores, renormalised to sum to 1 when top_k > 1 (Mixtral and Qwen3-MoE for softmax,
   DeepSeek-V3 for sigmoid) unless `norm_topk` is off (Qwen-MoE's norm_topk_prob=false); with top_k = 1 the raw
-  score (Switch), so the router still gets a gradient.
+  score (Switch), so the router still gets a gradient. Then times `routed_scaling_factor` (DeepSeek-V3's 2.5).
+- The shared experts see every token; with `shared_gate` (Qwen2-MoE) their output is scaled by
+  sigmoid(shared_gate(x)), a learned dim -> 1 linear.
 - Each token's output is the gate-weighted sum of its experts in rank order (never an atomic scatter).
 - The load-balancing loss and the capacity limit are defined per sequence, not per batch: a sequence
   is never split across data-parallel ranks, so both are independent of how the batch is laid out.
@@ -124,6 +128,21 @@ class Router(nn.Module):
             return F.linear(x.float(), self.weight.float())  # (N, E)
 
 
+def choose_experts(choice: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
+    """choice (N, E) fp32: the scores the experts are chosen by -> the top_k expert ids (N, k), best first.
+
+    With n_group > 1 only the experts of each token's `topk_group` best groups compete (DeepSeek-V3): a group
+    scores the sum of its two best experts. Every sort is stable and descending, so ties go to the lower index."""
+    if n_group > 1:
+        N, E = choice.shape
+        grouped = choice.view(N, n_group, E // n_group)  # (N, G, E/G)
+        best = grouped.topk(min(2, E // n_group), dim=-1).values.sum(-1)  # (N, G): only values, ties do not matter
+        groups = torch.sort(best, dim=-1, descending=True, stable=True).indices[:, :topk_group]  # (N, topk_group)
+        kept = torch.zeros_like(best, dtype=torch.bool).scatter_(1, groups, True)  # (N, G)
+        choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view(N, E)
+    return torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+
+
 class LocalDispatcher:
     """Every expert lives in this process: dispatch and combine are the identity."""
 
@@ -148,18 +167,25 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, n_experts: int, top_k: int, hidden: int, shared: nn.Module | None = None,
                  score_func: str = "softmax", norm_topk: bool = True, aux_loss_coef: float = 0.01,
-                 capacity_factor: float = 0.0):
+                 capacity_factor: float = 0.0, n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0, shared_gate: bool = False):
         super().__init__()
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"moe score function '{score_func}' is not one of {', '.join(SCORE_FUNCS)}")
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"moe top_k={top_k} must be between 1 and the number of experts ({n_experts})")
+        if n_experts % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * n_experts // n_group:
+            raise ValueError(f"moe top_k={top_k} of {n_experts} experts in {n_group} groups cannot be chosen from "
+                             f"the best {topk_group} group(s)")
         self.n_experts, self.top_k, self.score_func = n_experts, top_k, score_func
         self.renormalise = norm_topk and top_k > 1  # top-1 keeps the raw score (Switch): the router gets a gradient
         self.aux_loss_coef, self.capacity_factor = aux_loss_coef, capacity_factor
+        self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
         self.router = Router(dim, n_experts)
         self.experts = GroupedExperts(n_experts, dim, hidden)
         self.shared = shared  # applied to every token and added (DeepSeekMoE's shared experts), or None
+        # Qwen2-MoE: the shared output times sigmoid(shared_gate(x)); after `shared`, the parameter table's order.
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if shared is not None and shared_gate else None
         self.dispatcher = LocalDispatcher()
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
@@ -169,10 +195,12 @@ class MoE(nn.Module):
         """x (N, dim) -> (probabilities (N, E) fp32 for the balance loss, expert ids (N, k), gates (N, k) fp32)."""
         logits = self.router(x)  # (N, E) fp32
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
-        # Stable descending sort: among equal scores the lower expert index wins, on every device.
-        top, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
-        top, idx = top[:, :self.top_k], idx[:, :self.top_k]
+        choice = scores  # what the top-k is chosen by (an expert bias is added here); the gates keep `scores`
+        idx = choose_experts(choice, self.top_k, self.n_group, self.topk_group)  # (N, k)
+        top = scores.gather(1, idx)  # (N, k)
         gates = top / top.sum(-1, keepdim=True) if self.renormalise else top
+        if self.routed_scaling_factor != 1.0:
+            gates = gates * self.routed_scaling_factor
         probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
         return probs, idx, gates
 
@@ -225,7 +253,10 @@ class MoE(nn.Module):
         out = out[torch.argsort(order)].view(B * T, k, C)  # back to (token, choice)
         y = (out * gates.to(out.dtype).unsqueeze(-1)).sum(1)  # gate-weighted sum in choice order
         if self.shared is not None:
-            y = y + self.shared(flat)
+            shared = self.shared(flat)  # (N, C)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(flat)) * shared  # (N, 1) gate per token
+            y = y + shared
         return y.view(B, T, C)
 
 

@@ -143,6 +143,18 @@ def validate_moe(args: ModelArgs) -> None:
             raise ConfigError(f"model.{key} must be >= 0, got {getattr(args, key)}")
     if args.moe_ffn_hidden is not None and args.moe_ffn_hidden < 1:
         raise ConfigError(f"model.moe_ffn_hidden must be positive, got {args.moe_ffn_hidden}")
+    E, groups, best = args.moe_experts, args.moe_n_group, args.moe_topk_group
+    if groups < 1 or E % groups:
+        raise ConfigError(f"model.moe_n_group={groups} must divide model.moe_experts={E}")
+    if not 1 <= best <= groups:
+        raise ConfigError(f"model.moe_topk_group={best} must be between 1 and model.moe_n_group={groups}")
+    if args.moe_top_k > best * E // groups:
+        raise ConfigError(f"model.moe_top_k={args.moe_top_k} is more than the {best * E // groups} experts of "
+                          f"model.moe_topk_group={best} group(s) of {E // groups}")
+    if args.moe_routed_scaling_factor <= 0:
+        raise ConfigError(f"model.moe_routed_scaling_factor must be positive, got {args.moe_routed_scaling_factor}")
+    if args.moe_shared_gate and not args.moe_shared_experts:
+        raise ConfigError("model.moe_shared_gate=true gates the shared experts: set model.moe_shared_experts >= 1")
     outside = next((i for i in args.moe_dense_layers if not 0 <= i < args.n_layers), None)
     if outside is not None:
         raise ConfigError(f"model.moe_dense_layers: {outside} is not a block of the {args.n_layers}-block model")

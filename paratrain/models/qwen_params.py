@@ -2,6 +2,8 @@
 names and config.json architectures. Torch-free, like llama_params.py.
 
 - `qwen2`: biases on the q/k/v projections (Qwen2, Qwen2.5: `Qwen2ForCausalLM`).
+  With moe_experts > 0 `Qwen2MoeForCausalLM`: Qwen3-MoE's routing plus one shared expert (paratrain's
+  moe_shared_experts experts of the routed width) whose output is gated by sigmoid(a learned dim -> 1 linear).
 - `qwen3`: RMSNorm over each head of q and k before rotary, with a head_dim of its own (Qwen3: `Qwen3ForCausalLM`,
   and with moe_experts > 0 `Qwen3MoeForCausalLM`: softmax top-k routing over routed experts only, gates renormalised
   by norm_topk_prob, dense MLPs where mlp_only_layers / decoder_sparse_step say).
@@ -49,7 +51,10 @@ QWEN_HF = HFNames(
                                                                              ("wo", "o"))},
            "attention.q_norm.weight": "self_attn.q_norm.weight",
            "attention.k_norm.weight": "self_attn.k_norm.weight",
-           "feed_forward.router.weight": "mlp.gate.weight"},
+           "feed_forward.router.weight": "mlp.gate.weight",
+           **{f"feed_forward.shared.{w}.weight": f"mlp.shared_expert.{h}.weight"
+              for w, h in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))},
+           "feed_forward.shared_gate.weight": "mlp.shared_expert_gate.weight"},
     expert="mlp.experts.{e}.{w}.weight",
     expert_weights={"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"},
 )
@@ -60,6 +65,9 @@ _DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddin
 _MOE_DEFAULTS = {**_DEFAULTS, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                  "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001}
 _FULL_ATTENTION = {"use_sliding_window": False, "sliding_window": None}  # written on export
+# Qwen2MoeConfig's defaults (Qwen1.5-MoE-A2.7B's sizes).
+_QWEN2_MOE_DEFAULTS = {**_MOE_DEFAULTS, "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                       "shared_expert_intermediate_size": 5632, "qkv_bias": True}
 
 
 def _qwen3_archs(attention_bias: bool) -> tuple[HFArch, ...]:
@@ -80,8 +88,13 @@ def _family(name: str, cls: str, params, archs, description: str) -> ModelFamily
 
 QWEN2 = _family("qwen2", "Qwen2", qwen2_params,
                 (HFArch("Qwen2ForCausalLM", "qwen2", defaults=_DEFAULTS, written=_FULL_ATTENTION,
-                        window_flag="use_sliding_window"),),
-                "Qwen2 / Qwen2.5: Llama's decoder with biases on the q/k/v projections")
+                        window_flag="use_sliding_window"),
+                 HFArch("Qwen2MoeForCausalLM", "qwen2_moe", moe=True, fixed={"qkv_bias": True},
+                        defaults=_QWEN2_MOE_DEFAULTS, written={**_FULL_ATTENTION, "output_router_logits": False},
+                        experts_keys=("num_experts", "num_local_experts"), expert_hidden_key="moe_intermediate_size",
+                        sparse_layers=True, norm_topk_key="norm_topk_prob", window_flag="use_sliding_window",
+                        shared_expert_key="shared_expert_intermediate_size")),
+                "Qwen2 / Qwen2.5 / Qwen2-MoE: Llama's decoder with biases on the q/k/v projections")
 QWEN3 = _family("qwen3", "Qwen3", qwen3_params, _qwen3_archs(False),
                 "Qwen3 / Qwen3-MoE: per-head RMSNorm on q and k before rotary")
 QWEN3_BIAS = _family("qwen3-bias", "Qwen3Bias", qwen3_bias_params, _qwen3_archs(True),
