@@ -55,6 +55,13 @@ PRESETS: dict[str, dict] = {
     "deepseek-moe-16b": dict(vocab_size=102400, dim=2048, n_layers=28, n_heads=16, n_kv_heads=16, ffn_hidden=10944,
                              max_seq_len=4096, norm_eps=1e-6, moe_experts=64, moe_top_k=6, moe_shared_experts=2,
                              moe_ffn_hidden=1408, moe_first_dense_layers=1, moe_aux_loss_coef=0.001),
+    # Multi-head latent attention (family "deepseek", models/deepseek.py) for tests and `paratrain verify`: the
+    # shape of DeepSeek-V3's attention at width 64 (q and kv latents of rank 32, per head 16 + 8 rotary q/k, 16 v),
+    # a dense layer, then 4 experts top-2 with sigmoid scores and a shared expert.
+    "tiny-mla": dict(family="deepseek", vocab_size=None, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=8,
+                     ffn_hidden=176, max_seq_len=256, norm_eps=1e-6, mla_q_lora_rank=32, mla_kv_lora_rank=32,
+                     mla_qk_nope_head_dim=16, mla_qk_rope_head_dim=8, mla_v_head_dim=16, moe_experts=4, moe_top_k=2,
+                     moe_shared_experts=1, moe_ffn_hidden=64, moe_first_dense_layers=1, moe_score_func="sigmoid"),
     # Qwen (the official checkpoints' config.json on the Hugging Face hub: hidden_size, intermediate_size,
     # num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, vocab_size, max_position_embeddings,
     # rope_theta, rms_norm_eps, tie_word_embeddings; for the MoE models num_experts, num_experts_per_tok,

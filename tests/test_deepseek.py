@@ -1,0 +1,95 @@
+"""Multi-head latent attention (the "deepseek" family, models/deepseek.py): its table is the module, its logits are
+transformers' DeepseekV3ForCausalLM's, its parallel layouts match one process, the estimator reads its shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paratrain.models.presets import count_params, preset_args
+from paratrain.models.registry import build_model, parameters
+
+VOCAB = 65
+
+
+def test_parameter_table_is_the_module():
+    args = preset_args("tiny-mla", vocab_size=VOCAB)
+    model = build_model(args)
+    assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == [(p.name, p.shape) for p in parameters(args)]
+    direct = preset_args("tiny-mla", vocab_size=VOCAB, mla_q_lora_rank=0)  # q projected directly: q_proj
+    assert [n for n, _ in build_model(direct).named_parameters()] == [p.name for p in parameters(direct)]
+    assert any(p.name.endswith("attention.q_proj.weight") for p in parameters(direct))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(head_dim=16), "model.head_dim=16 must equal model.mla_qk_rope_head_dim=8"),
+    (dict(mla_kv_lora_rank=0), "needs model.mla_kv_lora_rank >= 1"),
+    (dict(n_kv_heads=2), "model.n_kv_heads=2 must equal model.n_heads=4"),
+])
+def test_impossible_dimensions_are_one_line(change, message):
+    from paratrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        parameters(preset_args("tiny-mla", vocab_size=VOCAB, **change))
+
+
+def hf_config(q_lora_rank):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=176, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.0,
+        kv_lora_rank=32, q_lora_rank=q_lora_rank, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=1,
+        topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=256,
+        rms_norm_eps=1e-6, rope_theta=10000.0, rope_interleave=True, tie_word_embeddings=False,
+        attn_implementation="eager")
+
+
+def to_hf_state(model, args) -> dict:
+    """Our weights under transformers' names: DEEPSEEK_HF for all but the routed experts, which transformers 5 holds
+    fused per layer (gate_up_proj (E, 2H, C), down_proj (E, C, H))."""
+    from paratrain.models.deepseek_params import DEEPSEEK_HF
+
+    out = {}
+    for name, p in model.named_parameters():
+        if name in DEEPSEEK_HF.top:
+            out[DEEPSEEK_HF.top[name]] = p
+            continue
+        _, i, rest = name.split(".", 2)
+        prefix = f"model.layers.{i}."
+        if rest.startswith("feed_forward.experts."):
+            continue
+        out[prefix + DEEPSEEK_HF.block[rest]] = p
+    for i, block in model.layers.items():
+        if args.is_moe_layer(int(i)):
+            e = block.feed_forward.experts
+            out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.cat((e.w1, e.w3), -1).transpose(1, 2)
+            out[f"model.layers.{i}.mlp.experts.down_proj"] = e.w2.transpose(1, 2)
+    return out
+
+
+@pytest.mark.parametrize("q_lora", [32, 0])
+def test_logits_equal_transformers(q_lora):
+    """fp32, a tiny random DeepseekV3ForCausalLM (n_group 1, routed_scaling_factor 1, no MTP), dense then MoE."""
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    args = preset_args("tiny-mla", vocab_size=VOCAB, mla_q_lora_rank=q_lora)
+    ours = build_model(args)
+    for name, p in ours.named_parameters():
+        torch.nn.init.normal_(p, 1.0 if name.endswith("norm.weight") else 0.0, 0.1 if "norm" in name else 0.05)
+    hf = DeepseekV3ForCausalLM(hf_config(q_lora or None)).eval()
+    state = to_hf_state(ours, args)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all("e_score_correction_bias" in k for k in missing), (missing, unexpected)
+    tokens = torch.randint(0, VOCAB, (2, 24))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        got = ours(tokens)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    # packed documents: a window holding two documents is each document on its own
+    positions = torch.cat((torch.arange(10), torch.arange(14)))[None].repeat(2, 1)
+    with torch.no_grad():
+        packed = ours(tokens, positions=positions)
+        second = hf(tokens[:, 10:]).logits
+    torch.testing.assert_close(packed[:, 10:], second, rtol=0, atol=1e-5)
