@@ -93,3 +93,13 @@ def test_logits_equal_transformers(q_lora):
         packed = ours(tokens, positions=positions)
         second = hf(tokens[:, 10:]).logits
     torch.testing.assert_close(packed[:, 10:], second, rtol=0, atol=1e-5)
+
+
+def test_verify_rows_pass(char_data):
+    """`paratrain verify`'s MLA rows (fsdp2, tp2, tp2+sp, ep2xtp2, pp2-1f1b, cp2) within 1e-5 of one process. tp2
+    fails (6e-5) if the rotary key's gradient is not summed over the tp ranks (role "shared_key")."""
+    from paratrain.verify import MLA_MATRIX, run_verify
+
+    rows, _ = run_verify(MLA_MATRIX, steps=4, tolerance=1e-5, extra_args=[f"data.dir={char_data}"],
+                         echo=lambda line: None, share_launches=True)
+    assert [r.layout for r in rows if r.passed] == MLA_MATRIX, rows
