@@ -10,7 +10,7 @@ import os
 from paratrain.errors import UserError
 from paratrain.models import deepseek_params, llama_params, qwen_params
 from paratrain.models.args import ModelArgs
-from paratrain.models.family import ModelFamily, Param
+from paratrain.models.family import AttentionShape, ModelFamily, Param
 
 # The families shipped with paratrain, one line each.
 FAMILIES: dict[str, ModelFamily] = {
@@ -76,6 +76,12 @@ def block_numels(args: ModelArgs) -> tuple[tuple[int, int], ...]:
 def roles(args: ModelArgs) -> frozenset[str]:
     """The tensor-parallel roles of the family's parameters (e.g. whether its attention has per-head norms)."""
     return frozenset(p.role for p in parameters(args))
+
+
+@functools.lru_cache(maxsize=256)
+def attention_shape(args: ModelArgs) -> AttentionShape:
+    """The family's attention as the estimator sees it (widths per head, latents)."""
+    return family_of(args).attention(args)
 
 
 def build_model(args: ModelArgs):
