@@ -103,3 +103,32 @@ def test_verify_rows_pass(char_data):
     rows, _ = run_verify(MLA_MATRIX, steps=4, tolerance=1e-5, extra_args=[f"data.dir={char_data}"],
                          echo=lambda line: None, share_launches=True)
     assert [r.layout for r in rows if r.passed] == MLA_MATRIX, rows
+
+
+def test_presets_and_the_estimators_shape():
+    """deepseek-v3-671b has the published counts; the estimator reads MLA's widths from the family (FLOPs of its
+    attention term, the saved latents), and a plan of it ranks layouts with expert parallelism."""
+    from paratrain.estimate import activations as A
+    from paratrain.estimate.step_time import attention_gemms
+    from paratrain.layout import Layout
+    from paratrain.models.presets import count_active_params, flops_per_token
+
+    v3 = preset_args("deepseek-v3-671b")
+    assert count_params(v3) == 671_026_404_352 and count_active_params(v3) == 37_552_282_624
+    assert flops_per_token(v3, 4096) == 6 * count_active_params(v3, include_embedding=False) + 12 * 61 * 128 * (192 + 128) // 2 * 4096
+    # per tp rank: q_a and kv_a whole, q_b and kv_b split by heads, o_proj's input split
+    assert attention_gemms(v3, 2) == ((7168, 1536), (1536, 128 * 192 / 2), (7168, 576), (512, 128 * 256 / 2),
+                                      (128 * 128 / 2, 7168))
+    d = A.act_dims(v3, Layout(tp=2), "bf16", "measured", 1, 4096)
+    assert (d.Hq, d.Hkv, d.D, d.Dv, d.Do, d.rope_D, d.latents) == (64, 64, 192, 192, 128, 64, (1536, 512))
+    names = [n for n, _ in A.attention_saved(d)]
+    assert "latent 1536 up-projection input" in names and "output projection input" in names
+
+
+def test_plan_ranks_expert_parallel_layouts(capsys):
+    from paratrain.cli import main
+
+    assert main(["plan", "--model", "deepseek-v3-671b", "--gpus", "1024", "--gpus-per-node", "8", "--gpu", "H100",
+                 "--no-write", "--top", "3"]) in (0, None)
+    ranked = [line for line in capsys.readouterr().out.splitlines() if line.split(" ", 2)[1:2] in (["1"], ["2"], ["3"])]
+    assert ranked and all("ep=" in line for line in ranked), ranked
