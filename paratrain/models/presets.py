@@ -66,8 +66,8 @@ PRESETS: dict[str, dict] = {
     # is yarn-scaled rotary, which paratrain does not implement): MLA (q rank 1536, kv rank 512, 128 + 64 rotary q/k
     # and 128 v per head), 3 dense layers (18432) then 58 of 256 routed experts (2048) top-8 in 8 groups (best 4) and
     # a shared one, sigmoid scores, the expert bias, routed scaling 2.5. The table counts 671,026,404,352 parameters
-    # (published 671B) and 37,552,282,624 active (37B; both with the router, without the expert bias); the MTP module (mtp_depth 1, ~14B more: published 685B with
-    # it) is not in the table.
+    # (published 671B) and 37,552,282,624 active (37B), both with the routers, without the expert bias; the MTP
+    # module (mtp_depth 1, ~14B more: published 685B with it) is not in the table.
     "deepseek-v3-671b": dict(family="deepseek", vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128,
                              head_dim=64, ffn_hidden=18432, max_seq_len=4096, rope_theta=10000.0, norm_eps=1e-6,
                              mla_q_lora_rank=1536, mla_kv_lora_rank=512, mla_qk_nope_head_dim=128,
