@@ -9,6 +9,8 @@ norms and residual stream are sharded along the sequence (Shard(1)) and gathered
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
@@ -23,6 +25,13 @@ from paratrain.models.registry import family_of, parameters
 _SUBLAYER_ARITY = {"attention": 3, "mlp": 1}  # attention(x, cos, sin), mlp(x)
 
 
+def replicated_inputs(inputs, mesh) -> tuple:
+    """A replicated module's inputs as replicated DTensors (a sublayer's input gathered under sequence parallelism
+    already is one: MLA's down-projections read it)."""
+    return tuple(x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                 for x in inputs)
+
+
 def replicated_style():
     """Without sequence parallelism the norms see whole activations (and an MoE router always does); still
     make their weights replicated DTensors, so every parameter is a DTensor and gradient scaling/clipping
@@ -31,7 +40,7 @@ def replicated_style():
     class ReplicateParallel(ParallelStyle):
         def _apply(self, module: nn.Module, mesh) -> nn.Module:
             def to_dtensor(mod, inputs, mesh):
-                return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+                return replicated_inputs(inputs, mesh)
 
             def to_local(mod, outputs, mesh):
                 return outputs.to_local()
@@ -39,6 +48,44 @@ def replicated_style():
             return distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
 
     return ReplicateParallel()
+
+
+class _SumTailGradient(torch.autograd.Function):
+    """Identity forward; backward sums the last `tail` columns of the gradient over the tp group (the part every
+    rank's heads read, each rank contributing its own heads' share)."""
+
+    @staticmethod
+    def forward(ctx, x, tail: int, group):
+        ctx.tail, ctx.group = tail, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        tail = grad[..., -ctx.tail:].contiguous()
+        dist.all_reduce(tail, group=ctx.group)
+        grad[..., -ctx.tail:] = tail
+        return grad, None, None
+
+
+def shared_key_style(tail: int):
+    """A replicated Linear whose output's last `tail` columns are a key every attention head reads (role
+    "shared_key": MLA's kv_a_proj_with_mqa and its rotary key). Tensor parallelism splits the heads, so each rank's
+    gradient of that key holds its heads' share: summed here, the weight's gradient and the input's are whole, the
+    same on every rank. (The rest of its output, the latent, feeds a column-parallel projection, whose input
+    gradient arrives already reduced.)"""
+
+    class SharedKeyParallel(ParallelStyle):
+        def _apply(self, module: nn.Module, mesh) -> nn.Module:
+            def to_dtensor(mod, inputs, mesh):
+                return replicated_inputs(inputs, mesh)
+
+            def to_local(mod, outputs, mesh):
+                return _SumTailGradient.apply(outputs.to_local(), tail, mesh.get_group())
+
+            return distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
+
+    return SharedKeyParallel()
 
 
 def gathered_sequence_parallel():
@@ -64,8 +111,9 @@ def module_roles(params) -> dict[str, str]:
 
 
 class _Styles:
-    def __init__(self, sequence_parallel: bool, loss_parallel: bool):
+    def __init__(self, sequence_parallel: bool, loss_parallel: bool, shared_key: int = 0):
         self.sp, self.loss_parallel = sequence_parallel, loss_parallel
+        self.shared_key = shared_key  # the width of a "shared_key" module's key (MLA: mla_qk_rope_head_dim)
         self.residual = Shard(1) if sequence_parallel else Replicate()
 
     def of(self, role: str, sublayer_output, style_classes=None):
@@ -91,6 +139,8 @@ class _Styles:
             return SequenceParallel(sequence_dim=2, use_local_output=True)
         if role == "replicated":
             return replicated_style()
+        if role == "shared_key":
+            return shared_key_style(self.shared_key)
         if role == "expert":
             return None  # routed experts are spread by expert parallelism, replicated over tp
         raise ValueError(f"unknown tensor-parallel role '{role}'")
@@ -125,7 +175,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
     style_classes = style_classes or {}
     args = model.args
     family, table = family_of(args), parameters(args)
-    styles = _Styles(sequence_parallel, loss_parallel)
+    styles = _Styles(sequence_parallel, loss_parallel, args.mla_qk_rope_head_dim)
     # A pipeline stage lacks the embedding (all but the first) or the head (all but the last).
     top = {m: gathered_sequence_parallel() if (r == "norm" and sequence_parallel) else styles.of(r, styles.residual)
            for m, r in module_roles(p for p in table if p.layer is None).items()

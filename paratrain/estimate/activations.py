@@ -59,7 +59,7 @@ from paratrain import capabilities
 from paratrain.layout import Layout
 from paratrain.memory import MIN_OFFLOAD_BYTES
 from paratrain.models.args import ModelArgs
-from paratrain.models.registry import roles
+from paratrain.models.registry import attention_shape, roles
 from paratrain.modes import Precision
 
 FP32, INT64 = 4, 8
@@ -90,6 +90,14 @@ class ActDims:
     max_seq: int = 0  # the whole sequence's length: the rows of the rotary tables the model hands each block
     qk_norm: bool = False  # per-head RMSNorm on q and k before rotary (the family's "head_norm" parameters: Qwen3)
     chunks: int = 1  # the chunked loss's pieces of the N tokens the output projection and the loss run over
+    # The family's attention shape (models/family.AttentionShape) beyond D: v's width as the kernel reads it, the
+    # output projection's input width per head, the rotary width, the normalised latents before the up-projections
+    # (replicated under tp) and the projections reading the normed input (q/k/v: 3; MLA's q and kv down: 2).
+    Dv: int = 0
+    Do: int = 0
+    rope_D: int = 0
+    latents: tuple[int, ...] = ()
+    input_linears: int = 3
 
     @property
     def N(self) -> int:
@@ -116,7 +124,7 @@ class ActDims:
     def rope_tables(self) -> int:
         """Bytes of a block's bf16 copies of the two (T x D/2) rotary tables, when FSDP casts them;
         an activation checkpoint holds them with the block's inputs."""
-        return 2 * self.max_seq * (self.D // 2) * 2 if self._rope_cast else 0
+        return 2 * self.max_seq * (self.rope_D // 2) * 2 if self._rope_cast else 0
 
     @property
     def rope_copies(self) -> int:
@@ -129,7 +137,7 @@ class ActDims:
         """Rotary angles gathered at this rank's positions per block (context parallel; else views of the tables)."""
         if self.cp == 1:
             return 0
-        return 2 * self.s * (self.D // 2) * (2 if self._rope_cast else FP32)
+        return 2 * self.s * (self.rope_D // 2) * (2 if self._rope_cast else FP32)
 
     @property
     def kv_heads_saved(self) -> int:
@@ -148,12 +156,13 @@ def act_dims(args: ModelArgs, layout: Layout, precision: str, accounting: str, m
     else:
         regime = "autocast"
     t = layout.tp
-    D = args.head_dim
+    shape = attention_shape(args)
     lp = layout.uses_loss_parallel  # pipelines compute whole logits on the last stage
-    return ActDims(micro_batch, seq_len // layout.cp, args.dim, args.n_heads // t, args.n_kv_heads // t, D,
+    return ActDims(micro_batch, seq_len // layout.cp, args.dim, shape.heads // t, shape.kv_heads // t, shape.qk_dim,
                    args.ffn_hidden // t, args.vocab_size // t if lp else args.vocab_size, t, layout.sp, regime,
-                   layout.uses_fsdp and accounting != "classic", args.n_kv_heads != args.n_heads, lp, device == "cuda",
-                   layout.cp, seq_len, "head_norm" in roles(args), loss_pieces)
+                   layout.uses_fsdp and accounting != "classic", shape.kv_heads != shape.heads, lp, device == "cuda",
+                   layout.cp, seq_len, "head_norm" in roles(args), loss_pieces, shape.v_dim, shape.out_dim,
+                   shape.rope_dim, shape.latents, 3 if not shape.latents else 1 + len(shape.latents))
 
 
 def _norm(d: ActDims) -> list[tuple[str, int]]:
@@ -179,16 +188,31 @@ def head_norms_saved(d: ActDims) -> list[tuple[str, int]]:
             ("q/k norm x*rsqrt", heads * d.D * d.L)]
 
 
+def latents_saved(d: ActDims) -> list[tuple[str, int]]:
+    """Low-rank latents (MLA's q and kv, whole on every tp rank): each RMSNorm saves its input in fp32, the rsqrt and
+    x*rsqrt, and the up-projection its input (its own bf16 copy under autocast). Follows models/deepseek.py; not yet
+    measured."""
+    out = []
+    for r in d.latents:
+        up_input = d.N * r * (2 if d.regime == "autocast" else d.L)
+        out += [(f"latent {r} norm input (fp32), rsqrt, x*rsqrt", d.N * r * FP32 + d.N * FP32 + d.N * r * d.L),
+                (f"latent {r} up-projection input", up_input)]
+    return out
+
+
 def attention_saved(d: ActDims) -> list[tuple[str, int]]:
     N, L = d.N, d.L
     kv_heads = d.kv_heads_saved
     repeated = kv_heads != d.Hkv
-    out = _norm(d) + [("q/k/v input", _matmul_inputs(d, 3)), *head_norms_saved(d),
+    Dv, Do = d.Dv or d.D, d.Do or d.Dv or d.D
+    out = _norm(d) + [("q/k/v input", _matmul_inputs(d, d.input_linears)), *head_norms_saved(d), *latents_saved(d),
                       ("q (rope)", N * d.Hq * d.D * L),
                       ("k (rope, repeated)" if repeated else "k (rope)", N * kv_heads * d.D * L),
-                      ("v (repeated)" if repeated else "v", N * kv_heads * d.D * L),
-                      ("attention output", N * d.Hq * d.D * L),
+                      ("v (repeated)" if repeated else "v", N * kv_heads * Dv * L),
+                      ("attention output", N * d.Hq * Dv * L),
                       ("logsumexp", N * d.Hq * FP32)]
+    if Do != Dv:  # the output projection's input: the kernel's output cut to the value width, a copy
+        out.append(("output projection input", N * d.Hq * Do * L))
     if d.rope_copies:
         out.append(("rope tables (bf16, FSDP input cast)", d.rope_copies))
     if d.rope_gathered:

@@ -22,6 +22,7 @@ from paratrain.estimate.model_states import rank_layers, stage_blocks, state_byt
 from paratrain.estimate.report import ROWS
 from paratrain.estimate.step_time import attention_time, group_link, ring_time
 from paratrain.models.presets import block_param_count
+from paratrain.models.registry import attention_shape
 
 # The schedules planned by default: all but interleaved_zero_bubble, which the cost model predicts as interleaved_1f1b
 # (the same bubble) and which allows no checkpointing (`--schedules` or `--pp-schedule` may still name it).
@@ -491,7 +492,8 @@ def ring_line(c: Candidate, ctx: Context) -> str:
     pred = predict(c, ctx)
     total, exposed = ring_time(ctx, c, tokens, attention_time(ctx, c))
     link = group_link(ctx, c.tp, lay.cp)
-    kv = 2 * tokens * a.n_kv_heads * a.head_dim / c.tp * ctx.precision.value_bytes
+    shape = attention_shape(a)
+    kv = tokens * shape.kv_heads * (shape.qk_dim + shape.v_dim) / c.tp * ctx.precision.value_bytes
     return (f"context-parallel ring over {lay.cp} ranks ({link.name}): per block, {lay.cp - 1} point-to-point steps "
             f"of a {kv / 2**20:.1f} MiB K/V block forward, {lay.cp - 1} + {lay.cp} (fp32 dK/dV) backward; "
             f"{total * 1e3:.1f} ms per step, {exposed * 1e3:.1f} ms exposed after overlapping the attention "

@@ -96,6 +96,7 @@ from paratrain.estimate.profile import Hardware, Link
 from paratrain.estimate import activations as A
 from paratrain.estimate.model_states import local_shape, model_params
 from paratrain.models.presets import count_params, flops_per_token
+from paratrain.models.registry import attention_shape, parameters
 
 ELEMWISE_VALUES_PER_TOKEN = (80, 20)  # x dim, x ffn/tp: values read+written per token and block, fwd+bwd
 OPS_PER_BLOCK = 35  # operators in one block's forward (backward: twice)
@@ -342,13 +343,27 @@ def block_costs(ctx: Context, hw: Hardware, tp: int, micro_batch: int, ep: int, 
     return cached(ctx, key, lambda: _block_costs(ctx, hw, tp, micro_batch, ep, ac, cp))
 
 
+@functools.lru_cache(maxsize=256)
+def attention_gemms(args: ModelArgs, tp: int) -> tuple[tuple[float, float], ...]:
+    """(input, output) widths per token of a block's attention matmuls on one tp rank, from the family's table:
+    column-parallel ones split their outputs, row-parallel ones their inputs, replicated ones (MLA's down-projections)
+    are whole on every rank."""
+    first = next(p.layer for p in parameters(args) if p.layer is not None)
+    out = []
+    for p in parameters(args):
+        if p.layer == first and p.matmul and len(p.shape) == 2 and ".attention." in p.name:
+            rows, cols = p.shape  # (out, in)
+            out.append((cols / tp if p.tp_dim == 1 else cols, rows / tp if p.tp_dim == 0 else rows))
+    return tuple(out)
+
+
 def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, ac: str, cp: int) -> BlockCosts:
     a, S = ctx.args, ctx.seq_len
     ab = _act_bytes(ctx)
     T = micro_batch * S // cp  # tokens per micro-step per rank (tp ranks share them, cp ranks split them)
     moe_layers = sum(1 for i in range(a.n_layers) if a.is_moe_layer(i))
     moe_frac = moe_layers / a.n_layers
-    hd = a.head_dim
+    shape = attention_shape(a)
     # the run's matmuls against the profile's bf16 curves (fp32: 1/16 on an A100); the blocks' linear GEMMs at a
     # capability's rate where it has one (fp8's 8-bit GEMMs), the others (attention, the output head) at the compute
     # precision's
@@ -363,12 +378,11 @@ def _block_costs(ctx: Context, hw: Hardware, t: int, micro_batch: int, ep: int, 
         return count * f / (own if own is not None else speed * hw.gemm_rate(f))
 
     # forward of one block, one micro-step
-    attn = (gemm(T, a.dim, a.n_heads * hd / t) + 2 * gemm(T, a.dim, a.n_kv_heads * hd / t)
-            + gemm(T, a.n_heads * hd / t, a.dim))
-    # causal: about half the square is computed; under cp, in blocks of seq / cp
-    sdpa_flop = 4.0 * T * S * a.n_heads * hd / t / 2
+    attn = sum(gemm(T, k, n) for k, n in attention_gemms(a, t))
+    # causal: about half the square is computed (q.k and p.v); under cp, in blocks of seq / cp
+    sdpa_flop = 2.0 * T * S * shape.heads * (shape.qk_dim + shape.v_dim) / t / 2
     sdpa = sdpa_flop / speed / (hw.attention_rate(sdpa_flop)
-                                or ATTENTION_EFFICIENCY * hw.gemm_rate(2.0 * (S // cp) ** 2 * hd))
+                                or ATTENTION_EFFICIENCY * hw.gemm_rate(2.0 * (S // cp) ** 2 * shape.qk_dim))
     attn += sdpa
     dense_mlp = gemm(T, a.dim, a.ffn_hidden / t, 3)
     if moe_layers:
@@ -820,7 +834,8 @@ def ring_time(ctx: Context, c: Candidate, tokens: int, attention_s: float) -> tu
     a, hw, lay = ctx.args, ctx.hw, c.layout
     cp = lay.cp
     link = group_link(ctx, c.tp, cp)  # the cp axis sits just outside tp
-    kv = 2 * tokens * a.n_kv_heads * a.head_dim / c.tp * _act_bytes(ctx)  # one K/V block
+    shape = attention_shape(a)
+    kv = tokens * shape.kv_heads * (shape.qk_dim + shape.v_dim) / c.tp * _act_bytes(ctx)  # one K/V block
     step_kv, step_dkv = link.p2p_time(kv), link.p2p_time(kv / _act_bytes(ctx) * 4)  # dK/dV travel in fp32
     hide_f, hide_b = hw.overlap * attention_s / cp, hw.overlap * 2 * attention_s / cp  # per ring step
     fwd, fwd_exposed = (cp - 1) * step_kv, (cp - 1) * max(0.0, step_kv - hide_f)

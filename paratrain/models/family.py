@@ -13,7 +13,9 @@ A family gives
   called as (x,)), which say where sequence parallelism gathers and scatters the residual stream;
 - `hf`: its Hugging Face tensor names (`HFNames`), or None when it has no Hugging Face counterpart;
 - `hf_archs`: the transformers architectures it is (`HFArch`: how their config.json maps to its dimensions, which
-  paratrain/hf/arch.py reads for import and export).
+  paratrain/hf/arch.py reads for import and export);
+- `attention`: its attention's shape for the estimator (`AttentionShape`), when it is not grouped-query attention
+  over `n_heads`, `n_kv_heads` and `head_dim` (models/deepseek_params.py: multi-head latent attention).
 
 Adding a family is one module defining a `ModelFamily` plus one registry line: an entry in `registry.FAMILIES` for a
 family shipped with paratrain, or `registry.register_family(FAMILY)` in the module that defines it (tests do this).
@@ -37,7 +39,10 @@ from paratrain.models.args import ModelArgs
 #   head_norm  a norm gain over each attention head (Qwen3's q/k norm): replicated, its input split by heads like the
 #              column-parallel projection it follows (its gradient is summed over the tp ranks' heads)
 #   expert     a routed expert's stacked weight (E, ...): not split by tp, split on dim 0 by expert parallelism
-Role = Literal["embedding", "output", "colwise", "rowwise", "norm", "head_norm", "replicated", "expert"]
+#   shared_key a replicated Linear whose output ends with a key every attention head reads (MLA's kv_a_proj_with_mqa:
+#              the kv latent, then the rotary key of width mla_qk_rope_head_dim): tp splits the heads, so the gradient
+#              of that key is summed over the tp ranks (the latent's arrives whole through the column-parallel kv_b)
+Role = Literal["embedding", "output", "colwise", "rowwise", "norm", "head_norm", "replicated", "expert", "shared_key"]
 ROLES = get_args(Role)
 SublayerKind = Literal["attention", "mlp", "moe"]
 SUBLAYER_KINDS = get_args(SublayerKind)
@@ -129,6 +134,30 @@ class HFArch:
 
 
 @dataclass(frozen=True)
+class AttentionShape:
+    """A block's attention as the estimator sees it (activations, FLOPs, ring traffic): `heads` query heads over
+    `kv_heads` key/value heads as the attention kernel reads them, q and k `qk_dim` wide per head, v `v_dim` (as the
+    kernel reads it: padded, for MLA), the kernel's output `out_dim` per head as the output projection reads it, the
+    rotary part `rope_dim` wide; `latents`: widths of normalised low-rank latents before the up-projections (MLA's q
+    and kv); `score_width`: the width in the PaLM FLOPs convention's attention term 12 x layers x width x seq (dim for
+    grouped-query attention, whatever its heads)."""
+
+    heads: int
+    kv_heads: int
+    qk_dim: int
+    v_dim: int
+    out_dim: int
+    rope_dim: int
+    latents: tuple[int, ...] = ()
+    score_width: int = 0
+
+
+def gqa_shape(args: ModelArgs) -> AttentionShape:
+    D = args.head_dim
+    return AttentionShape(args.n_heads, args.n_kv_heads, D, D, D, D, score_width=args.dim)
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     name: str
     module: str  # "package.module:Class" of the nn.Module
@@ -137,6 +166,7 @@ class ModelFamily:
     hf: HFNames | None = None
     description: str = ""
     hf_archs: tuple[HFArch, ...] = ()
+    attention: Callable[[ModelArgs], AttentionShape] = gqa_shape
 
     def model_class(self):
         path, _, attr = self.module.partition(":")

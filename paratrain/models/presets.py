@@ -8,7 +8,7 @@ import difflib
 
 from paratrain.errors import ConfigError, UserError
 from paratrain.models.args import ROPE_SCALINGS, SCORE_FUNCS, ModelArgs
-from paratrain.models.registry import block_numels, get_family, parameters
+from paratrain.models.registry import attention_shape, block_numels, get_family, parameters
 
 LLAMA3_VOCAB = 128256
 LLAMA31_ROPE = dict(norm_eps=1e-5, rope_scaling="llama3", rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
@@ -55,6 +55,26 @@ PRESETS: dict[str, dict] = {
     "deepseek-moe-16b": dict(vocab_size=102400, dim=2048, n_layers=28, n_heads=16, n_kv_heads=16, ffn_hidden=10944,
                              max_seq_len=4096, norm_eps=1e-6, moe_experts=64, moe_top_k=6, moe_shared_experts=2,
                              moe_ffn_hidden=1408, moe_first_dense_layers=1, moe_aux_loss_coef=0.001),
+    # Multi-head latent attention (family "deepseek", models/deepseek.py) for tests and `paratrain verify`: the
+    # shape of DeepSeek-V3's attention at width 64 (q and kv latents of rank 32, per head 16 + 8 rotary q/k, 16 v),
+    # a dense layer, then 4 experts top-2 with sigmoid scores and a shared expert.
+    "tiny-mla": dict(family="deepseek", vocab_size=None, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=8,
+                     ffn_hidden=176, max_seq_len=256, norm_eps=1e-6, mla_q_lora_rank=32, mla_kv_lora_rank=32,
+                     mla_qk_nope_head_dim=16, mla_qk_rope_head_dim=8, mla_v_head_dim=16, moe_experts=4, moe_top_k=2,
+                     moe_shared_experts=1, moe_ffn_hidden=64, moe_first_dense_layers=1, moe_score_func="sigmoid"),
+    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json; max_position_embeddings 4096 for planning, the published 163840
+    # is yarn-scaled rotary, which paratrain does not implement): MLA (q rank 1536, kv rank 512, 128 + 64 rotary q/k
+    # and 128 v per head), 3 dense layers (18432) then 58 of 256 routed experts (2048) top-8 in 8 groups (best 4) and
+    # a shared one, sigmoid scores, the expert bias, routed scaling 2.5. The table counts 671,026,404,352 parameters
+    # (published 671B) and 37,552,282,624 active (37B), both with the routers, without the expert bias; the MTP
+    # module (mtp_depth 1, ~14B more: published 685B with it) is not in the table.
+    "deepseek-v3-671b": dict(family="deepseek", vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128,
+                             head_dim=64, ffn_hidden=18432, max_seq_len=4096, rope_theta=10000.0, norm_eps=1e-6,
+                             mla_q_lora_rank=1536, mla_kv_lora_rank=512, mla_qk_nope_head_dim=128,
+                             mla_qk_rope_head_dim=64, mla_v_head_dim=128, moe_experts=256, moe_top_k=8,
+                             moe_shared_experts=1, moe_ffn_hidden=2048, moe_first_dense_layers=3,
+                             moe_score_func="sigmoid", moe_n_group=8, moe_topk_group=4, moe_routed_scaling_factor=2.5,
+                             moe_expert_bias=True, moe_aux_loss_coef=0.0001, mtp_depth=1),
     # Qwen (the official checkpoints' config.json on the Hugging Face hub: hidden_size, intermediate_size,
     # num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, vocab_size, max_position_embeddings,
     # rope_theta, rms_norm_eps, tie_word_embeddings; for the MoE models num_experts, num_experts_per_tok,
@@ -191,11 +211,12 @@ def count_active_params(args: ModelArgs, include_embedding: bool = True) -> int:
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward): 6 N for the matmuls, plus causal-free attention 12 L C T.
+    """Training FLOPs per token (forward + backward): 6 N for the matmuls, plus causal-free attention 12 L C T (C: the
+    attention's `score_width`, dim for grouped-query attention, heads x (q/k + v width) / 2 for latent attention).
 
     The PaLM appendix convention, as used by nanoGPT and torchtitan, so MFU figures are comparable.
     N counts the parameters a token is multiplied by: the active ones for a mixture of experts.
     """
     # The input lookup does no matmul; a tied embedding does, as the output projection.
     n = count_active_params(args, include_embedding=args.tie_embeddings)
-    return 6 * n + 12 * args.n_layers * args.dim * seq_len
+    return 6 * n + 12 * args.n_layers * attention_shape(args).score_width * seq_len

@@ -8,9 +8,9 @@ import importlib
 import os
 
 from paratrain.errors import UserError
-from paratrain.models import llama_params, qwen_params
+from paratrain.models import deepseek_params, llama_params, qwen_params
 from paratrain.models.args import ModelArgs
-from paratrain.models.family import ModelFamily, Param
+from paratrain.models.family import AttentionShape, ModelFamily, Param
 
 # The families shipped with paratrain, one line each.
 FAMILIES: dict[str, ModelFamily] = {
@@ -18,6 +18,7 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen2": qwen_params.QWEN2,  # Qwen2 / Qwen2.5: q/k/v biases
     "qwen3": qwen_params.QWEN3,  # Qwen3: per-head q/k norms, and with moe_experts > 0 Qwen3-MoE
     "qwen3-bias": qwen_params.QWEN3_BIAS,  # Qwen3 with attention_bias: q/k norms and q/k/v/o biases
+    "deepseek": deepseek_params.FAMILY,  # DeepSeek-V2/V3: multi-head latent attention, with moe_experts > 0 V3's MoE
 }
 BUILTIN = tuple(FAMILIES)
 FAMILY_MODULES_ENV = "PARATRAIN_FAMILY_MODULES"  # modules that register families, for spawned ranks to import
@@ -75,6 +76,12 @@ def block_numels(args: ModelArgs) -> tuple[tuple[int, int], ...]:
 def roles(args: ModelArgs) -> frozenset[str]:
     """The tensor-parallel roles of the family's parameters (e.g. whether its attention has per-head norms)."""
     return frozenset(p.role for p in parameters(args))
+
+
+@functools.lru_cache(maxsize=256)
+def attention_shape(args: ModelArgs) -> AttentionShape:
+    """The family's attention as the estimator sees it (widths per head, latents)."""
+    return family_of(args).attention(args)
 
 
 def build_model(args: ModelArgs):
