@@ -115,8 +115,14 @@ _OPTIONAL_INTS = {"num_key_value_heads": MAX_COUNT, "head_dim": MAX_COUNT, "max_
                   "num_local_experts": MAX_COUNT, "num_experts": MAX_COUNT, "num_experts_per_tok": MAX_COUNT,
                   "moe_intermediate_size": MAX_DIMENSION, "decoder_sparse_step": MAX_COUNT, "sliding_window": None,
                   "shared_expert_intermediate_size": MAX_DIMENSION}
-_POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
-_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob", "use_sliding_window", "qkv_bias")
+_POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob", "use_sliding_window", "qkv_bias",
+          "rope_interleave")
+# Counts that may be 0 or null (DeepSeek-V3's: no shared expert, no dense first block, no query latent, ...).
+_COUNTS = {"n_shared_experts": MAX_COUNT, "first_k_dense_replace": MAX_COUNT, "n_routed_experts": MAX_COUNT,
+           "n_group": MAX_COUNT, "topk_group": MAX_COUNT, "q_lora_rank": MAX_DIMENSION, "kv_lora_rank": MAX_DIMENSION,
+           "qk_nope_head_dim": MAX_COUNT, "qk_rope_head_dim": MAX_COUNT, "v_head_dim": MAX_COUNT,
+           "num_nextn_predict_layers": MAX_COUNT}
 _ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "rope_theta")
 
 
@@ -138,6 +144,10 @@ def check_hf_fields(cfg: dict, where: str) -> None:
             continue  # Qwen2MoeConfig saves 0 for "no window"
         if cfg.get(key) is not None and (problem := _int_problem(key, cfg[key], upper)):
             raise UserError(f"{where}: {problem}")
+    for key, upper in _COUNTS.items():
+        value = cfg.get(key)
+        if value is not None and not (is_int(value) and 0 <= value <= upper):
+            raise UserError(f"{where}: {key} must be an integer from 0 to {upper}, got {value!r}")
     for key in _POSITIVE_NUMBERS:
         if key in cfg and cfg[key] is not None and not (is_number(cfg[key]) and cfg[key] > 0):
             raise UserError(f"{where}: {key} must be a positive number, got {cfg[key]!r}")
@@ -211,9 +221,10 @@ def _family_for(cfg: dict, name: str, where: str) -> tuple[ModelFamily, HFArch]:
 
 
 def _moe_fields(cfg: dict, arch: HFArch, where: str) -> dict:
-    """The mixture-of-experts dimensions: softmax top-k over routed experts, and the gated shared expert where the
-    architecture has one (n shared experts of the routed width: its width must be a multiple); the dense blocks of
-    decoder_sparse_step / mlp_only_layers where the architecture has them."""
+    """The mixture-of-experts dimensions: top-k over routed experts by the architecture's score function, and the
+    gated shared expert where the architecture has one (n shared experts of the routed width: its width must be a
+    multiple) or its count of ungated ones; the dense blocks of decoder_sparse_step / mlp_only_layers or the dense first
+    blocks where the architecture has them; its routing bias."""
     given = [cfg[k] for k in arch.experts_keys if cfg.get(k) is not None]
     experts = given[0] if given else arch.defaults.get(arch.experts_keys[0])
     top_k = _value(cfg, arch, "num_experts_per_tok")
@@ -226,14 +237,17 @@ def _moe_fields(cfg: dict, arch: HFArch, where: str) -> dict:
         _refuse_if(width % expert_hidden, where, f"{arch.shared_expert_key}={width} is not a multiple of "
                    f"{arch.expert_hidden_key}={expert_hidden} (paratrain's shared experts have the routed width)")
         shared = width // expert_hidden
+    if arch.shared_count_key:
+        shared = _value(cfg, arch, arch.shared_count_key)
     dense = ()
     if arch.sparse_layers:
         step, only = _value(cfg, arch, "decoder_sparse_step"), cfg.get("mlp_only_layers") or []
         dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only or (i + 1) % step)
     return dict(moe_experts=experts, moe_top_k=top_k, moe_ffn_hidden=expert_hidden,
-                moe_score_func="softmax", moe_norm_topk=bool(renormalised), moe_shared_experts=shared,
-                moe_shared_gate=bool(shared),
-                moe_first_dense_layers=0, moe_dense_layers=dense, moe_capacity_factor=0.0,
+                moe_score_func=arch.score_func, moe_norm_topk=bool(renormalised), moe_shared_experts=shared,
+                moe_shared_gate=bool(shared) and arch.shared_expert_key is not None, moe_expert_bias=arch.expert_bias,
+                moe_first_dense_layers=_value(cfg, arch, arch.first_dense_key) if arch.first_dense_key else 0,
+                moe_dense_layers=dense, moe_capacity_factor=0.0,
                 moe_aux_loss_coef=float(_value(cfg, arch, "router_aux_loss_coef")))
 
 
@@ -268,6 +282,9 @@ def args_from_hf_config(cfg: dict, where: str = "config.json") -> ModelArgs:
     fields.update(_rope(cfg, where))
     if arch.moe:
         fields.update(_moe_fields(cfg, arch, where))
+    for key, names in arch.dims.items():  # a null is 0 (q_lora_rank: no query latent)
+        value = cfg[key] if key in cfg else arch.defaults.get(key)
+        fields.update({name: value or 0 for name in names})
     try:
         args = ModelArgs(**fields)
         validate_args(args)
@@ -286,18 +303,23 @@ def _moe_mismatch(args: ModelArgs, arch: HFArch) -> str | None:
     reasons = []
     if arch.shared_expert_key and not (args.moe_shared_experts and args.moe_shared_gate):
         reasons.append("no gated shared expert" if not args.moe_shared_experts else "ungated shared experts")
-    if args.moe_shared_experts and not arch.shared_expert_key:
+    if args.moe_shared_experts and not (arch.shared_expert_key or arch.shared_count_key):
         reasons.append(f"{args.moe_shared_experts} shared expert(s)")
-    if args.moe_n_group > 1:
+    if arch.shared_count_key and args.moe_shared_gate:
+        reasons.append("gated shared experts")
+    mapped = {name for names in arch.dims.values() for name in names}
+    if args.moe_n_group > 1 and "moe_n_group" not in mapped:
         reasons.append(f"group-limited routing ({args.moe_n_group} groups)")
-    if args.moe_routed_scaling_factor != 1.0:
+    if args.moe_routed_scaling_factor != 1.0 and "moe_routed_scaling_factor" not in mapped:
         reasons.append(f"routed gates scaled by {args.moe_routed_scaling_factor}")
-    if args.moe_first_dense_layers and not arch.sparse_layers:
+    if args.moe_first_dense_layers and not (arch.sparse_layers or arch.first_dense_key):
         reasons.append(f"{args.moe_first_dense_layers} dense first layer(s)")
     if args.moe_dense_layers and not arch.sparse_layers:
         reasons.append(f"dense layers {list(args.moe_dense_layers)}")
-    if args.moe_score_func != "softmax":
+    if args.moe_score_func != arch.score_func:
         reasons.append(f"{args.moe_score_func} routing")
+    if args.moe_expert_bias != arch.expert_bias:
+        reasons.append("a routing bias" if args.moe_expert_bias else "no routing bias (set model.moe_expert_bias=true)")
     if args.moe_norm_topk and args.moe_top_k < 2:
         reasons.append("top-1 routing with renormalised gates (transformers' single gate is 1, paratrain's the "
                        "router probability)")
@@ -305,8 +327,9 @@ def _moe_mismatch(args: ModelArgs, arch: HFArch) -> str | None:
         reasons.append("top-k gates that are not renormalised")
     if not reasons:
         return None
-    shared = "with one sigmoid-gated shared expert" if arch.shared_expert_key else "over routed experts only"
-    return ", ".join(reasons) + f" ({arch.name} has softmax top-k routing {shared})"
+    shared = ("with one sigmoid-gated shared expert" if arch.shared_expert_key else "with ungated shared experts, "
+              "in groups, chosen with a per-expert bias" if arch.shared_count_key else "over routed experts only")
+    return ", ".join(reasons) + f" ({arch.name} has {arch.score_func} top-k routing {shared})"
 
 
 def export_mismatch(args: ModelArgs) -> str | None:
@@ -367,9 +390,14 @@ def hf_config_from_args(args: ModelArgs, vocab_size: int, dtype: str, bos_id: in
             cfg[arch.norm_topk_key] = args.moe_norm_topk
         if arch.shared_expert_key:
             cfg[arch.shared_expert_key] = args.expert_hidden * args.moe_shared_experts
+        if arch.shared_count_key:
+            cfg[arch.shared_count_key] = args.moe_shared_experts
+        if arch.first_dense_key:
+            cfg[arch.first_dense_key] = args.moe_first_dense_layers
         if arch.sparse_layers:
             cfg.update(decoder_sparse_step=1, mlp_only_layers=[i for i in range(args.n_layers)
                                                                if not args.is_moe_layer(i)])
+    cfg.update({key: getattr(args, names[0]) or None for key, names in arch.dims.items()})  # 0 written as null
     return cfg
 
 

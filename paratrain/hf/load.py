@@ -87,8 +87,12 @@ def load_hf_weights(model: nn.Module, folder: str | Path, args: ModelArgs) -> No
             if block.shape != local.shape:
                 raise RuntimeError(f"{raw_name}: read {tuple(block.shape)} for a local shard of {tuple(local.shape)}")
             local.copy_(block)
-    if hasattr(model, "reset_buffers"):
-        model.reset_buffers()
+        if hasattr(model, "reset_buffers"):
+            model.reset_buffers()
+        for raw_name, buffer in model.named_buffers():  # the learned ones (`hf_buffers`), after the derived are reset
+            parts = by_param.get(canonical_name(raw_name))
+            if parts is not None:
+                buffer.copy_(read_block(reader, parts, local_indices(buffer)))
 
 
 def read_block(reader, parts, index: list[torch.Tensor]) -> torch.Tensor:

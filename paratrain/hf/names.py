@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from paratrain.errors import UserError
 from paratrain.models.args import ModelArgs
-from paratrain.models.family import HFNames
-from paratrain.models.llama_params import MTP_PREFIX
+from paratrain.models.family import HFNames, Param
+from paratrain.models.llama_params import MTP_PREFIX, moe_buffers
 from paratrain.models.registry import family_of, parameters
 
 # Tensors some Hugging Face checkpoints carry that are derived, not learned; ignored on import.
@@ -41,8 +41,16 @@ def hf_names(args: ModelArgs) -> HFNames:
 
 def param_shapes(args: ModelArgs) -> dict[str, tuple]:
     """paratrain parameter name -> shape, in named_parameters() order (a tied output weight is not listed): the
-    family's parameter table."""
-    return {p.name: p.shape for p in parameters(args)}
+    family's parameter table; then the persistent buffers a Hugging Face checkpoint holds too (`hf_buffers`)."""
+    return {p.name: p.shape for p in [*parameters(args), *hf_buffers(args)]}
+
+
+def hf_buffers(args: ModelArgs) -> list[Param]:
+    """The model's learned buffers that its family's Hugging Face names map (DeepSeek-V3's routing bias,
+    `feed_forward.expert_bias`), as replicated table entries outside the parameter table (no gradient, no optimizer
+    state): checkpoints and exports carry them like parameters."""
+    names = family_of(args).hf
+    return [b for b in moe_buffers(args) if names is not None and b.name.split(".", 2)[2] in names.block]
 
 
 def hf_name(names: HFNames, param: str, expert: int | None = None) -> str:
@@ -64,7 +72,7 @@ def pieces(args: ModelArgs, vocab_size: int | None = None) -> list[Piece]:
     vocab_size = vocab_size or args.vocab_size
     names = hf_names(args)
     out = []
-    for p in parameters(args):
+    for p in [*parameters(args), *hf_buffers(args)]:
         if p.name.startswith(MTP_PREFIX):  # multi-token prediction's modules: training only, not exported
             continue
         if p.expert:

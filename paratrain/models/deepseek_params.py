@@ -80,29 +80,38 @@ DEEPSEEK_HF = HFNames(
     block={**{k: v for k, v in LLAMA_HF.block.items() if not k.startswith(("attention.", "feed_forward.router"))},
            **{f"attention.{m}.weight": f"self_attn.{m}.weight" for m in _ATTENTION},
            "feed_forward.router.weight": "mlp.gate.weight",
+           "feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",  # a buffer (models/moe.py)
            **{f"feed_forward.shared.{w}.weight": f"mlp.shared_experts.{h}.weight"
               for w, h in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))}},
     expert="mlp.experts.{e}.{w}.weight",
     expert_weights={"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"},
 )
 
-# transformers' DeepseekV3Config defaults for fields a config.json may leave out. rope_interleave: the rotary part's
-# pairs are interleaved (DeepSeek's checkpoints), which models/deepseek.py computes.
+# transformers' DeepseekV3Config defaults for fields a config.json may leave out; router_aux_loss_coef is no field of
+# it: the DeepSeek-V3 paper's sequence-wise balance factor (0.0001).
 _DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096,
-             "tie_word_embeddings": False, "attention_bias": False, "n_routed_experts": 256,
+             "tie_word_embeddings": False, "attention_bias": False, "rope_interleave": True, "n_routed_experts": 256,
              "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "n_shared_experts": 1, "n_group": 8,
              "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 3,
              "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-             "v_head_dim": 128}
-# Not yet in FAMILY.hf_archs: paratrain/hf/arch.py does not read the MLA and routing fields of config.json yet.
+             "v_head_dim": 128, "router_aux_loss_coef": 0.0001}
+# DeepseekV3ForCausalLM: sigmoid top-k within the best groups, chosen with the per-expert bias, gates renormalised and
+# scaled; ungated shared experts; dense first blocks; the rotary part's pairs interleaved (DeepSeek's checkpoints,
+# which models/deepseek.py computes). Multi-token prediction's modules are not exported (transformers ignores them).
 DEEPSEEK_ARCHS = (
     HFArch("DeepseekV3ForCausalLM", "deepseek_v3", moe=True, fixed={"attention_bias": False, "rope_interleave": True},
-           defaults=_DEFAULTS, experts_keys=("n_routed_experts",), expert_hidden_key="moe_intermediate_size",
-           norm_topk_key="norm_topk_prob"),
+           defaults=_DEFAULTS, written={"num_nextn_predict_layers": 0, "output_router_logits": False},
+           experts_keys=("n_routed_experts", "num_local_experts"), expert_hidden_key="moe_intermediate_size",
+           norm_topk_key="norm_topk_prob", shared_count_key="n_shared_experts",
+           first_dense_key="first_k_dense_replace", score_func="sigmoid", expert_bias=True,
+           dims={"n_group": ("moe_n_group",), "topk_group": ("moe_topk_group",),
+                 "routed_scaling_factor": ("moe_routed_scaling_factor",), "q_lora_rank": ("mla_q_lora_rank",),
+                 "kv_lora_rank": ("mla_kv_lora_rank",), "qk_nope_head_dim": ("mla_qk_nope_head_dim",),
+                 "qk_rope_head_dim": ("mla_qk_rope_head_dim", "head_dim"), "v_head_dim": ("mla_v_head_dim",)}),
 )
 
 FAMILY = ModelFamily(
     name="deepseek", module="paratrain.models.deepseek:DeepSeek", params=deepseek_params,
-    sublayers=decoder_sublayers, hf=DEEPSEEK_HF, attention=mla_shape,
+    sublayers=decoder_sublayers, hf=DEEPSEEK_HF, attention=mla_shape, hf_archs=DEEPSEEK_ARCHS,
     description="DeepSeek-V2/V3: Llama's decoder with multi-head latent attention (low-rank q and kv, decoupled "
                 "rotary key)")

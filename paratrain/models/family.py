@@ -130,6 +130,16 @@ class HFArch:
     # The key of its one sigmoid-gated shared expert's width (Qwen2-MoE's shared_expert_intermediate_size): paratrain's
     # moe_shared_experts experts of the routed width (the width over moe_ffn_hidden) with moe_shared_gate; None: none.
     shared_expert_key: str | None = None
+    # DeepSeek-V3's mixture of experts: the key of the count of its ungated shared experts of the routed width
+    # (n_shared_experts), of its dense first blocks (first_k_dense_replace), its router's score function, and whether
+    # it routes with a per-expert bias (e_score_correction_bias: the model's moe_expert_bias)
+    shared_count_key: str | None = None
+    first_dense_key: str | None = None
+    score_func: str = "softmax"
+    expert_bias: bool = False
+    # More config.json fields that are ModelArgs fields as they are: {key: the fields it sets} (DeepSeek-V3's group
+    # routing and latent attention widths); a null is 0 (q_lora_rank: no query latent) and 0 is written as null.
+    dims: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     window_flag: str | None = None  # the field that turns `sliding_window` on (Qwen's use_sliding_window), if any
 
 

@@ -43,6 +43,13 @@ def feed_forward_params(args: ModelArgs, i: int) -> list[Param]:
     return out
 
 
+def moe_buffers(args: ModelArgs) -> list[Param]:
+    """The mixture of experts' learned buffers, by block: the routing bias (`model.moe_expert_bias`, models/moe.py),
+    updated outside the optimizer (auxiliary-loss-free balancing) and saved with the weights."""
+    return [Param(f"layers.{i}.feed_forward.expert_bias", (args.moe_experts,), "replicated", i, trainable=False)
+            for i in range(args.n_layers) if args.moe_expert_bias and args.is_moe_layer(i)]
+
+
 def decoder_params(args: ModelArgs, attention=attention_params) -> list[Param]:
     """Embedding, blocks (norm, attention, norm, feed-forward), final norm and untied output, in
     `named_parameters()` order; `attention(args, i)` gives a block's attention parameters."""

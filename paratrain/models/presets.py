@@ -62,6 +62,15 @@ PRESETS: dict[str, dict] = {
                      ffn_hidden=176, max_seq_len=256, norm_eps=1e-6, mla_q_lora_rank=32, mla_kv_lora_rank=32,
                      mla_qk_nope_head_dim=16, mla_qk_rope_head_dim=8, mla_v_head_dim=16, moe_experts=4, moe_top_k=2,
                      moe_shared_experts=1, moe_ffn_hidden=64, moe_first_dense_layers=1, moe_score_func="sigmoid"),
+    # DeepSeek-V3 in small, for tests and docs: MLA, 1 dense block then MoE blocks of 8 routed experts top-2 in 4 groups
+    # (the best 2) with a shared expert, sigmoid scores, routed scaling 2.5, the expert bias (auxiliary-loss-free
+    # balancing, `[moe] balancing = "auto"`) beside a tiny sequence-wise balance loss, one multi-token prediction depth.
+    "tiny-deepseek": dict(family="deepseek", vocab_size=None, dim=64, n_layers=3, n_heads=4, n_kv_heads=4, head_dim=8,
+                          ffn_hidden=176, max_seq_len=256, norm_eps=1e-6, mla_q_lora_rank=32, mla_kv_lora_rank=32,
+                          mla_qk_nope_head_dim=16, mla_qk_rope_head_dim=8, mla_v_head_dim=16, moe_experts=8,
+                          moe_top_k=2, moe_n_group=4, moe_topk_group=2, moe_shared_experts=1, moe_ffn_hidden=32,
+                          moe_first_dense_layers=1, moe_score_func="sigmoid", moe_routed_scaling_factor=2.5,
+                          moe_expert_bias=True, moe_aux_loss_coef=0.0001, mtp_depth=1),
     # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json; max_position_embeddings 4096 for planning, the published 163840
     # is yarn-scaled rotary, which paratrain does not implement): MLA (q rank 1536, kv rank 512, 128 + 64 rotary q/k
     # and 128 v per head), 3 dense layers (18432) then 58 of 256 routed experts (2048) top-8 in 8 groups (best 4) and
