@@ -144,11 +144,14 @@ class MoE(nn.Module):
       aux_loss           the unscaled load-balancing loss (a scalar with gradient; scale by aux_loss_coef)
       tokens_per_expert  (E,) top-k assignments per expert in this forward (before capacity dropping)
       dropped            assignments dropped by the capacity limit (0-d int tensor)
+
+    `expert_bias` (DeepSeek-V3's auxiliary-loss-free balancing): a persistent fp32 buffer (E,) of zeros added to the
+    scores that choose the top-k, never to the gates; paratrain/capabilities/moe_balancing.py updates it.
     """
 
     def __init__(self, dim: int, n_experts: int, top_k: int, hidden: int, shared: nn.Module | None = None,
                  score_func: str = "softmax", norm_topk: bool = True, aux_loss_coef: float = 0.01,
-                 capacity_factor: float = 0.0):
+                 capacity_factor: float = 0.0, expert_bias: bool = False):
         super().__init__()
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"moe score function '{score_func}' is not one of {', '.join(SCORE_FUNCS)}")
@@ -161,6 +164,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(n_experts, dim, hidden)
         self.shared = shared  # applied to every token and added (DeepSeekMoE's shared experts), or None
         self.dispatcher = LocalDispatcher()
+        self.register_buffer("expert_bias", torch.zeros(n_experts) if expert_bias else None)  # (E,) fp32, or None
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.dropped: torch.Tensor | None = None
@@ -169,9 +173,10 @@ class MoE(nn.Module):
         """x (N, dim) -> (probabilities (N, E) fp32 for the balance loss, expert ids (N, k), gates (N, k) fp32)."""
         logits = self.router(x)  # (N, E) fp32
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        choice = scores if self.expert_bias is None else scores + self.expert_bias  # the bias chooses, never weighs
         # Stable descending sort: among equal scores the lower expert index wins, on every device.
-        top, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
-        top, idx = top[:, :self.top_k], idx[:, :self.top_k]
+        idx = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :self.top_k]
+        top = scores.gather(-1, idx)  # (N, k)
         gates = top / top.sum(-1, keepdim=True) if self.renormalise else top
         probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
         return probs, idx, gates
