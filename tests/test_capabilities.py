@@ -74,6 +74,7 @@ def test_z_loss_is_logged(tmp_path, char_data):
 # Where a capability's name may appear in the package beside its module and its registration, and why.
 NAMED_ALSO_IN = {
     "z_loss": set(),
+    "moe_balancing": set(),  # (auxiliary-loss-free balancing, `[moe]`: grepped by its module's word)
     "float8": {"paratrain/estimate/profile.py"},  # (the FP8 curve's name in calibration profiles saved before)
     "adamw8bit": {"paratrain/training/optim.py"},  # (its builder, imported into the builders' table)
     "muon": {"paratrain/training/muon.py", "paratrain/training/optim.py"},  # (its kernels; their builders' table)

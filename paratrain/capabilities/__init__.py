@@ -15,6 +15,7 @@ from paratrain.capabilities.cpu_offload import CpuOffload
 from paratrain.capabilities.float8 import Float8
 from paratrain.capabilities.grad_compression import GradientCompression
 from paratrain.capabilities.lora import LoRA
+from paratrain.capabilities.moe_balancing import MoEBalancing
 from paratrain.capabilities.muon import Muon
 from paratrain.capabilities.onebit import OneBitAdam
 from paratrain.capabilities.segment_checkpointing import SegmentCheckpointing
@@ -24,7 +25,8 @@ from paratrain.optimizers import BUILT_IN, OptimizerEntry
 
 # In the order their hooks run (and their keys are listed in a section they share).
 CAPABILITIES: tuple[type[Capability], ...] = (LoRA, Float8, OneBitAdam, EightBitAdam, Muon, ZLoss, ChunkedLoss,
-                                               ActivationOffload, CpuOffload, GradientCompression, SegmentCheckpointing)
+                                               ActivationOffload, CpuOffload, GradientCompression, SegmentCheckpointing,
+                                               MoEBalancing)
 
 # Where a capability's optimizer entries sit in the table among the built-in ones: {built-in entry: the capabilities
 # whose entries follow it}. The table's order is `optimizer.name`'s choices in --help, docs/configuration.md and the

@@ -18,6 +18,8 @@ The hooks are called at fixed points of a step (paratrain/training/step.py), alw
                         held aside, then split with the weights they adapt)
     loss_term           an extra loss on the logits (with the cross-entropy's reduction), logged under its `name`
     after_optimizer_step  after each optimizer update (fp8's precomputed scales)
+    after_expert_loads  then, on a mixture-of-experts model, with the step's expert loads over every micro-batch and
+                        data-parallel rank (auxiliary-loss-free balancing's bias update)
     gradient_reduction  what the data-parallel gradient reduction runs (a classmethod: gradient compression's
                         `GradReduction`, which the run's GradComm takes; distributed/ never imports the registry)
     checkpoint_state    the state a checkpoint saves and loads into, as plain tensors (a classmethod: every registered
@@ -205,6 +207,12 @@ class Capability:
 
     def after_optimizer_step(self, model, where: Where) -> None:
         pass
+
+    def after_expert_loads(self, model, loads, finite) -> None:
+        """After each optimizer step (and `after_optimizer_step`) of a model with MoE layers: `loads` (MoE layers of
+        `model`, E) fp64, the step's top-k assignments per expert over every micro-batch and data-parallel rank (the
+        same on every rank; a pipeline stage's own layers); `finite`: the step's flag (True, or a device bool that
+        is False where the update was skipped)."""
 
     @classmethod
     def gradient_reduction(cls, compression, layout, entry, optimizer=None, steps: int = 0):

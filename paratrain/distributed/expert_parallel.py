@@ -149,57 +149,79 @@ def shard_experts(model: nn.Module, expert_dp_mesh, policies: dict, reshard: boo
 
 
 class MoEMeter:
-    """Per-step mixture-of-experts metrics: the train step calls `record()` after each micro-step's forward
-    (before backward, whose activation-checkpoint recomputation would overwrite the modules' statistics)
-    and the metrics record `step_metrics()` once per optimizer step."""
+    """Per-step mixture-of-experts statistics: the train step calls `record()` after each micro-step's forward
+    (before backward, whose activation-checkpoint recomputation would overwrite the modules' statistics); `loads()`
+    gives the step's expert loads over the data-parallel ranks (auxiliary-loss-free balancing updates its bias from
+    them) and the metrics record `step_metrics()` once per optimizer step, from the same single all-reduce."""
 
     def __init__(self, model: nn.Module):
         self.modules = moe_modules(model)
         self.reset()  # also called by the trainer at the start of each step (a retried step starts over)
 
     def reset(self) -> None:
-        self.aux = self.tokens = self.dropped = None
+        self.aux = self.tokens = self.dropped = self.reduced = None
         self.micro = 0
 
     def record(self) -> None:
         """Record the statistics of the forward just run on the device (no synchronisation until `step_metrics`)."""
         aux = torch.stack([m.aux_loss.detach() for m in self.modules]).mean()
         tokens = torch.stack([m.tokens_per_expert for m in self.modules])  # (layers, E)
-        dropped = torch.stack([m.dropped for m in self.modules]).sum()
+        dropped = torch.stack([m.dropped for m in self.modules])  # (layers,)
         if self.tokens is None:
             self.aux, self.tokens, self.dropped = aux, tokens, dropped
         else:
             self.aux, self.tokens, self.dropped = self.aux + aux, self.tokens + tokens, self.dropped + dropped
         self.micro += 1
 
+    def reduced_stats(self, dp_group=None) -> torch.Tensor | None:
+        """The step's statistics summed over the data-parallel ranks (every token counted once: tensor-parallel ranks
+        route the same tokens and are not in the group), all-reduced once per step: (layers x E loads, layers
+        dropped, mean aux loss), or None before a forward."""
+        if self.reduced is None and self.tokens is not None:
+            stats = torch.cat([self.tokens.double().flatten(), self.dropped.double(),
+                               (self.aux.double() / self.micro).view(1)])
+            if dp_group is not None:
+                dist.all_reduce(stats, group=dp_group)
+                stats[-1] /= dist.get_world_size(dp_group)
+            self.reduced = stats
+        return self.reduced
+
+    def loads(self, dp_group=None) -> torch.Tensor | None:
+        """(MoE layers, E): this step's top-k assignments per expert over every micro-batch and data-parallel rank
+        (the same on every rank; a pipeline stage's own layers), or None before a forward."""
+        stats = self.reduced_stats(dp_group)
+        return None if stats is None else stats[:self.tokens.numel()].view(self.tokens.shape)
+
     def step_metrics(self, dp_group=None) -> dict:
         """Global (summed over data-parallel ranks) numbers for this step, then reset.
 
         moe_aux_loss: the unscaled balance loss, mean over layers, micro-steps and ranks (1.0 = balanced);
         moe_tokens_per_expert: per MoE layer, top-k assignments per expert over the global batch;
-        moe_imbalance: max over layers of (busiest expert's assignments / mean per expert), 1.0 = balanced;
-        moe_dropped_tokens: assignments dropped by the capacity limit over the global batch."""
+        moe_violation: per MoE layer, the max load violation max_e load_e / mean load - 1 (0 = balanced);
+        moe_max_violation: the worst layer's;
+        moe_dropped_share: per MoE layer, the assignments the capacity limit dropped over all its assignments;
+        moe_dropped_tokens: assignments dropped by the capacity limit over the global batch, all layers."""
         pending = self.step_stats(dp_group)
         return pending() if pending is not None else {}
 
     def step_stats(self, dp_group=None):
-        """`step_metrics` in two halves: the all-reduce now (on the device, nothing read), then reset; returns a
-        callable that reads the numbers on the host (the trainer calls it on the next log step), or None."""
-        if self.tokens is None:
+        """`step_metrics` in two halves: the all-reduce now (on the device, nothing read; none when `loads` made it
+        this step), then reset; returns a callable that reads the numbers on the host (the trainer calls it on the
+        next log step), or None."""
+        stats = self.reduced_stats(dp_group)
+        if stats is None:
             return None
-        stats = torch.cat([self.tokens.double().flatten(), self.dropped.double().view(1),
-                           (self.aux.double() / self.micro).view(1)])
-        if dp_group is not None:
-            dist.all_reduce(stats, group=dp_group)
-            stats[-1] /= dist.get_world_size(dp_group)
-        shape = self.tokens.shape
+        layers, experts = self.tokens.shape
         self.reset()
 
         def read() -> dict:
             values = stats.cpu()
-            tokens = values[:-2].view(shape).round().long()
-            imbalance = (tokens.max(1).values.double() / tokens.double().mean(1).clamp(min=1e-9)).max().item()
-            return {"moe_aux_loss": values[-1].item(), "moe_imbalance": imbalance,
-                    "moe_dropped_tokens": int(values[-2].round().item()), "moe_tokens_per_expert": tokens.tolist()}
+            tokens = values[:layers * experts].view(layers, experts).round().long()  # (layers, E)
+            dropped = values[layers * experts:-1].round().long()  # (layers,)
+            assigned = tokens.double().sum(1).clamp(min=1)
+            violation = (tokens.max(1).values.double() / (assigned / experts) - 1).clamp(min=0)  # (layers,)
+            return {"moe_aux_loss": values[-1].item(), "moe_max_violation": violation.max().item(),
+                    "moe_violation": violation.tolist(), "moe_dropped_share": (dropped / assigned).tolist(),
+                    "moe_dropped_tokens": int(dropped.sum().item()), "moe_tokens_per_expert": tokens.tolist()}
 
         return read

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from paratrain.data.batch import NOT_A_TARGET
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import adapter_init_std, is_adapter
-from paratrain.models.moe import MoE
+from paratrain.models.moe import MoE, moe_modules
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -208,7 +208,8 @@ def moe_block(args: ModelArgs) -> MoE:
     return MoE(args.dim, args.moe_experts, args.moe_top_k, args.expert_hidden, shared=shared,
                score_func=args.moe_score_func, norm_topk=args.moe_norm_topk, aux_loss_coef=args.moe_aux_loss_coef,
                capacity_factor=args.moe_capacity_factor, n_group=args.moe_n_group, topk_group=args.moe_topk_group,
-               routed_scaling_factor=args.moe_routed_scaling_factor, shared_gate=args.moe_shared_gate)
+               routed_scaling_factor=args.moe_routed_scaling_factor, shared_gate=args.moe_shared_gate,
+               expert_bias=args.moe_expert_bias)
 
 
 class TransformerBlock(nn.Module):
@@ -266,6 +267,9 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=self.rope_cos.device, args=a)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        for moe in moe_modules(self):  # the experts' routing bias starts at zero (a checkpoint then loads its own)
+            if moe.expert_bias is not None:
+                moe.expert_bias.zero_()
 
     def param_init_std(self, name: str) -> float | None:
         """Std of the normal init for a parameter by name; None means 'ones' (norm gains).

@@ -163,12 +163,15 @@ class MoE(nn.Module):
       aux_loss           the unscaled load-balancing loss (a scalar with gradient; scale by aux_loss_coef)
       tokens_per_expert  (E,) top-k assignments per expert in this forward (before capacity dropping)
       dropped            assignments dropped by the capacity limit (0-d int tensor)
+
+    `expert_bias` (DeepSeek-V3's auxiliary-loss-free balancing): a persistent fp32 buffer (E,) of zeros added to the
+    scores that choose the top-k, never to the gates; paratrain/capabilities/moe_balancing.py updates it.
     """
 
     def __init__(self, dim: int, n_experts: int, top_k: int, hidden: int, shared: nn.Module | None = None,
                  score_func: str = "softmax", norm_topk: bool = True, aux_loss_coef: float = 0.01,
                  capacity_factor: float = 0.0, n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0, shared_gate: bool = False):
+                 routed_scaling_factor: float = 1.0, shared_gate: bool = False, expert_bias: bool = False):
         super().__init__()
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"moe score function '{score_func}' is not one of {', '.join(SCORE_FUNCS)}")
@@ -187,6 +190,7 @@ class MoE(nn.Module):
         # Qwen2-MoE: the shared output times sigmoid(shared_gate(x)); after `shared`, the parameter table's order.
         self.shared_gate = nn.Linear(dim, 1, bias=False) if shared is not None and shared_gate else None
         self.dispatcher = LocalDispatcher()
+        self.register_buffer("expert_bias", torch.zeros(n_experts) if expert_bias else None)  # (E,) fp32, or None
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.dropped: torch.Tensor | None = None
@@ -195,9 +199,9 @@ class MoE(nn.Module):
         """x (N, dim) -> (probabilities (N, E) fp32 for the balance loss, expert ids (N, k), gates (N, k) fp32)."""
         logits = self.router(x)  # (N, E) fp32
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
-        choice = scores  # what the top-k is chosen by (an expert bias is added here); the gates keep `scores`
+        choice = scores if self.expert_bias is None else scores + self.expert_bias  # the bias chooses, never weighs
         idx = choose_experts(choice, self.top_k, self.n_group, self.topk_group)  # (N, k)
-        top = scores.gather(1, idx)  # (N, k)
+        top = scores.gather(1, idx)  # (N, k): the gates keep the unbiased scores
         gates = top / top.sum(-1, keepdim=True) if self.renormalise else top
         if self.routed_scaling_factor != 1.0:
             gates = gates * self.routed_scaling_factor

@@ -12,8 +12,9 @@ samples_per_s (sequences per second), mfu,
 step_time_s and its split data_time_s / compute_time_s / comm_time_s, skipped_steps, loss_scale (fp16), restarts,
 tokens, rank_memory (list of per-rank dicts, log steps only), checkpoint_save_s and checkpoint_step (duration and
 step of the save made since the previous record), on the first record of each process layout, world_size, model and params, and with a
-mixture-of-experts model moe_aux_loss, moe_imbalance, moe_dropped_tokens, moe_tokens_per_expert (one list
-per MoE layer; from MoEMeter in distributed/expert_parallel.py), with metrics.numerics_every numerics (per row:
+mixture-of-experts model moe_aux_loss, moe_max_violation (the worst layer's max_e load_e / mean load - 1),
+moe_dropped_tokens, and per MoE layer moe_violation, moe_dropped_share (dropped assignments / all) and
+moe_tokens_per_expert (from MoEMeter in distributed/expert_parallel.py), with metrics.numerics_every numerics (per row:
 act_max/_rms/_nonfinite, attn_logit_max, mlp_, grad_, weight_max/_rms/_nonfinite, headroom_bits per format, the
 first_nonfinite row) and
 numerics_act_max, numerics_grad_max, numerics_headroom_bits (observe/numerics.py), and on a step the numerics watch
@@ -246,11 +247,19 @@ PROM_SCALARS = {
     "restarts": ("paratrain_restarts", "Times this run was relaunched after a failure."),
     "checkpoint_save_s": ("paratrain_checkpoint_save_seconds", "Duration of the last checkpoint save."),
     "moe_aux_loss": ("paratrain_moe_aux_loss", "MoE load-balancing loss, unscaled (1.0 = balanced)."),
-    "moe_imbalance": ("paratrain_moe_imbalance", "Busiest expert's tokens over the mean, worst MoE layer (1 = balanced)."),
+    "moe_max_violation": ("paratrain_moe_max_violation", "Max load violation, worst MoE layer: busiest expert's "
+                          "tokens over the mean, minus 1 (0 = balanced)."),
     "moe_dropped_tokens": ("paratrain_moe_dropped_tokens", "Expert assignments dropped by the capacity limit, last step."),
     "numerics_headroom_bits": ("paratrain_numerics_min_headroom_bits",
                                "Least headroom of any layer's largest activation to the bf16 (fp16 runs: fp16) "
                                "maximum, in bits, at the last watched step (metrics.numerics_every)."),
+}
+# per MoE layer (lists in the record): {record key: (Prometheus name, help)}; TensorBoard: moe/<key>/<layer>
+MOE_LAYER_SERIES = {
+    "moe_violation": ("paratrain_moe_layer_violation", "Per MoE layer: max load violation, busiest expert's tokens "
+                      "over the mean, minus 1 (0 = balanced)."),
+    "moe_dropped_share": ("paratrain_moe_layer_dropped_share", "Per MoE layer: the share of its expert assignments "
+                          "the capacity limit dropped, last step."),
 }
 NUMERICS_KINDS = {"act": "activation", "attn_logit": "attention_logit", "mlp": "mlp_hidden", "grad": "gradient",
                   "weight": "weight"}
@@ -281,6 +290,7 @@ class PrometheusSink:
         self._phases: dict[str, float] = {}
         self._memory: list[dict] = []
         self._experts: list[list[float]] = []
+        self._moe_layers: dict[str, list[float]] = {}  # {moe_violation | moe_dropped_share: per MoE layer}
         self._numerics: dict | None = None
         self._downstream: dict = {}  # {task: {metric: value}} of the last downstream evaluation
         self._last_step_time: float | None = None
@@ -317,6 +327,7 @@ class PrometheusSink:
                                                     else r.get("node", 0) == self.node)]
             if isinstance(record.get("moe_tokens_per_expert"), list):
                 self._experts = record["moe_tokens_per_expert"]
+            self._moe_layers.update({k: record[k] for k in MOE_LAYER_SERIES if isinstance(record.get(k), list)})
             if isinstance(record.get("numerics"), dict):
                 self._numerics = record["numerics"]
             if isinstance(record.get("downstream"), dict):
@@ -330,6 +341,7 @@ class PrometheusSink:
         with self._lock:
             scalars, phases, memory = dict(self._scalars), dict(self._phases), list(self._memory)
             experts, last, numerics = list(self._experts), self._last_step_time, self._numerics
+            moe_layers = dict(self._moe_layers)
             downstream = dict(self._downstream)
         final = self._closing.is_set()  # values are final once close() began: nothing writes after that
         run = [self.run]
@@ -367,9 +379,10 @@ class PrometheusSink:
                          "moe_layer counts MoE layers from 0.", ["run", "moe_layer", "expert"],
                          [(run + [str(i), str(e)], float(v)) for i, layer in enumerate(experts)
                           for e, v in enumerate(layer)])
-            yield _gauge("paratrain_moe_layer_imbalance", "Per MoE layer: busiest expert's tokens over the mean.",
-                         ["run", "moe_layer"], [(run + [str(i)], v) for i, v in enumerate(map(imbalance, experts))
-                                                if v is not None])
+        for key, (name, help_text) in MOE_LAYER_SERIES.items():
+            if moe_layers.get(key):
+                yield _gauge(name, help_text, ["run", "moe_layer"],
+                             [(run + [str(i)], float(v)) for i, v in enumerate(moe_layers[key]) if _is_number(v)])
         if numerics:
             yield from _numerics_gauges(run, numerics)
         samples = [(run + [task, metric], float(v)) for task, values in downstream.items()
@@ -418,12 +431,6 @@ def _gauge(name: str, help_text: str, labels: list[str], samples: list[tuple[lis
     return g
 
 
-def imbalance(tokens: list[float]) -> float | None:
-    """Busiest expert's tokens over the mean (1.0 = perfectly balanced); None without tokens."""
-    mean = sum(tokens) / len(tokens) if tokens else 0
-    return max(tokens) / mean if mean > 0 else None
-
-
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -436,7 +443,7 @@ TB_TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad
            "mfu": "throughput/mfu", "step_time_s": "time/step_s", "compute_time_s": "time/compute_s",
            "data_time_s": "time/data_wait_s", "comm_time_s": "time/comm_wait_s", "skipped_steps": "train/skipped_steps",
            "loss_scale": "train/loss_scale", "restarts": "train/restarts", "checkpoint_save_s": "time/checkpoint_save_s", "moe_aux_loss": "moe/aux_loss",
-           "moe_imbalance": "moe/imbalance", "moe_dropped_tokens": "moe/dropped_tokens",
+           "moe_max_violation": "moe/max_violation", "moe_dropped_tokens": "moe/dropped_tokens",
            "numerics_act_max": "numerics/act_max", "numerics_grad_max": "numerics/grad_max",
            "numerics_headroom_bits": "numerics/min_headroom_bits"}
 
@@ -462,10 +469,10 @@ class TensorBoardSink:
             for key in MEMORY_KINDS:
                 if _is_number(row.get(key)):
                     self.writer.add_scalar(f"memory/{key}/rank{row['rank']}", row[key], step, walltime=wall)
-        for i, tokens in enumerate(record.get("moe_tokens_per_expert") or []):
-            v = imbalance(tokens)
-            if v is not None:
-                self.writer.add_scalar(f"moe/imbalance_by_layer/{i}", v, step, walltime=wall)
+        for key in MOE_LAYER_SERIES:
+            for i, v in enumerate(record.get(key) or []):
+                if _is_number(v) and math.isfinite(v):
+                    self.writer.add_scalar(f"moe/{key.removeprefix('moe_')}/{i}", v, step, walltime=wall)
         n = record.get("numerics")
         if isinstance(n, dict):
             for kind in NUMERICS_KINDS:

@@ -6,6 +6,8 @@ Reads each run's `metrics.jsonl` (and `config.toml` for the layout) and writes i
 - `memory.png`: memory per rank against step (CUDA allocated where logged, else process RSS);
 - `scaling.png` (two or more runs): tokens/s against the number of devices, with linear scaling from the smallest run,
   for the runs of one model and one global batch in tokens (the others are named as left out, with the reason);
+- `expert_load.png`, for mixture-of-experts runs: each MoE layer's max load violation (busiest expert's tokens over
+  the mean, minus 1) and dropped-assignment share against step;
 - `numerics.png` (`numerics-<run>.png` for several runs), for a run with the numerics watch on
   (metrics.numerics_every): per-layer heat maps over the watched steps of max |activation|, max |gradient| and the
   bf16 (fp16 for fp16 runs) headroom, non-finite cells marked;
@@ -32,7 +34,7 @@ from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Layout
 from paratrain.modes import LOW_PRECISIONS, Precision
 from paratrain.observe.replay import first_nonfinite_row
-from paratrain.observe.metrics import imbalance, in_effect
+from paratrain.observe.metrics import in_effect
 
 MIB = 2**20
 
@@ -239,9 +241,10 @@ def summarize(run: Run) -> dict:
         "checkpoint_saves": len(saves), "checkpoint_save_s_mean": _mean(saves),
         "checkpoint_save_s_max": max(saves) if saves else None,
         "memory": [memory[k] for k in sorted(memory)],
-        "moe": {"step": moe["step"], "imbalance": moe.get("moe_imbalance"), "aux_loss": moe.get("moe_aux_loss"),
-                "dropped_tokens": sum(r.get("moe_dropped_tokens", 0) for r in steps),
-                "layer_imbalance": [imbalance(t) for t in moe["moe_tokens_per_expert"]]} if moe else None,
+        "moe": {"step": moe["step"], "max_violation": moe.get("moe_max_violation"),
+                "aux_loss": moe.get("moe_aux_loss"), "dropped_tokens": sum(r.get("moe_dropped_tokens", 0) for r in steps),
+                "layer_violation": moe.get("moe_violation") or [],
+                "layer_dropped_share": moe.get("moe_dropped_share") or []} if moe else None,
         "unreadable_lines": run.bad_lines,
         "numerics": numerics_summary(run),
         "downstream": {"step": run.downstream[-1][0], "tasks": run.downstream[-1][1]} if run.downstream else None,
@@ -400,6 +403,31 @@ def plot_memory(runs: list[Run]):
     ax.set(xlabel="step", ylabel="MiB", title="memory per rank (" + ", ".join(sorted(kinds)) + ")")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def plot_expert_load(runs: list[Run]):
+    """Each MoE layer's max load violation and dropped-assignment share against step (a line per run and layer)."""
+    plt = pyplot()
+    fig, (violation, dropped) = plt.subplots(2, 1, figsize=(9, 8))
+    styles = ["-", "--", ":", "-."]
+    for i, run in enumerate(runs):
+        for ax, key in ((violation, "moe_violation"), (dropped, "moe_dropped_share")):
+            layers: dict[int, list[tuple[int, float]]] = {}
+            for r in run.steps:
+                for layer, v in enumerate(r.get(key) or []):
+                    if _finite(v):
+                        layers.setdefault(layer, []).append((r["step"], v))
+            for layer, pts in sorted(layers.items()):
+                ax.plot(*zip(*pts), styles[i % 4], color=f"C{layer % 10}",
+                        label=f"{run.name} MoE layer {layer}" if len(runs) > 1 else f"MoE layer {layer}")
+    violation.set(xlabel="step", ylabel="max load / mean - 1", title="max load violation per MoE layer (0 = balanced)")
+    dropped.set(xlabel="step", ylabel="share", title="dropped assignments per MoE layer (capacity limit)")
+    for ax in (violation, dropped):
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize="small", ncol=2)
     fig.tight_layout()
     return fig
 
@@ -633,11 +661,12 @@ def _expert_load_table(summaries: list[dict]) -> list[str]:
     """Mixture-of-experts runs: the experts' load at the last step, the aux loss and the dropped assignments."""
     if not any(s["moe"] for s in summaries):
         return []
-    lines = ["## Expert load (last step; imbalance = busiest expert's tokens / mean, 1.00 = balanced)", "",
-             "| run | step | imbalance (worst layer) | per MoE layer | aux loss | dropped assignments (all steps) |",
-             "|---|---:|---:|---|---:|---:|"]
-    lines += [f"| {s['name']} | {m['step']} | {_f(m['imbalance'], '{:.2f}')} | "
-              f"{', '.join(_f(v, '{:.2f}') for v in m['layer_imbalance'])} | {_f(m['aux_loss'], '{:.3f}')} | "
+    lines = ["## Expert load (last step; max violation = busiest expert's tokens / mean - 1, 0.00 = balanced)", "",
+             "| run | step | max violation (worst layer) | per MoE layer | dropped share per MoE layer | aux loss | "
+             "dropped assignments (all steps) |", "|---|---:|---:|---|---|---:|---:|"]
+    lines += [f"| {s['name']} | {m['step']} | {_f(m['max_violation'], '{:.2f}')} | "
+              f"{', '.join(_f(v, '{:.2f}') for v in m['layer_violation'])} | "
+              f"{', '.join(_f(v, '{:.1%}') for v in m['layer_dropped_share'])} | {_f(m['aux_loss'], '{:.3f}')} | "
               f"{m['dropped_tokens']} |" for s in summaries if (m := s["moe"])]
     lines.append("")
     return lines
@@ -704,6 +733,8 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> d
     figures = {"loss.png": plot_loss(runs), "throughput.png": plot_throughput(runs)}
     if any(s["memory"] for s in summaries):
         figures["memory.png"] = plot_memory(runs)
+    if any(s["moe"] for s in summaries):
+        figures["expert_load.png"] = plot_expert_load(runs)
     if any(downstream_series(r) for r in runs):
         figures["downstream.png"] = plot_downstream(runs)
     if len(points) > 1 or len(weak_points) > 1:

@@ -370,6 +370,10 @@ class TrainStep:
             self.optimizer.step()
         for capability in self.capabilities:
             capability.after_optimizer_step(self.model, self.where)
+        balancers = [c for c in self.capabilities if type(c).after_expert_loads is not Capability.after_expert_loads]
+        loads = self.moe.loads(self.loss_group) if self.moe and balancers else None  # (the metrics' all-reduce)
+        for capability in balancers if loads is not None else ():
+            capability.after_expert_loads(self.model, loads, finite)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
