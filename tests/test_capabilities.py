@@ -74,7 +74,7 @@ def test_z_loss_is_logged(tmp_path, char_data):
 # Where a capability's name may appear in the package beside its module and its registration, and why.
 NAMED_ALSO_IN = {
     "z_loss": set(),
-    "moe_balancing": set(),  # (auxiliary-loss-free balancing, `[moe]`: grepped by its module's word)
+    "moe_balancing": set(),  # (auxiliary-loss-free balancing, `[moe]`: grepped by NAME_PATTERN's words)
     "float8": {"paratrain/estimate/profile.py"},  # (the FP8 curve's name in calibration profiles saved before)
     "adamw8bit": {"paratrain/training/optim.py"},  # (its builder, imported into the builders' table)
     "muon": {"paratrain/training/muon.py", "paratrain/training/optim.py"},  # (its kernels; their builders' table)
@@ -162,7 +162,8 @@ NAMED_ALSO_IN = {
 MODULE_OF = {"segment": "segment_checkpointing", "loss_chunks": "chunked_loss"}
 # A capability's word where another meaning of it is not the capability: DeepSeek's latent attention ranks
 # (`q_lora_rank`, `kv_lora_rank`: its config.json's names) are no low-rank adapters.
-NAME_PATTERN = {"lora": r"(?<!q_)(?<!kv_)lora"}
+# Auxiliary-loss-free balancing by its module's name (the registry imports it) or its own key (its module).
+NAME_PATTERN = {"lora": r"(?<!q_)(?<!kv_)lora", "moe_balancing": "moe_balancing|bias_update_rate"}
 
 
 @pytest.mark.parametrize("name", sorted(NAMED_ALSO_IN))

@@ -165,7 +165,7 @@ class MoE(nn.Module):
       dropped            assignments dropped by the capacity limit (0-d int tensor)
 
     `expert_bias` (DeepSeek-V3's auxiliary-loss-free balancing): a persistent fp32 buffer (E,) of zeros added to the
-    scores that choose the top-k, never to the gates; paratrain/capabilities/moe_balancing.py updates it.
+    scores that choose the top-k, never to the gates; `[moe] balancing = "aux_free"` updates it.
     """
 
     def __init__(self, dim: int, n_experts: int, top_k: int, hidden: int, shared: nn.Module | None = None,
