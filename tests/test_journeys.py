@@ -102,6 +102,14 @@ JOURNEYS = {
         "paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576 "
         "--optimizer muon",
     ],
+    "deepseek": [
+        "paratrain train --nproc 2 --model.preset=tiny-deepseek --parallel.ep=2 --run.name=deepseek",
+        "paratrain eval runs/deepseek --tasks shakespeare --nproc 2 --parallel.ep=2",
+        "paratrain export runs/deepseek --format hf --out deepseek-hf",
+        'python -c "from transformers import pipeline; print(pipeline(\'text-generation\', \'deepseek-hf\')(\'ROMEO:\', '
+        'max_new_tokens=20)[0][\'generated_text\'])"',
+        "paratrain verify --layouts fsdp2,tp2,pp2-1f1b,ep2 --set model.preset=tiny-deepseek",
+    ],
     "qwen": [
         "paratrain estimate --model qwen3-8b --gpu H100 --dp-shard 8 --seq-len 4096 --checkpointing selective",
         "paratrain estimate --model qwen3-30b-a3b --gpu H100 --dp-shard 8 --ep 8",
@@ -577,6 +585,25 @@ def test_journey_muon(journey):
                       "--global-batch-tokens 1048576 --optimizer muon").stdout
     assert float(re.search(r"^best: .* optimizer ([\d.]+) ms", out, re.M).group(1)) > 100, out
     assert 'name = "muon"' in (journey.cwd / "plan" / "config.toml").read_text()
+
+
+def test_journey_deepseek(journey):
+    """docs/models.md's DeepSeek-V3 journey: tiny-deepseek trained on 2 ranks with expert parallelism (its balance and
+    multi-token prediction metrics logged), evaluated on 2 ranks, exported as DeepseekV3ForCausalLM that transformers
+    generates with; its layouts match one process."""
+    j = journey
+    steps = JOURNEYS["deepseek"]
+    j.train(steps[0], "--training.log_every=1")
+    records = [r for r in metrics(j.cwd / "runs" / "deepseek") if "loss" in r]
+    assert records and all("moe_max_violation" in r and "mtp_loss" in r for r in records), records[-1]
+    out = j.doc(steps[1], after=["--limit", "4"]).stdout
+    assert "shakespeare_choice" in out
+    j.doc(steps[2])
+    config = json.loads((j.cwd / "deepseek-hf" / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["n_group"] == 4
+    assert j.doc(steps[3]).stdout.startswith("ROMEO:")
+    out = j.doc(steps[4], after=["--steps", "3"]).stdout
+    assert out.count("PASS") == 4 and "FAIL" not in out, out
 
 
 def test_journey_qwen(journey):
