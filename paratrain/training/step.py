@@ -156,11 +156,30 @@ class ScheduleLoss:
 
     def __init__(self, scaler, token_loss: TokenLoss):
         self.scaler, self.weight, self.token_loss, self.more = scaler, None, token_loss, None
+        self.forwarded = False  # the last stage ran a microbatch's forward since the last call
+
+    def watch(self, stages) -> None:
+        """Note each forward of the last stage among `stages`: the schedule's metadata inference (its first step)
+        calls the loss once on made-up activations without one, a call the step's metrics must not count."""
+        for stage in stages:
+            if stage.is_last:
+                forward = stage.forward_one_chunk
+
+                def noted(*args, **kwargs):
+                    self.forwarded = True
+                    return forward(*args, **kwargs)
+
+                stage.forward_one_chunk = noted
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        mean, weight = self.weight is None, self.weight
-        value = self.token_loss(logits, targets) if mean else self.token_loss(logits, targets, "sum") * weight
-        more = self.more(targets, mean, lambda v: v if mean else v * weight) if self.more is not None else None
+        recording, self.token_loss.recording = self.token_loss.recording, self.token_loss.recording and self.forwarded
+        self.forwarded = False
+        try:
+            mean, weight = self.weight is None, self.weight
+            value = self.token_loss(logits, targets) if mean else self.token_loss(logits, targets, "sum") * weight
+            more = self.more(targets, mean, lambda v: v if mean else v * weight) if self.more is not None else None
+        finally:
+            self.token_loss.recording = recording
         if more is not None:
             value = full_tensor(value) + more  # (loss parallel's replicated DTensor as a plain tensor, like the term)
         return self.scaler.scale(value) if self.scaler is not None else value
@@ -515,6 +534,7 @@ def build_train_step(model_args, dims, recipe: Recipe | None = None, device: tor
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
         pipeline = build_pipeline(dims, model, ac, precision, recipe.compile, device, options.seed,
                                   ScheduleLoss(scaler, token_loss), comm, capabilities)
+        pipeline.loss_fn.watch(pipeline.stages)
         model = pipeline.model
     else:
         model = parallelize(model, dims, ac, precision, recipe.compile, device, options.seed, comm=comm,
