@@ -134,3 +134,25 @@ def test_layouts_match_one_process(char_data):
     result, _ = run_verify(MTP_MATRIX, steps=4, tolerance=1e-5, extra_args=[f"data.dir={char_data}"],
                            echo=lambda line: None, share_launches=True)
     assert [r.layout for r in result if r.passed] == MTP_MATRIX, result
+
+
+def test_flops_count_each_depth_as_a_block_and_a_head_pass():
+    """Each depth adds 6 x (its module's active parameters + one more pass through the head) + a block's attention;
+    an MoE module counts top_k of its routed experts, like the model's MoE blocks."""
+    from paratrain.models import count_active_params, flops_per_token
+    from paratrain.models.presets import block_param_count
+
+    base, args = preset_args("tiny-moe", vocab_size=V), preset_args("tiny-moe", vocab_size=V, mtp_depth=2)
+    C, L = args.dim, args.n_layers
+    module = block_param_count(base, L - 1, active=True) + 2 * C * C + 3 * C  # its block, projection and norms
+    assert any(p.expert for p in parameters(args) if p.name.startswith("mtp."))
+    assert count_active_params(args) - count_active_params(base) == 2 * module
+    want = 6 * 2 * (module + V * C) + 12 * 2 * C * 128
+    assert flops_per_token(args, 128) - flops_per_token(base, 128) == pytest.approx(want)
+
+
+def test_pipeline_split_counts_the_modules_on_the_last_stage():
+    from paratrain.stage_split import balanced_split
+
+    assert balanced_split(preset_args("tiny", vocab_size=V, n_layers=8), 4) == (2, 2, 2, 2)
+    assert balanced_split(preset_args("tiny", vocab_size=V, n_layers=8, mtp_depth=1), 4)[-1] == 1
