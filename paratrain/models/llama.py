@@ -293,7 +293,8 @@ class Transformer(nn.Module):
         `positions` (B, T): windows packed with whole documents, each token's position in its document (rotary
         angles restart and attention stays inside each document; see `Documents`). `mtp_targets` (B, T): the targets
         of a training forward, for multi-token prediction's modules (models/mtp.py), which then run and leave each
-        depth's summed cross-entropy in `mtp_losses`; without it (evaluation, generation) they do not run."""
+        depth's summed cross-entropy in `mtp_losses`; without it (evaluation, generation) they do not run. Under a
+        pipeline every stage gets it: the first sends the embeddings of the tokens ahead beside its output."""
         T = seq_len or tokens.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}")
