@@ -391,6 +391,9 @@ class Layout:
             if args.moe_experts:
                 raise ConfigError("pipeline parallelism does not support mixture-of-experts models yet (parallel.pp > 1 "
                                   "with model.moe_experts > 0)")
+        if self.cp > 1 and args.mtp_depth:
+            raise ConfigError(f"parallel.cp={self.cp} does not support multi-token prediction (model.mtp_depth > 0): "
+                              "depth d reads the tokens d places ahead, in another rank's slice of the sequence")
         if self.cp > 1 and args.moe_experts:
             raise ConfigError(f"parallel.cp={self.cp} does not support mixture-of-experts models (model.moe_experts > 0): "
                               "routing capacity and the balance loss are computed over whole sequences")

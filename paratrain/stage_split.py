@@ -7,12 +7,14 @@ from __future__ import annotations
 import bisect
 import functools
 
+from paratrain.models.llama_params import MTP_PREFIX
 from paratrain.models.presets import block_param_count
+from paratrain.models.registry import parameters
 
 
 def balanced_split(args, num_stages: int) -> tuple[int, ...]:
     """Contiguous blocks per stage minimising the largest stage's parameters (the embedding counts on the first
-    stage, norm + output on the last)."""
+    stage, norm + output and multi-token prediction's modules on the last)."""
     return _min_max_split(_block_costs(args), num_stages)
 
 
@@ -20,7 +22,8 @@ def balanced_split(args, num_stages: int) -> tuple[int, ...]:
 def _block_costs(args) -> tuple[int, ...]:
     cost = [block_param_count(args, i) for i in range(args.n_layers)]
     cost[0] += args.vocab_size * args.dim
-    cost[-1] += args.vocab_size * args.dim + args.dim
+    mtp = sum(p.numel for p in parameters(args) if p.name.startswith(MTP_PREFIX))
+    cost[-1] += args.vocab_size * args.dim + args.dim + mtp
     return tuple(cost)
 
 

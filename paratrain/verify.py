@@ -24,6 +24,7 @@ from paratrain.modes import Precision
 from paratrain.recipe import config_default, setting_keys
 
 LONG_MODEL = "model.max_seq_len=1024"  # the tiny model with room for long sequences
+MTP = "model.mtp_depth=1"  # multi-token prediction's rows
 QWEN3, QWEN3_MOE = "model.preset=tiny-qwen3", "model.preset=tiny-qwen3-moe"  # q/k norms, q/k/v/o biases, head_dim 32
 MLA = "model.preset=tiny-mla"  # multi-head latent attention (DeepSeek), a dense block then an MoE one
 DENSE = "model.moe_experts=0"  # (pipeline and context parallelism do not take mixtures of experts yet)
@@ -107,6 +108,13 @@ LAYOUTS: dict[str, tuple] = {
     "mla-ep2xtp2": (4, "fsdp,tp=2,ep=2", MLA),
     "mla-pp2-1f1b": (2, "nodp,pp=2,sched=1f1b", MLA, DENSE),
     "mla-cp2": (2, "fsdp,cp=2", MLA, DENSE),
+    # Multi-token prediction (one module after the last block, models/mtp.py) on the MoE model; under a pipeline on
+    # the dense one (pipelines refuse mixture-of-experts models), its module on the last stage.
+    "mtp-fsdp2": (2, "fsdp", MOE_PRESET, MTP),
+    "mtp-tp2+sp": (2, "nodp,tp=2", MOE_PRESET, MTP),
+    "mtp-pp2-1f1b": (2, "nodp,pp=2,sched=1f1b", MTP),
+    "mtp-pp2-interleaved": (2, "nodp,pp=2,sched=interleaved_1f1b", MTP),
+    "mtp-ep2": (2, "fsdp,ep=2", MOE_PRESET, MTP),
 
     # The capabilities that change the model (`verify_matrix` "model": adapters on a frozen tiny model), against one
     # process training the same model.
@@ -131,6 +139,7 @@ PP_MATRIX = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2-zb", "pp2xdp2", "p
 CP_MATRIX = ["cp2", "cp2xfsdp2", "cp2xtp2", "cp2xpp2", "cp4-seq1024"]
 QWEN_MATRIX = ["qwen3-fsdp2", "qwen3-tp2+sp", "qwen3-pp2", "qwen3-cp2", "qwen3-moe-ep2xfsdp2"]
 MLA_MATRIX = ["mla-fsdp2", "mla-tp2", "mla-tp2+sp", "mla-ep2xtp2", "mla-pp2-1f1b", "mla-cp2"]
+MTP_MATRIX = ["mtp-fsdp2", "mtp-tp2+sp", "mtp-pp2-1f1b", "mtp-pp2-interleaved", "mtp-ep2"]
 
 MODEL_CAPABILITY_MATRIX = list(capabilities.verify_rows("model"))
 

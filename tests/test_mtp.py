@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.data.batch import NOT_A_TARGET
-from paratrain.errors import ConfigError
 from paratrain.models import build_model, preset_args
 from paratrain.models.registry import parameters
 
@@ -102,40 +101,58 @@ def test_export_drops_the_modules():
     assert [p.hf for p in exported] == [p.hf for p in pieces(preset_args("tiny", vocab_size=V))]
 
 
-@pytest.mark.parametrize("degrees, word", [(dict(cp=2), "parallel.cp=2"), (dict(pp=2), "pipeline"),
-                                           (dict(tp=2), "sequence parallelism")])
-def test_refused_layouts(degrees, word):
-    from paratrain.layout import Layout
-    from paratrain.training.step import check_mtp_layout
+def test_context_parallel_is_refused_before_launch(char_data, tmp_path):
+    """Depth d reads the tokens d places ahead, in another rank's slice under cp: a one-line error, no run folder."""
+    from conftest import assert_plan_rejected
 
-    check_mtp_layout(Layout.resolve(2, tp=2, sequence_parallel=False))  # tensor parallel without sp runs
-    with pytest.raises(ConfigError, match=word) as e:
-        check_mtp_layout(Layout.resolve(2, **degrees))
-    assert "\n" not in str(e.value)
+    assert_plan_rejected(char_data, tmp_path, 2, ["parallel.cp=2", "model.mtp_depth=1"],
+                         "parallel.cp=2 does not support multi-token prediction", micro_batch=2)
 
 
-def test_mtp_loss_is_logged(tmp_path, char_data):
-    run = subprocess.run([sys.executable, "-m", "paratrain", "train", "--training.steps=2", "--training.log_every=1",
-                          "--model.preset=tiny", "--model.mtp_depth=1", "--training.seq_len=32",
-                          "--training.micro_batch=2", f"--data.dir={char_data}", f"--run.out_dir={tmp_path}",
-                          "--sample.max_new_tokens=0", "--training.eval_every=0", "--checkpoint.save_final=false",
-                          "--metrics.progress=none"], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    records = [json.loads(line) for line in (tmp_path / "default" / "metrics.jsonl").read_text().splitlines()]
-    logged = [r["mtp_loss"] for r in records if "loss" in r]
-    assert len(logged) == 2 and all(2 < v < 6 for v in logged), records
+def test_mtp_loss_is_logged_the_same_under_a_pipeline(tmp_path, char_data):
+    """One process and pp2 (the module on the last stage, the embeddings ahead sent from the first) log the same
+    mtp_loss per step."""
+    logged = {}
+    for name, more in (("one", []), ("pp", ["--nproc", "2", "--parallel.pp=2"])):
+        run = subprocess.run([sys.executable, "-m", "paratrain", "train", *more, "--training.steps=2",
+                              "--training.log_every=1", "--model.preset=tiny", "--model.mtp_depth=1",
+                              "--training.seq_len=32", "--training.micro_batch=2", f"--data.dir={char_data}",
+                              f"--run.out_dir={tmp_path}", f"--run.name={name}", "--sample.max_new_tokens=0",
+                              "--training.eval_every=0", "--checkpoint.save_final=false", "--metrics.progress=none"],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        logged[name] = [r["mtp_loss"] for r in records if "loss" in r]
+    assert len(logged["one"]) == 2 and all(2 < v < 6 for v in logged["one"]), logged
+    assert logged["pp"] == pytest.approx(logged["one"], abs=1e-5)
 
 
 def test_layouts_match_one_process(char_data):
-    from paratrain.capabilities.base import MOE_PRESET
-    from paratrain.verify import LAYOUTS, run_verify
+    """fsdp2, tp2 with sequence parallelism, pp2 (1f1b, interleaved) and ep2 against one process at 1e-5."""
+    from paratrain.verify import MTP_MATRIX, run_verify
 
-    rows = {f"mtp-{name}": (*LAYOUTS[name][:2], MOE_PRESET, "model.mtp_depth=1") for name in ("fsdp2", "tp2", "ep2")}
-    LAYOUTS.update(rows)
-    try:
-        result, _ = run_verify(list(rows), steps=4, tolerance=1e-5, extra_args=[f"data.dir={char_data}"],
-                               echo=lambda line: None, share_launches=True)
-    finally:
-        for name in rows:
-            del LAYOUTS[name]
-    assert [r.layout for r in result if r.passed] == list(rows), result
+    result, _ = run_verify(MTP_MATRIX, steps=4, tolerance=1e-5, extra_args=[f"data.dir={char_data}"],
+                           echo=lambda line: None, share_launches=True)
+    assert [r.layout for r in result if r.passed] == MTP_MATRIX, result
+
+
+def test_flops_count_each_depth_as_a_block_and_a_head_pass():
+    """Each depth adds 6 x (its module's active parameters + one more pass through the head) + a block's attention;
+    an MoE module counts top_k of its routed experts, like the model's MoE blocks."""
+    from paratrain.models import count_active_params, flops_per_token
+    from paratrain.models.presets import block_param_count
+
+    base, args = preset_args("tiny-moe", vocab_size=V), preset_args("tiny-moe", vocab_size=V, mtp_depth=2)
+    C, L = args.dim, args.n_layers
+    module = block_param_count(base, L - 1, active=True) + 2 * C * C + 3 * C  # its block, projection and norms
+    assert any(p.expert for p in parameters(args) if p.name.startswith("mtp."))
+    assert count_active_params(args) - count_active_params(base) == 2 * module
+    want = 6 * 2 * (module + V * C) + 12 * 2 * C * 128
+    assert flops_per_token(args, 128) - flops_per_token(base, 128) == pytest.approx(want)
+
+
+def test_pipeline_split_counts_the_modules_on_the_last_stage():
+    from paratrain.stage_split import balanced_split
+
+    assert balanced_split(preset_args("tiny", vocab_size=V, n_layers=8), 4) == (2, 2, 2, 2)
+    assert balanced_split(preset_args("tiny", vocab_size=V, n_layers=8, mtp_depth=1), 4)[-1] == 1

@@ -30,7 +30,8 @@ from paratrain.layout import Layout
 # -- building ------------------------------------------------------------------------------------
 
 def prune(model: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Module:
-    """Keep only `layers` (names unchanged), the embedding on the first stage, norm + output on the last."""
+    """Keep only `layers` (names unchanged), the embedding on the first stage, norm + output (and multi-token
+    prediction's modules) on the last."""
     for key in list(model.layers.keys()):
         if int(key) not in layers:
             del model.layers[key]
@@ -39,6 +40,7 @@ def prune(model: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Mo
     if not last:
         model.norm = None
         model.output = None
+        model.mtp = None
     return model
 
 
@@ -67,6 +69,11 @@ class Pipeline:
         return self.layout.num_stages - 1 in self.modules
 
     @property
+    def last_module(self) -> nn.Module | None:
+        """The last stage's module, if this rank holds it."""
+        return self.modules.get(self.layout.num_stages - 1)
+
+    @property
     def last_owner(self) -> int:
         return self.layout.stage_owner(self.layout.num_stages - 1)
 
@@ -78,6 +85,8 @@ class Pipeline:
         start = time.perf_counter()
         target = y if self.has_last else None
         extra = {} if positions is None else {"positions": positions}
+        if next(iter(self.modules.values())).args.mtp_depth:  # multi-token prediction: see Transformer.forward
+            extra["mtp_targets"] = y
         # return_outputs=False: the last stage would otherwise keep every microbatch's logits to the end of the step
         if self.has_first:
             self.schedule.step(x, target=target, losses=losses, return_outputs=False, **extra)
@@ -253,6 +262,7 @@ class StageGroup(nn.Module):
         self.layers = nn.ModuleDict({k: owned[k] for k in sorted(owned, key=int)})
         self.norm = last.norm if last is not None else None
         self.output = last.output if last is not None else None
+        self.mtp = getattr(last, "mtp", None)
 
 
 def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str, compile: bool,

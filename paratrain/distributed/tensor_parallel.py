@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleI
 from torch.distributed.tensor.parallel import SequenceParallel
 from torch.distributed.tensor.parallel import parallelize_module
 
+from paratrain.models.llama_params import MTP_PREFIX
 from paratrain.models.registry import family_of, parameters
 
 # A sublayer's inputs under sequence parallelism: the residual stream first (gathered), the rest untouched.
@@ -101,6 +102,21 @@ def gathered_sequence_parallel():
     return GatheredSequenceParallel()
 
 
+def scattered_replicated():
+    """A replicated matrix outside the blocks under sequence parallelism (multi-token prediction's projection): it
+    reads the gathered norms' whole sequences (Replicate DTensors) and hands the residual stream back sharded along
+    the sequence, a plain tensor like a block's output."""
+
+    class ScatteredReplicate(ParallelStyle):
+        def _apply(self, module: nn.Module, mesh) -> nn.Module:
+            def to_sequence_shard(mod, outputs, mesh):
+                return outputs.redistribute(placements=[Shard(1)]).to_local()
+
+            return distribute_module(module, mesh, output_fn=to_sequence_shard)
+
+    return ScatteredReplicate()
+
+
 def module_roles(params) -> dict[str, str]:
     """Module path -> role, in table order; every parameter of one module must share its role."""
     roles: dict[str, str] = {}
@@ -176,11 +192,16 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
     args = model.args
     family, table = family_of(args), parameters(args)
     styles = _Styles(sequence_parallel, loss_parallel, args.mla_qk_rope_head_dim)
+    # Multi-token prediction's blocks (models/mtp.py: `mtp.{d}.block`, of index n_layers + d; outside `layers`, layer
+    # None) are laid out like the model's; its other modules like those around the blocks (the norms like the final
+    # norm, its projection `scattered_replicated`).
+    extra_blocks = {f"{MTP_PREFIX}{d}.block.": (args.n_layers + d, m.block)
+                    for d, m in enumerate(getattr(model, "mtp", None) or ())}
+    outside = [p for p in table if p.layer is None and not any(p.name.startswith(b) for b in extra_blocks)]
     # A pipeline stage lacks the embedding (all but the first) or the head (all but the last).
-    top = {m: gathered_sequence_parallel() if (r == "norm" and sequence_parallel) else styles.of(r, styles.residual)
-           for m, r in module_roles(p for p in table if p.layer is None).items()
+    top = {m: top_style(styles, r) for m, r in module_roles(outside).items()
            if getattr(model, m.split(".")[0]) is not None}
-    # (routed experts outside the blocks, multi-token prediction's: no style, spread by expert parallelism)
+    # (routed experts outside the blocks: no style, spread by expert parallelism)
     parallelize_module(model, tp_mesh, {m: style for m, style in top.items() if style is not None})
 
     by_layer: dict[int, list] = {}
@@ -188,16 +209,35 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
         if p.layer is not None:
             by_layer.setdefault(p.layer, []).append(p)
     for key, block in model.layers.items():
-        index = int(key)
-        kinds = family.sublayers(args, index)
-        outputs, prepare = {}, {}
-        for name, kind in kinds.items():
-            outputs[name], prepare[name] = styles.sublayer(kind)
-        plan = {}
-        for module, role in module_roles(by_layer[index]).items():
-            classes = style_classes.get(f"layers.{key}.{module}")
-            style = styles.of(role, outputs.get(module.split(".")[0], styles.residual), classes)
-            if style is not None:
-                plan[module] = style
-        plan.update({name: style for name, style in prepare.items() if style is not None})
-        parallelize_module(block, tp_mesh, plan)
+        roles = module_roles(by_layer[int(key)])
+        classes = {m: style_classes.get(f"layers.{key}.{m}") for m in roles}
+        parallelize_module(block, tp_mesh, block_plan(styles, family.sublayers(args, int(key)), roles, classes))
+    for prefix, (index, block) in extra_blocks.items():
+        roles = {m[len(prefix):]: r for m, r in module_roles(p for p in table if p.name.startswith(prefix)).items()}
+        parallelize_module(block, tp_mesh, block_plan(styles, family.sublayers(args, index), roles, {}))
+
+
+def top_style(styles: _Styles, role: str):
+    """The style of a module outside the blocks: under sequence parallelism its norms gather their output (the final
+    norm's, before the head; multi-token prediction's, before the head or its projection), which hands the residual
+    stream back sharded."""
+    if styles.sp and role == "norm":
+        return gathered_sequence_parallel()
+    if styles.sp and role == "replicated":
+        return scattered_replicated()
+    return styles.of(role, styles.residual)
+
+
+def block_plan(styles: _Styles, kinds: dict, roles: dict[str, str], classes: dict) -> dict:
+    """A block's plan: each module's style by its role (module paths relative to the block; `classes`: a
+    capability's style classes per module, or None) and the styles preparing its sublayers' inputs."""
+    outputs, prepare = {}, {}
+    for name, kind in kinds.items():
+        outputs[name], prepare[name] = styles.sublayer(kind)
+    plan = {}
+    for module, role in roles.items():
+        style = styles.of(role, outputs.get(module.split(".")[0], styles.residual), classes.get(module))
+        if style is not None:
+            plan[module] = style
+    plan.update({name: style for name, style in prepare.items() if style is not None})
+    return plan

@@ -298,11 +298,20 @@ class Transformer(nn.Module):
         `positions` (B, T): windows packed with whole documents, each token's position in its document (rotary
         angles restart and attention stays inside each document; see `Documents`). `mtp_targets` (B, T): the targets
         of a training forward, for multi-token prediction's modules (models/mtp.py), which then run and leave each
-        depth's summed cross-entropy in `mtp_losses`; without it (evaluation, generation) they do not run."""
+        depth's summed cross-entropy in `mtp_losses`; without it (evaluation, generation) they do not run. Under a
+        pipeline every stage gets it: the first sends the embeddings of the tokens ahead beside its output."""
         T = seq_len or tokens.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, C)
+        ahead, depth = None, self.args.mtp_depth if mtp_targets is not None else 0
+        if depth:  # multi-token prediction's embeddings of the tokens ahead (B, T, D C), made beside the input's
+            from paratrain.models.mtp import embedded_ahead
+
+            if self.tok_embeddings is not None:
+                ahead = embedded_ahead(self.tok_embeddings, tokens, depth)
+            else:  # a later pipeline stage: the first stage sent them as more channels of the hidden states
+                h, ahead = h.split([self.args.dim, depth * self.args.dim], dim=-1)
         documents = None
         if positions is None:
             cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, D/2): rotary angles of positions 0..T-1
@@ -311,11 +320,10 @@ class Transformer(nn.Module):
             documents = Documents(positions)
         for layer in self.layers.values():
             h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents=documents)
-        if self.output is None:
-            return h  # (B, T, C) to the next stage
-        if self.mtp is not None and mtp_targets is not None:  # from the last block's output, before the final norm
-            self.mtp_losses = self.mtp(h, tokens, mtp_targets, self.tok_embeddings, self.output, cos, sin, documents,
-                                       loss_chunks)
+        if self.output is None:  # to the next stage: (B, T, C), or with the embeddings ahead (B, T, (1 + D) C)
+            return h if ahead is None else torch.cat([h, ahead], dim=-1)
+        if self.mtp is not None and ahead is not None:  # from the last block's output, before the final norm
+            self.mtp_losses = self.mtp(h, ahead, mtp_targets, self.output, cos, sin, documents, loss_chunks)
         if targets is not None:
             return chunked_cross_entropy(self.norm(h), targets, self.output, loss_chunks, reduction, piece_loss)
         return self.output(self.norm(h))  # (B, T, V)

@@ -15,7 +15,10 @@ layer is). Generation, evaluation and export use the main head only: the modules
 targets (`Transformer.forward(mtp_targets=...)`), and export leaves their weights out (`llama_params.MTP_PREFIX`).
 
 A plain nn.Module like the rest of the model; its parameters are in the family's table (`llama_params.mtp_params`:
-after the output head, `layer` None, so a pipeline would hold them on its last stage, with the head).
+after the output head, `layer` None, so a pipeline holds them on its last stage, with the head). The embeddings of the
+tokens ahead are made where the shared embedding is (`embedded_ahead`): under a pipeline the first stage sends them
+beside the hidden states, as more channels the stages between pass on (`Transformer.forward`), so the embedding's
+gradient comes back through the pipeline's own backward and it stays one weight.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch import nn
 from paratrain.data.batch import NOT_A_TARGET
 from paratrain.models.args import ModelArgs
 from paratrain.models.llama import RMSNorm, TransformerBlock, chunked_cross_entropy
+
 
 def shifted(values: torch.Tensor, d: int, fill: int | None = None) -> torch.Tensor:
     """values (B, T) moved d positions left: position i holds values[i + d]; the last d positions hold `fill`, or
@@ -59,18 +63,23 @@ class MultiTokenPrediction(nn.ModuleList):
     def __init__(self, args: ModelArgs, attention):
         super().__init__([MTPModule(args, args.n_layers + d, attention) for d in range(args.mtp_depth)])
 
-    def forward(self, h: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor, embedding: nn.Module,
-                head: nn.Module, cos: torch.Tensor, sin: torch.Tensor, documents=None,
-                pieces: int = 1) -> list[torch.Tensor]:
+    def forward(self, h: torch.Tensor, ahead: torch.Tensor, targets: torch.Tensor, head: nn.Module,
+                cos: torch.Tensor, sin: torch.Tensor, documents=None, pieces: int = 1) -> list[torch.Tensor]:
         """Each depth's summed cross-entropy over its targets (a list of D scalars: the trainer divides, weights and
-        adds them). h: the last block's output (B, T, C); tokens, targets (B, T): the main model's input and targets;
-        `embedding`, `head`: the model's shared input embedding and output head; `pieces`: pieces of the
-        head's logits (`chunked_cross_entropy`)."""
+        adds them). h: the last block's output (B, T, C); ahead: `embedded_ahead` (B, T, D C); targets (B, T): the
+        main model's; `head`: the model's shared output head; `pieces`: pieces of the head's logits
+        (`chunked_cross_entropy`)."""
         losses = []
-        for d, module in enumerate(self, start=1):
-            h = module(h, embedding(shifted(tokens, d)), cos, sin, documents)  # (B, T, C)
+        for d, (module, embedded) in enumerate(zip(self, ahead.chunk(len(self), dim=-1)), start=1):
+            h = module(h, embedded, cos, sin, documents)  # (B, T, C)
             losses.append(chunked_cross_entropy(module.norm(h), depth_targets(targets, d), head, pieces, "sum"))
         return losses
+
+
+def embedded_ahead(embedding: nn.Module, tokens: torch.Tensor, depth: int) -> torch.Tensor:
+    """The shared embedding of the tokens 1..depth places ahead, side by side: tokens (B, T) -> (B, T, depth C),
+    channels [(d - 1) C, d C) holding Emb(t_{i+d})."""
+    return torch.cat([embedding(shifted(tokens, d)) for d in range(1, depth + 1)], dim=-1)
 
 
 def depth_targets(targets: torch.Tensor, depth: int) -> torch.Tensor:

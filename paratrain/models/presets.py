@@ -8,7 +8,7 @@ import difflib
 
 from paratrain.errors import ConfigError, UserError
 from paratrain.models.args import ROPE_SCALINGS, SCORE_FUNCS, ModelArgs
-from paratrain.models.registry import attention_shape, block_numels, get_family, parameters
+from paratrain.models.registry import attention_shape, block_numels, get_family, parameters, used_numel
 
 LLAMA3_VOCAB = 128256
 LLAMA31_ROPE = dict(norm_eps=1e-5, rope_scaling="llama3", rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
@@ -203,7 +203,9 @@ def count_params(args: ModelArgs, include_embedding: bool = True, active: bool =
     routed experts instead of all of them (the same as the total for a dense model).
     """
     blocks = sum(block_param_count(args, i, active) for i in range(args.n_layers))
-    outside = sum(p.numel for p in parameters(args) if p.layer is None and (include_embedding or p.where != "embedding"))
+    # (outside the blocks: multi-token prediction's modules, models/mtp.py, whose block may hold routed experts)
+    outside = sum(used_numel(args, p) if active else p.numel for p in parameters(args)
+                  if p.layer is None and (include_embedding or p.where != "embedding"))
     return blocks + outside
 
 
@@ -224,8 +226,10 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     attention's `score_width`, dim for grouped-query attention, heads x (q/k + v width) / 2 for latent attention).
 
     The PaLM appendix convention, as used by nanoGPT and torchtitan, so MFU figures are comparable.
-    N counts the parameters a token is multiplied by: the active ones for a mixture of experts.
+    N counts the parameters a token is multiplied by: the active ones for a mixture of experts. Multi-token
+    prediction's depths (models/mtp.py) each add a block and its projection (in N) and one more pass through the
+    shared output head, and the block's attention.
     """
     # The input lookup does no matmul; a tied embedding does, as the output projection.
-    n = count_active_params(args, include_embedding=args.tie_embeddings)
-    return 6 * n + 12 * args.n_layers * attention_shape(args).score_width * seq_len
+    n = count_active_params(args, include_embedding=args.tie_embeddings) + args.mtp_depth * args.vocab_size * args.dim
+    return 6 * n + 12 * (args.n_layers + args.mtp_depth) * attention_shape(args).score_width * seq_len

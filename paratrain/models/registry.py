@@ -68,8 +68,13 @@ def block_numels(args: ModelArgs) -> tuple[tuple[int, int], ...]:
     for p in parameters(args):
         if p.layer is not None:
             out[p.layer][0] += p.numel
-            out[p.layer][1] += p.numel * args.moe_top_k // p.shape[0] if p.expert else p.numel
+            out[p.layer][1] += used_numel(args, p)
     return tuple(map(tuple, out))
+
+
+def used_numel(args: ModelArgs, p: Param) -> int:
+    """Elements of `p` one token uses: top_k of a routed-expert weight's experts, all of any other parameter's."""
+    return p.numel * args.moe_top_k // p.shape[0] if p.expert else p.numel
 
 
 @functools.lru_cache(maxsize=256)

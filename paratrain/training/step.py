@@ -32,7 +32,6 @@ from paratrain.config import ActivationCheckpointConfig, OptimizerConfig
 from paratrain.capabilities import gradient_reduction, loss_pieces, optimizer_entry
 from paratrain.capabilities.base import Capability, Where
 from paratrain.data.batch import NOT_A_TARGET, as_batch
-from paratrain.errors import ConfigError
 from paratrain.distributed.compression import GradComm
 from paratrain.distributed.context_parallel import ContextParallel, WholeSequenceSampler, context_for, whole_sequences
 from paratrain.distributed.expert_parallel import MoEMeter
@@ -151,16 +150,38 @@ class TokenLoss:
 
 class ScheduleLoss:
     """The loss a pipeline schedule backpropagates from the last stage, per microbatch (scaled for fp16): the mean,
-    or with a batch's `target_count` the masked sum times `weight` (set before each step)."""
+    or with a batch's `target_count` the masked sum times `weight` (set before each step); plus `more(targets, mean,
+    scale)`'s term of the stage's forward just run, when set (the step's multi-token prediction: `TrainStep._mtp_loss`),
+    the schedule computing each microbatch's loss right after its forward."""
 
     def __init__(self, scaler, token_loss: TokenLoss):
-        self.scaler, self.weight, self.token_loss = scaler, None, token_loss
+        self.scaler, self.weight, self.token_loss, self.more = scaler, None, token_loss, None
+        self.forwarded = False  # the last stage ran a microbatch's forward since the last call
+
+    def watch(self, stages) -> None:
+        """Note each forward of the last stage among `stages`: the schedule's metadata inference (its first step)
+        calls the loss once on made-up activations without one, a call the step's metrics must not count."""
+        for stage in stages:
+            if stage.is_last:
+                forward = stage.forward_one_chunk
+
+                def noted(*args, **kwargs):
+                    self.forwarded = True
+                    return forward(*args, **kwargs)
+
+                stage.forward_one_chunk = noted
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.weight is None:
-            value = self.token_loss(logits, targets)
-        else:
-            value = self.token_loss(logits, targets, "sum") * self.weight
+        recording, self.token_loss.recording = self.token_loss.recording, self.token_loss.recording and self.forwarded
+        self.forwarded = False
+        try:
+            mean, weight = self.weight is None, self.weight
+            value = self.token_loss(logits, targets) if mean else self.token_loss(logits, targets, "sum") * weight
+            more = self.more(targets, mean, lambda v: v if mean else v * weight) if self.more is not None else None
+        finally:
+            self.token_loss.recording = recording
+        if more is not None:
+            value = full_tensor(value) + more  # (loss parallel's replicated DTensor as a plain tensor, like the term)
         return self.scaler.scale(value) if self.scaler is not None else value
 
 
@@ -209,8 +230,12 @@ class TrainStep:
         self.autocast = Precision(precision).low_precision and not layout.uses_fsdp
         self.moe_layers = moe_modules(unwrap(model))
         self.moe = MoEMeter(unwrap(model)) if self.moe_layers else None  # expert load statistics
-        # multi-token prediction (models/mtp.py): the model whose training forward leaves its depths' losses
-        self.mtp_model = unwrap(model) if getattr(unwrap(model), "mtp", None) is not None else None
+        # multi-token prediction (models/mtp.py): the model whose training forward leaves its depths' losses (a
+        # pipeline's last stage: its term joins the schedule's loss there)
+        last = unwrap(model) if pipeline is None else pipeline.last_module
+        self.mtp_model = last if getattr(last, "mtp", None) is not None else None
+        if pipeline is not None and self.mtp_model is not None:
+            pipeline.loss_fn.more = self._mtp_loss
         # fused AdamW (and SGD) take `found_inf` and skip the update in their kernel (AdamW's step counts too): no
         # host read
         self.skips_on_device = bool(getattr(inner_optimizer(optimizer), "_step_supports_amp_scaling", False))
@@ -478,19 +503,6 @@ class StepOptions:
 MTP_METRIC = "mtp_loss"  # multi-token prediction's loss in the step's metrics (the mean of its depths', unweighted)
 
 
-def check_mtp_layout(layout: Layout) -> None:
-    """The layouts multi-token prediction (model.mtp_depth > 0) cannot run on yet: a one-line ConfigError."""
-    if layout.cp > 1:
-        raise ConfigError(f"model.mtp_depth > 0 does not support parallel.cp={layout.cp}: depth d reads the tokens d "
-                          "places ahead, which lie in another rank's slice of the sequence; set parallel.cp=1")
-    if layout.pipelined:
-        raise ConfigError("model.mtp_depth > 0 does not support pipeline parallelism yet: its modules on the last "
-                          "stage need the input embedding and the tokens of the first; set parallel.pp=1")
-    if layout.sp:
-        raise ConfigError("model.mtp_depth > 0 does not support sequence parallelism yet (its blocks are not laid out "
-                          "for sequence-sharded input); set parallel.sequence_parallel=false")
-
-
 def default_recipe(layout: Layout) -> Recipe:
     """The recipe of a step built without one: fp32, no checkpointing, the memory tiers automatic, AdamW."""
     return Recipe(layout, precision="fp32").replace(loss_chunks=0)
@@ -521,13 +533,12 @@ def build_train_step(model_args, dims, recipe: Recipe | None = None, device: tor
     reduction = gradient_reduction(recipe.compression, layout, optimizer_entry(recipe.optimizer), optimizer,
                                    options.steps)
     comm = GradComm(recipe, dims, device, options.seed, reduction)
-    if model_args.mtp_depth:
-        check_mtp_layout(layout)
     token_loss = TokenLoss(capabilities, device, (MTP_METRIC,) if model_args.mtp_depth else ())
     pipeline = None
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
         pipeline = build_pipeline(dims, model, ac, precision, recipe.compile, device, options.seed,
                                   ScheduleLoss(scaler, token_loss), comm, capabilities)
+        pipeline.loss_fn.watch(pipeline.stages)
         model = pipeline.model
     else:
         model = parallelize(model, dims, ac, precision, recipe.compile, device, options.seed, comm=comm,
