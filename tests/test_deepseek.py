@@ -3,6 +3,8 @@ transformers' DeepseekV3ForCausalLM's, its parallel layouts match one process, t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -113,8 +115,11 @@ def test_presets_and_the_estimators_shape():
     from paratrain.layout import Layout
     from paratrain.models.presets import count_active_params, flops_per_token
 
-    v3 = preset_args("deepseek-v3-671b")
+    with_mtp = preset_args("deepseek-v3-671b")
+    v3 = dataclasses.replace(with_mtp, mtp_depth=0)  # the published counts are the main model's
     assert count_params(v3) == 671_026_404_352 and count_active_params(v3) == 37_552_282_624
+    # the MTP module (published: 14B with its copies of the embedding and the head, which paratrain shares)
+    assert count_params(with_mtp) - count_params(v3) == 11_610_067_968
     assert flops_per_token(v3, 4096) == 6 * count_active_params(v3, include_embedding=False) + 12 * 61 * 128 * (192 + 128) // 2 * 4096
     # per tp rank: q_a and kv_a whole, q_b and kv_b split by heads, o_proj's input split
     assert attention_gemms(v3, 2) == ((7168, 1536), (1536, 128 * 192 / 2), (7168, 576), (512, 128 * 256 / 2),
