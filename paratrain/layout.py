@@ -388,9 +388,6 @@ class Layout:
             if args.tie_embeddings:
                 raise ConfigError("tied embeddings do not compose with pipeline parallelism (the embedding is on the "
                                   "first stage, the output on the last); set model.tie_embeddings=false")
-            if args.moe_experts:
-                raise ConfigError("pipeline parallelism does not support mixture-of-experts models yet (parallel.pp > 1 "
-                                  "with model.moe_experts > 0)")
         if self.cp > 1 and args.moe_experts:
             raise ConfigError(f"parallel.cp={self.cp} does not support mixture-of-experts models (model.moe_experts > 0): "
                               "routing capacity and the balance loss are computed over whole sequences")
