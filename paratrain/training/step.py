@@ -213,6 +213,9 @@ class TrainStep:
         moe_model = bool(self.moe_layers) or (pipeline is not None and any(
             m.args.moe_experts for m in pipeline.modules.values()))
         self.moe = MoEMeter(unwrap(model), device, pp_group if pipeline is not None else None) if moe_model else None
+        if self.moe and pipeline is not None:  # the schedule's chunks only: its first step's shape inference runs the
+            for stage in pipeline.stages:  # stages on empty tensors outside them
+                stage.forward_one_chunk = self._recording_moe(stage.forward_one_chunk)
         # multi-token prediction (models/mtp.py): the model whose training forward leaves its depths' losses
         self.mtp_model = unwrap(model) if getattr(unwrap(model), "mtp", None) is not None else None
         # fused AdamW (and SGD) take `found_inf` and skip the update in their kernel (AdamW's step counts too): no
@@ -265,10 +268,21 @@ class TrainStep:
         return total
 
     def _recording(self, on: bool) -> None:
-        """Training forwards record their loss terms and expert loads; evaluation's do not."""
+        """Training forwards record their loss terms and expert loads (a pipeline's: `_recording_moe`); evaluation's
+        do not."""
         self.token_loss.recording = on
-        if self.moe:
+        if self.moe and self.pipeline is None:
             self.moe.recording = on
+
+    def _recording_moe(self, forward_one_chunk):
+        def recorded(*args, **kwargs):
+            self.moe.recording = True
+            try:
+                return forward_one_chunk(*args, **kwargs)
+            finally:
+                self.moe.recording = False
+
+        return recorded
 
     def _set_aux_loss_scale(self, scale: float) -> None:
         """The balance loss's gradient factor for this step's forwards: `scale` times fp16's loss scale (a device
