@@ -20,7 +20,7 @@ from paratrain.estimate.core import in_flight
 from paratrain.estimate.gpus import fits, fmt_bytes, limit_text, usable_bytes
 from paratrain.estimate.model_states import rank_layers, stage_blocks, state_bytes
 from paratrain.estimate.report import ROWS
-from paratrain.estimate.step_time import attention_time, group_link, ring_time
+from paratrain.estimate.step_time import attention_time, group_link, ring_time, routed_expert_params
 from paratrain.models.presets import block_param_count
 from paratrain.models.registry import attention_shape
 
@@ -152,14 +152,13 @@ def cp_degrees(ctx: Context, ranks: int, tp: int, opts: Options) -> list[int]:
 
 def candidates(ctx: Context, world: int, opts: Options) -> list[Candidate]:
     a = ctx.args
-    moe = a.moe_experts > 0
     out = []
     mbs = opts.micro_batches or tuple(2**i for i in range(5))
     for tp in _divisors(math.gcd(world, ctx.gpus_per_node)):
         if opts.max_tp and tp > opts.max_tp:
             continue
         for pp in _divisors(world // tp):
-            if pp > a.n_layers or (opts.max_pp and pp > opts.max_pp) or (pp > 1 and moe):
+            if pp > a.n_layers or (opts.max_pp and pp > opts.max_pp):
                 continue
             for cp in cp_degrees(ctx, world // tp // pp, tp, opts):
                 out += _with_cp(ctx, world, opts, tp, pp, cp, mbs)
@@ -346,7 +345,7 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
         states = cached(ctx, ("states", dataclasses.replace(lay, pp_microbatches=0), s, on_host), lambda: sum(
             _states(state_bytes(a, lay, ctx.precision, ctx.optimizer, "paratrain", s, layers, ctx.lora))
             if not on_host else ())
-            + unsharded * sum(block_param_count(a, l) for l in layers[s]) // lay.tp)
+            + unsharded * sum(_rank_block_params(a, lay, l) for l in layers[s]))
         stored = sum(kept[l] - (A.offloaded(d, modes[l], moe if a.is_moe_layer(l) else None) if l in offloaded else 0)
                      for l in layers[s])
         acts = int(in_flight(lay, s) * stored) + recv_buffers(s)
@@ -359,6 +358,13 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
                 f"activations and pipeline buffers {fmt_bytes(best[1])}) of {ctx.hw.name} {fmt_bytes(ctx.hw.memory_bytes)} "
                 f"({limit_text(ctx.hw.memory_bytes, opts.headroom)})")
     return True
+
+
+def _rank_block_params(a, lay: Layout, layer: int) -> int:
+    """The parameters of block `layer` one rank holds gathered: its tp share, and of an MoE block's routed experts
+    (replicated over tp) the E/ep of its expert-parallel rank."""
+    experts = routed_expert_params(a) if a.is_moe_layer(layer) else 0
+    return (block_param_count(a, layer) - experts) // lay.tp + experts // lay.ep
 
 
 def _states(st) -> tuple[int, ...]:
