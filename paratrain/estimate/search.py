@@ -170,13 +170,18 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
     out = []
     dp = world // tp // pp // cp
     modes = []
+    # A pipelined mixture of experts (the largest models: the search would take seconds more) tries hybrid sharding
+    # with 2 replicas only, 2 interleaved stages per rank, and no GPipe (1F1B's bubble with every microbatch in
+    # flight: never faster, never smaller)
+    moe_pipeline = a.moe_experts > 0 and pp > 1
+    schedules = [s for s in opts.schedules if not (moe_pipeline and s == Schedule.GPIPE)] or opts.schedules
     for mode in opts.dp_modes:
         if dp == 1:
             if not modes:
                 modes.append((DPMode.FSDP, 1, 1))
             continue
         if mode.replicates_shards:
-            modes += [(mode, r, dp // r) for r in _divisors(dp) if 1 < r < dp]
+            modes += [(mode, r, dp // r) for r in _divisors(dp) if 1 < r < dp and (r == 2 or not moe_pipeline)]
         else:
             modes.append((mode, 1, dp))
     for mode, rep, shard in modes:
@@ -190,11 +195,11 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                 if ctx.global_seqs % (dp * mb):
                     continue
                 m = ctx.global_seqs // (dp * mb)  # pipeline microbatches (pp > 1)
-                for sched in (Schedule.ONE_F_ONE_B,) if pp == 1 else opts.schedules:
+                for sched in (Schedule.ONE_F_ONE_B,) if pp == 1 else schedules:
                     # interleaved: 2 stages per rank, and 3 where the blocks allow (a smaller bubble for more
                     # point-to-point traffic; torch's runtime keeps at most 3 stages' FSDP parameters gathered, so
                     # with more they would be gathered again within a step)
-                    for v in ((2, 3) if (pp > 1 and sched.interleaved) else (1,)):
+                    for v in (((2,) if moe_pipeline else (2, 3)) if (pp > 1 and sched.interleaved) else (1,)):
                         if pp * v > a.n_layers:
                             continue
                         try:
