@@ -388,9 +388,6 @@ class Layout:
             if args.tie_embeddings:
                 raise ConfigError("tied embeddings do not compose with pipeline parallelism (the embedding is on the "
                                   "first stage, the output on the last); set model.tie_embeddings=false")
-            if args.moe_experts:
-                raise ConfigError("pipeline parallelism does not support mixture-of-experts models yet (parallel.pp > 1 "
-                                  "with model.moe_experts > 0)")
         if self.cp > 1 and args.mtp_depth:
             raise ConfigError(f"parallel.cp={self.cp} does not support multi-token prediction (model.mtp_depth > 0): "
                               "depth d reads the tokens d places ahead, in another rank's slice of the sequence")

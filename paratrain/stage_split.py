@@ -1,5 +1,6 @@
-"""Blocks per pipeline stage: the split `Layout.validate` fills in (balanced by parameter count) and the min-max
-partition the planner cuts heterogeneous stages with. Torch-free.
+"""Blocks per pipeline stage: the split `Layout.validate` fills in (balanced by the parameters each token is multiplied
+by: the parameter count of a dense model, the compute of a mixture of experts) and the min-max partition the planner
+cuts heterogeneous stages with. Torch-free.
 """
 
 from __future__ import annotations
@@ -9,20 +10,23 @@ import functools
 
 from paratrain.models.llama_params import MTP_PREFIX
 from paratrain.models.presets import block_param_count
-from paratrain.models.registry import parameters
+from paratrain.models.registry import parameters, used_numel
 
 
 def balanced_split(args, num_stages: int) -> tuple[int, ...]:
-    """Contiguous blocks per stage minimising the largest stage's parameters (the embedding counts on the first
-    stage, norm + output and multi-token prediction's modules on the last)."""
+    """Contiguous blocks per stage minimising the largest stage's active parameters (the embedding counts on the first
+    stage, norm + output and multi-token prediction's modules on the last). For a dense model these are all its
+    parameters; a mixture of experts' blocks count the router, the shared experts and top_k of the routed ones, what a
+    token's compute multiplies (counting every expert, DeepSeek-V3's three dense blocks would share one stage with two
+    MoE blocks and make it the slowest; the experts' memory is spread by expert parallelism and FSDP instead)."""
     return _min_max_split(_block_costs(args), num_stages)
 
 
 @functools.lru_cache(maxsize=256)
 def _block_costs(args) -> tuple[int, ...]:
-    cost = [block_param_count(args, i) for i in range(args.n_layers)]
+    cost = [block_param_count(args, i, active=True) for i in range(args.n_layers)]
     cost[0] += args.vocab_size * args.dim
-    mtp = sum(p.numel for p in parameters(args) if p.name.startswith(MTP_PREFIX))
+    mtp = sum(used_numel(args, p) for p in parameters(args) if p.name.startswith(MTP_PREFIX))
     cost[-1] += args.vocab_size * args.dim + args.dim + mtp
     return tuple(cost)
 

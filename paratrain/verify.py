@@ -27,7 +27,7 @@ LONG_MODEL = "model.max_seq_len=1024"  # the tiny model with room for long seque
 MTP = "model.mtp_depth=1"  # multi-token prediction's rows
 QWEN3, QWEN3_MOE = "model.preset=tiny-qwen3", "model.preset=tiny-qwen3-moe"  # q/k norms, q/k/v/o biases, head_dim 32
 MLA = "model.preset=tiny-mla"  # multi-head latent attention (DeepSeek), a dense block then an MoE one
-DENSE = "model.moe_experts=0"  # (pipeline and context parallelism do not take mixtures of experts yet)
+DENSE = "model.moe_experts=0"  # (context parallelism does not take mixtures of experts)
 
 ROUTING = (MOE_PRESET, "model.moe_experts=8", "model.moe_score_func=sigmoid", "model.moe_n_group=4",
            "model.moe_topk_group=2", "model.moe_routed_scaling_factor=2.5", "model.moe_shared_gate=true")
@@ -68,6 +68,15 @@ LAYOUTS: dict[str, tuple] = {
     "ep2+accum": (2, "fsdp,ep=2,mb=2", MOE_PRESET),
     "ep2xhsdp2": (4, "hsdp,rep=2,ep=2", MOE_PRESET),
     "ep2+capacity": (2, "fsdp,ep=2", MOE_PRESET, "model.moe_capacity_factor=1.0"),  # tokens dropped per sequence
+    # Pipelined (the base's 4 blocks: a dense block and an MoE one per stage); the balance loss trains through the
+    # MoE outputs' backward (models/moe.py AuxLossScaler), which the schedule runs from the last stage's loss.
+    "moe-pp2-gpipe": (2, "nodp,pp=2,sched=gpipe", MOE_PRESET),
+    "moe-pp2-1f1b": (2, "nodp,pp=2,sched=1f1b", MOE_PRESET),
+    "moe-pp2-interleaved": (2, "nodp,pp=2,sched=interleaved_1f1b", MOE_PRESET),
+    "moe-pp2-zb": (2, "nodp,pp=2,sched=interleaved_zero_bubble", MOE_PRESET),
+    "moe-pp2+full": (2, "nodp,pp=2,sched=1f1b,ac=full", MOE_PRESET),
+    "moe-pp2xtp2": (4, "nodp,tp=2,pp=2,sched=1f1b", MOE_PRESET),
+    "ep2xpp2": (4, "fsdp,ep=2,pp=2,sched=1f1b", MOE_PRESET),
     # DeepSeek-V3's routing (8 sigmoid-scored experts in 4 groups, top-2 within the best 2, gates scaled by 2.5) with
     # Qwen2-MoE's gated shared expert.
     **{f"moe-routing-{name}": (ranks, layout, *ROUTING) for name, ranks, layout in (
@@ -107,6 +116,7 @@ LAYOUTS: dict[str, tuple] = {
     "mla-tp2+sp": (2, "nodp,tp=2", MLA),
     "mla-ep2xtp2": (4, "fsdp,tp=2,ep=2", MLA),
     "mla-pp2-1f1b": (2, "nodp,pp=2,sched=1f1b", MLA, DENSE),
+    "mla-moe-pp2-1f1b": (2, "nodp,pp=2,sched=1f1b", MLA),
     "mla-cp2": (2, "fsdp,cp=2", MLA, DENSE),
     # Multi-token prediction (one module after the last block, models/mtp.py) on the MoE model; under a pipeline on
     # the dense one (pipelines refuse mixture-of-experts models), its module on the last stage.

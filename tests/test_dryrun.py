@@ -47,14 +47,14 @@ def test_layouts_build_and_agree_with_the_estimate(name):
 
 def test_moe_preset_on_512_ranks():
     """An MoE preset at world 512, expert x tensor x FSDP: the experts' shards as the estimator counts them. The
-    issue's pp x tp x cp x ep layout of an MoE preset is one the trainer refuses (no pipeline and no context
-    parallelism for mixture-of-experts models yet): the dry run says so in one line, before building anything."""
+    issue's pp x tp x cp x ep layout of an MoE preset is one the trainer refuses (no context parallelism for
+    mixture-of-experts models): the dry run says so in one line, before building anything."""
     started = time.process_time()
     moe = ["model.preset=deepseek-moe-16b", "training.seq_len=4096", "training.precision=bf16"]
     d = dry_run(load_config(None, [*moe, "parallel.tp=4", "parallel.ep=8"]), 512)
     assert d.agrees, format_dry_run(d)
     assert d.ranks[0].coordinates == {"dp_shard": 0, "tp": 0} and time.process_time() - started < 60
-    with pytest.raises(ConfigError, match="pipeline parallelism does not support mixture-of-experts models"):
+    with pytest.raises(ConfigError, match="parallel.cp=2 does not support mixture-of-experts models"):
         dry_run(load_config(None, [*moe, "parallel.pp=2", "parallel.tp=2", "parallel.cp=2", "parallel.ep=8"]), 512)
 
 

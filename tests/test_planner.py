@@ -357,7 +357,7 @@ def test_balanced_split_is_the_min_max_partition_cut():
 
     for name in ("llama3-405b", "llama3-8b", "tiny", "tiny-moe", "deepseek-moe-16b"):
         a = preset_args(name, vocab_size=128)
-        cost = [block_param_count(a, i) for i in range(a.n_layers)]
+        cost = [block_param_count(a, i, active=True) for i in range(a.n_layers)]  # a token's compute
         cost[0] += a.vocab_size * a.dim
         cost[-1] += a.vocab_size * a.dim + a.dim
         prefix = [0]

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from paratrain.distributed.tensors import full_tensor
 from paratrain.models.moe import moe_modules
 
 
@@ -149,79 +150,131 @@ def shard_experts(model: nn.Module, expert_dp_mesh, policies: dict, reshard: boo
 
 
 class MoEMeter:
-    """Per-step mixture-of-experts statistics: the train step calls `record()` after each micro-step's forward
-    (before backward, whose activation-checkpoint recomputation would overwrite the modules' statistics); `loads()`
-    gives the step's expert loads over the data-parallel ranks (auxiliary-loss-free balancing updates its bias from
-    them) and the metrics record `step_metrics()` once per optimizer step, from the same single all-reduce."""
+    """Per-step mixture-of-experts statistics of this rank's MoE layers (a pipeline stage's own): each layer's forward
+    adds its expert loads, dropped assignments and balance loss while `recording` (the trainer's training forwards,
+    not evaluation's; a forward hook, so a pipeline schedule's microbatches count as they run, and an activation
+    checkpoint's recomputation in backward does not count again). `loads()` gives the step's expert loads of this
+    stage's layers over the data-parallel ranks (auxiliary-loss-free balancing updates its bias from them) and the
+    metrics record `step_metrics()` once per optimizer step, from the same single all-reduce, gathered over the
+    pipeline stages (`pp_group`)."""
 
-    def __init__(self, model: nn.Module):
-        self.modules = moe_modules(model)
+    def __init__(self, model: nn.Module, device: torch.device, pp_group=None):
+        moes = set(moe_modules(model))
+        named = [(name, m) for name, m in model.named_modules() if m in moes]
+        self.names = [name for name, _ in named]  # their places in the whole model (a pipeline's: `_stage_order`)
+        self.modules = [m for _, m in named]
+        self.device, self.pp_group, self.order = device, pp_group, None
+        self.recording = False
+        for index, module in enumerate(self.modules):
+            module.register_forward_hook(self._hook(index))
         self.reset()  # also called by the trainer at the start of each step (a retried step starts over)
 
     def reset(self) -> None:
-        self.aux = self.tokens = self.dropped = self.reduced = None
-        self.micro = 0
+        self.aux = self.tokens = self.dropped = None  # per layer: (layers,) summed aux, (layers, E), (layers,)
+        self.micro = 0  # forwards of each layer
+        self.reduced = None  # the step's rows summed over the data-parallel ranks, once made (`reduced_rows`)
 
-    def record(self) -> None:
-        """Record the statistics of the forward just run on the device (no synchronisation until `step_metrics`)."""
-        aux = torch.stack([m.aux_loss.detach() for m in self.modules]).mean()
-        tokens = torch.stack([m.tokens_per_expert for m in self.modules])  # (layers, E)
-        dropped = torch.stack([m.dropped for m in self.modules])  # (layers,)
-        if self.tokens is None:
-            self.aux, self.tokens, self.dropped = aux, tokens, dropped
-        else:
-            self.aux, self.tokens, self.dropped = self.aux + aux, self.tokens + tokens, self.dropped + dropped
-        self.micro += 1
+    def _hook(self, index: int):
+        def record(module, args, output) -> None:
+            if not self.recording or torch._C._current_graph_task_id() != -1:  # evaluation; a recomputation
+                return
+            if self.tokens is None:
+                device = module.tokens_per_expert.device
+                self.tokens = torch.zeros(len(self.modules), module.n_experts, dtype=torch.long, device=device)
+                self.aux = torch.zeros(len(self.modules), dtype=torch.float64, device=device)
+                self.dropped = torch.zeros(len(self.modules), dtype=torch.long, device=device)
+            self.tokens[index] += module.tokens_per_expert
+            self.aux[index] += full_tensor(module.aux_loss.detach()).double()
+            self.dropped[index] += module.dropped
+            self.micro += index == 0
 
-    def reduced_stats(self, dp_group=None) -> torch.Tensor | None:
-        """The step's statistics summed over the data-parallel ranks (every token counted once: tensor-parallel ranks
-        route the same tokens and are not in the group), all-reduced once per step: (layers x E loads, layers
-        dropped, mean aux loss), or None before a forward."""
-        if self.reduced is None and self.tokens is not None:
-            stats = torch.cat([self.tokens.double().flatten(), self.dropped.double(),
-                               (self.aux.double() / self.micro).view(1)])
+        return record
+
+    def reduced_rows(self, dp_group=None) -> torch.Tensor | None:
+        """This stage's layers' statistics for the step, summed over the data-parallel ranks (every token counted
+        once: tensor-parallel ranks route the same tokens and are not in the group), all-reduced once per step:
+        (layers, E + 2) rows of loads, dropped assignments, mean aux loss; None before a forward (without a pipeline)."""
+        if self.reduced is None:
+            if self.pp_group is None and self.tokens is None:
+                return None
+            experts = self._stage_order()[0] if self.pp_group is not None else self.tokens.shape[1]
+            rows = self._rows(experts)
             if dp_group is not None:
-                dist.all_reduce(stats, group=dp_group)
-                stats[-1] /= dist.get_world_size(dp_group)
-            self.reduced = stats
+                dist.all_reduce(rows, group=dp_group)
+                rows[:, -1] /= dist.get_world_size(dp_group)
+            self.reduced = rows
         return self.reduced
 
     def loads(self, dp_group=None) -> torch.Tensor | None:
-        """(MoE layers, E): this step's top-k assignments per expert over every micro-batch and data-parallel rank
-        (the same on every rank; a pipeline stage's own layers), or None before a forward."""
-        stats = self.reduced_stats(dp_group)
-        return None if stats is None else stats[:self.tokens.numel()].view(self.tokens.shape)
+        """(this stage's MoE layers, E): the step's top-k assignments per expert over every micro-batch and
+        data-parallel rank (the same on every rank), or None before a forward or on a stage without MoE layers."""
+        rows = self.reduced_rows(dp_group)
+        return None if rows is None or not len(self.modules) else rows[:, :-2]
 
     def step_metrics(self, dp_group=None) -> dict:
-        """Global (summed over data-parallel ranks) numbers for this step, then reset.
-
-        moe_aux_loss: the unscaled balance loss, mean over layers, micro-steps and ranks (1.0 = balanced);
-        moe_tokens_per_expert: per MoE layer, top-k assignments per expert over the global batch;
-        moe_violation: per MoE layer, the max load violation max_e load_e / mean load - 1 (0 = balanced);
-        moe_max_violation: the worst layer's;
-        moe_dropped_share: per MoE layer, the assignments the capacity limit dropped over all its assignments;
-        moe_dropped_tokens: assignments dropped by the capacity limit over the global batch, all layers."""
+        """Global (summed over data-parallel ranks) numbers for this step, then reset (see `step_stats`)."""
         pending = self.step_stats(dp_group)
         return pending() if pending is not None else {}
 
     def step_stats(self, dp_group=None):
         """`step_metrics` in two halves: the all-reduce now (on the device, nothing read; none when `loads` made it
         this step), then reset; returns a callable that reads the numbers on the host (the trainer calls it on the
-        next log step), or None."""
-        stats = self.reduced_stats(dp_group)
-        if stats is None:
+        next log step), or None. Under a pipeline every rank calls it (a stage without MoE layers too), and the
+        stages' layers are gathered.
+
+        moe_aux_loss: the unscaled balance loss, mean over layers, micro-steps and ranks (1.0 = balanced);
+        moe_tokens_per_expert: per MoE layer, top-k assignments per expert over the global batch;
+        moe_violation: per MoE layer, the busiest expert's assignments over the mean per expert, minus 1 (0 = balanced),
+        moe_max_violation its worst layer's; moe_dropped_share: per MoE layer, the assignments the capacity limit
+        dropped over all, moe_dropped_tokens their count over the global batch."""
+        rows = self.reduced_rows(dp_group)
+        if rows is None:
             return None
-        layers, experts = self.tokens.shape
+        if self.pp_group is not None:
+            rows = self._gather_stages(rows)
         self.reset()
 
         def read() -> dict:
-            values = stats.cpu()
-            tokens = values[:layers * experts].view(layers, experts).round().long()  # (layers, E)
-            dropped = values[layers * experts:-1].round().long()  # (layers,)
+            values = rows.cpu()
+            tokens = values[:, :-2].round().long()  # (layers, E)
+            dropped = values[:, -2].round().long()  # (layers,)
             assigned = tokens.double().sum(1).clamp(min=1)
-            violation = (tokens.max(1).values.double() / (assigned / experts) - 1).clamp(min=0)  # (layers,)
-            return {"moe_aux_loss": values[-1].item(), "moe_max_violation": violation.max().item(),
+            violation = (tokens.max(1).values.double() / (assigned / tokens.shape[1]) - 1).clamp(min=0)  # (layers,)
+            return {"moe_aux_loss": values[:, -1].mean().item(), "moe_max_violation": violation.max().item(),
                     "moe_violation": violation.tolist(), "moe_dropped_share": (dropped / assigned).tolist(),
                     "moe_dropped_tokens": int(dropped.sum().item()), "moe_tokens_per_expert": tokens.tolist()}
 
         return read
+
+    def _rows(self, experts: int) -> torch.Tensor:
+        if self.tokens is None:  # a stage without MoE layers (or none ran): no rows
+            return torch.zeros(len(self.modules), experts + 2, dtype=torch.float64, device=self.device)
+        return torch.cat([self.tokens.double(), self.dropped.double().unsqueeze(1),
+                          (self.aux / max(1, self.micro)).unsqueeze(1)], dim=1)
+
+    def _stage_order(self) -> tuple[int, int, list[tuple[int, int]]]:
+        """Once per run (a host exchange of names over the pp group): the experts per layer, the most MoE layers a
+        stage holds, and the whole model's MoE layers in order as (pp rank, row)."""
+        if self.order is None:
+            mine = (self.modules[0].n_experts if self.modules else 0, self.names)
+            every = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(every, mine, group=self.pp_group)
+            rows = sorted(((rank, i, name) for rank, (_, names) in enumerate(every) for i, name in enumerate(names)),
+                          key=lambda row: _layer_key(row[2]))
+            self.order = (max(e for e, _ in every), max(len(names) for _, names in every),
+                          [(rank, i) for rank, i, _ in rows])
+        return self.order
+
+    def _gather_stages(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every pipeline rank's rows, in the whole model's layer order (padded to the same count for the gather)."""
+        _, widest, order = self._stage_order()
+        padded = torch.zeros(widest, rows.shape[1], dtype=rows.dtype, device=rows.device)
+        padded[:len(rows)] = rows
+        gathered = [torch.empty_like(padded) for _ in range(dist.get_world_size(self.pp_group))]
+        dist.all_gather(gathered, padded, group=self.pp_group)
+        return torch.stack([gathered[rank][i] for rank, i in order])
+
+
+def _layer_key(name: str) -> tuple:
+    """A module name's place in the whole model: numbers compare as numbers (layers.10 after layers.9)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split("."))

@@ -20,7 +20,7 @@ from paratrain.estimate.core import in_flight
 from paratrain.estimate.gpus import fits, fmt_bytes, limit_text, usable_bytes
 from paratrain.estimate.model_states import rank_layers, stage_blocks, state_bytes
 from paratrain.estimate.report import ROWS
-from paratrain.estimate.step_time import attention_time, group_link, ring_time
+from paratrain.estimate.step_time import attention_time, group_link, ring_time, routed_expert_params
 from paratrain.models.presets import block_param_count
 from paratrain.models.registry import attention_shape
 
@@ -152,14 +152,13 @@ def cp_degrees(ctx: Context, ranks: int, tp: int, opts: Options) -> list[int]:
 
 def candidates(ctx: Context, world: int, opts: Options) -> list[Candidate]:
     a = ctx.args
-    moe = a.moe_experts > 0
     out = []
     mbs = opts.micro_batches or tuple(2**i for i in range(5))
     for tp in _divisors(math.gcd(world, ctx.gpus_per_node)):
         if opts.max_tp and tp > opts.max_tp:
             continue
         for pp in _divisors(world // tp):
-            if pp > a.n_layers or (opts.max_pp and pp > opts.max_pp) or (pp > 1 and moe):
+            if pp > a.n_layers or (opts.max_pp and pp > opts.max_pp):
                 continue
             for cp in cp_degrees(ctx, world // tp // pp, tp, opts):
                 out += _with_cp(ctx, world, opts, tp, pp, cp, mbs)
@@ -171,13 +170,18 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
     out = []
     dp = world // tp // pp // cp
     modes = []
+    # A pipelined mixture of experts (the largest models: the search would take seconds more) tries hybrid sharding
+    # with 2 replicas only, 2 interleaved stages per rank, and no GPipe (1F1B's bubble with every microbatch in
+    # flight: never faster, never smaller)
+    moe_pipeline = a.moe_experts > 0 and pp > 1
+    schedules = [s for s in opts.schedules if not (moe_pipeline and s == Schedule.GPIPE)] or opts.schedules
     for mode in opts.dp_modes:
         if dp == 1:
             if not modes:
                 modes.append((DPMode.FSDP, 1, 1))
             continue
         if mode.replicates_shards:
-            modes += [(mode, r, dp // r) for r in _divisors(dp) if 1 < r < dp]
+            modes += [(mode, r, dp // r) for r in _divisors(dp) if 1 < r < dp and (r == 2 or not moe_pipeline)]
         else:
             modes.append((mode, 1, dp))
     for mode, rep, shard in modes:
@@ -191,11 +195,11 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                 if ctx.global_seqs % (dp * mb):
                     continue
                 m = ctx.global_seqs // (dp * mb)  # pipeline microbatches (pp > 1)
-                for sched in (Schedule.ONE_F_ONE_B,) if pp == 1 else opts.schedules:
+                for sched in (Schedule.ONE_F_ONE_B,) if pp == 1 else schedules:
                     # interleaved: 2 stages per rank, and 3 where the blocks allow (a smaller bubble for more
                     # point-to-point traffic; torch's runtime keeps at most 3 stages' FSDP parameters gathered, so
                     # with more they would be gathered again within a step)
-                    for v in ((2, 3) if (pp > 1 and sched.interleaved) else (1,)):
+                    for v in (((2,) if moe_pipeline else (2, 3)) if (pp > 1 and sched.interleaved) else (1,)):
                         if pp * v > a.n_layers:
                             continue
                         try:
@@ -346,7 +350,7 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
         states = cached(ctx, ("states", dataclasses.replace(lay, pp_microbatches=0), s, on_host), lambda: sum(
             _states(state_bytes(a, lay, ctx.precision, ctx.optimizer, "paratrain", s, layers, ctx.lora))
             if not on_host else ())
-            + unsharded * sum(block_param_count(a, l) for l in layers[s]) // lay.tp)
+            + unsharded * sum(_rank_block_params(a, lay, l) for l in layers[s]))
         stored = sum(kept[l] - (A.offloaded(d, modes[l], moe if a.is_moe_layer(l) else None) if l in offloaded else 0)
                      for l in layers[s])
         acts = int(in_flight(lay, s) * stored) + recv_buffers(s)
@@ -359,6 +363,13 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
                 f"activations and pipeline buffers {fmt_bytes(best[1])}) of {ctx.hw.name} {fmt_bytes(ctx.hw.memory_bytes)} "
                 f"({limit_text(ctx.hw.memory_bytes, opts.headroom)})")
     return True
+
+
+def _rank_block_params(a, lay: Layout, layer: int) -> int:
+    """The parameters of block `layer` one rank holds gathered: its tp share, and of an MoE block's routed experts
+    (replicated over tp) the E/ep of its expert-parallel rank."""
+    experts = routed_expert_params(a) if a.is_moe_layer(layer) else 0
+    return (block_param_count(a, layer) - experts) // lay.tp + experts // lay.ep
 
 
 def _states(st) -> tuple[int, ...]:

@@ -567,13 +567,18 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
                       dp.fsdp_gathers, dp.dp_bytes)
 
 
+def routed_expert_params(a) -> int:
+    """Parameters of one MoE layer's routed experts (w1, w2, w3 of each): sharded over ep, replicated over tp."""
+    return a.moe_experts * 3 * a.dim * a.expert_hidden
+
+
 def _stage_params(c: Candidate, ctx: Context, moe_layers: int) -> tuple[float, float]:
     """(parameters of this rank's stage before data-parallel sharding, those of them with gradients and optimizer
     state: every parameter, or LoRA's adapters, the base being only gathered)."""
     a, t = ctx.args, c.tp
     P = cached(ctx, "params", lambda: count_params(a))
     # routed experts are sharded over ep (and FSDP-gathered only over dp_shard / ep): count them once per ep group
-    experts = moe_layers * a.moe_experts * 3 * a.dim * a.expert_hidden if moe_layers else 0
+    experts = moe_layers * routed_expert_params(a) if moe_layers else 0
     P_stage = (P - experts + experts / c.ep) / c.pp / t
     G_stage = P_stage if ctx.lora is None else cached(ctx, "trainable", lambda: ctx.lora.trainable_count(a)) / c.pp / t
     return P_stage, G_stage

@@ -24,6 +24,11 @@ Numerics that are the same on every layout (so `paratrain verify` can compare at
   It is 1 for a perfectly balanced router and E for one that sends everything to one expert.
   This is DeepSeek-V3's "sequence-wise" balance loss; a batch-wise one would need a global reduction
   to be layout-independent.
+- The balance loss is no separate root of backward: the forward returns its output through `AuxLossScaler`, which
+  hands the loss the gradient aux_loss_coef x `aux_loss_scale` when the output's gradient arrives (Megatron's
+  MoEAuxLossAutoScaler), so a pipeline schedule that backpropagates only the last stage's loss trains it too. The
+  trainer sets `aux_loss_scale` (1/accum, times fp16's loss scale) before the forward; None (the default) leaves the
+  output alone.
 """
 
 from __future__ import annotations
@@ -114,6 +119,21 @@ class GroupedExperts(nn.Module):
         return grouped_mm(F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts), w2, counts)
 
 
+class AuxLossScaler(torch.autograd.Function):
+    """Identity on the MoE output `y`; in backward, gives `aux` (a scalar) the gradient `scale`, so the balance loss
+    trains with the output's backward. Under activation checkpointing only the first forward's node runs backward (a
+    non-reentrant recomputation only refills saved tensors), so the loss counts once."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.aux_like, ctx.scale = aux.detach(), scale  # a scalar's metadata (plain or DTensor), not a saved tensor
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones_like(ctx.aux_like) * ctx.scale, None
+
+
 class Router(nn.Module):
     """Token-to-expert logits, computed in fp32 whatever the training precision (routing decisions are
     discontinuous; low-precision logits would flip them between layouts and runs)."""
@@ -191,6 +211,7 @@ class MoE(nn.Module):
         self.shared_gate = nn.Linear(dim, 1, bias=False) if shared is not None and shared_gate else None
         self.dispatcher = LocalDispatcher()
         self.register_buffer("expert_bias", torch.zeros(n_experts) if expert_bias else None)  # (E,) fp32, or None
+        self.aux_loss_scale: float | torch.Tensor | None = None  # the balance loss's gradient factor (set by trainers)
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.dropped: torch.Tensor | None = None
@@ -261,6 +282,8 @@ class MoE(nn.Module):
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(flat)) * shared  # (N, 1) gate per token
             y = y + shared
+        if self.aux_loss_scale is not None and self.aux_loss_coef and torch.is_grad_enabled():
+            y = AuxLossScaler.apply(y, aux, self.aux_loss_coef * self.aux_loss_scale)
         return y.view(B, T, C)
 
 
@@ -268,6 +291,7 @@ def moe_modules(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def balance_loss(modules: list[MoE]) -> torch.Tensor:
-    """The weighted load-balancing loss of the forward just run, summed over MoE layers (added to the LM loss)."""
-    return torch.stack([m.aux_loss_coef * m.aux_loss for m in modules]).sum()
+def set_aux_loss_scale(modules: list[MoE], scale: float | torch.Tensor | None) -> None:
+    """The factor of every MoE layer's balance-loss gradient in the next forwards (None: no balance-loss gradient)."""
+    for m in modules:
+        m.aux_loss_scale = scale

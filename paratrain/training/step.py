@@ -1,4 +1,5 @@
-"""One training step: forward, loss (cross-entropy + the MoE balance loss), backward over the micro-batches,
+"""One training step: forward, loss (cross-entropy; the MoE balance loss trains through the MoE outputs'
+backward, `models.moe.AuxLossScaler`), backward over the micro-batches,
 gradient clipping, and the optimizer (or fp16 gradient scaler) update.
 
 `build_train_step` assembles it (the model on the meta device, laid out by `parallelize` or cut into pipeline
@@ -43,7 +44,7 @@ from paratrain.estimate.model_states import hidden_matrix_names
 from paratrain.layout import Layout
 from paratrain.models import build_model
 from paratrain.models.llama import cross_entropy
-from paratrain.models.moe import balance_loss, moe_modules
+from paratrain.models.moe import moe_modules, set_aux_loss_scale
 from paratrain.models.mtp import depth_targets
 from paratrain.modes import Precision
 from paratrain.recipe import Recipe
@@ -229,7 +230,13 @@ class TrainStep:
         # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does the low-precision compute.
         self.autocast = Precision(precision).low_precision and not layout.uses_fsdp
         self.moe_layers = moe_modules(unwrap(model))
-        self.moe = MoEMeter(unwrap(model)) if self.moe_layers else None  # expert load statistics
+        # expert load statistics; under a pipeline on every stage of an MoE model (the stages' layers are gathered)
+        moe_model = bool(self.moe_layers) or (pipeline is not None and any(
+            m.args.moe_experts for m in pipeline.modules.values()))
+        self.moe = MoEMeter(unwrap(model), device, pp_group if pipeline is not None else None) if moe_model else None
+        if self.moe and pipeline is not None:  # the schedule's chunks only: its first step's shape inference runs the
+            for stage in pipeline.stages:  # stages on empty tensors outside them
+                stage.forward_one_chunk = self._recording_moe(stage.forward_one_chunk)
         # multi-token prediction (models/mtp.py): the model whose training forward leaves its depths' losses (a
         # pipeline's last stage: its term joins the schedule's loss there)
         last = unwrap(model) if pipeline is None else pipeline.last_module
@@ -257,9 +264,12 @@ class TrainStep:
             self.moe.reset()
         self.token_loss.reset()
         if self.pipeline is not None:
+            # the schedule averages its microbatches' gradients (scale_grads): each balance loss counts once
+            self._set_aux_loss_scale(1.0)
             loss = self._pipeline_forward_backward(micro_batches)
             return loss * float("nan") if poisoned else loss
         accum = len(micro_batches)
+        self._set_aux_loss_scale(1.0 / accum)  # the balance loss's mean over the micro-batches, like the loss's
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
             batch = self._local(as_batch(batch)).to(self.device)  # T this rank's tokens under context parallelism
@@ -267,24 +277,45 @@ class TrainStep:
             self.probe.micro_start(x, y)
             with self.contexts(sync=i == accum - 1):
                 with self.memory_budget.track() if self.memory_budget else contextlib.nullcontext():
-                    self.token_loss.recording = True
+                    self._recording(True)
                     loss, mtp = self._loss(batch, accum)
-                    self.token_loss.recording = False
-                    aux = None
-                    if self.moe_layers:  # the balance loss, same scaling; recorded before backward recomputes
-                        aux = balance_loss(self.moe_layers) / accum
-                        self.moe.record()
+                    self._recording(False)
                 if poisoned:
                     loss = loss * float("nan")
                 self.probe.forward_done()
-                # The balance loss and multi-token prediction's are more roots: the loss may be a DTensor (loss
-                # parallel), they never are.
-                roots = [r for r in (loss, aux, mtp) if r is not None]
+                # Multi-token prediction's loss is one more root: the loss may be a DTensor (loss parallel), it never
+                # is. (The balance loss needs no root: AuxLossScaler.)
+                roots = [r for r in (loss, mtp) if r is not None]
                 torch.autograd.backward([self.scaler.scale(r) for r in roots] if self.scaler else roots)
             if self.memory_budget:
                 self.memory_budget.check()
             total += full_tensor(loss.detach()) + (mtp.detach() if mtp is not None else 0)
         return total
+
+    def _recording(self, on: bool) -> None:
+        """Training forwards record their loss terms and expert loads (a pipeline's: `_recording_moe`); evaluation's
+        do not."""
+        self.token_loss.recording = on
+        if self.moe and self.pipeline is None:
+            self.moe.recording = on
+
+    def _recording_moe(self, forward_one_chunk):
+        def recorded(*args, **kwargs):
+            self.moe.recording = True
+            try:
+                return forward_one_chunk(*args, **kwargs)
+            finally:
+                self.moe.recording = False
+
+        return recorded
+
+    def _set_aux_loss_scale(self, scale: float) -> None:
+        """The balance loss's gradient factor for this step's forwards: `scale` times fp16's loss scale (a device
+        tensor: nothing read on the host)."""
+        if self.moe_layers:
+            if self.scaler:
+                scale = self.scaler.scale(torch.full((), scale, device=self.device))  # (initialises the scale)
+            set_aux_loss_scale(self.moe_layers, scale)
 
     def _model_loss(self, batch, reduction: str) -> torch.Tensor:
         """The model's cross-entropy on a Batch (targets NOT_A_TARGET count nothing). Chunked, inside the model's
@@ -342,10 +373,10 @@ class TrainStep:
         # The schedule averages its microbatches' losses and gradients: the masked sum is scaled up by their count.
         weight = None if batch.target_count is None else self._per_target(batch) * self.layout.pp_microbatches
         self.pipeline.loss_fn.weight = weight
-        self.token_loss.recording = True  # the last stage's loss runs once per microbatch, in forward
+        self._recording(True)  # the last stage's loss runs once per microbatch, in forward
         with self.contexts():
             loss = self.pipeline.train_step(*batch, positions=batch.positions)
-        self.token_loss.recording = False
+        self._recording(False)
         return loss / self.scaler.get_scale() if self.scaler else loss
 
     def clip(self) -> torch.Tensor:
