@@ -299,7 +299,9 @@ def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str 
             # One single-process reference per model (the dense tiny model, or e.g. the MoE preset), with its final
             # checkpoint (which every layout of that model evaluates) and that checkpoint's val loss.
             nonlocal ref_seconds
-            key = tuple(model_overrides)
+            # (a key the command line sets, `--set model.preset=...`, is its value for every row: one reference)
+            given = {o.split("=", 1)[0] for o in extra_args}
+            key = tuple(o for o in model_overrides if o.split("=", 1)[0] not in given)
             if key not in references:
                 start = time.perf_counter()
                 run_name = "reference" + "".join("_" + o.split("=", 1)[1] for o in key)
