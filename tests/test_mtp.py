@@ -44,7 +44,7 @@ def test_loss_is_the_hand_computation():
     x = torch.randint(0, V, (2, 12))
     y = torch.randint(0, V, (2, 12))
     model(x, mtp_targets=y)
-    got = [float(v.detach()) for v in model.mtp_losses]
+    got = [float(v.detach()) for v, _ in model.mtp_losses]
 
     T = x.shape[1]
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
@@ -57,6 +57,18 @@ def test_loss_is_the_hand_computation():
         logits = model.output(m.norm(h))[:, :T - d]
         want = F.cross_entropy(logits.flatten(0, 1), y[:, d:].flatten(), reduction="sum")
         assert got[d - 1] == pytest.approx(float(want.detach()), rel=1e-6)
+
+
+def test_packed_documents_give_no_target_across_a_boundary():
+    """In windows packed with whole documents, depth d has no target where the token d ahead starts or is in the next
+    document: its input embedding and its target belong to another document."""
+    args, model = tiny()
+    x, y = torch.randint(0, V, (1, 12)), torch.randint(0, V, (1, 12))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])  # documents of 5 and 7 tokens
+    model(x, positions=positions, mtp_targets=y)
+    for d, (_, count) in enumerate(model.mtp_losses, start=1):
+        # positions i whose token i + d is in the same document, and not beyond the window
+        assert int(count) == sum(1 for i in range(12 - d) if (i < 5) == (i + d < 5)), d
 
 
 def test_train_step_adds_the_weighted_mean_and_records_mtp_loss():
@@ -73,7 +85,7 @@ def test_train_step_adds_the_weighted_mean_and_records_mtp_loss():
     model = step.model
     with torch.no_grad():
         main = cross_entropy(model(x, mtp_targets=y), y)
-        depths = [s / (y[:, d:] != NOT_A_TARGET).sum() for d, s in enumerate(model.mtp_losses, start=1)]
+        depths = [s / (y[:, d:] != NOT_A_TARGET).sum() for d, (s, _) in enumerate(model.mtp_losses, start=1)]
     mtp = torch.stack(depths).mean()
     assert float(loss) == pytest.approx(float(main + 0.5 * mtp), rel=1e-5)
     assert step.token_loss.step_stats()()["mtp_loss"] == pytest.approx(float(mtp), rel=1e-5)

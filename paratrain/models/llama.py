@@ -149,6 +149,7 @@ class Documents:
 
     def __init__(self, positions: torch.Tensor):
         document = torch.cumsum(positions == 0, dim=1)  # (B, T): which document of its window a token is in
+        self.document = document
         T = positions.shape[1]
         causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
         self.mask = ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
@@ -298,8 +299,9 @@ class Transformer(nn.Module):
         `positions` (B, T): windows packed with whole documents, each token's position in its document (rotary
         angles restart and attention stays inside each document; see `Documents`). `mtp_targets` (B, T): the targets
         of a training forward, for multi-token prediction's modules (models/mtp.py), which then run and leave each
-        depth's summed cross-entropy in `mtp_losses`; without it (evaluation, generation) they do not run. Under a
-        pipeline every stage gets it: the first sends the embeddings of the tokens ahead beside its output."""
+        depth's summed cross-entropy and target count in `mtp_losses`; without it (evaluation, generation) they do not
+        run. Under a pipeline every stage gets it: the first sends the embeddings of the tokens ahead beside its
+        output."""
         T = seq_len or tokens.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}")

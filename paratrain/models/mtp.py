@@ -65,14 +65,15 @@ class MultiTokenPrediction(nn.ModuleList):
 
     def forward(self, h: torch.Tensor, ahead: torch.Tensor, targets: torch.Tensor, head: nn.Module,
                 cos: torch.Tensor, sin: torch.Tensor, documents=None, pieces: int = 1) -> list[torch.Tensor]:
-        """Each depth's summed cross-entropy over its targets (a list of D scalars: the trainer divides, weights and
-        adds them). h: the last block's output (B, T, C); ahead: `embedded_ahead` (B, T, D C); targets (B, T): the
+        """Each depth's summed cross-entropy over its targets and their count (a list of D pairs of scalars: the
+        trainer divides, weights and adds them). h: the last block's output (B, T, C); ahead: `embedded_ahead` (B, T, D C); targets (B, T): the
         main model's; `head`: the model's shared output head; `pieces`: pieces of the head's logits
         (`chunked_cross_entropy`)."""
         losses = []
         for d, (module, embedded) in enumerate(zip(self, ahead.chunk(len(self), dim=-1)), start=1):
             h = module(h, embedded, cos, sin, documents)  # (B, T, C)
-            losses.append(chunked_cross_entropy(module.norm(h), depth_targets(targets, d), head, pieces, "sum"))
+            y = depth_targets(targets, d, documents)  # (B, T)
+            losses.append((chunked_cross_entropy(module.norm(h), y, head, pieces, "sum"), (y != NOT_A_TARGET).sum()))
         return losses
 
 
@@ -82,6 +83,12 @@ def embedded_ahead(embedding: nn.Module, tokens: torch.Tensor, depth: int) -> to
     return torch.cat([embedding(shifted(tokens, d)) for d in range(1, depth + 1)], dim=-1)
 
 
-def depth_targets(targets: torch.Tensor, depth: int) -> torch.Tensor:
-    """The targets of depth d (1-based) at each position, (B, T): the main targets moved d left, none at the end."""
-    return shifted(targets, depth, NOT_A_TARGET)
+def depth_targets(targets: torch.Tensor, depth: int, documents=None) -> torch.Tensor:
+    """The targets of depth d (1-based) at each position, (B, T): the main targets moved d left, none at the end, and
+    in windows packed with whole documents (`documents`: models/llama.py's Documents) none where the token d ahead is in
+    another document (its embedding and target belong to the next one)."""
+    moved = shifted(targets, depth, NOT_A_TARGET)
+    if documents is None:
+        return moved
+    same = shifted(documents.document, depth, -1) == documents.document  # (B, T)
+    return moved.masked_fill(~same, NOT_A_TARGET)

@@ -45,7 +45,6 @@ from paratrain.layout import Layout
 from paratrain.models import build_model
 from paratrain.models.llama import cross_entropy
 from paratrain.models.moe import moe_modules, set_aux_loss_scale
-from paratrain.models.mtp import depth_targets
 from paratrain.modes import Precision
 from paratrain.recipe import Recipe
 from paratrain.training.optim import build_optimizer, inner_optimizer
@@ -353,10 +352,9 @@ class TrainStep:
         if self.mtp_model is None:
             return None
         losses, self.mtp_model.mtp_losses = self.mtp_model.mtp_losses, None
-        per_depth = torch.stack([full_tensor(v) for v in losses])  # (D,) summed: loss parallel's replicated DTensors
-        if mean:
-            counts = [(depth_targets(y, d) != NOT_A_TARGET).sum() for d in range(1, len(losses) + 1)]
-            per_depth = per_depth / torch.stack(counts).clamp(min=1)
+        per_depth = torch.stack([full_tensor(v) for v, _ in losses])  # (D,) summed: loss parallel's replicated DTensors
+        if mean:  # over each depth's targets (fewer than the main loss's: none at the end, none across documents)
+            per_depth = per_depth / torch.stack([count for _, count in losses]).clamp(min=1)
         value = per_depth.mean()
         self.token_loss.record(MTP_METRIC, value, "mean" if mean else "sum", y)
         return scale(value) * self.mtp_model.args.mtp_loss_weight
