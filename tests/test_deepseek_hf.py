@@ -22,7 +22,7 @@ from paratrain.errors import UserError  # noqa: E402
 
 from conftest import fast_config  # noqa: E402
 from test_hf import HF_VOCAB, check_exported, hf_first_loss, hf_model, safetensors_of, save_tokenizer  # noqa: E402
-from test_qwen2_moe import _load_without_warnings  # noqa: E402
+from test_qwen2_moe import _load_without_warnings, assert_matches_transformers  # noqa: E402
 
 CONFIG = dict(vocab_size=HF_VOCAB, hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4,
               max_position_embeddings=64, rope_theta=1e4, rms_norm_eps=1e-6, num_hidden_layers=3,
@@ -55,7 +55,6 @@ def folders(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["latent-q", "direct-q"])
 def test_logits_and_greedy_tokens_equal_transformers(folders, name):
-    from paratrain.generate import sample
     from paratrain.hf.load import load_hf_model
 
     model, args, tok = load_hf_model(folders[name])
@@ -65,13 +64,7 @@ def test_logits_and_greedy_tokens_equal_transformers(folders, name):
     assert args.mla_q_lora_rank == (24 if name == "latent-q" else 0) and args.head_dim == 4
     bias = model.layers["1"].feed_forward.expert_bias
     assert bias.abs().sum() > 0  # the checkpoint's routing bias, not zeros
-    hf = hf_model(folders[name])
-    x = torch.randint(0, HF_VOCAB, (2, 48), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), hf(x).logits, rtol=0, atol=1e-5)
-        ids = tok.encode("ROMEO: But soft")
-        greedy = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids):].tolist()
-    assert sample(model, ids, 20, 64, temperature=0.0)[:len(greedy)] == greedy
+    assert_matches_transformers(model, tok, folders[name])
 
 
 def test_import_train_export(folders, tmp_path):
