@@ -16,7 +16,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput
-from torch.distributed.tensor.parallel import SequenceParallel
 from torch.distributed.tensor.parallel import parallelize_module
 
 from paratrain.models.llama_params import MTP_PREFIX
