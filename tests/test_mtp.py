@@ -168,3 +168,20 @@ def test_pipeline_split_counts_the_modules_on_the_last_stage():
 
     assert balanced_split(preset_args("tiny", vocab_size=V, n_layers=8), 4) == (2, 2, 2, 2)
     assert balanced_split(preset_args("tiny", vocab_size=V, n_layers=8, mtp_depth=1), 4)[-1] == 1
+
+
+def test_the_planner_prices_each_depth_on_the_last_stage():
+    """The step-time model adds each depth's block and head pass to the rank holding the last stage."""
+    import dataclasses
+
+    from paratrain.estimate.planner import PlanRequest, plan_context
+    from paratrain.estimate.step_time import Context, rank_compute
+    from paratrain.layout import Layout
+
+    ctx = plan_context(PlanRequest("llama3-8b", gpus=8, gpu="H100", seq=8192, global_batch_tokens=8192 * 64)).ctx
+    fields = {f.name: getattr(ctx, f.name) for f in dataclasses.fields(Context)}
+    with_mtp = Context(**{**fields, "args": dataclasses.replace(ctx.args, mtp_depth=1), "cache": {}})
+    lay = Layout.resolve(8, dp_shard=4, pp=2, pp_schedule="1f1b", pp_microbatches=16)
+    plain, more = (rank_compute(c.candidate(lay), c) for c in (ctx, with_mtp))
+    blocks = plain[0][0] / 16  # a rank's compute per block (llama3-8b: 16 blocks per stage)
+    assert 1.5 * blocks < sum(c for c, _ in more) - sum(c for c, _ in plain) < 4 * blocks

@@ -463,8 +463,10 @@ def _rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
     one = None if ctx.stage_hw else block_costs(ctx, ctx.hw, c.tp, c.micro_batch, c.ep, c.ac, c.layout.cp)
     for r, blocks in enumerate(rank_blocks(ctx, lay).layers):
         bc = one or block_costs(ctx, ctx.rank_hw(r), c.tp, c.micro_batch, c.ep, c.ac, c.layout.cp)
-        n = len(blocks)
-        out.append((n * (bc.forward + bc.backward) + (bc.head if r == last_owner else 0.0),
+        # multi-token prediction (models/mtp.py): each depth one more block and pass through the head, on the last stage
+        depths = ctx.args.mtp_depth if r == last_owner else 0
+        n = len(blocks) + depths
+        out.append((n * (bc.forward + bc.backward) + (bc.head * (1 + depths) if r == last_owner else 0.0),
                     c.ac.recomputed_blocks(n, c.every_k) * bc.recompute))
     return out
 
