@@ -338,16 +338,21 @@ def row_tolerances(layout_extra: list[str], tolerance: float, val_tolerance: flo
     return out
 
 
+def check_rows(layouts: list[str], steps: int) -> None:
+    """Unknown row names, and resumed rows with no step to resume at, as one-line errors."""
+    for name in layouts:
+        layout_overrides(name)
+    if steps < 2 and any(name in RESUMED for name in layouts):
+        raise UserError("resumed rows (resume-*) need --steps >= 2")
+
+
 def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str = "fp32",
                extra_args: list[str] = (), echo=print, val_tolerance: float = VAL_TOLERANCE,
                share_launches: bool = False) -> tuple[list[Row], float]:
     """share_launches: run all layouts of one world size in one launch of the ranks, one after the other in one process
     group (the test suite's matrices: the ranks' start-up is paid once per world size; a layout that fails then fails
     the others of its launch too, so `paratrain verify` launches each on its own)."""
-    for name in layouts:
-        layout_overrides(name)  # unknown names fail before anything runs
-    if steps < 2 and any(name in RESUMED for name in layouts):
-        raise UserError("resumed rows (resume-*) need --steps >= 2")
+    check_rows(layouts, steps)  # bad names fail before anything runs
     with tempfile.TemporaryDirectory(prefix="paratrain-verify-") as out_dir:
         base = base_overrides(steps, out_dir, precision)
         references, ref_seconds = {}, 0.0

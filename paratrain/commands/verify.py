@@ -9,7 +9,7 @@ from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.modes import PRECISIONS, Precision
 from paratrain.verify import (CP_MATRIX, DEFAULT_MATRIX, EXACT_CAPABILITY_ROWS, HEADER, LAYOUTS, MEMORY_MATRIX,
                               MODEL_CAPABILITY_MATRIX, MOE_MATRIX, PP_MATRIX, QWEN_MATRIX, RESUMED,
-                              layout_overrides, run_verify)
+                              check_rows, layout_overrides, run_verify)
 
 
 def main(argv: list[str]) -> int:
@@ -30,8 +30,7 @@ def main(argv: list[str]) -> int:
     if args.steps < 1:
         raise UserError("--steps must be >= 1")
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
-    for name in layouts:
-        layout_overrides(name)  # unknown names fail before any output
+    check_rows(layouts, args.steps)  # before any output
     import torch  # lazy: not needed for --help and the argument errors above
 
     if torch.cuda.is_available() and args.device != "cpu":
