@@ -184,14 +184,49 @@ def base_overrides(steps: int, out_dir: str, precision: str) -> list[str]:
             "metrics.peak_tflops=1", f"run.out_dir={out_dir}"]
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """A row that trains on the layout of `row` (a LAYOUTS row, whose model and settings both halves share) with a
+    checkpoint at half the steps, then resumes from it on `then`, (ranks, layout name), for the rest: the run's state
+    (weights, optimizer, data position, buffers such as the MoE routing bias) must move between layouts exactly. The
+    first layout trains all the steps (the learning rate is a function of the run's total steps, so a shorter run
+    would not be the same run); only its losses up to the checkpoint count."""
+    row: str
+    then: tuple[int, str]
+
+
+# name -> Resumed, written resume-FIRST:SECOND (':' needs no quoting in a shell, unlike '->'). The tiny MoE with the
+# auxiliary-loss-free routing bias (the aux_free-* rows), resumed with its bias on a layout that shards it differently.
+RESUMED: dict[str, Resumed] = {
+    "resume-ep2:fsdp2": Resumed("aux_free-ep2", (2, "fsdp")),
+    "resume-ep2xtp2:pp2": Resumed("aux_free-ep2xtp2", (2, "nodp,pp=2,sched=1f1b")),
+}
+
+
 def layout_overrides(name: str) -> tuple[int, list[str]]:
+    """A row's ranks (a resumed row's: the larger part's) and overrides (a resumed row's: its second part's)."""
+    if name in RESUMED:
+        (first_ranks, _), (ranks, extra) = resumed_overrides(name)
+        return max(first_ranks, ranks), extra
     if name not in LAYOUTS:
         import difflib
 
-        close = difflib.get_close_matches(name, LAYOUTS, n=1)
+        known = [*LAYOUTS, *RESUMED]
+        close = difflib.get_close_matches(name, known, n=1)
         raise UserError(f"unknown layout '{name}'" + (f" (did you mean '{close[0]}'?)" if close else
-                                                        f" (known: {', '.join(LAYOUTS)})"))
-    nproc, text, *extra = LAYOUTS[name]
+                                                        f" (known: {', '.join(known)})"))
+    return _row_overrides(name, *LAYOUTS[name])
+
+
+def resumed_overrides(name: str) -> tuple[tuple[int, list[str]], tuple[int, list[str]]]:
+    """A resumed row's two parts, (ranks, overrides) each: its first row's, and its second layout with that row's
+    model and settings."""
+    resumed = RESUMED[name]
+    _, _, *extra = LAYOUTS[resumed.row]
+    return layout_overrides(resumed.row), _row_overrides(name, *resumed.then, *extra)
+
+
+def _row_overrides(name: str, nproc: int, text: str, *extra: str) -> tuple[int, list[str]]:
     named = parse_layout_name(text, f"verify layout {name}")
     layout = named.layout(nproc)
     parallel, default = layout.to_config(ParallelConfig()), ParallelConfig()
@@ -248,6 +283,26 @@ def _run_layout(train_cfg, eval_cfg, nproc: int):
     return launch_ranks(train_and_evaluate, (train_cfg, eval_cfg), nproc)
 
 
+def _train(cfg, nproc: int):
+    if nproc == 1:
+        return train_rank(cfg)
+    return launch_ranks(run_rank, (cfg,), nproc)
+
+
+def _run_resumed(name: str, steps: int, base: list[str], extra_args: list[str], checkpoint):
+    """A resumed row: its first layout trains with a checkpoint at step steps // 2, its second resumes from that
+    checkpoint to the end and evaluates the reference's checkpoint. Returns (the result with both parts' losses, the
+    second part's val loss)."""
+    (first_ranks, first_extra), (ranks, extra) = resumed_overrides(name)
+    half, run_name = steps // 2, name.replace(":", "-to-")
+    first_cfg, _ = layout_configs(f"{run_name}-first", first_extra, base, [
+        *extra_args, f"checkpoint.every={half}", f"checkpoint.keep={steps}"], checkpoint)  # (step-half kept)
+    first = _train(first_cfg, first_ranks)
+    resume = f"checkpoint.resume={first_cfg.run_dir / 'checkpoints' / f'step-{half}'}"
+    result, val_loss = _run_layout(*layout_configs(run_name, extra, base, [*extra_args, resume], checkpoint), ranks)
+    return dataclasses.replace(result, losses=first.losses[:half] + result.losses), val_loss
+
+
 def compare(reference, result) -> tuple[float, float]:
     steps = len(reference.losses)
     if len(result.losses) != steps:
@@ -283,14 +338,21 @@ def row_tolerances(layout_extra: list[str], tolerance: float, val_tolerance: flo
     return out
 
 
+def check_rows(layouts: list[str], steps: int) -> None:
+    """Unknown row names, and resumed rows with no step to resume at, as one-line errors."""
+    for name in layouts:
+        layout_overrides(name)
+    if steps < 2 and any(name in RESUMED for name in layouts):
+        raise UserError("resumed rows (resume-*) need --steps >= 2")
+
+
 def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str = "fp32",
                extra_args: list[str] = (), echo=print, val_tolerance: float = VAL_TOLERANCE,
                share_launches: bool = False) -> tuple[list[Row], float]:
     """share_launches: run all layouts of one world size in one launch of the ranks, one after the other in one process
     group (the test suite's matrices: the ranks' start-up is paid once per world size; a layout that fails then fails
     the others of its launch too, so `paratrain verify` launches each on its own)."""
-    for name in layouts:
-        layout_overrides(name)  # unknown names fail before anything runs
+    check_rows(layouts, steps)  # bad names fail before anything runs
     with tempfile.TemporaryDirectory(prefix="paratrain-verify-") as out_dir:
         base = base_overrides(steps, out_dir, precision)
         references, ref_seconds = {}, 0.0
@@ -321,7 +383,7 @@ def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str 
             for name in layouts:
                 nproc, extra = layout_overrides(name)
                 _, checkpoint = reference_for(reference_overrides(extra))
-                if nproc > 1:
+                if nproc > 1 and name not in RESUMED:  # (a resumed row launches its two parts itself)
                     groups.setdefault(nproc, []).append((name, layout_configs(name, extra, base, extra_args,
                                                                               checkpoint)))
             for nproc, members in groups.items():
@@ -345,6 +407,8 @@ def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str 
                     if isinstance(got, UserError):
                         raise got
                     result, val_loss = got
+                elif name in RESUMED:
+                    result, val_loss = _run_resumed(name, steps, base, extra_args, checkpoint)
                 else:
                     result, val_loss = _run_layout(*layout_configs(name, extra, base, extra_args, checkpoint), nproc)
                 loss_diff, weight_diff = compare(reference, result)

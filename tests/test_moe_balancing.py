@@ -91,3 +91,11 @@ def test_the_bias_resumes_exactly_on_another_layout(char_data, tmp_path):
     assert torch.equal(resumed.final_weights[BIAS], bias) and bias.abs().max() > 0  # the same steps of 0.02
     plain = train_rank(_config(char_data, tmp_path, "aux_loss", "single", "moe.balancing=aux_loss"))
     assert plain.losses[0] == straight.losses[0] and plain.losses[-1] != straight.losses[-1]  # routing changed
+
+
+def test_a_resumed_verify_row(char_data):
+    """`paratrain verify`'s resumed row: 2 steps on ep2, checkpointed, the last 2 resumed on fsdp2, against one
+    process's uninterrupted 4 steps like every row (all 4 losses, the final weights with the bias, the val loss)."""
+    rows, _ = run_verify(["resume-ep2:fsdp2"], steps=4, tolerance=1e-5, extra_args=[f"data.dir={char_data}"],
+                         echo=lambda line: None)
+    assert rows[0].passed and len(rows[0].losses) == 4, rows

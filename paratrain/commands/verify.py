@@ -8,15 +8,16 @@ from paratrain import verify
 from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.modes import PRECISIONS, Precision
 from paratrain.verify import (CP_MATRIX, DEFAULT_MATRIX, EXACT_CAPABILITY_ROWS, HEADER, LAYOUTS, MEMORY_MATRIX,
-                              MODEL_CAPABILITY_MATRIX, MOE_MATRIX, PP_MATRIX, QWEN_MATRIX, layout_overrides, run_verify)
+                              MODEL_CAPABILITY_MATRIX, MOE_MATRIX, PP_MATRIX, QWEN_MATRIX, RESUMED,
+                              check_rows, layout_overrides, run_verify)
 
 
 def main(argv: list[str]) -> int:
     parser = OneLineArgumentParser(prog="paratrain verify", description=verify.__doc__.splitlines()[0])
     parser.add_argument("--layouts", default=",".join(DEFAULT_MATRIX + MOE_MATRIX + PP_MATRIX + CP_MATRIX + QWEN_MATRIX
                                                       + MODEL_CAPABILITY_MATRIX + MEMORY_MATRIX
-                                                      + EXACT_CAPABILITY_ROWS),
-                        help=f"comma-separated layout names (known: {', '.join(LAYOUTS)})")
+                                                      + EXACT_CAPABILITY_ROWS + list(RESUMED)),
+                        help=f"comma-separated layout names (known: {', '.join([*LAYOUTS, *RESUMED])})")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
@@ -29,8 +30,7 @@ def main(argv: list[str]) -> int:
     if args.steps < 1:
         raise UserError("--steps must be >= 1")
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
-    for name in layouts:
-        layout_overrides(name)  # unknown names fail before any output
+    check_rows(layouts, args.steps)  # before any output
     import torch  # lazy: not needed for --help and the argument errors above
 
     if torch.cuda.is_available() and args.device != "cpu":
