@@ -108,7 +108,7 @@ JOURNEYS = {
         "paratrain export runs/deepseek --format hf --out deepseek-hf",
         'python -c "from transformers import pipeline; print(pipeline(\'text-generation\', \'deepseek-hf\')(\'ROMEO:\', '
         'max_new_tokens=20)[0][\'generated_text\'])"',
-        "paratrain verify --layouts fsdp2,tp2,pp2-1f1b,ep2 --set model.preset=tiny-deepseek",
+        "paratrain verify --layouts fsdp2,tp2,pp2-1f1b,ep2,ep2xtp2,resume-ep2:fsdp2 --set model.preset=tiny-deepseek",
     ],
     "qwen": [
         "paratrain estimate --model qwen3-8b --gpu H100 --dp-shard 8 --seq-len 4096 --checkpointing selective",
@@ -603,7 +603,7 @@ def test_journey_deepseek(journey):
     assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["n_group"] == 4
     assert j.doc(steps[3]).stdout.startswith("ROMEO:")
     out = j.doc(steps[4], after=["--steps", "3"]).stdout
-    assert out.count("PASS") == 4 and "FAIL" not in out, out
+    assert out.count("PASS") == 6 and "FAIL" not in out, out
 
 
 def test_journey_qwen(journey):
