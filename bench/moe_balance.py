@@ -62,10 +62,10 @@ def val_split_loads(cfg, windows: int | None = None) -> dict:
     val = open_split(dataclasses.replace(cfg.data, mode="sequential"), "val", cfg.training.seq_len)
     count = val.windows[0] if windows is None else min(windows, val.windows[0])
     x, _ = val.global_batch(0, count, cfg.training.seed)  # (count, T)
-    meter = MoEMeter(model)
+    meter = MoEMeter(model, x.device)
+    meter.recording = True  # each MoE layer's forward adds its loads
     for rows in x.split(CHUNK):
-        model(rows)  # logits unused: the MoE modules keep this forward's tokens_per_expert
-        meter.record()
+        model(rows)  # logits unused
     return {**meter.step_metrics(), "tokens": x.numel()}
 
 

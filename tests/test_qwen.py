@@ -255,8 +255,10 @@ def test_router_variants_map_exactly():
                              (dict(moe_score_func="sigmoid"), "sigmoid routing")):
         with pytest.raises(UserError, match=re.escape(message)):
             hf_config_from_args(preset_args("tiny-qwen3-moe", vocab_size=128, **changes), 128, "bf16", None, None)
-    with pytest.raises(UserError, match="a mixture of experts in model family 'qwen2'"):
+    with pytest.raises(UserError, match="no gated shared expert"):  # (Qwen2-MoE has one)
         hf_config_from_args(preset_args("tiny-qwen3-moe", vocab_size=128, family="qwen2"), 128, "bf16", None, None)
+    with pytest.raises(UserError, match="dense blocks only in model family 'deepseek'"):  # (DeepSeek-V3 is an MoE)
+        hf_config_from_args(preset_args("tiny-deepseek", vocab_size=128, moe_experts=0), 128, "bf16", None, None)
 
 
 def test_refused_folder_on_the_command_line(qwen_models, tmp_path, capsys):

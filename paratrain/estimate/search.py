@@ -174,7 +174,7 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
     # with 2 replicas only, 2 interleaved stages per rank, and no GPipe (1F1B's bubble with every microbatch in
     # flight: never faster, never smaller)
     moe_pipeline = a.moe_experts > 0 and pp > 1
-    schedules = [s for s in opts.schedules if not (moe_pipeline and s == Schedule.GPIPE)] or opts.schedules
+    schedules = [s for s in opts.schedules if not (moe_pipeline and s.all_forwards_first)] or opts.schedules
     for mode in opts.dp_modes:
         if dp == 1:
             if not modes:

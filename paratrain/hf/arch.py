@@ -340,7 +340,8 @@ def export_mismatch(args: ModelArgs) -> str | None:
         mapped = ", ".join(name for name, f in FAMILIES.items() if any(a.exported for a in f.hf_archs))
         return f"model family '{family.name}' (paratrain maps the families {mapped} to Hugging Face configs)"
     if arch is None:
-        return f"a mixture of experts in model family '{family.name}' (none of its Hugging Face architectures has one)"
+        kind = "a mixture of experts" if args.moe_experts else "dense blocks only"
+        return f"{kind} in model family '{family.name}' (none of its Hugging Face architectures has that)"
     return _moe_mismatch(args, arch) if arch.moe else None
 
 

@@ -116,6 +116,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+def shifted(values: torch.Tensor, d: int, fill: int | None = None) -> torch.Tensor:
+    """values (B, T) moved d positions left: position i holds values[i + d]; the last d positions hold `fill`, or
+    (None) the first d values (wrapped: a token there feeds only positions without a target, under causal attention)."""
+    if fill is None:
+        return values.roll(-d, dims=1)
+    return torch.cat([values[:, d:], values.new_full((values.shape[0], d), fill)], dim=1)
+
+
+def embedded_ahead(embedding: nn.Module, tokens: torch.Tensor, depth: int) -> torch.Tensor:
+    """The shared embedding of the tokens 1..depth places ahead, side by side: tokens (B, T) -> (B, T, depth C),
+    channels [(d - 1) C, d C) holding Emb(t_{i+d})."""
+    return torch.cat([embedding(shifted(tokens, d)) for d in range(1, depth + 1)], dim=-1)
+
+
 class WholeSequence:
     """What an `Attention` holds of each sequence, and how it attends over it: here all of it, positions 0..T-1,
     causal fused attention. This is the model's seam for context parallelism (like MoE's `dispatcher`):
@@ -243,12 +257,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # Multi-token prediction's modules (models/mtp.py, built of this module's blocks; lazy: it imports this one)
+        # Multi-token prediction's modules (models/mtp.py, built of this module's blocks), which `build_model`
+        # attaches after the head when args.mtp_depth > 0
         self.mtp = None
-        if args.mtp_depth:
-            from paratrain.models.mtp import MultiTokenPrediction
-
-            self.mtp = MultiTokenPrediction(args, self.attention_class)
         self.mtp_losses = None  # the last training forward's, per depth (`mtp_targets`)
         # Rotary tables are derived, not learned: non-persistent, rebuilt by reset_buffers().
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args=args)
@@ -308,8 +319,6 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, C)
         ahead, depth = None, self.args.mtp_depth if mtp_targets is not None else 0
         if depth:  # multi-token prediction's embeddings of the tokens ahead (B, T, D C), made beside the input's
-            from paratrain.models.mtp import embedded_ahead
-
             if self.tok_embeddings is not None:
                 ahead = embedded_ahead(self.tok_embeddings, tokens, depth)
             else:  # a later pipeline stage: the first stage sent them as more channels of the hidden states

@@ -14,11 +14,12 @@ has index n_layers + d - 1 for its kind (a mixture of experts from `moe_first_de
 layer is). Generation, evaluation and export use the main head only: the modules run only when the trainer passes
 targets (`Transformer.forward(mtp_targets=...)`), and export leaves their weights out (`llama_params.MTP_PREFIX`).
 
-A plain nn.Module like the rest of the model; its parameters are in the family's table (`llama_params.mtp_params`:
-after the output head, `layer` None, so a pipeline holds them on its last stage, with the head). The embeddings of the
-tokens ahead are made where the shared embedding is (`embedded_ahead`): under a pipeline the first stage sends them
-beside the hidden states, as more channels the stages between pass on (`Transformer.forward`), so the embedding's
-gradient comes back through the pipeline's own backward and it stays one weight.
+A plain nn.Module like the rest of the model, attached after the head by `registry.build_model`; its parameters are
+in the family's table (`llama_params.mtp_params`: after the output head, `layer` None, so a pipeline holds them on its
+last stage, with the head). The embeddings of the tokens ahead are made where the shared embedding is (llama.py's
+`embedded_ahead`): under a pipeline the first stage sends them beside the hidden states, as more channels the stages
+between pass on (`Transformer.forward`), so the embedding's gradient comes back through the pipeline's own backward
+and it stays one weight.
 """
 
 from __future__ import annotations
@@ -28,15 +29,7 @@ from torch import nn
 
 from paratrain.data.batch import NOT_A_TARGET
 from paratrain.models.args import ModelArgs
-from paratrain.models.llama import RMSNorm, TransformerBlock, chunked_cross_entropy
-
-
-def shifted(values: torch.Tensor, d: int, fill: int | None = None) -> torch.Tensor:
-    """values (B, T) moved d positions left: position i holds values[i + d]; the last d positions hold `fill`, or
-    (None) the first d values (wrapped: a token there feeds only positions without a target, under causal attention)."""
-    if fill is None:
-        return values.roll(-d, dims=1)
-    return torch.cat([values[:, d:], values.new_full((values.shape[0], d), fill)], dim=1)
+from paratrain.models.llama import RMSNorm, TransformerBlock, chunked_cross_entropy, shifted
 
 
 class MTPModule(nn.Module):
@@ -66,21 +59,15 @@ class MultiTokenPrediction(nn.ModuleList):
     def forward(self, h: torch.Tensor, ahead: torch.Tensor, targets: torch.Tensor, head: nn.Module,
                 cos: torch.Tensor, sin: torch.Tensor, documents=None, pieces: int = 1) -> list[torch.Tensor]:
         """Each depth's summed cross-entropy over its targets and their count (a list of D pairs of scalars: the
-        trainer divides, weights and adds them). h: the last block's output (B, T, C); ahead: `embedded_ahead` (B, T, D C); targets (B, T): the
-        main model's; `head`: the model's shared output head; `pieces`: pieces of the head's logits
-        (`chunked_cross_entropy`)."""
+        trainer divides, weights and adds them). h: the last block's output (B, T, C); ahead: llama.py's
+        `embedded_ahead` (B, T, D C); targets (B, T): the main model's; `head`: the model's shared output head;
+        `pieces`: pieces of the head's logits (`chunked_cross_entropy`)."""
         losses = []
         for d, (module, embedded) in enumerate(zip(self, ahead.chunk(len(self), dim=-1)), start=1):
             h = module(h, embedded, cos, sin, documents)  # (B, T, C)
             y = depth_targets(targets, d, documents)  # (B, T)
             losses.append((chunked_cross_entropy(module.norm(h), y, head, pieces, "sum"), (y != NOT_A_TARGET).sum()))
         return losses
-
-
-def embedded_ahead(embedding: nn.Module, tokens: torch.Tensor, depth: int) -> torch.Tensor:
-    """The shared embedding of the tokens 1..depth places ahead, side by side: tokens (B, T) -> (B, T, depth C),
-    channels [(d - 1) C, d C) holding Emb(t_{i+d})."""
-    return torch.cat([embedding(shifted(tokens, d)) for d in range(1, depth + 1)], dim=-1)
 
 
 def depth_targets(targets: torch.Tensor, depth: int, documents=None) -> torch.Tensor:

@@ -90,6 +90,12 @@ def attention_shape(args: ModelArgs) -> AttentionShape:
 
 
 def build_model(args: ModelArgs):
-    """The family's nn.Module for `args` (on the current default device)."""
-    return family_of(args).model_class()(args)
+    """The family's nn.Module for `args` (on the current default device), with multi-token prediction's modules
+    (models/mtp.py) after its head when args.mtp_depth > 0."""
+    model = family_of(args).model_class()(args)
+    if args.mtp_depth:
+        from paratrain.models.mtp import MultiTokenPrediction  # lazy: torch (the registry is torch-free)
+
+        model.mtp = MultiTokenPrediction(args, model.attention_class)
+    return model
 
