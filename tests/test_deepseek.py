@@ -101,13 +101,12 @@ def test_verify_rows_pass(char_data):
     """`paratrain verify`'s MLA rows within 1e-5 of one process: here tp2 + sp and cp2 (tp2 fails, 6e-5, if the rotary
     key's gradient is not summed over the tp ranks: role "shared_key"); MLA on fsdp2, tp2, pp2-1f1b, ep2 and ep2 x tp2
     is the DeepSeek journey's verify (tests/test_journeys.py, tiny-deepseek)."""
-    from paratrain.verify import MLA_MATRIX, run_verify
+    from paratrain.verify import MLA_MATRIX
+    from test_distributed import check_matrix
 
     rows_here = ["mla-tp2+sp", "mla-cp2"]
     assert set(rows_here) < set(MLA_MATRIX)
-    rows, _ = run_verify(rows_here, steps=4, tolerance=1e-5, extra_args=[f"data.dir={char_data}"],
-                         echo=lambda line: None, share_launches=True)
-    assert [r.layout for r in rows if r.passed] == rows_here, rows
+    check_matrix(rows_here, char_data, steps=4)
 
 
 def test_presets_and_the_estimators_shape():

@@ -26,14 +26,14 @@ VAL_TOL = 1e-6  # one checkpoint's val loss on the layout against one process
 MATRIX_STEPS = 8
 
 
-def check_matrix(matrix: list[str], char_data) -> None:
-    rows, _ = run_verify(matrix, steps=MATRIX_STEPS, tolerance=TOL, extra_args=[f"data.dir={char_data}"], echo=lambda line: None,
+def check_matrix(matrix: list[str], char_data, steps: int = MATRIX_STEPS) -> None:
+    rows, _ = run_verify(matrix, steps=steps, tolerance=TOL, extra_args=[f"data.dir={char_data}"], echo=lambda line: None,
                          share_launches=True)
     report = "\n".join(f"{r.layout}: dloss {r.max_loss_diff:.2e} dweight {r.max_weight_diff:.2e} dval {r.val_diff:.2e} "
                        f"{r.note}" for r in rows)
     assert [r.layout for r in rows] == matrix
     for r in rows:
-        assert len(r.losses) == MATRIX_STEPS, report
+        assert len(r.losses) == steps, report
         assert r.max_loss_diff <= TOL and r.max_weight_diff <= TOL and r.val_diff <= VAL_TOL, report
 
 

@@ -142,13 +142,12 @@ def test_mtp_loss_is_logged_the_same_under_a_pipeline(tmp_path, char_data):
 def test_layouts_match_one_process(char_data):
     """tp2 with sequence parallelism and pp2 interleaved against one process at 1e-5 (MTP on fsdp2, tp2, pp2-1f1b, ep2
     and ep2 x tp2 is the DeepSeek journey's verify: tests/test_journeys.py, tiny-deepseek has one depth)."""
-    from paratrain.verify import MTP_MATRIX, run_verify
+    from paratrain.verify import MTP_MATRIX
+    from test_distributed import check_matrix
 
     rows_here = ["mtp-tp2+sp", "mtp-pp2-interleaved"]
     assert set(rows_here) < set(MTP_MATRIX)
-    result, _ = run_verify(rows_here, steps=4, tolerance=1e-5, extra_args=[f"data.dir={char_data}"],
-                           echo=lambda line: None, share_launches=True)
-    assert [r.layout for r in result if r.passed] == rows_here, result
+    check_matrix(rows_here, char_data, steps=4)
 
 
 def test_flops_count_each_depth_as_a_block_and_a_head_pass():

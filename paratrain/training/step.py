@@ -156,20 +156,10 @@ class ScheduleLoss:
 
     def __init__(self, scaler, token_loss: TokenLoss):
         self.scaler, self.weight, self.token_loss, self.more = scaler, None, token_loss, None
-        self.forwarded = False  # the last stage ran a microbatch's forward since the last call
-
-    def watch(self, stages) -> None:
-        """Note each forward of the last stage among `stages`: the schedule's metadata inference (its first step)
-        calls the loss once on made-up activations without one, a call the step's metrics must not count."""
-        for stage in stages:
-            if stage.is_last:
-                forward = stage.forward_one_chunk
-
-                def noted(*args, **kwargs):
-                    self.forwarded = True
-                    return forward(*args, **kwargs)
-
-                stage.forward_one_chunk = noted
+        # the last stage ran one of the schedule's microbatch forwards since the last call (`TrainStep._counted_chunk`):
+        # the schedule's metadata inference (its first step) calls the loss once on made-up activations without one, a
+        # call the step's metrics must not count
+        self.forwarded = False
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         recording, self.token_loss.recording = self.token_loss.recording, self.token_loss.recording and self.forwarded
@@ -233,9 +223,9 @@ class TrainStep:
         moe_model = bool(self.moe_layers) or (pipeline is not None and any(
             m.args.moe_experts for m in pipeline.modules.values()))
         self.moe = MoEMeter(unwrap(model), device, pp_group if pipeline is not None else None) if moe_model else None
-        if self.moe and pipeline is not None:  # the schedule's chunks only: its first step's shape inference runs the
-            for stage in pipeline.stages:  # stages on empty tensors outside them
-                stage.forward_one_chunk = self._recording_moe(stage.forward_one_chunk)
+        if pipeline is not None:  # the schedule's microbatch forwards are what the metrics count
+            for stage in pipeline.stages:
+                stage.forward_one_chunk = self._counted_chunk(stage, pipeline.loss_fn, stage.forward_one_chunk)
         # multi-token prediction (models/mtp.py): the model whose training forward leaves its depths' losses (a
         # pipeline's last stage: its term joins the schedule's loss there)
         last = unwrap(model) if pipeline is None else pipeline.last_module
@@ -298,15 +288,21 @@ class TrainStep:
         if self.moe and self.pipeline is None:
             self.moe.recording = on
 
-    def _recording_moe(self, forward_one_chunk):
-        def recorded(*args, **kwargs):
-            self.moe.recording = True
+    def _counted_chunk(self, stage, loss_fn: ScheduleLoss, forward_one_chunk):
+        """A stage's forward of one of the schedule's microbatches, which the step's metrics count (the schedule's
+        first step also runs its stages on made-up tensors outside them, to infer shapes): the expert loads during it,
+        and on the last stage the loss the schedule computes after it (`ScheduleLoss.forwarded`)."""
+        def counted(*args, **kwargs):
+            loss_fn.forwarded = loss_fn.forwarded or stage.is_last
+            if self.moe:
+                self.moe.recording = True
             try:
                 return forward_one_chunk(*args, **kwargs)
             finally:
-                self.moe.recording = False
+                if self.moe:
+                    self.moe.recording = False
 
-        return recorded
+        return counted
 
     def _set_aux_loss_scale(self, scale: float) -> None:
         """The balance loss's gradient factor for this step's forwards: `scale` times fp16's loss scale (a device
@@ -567,7 +563,6 @@ def build_train_step(model_args, dims, recipe: Recipe | None = None, device: tor
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
         pipeline = build_pipeline(dims, model, ac, precision, recipe.compile, device, options.seed,
                                   ScheduleLoss(scaler, token_loss), comm, capabilities)
-        pipeline.loss_fn.watch(pipeline.stages)
         model = pipeline.model
     else:
         model = parallelize(model, dims, ac, precision, recipe.compile, device, options.seed, comm=comm,
