@@ -93,6 +93,11 @@ def test_prepare_vocab_too_large_for_uint16(tmp_path, capsys):
     ("--parallel.pp=2", r"parallel.pp \(2\) does not divide the world size 1"),
     ("--parallel.pp_schedule=1f1c", "parallel.pp_schedule: '1f1c' is not one of.*did you mean '1f1b'"),
     ("--parallel.tp=2", "does not divide the world size 1"),
+    ("--moe.balancing=sometimes", "moe.balancing: 'sometimes' is not one of auto, aux_loss, aux_free, none"),
+    ("--moe.bias_update_rate=0", r"moe.bias_update_rate must be a number in \(0, 1\], got 0.0"),
+    ("--moe.balancing=aux_free", "moe.balancing=aux_free needs the routing bias: set model.moe_expert_bias=true"),
+    ("--model.mtp_depth=-1", "model.mtp_depth must be an integer from 0 to 65536, got -1"),
+    ("--model.moe_n_group=0", "model.moe_n_group must be an integer from 1 to 65536, got 0"),
 ])
 def test_train_bad_config(char_data, tmp_path, capsys, override, match):
     argv = ["train", *(f"--{o}" for o in fast_overrides(char_data, tmp_path / "runs", "bad")), override]

@@ -4,10 +4,11 @@ config.json (Qwen/Qwen2.5-7B, Qwen/Qwen3-8B, ...)."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 
 from paratrain.errors import ConfigError, UserError
-from paratrain.models.args import ROPE_SCALINGS, SCORE_FUNCS, ModelArgs
+from paratrain.models.args import ROPE_SCALINGS, SCORE_FUNCS, ModelArgs, fields_problem
 from paratrain.models.registry import attention_shape, block_numels, get_family, parameters, used_numel
 
 LLAMA3_VOCAB = 128256
@@ -138,6 +139,9 @@ def preset_args(name: str, vocab_size: int | None = None, **overrides) -> ModelA
     get_family(args.family)  # a one-line error for an unknown family
     validate_args(args)
     validate_moe(args)
+    problem = fields_problem(dataclasses.asdict(args), "model.")  # every other field's type and range (args.py)
+    if problem:
+        raise ConfigError(problem)
     return args
 
 
