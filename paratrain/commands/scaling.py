@@ -10,6 +10,7 @@ from pathlib import Path
 from paratrain.commands.train import split_overrides
 from paratrain.config import load_config
 from paratrain.errors import UserError
+from paratrain.observe.scaling import point_run_name
 
 USAGE = """usage: paratrain scaling (--weak | --strong) (--nproc N1,N2,... [--layout TEXT] | --layouts NAME,...)
                          [--steps N] [--warmup W] [--global-batch G] [--out DIR] [--overwrite]
@@ -140,7 +141,7 @@ def _points(own: dict, base) -> list[tuple[str, int, list[str]]]:
 
 def _config(own: dict, overrides: list[str], steps: int, out: Path, label: str):
     """A point's run: the configured training, timed (no evaluation, checkpoint, sample), into out/<label>."""
-    name = label.replace(" ", "-").replace(",", "_").replace("=", "")
+    name = point_run_name(label)
     return load_config(own.get("--config"), [
         *overrides, f"training.steps={steps}", "training.eval_every=0", "checkpoint.save_final=false",
         "checkpoint.every=0", "checkpoint.every_minutes=0", "checkpoint.resume=none", "sample.max_new_tokens=0",

@@ -49,6 +49,12 @@ class Point:
         return None if self.predicted_step_s is None else self.global_batch * self.seq_len / self.predicted_step_s
 
 
+def point_run_name(label: str) -> str:
+    """The folder of a point's run inside the sweep's folder (`fsdp 4` -> `fsdp-4`, `fsdp,tp=2 4` -> `fsdp_tp2-4`):
+    `paratrain report` finds a run's sweep by it."""
+    return label.replace(" ", "-").replace(",", "_").replace("=", "")
+
+
 def measure(run_dir: Path, warmup: int) -> dict:
     """The median step time and its split over the steps after `warmup`, from a run's metrics.jsonl."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
