@@ -197,7 +197,7 @@ def test_memory_plot_starts_at_zero(tmp_path):
     fig = plot_memory([load_run(d)])
     try:
         bottom, top = fig.axes[0].get_ylim()
-        assert bottom == 0 and 409 <= top < 500
+        assert bottom == 0 and 409 < top < 450
         assert [list(line.get_ydata()) for line in fig.axes[0].lines] == [[383, 408, 390], [384, 409, 391]]
     finally:
         pyplot().close(fig)

@@ -394,9 +394,11 @@ def _memory_series(run: Run) -> tuple[str, dict[int, list[tuple[int, float]]]]:
 
 
 def plot_memory(runs: list[Run]):
+    """Memory per rank against step, the axis from 0 (an axis from the lowest value draws a few MiB of jitter on
+    hundreds as a cliff)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5))
-    kinds = set()
+    kinds, top = set(), 0.0
     for i, run in enumerate(runs):
         key, series = _memory_series(run)
         kinds.add("CUDA allocated" if key.startswith("cuda") else "process RSS")
@@ -404,8 +406,9 @@ def plot_memory(runs: list[Run]):
         for rank, pts in sorted(series.items()):
             ax.plot(*zip(*pts), styles[rank % 4], color=f"C{i}", marker=".",
                     label=f"{run.name} rank {rank}" if len(runs) > 1 else f"rank {rank}")
+            top = max(top, *(mib for _, mib in pts))
     ax.set(xlabel="step", ylabel="MiB", title="memory per rank (" + ", ".join(sorted(kinds)) + ")")
-    ax.set_ylim(bottom=0)  # from zero: a few MiB of jitter on hundreds is not a cliff
+    ax.set_ylim(0, 1.08 * top or 1)  # headroom above the highest point, also for a single log step
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", ncol=2)
     fig.tight_layout()
