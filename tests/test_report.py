@@ -131,13 +131,11 @@ def test_report_marks_a_preempted_run_and_its_resumption(tmp_path):
 
 
 def fake_sweep(root, kind: str, points: list[tuple[str, int, float]]):
-    """A `paratrain scaling` sweep's folder: scaling.json and one run per point (label, ranks, tokens/s)."""
-    from paratrain.observe.scaling import point_run_name
-
+    """A `paratrain scaling` sweep's folder: scaling.json and one run per point (run name, ranks, tokens/s)."""
     root.mkdir()
-    runs = [fake_run(root, point_run_name(label), ranks, tok_s=tok_s / ranks) for label, ranks, tok_s in points]
+    runs = [fake_run(root, name, ranks, tok_s=tok_s / ranks) for name, ranks, tok_s in points]
     (root / "scaling.json").write_text(json.dumps({"kind": kind, "title": "fake", "points": [
-        {"label": label, "ranks": ranks, "tokens_per_s": tok_s} for label, ranks, tok_s in points]}))
+        {"label": name, "run": name, "ranks": ranks, "tokens_per_s": tok_s} for name, ranks, tok_s in points]}))
     return runs
 
 
@@ -146,8 +144,8 @@ def test_scaling_curves_come_from_one_sweep_only(tmp_path, capsys):
     sweep has no other device count given are left out, named in one line."""
     strong = fake_sweep(tmp_path / "scaling-strong", "strong", [("ddp2", 2, 2000.0), ("fsdp2", 2, 1900.0),
                                                                 ("fsdp4", 4, 3600.0)])
-    weak = fake_sweep(tmp_path / "scaling-weak", "weak", [("fsdp 1", 1, 1000.0), ("fsdp 2", 2, 1800.0)])
-    other = fake_sweep(tmp_path / "other-weak", "weak", [("fsdp 1", 1, 900.0), ("fsdp 4", 4, 3000.0)])
+    weak = fake_sweep(tmp_path / "scaling-weak", "weak", [("fsdp-1", 1, 1000.0), ("fsdp-2", 2, 1800.0)])
+    other = fake_sweep(tmp_path / "other-weak", "weak", [("fsdp-1", 1, 900.0), ("fsdp-4", 4, 3000.0)])
     ordinary = fake_run(tmp_path, "a1", 1)
     out = tmp_path / "out"
     assert cli.main(["report", *map(str, [*strong, *weak, other[1], ordinary]), "--out", str(out)]) == 0

@@ -10,7 +10,6 @@ from pathlib import Path
 from paratrain.commands.train import split_overrides
 from paratrain.config import load_config
 from paratrain.errors import UserError
-from paratrain.observe.scaling import point_run_name
 
 USAGE = """usage: paratrain scaling (--weak | --strong) (--nproc N1,N2,... [--layout TEXT] | --layouts NAME,...)
                          [--steps N] [--warmup W] [--global-batch G] [--out DIR] [--overwrite]
@@ -84,7 +83,8 @@ def main(argv: list[str]) -> int:
         train(cfg, nproc=ranks, oversubscribe="--oversubscribe" in switches)
         m = scaling.measure(cfg.run_dir, warmup)
         measured.append(scaling.Point(label, ranks, spec.global_batch, cfg.training.seq_len, m["step_s"],
-                                      m["compute_s"], m["comm_s"], m["data_s"], predict(spec) if predict else None))
+                                      m["compute_s"], m["comm_s"], m["data_s"], predict(spec) if predict else None,
+                                      run=cfg.run_dir.name))
     points = scaling.with_efficiency(measured)
     title = (f"{base.model.preset} x {base.training.seq_len} tokens, {base.training.precision} on "
              f"{base.training.device}; {steps} timed steps after {warmup} warm-up; " +
@@ -141,7 +141,7 @@ def _points(own: dict, base) -> list[tuple[str, int, list[str]]]:
 
 def _config(own: dict, overrides: list[str], steps: int, out: Path, label: str):
     """A point's run: the configured training, timed (no evaluation, checkpoint, sample), into out/<label>."""
-    name = point_run_name(label)
+    name = label.replace(" ", "-").replace(",", "_").replace("=", "")
     return load_config(own.get("--config"), [
         *overrides, f"training.steps={steps}", "training.eval_every=0", "checkpoint.save_final=false",
         "checkpoint.every=0", "checkpoint.every_minutes=0", "checkpoint.resume=none", "sample.max_new_tokens=0",

@@ -38,7 +38,6 @@ from paratrain.layout import Layout
 from paratrain.modes import LOW_PRECISIONS, Precision
 from paratrain.observe.replay import first_nonfinite_row
 from paratrain.observe.metrics import in_effect
-from paratrain.observe.scaling import point_run_name
 
 MIB = 2**20
 
@@ -443,7 +442,7 @@ def plot_expert_load(runs: list[Run]):
 def sweep_point(run: Run) -> tuple[Path, str, dict] | None:
     """The `paratrain scaling` sweep point a run is: (the sweep's folder, "weak" or "strong", the point as its
     scaling.json holds it), or None for a run of no sweep (the sweep writes its runs into its folder, beside
-    scaling.json, each named by its point: observe/scaling.py's point_run_name)."""
+    scaling.json, which names each point's run folder)."""
     folder = run.path.resolve().parent
     try:
         sweep = json.loads((folder / "scaling.json").read_text())
@@ -452,8 +451,8 @@ def sweep_point(run: Run) -> tuple[Path, str, dict] | None:
     kind = sweep.get("kind") if isinstance(sweep, dict) else None
     if kind not in ("weak", "strong") or not isinstance(sweep.get("points"), list):
         return None
-    points = {point_run_name(p["label"]): p for p in sweep["points"] if isinstance(p, dict) and
-              isinstance(p.get("label"), str) and isinstance(p.get("ranks"), int) and _finite(p.get("tokens_per_s"))}
+    points = {p["run"]: p for p in sweep["points"] if isinstance(p, dict) and isinstance(p.get("run"), str)
+              and isinstance(p.get("ranks"), int) and _finite(p.get("tokens_per_s"))}
     point = points.get(run.path.resolve().name)
     return (folder, kind, point) if point else None
 

@@ -35,6 +35,7 @@ class Point:
     data_s: float
     predicted_step_s: float | None = None  # the planner's, on the sweep's hardware profile
     efficiency: float = 1.0  # against the smallest point (see the module's docstring)
+    run: str = ""  # the point's run folder, inside the sweep's (`paratrain report` draws a sweep's runs only)
 
     @property
     def tokens_per_s(self) -> float:
@@ -47,12 +48,6 @@ class Point:
     @property
     def predicted_tokens_per_s(self) -> float | None:
         return None if self.predicted_step_s is None else self.global_batch * self.seq_len / self.predicted_step_s
-
-
-def point_run_name(label: str) -> str:
-    """The folder of a point's run inside the sweep's folder (`fsdp 4` -> `fsdp-4`, `fsdp,tp=2 4` -> `fsdp_tp2-4`):
-    `paratrain report` finds a run's sweep by it."""
-    return label.replace(" ", "-").replace(",", "_").replace("=", "")
 
 
 def measure(run_dir: Path, warmup: int) -> dict:
