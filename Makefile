@@ -9,12 +9,19 @@ TORCH_VERSION ?= 2.13.0
 
 .PHONY: run test setup clean bench
 
+# One line per step, said before it starts: pip runs quietly (-q: its warnings and errors still show), and the whole
+# set-up takes minutes on a fresh machine (torch is the largest download).
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q -e ".[dev]"
-	touch $(STAMP)
+	@echo "setup 1/4: the virtual environment $(VENV) ($(PYTHON) -m venv)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "setup 2/4: an up-to-date pip"
+	@$(PY) -m pip install -q --upgrade pip
+	@echo "setup 3/4: torch $(TORCH_VERSION) (the largest download and the longest step: a few minutes on a slow link)"
+	@$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	@echo "setup 4/4: paratrain and its dependencies, with the dev extras (pip install -e '.[dev]')"
+	@$(PY) -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+	@echo "setup done: $(VENV) (made again when pyproject.toml changes)"
 
 setup: $(STAMP)
 

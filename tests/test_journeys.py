@@ -47,7 +47,7 @@ JOURNEYS = {
         "paratrain estimate --model runs/default/config.toml --gpu-memory 24GiB --json",
     ],
     "layouts": [
-        "paratrain train --nproc 4 --parallel.dp_mode=fsdp --run.name=fsdp4",
+        "paratrain train --nproc 4 --parallel.dp_mode=fsdp --training.micro_batch=3 --run.name=fsdp4",
         "paratrain train --nproc 4 --parallel.tp=2 --run.name=tp2",
         "paratrain train --nproc 2 --parallel.tp=2 --parallel.sequence_parallel=false --run.name=tp2-nosp",
         "paratrain train --nproc 4 --parallel.dp_mode=hsdp --parallel.dp_replicate=2 --run.name=hsdp",
@@ -329,7 +329,7 @@ def test_journey_default_run(journey):
 
 
 LAYOUT_RUNS = {
-    "paratrain train --nproc 4 --parallel.dp_mode=fsdp --run.name=fsdp4": {"dp_shard": 4},
+    "paratrain train --nproc 4 --parallel.dp_mode=fsdp --training.micro_batch=3 --run.name=fsdp4": {"dp_shard": 4},
     "paratrain train --nproc 4 --parallel.tp=2 --run.name=tp2": {"dp_shard": 2, "tp": 2},
     "paratrain train --nproc 2 --parallel.tp=2 --parallel.sequence_parallel=false --run.name=tp2-nosp": {"tp": 2},
     "paratrain train --nproc 4 --parallel.dp_mode=hsdp --parallel.dp_replicate=2 --run.name=hsdp":

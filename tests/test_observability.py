@@ -140,7 +140,7 @@ def two_rank_run(char_data, runs_dir):
 
     port = free_port()
     cfg = fast_config(char_data, runs_dir, "two", *RUN, f"metrics.prometheus_port={port}",
-                      "parallel.dp_mode=ddp", "training.micro_batch=2")  # the global batch of "one": one scaling curve
+                      "parallel.dp_mode=ddp", "training.micro_batch=2")  # the global batch of "one"
     scraper = Scraper(port)
     scraper.start()
     launch(run_rank, (cfg,), 2)
@@ -324,7 +324,7 @@ def test_report_plots_and_summary(single_run, two_rank_run, tmp_path):
     one, two = single_run[0].run_dir, two_rank_run[0].run_dir
     out = tmp_path / "report"
     assert cli.main(["report", str(one), str(two), "--out", str(out)]) == 0
-    for name in ("loss.png", "throughput.png", "memory.png", "scaling.png", "numerics-one.png"):
+    for name in ("loss.png", "throughput.png", "memory.png", "numerics-one.png"):
         w, h = png_size(out / name)
         assert w >= 400 and h >= 300
         with Image.open(out / name) as im:
@@ -351,11 +351,11 @@ def test_report_plots_and_summary(single_run, two_rank_run, tmp_path):
     assert (s1["name"], s1["world_size"], s2["name"], s2["world_size"]) == ("one", 1, "two", 2)
     assert s1["final_loss"] == by_step[6]["loss"] and s1["steps"] == 6
     assert (s1["best_val_step"], s1["best_val_loss"]) == best and s1["final_val_loss"] == records[-2]["val_loss"]
-    assert [p["devices"] for p in summary["scaling"]] == [1, 2]
+    assert summary["scaling"] == [] and summary["scaling_note"].startswith("No scaling curve")  # not a sweep's runs
     md = (out / "report.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| one |"))
     assert f"| {by_step[6]['loss']:.4f} |" in row and f"| {best[1]:.4f} ({best[0]}) |" in row
-    assert "## Scaling" in md and "![scaling](scaling.png)" in md
+    assert "## Scaling" not in md and not (out / "scaling.png").exists()
 
     # one run: default output folder inside the run, no scaling plot
     assert cli.main(["report", str(one)]) == 0

@@ -1,4 +1,4 @@
-"""`paratrain report` tells runs apart correctly (saves, layouts, unfinished runs, what a scaling curve may compare),
+"""`paratrain report` tells runs apart correctly (saves, layouts, unfinished runs, scaling curves of sweeps only),
 and the trainer's header and MFU say what they measure (model name, M/B parameter counts, no MFU without a peak)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from conftest import fast_config
 from paratrain import cli
-from paratrain.observe.report import load_run, summarize, write_report
+from paratrain.observe.report import load_run, scaling_note, summarize, write_report
 
 
 def read_jsonl(path):
@@ -130,31 +130,75 @@ def test_report_marks_a_preempted_run_and_its_resumption(tmp_path):
     assert load_run(d).status == "unfinished (no final record; stopped at step 3 of 3)"
 
 
-def test_scaling_curve_compares_one_model_and_batch(tmp_path):
-    runs = [fake_run(tmp_path, "a1", 1), fake_run(tmp_path, "a2", 2, tok_s=900.0),
-            fake_run(tmp_path, "b4", 4, model="shakespeare-char", params=812_000),
-            fake_run(tmp_path, "a4big", 4, tokens_per_step=512)]
+def fake_sweep(root, kind: str, points: list[tuple[str, int, float]]):
+    """A `paratrain scaling` sweep's folder: scaling.json and one run per point (run name, ranks, tokens/s)."""
+    root.mkdir()
+    runs = [fake_run(root, name, ranks, tok_s=tok_s / ranks) for name, ranks, tok_s in points]
+    (root / "scaling.json").write_text(json.dumps({"kind": kind, "title": "fake", "points": [
+        {"label": name, "run": name, "ranks": ranks, "tokens_per_s": tok_s} for name, ranks, tok_s in points]}))
+    return runs
+
+
+def test_scaling_curves_come_from_one_sweep_only(tmp_path, capsys):
+    """A strong and a weak sweep each draw their curve with the sweep's numbers; an ordinary run and a point whose
+    sweep has no other device count given are left out, named in one line."""
+    strong = fake_sweep(tmp_path / "scaling-strong", "strong", [("ddp2", 2, 2000.0), ("fsdp2", 2, 1900.0),
+                                                                ("fsdp4", 4, 3600.0)])
+    weak = fake_sweep(tmp_path / "scaling-weak", "weak", [("fsdp-1", 1, 1000.0), ("fsdp-2", 2, 1800.0)])
+    other = fake_sweep(tmp_path / "other-weak", "weak", [("fsdp-1", 1, 900.0), ("fsdp-4", 4, 3000.0)])
+    ordinary = fake_run(tmp_path, "a1", 1)
     out = tmp_path / "out"
-    assert cli.main(["report", *map(str, runs), "--out", str(out)]) == 0
+    assert cli.main(["report", *map(str, [*strong, *weak, other[1], ordinary]), "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert [(p["devices"], p["run"]) for p in summary["scaling"]] == [(1, "a1"), (2, "a2")]
+    assert [(p["devices"], p["run"], p["tokens_per_s"]) for p in summary["scaling"]] == [(2, "ddp2", 2000.0),
+                                                                                         (4, "fsdp4", 3600.0)]
     assert summary["scaling"][1]["efficiency"] == pytest.approx(0.9)
+    assert [(p["devices"], p["efficiency"]) for p in summary["weak_scaling"]] == [(1, 1.0), (2, pytest.approx(0.9))]
     left = {x["run"]: x["reason"] for x in summary["scaling_left_out"]}
-    assert left == {"b4": "model shakespeare-char (812,000 parameters), not tiny (108,864 parameters)",
-                    "a4big": "global batch 512 tokens per step, not 128; it is on the weak-scaling curve"}
-    # weak scaling: the same model and tokens per device (128 on 1 device, 512 on 4), the global batch growing
-    assert [(p["devices"], p["run"], p["efficiency"]) for p in summary["weak_scaling"]] == [(1, "a1", 1.0),
-                                                                                          (4, "a4big", 1.0)]
-    md = (out / "report.md").read_text()
-    assert "| weak | 4 | a4big |" in md and "| strong | 2 | a2 |" in md
-    assert "Left out of the scaling curve" in md and "b4 (model shakespeare-char" in md
+    assert left == {"a1": "not a point of a `paratrain scaling` sweep",
+                    "fsdp-4": "no other device count of its sweep given (other-weak)"}
+    note = summary["scaling_note"]
+    assert note.startswith("Left out of the scaling curves") and "\n" not in note
+    assert note in capsys.readouterr().out and note in (out / "report.md").read_text()
     assert (out / "scaling.png").is_file()
-    # no two comparable runs: no curve at all, and still the reason
-    out2 = tmp_path / "out2"
-    write_report([runs[0], runs[2]], out2)
-    summary = json.loads((out2 / "summary.json").read_text())
-    assert summary["scaling"] == summary["weak_scaling"] == [] and not (out2 / "scaling.png").exists()
-    assert [x["run"] for x in summary["scaling_left_out"]] == ["b4"]
+
+
+def test_ordinary_runs_get_no_scaling_curve_and_the_reason(tmp_path, capsys):
+    """Two ordinary runs of different step counts (and devices): no scaling plot, and one printed line says why."""
+    one = fake_run(tmp_path, "one", 1)
+    four = fake_run(tmp_path, "four", 4, tok_s=300.0)
+    lines = (four / "metrics.jsonl").read_text().splitlines()
+    (four / "metrics.jsonl").write_text("\n".join(lines[:2] + lines[-2:]) + "\n")  # 2 steps, not 3
+    (four / "config.toml").write_text('[run]\nname = "four"\n[training]\nsteps = 2\n')
+    out = tmp_path / "out"
+    assert cli.main(["report", str(one), str(four), "--out", str(out)]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if "scaling" in line]
+    assert len(printed) == 1 and printed[0].startswith("No scaling curve: one (not a point of a `paratrain scaling` "
+                                                       "sweep); four (not a point")
+    assert "paratrain scaling --weak|--strong" in printed[0]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["scaling"] == summary["weak_scaling"] == [] and not (out / "scaling.png").exists()
+    md = (out / "report.md").read_text()
+    assert printed[0] in md and "## Scaling" not in md
+    assert scaling_note(1, False, summary["scaling_left_out"][:1]) is None  # one run: nothing to compare
+
+
+def test_memory_plot_starts_at_zero(tmp_path):
+    """25 MiB of jitter on 383 MiB is drawn on an axis from 0, not as a cliff."""
+    from paratrain.observe.report import plot_memory, pyplot
+
+    d = fake_run(tmp_path, "mem", 2)
+    records = read_jsonl(d / "metrics.jsonl")
+    for r, rss in zip((r for r in records if "loss" in r), (383, 408, 390)):
+        r["rank_memory"] = [{"rank": rank, "node": 0, "rss_bytes": (rss + rank) * 2**20} for rank in (0, 1)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    fig = plot_memory([load_run(d)])
+    try:
+        bottom, top = fig.axes[0].get_ylim()
+        assert bottom == 0 and 409 < top < 450
+        assert [list(line.get_ydata()) for line in fig.axes[0].lines] == [[383, 408, 390], [384, 409, 391]]
+    finally:
+        pyplot().close(fig)
 
 
 def test_layout_label_from_an_older_log(tmp_path):

@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else Path(args.runs[0]) / "report" if len(args.runs) == 1 else Path("report")
     refuse_if_live(out, "paratrain report (give --out a folder outside the run to report on a live run)")
-    files = write_report(args.runs, out)
+    files = write_report(args.runs, out, say=print)
     for name, path in files.items():
         print(f"wrote {path}")
     return 0

@@ -83,7 +83,8 @@ def main(argv: list[str]) -> int:
         train(cfg, nproc=ranks, oversubscribe="--oversubscribe" in switches)
         m = scaling.measure(cfg.run_dir, warmup)
         measured.append(scaling.Point(label, ranks, spec.global_batch, cfg.training.seq_len, m["step_s"],
-                                      m["compute_s"], m["comm_s"], m["data_s"], predict(spec) if predict else None))
+                                      m["compute_s"], m["comm_s"], m["data_s"], predict(spec) if predict else None,
+                                      run=cfg.run_dir.name))
     points = scaling.with_efficiency(measured)
     title = (f"{base.model.preset} x {base.training.seq_len} tokens, {base.training.precision} on "
              f"{base.training.device}; {steps} timed steps after {warmup} warm-up; " +

@@ -91,9 +91,10 @@ class MetricsLog:
         self.total, self.start_step = total_steps, start_step
         self.started = time.monotonic()  # the live line's elapsed time: this process's share of the run
         self.shown: dict = {}  # the shown records so far, merged (the live line's step, loss, val loss, tokens/s)
-        # (step, time) of the first record shown: the ETA's pace counts from there, the start-up left out
-        self.first_shown: tuple[int, float] | None = None
-        self.last_shown_at = self.started  # when the last record was shown: the ETA counts down from there
+        # the ETA's time per step (StepPace), from the first record shown on: the start-up left out
+        self.pace = StepPace()
+        # (step, time) of the last shown record that moved the step: the next interval and the ETA's countdown start
+        self.last_shown: tuple[int, float] | None = None
         if mode == "auto":  # (a launched rank writes to the launcher's terminal itself: the forkserver's stdout)
             mode = "bar" if sys.stdout.isatty() else "lines"
         self.mode = mode if enabled else "none"
@@ -138,19 +139,18 @@ class MetricsLog:
         """The live line takes a shown record: its step, and what it has of loss, val loss and tokens/s."""
         now, step = time.monotonic(), record.get("step", self.start_step)
         self.shown.update({k: v for k, v in record.items() if v is not None})
-        if self.first_shown is None:
-            self.first_shown = (step, now)
-        self.last_shown_at = now
+        if self.last_shown is not None and step > self.last_shown[0]:
+            self.pace.add(step - self.last_shown[0], now - self.last_shown[1])
+        if self.last_shown is None or step != self.last_shown[0]:  # (a val loss record of the same step: no interval)
+            self.last_shown = (step, now)
         self.progress.update(self.task, completed=step)
 
     def live_text(self) -> str:
         """The live line's text now (drawn about ten times a second: elapsed and ETA tick between log steps)."""
         now, step = time.monotonic(), self.shown.get("step", self.start_step)
         eta = None
-        if self.first_shown is not None and step > self.first_shown[0]:
-            first_step, first_at = self.first_shown
-            per_step = (self.last_shown_at - first_at) / (step - first_step)
-            eta = max(0.0, per_step * (self.total - step) - (now - self.last_shown_at))
+        if self.pace.per_step is not None:
+            eta = max(0.0, self.pace.per_step * (self.total - step) - (now - self.last_shown[1]))
         return live_line(step, self.total, self.shown.get("loss"), self.shown.get("tokens_per_s"), now - self.started,
                          eta, self.shown.get("val_loss"))
 
@@ -163,6 +163,42 @@ class MetricsLog:
             if not linger and hasattr(sink, "linger_s"):
                 sink.linger_s = 0
             sink.close()
+
+
+# The live line's ETA: the steps left at an exponential moving average of the time per step over about the last
+# PACE_SPAN_STEPS steps, so it follows a lasting change of pace (a machine that got busier) within a few hundred steps
+# instead of averaging it away over the whole run. An interval between two shown records counts at most PACE_MAX_JUMP
+# times the average so far (and at least 1 / PACE_MAX_JUMP of it): one stall (a swap storm, a minute of a busy machine)
+# moves the ETA by a bounded share: a 10-step interval by at most 3 x (1 - (1 - 1/200)^10) = 15% once the span filled
+# (a mean since the start would hide a lasting slow-down; the last interval alone would jump with each stall).
+PACE_SPAN_STEPS = 200
+PACE_MAX_JUMP = 4.0
+
+
+class StepPace:
+    """Seconds per step: an exponential moving average over the steps shown, an interval of k steps weighing
+    1 - (1 - 1/span)^k; bias-corrected (divided by the weights' sum): the first intervals are not pulled towards 0."""
+
+    def __init__(self, span: int = PACE_SPAN_STEPS, max_jump: float = PACE_MAX_JUMP):
+        self.span, self.max_jump = span, max_jump
+        self.weighted = 0.0  # the weighted sum of the intervals' seconds per step
+        self.weights = 0.0
+
+    def add(self, steps: int, seconds: float) -> None:
+        """An interval of `steps` steps that took `seconds`."""
+        if steps <= 0:
+            return
+        per_step = seconds / steps
+        if self.weights:
+            average = self.per_step
+            per_step = min(max(per_step, average / self.max_jump), average * self.max_jump)
+        keep = (1 - 1 / self.span) ** steps
+        self.weighted = keep * self.weighted + (1 - keep) * per_step
+        self.weights = keep * self.weights + (1 - keep)
+
+    @property
+    def per_step(self) -> float | None:
+        return self.weighted / self.weights if self.weights else None
 
 
 def in_effect(records: list[dict]) -> tuple[list[dict], list[tuple[dict, str]]]:

@@ -3,9 +3,12 @@
 Reads each run's `metrics.jsonl` (and `config.toml` for the layout) and writes into the output folder:
 - `loss.png`: training loss and validation loss against step and against tokens;
 - `throughput.png`: tokens/s against step, and each run's mean step time split into compute / data wait / comm wait;
-- `memory.png`: memory per rank against step (CUDA allocated where logged, else process RSS);
-- `scaling.png` (two or more runs): tokens/s against the number of devices, with linear scaling from the smallest run,
-  for the runs of one model and one global batch in tokens (the others are named as left out, with the reason);
+- `memory.png`: memory per rank against step (CUDA allocated where logged, else process RSS), the y-axis from 0;
+- `scaling.png`, for two or more runs of one `paratrain scaling` sweep (its folder's scaling.json names them): the
+  sweep's tokens/s against the number of devices, with linear scaling from the smallest point. Only a sweep's points
+  compare (one model and batch recipe, the same timed steps after a warm-up, one after the other on one machine);
+  ordinary runs differ in step counts, batches and the machine's load, so they get no curve, and report.md says why
+  in one line;
 - `expert_load.png`, for mixture-of-experts runs: each MoE layer's max load violation (busiest expert's tokens over
   the mean, minus 1) and dropped-assignment share against step;
 - `numerics.png` (`numerics-<run>.png` for several runs), for a run with the numerics watch on
@@ -390,9 +393,11 @@ def _memory_series(run: Run) -> tuple[str, dict[int, list[tuple[int, float]]]]:
 
 
 def plot_memory(runs: list[Run]):
+    """Memory per rank against step, the axis from 0 (an axis from the lowest value draws a few MiB of jitter on
+    hundreds as a cliff)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5))
-    kinds = set()
+    kinds, top = set(), 0.0
     for i, run in enumerate(runs):
         key, series = _memory_series(run)
         kinds.add("CUDA allocated" if key.startswith("cuda") else "process RSS")
@@ -400,7 +405,9 @@ def plot_memory(runs: list[Run]):
         for rank, pts in sorted(series.items()):
             ax.plot(*zip(*pts), styles[rank % 4], color=f"C{i}", marker=".",
                     label=f"{run.name} rank {rank}" if len(runs) > 1 else f"rank {rank}")
+            top = max(top, *(mib for _, mib in pts))
     ax.set(xlabel="step", ylabel="MiB", title="memory per rank (" + ", ".join(sorted(kinds)) + ")")
+    ax.set_ylim(0, 1.08 * top or 1)  # headroom above the highest point, also for a single log step
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", ncol=2)
     fig.tight_layout()
@@ -432,35 +439,62 @@ def plot_expert_load(runs: list[Run]):
     return fig
 
 
-def scaling_runs(summaries: list[dict]) -> tuple[list[dict], list[dict]]:
-    """The runs one scaling curve may compare: those of the same model and global batch in tokens (the largest such
-    group; on a tie, the first run's), and the rest as [{"run": name, "reason": ...}]."""
-    key = lambda s: (s["model"], s["tokens_per_step"])  # noqa: E731
-    groups: dict[tuple, list[dict]] = {}
-    for s in summaries:
-        groups.setdefault(key(s), []).append(s)
-    chosen = max(groups.values(), key=len)  # max keeps the first of equal groups: the first run's
-    model, tokens = key(chosen[0])
+def sweep_point(run: Run) -> tuple[Path, str, dict] | None:
+    """The `paratrain scaling` sweep point a run is: (the sweep's folder, "weak" or "strong", the point as its
+    scaling.json holds it), or None for a run of no sweep (the sweep writes its runs into its folder, beside
+    scaling.json, which names each point's run folder)."""
+    folder = run.path.resolve().parent
+    try:
+        sweep = json.loads((folder / "scaling.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    kind = sweep.get("kind") if isinstance(sweep, dict) else None
+    if kind not in ("weak", "strong") or not isinstance(sweep.get("points"), list):
+        return None
+    points = {p["run"]: p for p in sweep["points"] if isinstance(p, dict) and isinstance(p.get("run"), str)
+              and isinstance(p.get("ranks"), int) and _finite(p.get("tokens_per_s"))}
+    point = points.get(run.path.resolve().name)
+    return (folder, kind, point) if point else None
+
+
+def scaling_curves(runs: list[Run], summaries: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """(strong points, weak points, the runs left out [{"run", "reason"}]): a curve of each kind from the runs of one
+    `paratrain scaling` sweep of that kind (of those with two device counts given, the one with the most runs), with
+    the sweep's own numbers (the median step after its warm-up); every other run is left out, with the reason."""
+    sweeps: dict[Path, tuple[str, list[tuple[dict, dict]]]] = {}  # folder -> (kind, [(summary, point)])
     left_out = []
-    for s in summaries:
-        if key(s) == (model, tokens):
-            continue
-        why = ([f"model {s['model']}, not {model}"] if s["model"] != model else []) + (
-            [f"global batch {_f(s['tokens_per_step'], '{:,}')} tokens per step, not {_f(tokens, '{:,}')}"]
-            if s["tokens_per_step"] != tokens else [])
-        left_out.append({"run": s["name"], "reason": "; ".join(why)})
-    return chosen, left_out
+    for run, s in zip(runs, summaries):
+        found = sweep_point(run)
+        if found is None:
+            left_out.append({"run": s["name"], "reason": "not a point of a `paratrain scaling` sweep"})
+        else:
+            sweeps.setdefault(found[0], (found[1], []))[1].append((s, found[2]))
+    curves: dict[str, list[dict]] = {"strong": [], "weak": []}
+    for kind in curves:
+        mine = [folder for folder, (k, _) in sweeps.items() if k == kind]
+        counts = {f: len({p["ranks"] for _, p in sweeps[f][1]}) for f in mine}  # device counts given of each
+        chosen = max((f for f in mine if counts[f] > 1), key=lambda f: len(sweeps[f][1]), default=None)
+        for folder in mine:
+            members = sweeps[folder][1]
+            if folder == chosen:
+                curves[kind] = scaling_points([{"name": s["name"], "world_size": p["ranks"],
+                                                "tokens_per_s": p["tokens_per_s"]} for s, p in members])
+                continue
+            why = "no other device count of its sweep given" if counts[folder] == 1 else f"another {kind} sweep"
+            left_out += [{"run": s["name"], "reason": f"{why} ({folder.name})"} for s, _ in members]
+    return curves["strong"], curves["weak"], left_out
 
 
-def weak_scaling_runs(summaries: list[dict]) -> list[dict]:
-    """The runs one weak-scaling curve may compare: the same model and the same tokens per step per device (the
-    global batch grows with the devices), on at least two device counts (the largest such group), else []."""
-    groups: dict[tuple, list[dict]] = {}
-    for s in summaries:
-        if s["tokens_per_step"]:
-            groups.setdefault((s["model"], s["tokens_per_step"] / s["world_size"]), []).append(s)
-    weak = [g for g in groups.values() if len({s["world_size"] for s in g}) > 1]
-    return max(weak, key=len) if weak else []
+def scaling_note(runs: int, curves: bool, left_out: list[dict]) -> str | None:
+    """One line on why runs are not on a scaling curve (None for one run: nothing to compare)."""
+    if runs < 2 or not left_out:
+        return None
+    named = "; ".join(f"{x['run']} ({x['reason']})" for x in left_out)
+    if curves:
+        return f"Left out of the scaling curves (only the points of one `paratrain scaling` sweep compare): {named}."
+    return (f"No scaling curve: {named}. Only the points of one `paratrain scaling` sweep compare (one batch recipe, "
+            "the same timed steps after a warm-up, one machine); ordinary runs differ in steps, batch and the "
+            "machine's load: run `paratrain scaling --weak|--strong` for a curve.")
 
 
 def scaling_points(summaries: list[dict]) -> list[dict]:
@@ -567,7 +601,7 @@ def _f(v, fmt: str = "{:.4f}", none: str = "-") -> str:
 
 
 def render_markdown(summaries: list[dict], points: list[dict], plots: list[str],
-                    left_out: list[dict] | None = None, weak: list[dict] = ()) -> str:
+                    note: str | None = None, weak: list[dict] = ()) -> str:
     """report.md: the runs, their step time, memory, checkpoint saves, expert load, scaling and numerics, and the
     plots (a section only where some run has its numbers)."""
     lines = ["# Training report", ""]
@@ -576,7 +610,7 @@ def render_markdown(summaries: list[dict], points: list[dict], plots: list[str],
     lines += _memory_table(summaries)
     lines += _checkpoint_table(summaries)
     lines += _expert_load_table(summaries)
-    lines += _scaling_table(points, weak, left_out)
+    lines += _scaling_table(points, weak, note)
     lines += _numerics_table(summaries)
     bad = [s for s in summaries if s["unreadable_lines"]]
     for s in bad:
@@ -672,8 +706,8 @@ def _expert_load_table(summaries: list[dict]) -> list[str]:
     return lines
 
 
-def _scaling_table(points: list[dict], weak: list[dict], left_out: list[dict] | None) -> list[str]:
-    """The strong and weak scaling curves' points with their efficiency, and the runs left out of them."""
+def _scaling_table(points: list[dict], weak: list[dict], note: str | None) -> list[str]:
+    """The strong and weak scaling curves' points with their efficiency, and the line on the runs left out."""
     lines = []
     if len(points) > 1 or len(weak) > 1:
         lines += ["## Scaling", "", "| kind | devices | run | tokens/s | tokens/s per device | efficiency |",
@@ -682,10 +716,10 @@ def _scaling_table(points: list[dict], weak: list[dict], left_out: list[dict] | 
                   f"{p['tokens_per_s_per_device']:,.0f} | {p['efficiency']:.0%} |"
                   for kind, curve in (("strong", points), ("weak", weak)) if len(curve) > 1 for p in curve]
         lines += ["", "Efficiency: tokens/s per device against the smallest run of the curve (strong: one global "
-                  "batch; weak: one batch per device, the global batch growing with the devices).", ""]
-    if left_out:
-        lines += ["Left out of the scaling curve (it compares runs of one model and one global batch only): "
-                  + "; ".join(f"{x['run']} ({x['reason']})" for x in left_out) + ".", ""]
+                  "batch; weak: one batch per device, the global batch growing with the devices); tokens/s is the "
+                  "sweep's own, the median step after its warm-up.", ""]
+    if note:
+        lines += [note, ""]
     return lines
 
 
@@ -710,8 +744,9 @@ def _numerics_table(summaries: list[dict]) -> list[str]:
     return lines
 
 
-def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> dict:
-    """Load the runs, write the plots, report.md and summary.json into `out`; returns {name: path} of the files."""
+def write_report(run_dirs: list[str | Path], out: str | Path | None = None, say=None) -> dict:
+    """Load the runs, write the plots, report.md and summary.json into `out`; returns {name: path} of the files.
+    `say` (e.g. print) gets the line on why runs have no scaling curve, if one is due."""
     runs = [load_run(d) for d in run_dirs]
     names = [r.name for r in runs]
     for r in runs:
@@ -723,13 +758,10 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> d
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     summaries = [summarize(r) for r in runs]
-    comparable, left_out = scaling_runs(summaries)
-    points = scaling_points(comparable) if len(comparable) > 1 else []
-    weak = weak_scaling_runs(summaries)
-    weak_points = scaling_points(weak)
-    for x in left_out:  # a run left out of the strong-scaling curve may stand on the weak one
-        if any(s["name"] == x["run"] for s in weak):
-            x["reason"] += "; it is on the weak-scaling curve"
+    points, weak_points, left_out = scaling_curves(runs, summaries)
+    note = scaling_note(len(runs), bool(points or weak_points), left_out)
+    if note and say is not None:
+        say(note)
     figures = {"loss.png": plot_loss(runs), "throughput.png": plot_throughput(runs)}
     if any(s["memory"] for s in summaries):
         figures["memory.png"] = plot_memory(runs)
@@ -748,9 +780,9 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> d
         fig.savefig(out / name, dpi=100, metadata={"Software": "paratrain report"})
         plt.close(fig)
         files[name] = out / name
-    (out / "report.md").write_text(render_markdown(summaries, points, list(figures), left_out, weak_points))
+    (out / "report.md").write_text(render_markdown(summaries, points, list(figures), note, weak_points))
     (out / "summary.json").write_text(json.dumps({"runs": summaries, "scaling": points, "weak_scaling": weak_points,
-                                                  "scaling_left_out": left_out}, indent=2))
+                                                  "scaling_left_out": left_out, "scaling_note": note}, indent=2))
     files["report.md"], files["summary.json"] = out / "report.md", out / "summary.json"
     return files
 

@@ -35,6 +35,7 @@ class Point:
     data_s: float
     predicted_step_s: float | None = None  # the planner's, on the sweep's hardware profile
     efficiency: float = 1.0  # against the smallest point (see the module's docstring)
+    run: str = ""  # the point's run folder, inside the sweep's (`paratrain report` draws a sweep's runs only)
 
     @property
     def tokens_per_s(self) -> float:
