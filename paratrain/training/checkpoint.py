@@ -11,6 +11,9 @@ Layout of a run's checkpoints:  RUN_DIR/checkpoints/step-N/
 
 A save is written to a hidden temporary folder and renamed into place only after every rank has
 finished writing (synchronously, or in the background with `async_save`) and the files have been hashed.
+A background save first copies the rank's state into staging buffers (pinned host memory on a GPU machine, a host
+copy on a CPU; kept for the run and reused by every save), so the writer thread never reads a tensor the next steps
+change; one save is in flight at a time (the next one waits for it).
 A save that fails (a full disk, a read-only folder) removes its temporary folder and is one error line naming the
 cause. A checkpoint is trusted only when its marker is there, its shards are present at full length and every file
 matches its checksum; older complete checkpoints are pruned only once a newer one is committed.
@@ -32,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
@@ -40,6 +45,7 @@ from paratrain.capabilities import checkpoint_state
 from paratrain.data import dataset_meta
 from paratrain.data.tokenizers import load_tokenizer, tokenizer_identity
 from paratrain.distributed.initialize import canonical_name
+from paratrain.faults import FaultInjector
 from paratrain.errors import PeerFailed, UserError, environment_problem, translated
 from paratrain.files import replace_dir
 from paratrain.hf.arch import resume_hint
@@ -175,8 +181,9 @@ def model_optim_state(model: nn.Module, optimizer) -> dict:
 # -- saving -------------------------------------------------------------------------------------
 
 class CheckpointWriter:
-    """Saves step-N folders; with `async_save`, the write and the hashing happen in the background and the folder is
-    committed (checksums + marker + rename) at a later step boundary once every rank has finished both."""
+    """Saves step-N folders; with `async_save`, the state is staged (copied to host buffers), then the write and the
+    hashing happen in the background and the folder is committed (checksums + marker + rename) at a later step
+    boundary once every rank has finished both."""
 
     def __init__(self, ckpt_root: Path, keep: int, is_main: bool, async_save: bool = False, tokenizer=None):
         self.root, self.keep, self.is_main, self.async_save = ckpt_root, keep, is_main, async_save
@@ -185,10 +192,16 @@ class CheckpointWriter:
         # Background writes run their own collectives: on the training group they would interleave with
         # the training step's collectives and deadlock, so they get a dedicated gloo group.
         self.group = dist.new_group(backend="gloo") if (async_save and dist.is_initialized()) else None
+        self.stager = staging_buffers() if async_save else None
+        self.faults = FaultInjector(dist.get_rank() if dist.is_initialized() else 0)  # (tests: PARATRAIN_FAULTS)
 
-    def save(self, step: int, model: nn.Module, optimizer, trainer_state: dict, extra: dict | None = None) -> Path:
-        """`extra`: more tensors under their own top-level keys (this rank's gradient-compression state)."""
+    def save(self, step: int, model: nn.Module, optimizer, trainer_state: dict, extra: dict | None = None,
+             background: bool | None = None) -> Path:
+        """`extra`: more tensors under their own top-level keys (this rank's gradient-compression state).
+        `background`: write in the background (default: `async_save`); False writes and commits before returning
+        (a preemption's save, whose grace period must not end with the write in flight)."""
         self.finish()  # never two saves in flight
+        background = self.async_save if background is None else background
         tmp = self.root / f".step-{step}.tmp"
 
         def prepare():
@@ -199,11 +212,15 @@ class CheckpointWriter:
             _on_main(self.is_main, prepare)
             _barrier()
             state = {**model_optim_state(model, optimizer), **(extra or {})}
-            if self.async_save:
-                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+            writer = _FaultyWriter(tmp, step, self.faults) if self.faults else None
+            if background and self.stager is not None:
+                # staged here, on this thread (the copy is done when async_save returns); written by DCP's thread
+                future = dcp.async_save(state, checkpoint_id=str(tmp), storage_writer=writer,
+                                        process_group=self.group, async_stager=self.stager)
                 self.pending = _PendingSave(future, step, tmp, trainer_state)
                 return self.root / f"step-{step}"
-            dcp.save(state, checkpoint_id=str(tmp))  # returns on every rank once all shards and .metadata are written
+            # returns on every rank once all shards and .metadata are written
+            dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer)
             digests = _gather_digests(_hash_my_share(tmp))  # each rank hashes a share, read back from the page cache
         return self._commit(step, tmp, trainer_state, digests)
 
@@ -254,6 +271,33 @@ class CheckpointWriter:
             _on_main(self.is_main, publish)
         _barrier()
         return final
+
+
+def staging_buffers() -> DefaultStager:
+    """DCP's stager for background saves: pinned host memory where CUDA is (the device-to-host copy at full speed,
+    non-blocking, then one synchronize), a plain host copy on a CPU-only machine. Staging is synchronous (the copy is
+    finished before training goes on, so the write never reads a tensor a later step changes) and its buffers are
+    kept and reused by every save: host memory of the rank's checkpointed state (the estimator's "checkpoint
+    staging")."""
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=cuda))
+
+
+class _FaultyWriter(FileSystemWriter):
+    """DCP's file writer with the fault injector's hooks around this rank's shards (tests: a write that is slow, or
+    killed midway), called on the thread that writes them (DCP's background thread with `async_save`)."""
+
+    def __init__(self, path: Path, step: int, faults: FaultInjector):
+        super().__init__(str(path))
+        self.step, self.faults = step, faults
+
+    def write_data(self, plan, planner):
+        self.faults.in_save_write(self.step, written=False)
+        future = super().write_data(plan, planner)
+        future.wait()
+        self.faults.in_save_write(self.step, written=True)
+        return future
 
 
 class _PendingSave:
@@ -675,14 +719,15 @@ class Checkpointer:
         minutes = self.spec.cfg.checkpoint.every_minutes
         return minutes > 0 and time.monotonic() - self.last_save_at >= minutes * 60
 
-    def save(self, next_step: int) -> Path:
+    def save(self, next_step: int, background: bool | None = None) -> Path:
+        """`background`: CheckpointWriter.save's (None: checkpoint.async_save)."""
         bad = nonfinite_state(self.model, self.optimizer)
         if bad is not None:  # a checkpoint is what a run goes back to: never one that cannot train
             raise UserError(f"checkpoint at step {next_step} refused: {bad} holds a NaN or an infinity; the "
                             f"checkpoints in {self.root} are kept as they were")
         start = time.perf_counter()
         extra = self.comm.state_dict() if self.comm is not None else None
-        path = self.writer.save(next_step, self.model, self.optimizer, self._state(next_step), extra)
+        path = self.writer.save(next_step, self.model, self.optimizer, self._state(next_step), extra, background)
         self.last_save = {"checkpoint_save_s": time.perf_counter() - start, "checkpoint_step": next_step}
         self.last_save_at, self.save_asked, self.saved_path = time.monotonic(), False, path
         return path
