@@ -72,18 +72,18 @@ def _cli(tmp_path, char_data, name, faults, flags, *extra):
 
 
 def test_sigkill_during_background_write_resumes_from_the_previous_checkpoint(char_data, tmp_path):
-    """2 ranks save step-5, then rank 1 dies (SIGKILL) in the middle of step-10's background write; the relaunch
-    finds step-5 the newest valid checkpoint and the losses of the whole run equal one uninterrupted process's."""
-    steps = 14
-    job = _cli(tmp_path, char_data, "killed", "killsave@10:1", ["--nproc=2", "--max-restarts=1"],
-               "parallel.dp_mode=fsdp", "training.micro_batch=4", f"training.steps={steps}", "checkpoint.every=5",
+    """2 ranks save step-4, then rank 1 dies (SIGKILL) in the middle of step-8's background write; the relaunch
+    finds step-4 the newest valid checkpoint and the losses of the whole run equal one uninterrupted process's."""
+    steps = 10
+    job = _cli(tmp_path, char_data, "killed", "killsave@8:1", ["--nproc=2", "--max-restarts=1"],
+               "parallel.dp_mode=fsdp", "training.micro_batch=4", f"training.steps={steps}", "checkpoint.every=4",
                "resilience.collective_timeout_s=60", ASYNC)
     out, err = job.communicate(timeout=240)
     assert job.returncode == 0, err[-3000:]
     assert "restarting all ranks from the last checkpoint" in err
     ckpts = tmp_path / "killed" / "checkpoints"
-    assert f"resumed from {ckpts / 'step-5'} at step 5" in out
-    assert [p.name for p in complete_checkpoints(ckpts)] == ["step-5", "step-10", f"step-{steps}"]
+    assert "removed .step-8.tmp" in err and f"resumed from {ckpts / 'step-4'} at step 4" in out
+    assert [p.name for p in complete_checkpoints(ckpts)] == ["step-4", "step-8", f"step-{steps}"]
     one = train_rank(load_config(None, fast_overrides(char_data, tmp_path, "one", *BATCH, f"training.steps={steps}",
                                                       "training.micro_batch=8")))
     from test_faults import logged_losses

@@ -28,6 +28,7 @@ import shutil
 import sys
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,12 +63,12 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _on_main(is_main: bool, fn) -> None:
+def _on_main(is_main: bool, fn, group=None) -> None:
     """Run fn on rank 0 while the others wait; if it fails, every rank raises (rank 0 its error, the others
     PeerFailed), so no rank is left waiting for a dead one."""
     error = None
@@ -78,7 +79,7 @@ def _on_main(is_main: bool, fn) -> None:
             error = e
     if dist.is_initialized():
         box = [error is not None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         failed = box[0]
     else:
         failed = error is not None
@@ -97,12 +98,12 @@ def _hash_my_share(folder: Path) -> dict | OSError:
         return e
 
 
-def _gather_digests(mine: dict | OSError) -> dict[str, str]:
+def _gather_digests(mine: dict | OSError, group=None) -> dict[str, str]:
     """Every rank's share of the digests, on every rank (or the same error everywhere)."""
     parts = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
+        dist.all_gather_object(parts, mine, group=group)
     if isinstance(mine, Exception):
         raise mine
     if any(isinstance(p, Exception) for p in parts):
@@ -193,6 +194,9 @@ class CheckpointWriter:
         # the training step's collectives and deadlock, so they get a dedicated gloo group.
         self.group = dist.new_group(backend="gloo") if (async_save and dist.is_initialized()) else None
         self.stager = staging_buffers() if async_save else None
+        # after DCP's write, the hashing and rank 0's commit run on a thread of their own too (over self.group), so
+        # the training steps pay only the staging copy (bench/checkpoint_async.py)
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="paratrain-commit") if async_save else None
         self.faults = FaultInjector(dist.get_rank() if dist.is_initialized() else 0)  # (tests: PARATRAIN_FAULTS)
 
     def save(self, step: int, model: nn.Module, optimizer, trainer_state: dict, extra: dict | None = None,
@@ -215,9 +219,10 @@ class CheckpointWriter:
             writer = _FaultyWriter(tmp, step, self.faults) if self.faults else None
             if background and self.stager is not None:
                 # staged here, on this thread (the copy is done when async_save returns); written by DCP's thread
-                future = dcp.async_save(state, checkpoint_id=str(tmp), storage_writer=writer,
-                                        process_group=self.group, async_stager=self.stager)
-                self.pending = _PendingSave(future, step, tmp, trainer_state)
+                written = dcp.async_save(state, checkpoint_id=str(tmp), storage_writer=writer,
+                                         process_group=self.group, async_stager=self.stager)
+                self.pending = _PendingSave(step, self._committer.submit(self._commit_when_written, written, step,
+                                                                         tmp, trainer_state))
                 return self.root / f"step-{step}"
             # returns on every rank once all shards and .metadata are written
             dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer)
@@ -225,26 +230,30 @@ class CheckpointWriter:
         return self._commit(step, tmp, trainer_state, digests)
 
     def poll(self) -> None:
-        """At a step boundary: commit a background save once every rank has written and hashed its part."""
+        """At a step boundary: a background save that every rank has written, hashed and committed is done (an error
+        is raised here, on every rank at the same step)."""
         p = self.pending
         if p is None:
             return
-        p.start_hashing_when_written()
-        done = torch.tensor([1.0 if p.settled() else 0.0])
+        done = torch.tensor([1.0 if p.done.done() else 0.0])
         if dist.is_initialized():
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done.item() == 1.0:
             self.finish()
 
     def finish(self) -> None:
+        """Wait for the save in flight, if any (committed when this returns; its error raised)."""
         p, self.pending = self.pending, None
-        if p is None:
-            return
-        with self._saving(p.step, p.tmp):
-            p.future.result()
-            p.start_hashing_when_written()
-            digests = _gather_digests(p.hashing.result())
-        self._commit(p.step, p.tmp, p.trainer_state, digests)
+        if p is not None:
+            p.done.result()
+
+    def _commit_when_written(self, written, step: int, tmp: Path, trainer_state: dict) -> Path:
+        """A background save after DCP's write, on the committer thread: this rank's share hashed, then the commit,
+        both over the save's own group (every rank raises the same error if any part fails on some rank)."""
+        with self._saving(step, tmp):
+            written.result()
+            digests = _gather_digests(_hash_my_share(tmp), self.group)
+        return self._commit(step, tmp, trainer_state, digests, self.group)
 
     def _saving(self, step: int, tmp: Path):
         """Around each part of a save: when it fails on some rank, every rank removes what was written (the folder
@@ -252,7 +261,7 @@ class CheckpointWriter:
         return translated(lambda error: save_failure(self.root / f"step-{step}", tmp, error),
                           cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
 
-    def _commit(self, step: int, tmp: Path, trainer_state: dict, digests: dict[str, str]) -> Path:
+    def _commit(self, step: int, tmp: Path, trainer_state: dict, digests: dict[str, str], group=None) -> Path:
         """Rank 0 adds trainer.pt and the tokenizer, lists every file's checksum, writes the marker and renames."""
         final = self.root / f"step-{step}"
 
@@ -268,8 +277,8 @@ class CheckpointWriter:
             prune(self.root, self.keep, final)
 
         with self._saving(step, tmp):
-            _on_main(self.is_main, publish)
-        _barrier()
+            _on_main(self.is_main, publish, group)
+        _barrier(group)
         return final
 
 
@@ -300,26 +309,12 @@ class _FaultyWriter(FileSystemWriter):
         return future
 
 
+@dataclass
 class _PendingSave:
-    """A background save: DCP's future, then this rank's hashing of its share in a thread of its own."""
+    """A background save: its step, and the committer thread's future (the step-N folder, once committed)."""
 
-    def __init__(self, future, step: int, tmp: Path, trainer_state: dict):
-        self.future, self.step, self.tmp, self.trainer_state = future, step, tmp, trainer_state
-        self.hashing = None
-
-    def start_hashing_when_written(self) -> None:
-        if self.hashing is None and self.future.done() and self.future.exception() is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = ThreadPoolExecutor(1, thread_name_prefix="paratrain-checksums")
-            self.hashing = pool.submit(_hash_my_share, self.tmp)
-            pool.shutdown(wait=False)
-
-    def settled(self) -> bool:
-        """Written and hashed, or failed (finish() then raises on every rank)."""
-        if not self.future.done():
-            return False
-        return self.future.exception() is not None or (self.hashing is not None and self.hashing.done())
+    step: int
+    done: Future
 
 
 def _fsync_dir(path: Path) -> None:
