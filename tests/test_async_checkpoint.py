@@ -82,7 +82,8 @@ def test_sigkill_during_background_write_resumes_from_the_previous_checkpoint(ch
     assert job.returncode == 0, err[-3000:]
     assert "restarting all ranks from the last checkpoint" in err
     ckpts = tmp_path / "killed" / "checkpoints"
-    assert "removed .step-8.tmp" in out + err and f"resumed from {ckpts / 'step-4'} at step 4" in out
+    # (.step-8.tmp is removed by the surviving rank when its write fails, or at the next start)
+    assert not (ckpts / ".step-8.tmp").exists() and f"resumed from {ckpts / 'step-4'} at step 4" in out
     assert [p.name for p in complete_checkpoints(ckpts)] == ["step-4", "step-8", f"step-{steps}"]
     one = train_rank(load_config(None, fast_overrides(char_data, tmp_path, "one", *BATCH, f"training.steps={steps}",
                                                       "training.micro_batch=8")))
