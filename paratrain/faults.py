@@ -10,19 +10,25 @@ Set PARATRAIN_FAULTS to a comma-separated list of KIND@STEP[:RANK] (rank omitted
     overflow@5 the middle block's attention output projection is scaled to max |w| = 1e38 before step 5 (once per
                process): that block's output overflows (bf16 and fp32 end at 3.4e38)
     nan@5      the loss of data batch 5 becomes NaN        (every time that batch is used: bad data)
+    slowsave@10    the write of step 10's checkpoint pauses SLOW_SAVE_S before its files, on the thread that writes
+               them (with checkpoint.async_save the background one: training goes on meanwhile)
+    killsave@10:1  rank 1 SIGKILLs itself in the middle of the write of step 10's checkpoint, on the thread that
+               writes it: its shards written, the metadata not (first launch attempt only)
 Steps count from 0 (the optimizer step index); nan counts data batches, which differ from steps
-once bad batches have been skipped.
+once bad batches have been skipped; slowsave and killsave name the checkpoint's step (step-10).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 from paratrain.distributed.launch import ATTEMPT_ENV, attempt  # ATTEMPT_ENV: set by our launcher
 
 ENV = "PARATRAIN_FAULTS"
+SLOW_SAVE_S = 3.0  # slowsave's pause: long enough for a test to act while the write is in flight
 
 
 class InjectedOOM(RuntimeError):
@@ -41,7 +47,7 @@ def parse(spec: str) -> list[Fault]:
     for item in filter(None, (s.strip() for s in spec.split(","))):
         kind, _, rest = item.partition("@")
         step, _, rank = rest.partition(":")
-        kinds = ("kill", "term", "stop", "hang", "oom", "overflow", "nan")
+        kinds = ("kill", "term", "stop", "hang", "oom", "overflow", "nan", "slowsave", "killsave")
         if kind not in kinds or not step.isdigit() or (rank and not rank.isdigit()):
             raise ValueError(f"bad {ENV} entry '{item}' (expected KIND@STEP[:RANK])")
         faults.append(Fault(kind, int(step), int(rank) if rank else None))
@@ -84,6 +90,14 @@ class FaultInjector:
             _overflow(train_step)
         if self._fire("hang", step):
             _stop_mid_forward(train_step)
+
+    def in_save_write(self, step: int, written: bool) -> None:
+        """On the thread writing checkpoint step-`step`: before this rank's shards (slowsave) and after them, before
+        the metadata (killsave)."""
+        if not written and self._fire("slowsave", step):
+            time.sleep(SLOW_SAVE_S)
+        if written and self.first_attempt and self._fire("killsave", step):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def poison(self, data_step: int) -> bool:
         return any(f.kind == "nan" and f.step == data_step for f in self.faults)

@@ -78,6 +78,9 @@ class Recipe:
     # `plan --compile` is the planner's request)
     compile: bool | str = setting("training.compile", NO_FLAG)
     cuda_graphs: bool = setting("training.cuda_graphs", NO_FLAG)
+    # checkpoints written in the background: their staging copy of the rank's state is host memory (no flag: not a
+    # layout, the estimate of a run's config reads it)
+    async_save: bool = setting("checkpoint.async_save", NO_FLAG)
     capabilities: tuple[Capability, ...] = ()  # the run's, with their settings (capabilities.active): the memory
     # tiers too (the chunked loss: its pieces read and replaced by name, 0 automatic until the model is known)
 

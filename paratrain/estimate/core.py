@@ -227,6 +227,7 @@ class _Rank:
     fsdp: bool  # FSDP's unsharded working copies (classic ZeRO-2 keeps whole bf16 parameters in its parameters row)
     pbytes: int  # dtype the unsharded parameters compute in
     host: dict  # model states in host memory (CPU offload: the sharded parameters, gradients, optimizer state)
+    staging: int = 0  # checkpoint.async_save: the staging copy of what this rank checkpoints, in host memory
 
     def local_numel(self, ps) -> int:
         return sum(math.prod(local_shape(p, self.i.layout)) for p in ps)
@@ -288,12 +289,16 @@ def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers
     classic = i.accounting == "classic" and low
     fsdp = lay.uses_fsdp and not (classic and lay.zero_stage == 2)
     pbytes = BF16 if (low and (fsdp or classic)) else FP32
+    # a background checkpoint first copies the rank's saved state (trainable parameters, master weights, optimizer
+    # state) to host buffers it keeps for the run (training/checkpoint.py staging_buffers)
+    staging = st.params + st.master + st.optimizer if rec.async_save else 0
     host = {}
     for capability in rec.capabilities:  # (CPU offload: the sharded states in host memory)
         moved = capability.host_states(st)
         if moved is not None:
             st, host = moved
-    return _Rank(i, st, d, params, by_layer, [p for p in params if p.layer is None], classic, fsdp, pbytes, host)
+    return _Rank(i, st, d, params, by_layer, [p for p in params if p.layer is None], classic, fsdp, pbytes, host,
+                 staging)
 
 
 class _Peaks:
@@ -615,7 +620,8 @@ class _Walk:
         out["sizes"]["gradients"] = max(out["sizes"].get("gradients", 0), self.st.grads)
         host_acts = int(in_flight(self.lay, self.rank) * sum(self.moved.values()))  # offloaded micro-batches in
         # flight
-        out["host"] = {**host_states, **({"activations": host_acts} if host_acts else {})}
+        out["host"] = {**host_states, **({"activations": host_acts} if host_acts else {}),
+                       **({"checkpoint staging": self.r.staging} if self.r.staging else {})}
         return out
 
 

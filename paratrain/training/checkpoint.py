@@ -11,6 +11,9 @@ Layout of a run's checkpoints:  RUN_DIR/checkpoints/step-N/
 
 A save is written to a hidden temporary folder and renamed into place only after every rank has
 finished writing (synchronously, or in the background with `async_save`) and the files have been hashed.
+A background save first copies the rank's state into staging buffers (pinned host memory on a GPU machine, a host
+copy on a CPU; kept for the run and reused by every save), so the writer thread never reads a tensor the next steps
+change; one save is in flight at a time (the next one waits for it).
 A save that fails (a full disk, a read-only folder) removes its temporary folder and is one error line naming the
 cause. A checkpoint is trusted only when its marker is there, its shards are present at full length and every file
 matches its checksum; older complete checkpoints are pruned only once a newer one is committed.
@@ -25,6 +28,7 @@ import shutil
 import sys
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
@@ -40,6 +46,7 @@ from paratrain.capabilities import checkpoint_state
 from paratrain.data import dataset_meta
 from paratrain.data.tokenizers import load_tokenizer, tokenizer_identity
 from paratrain.distributed.initialize import canonical_name
+from paratrain.faults import FaultInjector
 from paratrain.errors import PeerFailed, UserError, environment_problem, translated
 from paratrain.files import replace_dir
 from paratrain.hf.arch import resume_hint
@@ -56,12 +63,12 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _on_main(is_main: bool, fn) -> None:
+def _on_main(is_main: bool, fn, group=None) -> None:
     """Run fn on rank 0 while the others wait; if it fails, every rank raises (rank 0 its error, the others
     PeerFailed), so no rank is left waiting for a dead one."""
     error = None
@@ -72,7 +79,7 @@ def _on_main(is_main: bool, fn) -> None:
             error = e
     if dist.is_initialized():
         box = [error is not None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         failed = box[0]
     else:
         failed = error is not None
@@ -91,12 +98,12 @@ def _hash_my_share(folder: Path) -> dict | OSError:
         return e
 
 
-def _gather_digests(mine: dict | OSError) -> dict[str, str]:
+def _gather_digests(mine: dict | OSError, group=None) -> dict[str, str]:
     """Every rank's share of the digests, on every rank (or the same error everywhere)."""
     parts = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
+        dist.all_gather_object(parts, mine, group=group)
     if isinstance(mine, Exception):
         raise mine
     if any(isinstance(p, Exception) for p in parts):
@@ -175,8 +182,9 @@ def model_optim_state(model: nn.Module, optimizer) -> dict:
 # -- saving -------------------------------------------------------------------------------------
 
 class CheckpointWriter:
-    """Saves step-N folders; with `async_save`, the write and the hashing happen in the background and the folder is
-    committed (checksums + marker + rename) at a later step boundary once every rank has finished both."""
+    """Saves step-N folders; with `async_save`, the state is staged (copied to host buffers), then the write and the
+    hashing happen in the background and the folder is committed (checksums + marker + rename) at a later step
+    boundary once every rank has finished both."""
 
     def __init__(self, ckpt_root: Path, keep: int, is_main: bool, async_save: bool = False, tokenizer=None):
         self.root, self.keep, self.is_main, self.async_save = ckpt_root, keep, is_main, async_save
@@ -185,10 +193,19 @@ class CheckpointWriter:
         # Background writes run their own collectives: on the training group they would interleave with
         # the training step's collectives and deadlock, so they get a dedicated gloo group.
         self.group = dist.new_group(backend="gloo") if (async_save and dist.is_initialized()) else None
+        self.stager = staging_buffers() if async_save else None
+        # after DCP's write, the hashing and rank 0's commit run on a thread of their own too (over self.group), so
+        # the training steps pay only the staging copy (bench/checkpoint_async.py)
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="paratrain-commit") if async_save else None
+        self.faults = FaultInjector(dist.get_rank() if dist.is_initialized() else 0)  # (tests: PARATRAIN_FAULTS)
 
-    def save(self, step: int, model: nn.Module, optimizer, trainer_state: dict, extra: dict | None = None) -> Path:
-        """`extra`: more tensors under their own top-level keys (this rank's gradient-compression state)."""
+    def save(self, step: int, model: nn.Module, optimizer, trainer_state: dict, extra: dict | None = None,
+             background: bool | None = None) -> Path:
+        """`extra`: more tensors under their own top-level keys (this rank's gradient-compression state).
+        `background`: write in the background (default: `async_save`); False writes and commits before returning
+        (a preemption's save, whose grace period must not end with the write in flight)."""
         self.finish()  # never two saves in flight
+        background = self.async_save if background is None else background
         tmp = self.root / f".step-{step}.tmp"
 
         def prepare():
@@ -199,35 +216,44 @@ class CheckpointWriter:
             _on_main(self.is_main, prepare)
             _barrier()
             state = {**model_optim_state(model, optimizer), **(extra or {})}
-            if self.async_save:
-                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
-                self.pending = _PendingSave(future, step, tmp, trainer_state)
+            writer = _FaultyWriter(tmp, step, self.faults) if self.faults else None
+            if background and self.stager is not None:
+                # staged here, on this thread (the copy is done when async_save returns); written by DCP's thread
+                written = dcp.async_save(state, checkpoint_id=str(tmp), storage_writer=writer,
+                                         process_group=self.group, async_stager=self.stager)
+                self.pending = _PendingSave(step, self._committer.submit(self._commit_when_written, written, step,
+                                                                         tmp, trainer_state))
                 return self.root / f"step-{step}"
-            dcp.save(state, checkpoint_id=str(tmp))  # returns on every rank once all shards and .metadata are written
+            # returns on every rank once all shards and .metadata are written
+            dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer)
             digests = _gather_digests(_hash_my_share(tmp))  # each rank hashes a share, read back from the page cache
         return self._commit(step, tmp, trainer_state, digests)
 
     def poll(self) -> None:
-        """At a step boundary: commit a background save once every rank has written and hashed its part."""
+        """At a step boundary: a background save that every rank has written, hashed and committed is done (an error
+        is raised here, on every rank at the same step)."""
         p = self.pending
         if p is None:
             return
-        p.start_hashing_when_written()
-        done = torch.tensor([1.0 if p.settled() else 0.0])
+        done = torch.tensor([1.0 if p.done.done() else 0.0])
         if dist.is_initialized():
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done.item() == 1.0:
             self.finish()
 
     def finish(self) -> None:
+        """Wait for the save in flight, if any (committed when this returns; its error raised)."""
         p, self.pending = self.pending, None
-        if p is None:
-            return
-        with self._saving(p.step, p.tmp):
-            p.future.result()
-            p.start_hashing_when_written()
-            digests = _gather_digests(p.hashing.result())
-        self._commit(p.step, p.tmp, p.trainer_state, digests)
+        if p is not None:
+            p.done.result()
+
+    def _commit_when_written(self, written, step: int, tmp: Path, trainer_state: dict) -> Path:
+        """A background save after DCP's write, on the committer thread: this rank's share hashed, then the commit,
+        both over the save's own group (every rank raises the same error if any part fails on some rank)."""
+        with self._saving(step, tmp):
+            written.result()
+            digests = _gather_digests(_hash_my_share(tmp), self.group)
+        return self._commit(step, tmp, trainer_state, digests, self.group)
 
     def _saving(self, step: int, tmp: Path):
         """Around each part of a save: when it fails on some rank, every rank removes what was written (the folder
@@ -235,7 +261,7 @@ class CheckpointWriter:
         return translated(lambda error: save_failure(self.root / f"step-{step}", tmp, error),
                           cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
 
-    def _commit(self, step: int, tmp: Path, trainer_state: dict, digests: dict[str, str]) -> Path:
+    def _commit(self, step: int, tmp: Path, trainer_state: dict, digests: dict[str, str], group=None) -> Path:
         """Rank 0 adds trainer.pt and the tokenizer, lists every file's checksum, writes the marker and renames."""
         final = self.root / f"step-{step}"
 
@@ -251,31 +277,44 @@ class CheckpointWriter:
             prune(self.root, self.keep, final)
 
         with self._saving(step, tmp):
-            _on_main(self.is_main, publish)
-        _barrier()
+            _on_main(self.is_main, publish, group)
+        _barrier(group)
         return final
 
 
+def staging_buffers() -> DefaultStager:
+    """DCP's stager for background saves: pinned host memory where CUDA is (the device-to-host copy at full speed,
+    non-blocking, then one synchronize), a plain host copy on a CPU-only machine. Staging is synchronous (the copy is
+    finished before training goes on, so the write never reads a tensor a later step changes) and its buffers are
+    kept and reused by every save: host memory of the rank's checkpointed state (the estimator's "checkpoint
+    staging")."""
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=cuda))
+
+
+class _FaultyWriter(FileSystemWriter):
+    """DCP's file writer with the fault injector's hooks around this rank's shards (tests: a write that is slow, or
+    killed midway), called on the thread that writes them (DCP's background thread with `async_save`)."""
+
+    def __init__(self, path: Path, step: int, faults: FaultInjector):
+        super().__init__(str(path))
+        self.step, self.faults = step, faults
+
+    def write_data(self, plan, planner):
+        self.faults.in_save_write(self.step, written=False)
+        future = super().write_data(plan, planner)
+        future.wait()
+        self.faults.in_save_write(self.step, written=True)
+        return future
+
+
+@dataclass
 class _PendingSave:
-    """A background save: DCP's future, then this rank's hashing of its share in a thread of its own."""
+    """A background save: its step, and the committer thread's future (the step-N folder, once committed)."""
 
-    def __init__(self, future, step: int, tmp: Path, trainer_state: dict):
-        self.future, self.step, self.tmp, self.trainer_state = future, step, tmp, trainer_state
-        self.hashing = None
-
-    def start_hashing_when_written(self) -> None:
-        if self.hashing is None and self.future.done() and self.future.exception() is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = ThreadPoolExecutor(1, thread_name_prefix="paratrain-checksums")
-            self.hashing = pool.submit(_hash_my_share, self.tmp)
-            pool.shutdown(wait=False)
-
-    def settled(self) -> bool:
-        """Written and hashed, or failed (finish() then raises on every rank)."""
-        if not self.future.done():
-            return False
-        return self.future.exception() is not None or (self.hashing is not None and self.hashing.done())
+    step: int
+    done: Future
 
 
 def _fsync_dir(path: Path) -> None:
@@ -675,14 +714,15 @@ class Checkpointer:
         minutes = self.spec.cfg.checkpoint.every_minutes
         return minutes > 0 and time.monotonic() - self.last_save_at >= minutes * 60
 
-    def save(self, next_step: int) -> Path:
+    def save(self, next_step: int, background: bool | None = None) -> Path:
+        """`background`: CheckpointWriter.save's (None: checkpoint.async_save)."""
         bad = nonfinite_state(self.model, self.optimizer)
         if bad is not None:  # a checkpoint is what a run goes back to: never one that cannot train
             raise UserError(f"checkpoint at step {next_step} refused: {bad} holds a NaN or an infinity; the "
                             f"checkpoints in {self.root} are kept as they were")
         start = time.perf_counter()
         extra = self.comm.state_dict() if self.comm is not None else None
-        path = self.writer.save(next_step, self.model, self.optimizer, self._state(next_step), extra)
+        path = self.writer.save(next_step, self.model, self.optimizer, self._state(next_step), extra, background)
         self.last_save = {"checkpoint_save_s": time.perf_counter() - start, "checkpoint_step": next_step}
         self.last_save_at, self.save_asked, self.saved_path = time.monotonic(), False, path
         return path

@@ -368,7 +368,9 @@ class Trainer:
             return
         saved = self.checkpointer.saved_path
         # (a periodic save may have just written this very step: not twice)
-        path = saved if saved is not None and saved.name == f"step-{step}" else self.checkpointer.save(step)
+        # (synchronous: committed before the exit, within the grace period; the save in flight was finished above)
+        path = saved if saved is not None and saved.name == f"step-{step}" else \
+            self.checkpointer.save(step, background=False)
         self.guard.preemption.saved_step = step
         if self.env.is_main:
             mark_preempted(self.cfg.run_dir, step)
