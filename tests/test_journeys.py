@@ -126,8 +126,10 @@ JOURNEYS = {
         "paratrain plan ... --explain ddp,ac=none,mb=2",
         "paratrain plan ... --gpu-memory 40GiB --no-write",
         "paratrain plan ... --precision fp32 --tf32 false --no-write",
-        "paratrain plan --model llama3-8b --gpus 8xH100,8xA100 --seq 4096 --global-batch-tokens 1048576 --out plan-hetero",
-        "paratrain plan --model llama3-405b --gpus 8192 --gpu H100 --seq 8192 --global-batch-tokens 16777216 --no-write",
+        "paratrain plan --model llama3-8b --gpus 8xH100,8xA100 --seq 4096 --global-batch-tokens 1048576 "
+        "--out plan-hetero",
+        "paratrain plan --model llama3-405b --gpus 8192 --gpu H100 --seq 8192 --global-batch-tokens 16777216 "
+        "--no-write",
     ],
     "troubleshooting": [
         "paratrain train --nproc 2 --parallel.dp_mode=ddp --training.precision=bf16 --metrics.numerics_every=100 "
