@@ -54,7 +54,7 @@ class OneLineArgumentParser(argparse.ArgumentParser):
                 continue
             if self.allow_abbrev and any(o.startswith(name) for o in options):
                 continue  # an abbreviation: argparse takes it, or says which options it could be
-            self.error(f"unrecognized argument '{name}'{did_you_mean(name, options)}")
+            self.error(f"unrecognized arguments: {name}{did_you_mean(name, options)}")  # (argparse's words)
 
 
 def one_line(msg) -> str:
