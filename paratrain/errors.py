@@ -2,6 +2,7 @@
 
 import argparse
 import errno
+import sys
 from contextlib import contextmanager
 
 
@@ -35,7 +36,7 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         mistyped one is closest to, before any other complaint (a missing required argument)."""
         import math
 
-        self._refuse_unknown_options(args or [])
+        self._refuse_unknown_options(sys.argv[1:] if args is None else args)
         namespace, rest = super().parse_known_args(args, namespace)
         for key, value in vars(namespace).items():
             if isinstance(value, float) and not math.isfinite(value):
@@ -50,8 +51,8 @@ class OneLineArgumentParser(argparse.ArgumentParser):
             if arg == "--" or (not arg.startswith("-") and self._subparsers is not None):
                 return
             name = arg.split("=", 1)[0]
-            if not arg.startswith("--") or name in self._option_string_actions:
-                continue
+            if not arg.startswith("--") or " " in arg or name in self._option_string_actions:
+                continue  # (argparse reads a word with a space as a value: --prompt "--- ACT I ---")
             if self.allow_abbrev and any(o.startswith(name) for o in options):
                 continue  # an abbreviation: argparse takes it, or says which options it could be
             self.error(f"unrecognized arguments: {name}{did_you_mean(name, options)}")  # (argparse's words)
