@@ -6,7 +6,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-from paratrain.errors import UserError, environment_error, translated
+from paratrain import __version__
+from paratrain.errors import UserError, did_you_mean, environment_error, translated
 
 COMMANDS = ("train", "profile", "prepare", "generate", "verify", "estimate", "plan", "report", "doctor", "export",
             "checkpoint", "replay", "scaling", "eval")
@@ -33,7 +34,7 @@ COMMAND_MODULES = {
 }
 
 
-USAGE = """usage: paratrain <command> [options]
+USAGE = """usage: paratrain <command> [options]    (paratrain --version: the version)
 
 commands:
   train      train a model: paratrain train [--config FILE.toml] [--nproc N] [--oversubscribe] [--section.key=value ...]
@@ -71,12 +72,12 @@ def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"paratrain {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMAND_MODULES:
-        import difflib  # lazy: only a mistyped command needs it
-
-        close = difflib.get_close_matches(command, COMMANDS, n=1)
-        print(f"error: unknown command '{command}'" + (f" (did you mean '{close[0]}'?)" if close else ""), file=sys.stderr)
+        print(f"error: unknown command '{command}'{did_you_mean(command, COMMANDS)}", file=sys.stderr)
         return 2
     global _RAN
     try:

@@ -2,6 +2,7 @@
 
 import argparse
 import errno
+import sys
 from contextlib import contextmanager
 
 
@@ -15,6 +16,15 @@ class ConfigError(UserError):
     """An invalid config key, type or value."""
 
 
+def did_you_mean(word: str, choices) -> str:
+    """` (did you mean 'X'?)` for the choice closest to a mistyped word (a command, an option), else "": every
+    command line suggests the same way."""
+    import difflib  # lazy: only a mistyped word needs it
+
+    close = difflib.get_close_matches(word, sorted(choices), n=1, cutoff=0.75)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad argument as one UserError line instead of usage + message."""
 
@@ -22,14 +32,30 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message}")
 
     def parse_known_args(self, args=None, namespace=None):
-        """Also refuses NaN and infinity for every float option: no command can use them."""
+        """Also refuses NaN and infinity for every float option: no command can use them; and names the option a
+        mistyped one is closest to, before any other complaint (a missing required argument)."""
         import math
 
+        self._refuse_unknown_options(sys.argv[1:] if args is None else args)
         namespace, rest = super().parse_known_args(args, namespace)
         for key, value in vars(namespace).items():
             if isinstance(value, float) and not math.isfinite(value):
                 self.error(f"argument --{key.replace('_', '-')}: must be a finite number, got {value}")
         return namespace, rest
+
+    def _refuse_unknown_options(self, args) -> None:
+        """`--name` or `--name=value` that is no option of this parser (nor, argparse allowing it, the start of
+        one): one line with the closest option. After a subcommand its own parser looks."""
+        options = [o for o in self._option_string_actions if o.startswith("--")]
+        for arg in args:
+            if arg == "--" or (not arg.startswith("-") and self._subparsers is not None):
+                return
+            name = arg.split("=", 1)[0]
+            if not arg.startswith("--") or " " in arg or name in self._option_string_actions:
+                continue  # (argparse reads a word with a space as a value: --prompt "--- ACT I ---")
+            if self.allow_abbrev and any(o.startswith(name) for o in options):
+                continue  # an abbreviation: argparse takes it, or says which options it could be
+            self.error(f"unrecognized arguments: {name}{did_you_mean(name, options)}")  # (argparse's words)
 
 
 def one_line(msg) -> str:

@@ -124,7 +124,7 @@ def test_train_bad_layout_fails_before_launch(char_data, tmp_path, capsys, monke
 
 
 def test_a_misspelt_flag_names_the_one_meant(capsys):
-    assert run_cli(capsys, ["train", "--nprocs", "2"]) == "error: unexpected argument '--nprocs' (did you mean --nproc?)"
+    assert run_cli(capsys, ["train", "--nprocs", "2"]) == "error: unexpected argument '--nprocs' (did you mean '--nproc'?)"
     assert "config overrides look like --section.key=value" in run_cli(capsys, ["train", "--steps=4"])
 
 

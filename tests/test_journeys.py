@@ -116,18 +116,22 @@ JOURNEYS = {
         "paratrain estimate --model qwen3-8b --gpu H100 --dp-shard 8 --seq-len 4096 --checkpointing selective",
         "paratrain estimate --model qwen3-30b-a3b --gpu H100 --dp-shard 8 --ep 8",
     ],
-    "plan": [
+    "plan": [  # docs/estimate-and-plan.md's block, every line in its order but the calibration's (journey calibrate)
         "paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576",
+        "paratrain estimate --model plan/config.toml --gpu H100",
         "paratrain plan --model llama3-70b --gpus 64 --gpu H100 --intra nvlink --inter ib400 --seq 8192 "
-        "--global-batch-tokens 4194304",
-        "paratrain plan ... --compile",
-        "paratrain plan ... --json",
+        "--global-batch-tokens 4194304 --out plan-70b-64",
+        "paratrain plan ... --compile --out plan-compile",
+        "paratrain plan ... --json --no-write",
+        "paratrain plan ... --check --no-write",
         "paratrain plan ... --explain fsdp,tp=16",
         "paratrain plan ... --explain ddp,ac=none,mb=2",
-        "paratrain plan ... --gpu-memory 40GiB",
-        "paratrain plan ... --precision fp32 --tf32 false",
-        "paratrain plan --model llama3-8b --gpus 8xH100,8xA100 --seq 4096 --global-batch-tokens 1048576",
-        "paratrain plan --model llama3-405b --gpus 8192 --gpu H100 --seq 8192 --global-batch-tokens 16777216",
+        "paratrain plan ... --gpu-memory 40GiB --no-write",
+        "paratrain plan ... --precision fp32 --tf32 false --no-write",
+        "paratrain plan --model llama3-8b --gpus 8xH100,8xA100 --seq 4096 --global-batch-tokens 1048576 "
+        "--out plan-hetero",
+        "paratrain plan --model llama3-405b --gpus 8192 --gpu H100 --seq 8192 --global-batch-tokens 16777216 "
+        "--no-write",
     ],
     "troubleshooting": [
         "paratrain train --nproc 2 --parallel.dp_mode=ddp --training.precision=bf16 --metrics.numerics_every=100 "
@@ -137,7 +141,6 @@ JOURNEYS = {
         "paratrain doctor --hang runs/stuck",
         "paratrain plan --model llama3-70b --gpus 512 --gpu H100 --seq 8192 --global-batch-tokens 8388608",
         "paratrain train --dry-run --world 512 --config plan/config.toml",
-        "paratrain plan ... --check",
     ],
     "memory_tiers": [
         "paratrain estimate --model llama3-8b --gpu RTX4090 --dp-shard 4 --seq-len 4096",
@@ -622,32 +625,35 @@ def test_journey_qwen(journey):
 PLAN = "paratrain plan --model llama3-8b --gpus 8 --gpus-per-node 8 --gpu H100 --seq 8192 --global-batch-tokens 1048576"
 
 
+def doc_block(page: str, first: str) -> list[str]:
+    """The commands of the ```bash block of `page` that holds command `first`, in order (comments removed)."""
+    for where, body in doc_blocks("bash"):
+        lines = body.replace("\\\n", " ").splitlines()
+        commands = [canonical(line) for line in lines if shlex.split(line, comments=True)]
+        if where == page and canonical(first) in commands:
+            return commands
+    raise AssertionError(f"{page} has no ```bash block with {first!r}")
+
+
 def test_journey_plan(journey):
-    """The planner's examples; its written config is estimated to the same per-rank memory and loads in train."""
+    """The planner's examples run as written, one after another in one folder, every line in the page's order (the
+    calibration's in journey calibrate: they write only the profile); what each says."""
     j = journey
-    out = j.doc(PLAN).stdout
-    assert (j.cwd / "plan" / "config.toml").is_file()
-    j.doc("paratrain plan --model llama3-70b --gpus 64 --gpu H100 --intra nvlink --inter ib400 --seq 8192 "
-             "--global-batch-tokens 4194304", after=["--out", "plan70"])
+    shown = [c for c in doc_block("docs/estimate-and-plan.md", PLAN) if "--calibrate" not in c]
+    assert shown == [canonical(c) for c in JOURNEYS["plan"]], "run the page's plan examples in its order"
     plan_args = shlex.split(PLAN)[2:]
-    j.doc("paratrain plan ... --compile", before=plan_args, after=["--out", "plan-compile"])
+    out = {c: j.doc(c, before=plan_args if " ... " in c else ()).stdout for c in JOURNEYS["plan"]}
+    assert (j.cwd / "plan" / "config.toml").is_file() and (j.cwd / "plan-70b-64" / "config.toml").is_file()
     assert "compile = true" in (j.cwd / "plan-compile" / "config.toml").read_text()
-    plan = json.loads(j.doc("paratrain plan ... --json", before=plan_args, after=["--out", "plan-json"]).stdout)
-    assert plan
-    out = j.doc("paratrain plan ... --explain fsdp,tp=16", before=plan_args, after=["--out", "plan-x1"]).stdout
-    assert "tp=16" in out
-    out = j.doc("paratrain plan ... --explain ddp,ac=none,mb=2", before=plan_args, after=["--out", "plan-x2"]).stdout
-    assert "does not fit" in out
-    out = j.doc("paratrain plan ... --gpu-memory 40GiB", before=plan_args, after=["--out", "plan-40g"]).stdout
-    fp32 = j.doc("paratrain plan ... --precision fp32 --tf32 false", before=plan_args,
-                 after=["--out", "plan-fp32", "--json"]).stdout
-    assert json.loads(fp32)["tf32"] is False and json.loads(fp32)["precision"] == "fp32"
-    assert "limit 90% = 36.00 GiB" in out
-    j.doc("paratrain plan --model llama3-8b --gpus 8xH100,8xA100 --seq 4096 --global-batch-tokens 1048576",
-             after=["--out", "plan-hetero"])
-    j.doc("paratrain plan --model llama3-405b --gpus 8192 --gpu H100 --seq 8192 --global-batch-tokens 16777216",
-             after=["--out", "plan405"])
-    assert "gpus" in out or out
+    assert json.loads(out["paratrain plan ... --json --no-write"])["written"] is None
+    assert "agree within 1% on every rank built" in out["paratrain plan ... --check --no-write"]
+    assert "tp=16" in out["paratrain plan ... --explain fsdp,tp=16"]
+    assert "does not fit" in out["paratrain plan ... --explain ddp,ac=none,mb=2"]
+    assert "limit 90% = 36.00 GiB" in out["paratrain plan ... --gpu-memory 40GiB --no-write"]
+    assert ", fp32 (matmuls at the fp32 peak" in out["paratrain plan ... --precision fp32 --tf32 false --no-write"]  # no TF32
+    assert (j.cwd / "plan-hetero" / "config.toml").is_file()
+    assert sorted(p.name for p in j.cwd.iterdir() if p.name.startswith("plan")) == [
+        "plan", "plan-70b-64", "plan-compile", "plan-hetero"]
 
 
 def test_journey_memory_tiers(journey):
@@ -688,7 +694,7 @@ def test_journey_troubleshooting(journey):
     step in one line, rolls back and finishes; the report draws the heat map; the replay names them again. Rank 1
     of 4 stopped in the middle of a step: one timeout line, and `doctor --hang` names rank 1 and the collective it
     holds up. The planner's 70B layout for 64 nodes (world 512) built here in under a minute of CPU, its model states
-    within 1% of the estimate; `plan --check` on the 8B plan."""
+    within 1% of the estimate."""
     import resource
     import signal
     import time
@@ -747,5 +753,3 @@ def test_journey_troubleshooting(journey):
     assert spent.ru_utime + spent.ru_stime - cpu.ru_utime - cpu.ru_stime < 60, out
     assert "on 512 ranks" in out and "agree within 1% on every rank built" in out
     assert re.findall(r"^ +(\d+) \| pp=(\d) ", out, re.M) == [("0", "0"), ("128", "1"), ("256", "2"), ("384", "3")]
-    out = j.doc("paratrain plan ... --check", before=shlex.split(PLAN)[2:], after=["--out", "plan-check"]).stdout
-    assert "agree within 1% on every rank built" in out

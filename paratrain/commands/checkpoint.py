@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from paratrain.errors import OneLineArgumentParser
-from paratrain.training.checkpoint_check import verify
 
 
 def main(argv: list[str]) -> int:
@@ -18,6 +17,8 @@ def main(argv: list[str]) -> int:
     v = sub.add_parser("verify", help="check checkpoints against their checksums")
     v.add_argument("paths", nargs="+", metavar="PATH", help="a step-N folder, a run folder or a checkpoints folder")
     a = p.parse_args(argv)
+    from paratrain.training.checkpoint_check import verify  # lazy: torch is not needed for --help and bad arguments
+
     ok = True
     for path in a.paths:
         ok = verify(Path(path)) and ok

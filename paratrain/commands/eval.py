@@ -33,7 +33,9 @@ USAGE = """usage: paratrain eval CHECKPOINT|RUN_DIR|hf:DIR --tasks T1,T2 [--incl
   --max-length N       tokens per request, longest first truncated on the left (default: the model's context)
   --nproc N            local ranks; the layout comes from --parallel.* (data-parallel ranks take what is left)
 
-Example: paratrain eval runs/default --tasks paratrain_demo --include-path examples/eval_tasks --nproc 2 --parallel.tp=2
+Examples: paratrain eval runs/default --tasks shakespeare --nproc 2 --parallel.tp=2   (the bundled tasks, from
+          paratrain/assets/eval_tasks; lm-eval's own by their names: --tasks hellaswag,arc_easy)
+          paratrain eval runs/default --tasks my_task --include-path DIR   (DIR/*.yaml: your own tasks)
 """
 
 FLAGS = {"--tasks", "--include-path", "--num-fewshot", "--limit", "--batch-size", "--output-path",
@@ -54,9 +56,10 @@ def main(argv: list[str]) -> int:
         print(USAGE)
         return 0 if argv else 2
     if argv[0].startswith("--"):
+        split_overrides([a for a in argv if a not in SWITCHES], FLAGS, SWITCHES)  # a mistyped option: its one line
         raise UserError("the first argument is what to evaluate: a checkpoint, a run folder or hf:DIR")
     source_text, rest = argv[0], argv[1:]
-    own, overrides = split_overrides([a for a in rest if a not in SWITCHES], FLAGS)
+    own, overrides = split_overrides([a for a in rest if a not in SWITCHES], FLAGS, SWITCHES)
     for item in overrides:
         if not item.startswith(SECTIONS):
             raise UserError(f"--{item.split('=')[0]} is a training setting; eval takes --parallel.*, "

@@ -12,7 +12,7 @@ from paratrain.errors import OneLineArgumentParser
 def main(argv: list[str]) -> int:
     p = OneLineArgumentParser(prog="paratrain prepare", description="Tokenize a corpus into a folder of token shards.")
     p.add_argument("--input", required=True, action="append",
-                   help="a file (.txt .jsonl .jsonl.gz .jsonl.zst .parquet), a folder (searched recursively, or one "
+                   help="a file (.txt, .jsonl or .json: JSON lines or one array, each also .gz or .zst, .parquet), a folder (searched recursively, or one "
                         "written by datasets' save_to_disk), or a quoted glob pattern; may be repeated")
     p.add_argument("--out", required=True, help="dataset folder to create")
     p.add_argument("--tokenizer", default="char", help="byte, char, bpe, or a path to an existing tokenizer.json")

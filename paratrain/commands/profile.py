@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
         return 0
     oversubscribe = "--oversubscribe" in argv
     own, overrides = split_overrides([a for a in argv if a != "--oversubscribe"],
-                                     {"--config", "--nproc", "--steps", "--warmup"})
+                                     {"--config", "--nproc", "--steps", "--warmup"}, ("--oversubscribe",))
     steps, warmup = int_flag(own, "--steps", 3), int_flag(own, "--warmup", 1)
     if steps < 1:
         raise UserError("--steps must be >= 1")

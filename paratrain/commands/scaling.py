@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
         print(USAGE)
         return 0
     switches = {s for s in SWITCHES if s in argv}
-    own, overrides = split_overrides([a for a in argv if a not in SWITCHES], FLAGS)
+    own, overrides = split_overrides([a for a in argv if a not in SWITCHES], FLAGS, SWITCHES)
     if len(switches & {"--weak", "--strong"}) != 1:
         raise UserError("paratrain scaling needs one of --weak (the batch per rank stays) or --strong (the global "
                         "batch stays)")

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import difflib
-
 from paratrain.config import config_keys_help, load_config
 from paratrain.distributed.failure import EXIT_INTERRUPTED
-from paratrain.errors import UserError
+from paratrain.errors import UserError, did_you_mean
 
 USAGE = """usage: paratrain train [--config FILE.toml] [--nproc N] [--oversubscribe] [--max-restarts N] [--force] [--verbose] [--section.key=value ...]
        paratrain train --dry-run --world N [--config FILE.toml] [--section.key=value ...]
@@ -31,8 +29,9 @@ LEAVE_PROMPTLY = False
 MAX_WORLD = 1 << 16  # --dry-run's ranks: beyond any cluster paratrain plans for; the mesh's groups grow with the world
 
 
-def split_overrides(argv: list[str], flags_with_value: set[str]) -> tuple[dict, list[str]]:
-    """Our own flags (e.g. --config F) vs `--section.key=value` config overrides (also `--section.key value`)."""
+def split_overrides(argv: list[str], flags_with_value: set[str], switches=()) -> tuple[dict, list[str]]:
+    """Our own flags (e.g. --config F) vs `--section.key=value` config overrides (also `--section.key value`); anything
+    else is a one-line error naming the closest of the flags and `switches` (the flags without a value)."""
     own, overrides, i = {}, [], 0
     while i < len(argv):
         arg = argv[i]
@@ -50,9 +49,8 @@ def split_overrides(argv: list[str], flags_with_value: set[str]) -> tuple[dict, 
                 value, i = argv[i + 1], i + 1
             overrides.append(f"{name[2:]}={value}")
         else:
-            close = difflib.get_close_matches(name, sorted(flags_with_value), n=1, cutoff=0.75)
-            hint = f"did you mean {close[0]}?" if close else "config overrides look like --section.key=value"
-            raise UserError(f"unexpected argument '{arg}' ({hint})")
+            hint = did_you_mean(name, {*flags_with_value, *switches, "--help"})
+            raise UserError(f"unexpected argument '{arg}'" + (hint or " (config overrides look like --section.key=value)"))
         i += 1
     return own, overrides
 
@@ -76,7 +74,7 @@ def main(argv: list[str]) -> int:
     dry_run = "--dry-run" in argv  # build the layout of --world N ranks here, without training
     switches = ("--oversubscribe", "--dry-run", "--force", "--verbose")  # flags without a value
     own, overrides = split_overrides([a for a in argv if a not in switches],
-                                     {"--config", "--nproc", "--max-restarts", "--world"})
+                                     {"--config", "--nproc", "--max-restarts", "--world"}, switches)
     if "--force" in argv:  # try a run the memory estimate says does not fit
         overrides.append("resilience.memory_check=false")
     if "--verbose" in argv:

@@ -4,10 +4,11 @@
     for text, first, last in source.pieces("text"): ...                 (one document = one or more pieces)
 
 Formats: `.txt` (a whole file is one document), `.jsonl`, `.jsonl.gz`, `.jsonl.zst` (one JSON object
-per line, the document in its `text_field`), `.parquet` (a string column), and a folder written by
-Hugging Face `datasets`' `save_to_disk`. An input is a file, a folder (searched recursively for those
-formats, in sorted order) or a glob pattern. `.zst`, `.parquet` and saved datasets need the optional
-packages zstandard, pyarrow and datasets.
+per line, the document in its `text_field`), `.json`, `.json.gz`, `.json.zst` (the same JSON lines, or
+one JSON array of such objects: C4's shards are `c4-train.*.json.gz`), `.parquet` (a string column),
+and a folder written by Hugging Face `datasets`' `save_to_disk`. An input is a file, a folder (searched
+recursively for those formats, in sorted order, prepared paratrain datasets inside it left out) or a glob
+pattern. `.zst`, `.parquet` and saved datasets need the optional packages zstandard, pyarrow and datasets.
 
 A document longer than PIECE_CHARS comes in pieces cut at a lone newline between two non-space
 characters, where our byte-level BPE pre-tokenizer always cuts anyway, so encoding the pieces gives
@@ -20,6 +21,7 @@ Every bad input is a one-line UserError naming the file and the line, row or byt
 from __future__ import annotations
 
 import glob
+import codecs
 import hashlib
 import io
 import json
@@ -35,10 +37,15 @@ PIECE_CHARS = 1 << 20  # characters per piece of a long document
 MAX_PIECE_CHARS = 16 * PIECE_CHARS  # a piece without any cut point is cut here anyway (at a space if possible)
 READ_BYTES = 1 << 20
 _CUT = re.compile(r"(?<=\S\n)(?=\S)")  # a lone newline between two non-space characters
-SUFFIXES = {".jsonl.gz": "jsonl.gz", ".jsonl.zst": "jsonl.zst", ".jsonl": "jsonl", ".parquet": "parquet",
-            ".txt": "txt"}
-FORMAT_LIST = ".txt, .jsonl, .jsonl.gz, .jsonl.zst or .parquet"
-OPTIONAL = {"jsonl.zst": ("zstandard", "zstandard"), "parquet": ("pyarrow", "pyarrow"), "hf": ("datasets", "datasets")}
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+SUFFIXES = {".jsonl.gz": "jsonl.gz", ".jsonl.zst": "jsonl.zst", ".jsonl": "jsonl", ".json.gz": "json.gz",
+            ".json.zst": "json.zst", ".json": "json", ".parquet": "parquet", ".txt": "txt"}
+JSON_FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "json", "json.gz", "json.zst")  # read by Source.records
+COMPRESSION = {".gz": "gzip", ".zst": "zstd"}  # a JSON format's ending -> Decompressed's kind
+JSON_SHAPES = "a .json file holds one JSON object per line, or one array of objects"
+FORMAT_LIST = ".txt, .jsonl, .json (each also .gz or .zst) or .parquet"
+OPTIONAL = {"jsonl.zst": ("zstandard", "zstandard"), "json.zst": ("zstandard", "zstandard"),
+            "parquet": ("pyarrow", "pyarrow"), "hf": ("datasets", "datasets")}
 
 
 def file_format(path: Path):
@@ -95,8 +102,8 @@ class Source:
     def pieces(self, text_field: str = "text"):
         """Yield (text, first, last) for every document: `first`/`last` mark its first and last piece.
         Empty documents are skipped. A complete read fills in bytes, sha256 and documents."""
-        reader = {"txt": self._txt, "jsonl": self._jsonl, "jsonl.gz": self._jsonl, "jsonl.zst": self._jsonl,
-                  "parquet": self._parquet, "hf": self._saved}[self.fmt]
+        reader = {"txt": self._txt, "parquet": self._parquet, "hf": self._saved,
+                  **{fmt: self._jsonl for fmt in JSON_FORMATS}}[self.fmt]
         self.documents = 0
         for doc in reader(text_field):
             pending = None
@@ -138,36 +145,48 @@ class Source:
             yield _split_long(text)
 
     def records(self):
-        """(line number, JSON value) of every non-blank line of a .jsonl[.gz|.zst] file; a complete read fills in
-        bytes and sha256."""
-        if not self.fmt.startswith("jsonl"):
-            raise UserError(f"{self.path}: chat data is read from .jsonl, .jsonl.gz or .jsonl.zst files, not {self.fmt}")
+        """(line number, JSON value) of every non-blank line of a .jsonl[.gz|.zst] file, or of a .json[.gz|.zst]
+        file's JSON lines or of the objects of its one JSON array (the line each starts on); a complete read fills
+        in bytes and sha256."""
+        if self.fmt not in JSON_FORMATS:
+            raise UserError(f"{self.path}: chat data is read from .jsonl or .json files (also .gz or .zst), "
+                            f"not {self.fmt}")
         raw, stream = self._open_hashed()
         with stream:
-            kind = {"jsonl.gz": "gzip", "jsonl.zst": "zstd"}.get(self.fmt, "")
-            lines = io.BufferedReader(Decompressed(stream, kind, self.path), READ_BYTES) if kind else stream
-            lineno, offset = 0, 0
-            while True:
-                try:
-                    line = lines.readline()
-                except CompressedDataError as e:
-                    raise UserError(f"{e} (after line {lineno})") from None
-                if not line:
-                    break
-                lineno += 1
-                start, offset = offset, offset + len(line)
-                if line.isspace():
-                    continue  # blank lines (a trailing newline, say) are harmless
-                try:
-                    obj = json.loads(line)
-                except UnicodeDecodeError as e:
-                    raise UserError(f"{self.path} line {lineno}: not valid UTF-8: bad byte 0x{line[e.start]:02x} at "
-                                    f"byte offset {start + e.start}{' of the decompressed data' if kind else ''}") from None
-                except ValueError as e:
-                    raise UserError(f"{self.path} line {lineno}: not valid JSON "
-                                    f"({one_line(getattr(e, 'msg', e))})") from None
-                yield lineno, obj
+            kind = COMPRESSION.get(Path(self.fmt).suffix, "")
+            data = io.BufferedReader(Decompressed(stream, kind, self.path), READ_BYTES) if kind else stream
+            if not self.fmt.startswith("jsonl"):  # .json: JSON lines, or one array (told by its first character)
+                start = _read(lambda: _first_character(data), 0)
+                if start == b"[":
+                    yield from _json_array(data, self.path, _read)
+                    self._finish_hash(raw)
+                    return
+                if start not in (b"{", b""):
+                    raise UserError(f"{self.path}: neither JSON lines nor a JSON array (it starts with {start.decode(errors='replace')!r}); "
+                                    + JSON_SHAPES)
+            yield from self._lines(data, kind)
             self._finish_hash(raw)
+
+    def _lines(self, lines, kind):
+        lineno, offset = 0, 0
+        hint = "" if self.fmt.startswith("jsonl") else "; " + JSON_SHAPES
+        while True:
+            line = _read(lines.readline, lineno)
+            if not line:
+                break
+            lineno += 1
+            start, offset = offset, offset + len(line)
+            if line.isspace():
+                continue  # blank lines (a trailing newline, say) are harmless
+            try:
+                obj = json.loads(line)
+            except UnicodeDecodeError as e:
+                raise UserError(f"{self.path} line {lineno}: not valid UTF-8: bad byte 0x{line[e.start]:02x} at "
+                                f"byte offset {start + e.start}{' of the decompressed data' if kind else ''}") from None
+            except ValueError as e:
+                raise UserError(f"{self.path} line {lineno}: not valid JSON "
+                                f"({one_line(getattr(e, 'msg', e))}){hint}") from None
+            yield lineno, obj
 
     def _parquet(self, text_field):
         import pyarrow.parquet as pq
@@ -219,6 +238,94 @@ class Source:
                     raise UserError(f"{self.path} row {rows[0]}: column {text_field!r} holds "
                                     f"{'null' if value is None else type(value).__name__}, not a string")
                 yield _split_long(value)
+
+
+def _read(read, line: int):
+    """`read()` of a file's (decompressed) data; a corrupt or cut-short compressed file is one line."""
+    try:
+        return read()
+    except CompressedDataError as e:
+        raise UserError(f"{e} (after line {line})") from None
+
+
+def _first_character(data) -> bytes:
+    """The first byte of `data` that is not white space (b"" for none), left unread: `data.peek` shows it."""
+    while True:
+        head = data.peek(READ_BYTES)
+        if not head:
+            return b""
+        stripped = head.lstrip()
+        if stripped:
+            data.read(len(head) - len(stripped))
+            return stripped[:1]
+        data.read(len(head))
+
+
+def _json_array(data, path: Path, read):
+    """(line, value) of every item of the one JSON array in `data` (its first character is "["), read a block at a
+    time: memory is bounded by the largest item, not the file. `read(fn, line)` calls fn, reporting a corrupt
+    compressed stream as one line."""
+    decoder, utf8 = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8")()
+    text, pos, line, done = "", 0, 1, False  # the text not yet parsed starts at text[pos], on `line`
+
+    def more() -> None:
+        nonlocal text, pos, done
+        block = read(lambda: data.read(READ_BYTES), line)
+        try:
+            decoded = utf8.decode(block, final=not block)
+        except UnicodeDecodeError:
+            raise UserError(f"{path} line {line}: not valid UTF-8") from None
+        text, pos, done = text[pos:] + decoded, 0, not block
+
+    def next_character() -> str:
+        """The next character that is not white space (left unread), "" at the end of the file."""
+        nonlocal pos, line
+        while True:
+            end = _JSON_SPACE.match(text, pos).end()
+            line += text.count("\n", pos, end)
+            pos = end
+            if pos < len(text) or done:
+                return text[pos:pos + 1]
+            more()
+
+    def bad(what: str) -> UserError:
+        found = repr(text[pos:pos + 20]) if pos < len(text) else "the end of the file"
+        return UserError(f"{path} line {line}: not a valid JSON array ({what}, found {found}); " + JSON_SHAPES)
+
+    if next_character() != "[":  # (the caller saw it)
+        raise bad("expected [")
+    pos += 1
+    state = "first"  # what may come next: "first" (an item or "]"), "item", "sep" ("," or "]"), "end" (nothing)
+    while True:
+        char = next_character()
+        if state == "end":
+            if char:
+                raise bad("nothing may follow the array's closing ]")
+            return
+        if char == "]" and state in ("first", "sep"):
+            pos, state = pos + 1, "end"
+            continue
+        if state == "sep":
+            if char != ",":
+                raise bad("expected , or ]" if char else "the array is not closed")
+            pos, state = pos + 1, "item"
+            continue
+        if not char:
+            raise bad("the array is not closed")
+        while True:  # an item: parse it, reading on while it is cut off at the end of the text read so far
+            try:
+                value, end = decoder.raw_decode(text, pos)
+            except ValueError as e:
+                if done:
+                    raise bad(one_line(getattr(e, "msg", e))) from None
+                more()
+                continue
+            if end < len(text) or done:  # (a number at the end of the text may go on in the next block)
+                break
+            more()
+        yield line, value
+        line += text.count("\n", pos, end)
+        pos, state = end, "sep"
 
 
 class CompressedDataError(Exception):
@@ -391,7 +498,8 @@ def _folder_sources(folder: Path) -> list:
         return [Source(folder, "hf", files=files)]
     found = []
     for root, dirs, names in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        # hidden folders, and prepared datasets (their index and tokenizer are .json files, not a corpus)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not _is_prepared(Path(root) / d))
         for name in names:
             p = Path(root) / name
             fmt = file_format(p)
@@ -400,6 +508,11 @@ def _folder_sources(folder: Path) -> list:
     if not found:
         raise UserError(f"input folder {folder} has no {FORMAT_LIST} files")
     return sorted(found, key=lambda s: str(s.path.relative_to(folder)))
+
+
+def _is_prepared(folder: Path) -> bool:
+    """A dataset `paratrain prepare` wrote: its meta.json beside its token shards."""
+    return (folder / "meta.json").is_file() and any(folder.glob("*.bin"))
 
 
 def resolve_inputs(inputs, what: str = "input") -> list:

@@ -334,7 +334,9 @@ def checkpoint_problem(path: Path, index: int = 0, count: int = 1, checksums: bo
     if not path.is_dir():
         return "not a folder" if path.exists() else "no such folder"
     if not (path / MARKER).exists():
-        return resume_hint(path) or f"no {MARKER} marker (the save was interrupted)"
+        started = any((path / name).exists() for name in (".metadata", "trainer.pt")) or any(path.glob("*.distcp"))
+        return resume_hint(path) or (f"no {MARKER} marker (the save was interrupted)" if started else
+                                     f"no checkpoint was ever saved there (no step-N folder, no {MARKER} marker)")
     if not (path / "trainer.pt").exists():
         return "missing trainer.pt"
     digests = integrity.read_checksums(path)
