@@ -32,17 +32,14 @@ Torch-free at the top: torch inside the hooks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal
 
 from paratrain.capabilities.base import Capability
+from paratrain.capabilities.grad_compression import Compression, GradCompression
 from paratrain.errors import ConfigError, UserError
+from paratrain.modes import WeightDtype
 
 DPSync = Literal["every_step", "diloco"]
-DP_SYNCS: tuple[str, ...] = get_args(DPSync)
-OuterDtype = Literal["fp32", "bf16"]
-OUTER_DTYPES: tuple[str, ...] = get_args(OuterDtype)
-OuterCompression = Literal["none", "bf16"]
-OUTER_COMPRESSIONS: tuple[str, ...] = get_args(OuterCompression)
 RIDER = "diloco"  # its name among GradComm's per-rank states (checkpoint keys)
 
 
@@ -62,8 +59,10 @@ class DiLoCoConfig:
     outer_momentum: float = 0.9  # the outer SGD's momentum (0: none)
     nesterov: bool = True  # Nesterov momentum for the outer step
     fragments: int = 1  # streaming DiLoCo: the blocks in this many groups, one synchronised every H / fragments steps
-    outer_dtype: OuterDtype = "fp32"  # the pseudo-gradient's dtype on the wire (bf16: half the bytes)
-    outer_compression: OuterCompression = "none"  # compression of the pseudo-gradient's all-reduce (bf16: a cast)
+    outer_dtype: WeightDtype = "fp32"  # the pseudo-gradient's dtype on the wire: fp32 or bf16 (half the bytes)
+    # the gradient compressor applied to the pseudo-gradient's all-reduce: none | bf16 (a cast; powersgd and sign_ef
+    # not yet)
+    outer_compression: GradCompression = "none"
 
 
 def syncs_with_diloco(parallel) -> bool:
@@ -102,18 +101,16 @@ class DiLoCo(Capability):
             return None
         d = cfg.diloco
         return cls(d.inner_steps, d.outer_lr, d.outer_momentum, d.nesterov, d.fragments,
-                   "bf16" in (d.outer_dtype, d.outer_compression))
+                   d.outer_dtype == "bf16" or Compression(d.outer_compression).casts_to_bf16)
 
     @classmethod
     def check(cls, cfg) -> None:
         d = cfg.diloco
-        if cfg.parallel.dp_sync not in DP_SYNCS:
-            raise ConfigError(f"parallel.dp_sync must be one of {', '.join(DP_SYNCS)}, got {cfg.parallel.dp_sync!r}")
-        if d.outer_dtype not in OUTER_DTYPES:
-            raise ConfigError(f"diloco.outer_dtype must be one of {', '.join(OUTER_DTYPES)}, got {d.outer_dtype!r}")
-        if d.outer_compression not in OUTER_COMPRESSIONS:
-            raise ConfigError(f"diloco.outer_compression must be one of {', '.join(OUTER_COMPRESSIONS)}, got "
-                              f"{d.outer_compression!r}")
+        if d.outer_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"diloco.outer_dtype must be fp32 or bf16, got {d.outer_dtype}")
+        outer = Compression(d.outer_compression)
+        if outer.enabled and not outer.casts_to_bf16:
+            raise ConfigError(f"diloco.outer_compression={d.outer_compression} is not supported yet: use none or bf16")
         if d.inner_steps < 1:
             raise ConfigError(f"diloco.inner_steps must be >= 1, got {d.inner_steps}")
         if not d.outer_lr > 0 or not 0 <= d.outer_momentum < 1:
@@ -125,7 +122,7 @@ class DiLoCo(Capability):
         layers = cfg.model.n_layers
         if syncs_with_diloco(cfg.parallel) and layers and d.fragments > layers:
             raise ConfigError(f"diloco.fragments ({d.fragments}) is more than the model's {layers} blocks")
-        if syncs_with_diloco(cfg.parallel) and cfg.parallel.grad_compression != "none":
+        if syncs_with_diloco(cfg.parallel) and Compression.from_config(cfg.parallel).enabled:
             raise ConfigError("parallel.grad_compression compresses the per-step gradient all-reduce, which "
                               "parallel.dp_sync=diloco does not run: use diloco.outer_compression")
 

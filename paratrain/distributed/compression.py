@@ -370,7 +370,7 @@ class GradComm:
         self.models: list[nn.Module] = []  # what was laid out (a pipeline rank: its stages)
         self.plain_per_micro = self.plain_per_step = 0.0  # (sent, uncompressed) computed from gradient sizes
         self.full_per_micro = self.full_per_step = 0.0
-        # a capability that keeps the replicas' gradients apart (Capability.local_replicas: DiLoCo) synchronises them
+        # a capability that keeps the replicas' gradients apart (Capability.local_replicas: local SGD) synchronises them
         # itself: no reduction over dp_replicate here (FSDP shards within a replica, DDP's hook leaves each gradient)
         self.replicas_apart = any(c.local_replicas for c in getattr(run, "capabilities", ()))
         self.riders: dict[str, object] = {}  # name -> per-rank state saved beside ours (`add_rider`)
@@ -571,7 +571,7 @@ class GradComm:
         full += self.full_per_step + micro_steps * self.full_per_micro
         return {"comm_bytes": sent, "compression_ratio": sent / full if full else 1.0, **noted}
 
-    # -- riders: a capability's collectives over the replicas, per-rank state and metrics (DiLoCo's outer loop) ----
+    # -- riders: a capability's collectives over the replicas, per-rank state and metrics (local SGD's outer step)
     def add_rider(self, name: str, rider) -> None:
         """`rider.state()` ({key: tensor}, this rank's) is saved in checkpoints beside ours, `rider.load(state)`
         called on resume (after the model and optimizer are loaded)."""
