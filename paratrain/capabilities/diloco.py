@@ -83,6 +83,7 @@ class DiLoCo(Capability):
 
     name = "diloco"
     section = DiLoCoConfig
+    section_after = "parallel"
     adds_to = ("parallel", DPSyncKeys)
     adds_after = "cp"
     local_replicas = True
