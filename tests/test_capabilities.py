@@ -74,6 +74,7 @@ def test_z_loss_is_logged(tmp_path, char_data):
 # Where a capability's name may appear in the package beside its module and its registration, and why.
 NAMED_ALSO_IN = {
     "z_loss": set(),
+    "diloco": set(),
     "moe_balancing": set(),  # (auxiliary-loss-free balancing, `[moe]`: grepped by NAME_PATTERN's words)
     "float8": {"paratrain/estimate/profile.py"},  # (the FP8 curve's name in calibration profiles saved before)
     "adamw8bit": {"paratrain/training/optim.py"},  # (its builder, imported into the builders' table)
@@ -94,7 +95,8 @@ NAMED_ALSO_IN = {
     "grad_compression": {"paratrain/recipe.py", "paratrain/estimate/planner.py", "paratrain/estimate/step_time.py",
                          "paratrain/commands/estimate.py", "paratrain/downstream.py", "paratrain/capabilities/muon.py",
                          "paratrain/config.py", "paratrain/spec.py", "paratrain/layout_grammar.py",
-                         "paratrain/commands/plan.py", "paratrain/distributed/compression.py"},
+                         "paratrain/commands/plan.py", "paratrain/distributed/compression.py",
+                         "paratrain/capabilities/diloco.py"},  # (refused with dp_sync=diloco: no per-step reduction)
     "lora": {
         # the capabilities that refuse it (a conflict names both; each refusal stays with the capability that cannot
         # run with frozen adapters: fp8's casts of the frozen base, Muon's hidden matrices)

@@ -58,6 +58,8 @@ JOURNEYS = {
         "paratrain train --nproc 2 --parallel.cp=2 --run.name=cp2",
         "paratrain report runs/default runs/fsdp4 runs/tp2 --out report",
     ],
+    "diloco": ["paratrain train --nproc 2 --parallel.dp_mode=ddp --parallel.dp_sync=diloco --diloco.inner_steps=2 "
+               "--run.name=diloco"],
     "custom_corpus": [
         "paratrain prepare --input corpus.jsonl --out data/mycorpus --tokenizer bpe --vocab-size 8000",
         "paratrain train --data.dir=data/mycorpus --run.name=mine",
@@ -543,6 +545,13 @@ def test_journey_verify(journey):
     """`paratrain verify` at a tiny size: two rows, a few steps (the whole matrix runs in tests/test_distributed.py)."""
     out = journey.doc("paratrain verify", after=["--layouts", "tp2", "--steps", "2"]).stdout
     assert "PASS" in out and "FAIL" not in out
+
+
+def test_journey_diloco(journey):
+    """docs/layouts.md's DiLoCo run: two replicas synchronise every second step and send nothing in between."""
+    journey.train(JOURNEYS["diloco"][0])
+    sent = [r["diloco_bytes"] for r in metrics(journey.cwd / "runs" / "diloco") if "loss" in r and "step" in r]
+    assert [b > 0 for b in sent] == [False, True, False, True], sent
 
 
 def test_journey_architecture(journey):

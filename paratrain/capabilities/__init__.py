@@ -11,6 +11,7 @@ from paratrain.capabilities.activation_offload import ActivationOffload
 from paratrain.capabilities.adamw8bit import EightBitAdam
 from paratrain.capabilities.base import Capability
 from paratrain.capabilities.chunked_loss import ChunkedLoss
+from paratrain.capabilities.diloco import DiLoCo
 from paratrain.capabilities.cpu_offload import CpuOffload
 from paratrain.capabilities.float8 import Float8
 from paratrain.capabilities.grad_compression import GradientCompression
@@ -24,7 +25,7 @@ from paratrain.errors import ConfigError
 from paratrain.optimizers import BUILT_IN, OptimizerEntry
 
 # In the order their hooks run (and their keys are listed in a section they share).
-CAPABILITIES: tuple[type[Capability], ...] = (LoRA, Float8, OneBitAdam, EightBitAdam, Muon, ZLoss, ChunkedLoss,
+CAPABILITIES: tuple[type[Capability], ...] = (LoRA, DiLoCo, Float8, OneBitAdam, EightBitAdam, Muon, ZLoss, ChunkedLoss,
                                                ActivationOffload, CpuOffload, GradientCompression, SegmentCheckpointing,
                                                MoEBalancing)
 

@@ -17,6 +17,7 @@ The hooks are called at fixed points of a step (paratrain/training/step.py), alw
     around_tensor_parallel  a context manager tensor parallelism lays the model out inside (low-rank adapters:
                         held aside, then split with the weights they adapt)
     loss_term           an extra loss on the logits (with the cross-entropy's reduction), logged under its `name`
+    after_build         once the step is built, before a checkpoint is loaded (a local-SGD round's state)
     after_optimizer_step  after each optimizer update (fp8's precomputed scales)
     after_expert_loads  then, on a mixture-of-experts model, with the step's expert loads over every micro-batch and
                         data-parallel rank (auxiliary-loss-free balancing's bias update)
@@ -85,6 +86,10 @@ class Where:
     device: object  # torch.device
     layout: object  # paratrain.layout.Layout
     precision: str | None = None  # what the model computes in (parallelize's hooks; a paratrain.modes.Precision)
+    # the step's hooks (after_build, after_optimizer_step): the run's GradComm (its meshes, step, per-rank checkpoint
+    # state) and optimizer
+    comm: object = None
+    optimizer: object = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,9 @@ class Capability:
     # the optimizer-table entries it brings (paratrain.optimizers.OptimizerEntry; their builders: training/optim.py's
     # BUILDERS): `optimizer.name` selects them as a built-in one (paratrain.capabilities.OPTIMIZERS)
     optimizers: ClassVar[tuple] = ()
+    # the data-parallel replicas (dp_replicate) keep their own gradients: the per-step reduction across them is not
+    # run (GradComm), the capability synchronises them itself (a local-SGD outer step)
+    local_replicas: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, cfg) -> "Capability | None":
@@ -204,6 +212,9 @@ class Capability:
 
     def loss_term(self, logits, targets, reduction: str):
         return None
+
+    def after_build(self, model, where: Where) -> None:
+        """Once the step is built: the weights initialised, before a checkpoint is loaded (a local-SGD round's state)."""
 
     def after_optimizer_step(self, model, where: Where) -> None:
         pass

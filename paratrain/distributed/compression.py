@@ -370,6 +370,11 @@ class GradComm:
         self.models: list[nn.Module] = []  # what was laid out (a pipeline rank: its stages)
         self.plain_per_micro = self.plain_per_step = 0.0  # (sent, uncompressed) computed from gradient sizes
         self.full_per_micro = self.full_per_step = 0.0
+        # a capability that keeps the replicas' gradients apart (Capability.local_replicas: local SGD) synchronises them
+        # itself: no reduction over dp_replicate here (FSDP shards within a replica, DDP's hook leaves each gradient)
+        self.replicas_apart = any(c.local_replicas for c in getattr(run, "capabilities", ()))
+        self.riders: dict[str, object] = {}  # name -> per-rank state saved beside ours (`add_rider`)
+        self.noted: dict = {}  # the riders' metrics of the step (`note_metrics`)
 
     @classmethod
     def default(cls, dims, device: torch.device, ddp_bucket_mb: float = 25.0) -> "GradComm":
@@ -385,6 +390,8 @@ class GradComm:
         """hsdp with a replicate hook: FSDP shards over dp_shard only; the hook all-reduces over dp_replicate."""
         if self.site is CompressionSite.REPLICATE_HOOK:
             return self.dims.mesh["dp_shard"]
+        if self.replicas_apart and self.layout.hybrid:  # each replica shards over its own ranks (x cp)
+            return self.dims.shard_mesh or self.dims.mesh["dp_shard"]
         return self.dims.fsdp_mesh
 
     def attach_fsdp(self, model: nn.Module, blocks: list[nn.Module]) -> None:
@@ -432,6 +439,14 @@ class GradComm:
     def attach_ddp(self, ddp: nn.Module) -> None:
         """After wrapping DDP (ddp, zero1): the compression hook, if any."""
         self.models.append(ddp)
+        if self.replicas_apart:  # every rank a replica: its own gradient, unreduced
+            def local(state, bucket):
+                fut = torch.futures.Future(devices=[bucket.buffer().device] if bucket.buffer().is_cuda else None)
+                fut.set_result(bucket.buffer())
+                return fut
+
+            ddp.register_comm_hook(None, local)
+            return
         if self.site is not CompressionSite.DDP_HOOK:
             return
         group = self.dims.dp_group
@@ -474,7 +489,7 @@ class GradComm:
         if lay.dp == 1:
             return
         if lay.uses_ddp:
-            if self.site is CompressionSite.NONE:
+            if self.site is CompressionSite.NONE and not self.replicas_apart:
                 numel = sum(q.numel() for m in self.models for q in m.parameters())
                 self.plain_per_step = self.full_per_step = all_reduce_wire(4 * numel, lay.dp)
             return
@@ -484,7 +499,7 @@ class GradComm:
         rbytes = 2 if self.reduce_dtype == torch.bfloat16 else 4
         sent = scatter_wire(rbytes * shard * lay.dp_shard, lay.dp_shard)
         full = scatter_wire(4 * shard * lay.dp_shard, lay.dp_shard)
-        if lay.hybrid and self.site is not CompressionSite.REPLICATE_HOOK:
+        if lay.hybrid and self.site is not CompressionSite.REPLICATE_HOOK and not self.replicas_apart:
             sent += all_reduce_wire(rbytes * shard, lay.dp_replicate)
             full += all_reduce_wire(4 * shard, lay.dp_replicate)
         if lay.pp > 1:
@@ -546,13 +561,55 @@ class GradComm:
         self.meter.add(0.0, all_reduce_wire(4 * numel, dist.get_world_size(self.replica_group)))
 
     def step_metrics(self, micro_steps: int) -> dict:
-        """comm_bytes and compression_ratio of the step just finished (data-parallel layouts only)."""
+        """comm_bytes and compression_ratio of the step just finished (data-parallel layouts only), and the riders'
+        metrics (`note_metrics`)."""
+        noted, self.noted = self.noted, {}
         if self.layout.dp == 1:
-            return {}
+            return noted
         sent, full = self.meter.take()
         sent += self.plain_per_step + micro_steps * self.plain_per_micro
         full += self.full_per_step + micro_steps * self.full_per_micro
-        return {"comm_bytes": sent, "compression_ratio": sent / full if full else 1.0}
+        return {"comm_bytes": sent, "compression_ratio": sent / full if full else 1.0, **noted}
+
+    # -- riders: a capability's collectives over the replicas, per-rank state and metrics (local SGD's outer step)
+    def add_rider(self, name: str, rider) -> None:
+        """`rider.state()` ({key: tensor}, this rank's) is saved in checkpoints beside ours, `rider.load(state)`
+        called on resume (after the model and optimizer are loaded)."""
+        self.riders[name] = rider
+
+    def note_metrics(self, metrics: dict) -> None:
+        """Host numbers for the step's record (`step_metrics`)."""
+        self.noted.update(metrics)
+
+    def replica_mean_(self, flat: torch.Tensor, group) -> float:
+        """`flat` replaced by its mean over `group` (an all-reduce in its dtype); returns the bytes this rank sent,
+        also counted in comm_bytes (against the fp32 all-reduce of the same values)."""
+        p = dist.get_world_size(group)
+        dist.all_reduce(flat, group=group)
+        flat /= p
+        sent = all_reduce_wire(flat.numel() * flat.element_size(), p)
+        self.meter.add(sent, all_reduce_wire(4 * flat.numel(), p))
+        return sent
+
+    @staticmethod
+    def canonical(name: str) -> str:
+        return canonical_name(name)
+
+    def missing_state(self, path) -> str:
+        """A checkpoint without this layout's per-rank state: ours starts from zero, the riders from the loaded
+        weights (`rider.restart()`); the notice saying so."""
+        for rider in self.riders.values():
+            rider.restart()
+        if self.compressor is None:
+            return (f"{path}: no {', '.join(self.riders)} state for this layout (saved by another layout or world "
+                    "size): a new round starts from the loaded weights")
+        return (f"{path}: no {self.method} state for this layout (saved with another compression or world size): "
+                "error feedback starts from zero")
+
+    @property
+    def has_state(self) -> bool:
+        """Whether checkpoints hold per-rank state of ours (a compressor's, an optimizer's) or a rider's."""
+        return self.compressor is not None or bool(self.riders)
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def _prefix(self) -> str:
@@ -560,11 +617,14 @@ class GradComm:
         return f"{STATE_PREFIX}/{self.method}/w{self.layout.world_size}/rank{rank}/"
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's compression state (error feedback, PowerSGD's Q and step), under rank-specific keys."""
+        """This rank's compression state (error feedback, PowerSGD's Q and step) and its riders', under rank-specific
+        keys."""
+        state = {f"{name}:{key}": t for name, rider in self.riders.items() for key, t in rider.state().items()}
         if self.compressor is None:
-            return {}
-        state = (self.compressor.state() if isinstance(self.compressor, SignEF)
-                 else self.compressor.state_tensors())
+            prefix = self._prefix()
+            return {prefix + key: t.detach() for key, t in state.items()}
+        state.update(self.compressor.state() if isinstance(self.compressor, SignEF)
+                     else self.compressor.state_tensors())
         if self.optimizer is not None:
             state.update(self.optimizer.rank_state())
         prefix = self._prefix()
@@ -572,7 +632,7 @@ class GradComm:
 
     def saved_keys(self, metadata) -> dict:
         """This rank's entries in a checkpoint's DCP metadata: {key: TensorStorageMetadata} (empty if none)."""
-        if self.compressor is None:
+        if not self.has_state:
             return {}
         prefix = self._prefix()
         return {k: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
@@ -580,6 +640,12 @@ class GradComm:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         prefix = self._prefix()
         tensors = {k[len(prefix):]: v.to(self.device) for k, v in state.items()}
+        for name, rider in self.riders.items():
+            mine = f"{name}:"
+            rider.load({k[len(mine):]: v for k, v in tensors.items() if k.startswith(mine)})
+            tensors = {k: v for k, v in tensors.items() if not k.startswith(mine)}
+        if self.compressor is None:
+            return
         if self.optimizer is not None:
             kinds = self.optimizer.RANK_KINDS
             self.optimizer.load_rank_state({k: v for k, v in tensors.items() if k.rsplit("|", 1)[1] in kinds})

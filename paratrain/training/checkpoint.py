@@ -805,15 +805,14 @@ class Checkpointer:
     def _restore_comm(self, path: Path) -> None:
         """This rank's compression state, when the checkpoint was saved by the same method on the same world size
         (error feedback is per rank); otherwise it starts from zero, said once."""
-        if self.comm is None or self.comm.compressor is None:
+        if self.comm is None or not self.comm.has_state:
             return
         saved = self.comm.saved_keys(safe_dcp.read_metadata(path))
         found = torch.tensor([1.0 if saved else 0.0])
         if dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MIN)
         if found.item() == 0.0:
-            self.notice(f"{path}: no {self.comm.method} state for this layout (saved with another compression or "
-                        "world size): error feedback starts from zero")
+            self.notice(self.comm.missing_state(path))
             return
         state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()}
         safe_dcp.load(state, path)

@@ -205,7 +205,7 @@ class TrainStep:
         `capabilities`: the run's (paratrain/capabilities), checked against the layout, whose hooks run after each
         optimizer step; `token_loss`: the loss of logits (TokenLoss: the cross-entropy and the capabilities' loss
         terms)."""
-        self.capabilities, self.where = capabilities, Where(device, layout)
+        self.capabilities, self.where = capabilities, Where(device, layout, comm=comm, optimizer=optimizer)
         self.token_loss = token_loss or TokenLoss(capabilities, device)
         self.model, self.optimizer, self.layout, self.device = model, optimizer, layout, device
         self.context = context  # context parallelism: this rank's chunks of each sequence
@@ -235,6 +235,8 @@ class TrainStep:
         # fused AdamW (and SGD) take `found_inf` and skip the update in their kernel (AdamW's step counts too): no
         # host read
         self.skips_on_device = bool(getattr(inner_optimizer(optimizer), "_step_supports_amp_scaling", False))
+        for capability in capabilities:
+            capability.after_build(model, self.where)
 
     def contexts(self, sync: bool = True) -> contextlib.ExitStack:
         """No gradient all-reduce on DDP's accumulation micro-steps, autocast, and loss parallelism."""

@@ -1,0 +1,263 @@
+"""DiLoCo (Douillard et al. 2023) and its streaming form (2025): data parallelism across slow links
+(`[parallel] dp_sync = "diloco"`, the `[diloco]` section; docs/layouts.md).
+
+The replicas are the `dp_replicate` groups (ddp: one rank each; hsdp: FSDP inside each replica, and tp, pp, cp
+within it as usual). Their gradients are never reduced across replicas (GradComm keeps them apart: FSDP shards over
+the replica's own ranks, DDP's hook leaves each rank its gradient). Each replica takes H = `inner_steps` steps of the
+run's optimizer on its share of the global batch, then the replicas average the pseudo-gradient (the round's starting
+weights minus the current ones) and an outer SGD step (Nesterov, `outer_lr`, `outer_momentum`) moves the shared
+weights from the round's start:
+
+    delta = mean over replicas (theta_start - theta)        one all-reduce per fragment and round
+    m     = momentum m + delta
+    theta = theta_start - outer_lr (nesterov ? delta + momentum m : m);  theta_start = theta
+
+With H = 1, outer_lr = 1 and momentum 0 this is data parallelism for an inner optimizer linear in the gradient (SGD,
+with momentum and weight decay): each replica's step is theta - lr g_r, their mean theta - lr mean(g). AdamW is not
+(each replica normalises its own gradient by its own moments), so the verify rows train with SGD.
+
+Streaming (`fragments` F): the model's blocks in F contiguous groups (the embedding with the first, the head with the
+last), fragment f synchronised after the steps n (1-based) with n mod H = (f + 1) H / F mod H, each with its own
+start and momentum: the same bytes per round, spread over it.
+
+State: the round's starting weights and the outer momentum, and (mid-round the replicas differ) each replica's own
+weights and inner optimizer state, saved per rank beside the gradient-compression state (GradComm's riders); a
+checkpoint of the same layout resumes mid-round exactly. Metrics (metrics.jsonl): `diloco_bytes` (bytes this rank
+sent across replicas at the step, 0 on inner steps), `diloco_outer_norm` (the outer step's norm) and `diloco_drift`
+(this replica's pseudo-gradient norm before averaging), on synchronising steps.
+
+Torch-free at the top: torch inside the hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from paratrain.capabilities.base import Capability
+from paratrain.capabilities.grad_compression import Compression, GradCompression
+from paratrain.errors import ConfigError, UserError
+from paratrain.modes import WeightDtype
+
+DPSync = Literal["every_step", "diloco"]
+RIDER = "diloco"  # its name among GradComm's per-rank states (checkpoint keys)
+
+
+@dataclass
+class DPSyncKeys:
+    # how data-parallel replicas (dp_replicate: ddp's ranks, hsdp's replicas) agree: every_step (all-reduce the
+    # gradients) | diloco (local steps, then the pseudo-gradient: the [diloco] section)
+    dp_sync: DPSync = "every_step"
+
+
+@dataclass
+class DiLoCoConfig:
+    """DiLoCo across the data-parallel replicas (with `parallel.dp_sync = "diloco"`; docs/layouts.md)."""
+
+    inner_steps: int = 100  # H: the replicas' local optimizer steps between synchronisations
+    outer_lr: float = 0.7  # the outer SGD's learning rate on the averaged pseudo-gradient
+    outer_momentum: float = 0.9  # the outer SGD's momentum (0: none)
+    nesterov: bool = True  # Nesterov momentum for the outer step
+    fragments: int = 1  # streaming DiLoCo: the blocks in this many groups, one synchronised every H / fragments steps
+    outer_dtype: WeightDtype = "fp32"  # the pseudo-gradient's dtype on the wire: fp32 or bf16 (half the bytes)
+    # the gradient compressor applied to the pseudo-gradient's all-reduce: none | bf16 (a cast; powersgd and sign_ef
+    # not yet)
+    outer_compression: GradCompression = "none"
+
+
+def syncs_with_diloco(parallel) -> bool:
+    """A `[parallel]` section's replicas agree by DiLoCo."""
+    return parallel.dp_sync == "diloco"
+
+
+@dataclass(frozen=True)
+class DiLoCo(Capability):
+    inner_steps: int = 100
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    fragments: int = 1
+    wire_bf16: bool = False  # outer_dtype or outer_compression bf16
+    # the run's outer loop (torch objects, made by `after_build`): not a setting
+    runtime: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    name = "diloco"
+    section = DiLoCoConfig
+    section_after = "parallel"
+    adds_to = ("parallel", DPSyncKeys)
+    adds_after = "cp"
+    local_replicas = True
+    # H = 1, outer lr 1, no momentum, SGD without clipping (per replica it would clip another norm): data parallelism
+    verify_rows = {
+        "diloco-ddp2": (2, "ddp", "parallel.dp_sync=diloco", "diloco.inner_steps=1", "diloco.outer_lr=1",
+                        "diloco.outer_momentum=0", "optimizer.name=sgd", "training.grad_clip=0"),
+        "diloco-hsdp2x2": (4, "hsdp,rep=2", "parallel.dp_sync=diloco", "diloco.inner_steps=1", "diloco.outer_lr=1",
+                           "diloco.outer_momentum=0", "optimizer.name=sgd", "training.grad_clip=0"),
+    }
+    reference_keys = ("training.grad_clip=",)
+
+    @classmethod
+    def from_config(cls, cfg) -> "DiLoCo | None":
+        if not syncs_with_diloco(cfg.parallel):
+            return None
+        d = cfg.diloco
+        return cls(d.inner_steps, d.outer_lr, d.outer_momentum, d.nesterov, d.fragments,
+                   d.outer_dtype == "bf16" or Compression(d.outer_compression).casts_to_bf16)
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        d = cfg.diloco
+        if d.outer_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"diloco.outer_dtype must be fp32 or bf16, got {d.outer_dtype}")
+        outer = Compression(d.outer_compression)
+        if outer.enabled and not outer.casts_to_bf16:
+            raise ConfigError(f"diloco.outer_compression={d.outer_compression} is not supported yet: use none or bf16")
+        if d.inner_steps < 1:
+            raise ConfigError(f"diloco.inner_steps must be >= 1, got {d.inner_steps}")
+        if not d.outer_lr > 0 or not 0 <= d.outer_momentum < 1:
+            raise ConfigError(f"diloco.outer_lr must be > 0 and diloco.outer_momentum in [0, 1), got {d.outer_lr} "
+                              f"and {d.outer_momentum}")
+        if d.fragments < 1 or d.inner_steps % d.fragments:
+            raise ConfigError(f"diloco.fragments ({d.fragments}) must be >= 1 and divide diloco.inner_steps "
+                              f"({d.inner_steps}): one fragment is synchronised every inner_steps / fragments steps")
+        layers = cfg.model.n_layers
+        if syncs_with_diloco(cfg.parallel) and layers and d.fragments > layers:
+            raise ConfigError(f"diloco.fragments ({d.fragments}) is more than the model's {layers} blocks")
+        if syncs_with_diloco(cfg.parallel) and Compression.from_config(cfg.parallel).enabled:
+            raise ConfigError("parallel.grad_compression compresses the per-step gradient all-reduce, which "
+                              "parallel.dp_sync=diloco does not run: use diloco.outer_compression")
+
+    def check_layout(self, layout) -> None:
+        if layout.dp_replicate < 2:
+            raise ConfigError(f"parallel.dp_sync=diloco runs across data-parallel replicas, but {layout.describe()} "
+                              "has none: use dp_mode=ddp over several ranks, or hsdp with dp_replicate > 1")
+        if layout.zero1 or layout.ep > 1:
+            raise ConfigError(f"parallel.dp_sync=diloco keeps each replica's optimizer to itself: {layout.describe()}"
+                              " shares it across replicas (zero1) or spreads experts over them (ep); use ddp or hsdp "
+                              "without ep")
+
+    # -- the step (torch inside) --------------------------------------------------------------------------------
+    def after_build(self, model, where) -> None:
+        self.runtime["loop"] = OuterLoop(self, model, where)
+
+    def after_optimizer_step(self, model, where) -> None:
+        self.runtime["loop"].after_step()
+
+
+def fragment_of(names: list[str], fragments: int) -> list[int]:
+    """The fragment of each parameter (names in the model's order): its block's group of contiguous blocks, the
+    parameters before the first block with the first group and those after the last with the last."""
+    blocks = [_block(n) for n in names]
+    known = sorted({b for b in blocks if b is not None})
+    if fragments > max(len(known), 1):
+        raise UserError(f"diloco.fragments ({fragments}) is more than the {len(known)} blocks this rank holds")
+    group = {b: i * fragments // len(known) for i, b in enumerate(known)}
+    first = next((i for i, b in enumerate(blocks) if b is not None), len(blocks))
+    return [group[b] if b is not None else (0 if i < first else fragments - 1) for i, b in enumerate(blocks)]
+
+
+def _block(name: str) -> int | None:
+    parts = name.split(".")
+    for a, b in zip(parts, parts[1:]):
+        if a == "layers" and b.isdigit():
+            return int(b)
+    return None
+
+
+class OuterLoop:
+    """One run's DiLoCo on this rank: the fragments' starting weights and outer momenta, the synchronisations, the
+    per-rank checkpoint state (a GradComm rider) and the step's metrics."""
+
+    def __init__(self, setting: DiLoCo, model, where):
+        # lazy: torch, only in a run (this module is read by the config checks)
+        import torch
+
+        comm = where.comm
+        self.torch, self.s, self.comm, self.optimizer = torch, setting, comm, where.optimizer
+        self.group = comm.dims.mesh["dp_replicate"].get_group()
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [comm.canonical(n) for n, _ in named]
+        self.params = [p for _, p in named]
+        self.fragment = fragment_of(self.names, setting.fragments)
+        with torch.no_grad():
+            self.start = [self.local(p).detach().clone() for p in self.params]
+            self.momentum = [torch.zeros_like(s) for s in self.start]
+        self.metrics: dict = {}
+        comm.add_rider(RIDER, self)
+
+    def local(self, p):
+        return p.to_local() if hasattr(p, "to_local") else p
+
+    def due(self, n: int) -> int | None:
+        """The fragment synchronised after the run's n-th step (1-based), or None."""
+        H, F = self.s.inner_steps, self.s.fragments
+        for f in range(F):
+            if n % H == ((f + 1) * H // F) % H:
+                return f
+        return None
+
+    def after_step(self) -> None:
+        f = self.due(self.comm.step + 1)
+        self.metrics = {"diloco_bytes": 0.0}
+        if f is not None:
+            self.sync(f)
+        self.comm.note_metrics(self.metrics)
+
+    def sync(self, f: int) -> None:
+        torch = self.torch
+        mine = [i for i, g in enumerate(self.fragment) if g == f]
+        with torch.no_grad():
+            delta = torch.cat([(self.start[i] - self.local(self.params[i]).detach()).reshape(-1).float()
+                               for i in mine])  # (N,) this replica's pseudo-gradient
+            drift = delta.norm()
+            wire = delta.to(torch.bfloat16) if self.s.wire_bf16 else delta
+            sent = self.comm.replica_mean_(wire, self.group)
+            delta = wire.float()
+            m = torch.cat([self.momentum[i].reshape(-1) for i in mine])
+            m.mul_(self.s.outer_momentum).add_(delta)
+            step = delta.add(m, alpha=self.s.outer_momentum) if self.s.nesterov else m
+            step.mul_(self.s.outer_lr)
+            outer_norm = step.norm()
+            sizes = [self.start[i].numel() for i in mine]
+            for i, m_i, step_i in zip(mine, m.split(sizes), step.split(sizes)):
+                self.momentum[i].copy_(m_i.view_as(self.momentum[i]))
+                self.start[i].sub_(step_i.view_as(self.start[i]).to(self.start[i].dtype))
+                self.local(self.params[i]).copy_(self.start[i])
+        # read at the synchronisations only (every H / F steps): the record's numbers are floats
+        self.metrics = {"diloco_bytes": sent, "diloco_outer_norm": outer_norm.item(), "diloco_drift": drift.item()}
+
+    # -- a GradComm rider: this rank's state in checkpoints -------------------------------------------------------
+    def state(self) -> dict:
+        """Per parameter: the fragment's start and momentum, and (mid-round the replicas differ) this replica's
+        weights and its optimizer's state."""
+        out = {}
+        for name, p, start, m in zip(self.names, self.params, self.start, self.momentum):
+            out[f"{name}|start"], out[f"{name}|momentum"] = start, m
+            out[f"{name}|weight"] = self.local(p).detach()
+            for key, t in self.optimizer_state(p).items():
+                out[f"{name}|opt.{key}"] = self.local(t)
+        return out
+
+    def optimizer_state(self, p) -> dict:
+        inner = getattr(self.optimizer, "optim", self.optimizer)  # (a wrapped optimizer: its local one)
+        return {k: t for k, t in inner.state.get(p, {}).items()
+                if self.torch.is_tensor(t) and t.dim() > 0}
+
+    def restart(self) -> None:
+        """A checkpoint without this state (another layout's, or plain data parallelism's): a new round from the
+        loaded weights."""
+        with self.torch.no_grad():
+            for p, start, m in zip(self.params, self.start, self.momentum):
+                start.copy_(self.local(p))
+                m.zero_()
+
+    def load(self, state: dict) -> None:
+        with self.torch.no_grad():
+            for name, p, start, m in zip(self.names, self.params, self.start, self.momentum):
+                start.copy_(state[f"{name}|start"])
+                m.copy_(state[f"{name}|momentum"])
+                self.local(p).copy_(state[f"{name}|weight"])
+                for key, t in self.optimizer_state(p).items():
+                    saved = state.get(f"{name}|opt.{key}")
+                    if saved is not None:
+                        self.local(t).copy_(saved)

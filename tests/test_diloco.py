@@ -1,0 +1,89 @@
+"""DiLoCo across data-parallel replicas (`parallel.dp_sync = "diloco"`, paratrain/capabilities/diloco.py): equal to
+data parallelism where it must be (H = 1, outer lr 1, no momentum, SGD), exact resume in the middle of a round, its
+metrics, and its bad input as one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paratrain.capabilities.diloco import fragment_of
+from paratrain.config import load_config
+from paratrain.errors import ConfigError
+
+from conftest import assert_plan_rejected, fast_config
+
+DILOCO = ["parallel.dp_sync=diloco"]
+
+
+def test_verify_diloco_rows(char_data):
+    """ddp2 and hsdp 2x2 (FSDP inside each replica) with H = 1, outer lr 1, no momentum and SGD equal one process's
+    SGD at 1e-5 on every step (for SGD the mean of the replicas' steps is the step on the mean gradient)."""
+    from test_distributed import check_matrix
+    from paratrain.verify import CAPABILITY_MATRICES
+
+    assert CAPABILITY_MATRICES["diloco"] == ["diloco-ddp2", "diloco-hsdp2x2"]
+    check_matrix(CAPABILITY_MATRICES["diloco"], char_data, steps=4)
+
+
+def _runs(*cfgs):
+    from paratrain.api import run_rank
+
+    return [run_rank(cfg, keep_group=i < len(cfgs) - 1) for i, cfg in enumerate(cfgs)]
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").open() if '"loss"' in line]
+
+
+def test_resume_in_the_middle_of_a_round_is_exact(char_data, tmp_path):
+    """ddp2, H = 4 in 2 fragments (AdamW inside, Nesterov outside): stopped after step 3 (mid-round: the replicas'
+    weights and moments differ) and resumed, the last step's loss and the val loss are those of the straight run bit
+    for bit. Fragments sync after steps 2 and 4 (one of the two each time); no gradient crosses the replicas."""
+    from paratrain.distributed.launch import launch
+
+    common = [*DILOCO, "parallel.dp_mode=ddp", "diloco.inner_steps=4", "diloco.fragments=2", "training.steps=4",
+              "training.global_batch=8", "training.eval_every=0", "optimizer.warmup_steps=2",
+              "resilience.collective_timeout_s=60"]
+    step3 = f"checkpoint.resume={tmp_path / 'straight' / 'checkpoints' / 'step-3'}"
+    cfgs = (fast_config(char_data, tmp_path, "straight", *common, "checkpoint.every=3"),
+            fast_config(char_data, tmp_path, "resumed", *common, step3))
+    straight, resumed = launch(_runs, cfgs, 2)
+    assert resumed.losses == straight.losses[3:] and resumed.val_loss == straight.val_loss  # ==: bitwise
+    records = _records(straight.run_dir)
+    synced = [r["step"] for r in records if r["diloco_bytes"] > 0]
+    assert synced == [2, 4]
+    assert all(r["comm_bytes"] == r["diloco_bytes"] for r in records)  # nothing else crosses the replicas
+    assert all(r["diloco_drift"] > 0 and r["diloco_outer_norm"] > 0 for r in records if r["step"] in synced)
+
+
+def test_fragments_are_contiguous_blocks():
+    names = ["tok.weight", "layers.0.a", "layers.0.b", "layers.1.a", "layers.2.a", "layers.3.a", "norm.weight",
+             "out.weight"]
+    assert fragment_of(names, 1) == [0] * 8
+    assert fragment_of(names, 2) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert fragment_of(names, 4) == [0, 0, 0, 1, 2, 3, 3, 3]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["diloco.inner_steps=6", "diloco.fragments=4"], "diloco.fragments (4) must be >= 1 and divide"),
+    (["model.n_layers=2", "diloco.inner_steps=4", "diloco.fragments=4"], "is more than the model's 2 blocks"),
+    (["diloco.outer_dtype=fp16"], "diloco.outer_dtype must be fp32 or bf16, got fp16"),
+    (["diloco.outer_dtype=fp64"], "diloco.outer_dtype: 'fp64' is not one of"),
+    (["parallel.dp_sync=sometimes"], "parallel.dp_sync"),
+    (["diloco.outer_compression=sign_ef"], "diloco.outer_compression=sign_ef is not supported yet"),
+    (["parallel.grad_compression=bf16"], "use diloco.outer_compression"),
+])
+def test_bad_settings_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*DILOCO, *overrides])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (2, ["parallel.dp_mode=fsdp"], "has none: use dp_mode=ddp over several ranks, or hsdp"),
+    (2, ["parallel.dp_mode=zero1"], "shares it across replicas"),
+])
+def test_layouts_without_replicas_are_refused(char_data, tmp_path, world, overrides, message):
+    assert_plan_rejected(char_data, tmp_path, world, [*DILOCO, *overrides], message)
