@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +36,15 @@ FAST = [
     "metrics.progress=none",
     "metrics.peak_tflops=1",
 ]
+
+
+# A Python warning as Python prints it ("file:line: UserWarning: ..." and its source line "warnings.warn(...")
+PYTHON_WARNING = re.compile(r"\w*Warning: |warnings\.warn")
+
+
+def python_warnings(output: str) -> list[str]:
+    """The lines of a command's output that are a Python warning (paratrain's own say "warning:", lowercase)."""
+    return [line for line in output.splitlines() if PYTHON_WARNING.search(line)]
 
 
 def pytest_configure(config):
