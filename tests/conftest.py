@@ -38,13 +38,15 @@ FAST = [
 ]
 
 
-# A Python warning as Python prints it ("file:line: UserWarning: ..." and its source line "warnings.warn(...")
-PYTHON_WARNING = re.compile(r"\w*Warning: |warnings\.warn")
+# What a command must not print: a Python warning as Python prints it ("file:line: UserWarning: ..." and its source
+# line "warnings.warn(..."; paratrain's own say "warning:", lowercase), a tqdm progress bar ("40/40 [00:00<00:00,"),
+# the profiler's USDT markers (paratrain/observe/profile.py)
+NOISE = re.compile(r"\w*Warning: |warnings\.warn|\d+/\d+ \[\d+:\d+<|^USDT:", re.M)
 
 
-def python_warnings(output: str) -> list[str]:
-    """The lines of a command's output that are a Python warning (paratrain's own say "warning:", lowercase)."""
-    return [line for line in output.splitlines() if PYTHON_WARNING.search(line)]
+def noise(output: str) -> list[str]:
+    """The lines of a command's output that are noise (NOISE)."""
+    return [line for line in output.splitlines() if NOISE.search(line)]
 
 
 def pytest_configure(config):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import python_warnings
+from conftest import noise
 from paratrain.data import DEFAULT_CORPUS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -258,8 +258,9 @@ class Journey:
         output = done.stdout + done.stderr
         assert done.returncode == expect, f"{command}: exit {done.returncode}\n{output[-4000:]}"
         assert "Traceback" not in output, f"{command}: a traceback\n{output[-4000:]}"
-        warned = python_warnings(output)  # fixed where ours, filtered with its reason where not (paratrain/quiet.py)
-        assert not warned, f"{command}: a Python warning\n" + "\n".join(warned[:6])
+        # no Python warning (fixed where ours, filtered with its reason where not: paratrain/quiet.py), progress bar or
+        # profiler marker
+        assert not noise(output), f"{command}: noise\n" + "\n".join(noise(output)[:6])
         return done
 
     def train(self, command: str, *extra: str, **kw) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from conftest import python_warnings
+from conftest import noise
 from paratrain.observe.profile import without_usdt_markers
 
 
@@ -30,7 +30,7 @@ def test_default_training_prints_no_python_warning(char_data, tmp_path, prewarme
         output = done.stdout + done.stderr
         assert done.returncode == 0, f"{nproc} ranks: exit {done.returncode}\n{output[-3000:]}"
         assert "val loss" in output, output[-3000:]
-        assert not python_warnings(output), f"{nproc} ranks:\n" + "\n".join(python_warnings(output))
+        assert not noise(output), f"{nproc} ranks:\n" + "\n".join(noise(output))  # Python warnings among them
 
 
 def test_profiler_markers_dropped_other_lines_kept(capfd):
