@@ -38,15 +38,17 @@ FAST = [
 ]
 
 
-# What a command must not print: a Python warning as Python prints it ("file:line: UserWarning: ..." and its source
-# line "warnings.warn(..."; paratrain's own say "warning:", lowercase), a tqdm progress bar ("40/40 [00:00<00:00,"),
-# the profiler's USDT markers (paratrain/observe/profile.py)
-NOISE = re.compile(r"\w*Warning: |warnings\.warn|\d+/\d+ \[\d+:\d+<|^USDT:", re.M)
+# A Python warning as Python prints it ("file:line: UserWarning: ..." and its source line "warnings.warn(...";
+# paratrain's own say "warning:", lowercase)
+PYTHON_WARNING = r"\w*Warning: |warnings\.warn"
+# What a paratrain command must not print: a Python warning, a tqdm progress bar ("40/40 [00:00<00:00,"), the
+# profiler's USDT markers (paratrain/observe/profile.py)
+NOISE = PYTHON_WARNING + r"|\d+/\d+ \[\d+:\d+<|^USDT:"
 
 
-def noise(output: str) -> list[str]:
-    """The lines of a command's output that are noise (NOISE)."""
-    return [line for line in output.splitlines() if NOISE.search(line)]
+def noise(output: str, pattern: str = NOISE) -> list[str]:
+    """The lines of a command's output that are noise (`pattern`: NOISE, or PYTHON_WARNING alone)."""
+    return [line for line in output.splitlines() if re.search(pattern, line)]
 
 
 def pytest_configure(config):
