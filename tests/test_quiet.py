@@ -9,7 +9,10 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from conftest import noise
+from paratrain.distributed.tensors import not_a_view
 from paratrain.observe.profile import without_usdt_markers
 
 
@@ -40,3 +43,21 @@ def test_profiler_markers_dropped_other_lines_kept(capfd):
         os.write(2, b"W kineto: a real warning\n")
     err = capfd.readouterr().err
     assert "profiler_start" not in err and "a real warning" in err
+
+
+def test_pipeline_logits_are_no_view():
+    """The last pipeline stage's logits under tensor parallelism are to_local()'s view of the DTensor's local tensor;
+    FSDP2 warns of a view among its root's outputs (an in-place op on it would drop its pre-backward hook). The hook
+    hands them on as a tensor of their own: the same memory, no copy, and the same gradient."""
+    class ViewOut(torch.nn.Linear):
+        def forward(self, x):
+            y = super().forward(x)
+            return y.view_as(y)  # a view, as to_local() returns
+
+    projection = ViewOut(4, 6, bias=False)
+    projection.register_forward_hook(not_a_view)
+    x = torch.randn(3, 4)
+    out = projection(x)
+    assert not out._is_view()
+    out.square().sum().backward()
+    assert torch.allclose(projection.weight.grad, (2 * (x @ projection.weight.T)).T @ x)
