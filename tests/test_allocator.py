@@ -73,3 +73,27 @@ def test_ranks_start_with_the_setting(char_data, tmp_path, prewarmed):
     assert sorted({row["rank"] for row in rows}) == [0, 1]
     assert all(row["allocator"] == setting for row in rows)
     assert not any("mem_fragmentation_mib" in r or "alloc_retries" in r for r in records)
+
+
+def test_cuda_numbers_from_the_rank_rows():
+    """The worst rank's reserved - allocated gap and every rank's retries; nothing from CPU rows."""
+    from paratrain.observe.sysmetrics import allocator_summary
+
+    mib = 2**20
+    rows = [{"rank": 0, "cuda_allocated_bytes": 10 * mib, "cuda_reserved_bytes": 12 * mib, "cuda_alloc_retries": 1},
+            {"rank": 1, "cuda_allocated_bytes": 10 * mib, "cuda_reserved_bytes": 15 * mib, "cuda_alloc_retries": 2}]
+    assert allocator_summary(rows) == {"mem_fragmentation_mib": 5.0, "alloc_retries": 3}
+    assert allocator_summary([{"rank": 0, "rss_bytes": 1}]) == {}
+
+
+def test_doctor_says_what_is_in_effect(monkeypatch):
+    from paratrain.observe.doctor import check_allocator
+
+    for name in (*allocator.ENV_NAMES, allocator.SET_BY_PARATRAIN):
+        monkeypatch.delenv(name, raising=False)
+    allocator.apply("expandable_segments:True")
+    [line] = check_allocator()
+    assert line.status == "OK" and "expandable_segments:True (memory.allocator)" in line.message
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segment:True")  # yours, misspelt: torch would refuse it
+    [line] = check_allocator()
+    assert line.status == "FAIL" and "your PYTORCH_ALLOC_CONF" in line.message and "unknown key" in line.message
