@@ -46,9 +46,9 @@ PYTHON_WARNING = r"\w*Warning: |warnings\.warn"
 NOISE = PYTHON_WARNING + r"|\d+/\d+ \[\d+:\d+<|^USDT:"
 
 
-def noise(output: str, pattern: str = NOISE) -> list[str]:
-    """The lines of a command's output that are noise (`pattern`: NOISE, or PYTHON_WARNING alone)."""
-    return [line for line in output.splitlines() if re.search(pattern, line)]
+def noise(output: str) -> list[str]:
+    """The lines of a command's output that are noise (NOISE)."""
+    return [line for line in output.splitlines() if re.search(NOISE, line)]
 
 
 def pytest_configure(config):
