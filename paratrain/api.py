@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from paratrain import capabilities
+from paratrain import allocator, capabilities
 from paratrain.config import Config
 from paratrain.distributed import failure
 from paratrain.distributed.launch import attempt, inside_launcher, launch, start_rank_server
@@ -72,6 +72,7 @@ def _train_parts(parts, want_final_weights: bool, keep_group: bool):
     from paratrain.training.memory_fit import check_memory_fits
 
     cfg, folder, world = parts.cfg, parts.folder, parts.world_size
+    allocator.apply(cfg.memory.allocator)  # before CUDA starts (init_distributed): under torchrun, no launcher of ours
     check_metrics_config(cfg.metrics)
     first_launch = not relaunched()
     if first_launch:  # every rank looks before any of them can write (they meet in init_distributed first)
@@ -189,6 +190,7 @@ def train(cfg: Config, nproc: int = 1, want_final_weights: bool = False, oversub
             if lock is not None:
                 lock.release()
     parts = check(cfg, nproc)  # the layout against the world size and the model: needs no torch, so it answers at once
+    allocator.apply(cfg.memory.allocator)  # before CUDA starts, here or in the ranks (they inherit the environment)
     launching = nproc > 1 or cfg.resilience.max_restarts > 0
     if launching:  # the ranks' forkserver imports torch while this process checks and prepares the data
         start_rank_server(RANK_MODULES)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import tomli_w
 
-from paratrain import capabilities
+from paratrain import allocator, capabilities
 from paratrain.capabilities import OPTIMIZER_NAMES, optimizer_entry
 from paratrain.capabilities.grad_compression import Compression
 from paratrain.errors import ConfigError
@@ -154,6 +154,11 @@ class ActivationCheckpointConfig:
 class MemoryConfig:
     """Training what does not fit on the device (docs/memory-tiers.md; each tier's keys and rules: its capability,
     paratrain/capabilities)."""
+
+    # the CUDA caching allocator's settings (torch's key:value,... syntax), set in every rank's environment before CUDA
+    # starts: expandable segments grow in place instead of leaving gaps between cached blocks (torchtitan's default);
+    # "": torch's own default. Your own PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF wins (docs/troubleshooting.md)
+    allocator: str = "expandable_segments:True"
 
 
 @dataclass
@@ -503,6 +508,7 @@ def _check_training_and_optimizer(cfg: Config) -> None:
 def _check_runtime(cfg: Config) -> None:
     """Checkpointing, memory tiers, checkpoints, resilience, communication, metrics and data."""
     _require(cfg.activation_checkpoint.every_k >= 1, "activation_checkpoint.every_k must be >= 1")
+    allocator.check(cfg.memory.allocator)
     _require(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 saves only at the end)")
     _require(cfg.checkpoint.every_minutes >= 0, "checkpoint.every_minutes must be >= 0 (0: off)")
     _require(cfg.checkpoint.keep >= 2, "checkpoint.keep must be >= 2 so a bad save never leaves no checkpoint")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +36,19 @@ FAST = [
     "metrics.progress=none",
     "metrics.peak_tflops=1",
 ]
+
+
+# A Python warning as Python prints it ("file:line: UserWarning: ..." and its source line "warnings.warn(...";
+# paratrain's own say "warning:", lowercase)
+PYTHON_WARNING = r"\w*Warning: |warnings\.warn"
+# What a paratrain command must not print: a Python warning, a tqdm progress bar ("40/40 [00:00<00:00,"), the
+# profiler's USDT markers (paratrain/observe/profile.py)
+NOISE = PYTHON_WARNING + r"|\d+/\d+ \[\d+:\d+<|^USDT:"
+
+
+def noise(output: str) -> list[str]:
+    """The lines of a command's output that are noise (NOISE)."""
+    return [line for line in output.splitlines() if re.search(NOISE, line)]
 
 
 def pytest_configure(config):

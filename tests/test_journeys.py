@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import noise
 from paratrain.data import DEFAULT_CORPUS
 from paratrain.training.checkpoint import complete_checkpoints
 
@@ -264,6 +265,11 @@ class Journey:
         output = done.stdout + done.stderr
         assert done.returncode == expect, f"{command}: exit {done.returncode}\n{output[-4000:]}"
         assert "Traceback" not in output, f"{command}: a traceback\n{output[-4000:]}"
+        # paratrain prints no Python warning (fixed where ours, filtered with its reason where not: paratrain/quiet.py),
+        # progress bar or profiler marker. (`python -c` runs transformers and peft, whose output is theirs: peft 0.21
+        # reads transformers 5's deprecated is_gradient_checkpointing, a FutureWarning.)
+        found = noise(output) if command.startswith("paratrain") else []
+        assert not found, f"{command}: noise\n" + "\n".join(found[:6])
         return done
 
     def train(self, command: str, *extra: str, **kw) -> subprocess.CompletedProcess:

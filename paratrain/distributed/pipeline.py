@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.distributed.parallelize import parallelize
-from paratrain.distributed.tensors import full_tensor, right_pad
+from paratrain.distributed.tensors import full_tensor, not_a_view, right_pad
 from paratrain.errors import UserError
 from paratrain.estimate.gpus import gpu_from_device_name, gpu_memory
 from paratrain.layout import Layout
@@ -278,6 +278,8 @@ def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str
         stage = prune(copy.deepcopy(model), layout.stage_layers(s), s == 0, s == layout.num_stages - 1)
         modules[s] = parallelize(stage, dims, activation_checkpoint, precision, compile, device, seed, comm=comm,
                                  capabilities=capabilities)
+        if stage.output is not None:  # the last stage returns the logits from FSDP's root module: no view there
+            stage.output.register_forward_hook(not_a_view)
     rank_model = next(iter(modules.values())) if len(modules) == 1 else StageGroup(modules)
 
     # lazy: ~1 s of imports (torch.distributed.pipelining) that every rank's forkserver would pay, pipeline or not

@@ -55,7 +55,8 @@ class ParatrainLM(TemplateLM):
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         self.requests_answered += len(requests)
-        return super().loglikelihood(requests, disable_tqdm)
+        # no progress bar: a run prints one line per evaluation instead (requests, seconds, rate)
+        return super().loglikelihood(requests, disable_tqdm=True)
 
     def tok_encode(self, string: str, **_) -> list[int]:
         return list(self.tokenizer_.encode(string))

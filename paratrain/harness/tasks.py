@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import os
 import random
 from dataclasses import dataclass, field
@@ -176,13 +177,27 @@ def kept_random_state():
         torch.random.set_rng_state(saved[2])
 
 
+@contextlib.contextmanager
+def without_progress_bars():
+    """lm-eval draws a tqdm bar per task while it builds the requests (`Task.build_all_requests`, no switch to turn
+    it off): on every rank, into logs and pipes. A run prints one line per evaluation instead."""
+    import lm_eval.api.task
+
+    drawn = lm_eval.api.task.tqdm
+    lm_eval.api.task.tqdm = functools.partial(drawn, disable=True)
+    try:
+        yield
+    finally:
+        lm_eval.api.task.tqdm = drawn
+
+
 def evaluate(lm, settings: HarnessSettings, describe: dict) -> dict | None:
     """lm-eval's results for `lm` on the first rank of each host (lm-eval's rule: LOCAL_RANK 0), None on the other
     ranks, which take part in every forward. `describe`: what was evaluated (checkpoint, step, layout, precision),
     put in the results."""
     from lm_eval import simple_evaluate
 
-    with kept_random_state():
+    with kept_random_state(), without_progress_bars():
         results = simple_evaluate(model=lm, tasks=list(settings.tasks), num_fewshot=settings.num_fewshot,
                                   limit=settings.limit, bootstrap_iters=settings.bootstrap_iters,
                                   log_samples=settings.log_samples, task_manager=task_manager(settings),

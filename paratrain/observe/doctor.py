@@ -5,7 +5,8 @@
 One line per check: OK, WARN (works, but slower or risky), FAIL (training will not work as configured) or SKIP
 (does not apply here). Exit code 0 when nothing FAILs, 1 otherwise.
 
-Checks: torch and CUDA versions; GPUs and their memory; NCCL (and gloo) availability and version; the GPU
+Checks: torch and CUDA versions; GPUs and their memory; the CUDA caching allocator's settings (and on a GPU whether
+torch took them, its reserved - allocated gap and retries); NCCL (and gloo) availability and version; the GPU
 interconnect (NVLink vs PCIe, from `nvidia-smi topo -m`); NCCL/gloo environment variables (e.g. an
 NCCL_SOCKET_IFNAME that names no interface of this host); free disk for checkpoints and shared memory; and an
 all-reduce across N local ranks (NCCL on GPUs, gloo on CPU) with its bus bandwidth.
@@ -23,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from paratrain import allocator
+from paratrain.config import MemoryConfig
 from paratrain.distributed.launch import inside_launcher, launch
 from paratrain.errors import UserError
 
@@ -132,6 +135,33 @@ def check_backends() -> list[Result]:
         version = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
         out.append(Result("OK", "nccl", f"NCCL {version}"))
     return out
+
+
+def check_allocator() -> list[Result]:
+    """The CUDA caching allocator's settings in effect (paratrain/allocator.py: yours, or memory.allocator's default,
+    which `run_checks` set before CUDA started); on a GPU whether torch took them (the segments of a probe
+    allocation say whether they are expandable), its reserved - allocated gap and its retries."""
+    # lazy: a torch that does not import is this check's FAIL line
+    import torch
+
+    setting, source = allocator.in_effect()
+    text = f"{setting or 'torch defaults'} ({source})"
+    trouble = allocator.problem(setting)
+    if trouble:
+        return [Result("FAIL", "allocator", f"{text}: {trouble}; torch refuses it when CUDA starts")]
+    if not torch.cuda.is_available():
+        return [Result("OK", "allocator", f"{text}; no GPU: it acts on CUDA only")]
+    probe = torch.empty(2**20, device="cuda")
+    expandable = any(s.get("is_expandable") for s in torch.cuda.memory._snapshot()["segments"])
+    del probe
+    stats = torch.cuda.memory_stats()
+    gap = (stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)) / 2**20
+    text += (f"; segments {'expandable' if expandable else 'fixed'}, reserved - allocated {gap:.1f} MiB, "
+             f"{stats.get('num_alloc_retries', 0)} retries")
+    wanted = "expandable_segments:True" in setting.replace(" ", "")
+    if wanted != expandable:
+        return [Result("WARN", "allocator", f"{text}: torch did not take the setting (CUDA started before it was set?)")]
+    return [Result("OK", "allocator", text)]
 
 
 # -- interconnect ---------------------------------------------------------------------------------
@@ -414,9 +444,10 @@ def check_collective(nproc: int | None) -> list[Result]:
 
 def run_checks(nproc: int | None, checkpoint_dir: str | Path):
     """Yields each check's results as it finishes (so a rank's error prints next to the all-reduce line)."""
-    checks = (check_torch, check_gpus, check_backends, check_interconnect, check_env,
+    allocator.apply(MemoryConfig.allocator)  # what a training sets, before CUDA starts here (yours wins)
+    checks = (check_torch, check_gpus, check_allocator, check_backends, check_interconnect, check_env,
               lambda: check_disk(checkpoint_dir), lambda: check_collective(nproc))
-    names = ("torch", "gpu", "backends", "interconnect", "environment", "checkpoint disk", "all-reduce")
+    names = ("torch", "gpu", "allocator", "backends", "interconnect", "environment", "checkpoint disk", "all-reduce")
     for check, name in zip(checks, names):
         try:
             yield from check()

@@ -10,7 +10,9 @@ The trainer builds one `record` dict per step and hands it to `MetricsLog.log`. 
 Record keys (all optional but `step`): loss, val_loss, lr, grad_norm, tokens_per_s, tokens_per_s_per_device,
 samples_per_s (sequences per second), mfu,
 step_time_s and its split data_time_s / compute_time_s / comm_time_s, skipped_steps, loss_scale (fp16), restarts,
-tokens, rank_memory (list of per-rank dicts, log steps only), checkpoint_save_s and checkpoint_step (duration and
+tokens, rank_memory (list of per-rank dicts, log steps only; each with the `allocator` settings that rank started
+with), on CUDA mem_fragmentation_mib (the worst rank's reserved - allocated) and alloc_retries (the caching
+allocator's, all ranks; both absent on a CPU), checkpoint_save_s and checkpoint_step (duration and
 step of the save made since the previous record), on the first record of each process layout, world_size, model and params, and with a
 mixture-of-experts model moe_aux_loss, moe_max_violation (the worst layer's max_e load_e / mean load - 1),
 moe_dropped_tokens, and per MoE layer moe_violation, moe_dropped_share (dropped assignments / all) and
@@ -282,6 +284,9 @@ PROM_SCALARS = {
                    "overflow)."),
     "restarts": ("paratrain_restarts", "Times this run was relaunched after a failure."),
     "checkpoint_save_s": ("paratrain_checkpoint_save_seconds", "Duration of the last checkpoint save."),
+    "mem_fragmentation_mib": ("paratrain_cuda_fragmentation_mib", "CUDA memory the caching allocator reserves "
+                              "beyond what tensors use (reserved - allocated), worst rank, MiB."),
+    "alloc_retries": ("paratrain_cuda_alloc_retries_total", "CUDA caching-allocator retries so far, all ranks."),
     "moe_aux_loss": ("paratrain_moe_aux_loss", "MoE load-balancing loss, unscaled (1.0 = balanced)."),
     "moe_max_violation": ("paratrain_moe_max_violation", "Max load violation, worst MoE layer: busiest expert's "
                           "tokens over the mean, minus 1 (0 = balanced)."),
@@ -478,7 +483,9 @@ TB_TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad
            "samples_per_s": "throughput/samples_per_s",
            "mfu": "throughput/mfu", "step_time_s": "time/step_s", "compute_time_s": "time/compute_s",
            "data_time_s": "time/data_wait_s", "comm_time_s": "time/comm_wait_s", "skipped_steps": "train/skipped_steps",
-           "loss_scale": "train/loss_scale", "restarts": "train/restarts", "checkpoint_save_s": "time/checkpoint_save_s", "moe_aux_loss": "moe/aux_loss",
+           "loss_scale": "train/loss_scale", "restarts": "train/restarts", "checkpoint_save_s": "time/checkpoint_save_s",
+           "mem_fragmentation_mib": "memory/fragmentation_mib", "alloc_retries": "memory/alloc_retries",
+           "moe_aux_loss": "moe/aux_loss",
            "moe_max_violation": "moe/max_violation", "moe_dropped_tokens": "moe/dropped_tokens",
            "numerics_act_max": "numerics/act_max", "numerics_grad_max": "numerics/grad_max",
            "numerics_headroom_bits": "numerics/min_headroom_bits"}

@@ -21,10 +21,40 @@ rest of the step as always; the records of the window are logged when the window
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
+import tempfile
 from pathlib import Path
 
 STEP_PREFIX = "paratrain.step#"
+# Kineto, the profiler's C++ side, writes a probe marker to stderr at each start and stop of a trace
+# ("USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start"), on every rank: for tracing tools, nothing for the
+# person profiling. KINETO_LOG_LEVEL cannot drop them without its errors (the markers are its highest level).
+USDT_MARKER = "USDT:"
+
+
+@contextlib.contextmanager
+def without_usdt_markers():
+    """Stderr (the file descriptor, where C++ writes) held aside while the profiler starts or stops, and written
+    back without Kineto's USDT markers: its other lines, warnings and errors, still show."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().decode(errors="replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not line.startswith(USDT_MARKER))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()
 
 
 # -- reading a trace ---------------------------------------------------------------------------------------------
@@ -221,7 +251,8 @@ class StepProfiler:
             if self.device.type == "cuda":
                 activities.append(ProfilerActivity.CUDA)
             self.prof = profile(activities=activities)
-            self.prof.start()
+            with without_usdt_markers():
+                self.prof.start()
         if self.active:
             self.range = torch.autograd.profiler.record_function(f"{STEP_PREFIX}{self.count}")
             self.range.__enter__()
@@ -248,7 +279,8 @@ class StepProfiler:
         if not self.active:
             return []
         self.end()
-        self.prof.stop()
+        with without_usdt_markers():
+            self.prof.stop()
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"rank{self.rank}.json"
         self.prof.export_chrome_trace(str(path))

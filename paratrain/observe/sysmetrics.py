@@ -5,7 +5,9 @@ What is measured, and how:
   portable peak).
 - CUDA: `torch.cuda.memory_stats` of the rank's device: allocated, reserved and peak allocated bytes, the caching
   allocator's retries (a cudaMalloc failed, the cache was flushed and the allocation retried: a sign of memory
-  pressure and fragmentation) and its OOM count.
+  pressure and fragmentation) and its OOM count; over the ranks, the worst rank's reserved - allocated gap
+  (`mem_fragmentation_mib`) and all retries (`alloc_retries`), record fields on CUDA only.
+- Every rank: the caching allocator's settings it started with (`allocator`, paratrain/allocator.py).
 
 `gather_rank_stats` is a collective (one `all_gather_object`): every rank must call it at the same steps. The
 trainer calls it on log steps only.
@@ -22,6 +24,8 @@ import time
 import psutil
 import torch
 import torch.distributed as dist
+
+from paratrain import allocator
 
 
 def node_index(rank: int | None = None) -> int:
@@ -64,7 +68,19 @@ def local_memory(device: torch.device) -> dict:
                     "cuda_peak_allocated_bytes": s.get("allocated_bytes.all.peak", 0),
                     "cuda_alloc_retries": s.get("num_alloc_retries", 0),
                     "cuda_ooms": s.get("num_ooms", 0)})
+    row["allocator"] = allocator.in_effect()[0]  # the caching allocator's settings this rank started with
     return row
+
+
+def allocator_summary(rows: list[dict]) -> dict:
+    """CUDA only (absent on a CPU, not zeros): the worst rank's fragmentation, memory the caching allocator holds
+    but no tensor uses (reserved - allocated, MiB), and the allocator's retries over all ranks (a cudaMalloc failed,
+    the cache was flushed and the allocation tried again: memory pressure, often fragmentation)."""
+    cuda = [r for r in rows if "cuda_reserved_bytes" in r]
+    if not cuda:
+        return {}
+    gap = max(r["cuda_reserved_bytes"] - r["cuda_allocated_bytes"] for r in cuda)
+    return {"mem_fragmentation_mib": gap / 2**20, "alloc_retries": sum(r["cuda_alloc_retries"] for r in cuda)}
 
 
 def gather_rank_stats(device: torch.device) -> dict:
@@ -81,7 +97,7 @@ def gather_rank_stats(device: torch.device) -> dict:
         dist.all_gather_object(rows, mine)
     else:
         rows = [mine]
-    return {"rank_memory": rows, "stats_gather_s": time.perf_counter() - t0}
+    return {"rank_memory": rows, "stats_gather_s": time.perf_counter() - t0, **allocator_summary(rows)}
 
 
 class PhaseTimer:
