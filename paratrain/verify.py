@@ -34,10 +34,11 @@ ROUTING = (MOE_PRESET, "model.moe_experts=8", "model.moe_score_func=sigmoid", "m
 
 COMPILE = "training.compile=true"  # each block compiled by Inductor, against one eager process
 
-# name -> (ranks, layout, other overrides..., RowTerms where the row runs its own steps or tolerances). The layout is written as its name (paratrain/layout_grammar.py): the
-# data-parallel mode, degrees, checkpointing (ac=), sequences per micro-batch (mb=; default: the global batch over
-# the data-parallel ranks) and the memory tiers it names (the capabilities' switches: the chunked loss's loss=,
-# activation offload's, cpuoff=on; the others keep the default); `layout_overrides` turns it into the run's settings.
+# name -> (ranks, layout, other overrides..., RowTerms where the row runs its own steps or tolerances: fp8's). The
+# layout is written as its name (paratrain/layout_grammar.py): the data-parallel mode, degrees, checkpointing (ac=),
+# sequences per micro-batch (mb=; default: the global batch over the data-parallel ranks) and the memory tiers it
+# names (the capabilities' switches: the chunked loss's loss=, activation offload's, cpuoff=on; the others keep the
+# default); `layout_overrides` turns it into the run's settings.
 LAYOUTS: dict[str, tuple] = {
     "ddp2": (2, "ddp"),
     "zero1x2": (2, "zero1"),
@@ -391,6 +392,63 @@ class Stopped(KeyboardInterrupt):
         self.signum, self.rows = signum, rows
 
 
+class _Sweep:
+    """One sweep's temporary folder, its base settings per number of steps and its single-process references."""
+
+    def __init__(self, out_dir: str, precision: str, extra_args: list[str], echo, halt):
+        self.out_dir, self.precision, self.extra_args, self.echo, self.halt = out_dir, precision, extra_args, echo, halt
+        self.bases: dict[int, list[str]] = {}
+        self.references: dict[tuple, tuple] = {}
+        self.ref_seconds = 0.0
+
+    def base(self, n: int) -> list[str]:
+        """The base overrides of the rows that run n steps."""
+        return self.bases.setdefault(n, base_overrides(n, self.out_dir, self.precision))
+
+    def reference(self, model_overrides: list[str], n: int):
+        """One single-process reference per model (the dense tiny model, or e.g. the MoE preset) and number of steps,
+        with its final checkpoint (which every layout of that model evaluates) and that checkpoint's val loss."""
+        # (a key the command line sets, `--set model.preset=...`, is its value for every row: one reference)
+        given = {o.split("=", 1)[0] for o in self.extra_args}
+        key = tuple(o for o in model_overrides if o.split("=", 1)[0] not in given)
+        if (n, key) not in self.references:
+            start = time.perf_counter()
+            run_name = f"reference{n}" + "".join("_" + o.split("=", 1)[1] for o in key)
+            cfg = load_config(None, self.base(n) + [f"training.micro_batch={GLOBAL_BATCH}", *key,
+                                                    f"run.name={run_name}", *self.extra_args,
+                                                    "checkpoint.save_final=true"])
+            result = train_rank(cfg, want_final_weights=True)
+            self.halt()
+            seconds = time.perf_counter() - start
+            self.ref_seconds += seconds
+            self.echo(f"reference{' (' + ' '.join(key) + ')' if key else ''}: 1 process, {n} steps, final loss "
+                      f"{result.losses[-1]:.6f}, val loss {result.val_loss:.6f} ({seconds:.1f}s)")
+            self.references[n, key] = result, cfg.run_dir / "checkpoints" / f"step-{n}"
+        return self.references[n, key]
+
+    def shared_launches(self, layouts: list[str], steps: int | None) -> dict:
+        """Every layout of one world size in one launch of the ranks (the tests' matrices): name -> ((result, val
+        loss) or the launch's UserError, seconds per layout)."""
+        groups, shared = {}, {}
+        for name in layouts:
+            nproc, extra = layout_overrides(name)
+            n = row_steps(name, steps)
+            _, checkpoint = self.reference(reference_overrides(extra), n)
+            if nproc > 1 and name not in RESUMED:  # (a resumed row launches its two parts itself)
+                groups.setdefault(nproc, []).append((name, layout_configs(name, extra, self.base(n), self.extra_args,
+                                                                          checkpoint)))
+        for nproc, members in groups.items():
+            self.halt()
+            start = time.perf_counter()
+            try:
+                outcome = launch_ranks(train_and_evaluate_all, ([pair for _, pair in members],), nproc)
+            except UserError as e:
+                outcome = [e] * len(members)
+            seconds = (time.perf_counter() - start) / len(members)
+            shared.update({name: (got, seconds) for (name, _), got in zip(members, outcome)})
+        return shared
+
+
 def run_verify(layouts: list[str], steps: int | None, tolerance: float, precision: str = "fp32",
                extra_args: list[str] = (), echo=print, val_tolerance: float = VAL_TOLERANCE,
                share_launches: bool = False, stopped=lambda: None) -> tuple[list[Row], float]:
@@ -410,59 +468,14 @@ def run_verify(layouts: list[str], steps: int | None, tolerance: float, precisio
             raise Stopped(signum, rows)
 
     with tempfile.TemporaryDirectory(prefix="paratrain-verify-") as out_dir:
-        bases = {}
-        references, ref_seconds = {}, 0.0
-
-        def base_for(n: int) -> list[str]:  # (of the rows that run n steps)
-            return bases.setdefault(n, base_overrides(n, out_dir, precision))
-
-        def reference_for(model_overrides: list[str], n: int):
-            # One single-process reference per model (the dense tiny model, or e.g. the MoE preset), with its final
-            # checkpoint (which every layout of that model evaluates) and that checkpoint's val loss.
-            nonlocal ref_seconds
-            # (a key the command line sets, `--set model.preset=...`, is its value for every row: one reference)
-            given = {o.split("=", 1)[0] for o in extra_args}
-            key = tuple(o for o in model_overrides if o.split("=", 1)[0] not in given)
-            if (n, key) not in references:
-                start = time.perf_counter()
-                run_name = f"reference{n}" + "".join("_" + o.split("=", 1)[1] for o in key)
-                cfg = load_config(None, base_for(n) + [f"training.micro_batch={GLOBAL_BATCH}", *key,
-                                                    f"run.name={run_name}", *extra_args, "checkpoint.save_final=true"])
-                result = train_rank(cfg, want_final_weights=True)
-                halt()
-                seconds = time.perf_counter() - start
-                ref_seconds += seconds
-                echo(f"reference{' (' + ' '.join(key) + ')' if key else ''}: 1 process, {n} steps, final loss "
-                     f"{result.losses[-1]:.6f}, val loss {result.val_loss:.6f} ({seconds:.1f}s)")
-                references[n, key] = result, cfg.run_dir / "checkpoints" / f"step-{n}"
-            return references[n, key]
-
-        shared = {}
-        if share_launches:  # every layout of one world size in one launch of the ranks (the tests' matrices)
-            groups = {}
-            for name in layouts:
-                nproc, extra = layout_overrides(name)
-                n = row_steps(name, steps)
-                _, checkpoint = reference_for(reference_overrides(extra), n)
-                if nproc > 1 and name not in RESUMED:  # (a resumed row launches its two parts itself)
-                    groups.setdefault(nproc, []).append((name, layout_configs(name, extra, base_for(n), extra_args,
-                                                                              checkpoint)))
-            for nproc, members in groups.items():
-                halt()
-                start = time.perf_counter()
-                try:
-                    outcome = launch_ranks(train_and_evaluate_all, ([pair for _, pair in members],), nproc)
-                except UserError as e:
-                    outcome = [e] * len(members)
-                seconds = (time.perf_counter() - start) / len(members)
-                shared.update({name: (got, seconds) for (name, _), got in zip(members, outcome)})
-
+        sweep = _Sweep(out_dir, precision, list(extra_args), echo, halt)
+        shared = sweep.shared_launches(layouts, steps) if share_launches else {}
         for name in layouts:
             halt()
             nproc, extra = layout_overrides(name)
             n = row_steps(name, steps)
-            base = base_for(n)
-            reference, checkpoint = reference_for(reference_overrides(extra), n)
+            base = sweep.base(n)
+            reference, checkpoint = sweep.reference(reference_overrides(extra), n)
             start = time.perf_counter()
             try:
                 if name in shared:
@@ -488,7 +501,7 @@ def run_verify(layouts: list[str], steps: int | None, tolerance: float, precisio
             rows.append(Row(name, nproc, loss_diff, weight_diff, val_diff, time.perf_counter() - start, passed, note,
                             losses))
             echo(format_row(rows[-1], tolerance, judged=not Precision(precision).low_precision))
-    return rows, ref_seconds
+    return rows, sweep.ref_seconds
 
 
 HEADER = f"{'layout':<18} {'ranks':>5} {'max |dloss|':>12} {'max |dweight|':>14} {'|dval|':>9} {'time':>7}  result"
