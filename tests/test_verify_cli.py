@@ -9,12 +9,15 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from paratrain.distributed.launch import rank_processes
 from paratrain.verify import LAYOUTS, RESUMED, row_steps, row_tolerances
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("signum, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
@@ -26,7 +29,8 @@ def test_a_signal_stops_the_sweep(char_data, tmp_path, signum, to_group):
     too), SIGTERM to verify alone (it must stop its ranks itself)."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # (this checkout's paratrain)
     proc = subprocess.Popen([sys.executable, "-m", "paratrain", "verify", "--layouts", "accum,ddp2,fsdp2", "--steps",
                              "3", "--set", f"data.dir={char_data}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
