@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
-from concurrent.futures import ThreadPoolExecutor, wait
+import threading
 
 from paratrain import verify
 from paratrain.errors import OneLineArgumentParser, UserError
@@ -91,22 +91,34 @@ def stoppable(work):
     from paratrain.training.preemption import active_watch
 
     first: list[int] = []
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work(lambda: first[0] if first else None)
+        except (Exception, KeyboardInterrupt) as e:  # (Stopped among them) raised again by the main thread
+            outcome["error"] = e
+
+    # (a plain thread, not concurrent.futures': processes forked from it, a forkserver, must not join it at exit)
+    worker = threading.Thread(target=run, name="paratrain-verify", daemon=True)
     previous = {s: signal.signal(s, lambda signum, frame: first.append(signum)) for s in (signal.SIGINT,
                                                                                             signal.SIGTERM)}
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="paratrain-verify") as pool:
-            future = pool.submit(work, lambda: first[0] if first else None)
-            while not wait([future], timeout=0.1).done:
-                if first:
-                    watch = active_watch()
-                    if watch is not None and not watch.interrupted:
-                        watch.interrupt()
-                    for proc in rank_processes():
-                        try:
-                            proc.kill()
-                        except Exception:  # noqa: BLE001 - it exited meanwhile
-                            pass
-            return future.result()
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.1)
+            if first:
+                watch = active_watch()
+                if watch is not None and not watch.interrupted:
+                    watch.interrupt()
+                for proc in rank_processes():
+                    try:
+                        proc.kill()
+                    except Exception:  # noqa: BLE001 - it exited meanwhile
+                        pass
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
