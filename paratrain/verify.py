@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from paratrain import capabilities
 from paratrain.api import launch_ranks, run_rank, train_rank
-from paratrain.capabilities.base import MOE_PRESET
+from paratrain.capabilities.base import MOE_PRESET, RowTerms
 from paratrain.config import ParallelConfig, load_config
 from paratrain.errors import UserError
 from paratrain.layout_grammar import parse_layout_name
@@ -34,10 +34,11 @@ ROUTING = (MOE_PRESET, "model.moe_experts=8", "model.moe_score_func=sigmoid", "m
 
 COMPILE = "training.compile=true"  # each block compiled by Inductor, against one eager process
 
-# name -> (ranks, layout, other overrides...). The layout is written as its name (paratrain/layout_grammar.py): the
-# data-parallel mode, degrees, checkpointing (ac=), sequences per micro-batch (mb=; default: the global batch over
-# the data-parallel ranks) and the memory tiers it names (the capabilities' switches: the chunked loss's loss=,
-# activation offload's, cpuoff=on; the others keep the default); `layout_overrides` turns it into the run's settings.
+# name -> (ranks, layout, other overrides..., RowTerms where the row runs its own steps or tolerances: fp8's). The
+# layout is written as its name (paratrain/layout_grammar.py): the data-parallel mode, degrees, checkpointing (ac=),
+# sequences per micro-batch (mb=; default: the global batch over the data-parallel ranks) and the memory tiers it
+# names (the capabilities' switches: the chunked loss's loss=, activation offload's, cpuoff=on; the others keep the
+# default); `layout_overrides` turns it into the run's settings.
 LAYOUTS: dict[str, tuple] = {
     "ddp2": (2, "ddp"),
     "zero1x2": (2, "zero1"),
@@ -141,6 +142,15 @@ LAYOUTS: dict[str, tuple] = {
     # The capabilities' own rows (paratrain/capabilities: fp8, z-loss, ...), under their names.
     **capabilities.verify_rows(""),
 }
+
+
+def split_row(row: tuple) -> tuple[tuple, RowTerms]:
+    """A LAYOUTS row as (ranks, layout, overrides...) and its own terms (RowTerms(): the sweep's)."""
+    if row and isinstance(row[-1], RowTerms):
+        return row[:-1], row[-1]
+    return row, RowTerms()
+
+
 DEFAULT_MATRIX = ["ddp2", "zero1x2", "zero2x2", "fsdp2", "fsdp4", "hsdp2x2", "tp2", "tp2+sp", "fsdp2xtp2",
                   "fsdp2+every_k", "fsdp2+selective", "accum"]
 # Layouts that change the model (model.* overrides) are compared with one process training that model.
@@ -158,12 +168,13 @@ MEMORY_MATRIX = list(capabilities.verify_rows("memory"))
 CAPABILITY_MATRICES = {cls.name: list(cls.verify_rows) for cls in capabilities.CAPABILITIES}
 # Those held to the run's tolerance (fp32's 1e-5): in `paratrain verify`'s default sweep (fp8's, looser, by name)
 # (a capability's rows in another sweep, `verify_matrix`, run there)
-EXACT_CAPABILITY_ROWS = [row for cls in capabilities.CAPABILITIES
-                         if cls.verify_tolerance is None and not cls.verify_matrix for row in cls.verify_rows]
+EXACT_CAPABILITY_ROWS = [row for cls in capabilities.CAPABILITIES if not cls.verify_matrix
+                         for row, terms in cls.verify_rows.items() if split_row(terms)[1].tolerance is None]
 COMPILE_MATRIX = ["compile", "compile-fsdp2", "compile-fsdp2+full", "compile-tp2+sp", "compile-pp2",
                   "compile-fp8-fsdp2"]
 
 GLOBAL_BATCH = 8
+DEFAULT_STEPS = 20  # a row's steps where neither `--steps` nor the row (RowTerms) says
 EVAL_SEQUENCES = 13  # not divisible by 2, 4 or 8: the data-parallel shares of the validation set are padded
 VAL_TOLERANCE = 1e-6  # one checkpoint's val loss on a layout against one process
 
@@ -215,14 +226,39 @@ def layout_overrides(name: str) -> tuple[int, list[str]]:
         close = difflib.get_close_matches(name, known, n=1)
         raise UserError(f"unknown layout '{name}'" + (f" (did you mean '{close[0]}'?)" if close else
                                                         f" (known: {', '.join(known)})"))
-    return _row_overrides(name, *LAYOUTS[name])
+    return _row_overrides(name, *split_row(LAYOUTS[name])[0])
+
+
+def row_terms(name: str) -> RowTerms:
+    """A row's own steps and tolerances (a resumed row's: its first row's)."""
+    return split_row(LAYOUTS[RESUMED[name].row if name in RESUMED else name])[1]
+
+
+def row_steps(name: str, steps: int | None) -> int:
+    """The steps a row runs: the sweep's `steps` where given, else its own, else DEFAULT_STEPS."""
+    return steps or row_terms(name).steps or DEFAULT_STEPS
+
+
+def row_description(name: str) -> str:
+    """What a row runs, in one line (`paratrain verify --list`): its ranks, layout name, settings, steps and the
+    tolerances of its own (the others: `--tolerance`, 1e-5)."""
+    if name in RESUMED:
+        resumed = RESUMED[name]
+        what = f"row {resumed.row}, then resumed at half its steps on {resumed.then[0]} ranks, {resumed.then[1]}"
+    else:
+        (ranks, text, *extra), _ = split_row(LAYOUTS[name])
+        what = f"{ranks} rank{'s' if ranks > 1 else ''}, {text}" + (f", {' '.join(extra)}" if extra else "")
+    terms = row_terms(name)
+    own = terms.tolerance
+    within = "" if own is None else f", within {own[0]:.0e} (loss, val loss) and {own[1]:.0e} (weights)"
+    return f"{what}; {terms.steps or DEFAULT_STEPS} steps{within}"
 
 
 def resumed_overrides(name: str) -> tuple[tuple[int, list[str]], tuple[int, list[str]]]:
     """A resumed row's two parts, (ranks, overrides) each: its first row's, and its second layout with that row's
     model and settings."""
     resumed = RESUMED[name]
-    _, _, *extra = LAYOUTS[resumed.row]
+    _, _, *extra = split_row(LAYOUTS[resumed.row])[0]
     return layout_overrides(resumed.row), _row_overrides(name, *resumed.then, *extra)
 
 
@@ -277,9 +313,11 @@ def layout_configs(name: str, extra: list[str], base: list[str], extra_args: lis
     return load_config(None, overrides), load_config(None, overrides + evaluation)
 
 
-def _run_layout(train_cfg, eval_cfg, nproc: int):
+def _run_layout(train_cfg, eval_cfg, nproc: int, halt=lambda: None):
     if nproc == 1:
-        return train_rank(train_cfg, want_final_weights=True), train_rank(eval_cfg).val_loss
+        result = train_rank(train_cfg, want_final_weights=True)
+        halt()  # (a stop that ended the training early: no evaluation)
+        return result, train_rank(eval_cfg).val_loss
     return launch_ranks(train_and_evaluate, (train_cfg, eval_cfg), nproc)
 
 
@@ -289,7 +327,7 @@ def _train(cfg, nproc: int):
     return launch_ranks(run_rank, (cfg,), nproc)
 
 
-def _run_resumed(name: str, steps: int, base: list[str], extra_args: list[str], checkpoint):
+def _run_resumed(name: str, steps: int, base: list[str], extra_args: list[str], checkpoint, halt=lambda: None):
     """A resumed row: its first layout trains with a checkpoint at step steps // 2, its second resumes from that
     checkpoint to the end and evaluates the reference's checkpoint. Returns (the result with both parts' losses, the
     second part's val loss)."""
@@ -298,8 +336,10 @@ def _run_resumed(name: str, steps: int, base: list[str], extra_args: list[str], 
     first_cfg, _ = layout_configs(f"{run_name}-first", first_extra, base, [
         *extra_args, f"checkpoint.every={half}", f"checkpoint.keep={steps}"], checkpoint)  # (step-half kept)
     first = _train(first_cfg, first_ranks)
+    halt()
     resume = f"checkpoint.resume={first_cfg.run_dir / 'checkpoints' / f'step-{half}'}"
-    result, val_loss = _run_layout(*layout_configs(run_name, extra, base, [*extra_args, resume], checkpoint), ranks)
+    result, val_loss = _run_layout(*layout_configs(run_name, extra, base, [*extra_args, resume], checkpoint), ranks,
+                                   halt)
     return dataclasses.replace(result, losses=first.losses[:half] + result.losses), val_loss
 
 
@@ -329,76 +369,113 @@ def reference_overrides(layout_extra: list[str]) -> list[str]:
     return kept
 
 
-def row_tolerances(layout_extra: list[str], tolerance: float, val_tolerance: float) -> tuple[float, float, float]:
-    """(loss, weight, val loss) tolerances of a row: the run's, or looser where a capability it uses says so (fp8)."""
-    out = (tolerance, tolerance, val_tolerance)
-    for cls in capabilities.CAPABILITIES:
-        if cls.uses(layout_extra) and cls.verify_tolerance:
-            out = tuple(max(a, b) for a, b in zip(out, cls.verify_tolerance))
-    return out
+def row_tolerances(name: str, tolerance: float, val_tolerance: float) -> tuple[float, float, float]:
+    """(loss, weight, val loss) tolerances of a row: the run's, or looser where the row says so (fp8's)."""
+    out, own = (tolerance, tolerance, val_tolerance), row_terms(name).tolerance
+    return out if own is None else tuple(max(a, b) for a, b in zip(out, own))
 
 
-def check_rows(layouts: list[str], steps: int) -> None:
+def check_rows(layouts: list[str], steps: int | None) -> None:
     """Unknown row names, and resumed rows with no step to resume at, as one-line errors."""
     for name in layouts:
         layout_overrides(name)
-    if steps < 2 and any(name in RESUMED for name in layouts):
+    if any(name in RESUMED and row_steps(name, steps) < 2 for name in layouts):
         raise UserError("resumed rows (resume-*) need --steps >= 2")
 
 
-def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str = "fp32",
-               extra_args: list[str] = (), echo=print, val_tolerance: float = VAL_TOLERANCE,
-               share_launches: bool = False) -> tuple[list[Row], float]:
-    """share_launches: run all layouts of one world size in one launch of the ranks, one after the other in one process
-    group (the test suite's matrices: the ranks' start-up is paid once per world size; a layout that fails then fails
-    the others of its launch too, so `paratrain verify` launches each on its own)."""
-    check_rows(layouts, steps)  # bad names fail before anything runs
-    with tempfile.TemporaryDirectory(prefix="paratrain-verify-") as out_dir:
-        base = base_overrides(steps, out_dir, precision)
-        references, ref_seconds = {}, 0.0
+class Stopped(KeyboardInterrupt):
+    """A sweep stopped by a signal (SIGINT, SIGTERM): the rows it finished before, and the signal. An interrupt, so
+    everything between the check that raises it and the caller lets it pass (errors.translated, the launcher)."""
 
-        def reference_for(model_overrides: list[str]):
-            # One single-process reference per model (the dense tiny model, or e.g. the MoE preset), with its final
-            # checkpoint (which every layout of that model evaluates) and that checkpoint's val loss.
-            nonlocal ref_seconds
-            # (a key the command line sets, `--set model.preset=...`, is its value for every row: one reference)
-            given = {o.split("=", 1)[0] for o in extra_args}
-            key = tuple(o for o in model_overrides if o.split("=", 1)[0] not in given)
-            if key not in references:
-                start = time.perf_counter()
-                run_name = "reference" + "".join("_" + o.split("=", 1)[1] for o in key)
-                cfg = load_config(None, base + [f"training.micro_batch={GLOBAL_BATCH}", *key, f"run.name={run_name}",
-                                                *extra_args, "checkpoint.save_final=true"])
-                result = train_rank(cfg, want_final_weights=True)
-                seconds = time.perf_counter() - start
-                ref_seconds += seconds
-                echo(f"reference{' (' + ' '.join(key) + ')' if key else ''}: 1 process, {steps} steps, final loss "
-                     f"{result.losses[-1]:.6f}, val loss {result.val_loss:.6f} ({seconds:.1f}s)")
-                references[key] = result, cfg.run_dir / "checkpoints" / f"step-{steps}"
-            return references[key]
+    def __init__(self, signum: int, rows: list):
+        super().__init__(signum)
+        self.signum, self.rows = signum, rows
 
-        shared = {}
-        if share_launches:  # every layout of one world size in one launch of the ranks (the tests' matrices)
-            groups = {}
-            for name in layouts:
-                nproc, extra = layout_overrides(name)
-                _, checkpoint = reference_for(reference_overrides(extra))
-                if nproc > 1 and name not in RESUMED:  # (a resumed row launches its two parts itself)
-                    groups.setdefault(nproc, []).append((name, layout_configs(name, extra, base, extra_args,
-                                                                              checkpoint)))
-            for nproc, members in groups.items():
-                start = time.perf_counter()
-                try:
-                    outcome = launch_ranks(train_and_evaluate_all, ([pair for _, pair in members],), nproc)
-                except UserError as e:
-                    outcome = [e] * len(members)
-                seconds = (time.perf_counter() - start) / len(members)
-                shared.update({name: (got, seconds) for (name, _), got in zip(members, outcome)})
 
-        rows = []
+class _Sweep:
+    """One sweep's temporary folder, its base settings per number of steps and its single-process references."""
+
+    def __init__(self, out_dir: str, precision: str, extra_args: list[str], echo, halt):
+        self.out_dir, self.precision, self.extra_args, self.echo, self.halt = out_dir, precision, extra_args, echo, halt
+        self.bases: dict[int, list[str]] = {}
+        self.references: dict[tuple, tuple] = {}
+        self.ref_seconds = 0.0
+
+    def base(self, n: int) -> list[str]:
+        """The base overrides of the rows that run n steps."""
+        return self.bases.setdefault(n, base_overrides(n, self.out_dir, self.precision))
+
+    def reference(self, model_overrides: list[str], n: int):
+        """One single-process reference per model (the dense tiny model, or e.g. the MoE preset) and number of steps,
+        with its final checkpoint (which every layout of that model evaluates) and that checkpoint's val loss."""
+        # (a key the command line sets, `--set model.preset=...`, is its value for every row: one reference)
+        given = {o.split("=", 1)[0] for o in self.extra_args}
+        key = tuple(o for o in model_overrides if o.split("=", 1)[0] not in given)
+        if (n, key) not in self.references:
+            start = time.perf_counter()
+            run_name = f"reference{n}" + "".join("_" + o.split("=", 1)[1] for o in key)
+            cfg = load_config(None, self.base(n) + [f"training.micro_batch={GLOBAL_BATCH}", *key,
+                                                    f"run.name={run_name}", *self.extra_args,
+                                                    "checkpoint.save_final=true"])
+            result = train_rank(cfg, want_final_weights=True)
+            self.halt()
+            seconds = time.perf_counter() - start
+            self.ref_seconds += seconds
+            self.echo(f"reference{' (' + ' '.join(key) + ')' if key else ''}: 1 process, {n} steps, final loss "
+                      f"{result.losses[-1]:.6f}, val loss {result.val_loss:.6f} ({seconds:.1f}s)")
+            self.references[n, key] = result, cfg.run_dir / "checkpoints" / f"step-{n}"
+        return self.references[n, key]
+
+    def shared_launches(self, layouts: list[str], steps: int | None) -> dict:
+        """Every layout of one world size in one launch of the ranks (the tests' matrices): name -> ((result, val
+        loss) or the launch's UserError, seconds per layout)."""
+        groups, shared = {}, {}
         for name in layouts:
             nproc, extra = layout_overrides(name)
-            reference, checkpoint = reference_for(reference_overrides(extra))
+            n = row_steps(name, steps)
+            _, checkpoint = self.reference(reference_overrides(extra), n)
+            if nproc > 1 and name not in RESUMED:  # (a resumed row launches its two parts itself)
+                groups.setdefault(nproc, []).append((name, layout_configs(name, extra, self.base(n), self.extra_args,
+                                                                          checkpoint)))
+        for nproc, members in groups.items():
+            self.halt()
+            start = time.perf_counter()
+            try:
+                outcome = launch_ranks(train_and_evaluate_all, ([pair for _, pair in members],), nproc)
+            except UserError as e:
+                outcome = [e] * len(members)
+            seconds = (time.perf_counter() - start) / len(members)
+            shared.update({name: (got, seconds) for (name, _), got in zip(members, outcome)})
+        return shared
+
+
+def run_verify(layouts: list[str], steps: int | None, tolerance: float, precision: str = "fp32",
+               extra_args: list[str] = (), echo=print, val_tolerance: float = VAL_TOLERANCE,
+               share_launches: bool = False, stopped=lambda: None) -> tuple[list[Row], float]:
+    """steps: every row's (None: each row's own, `row_steps`).
+    share_launches: run all layouts of one world size in one launch of the ranks, one after the other in one process
+    group (the test suite's matrices: the ranks' start-up is paid once per world size; a layout that fails then fails
+    the others of its launch too, so `paratrain verify` launches each on its own).
+    stopped: the signal that asked the sweep to stop, or None; once it says one, the sweep raises Stopped at its next
+    check (after each training, before each row is judged: a row cut short is not a row that failed), its temporary
+    folder removed."""
+    check_rows(layouts, steps)  # bad names fail before anything runs
+    rows: list[Row] = []
+
+    def halt():
+        signum = stopped()
+        if signum is not None:
+            raise Stopped(signum, rows)
+
+    with tempfile.TemporaryDirectory(prefix="paratrain-verify-") as out_dir:
+        sweep = _Sweep(out_dir, precision, list(extra_args), echo, halt)
+        shared = sweep.shared_launches(layouts, steps) if share_launches else {}
+        for name in layouts:
+            halt()
+            nproc, extra = layout_overrides(name)
+            n = row_steps(name, steps)
+            base = sweep.base(n)
+            reference, checkpoint = sweep.reference(reference_overrides(extra), n)
             start = time.perf_counter()
             try:
                 if name in shared:
@@ -408,21 +485,23 @@ def run_verify(layouts: list[str], steps: int, tolerance: float, precision: str 
                         raise got
                     result, val_loss = got
                 elif name in RESUMED:
-                    result, val_loss = _run_resumed(name, steps, base, extra_args, checkpoint)
+                    result, val_loss = _run_resumed(name, n, base, extra_args, checkpoint, halt)
                 else:
-                    result, val_loss = _run_layout(*layout_configs(name, extra, base, extra_args, checkpoint), nproc)
+                    result, val_loss = _run_layout(*layout_configs(name, extra, base, extra_args, checkpoint), nproc,
+                                                   halt)
                 loss_diff, weight_diff = compare(reference, result)
                 val_diff = abs(val_loss - reference.val_loss)
                 note, losses = "", result.losses
             except UserError as e:
                 loss_diff = weight_diff = val_diff = float("inf")
                 note, losses = str(e) or "ranks failed (see above)", []
-            loss_tol, weight_tol, val_tol = row_tolerances(extra, tolerance, val_tolerance)
+            halt()  # (a row the stop cut short, killed ranks included, is no result)
+            loss_tol, weight_tol, val_tol = row_tolerances(name, tolerance, val_tolerance)
             passed = loss_diff <= loss_tol and weight_diff <= weight_tol and val_diff <= val_tol
             rows.append(Row(name, nproc, loss_diff, weight_diff, val_diff, time.perf_counter() - start, passed, note,
                             losses))
             echo(format_row(rows[-1], tolerance, judged=not Precision(precision).low_precision))
-    return rows, ref_seconds
+    return rows, sweep.ref_seconds
 
 
 HEADER = f"{'layout':<18} {'ranks':>5} {'max |dloss|':>12} {'max |dweight|':>14} {'|dval|':>9} {'time':>7}  result"

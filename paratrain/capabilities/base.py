@@ -74,6 +74,16 @@ from paratrain.errors import UserError
 MOE_PRESET = "model.preset=tiny-moe"  # verify rows: with the base's 4 layers, 1 dense + 3 MoE layers
 
 
+@dataclass(frozen=True)
+class RowTerms:
+    """A verify row's own terms, written last in its tuple where they differ from the sweep's: the steps it runs
+    (`paratrain verify --steps` overrides them) and its (loss, weight, val loss) tolerances, each the larger of its own
+    and the sweep's (a tolerance is only meaningful for the steps it was measured over: fp8's)."""
+
+    steps: int | None = None
+    tolerance: tuple[float, float, float] | None = None
+
+
 def host_link(hw):
     """The device <-> host link of a profile (estimate.profile.Hardware) the offloading tiers copy over."""
     if hw.host is None:
@@ -140,11 +150,10 @@ class Capability:
     # the key of that section its keys follow (None: after the section's own and earlier capabilities'): where they
     # were before they moved to the capability, so configs, --help and docs/configuration.md list them in place
     adds_after: ClassVar[str | None] = None
-    # verify rows: row name -> (ranks, layout name, overrides...), as paratrain/verify.py's LAYOUTS
+    # verify rows: row name -> (ranks, layout name, overrides..., RowTerms where its steps or tolerances are its own),
+    # as paratrain/verify.py's LAYOUTS
     verify_rows: ClassVar[dict[str, tuple]] = {}
-    # the verify tolerances of its rows (loss, weights, val loss), where they are looser than fp32's 1e-5; and the
-    # overrides of a row that its single-process reference keeps (the settings that change what is computed)
-    verify_tolerance: ClassVar[tuple[float, float, float] | None] = None
+    # the overrides of a row that its single-process reference keeps (the settings that change what is computed)
     reference_keys: ClassVar[tuple[str, ...]] = ()
     reference_micro_batch: ClassVar[int | None] = None  # a row's reference runs forwards of this many sequences
     # the optimizer-table entries it brings (paratrain.optimizers.OptimizerEntry; their builders: training/optim.py's
@@ -193,7 +202,7 @@ class Capability:
 
     @classmethod
     def uses(cls, overrides: list[str]) -> bool:
-        """A verify row's overrides turn it on (its rows get `verify_tolerance` and their reference its keys)."""
+        """A verify row's overrides turn it on (their reference gets its keys)."""
         return False
 
     # -- the training step (torch objects; imports inside) --

@@ -24,7 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from paratrain.capabilities.base import MOE_PRESET, Capability, PlanFlag, WeightCopies
+from paratrain.capabilities.base import MOE_PRESET, Capability, PlanFlag, RowTerms, WeightCopies
 from paratrain.errors import ConfigError, UserError
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import Param
@@ -203,6 +203,8 @@ FP8_MICRO_BATCH = 2  # sequences per forward of every fp8 row and of its referen
 # element by up to lr either way, so a near-zero gradient whose float8 rounding flips its sign moves it 2 x lr from
 # the reference's.
 FP8_TOLERANCE, FP8_WEIGHT_TOLERANCE = 3e-4, 1e-2
+FP8_STEPS = 8  # what FP8_TOLERANCE was measured over: an fp8 row runs these steps (longer runs drift further apart)
+FP8_ROW = RowTerms(FP8_STEPS, (FP8_TOLERANCE, FP8_WEIGHT_TOLERANCE, FP8_TOLERANCE))
 
 
 @dataclass(frozen=True)
@@ -218,8 +220,8 @@ class Float8(Capability):
     section = Float8Config
     section_after = "memory"
     # against one fp8 process with the same recipe and the same micro-batches (dynamic float8 scales are taken per
-    # forward: FP8_MICRO_BATCH sequences), at FP8_TOLERANCE
-    verify_rows = {
+    # forward: FP8_MICRO_BATCH sequences), at FP8_TOLERANCE over FP8_STEPS (FP8_ROW, last in each row)
+    verify_rows = {name: (*row, FP8_ROW) for name, row in {
         "fp8-fsdp2": (2, "fsdp,mb=2", FP8, FP8_FP32),
         "fp8-tp2": (2, "nodp,tp=2,mb=2", FP8, FP8_FP32),
         "fp8-fsdp2xtp2": (4, "fsdp,tp=2,mb=2", FP8, FP8_FP32),
@@ -232,8 +234,7 @@ class Float8(Capability):
         "fp8-fsdp2+full": (2, "fsdp,ac=full,mb=2", FP8, FP8_FP32),
         "fp8-ep2": (2, "fsdp,ep=2,mb=2", MOE_PRESET, FP8, FP8_FP32),  # the shared expert in float8, routed experts bf16
         "compile-fp8-fsdp2": (2, "fsdp,mb=2", "training.compile=true", FP8, FP8_FP32),  # Inductor around float8
-    }
-    verify_tolerance = (FP8_TOLERANCE, FP8_WEIGHT_TOLERANCE, FP8_TOLERANCE)
+    }.items()}
     reference_keys = ("training.precision=", "float8.recipe=", "float8.compute=")
     reference_micro_batch = FP8_MICRO_BATCH
 

@@ -176,3 +176,9 @@ def watching(grace_s: float):
     finally:
         _ACTIVE = None
         watch.stop()
+
+
+def active_watch() -> PreemptionWatch | None:
+    """The watch of the training running in this process now (inside `watching`), or None: how a thread that owns the
+    signals stops a training that runs in another (`paratrain verify`'s main thread, its sweep in a worker thread)."""
+    return _ACTIVE
