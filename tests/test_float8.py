@@ -14,8 +14,11 @@ from paratrain.models import build_model
 from paratrain.models.presets import preset_args
 from paratrain.verify import CAPABILITY_MATRICES, COMPILE_MATRIX, run_verify
 
-# the fp8 rows the suite runs (verify's selective-checkpointing row and the compiled one are available by name)
-FP8_MATRIX = [r for r in CAPABILITY_MATRICES["float8"] if r not in ("fp8-fsdp2+selective", "compile-fp8-fsdp2")]
+# the fp8 rows the suite runs here (verify's selective-checkpointing row and the compiled one are available by name;
+# fp8-fsdp2, fp8-tp2 and fp8-pp2 run as docs/precision.md's verify line in tests/test_journeys.py::test_journey_verify)
+DOCS_LINE_ROWS = ("fp8-fsdp2", "fp8-tp2", "fp8-pp2")
+FP8_MATRIX = [r for r in CAPABILITY_MATRICES["float8"]
+              if r not in ("fp8-fsdp2+selective", "compile-fp8-fsdp2", *DOCS_LINE_ROWS)]
 
 from conftest import assert_plan_rejected, fast_overrides
 
@@ -33,7 +36,8 @@ def _check(matrix: list[str], steps: int, char_data) -> None:
 
 
 def test_verify_fp8_rows(char_data):
-    """fp8 on fsdp2, tp2, fsdp2 x tp2, pp2, rowwise scales, float8 all-gathers: against one fp8 process within
+    """fp8 on fsdp2 x tp2, hsdp, ep2, full checkpointing, rowwise scales, float8 all-gathers (fsdp2, tp2 and pp2: the
+    docs' line): against one fp8 process within
     capabilities.float8.FP8_TOLERANCE (docs/precision.md says why it is not 1e-5)."""
     _check(FP8_MATRIX, 8, char_data)
 
