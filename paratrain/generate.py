@@ -15,6 +15,7 @@ from torch import nn
 from paratrain.distributed.tensors import full_tensor
 from paratrain.errors import UserError
 from paratrain.models.llama import repeat_kv
+from paratrain.models.moe import moe_modules
 
 PAD_ID = 0  # the token under a left pad (masked out: any id would do)
 
@@ -32,10 +33,11 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
     return [int(start)]
 
 
-def cache_exact(args) -> bool:
-    """Whether decoding one token at a time over a cache gives what a forward over the whole context gives: not for
-    experts with a capacity limit (how many tokens each expert takes depends on the tokens in the forward)."""
-    return not (args.moe_experts and args.moe_capacity_factor > 0)
+def cache_exact(moe_layers) -> bool:
+    """Whether decoding one token at a time over a cache gives what a forward over the whole context gives, for a
+    model with these MoE layers (models/moe.py `moe_modules`): not with a capacity limit (how many tokens each expert
+    takes depends on the tokens in the forward)."""
+    return all(m.capacity_factor <= 0 for m in moe_layers)
 
 
 class KVCache:
@@ -150,13 +152,15 @@ def sample(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, max_seq
            use_cache: bool = False) -> list[int]:
     """Autoregressive sampling. Deterministic for a seed, and identical on every rank (so sharded
     models, whose forward needs all ranks, stay in step). `vocab_limit` excludes padding ids. `use_cache`: a KV cache
-    (the model must take `cache=`: a model, or a train step's `sampler`)."""
+    where it gives the same tokens (`cache_exact`; the model must take `cache=`: a model, or a train step's
+    `sampler`)."""
     if not prompt_ids:
         raise UserError("sampling needs at least one prompt token (see generate.prompt_ids)")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     was_training = model.training
     model.eval()
-    decoder = Decoder(model, [prompt_ids], max_seq_len, device, vocab_limit, use_cache)
+    decoder = Decoder(model, [prompt_ids], max_seq_len, device, vocab_limit,
+                      use_cache and cache_exact(moe_modules(model)))
     out = []
     for _ in range(max_new_tokens):
         out.append(choose(decoder.logits()[0], temperature, top_k, gen))
