@@ -90,12 +90,13 @@ class _Tokens:
 
 def _jobs() -> list[Generation]:
     lengths = (3, 9, 17, 4, 30, 2, 11)
-    return [Generation(_prompt(n, n), ["7 7"], 10, 0.0 if n % 2 else 0.7) for n in lengths] + \
-        [Generation(_prompt(60, 60), [], 10, 0.0)]  # past max_length (64) before its end: one at a time, sliding
+    return [Generation(_prompt(n, n), ["7 7"], 8, 0.0 if n % 2 else 0.7) for n in lengths] + \
+        [Generation(_prompt(60, 60), [], 8, 0.0)]  # past max_length (64) before its end: one at a time, sliding
 
 
 def _generations(layouts: dict) -> dict:
-    """Every layout's generate_until answers with and without the cache, built on the same launched ranks."""
+    """Every layout's generate_until answers with the cache (and one process's without), built on the same launched
+    ranks."""
     env = init_distributed("cpu")
     args = preset_args("tiny", vocab_size=V)
     out = {}
@@ -104,7 +105,7 @@ def _generations(layouts: dict) -> dict:
         layout = Layout.from_config(cfg.parallel, env.world_size).validate(args, env.world_size).forward_only()
         dims = ParallelDims.build(layout, "cpu")
         step = build_train_step(args, dims, None, env.device, StepOptions(seed=3))
-        for use_cache in (False, True):
+        for use_cache in (False, True) if name == "one" else (True,):  # (without: the one-process reference)
             lm = ParatrainLM(step, _Tokens(), 64, 3, layout.dp, dims.dp_rank, V, seed=5, use_cache=use_cache)
             out[name, use_cache] = lm._generate(_jobs())
     if dist.is_initialized():
@@ -121,5 +122,4 @@ def test_generate_until_with_cache_on_every_eval_layout():
     assert len(set(reference["one", False])) > 4
     answers = launch(_generations, (LAYOUTS,), 2)
     for name in LAYOUTS:
-        assert answers[name, False] == reference["one", False], name
         assert answers[name, True] == reference["one", False], name
