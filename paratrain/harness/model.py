@@ -174,9 +174,12 @@ class ParatrainLM(TemplateLM):
         return [answers[i] for i in range(len(jobs))]
 
     def cached(self) -> bool:
-        """Whether generation decodes over a KV cache on this layout (generate.py: the same tokens as without)."""
+        """Whether generation decodes over a KV cache on this layout (generate.py: the same tokens as without): not
+        under context parallelism, nor for experts with a capacity limit, nor through compiled blocks (a training
+        run's: each new length would compile again)."""
         step = self.train_step
-        return self.use_cache and step.context is None and cache_exact(step.moe_layers)
+        compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in step.model.modules())
+        return self.use_cache and step.context is None and cache_exact(step.moe_layers) and not compiled
 
 
 class Generation:
