@@ -321,10 +321,10 @@ class Transformer(nn.Module):
         is already the hidden states, without `output` the hidden states are returned. `seq_len` is the length of
         the sequences the input belongs to, when the input holds only part of each (default: its own length).
         `positions` (B, T): windows packed with whole documents, each token's position in its document (rotary
-        angles restart and attention stays inside each document; see `Documents`). `cache`: generation's KV cache (paratrain/generate.py
-        `KVCache`): the tokens follow those it holds (their positions, and attention over its keys too), and each
-        attention adds its keys to it. `mtp_targets` (B, T): the targets
-        of a training forward, for multi-token prediction's modules (models/mtp.py), which then run and leave each
+        angles restart and attention stays inside each document; see `Documents`). `cache`: generation's KV cache
+        (paratrain/generate.py `KVCache`): the tokens follow those it holds (their positions, and attention over its
+        keys too), and each attention adds its keys to it. `mtp_targets` (B, T): the targets of a training forward,
+        for multi-token prediction's modules (models/mtp.py), which then run and leave each
         depth's summed cross-entropy and target count in `mtp_losses`; without it (evaluation, generation) they do not
         run. Under a pipeline every stage gets it: the first sends the embeddings of the tokens ahead beside its
         output."""
