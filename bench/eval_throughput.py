@@ -6,7 +6,8 @@ the bundled corpus, 256-token context), so both read the same folder: paratrain 
 `HFLM(pretrained=DIR)`. The tasks are the bundled `shakespeare` group (40 multiple-choice documents = 160
 log-likelihood requests, 40 rolling perplexity documents, 40 greedy generations of up to 24 tokens). Requests/s is
 lm-eval's requests over the wall time of the evaluation alone (the model loaded, the tasks built); the metrics of
-every row must agree (acc / acc_norm / exact_match equal, perplexities within 1e-4).
+every row must agree (acc / acc_norm / exact_match equal, perplexities within 1e-4). The last line is the first
+paratrain row's requests/s over HFLM's: `ratio paratrain/hf = R`.
 
     python bench/eval_throughput.py                      # the three rows, threads: 2 (1 process) and 1 per rank
     python bench/eval_throughput.py --hf-batch-size 1
@@ -136,6 +137,8 @@ def main() -> None:
     for r in rows:
         print(f"| {r['row']} | {r['requests']:,} | {r['seconds']:.1f} | {r['requests'] / r['seconds']:,.1f} | "
               f"{'yes' if agree(r['metrics'], reference) else 'NO'} |")
+    rate = [r["requests"] / r["seconds"] for r in rows]
+    print(f"ratio paratrain/hf = {rate[0] / rate[-1]:.2f}")  # the first paratrain row's requests/s over HFLM's
     if not all(agree(r["metrics"], reference) for r in rows):
         sys.exit(1)
 

@@ -1,12 +1,23 @@
-"""Sampling from a trained model (no KV cache: short samples from small models, any layout)."""
+"""Sampling from a trained model: the KV cache and the one decode loop (`Decoder`) that `paratrain generate`
+(`sample`) and lm-eval's `generate_until` (paratrain/harness/model.py) share, on one process or a run's layout.
+
+With the cache, the prompt runs once (prefill) and every new token is one forward of that token alone over the cached
+keys and values; without it (`use_cache=False`, or a model whose answer depends on the tokens in a forward:
+`cache_exact`), every token is a forward over the whole context, as before. Both give the same greedy tokens.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from paratrain.distributed.tensors import full_tensor
 from paratrain.errors import UserError
+from paratrain.models.llama import repeat_kv
+from paratrain.models.moe import moe_modules
+
+PAD_ID = 0  # the token under a left pad (masked out: any id would do)
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:
@@ -22,29 +33,137 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
     return [int(start)]
 
 
+def cache_exact(moe_layers) -> bool:
+    """Whether decoding one token at a time over a cache gives what a forward over the whole context gives, for a
+    model with these MoE layers (models/moe.py `moe_modules`): not with a capacity limit (how many tokens each expert
+    takes depends on the tokens in the forward)."""
+    return all(m.capacity_factor <= 0 for m in moe_layers)
+
+
+class KVCache:
+    """The keys and values of a batch's tokens so far, per attention module (its local heads: under tensor
+    parallelism each rank's own; under a pipeline each stage's own modules), given to the model's forward as
+    `cache=` (models/llama.py: `Transformer.forward` asks it for the new tokens' rotary angles, each attention hands
+    it its new keys and values and it attends).
+
+    Rows are left-padded to one length (`pads`: each row's padding slots, masked out; a row's positions start after
+    them). A forward appends its T tokens' keys to the committed `length`; `commit(n)` keeps the first n of them (a
+    forward right-padded for sequence parallelism appends padding that must not stay)."""
+
+    def __init__(self, pads: list[int] | None = None, device=None):
+        self.length = 0
+        self.pads = torch.tensor(pads, device=device) if pads and any(pads) else None  # (B,) or None: no padding
+        self.kv: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._mask = None  # (key, mask): the forward's attention mask, shared by its layers
+
+    def angles(self, cos: torch.Tensor, sin: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary angles of the next T tokens from the (max_seq_len, D/2) tables: (T, D/2), or (B, T, D/2) with
+        padding (a left pad at position 0, a right pad past the table's end at its last row)."""
+        if self.pads is None and self.length + T <= cos.shape[0]:
+            return cos[self.length:self.length + T], sin[self.length:self.length + T]
+        pos = torch.arange(self.length, self.length + T, device=cos.device)[None, :]  # (1, T)
+        if self.pads is not None:
+            pos = pos - self.pads[:, None].to(cos.device)  # (B, T)
+        pos = pos.clamp(0, cos.shape[0] - 1)
+        return cos[pos], sin[pos]
+
+    def attend(self, owner: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, Hq, T, D) of the new tokens over the cached keys and the new k, v (B, Hkv, T, D) -> (B, Hq, T, D)."""
+        if owner in self.kv:
+            old_k, old_v = self.kv[owner]
+            k = torch.cat([old_k[:, :, :self.length], k], dim=2)  # (B, Hkv, S, D)
+            v = torch.cat([old_v[:, :, :self.length], v], dim=2)
+        self.kv[owner] = (k, v)
+        T, S = q.shape[2], k.shape[2]
+        k, v = repeat_kv(q, k, v)
+        if self.pads is None and S == T:  # the prompt: exactly the no-cache path's attention
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.pads is None and T == 1:  # one new token sees every key
+            return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(T, S, q.device))
+
+    def mask(self, T: int, S: int, device) -> torch.Tensor:
+        """(B or 1, 1, T, S): a new token sees the keys up to its own slot, but padding; a pad sees itself (a row of
+        nothing but -inf would make NaNs, which would reach the real tokens through 0 x NaN)."""
+        key = (T, S, self.length)
+        if self._mask is None or self._mask[0] != key:
+            slot = torch.arange(S - T, S, device=device)[:, None]  # (T, 1): the new tokens' slots
+            j = torch.arange(S, device=device)[None, :]  # (1, S)
+            real = torch.ones(1, 1, S, dtype=torch.bool, device=device) if self.pads is None else \
+                j[None] >= self.pads.to(device)[:, None, None]  # (B, 1, S)
+            self._mask = (key, (((j <= slot) & real) | (j == slot))[:, None])
+        return self._mask[1]
+
+    def commit(self, n: int) -> None:
+        self.length += n
+
+
+class Decoder:
+    """A batch of prompts decoded together: `logits()` gives the next token's logits of every row, `append(tokens)`
+    extends the rows. With `use_cache` the prompts are left-padded to one length and run once, then one token per
+    forward over a `KVCache`; once a row would pass the `window` (the most tokens one forward sees) the cache is
+    dropped and every forward runs over the last `window` tokens, as without it (one row only)."""
+
+    def __init__(self, model: nn.Module, prompts: list[list[int]], window: int, device=None,
+                 vocab_limit: int | None = None, use_cache: bool = True):
+        if not use_cache and len(prompts) > 1:
+            raise ValueError("without a cache, a Decoder decodes one prompt at a time")
+        self.model, self.window, self.vocab_limit = model, window, vocab_limit
+        self.device = device or torch.device("cpu")
+        longest = max(len(p) for p in prompts)
+        pads = [longest - len(p) for p in prompts]
+        self.ids = torch.tensor([[PAD_ID] * n + list(p) for n, p in zip(pads, prompts)], device=self.device)  # (B, L)
+        self.cache = KVCache(pads, self.device) if use_cache else None
+
+    @torch.no_grad()
+    def logits(self) -> torch.Tensor:
+        """(B, V) float32 on the CPU: every row's logits for its next token (the same on every rank)."""
+        if self.cache is not None and self.ids.shape[1] > self.window:
+            if self.cache.pads is not None:
+                raise ValueError("a left-padded batch must fit in the window")
+            self.cache = None  # past the window: the no-cache path's sliding window from here on
+        if self.cache is None:
+            out = self.model(self.ids[:, -self.window:])
+        else:
+            new = self.ids[:, self.cache.length:]  # (B, T): the tokens the cache has not seen
+            out = self.model(new, cache=self.cache)
+            self.cache.commit(new.shape[1])
+        # Vocab-parallel logits arrive as a DTensor; sampling needs the whole row.
+        return full_tensor(out)[:, -1, :self.vocab_limit].float().cpu()
+
+    def append(self, tokens: list[int]) -> None:
+        self.ids = torch.cat([self.ids, torch.tensor(tokens, device=self.device)[:, None]], dim=1)
+
+
+def choose(logits: torch.Tensor, temperature: float, top_k: int = 0, generator=None) -> int:
+    """The next token from one row's logits (V,): the most likely at temperature 0, else a draw."""
+    if temperature == 0:
+        return int(logits.argmax(-1))
+    logits = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[-1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+
+
 @torch.no_grad()
 def sample(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, max_seq_len: int, temperature: float = 0.8,
-           top_k: int = 0, seed: int = 0, device: torch.device | None = None, vocab_limit: int | None = None) -> list[int]:
+           top_k: int = 0, seed: int = 0, device: torch.device | None = None, vocab_limit: int | None = None,
+           use_cache: bool = False) -> list[int]:
     """Autoregressive sampling. Deterministic for a seed, and identical on every rank (so sharded
-    models, whose forward needs all ranks, stay in step). `vocab_limit` excludes padding ids."""
+    models, whose forward needs all ranks, stay in step). `vocab_limit` excludes padding ids. `use_cache`: a KV cache
+    where it gives the same tokens (`cache_exact`; the model must take `cache=`: a model, or a train step's
+    `sampler`)."""
     if not prompt_ids:
         raise UserError("sampling needs at least one prompt token (see generate.prompt_ids)")
-    device = device or torch.device("cpu")
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, T)
     was_training = model.training
     model.eval()
+    decoder = Decoder(model, [prompt_ids], max_seq_len, device, vocab_limit,
+                      use_cache and cache_exact(moe_modules(model)))
+    out = []
     for _ in range(max_new_tokens):
-        # Vocab-parallel logits arrive as a DTensor; sampling needs the whole row.
-        logits = full_tensor(model(ids[:, -max_seq_len:]))[:, -1, :vocab_limit].float().cpu()  # (1, V)
-        if temperature == 0:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k > 0:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
-        ids = torch.cat([ids, nxt.to(device)], dim=1)
+        out.append(choose(decoder.logits()[0], temperature, top_k, gen))
+        decoder.append(out[-1:])
     model.train(was_training)
-    return ids[0, len(prompt_ids):].tolist()
+    return out

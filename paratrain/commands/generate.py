@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 0 or args.top_k < 0:
         raise UserError("--max-new-tokens and --top-k must be >= 0")
-    if args.max_new_tokens > MAX_NEW_TOKENS:  # every token is one forward over the context, and kept in memory
+    if args.max_new_tokens > MAX_NEW_TOKENS:  # every token is kept in memory (and its keys, past the prompt)
         raise UserError(f"--max-new-tokens {args.max_new_tokens} is more than {MAX_NEW_TOKENS} (a typo?)")
     if args.temperature < 0:  # NaN and infinity are refused by the parser
         raise UserError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
@@ -33,6 +33,6 @@ def main(argv: list[str]) -> int:
     ids = prompt_ids(tokenizer, args.prompt)
     print(*source, file=sys.stderr, flush=True)  # once the prompt passed (a bad one: one error line); stdout: the text
     out = sample(model, ids, args.max_new_tokens, context, args.temperature, args.top_k, args.seed,
-                 vocab_limit=tokenizer.vocab_size)
+                 vocab_limit=tokenizer.vocab_size, use_cache=True)
     print(args.prompt + tokenizer.decode(out))
     return 0

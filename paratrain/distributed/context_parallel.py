@@ -350,9 +350,9 @@ class WholeSequenceSampler(nn.Module):
         self._model.train(mode)
         return self
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, **cache) -> torch.Tensor:
         with whole_sequences(self._modules_cp):
-            return self._model(tokens)
+            return self._model(tokens, **cache)
 
 
 def context_for(dims) -> ContextParallel | None:

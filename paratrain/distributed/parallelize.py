@@ -49,8 +49,9 @@ class SequenceParallelSampler(nn.Module):
         self._model.train(mode)
         return self
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
-        return full_tensor(self._model(right_pad(tokens, self._tp)))[:, :tokens.shape[1]]
+    def forward(self, tokens: torch.Tensor, **cache) -> torch.Tensor:  # (B, T) -> (B, T, V)
+        # a KV cache (`cache=`) gets the padding's keys too: its caller commits only the tokens' (generate.Decoder)
+        return full_tensor(self._model(right_pad(tokens, self._tp), **cache))[:, :tokens.shape[1]]
 
 
 def _selective_policy(ctx, op, *args, **kwargs):

@@ -114,10 +114,13 @@ class Pipeline:
         return [float(o) for o in out]
 
     # -- forward only: evaluation and generation --------------------------------------------------
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Run all stages in order (sends/receives between ranks); the last stage's owner gets the output."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor | None:
+        """Run all stages in order (sends/receives between ranks); the last stage's owner gets the output. `cache`:
+        generation's KV cache, which holds the keys of this rank's stages."""
         h = tokens
         extra = {} if positions is None else {"positions": positions}
+        if cache is not None:
+            extra["cache"] = cache
         p = self.layout
         for s in range(p.num_stages):
             owner = p.stage_owner(s)
@@ -149,9 +152,9 @@ class Pipeline:
             value = torch.zeros(shape, device=self.device)
         return self._from_last(value)
 
-    def last_logits(self, tokens: torch.Tensor, vocab: int, position: int = -1) -> torch.Tensor:
+    def last_logits(self, tokens: torch.Tensor, vocab: int, position: int = -1, cache=None) -> torch.Tensor:
         """(B, 1, V) logits at `position` on every pp rank."""
-        out = self.forward(tokens)
+        out = self.forward(tokens, cache=cache)
         if self.has_last:
             logits = full_tensor(out)[:, position, :].unsqueeze(1).float().contiguous()
         else:
@@ -172,8 +175,8 @@ class PipelineSampler(nn.Module):
             m.train(mode)
         return self
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, 1, V)
-        return self._pipeline.last_logits(right_pad(tokens, self._multiple), self._vocab, tokens.shape[1] - 1)
+    def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:  # (B, T) -> (B, 1, V)
+        return self._pipeline.last_logits(right_pad(tokens, self._multiple), self._vocab, tokens.shape[1] - 1, cache)
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]

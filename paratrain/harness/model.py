@@ -12,9 +12,9 @@ never its training schedule, so a batch of any size goes through; cp peers atten
 What each request means follows lm-eval's Hugging Face backend (models/huggingface.py), so the numbers compare with
 `lm_eval --model hf` on the exported model: a continuation is scored after its context truncated from the left to
 `max_length` + 1 tokens; an empty context is the prefix token (BOS, else EOS); rolling log-likelihoods use lm-eval's
-windows (`get_rolling_token_windows`, one token of context) with that prefix; generation is one request at a time,
-its context cut to max_length - max_gen_toks tokens from the left, until a stop sequence, EOS or max_gen_toks tokens,
-the text cut at the first stop sequence.
+windows (`get_rolling_token_windows`, one token of context) with that prefix; generation (batched here, over a KV
+cache) runs on its context cut to max_length - max_gen_toks tokens from the left, until a stop sequence, EOS or
+max_gen_toks tokens, the text cut at the first stop sequence.
 """
 
 from __future__ import annotations
@@ -25,20 +25,21 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from paratrain.distributed.tensors import full_tensor
+from paratrain.generate import Decoder, cache_exact, choose
 
 MAX_GEN_TOKS = 256  # lm-eval's default for a task that names none
 
 
 class ParatrainLM(TemplateLM):
     def __init__(self, train_step, tokenizer, max_length: int, batch_size: int, dp: int, dp_rank: int,
-                 vocab_size: int, seed: int = 0):
+                 vocab_size: int, seed: int = 0, use_cache: bool = True):
         """`train_step`: the run's (training/step.py) with the weights to evaluate; `max_length`: the tokens one
         forward sees; `vocab_size`: the model's (generation never picks a padding id past the tokenizer's)."""
         super().__init__()
         self.train_step, self.tokenizer_, self.max_length = train_step, tokenizer, max_length
         self.batch_size, self.dp, self.dp_rank = batch_size, dp, dp_rank
         self.vocab_size, self.seed = vocab_size, seed
+        self.use_cache = use_cache  # generation over a KV cache where the layout allows (`cached`)
         self.requests_scored = 0  # forwards' requests on this rank (a throughput figure)
         self.requests_answered = 0  # lm-eval's requests (loglikelihood, rolling, generation) answered
 
@@ -126,41 +127,60 @@ class ParatrainLM(TemplateLM):
         return [answers[i] for i in range(len(rows))]
 
     def _generate(self, jobs: list["Generation"]) -> list[str]:
-        """Each rank takes every dp-th request (longest first); every rank runs one forward per round until no rank
-        has a request left, so sharded models stay in step."""
+        """Batches of `batch_size` requests (longest first) go round the data-parallel ranks, each decoded together
+        over a KV cache (generate.Decoder: the prompts left-padded, one forward per new token); every rank runs one
+        forward per round until no rank has a batch left, so sharded models stay in step. Without a cache (`use_cache`
+        off, context parallelism, experts with a capacity limit: `cached`) and for a request that would pass
+        `max_length`, one request at a time."""
         order = sorted(range(len(jobs)), key=lambda i: (-len(jobs[i].ids), i))
-        queue = order[self.dp_rank::self.dp]
+        cached = self.cached()
+        fits = [i for i in order if cached and len(jobs[i].ids) + jobs[i].max_new <= self.max_length]
+        batches = [fits[i:i + self.batch_size] for i in range(0, len(fits), self.batch_size)]
+        batches += [[i] for i in sorted(set(order) - set(fits), key=order.index)]
+        queue = batches[self.dp_rank::self.dp]
         model = self.train_step.sampler(self.vocab_size)
-        mine, current = {}, None
+        mine, batch, decoder, generators = {}, None, None, {}
         was_training = model.training
         model.eval()
         while True:
-            if current is None and queue:
-                current = queue.pop(0)
-                generator = torch.Generator().manual_seed(self.seed + current)
-            busy = torch.tensor([0 if current is None else 1])
+            if batch is None and queue:
+                batch = queue.pop(0)
+                decoder = Decoder(model, [jobs[i].ids for i in batch], self.max_length, self.train_step.device,
+                                  self.tokenizer_.vocab_size, use_cache=cached)
+                generators = {i: torch.Generator().manual_seed(self.seed + i) for i in batch}
+            busy = torch.tensor([0 if batch is None else 1])
             if dist.is_initialized():
                 dist.all_reduce(busy, op=dist.ReduceOp.MAX)
             if not busy.item():
                 break
-            job = jobs[current] if current is not None else None
-            ids = job.ids + job.generated if job is not None else [self.prefix_token_id]
-            with torch.no_grad():
-                x = torch.tensor([ids[-self.max_length:]], device=self.train_step.device)  # (1, T)
-                logits = full_tensor(model(x))[:, -1, :self.tokenizer_.vocab_size].float().cpu()  # (1, V)
-            if job is None:
-                continue  # this rank's requests are done; the others' forwards need it
-            if job.temperature == 0.0:
-                token = int(logits.argmax(-1))
+            if batch is None:  # this rank's requests are done; the others' forwards need it
+                with torch.no_grad():
+                    model(torch.tensor([[self.prefix_token_id]], device=self.train_step.device))
+                continue
+            logits = decoder.logits()  # (B, V)
+            tokens = [self.prefix_token_id] * len(batch)  # a finished row's (never read)
+            for j, i in enumerate(batch):
+                if i in mine:
+                    continue
+                tokens[j] = choose(logits[j], jobs[i].temperature, generator=generators[i])
+                if jobs[i].step(tokens[j], self.tokenizer_, self.eot_token_id):
+                    mine[i] = jobs[i].text
+                    self.requests_scored += 1
+            if all(i in mine for i in batch):
+                batch = None
             else:
-                token = int(torch.multinomial(torch.softmax(logits / job.temperature, -1), 1, generator=generator))
-            if job.step(token, self.tokenizer_, self.eot_token_id):
-                mine[current] = job.text
-                self.requests_scored += 1
-                current = None
+                decoder.append(tokens)
         model.train(was_training)
         answers = gathered(mine)
         return [answers[i] for i in range(len(jobs))]
+
+    def cached(self) -> bool:
+        """Whether generation decodes over a KV cache on this layout (generate.py: the same tokens as without): not
+        under context parallelism, nor for experts with a capacity limit, nor through compiled blocks (a training
+        run's: each new length would compile again)."""
+        step = self.train_step
+        compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in step.model.modules())
+        return self.use_cache and step.context is None and cache_exact(step.moe_layers) and not compiled
 
 
 class Generation:

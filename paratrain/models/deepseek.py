@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.models.args import ModelArgs
-from paratrain.models.llama import WHOLE_SEQUENCE, Attention, Documents, RMSNorm, Transformer, apply_rope
+from paratrain.models.llama import WHOLE_SEQUENCE, Attention, Documents, RMSNorm, Transformer, apply_rope, attend
 
 # The latents' RMSNorm epsilon: transformers' and DeepSeek's reference code leave it at its default, whatever
 # rms_norm_eps says.
@@ -53,13 +53,13 @@ class LatentAttention(Attention):
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: Documents | None = None) -> torch.Tensor:
+                documents: Documents | None = None, cache=None) -> torch.Tensor:
         B, T, _ = x.shape
         q_nope, q_rope = self.query(x).view(B, T, -1, self.qk_dim).split([self.nope, self.rope], -1)  # (B, T, H, *)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], -1)  # (B, T, r), (B, T, rope)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], -1)  # (B, T, H, nope), (B, T, H, v)
-        if documents is None:
+        if documents is None and cache is None:
             cos, sin = self.sequence.rope(cos, sin, T)
         q = torch.cat((q_nope, rope_interleaved(q_rope, cos, sin)), -1)  # (B, T, H, qk)
         k_rope = rope_interleaved(k_rope[:, :, None], cos, sin).expand(-1, -1, q.shape[2], -1)  # one for all heads
@@ -68,7 +68,7 @@ class LatentAttention(Attention):
         # the padded columns of the output are zeros, cut off below. The scale is 1/sqrt(qk) (SDPA's default).
         v = F.pad(v, (0, self.qk_dim - self.v_dim))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, qk)
-        y = (self.sequence if documents is None else documents).attend(q, k, v)[..., :self.v_dim]  # (B, H, T, v)
+        y = attend(self, q, k, v, documents, cache)[..., :self.v_dim]  # (B, H, T, v); a cache keeps k, v expanded
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 

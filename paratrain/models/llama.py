@@ -172,6 +172,15 @@ class Documents:
         return F.scaled_dot_product_attention(q, *repeat_kv(q, k, v), attn_mask=self.mask)
 
 
+def attend(attention: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None,
+           cache) -> torch.Tensor:
+    """An attention's q (B, Hq, T, D) over k, v (B, Hkv, T, D): through its sequence seam, packed documents' mask, or
+    generation's cache (which keeps this attention's keys and values)."""
+    if cache is not None:
+        return cache.attend(attention, q, k, v)
+    return (attention.sequence if documents is None else documents).attend(q, k, v)
+
+
 class Attention(nn.Module):
     """Grouped-query attention with rotary embeddings; `qkv_bias`/`o_bias` put biases on the q/k/v and o projections
     (a family's choice: Qwen2's q/k/v, Qwen3's attention_bias all four)."""
@@ -192,15 +201,17 @@ class Attention(nn.Module):
         return tuple(w(x).view(B, T, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: Documents | None = None) -> torch.Tensor:
-        """`documents`: packed windows (cos and sin are then each token's own angles, (B, T, D/2))."""
+                documents: Documents | None = None, cache=None) -> torch.Tensor:
+        """`documents`: packed windows (cos and sin are then each token's own angles, (B, T, D/2)). `cache`:
+        generation's KV cache (paratrain/generate.py `KVCache`): cos and sin are then the new tokens' angles, and
+        they attend over the cached keys and values too."""
         B, T, _ = x.shape
         q, k, v = self.heads(x)
-        if documents is None:
+        if documents is None and cache is None:
             cos, sin = self.sequence.rope(cos, sin, T)  # the angles of these tokens' positions
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        y = (self.sequence if documents is None else documents).attend(q, k, v)  # (B, Hq, T, D)
+        y = attend(self, q, k, v, documents, cache)  # (B, Hq, T, D)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
@@ -237,9 +248,11 @@ class TransformerBlock(nn.Module):
         self.feed_forward = moe_block(args) if args.is_moe_layer(index) else FeedForward(args.dim, args.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: Documents | None = None) -> torch.Tensor:
-        # `documents` by keyword: tensor parallelism prepares the attention's positional inputs (x, cos, sin) only
-        h = x + self.attention(self.attention_norm(x), cos, sin, documents=documents)
+                documents: Documents | None = None, cache=None) -> torch.Tensor:
+        # `documents` and `cache` by keyword: tensor parallelism prepares the attention's positional inputs (x, cos,
+        # sin) only
+        extra = {} if cache is None else {"cache": cache}
+        h = x + self.attention(self.attention_norm(x), cos, sin, documents=documents, **extra)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -299,7 +312,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, seq_len: int | None = None, positions: torch.Tensor | None = None,
                 targets: torch.Tensor | None = None, loss_chunks: int = 1, reduction: str = "mean",
-                piece_loss=summed_cross_entropy, mtp_targets: torch.Tensor | None = None) -> torch.Tensor:
+                piece_loss=summed_cross_entropy, mtp_targets: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab); with `targets` (B, T) the cross-entropy loss instead, its
         output projection and loss computed over `loss_chunks` pieces of the tokens (`chunked_cross_entropy`, each
         piece's summed loss by `piece_loss`).
@@ -308,8 +321,10 @@ class Transformer(nn.Module):
         is already the hidden states, without `output` the hidden states are returned. `seq_len` is the length of
         the sequences the input belongs to, when the input holds only part of each (default: its own length).
         `positions` (B, T): windows packed with whole documents, each token's position in its document (rotary
-        angles restart and attention stays inside each document; see `Documents`). `mtp_targets` (B, T): the targets
-        of a training forward, for multi-token prediction's modules (models/mtp.py), which then run and leave each
+        angles restart and attention stays inside each document; see `Documents`). `cache`: generation's KV cache
+        (paratrain/generate.py `KVCache`): the tokens follow those it holds (their positions, and attention over its
+        keys too), and each attention adds its keys to it. `mtp_targets` (B, T): the targets of a training forward,
+        for multi-token prediction's modules (models/mtp.py), which then run and leave each
         depth's summed cross-entropy and target count in `mtp_losses`; without it (evaluation, generation) they do not
         run. Under a pipeline every stage gets it: the first sends the embeddings of the tokens ahead beside its
         output."""
@@ -324,13 +339,16 @@ class Transformer(nn.Module):
             else:  # a later pipeline stage: the first stage sent them as more channels of the hidden states
                 h, ahead = h.split([self.args.dim, depth * self.args.dim], dim=-1)
         documents = None
-        if positions is None:
+        if cache is not None:  # the angles of the positions after the cached tokens
+            cos, sin = cache.angles(self.rope_cos, self.rope_sin, T)
+        elif positions is None:
             cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, D/2): rotary angles of positions 0..T-1
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, T, D/2): each token's own
             documents = Documents(positions)
+        extra = {} if cache is None else {"cache": cache}
         for layer in self.layers.values():
-            h = layer(h, cos, sin) if documents is None else layer(h, cos, sin, documents=documents)
+            h = layer(h, cos, sin, **extra) if documents is None else layer(h, cos, sin, documents=documents)
         if self.output is None:  # to the next stage: (B, T, C), or with the embeddings ahead (B, T, (1 + D) C)
             return h if ahead is None else torch.cat([h, ahead], dim=-1)
         if self.mtp is not None and ahead is not None:  # from the last block's output, before the final norm
