@@ -132,6 +132,9 @@ NAMED_ALSO_IN = {
         # comment contrasts the two (docs/configuration.md, generated from it); activation offload refuses it (its
         # hooks would sit inside a segment's checkpoint)
         "paratrain/modes.py", "paratrain/config.py", "paratrain/capabilities/activation_offload.py",
+        # another meaning of the word: the CUDA caching allocator's memory segments (`expandable_segments`, its
+        # settings' names, and the snapshot's "segments" the doctor reads)
+        "paratrain/allocator.py", "paratrain/observe/doctor.py",
         # `Recipe.segment_blocks`, the field the planner's candidates set (`Recipe.replace(segment_blocks=)`, with the
         # checkpointing mode's capability implied again), and the candidates' plain attribute of it (step_time.py's
         # `Candidate.segment_blocks`, beside every_k and micro_batch); the layout grammar's
