@@ -303,6 +303,7 @@ class _Peaks:
     def __init__(self):
         self.best: tuple[int, str, dict] | None = None
         self.sizes: dict[str, int] = {}
+        self.shifted: set = set()  # the walks added shifted so far (their unshifted sizes are grown in already)
 
     def add(self, phase: str, **cats) -> None:
         total = sum(cats.values())
@@ -317,7 +318,11 @@ class _Peaks:
         if self.best is None or total + sum(extra.values()) > self.best[0]:
             shifted = {**cats, **{k: cats.get(k, 0) + v for k, v in extra.items()}}
             self.best = (total + sum(extra.values()), phase, shifted)
-        self._grow({**walk.sizes, **{k: walk.sizes.get(k, 0) + v for k, v in extra.items()}})
+        grown = {k: walk.sizes.get(k, 0) + v for k, v in extra.items()}
+        if walk not in self.shifted:  # (a walk's other sizes are the same at every micro-batch: grown in once)
+            self.shifted.add(walk)
+            grown = {**walk.sizes, **grown}
+        self._grow(grown)
 
     def _grow(self, cats: dict) -> None:
         sizes = self.sizes
