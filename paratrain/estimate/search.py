@@ -381,7 +381,8 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     # (the stages of the ranks bounded only: a stage's checkpoints group its own blocks)
     stages = cached(ctx, ("bounded stages", id(a), pipeline_key(lay)), lambda: [
         blocks for stage, blocks in enumerate(stage_blocks(lay, a)) if lay.stage_owner(stage) in ranks])
-    kept = A.stored_by_block(d, modes, stages, {l: moe for l in moe_layers}, c.recipe.capabilities)
+    kept = cached(ctx, ("kept", id(a), d, c.ac, c.every_k, pipeline_key(lay), moe, c.recipe.capabilities), lambda:
+                  A.stored_by_block(d, modes, stages, {l: moe for l in moe_layers}, c.recipe.capabilities))
     # A pipelined FSDP stage holds its blocks gathered (compute dtype) with their gradients accumulated unsharded
     # (fp32) through the step (Layout.fsdp_all_gathers): at least that much on top of the sharded states.
     unsharded = ctx.precision.value_bytes + 4 if (lay.pipelined and lay.uses_fsdp) else 0
