@@ -148,6 +148,10 @@ class Recipe:
     def replace(self, **changes) -> "Recipe":
         """A changed copy; a capability's setting by its name (`Capability.recipe_setting`: the chunked loss's
         pieces)."""
+        if changes.keys() <= _PLAIN_FIELDS:  # (the planner's candidates, below, with nothing implied: the fast way)
+            copy = object.__new__(type(self))
+            copy.__dict__.update(self.__dict__, **changes)
+            return copy
         shape = _SHAPE_FIELDS
         named = changes.keys() & capabilities.SETTINGS.keys()
         if named:
@@ -172,6 +176,7 @@ class Recipe:
 # checkpointing mode's capability, `Capability.checkpoint_mode`, with its capabilities implied again).
 _SHAPE_FIELDS = frozenset({"layout", "checkpointing", "every_k", "segment_blocks", "micro_batch", "accum_steps"})
 _CHECKPOINTING_FIELDS = frozenset({"checkpointing", "segment_blocks"})
+_PLAIN_FIELDS = _SHAPE_FIELDS - _CHECKPOINTING_FIELDS - capabilities.SETTINGS.keys()
 
 
 def setting_keys(recipe=Recipe) -> dict[str, str]:

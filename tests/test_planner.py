@@ -11,11 +11,12 @@ from paratrain.config import load_config
 from paratrain.errors import UserError
 from paratrain.layout import CONFIG_KEYS, Layout
 from paratrain.estimate.planner import PlanRequest, plan_context
-from paratrain.estimate.step_time import (all_gather_time, all_reduce_time, bubble_fraction, predict)
+from paratrain.estimate.step_time import (all_gather_time, all_reduce_time, bubble_fraction, predict,
+                                          step_lower_bound)
 from paratrain.calibration import fit_alpha_beta
 from paratrain.estimate.hardware import gpu_profile, resolve_hardware
 from paratrain.estimate.profile import Hardware, Link
-from paratrain.estimate.search import candidates, structural_reason
+from paratrain.estimate.search import Result, candidates, fastest_first, structural_reason, tier_variants
 
 
 def test_collective_formulas():
@@ -385,3 +386,23 @@ def test_predictions_follow_a_changed_context_sharing_its_cache():
         for c in cands:
             if structural_reason(c, fresh) is None:
                 assert predict(c, other) == predict(c, fresh), (changes, c.name)
+
+
+@pytest.mark.parametrize("req", [
+    PlanRequest("llama3-8b", gpus=16, gpu="H100", seq=8192, global_batch_tokens=8192 * 64,  # tp, pp, cp, hsdp
+                micro_batches=(1, 4)),
+    PlanRequest("deepseek-moe-16b", gpus=16, gpu="A100", seq=4096, global_batch_tokens=4096 * 32,  # ep
+                micro_batches=(1, 2)),
+    PlanRequest("llama3-8b", gpus=8, gpu="H100", seq=4096, global_batch_tokens=4096 * 64, optimizer="onebit_adam"),
+], ids=["dense", "moe", "phases"])
+def test_fastest_first_ranks_as_predicting_every_layout(req):
+    """The planner predicts layouts lazily, in the order of their step-time floor (search.fastest_first): it yields
+    them in exactly the order of predicting every one and sorting (stably) by step time, and no floor is above its
+    layout's prediction, bit for bit (the memory tiers' variants included)."""
+    ctx, world, opts = plan_context(req)
+    cands = [c for c in candidates(ctx, world, opts) if structural_reason(c, ctx) is None]
+    cands += [v for c in cands[::7] for v in tier_variants(c, ctx) if structural_reason(v, ctx) is None]
+    exhaustive = sorted((Result(c, pred=predict(c, ctx)) for c in cands), key=lambda r: r.pred.step_s)
+    assert all(step_lower_bound(r.cand, ctx) <= r.pred.step_s for r in exhaustive)
+    lazy = [Result(c) for c in cands]
+    assert [id(r.cand) for r in fastest_first(lazy, ctx)] == [id(r.cand) for r in exhaustive]

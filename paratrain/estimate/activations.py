@@ -349,9 +349,17 @@ def stored_by_block(d: ActDims, modes: list[str], stages: list[list[int]], moe_o
     `block_stored`, except inside a checkpoint of several blocks (`present`, the run's capabilities: a checkpointing
     mode's `checkpoint_units`, segments), where only the first block keeps anything (the unit's input)."""
     out = {}
+    stored = {}  # (mode, MoEDims' id) -> block_stored: once per call, not per block (the cache's key hashes d)
     for blocks in stages:
         for unit in capabilities.checkpoint_units(present, blocks, len(modes)):
-            out.update({l: block_stored(d, modes[l], moe_of.get(l)) if j == 0 else 0 for j, l in enumerate(unit)})
+            first = unit[0]
+            moe = moe_of.get(first)
+            key = (modes[first], id(moe))
+            kept = stored.get(key)
+            if kept is None:
+                kept = stored[key] = block_stored(d, modes[first], moe)
+            out[first] = kept
+            out.update(dict.fromkeys(unit[1:], 0))
     return out
 
 

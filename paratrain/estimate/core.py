@@ -306,22 +306,41 @@ class _Peaks:
     category's own maximum over them is its size (kept as they come: a pipeline adds thousands)."""
 
     def __init__(self):
-        self.best: tuple[int, str, dict] | None = None
+        self.best: tuple[int, str, dict] | None = None  # (read through `peak()`: its bytes may be pending)
         self.sizes: dict[str, int] = {}
+        self.shifted: set = set()  # the walks added shifted so far (their unshifted sizes are grown in already)
+        self.pending: tuple[dict, dict] | None = None  # the best's (categories, extra) until its bytes are asked for
+
+    def peak(self) -> tuple[int, str, dict] | None:
+        """The largest candidate peak: (total, phase, bytes by category)."""
+        if self.pending is not None:  # (a schedule shifts thousands of best peaks before its end: one is built)
+            cats, extra = self.pending
+            self.best = (*self.best[:2], {**cats, **{k: cats.get(k, 0) + v for k, v in extra.items()}})
+            self.pending = None
+        return self.best
 
     def add(self, phase: str, **cats) -> None:
         total = sum(cats.values())
         if self.best is None or total > self.best[0]:
-            self.best = (total, phase, cats)
+            self.best, self.pending = (total, phase, cats), None
         self._grow(cats)
 
     def add_shifted(self, walk: "_Peaks", extra: dict) -> None:
         """Every candidate of `walk` with `extra` bytes added to its categories (what the rest of a schedule holds
         then): the same peak and sizes as adding each, at the cost of one."""
-        total, phase, cats = walk.best
+        total, phase, cats = walk.peak()
         if self.best is None or total + sum(extra.values()) > self.best[0]:
-            shifted = {**cats, **{k: cats.get(k, 0) + v for k, v in extra.items()}}
-            self.best = (total + sum(extra.values()), phase, shifted)
+            self.best, self.pending = (total + sum(extra.values()), phase, None), (cats, extra)
+        if walk in self.shifted:  # (a walk's other sizes are the same at every micro-batch: grown in once)
+            sizes, unshifted = self.sizes, walk.sizes
+            for key, v in extra.items():
+                v = unshifted.get(key, 0) + v
+                if v > sizes.get(key, 0):
+                    sizes[key] = v
+                else:
+                    sizes.setdefault(key, 0)
+            return
+        self.shifted.add(walk)
         self._grow({**walk.sizes, **{k: walk.sizes.get(k, 0) + v for k, v in extra.items()}})
 
     def _grow(self, cats: dict) -> None:
@@ -334,7 +353,7 @@ class _Peaks:
 
     def result(self, r: _Rank, moe=None) -> dict:
         """{'peak', 'phase', 'at_peak', 'sizes', 'states', 'dims', 'moe'}."""
-        peak, phase, cats = self.best
+        peak, phase, cats = self.peak()
         return {"peak": peak, "phase": phase, "at_peak": cats, "sizes": dict(self.sizes), "states": r.st, "dims": r.d,
                 "moe": moe}
 

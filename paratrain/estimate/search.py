@@ -4,6 +4,7 @@ headroom), predict the step time of the rest (paratrain/estimate/step_time.py) a
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -14,11 +15,12 @@ from paratrain.estimate.gpus import HEADROOM
 from paratrain.layout import Batch, Layout
 from paratrain.layout_grammar import parse_layout_name
 from paratrain.modes import CheckpointMode, DPMode, Schedule
-from paratrain.estimate.step_time import Candidate, Context, Prediction, cached, predict
+from paratrain.estimate.step_time import (Candidate, Context, Prediction, cached, pipeline_key, predict, rank_blocks,
+                                          step_lower_bound)
 from paratrain.estimate import Target, activations as A, estimate, inputs_for
 from paratrain.estimate.core import in_flight
 from paratrain.estimate.gpus import fits, fmt_bytes, limit_text, usable_bytes
-from paratrain.estimate.model_states import rank_layers, stage_blocks, state_bytes
+from paratrain.estimate.model_states import stage_blocks, state_bytes
 from paratrain.estimate.report import ROWS
 from paratrain.estimate.step_time import attention_time, group_link, ring_time, routed_expert_params
 from paratrain.models.presets import block_param_count
@@ -88,9 +90,15 @@ def structural_reason(c: Candidate, ctx: Context) -> str | None:
     if ctx.global_seqs % (c.dp * c.micro_batch):
         return (f"the global batch ({ctx.global_seqs} sequences) does not divide into micro-batch {c.micro_batch} x "
                 f"data-parallel degree {c.dp}")
-    key = ("layout_reason", id(ctx.args), ctx.global_seqs, ctx.seq_len, ctx.compression.method, ctx.optimizer,
-           c.layout, c.micro_batch)
-    reason = cached(ctx, key, lambda: _layout_reason(c, ctx))
+    key = ("layout_reason", id(ctx.args), ctx.global_seqs, ctx.seq_len, ctx.compression.method, ctx.optimizer)
+    # (a layout's candidates come one after the other, one per checkpointing mode: the last layout's reason is
+    # found without hashing the layout)
+    last = ctx.cache.get("last layout_reason")
+    if last is not None and last[0] is c.layout and last[1] == c.micro_batch and last[2] == key:
+        reason = last[3]
+    else:
+        reason = cached(ctx, (*key, c.layout, c.micro_batch), lambda: _layout_reason(c, ctx))
+        ctx.cache["last layout_reason"] = (c.layout, c.micro_batch, key, reason)
     if reason:
         return reason
     try:
@@ -191,6 +199,7 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                                         cp=cp)
             except ConfigError:
                 continue
+            scheduled = {}  # (schedule, stages per rank) -> the layout with them, or None (once, not per micro-batch)
             for mb in mbs:
                 if ctx.global_seqs % (dp * mb):
                     continue
@@ -202,11 +211,18 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                     for v in (((2,) if moe_pipeline else (2, 3)) if (pp > 1 and sched.interleaved) else (1,)):
                         if pp * v > a.n_layers:
                             continue
-                        try:
-                            lay = layout.replace(pp_schedule=sched, pp_microbatches=m, pp_virtual=v) if pp > 1 \
-                                else layout
-                        except ConfigError:
-                            continue
+                        if pp > 1:
+                            if (sched, v) not in scheduled:
+                                try:
+                                    scheduled[sched, v] = layout.replace(pp_schedule=sched, pp_microbatches=1,
+                                                                         pp_virtual=v)
+                                except ConfigError:
+                                    scheduled[sched, v] = None
+                            if scheduled[sched, v] is None:
+                                continue
+                            lay = _with_microbatches(scheduled[sched, v], m)
+                        else:
+                            lay = layout
                         if any(getattr(lay, key) != value for key, value in opts.fixed.items()):
                             continue
                         for ac in opts.ac_modes:
@@ -214,6 +230,14 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                                 continue  # Layout.check_checkpointing
                             out.append(ctx.candidate(lay, checkpointing=ac, every_k=2, micro_batch=mb))
     return out
+
+
+def _with_microbatches(layout: Layout, microbatches: int) -> Layout:
+    """`layout.replace(pp_microbatches=...)` of a pipelined layout without checking it again (no check reads the
+    microbatches but for being >= 1): the same Layout, made tens of thousands of times a plan."""
+    copy = object.__new__(Layout)
+    copy.__dict__.update(layout.__dict__, pp_microbatches=microbatches)
+    return copy
 
 
 def evaluate(c: Candidate, ctx: Context, headroom: float, with_memory: bool = True) -> Result:
@@ -249,9 +273,9 @@ def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) ->
     opts = opts or Options()
     cands = candidates(ctx, world, opts)
     results, rejected = [], []
-    for c in cands:
-        r = evaluate(c, ctx, opts.headroom, with_memory=False)
-        (results if r.reason is None else rejected).append(r)
+    for c in cands:  # (predicted in _fitting, fastest first: only those that may rank)
+        reason = structural_reason(c, ctx)
+        (rejected if reason else results).append(Result(c, reason=reason))
     need = max(top, 1)
     ranked = _fitting(results, rejected, ctx, opts, need)
     if not ranked and opts.memory_tiers:  # what does not fit: chunked loss, offloading
@@ -269,10 +293,9 @@ def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) ->
 def _fitting(results: list[Result], rejected: list[Result], ctx: Context, opts: Options, need: int) -> list[Result]:
     """Memory-check `results` fastest first until `need` fit (rejects go to `rejected`); when none fits, the most
     memory-frugal ones (full checkpointing, the smallest micro-batch) may fit though slower."""
-    results.sort(key=lambda r: r.pred.step_s)
     ranked, checked = [], 0
     misses: dict = {}  # memory key -> [(micro-batch, MEM_ORDER)] of layouts that did not fit
-    for r in results:
+    for r in fastest_first(results, ctx):
         if len(ranked) >= need:
             break  # the rest are predicted slower than `top` layouts that fit
         key = _memory_key(r.cand)
@@ -292,6 +315,9 @@ def _fitting(results: list[Result], rejected: list[Result], ctx: Context, opts: 
         if r.reason:
             misses.setdefault(key, []).append((r.cand.micro_batch, r.cand.ac))
     if not ranked:
+        for r in results:  # (every prediction, in the order the fastest-first walk would give them all)
+            r.pred = r.pred or predict(r.cand, ctx)
+        results.sort(key=lambda r: r.pred.step_s)
         # the most memory-frugal layouts (full checkpointing, the smallest micro-batch) may fit though slower
         smallest = min((x.cand.micro_batch for x in results), default=1)
         frugal = [r for r in results if r.total_bytes is None and r.cand.ac.every_block_whole
@@ -301,6 +327,27 @@ def _fitting(results: list[Result], rejected: list[Result], ctx: Context, opts: 
             (ranked if r.reason is None else rejected).append(r)
         ranked.sort(key=lambda r: r.pred.step_s)
     return ranked
+
+
+def fastest_first(results: list[Result], ctx: Context):
+    """`results` by predicted step time (ties in list order: as a stable sort), each predicted when reached (those
+    given without a prediction). A layout is predicted in the order of its `step_lower_bound`, and one is yielded
+    once no layout left unpredicted has a bound at or below its step time: the planner stops after the few it
+    memory-checks, so most layouts of a large plan are never predicted."""
+    bounds = [r.pred.step_s if r.pred else step_lower_bound(r.cand, ctx) for r in results]
+    order = sorted(range(len(results)), key=bounds.__getitem__)
+    ready: list = []  # heap of (step time, index) of the predicted, not yet yielded
+    reached = 0
+    while True:
+        while reached < len(order) and (not ready or bounds[order[reached]] <= ready[0][0]):
+            i = order[reached]
+            r = results[i]
+            r.pred = r.pred or predict(r.cand, ctx)
+            heapq.heappush(ready, (r.pred.step_s, i))
+            reached += 1
+        if not ready:
+            return
+        yield results[heapq.heappop(ready)[1]]
 
 
 def _memory_key(c: Candidate) -> tuple:
@@ -326,12 +373,16 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     lay, a, c = r.cand.layout, ctx.args, r.cand
     limit = usable_bytes(ctx.hw.memory_bytes, opts.headroom)
     ranks = range(lay.pp) if lay.pp <= 4 else sorted({0, 1, lay.pp - 1, lay.stage_owner(lay.num_stages - 1)})
-    layers = rank_layers(lay, a)
+    layers = rank_blocks(ctx, lay).layers  # (rank_layers, once per pipeline shape)
     d = A.act_dims(a, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, ctx.hw.device)
     moe = A.moe_dims(a, lay, c.micro_batch, ctx.seq_len, 1.0) if a.moe_experts else None
     modes = c.ac.block_checkpointing(a.n_layers, c.every_k)
-    kept = A.stored_by_block(d, modes, stage_blocks(lay, a), {l: moe for l in range(a.n_layers) if a.is_moe_layer(l)},
-                             c.recipe.capabilities)
+    moe_layers = cached(ctx, ("moe layer indices", id(a)), lambda: [l for l in range(a.n_layers) if a.is_moe_layer(l)])
+    # (the stages of the ranks bounded only: a stage's checkpoints group its own blocks)
+    stages = cached(ctx, ("bounded stages", id(a), pipeline_key(lay)), lambda: [
+        blocks for stage, blocks in enumerate(stage_blocks(lay, a)) if lay.stage_owner(stage) in ranks])
+    kept = cached(ctx, ("kept", id(a), d, c.ac, c.every_k, pipeline_key(lay), moe, c.recipe.capabilities), lambda:
+                  A.stored_by_block(d, modes, stages, {l: moe for l in moe_layers}, c.recipe.capabilities))
     # A pipelined FSDP stage holds its blocks gathered (compute dtype) with their gradients accumulated unsharded
     # (fp32) through the step (Layout.fsdp_all_gathers): at least that much on top of the sharded states.
     unsharded = ctx.precision.value_bytes + 4 if (lay.pipelined and lay.uses_fsdp) else 0
@@ -339,18 +390,21 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     def recv_buffers(rank: int) -> int:
         # torch.distributed.pipelining allocates a receive buffer per micro-batch for each stage input and each
         # stage output's gradient that comes from another stage
-        stages = [s for s in range(lay.num_stages) if lay.stage_owner(s) == rank]
-        return sum((s > 0) + (s < lay.num_stages - 1) for s in stages) * lay.pp_microbatches * A.block_input(d)
+        received = cached(ctx, ("received", pipeline_key(lay), rank), lambda: sum(
+            (s > 0) + (s < lay.num_stages - 1) for s in range(lay.num_stages) if lay.stage_owner(s) == rank))
+        return received * lay.pp_microbatches * A.block_input(d)
 
     best = None
     # (activation offload: these blocks' saved tensors are in host memory)
     offloaded = {b for cap in c.switched for b in (cap.host_activations(a.n_layers) or ((), 0))[0]}
     on_host = any(cap.states_on_host for cap in c.switched)  # (CPU offload: the model states are in host memory)
+    shape = dataclasses.replace(lay, pp_microbatches=0)  # (the model states do not depend on the micro-batches)
     for s in ranks:
-        states = cached(ctx, ("states", dataclasses.replace(lay, pp_microbatches=0), s, on_host), lambda: sum(
+        states = cached(ctx, ("states", shape, s, on_host), lambda: sum(
             _states(state_bytes(a, lay, ctx.precision, ctx.optimizer, "paratrain", s, layers, ctx.lora))
             if not on_host else ())
-            + unsharded * sum(_rank_block_params(a, lay, l) for l in layers[s]))
+            + unsharded * cached(ctx, ("gathered params", id(a), lay.tp, lay.ep, pipeline_key(lay), s),
+                                 lambda: sum(_rank_block_params(a, lay, l) for l in layers[s])))
         stored = sum(kept[l] - (A.offloaded(d, modes[l], moe if a.is_moe_layer(l) else None) if l in offloaded else 0)
                      for l in layers[s])
         acts = int(in_flight(lay, s) * stored) + recv_buffers(s)

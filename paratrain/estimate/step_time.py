@@ -495,6 +495,17 @@ def _without_microbatches(lay: Layout) -> tuple:
     return tuple(fields.values())
 
 
+def step_lower_bound(c: Candidate, ctx: Context) -> float:
+    """A floor of `predict(c, ctx).step_s` (the planner predicts layouts in its order, and only those that may rank):
+    the slowest rank's compute and recompute with the bubble they alone make, in the floating-point operations
+    `_predict` begins its sums with. Every term it leaves out is >= 0 and rounding is monotone, so it is never above
+    the prediction, bit for bit."""
+    n_micro = c.micro_steps
+    _, (compute, recompute), fill = _slowest(c, ctx)
+    pipelined = n_micro * compute + n_micro * recompute
+    return pipelined + pipelined * fill / (n_micro * c.layout.pp_virtual) if c.pp > 1 else pipelined
+
+
 MOMENTUM_ALL_REDUCE = "1-bit momentum all-reduce"  # an optimizer's own all-reduce, after the backward (exposed)
 
 
