@@ -101,3 +101,15 @@ def test_the_estimate_counts_the_round_start_weights_and_momentum_as_built(world
     assert diloco.difference == 0
     assert diloco.built["optimizer"] - plain.built["optimizer"] == 2 * plain.built["params"]  # start + momentum
     assert diloco.estimated == {**plain.estimated, "optimizer": diloco.built["optimizer"]}
+
+
+def test_inter_node_bandwidth_is_read_in_one_place():
+    from paratrain.estimate.hardware import parse_bandwidth
+    from paratrain.errors import UserError
+
+    assert parse_bandwidth("1Gbit") == 1e9 / 8 and parse_bandwidth("10Gbit") == 1e10 / 8
+    assert parse_bandwidth("25GB/s") == 25e9
+    for bad in ("fast", "1Gbyte", "0Gbit", ""):
+        with pytest.raises(UserError) as e:
+            parse_bandwidth(bad)
+        assert "e.g. 1Gbit, 10Gbit, 25GB/s" in str(e.value)
