@@ -304,10 +304,16 @@ def plan_diloco(request: PlanRequest, planning: Planning, plain: Plan) -> DiLoCo
     nodes = world // ctx.gpus_per_node
     if request.inter_node_bandwidth is None or nodes < 2 or ctx.cluster or ctx.global_seqs % nodes:
         return None
-    one = plan_context(dataclasses.replace(request, gpus=ctx.gpus_per_node, inter_node_bandwidth=None,
-                                           global_batch_tokens=ctx.global_seqs // nodes * ctx.seq_len)).plan(1)
-    replica, best = one.ranked[0], plain.ranked[0]
     sync_bytes = sum(p.numel for p in model_params(ctx.args)) * 4 / ctx.gpus_per_node
+    # a replica's layout must leave room for DiLoCo's round-start weights and outer momentum (fp32, like the
+    # pseudo-gradient a rank's 1/gpus_per_node share of the weights: exact when a node's ranks shard the model, low
+    # where they replicate it)
+    room = ctx.hw.memory_bytes - 2 * int(sync_bytes)
+    one = plan_context(dataclasses.replace(request, gpus=ctx.gpus_per_node, inter_node_bandwidth=None, gpu_memory=room,
+                                           global_batch_tokens=ctx.global_seqs // nodes * ctx.seq_len)).plan(1)
+    if not one.ranked:
+        return None
+    replica, best = one.ranked[0], plain.ranked[0]
     sync_s = all_reduce_time(sync_bytes, nodes, ctx.hw.inter)
     h = next((h for h in DILOCO_INNER_STEPS if sync_s / h <= DILOCO_SYNC_SHARE * replica.pred.step_s),
              DILOCO_INNER_STEPS[-1])
