@@ -87,3 +87,29 @@ def test_bad_settings_are_one_line(overrides, message):
 ])
 def test_layouts_without_replicas_are_refused(char_data, tmp_path, world, overrides, message):
     assert_plan_rejected(char_data, tmp_path, world, [*DILOCO, *overrides], message)
+
+
+@pytest.mark.parametrize("world, layout", [(4, ["parallel.dp_mode=hsdp", "parallel.dp_replicate=2"]),
+                                           (2, ["parallel.dp_mode=ddp"])])
+def test_the_estimate_counts_the_round_start_weights_and_momentum_as_built(world, layout):
+    """The dry run builds the outer loop (its fp32 start and momentum, per rank's share) and compares it with the
+    estimator's `replica_states`, counted in the optimizer column on both sides."""
+    from paratrain.training.dryrun import dry_run
+
+    tiny = ["model.preset=tiny", "model.vocab_size=256", "training.seq_len=32", "training.micro_batch=2", *layout]
+    plain, diloco = (dry_run(load_config(None, [*tiny, *sync]), world).ranks[0] for sync in ([], DILOCO))
+    assert diloco.difference == 0
+    assert diloco.built["optimizer"] - plain.built["optimizer"] == 2 * plain.built["params"]  # start + momentum
+    assert diloco.estimated == {**plain.estimated, "optimizer": diloco.built["optimizer"]}
+
+
+def test_inter_node_bandwidth_is_read_in_one_place():
+    from paratrain.estimate.hardware import parse_bandwidth
+    from paratrain.errors import UserError
+
+    assert parse_bandwidth("1Gbit") == 1e9 / 8 and parse_bandwidth("10Gbit") == 1e10 / 8
+    assert parse_bandwidth("25GB/s") == 25e9
+    for bad in ("fast", "1Gbyte", "0Gbit", ""):
+        with pytest.raises(UserError) as e:
+            parse_bandwidth(bad)
+        assert "e.g. 1Gbit, 10Gbit, 25GB/s" in str(e.value)

@@ -60,7 +60,9 @@ JOURNEYS = {
         "paratrain report runs/default runs/fsdp4 runs/tp2 --out report",
     ],
     "diloco": ["paratrain train --nproc 2 --parallel.dp_mode=ddp --parallel.dp_sync=diloco --diloco.inner_steps=2 "
-               "--run.name=diloco"],
+               "--run.name=diloco",
+               "paratrain plan --model llama3-8b --gpus 16 --gpus-per-node 8 --gpu RTX4090 "
+               "--inter-node-bandwidth 1Gbit"],
     "custom_corpus": [
         "paratrain prepare --input corpus.jsonl --out data/mycorpus --tokenizer bpe --vocab-size 8000",
         "paratrain train --data.dir=data/mycorpus --run.name=mine",
@@ -568,6 +570,8 @@ def test_journey_diloco(journey):
     journey.train(JOURNEYS["diloco"][0])
     sent = [r["diloco_bytes"] for r in metrics(journey.cwd / "runs" / "diloco") if "loss" in r and "step" in r]
     assert [b > 0 for b in sent] == [False, True, False, True], sent
+    out = journey.doc(JOURNEYS["diloco"][1]).stdout  # the planner weighs DiLoCo across a 1 Gbit/s link: first
+    assert "-> DiLoCo ranks first" in out and "MB/step per rank across nodes" in out and "H=" in out, out
 
 
 def test_journey_architecture(journey):

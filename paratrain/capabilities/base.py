@@ -282,6 +282,12 @@ class Capability:
         paratrain/models/family.py), or None."""
         return None
 
+    def replica_states(self, numel: int) -> tuple[int, str] | None:
+        """Memory: (bytes, the estimate's note) of what it keeps beside the model states on a rank holding `numel`
+        parameter elements (after tp, pp and FSDP: the rank's own share; DiLoCo's round-start weights and outer
+        momentum), or None."""
+        return None
+
     def optimizer_temporaries(self, params, layout, reduced_grad_bytes, gloo: bool) -> int:
         """Bytes the optimizer step allocates beside the states, for an optimizer the capability brings, on a rank
         holding `params` (the Params of the model's parameter table it holds) on `layout` (a paratrain.layout.Layout):

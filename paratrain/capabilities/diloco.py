@@ -136,6 +136,13 @@ class DiLoCo(Capability):
                               " shares it across replicas (zero1) or spreads experts over them (ep); use ddp or hsdp "
                               "without ep")
 
+    # -- the estimator and the planner ---------------------------------------------------------------------------
+    def replica_states(self, numel: int) -> tuple[int, str]:
+        # OuterLoop's `start` and `momentum`: a copy each of the rank's local parameters (fp32 master weights; the
+        # momentum is allocated even at outer_momentum 0, as the checkpoint's state keeps its shape)
+        return 2 * numel * 4, ("DiLoCo: the round's starting weights and the outer momentum, each a fp32 copy of this "
+                               "rank's parameters")
+
     # -- the step (torch inside) --------------------------------------------------------------------------------
     def after_build(self, model, where) -> None:
         self.runtime["loop"] = OuterLoop(self, model, where)
@@ -225,6 +232,10 @@ class OuterLoop:
                 self.local(self.params[i]).copy_(self.start[i])
         # read at the synchronisations only (every H / F steps): the record's numbers are floats
         self.metrics = {"diloco_bytes": sent, "diloco_outer_norm": outer_norm.item(), "diloco_drift": drift.item()}
+
+    def held_bytes(self) -> int:
+        """Bytes of the copies it keeps beside the model states (the dry run's count; `DiLoCo.replica_states`)."""
+        return sum(t.numel() * t.element_size() for t in (*self.start, *self.momentum))
 
     # -- a GradComm rider: this rank's state in checkpoints -------------------------------------------------------
     def state(self) -> dict:

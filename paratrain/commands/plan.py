@@ -26,7 +26,7 @@ from paratrain.config import Config, dump_toml, validate
 from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.estimate.gpus import fmt_bytes, limit_text
 from paratrain.estimate.hetero import even_split_layout, parse_gpus, read_cluster, stage_hardware
-from paratrain.estimate.planner import (PLAN_FLAG_KEYS, Planning, PlanRequest, checked_choices, micro_batch_sizes,
+from paratrain.estimate.planner import (PLAN_FLAG_KEYS, plan_diloco, Planning, PlanRequest, checked_choices, micro_batch_sizes,
                                         plan_context)
 from paratrain.estimate.report import tiers_text
 from paratrain.estimate.search import AC_MODES, PLANNED_SCHEDULES
@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the plan as one JSON document (docs/estimate-and-plan.md)")
     p.add_argument("--intra", help="intra-node link: nvlink | pcie4 | pcie5 (default: the GPU's usual one)")
     p.add_argument("--inter", help="inter-node link: ib400 (default) | ib200 | eth100 | eth25")
+    p.add_argument("--inter-node-bandwidth", help="a node's link to the others, e.g. 1Gbit, 10Gbit, 25GB/s (over "
+                   "--inter, shared by the node's GPUs); also weighs DiLoCo (a replica per node) against the plain "
+                   "first choice, which changes the training: docs/layouts.md")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: min(max_seq_len, 4096))")
     p.add_argument("--global-batch-tokens", type=int, default=None,
                    help="tokens per optimizer step (default: 512 sequences or 4Mi tokens, whichever is smaller)")
@@ -116,7 +119,7 @@ def request_from(args) -> tuple[PlanRequest, Config | None]:
                 if cap.plan_flag is not None and getattr(args, cap.plan_flag.key)}
     request = PlanRequest(
         margs, gpus, model_name=name, gpus_per_node=args.gpus_per_node, gpu=args.gpu, gpu_memory=args.gpu_memory,
-        intra=args.intra, inter=args.inter, profile_dir=args.profile_dir, seq=args.seq,
+        intra=args.intra, inter=args.inter, inter_node_bandwidth=args.inter_node_bandwidth, profile_dir=args.profile_dir, seq=args.seq,
         global_batch_tokens=args.global_batch_tokens, precision=args.precision,
         compile=args.compile if args.compile is not None else bool(trained is not None and trained.compile),
         tf32=args.tf32 if args.tf32 is not None else trained.tf32 if trained is not None else None,
@@ -292,6 +295,7 @@ def main(argv: list[str]) -> int:
     p = planning.plan(args.top)
     elapsed = time.perf_counter() - started
     ctx, world, best = planning.ctx, planning.world, p.ranked[0]
+    diloco = plan_diloco(request, planning, p)  # (None without --inter-node-bandwidth over several nodes)
     model_spec = None if base else args.model
     written = None
     if not args.no_write:
@@ -303,9 +307,11 @@ def main(argv: list[str]) -> int:
 
         check = dry_run(config_for(best.cand, ctx, base, model_spec), world)
     if args.json:
-        print(json.dumps(plan_json(p, ctx, world, elapsed, written, args.top, check), indent=2))
+        out = plan_json(p, ctx, world, elapsed, written, args.top, check)
+        print(json.dumps(out if diloco is None else {**out, "diloco": diloco.as_json()}, indent=2))
         return 0 if check is None or check.agrees else 1
-    print("\n".join(plan_lines(p, planning, elapsed, args.top)))
+    lines = plan_lines(p, planning, elapsed, args.top)
+    print("\n".join(lines[:1] + (diloco.lines() if diloco is not None else []) + lines[1:]))
     if written:
         print(f"wrote {written['config']}" + (f" and {written['sbatch']}" if written["sbatch"] else ""))
         print(f"launch: {written['launch']}")

@@ -530,7 +530,8 @@ class _Walk:
         weight-gradient step, per stage."""
         st, d, comp = self.st, self.d, self.comp
         self.base = dict(parameters=st.params + st.rope_buffers * len(self.stages), frozen=st.frozen,
-                         optimizer=st.optimizer, master=st.master, compression=comp.state_bytes if comp else 0)
+                         optimizer=st.optimizer, master=st.master, compression=comp.state_bytes if comp else 0,
+                         **({"replica_states": st.replica_states} if st.replica_states else {}))
         self.autocast = st.autocast_copies
         self.inter = {s: len(self.layers_of[s]) * _zb_intermediates(d)
                       + (_zb_head_intermediates(d) if s == self.last_stage else 0) for s in self.stages}

@@ -145,6 +145,27 @@ GENERATION = {
 GPU_MODES = {"eager": 1.0, "compile": 0.30}
 
 
+_BITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
+         "b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12}
+
+
+def parse_bandwidth(text: str) -> float:
+    """'1Gbit', '10Gbit', '25GB/s' (a node's link to the others) -> bytes/s; a one-line UserError otherwise."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z/]+)\s*", text or "")
+    unit = _BITS.get(m.group(2).lower().removesuffix("ps").replace("bits", "bit")) if m else None
+    if unit is None or not float(m.group(1)) > 0:
+        raise UserError(f"cannot read bandwidth '{text}': use a number and a unit, e.g. 1Gbit, 10Gbit, 25GB/s")
+    return float(m.group(1)) * unit
+
+
+def bandwidth_link(text: str, gpus_per_node: int) -> Link:
+    """`--inter-node-bandwidth`: a node's link to the others, shared by its GPUs (each rank gets its share), at an
+    Ethernet's latency."""
+    return Link(f"{text} per node", parse_bandwidth(text) * LINK_EFFICIENCY / gpus_per_node, LINKS["eth25"][1])
+
+
 def link(name: str, gpu: str | None = None) -> Link:
     if name not in LINKS:
         raise UserError(f"unknown link '{name}'; known: {', '.join(LINKS)}")

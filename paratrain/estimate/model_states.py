@@ -165,6 +165,7 @@ class StateBytes:
     rope_buffers: int = 0
     notes: tuple[str, ...] = ()
     grads_beyond_shards: int = 0  # of `grads`: bytes beyond each parameter's own sharded shape (a whole gradient)
+    replica_states: int = 0  # a capability's copies beside the states (DiLoCo: round-start weights, outer momentum)
 
 
 _STATES: dict = {}
@@ -282,9 +283,12 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
     steps = tensors * entry.tensor_state_bytes
     if steps and layout.zero1:
         steps = math.ceil(tensors / layout.dp) * entry.tensor_state_bytes
+    replica = [r for r in (cap.replica_states(numel) for cap in capabilities) if r is not None]
+    notes += [note for _, note in replica]
     return StateBytes(params=numel * FP32, grads=grads_numel * FP32, optimizer=round(opt_numel * per_opt) + steps,
                       master=0, autocast_copies=autocast, param_numel=numel, unsharded_numel=local_numel, rope_buffers=rope,
-                      notes=tuple(notes), grads_beyond_shards=whole_numel * FP32)
+                      notes=tuple(notes), grads_beyond_shards=whole_numel * FP32,
+                      replica_states=sum(b for b, _ in replica))
 
 
 def _optimizer_state_per_element(entry, kinds: list[tuple[Param, int, int]], local_numel: int) -> tuple[float, int]:

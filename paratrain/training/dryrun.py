@@ -128,7 +128,7 @@ def _estimated_states(i) -> list[dict]:
                          i.recipe.lora, i.recipe.capabilities)
         # the gradients a backward would make beyond the parameters' shapes (whole where torch returns them whole)
         # are not built here: compared without them, and named
-        out.append({"params": st.params + st.frozen, "grads": st.grads - st.grads_beyond_shards, "optimizer": st.optimizer,
+        out.append({"params": st.params + st.frozen, "grads": st.grads - st.grads_beyond_shards, "optimizer": st.optimizer + st.replica_states,
                     "blocks": layers[stage], "beyond": st.grads_beyond_shards})
     return out
 
