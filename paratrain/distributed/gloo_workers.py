@@ -9,9 +9,12 @@ collectives: `all_gather_into_tensor` runs gloo's `allgather_into_tensor_coalesc
 two at once free one buffer twice or write into a freed one, and glibc aborts a later allocation ("malloc():
 unaligned tcache chunk detected"), in whatever collective comes next. Tensor parallelism issues many small such
 gathers in a row (a forward's sequence-parallel gathers, the loss-parallel logits, the final weights' gather), so a
-loaded CPU run of tp2 hit it (issue 52, item 5). With one worker per group only one thread ever writes a group's
-status. gloo runs a group's collectives in the order they were issued anyway; a second worker only overlaps two of
-one group's collectives, which paratrain's CPU runs (tests, checks; GPUs use NCCL) do not need.
+loaded CPU run of tp2 hit it (issue 52, item 5). (Read in torch 2.13's libtorch_cpu.so: `gdb -batch -ex "disassemble
+'c10d::ProcessGroupGloo::runLoop(int)'"` shows pthread_mutex_unlock, AsyncWork::execute, opTypeToString, the
+string's pointer swapped in and the old buffer's operator delete, and only then pthread_mutex_lock.)
+
+With one worker per group only one thread ever writes a group's status. A second worker only overlaps two of one
+group's collectives, which paratrain's CPU runs (tests, checks; GPUs use NCCL) do not need.
 """
 
 from __future__ import annotations
