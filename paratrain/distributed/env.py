@@ -13,6 +13,7 @@ from torch.distributed import distributed_c10d
 import torch.distributed as dist
 
 from paratrain.distributed.attempts import attempt
+from paratrain.distributed.gloo_workers import one_worker_gloo
 from paratrain.errors import ConfigError
 
 
@@ -70,6 +71,7 @@ def init_process_group(device: torch.device, timeout_s: float, host_collectives:
     host_collectives: on CUDA also gloo for tensors in host memory (CPU offload: the gradient norm and the fp16
     scaler's overflow flag are reduced where the gradients are)."""
     os.environ.setdefault(HISTORY_ENV, str(COLLECTIVE_HISTORY))
+    one_worker_gloo()  # torch's two gloo workers per group race on the group's status: heap corruption (gloo_workers.py)
     # Groups made later (the mesh's sub-groups, new_group) take torch's default timeout (30 min on gloo, 10 on NCCL),
     # not this group's: make it the run's, so a stuck rank ends the run whichever group it blocks.
     distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
