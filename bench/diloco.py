@@ -88,7 +88,7 @@ def main() -> None:
         print(f"| {replicas} | {label} | {r['syncs']} | {r['bytes_per_token']:,.1f} | {fewer:.2%} | {r['val']:.4f} "
               f"| {gap:+.2%} | {r['wall']:.0f} |")
     goal = [(replicas, label) for replicas, label, r, base in rows if r is not base
-            and r["bytes_per_token"] <= 0.01 * base["bytes_per_token"] and r["val"] <= 1.02 * base["val"]]
+            and r["bytes_per_token"] <= (0.01 + 1e-9) * base["bytes_per_token"] and r["val"] <= 1.02 * base["val"]]
     print("\n>= 99% fewer bytes within 2% of dp's val loss: " + (", ".join(f"{lab} ({n} replicas)" for n, lab in goal)
                                                                or "none"))
 
