@@ -44,11 +44,11 @@ def env() -> dict:
 
 
 def agents(args: list[str], extra_env: dict | None = None, restarts: int = 0, timeout: float = 300,
-           command: list[str] | None = None) -> list[str]:
-    """Two torchrun agents of one job (node ranks from the rendezvous) running `paratrain train ARGS` (or
-    `paratrain COMMAND`); returns their outputs, both exit 0."""
+           command: list[str] | None = None, per_node: int = 2) -> list[str]:
+    """Two torchrun agents of one job (node ranks from the rendezvous), `per_node` ranks each, running
+    `paratrain train ARGS` (or `paratrain COMMAND`); returns their outputs, both exit 0."""
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"job{port}",
            "--max-restarts", str(restarts), "-m", "paratrain", *(command or ["train", *args])]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -171,3 +171,27 @@ wait $first && wait $second
     records = [json.loads(line) for line in (tmp_path / "slurm" / "metrics.jsonl").open()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
     assert next(r for r in records if "world_size" in r)["world_size"] == 4
+
+
+def test_diloco_across_two_nodes_resumes_mid_round_after_a_kill(char_data, tmp_path):
+    """DiLoCo with one replica per node (two agents of one rank each: ddp over 2 ranks, `parallel.dp_sync=diloco`,
+    H = 4 in 2 fragments, so one fragment syncs after steps 2, 4, 6): rank 1 (the second node's only rank) SIGKILLed
+    before step 5 under `--max-restarts 1`; both agents restart their ranks, which resume from step-3, in the middle
+    of a round (the replicas' own weights and AdamW moments, the fragments' starts and outer momenta: per-rank
+    checkpoint state), and steps 4-6 have the uninterrupted DiLoCo run's losses bit for bit."""
+    from paratrain.api import train
+
+    diloco = ["parallel.dp_sync=diloco", "parallel.dp_mode=ddp", "diloco.inner_steps=4", "diloco.fragments=2",
+              f"training.steps={STEPS}", "checkpoint.every=3", "training.log_every=1", *SAME]
+    straight = train(load_config(None, fast_overrides(char_data, tmp_path, "straight", *diloco)), nproc=2)
+    args = [f"--{o}" for o in fast_overrides(char_data, tmp_path, "two", *diloco)]
+    outs = agents(args, extra_env={"PARATRAIN_FAULTS": "kill@4:1"}, restarts=1, per_node=1)
+    run = tmp_path / "two"
+    assert f"resumed from {run / 'checkpoints' / 'step-3'} at step 3" in "".join(outs)
+    got = losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert [got[s] for s in range(1, STEPS + 1)] == straight.losses  # ==: bitwise, the resumed steps 4-6 included
+    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert [(r["step"], r["restarts"]) for r in records if r.get("segment")] == [(0, 0), (3, 1)]
+    synced = sorted({r["step"] for r in in_effect(records)[0] if r.get("diloco_bytes", 0) > 0})
+    assert synced == [2, 4, 6]
