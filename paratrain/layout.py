@@ -54,8 +54,18 @@ class Layout:
     cp: int = 1  # context parallel: each sequence split over cp ranks (2 x cp chunks, load-balanced)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dp_mode", DPMode(self.dp_mode))  # (a config's or a flag's name)
-        object.__setattr__(self, "pp_schedule", Schedule(self.pp_schedule))
+        # (a config's or a flag's name; the planner makes tens of thousands from members: no Enum lookup for those)
+        if type(self.dp_mode) is not DPMode:
+            object.__setattr__(self, "dp_mode", DPMode(self.dp_mode))
+        if type(self.pp_schedule) is not Schedule:
+            object.__setattr__(self, "pp_schedule", Schedule(self.pp_schedule))
+
+    def with_checked(self, **changes) -> "Layout":
+        """`dataclasses.replace` for fields no `__post_init__` coerces and no construction check reads (pp_split,
+        pp_microbatches: `validate` fills them in): the same Layout, made tens of thousands of times a plan."""
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__, **changes)
+        return copy
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
@@ -323,7 +333,7 @@ class Layout:
             split = self.pp_split or balanced_split(args, self.num_stages)
             if sum(split) != args.n_layers:
                 raise ConfigError(_split_error(split, self.num_stages, args.n_layers))
-            layout = dataclasses.replace(self, pp_split=tuple(split))
+            layout = self.with_checked(pp_split=tuple(split))
         if batch is not None:
             layout = layout._check_batch(args, batch)
         return layout
@@ -428,7 +438,7 @@ class Layout:
         if self.pp_schedule.multi_stage and m % max(1, m // self.pp):
             raise ConfigError(f"parallel.pp_schedule={self.pp_schedule}: {m} microbatches must be a multiple of the "
                               f"{m // self.pp} rounds of {self.pp} (choose a multiple of parallel.pp)")
-        return dataclasses.replace(self, pp_microbatches=m)
+        return self.with_checked(pp_microbatches=m)
 
     def check_checkpointing(self, mode: str) -> None:
         """Activation checkpointing (`activation_checkpoint.mode`) against the pipeline schedule: the zero-bubble

@@ -301,6 +301,10 @@ def _rank(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]], layers
                  staging)
 
 
+# The categories a schedule adds to each backward's own peaks: what the rest of the schedule holds then.
+SHIFTED = ("pipeline", "logits_loss", "gradients", "comm_buffers")
+
+
 class _Peaks:
     """A walk's candidate peaks, (total, phase, bytes by category) each: the largest is the rank's peak, and each
     category's own maximum over them is its size (kept as they come: a pipeline adds thousands)."""
@@ -325,23 +329,18 @@ class _Peaks:
             self.best, self.pending = (total, phase, cats), None
         self._grow(cats)
 
-    def add_shifted(self, walk: "_Peaks", extra: dict) -> None:
-        """Every candidate of `walk` with `extra` bytes added to its categories (what the rest of a schedule holds
-        then): the same peak and sizes as adding each, at the cost of one."""
-        total, phase, cats = walk.peak()
-        if self.best is None or total + sum(extra.values()) > self.best[0]:
-            self.best, self.pending = (total + sum(extra.values()), phase, None), (cats, extra)
-        if walk in self.shifted:  # (a walk's other sizes are the same at every micro-batch: grown in once)
-            sizes, unshifted = self.sizes, walk.sizes
-            for key, v in extra.items():
-                v = unshifted.get(key, 0) + v
-                if v > sizes.get(key, 0):
-                    sizes[key] = v
-                else:
-                    sizes.setdefault(key, 0)
-            return
-        self.shifted.add(walk)
-        self._grow({**walk.sizes, **{k: walk.sizes.get(k, 0) + v for k, v in extra.items()}})
+    def add_shifted(self, shifts: dict, best: tuple | None) -> None:
+        """Every candidate of each walk of `shifts` ({walk: [the largest bytes added to each of SHIFTED's categories
+        over its shifts]}, in the order the walks were first shifted) with what the rest of a schedule held at each
+        shift: the same peak and sizes as adding each candidate, at the cost of one per walk. `best`: (total, walk,
+        its bytes added) of the first shift reaching the largest total (a schedule shifts thousands: only the best's
+        bytes are built)."""
+        if best is not None and (self.best is None or best[0] > self.best[0]):
+            total, walk, extra = best
+            _, phase, cats = walk.peak()
+            self.best, self.pending = (total, phase, None), (cats, dict(zip(SHIFTED, extra)))
+        for walk, most in shifts.items():
+            self._grow({**walk.sizes, **{k: walk.sizes.get(k, 0) + v for k, v in zip(SHIFTED, most)}})
 
     def _grow(self, cats: dict) -> None:
         sizes = self.sizes
@@ -556,6 +555,9 @@ class _Walk:
         held = held_head = grads_so_far = sent_out = sent_grads = 0
         grads_done: set[int] = set()
         walked: dict = {}
+        shifts: dict = {}  # walk -> the largest of each SHIFTED category added to it (first shifted first)
+        best = None  # (total, walk, SHIFTED bytes) of the first shift with the largest total
+        g_const = self.g_const
         for stage, kind, _ in actions:
             if kind == "F":
                 held += hold[stage]
@@ -569,11 +571,21 @@ class _Walk:
             first_bwd = stage not in grads_done and not self.g_const
             # The stage's own walk is the same at every micro-batch (what else is held only adds to each of its
             # candidates): walked once per (stage, kind, first backward), shifted by this point's additions.
-            if (stage, kind, first_bwd) not in walked:
-                walked[stage, kind, first_bwd] = _StageBackward(self, stage, kind, first_bwd).peaks()
-            peaks.add_shifted(walked[stage, kind, first_bwd], {
-                "pipeline": others, "logits_loss": held_head - hold_head[stage],
-                "gradients": self.g_const + grads_so_far, "comm_buffers": sent_grads})
+            walk = walked.get((stage, kind, first_bwd))
+            if walk is None:
+                walk = walked[stage, kind, first_bwd] = _StageBackward(self, stage, kind, first_bwd).peaks()
+                walk.peak()
+            extra = (others, held_head - hold_head[stage], g_const + grads_so_far, sent_grads)
+            total = walk.best[0] + others + extra[1] + extra[2] + sent_grads
+            if best is None or total > best[0]:
+                best = (total, walk, extra)
+            most = shifts.get(walk)
+            if most is None:
+                shifts[walk] = list(extra)
+            else:
+                for j in range(4):
+                    if extra[j] > most[j]:
+                        most[j] = extra[j]
             if kind in ("I", "B") and stash_sends and remote_prev[stage]:
                 sent_grads += self.binp
             if kind == "I":
@@ -588,6 +600,7 @@ class _Walk:
                     held -= inter[stage]
                 if stash_sends and remote_next[stage]:
                     sent_out += self.binp
+        peaks.add_shifted(shifts, best)
         return peaks
 
     def end_of_pipeline_step(self, peaks: _Peaks) -> None:

@@ -3,7 +3,6 @@ headroom), predict the step time of the rest (paratrain/estimate/step_time.py) a
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -235,9 +234,7 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
 def _with_microbatches(layout: Layout, microbatches: int) -> Layout:
     """`layout.replace(pp_microbatches=...)` of a pipelined layout without checking it again (no check reads the
     microbatches but for being >= 1): the same Layout, made tens of thousands of times a plan."""
-    copy = object.__new__(Layout)
-    copy.__dict__.update(layout.__dict__, pp_microbatches=microbatches)
-    return copy
+    return layout.with_checked(pp_microbatches=microbatches)
 
 
 def evaluate(c: Candidate, ctx: Context, headroom: float, with_memory: bool = True) -> Result:
@@ -353,7 +350,7 @@ def fastest_first(results: list[Result], ctx: Context):
 def _memory_key(c: Candidate) -> tuple:
     """Candidates with the same key differ only in micro-batch (a smaller one makes more pipeline micro-batches) and
     checkpointing: a larger micro-batch with no more recomputation needs at least as much memory."""
-    return dataclasses.replace(c.layout, pp_microbatches=0), c.switched  # (the switched: the memory tiers)
+    return c.layout.with_checked(pp_microbatches=0), c.switched  # (the switched: the memory tiers)
 
 
 def _dominated(c: Candidate, miss_micro_batch: int, miss_ac: CheckpointMode) -> bool:
@@ -398,7 +395,7 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     # (activation offload: these blocks' saved tensors are in host memory)
     offloaded = {b for cap in c.switched for b in (cap.host_activations(a.n_layers) or ((), 0))[0]}
     on_host = any(cap.states_on_host for cap in c.switched)  # (CPU offload: the model states are in host memory)
-    shape = dataclasses.replace(lay, pp_microbatches=0)  # (the model states do not depend on the micro-batches)
+    shape = lay.with_checked(pp_microbatches=0)  # (the model states do not depend on the micro-batches)
     for s in ranks:
         states = cached(ctx, ("states", shape, s, on_host), lambda: sum(
             _states(state_bytes(a, lay, ctx.precision, ctx.optimizer, "paratrain", s, layers, ctx.lora))

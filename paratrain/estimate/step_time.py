@@ -216,8 +216,14 @@ class Context:
         key = ("candidate settings", *sorted(settings.items()))
         hit = self.cache.get(key)
         if hit is None or hit[0] is not self.run:
-            hit = self.cache[key] = (self.run, self.run.replace(**settings))
-        return Candidate(hit[1].replace(layout=layout, accum_steps=accum, micro_batch=micro_batch))
+            base = self.run.replace(**settings)
+            hit = self.cache[key] = (self.run, base, Candidate(base).__dict__)
+        # (tens of thousands a plan: `Recipe.replace` and `Candidate.__post_init__` of plain fields, done directly)
+        recipe = object.__new__(type(hit[1]))
+        recipe.__dict__.update(hit[1].__dict__, layout=layout, accum_steps=accum, micro_batch=micro_batch)
+        candidate = object.__new__(Candidate)
+        candidate.__dict__.update(hit[2], recipe=recipe, layout=layout, micro_batch=micro_batch)
+        return candidate
 
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)
