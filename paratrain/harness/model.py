@@ -110,12 +110,9 @@ class ParatrainLM(TemplateLM):
             batch = batches[min(b, len(batches) - 1)] if batches else []
             if not batch:
                 continue
-            length = len(rows[batch[0]][0])
-            tokens = torch.zeros(len(batch), length, dtype=torch.long)  # (B, T), right-padded
-            targets = torch.zeros(len(batch), length, dtype=torch.long)
-            for j, i in enumerate(batch):
-                x, y, _ = rows[i]
-                tokens[j, :len(x)], targets[j, :len(y)] = torch.tensor(x), torch.tensor(y)
+            length = len(rows[batch[0]][0])  # the batch's longest: padded to it, not to max_length
+            tokens = padded([rows[i][0] for i in batch], length)  # (B, T), right-padded
+            targets = padded([rows[i][1] for i in batch], length)
             logp, greedy = self.train_step.target_scores(tokens, targets)  # (B, T) each
             if b >= len(batches):
                 continue  # a padding round: the same number of forwards on every rank
@@ -203,6 +200,11 @@ class Generation:
             for s in stops:
                 self.text = self.text.split(s)[0]
         return finished
+
+
+def padded(rows: list[list[int]], length: int) -> torch.Tensor:
+    """(B, length) int64 of id lists right-padded with 0, made in one call (not a tensor per row)."""
+    return torch.tensor([row + [0] * (length - len(row)) for row in rows], dtype=torch.long)
 
 
 def gathered(mine: dict) -> dict:
