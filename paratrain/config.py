@@ -7,7 +7,6 @@ names the key; nothing is launched or written before the whole config has been v
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from typing import Literal, Union, get_args, get_origin
@@ -23,7 +22,7 @@ import tomli_w
 from paratrain import allocator, capabilities
 from paratrain.capabilities import OPTIMIZER_NAMES, optimizer_entry
 from paratrain.capabilities.grad_compression import Compression
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, did_you_mean
 from paratrain.models.args import ModelArgs, is_int
 from paratrain.modes import (CheckpointModeName, DPModeOption, OptimizerImpl, PrecisionName, ScheduleName,
                              WeightDtype)
@@ -328,8 +327,7 @@ REPLACED_KEYS = {"training.eval_batches": ("training.eval_sequences", "a number 
 
 
 def _suggest(name: str, options) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    return did_you_mean(name, options, cutoff=0.6)
 
 
 def _coerce(key: str, value, annotation):

@@ -16,12 +16,13 @@ class ConfigError(UserError):
     """An invalid config key, type or value."""
 
 
-def did_you_mean(word: str, choices) -> str:
-    """` (did you mean 'X'?)` for the choice closest to a mistyped word (a command, an option), else "": every
-    command line suggests the same way."""
+def did_you_mean(word: str, choices, cutoff: float = 0.75) -> str:
+    """` (did you mean 'X'?)` for the choice closest to a mistyped word (a command, an option, a setting's value),
+    else "": every command line and config suggests the same way. (Options take 0.75: at difflib's 0.6 `--promt`
+    suggested `--nproc`; the names of settings, presets and rows take 0.6.)"""
     import difflib  # lazy: only a mistyped word needs it
 
-    close = difflib.get_close_matches(word, sorted(choices), n=1, cutoff=0.75)
+    close = difflib.get_close_matches(str(word), sorted(choices), n=1, cutoff=cutoff)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 

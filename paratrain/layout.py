@@ -20,10 +20,9 @@ setting. `distributed/parallel_dims.py` turns a Layout into a DeviceMesh; nothin
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass
 
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, did_you_mean
 from paratrain.modes import DP_MODE_OPTIONS, SCHEDULES, CheckpointMode, DPMode, Schedule
 from paratrain.stage_split import balanced_split
 
@@ -530,6 +529,5 @@ def _split_error(split, stages: int, n_layers: int | None = None) -> str:
 
 def check_choice(key: str, value: str, options: tuple[str, ...]) -> None:
     if value not in options:
-        close = difflib.get_close_matches(str(value), options, n=1)
         raise ConfigError(f"{key}: '{value}' is not one of {', '.join(options)}"
-                          + (f" (did you mean '{close[0]}'?)" if close else ""))
+                          + did_you_mean(value, options, cutoff=0.6))

@@ -18,7 +18,7 @@ from paratrain import capabilities
 from paratrain.api import launch_ranks, run_rank, train_rank
 from paratrain.capabilities.base import MOE_PRESET, RowTerms
 from paratrain.config import ParallelConfig, load_config
-from paratrain.errors import UserError
+from paratrain.errors import UserError, did_you_mean
 from paratrain.layout_grammar import parse_layout_name
 from paratrain.modes import Precision
 from paratrain.recipe import config_default, setting_keys
@@ -220,12 +220,9 @@ def layout_overrides(name: str) -> tuple[int, list[str]]:
         (first_ranks, _), (ranks, extra) = resumed_overrides(name)
         return max(first_ranks, ranks), extra
     if name not in LAYOUTS:
-        import difflib
-
         known = [*LAYOUTS, *RESUMED]
-        close = difflib.get_close_matches(name, known, n=1)
-        raise UserError(f"unknown layout '{name}'" + (f" (did you mean '{close[0]}'?)" if close else
-                                                        f" (known: {', '.join(known)})"))
+        raise UserError(f"unknown layout '{name}'" + (did_you_mean(name, known, cutoff=0.6)
+                                                        or f" (known: {', '.join(known)})"))
     return _row_overrides(name, *split_row(LAYOUTS[name])[0])
 
 

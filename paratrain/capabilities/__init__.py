@@ -4,7 +4,6 @@ one). Everything else iterates `CAPABILITIES` or a run's `active(cfg)` and names
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import NamedTuple
 
 from paratrain.capabilities.activation_offload import ActivationOffload
@@ -21,7 +20,7 @@ from paratrain.capabilities.muon import Muon
 from paratrain.capabilities.onebit import OneBitAdam
 from paratrain.capabilities.segment_checkpointing import SegmentCheckpointing
 from paratrain.capabilities.z_loss import ZLoss
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, did_you_mean
 from paratrain.optimizers import BUILT_IN, OptimizerEntry
 
 # In the order their hooks run (and their keys are listed in a section they share).
@@ -56,9 +55,8 @@ def optimizer_entry(name: str) -> OptimizerEntry:
     """The registered optimizer `name`, or a one-line ConfigError naming the known ones."""
     entry = OPTIMIZERS.get(name)
     if entry is None:
-        close = difflib.get_close_matches(str(name), OPTIMIZER_NAMES, n=1)
         raise ConfigError(f"optimizer.name: '{name}' is not one of {', '.join(OPTIMIZER_NAMES)}"
-                          + (f" (did you mean '{close[0]}'?)" if close else ""))
+                          + did_you_mean(name, OPTIMIZER_NAMES, cutoff=0.6))
     return entry
 
 

@@ -5,9 +5,8 @@ config.json (Qwen/Qwen2.5-7B, Qwen/Qwen3-8B, ...)."""
 from __future__ import annotations
 
 import dataclasses
-import difflib
 
-from paratrain.errors import ConfigError, UserError
+from paratrain.errors import ConfigError, UserError, did_you_mean
 from paratrain.models.args import ROPE_SCALINGS, SCORE_FUNCS, ModelArgs, fields_problem
 from paratrain.models.registry import attention_shape, block_numels, get_family, parameters, used_numel
 
@@ -122,8 +121,7 @@ PRESETS: dict[str, dict] = {
 
 def preset_fields(name: str) -> dict:
     if name not in PRESETS:
-        close = difflib.get_close_matches(name, PRESETS, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(PRESETS)})"
+        hint = did_you_mean(name, PRESETS, cutoff=0.6) or f" (known: {', '.join(PRESETS)})"
         raise UserError(f"unknown model preset '{name}'{hint}")
     return dict(PRESETS[name])
 
