@@ -19,6 +19,7 @@ import sys
 import time
 
 from paratrain import allocator, capabilities
+from paratrain.capabilities.grad_compression import Compression
 from paratrain.config import Config
 from paratrain.distributed import failure
 from paratrain.distributed.launch import attempt, inside_launcher, launch, start_rank_server
@@ -80,7 +81,9 @@ def _train_parts(parts, want_final_weights: bool, keep_group: bool):
         check_overwrite(folder)
     # (CPU offload: on CUDA also collectives on host tensors, where the gradients are)
     host_collectives = any(c.states_on_host for c in capabilities.active(cfg))
-    env = init_distributed(cfg.training.device, cfg.resilience.collective_timeout_s, host_collectives)
+    # torch's PowerSGD hook waits on a collective inside a gloo worker's callback: two workers (gloo_workers.py)
+    gloo_threads = 2 if Compression(cfg.parallel.grad_compression).low_rank else 1
+    env = init_distributed(cfg.training.device, cfg.resilience.collective_timeout_s, host_collectives, gloo_threads)
     if world > 1:
         # One rank prepares the data; the others wait, then read it or raise the same error.
         box = [None]

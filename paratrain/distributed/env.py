@@ -63,7 +63,8 @@ HISTORY_ENV = "TORCH_FR_BUFFER_SIZE"  # torch's flight recorder: collectives kep
 COLLECTIVE_HISTORY = 2000  # paratrain's default, read back on a hang (paratrain/observe/hang.py)
 
 
-def init_process_group(device: torch.device, timeout_s: float, host_collectives: bool = False) -> None:
+def init_process_group(device: torch.device, timeout_s: float, host_collectives: bool = False,
+                       gloo_threads: int = 1) -> None:
     """Join the launcher's process group (RANK, WORLD_SIZE, MASTER_ADDR/PORT from the environment) for `device`:
     NCCL bound to a CUDA device (made the current one), gloo on CPU. The one place paratrain starts a group:
     the trainer (`init_distributed`), `paratrain doctor`'s all-reduce test and `paratrain plan --calibrate`.
@@ -71,7 +72,9 @@ def init_process_group(device: torch.device, timeout_s: float, host_collectives:
     host_collectives: on CUDA also gloo for tensors in host memory (CPU offload: the gradient norm and the fp16
     scaler's overflow flag are reduced where the gradients are)."""
     os.environ.setdefault(HISTORY_ENV, str(COLLECTIVE_HISTORY))
-    one_worker_gloo()  # torch's two gloo workers per group race on the group's status: heap corruption (gloo_workers.py)
+    # torch's two gloo workers per group race on the group's status: heap corruption (gloo_workers.py); PowerSGD's
+    # runs keep two (`gloo_threads`)
+    one_worker_gloo(gloo_threads)
     # Groups made later (the mesh's sub-groups, new_group) take torch's default timeout (30 min on gloo, 10 on NCCL),
     # not this group's: make it the run's, so a stuck rank ends the run whichever group it blocks.
     distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
@@ -102,13 +105,13 @@ def restart_store(timeout: timedelta):
 
 
 def init_distributed(device_preference: str = "auto", timeout_s: float = 600.0,
-                     host_collectives: bool = False) -> DistEnv:
+                     host_collectives: bool = False, gloo_threads: int = 1) -> DistEnv:
     rank, world, local_rank = world_from_env()
     quiet_torch_logs()
     device = pick_device(device_preference, local_rank)
     if world > 1 and not dist.is_initialized():
         # NCCL on GPUs, gloo on CPU: the same training code runs on both
-        init_process_group(device, timeout_s, host_collectives)
+        init_process_group(device, timeout_s, host_collectives, gloo_threads)
     elif device.type == "cuda":
         torch.cuda.set_device(device)
     return DistEnv(rank, world, local_rank, device)

@@ -14,7 +14,10 @@ loaded CPU run of tp2 hit it (issue 52, item 5). (Read in torch 2.13's libtorch_
 string's pointer swapped in and the old buffer's operator delete, and only then pthread_mutex_lock.)
 
 With one worker per group only one thread ever writes a group's status. A second worker only overlaps two of one
-group's collectives, which paratrain's CPU runs (tests, checks; GPUs use NCCL) do not need.
+group's collectives, which paratrain's CPU runs (tests, checks; GPUs use NCCL) do not need, with one exception: torch's
+PowerSGD hook waits for an all-reduce inside the completion callback of the previous one, which runs on the worker
+that completed it; with one worker it would wait on itself. A run with PowerSGD keeps two (`threads=2`; its
+collectives, ALLREDUCE and ALLGATHER, have names short enough to live inside the string: no heap, no double free).
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ import os
 from torch.distributed import distributed_c10d
 
 GLOO_WORKERS = 1
+_threads = [GLOO_WORKERS]  # the worker threads of the gloo groups made from now on (`one_worker_gloo`)
 
 
-def one_worker_gloo() -> None:
+def one_worker_gloo(threads: int = GLOO_WORKERS) -> None:
     """Make every gloo group this process creates from now on (the default group, the mesh's sub-groups, new_group)
-    run one worker thread. Idempotent; call it before the first group starts."""
+    run `threads` worker threads (1 but for PowerSGD's runs). Call it before the first group starts."""
+    _threads[0] = threads
     base = distributed_c10d.ProcessGroupGloo
     if getattr(base, "_paratrain_workers", None) is not None:
         return
@@ -42,7 +47,7 @@ def one_worker_gloo() -> None:
         def __init__(self, store, rank, size, timeout=distributed_c10d.default_pg_timeout):
             options = base._Options()
             options._timeout = timeout
-            options._threads = GLOO_WORKERS
+            options._threads = _threads[0]
             # the devices torch's own constructor picks: GLOO_SOCKET_IFNAME's interfaces, else the hostname's
             interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
             options._devices = ([base.create_device(interface=i) for i in interfaces] if interfaces
