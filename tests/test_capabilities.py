@@ -96,7 +96,9 @@ NAMED_ALSO_IN = {
                          "paratrain/commands/estimate.py", "paratrain/downstream.py", "paratrain/capabilities/muon.py",
                          "paratrain/config.py", "paratrain/spec.py", "paratrain/layout_grammar.py",
                          "paratrain/commands/plan.py", "paratrain/distributed/compression.py",
-                         "paratrain/capabilities/diloco.py"},  # (refused with dp_sync=diloco: no per-step reduction)
+                         "paratrain/capabilities/diloco.py",  # (refused with dp_sync=diloco: no per-step reduction)
+                         # (a PowerSGD run's gloo groups keep two worker threads: distributed/gloo_workers.py)
+                         "paratrain/api.py"},
     "lora": {
         # the capabilities that refuse it (a conflict names both; each refusal stays with the capability that cannot
         # run with frozen adapters: fp8's casts of the frozen base, Muon's hidden matrices)

@@ -28,8 +28,9 @@ The hooks are called at fixed points of a step (paratrain/training/step.py), alw
 
 and the estimator and the planner ask (torch-free): `weight_copies` (the low-precision weight copies a step keeps),
 `linear_gemm_rate` and `elementwise_values` (a block's compute time), `optimizer_temporaries` (what an optimizer it
-brings allocates in its step beside the states) and `optimizer_step_s` (that step's own seconds and the communication
-it exposes).
+brings allocates in its step beside the states), `optimizer_step_s` (that step's own seconds and the communication
+it exposes), `replica_states` (copies a rank keeps beside its states) and `plan_alternative` (another way to train the
+request that `paratrain plan` weighs beside its plain plan: local SGD across slow links).
 
 A memory tier can be a capability that a layout's name switches on (`layout_item`; CPU offload, activation offload):
 
@@ -284,7 +285,7 @@ class Capability:
 
     def replica_states(self, numel: int) -> tuple[int, str] | None:
         """Memory: (bytes, the estimate's note) of what it keeps beside the model states on a rank holding `numel`
-        parameter elements (after tp, pp and FSDP: the rank's own share; DiLoCo's round-start weights and outer
+        parameter elements (after tp, pp and FSDP: the rank's own share; a local-SGD round's start weights and outer
         momentum), or None."""
         return None
 
@@ -345,6 +346,12 @@ class Capability:
         """What the JSON documents say under its name among the memory tiers (`on`: the run's, or None): on or not
         (activation offload: its mode)."""
         return on is not None
+
+    @classmethod
+    def plan_alternative(cls, request, planning, plain):
+        """`paratrain plan`: another way to train the request the capability would rank beside the plain plan `plain`
+        (an object with `lines()`, `as_json()` and its JSON `key`), or None (local SGD across slow links)."""
+        return None
 
     def plan_note(self, args) -> str | None:
         """A line `paratrain plan` prints under its header about it, for the model of ModelArgs `args` (None: none)."""

@@ -31,7 +31,7 @@ Torch-free at the top: torch inside the hooks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from paratrain.capabilities.base import Capability
@@ -137,6 +137,10 @@ class DiLoCo(Capability):
                               "without ep")
 
     # -- the estimator and the planner ---------------------------------------------------------------------------
+    @classmethod
+    def plan_alternative(cls, request, planning, plain) -> "DiLoCoChoice | None":
+        return plan_diloco(request, planning, plain)
+
     def replica_states(self, numel: int) -> tuple[int, str]:
         # OuterLoop's `start` and `momentum`: a copy each of the rank's local parameters (fp32 master weights; the
         # momentum is allocated even at outer_momentum 0, as the checkpoint's state keeps its shape)
@@ -272,3 +276,73 @@ class OuterLoop:
                     saved = state.get(f"{name}|opt.{key}")
                     if saved is not None:
                         self.local(t).copy_(saved)
+
+
+# -- the planner: one DiLoCo replica per node beside the plain plan (`paratrain plan --inter-node-bandwidth`) --------
+
+DILOCO_INNER_STEPS = (10, 50, 100)  # the H the planner tries for DiLoCo (`plan_diloco`)
+DILOCO_SYNC_SHARE = 0.05  # the smallest H whose amortised synchronisation is at most this share of a step
+
+
+@dataclass(frozen=True)
+class DiLoCoChoice:
+    """`paratrain plan --inter-node-bandwidth`: a replica per node, each laid out as one node's first choice on its
+    share of the batch, the pseudo-gradient all-reduced across nodes every H steps; beside the plain first choice."""
+
+    replicas: int
+    layout: str  # one replica's (one node's) layout
+    inner_steps: int  # H
+    step_s: float  # per step, the synchronisation amortised over H
+    plain_layout: str
+    plain_step_s: float
+    plain_comm_s: float  # the plain first choice's exposed communication per step
+    sync_bytes: float  # bytes a rank sends per synchronisation
+    link: str
+
+    @property
+    def first(self) -> bool:
+        return self.step_s < self.plain_step_s
+
+    def lines(self) -> list[str]:
+        mb = self.sync_bytes / 1e6
+        return [f"DiLoCo ({self.link} between nodes): {self.replicas} replicas, one per node, each {self.layout}, "
+                f"H={self.inner_steps}: {self.step_s:.3f} s per step vs {self.plain_step_s:.3f} s for the plain first "
+                f"choice {self.plain_layout}" + (" -> DiLoCo ranks first" if self.first else ""),
+                f"  why: the plain layout's exposed communication takes {self.plain_comm_s:.3f} s of its "
+                f"{self.plain_step_s:.3f} s step; DiLoCo with H={self.inner_steps} sends {mb / self.inner_steps:,.1f} "
+                f"MB/step per rank across nodes ({mb:,.1f} MB every {self.inner_steps} steps)",
+                f"  DiLoCo trains differently from data parallelism (local steps, then an outer Nesterov step): to use "
+                f"it, set parallel.dp_mode = \"hsdp\", parallel.dp_replicate = {self.replicas}, parallel.dp_sync = "
+                f"\"diloco\", diloco.inner_steps = {self.inner_steps} (docs/layouts.md)"]
+
+    key = "diloco"  # its entry in `paratrain plan --json`
+
+    def as_json(self) -> dict:
+        return {"replicas": self.replicas, "layout": self.layout, "inner_steps": self.inner_steps,
+                "step_s": self.step_s, "plain_layout": self.plain_layout, "plain_step_s": self.plain_step_s,
+                "plain_comm_s": self.plain_comm_s, "sync_bytes": self.sync_bytes, "first": self.first}
+
+
+def plan_diloco(request, planning, plain) -> DiLoCoChoice | None:
+    """DiLoCo beside the plain plan, where `request` gives --inter-node-bandwidth over several nodes (None otherwise).
+    One replica per node: one node's plan on 1/nodes of the batch, plus the pseudo-gradient's all-reduce (fp32, each
+    rank's 1/gpus_per_node share of the weights) over the nodes every H steps (not overlapped)."""
+    ctx, world = planning.ctx, planning.world
+    nodes = world // ctx.gpus_per_node
+    if request.inter_node_bandwidth is None or nodes < 2 or ctx.cluster or ctx.global_seqs % nodes:
+        return None
+    sync_bytes = planning.parameter_count() * 4 / ctx.gpus_per_node
+    # a replica's layout must leave room for DiLoCo's round-start weights and outer momentum (fp32, like the
+    # pseudo-gradient a rank's 1/gpus_per_node share of the weights: exact when a node's ranks shard the model, low
+    # where they replicate it)
+    room = ctx.hw.memory_bytes - 2 * int(sync_bytes)
+    one = planning.of(replace(request, gpus=ctx.gpus_per_node, inter_node_bandwidth=None, gpu_memory=room,
+                                           global_batch_tokens=ctx.global_seqs // nodes * ctx.seq_len)).plan(1)
+    if not one.ranked:
+        return None
+    replica, best = one.ranked[0], plain.ranked[0]
+    sync_s = planning.all_reduce_s(sync_bytes, nodes, ctx.hw.inter)
+    h = next((h for h in DILOCO_INNER_STEPS if sync_s / h <= DILOCO_SYNC_SHARE * replica.pred.step_s),
+             DILOCO_INNER_STEPS[-1])
+    return DiLoCoChoice(nodes, replica.cand.name, h, replica.pred.step_s + sync_s / h, best.cand.name,
+                        best.pred.step_s, best.pred.comm_exposed_s, sync_bytes, ctx.hw.inter.name)

@@ -26,7 +26,7 @@ from paratrain.config import Config, dump_toml, validate
 from paratrain.errors import OneLineArgumentParser, UserError
 from paratrain.estimate.gpus import fmt_bytes, limit_text
 from paratrain.estimate.hetero import even_split_layout, parse_gpus, read_cluster, stage_hardware
-from paratrain.estimate.planner import (PLAN_FLAG_KEYS, plan_diloco, Planning, PlanRequest, checked_choices, micro_batch_sizes,
+from paratrain.estimate.planner import (PLAN_FLAG_KEYS, Planning, PlanRequest, checked_choices, micro_batch_sizes,
                                         plan_context)
 from paratrain.estimate.report import tiers_text
 from paratrain.estimate.search import AC_MODES, PLANNED_SCHEDULES
@@ -59,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--intra", help="intra-node link: nvlink | pcie4 | pcie5 (default: the GPU's usual one)")
     p.add_argument("--inter", help="inter-node link: ib400 (default) | ib200 | eth100 | eth25")
     p.add_argument("--inter-node-bandwidth", help="a node's link to the others, e.g. 1Gbit, 10Gbit, 25GB/s (over "
-                   "--inter, shared by the node's GPUs); also weighs DiLoCo (a replica per node) against the plain "
-                   "first choice, which changes the training: docs/layouts.md")
+                   "--inter, shared by the node's GPUs); also weighs local SGD across nodes (a replica per node) against "
+                   "the plain first choice, which changes the training: docs/layouts.md")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: min(max_seq_len, 4096))")
     p.add_argument("--global-batch-tokens", type=int, default=None,
                    help="tokens per optimizer step (default: 512 sequences or 4Mi tokens, whichever is smaller)")
@@ -295,7 +295,8 @@ def main(argv: list[str]) -> int:
     p = planning.plan(args.top)
     elapsed = time.perf_counter() - started
     ctx, world, best = planning.ctx, planning.world, p.ranked[0]
-    diloco = plan_diloco(request, planning, p)  # (None without --inter-node-bandwidth over several nodes)
+    # the capabilities' alternatives to the plain plan (local SGD with --inter-node-bandwidth over several nodes)
+    alternatives = [a for c in CAPABILITIES if (a := c.plan_alternative(request, planning, p)) is not None]
     model_spec = None if base else args.model
     written = None
     if not args.no_write:
@@ -308,10 +309,10 @@ def main(argv: list[str]) -> int:
         check = dry_run(config_for(best.cand, ctx, base, model_spec), world)
     if args.json:
         out = plan_json(p, ctx, world, elapsed, written, args.top, check)
-        print(json.dumps(out if diloco is None else {**out, "diloco": diloco.as_json()}, indent=2))
+        print(json.dumps({**out, **{a.key: a.as_json() for a in alternatives}}, indent=2))
         return 0 if check is None or check.agrees else 1
     lines = plan_lines(p, planning, elapsed, args.top)
-    print("\n".join(lines[:1] + (diloco.lines() if diloco is not None else []) + lines[1:]))
+    print("\n".join(lines[:1] + [line for a in alternatives for line in a.lines()] + lines[1:]))
     if written:
         print(f"wrote {written['config']}" + (f" and {written['sbatch']}" if written["sbatch"] else ""))
         print(f"launch: {written['launch']}")

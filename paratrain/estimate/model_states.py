@@ -165,7 +165,7 @@ class StateBytes:
     rope_buffers: int = 0
     notes: tuple[str, ...] = ()
     grads_beyond_shards: int = 0  # of `grads`: bytes beyond each parameter's own sharded shape (a whole gradient)
-    replica_states: int = 0  # a capability's copies beside the states (DiLoCo: round-start weights, outer momentum)
+    replica_states: int = 0  # a capability's copies beside the states (local SGD: round-start weights, outer momentum)
 
 
 _STATES: dict = {}

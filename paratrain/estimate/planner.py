@@ -104,6 +104,19 @@ class Planning(NamedTuple):
                             "stages")
         return explain(layout, self.ctx, self.world, self.opts)
 
+    # -- what a capability's alternative to the plain plan asks (Capability.plan_alternative: local SGD) --
+    @staticmethod
+    def of(request: PlanRequest) -> "Planning":
+        """Another request resolved (e.g. one node's share of the run)."""
+        return plan_context(request)
+
+    def parameter_count(self) -> int:
+        return sum(p.numel for p in model_params(self.ctx.args))
+
+    @staticmethod
+    def all_reduce_s(nbytes: float, ranks: int, link) -> float:
+        return all_reduce_time(nbytes, ranks, link)
+
 
 def plan(request: PlanRequest, top: int = 5) -> Plan:
     """The ranked plan for `request` (`Plan.ranked[0]` the first choice)."""
@@ -253,69 +266,3 @@ def _one_or_choices(one, one_flag: str, many, flag: str, default: tuple, allowed
     if one is not None:
         return (one,)
     return checked_choices(many, allowed or default, flag) or default
-
-
-DILOCO_INNER_STEPS = (10, 50, 100)  # the H the planner tries for DiLoCo (`plan_diloco`)
-DILOCO_SYNC_SHARE = 0.05  # the smallest H whose amortised synchronisation is at most this share of a step
-
-
-@dataclass(frozen=True)
-class DiLoCoChoice:
-    """`paratrain plan --inter-node-bandwidth`: a replica per node, each laid out as one node's first choice on its
-    share of the batch, the pseudo-gradient all-reduced across nodes every H steps; beside the plain first choice."""
-
-    replicas: int
-    layout: str  # one replica's (one node's) layout
-    inner_steps: int  # H
-    step_s: float  # per step, the synchronisation amortised over H
-    plain_layout: str
-    plain_step_s: float
-    plain_comm_s: float  # the plain first choice's exposed communication per step
-    sync_bytes: float  # bytes a rank sends per synchronisation
-    link: str
-
-    @property
-    def first(self) -> bool:
-        return self.step_s < self.plain_step_s
-
-    def lines(self) -> list[str]:
-        mb = self.sync_bytes / 1e6
-        return [f"DiLoCo ({self.link} between nodes): {self.replicas} replicas, one per node, each {self.layout}, "
-                f"H={self.inner_steps}: {self.step_s:.3f} s per step vs {self.plain_step_s:.3f} s for the plain first "
-                f"choice {self.plain_layout}" + (" -> DiLoCo ranks first" if self.first else ""),
-                f"  why: the plain layout's exposed communication takes {self.plain_comm_s:.3f} s of its "
-                f"{self.plain_step_s:.3f} s step; DiLoCo with H={self.inner_steps} sends {mb / self.inner_steps:,.1f} "
-                f"MB/step per rank across nodes ({mb:,.1f} MB every {self.inner_steps} steps)",
-                f"  DiLoCo trains differently from data parallelism (local steps, then an outer Nesterov step): to use "
-                f"it, set parallel.dp_mode = \"hsdp\", parallel.dp_replicate = {self.replicas}, parallel.dp_sync = "
-                f"\"diloco\", diloco.inner_steps = {self.inner_steps} (docs/layouts.md)"]
-
-    def as_json(self) -> dict:
-        return {"replicas": self.replicas, "layout": self.layout, "inner_steps": self.inner_steps,
-                "step_s": self.step_s, "plain_layout": self.plain_layout, "plain_step_s": self.plain_step_s,
-                "plain_comm_s": self.plain_comm_s, "sync_bytes": self.sync_bytes, "first": self.first}
-
-
-def plan_diloco(request: PlanRequest, planning: Planning, plain: Plan) -> DiLoCoChoice | None:
-    """DiLoCo beside the plain plan, where `request` gives --inter-node-bandwidth over several nodes (None otherwise).
-    One replica per node: one node's plan on 1/nodes of the batch, plus the pseudo-gradient's all-reduce (fp32, each
-    rank's 1/gpus_per_node share of the weights) over the nodes every H steps (not overlapped)."""
-    ctx, world = planning.ctx, planning.world
-    nodes = world // ctx.gpus_per_node
-    if request.inter_node_bandwidth is None or nodes < 2 or ctx.cluster or ctx.global_seqs % nodes:
-        return None
-    sync_bytes = sum(p.numel for p in model_params(ctx.args)) * 4 / ctx.gpus_per_node
-    # a replica's layout must leave room for DiLoCo's round-start weights and outer momentum (fp32, like the
-    # pseudo-gradient a rank's 1/gpus_per_node share of the weights: exact when a node's ranks shard the model, low
-    # where they replicate it)
-    room = ctx.hw.memory_bytes - 2 * int(sync_bytes)
-    one = plan_context(dataclasses.replace(request, gpus=ctx.gpus_per_node, inter_node_bandwidth=None, gpu_memory=room,
-                                           global_batch_tokens=ctx.global_seqs // nodes * ctx.seq_len)).plan(1)
-    if not one.ranked:
-        return None
-    replica, best = one.ranked[0], plain.ranked[0]
-    sync_s = all_reduce_time(sync_bytes, nodes, ctx.hw.inter)
-    h = next((h for h in DILOCO_INNER_STEPS if sync_s / h <= DILOCO_SYNC_SHARE * replica.pred.step_s),
-             DILOCO_INNER_STEPS[-1])
-    return DiLoCoChoice(nodes, replica.cand.name, h, replica.pred.step_s + sync_s / h, best.cand.name,
-                        best.pred.step_s, best.pred.comm_exposed_s, sync_bytes, ctx.hw.inter.name)

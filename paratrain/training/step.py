@@ -442,7 +442,7 @@ class TrainStep:
         return {"params": sum(nbytes(p) for p in params),
                 "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
                 "optimizer": sum(nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-                + sum(r.held_bytes() for r in getattr(self.comm, "riders", {}).values())}  # (DiLoCo's copies)
+                + sum(r.held_bytes() for r in getattr(self.comm, "riders", {}).values())}  # (local SGD's copies)
 
     def _local(self, batch):
         """This rank's chunks of a Batch under context parallelism; unchanged otherwise."""
