@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine")
 def test_make_run_says_each_setup_step(tmp_path):
     # a virtual environment that does not exist: make plans the whole set-up; -n prints it and runs nothing
-    done = subprocess.run(["make", "-n", "run", f"VENV={tmp_path / '.venv'}"], cwd=ROOT, capture_output=True,
+    done = subprocess.run(["make", "--no-print-directory", "-n", "run", f"VENV={tmp_path / '.venv'}"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -27,8 +29,9 @@ def test_a_signal_stops_the_sweep(char_data, tmp_path, signum, to_group):
     is no FAIL, the finished row is printed, "interrupted", exit 128 + the signal; every process verify started is
     gone and so is its temporary folder. SIGINT goes to the process group (a terminal's Ctrl-C: the ranks get it
     too), SIGTERM to verify alone (it must stop its ranks itself)."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    # a short TMPDIR: the ranks' forkserver binds a unix socket under it (108 bytes at most; pytest's tmp_path under
+    # CI's xdist workers is longer)
+    tmp = Path(tempfile.mkdtemp(prefix="vsig-"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # (this checkout's paratrain)
     proc = subprocess.Popen([sys.executable, "-m", "paratrain", "verify", "--layouts", "accum,ddp2,fsdp2", "--steps",
@@ -57,7 +60,9 @@ def test_a_signal_stops_the_sweep(char_data, tmp_path, signum, to_group):
     while left := [p.pid for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
         assert time.monotonic() < deadline, f"processes verify started outlived it: {left}"
         time.sleep(0.1)
-    assert not [p.name for p in tmp.iterdir() if p.name.startswith(("paratrain-verify-", "pymp-"))], out
+    left = [p.name for p in tmp.iterdir() if p.name.startswith(("paratrain-verify-", "pymp-"))]
+    shutil.rmtree(tmp, ignore_errors=True)
+    assert not left, out
 
 
 def test_list_names_every_row(capsys):
