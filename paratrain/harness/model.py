@@ -133,7 +133,8 @@ class ParatrainLM(TemplateLM):
         cached = self.cached()
         fits = [i for i in order if cached and len(jobs[i].ids) + jobs[i].max_new <= self.max_length]
         batches = [fits[i:i + self.batch_size] for i in range(0, len(fits), self.batch_size)]
-        batches += [[i] for i in sorted(set(order) - set(fits), key=order.index)]
+        fitting = set(fits)
+        batches += [[i] for i in order if i not in fitting]  # one at a time, longest first
         queue = batches[self.dp_rank::self.dp]
         model = self.train_step.sampler(self.vocab_size)
         mine, batch, decoder, generators = {}, None, None, {}
