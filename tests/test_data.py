@@ -642,3 +642,39 @@ def test_verify_rows_pass_on_a_sharded_dataset(tmp_path):
     rows, _ = run_verify(["ddp2", "fsdp2"], steps=5, tolerance=1e-5,
                          extra_args=[f"data.dir={d}", "data.mode=sequential"], echo=lambda line: None)
     assert len(rows) == 2 and all(r.passed for r in rows), [(r.layout, r.max_loss_diff, r.max_weight_diff, r.note) for r in rows]
+
+
+class _CountingReader:
+    """A file's bytes that count how much was read."""
+
+    def __init__(self, data: bytes):
+        self.data, self.pos = data, 0
+
+    def read(self, n: int) -> bytes:
+        out = self.data[self.pos:self.pos + n]
+        self.pos += len(out)
+        return out
+
+
+def _array_items(data: bytes, monkeypatch, block: int = 100):
+    monkeypatch.setattr(srcmod, "READ_BYTES", block)
+    reader = _CountingReader(data)
+    items = srcmod._json_array(reader, srcmod.Path("a.json"), lambda fn, line: fn())
+    return reader, items
+
+
+def test_a_broken_json_array_item_fails_where_it_is_not_at_the_end_of_the_file(monkeypatch):
+    """A malformed item is reported once the text past it is read, not after reading the rest of the file; a long
+    string item cut across many blocks still parses (read on in doubling steps)."""
+    tail = b"".join(b', {"text": "%d"}' % i for i in range(20_000))  # ~300 KB after the broken item
+    reader, items = _array_items(b'[{"text": "fine"},\n {"text": "a" "b"}' + tail + b"]", monkeypatch)
+    assert next(items) == (1, {"text": "fine"})
+    with pytest.raises(UserError, match=r"a.json line 2: not a valid JSON array \(Expecting ','"):
+        next(items)
+    assert reader.pos < 1000, reader.pos
+    long_text = "x" * 50_000 + "\\u00e9" + "y" * 50_000
+    reader, items = _array_items(b'[{"text": "' + long_text.encode() + b'"}, {"text": "z"}]', monkeypatch)
+    assert [value["text"] for _, value in items] == [json.loads(f'"{long_text}"'), "z"]
+    _, items = _array_items(b'[{"text": "never closed' + b"x" * 5000, monkeypatch)
+    with pytest.raises(UserError, match="Unterminated string"):
+        list(items)

@@ -312,13 +312,17 @@ def _json_array(data, path: Path, read):
             continue
         if not char:
             raise bad("the array is not closed")
-        while True:  # an item: parse it, reading on while it is cut off at the end of the text read so far
+        blocks = 1  # an item cut off reads on 1, 2, 4, ... blocks before the next try: linear in a long item, not
+        while True:  # quadratic. An item: parse it, reading on while it is cut off at the end of the text so far
             try:
                 value, end = decoder.raw_decode(text, pos)
-            except ValueError as e:
-                if done:
-                    raise bad(one_line(getattr(e, "msg", e))) from None
-                more()
+            except json.JSONDecodeError as e:
+                if done or not _cut_off(e, text):
+                    raise bad(one_line(e.msg)) from None
+                for _ in range(blocks):
+                    if not done:
+                        more()
+                blocks *= 2
                 continue
             if end < len(text) or done:  # (a number at the end of the text may go on in the next block)
                 break
@@ -326,6 +330,13 @@ def _json_array(data, path: Path, read):
         yield line, value
         line += text.count("\n", pos, end)
         pos, state = end, "sep"
+
+
+def _cut_off(error: json.JSONDecodeError, text: str) -> bool:
+    """Whether more of the file could mend this parse error: a string still open (its start is reported, however
+    long it is), or an error within the last few characters read (a literal, number or escape cut by the block's
+    end). Anything else is broken whatever follows: said now, not after reading to the end of the file."""
+    return error.msg.startswith("Unterminated string") or error.pos >= len(text) - 8
 
 
 class CompressedDataError(Exception):
