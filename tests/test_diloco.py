@@ -113,3 +113,41 @@ def test_inter_node_bandwidth_is_read_in_one_place():
         with pytest.raises(UserError) as e:
             parse_bandwidth(bad)
         assert "e.g. 1Gbit, 10Gbit, 25GB/s" in str(e.value)
+
+
+PLAN_RTX4090 = ["plan", "--model", "llama3-8b", "--gpus-per-node", "8", "--gpu", "RTX4090"]
+
+
+def _plan_json(capsys, argv: list[str]) -> dict:
+    from paratrain.cli import main
+
+    assert main([*argv, "--json"]) in (0, None)
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_ranks_diloco_first_across_1gbit_and_writes_its_config(capsys, tmp_path):
+    """Across 1 Gbit/s the every-step all-reduce dominates: the DiLoCo row (hsdp, a replica per node) ranks first,
+    and the written config trains it (dp_sync=diloco, its H) and passes the trainer's checks for 16 ranks."""
+    from paratrain.capabilities.diloco import DiLoCo
+    from paratrain.spec import check
+
+    doc = _plan_json(capsys, [*PLAN_RTX4090, "--gpus", "16", "--inter-node-bandwidth", "1Gbit", "--out",
+                              str(tmp_path / "plan")])
+    first, rest = doc["ranked"][0], doc["ranked"][1:]
+    assert first["dp_sync"] == "diloco" and first["dp_mode"] == "hsdp" and first["dp_replicate"] == 2, first
+    assert all("dp_sync" not in r for r in rest) and first["predicted"]["step_s"] < rest[0]["predicted"]["step_s"]
+    h = first["diloco"]["inner_steps"]
+    assert h in (10, 50, 100) and doc["diloco"]["first"] and doc["diloco"]["inner_steps"] == h
+    assert 0 < first["diloco"]["bytes_per_step_across_nodes"] < first["diloco"]["sync_bytes"]
+    cfg = load_config(doc["written"]["config"])
+    assert cfg.parallel.dp_sync == "diloco" and cfg.diloco.inner_steps == h and cfg.parallel.dp_replicate == 2
+    assert DiLoCo.from_config(cfg).inner_steps == h and check(cfg, 16).world_size == 16
+
+
+@pytest.mark.parametrize("where", [["--gpus", "16", "--inter-node-bandwidth", "400Gbit"],  # a fast link
+                                   ["--gpus", "8", "--inter-node-bandwidth", "1Gbit"]])  # one node: no replicas
+def test_plan_keeps_the_plain_first_choice_where_diloco_saves_little(capsys, tmp_path, where):
+    doc = _plan_json(capsys, [*PLAN_RTX4090, *where, "--out", str(tmp_path / "plan")])
+    assert all("dp_sync" not in r for r in doc["ranked"]), doc["ranked"][0]
+    assert doc.get("diloco", {}).get("ranked", False) is False
+    assert load_config(doc["written"]["config"]).parallel.dp_sync == "every_step"

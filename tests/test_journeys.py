@@ -571,7 +571,9 @@ def test_journey_diloco(journey):
     sent = [r["diloco_bytes"] for r in metrics(journey.cwd / "runs" / "diloco") if "loss" in r and "step" in r]
     assert [b > 0 for b in sent] == [False, True, False, True], sent
     out = journey.doc(JOURNEYS["diloco"][1]).stdout  # the planner weighs DiLoCo across a 1 Gbit/s link: first
-    assert "-> DiLoCo ranks first" in out and "MB/step per rank across nodes" in out and "H=" in out, out
+    first = next(line for line in out.splitlines() if line.startswith(" 1 "))
+    assert "dp_sync=diloco H=" in first and "MB/step per rank across nodes" in first, out
+    assert "DiLoCo ranks first (" in out and 'dp_sync = "diloco"' in (journey.cwd / "plan" / "config.toml").read_text()
 
 
 def test_journey_architecture(journey):

@@ -127,6 +127,17 @@ class SectionFlag:
 
 
 @dataclass(frozen=True)
+class PlanRow:
+    """A ranked row a capability adds to `paratrain plan`'s table (`Capability.plan_alternative`): a search Result on
+    the plan's world (its candidate's recipe carries the capability, so the written config trains it), what the
+    table's note column says of it, and the keys its JSON entry adds."""
+
+    result: object  # paratrain.estimate.search.Result
+    note: str
+    json: dict
+
+
+@dataclass(frozen=True)
 class PlanFlag:
     """`paratrain plan`'s switch of a capability, a shorthand for another setting (the request's `setting` given
     `value`: fp8's flag is `--precision fp8`); the plan's JSON says under the flag's name whether the plan uses the
@@ -349,8 +360,10 @@ class Capability:
 
     @classmethod
     def plan_alternative(cls, request, planning, plain):
-        """`paratrain plan`: another way to train the request the capability would rank beside the plain plan `plain`
-        (an object with `lines()`, `as_json()` and its JSON `key`), or None (local SGD across slow links)."""
+        """`paratrain plan`: another way to train the request the capability weighs beside the plain plan `plain`, or
+        None (local SGD across slow links): an object with `rows` (PlanRows ranked among the plain rows by predicted
+        step time; the first row, whichever it is, is the written config), `lines()` (said under the table: why) and
+        `as_json()` under its JSON `key`."""
         return None
 
     def plan_note(self, args) -> str | None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from paratrain.capabilities.base import Capability
+from paratrain.capabilities.base import Capability, PlanRow
 from paratrain.capabilities.grad_compression import Compression, GradCompression
 from paratrain.errors import ConfigError, UserError
 from paratrain.modes import WeightDtype
@@ -140,6 +140,12 @@ class DiLoCo(Capability):
     @classmethod
     def plan_alternative(cls, request, planning, plain) -> "DiLoCoChoice | None":
         return plan_diloco(request, planning, plain)
+
+    def config_values(self) -> dict:
+        # (a planned DiLoCo row's written config: Recipe.to_config)
+        return {"parallel.dp_sync": "diloco", "diloco.inner_steps": self.inner_steps, "diloco.outer_lr": self.outer_lr,
+                "diloco.outer_momentum": self.outer_momentum, "diloco.nesterov": self.nesterov,
+                "diloco.fragments": self.fragments, **({"diloco.outer_dtype": "bf16"} if self.wire_bf16 else {})}
 
     def replica_states(self, numel: int) -> tuple[int, str]:
         # OuterLoop's `start` and `momentum`: a copy each of the rank's local parameters (fp32 master weights; the
@@ -278,71 +284,129 @@ class OuterLoop:
                         self.local(t).copy_(saved)
 
 
-# -- the planner: one DiLoCo replica per node beside the plain plan (`paratrain plan --inter-node-bandwidth`) --------
+# -- the planner: one DiLoCo replica per node, a ranked row of the plain plan (`paratrain plan --inter-node-bandwidth`)
 
 DILOCO_INNER_STEPS = (10, 50, 100)  # the H the planner tries for DiLoCo (`plan_diloco`)
 DILOCO_SYNC_SHARE = 0.05  # the smallest H whose amortised synchronisation is at most this share of a step
+# DiLoCo trains differently from data parallelism, so the plan ranks it only where it saves at least this share of
+# the fastest every-step layout's step (where the all-reduce across nodes dominates); on a fast link it saves little
+DILOCO_MIN_SAVING = 0.25
 
 
 @dataclass(frozen=True)
 class DiLoCoChoice:
     """`paratrain plan --inter-node-bandwidth`: a replica per node, each laid out as one node's first choice on its
-    share of the batch, the pseudo-gradient all-reduced across nodes every H steps; beside the plain first choice."""
+    share of the batch (FSDP inside), the pseudo-gradient all-reduced across nodes every H steps; a ranked row (`rows`)
+    where it saves at least DILOCO_MIN_SAVING of the fastest every-step layout's step: the plain first choice's, or
+    the same replicas' all-reducing the gradient every step (hsdp), whichever is faster."""
 
     replicas: int
-    layout: str  # one replica's (one node's) layout
+    layout: str  # the whole run's layout: hsdp, a replica per node
     inner_steps: int  # H
     step_s: float  # per step, the synchronisation amortised over H
-    plain_layout: str
+    every_layout: str  # the fastest every-step layout
+    every_step_s: float
+    every_comm_s: float  # its exposed communication per step
+    plain_layout: str  # the plain first choice
     plain_step_s: float
-    plain_comm_s: float  # the plain first choice's exposed communication per step
     sync_bytes: float  # bytes a rank sends per synchronisation
     link: str
+    row: object = None  # its PlanRow, None when not ranked
+
+    @property
+    def rows(self) -> list:
+        return [self.row] if self.row is not None else []
 
     @property
     def first(self) -> bool:
-        return self.step_s < self.plain_step_s
+        return self.row is not None and self.step_s < self.plain_step_s
+
+    @property
+    def saving(self) -> float:
+        return 1 - self.step_s / self.every_step_s
+
+    def note(self) -> str:
+        return (f"dp_sync=diloco H={self.inner_steps}: {self.sync_bytes / self.inner_steps / 1e6:,.1f} MB/step per "
+                "rank across nodes")
 
     def lines(self) -> list[str]:
         mb = self.sync_bytes / 1e6
-        return [f"DiLoCo ({self.link} between nodes): {self.replicas} replicas, one per node, each {self.layout}, "
-                f"H={self.inner_steps}: {self.step_s:.3f} s per step vs {self.plain_step_s:.3f} s for the plain first "
-                f"choice {self.plain_layout}" + (" -> DiLoCo ranks first" if self.first else ""),
-                f"  why: the plain layout's exposed communication takes {self.plain_comm_s:.3f} s of its "
-                f"{self.plain_step_s:.3f} s step; DiLoCo with H={self.inner_steps} sends {mb / self.inner_steps:,.1f} "
-                f"MB/step per rank across nodes ({mb:,.1f} MB every {self.inner_steps} steps)",
-                f"  DiLoCo trains differently from data parallelism (local steps, then an outer Nesterov step): to use "
-                f"it, set parallel.dp_mode = \"hsdp\", parallel.dp_replicate = {self.replicas}, parallel.dp_sync = "
-                f"\"diloco\", diloco.inner_steps = {self.inner_steps} (docs/layouts.md)"]
+        against = (f"{self.step_s:.3f} s per step against {self.every_step_s:.3f} s for the fastest every-step layout "
+                   f"{self.every_layout}, whose exposed communication takes {self.every_comm_s:.3f} s")
+        if self.row is None:
+            return [f"DiLoCo not ranked ({self.link} between nodes): {against}; it trains differently from data "
+                    f"parallelism, so the plan ranks it only where it saves {DILOCO_MIN_SAVING:.0%} of the step or "
+                    "more (docs/layouts.md)"]
+        verdict = "DiLoCo ranks first" if self.first else "DiLoCo ranks below the plain first choice"
+        return [f"{verdict} ({self.link} between nodes): {against}; DiLoCo with H={self.inner_steps} sends "
+                f"{mb / self.inner_steps:,.1f} MB/step per rank across nodes ({mb:,.1f} MB every {self.inner_steps} "
+                "steps)",
+                f"  DiLoCo trains differently from data parallelism (local steps, then an outer Nesterov step): its "
+                f"config sets parallel.dp_sync = \"diloco\", diloco.inner_steps = {self.inner_steps} (docs/layouts.md)"]
 
     key = "diloco"  # its entry in `paratrain plan --json`
 
+    def row_json(self) -> dict:
+        return {"dp_sync": "diloco", "diloco": {"replicas": self.replicas, "inner_steps": self.inner_steps,
+                                                "sync_bytes": self.sync_bytes,
+                                                "bytes_per_step_across_nodes": self.sync_bytes / self.inner_steps}}
+
     def as_json(self) -> dict:
-        return {"replicas": self.replicas, "layout": self.layout, "inner_steps": self.inner_steps,
-                "step_s": self.step_s, "plain_layout": self.plain_layout, "plain_step_s": self.plain_step_s,
-                "plain_comm_s": self.plain_comm_s, "sync_bytes": self.sync_bytes, "first": self.first}
+        return {"ranked": self.row is not None, "first": self.first, "replicas": self.replicas, "layout": self.layout,
+                "inner_steps": self.inner_steps, "step_s": self.step_s, "every_step_layout": self.every_layout,
+                "every_step_s": self.every_step_s, "every_step_comm_s": self.every_comm_s,
+                "plain_layout": self.plain_layout, "plain_step_s": self.plain_step_s, "sync_bytes": self.sync_bytes}
 
 
 def plan_diloco(request, planning, plain) -> DiLoCoChoice | None:
     """DiLoCo beside the plain plan, where `request` gives --inter-node-bandwidth over several nodes (None otherwise).
-    One replica per node: one node's plan on 1/nodes of the batch, plus the pseudo-gradient's all-reduce (fp32, each
-    rank's 1/gpus_per_node share of the weights) over the nodes every H steps (not overlapped)."""
+    One replica per node: one node's plan (FSDP inside, room left for DiLoCo's two copies) on 1/nodes of the batch,
+    plus the pseudo-gradient's all-reduce (fp32, each rank's 1/gpus_per_node share of the weights) over the nodes
+    every H steps (not overlapped); the whole run is that layout as hsdp with a replica per node."""
     ctx, world = planning.ctx, planning.world
     nodes = world // ctx.gpus_per_node
-    if request.inter_node_bandwidth is None or nodes < 2 or ctx.cluster or ctx.global_seqs % nodes:
+    pinned = {"dp_mode", "dp_replicate", "dp_shard"} & set(request.parallel)
+    if (request.inter_node_bandwidth is None or nodes < 2 or ctx.cluster or ctx.global_seqs % nodes or pinned
+            or (request.dp_modes is not None and "fsdp" not in request.dp_modes)):
         return None
     sync_bytes = planning.parameter_count() * 4 / ctx.gpus_per_node
     # a replica's layout must leave room for DiLoCo's round-start weights and outer momentum (fp32, like the
-    # pseudo-gradient a rank's 1/gpus_per_node share of the weights: exact when a node's ranks shard the model, low
-    # where they replicate it)
+    # pseudo-gradient a rank's 1/gpus_per_node share of the weights: FSDP shards the model over the node; the row's
+    # memory below is the estimator's, with them)
     room = ctx.hw.memory_bytes - 2 * int(sync_bytes)
-    one = planning.of(replace(request, gpus=ctx.gpus_per_node, inter_node_bandwidth=None, gpu_memory=room,
-                                           global_batch_tokens=ctx.global_seqs // nodes * ctx.seq_len)).plan(1)
-    if not one.ranked:
+    one = planning.of(replace(request, gpus=ctx.gpus_per_node, inter_node_bandwidth=None, dp_modes=("fsdp",),
+                              gpu_memory=room, global_batch_tokens=ctx.global_seqs // nodes * ctx.seq_len))
+    try:
+        ranked = one.plan(10).ranked
+    except UserError:  # no replica fits on one node
         return None
-    replica, best = one.ranked[0], plain.ranked[0]
+    # the first replica sharded inside its node (FSDP: hsdp across the nodes; tp alone in a node has no such layout)
+    replica = next((r for r in ranked if r.cand.layout.dp_shard > 1), None)
+    if replica is None:
+        return None
+    try:  # the same replicas all-reducing the gradient every step
+        every = planning.evaluate(planning.candidate(f"hsdp,rep={nodes}" + replica.cand.name.removeprefix("fsdp")))
+    except UserError:  # (a layout hsdp cannot run across the nodes)
+        return None
+    if every.pred is None:
+        return None
     sync_s = planning.all_reduce_s(sync_bytes, nodes, ctx.hw.inter)
-    h = next((h for h in DILOCO_INNER_STEPS if sync_s / h <= DILOCO_SYNC_SHARE * replica.pred.step_s),
-             DILOCO_INNER_STEPS[-1])
-    return DiLoCoChoice(nodes, replica.cand.name, h, replica.pred.step_s + sync_s / h, best.cand.name,
-                        best.pred.step_s, best.pred.comm_exposed_s, sync_bytes, ctx.hw.inter.name)
+    inner = replica.pred.step_s
+    h = next((h for h in DILOCO_INNER_STEPS if sync_s / h <= DILOCO_SYNC_SHARE * inner), DILOCO_INNER_STEPS[-1])
+    step = inner + sync_s / h
+    best = plain.ranked[0]
+    fastest = min((best, every), key=lambda r: r.pred.step_s)  # (the plain row on a tie)
+    choice = DiLoCoChoice(nodes, every.cand.name, h, step, fastest.cand.name, fastest.pred.step_s,
+                          fastest.pred.comm_exposed_s, best.cand.name, best.pred.step_s, sync_bytes, ctx.hw.inter.name)
+    if choice.saving < DILOCO_MIN_SAVING:
+        return choice
+    # the row: the whole run's candidate with DiLoCo in its recipe (its memory, its written config), predicted as one
+    # replica's step plus the amortised synchronisation
+    row = planning.evaluate(every.cand.replace(capabilities=(*every.cand.recipe.capabilities, DiLoCo(inner_steps=h))))
+    if row.reason is not None:
+        return choice
+    p = replica.pred
+    row.pred = replace(p, step_s=step, comm_exposed_s=p.comm_exposed_s + sync_s / h, comm_total_s=p.comm_total_s
+                       + sync_s / h, tokens_per_s=ctx.global_seqs * ctx.seq_len / step, mfu=p.mfu * inner / step,
+                       comm={**p.comm, "diloco_sync": sync_s / h}, dp_bytes=p.dp_bytes + sync_bytes / h)
+    return replace(choice, row=PlanRow(row, choice.note(), choice.row_json()))

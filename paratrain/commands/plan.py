@@ -263,12 +263,13 @@ def write_outputs(best, ctx, world: int, out_dir, base=None, model_spec=None) ->
     return path, cmd, sb
 
 
-def format_table(results, ctx) -> str:
+def format_table(results, ctx, notes: dict | None = None) -> str:
+    """The ranked rows; `notes`: {row index: what a capability's row says} (a note column when any)."""
     hosted = any(r.estimate is not None and r.estimate.host_bytes for r in results)
     w = max([44] + [len(r.cand.name) for r in results])
     head = (f"{'#':>2} {'layout':<{w}} {'tokens/s':>12} {'MFU':>6} {'mem/rank':>10} "
             + (f"{'host/rank':>10} " if hosted else "")
-            + f"{'step':>9} {'compute':>9} {'exp.comm':>9} {'bubble':>8} {'recomp':>8}")
+            + f"{'step':>9} {'compute':>9} {'exp.comm':>9} {'bubble':>8} {'recomp':>8}" + ("  note" if notes else ""))
     lines = [head]
     for i, r in enumerate(results, 1):
         p = r.pred
@@ -276,8 +277,23 @@ def format_table(results, ctx) -> str:
         host = f"{fmt_bytes(r.estimate.host_bytes) if r.estimate is not None else '-':>10} " if hosted else ""
         lines.append(f"{i:>2} {r.cand.name:<{w}} {p.tokens_per_s:>12,.0f} {p.mfu:>6.1%} "
                      f"{fmt_bytes(r.total_bytes) if r.total_bytes is not None else '-':>10} {host}{ms(p.step_s):>9} "
-                     f"{ms(p.compute_s):>9} {ms(p.comm_exposed_s):>9} {ms(p.bubble_s):>8} {ms(p.recompute_s):>8}")
+                     f"{ms(p.compute_s):>9} {ms(p.comm_exposed_s):>9} {ms(p.bubble_s):>8} {ms(p.recompute_s):>8}"
+                     + (f"  {notes[i - 1]}" if notes and i - 1 in notes else ""))
     return "\n".join(lines)
+
+
+def with_rows(p, alternatives, top: int):
+    """The plan with the capabilities' rows (`Capability.plan_alternative`) ranked among its `top` fastest by
+    predicted step time (a tie: the plain row first): (that plan, rows to show, {row index: note}, {row index: JSON
+    keys})."""
+    rows = [row for a in alternatives for row in a.rows]
+    if not rows:
+        return p, top, None, {}
+    merged = sorted([(r, None) for r in p.ranked[:top]] + [(row.result, row) for row in rows],
+                    key=lambda pair: pair[0].pred.step_s)
+    added = {i: row for i, (_, row) in enumerate(merged) if row is not None}
+    return (dataclasses.replace(p, ranked=[r for r, _ in merged]), len(merged),
+            {i: row.note for i, row in added.items()}, {i: row.json for i, row in added.items()})
 
 
 def main(argv: list[str]) -> int:
@@ -293,10 +309,12 @@ def main(argv: list[str]) -> int:
         return 0
     started = time.perf_counter()
     p = planning.plan(args.top)
+    # the capabilities' alternatives to the plain plan, their rows ranked among its (local SGD with
+    # --inter-node-bandwidth over several nodes)
+    alternatives = [a for c in CAPABILITIES if (a := c.plan_alternative(request, planning, p)) is not None]
+    p, top, notes, row_keys = with_rows(p, alternatives, args.top)
     elapsed = time.perf_counter() - started
     ctx, world, best = planning.ctx, planning.world, p.ranked[0]
-    # the capabilities' alternatives to the plain plan (local SGD with --inter-node-bandwidth over several nodes)
-    alternatives = [a for c in CAPABILITIES if (a := c.plan_alternative(request, planning, p)) is not None]
     model_spec = None if base else args.model
     written = None
     if not args.no_write:
@@ -308,11 +326,10 @@ def main(argv: list[str]) -> int:
 
         check = dry_run(config_for(best.cand, ctx, base, model_spec), world)
     if args.json:
-        out = plan_json(p, ctx, world, elapsed, written, args.top, check)
+        out = plan_json(p, ctx, world, elapsed, written, top, check, row_keys)
         print(json.dumps({**out, **{a.key: a.as_json() for a in alternatives}}, indent=2))
         return 0 if check is None or check.agrees else 1
-    lines = plan_lines(p, planning, elapsed, args.top)
-    print("\n".join(lines[:1] + [line for a in alternatives for line in a.lines()] + lines[1:]))
+    print("\n".join(plan_lines(p, planning, elapsed, top, notes) + [line for a in alternatives for line in a.lines()]))
     if written:
         print(f"wrote {written['config']}" + (f" and {written['sbatch']}" if written["sbatch"] else ""))
         print(f"launch: {written['launch']}")
@@ -324,8 +341,9 @@ def main(argv: list[str]) -> int:
     return 0 if check is None or check.agrees else 1
 
 
-def plan_lines(p, planning: Planning, elapsed: float, top: int) -> list[str]:
-    """The printed plan: what was planned, the table of the fastest layouts and the first choice's details."""
+def plan_lines(p, planning: Planning, elapsed: float, top: int, notes: dict | None = None) -> list[str]:
+    """The printed plan: what was planned, the table of the fastest layouts (`notes`: format_table's) and the first
+    choice's details."""
     ctx, world, opts = planning
     hw, best = ctx.hw, p.ranked[0]
     rate = f" (matmuls at the {ctx.math()} peak, {hw.peak(ctx.math()) / 1e12:,.4g} TFLOP/s)" if hw.peaks else ""
@@ -342,7 +360,7 @@ def plan_lines(p, planning: Planning, elapsed: float, top: int) -> list[str]:
     lines.append(f"{p.considered} layouts considered: {len(p.rejected)} rejected, {len(p.ranked)} fit among the "
                  f"fastest predicted (memory: paratrain estimate, {limit_text(hw.memory_bytes, opts.headroom)}); "
                  f"planned in {elapsed:.2f} s")
-    lines.append(format_table(p.ranked[:top], ctx))
+    lines.append(format_table(p.ranked[:top], ctx, notes))
     lines.append(f"best: {best.cand.describe()} -- {best.pred.breakdown()}")
     if best.cand.switched:
         lines.append(f"memory tiers (no layout fits without them): {tiers_text(best.estimate.inputs)}; host memory "
@@ -409,9 +427,10 @@ def _prediction_json(pred) -> dict:
                            for name, step, sent in pred.phases]} if pred.phases else {})}
 
 
-def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int = 5, check=None) -> dict:
+def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int = 5, check=None,
+              row_keys: dict | None = None) -> dict:
     """The plan as one JSON document (`paratrain plan --json`; the schema is in docs/estimate-and-plan.md), with the
-    first choice's dry run (`--check`) when given."""
+    first choice's dry run (`--check`) when given; `row_keys`: {row index: the keys a capability's row adds}."""
 
     def layout_json(r) -> dict:
         lay = r.cand.layout
@@ -446,7 +465,7 @@ def plan_json(p, ctx, world: int, elapsed: float, written: dict | None, top: int
            for cap in CAPABILITIES if cap.plan_flag is not None},
         "grad_compression": ctx.compression.method, "optimizer": ctx.optimizer,
         "considered": p.considered, "rejected": len(p.rejected), "planning_seconds": elapsed,
-        "ranked": [layout_json(r) for r in p.ranked[:top]],
+        "ranked": [{**layout_json(r), **(row_keys or {}).get(i, {})} for i, r in enumerate(p.ranked[:top])],
         "written": written,
     }
     if check is not None:

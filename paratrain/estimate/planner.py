@@ -25,7 +25,7 @@ from paratrain.estimate.gpus import HEADROOM, check_headroom, parse_memory
 from paratrain.estimate.hardware import bandwidth_link, resolve_hardware
 from paratrain.estimate.model_states import model_params
 from paratrain.estimate.hetero import MAX_GPUS, build_groups, plan_hetero, slowest_first
-from paratrain.estimate.search import AC_MODES, PLANNED_SCHEDULES, Options, Plan, explain
+from paratrain.estimate.search import AC_MODES, PLANNED_SCHEDULES, Options, Plan, evaluate, explain, parse_layout
 from paratrain.estimate.search import plan as search_plan
 from paratrain.estimate.step_time import Context, all_reduce_time, planned_run
 from paratrain.layout import CONFIG_KEYS
@@ -116,6 +116,14 @@ class Planning(NamedTuple):
     @staticmethod
     def all_reduce_s(nbytes: float, ranks: int, link) -> float:
         return all_reduce_time(nbytes, ranks, link)
+
+    def candidate(self, name: str):
+        """The candidate a layout's name (as printed) is on this world (UserError / ConfigError when none)."""
+        return parse_layout(name, self.ctx, self.world)
+
+    def evaluate(self, candidate):
+        """A candidate's prediction and memory check (a search Result: `reason` None when it fits)."""
+        return evaluate(candidate, self.ctx, self.opts.headroom)
 
 
 def plan(request: PlanRequest, top: int = 5) -> Plan:
