@@ -59,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--intra", help="intra-node link: nvlink | pcie4 | pcie5 (default: the GPU's usual one)")
     p.add_argument("--inter", help="inter-node link: ib400 (default) | ib200 | eth100 | eth25")
     p.add_argument("--inter-node-bandwidth", help="a node's link to the others, e.g. 1Gbit, 10Gbit, 25GB/s (over "
-                   "--inter, shared by the node's GPUs); also weighs local SGD across nodes (a replica per node) against "
-                   "the plain first choice, which changes the training: docs/layouts.md")
+                   "--inter, shared by the node's GPUs); also ranks local SGD across nodes (a replica per node) among the "
+                   "layouts where it is much faster; it changes the training: docs/layouts.md")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: min(max_seq_len, 4096))")
     p.add_argument("--global-batch-tokens", type=int, default=None,
                    help="tokens per optimizer step (default: 512 sequences or 4Mi tokens, whichever is smaller)")
