@@ -45,14 +45,16 @@ not interleave with the next step's collectives), the outer step still applied o
 State: the round's starting weights and the outer momentum, and (mid-round the replicas differ) each replica's own
 weights and inner optimizer state, saved per rank beside the gradient-compression state (GradComm's riders); a
 checkpoint of the same layout resumes mid-round exactly. Metrics (metrics.jsonl): `diloco_bytes` (bytes this rank
-sent across replicas at the step, 0 on inner steps), `diloco_outer_norm` (the outer step's norm) and `diloco_drift`
-(this replica's pseudo-gradient norm before averaging), on synchronising steps.
+sent across replicas at the step, 0 on inner steps) and `diloco_drift` (this replica's pseudo-gradient norm before
+averaging) on the steps that send, `diloco_outer_norm` (the outer step's norm) and `diloco_wait_s` (the host's wait
+for the mean) on the steps that apply (the same step when not overlapped).
 
 Torch-free at the top: torch inside the hooks.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -285,10 +287,13 @@ class OuterLoop:
         self.metrics.update(diloco_bytes=sent, diloco_drift=drift.item())
         return Sent(f, mine, weights, finish)
 
-    @staticmethod
-    def wait(sent: Sent) -> None:
+    def wait(self, sent: Sent) -> None:
+        """The mean of a sent fragment, waited for; the host's seconds waiting in `diloco_wait_s` (the whole
+        all-reduce when it was not overlapped, what the step did not hide when it was)."""
         if sent.finish is not None:
+            t0 = time.perf_counter()
             sent.mean, sent.finish = sent.finish().float(), None
+            self.metrics["diloco_wait_s"] = time.perf_counter() - t0
 
     def apply(self, sent: Sent) -> None:
         """The outer step of a sent fragment, from its mean pseudo-gradient; the replica's progress since the send
