@@ -266,7 +266,7 @@ class PowerSGD:
         self.ps, self.group, self.meter, self.seed = ps, group, meter, seed
         self.p = dist.get_world_size(group)
         # torch asks for >= 2 warm-up iterations (DDP rebuilds its buckets after the first); a caller without
-        # buckets (DiLoCo's pseudo-gradient, `mean_`) compresses from the first call
+        # buckets (local SGD's pseudo-gradient, `mean_`) compresses from the first call
         self.state = ps.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
                                       start_powerSGD_iter=max(warmup_steps, 2), min_compression_rate=2,
                                       use_error_feedback=True, warm_start=True, random_seed=seed)
@@ -326,7 +326,7 @@ class PowerSGD:
 
     def mean_(self, flat: torch.Tensor, named_shapes: list[tuple[str, tuple[int, ...]]], index: int = 0):
         """Start replacing `flat` (the concatenated tensors named, of these shapes) by its compressed mean over the
-        group, as a bucket `index` of DDP's would be: the future of `flat` (DiLoCo's pseudo-gradient)."""
+        group, as a bucket `index` of DDP's would be: the future of `flat` (local SGD's pseudo-gradient)."""
         bucket = _FlatBucket(flat, [shape for _, shape in named_shapes], index)
         names = {id(v): name for v, (name, _) in zip(bucket.parameters(), named_shapes)}
         return self.hook(names, bucket)
@@ -370,7 +370,7 @@ class _FlatBucket:
 
 
 class ReplicaReducer:
-    """The mean over the replicas (a `group`) of a capability's flat tensors (DiLoCo's pseudo-gradient), with the
+    """The mean over the replicas (a `group`) of a capability's flat tensors (local SGD's pseudo-gradient), with the
     per-step methods: none (an all-reduce in the tensor's dtype), sign_ef and powersgd (their error feedback and Q per
     named tensor: this rank's state, saved by the capability). Made by `GradComm.replica_reducer`; the bytes count in
     the step's comm_bytes."""
