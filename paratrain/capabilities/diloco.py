@@ -28,8 +28,8 @@ kept on top of the outer result (the merge rule):
     theta_start = theta_start - outer step(mean delta)          as above, with the delta sent after step n
     theta       = theta_start + (theta_now - theta_sent)        theta_sent: this replica's weights when it sent
 
-(the paper mixes alpha theta_now + (1 - alpha) theta_outer instead; this rule keeps the step's whole update, and the
-replicas still differ only by what they trained since the send). F = 1 waits at once (today's blocking
+(the paper mixes alpha theta_now + (1 - alpha) theta_outer instead; this rule keeps the overlapped step's whole
+update, and with it applied at once it is the blocking synchronisation). F = 1 waits at once (today's blocking
 synchronisation, bitwise), and so does the run's last step (no step follows to overlap with: the final weights are
 synchronised). A checkpoint saved while an all-reduce is in flight waits for it and saves the mean beside this
 replica's weights at the send, still to be applied at step n + 1: the resumed run applies it where the straight one
@@ -105,7 +105,8 @@ class DiLoCo(Capability):
     fragments: int = 1
     wire_bf16: bool = False  # outer_dtype or outer_compression bf16
     compression: Compression = field(default_factory=Compression)  # outer_compression (rank, block: [parallel]'s)
-    last_step: int = 0  # the run's training.steps: its synchronisation is not overlapped
+    # the run's training.steps: its synchronisation is not overlapped (a length, not a setting of the method)
+    last_step: int = field(default=0, compare=False)
     # the run's outer loop (torch objects, made by `after_build`): not a setting
     runtime: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
