@@ -82,7 +82,8 @@ def _train_parts(parts, want_final_weights: bool, keep_group: bool):
     # (CPU offload: on CUDA also collectives on host tensors, where the gradients are)
     host_collectives = any(c.states_on_host for c in capabilities.active(cfg))
     # torch's PowerSGD hook waits on a collective inside a gloo worker's callback: two workers (gloo_workers.py)
-    gloo_threads = 2 if Compression(cfg.parallel.grad_compression).low_rank else 1
+    gloo_threads = 2 if Compression(cfg.parallel.grad_compression).low_rank or any(
+        c.waits_in_collective_callbacks for c in capabilities.active(cfg)) else 1
     env = init_distributed(cfg.training.device, cfg.resilience.collective_timeout_s, host_collectives, gloo_threads)
     if world > 1:
         # One rank prepares the data; the others wait, then read it or raise the same error.

@@ -174,6 +174,9 @@ class Capability:
     # the data-parallel replicas (dp_replicate) keep their own gradients: the per-step reduction across them is not
     # run (GradComm), the capability synchronises them itself (a local-SGD outer step)
     local_replicas: ClassVar[bool] = False
+    # it runs torch's PowerSGD hook, which waits on a collective inside a gloo worker's callback: the run's gloo groups
+    # keep two workers (distributed/gloo_workers.py)
+    waits_in_collective_callbacks: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, cfg) -> "Capability | None":

@@ -20,17 +20,41 @@ Streaming (`fragments` F): the model's blocks in F contiguous groups (the embedd
 last), fragment f synchronised after the steps n (1-based) with n mod H = (f + 1) H / F mod H, each with its own
 start and momentum: the same bytes per round, spread over it.
 
+Overlap (streaming DiLoCo, Douillard et al. 2025; F > 1): fragment f's pseudo-gradient is sent after step n without
+waiting (an async all-reduce), the replica goes on with step n + 1, and the all-reduce is waited for after step n + 1
+(tau = 1 step later), where the outer step is applied. The replica's own progress on the fragment during that step is
+kept on top of the outer result (the merge rule):
+
+    theta_start = theta_start - outer step(mean delta)          as above, with the delta sent after step n
+    theta       = theta_start + (theta_now - theta_sent)        theta_sent: this replica's weights when it sent
+
+(the paper mixes alpha theta_now + (1 - alpha) theta_outer instead; this rule keeps the overlapped step's whole
+update, and with it applied at once it is the blocking synchronisation). F = 1 waits at once (today's blocking
+synchronisation, bitwise), and so does the run's last step (no step follows to overlap with: the final weights are
+synchronised). A checkpoint saved while an all-reduce is in flight waits for it and saves the mean beside this
+replica's weights at the send, still to be applied at step n + 1: the resumed run applies it where the straight one
+does, bit for bit.
+
+`outer_compression` (the per-step gradient compressors of distributed/compression.py, applied to the
+pseudo-gradient; their per-rank state saved with the rest): bf16 casts it (as `outer_dtype = bf16`); sign_ef sends its
+signs and scales with error feedback (`parallel.sign_ef_block`; no warm-up), its all-to-all overlapped and its
+all-gather at the wait; powersgd sends rank-`parallel.powersgd_rank` factors with error feedback and warm-started Q
+(no warm-up), its chained all-reduces run at the send (torch's hook issues them from completion callbacks, which must
+not interleave with the next step's collectives), the outer step still applied one step later.
+
 State: the round's starting weights and the outer momentum, and (mid-round the replicas differ) each replica's own
 weights and inner optimizer state, saved per rank beside the gradient-compression state (GradComm's riders); a
 checkpoint of the same layout resumes mid-round exactly. Metrics (metrics.jsonl): `diloco_bytes` (bytes this rank
-sent across replicas at the step, 0 on inner steps), `diloco_outer_norm` (the outer step's norm) and `diloco_drift`
-(this replica's pseudo-gradient norm before averaging), on synchronising steps.
+sent across replicas at the step, 0 on inner steps) and `diloco_drift` (this replica's pseudo-gradient norm before
+averaging) on the steps that send, `diloco_outer_norm` (the outer step's norm) and `diloco_wait_s` (the host's wait
+for the mean) on the steps that apply (the same step when not overlapped).
 
 Torch-free at the top: torch inside the hooks.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -41,6 +65,8 @@ from paratrain.modes import WeightDtype
 
 DPSync = Literal["every_step", "diloco"]
 RIDER = "diloco"  # its name among GradComm's per-rank states (checkpoint keys)
+IN_FLIGHT = "in_flight|"  # its state's keys of a fragment sent and not yet applied (an overlapped synchronisation)
+OUTER = "outer."  # its state's keys of the outer compressor's error feedback (and PowerSGD's Q)
 
 
 @dataclass
@@ -60,8 +86,8 @@ class DiLoCoConfig:
     nesterov: bool = True  # Nesterov momentum for the outer step
     fragments: int = 1  # streaming DiLoCo: the blocks in this many groups, one synchronised every H / fragments steps
     outer_dtype: WeightDtype = "fp32"  # the pseudo-gradient's dtype on the wire: fp32 or bf16 (half the bytes)
-    # the gradient compressor applied to the pseudo-gradient's all-reduce: none | bf16 (a cast; powersgd and sign_ef
-    # not yet)
+    # the gradient compressor applied to the pseudo-gradient's all-reduce: none | bf16 (a cast) | sign_ef (1 bit per
+    # element, error feedback; parallel.sign_ef_block) | powersgd (rank parallel.powersgd_rank, error feedback)
     outer_compression: GradCompression = "none"
 
 
@@ -78,6 +104,9 @@ class DiLoCo(Capability):
     nesterov: bool = True
     fragments: int = 1
     wire_bf16: bool = False  # outer_dtype or outer_compression bf16
+    compression: Compression = field(default_factory=Compression)  # outer_compression (rank, block: [parallel]'s)
+    # the run's training.steps: its synchronisation is not overlapped (a length, not a setting of the method)
+    last_step: int = field(default=0, compare=False)
     # the run's outer loop (torch objects, made by `after_build`): not a setting
     runtime: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -101,8 +130,10 @@ class DiLoCo(Capability):
         if not syncs_with_diloco(cfg.parallel):
             return None
         d = cfg.diloco
+        outer = replace(Compression.from_config(cfg.parallel), method=d.outer_compression, powersgd_warmup_steps=0,
+                        sign_ef_warmup_steps=0)
         return cls(d.inner_steps, d.outer_lr, d.outer_momentum, d.nesterov, d.fragments,
-                   d.outer_dtype == "bf16" or Compression(d.outer_compression).casts_to_bf16)
+                   d.outer_dtype == "bf16" or outer.casts_to_bf16, outer, cfg.training.steps)
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -110,8 +141,9 @@ class DiLoCo(Capability):
         if d.outer_dtype not in ("fp32", "bf16"):
             raise ConfigError(f"diloco.outer_dtype must be fp32 or bf16, got {d.outer_dtype}")
         outer = Compression(d.outer_compression)
-        if outer.enabled and not outer.casts_to_bf16:
-            raise ConfigError(f"diloco.outer_compression={d.outer_compression} is not supported yet: use none or bf16")
+        if d.outer_dtype == "bf16" and (outer.one_bit or outer.low_rank):
+            raise ConfigError(f"diloco.outer_compression={d.outer_compression} decides what the pseudo-gradient sends:"
+                              " diloco.outer_dtype must be fp32 with it")
         if d.inner_steps < 1:
             raise ConfigError(f"diloco.inner_steps must be >= 1, got {d.inner_steps}")
         if not d.outer_lr > 0 or not 0 <= d.outer_momentum < 1:
@@ -135,6 +167,10 @@ class DiLoCo(Capability):
             raise ConfigError(f"parallel.dp_sync=diloco keeps each replica's optimizer to itself: {layout.describe()}"
                               " shares it across replicas (zero1) or spreads experts over them (ep); use ddp or hsdp "
                               "without ep")
+
+    @property
+    def waits_in_collective_callbacks(self) -> bool:  # (the outer powersgd: torch's hook)
+        return self.compression.low_rank
 
     # -- the estimator and the planner ---------------------------------------------------------------------------
     @classmethod
@@ -181,9 +217,21 @@ def _block(name: str) -> int | None:
     return None
 
 
+@dataclass
+class Sent:
+    """A fragment's pseudo-gradient on its way: launched after one step, its outer step applied after the next."""
+
+    fragment: int
+    mine: list  # the fragment's parameter indices
+    weights: list | None  # this replica's weights of them at the send (None: applied at once, nothing to keep)
+    finish: object  # waits for the mean and returns it (None once `mean` holds it)
+    mean: object = None  # (N,) fp32: the replicas' mean pseudo-gradient
+
+
 class OuterLoop:
-    """One run's DiLoCo on this rank: the fragments' starting weights and outer momenta, the synchronisations, the
-    per-rank checkpoint state (a GradComm rider) and the step's metrics."""
+    """One run's DiLoCo on this rank: the fragments' starting weights and outer momenta, the synchronisations (sent
+    after one step, applied after the next when overlapped), the per-rank checkpoint state (a GradComm rider) and the
+    step's metrics."""
 
     def __init__(self, setting: DiLoCo, model, where):
         # lazy: torch, only in a run (this module is read by the config checks)
@@ -199,6 +247,8 @@ class OuterLoop:
         with torch.no_grad():
             self.start = [self.local(p).detach().clone() for p in self.params]
             self.momentum = [torch.zeros_like(s) for s in self.start]
+        self.reducer = comm.replica_reducer(setting.compression, self.group)
+        self.in_flight: Sent | None = None
         self.metrics: dict = {}
         comm.add_rider(RIDER, self)
 
@@ -214,34 +264,66 @@ class OuterLoop:
         return None
 
     def after_step(self) -> None:
-        f = self.due(self.comm.step + 1)
+        n = self.comm.step + 1
         self.metrics = {"diloco_bytes": 0.0}
+        if self.in_flight is not None:  # sent after the previous step
+            self.apply(self.in_flight)
+            self.in_flight = None
+        f = self.due(n)
         if f is not None:
-            self.sync(f)
+            overlap = self.s.fragments > 1 and n < self.s.last_step
+            sent = self.send(f, keep_weights=overlap)
+            if overlap:
+                self.in_flight = sent
+            else:
+                self.apply(sent)
         self.comm.note_metrics(self.metrics)
 
-    def sync(self, f: int) -> None:
+    def send(self, f: int, keep_weights: bool) -> Sent:
+        """Launch the mean of fragment f's pseudo-gradient over the replicas."""
         torch = self.torch
         mine = [i for i, g in enumerate(self.fragment) if g == f]
         with torch.no_grad():
+            weights = [self.local(self.params[i]).detach().clone() for i in mine] if keep_weights else None
             delta = torch.cat([(self.start[i] - self.local(self.params[i]).detach()).reshape(-1).float()
                                for i in mine])  # (N,) this replica's pseudo-gradient
             drift = delta.norm()
             wire = delta.to(torch.bfloat16) if self.s.wire_bf16 else delta
-            sent = self.comm.replica_mean_(wire, self.group)
-            delta = wire.float()
+            finish, sent = self.reducer.start(wire, [(self.names[i], tuple(self.start[i].shape)) for i in mine], f)
+        # read at the synchronisations only (every H / F steps): the record's numbers are floats
+        self.metrics.update(diloco_bytes=sent, diloco_drift=drift.item())
+        return Sent(f, mine, weights, finish)
+
+    def wait(self, sent: Sent) -> None:
+        """The mean of a sent fragment, waited for; the host's seconds waiting in `diloco_wait_s` (the whole
+        all-reduce when it was not overlapped, what the step did not hide when it was)."""
+        if sent.finish is not None:
+            t0 = time.perf_counter()
+            sent.mean, sent.finish = sent.finish().float(), None
+            self.metrics["diloco_wait_s"] = time.perf_counter() - t0
+
+    def apply(self, sent: Sent) -> None:
+        """The outer step of a sent fragment, from its mean pseudo-gradient; the replica's progress since the send
+        kept on top (the module's merge rule)."""
+        torch = self.torch
+        self.wait(sent)
+        mine, delta = sent.mine, sent.mean
+        with torch.no_grad():
             m = torch.cat([self.momentum[i].reshape(-1) for i in mine])
             m.mul_(self.s.outer_momentum).add_(delta)
             step = delta.add(m, alpha=self.s.outer_momentum) if self.s.nesterov else m
             step.mul_(self.s.outer_lr)
             outer_norm = step.norm()
             sizes = [self.start[i].numel() for i in mine]
-            for i, m_i, step_i in zip(mine, m.split(sizes), step.split(sizes)):
+            for k, (i, m_i, step_i) in enumerate(zip(mine, m.split(sizes), step.split(sizes))):
                 self.momentum[i].copy_(m_i.view_as(self.momentum[i]))
                 self.start[i].sub_(step_i.view_as(self.start[i]).to(self.start[i].dtype))
-                self.local(self.params[i]).copy_(self.start[i])
-        # read at the synchronisations only (every H / F steps): the record's numbers are floats
-        self.metrics = {"diloco_bytes": sent, "diloco_outer_norm": outer_norm.item(), "diloco_drift": drift.item()}
+                weight = self.local(self.params[i])
+                progress = None if sent.weights is None else weight - sent.weights[k]  # trained since the send
+                weight.copy_(self.start[i])
+                if progress is not None:
+                    weight.add_(progress)
+        self.metrics["diloco_outer_norm"] = outer_norm.item()
 
     def held_bytes(self) -> int:
         """Bytes of the copies it keeps beside the model states (the dry run's count; `DiLoCo.replica_states`)."""
@@ -250,13 +332,22 @@ class OuterLoop:
     # -- a GradComm rider: this rank's state in checkpoints -------------------------------------------------------
     def state(self) -> dict:
         """Per parameter: the fragment's start and momentum, and (mid-round the replicas differ) this replica's
-        weights and its optimizer's state."""
+        weights and its optimizer's state; the compressor's state; a fragment in flight (waited for here): its mean
+        and this replica's weights at the send, applied after the next step as in the run that goes on."""
         out = {}
         for name, p, start, m in zip(self.names, self.params, self.start, self.momentum):
             out[f"{name}|start"], out[f"{name}|momentum"] = start, m
             out[f"{name}|weight"] = self.local(p).detach()
             for key, t in self.optimizer_state(p).items():
                 out[f"{name}|opt.{key}"] = self.local(t)
+        sent = self.in_flight
+        if sent is not None:
+            self.wait(sent)
+            out[IN_FLIGHT + "fragment"] = self.torch.tensor(sent.fragment)
+            out[IN_FLIGHT + "mean"] = sent.mean
+            for i, w in zip(sent.mine, sent.weights):
+                out[f"{self.names[i]}|sent"] = w
+        out.update({OUTER + key: t for key, t in self.reducer.state().items()})
         return out
 
     def optimizer_state(self, p) -> dict:
@@ -271,6 +362,8 @@ class OuterLoop:
             for p, start, m in zip(self.params, self.start, self.momentum):
                 start.copy_(self.local(p))
                 m.zero_()
+        self.in_flight = None
+        self.reducer = self.comm.replica_reducer(self.s.compression, self.group)
 
     def load(self, state: dict) -> None:
         with self.torch.no_grad():
@@ -282,6 +375,13 @@ class OuterLoop:
                     saved = state.get(f"{name}|opt.{key}")
                     if saved is not None:
                         self.local(t).copy_(saved)
+        self.in_flight = None
+        if IN_FLIGHT + "fragment" in state:
+            f = int(state[IN_FLIGHT + "fragment"])
+            mine = [i for i, g in enumerate(self.fragment) if g == f]
+            self.in_flight = Sent(f, mine, [state[f"{self.names[i]}|sent"] for i in mine], None,
+                                  state[IN_FLIGHT + "mean"])
+        self.reducer.load({k[len(OUTER):]: t for k, t in state.items() if k.startswith(OUTER)})
 
 
 # -- the planner: one DiLoCo replica per node, a ranked row of the plain plan (`paratrain plan --inter-node-bandwidth`)

@@ -41,6 +41,7 @@ without compression (1.0 for none).
 
 from __future__ import annotations
 
+import math
 import threading
 import zlib
 
@@ -264,9 +265,12 @@ class PowerSGD:
 
         self.ps, self.group, self.meter, self.seed = ps, group, meter, seed
         self.p = dist.get_world_size(group)
+        # torch asks for >= 2 warm-up iterations (DDP rebuilds its buckets after the first); a caller without
+        # buckets (local SGD's pseudo-gradient, `mean_`) compresses from the first call
         self.state = ps.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
-                                      start_powerSGD_iter=warmup_steps, min_compression_rate=2,
+                                      start_powerSGD_iter=max(warmup_steps, 2), min_compression_rate=2,
                                       use_error_feedback=True, warm_start=True, random_seed=seed)
+        self.state.start_powerSGD_iter = warmup_steps
         self.error: dict[str, torch.Tensor] = {}  # per parameter, this rank's (numel)
         self.q: dict[str, torch.Tensor] = {}  # per compressed parameter, (m x r), the same on every rank
 
@@ -320,6 +324,13 @@ class PowerSGD:
 
         return self.ps.powerSGD_hook(st, bucket).then(keep)
 
+    def mean_(self, flat: torch.Tensor, named_shapes: list[tuple[str, tuple[int, ...]]], index: int = 0):
+        """Start replacing `flat` (the concatenated tensors named, of these shapes) by its compressed mean over the
+        group, as a bucket `index` of DDP's would be: the future of `flat` (local SGD's pseudo-gradient)."""
+        bucket = _FlatBucket(flat, [shape for _, shape in named_shapes], index)
+        names = {id(v): name for v, (name, _) in zip(bucket.parameters(), named_shapes)}
+        return self.hook(names, bucket)
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {**{f"{n}|error": t for n, t in self.error.items()}, **{f"{n}|q": t for n, t in self.q.items()},
                 "|iter": torch.tensor(self.state.iter)}
@@ -331,6 +342,78 @@ class PowerSGD:
                 self.state.iter = int(t)
             else:
                 (self.error if kind == "error" else self.q)[name] = t
+
+
+class _FlatBucket:
+    """A flat fp32 buffer of named tensors, presented as DDP's GradBucket is to torch's powerSGD_hook (one bucket,
+    the last of its iteration)."""
+
+    def __init__(self, flat: torch.Tensor, shapes: list[tuple[int, ...]], index: int):
+        sizes = [int(torch.Size(s).numel()) for s in shapes]
+        self.flat, self.number = flat, index
+        self.views = [v.view(s) for v, s in zip(flat.split(sizes), shapes)]
+
+    def buffer(self) -> torch.Tensor:
+        return self.flat
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self.views
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.views
+
+    def index(self) -> int:
+        return self.number
+
+    def is_last(self) -> bool:
+        return True
+
+
+class ReplicaReducer:
+    """The mean over the replicas (a `group`) of a capability's flat tensors (local SGD's pseudo-gradient), with the
+    per-step methods: none (an all-reduce in the tensor's dtype), sign_ef and powersgd (their error feedback and Q per
+    named tensor: this rank's state, saved by the capability). Made by `GradComm.replica_reducer`; the bytes count in
+    the step's comm_bytes."""
+
+    def __init__(self, comm: "GradComm", compression, group):
+        self.comm, self.group = comm, group
+        self.meter = CommMeter()  # the compressor's bytes of one `start`, handed on to the run's meter
+        self.compressor: SignEF | PowerSGD | None = None
+        if compression.one_bit:
+            self.compressor = SignEF(group, self.meter, compression.sign_ef_block, compression.sign_ef_warmup_steps)
+        elif compression.low_rank:
+            self.compressor = PowerSGD(group, compression.powersgd_rank, compression.powersgd_warmup_steps, comm.seed,
+                                       self.meter)
+
+    def start(self, flat: torch.Tensor, named_shapes: list[tuple[str, tuple[int, ...]]], index: int = 0):
+        """Launch the mean of `flat` (the named tensors of these shapes, concatenated; `index` tells calls with other
+        tensors apart): (finish, bytes this rank sends); `finish()` waits and returns the mean (in `flat`'s dtype)."""
+        c = self.compressor
+        if c is None:
+            return self.comm.replica_mean_start(flat, self.group)
+        if isinstance(c, SignEF):  # its all-to-all in flight; the all-gather at the finish
+            started = c.start(flat, [(name, math.prod(shape)) for name, shape in named_shapes])
+
+            def finish() -> torch.Tensor:
+                return c.finish(*started)
+        else:
+            # torch's hook issues its second and third all-reduces from completion callbacks, which must not
+            # interleave with the caller's next collectives: all three finish here
+            c.mean_(flat, named_shapes, index).wait()
+
+            def finish() -> torch.Tensor:
+                return flat
+        sent, full = self.meter.take()
+        self.comm.meter.add(sent, full)
+        return finish, sent
+
+    def state(self) -> dict[str, torch.Tensor]:
+        c = self.compressor
+        return {} if c is None else c.state() if isinstance(c, SignEF) else c.state_tensors()
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        if self.compressor is not None:
+            self.compressor.load(state)
 
 
 # -- the run's gradient communication --------------------------------------------------------------------------------
@@ -584,12 +667,27 @@ class GradComm:
     def replica_mean_(self, flat: torch.Tensor, group) -> float:
         """`flat` replaced by its mean over `group` (an all-reduce in its dtype); returns the bytes this rank sent,
         also counted in comm_bytes (against the fp32 all-reduce of the same values)."""
+        finish, sent = self.replica_mean_start(flat, group)
+        finish()
+        return sent
+
+    def replica_reducer(self, compression, group) -> ReplicaReducer:
+        """A capability's mean over `group` with `compression` (a capabilities.grad_compression.Compression)."""
+        return ReplicaReducer(self, compression, group)
+
+    def replica_mean_start(self, flat: torch.Tensor, group):
+        """`replica_mean_` launched asynchronously: (finish, bytes sent); `finish()` waits for the all-reduce and
+        divides, returning `flat` (the mean). The bytes are counted now."""
         p = dist.get_world_size(group)
-        dist.all_reduce(flat, group=group)
-        flat /= p
+        work = dist.all_reduce(flat, group=group, async_op=True)
         sent = all_reduce_wire(flat.numel() * flat.element_size(), p)
         self.meter.add(sent, all_reduce_wire(4 * flat.numel(), p))
-        return sent
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            return flat.div_(p)
+
+        return finish, sent
 
     @staticmethod
     def canonical(name: str) -> str:
