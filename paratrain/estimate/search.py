@@ -14,8 +14,8 @@ from paratrain.estimate.gpus import HEADROOM
 from paratrain.layout import Batch, Layout
 from paratrain.layout_grammar import parse_layout_name
 from paratrain.modes import CheckpointMode, DPMode, Schedule
-from paratrain.estimate.step_time import (Candidate, Context, Prediction, cached, pipeline_key, predict, rank_blocks,
-                                          step_lower_bound)
+from paratrain.estimate.step_time import (Candidate, Context, Prediction, without_microbatches, cached, pipeline_key,
+                                          predict, rank_blocks, step_lower_bound)
 from paratrain.estimate import Target, activations as A, estimate, inputs_for
 from paratrain.estimate.core import in_flight
 from paratrain.estimate.gpus import fits, fmt_bytes, limit_text, usable_bytes
@@ -155,13 +155,27 @@ def screen(cands: list[Candidate], ctx: Context) -> tuple[list[Result], list[Res
 def _layout_reason(c: Candidate, ctx: Context) -> str:
     """The layout's own checks against the model and the batch ("" when it passes; the same for every checkpointing
     mode, so cached per layout and micro-batch)."""
+    lay = c.layout
+    # (Layout.validate: the shape's checks once for all its micro-batches, then the batch's)
+    shape = cached(ctx, ("layout shape", id(ctx.args), *without_microbatches(lay)), lambda: _shape_checked(c, ctx))
+    if isinstance(shape, str):
+        return shape
     try:
-        c.layout.validate(ctx.args, c.world, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
+        shape.with_checked(pp_microbatches=lay.pp_microbatches).check_batch(
+            ctx.args, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
         ctx.compression.site(c.layout)  # --grad-compression applies to this layout
         optimizer_entry(ctx.optimizer).check_layout(c.layout)  # and --optimizer
     except ConfigError as e:
         return str(e)
     return ""
+
+
+def _shape_checked(c: Candidate, ctx: Context) -> Layout | str:
+    """`Layout.validate_shape` of the candidate's layout, or why it fails."""
+    try:
+        return c.layout.validate_shape(ctx.args, c.world)
+    except ConfigError as e:
+        return str(e)
 
 
 def memory(c: Candidate, ctx: Context, all_ranks: bool = False):

@@ -513,7 +513,7 @@ def _slowest(c: Candidate, ctx: Context) -> tuple[int, tuple[float, float], floa
     return cached(ctx, key, compute)
 
 
-def _without_microbatches(lay: Layout) -> tuple:
+def without_microbatches(lay: Layout) -> tuple:
     """The layout's fields but its pipeline micro-batches (a cache key)."""
     fields = dict(vars(lay))
     del fields["pp_microbatches"]
@@ -522,12 +522,16 @@ def _without_microbatches(lay: Layout) -> tuple:
 
 def step_lower_bound(c: Candidate, ctx: Context) -> float:
     """A floor of `predict(c, ctx).step_s` (the planner predicts layouts in its order, and only those that may rank):
-    the slowest rank's compute and recompute with the bubble they alone make, in the floating-point operations
-    `_predict` begins its sums with. Every term it leaves out is >= 0 and rounding is monotone, so it is never above
-    the prediction, bit for bit."""
+    the slowest rank's compute and recompute, the exposed tensor-parallel communication, and the bubble they alone
+    make, in the floating-point operations `_predict` begins its sums with (its exposed communication is a sum of
+    terms >= 0, the tensor-parallel one among them). Every term it leaves out is >= 0 and rounding is monotone, so it
+    is never above the prediction, bit for bit."""
     n_micro = c.micro_steps
     _, (compute, recompute), fill = _slowest(c, ctx)
     pipelined = n_micro * compute + n_micro * recompute
+    if c.tp > 1:  # (as `_predict` and `_model_parallel_comm` compute it)
+        pipelined += tensor_parallel_s(c, ctx, group_link(ctx, 1, c.tp), c.micro_batch * ctx.seq_len // c.layout.cp,
+                                       n_micro, rank_blocks(ctx, c.layout).most)
     return pipelined + pipelined * fill / (n_micro * c.layout.pp_virtual) if c.pp > 1 else pipelined
 
 
@@ -750,7 +754,7 @@ def _fsdp_reduction(dp: _DataParallel, c: Candidate, ctx: Context, comp: _StepCo
     n_ag, n_rs = lay.fsdp_all_gathers(n_micro, groups), lay.fsdp_reduce_scatters(n_micro, groups)
     # (pipelined: each group once per step, whatever the micro-batches: one entry for all of them)
     key = (("gathers", id(a), lay, n_micro) if not lay.pipelined
-           else ("gathers", id(a), *_without_microbatches(lay)))
+           else ("gathers", id(a), *without_microbatches(lay)))
     dp.fsdp_gathers = cached(ctx, key, lambda: fsdp_gathers_per_step(lay, a, n_micro, blocks.layers, blocks.moe))
     group = FSDP_GROUP_OPS * hw.op_overhead_s
     ag = n_ag * (all_gather_time(P_stage * pbytes / groups, shard, links.shard) + group)
@@ -791,12 +795,7 @@ def _model_parallel_comm(c: Candidate, ctx: Context, comm: dict, links: _Links, 
     expert parallelism's all-to-all, added to `comm`."""
     a, t, ab = ctx.args, c.tp, _act_bytes(ctx)
     if t > 1:
-        act = T * a.dim * ab
-        # sequence parallel (the planner's layouts always use it)
-        per_block_f = 2 * all_gather_time(act, t, links.tp) + 2 * reduce_scatter_time(act, t, links.tp)
-        extra = c.ac.forward_repeats(c.every_k)
-        emb = 4 * all_reduce_time(T * 4, t, links.tp) + 2 * all_gather_time(act, t, links.tp)
-        comm["tensor-parallel"] = n_micro * (layers * per_block_f * (2 + extra) + emb)
+        comm["tensor-parallel"] = tensor_parallel_s(c, ctx, links.tp, T, n_micro, layers)
     if c.pp > 1:
         act = T * a.dim * ab / (t if t > 1 else 1)
         comm["pipeline p2p"] = 2 * c.layout.pp_virtual * n_micro * links.pp.p2p_time(act)
@@ -804,6 +803,16 @@ def _model_parallel_comm(c: Candidate, ctx: Context, comm: dict, links: _Links, 
         ep_link = group_link(ctx, t, c.ep)  # an ep group is ep consecutive dp_shard ranks
         a2a = all_to_all_time(T * a.moe_top_k * a.dim * ab, c.ep, ep_link) + all_to_all_time(64, c.ep, ep_link)
         comm["expert all-to-all"] = n_micro * math.ceil(moe_layers / c.pp) * 4 * a2a
+
+
+def tensor_parallel_s(c: Candidate, ctx: Context, link: Link, T: int, n_micro: int, layers: int) -> float:
+    """The exposed tensor-parallel communication of a step (tp > 1): the busiest rank's `layers` blocks and the
+    embedding and head, `T` tokens per micro-step, sequence parallel (the planner's layouts always use it)."""
+    t, act = c.tp, T * ctx.args.dim * _act_bytes(ctx)
+    per_block_f = 2 * all_gather_time(act, t, link) + 2 * reduce_scatter_time(act, t, link)
+    extra = c.ac.forward_repeats(c.every_k)
+    emb = 4 * all_reduce_time(T * 4, t, link) + 2 * all_gather_time(act, t, link)
+    return n_micro * (layers * per_block_f * (2 + extra) + emb)
 
 
 @dataclass(frozen=True)
