@@ -155,7 +155,9 @@ class Layout:
 
     def replace(self, **changes) -> "Layout":
         """A changed copy, checked again (for the estimator's and planner's what-ifs)."""
-        fields = {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes}  # (all immutable)
+        # (all immutable; the names of its fields without `dataclasses.fields`, which the planner's thousands of
+        # replaces spend most of their time in: a Layout has no ClassVar or InitVar pseudo-fields)
+        fields = {**{name: getattr(self, name) for name in self.__dataclass_fields__}, **changes}
         world = fields["dp_replicate"] * fields["dp_shard"] * fields["cp"] * fields["tp"] * fields["pp"]
         virtual = fields.pop("pp_virtual")
         if "pp_schedule" in changes and "pp_virtual" not in changes:
@@ -324,6 +326,14 @@ class Layout:
 
         Returns the layout with its automatic pipeline values filled in (blocks per stage balanced by parameter
         count; microbatches: the smallest divisor of each data-parallel rank's batch reaching 2 x stages)."""
+        layout = self.validate_shape(args, world_size)
+        if batch is not None:
+            layout = layout.check_batch(args, batch)
+        return layout
+
+    def validate_shape(self, args, world_size: int) -> "Layout":
+        """`validate` without the batch: the world size, the model and the blocks per stage (none of it reads the
+        pipeline's microbatches: the planner checks a shape once for all its micro-batches, then `check_batch`)."""
         if world_size != self.world_size:
             raise ConfigError(f"the layout needs {self.world_size} ranks, but the world size is {world_size}")
         self._check_model(args)
@@ -333,8 +343,6 @@ class Layout:
             if sum(split) != args.n_layers:
                 raise ConfigError(_split_error(split, self.num_stages, args.n_layers))
             layout = self.with_checked(pp_split=tuple(split))
-        if batch is not None:
-            layout = layout._check_batch(args, batch)
         return layout
 
     def forward_only(self) -> "Layout":
@@ -404,7 +412,8 @@ class Layout:
             raise ConfigError(f"parallel.cp={self.cp} does not support mixture-of-experts models (model.moe_experts > 0): "
                               "routing capacity and the balance loss are computed over whole sequences")
 
-    def _check_batch(self, args, batch: Batch) -> "Layout":
+    def check_batch(self, args, batch: Batch) -> "Layout":
+        """`validate`'s checks against the batch (after `validate_shape`): the layout with its microbatches."""
         if batch.seq_len > args.max_seq_len:
             raise ConfigError(f"training.seq_len={batch.seq_len} is longer than the model's max_seq_len="
                               f"{args.max_seq_len}")

@@ -14,8 +14,8 @@ from paratrain.estimate.gpus import HEADROOM
 from paratrain.layout import Batch, Layout
 from paratrain.layout_grammar import parse_layout_name
 from paratrain.modes import CheckpointMode, DPMode, Schedule
-from paratrain.estimate.step_time import (Candidate, Context, Prediction, cached, pipeline_key, predict, rank_blocks,
-                                          step_lower_bound)
+from paratrain.estimate.step_time import (Candidate, Context, Prediction, without_microbatches, cached, pipeline_key,
+                                          predict, rank_blocks, step_lower_bound)
 from paratrain.estimate import Target, activations as A, estimate, inputs_for
 from paratrain.estimate.core import in_flight
 from paratrain.estimate.gpus import fits, fmt_bytes, limit_text, usable_bytes
@@ -65,6 +65,19 @@ class Result:
         return self.reason is None and self.pred is not None
 
 
+_NO_RESULT = None  # a Result's fields but cand and reason (`_result`)
+
+
+def _result(cand: Candidate, reason: str | None) -> Result:
+    """`Result(cand, reason=reason)` without the dataclass's __init__ (made for every candidate of a plan)."""
+    global _NO_RESULT
+    if _NO_RESULT is None:
+        _NO_RESULT = vars(Result(None))
+    r = object.__new__(Result)
+    r.__dict__.update(_NO_RESULT, cand=cand, reason=reason)
+    return r
+
+
 @dataclass
 class Plan:
     ctx: Context
@@ -82,6 +95,11 @@ def _divisors(n: int) -> list[int]:
 def structural_reason(c: Candidate, ctx: Context) -> str | None:
     """Why paratrain cannot run this layout here (None: it can, memory aside): the planner's placement rules, then
     the layout's own checks against the model and the batch (`Layout.validate`)."""
+    return _placement_reason(c, ctx) or _checkpointing_reason(c)
+
+
+def _placement_reason(c: Candidate, ctx: Context) -> str | None:
+    """structural_reason's checks of the layout and the micro-batch (the same for every checkpointing mode)."""
     if c.tp > ctx.gpus_per_node:
         return f"tp={c.tp} crosses nodes ({ctx.gpus_per_node} GPUs per node): tensor parallelism stays within a node"
     if ctx.gpus_per_node % c.tp:
@@ -98,8 +116,11 @@ def structural_reason(c: Candidate, ctx: Context) -> str | None:
     else:
         reason = cached(ctx, (*key, c.layout, c.micro_batch), lambda: _layout_reason(c, ctx))
         ctx.cache["last layout_reason"] = (c.layout, c.micro_batch, key, reason)
-    if reason:
-        return reason
+    return reason or None
+
+
+def _checkpointing_reason(c: Candidate) -> str | None:
+    """structural_reason's checks of the checkpointing mode against the schedule and the memory tiers."""
     try:
         c.layout.check_checkpointing(c.ac)
         for capability in c.switched:  # (activation offload: not with every mode)
@@ -109,16 +130,52 @@ def structural_reason(c: Candidate, ctx: Context) -> str | None:
     return None
 
 
+def screen(cands: list[Candidate], ctx: Context) -> tuple[list[Result], list[Result]]:
+    """(those structural_reason passes, those it rejects with its reason) as Results, in candidate order. The same
+    verdicts as calling it on each, found once per layout and micro-batch and once per schedule and checkpointing
+    mode (a large plan has tens of thousands of candidates, a layout's one per checkpointing mode)."""
+    passed, rejected = [], []
+    placement: dict = {}  # (layout's id, micro-batch) -> _placement_reason (the candidates hold the layouts: ids stay)
+    checkpointing: dict = {}  # (pipelined, schedule, mode, switched) -> _checkpointing_reason
+    for c in cands:
+        lay = c.layout
+        key = (id(lay), c.micro_batch)
+        reason = placement.get(key, False)
+        if reason is False:
+            reason = placement[key] = _placement_reason(c, ctx)
+        if reason is None:
+            key = (lay.pp > 1, lay.pp_schedule, c.ac, c.switched)
+            reason = checkpointing.get(key, False)
+            if reason is False:
+                reason = checkpointing[key] = _checkpointing_reason(c)
+        (rejected if reason else passed).append(_result(c, reason))
+    return passed, rejected
+
+
 def _layout_reason(c: Candidate, ctx: Context) -> str:
     """The layout's own checks against the model and the batch ("" when it passes; the same for every checkpointing
     mode, so cached per layout and micro-batch)."""
+    lay = c.layout
+    # (Layout.validate: the shape's checks once for all its micro-batches, then the batch's)
+    shape = cached(ctx, ("layout shape", id(ctx.args), *without_microbatches(lay)), lambda: _shape_checked(c, ctx))
+    if isinstance(shape, str):
+        return shape
     try:
-        c.layout.validate(ctx.args, c.world, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
+        shape.with_checked(pp_microbatches=lay.pp_microbatches).check_batch(
+            ctx.args, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
         ctx.compression.site(c.layout)  # --grad-compression applies to this layout
         optimizer_entry(ctx.optimizer).check_layout(c.layout)  # and --optimizer
     except ConfigError as e:
         return str(e)
     return ""
+
+
+def _shape_checked(c: Candidate, ctx: Context) -> Layout | str:
+    """`Layout.validate_shape` of the candidate's layout, or why it fails."""
+    try:
+        return c.layout.validate_shape(ctx.args, c.world)
+    except ConfigError as e:
+        return str(e)
 
 
 def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
@@ -191,6 +248,9 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
             modes += [(mode, r, dp // r) for r in _divisors(dp) if 1 < r < dp and (r == 2 or not moe_pipeline)]
         else:
             modes.append((mode, 1, dp))
+    every_mode = [ctx.candidate_maker(checkpointing=ac, every_k=2) for ac in opts.ac_modes]
+    # (no recomputation under a zero-bubble schedule: Layout.check_checkpointing)
+    kept_only = [make for ac, make in zip(opts.ac_modes, every_mode) if not ac.recomputes]
     for mode, rep, shard in modes:
         for ep in [e for e in _divisors(shard) if a.moe_experts % e == 0] if a.moe_experts else [1]:
             try:  # the layouts paratrain runs (ddp and zero1: no tp, pp, cp or ep)
@@ -222,12 +282,10 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                             lay = _with_microbatches(scheduled[sched, v], m)
                         else:
                             lay = layout
-                        if any(getattr(lay, key) != value for key, value in opts.fixed.items()):
+                        if opts.fixed and any(getattr(lay, key) != value for key, value in opts.fixed.items()):
                             continue
-                        for ac in opts.ac_modes:
-                            if ac.recomputes and pp > 1 and sched.zero_bubble:
-                                continue  # Layout.check_checkpointing
-                            out.append(ctx.candidate(lay, checkpointing=ac, every_k=2, micro_batch=mb))
+                        for make in (kept_only if pp > 1 and sched.zero_bubble else every_mode):
+                            out.append(make(lay, mb))
     return out
 
 
@@ -269,10 +327,7 @@ def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) ->
     nearest miss when still none fits."""
     opts = opts or Options()
     cands = candidates(ctx, world, opts)
-    results, rejected = [], []
-    for c in cands:  # (predicted in _fitting, fastest first: only those that may rank)
-        reason = structural_reason(c, ctx)
-        (rejected if reason else results).append(Result(c, reason=reason))
+    results, rejected = screen(cands, ctx)  # (predicted in _fitting, fastest first: only those that may rank)
     need = max(top, 1)
     ranked = _fitting(results, rejected, ctx, opts, need)
     if not ranked and opts.memory_tiers:  # what does not fit: chunked loss, offloading
@@ -331,7 +386,7 @@ def fastest_first(results: list[Result], ctx: Context):
     given without a prediction). A layout is predicted in the order of its `step_lower_bound`, and one is yielded
     once no layout left unpredicted has a bound at or below its step time: the planner stops after the few it
     memory-checks, so most layouts of a large plan are never predicted."""
-    bounds = [r.pred.step_s if r.pred else step_lower_bound(r.cand, ctx) for r in results]
+    bounds = _lower_bounds(results, ctx)
     order = sorted(range(len(results)), key=bounds.__getitem__)
     ready: list = []  # heap of (step time, index) of the predicted, not yet yielded
     reached = 0
@@ -345,6 +400,33 @@ def fastest_first(results: list[Result], ctx: Context):
         if not ready:
             return
         yield results[heapq.heappop(ready)[1]]
+
+
+def _lower_bounds(results: list[Result], ctx: Context) -> list[float]:
+    """Each result's step time (predicted) or `step_lower_bound`, once per distinct value of what the bound reads
+    (many layouts differ only in data-parallel mode or replicas: the same compute, the same bound)."""
+    if ctx.stage_hw:  # (heterogeneous stages: per call)
+        return [r.pred.step_s if r.pred else step_lower_bound(r.cand, ctx) for r in results]
+    memo: dict = {}
+    shapes: dict = {}  # (layout's id, micro-batch) -> what the bound reads of them (a layout's candidates share it)
+    bounds = []
+    for r in results:
+        if r.pred:
+            bounds.append(r.pred.step_s)
+            continue
+        c = r.cand
+        lay = c.layout
+        shape = shapes.get((id(lay), c.micro_batch))
+        if shape is None:
+            # (step_lower_bound reads the micro-steps and `_slowest`, whose cache key is the rest with the context's)
+            shape = shapes[id(lay), c.micro_batch] = (pipeline_key(lay), c.tp, c.micro_batch, c.ep, lay.cp,
+                                                      c.micro_steps)
+        key = (shape, c.ac, c.every_k)
+        bound = memo.get(key)
+        if bound is None:
+            bound = memo[key] = step_lower_bound(c, ctx)
+        bounds.append(bound)
+    return bounds
 
 
 def _memory_key(c: Candidate) -> tuple:

@@ -210,7 +210,11 @@ class Context:
         loss_chunks=, ...), its accumulation from the global batch (a batch that does not divide is
         `search.structural_reason`'s to reject)."""
         micro_batch = settings.pop("micro_batch", self.run.micro_batch)
-        accum = 1 if layout.pipelined else max(1, self.global_seqs // (layout.dp * micro_batch))
+        return self.candidate_maker(**settings)(layout, micro_batch)
+
+    def candidate_maker(self, **settings):
+        """`candidate(layout, micro_batch=mb, **settings)` as a function of (layout, mb): the planner makes tens of
+        thousands with the same other settings."""
         # (the run with the other settings once per context: the planner's candidates differ in layout and micro-batch;
         # a context made by dataclasses.replace shares the cache, so a base is the run's it was made of)
         key = ("candidate settings", *sorted(settings.items()))
@@ -218,12 +222,19 @@ class Context:
         if hit is None or hit[0] is not self.run:
             base = self.run.replace(**settings)
             hit = self.cache[key] = (self.run, base, Candidate(base).__dict__)
-        # (tens of thousands a plan: `Recipe.replace` and `Candidate.__post_init__` of plain fields, done directly)
-        recipe = object.__new__(type(hit[1]))
-        recipe.__dict__.update(hit[1].__dict__, layout=layout, accum_steps=accum, micro_batch=micro_batch)
-        candidate = object.__new__(Candidate)
-        candidate.__dict__.update(hit[2], recipe=recipe, layout=layout, micro_batch=micro_batch)
-        return candidate
+        recipe_type, recipe_fields, candidate_fields = type(hit[1]), hit[1].__dict__, hit[2]
+        global_seqs, new = self.global_seqs, object.__new__
+
+        def make(layout: Layout, micro_batch: int) -> Candidate:
+            accum = 1 if layout.pipelined else max(1, global_seqs // (layout.dp * micro_batch))
+            # (`Recipe.replace` and `Candidate.__post_init__` of plain fields, done directly)
+            recipe = new(recipe_type)
+            recipe.__dict__.update(recipe_fields, layout=layout, accum_steps=accum, micro_batch=micro_batch)
+            candidate = new(Candidate)
+            candidate.__dict__.update(candidate_fields, recipe=recipe, layout=layout, micro_batch=micro_batch)
+            return candidate
+
+        return make
 
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)
@@ -464,17 +475,24 @@ def rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
 
 def _rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
     lay = c.layout
-    out = []
     last_owner = lay.stage_owner(lay.num_stages - 1) if lay.pp > 1 else 0
-    one = None if ctx.stage_hw else block_costs(ctx, ctx.hw, c.tp, c.micro_batch, c.ep, c.ac, c.layout.cp)
-    for r, blocks in enumerate(rank_blocks(ctx, lay).layers):
-        bc = one or block_costs(ctx, ctx.rank_hw(r), c.tp, c.micro_batch, c.ep, c.ac, c.layout.cp)
+
+    def terms(bc: BlockCosts, blocks: int, last: bool) -> tuple[float, float]:
         # multi-token prediction (models/mtp.py): each depth one more block and pass through the head, on the last stage
-        depths = ctx.args.mtp_depth if r == last_owner else 0
-        n = len(blocks) + depths
-        out.append((n * (bc.forward + bc.backward) + (bc.head * (1 + depths) if r == last_owner else 0.0),
-                    c.ac.recomputed_blocks(n, c.every_k) * bc.recompute))
-    return out
+        depths = ctx.args.mtp_depth if last else 0
+        n = blocks + depths
+        return (n * (bc.forward + bc.backward) + (bc.head * (1 + depths) if last else 0.0),
+                c.ac.recomputed_blocks(n, c.every_k) * bc.recompute)
+
+    if ctx.stage_hw:  # each rank on its own hardware
+        return [terms(block_costs(ctx, ctx.rank_hw(r), c.tp, c.micro_batch, c.ep, c.ac, lay.cp), len(blocks),
+                      r == last_owner) for r, blocks in enumerate(rank_blocks(ctx, lay).layers)]
+    # one GPU type: ranks with as many blocks (and the last stage or not) have the same terms, computed once
+    shape = cached(ctx, ("rank shapes", id(ctx.args), pipeline_key(lay)), lambda: [
+        (len(blocks), r == last_owner) for r, blocks in enumerate(rank_blocks(ctx, lay).layers)])
+    one = block_costs(ctx, ctx.hw, c.tp, c.micro_batch, c.ep, c.ac, lay.cp)
+    same = {key: terms(one, *key) for key in set(shape)}
+    return [same[key] for key in shape]
 
 
 def _slowest(c: Candidate, ctx: Context) -> tuple[int, tuple[float, float], float]:
@@ -483,8 +501,9 @@ def _slowest(c: Candidate, ctx: Context) -> tuple[int, tuple[float, float], floa
     (p-1)/(m+p-1)/v of Layout.predicted_bubble)."""
     def compute():
         per_rank = rank_compute(c, ctx)
-        slowest = max(range(len(per_rank)), key=lambda r: sum(per_rank[r]))
-        fill = sum(sum(x) for x in per_rank) / sum(per_rank[slowest]) - 1 if c.layout.pp > 1 else 0.0
+        work = list(map(sum, per_rank))  # (compute + recompute of each rank)
+        slowest = work.index(max(work))  # (the first of the slowest)
+        fill = sum(work) / work[slowest] - 1 if c.layout.pp > 1 else 0.0
         return slowest, per_rank[slowest], fill
 
     if ctx.stage_hw:
@@ -494,7 +513,7 @@ def _slowest(c: Candidate, ctx: Context) -> tuple[int, tuple[float, float], floa
     return cached(ctx, key, compute)
 
 
-def _without_microbatches(lay: Layout) -> tuple:
+def without_microbatches(lay: Layout) -> tuple:
     """The layout's fields but its pipeline micro-batches (a cache key)."""
     fields = dict(vars(lay))
     del fields["pp_microbatches"]
@@ -503,12 +522,16 @@ def _without_microbatches(lay: Layout) -> tuple:
 
 def step_lower_bound(c: Candidate, ctx: Context) -> float:
     """A floor of `predict(c, ctx).step_s` (the planner predicts layouts in its order, and only those that may rank):
-    the slowest rank's compute and recompute with the bubble they alone make, in the floating-point operations
-    `_predict` begins its sums with. Every term it leaves out is >= 0 and rounding is monotone, so it is never above
-    the prediction, bit for bit."""
+    the slowest rank's compute and recompute, the exposed tensor-parallel communication, and the bubble they alone
+    make, in the floating-point operations `_predict` begins its sums with (its exposed communication is a sum of
+    terms >= 0, the tensor-parallel one among them). Every term it leaves out is >= 0 and rounding is monotone, so it
+    is never above the prediction, bit for bit."""
     n_micro = c.micro_steps
     _, (compute, recompute), fill = _slowest(c, ctx)
     pipelined = n_micro * compute + n_micro * recompute
+    if c.tp > 1:  # (as `_predict` and `_model_parallel_comm` compute it)
+        pipelined += tensor_parallel_s(c, ctx, group_link(ctx, 1, c.tp), c.micro_batch * ctx.seq_len // c.layout.cp,
+                                       n_micro, rank_blocks(ctx, c.layout).most)
     return pipelined + pipelined * fill / (n_micro * c.layout.pp_virtual) if c.pp > 1 else pipelined
 
 
@@ -731,7 +754,7 @@ def _fsdp_reduction(dp: _DataParallel, c: Candidate, ctx: Context, comp: _StepCo
     n_ag, n_rs = lay.fsdp_all_gathers(n_micro, groups), lay.fsdp_reduce_scatters(n_micro, groups)
     # (pipelined: each group once per step, whatever the micro-batches: one entry for all of them)
     key = (("gathers", id(a), lay, n_micro) if not lay.pipelined
-           else ("gathers", id(a), *_without_microbatches(lay)))
+           else ("gathers", id(a), *without_microbatches(lay)))
     dp.fsdp_gathers = cached(ctx, key, lambda: fsdp_gathers_per_step(lay, a, n_micro, blocks.layers, blocks.moe))
     group = FSDP_GROUP_OPS * hw.op_overhead_s
     ag = n_ag * (all_gather_time(P_stage * pbytes / groups, shard, links.shard) + group)
@@ -772,12 +795,7 @@ def _model_parallel_comm(c: Candidate, ctx: Context, comm: dict, links: _Links, 
     expert parallelism's all-to-all, added to `comm`."""
     a, t, ab = ctx.args, c.tp, _act_bytes(ctx)
     if t > 1:
-        act = T * a.dim * ab
-        # sequence parallel (the planner's layouts always use it)
-        per_block_f = 2 * all_gather_time(act, t, links.tp) + 2 * reduce_scatter_time(act, t, links.tp)
-        extra = c.ac.forward_repeats(c.every_k)
-        emb = 4 * all_reduce_time(T * 4, t, links.tp) + 2 * all_gather_time(act, t, links.tp)
-        comm["tensor-parallel"] = n_micro * (layers * per_block_f * (2 + extra) + emb)
+        comm["tensor-parallel"] = tensor_parallel_s(c, ctx, links.tp, T, n_micro, layers)
     if c.pp > 1:
         act = T * a.dim * ab / (t if t > 1 else 1)
         comm["pipeline p2p"] = 2 * c.layout.pp_virtual * n_micro * links.pp.p2p_time(act)
@@ -785,6 +803,16 @@ def _model_parallel_comm(c: Candidate, ctx: Context, comm: dict, links: _Links, 
         ep_link = group_link(ctx, t, c.ep)  # an ep group is ep consecutive dp_shard ranks
         a2a = all_to_all_time(T * a.moe_top_k * a.dim * ab, c.ep, ep_link) + all_to_all_time(64, c.ep, ep_link)
         comm["expert all-to-all"] = n_micro * math.ceil(moe_layers / c.pp) * 4 * a2a
+
+
+def tensor_parallel_s(c: Candidate, ctx: Context, link: Link, T: int, n_micro: int, layers: int) -> float:
+    """The exposed tensor-parallel communication of a step (tp > 1): the busiest rank's `layers` blocks and the
+    embedding and head, `T` tokens per micro-step, sequence parallel (the planner's layouts always use it)."""
+    t, act = c.tp, T * ctx.args.dim * _act_bytes(ctx)
+    per_block_f = 2 * all_gather_time(act, t, link) + 2 * reduce_scatter_time(act, t, link)
+    extra = c.ac.forward_repeats(c.every_k)
+    emb = 4 * all_reduce_time(T * 4, t, link) + 2 * all_gather_time(act, t, link)
+    return n_micro * (layers * per_block_f * (2 + extra) + emb)
 
 
 @dataclass(frozen=True)
