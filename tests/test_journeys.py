@@ -46,7 +46,7 @@ JOURNEYS = {
         'paratrain generate --checkpoint runs/default --prompt "ROMEO:" --max-new-tokens 300',
         'paratrain generate --checkpoint runs/default --prompt "" --max-new-tokens 100',
         "paratrain checkpoint verify runs/default",
-        "paratrain train --run.name=blocking --checkpoint.every=10 --checkpoint.async_save=false",
+        "paratrain train --run.name=background --checkpoint.every=10 --checkpoint.async_save=true",
         "paratrain estimate --model runs/default/config.toml --gpu-memory 24GiB --json",
     ],
     "layouts": [
@@ -332,9 +332,9 @@ def test_journey_default_run(journey):
     assert len(out.strip()) > 20
     out = j.doc("paratrain checkpoint verify runs/default").stdout
     assert "OK" in out and "step-3" in out
-    j.train("paratrain train --run.name=blocking --checkpoint.every=10 --checkpoint.async_save=false",
-            "--training.steps=4", "--checkpoint.every=2")  # (saved on the training thread; the default is background)
-    assert [p.name for p in complete_checkpoints(j.cwd / "runs/blocking/checkpoints")] == ["step-2", "step-4"]
+    j.train("paratrain train --run.name=background --checkpoint.every=10 --checkpoint.async_save=true",
+            "--training.steps=4", "--checkpoint.every=2")  # saved in the background at step 2, committed before 4
+    assert [p.name for p in complete_checkpoints(j.cwd / "runs/background/checkpoints")] == ["step-2", "step-4"]
     report = json.loads(j.doc("paratrain estimate --model runs/default/config.toml --gpu-memory 24GiB --json").stdout)
     assert report["fits"] is True and report["total_bytes"] > 0 and report["layout"]["world_size"] == 1
 
