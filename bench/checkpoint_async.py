@@ -63,7 +63,8 @@ class Clock:
 
     def split(self, skip: int = 2) -> tuple[list[float], list[float], list[float]]:
         """(times of the steps overlapping a save, of the others, each save's blocking time); the first `skip` steps
-        (warm-up) left out. A save lasts from its start to the first commit after it."""
+        (warm-up) left out. A save lasts from its start to the first commit after it (a save still in flight at the
+        end of the run: to the end)."""
         windows = [(s, min((c for c in self.commits if c > s), default=float("inf"))) for s, _ in self.saves]
         overlapping, clean = [], []
         for a, b in zip(self.starts[skip:], self.starts[skip + 1:]):
@@ -101,12 +102,16 @@ def main() -> None:
                 for into, values in zip(results[mode], clock.split()):
                     into.extend(values)
     print(f"checkpoint every {EVERY} steps, {a.steps} steps x {a.repeat} runs per mode; medians (ms)")
-    print("| save | steps overlapping a save | steps without one | ratio | save blocks the loop |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    # (added per save: what the overlapping steps took beyond as many steps without a save, per save: the save's
+    # whole cost to the run, however many steps it is spread over)
+    print("| save | steps overlapping a save | steps without one | ratio | save blocks the loop | added per save |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for mode, (overlapping, clean, blocking) in results.items():
         over, free = statistics.median(overlapping), statistics.median(clean)
+        added = (sum(overlapping) - len(overlapping) * free) / len(blocking)
         print(f"| {'async_save=true' if mode else 'async_save=false'} | {over * 1e3:.1f} (n={len(overlapping)}) | "
-              f"{free * 1e3:.1f} (n={len(clean)}) | {over / free:.2f}x | {statistics.median(blocking) * 1e3:.1f} |")
+              f"{free * 1e3:.1f} (n={len(clean)}) | {over / free:.2f}x | {statistics.median(blocking) * 1e3:.1f} | "
+              f"{added * 1e3:.0f} |")
 
 
 if __name__ == "__main__":

@@ -67,12 +67,16 @@ class FaultInjector:
     def _due(self, kind: str, step: int) -> Fault | None:
         return next((f for f in self.faults if f.kind == kind and f.step == step and f not in self.fired), None)
 
-    def before_step(self, step: int) -> None:
+    def before_step(self, step: int, settle=None) -> None:
+        """`settle`: called before a signal is sent (the trainer's: wait for the background save in flight), so which
+        checkpoint a test finds does not depend on the save thread's timing (killsave kills in the middle of one)."""
         signals = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
         for kind, sig in signals.items():
             fault = self._due(kind, step)
             if fault and (self.first_attempt or kind == "stop"):
                 self.fired.add(fault)
+                if settle is not None:
+                    settle()
                 os.kill(os.getpid(), sig)
 
     def _fire(self, kind: str, step: int) -> bool:

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -194,9 +195,11 @@ class CheckpointWriter:
         # the training step's collectives and deadlock, so they get a dedicated gloo group.
         self.group = dist.new_group(backend="gloo") if (async_save and dist.is_initialized()) else None
         self.stager = staging_buffers() if async_save else None
-        # after DCP's write, the hashing and rank 0's commit run on a thread of their own too (over self.group), so
-        # the training steps pay only the staging copy (bench/checkpoint_async.py)
-        self._committer = ThreadPoolExecutor(1, thread_name_prefix="paratrain-commit") if async_save else None
+        # DCP's write of the staged copy, the hashing and rank 0's commit run on one thread of their own (over
+        # self.group), kept for the run, at the lowest CPU priority: the training steps pay only the staging copy
+        # (bench/checkpoint_async.py)
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="paratrain-save",
+                                              initializer=_lowest_priority) if async_save else None
         self.faults = FaultInjector(dist.get_rank() if dist.is_initialized() else 0)  # (tests: PARATRAIN_FAULTS)
 
     def save(self, step: int, model: nn.Module, optimizer, trainer_state: dict, extra: dict | None = None,
@@ -218,16 +221,13 @@ class CheckpointWriter:
             state = {**model_optim_state(model, optimizer), **(extra or {})}
             writer = _FaultyWriter(tmp, step, self.faults) if self.faults else None
             if background and self.stager is not None:
-                # staged here, on this thread (the copy is done when async_save returns); written by DCP's thread
-                written = dcp.async_save(state, checkpoint_id=str(tmp), storage_writer=writer,
-                                         process_group=self.group, async_stager=self.stager)
-                self.pending = _PendingSave(step, self._committer.submit(self._commit_when_written, written, step,
-                                                                         tmp, trainer_state))
+                # staged here, on this thread (the copy is finished when stage returns: the next steps may change
+                # the tensors), then written from the staging buffers on the background thread
+                staged = self.stager.stage(state)
+                self.pending = _PendingSave(step, self._background.submit(self._in_background, staged, step, tmp,
+                                                                          trainer_state, writer))
                 return self.root / f"step-{step}"
-            # returns on every rank once all shards and .metadata are written
-            dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer)
-            digests = _gather_digests(_hash_my_share(tmp))  # each rank hashes a share, read back from the page cache
-        return self._commit(step, tmp, trainer_state, digests)
+        return self._write_and_commit(state, step, tmp, trainer_state, writer)
 
     def poll(self) -> None:
         """At a step boundary: a background save that every rank has written, hashed and committed is done (an error
@@ -247,13 +247,26 @@ class CheckpointWriter:
         if p is not None:
             p.done.result()
 
-    def _commit_when_written(self, written, step: int, tmp: Path, trainer_state: dict) -> Path:
-        """A background save after DCP's write, on the committer thread: this rank's share hashed, then the commit,
-        both over the save's own group (every rank raises the same error if any part fails on some rank)."""
+    def _in_background(self, staged: dict, step: int, tmp: Path, trainer_state: dict, writer) -> Path:
+        """On the background thread (the lowest CPU priority), over the save's own group. Its Python (DCP's plan, one
+        torch.save per tensor) takes the GIL in turns with the training thread, which waits up to the interpreter's
+        switch interval each time it wants it back (after the backward, which releases it): 1 ms instead of 5 while a
+        save is in flight (bench/checkpoint_async.py)."""
+        before = sys.getswitchinterval()
+        sys.setswitchinterval(min(before, 0.001))
+        try:
+            return self._write_and_commit(staged, step, tmp, trainer_state, writer, self.group)
+        finally:
+            sys.setswitchinterval(before)
+
+    def _write_and_commit(self, state: dict, step: int, tmp: Path, trainer_state: dict, writer, group=None) -> Path:
+        """DCP's write, this rank's share of the files hashed, then the commit; over `group` (the background save's
+        own, on its thread; every rank raises the same error if any part fails on some rank)."""
         with self._saving(step, tmp):
-            written.result()
-            digests = _gather_digests(_hash_my_share(tmp), self.group)
-        return self._commit(step, tmp, trainer_state, digests, self.group)
+            # returns on every rank once all shards and .metadata are written
+            dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer, process_group=group)
+            digests = _gather_digests(_hash_my_share(tmp), group)  # read back from the page cache
+        return self._commit(step, tmp, trainer_state, digests, group)
 
     def _saving(self, step: int, tmp: Path):
         """Around each part of a save: when it fails on some rank, every rank removes what was written (the folder
@@ -269,8 +282,8 @@ class CheckpointWriter:
             torch.save(trainer_state, tmp / "trainer.pt")
             if self.tokenizer is not None:
                 self.tokenizer.save(tmp)
-            _fsync_dir(tmp)
             extras = [n for n in integrity.listed_files(tmp) if n not in digests]
+            _fsync_files(tmp, extras)  # (DCP's shards and .metadata are fsynced by DCP itself: sync_files)
             integrity.write_checksums(tmp, {**digests, **integrity.hash_files(tmp, extras)})
             (tmp / MARKER).write_text(f"{step}\n")
             replace_dir(tmp, final)  # the same step may be saved again (after a rollback)
@@ -317,11 +330,20 @@ class _PendingSave:
     done: Future
 
 
-def _fsync_dir(path: Path) -> None:
-    for f in path.iterdir():
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+def _lowest_priority() -> None:
+    """Run by the background save's thread: on Linux a thread has its own nice value, so the save takes only the CPU
+    the training step leaves (on a shared or busy host; on a GPU machine the host's cores are mostly idle anyway)."""
+    if sys.platform.startswith("linux"):  # (elsewhere the id names no thread to setpriority: left as it is)
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:  # (a sandbox that forbids it: the save still works, at the process's priority)
+            pass
+
+
+def _fsync_files(folder: Path, names: list[str]) -> None:
+    for name in names:
+        with open(folder / name, "rb") as fh:
+            os.fsync(fh.fileno())
 
 
 # -- finding a checkpoint to resume -------------------------------------------------------------

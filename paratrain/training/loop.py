@@ -143,7 +143,7 @@ class Trainer:
         with self.guard:
             while step < t.steps:
                 if self.faults:
-                    self.faults.before_step(step)
+                    self.faults.before_step(step, settle=self.checkpointer.finish)
                 stop, save = self.guard.at_boundary(self.checkpointer.timer_ran_out())  # agreed by every rank
                 if stop:  # SIGTERM or Ctrl-C: every rank saves at the same step boundary
                     back = self._settle(result, start)
@@ -390,7 +390,8 @@ class Trainer:
                 log.message(f"downstream tasks (step {steps}; lm-eval's files in {cfg.run_dir / 'eval'}):\n"
                             + self.downstream.table)
         if cfg.checkpoint.save_final and start < steps:
-            log.message(f"checkpoint: {self.checkpointer.save(steps)}")
+            # (synchronous: nothing is left to overlap it, and the line names a committed checkpoint)
+            log.message(f"checkpoint: {self.checkpointer.save(steps, background=False)}")
         if cfg.checkpoint.export_safetensors:
             out = export_safetensors(self.train_step.model, cfg.run_dir / "model.safetensors", env.is_main)
             if out:
