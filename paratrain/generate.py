@@ -14,7 +14,7 @@ from torch import nn
 
 from paratrain.distributed.tensors import full_tensor
 from paratrain.errors import UserError
-from paratrain.models.llama import repeat_kv
+from paratrain.models.llama import Transformer
 from paratrain.models.moe import moe_modules
 
 PAD_ID = 0  # the token under a left pad (masked out: any id would do)
@@ -47,14 +47,18 @@ class KVCache:
     it its new keys and values and it attends).
 
     Rows are left-padded to one length (`pads`: each row's padding slots, masked out; a row's positions start after
-    them). A forward appends its T tokens' keys to the committed `length`; `commit(n)` keeps the first n of them (a
-    forward right-padded for sequence parallelism appends padding that must not stay)."""
+    them). A forward writes its T tokens' keys after the committed `length`; `commit(n)` keeps the first n of them (a
+    forward right-padded for sequence parallelism writes padding that must not stay). The keys live in buffers of
+    `capacity` slots written in place (a concatenation per token would copy the whole cache every token), doubled
+    when a forward would pass them. `last_only`: the model computes the logits of the last position only (set by a
+    `Decoder` whose model reads its tokens' last position as the next token's)."""
 
-    def __init__(self, pads: list[int] | None = None, device=None):
-        self.length = 0
+    def __init__(self, pads: list[int] | None = None, device=None, capacity: int = 0, last_only: bool = False):
+        self.length, self.capacity, self.last_only = 0, capacity, last_only
         self.pads = torch.tensor(pads, device=device) if pads and any(pads) else None  # (B,) or None: no padding
-        self.kv: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._mask = None  # (key, mask): the forward's attention mask, shared by its layers
+        self.kv: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}  # (B, Hkv, capacity, D) each
+        self._real = None  # (B, 1, 1, capacity) bool: the slots that are not padding (decoding's mask)
+        self._mask = None  # (key, mask): a forward's attention mask, shared by its layers
 
     def angles(self, cos: torch.Tensor, sin: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary angles of the next T tokens from the (max_seq_len, D/2) tables: (T, D/2), or (B, T, D/2) with
@@ -69,22 +73,40 @@ class KVCache:
 
     def attend(self, owner: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, T, D) of the new tokens over the cached keys and the new k, v (B, Hkv, T, D) -> (B, Hq, T, D)."""
-        if owner in self.kv:
-            old_k, old_v = self.kv[owner]
-            k = torch.cat([old_k[:, :, :self.length], k], dim=2)  # (B, Hkv, S, D)
-            v = torch.cat([old_v[:, :, :self.length], v], dim=2)
-        self.kv[owner] = (k, v)
-        T, S = q.shape[2], k.shape[2]
-        k, v = repeat_kv(q, k, v)
+        T, S = q.shape[2], self.length + q.shape[2]
+        k_all, v_all = self._stored(owner, k, v, S)
+        k_all[:, :, self.length:S] = k  # in place: the slots after the committed ones
+        v_all[:, :, self.length:S] = v
+        k, v = k_all[:, :, :S], v_all[:, :, :S]  # (B, Hkv, S, D) views
+        # enable_gqa: each KV head serves its query heads without a copy (repeat_kv's), the same numbers
+        gqa = k.shape[1] != q.shape[1]
         if self.pads is None and S == T:  # the prompt: exactly the no-cache path's attention
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         if self.pads is None and T == 1:  # one new token sees every key
-            return F.scaled_dot_product_attention(q, k, v)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(T, S, q.device))
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(T, S, q.device), enable_gqa=gqa)
+
+    def _stored(self, owner: nn.Module, k: torch.Tensor, v: torch.Tensor, S: int):
+        """This attention's key and value buffers, with room for S slots (allocated, or doubled and copied)."""
+        old = self.kv.get(owner)
+        if old is not None and old[0].shape[2] >= S:
+            return old
+        size = max(S, self.capacity, 2 * old[0].shape[2] if old is not None else 0)
+        new = tuple(t.new_zeros(t.shape[0], t.shape[1], size, t.shape[3]) for t in (k, v))  # (B, Hkv, size, D)
+        if old is not None:
+            for buffer, kept in zip(new, old):
+                buffer[:, :, :self.length] = kept[:, :, :self.length]
+        self.kv[owner] = new
+        return new
 
     def mask(self, T: int, S: int, device) -> torch.Tensor:
         """(B or 1, 1, T, S): a new token sees the keys up to its own slot, but padding; a pad sees itself (a row of
         nothing but -inf would make NaNs, which would reach the real tokens through 0 x NaN)."""
+        if T == 1 and self.pads is not None:  # decoding: the new slot is a real token's, so the mask is `real`
+            if self._real is None or self._real.shape[-1] < S:
+                j = torch.arange(max(2 * S, self.capacity), device=device)
+                self._real = (j[None, :] >= self.pads.to(device)[:, None])[:, None, None]  # (B, 1, 1, capacity)
+            return self._real[..., :S]
         key = (T, S, self.length)
         if self._mask is None or self._mask[0] != key:
             slot = torch.arange(S - T, S, device=device)[:, None]  # (T, 1): the new tokens' slots
@@ -102,10 +124,11 @@ class Decoder:
     """A batch of prompts decoded together: `logits()` gives the next token's logits of every row, `append(tokens)`
     extends the rows. With `use_cache` the prompts are left-padded to one length and run once, then one token per
     forward over a `KVCache`; once a row would pass the `window` (the most tokens one forward sees) the cache is
-    dropped and every forward runs over the last `window` tokens, as without it (one row only)."""
+    dropped and every forward runs over the last `window` tokens, as without it (one row only). `max_new`: the most
+    tokens the rows will grow by (the cache's buffers are made that long at once; 0: they grow as needed)."""
 
     def __init__(self, model: nn.Module, prompts: list[list[int]], window: int, device=None,
-                 vocab_limit: int | None = None, use_cache: bool = True):
+                 vocab_limit: int | None = None, use_cache: bool = True, max_new: int = 0):
         if not use_cache and len(prompts) > 1:
             raise ValueError("without a cache, a Decoder decodes one prompt at a time")
         self.model, self.window, self.vocab_limit = model, window, vocab_limit
@@ -113,7 +136,11 @@ class Decoder:
         longest = max(len(p) for p in prompts)
         pads = [longest - len(p) for p in prompts]
         self.ids = torch.tensor([[PAD_ID] * n + list(p) for n, p in zip(pads, prompts)], device=self.device)  # (B, L)
-        self.cache = KVCache(pads, self.device) if use_cache else None
+        # A model itself (not a sampler that pads the tokens or runs a pipeline's stages) gives its tokens' last
+        # position's logits alone: the prompt's output projection over one position, not every one
+        capacity = min(window, longest + max_new) if max_new else 0
+        self.cache = KVCache(pads, self.device, capacity, last_only=isinstance(model, Transformer)) \
+            if use_cache else None
 
     @torch.no_grad()
     def logits(self) -> torch.Tensor:
@@ -160,7 +187,7 @@ def sample(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, max_seq
     was_training = model.training
     model.eval()
     decoder = Decoder(model, [prompt_ids], max_seq_len, device, vocab_limit,
-                      use_cache and cache_exact(moe_modules(model)))
+                      use_cache and cache_exact(moe_modules(model)), max_new=max_new_tokens)
     out = []
     for _ in range(max_new_tokens):
         out.append(choose(decoder.logits()[0], temperature, top_k, gen))

@@ -69,6 +69,24 @@ def test_cache_gives_the_tokens_of_whole_forwards(preset, lora):
     assert len(set(map(tuple, batched))) == 3 and len(set(batched[0])) > 2  # the models say something
 
 
+def test_cache_is_written_in_place():
+    """With the rows' token budget known (`max_new`) the keys go into buffers made once, never copied again; without
+    it they grow by doubling. Both give the tokens of the no-cache path (the logits of the last position only)."""
+    model = _model("tiny")
+    prompts = [_prompt(9, 1), _prompt(3, 2)]
+    grown, _ = _greedy(model, prompts, 10, 64, use_cache=True)
+    decoder = Decoder(model, prompts, 64, max_new=10)
+    first = decoder.logits()
+    assert first.shape == (2, V) and decoder.cache.last_only
+    buffers = [k.data_ptr() for k, _ in decoder.cache.kv.values()]
+    tokens = [first.argmax(-1).tolist()]
+    for _ in range(9):
+        decoder.append(tokens[-1])
+        tokens.append(decoder.logits().argmax(-1).tolist())
+    assert [k.data_ptr() for k, _ in decoder.cache.kv.values()] == buffers
+    assert [list(row) for row in zip(*tokens)] == grown == [_greedy(model, [p], 10, 64, False)[0][0] for p in prompts]
+
+
 def test_cache_past_the_window_slides_like_whole_forwards():
     model = _model("tiny")
     prompt = _prompt(14)

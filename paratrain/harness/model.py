@@ -144,7 +144,8 @@ class ParatrainLM(TemplateLM):
             if batch is None and queue:
                 batch = queue.pop(0)
                 decoder = Decoder(model, [jobs[i].ids for i in batch], self.max_length, self.train_step.device,
-                                  self.tokenizer_.vocab_size, use_cache=cached)
+                                  self.tokenizer_.vocab_size, use_cache=cached,
+                                  max_new=max(jobs[i].max_new for i in batch))
                 generators = {i: torch.Generator().manual_seed(self.seed + i) for i in batch}
             busy = torch.tensor([0 if batch is None else 1])
             if dist.is_initialized():
@@ -156,11 +157,13 @@ class ParatrainLM(TemplateLM):
                     model(torch.tensor([[self.prefix_token_id]], device=self.train_step.device))
                 continue
             logits = decoder.logits()  # (B, V)
+            greedy = logits.argmax(-1).tolist()  # every row's in one call (choose's at temperature 0)
             tokens = [self.prefix_token_id] * len(batch)  # a finished row's (never read)
             for j, i in enumerate(batch):
                 if i in mine:
                     continue
-                tokens[j] = choose(logits[j], jobs[i].temperature, generator=generators[i])
+                tokens[j] = greedy[j] if jobs[i].temperature == 0 else \
+                    choose(logits[j], jobs[i].temperature, generator=generators[i])
                 if jobs[i].step(tokens[j], self.tokenizer_, self.eot_token_id):
                     mine[i] = jobs[i].text
                     self.requests_scored += 1

@@ -355,4 +355,6 @@ class Transformer(nn.Module):
             self.mtp_losses = self.mtp(h, ahead, mtp_targets, self.output, cos, sin, documents, loss_chunks)
         if targets is not None:
             return chunked_cross_entropy(self.norm(h), targets, self.output, loss_chunks, reduction, piece_loss)
+        if cache is not None and cache.last_only:  # generation reads the last position's logits alone
+            h = h[:, -1:]  # (B, 1, C)
         return self.output(self.norm(h))  # (B, T, V)
