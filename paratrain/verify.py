@@ -294,8 +294,14 @@ def train_and_evaluate(train_cfg, eval_cfg):
 
 def train_and_evaluate_all(pairs: list):
     """train_and_evaluate for several layouts of one world size, one after the other by the same launched ranks."""
+    import torch._dynamo  # lazy: verify's checks before launch answer without torch (a rank has it: its preload)
+
     out = []
     for i, (train_cfg, eval_cfg) in enumerate(pairs):
+        # Each layout compiles as in a process of its own: the blocks' forward keeps dynamo's compiled entries of the
+        # layouts before (other tensor types), and past config.recompile_limit (8: the fourth compiled layout) dynamo
+        # would run it eager. Inductor's caches on disk are kept (the same graphs load, not compile).
+        torch._dynamo.reset()
         result = run_rank(train_cfg, True, keep_group=True)
         out.append((result, run_rank(eval_cfg, keep_group=i < len(pairs) - 1).val_loss))
     return out

@@ -48,6 +48,24 @@ def test_verify_compile_rows(char_data):
     _check(COMPILE_MATRIX, 4, char_data)
 
 
+def test_a_shared_launch_compiles_each_layout_afresh(monkeypatch):
+    """The compile rows share one launch (share_launches): each layout starts from a reset dynamo, as in a process of
+    its own. Without it the blocks' forward kept every earlier layout's compiled entries, and from the fourth compiled
+    layout on dynamo hit its recompile limit and ran the blocks eager (compile-pp2 and compile-fp8-fsdp2 passed
+    uncompiled)."""
+    import types
+
+    import torch._dynamo
+
+    from paratrain import verify
+
+    calls = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("reset"))
+    monkeypatch.setattr(verify, "run_rank", lambda cfg, *a, **k: calls.append(cfg) or types.SimpleNamespace(val_loss=0))
+    verify.train_and_evaluate_all([("train1", "eval1"), ("train2", "eval2")])
+    assert calls == ["reset", "train1", "eval1", "reset", "train2", "eval2"]
+
+
 def test_float8_layers_are_the_blocks_projections():
     """Which linear layers multiply in float8: the blocks' projections with dimensions divisible by 16, less the ones
     kept in bf16; never the embedding, the output projection, a router or a routed expert."""
