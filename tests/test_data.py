@@ -659,7 +659,7 @@ class _CountingReader:
 def _array_items(data: bytes, monkeypatch, block: int = 100):
     monkeypatch.setattr(srcmod, "READ_BYTES", block)
     reader = _CountingReader(data)
-    items = srcmod._json_array(reader, srcmod.Path("a.json"), lambda fn, line: fn())
+    items = srcmod.json_array_items(reader, srcmod.Path("a.json"), lambda fn, line: fn())
     return reader, items
 
 

@@ -158,7 +158,7 @@ class Source:
             if not self.fmt.startswith("jsonl"):  # .json: JSON lines, or one array (told by its first character)
                 start = _read(lambda: _first_character(data), 0)
                 if start == b"[":
-                    yield from _json_array(data, self.path, _read)
+                    yield from json_array_items(data, self.path, _read)
                     self._finish_hash(raw)
                     return
                 if start not in (b"{", b""):
@@ -261,7 +261,7 @@ def _first_character(data) -> bytes:
         data.read(len(head))
 
 
-def _json_array(data, path: Path, read):
+def json_array_items(data, path: Path, read):
     """(line, value) of every item of the one JSON array in `data` (its first character is "["), read a block at a
     time: memory is bounded by the largest item, not the file. `read(fn, line)` calls fn, reporting a corrupt
     compressed stream as one line."""
