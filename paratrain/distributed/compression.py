@@ -664,20 +664,14 @@ class GradComm:
         """Host numbers for the step's record (`step_metrics`)."""
         self.noted.update(metrics)
 
-    def replica_mean_(self, flat: torch.Tensor, group) -> float:
-        """`flat` replaced by its mean over `group` (an all-reduce in its dtype); returns the bytes this rank sent,
-        also counted in comm_bytes (against the fp32 all-reduce of the same values)."""
-        finish, sent = self.replica_mean_start(flat, group)
-        finish()
-        return sent
-
     def replica_reducer(self, compression, group) -> ReplicaReducer:
         """A capability's mean over `group` with `compression` (a capabilities.grad_compression.Compression)."""
         return ReplicaReducer(self, compression, group)
 
     def replica_mean_start(self, flat: torch.Tensor, group):
-        """`replica_mean_` launched asynchronously: (finish, bytes sent); `finish()` waits for the all-reduce and
-        divides, returning `flat` (the mean). The bytes are counted now."""
+        """The mean of `flat` over `group` (an all-reduce in its dtype), launched asynchronously: (finish, bytes this
+        rank sends); `finish()` waits for the all-reduce and divides, returning `flat` (the mean). The bytes are counted
+        now in comm_bytes (against the fp32 all-reduce of the same values)."""
         p = dist.get_world_size(group)
         work = dist.all_reduce(flat, group=group, async_op=True)
         sent = all_reduce_wire(flat.numel() * flat.element_size(), p)
