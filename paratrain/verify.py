@@ -206,12 +206,9 @@ class Resumed:
     then: tuple[int, str]
 
 
-# name -> Resumed, written resume-FIRST:SECOND (':' needs no quoting in a shell, unlike '->'). The tiny MoE with the
-# auxiliary-loss-free routing bias (the aux_free-* rows), resumed with its bias on a layout that shards it differently.
-RESUMED: dict[str, Resumed] = {
-    "resume-ep2:fsdp2": Resumed("aux_free-ep2", (2, "fsdp")),
-    "resume-ep2xtp2:pp2": Resumed("aux_free-ep2xtp2", (2, "nodp,pp=2,sched=1f1b")),
-}
+# name -> Resumed, written resume-FIRST:SECOND (':' needs no quoting in a shell, unlike '->'): the capabilities' rows
+# whose state must move exactly to a layout that shards it differently (`Capability.resumed_rows`).
+RESUMED: dict[str, Resumed] = {name: Resumed(row, then) for name, (row, then) in capabilities.resumed_rows().items()}
 
 
 def layout_overrides(name: str) -> tuple[int, list[str]]:

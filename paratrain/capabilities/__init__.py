@@ -156,6 +156,11 @@ def verify_rows(matrix: str | None = None) -> dict[str, tuple]:
             for name, row in cls.verify_rows.items()}
 
 
+def resumed_rows() -> dict[str, tuple[str, tuple[int, str]]]:
+    """Every capability's verify rows that resume on another layout (`Capability.resumed_rows`)."""
+    return {name: row for cls in CAPABILITIES for name, row in cls.resumed_rows.items()}
+
+
 def reference_keys() -> tuple[str, ...]:
     """Override prefixes a verify row's single-process reference keeps (what the capability computes differently)."""
     return tuple(k for cls in CAPABILITIES for k in cls.reference_keys)

@@ -20,7 +20,7 @@ The hooks are called at fixed points of a step (paratrain/training/step.py), alw
     after_build         once the step is built, before a checkpoint is loaded (a local-SGD round's state)
     after_optimizer_step  after each optimizer update (fp8's precomputed scales)
     after_expert_loads  then, on a mixture-of-experts model, with the step's expert loads over every micro-batch and
-                        data-parallel rank (auxiliary-loss-free balancing's bias update)
+                        data-parallel rank (a routing bias moved toward even loads)
     gradient_reduction  what the data-parallel gradient reduction runs (a classmethod: gradient compression's
                         `GradReduction`, which the run's GradComm takes; distributed/ never imports the registry)
     checkpoint_state    the state a checkpoint saves and loads into, as plain tensors (a classmethod: every registered
@@ -165,6 +165,10 @@ class Capability:
     # verify rows: row name -> (ranks, layout name, overrides..., RowTerms where its steps or tolerances are its own),
     # as paratrain/verify.py's LAYOUTS
     verify_rows: ClassVar[dict[str, tuple]] = {}
+    # verify rows that resume on another layout: row name (`resume-FIRST:SECOND`) -> (one of its `verify_rows`, trained
+    # with a checkpoint at half the steps, (ranks, layout name) the rest resumes on): its state moves between layouts
+    # exactly (paratrain/verify.py's Resumed)
+    resumed_rows: ClassVar[dict[str, tuple[str, tuple[int, str]]]] = {}
     # the overrides of a row that its single-process reference keeps (the settings that change what is computed)
     reference_keys: ClassVar[tuple[str, ...]] = ()
     reference_micro_batch: ClassVar[int | None] = None  # a row's reference runs forwards of this many sequences

@@ -76,6 +76,9 @@ class MoEBalancing(Capability):
     section_after = "model"
     verify_rows = {"aux_free-fsdp2": (2, "fsdp", *ROW), "aux_free-ep2": (2, "fsdp,ep=2", *ROW),
                    "aux_free-ep2xtp2": (4, "fsdp,tp=2,ep=2", *ROW)}
+    # the bias resumed on a layout that shards it differently
+    resumed_rows = {"resume-ep2:fsdp2": ("aux_free-ep2", (2, "fsdp")),
+                    "resume-ep2xtp2:pp2": ("aux_free-ep2xtp2", (2, "nodp,pp=2,sched=1f1b"))}
     reference_keys = ("moe.",)
 
     @classmethod

@@ -91,6 +91,14 @@ class ModelArgs:
         return self.moe_experts > 0 and index >= self.moe_first_dense_layers and index not in self.moe_dense_layers
 
 
+# Model dimensions that decide the parameters' shapes: a checkpoint loads only into a model that agrees on them
+# (training/checkpoint.py).
+ARCHITECTURE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
+                     "tie_embeddings", "moe_experts", "moe_shared_experts", "moe_ffn_hidden", "moe_first_dense_layers",
+                     "moe_dense_layers", "family", "moe_shared_gate", "moe_expert_bias", "mla_q_lora_rank",
+                     "mla_kv_lora_rank", "mla_qk_nope_head_dim", "mla_qk_rope_head_dim", "mla_v_head_dim", "mtp_depth")
+
+
 # -- checking dimensions that come from a file (a checkpoint's trainer.pt) --------------------------------------
 # Upper bounds far beyond any published model: a value above one is a typo or a hostile file, and would make
 # paratrain allocate without bound.

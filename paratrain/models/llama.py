@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from paratrain.data.batch import NOT_A_TARGET
 from paratrain.models.args import ModelArgs
 from paratrain.models.lora_params import adapter_init_std, is_adapter
-from paratrain.models.moe import MoE, moe_modules
+from paratrain.models.moe import MoE, moe_modules, moe_options
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -231,11 +231,7 @@ class FeedForward(nn.Module):
 def moe_block(args: ModelArgs) -> MoE:
     # n shared experts of width h are one SwiGLU of width n * h (the sum of their outputs).
     shared = FeedForward(args.dim, args.expert_hidden * args.moe_shared_experts) if args.moe_shared_experts else None
-    return MoE(args.dim, args.moe_experts, args.moe_top_k, args.expert_hidden, shared=shared,
-               score_func=args.moe_score_func, norm_topk=args.moe_norm_topk, aux_loss_coef=args.moe_aux_loss_coef,
-               capacity_factor=args.moe_capacity_factor, n_group=args.moe_n_group, topk_group=args.moe_topk_group,
-               routed_scaling_factor=args.moe_routed_scaling_factor, shared_gate=args.moe_shared_gate,
-               expert_bias=args.moe_expert_bias)
+    return MoE(args.dim, args.moe_experts, args.moe_top_k, args.expert_hidden, shared=shared, **moe_options(args))
 
 
 class TransformerBlock(nn.Module):
@@ -292,9 +288,8 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=self.rope_cos.device, args=a)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-        for moe in moe_modules(self):  # the experts' routing bias starts at zero (a checkpoint then loads its own)
-            if moe.expert_bias is not None:
-                moe.expert_bias.zero_()
+        for moe in moe_modules(self):  # their learned buffers' starting values
+            moe.reset_buffers()
 
     def param_init_std(self, name: str) -> float | None:
         """Std of the normal init for a parameter by name; None means 'ones' (norm gains).

@@ -216,6 +216,11 @@ class MoE(nn.Module):
         self.tokens_per_expert: torch.Tensor | None = None
         self.dropped: torch.Tensor | None = None
 
+    def reset_buffers(self) -> None:
+        """The routing bias starts at zero (after materialising from meta; a checkpoint then loads its own)."""
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, dim) -> (probabilities (N, E) fp32 for the balance loss, expert ids (N, k), gates (N, k) fp32)."""
         logits = self.router(x)  # (N, E) fp32
@@ -285,6 +290,14 @@ class MoE(nn.Module):
         if self.aux_loss_scale is not None and self.aux_loss_coef and torch.is_grad_enabled():
             y = AuxLossScaler.apply(y, aux, self.aux_loss_coef * self.aux_loss_scale)
         return y.view(B, T, C)
+
+
+def moe_options(args) -> dict:
+    """MoE's keyword arguments beyond its shape from a ModelArgs (routing, balancing, capacity, the shared gate)."""
+    return dict(score_func=args.moe_score_func, norm_topk=args.moe_norm_topk, aux_loss_coef=args.moe_aux_loss_coef,
+                capacity_factor=args.moe_capacity_factor, n_group=args.moe_n_group, topk_group=args.moe_topk_group,
+                routed_scaling_factor=args.moe_routed_scaling_factor, shared_gate=args.moe_shared_gate,
+                expert_bias=args.moe_expert_bias)
 
 
 def moe_modules(model: nn.Module) -> list[MoE]:

@@ -51,7 +51,7 @@ from paratrain.faults import FaultInjector
 from paratrain.errors import PeerFailed, UserError, environment_problem, translated
 from paratrain.files import replace_dir
 from paratrain.hf.arch import resume_hint
-from paratrain.models.args import DEFAULT_FAMILY, fields_problem, is_int
+from paratrain.models.args import ARCHITECTURE_KEYS, DEFAULT_FAMILY, fields_problem, is_int
 from paratrain.capabilities.lora import record_problem
 from paratrain.capabilities import OPTIMIZERS, optimizer_entry
 from paratrain.optimizers import HIDDEN_STATE, OptimizerEntry
@@ -489,13 +489,6 @@ def resolve_resume(resume: str, ckpt_root: Path, warn=None, problem=checkpoint_p
     if why:
         raise UserError(f"checkpoint.resume={path} is not a usable paratrain checkpoint: {why}")
     return path
-
-
-# Model dimensions that decide the parameters' shapes: a checkpoint loads only into a model that agrees on them.
-ARCHITECTURE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
-                     "tie_embeddings", "moe_experts", "moe_shared_experts", "moe_ffn_hidden", "moe_first_dense_layers",
-                     "moe_dense_layers", "family", "moe_shared_gate", "moe_expert_bias", "mla_q_lora_rank",
-                     "mla_kv_lora_rank", "mla_qk_nope_head_dim", "mla_qk_rope_head_dim", "mla_v_head_dim", "mtp_depth")
 
 
 def model_mismatch(trainer_state: dict, model_args) -> str | None:
