@@ -20,14 +20,13 @@ from paratrain.capabilities.base import MOE_PRESET, RowTerms
 from paratrain.config import ParallelConfig, load_config
 from paratrain.errors import UserError, did_you_mean
 from paratrain.layout_grammar import parse_layout_name
+from paratrain.models.registry import verify_rows as family_verify_rows
 from paratrain.modes import Precision
 from paratrain.recipe import config_default, setting_keys
 
 LONG_MODEL = "model.max_seq_len=1024"  # the tiny model with room for long sequences
 MTP = "model.mtp_depth=1"  # multi-token prediction's rows
 QWEN3, QWEN3_MOE = "model.preset=tiny-qwen3", "model.preset=tiny-qwen3-moe"  # q/k norms, q/k/v/o biases, head_dim 32
-MLA = "model.preset=tiny-mla"  # multi-head latent attention (DeepSeek), a dense block then an MoE one
-DENSE = "model.moe_experts=0"  # (context parallelism does not take mixtures of experts)
 
 ROUTING = (MOE_PRESET, "model.moe_experts=8", "model.moe_score_func=sigmoid", "model.moe_n_group=4",
            "model.moe_topk_group=2", "model.moe_routed_scaling_factor=2.5", "model.moe_shared_gate=true")
@@ -111,14 +110,8 @@ LAYOUTS: dict[str, tuple] = {
     "qwen3-pp2": (2, "nodp,pp=2,sched=1f1b", QWEN3),
     "qwen3-cp2": (2, "fsdp,cp=2", QWEN3),
     "qwen3-moe-ep2xfsdp2": (4, "fsdp,ep=2", QWEN3_MOE),
-    # Multi-head latent attention (tiny-mla: DeepSeek-V3's attention at width 64), against one process.
-    "mla-fsdp2": (2, "fsdp", MLA),
-    "mla-tp2": (2, "nodp,tp=2,sp=off", MLA),
-    "mla-tp2+sp": (2, "nodp,tp=2", MLA),
-    "mla-ep2xtp2": (4, "fsdp,tp=2,ep=2", MLA),
-    "mla-pp2-1f1b": (2, "nodp,pp=2,sched=1f1b", MLA, DENSE),
-    "mla-moe-pp2-1f1b": (2, "nodp,pp=2,sched=1f1b", MLA),
-    "mla-cp2": (2, "fsdp,cp=2", MLA, DENSE),
+    # The model families' own rows (`ModelFamily.verify_rows`), against one process training the same model.
+    **family_verify_rows(),
     # Multi-token prediction (one module after the last block, models/mtp.py) on the MoE model; under a pipeline on
     # the dense one (pipelines refuse mixture-of-experts models), its module on the last stage.
     "mtp-fsdp2": (2, "fsdp", MOE_PRESET, MTP),
@@ -158,7 +151,6 @@ MOE_MATRIX = ["ep2", "ep4", "ep2xfsdp2", "ep2xtp2"]
 PP_MATRIX = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2-zb", "pp2xdp2", "pp2xtp2", "pp2xdp2xtp2"]
 CP_MATRIX = ["cp2", "cp2xfsdp2", "cp2xtp2", "cp2xpp2", "cp4-seq1024"]
 QWEN_MATRIX = ["qwen3-fsdp2", "qwen3-tp2+sp", "qwen3-pp2", "qwen3-cp2", "qwen3-moe-ep2xfsdp2"]
-MLA_MATRIX = ["mla-fsdp2", "mla-tp2", "mla-tp2+sp", "mla-ep2xtp2", "mla-pp2-1f1b", "mla-cp2"]
 MTP_MATRIX = ["mtp-fsdp2", "mtp-tp2+sp", "mtp-pp2-1f1b", "mtp-pp2-interleaved", "mtp-ep2"]
 
 MODEL_CAPABILITY_MATRIX = list(capabilities.verify_rows("model"))

@@ -101,11 +101,11 @@ def test_verify_rows_pass(char_data):
     """`paratrain verify`'s MLA rows within 1e-5 of one process: here tp2 + sp and cp2 (tp2 fails, 6e-5, if the rotary
     key's gradient is not summed over the tp ranks: role "shared_key"); MLA on fsdp2, tp2, pp2-1f1b, ep2 and ep2 x tp2
     is the DeepSeek journey's verify (tests/test_journeys.py, tiny-deepseek)."""
-    from paratrain.verify import MLA_MATRIX
+    from paratrain.models.deepseek_params import FAMILY
     from test_distributed import check_matrix
 
     rows_here = ["mla-tp2+sp", "mla-cp2"]
-    assert set(rows_here) < set(MLA_MATRIX)
+    assert set(rows_here) < set(FAMILY.verify_rows)
     check_matrix(rows_here, char_data, steps=4)
 
 

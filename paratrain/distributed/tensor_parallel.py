@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleI
 from torch.distributed.tensor.parallel import parallelize_module
 
 from paratrain.models.llama_params import MTP_PREFIX
-from paratrain.models.registry import family_of, parameters
+from paratrain.models.registry import attention_shape, family_of, parameters
 
 # A sublayer's inputs under sequence parallelism: the residual stream first (gathered), the rest untouched.
 _SUBLAYER_ARITY = {"attention": 3, "mlp": 1}  # attention(x, cos, sin), mlp(x)
@@ -27,7 +27,7 @@ _SUBLAYER_ARITY = {"attention": 3, "mlp": 1}  # attention(x, cos, sin), mlp(x)
 
 def replicated_inputs(inputs, mesh) -> tuple:
     """A replicated module's inputs as replicated DTensors (a sublayer's input gathered under sequence parallelism
-    already is one: MLA's down-projections read it)."""
+    already is one: a replicated down-projection reads it)."""
     return tuple(x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
                  for x in inputs)
 
@@ -70,7 +70,7 @@ class _SumTailGradient(torch.autograd.Function):
 
 def shared_key_style(tail: int):
     """A replicated Linear whose output's last `tail` columns are a key every attention head reads (role
-    "shared_key": MLA's kv_a_proj_with_mqa and its rotary key). Tensor parallelism splits the heads, so each rank's
+    "shared_key": a key-value down-projection whose rotary key every head shares). Tensor parallelism splits the heads, so each rank's
     gradient of that key holds its heads' share: summed here, the weight's gradient and the input's are whole, the
     same on every rank. (The rest of its output, the latent, feeds a column-parallel projection, whose input
     gradient arrives already reduced.)"""
@@ -128,7 +128,7 @@ def module_roles(params) -> dict[str, str]:
 class _Styles:
     def __init__(self, sequence_parallel: bool, loss_parallel: bool, shared_key: int = 0):
         self.sp, self.loss_parallel = sequence_parallel, loss_parallel
-        self.shared_key = shared_key  # the width of a "shared_key" module's key (MLA: mla_qk_rope_head_dim)
+        self.shared_key = shared_key  # the width of a "shared_key" module's key (AttentionShape.shared_key)
         self.residual = Shard(1) if sequence_parallel else Replicate()
 
     def of(self, role: str, sublayer_output, style_classes=None):
@@ -190,7 +190,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
     style_classes = style_classes or {}
     args = model.args
     family, table = family_of(args), parameters(args)
-    styles = _Styles(sequence_parallel, loss_parallel, args.mla_qk_rope_head_dim)
+    styles = _Styles(sequence_parallel, loss_parallel, attention_shape(args).shared_key)
     # Multi-token prediction's blocks (models/mtp.py: `mtp.{d}.block`, of index n_layers + d; outside `layers`, layer
     # None) are laid out like the model's; its other modules like those around the blocks (the norms like the final
     # norm, its projection `scattered_replicated`).

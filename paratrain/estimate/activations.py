@@ -92,7 +92,7 @@ class ActDims:
     chunks: int = 1  # the chunked loss's pieces of the N tokens the output projection and the loss run over
     # The family's attention shape (models/family.AttentionShape) beyond D: v's width as the kernel reads it, the
     # output projection's input width per head, the rotary width, the normalised latents before the up-projections
-    # (replicated under tp) and the projections reading the normed input (q/k/v: 3; MLA's q and kv down: 2).
+    # (replicated under tp) and the projections reading the normed input (`input_linears`; q/k/v: 3).
     Dv: int = 0
     Do: int = 0
     rope_D: int = 0
@@ -189,9 +189,8 @@ def head_norms_saved(d: ActDims) -> list[tuple[str, int]]:
 
 
 def latents_saved(d: ActDims) -> list[tuple[str, int]]:
-    """Low-rank latents (MLA's q and kv, whole on every tp rank): each RMSNorm saves its input in fp32, the rsqrt and
-    x*rsqrt, and the up-projection its input (its own bf16 copy under autocast). Follows models/deepseek.py; not yet
-    measured."""
+    """Low-rank latents (`AttentionShape.latents`, whole on every tp rank): each RMSNorm saves its input in fp32, the
+    rsqrt and x*rsqrt, and the up-projection its input (its own bf16 copy under autocast). Not yet measured."""
     out = []
     for r in d.latents:
         up_input = d.N * r * (2 if d.regime == "autocast" else d.L)

@@ -363,8 +363,8 @@ def block_costs(ctx: Context, hw: Hardware, tp: int, micro_batch: int, ep: int, 
 @functools.lru_cache(maxsize=256)
 def attention_gemms(args: ModelArgs, tp: int) -> tuple[tuple[float, float], ...]:
     """(input, output) widths per token of a block's attention matmuls on one tp rank, from the family's table:
-    column-parallel ones split their outputs, row-parallel ones their inputs, replicated ones (MLA's down-projections)
-    are whole on every rank."""
+    column-parallel ones split their outputs, row-parallel ones their inputs, replicated ones (low-rank
+    down-projections) are whole on every rank."""
     first = next(p.layer for p in parameters(args) if p.layer is not None)
     out = []
     for p in parameters(args):

@@ -68,7 +68,8 @@ def mla_shape(args: ModelArgs) -> AttentionShape:
     return AttentionShape(heads=args.n_heads, kv_heads=args.n_heads, qk_dim=qk, v_dim=qk,
                           out_dim=args.mla_v_head_dim, rope_dim=args.mla_qk_rope_head_dim,
                           latents=tuple(r for r in (args.mla_q_lora_rank, args.mla_kv_lora_rank) if r),
-                          score_width=args.n_heads * (qk + args.mla_v_head_dim) // 2)
+                          score_width=args.n_heads * (qk + args.mla_v_head_dim) // 2,
+                          shared_key=args.mla_qk_rope_head_dim)
 
 
 _ATTENTION = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
@@ -110,8 +111,21 @@ DEEPSEEK_ARCHS = (
                  "qk_rope_head_dim": ("mla_qk_rope_head_dim", "head_dim"), "v_head_dim": ("mla_v_head_dim",)}),
 )
 
+MLA = "model.preset=tiny-mla"  # DeepSeek-V3's attention at width 64, a dense block then an MoE one
+DENSE = "model.moe_experts=0"  # (context parallelism does not take mixtures of experts)
+# `paratrain verify`'s rows of multi-head latent attention, against one process.
+VERIFY_ROWS = {
+    "mla-fsdp2": (2, "fsdp", MLA),
+    "mla-tp2": (2, "nodp,tp=2,sp=off", MLA),
+    "mla-tp2+sp": (2, "nodp,tp=2", MLA),
+    "mla-ep2xtp2": (4, "fsdp,tp=2,ep=2", MLA),
+    "mla-pp2-1f1b": (2, "nodp,pp=2,sched=1f1b", MLA, DENSE),
+    "mla-moe-pp2-1f1b": (2, "nodp,pp=2,sched=1f1b", MLA),
+    "mla-cp2": (2, "fsdp,cp=2", MLA, DENSE),
+}
+
 FAMILY = ModelFamily(
     name="deepseek", module="paratrain.models.deepseek:DeepSeek", params=deepseek_params,
-    sublayers=decoder_sublayers, hf=DEEPSEEK_HF, attention=mla_shape, hf_archs=DEEPSEEK_ARCHS,
+    sublayers=decoder_sublayers, hf=DEEPSEEK_HF, attention=mla_shape, hf_archs=DEEPSEEK_ARCHS, verify_rows=VERIFY_ROWS,
     description="DeepSeek-V2/V3: Llama's decoder with multi-head latent attention (low-rank q and kv, decoupled "
                 "rotary key)")

@@ -14,8 +14,10 @@ A family gives
 - `hf`: its Hugging Face tensor names (`HFNames`), or None when it has no Hugging Face counterpart;
 - `hf_archs`: the transformers architectures it is (`HFArch`: how their config.json maps to its dimensions, which
   paratrain/hf/arch.py reads for import and export);
-- `attention`: its attention's shape for the estimator (`AttentionShape`), when it is not grouped-query attention
-  over `n_heads`, `n_kv_heads` and `head_dim` (models/deepseek_params.py: multi-head latent attention).
+- `attention`: its attention's shape for the estimator and the TP plan (`AttentionShape`), when it is not
+  grouped-query attention over `n_heads`, `n_kv_heads` and `head_dim`;
+- `verify_rows`: its `paratrain verify` rows (name -> (ranks, layout name, overrides...), as paratrain/verify.py's
+  LAYOUTS), which verify lists among its own.
 
 Adding a family is one module defining a `ModelFamily` plus one registry line: an entry in `registry.FAMILIES` for a
 family shipped with paratrain, or `registry.register_family(FAMILY)` in the module that defines it (tests do this).
@@ -39,9 +41,9 @@ from paratrain.models.args import ModelArgs
 #   head_norm  a norm gain over each attention head (Qwen3's q/k norm): replicated, its input split by heads like the
 #              column-parallel projection it follows (its gradient is summed over the tp ranks' heads)
 #   expert     a routed expert's stacked weight (E, ...): not split by tp, split on dim 0 by expert parallelism
-#   shared_key a replicated Linear whose output ends with a key every attention head reads (MLA's kv_a_proj_with_mqa:
-#              the kv latent, then the rotary key of width mla_qk_rope_head_dim): tp splits the heads, so the gradient
-#              of that key is summed over the tp ranks (the latent's arrives whole through the column-parallel kv_b)
+#   shared_key a replicated Linear whose output ends with a key every attention head reads (a latent, then a key
+#              `AttentionShape.shared_key` wide): tp splits the heads, so the gradient of that key is summed over the
+#              tp ranks (the latent's arrives whole through the column-parallel projection that reads it)
 Role = Literal["embedding", "output", "colwise", "rowwise", "norm", "head_norm", "replicated", "expert", "shared_key"]
 ROLES = get_args(Role)
 SublayerKind = Literal["attention", "mlp", "moe"]
@@ -147,9 +149,10 @@ class HFArch:
 class AttentionShape:
     """A block's attention as the estimator sees it (activations, FLOPs, ring traffic): `heads` query heads over
     `kv_heads` key/value heads as the attention kernel reads them, q and k `qk_dim` wide per head, v `v_dim` (as the
-    kernel reads it: padded, for MLA), the kernel's output `out_dim` per head as the output projection reads it, the
-    rotary part `rope_dim` wide; `latents`: widths of normalised low-rank latents before the up-projections (MLA's q
-    and kv); `score_width`: the width in the PaLM FLOPs convention's attention term 12 x layers x width x seq (dim for
+    kernel reads it: padded where narrower than q/k), the kernel's output `out_dim` per head as the output projection
+    reads it, the rotary part `rope_dim` wide; `latents`: widths of normalised low-rank latents before the
+    up-projections; `shared_key`: the width of the key at the tail of a "shared_key" projection's output (0: none);
+    `score_width`: the width in the PaLM FLOPs convention's attention term 12 x layers x width x seq (dim for
     grouped-query attention, whatever its heads)."""
 
     heads: int
@@ -160,6 +163,7 @@ class AttentionShape:
     rope_dim: int
     latents: tuple[int, ...] = ()
     score_width: int = 0
+    shared_key: int = 0
 
 
 def gqa_shape(args: ModelArgs) -> AttentionShape:
@@ -177,6 +181,7 @@ class ModelFamily:
     description: str = ""
     hf_archs: tuple[HFArch, ...] = ()
     attention: Callable[[ModelArgs], AttentionShape] = gqa_shape
+    verify_rows: Mapping[str, tuple] = field(default_factory=dict, hash=False)
 
     def model_class(self):
         path, _, attr = self.module.partition(":")

@@ -89,6 +89,11 @@ def attention_shape(args: ModelArgs) -> AttentionShape:
     return family_of(args).attention(args)
 
 
+def verify_rows() -> dict[str, tuple]:
+    """The `paratrain verify` rows of every registered family (`ModelFamily.verify_rows`)."""
+    return {name: row for family in FAMILIES.values() for name, row in family.verify_rows.items()}
+
+
 def build_model(args: ModelArgs):
     """The family's nn.Module for `args` (on the current default device), with multi-token prediction's modules
     (models/mtp.py) after its head when args.mtp_depth > 0."""
