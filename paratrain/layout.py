@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from paratrain.errors import ConfigError, did_you_mean
 from paratrain.modes import DP_MODE_OPTIONS, SCHEDULES, CheckpointMode, DPMode, Schedule
+from paratrain.models.registry import layout_problem as side_head_problem
 from paratrain.stage_split import balanced_split
 
 
@@ -405,9 +406,9 @@ class Layout:
             if args.tie_embeddings:
                 raise ConfigError("tied embeddings do not compose with pipeline parallelism (the embedding is on the "
                                   "first stage, the output on the last); set model.tie_embeddings=false")
-        if self.cp > 1 and args.mtp_depth:
-            raise ConfigError(f"parallel.cp={self.cp} does not support multi-token prediction (model.mtp_depth > 0): "
-                              "depth d reads the tokens d places ahead, in another rank's slice of the sequence")
+        why = side_head_problem(self, args)  # the model's side heads' (models/family.SideHead)
+        if why:
+            raise ConfigError(why)
         if self.cp > 1 and args.moe_experts:
             raise ConfigError(f"parallel.cp={self.cp} does not support mixture-of-experts models (model.moe_experts > 0): "
                               "routing capacity and the balance loss are computed over whole sequences")

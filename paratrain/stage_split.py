@@ -8,14 +8,13 @@ from __future__ import annotations
 import bisect
 import functools
 
-from paratrain.models.llama_params import MTP_PREFIX
 from paratrain.models.presets import block_param_count
-from paratrain.models.registry import parameters, used_numel
+from paratrain.models.registry import side_params, used_numel
 
 
 def balanced_split(args, num_stages: int) -> tuple[int, ...]:
     """Contiguous blocks per stage minimising the largest stage's active parameters (the embedding counts on the first
-    stage, norm + output and multi-token prediction's modules on the last). For a dense model these are all its
+    stage, norm + output and the side heads' modules on the last). For a dense model these are all its
     parameters; a mixture of experts' blocks count the router, the shared experts and top_k of the routed ones, what a
     token's compute multiplies (counting every expert, DeepSeek-V3's three dense blocks would share one stage with two
     MoE blocks and make it the slowest; the experts' memory is spread by expert parallelism and FSDP instead)."""
@@ -26,8 +25,8 @@ def balanced_split(args, num_stages: int) -> tuple[int, ...]:
 def _block_costs(args) -> tuple[int, ...]:
     cost = [block_param_count(args, i, active=True) for i in range(args.n_layers)]
     cost[0] += args.vocab_size * args.dim
-    mtp = sum(used_numel(args, p) for p in parameters(args) if p.name.startswith(MTP_PREFIX))
-    cost[-1] += args.vocab_size * args.dim + args.dim + mtp
+    side = sum(used_numel(args, p) for p in side_params(args))
+    cost[-1] += args.vocab_size * args.dim + args.dim + side
     return tuple(cost)
 
 

@@ -25,7 +25,6 @@ from paratrain.modes import Precision
 from paratrain.recipe import config_default, setting_keys
 
 LONG_MODEL = "model.max_seq_len=1024"  # the tiny model with room for long sequences
-MTP = "model.mtp_depth=1"  # multi-token prediction's rows
 QWEN3, QWEN3_MOE = "model.preset=tiny-qwen3", "model.preset=tiny-qwen3-moe"  # q/k norms, q/k/v/o biases, head_dim 32
 
 ROUTING = (MOE_PRESET, "model.moe_experts=8", "model.moe_score_func=sigmoid", "model.moe_n_group=4",
@@ -110,15 +109,8 @@ LAYOUTS: dict[str, tuple] = {
     "qwen3-pp2": (2, "nodp,pp=2,sched=1f1b", QWEN3),
     "qwen3-cp2": (2, "fsdp,cp=2", QWEN3),
     "qwen3-moe-ep2xfsdp2": (4, "fsdp,ep=2", QWEN3_MOE),
-    # The model families' own rows (`ModelFamily.verify_rows`), against one process training the same model.
+    # The model families' and side heads' own rows (`verify_rows`), against one process training the same model.
     **family_verify_rows(),
-    # Multi-token prediction (one module after the last block, models/mtp.py) on the MoE model; under a pipeline on
-    # the dense one (pipelines refuse mixture-of-experts models), its module on the last stage.
-    "mtp-fsdp2": (2, "fsdp", MOE_PRESET, MTP),
-    "mtp-tp2+sp": (2, "nodp,tp=2", MOE_PRESET, MTP),
-    "mtp-pp2-1f1b": (2, "nodp,pp=2,sched=1f1b", MTP),
-    "mtp-pp2-interleaved": (2, "nodp,pp=2,sched=interleaved_1f1b", MTP),
-    "mtp-ep2": (2, "fsdp,ep=2", MOE_PRESET, MTP),
 
     # The capabilities that change the model (`verify_matrix` "model": adapters on a frozen tiny model), against one
     # process training the same model.
@@ -151,7 +143,6 @@ MOE_MATRIX = ["ep2", "ep4", "ep2xfsdp2", "ep2xtp2"]
 PP_MATRIX = ["pp2-gpipe", "pp2-1f1b", "pp2-interleaved", "pp2-zb", "pp2xdp2", "pp2xtp2", "pp2xdp2xtp2"]
 CP_MATRIX = ["cp2", "cp2xfsdp2", "cp2xtp2", "cp2xpp2", "cp4-seq1024"]
 QWEN_MATRIX = ["qwen3-fsdp2", "qwen3-tp2+sp", "qwen3-pp2", "qwen3-cp2", "qwen3-moe-ep2xfsdp2"]
-MTP_MATRIX = ["mtp-fsdp2", "mtp-tp2+sp", "mtp-pp2-1f1b", "mtp-pp2-interleaved", "mtp-ep2"]
 
 MODEL_CAPABILITY_MATRIX = list(capabilities.verify_rows("model"))
 

@@ -43,8 +43,8 @@ def test_loss_is_the_hand_computation():
     args, model = tiny()
     x = torch.randint(0, V, (2, 12))
     y = torch.randint(0, V, (2, 12))
-    model(x, mtp_targets=y)
-    got = [float(v.detach()) for v, _ in model.mtp_losses]
+    model(x, side_targets=y)
+    got = [float(v.detach()) for v, _ in model.side_losses["mtp"]]
 
     T = x.shape[1]
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
@@ -65,8 +65,8 @@ def test_packed_documents_give_no_target_across_a_boundary():
     args, model = tiny()
     x, y = torch.randint(0, V, (1, 12)), torch.randint(0, V, (1, 12))
     positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])  # documents of 5 and 7 tokens
-    model(x, positions=positions, mtp_targets=y)
-    for d, (_, count) in enumerate(model.mtp_losses, start=1):
+    model(x, positions=positions, side_targets=y)
+    for d, (_, count) in enumerate(model.side_losses["mtp"], start=1):
         # positions i whose token i + d is in the same document, and not beyond the window
         assert int(count) == sum(1 for i in range(12 - d) if (i < 5) == (i + d < 5)), d
 
@@ -84,8 +84,8 @@ def test_train_step_adds_the_weighted_mean_and_records_mtp_loss():
     loss = step.forward_backward([(x, y)])
     model = step.model
     with torch.no_grad():
-        main = cross_entropy(model(x, mtp_targets=y), y)
-        depths = [s / (y[:, d:] != NOT_A_TARGET).sum() for d, (s, _) in enumerate(model.mtp_losses, start=1)]
+        main = cross_entropy(model(x, side_targets=y), y)
+        depths = [s / (y[:, d:] != NOT_A_TARGET).sum() for d, (s, _) in enumerate(model.side_losses["mtp"], start=1)]
     mtp = torch.stack(depths).mean()
     assert float(loss) == pytest.approx(float(main + 0.5 * mtp), rel=1e-5)
     assert step.token_loss.step_stats()()["mtp_loss"] == pytest.approx(float(mtp), rel=1e-5)
@@ -99,9 +99,8 @@ def test_generation_ignores_the_modules():
     missing = plain.load_state_dict(model.state_dict(), strict=False)
     assert not missing.missing_keys and all(k.startswith("mtp.") for k in missing.unexpected_keys)
     x = torch.randint(0, V, (2, 10))
-    model.mtp_losses = None
     torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
-    assert model.mtp_losses is None
+    assert model.side_losses == {}
 
 
 def test_export_drops_the_modules():
@@ -142,11 +141,11 @@ def test_mtp_loss_is_logged_the_same_under_a_pipeline(tmp_path, char_data):
 def test_layouts_match_one_process(char_data):
     """tp2 with sequence parallelism and pp2 interleaved against one process at 1e-5 (MTP on fsdp2, tp2, pp2-1f1b, ep2
     and ep2 x tp2 is the DeepSeek journey's verify: tests/test_journeys.py, tiny-deepseek has one depth)."""
-    from paratrain.verify import MTP_MATRIX
+    from paratrain.models.mtp_params import VERIFY_ROWS
     from test_distributed import check_matrix
 
     rows_here = ["mtp-tp2+sp", "mtp-pp2-interleaved"]
-    assert set(rows_here) < set(MTP_MATRIX)
+    assert set(rows_here) < set(VERIFY_ROWS)
     check_matrix(rows_here, char_data, steps=4)
 
 

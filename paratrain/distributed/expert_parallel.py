@@ -154,7 +154,7 @@ class MoEMeter:
     adds its expert loads, dropped assignments and balance loss while `recording` (the trainer's training forwards,
     not evaluation's; a forward hook, so a pipeline schedule's microbatches count as they run, and an activation
     checkpoint's recomputation in backward does not count again). `loads()` gives the step's expert loads of this
-    stage's layers over the data-parallel ranks (auxiliary-loss-free balancing updates its bias from them) and the
+    stage's layers over the data-parallel ranks (`Capability.after_expert_loads` gets them) and the
     metrics record `step_metrics()` once per optimizer step, from the same single all-reduce, gathered over the
     pipeline stages (`pp_group`)."""
 

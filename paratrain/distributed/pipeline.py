@@ -30,8 +30,8 @@ from paratrain.layout import Layout
 # -- building ------------------------------------------------------------------------------------
 
 def prune(model: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Module:
-    """Keep only `layers` (names unchanged), the embedding on the first stage, norm + output (and multi-token
-    prediction's modules) on the last."""
+    """Keep only `layers` (names unchanged), the embedding on the first stage, norm + output (and the side heads'
+    modules) on the last."""
     for key in list(model.layers.keys()):
         if int(key) not in layers:
             del model.layers[key]
@@ -40,7 +40,8 @@ def prune(model: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Mo
     if not last:
         model.norm = None
         model.output = None
-        model.mtp = None
+        for name in model.side_heads:
+            setattr(model, name, None)
     return model
 
 
@@ -85,8 +86,8 @@ class Pipeline:
         start = time.perf_counter()
         target = y if self.has_last else None
         extra = {} if positions is None else {"positions": positions}
-        if next(iter(self.modules.values())).args.mtp_depth:  # multi-token prediction: see Transformer.forward
-            extra["mtp_targets"] = y
+        if next(iter(self.modules.values())).side_heads:  # they train on these: see Transformer.forward
+            extra["side_targets"] = y
         # return_outputs=False: the last stage would otherwise keep every microbatch's logits to the end of the step
         if self.has_first:
             self.schedule.step(x, target=target, losses=losses, return_outputs=False, **extra)
@@ -265,7 +266,8 @@ class StageGroup(nn.Module):
         self.layers = nn.ModuleDict({k: owned[k] for k in sorted(owned, key=int)})
         self.norm = last.norm if last is not None else None
         self.output = last.output if last is not None else None
-        self.mtp = getattr(last, "mtp", None)
+        for name in getattr(last, "side_heads", ()):
+            setattr(self, name, getattr(last, name))
 
 
 def build_pipeline(dims, model: nn.Module, activation_checkpoint, precision: str, compile: bool,

@@ -18,7 +18,6 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput
 from torch.distributed.tensor.parallel import parallelize_module
 
-from paratrain.models.llama_params import MTP_PREFIX
 from paratrain.models.registry import attention_shape, family_of, parameters
 
 # A sublayer's inputs under sequence parallelism: the residual stream first (gathered), the rest untouched.
@@ -102,7 +101,7 @@ def gathered_sequence_parallel():
 
 
 def scattered_replicated():
-    """A replicated matrix outside the blocks under sequence parallelism (multi-token prediction's projection): it
+    """A replicated matrix outside the blocks under sequence parallelism (a side head's projection): it
     reads the gathered norms' whole sequences (Replicate DTensors) and hands the residual stream back sharded along
     the sequence, a plain tensor like a block's output."""
 
@@ -191,11 +190,10 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
     args = model.args
     family, table = family_of(args), parameters(args)
     styles = _Styles(sequence_parallel, loss_parallel, attention_shape(args).shared_key)
-    # Multi-token prediction's blocks (models/mtp.py: `mtp.{d}.block`, of index n_layers + d; outside `layers`, layer
-    # None) are laid out like the model's; its other modules like those around the blocks (the norms like the final
-    # norm, its projection `scattered_replicated`).
-    extra_blocks = {f"{MTP_PREFIX}{d}.block.": (args.n_layers + d, m.block)
-                    for d, m in enumerate(getattr(model, "mtp", None) or ())}
+    # Blocks outside `layers` (the side heads', layer None in the table: `Transformer.extra_blocks`) are laid out like
+    # the model's; the side heads' other modules like those around the blocks (the norms like the final norm, a
+    # replicated projection `scattered_replicated`).
+    extra_blocks = model.extra_blocks()
     outside = [p for p in table if p.layer is None and not any(p.name.startswith(b) for b in extra_blocks)]
     # A pipeline stage lacks the embedding (all but the first) or the head (all but the last).
     top = {m: top_style(styles, r) for m, r in module_roles(outside).items()
@@ -218,7 +216,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool, loss_parallel: 
 
 def top_style(styles: _Styles, role: str):
     """The style of a module outside the blocks: under sequence parallelism its norms gather their output (the final
-    norm's, before the head; multi-token prediction's, before the head or its projection), which hands the residual
+    norm's, before the head; a side head's, before the head or its projection), which hands the residual
     stream back sharded."""
     if styles.sp and role == "norm":
         return gathered_sequence_parallel()

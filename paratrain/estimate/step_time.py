@@ -96,7 +96,7 @@ from paratrain.estimate.profile import Hardware, Link
 from paratrain.estimate import activations as A
 from paratrain.estimate.model_states import local_shape, model_params
 from paratrain.models.presets import count_params, flops_per_token
-from paratrain.models.registry import attention_shape, parameters
+from paratrain.models.registry import attention_shape, parameters, side_blocks
 
 ELEMWISE_VALUES_PER_TOKEN = (80, 20)  # x dim, x ffn/tp: values read+written per token and block, fwd+bwd
 OPS_PER_BLOCK = 35  # operators in one block's forward (backward: twice)
@@ -478,8 +478,8 @@ def _rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
     last_owner = lay.stage_owner(lay.num_stages - 1) if lay.pp > 1 else 0
 
     def terms(bc: BlockCosts, blocks: int, last: bool) -> tuple[float, float]:
-        # multi-token prediction (models/mtp.py): each depth one more block and pass through the head, on the last stage
-        depths = ctx.args.mtp_depth if last else 0
+        # the side heads' blocks (models/family.SideHead), each with one more pass through the head, on the last stage
+        depths = side_blocks(ctx.args) if last else 0
         n = blocks + depths
         return (n * (bc.forward + bc.backward) + (bc.head * (1 + depths) if last else 0.0),
                 c.ac.recomputed_blocks(n, c.every_k) * bc.recompute)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from paratrain.errors import UserError
 from paratrain.models.args import ModelArgs
 from paratrain.models.family import HFNames, Param
-from paratrain.models.llama_params import MTP_PREFIX, moe_buffers
+from paratrain.models.llama_params import moe_buffers
 from paratrain.models.registry import family_of, parameters
 
 # Tensors some Hugging Face checkpoints carry that are derived, not learned; ignored on import.
@@ -73,7 +73,7 @@ def pieces(args: ModelArgs, vocab_size: int | None = None) -> list[Piece]:
     names = hf_names(args)
     out = []
     for p in [*parameters(args), *hf_buffers(args)]:
-        if p.name.startswith(MTP_PREFIX):  # multi-token prediction's modules: training only, not exported
+        if not p.exported:  # training only (a side head's modules)
             continue
         if p.expert:
             E, _, _ = p.shape

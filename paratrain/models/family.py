@@ -63,6 +63,7 @@ class Param:
     layer: int | None = None  # block index (None: embedding / final norm / output)
     matmul: bool = False  # used as a matmul weight (autocast makes a low-precision copy of it)
     trainable: bool = True  # False: frozen (LoRA's base weights: no gradient, no optimizer state)
+    exported: bool = True  # False: training only, left out of Hugging Face exports (a side head's: `SideHead`)
     tp_dim: int | None = field(init=False)  # the dim tensor parallelism splits (None: replicated)
     expert: bool = field(init=False)  # a routed-expert weight (split over ep on dim 0)
     where: Where = field(init=False)  # the pipeline stage holding it: first (embedding), any (block), last (head)
@@ -169,6 +170,34 @@ class AttentionShape:
 def gqa_shape(args: ModelArgs) -> AttentionShape:
     D = args.head_dim
     return AttentionShape(args.n_heads, args.n_kv_heads, D, D, D, D, score_width=args.dim)
+
+
+@dataclass(frozen=True)
+class SideHead:
+    """Modules any family's model gets after its head when its dimensions ask for them, trained on targets of their
+    own from the last block's output (registered in `registry.SIDE_HEADS`). Torch-free: the trainer, the pipeline, the
+    tensor-parallel plan, the estimator and verify reach it only through these fields.
+
+    `name`: the model's attribute holding it and its parameters' prefix; `module`: "package.module:Class" of its
+    nn.Module, built as Class(args, attention_class) (the protocol is models/llama.py `Transformer.forward`'s);
+    `params(args, block)`: its parameter table, after the family's (`block(i)`: the family's table of a block of index
+    i, which its own blocks take); `blocks(args)`: the blocks it runs, on a pipeline's last stage, each with one more
+    pass through the output head (0: the model has none); `metric`: its loss in the step's metrics; `weight(args)`: that
+    loss's weight in the training loss; `layout_problem(layout, args)`: why a layout cannot run it (a one-line message)
+    or None; `verify_rows`: its `paratrain verify` rows."""
+
+    name: str
+    module: str
+    params: Callable[[ModelArgs, Callable[[int], list]], list[Param]]
+    blocks: Callable[[ModelArgs], int]
+    metric: str
+    weight: Callable[[ModelArgs], float]
+    layout_problem: Callable[[object, ModelArgs], str | None] = lambda layout, args: None
+    verify_rows: Mapping[str, tuple] = field(default_factory=dict, hash=False)
+
+    def module_class(self):
+        path, _, attr = self.module.partition(":")
+        return getattr(importlib.import_module(path), attr)
 
 
 @dataclass(frozen=True)

@@ -116,20 +116,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
-def shifted(values: torch.Tensor, d: int, fill: int | None = None) -> torch.Tensor:
-    """values (B, T) moved d positions left: position i holds values[i + d]; the last d positions hold `fill`, or
-    (None) the first d values (wrapped: a token there feeds only positions without a target, under causal attention)."""
-    if fill is None:
-        return values.roll(-d, dims=1)
-    return torch.cat([values[:, d:], values.new_full((values.shape[0], d), fill)], dim=1)
-
-
-def embedded_ahead(embedding: nn.Module, tokens: torch.Tensor, depth: int) -> torch.Tensor:
-    """The shared embedding of the tokens 1..depth places ahead, side by side: tokens (B, T) -> (B, T, depth C),
-    channels [(d - 1) C, d C) holding Emb(t_{i+d})."""
-    return torch.cat([embedding(shifted(tokens, d)) for d in range(1, depth + 1)], dim=-1)
-
-
 class WholeSequence:
     """What an `Attention` holds of each sequence, and how it attends over it: here all of it, positions 0..T-1,
     causal fused attention. This is the model's seam for context parallelism (like MoE's `dispatcher`):
@@ -266,14 +252,41 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # Multi-token prediction's modules (models/mtp.py, built of this module's blocks), which `build_model`
-        # attaches after the head when args.mtp_depth > 0
-        self.mtp = None
-        self.mtp_losses = None  # the last training forward's, per depth (`mtp_targets`)
+        # The side heads (models/family.SideHead) `build_model` attaches after the head (`attach_side_head`): name ->
+        # their module's class, which makes their inputs beside the embedding on any pipeline stage (`side_inputs`)
+        self.side_heads: dict[str, type] = {}
+        self.side_losses: dict[str, list] = {}  # the last training forward's, by side head (`side_targets`)
         # Rotary tables are derived, not learned: non-persistent, rebuilt by reset_buffers().
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args=args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def attach_side_head(self, name: str, module: nn.Module) -> None:
+        """`module` (a SideHead's) becomes the model's attribute `name`, after the head in the parameters' order. Its
+        class gives `carried(args)`, the widths of `dim` it reads beside the hidden states, and `carry(args, embedding,
+        tokens)` -> (B, T, carried x C), made where the embedding is; its forward takes (the last block's output,
+        those inputs, the targets, the output head, cos, sin, documents, the loss's pieces) and returns its loss terms,
+        (summed loss, target count) each, averaged by the trainer."""
+        setattr(self, name, module)
+        self.side_heads[name] = type(module)
+
+    def side_inputs(self, tokens: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(the hidden states, {side head: its inputs (B, T, k C)}): made from the embedding, or on a later pipeline
+        stage split off the hidden states, where the first stage sent them as more channels."""
+        if self.tok_embeddings is not None:
+            return h, {name: cls.carry(self.args, self.tok_embeddings, tokens) for name, cls in self.side_heads.items()}
+        widths = [cls.carried(self.args) * self.args.dim for cls in self.side_heads.values()]
+        h, *parts = h.split([self.args.dim, *widths], dim=-1)
+        return h, dict(zip(self.side_heads, parts))
+
+    def extra_blocks(self) -> dict[str, tuple[int, nn.Module]]:
+        """Blocks outside `layers` (the side heads' that this model or stage holds), laid out like the model's:
+        {their parameters' prefix: (the block index of their kind, the block)}."""
+        out = {}
+        for name in self.side_heads:
+            side = getattr(self, name)
+            out.update(side.extra_blocks(f"{name}.") if side is not None else {})
+        return out
 
     def _apply(self, fn, recurse=True):
         # Moving or materialising (to, to_empty) replaces each module's Parameter separately; re-tie after.
@@ -307,7 +320,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, seq_len: int | None = None, positions: torch.Tensor | None = None,
                 targets: torch.Tensor | None = None, loss_chunks: int = 1, reduction: str = "mean",
-                piece_loss=summed_cross_entropy, mtp_targets: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+                piece_loss=summed_cross_entropy, side_targets: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab); with `targets` (B, T) the cross-entropy loss instead, its
         output projection and loss computed over `loss_chunks` pieces of the tokens (`chunked_cross_entropy`, each
         piece's summed loss by `piece_loss`).
@@ -318,21 +331,17 @@ class Transformer(nn.Module):
         `positions` (B, T): windows packed with whole documents, each token's position in its document (rotary
         angles restart and attention stays inside each document; see `Documents`). `cache`: generation's KV cache
         (paratrain/generate.py `KVCache`): the tokens follow those it holds (their positions, and attention over its
-        keys too), and each attention adds its keys to it. `mtp_targets` (B, T): the targets of a training forward,
-        for multi-token prediction's modules (models/mtp.py), which then run and leave each
-        depth's summed cross-entropy and target count in `mtp_losses`; without it (evaluation, generation) they do not
-        run. Under a pipeline every stage gets it: the first sends the embeddings of the tokens ahead beside its
-        output."""
+        keys too), and each attention adds its keys to it. `side_targets` (B, T): the targets of a training forward,
+        for the side heads (`attach_side_head`), which then run and leave their loss terms in `side_losses`; without
+        it (evaluation, generation) they do not run. Under a pipeline every stage gets it: the first sends the side
+        heads' inputs beside its output."""
         T = seq_len or tokens.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, C)
-        ahead, depth = None, self.args.mtp_depth if mtp_targets is not None else 0
-        if depth:  # multi-token prediction's embeddings of the tokens ahead (B, T, D C), made beside the input's
-            if self.tok_embeddings is not None:
-                ahead = embedded_ahead(self.tok_embeddings, tokens, depth)
-            else:  # a later pipeline stage: the first stage sent them as more channels of the hidden states
-                h, ahead = h.split([self.args.dim, depth * self.args.dim], dim=-1)
+        carried = {}
+        if side_targets is not None and self.side_heads:
+            h, carried = self.side_inputs(tokens, h)
         documents = None
         if cache is not None:  # the angles of the positions after the cached tokens
             cos, sin = cache.angles(self.rope_cos, self.rope_sin, T)
@@ -344,10 +353,11 @@ class Transformer(nn.Module):
         extra = {} if cache is None else {"cache": cache}
         for layer in self.layers.values():
             h = layer(h, cos, sin, **extra) if documents is None else layer(h, cos, sin, documents=documents)
-        if self.output is None:  # to the next stage: (B, T, C), or with the embeddings ahead (B, T, (1 + D) C)
-            return h if ahead is None else torch.cat([h, ahead], dim=-1)
-        if self.mtp is not None and ahead is not None:  # from the last block's output, before the final norm
-            self.mtp_losses = self.mtp(h, ahead, mtp_targets, self.output, cos, sin, documents, loss_chunks)
+        if self.output is None:  # to the next stage: (B, T, C), or with the side heads' inputs (B, T, (1 + k) C)
+            return torch.cat([h, *carried.values()], dim=-1) if carried else h
+        for name, inputs in carried.items():  # from the last block's output, before the final norm
+            self.side_losses[name] = getattr(self, name)(h, inputs, side_targets, self.output, cos, sin, documents,
+                                                         loss_chunks)
         if targets is not None:
             return chunked_cross_entropy(self.norm(h), targets, self.output, loss_chunks, reduction, piece_loss)
         if cache is not None and cache.last_only:  # generation reads the last position's logits alone

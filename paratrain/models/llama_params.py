@@ -45,7 +45,7 @@ def feed_forward_params(args: ModelArgs, i: int) -> list[Param]:
 
 def moe_buffers(args: ModelArgs) -> list[Param]:
     """The mixture of experts' learned buffers, by block: the routing bias (`model.moe_expert_bias`, models/moe.py),
-    updated outside the optimizer (auxiliary-loss-free balancing) and saved with the weights."""
+    updated outside the optimizer (by a capability's hook) and saved with the weights."""
     return [Param(f"layers.{i}.feed_forward.expert_bias", (args.moe_experts,), "replicated", i, trainable=False)
             for i in range(args.n_layers) if args.moe_expert_bias and args.is_moe_layer(i)]
 
@@ -60,7 +60,7 @@ def decoder_params(args: ModelArgs, attention=attention_params) -> list[Param]:
     out.append(Param("norm.weight", (C,), "norm"))
     if not args.tie_embeddings:
         out.append(Param("output.weight", (V, C), "output", matmul=True))
-    return out + mtp_params(args, attention)
+    return out
 
 
 def block_params(args: ModelArgs, i: int, attention=attention_params) -> list[Param]:
@@ -68,23 +68,6 @@ def block_params(args: ModelArgs, i: int, attention=attention_params) -> list[Pa
     C = args.dim
     return [Param(f"layers.{i}.attention_norm.weight", (C,), "norm", i), *attention(args, i),
             Param(f"layers.{i}.ffn_norm.weight", (C,), "norm", i), *feed_forward_params(args, i)]
-
-
-MTP_PREFIX = "mtp."  # multi-token prediction's parameter names start so (models/mtp.py; export drops them)
-
-
-def mtp_params(args: ModelArgs, attention=attention_params) -> list[Param]:
-    """Multi-token prediction's modules (models/mtp.py), after the output head: each depth's block (of index
-    n_layers + d - 1, named `mtp.{d-1}.block.`), its input norms, its 2C -> C projection (replicated: a small matrix
-    beside the block's) and its own final norm. `layer` None: on a pipeline's last stage, with the head."""
-    C, out = args.dim, []
-    for d in range(args.mtp_depth):
-        p = f"{MTP_PREFIX}{d}."
-        out += [Param(p + "block." + q.name.split(".", 2)[2], q.shape, q.role, None, q.matmul)
-                for q in block_params(args, args.n_layers + d, attention)]
-        out += [Param(p + "enorm.weight", (C,), "norm"), Param(p + "hnorm.weight", (C,), "norm"),
-                Param(p + "eh_proj.weight", (C, 2 * C), "replicated", matmul=True), Param(p + "norm.weight", (C,), "norm")]
-    return out
 
 
 def decoder_sublayers(args: ModelArgs, i: int) -> dict[str, str]:

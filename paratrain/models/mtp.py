@@ -12,14 +12,14 @@ and is trained by the cross-entropy against t_{i+1+d}; the last d positions of a
 (NOT_A_TARGET). The names follow DeepSeek-V3's (enorm, hnorm, eh_proj; `norm` is its shared_head.norm). The block
 has index n_layers + d - 1 for its kind (a mixture of experts from `moe_first_dense_layers` on, as DeepSeek-V3's MTP
 layer is). Generation, evaluation and export use the main head only: the modules run only when the trainer passes
-targets (`Transformer.forward(mtp_targets=...)`), and export leaves their weights out (`llama_params.MTP_PREFIX`).
+targets (`Transformer.forward(side_targets=...)`), and export leaves their weights out (`Param.exported`).
 
-A plain nn.Module like the rest of the model, attached after the head by `registry.build_model`; its parameters are
-in the family's table (`llama_params.mtp_params`: after the output head, `layer` None, so a pipeline holds them on its
-last stage, with the head). The embeddings of the tokens ahead are made where the shared embedding is (llama.py's
-`embedded_ahead`): under a pipeline the first stage sends them beside the hidden states, as more channels the stages
-between pass on (`Transformer.forward`), so the embedding's gradient comes back through the pipeline's own backward
-and it stays one weight.
+A plain nn.Module like the rest of the model: a side head (models/family.SideHead; its table, cost, checks and verify
+rows: models/mtp_params.py), attached after the head by `registry.build_model`; its parameters follow the family's
+(`layer` None, so a pipeline holds them on its last stage, with the head). The embeddings of the tokens ahead are made
+where the shared embedding is (`carry`): under a pipeline the first stage sends them beside the hidden states, as more
+channels the stages between pass on (`Transformer.side_inputs`), so the embedding's gradient comes back through the
+pipeline's own backward and it stays one weight.
 """
 
 from __future__ import annotations
@@ -29,7 +29,21 @@ from torch import nn
 
 from paratrain.data.batch import NOT_A_TARGET
 from paratrain.models.args import ModelArgs
-from paratrain.models.llama import RMSNorm, TransformerBlock, chunked_cross_entropy, shifted
+from paratrain.models.llama import RMSNorm, TransformerBlock, chunked_cross_entropy
+
+
+def shifted(values: torch.Tensor, d: int, fill: int | None = None) -> torch.Tensor:
+    """values (B, T) moved d positions left: position i holds values[i + d]; the last d positions hold `fill`, or
+    (None) the first d values (wrapped: a token there feeds only positions without a target, under causal attention)."""
+    if fill is None:
+        return values.roll(-d, dims=1)
+    return torch.cat([values[:, d:], values.new_full((values.shape[0], d), fill)], dim=1)
+
+
+def embedded_ahead(embedding: nn.Module, tokens: torch.Tensor, depth: int) -> torch.Tensor:
+    """The shared embedding of the tokens 1..depth places ahead, side by side: tokens (B, T) -> (B, T, depth C),
+    channels [(d - 1) C, d C) holding Emb(t_{i+d})."""
+    return torch.cat([embedding(shifted(tokens, d)) for d in range(1, depth + 1)], dim=-1)
 
 
 class MTPModule(nn.Module):
@@ -37,6 +51,7 @@ class MTPModule(nn.Module):
 
     def __init__(self, args: ModelArgs, index: int, attention):
         super().__init__()
+        self.index = index  # its block's index, which decides the block's kind (dense or mixture of experts)
         self.block = TransformerBlock(args, index, attention)
         self.enorm = RMSNorm(args.dim, args.norm_eps)
         self.hnorm = RMSNorm(args.dim, args.norm_eps)
@@ -56,10 +71,25 @@ class MultiTokenPrediction(nn.ModuleList):
     def __init__(self, args: ModelArgs, attention):
         super().__init__([MTPModule(args, args.n_layers + d, attention) for d in range(args.mtp_depth)])
 
+    @staticmethod
+    def carried(args: ModelArgs) -> int:
+        """Widths of `dim` it reads beside the hidden states: the embeddings of the `mtp_depth` tokens ahead."""
+        return args.mtp_depth
+
+    @staticmethod
+    def carry(args: ModelArgs, embedding: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        """Those inputs, made where the embedding is: (B, T) -> (B, T, depth C)."""
+        return embedded_ahead(embedding, tokens, args.mtp_depth)
+
+    def extra_blocks(self, prefix: str) -> dict[str, tuple[int, nn.Module]]:
+        """Its blocks as the tensor-parallel plan lays them out like the model's: {their parameters' prefix (`prefix`:
+        its own in the model): (the block index of their kind, the block)}."""
+        return {f"{prefix}{d}.block.": (module.index, module.block) for d, module in enumerate(self)}
+
     def forward(self, h: torch.Tensor, ahead: torch.Tensor, targets: torch.Tensor, head: nn.Module,
                 cos: torch.Tensor, sin: torch.Tensor, documents=None, pieces: int = 1) -> list[torch.Tensor]:
         """Each depth's summed cross-entropy over its targets and their count (a list of D pairs of scalars: the
-        trainer divides, weights and adds them). h: the last block's output (B, T, C); ahead: llama.py's
+        trainer divides, weights and adds them). h: the last block's output (B, T, C); ahead: `carry`'s
         `embedded_ahead` (B, T, D C); targets (B, T): the main model's; `head`: the model's shared output head;
         `pieces`: pieces of the head's logits (`chunked_cross_entropy`)."""
         losses = []

@@ -8,7 +8,7 @@ import dataclasses
 
 from paratrain.errors import ConfigError, UserError, did_you_mean
 from paratrain.models.args import ROPE_SCALINGS, SCORE_FUNCS, ModelArgs, fields_problem
-from paratrain.models.registry import attention_shape, block_numels, get_family, parameters, used_numel
+from paratrain.models.registry import attention_shape, block_numels, get_family, parameters, side_blocks, used_numel
 
 LLAMA3_VOCAB = 128256
 LLAMA31_ROPE = dict(norm_eps=1e-5, rope_scaling="llama3", rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
@@ -205,7 +205,7 @@ def count_params(args: ModelArgs, include_embedding: bool = True, active: bool =
     routed experts instead of all of them (the same as the total for a dense model).
     """
     blocks = sum(block_param_count(args, i, active) for i in range(args.n_layers))
-    # (outside the blocks: multi-token prediction's modules, models/mtp.py, whose block may hold routed experts)
+    # (outside the blocks: the side heads' modules, whose blocks may hold routed experts)
     outside = sum(used_numel(args, p) if active else p.numel for p in parameters(args)
                   if p.layer is None and (include_embedding or p.where != "embedding"))
     return blocks + outside
@@ -228,10 +228,11 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     attention's `score_width`, dim for grouped-query attention, heads x (q/k + v width) / 2 for latent attention).
 
     The PaLM appendix convention, as used by nanoGPT and torchtitan, so MFU figures are comparable.
-    N counts the parameters a token is multiplied by: the active ones for a mixture of experts. Multi-token
-    prediction's depths (models/mtp.py) each add a block and its projection (in N) and one more pass through the
-    shared output head, and the block's attention.
+    N counts the parameters a token is multiplied by: the active ones for a mixture of experts. The side heads'
+    blocks (`registry.side_blocks`) each add their modules (in N), one more pass through the shared output head, and
+    the block's attention.
     """
     # The input lookup does no matmul; a tied embedding does, as the output projection.
-    n = count_active_params(args, include_embedding=args.tie_embeddings) + args.mtp_depth * args.vocab_size * args.dim
-    return 6 * n + 12 * (args.n_layers + args.mtp_depth) * attention_shape(args).score_width * seq_len
+    side = side_blocks(args)
+    n = count_active_params(args, include_embedding=args.tie_embeddings) + side * args.vocab_size * args.dim
+    return 6 * n + 12 * (args.n_layers + side) * attention_shape(args).score_width * seq_len

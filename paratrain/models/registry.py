@@ -3,14 +3,15 @@ parameter table (cached on the frozen ModelArgs). Torch-free; `build_model` impo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import os
 
 from paratrain.errors import UserError
-from paratrain.models import deepseek_params, llama_params, qwen_params
+from paratrain.models import deepseek_params, llama_params, mtp_params, qwen_params
 from paratrain.models.args import ModelArgs
-from paratrain.models.family import AttentionShape, ModelFamily, Param
+from paratrain.models.family import AttentionShape, ModelFamily, Param, SideHead
 
 # The families shipped with paratrain, one line each.
 FAMILIES: dict[str, ModelFamily] = {
@@ -21,6 +22,10 @@ FAMILIES: dict[str, ModelFamily] = {
     "deepseek": deepseek_params.FAMILY,  # DeepSeek-V2/V3: multi-head latent attention, with moe_experts > 0 V3's MoE
 }
 BUILTIN = tuple(FAMILIES)
+# The side heads any family's model may have (`SideHead`), one line each, in the order they follow the head.
+SIDE_HEADS: tuple[SideHead, ...] = (
+    mtp_params.SIDE_HEAD,  # multi-token prediction (DeepSeek-V3): model.mtp_depth
+)
 FAMILY_MODULES_ENV = "PARATRAIN_FAMILY_MODULES"  # modules that register families, for spawned ranks to import
 
 
@@ -29,7 +34,7 @@ def register_family(family: ModelFamily) -> ModelFamily:
     so that ranks started from this process (which inherit it) import it and know the family too; that module must
     register the family when imported."""
     if FAMILIES.get(family.name, family) != family:
-        for cache in (parameters, block_numels, roles):
+        for cache in (parameters, side_params, block_numels, roles):
             cache.cache_clear()
     FAMILIES[family.name] = family
     origin = family.module.partition(":")[0]
@@ -57,8 +62,37 @@ def family_of(args: ModelArgs) -> ModelFamily:
 
 @functools.lru_cache(maxsize=256)
 def parameters(args: ModelArgs) -> tuple[Param, ...]:
-    """The family's parameter table for these dimensions (cached: ModelArgs is frozen)."""
-    return tuple(family_of(args).params(args))
+    """The family's parameter table for these dimensions, then its side heads' (cached: ModelArgs is frozen)."""
+    return tuple(family_of(args).params(args)) + side_params(args)
+
+
+def side_heads(args: ModelArgs) -> tuple[SideHead, ...]:
+    """The side heads the model has (`SideHead.blocks` > 0)."""
+    return tuple(head for head in SIDE_HEADS if head.blocks(args))
+
+
+def side_blocks(args: ModelArgs) -> int:
+    """The blocks the side heads run on the last pipeline stage, each with one more pass through the output head."""
+    return sum(head.blocks(args) for head in SIDE_HEADS)
+
+
+@functools.lru_cache(maxsize=256)
+def side_params(args: ModelArgs) -> tuple[Param, ...]:
+    """The side heads' parameter table (their blocks are the family's blocks of the indices after the model's)."""
+    heads = side_heads(args)
+    if not heads:
+        return ()
+    family = family_of(args)
+
+    def block(i: int) -> list[Param]:
+        return [p for p in family.params(dataclasses.replace(args, n_layers=i + 1)) if p.layer == i]
+
+    return tuple(p for head in heads for p in head.params(args, block))
+
+
+def layout_problem(layout, args: ModelArgs) -> str | None:
+    """Why a side head of the model cannot run on `layout` (a paratrain.layout.Layout), or None."""
+    return next((why for why in (head.layout_problem(layout, args) for head in SIDE_HEADS) if why), None)
 
 
 @functools.lru_cache(maxsize=256)
@@ -90,17 +124,15 @@ def attention_shape(args: ModelArgs) -> AttentionShape:
 
 
 def verify_rows() -> dict[str, tuple]:
-    """The `paratrain verify` rows of every registered family (`ModelFamily.verify_rows`)."""
-    return {name: row for family in FAMILIES.values() for name, row in family.verify_rows.items()}
+    """The `paratrain verify` rows of every registered family and side head (`verify_rows` of each)."""
+    return {name: row for owner in (*FAMILIES.values(), *SIDE_HEADS) for name, row in owner.verify_rows.items()}
 
 
 def build_model(args: ModelArgs):
-    """The family's nn.Module for `args` (on the current default device), with multi-token prediction's modules
-    (models/mtp.py) after its head when args.mtp_depth > 0."""
+    """The family's nn.Module for `args` (on the current default device), with its side heads after its head
+    (`Transformer.attach_side_head`)."""
     model = family_of(args).model_class()(args)
-    if args.mtp_depth:
-        from paratrain.models.mtp import MultiTokenPrediction  # lazy: torch (the registry is torch-free)
-
-        model.mtp = MultiTokenPrediction(args, model.attention_class)
+    for head in side_heads(args):
+        model.attach_side_head(head.name, head.module_class()(args, model.attention_class))
     return model
 

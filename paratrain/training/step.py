@@ -45,6 +45,7 @@ from paratrain.layout import Layout
 from paratrain.models import build_model
 from paratrain.models.llama import cross_entropy
 from paratrain.models.moe import moe_modules, set_aux_loss_scale
+from paratrain.models.registry import side_heads
 from paratrain.modes import Precision
 from paratrain.recipe import Recipe
 from paratrain.training.optim import build_optimizer, inner_optimizer
@@ -95,7 +96,7 @@ class TokenLoss:
     """The training loss of logits against targets: the cross-entropy plus the capabilities' loss terms (z-loss, ...;
     paratrain/capabilities), each term's value summed for the step's metrics while `recording` (in forward only: a
     chunked loss's pieces run again in backward). Without terms it is the cross-entropy alone. `extra`: the names of
-    more metrics the step `record`s beside the terms, per target token like them (multi-token prediction's)."""
+    more metrics the step `record`s beside the terms, per target token like them (the side heads')."""
 
     def __init__(self, capabilities, device: torch.device, extra: tuple[str, ...] = ()):
         self.terms = [c for c in capabilities if type(c).loss_term is not Capability.loss_term]
@@ -151,7 +152,7 @@ class TokenLoss:
 class ScheduleLoss:
     """The loss a pipeline schedule backpropagates from the last stage, per microbatch (scaled for fp16): the mean,
     or with a batch's `target_count` the masked sum times `weight` (set before each step); plus `more(targets, mean,
-    scale)`'s term of the stage's forward just run, when set (the step's multi-token prediction: `TrainStep._mtp_loss`),
+    scale)`'s term of the stage's forward just run, when set (the model's side heads: `TrainStep._side_loss`),
     the schedule computing each microbatch's loss right after its forward."""
 
     def __init__(self, scaler, token_loss: TokenLoss):
@@ -226,12 +227,13 @@ class TrainStep:
         if pipeline is not None:  # the schedule's microbatch forwards are what the metrics count
             for stage in pipeline.stages:
                 stage.forward_one_chunk = self._counted_chunk(stage, pipeline.loss_fn, stage.forward_one_chunk)
-        # multi-token prediction (models/mtp.py): the model whose training forward leaves its depths' losses (a
-        # pipeline's last stage: its term joins the schedule's loss there)
+        # the model's side heads (models/family.SideHead) and the model whose training forward leaves their losses (a
+        # pipeline's last stage: their terms join the schedule's loss there)
         last = unwrap(model) if pipeline is None else pipeline.last_module
-        self.mtp_model = last if getattr(last, "mtp", None) is not None else None
-        if pipeline is not None and self.mtp_model is not None:
-            pipeline.loss_fn.more = self._mtp_loss
+        self.side_heads = side_heads(last.args) if last is not None else ()
+        self.side_model = last if self.side_heads else None
+        if pipeline is not None and self.side_model is not None:
+            pipeline.loss_fn.more = self._side_loss
         # fused AdamW (and SGD) take `found_inf` and skip the update in their kernel (AdamW's step counts too): no
         # host read
         self.skips_on_device = bool(getattr(inner_optimizer(optimizer), "_step_supports_amp_scaling", False))
@@ -269,18 +271,18 @@ class TrainStep:
             with self.contexts(sync=i == accum - 1):
                 with self.memory_budget.track() if self.memory_budget else contextlib.nullcontext():
                     self._recording(True)
-                    loss, mtp = self._loss(batch, accum)
+                    loss, side = self._loss(batch, accum)
                     self._recording(False)
                 if poisoned:
                     loss = loss * float("nan")
                 self.probe.forward_done()
-                # Multi-token prediction's loss is one more root: the loss may be a DTensor (loss parallel), it never
-                # is. (The balance loss needs no root: AuxLossScaler.)
-                roots = [r for r in (loss, mtp) if r is not None]
+                # The side heads' loss is one more root: the loss may be a DTensor (loss parallel), it never is. (The
+                # balance loss needs no root: AuxLossScaler.)
+                roots = [r for r in (loss, side) if r is not None]
                 torch.autograd.backward([self.scaler.scale(r) for r in roots] if self.scaler else roots)
             if self.memory_budget:
                 self.memory_budget.check()
-            total += full_tensor(loss.detach()) + (mtp.detach() if mtp is not None else 0)
+            total += full_tensor(loss.detach()) + (side.detach() if side is not None else 0)
         return total
 
     def _recording(self, on: bool) -> None:
@@ -322,8 +324,8 @@ class TrainStep:
         packed = {} if batch.positions is None else {"positions": batch.positions}
         chunks = self.chunks_for(x)
         loss_of = self.token_loss if reduction != "none" else cross_entropy  # evaluation: the cross-entropy alone
-        if self.mtp_model is not None and reduction != "none":  # training: multi-token prediction's modules run too
-            packed["mtp_targets"] = y
+        if self.side_model is not None and reduction != "none":  # training: the side heads run too
+            packed["side_targets"] = y
         if chunks > 1:  # (reduction "none" takes per-token losses, not pieces: the piece loss goes unused)
             return self.model(x, targets=y, loss_chunks=chunks, reduction=reduction, piece_loss=self.token_loss.piece,
                               **packed)
@@ -337,25 +339,29 @@ class TrainStep:
     def _loss(self, batch, accum: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's share of the step's loss: the mean over its share of the batch (dp x cp ranks hold as many
         tokens each) / accum, or with a loss mask its summed target losses over the global batch's target count,
-        times the dp x cp ranks whose gradients FSDP/DDP average; and multi-token prediction's, scaled so (or None)."""
+        times the dp x cp ranks whose gradients FSDP/DDP average; and the side heads', scaled so (or None)."""
         if batch.target_count is None:
-            return self._model_loss(batch, "mean") / accum, self._mtp_loss(batch[1], True, lambda v: v / accum)
+            return self._model_loss(batch, "mean") / accum, self._side_loss(batch[1], True, lambda v: v / accum)
         per_target = self._per_target(batch)
-        return self._model_loss(batch, "sum") * per_target, self._mtp_loss(batch[1], False, lambda v: v * per_target)
+        return self._model_loss(batch, "sum") * per_target, self._side_loss(batch[1], False, lambda v: v * per_target)
 
-    def _mtp_loss(self, y: torch.Tensor, mean: bool, scale) -> torch.Tensor | None:
-        """Multi-token prediction's term of the forward just run (models/mtp.py): model.mtp_loss_weight x the mean
-        over depths of each depth's loss (its mean over its targets, or with a loss mask its sum), `scale`d like the
-        main loss; the unweighted mean is the step's `mtp_loss` metric. None without the modules."""
-        if self.mtp_model is None:
+    def _side_loss(self, y: torch.Tensor, mean: bool, scale) -> torch.Tensor | None:
+        """The side heads' term of the forward just run: each head's weight x the mean over its loss terms (each its
+        mean over its targets, or with a loss mask its sum), `scale`d like the main loss; each unweighted mean is the
+        step's metric of the head. None without side heads."""
+        if self.side_model is None:
             return None
-        losses, self.mtp_model.mtp_losses = self.mtp_model.mtp_losses, None
-        per_depth = torch.stack([full_tensor(v) for v, _ in losses])  # (D,) summed: loss parallel's replicated DTensors
-        if mean:  # over each depth's targets (fewer than the main loss's: none at the end, none across documents)
-            per_depth = per_depth / torch.stack([count for _, count in losses]).clamp(min=1)
-        value = per_depth.mean()
-        self.token_loss.record(MTP_METRIC, value, "mean" if mean else "sum", y)
-        return scale(value) * self.mtp_model.args.mtp_loss_weight
+        total = None
+        for head in self.side_heads:
+            losses = self.side_model.side_losses.pop(head.name)
+            per_term = torch.stack([full_tensor(v) for v, _ in losses])  # summed: loss parallel's replicated DTensors
+            if mean:  # over each term's targets (they may have fewer than the main loss's)
+                per_term = per_term / torch.stack([count for _, count in losses]).clamp(min=1)
+            value = per_term.mean()
+            self.token_loss.record(head.metric, value, "mean" if mean else "sum", y)
+            term = scale(value) * head.weight(self.side_model.args)
+            total = term if total is None else total + term
+        return total
 
     def _per_target(self, batch) -> float:
         ranks = dist.get_world_size(self.loss_group) if self.loss_group is not None else 1
@@ -528,9 +534,6 @@ class StepOptions:
         return cls(seed=t.seed, grad_clip=t.grad_clip, steps=t.steps, optimizer=cfg.optimizer, **more)
 
 
-MTP_METRIC = "mtp_loss"  # multi-token prediction's loss in the step's metrics (the mean of its depths', unweighted)
-
-
 def default_recipe(layout: Layout) -> Recipe:
     """The recipe of a step built without one: fp32, no checkpointing, the memory tiers automatic, AdamW."""
     return Recipe(layout, precision="fp32").replace(loss_chunks=0)
@@ -561,7 +564,7 @@ def build_train_step(model_args, dims, recipe: Recipe | None = None, device: tor
     reduction = gradient_reduction(recipe.compression, layout, optimizer_entry(recipe.optimizer), optimizer,
                                    options.steps)
     comm = GradComm(recipe, dims, device, options.seed, reduction)
-    token_loss = TokenLoss(capabilities, device, (MTP_METRIC,) if model_args.mtp_depth else ())
+    token_loss = TokenLoss(capabilities, device, tuple(head.metric for head in side_heads(model_args)))
     pipeline = None
     if layout.pipelined:  # this rank's stages, each laid out like a model, and the schedule
         pipeline = build_pipeline(dims, model, ac, precision, recipe.compile, device, options.seed,
