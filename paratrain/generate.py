@@ -14,7 +14,7 @@ from torch import nn
 
 from paratrain.distributed.tensors import full_tensor
 from paratrain.errors import UserError
-from paratrain.models.llama import Transformer
+from paratrain.models.llama import Transformer, whole_width_tables
 from paratrain.models.moe import moe_modules
 
 PAD_ID = 0  # the token under a left pad (masked out: any id would do)
@@ -59,17 +59,24 @@ class KVCache:
         self.kv: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}  # (B, Hkv, capacity, D) each
         self._real = None  # (B, 1, 1, capacity) bool: the slots that are not padding (decoding's mask)
         self._mask = None  # (key, mask): a forward's attention mask, shared by its layers
+        self._angles = None  # (1, rows, 1, D) each: the whole-width rotary tables of positions 0..rows-1
 
     def angles(self, cos: torch.Tensor, sin: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary angles of the next T tokens from the (max_seq_len, D/2) tables: (T, D/2), or (B, T, D/2) with
-        padding (a left pad at position 0, a right pad past the table's end at its last row)."""
-        if self.pads is None and self.length + T <= cos.shape[0]:
-            return cos[self.length:self.length + T], sin[self.length:self.length + T]
+        """The rotary angles of the next T tokens from the (max_seq_len, D/2) tables, as apply_rope's whole-width
+        tables (models/llama.py `whole_width_tables`, made once per cache: a token's rotation is then 4 ops): (1, T,
+        1, D), or (B, T, 1, D) with padding (a left pad at position 0, a right pad past the table's end at its last
+        row)."""
+        if self._angles is None or self._angles[0].shape[1] < min(cos.shape[0], self.length + T):
+            rows = min(cos.shape[0], max(self.capacity, 2 * (self.length + T)))  # grown by doubling, as the keys
+            self._angles = tuple(t[None, :, None] for t in whole_width_tables(cos[:rows], sin[:rows]))  # (1, rows, 1, D)
+        whole_cos, whole_sin = self._angles
+        if self.pads is None and self.length + T <= whole_cos.shape[1]:
+            return whole_cos[:, self.length:self.length + T], whole_sin[:, self.length:self.length + T]
         pos = torch.arange(self.length, self.length + T, device=cos.device)[None, :]  # (1, T)
         if self.pads is not None:
             pos = pos - self.pads[:, None].to(cos.device)  # (B, T)
-        pos = pos.clamp(0, cos.shape[0] - 1)
-        return cos[pos], sin[pos]
+        pos = pos.clamp(0, whole_cos.shape[1] - 1)
+        return whole_cos[0][pos], whole_sin[0][pos]  # (B or 1, T, 1, D)
 
     def attend(self, owner: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, T, D) of the new tokens over the cached keys and the new k, v (B, Hkv, T, D) -> (B, Hq, T, D)."""
