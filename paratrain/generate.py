@@ -4,6 +4,8 @@
 With the cache, the prompt runs once (prefill) and every new token is one forward of that token alone over the cached
 keys and values; without it (`use_cache=False`, or a model whose answer depends on the tokens in a forward:
 `cache_exact`), every token is a forward over the whole context, as before. Both give the same greedy tokens.
+A generated token of a small model is per-operator overhead, not arithmetic: its cached forward runs on
+`Decoder.fast`'s path (one thread, inference mode, plain attributes), which changes no number.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torch.distributed.tensor import DTensor
 
 from paratrain.distributed.tensors import full_tensor
