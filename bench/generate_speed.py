@@ -12,6 +12,9 @@ tokens, ~12x the work of the 256-token row (~45 minutes on a loaded 2-core machi
 run's there): the uncached tokens/s is the spans' tokens over their summed wall time, the contexts the whole row
 would see sampled evenly. The cached column always generates the whole row in one call.
 
+The threads are OMP_NUM_THREADS (2 unless set) for both paths; the cached path runs its one-token forwards of this
+small model on one of them (paratrain/generate.py `ONE_THREAD_WORK`).
+
     python bench/generate_speed.py                 # 64, 256 and 1,024 new tokens
     python bench/generate_speed.py --plain-tokens 1024   # the uncached path over all 1,024 tokens (slow)
     python bench/generate_speed.py --tokens 256 --device cuda

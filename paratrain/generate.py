@@ -4,20 +4,29 @@
 With the cache, the prompt runs once (prefill) and every new token is one forward of that token alone over the cached
 keys and values; without it (`use_cache=False`, or a model whose answer depends on the tokens in a forward:
 `cache_exact`), every token is a forward over the whole context, as before. Both give the same greedy tokens.
+A generated token of a small model is per-operator overhead, not arithmetic: its cached forward runs on
+`Decoder.fast`'s path (one thread, inference mode, plain attributes), which changes no number.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from paratrain.distributed.tensors import full_tensor
 from paratrain.errors import UserError
-from paratrain.models.llama import Transformer
+from paratrain.models.llama import Transformer, whole_width_tables
 from paratrain.models.moe import moe_modules
 
 PAD_ID = 0  # the token under a left pad (masked out: any id would do)
+# A cached forward on the CPU whose products are at most this many multiply-adds (its B x T rows times the largest
+# weight matrix) runs on one thread: waking the others costs more than they save on products that small (a
+# generated token of the default model: 1 x 128 by 128 x 352), and a descheduled thread stalls every product.
+ONE_THREAD_WORK = 1 << 20
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:
@@ -59,17 +68,24 @@ class KVCache:
         self.kv: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}  # (B, Hkv, capacity, D) each
         self._real = None  # (B, 1, 1, capacity) bool: the slots that are not padding (decoding's mask)
         self._mask = None  # (key, mask): a forward's attention mask, shared by its layers
+        self._angles = None  # (1, rows, 1, D) each: the whole-width rotary tables of positions 0..rows-1
 
     def angles(self, cos: torch.Tensor, sin: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary angles of the next T tokens from the (max_seq_len, D/2) tables: (T, D/2), or (B, T, D/2) with
-        padding (a left pad at position 0, a right pad past the table's end at its last row)."""
-        if self.pads is None and self.length + T <= cos.shape[0]:
-            return cos[self.length:self.length + T], sin[self.length:self.length + T]
+        """The rotary angles of the next T tokens from the (max_seq_len, D/2) tables, as apply_rope's whole-width
+        tables (models/llama.py `whole_width_tables`, made once per cache: a token's rotation is then 4 ops): (1, T,
+        1, D), or (B, T, 1, D) with padding (a left pad at position 0, a right pad past the table's end at its last
+        row)."""
+        if self._angles is None or self._angles[0].shape[1] < min(cos.shape[0], self.length + T):
+            rows = min(cos.shape[0], max(self.capacity, 2 * (self.length + T)))  # grown by doubling, as the keys
+            self._angles = tuple(t[None, :, None] for t in whole_width_tables(cos[:rows], sin[:rows]))  # (1, rows, 1, D)
+        whole_cos, whole_sin = self._angles
+        if self.pads is None and self.length + T <= whole_cos.shape[1]:
+            return whole_cos[:, self.length:self.length + T], whole_sin[:, self.length:self.length + T]
         pos = torch.arange(self.length, self.length + T, device=cos.device)[None, :]  # (1, T)
         if self.pads is not None:
             pos = pos - self.pads[:, None].to(cos.device)  # (B, T)
-        pos = pos.clamp(0, cos.shape[0] - 1)
-        return cos[pos], sin[pos]
+        pos = pos.clamp(0, whole_cos.shape[1] - 1)
+        return whole_cos[0][pos], whole_sin[0][pos]  # (B or 1, T, 1, D)
 
     def attend(self, owner: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, T, D) of the new tokens over the cached keys and the new k, v (B, Hkv, T, D) -> (B, Hq, T, D)."""
@@ -141,6 +157,25 @@ class Decoder:
         capacity = min(window, longest + max_new) if max_new else 0
         self.cache = KVCache(pads, self.device, capacity, last_only=isinstance(model, Transformer)) \
             if use_cache else None
+        # the largest weight matrix a forward multiplies by (a sampler that hides its model's: assume a large one)
+        self.largest = max((p.numel() for p in model.parameters() if p.dim() == 2), default=ONE_THREAD_WORK + 1)
+        # A model this process holds whole (no DTensor: nothing sharded by FSDP or tensor parallelism, whose forwards
+        # swap and gather parameters) decodes on `Decoder.fast`'s path
+        self.local = not any(isinstance(p, DTensor) for p in model.parameters())
+        self.direct = DirectAttributes(model.modules()) if self.local else None
+
+    @contextlib.contextmanager
+    def fast(self, tokens: int):
+        """Around a cached forward of `tokens` tokens (B x T): what makes a generated token cheap where the numbers
+        stay the same. One intra-op thread for small products (`ONE_THREAD_WORK`); for a local model, inference mode
+        (no autograd bookkeeping per op) and `DirectAttributes`."""
+        with contextlib.ExitStack() as stack:
+            if self.device.type == "cpu" and tokens * self.largest <= ONE_THREAD_WORK:
+                stack.enter_context(intra_op_threads(1))
+            if self.local:
+                stack.enter_context(torch.inference_mode())
+                stack.enter_context(self.direct)
+            yield
 
     @torch.no_grad()
     def logits(self) -> torch.Tensor:
@@ -153,13 +188,46 @@ class Decoder:
             out = self.model(self.ids[:, -self.window:])
         else:
             new = self.ids[:, self.cache.length:]  # (B, T): the tokens the cache has not seen
-            out = self.model(new, cache=self.cache)
+            with self.fast(new.numel()):
+                out = self.model(new, cache=self.cache)
             self.cache.commit(new.shape[1])
         # Vocab-parallel logits arrive as a DTensor; sampling needs the whole row.
         return full_tensor(out)[:, -1, :self.vocab_limit].float().cpu()
 
     def append(self, tokens: list[int]) -> None:
         self.ids = torch.cat([self.ids, torch.tensor(tokens, device=self.device)[:, None]], dim=1)
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int):
+    """torch's intra-op threads set to n inside (a process-wide setting: restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class DirectAttributes:
+    """Inside (`with`): the modules' parameters, buffers and submodules as plain instance attributes, removed after.
+    nn.Module keeps them in its own tables, so each `self.weight` or `self.wq` in a forward first fails Python's
+    attribute lookup, raising (and formatting) an AttributeError, before `Module.__getattr__` finds it: ~120 times
+    per forward of the default model, a sixth of a generated token's instructions. Only around forwards that replace
+    no parameter (Module.__setattr__ of a parameter drops such an entry anyway)."""
+
+    def __init__(self, modules):
+        self.entries = [(m.__dict__, name, table) for m in modules
+                        for table in (m._parameters, m._buffers, m._modules) for name in table if name not in m.__dict__]
+
+    def __enter__(self):
+        for attributes, name, table in self.entries:
+            if name in table:
+                attributes[name] = table[name]
+
+    def __exit__(self, *exc):
+        for attributes, name, _ in self.entries:
+            attributes.pop(name, None)
 
 
 def choose(logits: torch.Tensor, temperature: float, top_k: int = 0, generator=None) -> int:

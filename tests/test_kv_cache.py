@@ -4,6 +4,8 @@ window; and lm-eval's `generate_until` on the layouts eval runs (ddp2, fsdp2, tp
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -141,3 +143,36 @@ def test_generate_until_with_cache_on_every_eval_layout():
     answers = launch(_generations, (LAYOUTS,), 2)
     for name in LAYOUTS:
         assert answers[name, True] == reference["one", False], name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_width_rotary_tables_rotate_bitwise_as_the_half_tables(dtype):
+    from paratrain.models.llama import apply_rope, rope_tables, whole_width_tables
+
+    cos, sin = rope_tables(16, 40, 10000.0)  # (40, 8)
+    x = torch.randn(2, 40, 3, 16, generator=torch.Generator().manual_seed(0)).to(dtype)  # (B, T, H, D)
+    whole = tuple(t[None, :, None] for t in whole_width_tables(cos, sin))  # (1, T, 1, D)
+    assert torch.equal(apply_rope(x, *whole), apply_rope(x, cos, sin))
+
+
+def test_fast_decoding_changes_no_number_and_leaves_the_model_as_it_was(monkeypatch):
+    """A generated token's forward on one thread, in inference mode, with the modules' parameters as plain
+    attributes (Decoder.fast) gives the logits of the plain cached forward bitwise; the thread count and the modules
+    are as before after each step."""
+    model = _model("tiny-qwen3")
+    prompts = [_prompt(9, 1), _prompt(3, 2)]
+    _, fast = _greedy(model, prompts, 6, 64, use_cache=True)
+    monkeypatch.setattr(Decoder, "fast", lambda self, tokens: contextlib.nullcontext())
+    _, plain = _greedy(model, prompts, 6, 64, use_cache=True)
+    assert torch.equal(fast, plain)
+    monkeypatch.undo()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a tiny model's token runs on one, and the setting comes back
+    try:
+        decoder = Decoder(model, prompts, 64, max_new=2)
+        assert decoder.local and decoder.direct.entries
+        decoder.logits()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert not any(name in m.__dict__ for m in model.modules() for name in [*m._parameters, *m._modules])
