@@ -448,6 +448,12 @@ class Layout:
                               f"{m // self.pp} rounds of {self.pp} (choose a multiple of parallel.pp)")
         return self.with_checked(pp_microbatches=m)
 
+    def batch_key(self, microbatches: int) -> tuple:
+        """What `check_batch` reads of the layout with `microbatches` (its verdict is the same for equal keys: the
+        planner checks a value once)."""
+        return (self.cp, self.tp, self.sequence_parallel, self.pp, self.dp, self.pp_virtual, self.pp_schedule,
+                microbatches)
+
     def check_checkpointing(self, mode: str) -> None:
         """Activation checkpointing (`activation_checkpoint.mode`) against the pipeline schedule: the zero-bubble
         schedules split each backward into an input-gradient and a weight-gradient step over one kept graph, which
