@@ -21,6 +21,7 @@ are inputs.py, the printed table report.py, the change that would fit suggest.py
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -37,7 +38,7 @@ from paratrain.layout import Layout
 from paratrain.memory import HOST_HEADROOM
 from paratrain.models.presets import count_active_params
 from paratrain.models.registry import family_of
-from paratrain.modes import CheckpointMode, CompressionSite
+from paratrain.modes import CheckpointMode, CompressionSite, Schedule
 from paratrain.estimate.report import format_table
 from paratrain.estimate.schedule import max_in_flight, rank_actions
 from paratrain.estimate.suggest import suggest_changes
@@ -175,6 +176,55 @@ def default_overhead(layout: Layout, device: str = "cuda") -> int:
     if device != "cuda":
         return 0
     return int((CONTEXT_OVERHEAD_GIB + (NCCL_OVERHEAD_GIB if layout.world_size > 1 else 0.0)) * GiB)
+
+
+@functools.lru_cache(maxsize=1024)
+def _backward_events(schedule, pp: int, virtual: int, m: int, rank: int, grads_from_start: bool) -> tuple:
+    """The backwards of pipeline rank `rank`'s schedule (`rank_actions`; schedule None: one stage's forward and
+    backward, no pipeline) as `_Walk.schedule` shifts them, each distinct one once, in order of first occurrence:
+    (stage, kind, first backward, what else is held as counts per local stage of their in-flight micro-batches and
+    of zero-bubble intermediates, flags of the stages whose gradients exist, stage outputs kept sent, input
+    gradients kept sent). `grads_from_start`: gradients live from the step's start (no first backward adds them)."""
+    if schedule is None:
+        stages, last, owner, actions = [0], 0, (lambda s: 0), ((0, "F", 0), (0, "B", 0))
+    else:
+        lay = Layout(pp=pp, pp_schedule=schedule, pp_virtual=virtual)
+        stages, last, owner = lay.local_stages(rank), lay.num_stages - 1, lay.stage_owner
+        actions = rank_actions(schedule, pp, virtual, m, rank)
+    at = {s: j for j, s in enumerate(stages)}
+    stash_sends = schedule is not None and Schedule(schedule).multi_stage
+    held, inter, done = [0] * len(stages), [0] * len(stages), [0] * len(stages)
+    sent_out = sent_grads = 0
+    events: dict = {}
+    for stage, kind, _ in actions:
+        j = at[stage]
+        if kind == "F":
+            held[j] += 1
+            continue
+        if kind == "I" and stage == 0:
+            continue  # the first stage has no input gradients: its "W" runs the whole backward
+        if kind == "W" and stage == 0:
+            kind = "B"
+        first_bwd = not done[j] and not grads_from_start
+        others, others_inter = list(held), list(inter)
+        others[j] -= 1
+        if kind == "W":
+            others_inter[j] -= 1
+        key = (stage, kind, first_bwd, tuple(others), tuple(others_inter),
+               tuple(done) if not grads_from_start else (0,) * len(stages), sent_out, sent_grads)
+        events.setdefault(key, None)
+        if kind in ("I", "B") and stash_sends and stage > 0 and owner(stage - 1) != rank:
+            sent_grads += 1
+        if kind == "I":
+            inter[j] += 1
+        else:
+            held[j] -= 1
+            done[j] = 1
+            if kind == "W":
+                inter[j] -= 1
+            if stash_sends and stage < last and owner(stage + 1) != rank:
+                sent_out += 1
+    return tuple(events)
 
 
 def in_flight(layout: Layout, rank: int) -> float:
@@ -545,6 +595,14 @@ class _Walk:
         backward. The multi-stage schedules wait for their sends only at the end of the step, and a send keeps its
         tensor: every stage output sent to another rank (once its micro-batch is backwarded, no longer counted in
         `hold`) and every input gradient sent back stays allocated to the end of the step."""
+        values = [*self.hold.values(), *self.hold_head.values(), *self.inter.values(), *self.stage_grads.values(),
+                  self.binp, self.g_const]
+        if all(type(v) is int for v in values):  # (bytes: exact in any order, so summed per distinct backward)
+            return self._schedule_by_events()
+        return self._schedule_in_order()
+
+    def _schedule_in_order(self) -> _Peaks:
+        """`schedule`, action by action."""
         lay, rank, hold, hold_head, inter = self.lay, self.rank, self.hold, self.hold_head, self.inter
         peaks = _Peaks()
         stash_sends = self.pipelined and lay.pp_schedule.multi_stage
@@ -600,6 +658,46 @@ class _Walk:
                     held -= inter[stage]
                 if stash_sends and remote_next[stage]:
                     sent_out += self.binp
+        peaks.add_shifted(shifts, best)
+        return peaks
+
+    def _schedule_by_events(self) -> _Peaks:
+        """`schedule` from the rank's distinct backwards (`_backward_events`: what the rest of the schedule holds at
+        each, as counts of each stage's bytes), in order of first occurrence: the same peaks, phases and sizes (the
+        first largest total is a first occurrence's; a walk's largest additions are over its events)."""
+        lay, stages = self.lay, self.stages
+        if self.pipelined:
+            events = _backward_events(lay.pp_schedule, lay.pp, lay.pp_virtual, self.m, self.rank, bool(self.g_const))
+        else:
+            events = _backward_events(None, 1, 1, 1, 0, bool(self.g_const))
+        hold = [self.hold[s] for s in stages]
+        head = [self.hold_head[s] for s in stages]
+        inter = [self.inter[s] for s in stages]
+        grads = [self.stage_grads[s] for s in stages]
+        binp, g_const = self.binp, self.g_const
+        walked: dict = {}
+        shifts: dict = {}  # walk -> the largest of each SHIFTED category added to it (first shifted first)
+        best = None  # (total, walk, SHIFTED bytes) of the first shift with the largest total
+        for stage, kind, first_bwd, held, inter_held, done, sent_out, sent_grads in events:
+            walk = walked.get((stage, kind, first_bwd))
+            if walk is None:
+                walk = walked[stage, kind, first_bwd] = _StageBackward(self, stage, kind, first_bwd).peaks()
+                walk.peak()
+            others = (sum(n * b for n, b in zip(held, hold)) + sum(n * b for n, b in zip(inter_held, inter))
+                      + sent_out * binp)
+            extra = (others, sum(n * b for n, b in zip(held, head)),
+                     g_const + sum(b for flag, b in zip(done, grads) if flag), sent_grads * binp)
+            total = walk.best[0] + others + extra[1] + extra[2] + extra[3]
+            if best is None or total > best[0]:
+                best = (total, walk, extra)
+            most = shifts.get(walk)
+            if most is None:
+                shifts[walk] = list(extra)
+            else:
+                for j in range(4):
+                    if extra[j] > most[j]:
+                        most[j] = extra[j]
+        peaks = _Peaks()
         peaks.add_shifted(shifts, best)
         return peaks
 
