@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
+from operator import mul
 
 from paratrain import capabilities
 from paratrain.estimate import activations as A
@@ -181,10 +182,13 @@ def default_overhead(layout: Layout, device: str = "cuda") -> int:
 @functools.lru_cache(maxsize=1024)
 def _backward_events(schedule, pp: int, virtual: int, m: int, rank: int, grads_from_start: bool) -> tuple:
     """The backwards of pipeline rank `rank`'s schedule (`rank_actions`; schedule None: one stage's forward and
-    backward, no pipeline) as `_Walk.schedule` shifts them, each distinct one once, in order of first occurrence:
-    (stage, kind, first backward, what else is held as counts per local stage of their in-flight micro-batches and
-    of zero-bubble intermediates, flags of the stages whose gradients exist, stage outputs kept sent, input
-    gradients kept sent). `grads_from_start`: gradients live from the step's start (no first backward adds them)."""
+    backward, no pipeline) as `_Walk.schedule` shifts them, grouped by (stage, kind, first backward, what else is held
+    as counts per local stage of in-flight micro-batches and of zero-bubble intermediates, flags of the stages whose
+    gradients exist), in order of first occurrence. Within a group only the stage outputs and input gradients kept
+    sent grow (multi-stage schedules keep them to the step's end), so its last backward holds the most of each and
+    its totals never fall: each group is (its key..., first backward's index and sends, the first backward's index and
+    sends with the most sends, the last one's sends). `grads_from_start`: gradients live from the step's start (no
+    first backward adds them)."""
     if schedule is None:
         stages, last, owner, actions = [0], 0, (lambda s: 0), ((0, "F", 0), (0, "B", 0))
     else:
@@ -194,9 +198,10 @@ def _backward_events(schedule, pp: int, virtual: int, m: int, rank: int, grads_f
     at = {s: j for j, s in enumerate(stages)}
     stash_sends = schedule is not None and Schedule(schedule).multi_stage
     held, inter, done = [0] * len(stages), [0] * len(stages), [0] * len(stages)
+    no_grads = (0,) * len(stages)
     sent_out = sent_grads = 0
-    events: dict = {}
-    for stage, kind, _ in actions:
+    groups: dict = {}  # key -> [first index, its sends, best index, its sends, last sends]
+    for index, (stage, kind, _) in enumerate(actions):
         j = at[stage]
         if kind == "F":
             held[j] += 1
@@ -206,25 +211,32 @@ def _backward_events(schedule, pp: int, virtual: int, m: int, rank: int, grads_f
         if kind == "W" and stage == 0:
             kind = "B"
         first_bwd = not done[j] and not grads_from_start
-        others, others_inter = list(held), list(inter)
-        others[j] -= 1
+        held[j] -= 1  # (what else is held: not this micro-batch's)
         if kind == "W":
-            others_inter[j] -= 1
-        key = (stage, kind, first_bwd, tuple(others), tuple(others_inter),
-               tuple(done) if not grads_from_start else (0,) * len(stages), sent_out, sent_grads)
-        events.setdefault(key, None)
+            inter[j] -= 1
+        key = (stage, kind, first_bwd, tuple(held), tuple(inter), no_grads if grads_from_start else tuple(done))
+        sends = (sent_out, sent_grads)
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [index, sends, index, sends, sends]
+        else:
+            if sum(sends) > sum(group[3]):
+                group[2], group[3] = index, sends
+            group[4] = sends
+        if kind == "W":
+            inter[j] += 1
         if kind in ("I", "B") and stash_sends and stage > 0 and owner(stage - 1) != rank:
             sent_grads += 1
         if kind == "I":
+            held[j] += 1
             inter[j] += 1
         else:
-            held[j] -= 1
             done[j] = 1
             if kind == "W":
                 inter[j] -= 1
             if stash_sends and stage < last and owner(stage + 1) != rank:
                 sent_out += 1
-    return tuple(events)
+    return tuple((*key, *group) for key, group in groups.items())
 
 
 def in_flight(layout: Layout, rank: int) -> float:
@@ -662,9 +674,9 @@ class _Walk:
         return peaks
 
     def _schedule_by_events(self) -> _Peaks:
-        """`schedule` from the rank's distinct backwards (`_backward_events`: what the rest of the schedule holds at
-        each, as counts of each stage's bytes), in order of first occurrence: the same peaks, phases and sizes (the
-        first largest total is a first occurrence's; a walk's largest additions are over its events)."""
+        """`schedule` from the rank's groups of like backwards (`_backward_events`): the same peaks, phases and sizes
+        (a group's largest additions are its last backward's; the first largest total is, within a group, its first
+        backward with the most sends, or its first when sends weigh nothing)."""
         lay, stages = self.lay, self.stages
         if self.pipelined:
             events = _backward_events(lay.pp_schedule, lay.pp, lay.pp_virtual, self.m, self.rank, bool(self.g_const))
@@ -677,28 +689,31 @@ class _Walk:
         binp, g_const = self.binp, self.g_const
         walked: dict = {}
         shifts: dict = {}  # walk -> the largest of each SHIFTED category added to it (first shifted first)
-        best = None  # (total, walk, SHIFTED bytes) of the first shift with the largest total
-        for stage, kind, first_bwd, held, inter_held, done, sent_out, sent_grads in events:
+        best = None  # (total, index, walk, SHIFTED bytes) of the first backward with the largest total
+        for stage, kind, first_bwd, held, inter_held, done, first, first_sends, top, top_sends, last_sends in events:
             walk = walked.get((stage, kind, first_bwd))
             if walk is None:
                 walk = walked[stage, kind, first_bwd] = _StageBackward(self, stage, kind, first_bwd).peaks()
                 walk.peak()
-            others = (sum(n * b for n, b in zip(held, hold)) + sum(n * b for n, b in zip(inter_held, inter))
-                      + sent_out * binp)
-            extra = (others, sum(n * b for n, b in zip(held, head)),
-                     g_const + sum(b for flag, b in zip(done, grads) if flag), sent_grads * binp)
-            total = walk.best[0] + others + extra[1] + extra[2] + extra[3]
-            if best is None or total > best[0]:
-                best = (total, walk, extra)
+            others = sum(map(mul, held, hold)) + sum(map(mul, inter_held, inter))
+            held_head = sum(map(mul, held, head))
+            grads_now = g_const + sum(map(mul, done, grads))
+            index, (out, back) = (top, top_sends) if binp else (first, first_sends)
+            extra = (others + out * binp, held_head, grads_now, back * binp)
+            total = walk.best[0] + extra[0] + extra[1] + extra[2] + extra[3]
+            if best is None or total > best[0] or (total == best[0] and index < best[1]):
+                best = (total, index, walk, extra)
+            out, back = last_sends
+            last = (others + out * binp, held_head, grads_now, back * binp)
             most = shifts.get(walk)
             if most is None:
-                shifts[walk] = list(extra)
+                shifts[walk] = list(last)
             else:
                 for j in range(4):
-                    if extra[j] > most[j]:
-                        most[j] = extra[j]
+                    if last[j] > most[j]:
+                        most[j] = last[j]
         peaks = _Peaks()
-        peaks.add_shifted(shifts, best)
+        peaks.add_shifted(shifts, best and (best[0], best[2], best[3]))
         return peaks
 
     def end_of_pipeline_step(self, peaks: _Peaks) -> None:
