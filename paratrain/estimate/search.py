@@ -78,6 +78,28 @@ def _result(cand: Candidate, reason: str | None) -> Result:
     return r
 
 
+class _Rejected(Result):
+    """A Result of `structural_reason`'s rejection whose candidate is made when first read (a large plan rejects tens
+    of thousands, and reads few)."""
+
+    @property
+    def cand(self) -> Candidate:
+        made = self.__dict__["cand"]
+        if made is None:
+            lay, mb, make = self.__dict__["unmade"]
+            made = self.__dict__["cand"] = make(lay, mb)
+        return made
+
+
+def _rejected(lay: Layout, mb: int, make, reason: str) -> Result:
+    """`Result(make(lay, mb), reason=reason)`, its candidate made when read."""
+    if _NO_RESULT is None:
+        _result(None, None)
+    r = object.__new__(_Rejected)
+    r.__dict__.update(_NO_RESULT, cand=None, reason=reason, unmade=(lay, mb, make))
+    return r
+
+
 @dataclass
 class Plan:
     ctx: Context
@@ -193,7 +215,7 @@ class Screened:
             reason = _group_placement_reason(lay, mb, ctx) or _layout_reason(lay, mb, ctx, lambda _: shape_reasons(
                 shape)) or None
             if reason:
-                self.rejected += [_result(make(lay, mb), reason) for _, make in makers]
+                self.rejected += [_rejected(lay, mb, make, reason) for _, make in makers]
                 continue
             key = (lay.pp > 1, lay.pp_schedule, id(makers))
             verdicts = modes.get(key)
@@ -201,7 +223,7 @@ class Screened:
                 verdicts = modes[key] = _mode_verdicts(lay, mb, makers)
             passing, failing = verdicts
             for make, why in failing:
-                self.rejected.append(_result(make(lay, mb), why))
+                self.rejected.append(_rejected(lay, mb, make, why))
             group = (pipeline_key(lay), lay.tp, mb, lay.ep, lay.cp,
                      lay.pp_microbatches if lay.pp > 1 else max(1, ctx.global_seqs // (lay.dp * mb)))
             key = (group, id(passing))

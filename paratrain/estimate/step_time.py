@@ -474,6 +474,13 @@ def rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
 
 
 def _rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
+    keys, terms_of = _rank_terms(c, ctx)
+    return [terms_of[key] for key in keys]
+
+
+def _rank_terms(c: Candidate, ctx: Context) -> tuple[list, dict]:
+    """`rank_compute` as (a key per pipeline rank, {key: its (compute, recompute)}): with one GPU type, ranks with as
+    many blocks (and the last stage or not) have the same terms, computed once; heterogeneous stages: a rank's own."""
     lay = c.layout
     last_owner = lay.stage_owner(lay.num_stages - 1) if lay.pp > 1 else 0
 
@@ -485,14 +492,15 @@ def _rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
                 c.ac.recomputed_blocks(n, c.every_k) * bc.recompute)
 
     if ctx.stage_hw:  # each rank on its own hardware
-        return [terms(block_costs(ctx, ctx.rank_hw(r), c.tp, c.micro_batch, c.ep, c.ac, lay.cp), len(blocks),
-                      r == last_owner) for r, blocks in enumerate(rank_blocks(ctx, lay).layers)]
-    # one GPU type: ranks with as many blocks (and the last stage or not) have the same terms, computed once
+        layers = rank_blocks(ctx, lay).layers
+        return list(range(len(layers))), {
+            r: terms(block_costs(ctx, ctx.rank_hw(r), c.tp, c.micro_batch, c.ep, c.ac, lay.cp), len(blocks),
+                     r == last_owner) for r, blocks in enumerate(layers)}
     shape = cached(ctx, ("rank shapes", id(ctx.args), pipeline_key(lay)), lambda: [
         (len(blocks), r == last_owner) for r, blocks in enumerate(rank_blocks(ctx, lay).layers)])
+    distinct = cached(ctx, ("distinct rank shapes", id(ctx.args), pipeline_key(lay)), lambda: list(dict.fromkeys(shape)))
     one = block_costs(ctx, ctx.hw, c.tp, c.micro_batch, c.ep, c.ac, lay.cp)
-    same = {key: terms(one, *key) for key in set(shape)}
-    return [same[key] for key in shape]
+    return shape, {key: terms(one, *key) for key in distinct}
 
 
 def _slowest(c: Candidate, ctx: Context) -> tuple[int, tuple[float, float], float]:
@@ -500,11 +508,12 @@ def _slowest(c: Candidate, ctx: Context) -> tuple[int, tuple[float, float], floa
     ranks' work per micro-batch relative to the slowest's; p - 1 with equal stages, so the bubble is the
     (p-1)/(m+p-1)/v of Layout.predicted_bubble)."""
     def compute():
-        per_rank = rank_compute(c, ctx)
-        work = list(map(sum, per_rank))  # (compute + recompute of each rank)
+        keys, terms_of = _rank_terms(c, ctx)
+        work_of = {key: sum(t) for key, t in terms_of.items()}  # (compute + recompute of a rank)
+        work = list(map(work_of.__getitem__, keys))
         slowest = work.index(max(work))  # (the first of the slowest)
         fill = sum(work) / work[slowest] - 1 if c.layout.pp > 1 else 0.0
-        return slowest, per_rank[slowest], fill
+        return slowest, terms_of[keys[slowest]], fill
 
     if ctx.stage_hw:
         return compute()
