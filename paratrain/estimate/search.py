@@ -3,6 +3,7 @@ headroom), predict the step time of the rest (paratrain/estimate/step_time.py) a
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -224,7 +225,7 @@ class Screened:
             passing, failing = verdicts
             for make, why in failing:
                 self.rejected.append(_rejected(lay, mb, make, why))
-            group = (pipeline_key(lay), lay.tp, mb, lay.ep, lay.cp,
+            group = (pipeline_key(lay), lay.tp, mb, lay.ep, lay.cp, lay.dp,
                      lay.pp_microbatches if lay.pp > 1 else max(1, ctx.global_seqs // (lay.dp * mb)))
             key = (group, id(passing))
             bounds = memo.get(key)
@@ -438,7 +439,18 @@ def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) ->
     """Predict every valid candidate, then memory-check them fastest first until `top` fit (the estimator is
     the expensive part); when none fits, the same with the memory tiers (`tier_variants`); raise UserError naming the
     nearest miss when still none fits."""
-    opts = opts or Options()
+    # (a large plan allocates hundreds of thousands of objects, none in a reference cycle: the cyclic garbage
+    # collector's passes over them all would cost a tenth of the plan)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan(ctx, world, opts or Options(), top)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan(ctx: Context, world: int, opts: Options, top: int) -> Plan:
     screened = Screened(ctx, world, opts)  # (predicted in _fitting, fastest first: only those that may rank)
     rejected = screened.rejected
     considered = screened.considered
@@ -545,7 +557,7 @@ def _lower_bounds(results: list[Result], ctx: Context) -> list[float]:
         shape = shapes.get((id(lay), c.micro_batch))
         if shape is None:
             # (step_lower_bound reads the micro-steps and `_slowest`, whose cache key is the rest with the context's)
-            shape = shapes[id(lay), c.micro_batch] = (pipeline_key(lay), c.tp, c.micro_batch, c.ep, lay.cp,
+            shape = shapes[id(lay), c.micro_batch] = (pipeline_key(lay), c.tp, c.micro_batch, c.ep, lay.cp, lay.dp,
                                                       c.micro_steps)
         key = (shape, c.ac, c.every_k)
         bound = memo.get(key)
@@ -610,8 +622,8 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
             if not on_host else ())
             + unsharded * cached(ctx, ("gathered params", id(a), lay.tp, lay.ep, pipeline_key(lay), s),
                                  lambda: sum(_rank_block_params(a, lay, l) for l in layers[s])))
-        stored = sum(kept[l] - (A.offloaded(d, modes[l], moe if a.is_moe_layer(l) else None) if l in offloaded else 0)
-                     for l in layers[s])
+        stored = (sum(kept[l] - (A.offloaded(d, modes[l], moe if a.is_moe_layer(l) else None) if l in offloaded
+                                 else 0) for l in layers[s]) if offloaded else sum(map(kept.__getitem__, layers[s])))
         acts = int(in_flight(lay, s) * stored) + recv_buffers(s)
         if best is None or states + acts > sum(best):
             best = (states, acts)
