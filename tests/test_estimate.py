@@ -117,21 +117,19 @@ def test_pipeline_in_flight_per_schedule():
 @pytest.mark.parametrize("schedule, mode, dp_mode", [
     ("gpipe", "full", "fsdp"), ("1f1b", "selective", "zero2"), ("interleaved_1f1b", "none", "fsdp"),
     ("interleaved_zero_bubble", "none", "fsdp"), ("zbv", "none", "ddp"), (None, "none", "ddp")])
-def test_schedule_walk_per_distinct_backward_equals_action_by_action(schedule, mode, dp_mode):
-    """The estimator walks a rank's schedule once per distinct backward (core._Walk._schedule_by_events): the same
-    peak, phase, bytes and sizes as walking it action by action, on every rank (and without a pipeline, with
+def test_schedule_walk_by_groups_equals_action_by_action(schedule, mode, dp_mode):
+    """The estimator walks a rank's schedule by groups of like backwards (`schedule_by_events`): the same peak,
+    phase, bytes and sizes as walking it action by action, on every rank (and without a pipeline, with
     accumulation)."""
-    from paratrain.estimate import core
-    from paratrain.estimate.model_states import rank_layers
+    from paratrain.estimate.core import rank_walk
 
     pp = 1 if schedule is None else 4
     lay = Layout.resolve(8, pp=pp, dp_mode="fsdp" if pp > 1 else dp_mode,
                          **({"pp_schedule": schedule, "pp_microbatches": 8} if pp > 1 else {}))
-    i = core.validate(inputs_for(llama8b(), Recipe(lay, seq_len=1024, checkpointing=mode, micro_batch=1,
-                                                   accum_steps=1 if pp > 1 else 4)))
+    i = inputs_for(llama8b(), Recipe(lay, seq_len=1024, checkpointing=mode, micro_batch=1,
+                                     accum_steps=1 if pp > 1 else 4))
     for rank in range(pp):
-        walks = [core._Walk(i, rank, rank_layers(i.layout, i.model_args)) for _ in range(2)]
-        fast, slow = walks[0]._schedule_by_events(), walks[1]._schedule_in_order()
+        fast, slow = rank_walk(i, rank).schedule_by_events(), rank_walk(i, rank).schedule_in_order()
         assert fast.peak() == slow.peak() and fast.sizes == slow.sizes
         assert list(fast.sizes) == list(slow.sizes)
 

@@ -419,6 +419,12 @@ class _Peaks:
                 "moe": moe}
 
 
+def rank_walk(i: EstimateInputs, rank: int) -> "_Walk":
+    """Pipeline rank `rank`'s walk of a training step, set up and not yet walked (`_walk`; tests walk its schedule
+    both ways: `schedule_by_events`, `schedule_in_order`)."""
+    return _Walk(validate(i), rank, rank_layers(i.layout, i.model_args))
+
+
 def _walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]]) -> dict:
     """Peak of rank `rank` (a pipeline rank; without a pipeline every rank is alike): its schedule's actions in order
     (paratrain/estimate/schedule.py; without a pipeline the schedule is one stage's forward and backward, the last
@@ -610,10 +616,10 @@ class _Walk:
         values = [*self.hold.values(), *self.hold_head.values(), *self.inter.values(), *self.stage_grads.values(),
                   self.binp, self.g_const]
         if all(type(v) is int for v in values):  # (bytes: exact in any order, so summed per distinct backward)
-            return self._schedule_by_events()
-        return self._schedule_in_order()
+            return self.schedule_by_events()
+        return self.schedule_in_order()
 
-    def _schedule_in_order(self) -> _Peaks:
+    def schedule_in_order(self) -> _Peaks:
         """`schedule`, action by action."""
         lay, rank, hold, hold_head, inter = self.lay, self.rank, self.hold, self.hold_head, self.inter
         peaks = _Peaks()
@@ -673,7 +679,7 @@ class _Walk:
         peaks.add_shifted(shifts, best)
         return peaks
 
-    def _schedule_by_events(self) -> _Peaks:
+    def schedule_by_events(self) -> _Peaks:
         """`schedule` from the rank's groups of like backwards (`_backward_events`): the same peaks, phases and sizes
         (a group's largest additions are its last backward's; the first largest total is, within a group, its first
         backward with the most sends, or its first when sends weigh nothing)."""
