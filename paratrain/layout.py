@@ -345,6 +345,11 @@ class Layout:
             layout = self.with_checked(pp_split=tuple(split))
         return layout
 
+    def shape_key(self) -> tuple:
+        """What `validate_shape` reads of the layout (its verdict and blocks per stage are the same for equal keys:
+        the planner checks a value once)."""
+        return (self.world_size, self.ep, self.tp, self.pp, self.pp_virtual, self.pp_schedule, self.cp, self.pp_split)
+
     def forward_only(self) -> "Layout":
         """The layout for forwards outside a run (`paratrain eval`: no optimizer step, no batch to cut): a pipeline
         runs each batch's stages one after the other (`Pipeline.forward`), whatever its size, and never steps its

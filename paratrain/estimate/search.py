@@ -180,10 +180,17 @@ def _layout_reason(lay: Layout, mb: int, ctx: Context, shapes) -> str:
 def _shape_reasons(lay: Layout, world: int, ctx: Context) -> tuple[Layout | str, str]:
     """(`Layout.validate_shape` of the layout, or why it fails; why the run's gradient compression or optimizer
     refuses the layout, "" when neither does): neither reads the pipeline's microbatches."""
-    try:
-        checked = lay.validate_shape(ctx.args, world)
-    except ConfigError as e:
-        return str(e), ""
+    def validated() -> list:  # [the blocks per stage], or [why the shape fails]
+        try:
+            return [lay.validate_shape(ctx.args, world).pp_split]
+        except ConfigError as e:
+            return [str(e)]
+
+    # (validate_shape reads only the fields of Layout.shape_key: once per value of them)
+    split, = cached(ctx, ("validate_shape", id(ctx.args), world, lay.shape_key()), validated)
+    if isinstance(split, str):
+        return split, ""
+    checked = lay.with_checked(pp_split=split) if lay.pp > 1 else lay
     try:
         ctx.compression.site(lay)  # --grad-compression applies to this layout
         optimizer_entry(ctx.optimizer).check_layout(lay)  # and --optimizer
