@@ -164,6 +164,20 @@ class Layout:
             virtual = 1  # automatic for the new schedule
         return Layout.resolve(world, pp_virtual=virtual, **fields)
 
+    def with_schedule(self, schedule: str, virtual: int, microbatches: int) -> "Layout":
+        """`replace(pp_schedule=schedule, pp_virtual=virtual, pp_microbatches=microbatches)` without resolving the
+        degrees again (they do not change: the planner makes thousands): the same Layout, or the same ConfigError."""
+        check_choice("parallel.pp_schedule", schedule, SCHEDULES)
+        if virtual < 1:
+            raise ConfigError(f"parallel.pp_virtual_stages must be >= 1, got {virtual}")
+        if microbatches < 0:
+            raise ConfigError(f"parallel.pp_microbatches must be >= 0 (0: automatic), got {microbatches}")
+        resolved = _virtual_stages(Schedule(schedule), virtual) if self.pp > 1 else 1
+        if self.pp > 1 and self.pp_split is not None and len(self.pp_split) != self.pp * resolved:
+            raise ConfigError(_split_error(self.pp_split, self.pp * resolved))
+        return self.with_checked(pp_schedule=Schedule(schedule), pp_virtual=resolved,
+                                 pp_microbatches=microbatches if self.pp > 1 else 0)
+
     # -- what the layout is ----------------------------------------------------------------------
     @property
     def world_size(self) -> int:

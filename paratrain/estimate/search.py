@@ -395,8 +395,7 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                         if pp > 1:
                             if (sched, v) not in scheduled:
                                 try:
-                                    scheduled[sched, v] = layout.replace(pp_schedule=sched, pp_microbatches=1,
-                                                                         pp_virtual=v)
+                                    scheduled[sched, v] = layout.with_schedule(sched, v, 1)
                                 except ConfigError:
                                     scheduled[sched, v] = None
                             shape = scheduled[sched, v]
@@ -598,9 +597,13 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     limit = usable_bytes(ctx.hw.memory_bytes, opts.headroom)
     ranks = range(lay.pp) if lay.pp <= 4 else sorted({0, 1, lay.pp - 1, lay.stage_owner(lay.num_stages - 1)})
     layers = rank_blocks(ctx, lay).layers  # (rank_layers, once per pipeline shape)
-    d = A.act_dims(a, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, ctx.hw.device)
+    # (act_dims reads tp, cp, sequence parallelism, FSDP and loss parallelism of the layout)
+    d = cached(ctx, ("act_dims", id(a), lay.tp, lay.cp, lay.sp, lay.uses_fsdp, lay.uses_loss_parallel, c.micro_batch,
+                     ctx.precision, ctx.seq_len, ctx.hw.device),
+               lambda: A.act_dims(a, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, ctx.hw.device))
     moe = A.moe_dims(a, lay, c.micro_batch, ctx.seq_len, 1.0) if a.moe_experts else None
-    modes = c.ac.block_checkpointing(a.n_layers, c.every_k)
+    modes = cached(ctx, ("block modes", a.n_layers, c.ac, c.every_k),
+                   lambda: c.ac.block_checkpointing(a.n_layers, c.every_k))
     moe_layers = cached(ctx, ("moe layer indices", id(a)), lambda: [l for l in range(a.n_layers) if a.is_moe_layer(l)])
     # (the stages of the ranks bounded only: a stage's checkpoints group its own blocks)
     stages = cached(ctx, ("bounded stages", id(a), pipeline_key(lay)), lambda: [
