@@ -165,6 +165,20 @@ class Layout:
             virtual = 1  # automatic for the new schedule
         return Layout.resolve(world, pp_virtual=virtual, **fields)
 
+    def with_schedule(self, schedule: str, virtual: int, microbatches: int) -> "Layout":
+        """`replace(pp_schedule=schedule, pp_virtual=virtual, pp_microbatches=microbatches)` without resolving the
+        degrees again (they do not change: the planner makes thousands): the same Layout, or the same ConfigError."""
+        check_choice("parallel.pp_schedule", schedule, SCHEDULES)
+        if virtual < 1:
+            raise ConfigError(f"parallel.pp_virtual_stages must be >= 1, got {virtual}")
+        if microbatches < 0:
+            raise ConfigError(f"parallel.pp_microbatches must be >= 0 (0: automatic), got {microbatches}")
+        resolved = _virtual_stages(Schedule(schedule), virtual) if self.pp > 1 else 1
+        if self.pp > 1 and self.pp_split is not None and len(self.pp_split) != self.pp * resolved:
+            raise ConfigError(_split_error(self.pp_split, self.pp * resolved))
+        return self.with_checked(pp_schedule=Schedule(schedule), pp_virtual=resolved,
+                                 pp_microbatches=microbatches if self.pp > 1 else 0)
+
     # -- what the layout is ----------------------------------------------------------------------
     @property
     def world_size(self) -> int:
@@ -346,6 +360,11 @@ class Layout:
             layout = self.with_checked(pp_split=tuple(split))
         return layout
 
+    def shape_key(self) -> tuple:
+        """What `validate_shape` reads of the layout (its verdict and blocks per stage are the same for equal keys:
+        the planner checks a value once)."""
+        return (self.world_size, self.ep, self.tp, self.pp, self.pp_virtual, self.pp_schedule, self.cp, self.pp_split)
+
     def forward_only(self) -> "Layout":
         """The layout for forwards outside a run (`paratrain eval`: no optimizer step, no batch to cut): a pipeline
         runs each batch's stages one after the other (`Pipeline.forward`), whatever its size, and never steps its
@@ -448,6 +467,12 @@ class Layout:
             raise ConfigError(f"parallel.pp_schedule={self.pp_schedule}: {m} microbatches must be a multiple of the "
                               f"{m // self.pp} rounds of {self.pp} (choose a multiple of parallel.pp)")
         return self.with_checked(pp_microbatches=m)
+
+    def batch_key(self, microbatches: int) -> tuple:
+        """What `check_batch` reads of the layout with `microbatches` (its verdict is the same for equal keys: the
+        planner checks a value once)."""
+        return (self.cp, self.tp, self.sequence_parallel, self.pp, self.dp, self.pp_virtual, self.pp_schedule,
+                microbatches)
 
     def check_checkpointing(self, mode: str) -> None:
         """Activation checkpointing (`activation_checkpoint.mode`) against the pipeline schedule: the zero-bubble

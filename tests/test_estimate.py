@@ -114,6 +114,26 @@ def test_pipeline_in_flight_per_schedule():
     assert e.stage == 3 and e.phase.startswith("loss backward") and e.at_peak["logits_loss"] > 0
 
 
+@pytest.mark.parametrize("schedule, mode, dp_mode", [
+    ("gpipe", "full", "fsdp"), ("1f1b", "selective", "zero2"), ("interleaved_1f1b", "none", "fsdp"),
+    ("interleaved_zero_bubble", "none", "fsdp"), ("zbv", "none", "ddp"), (None, "none", "ddp")])
+def test_schedule_walk_by_groups_equals_action_by_action(schedule, mode, dp_mode):
+    """The estimator walks a rank's schedule by groups of like backwards (`schedule_by_events`): the same peak,
+    phase, bytes and sizes as walking it action by action, on every rank (and without a pipeline, with
+    accumulation)."""
+    from paratrain.estimate.core import rank_walk
+
+    pp = 1 if schedule is None else 4
+    lay = Layout.resolve(8, pp=pp, dp_mode="fsdp" if pp > 1 else dp_mode,
+                         **({"pp_schedule": schedule, "pp_microbatches": 8} if pp > 1 else {}))
+    i = inputs_for(llama8b(), Recipe(lay, seq_len=1024, checkpointing=mode, micro_batch=1,
+                                     accum_steps=1 if pp > 1 else 4))
+    for rank in range(pp):
+        fast, slow = rank_walk(i, rank).schedule_by_events(), rank_walk(i, rank).schedule_in_order()
+        assert fast.peak() == slow.peak() and fast.sizes == slow.sizes
+        assert list(fast.sizes) == list(slow.sizes)
+
+
 def test_moe_expert_parallel_divides_experts():
     from paratrain.models.presets import PRESETS
 

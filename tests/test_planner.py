@@ -406,3 +406,25 @@ def test_fastest_first_ranks_as_predicting_every_layout(req):
     assert all(step_lower_bound(r.cand, ctx) <= r.pred.step_s for r in exhaustive)
     lazy = [Result(c) for c in cands]
     assert [id(r.cand) for r in fastest_first(lazy, ctx)] == [id(r.cand) for r in exhaustive]
+
+
+def test_layout_with_schedule_is_replace():
+    """The planner's `Layout.with_schedule` (no degrees resolved again) gives what `Layout.replace` gives: the same
+    layout or the same one-line error, for every schedule and stages per rank."""
+    from paratrain.errors import ConfigError
+    from paratrain.modes import Schedule
+
+    def outcome(make):
+        try:
+            return make()
+        except ConfigError as e:
+            return str(e)
+
+    for pp, mode, rep in ((1, "fsdp", 1), (2, "zero2", 1), (4, "hsdp", 2), (2, "fsdp", 1)):
+        base = Layout.resolve(16, dp_mode=mode, dp_replicate=rep, pp=pp)
+        for split in ((None,) if pp == 1 else (None, (1,) * pp * 2)):
+            lay = base.with_checked(pp_split=split)
+            for schedule in Schedule:
+                for v in (1, 2, 3):
+                    assert outcome(lambda: lay.with_schedule(schedule, v, 1)) == outcome(
+                        lambda: lay.replace(pp_schedule=schedule, pp_microbatches=1, pp_virtual=v))

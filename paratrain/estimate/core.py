@@ -21,8 +21,10 @@ are inputs.py, the printed table report.py, the change that would fit suggest.py
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
+from operator import mul
 
 from paratrain import capabilities
 from paratrain.estimate import activations as A
@@ -37,7 +39,7 @@ from paratrain.layout import Layout
 from paratrain.memory import HOST_HEADROOM
 from paratrain.models.presets import count_active_params
 from paratrain.models.registry import family_of
-from paratrain.modes import CheckpointMode, CompressionSite
+from paratrain.modes import CheckpointMode, CompressionSite, Schedule
 from paratrain.estimate.report import format_table
 from paratrain.estimate.schedule import max_in_flight, rank_actions
 from paratrain.estimate.suggest import suggest_changes
@@ -175,6 +177,66 @@ def default_overhead(layout: Layout, device: str = "cuda") -> int:
     if device != "cuda":
         return 0
     return int((CONTEXT_OVERHEAD_GIB + (NCCL_OVERHEAD_GIB if layout.world_size > 1 else 0.0)) * GiB)
+
+
+@functools.lru_cache(maxsize=1024)
+def _backward_events(schedule, pp: int, virtual: int, m: int, rank: int, grads_from_start: bool) -> tuple:
+    """The backwards of pipeline rank `rank`'s schedule (`rank_actions`; schedule None: one stage's forward and
+    backward, no pipeline) as `_Walk.schedule` shifts them, grouped by (stage, kind, first backward, what else is held
+    as counts per local stage of in-flight micro-batches and of zero-bubble intermediates, flags of the stages whose
+    gradients exist), in order of first occurrence. Within a group only the stage outputs and input gradients kept
+    sent grow (multi-stage schedules keep them to the step's end), so its last backward holds the most of each and
+    its totals never fall: each group is (its key..., first backward's index and sends, the first backward's index and
+    sends with the most sends, the last one's sends). `grads_from_start`: gradients live from the step's start (no
+    first backward adds them)."""
+    if schedule is None:
+        stages, last, owner, actions = [0], 0, (lambda s: 0), ((0, "F", 0), (0, "B", 0))
+    else:
+        lay = Layout(pp=pp, pp_schedule=schedule, pp_virtual=virtual)
+        stages, last, owner = lay.local_stages(rank), lay.num_stages - 1, lay.stage_owner
+        actions = rank_actions(schedule, pp, virtual, m, rank)
+    at = {s: j for j, s in enumerate(stages)}
+    stash_sends = schedule is not None and Schedule(schedule).multi_stage
+    held, inter, done = [0] * len(stages), [0] * len(stages), [0] * len(stages)
+    no_grads = (0,) * len(stages)
+    sent_out = sent_grads = 0
+    groups: dict = {}  # key -> [first index, its sends, best index, its sends, last sends]
+    for index, (stage, kind, _) in enumerate(actions):
+        j = at[stage]
+        if kind == "F":
+            held[j] += 1
+            continue
+        if kind == "I" and stage == 0:
+            continue  # the first stage has no input gradients: its "W" runs the whole backward
+        if kind == "W" and stage == 0:
+            kind = "B"
+        first_bwd = not done[j] and not grads_from_start
+        held[j] -= 1  # (what else is held: not this micro-batch's)
+        if kind == "W":
+            inter[j] -= 1
+        key = (stage, kind, first_bwd, tuple(held), tuple(inter), no_grads if grads_from_start else tuple(done))
+        sends = (sent_out, sent_grads)
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [index, sends, index, sends, sends]
+        else:
+            if sum(sends) > sum(group[3]):
+                group[2], group[3] = index, sends
+            group[4] = sends
+        if kind == "W":
+            inter[j] += 1
+        if kind in ("I", "B") and stash_sends and stage > 0 and owner(stage - 1) != rank:
+            sent_grads += 1
+        if kind == "I":
+            held[j] += 1
+            inter[j] += 1
+        else:
+            done[j] = 1
+            if kind == "W":
+                inter[j] -= 1
+            if stash_sends and stage < last and owner(stage + 1) != rank:
+                sent_out += 1
+    return tuple((*key, *group) for key, group in groups.items())
 
 
 def in_flight(layout: Layout, rank: int) -> float:
@@ -355,6 +417,12 @@ class _Peaks:
         peak, phase, cats = self.peak()
         return {"peak": peak, "phase": phase, "at_peak": cats, "sizes": dict(self.sizes), "states": r.st, "dims": r.d,
                 "moe": moe}
+
+
+def rank_walk(i: EstimateInputs, rank: int) -> "_Walk":
+    """Pipeline rank `rank`'s walk of a training step, set up and not yet walked (`_walk`; tests walk its schedule
+    both ways: `schedule_by_events`, `schedule_in_order`)."""
+    return _Walk(validate(i), rank, rank_layers(i.layout, i.model_args))
 
 
 def _walk(i: EstimateInputs, rank: int, layers_by_stage: list[list[int]]) -> dict:
@@ -545,6 +613,14 @@ class _Walk:
         backward. The multi-stage schedules wait for their sends only at the end of the step, and a send keeps its
         tensor: every stage output sent to another rank (once its micro-batch is backwarded, no longer counted in
         `hold`) and every input gradient sent back stays allocated to the end of the step."""
+        values = [*self.hold.values(), *self.hold_head.values(), *self.inter.values(), *self.stage_grads.values(),
+                  self.binp, self.g_const]
+        if all(type(v) is int for v in values):  # (bytes: exact in any order, so summed per distinct backward)
+            return self.schedule_by_events()
+        return self.schedule_in_order()
+
+    def schedule_in_order(self) -> _Peaks:
+        """`schedule`, action by action."""
         lay, rank, hold, hold_head, inter = self.lay, self.rank, self.hold, self.hold_head, self.inter
         peaks = _Peaks()
         stash_sends = self.pipelined and lay.pp_schedule.multi_stage
@@ -601,6 +677,49 @@ class _Walk:
                 if stash_sends and remote_next[stage]:
                     sent_out += self.binp
         peaks.add_shifted(shifts, best)
+        return peaks
+
+    def schedule_by_events(self) -> _Peaks:
+        """`schedule` from the rank's groups of like backwards (`_backward_events`): the same peaks, phases and sizes
+        (a group's largest additions are its last backward's; the first largest total is, within a group, its first
+        backward with the most sends, or its first when sends weigh nothing)."""
+        lay, stages = self.lay, self.stages
+        if self.pipelined:
+            events = _backward_events(lay.pp_schedule, lay.pp, lay.pp_virtual, self.m, self.rank, bool(self.g_const))
+        else:
+            events = _backward_events(None, 1, 1, 1, 0, bool(self.g_const))
+        hold = [self.hold[s] for s in stages]
+        head = [self.hold_head[s] for s in stages]
+        inter = [self.inter[s] for s in stages]
+        grads = [self.stage_grads[s] for s in stages]
+        binp, g_const = self.binp, self.g_const
+        walked: dict = {}
+        shifts: dict = {}  # walk -> the largest of each SHIFTED category added to it (first shifted first)
+        best = None  # (total, index, walk, SHIFTED bytes) of the first backward with the largest total
+        for stage, kind, first_bwd, held, inter_held, done, first, first_sends, top, top_sends, last_sends in events:
+            walk = walked.get((stage, kind, first_bwd))
+            if walk is None:
+                walk = walked[stage, kind, first_bwd] = _StageBackward(self, stage, kind, first_bwd).peaks()
+                walk.peak()
+            others = sum(map(mul, held, hold)) + sum(map(mul, inter_held, inter))
+            held_head = sum(map(mul, held, head))
+            grads_now = g_const + sum(map(mul, done, grads))
+            index, (out, back) = (top, top_sends) if binp else (first, first_sends)
+            extra = (others + out * binp, held_head, grads_now, back * binp)
+            total = walk.best[0] + extra[0] + extra[1] + extra[2] + extra[3]
+            if best is None or total > best[0] or (total == best[0] and index < best[1]):
+                best = (total, index, walk, extra)
+            out, back = last_sends
+            last = (others + out * binp, held_head, grads_now, back * binp)
+            most = shifts.get(walk)
+            if most is None:
+                shifts[walk] = list(last)
+            else:
+                for j in range(4):
+                    if last[j] > most[j]:
+                        most[j] = last[j]
+        peaks = _Peaks()
+        peaks.add_shifted(shifts, best and (best[0], best[2], best[3]))
         return peaks
 
     def end_of_pipeline_step(self, peaks: _Peaks) -> None:

@@ -179,8 +179,12 @@ def state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str,
     whose weight copies count; None: those the precision and the optimizer imply (the planner's)."""
     layers = layers or rank_layers(layout, args)
     if capabilities is None:
-        capabilities = implied_by_settings(precision, optimizer)
-    key = (args, layout, precision, optimizer, accounting, stage, tuple(map(tuple, layers)), lora, capabilities)
+        capabilities = _implied(precision, optimizer)
+    # (what the states read of the layout: the planner asks for layouts differing in nothing else, e.g. schedules
+    # placing the same blocks on the rank)
+    where = ((tuple(layers[stage]), layout.stage_owner(0) == stage, layout.stage_owner(layout.num_stages - 1) == stage)
+             if layout.pp > 1 else None)
+    key = (args, _states_key(layout), precision, optimizer, accounting, stage == 0, where, lora, capabilities)
     hit = _STATES.get(key)
     if hit is None:
         if len(_STATES) > 4096:
@@ -188,6 +192,19 @@ def state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str,
         hit = _STATES[key] = _state_bytes(args, layout, precision, optimizer, accounting, stage, layers, lora,
                                           capabilities)
     return hit
+
+
+def _states_key(layout: Layout) -> tuple:
+    """Every value of the layout `_state_bytes` reads but a pipeline rank's blocks (`_param_kinds`, `rank_params`):
+    the tp and ep splits (`local_shape`), FSDP's shards (`fsdp_numel`), the data-parallel mode's sharding (zero1,
+    hybrid, `_classic_states`)."""
+    return (layout.tp, layout.ep, layout.dp_replicate, layout.dp_shard, layout.cp, layout.zero_stage,
+            layout.dp_mode.replicates_shards)
+
+
+@functools.lru_cache(maxsize=64)
+def _implied(precision: str, optimizer: str) -> tuple:
+    return implied_by_settings(precision, optimizer)
 
 
 _KINDS: dict[tuple, tuple[tuple[Param, int], ...]] = {}
@@ -214,16 +231,45 @@ def _param_kinds(args: ModelArgs, layout: Layout, rank: int, layers: list[list[i
     return hit
 
 
+_LOCAL: dict = {}
+
+
+def _local_kinds(args: ModelArgs, layout: Layout, rank: int, layers: list[list[int]],
+                 lora: LoRA | None) -> tuple[list, list]:
+    """The (kind, count, local elements) of `_param_kinds` after tp and ep (`local_shape`): (the trainable, the
+    frozen), cached (the same lists for the same kinds and split: `_fsdp_sum` caches by them)."""
+    kinds = _param_kinds(args, layout, rank, layers, lora)
+    key = (id(kinds), layout.tp, layout.ep)
+    hit = _LOCAL.get(key)
+    if hit is None or hit[0] is not kinds:
+        local = [(p, count, math.prod(local_shape(p, layout))) for p, count in kinds]
+        if len(_LOCAL) > 4096:
+            _LOCAL.clear()
+        hit = _LOCAL[key] = (kinds, [k for k in local if k[0].trainable], [k for k in local if not k[0].trainable])
+    return hit[1], hit[2]
+
+
+_SUMS: dict = {}
+
+
+def _fsdp_sum(kinds: list, layout: Layout) -> int:
+    """Elements of the worst rank's FSDP shards of `kinds` (a list of `_local_kinds`), cached per list and sharding."""
+    key = (id(kinds), layout.shard_degree, layout.dp_shard, layout.ep, layout.tp)
+    hit = _SUMS.get(key)
+    if hit is None or hit[0] is not kinds:
+        if len(_SUMS) > 4096:
+            _SUMS.clear()
+        hit = _SUMS[key] = (kinds, sum(count * fsdp_numel(p, layout) for p, count, _ in kinds))
+    return hit[1]
+
+
 def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str, accounting: str, stage: int,
                  layers: list[list[int]], lora: LoRA | None = None, capabilities: tuple = ()) -> StateBytes:
     """Model states of the worst rank of pipeline stage `stage`: its trainable parameters' (`_trainable_bytes`) and,
     with LoRA, its frozen ones' (stored in the compute dtype, sharded like the rest; nothing else)."""
     layers = layers or rank_layers(layout, args)
-    kinds = [(p, count, math.prod(local_shape(p, layout))) for p, count in _param_kinds(args, layout, stage, layers,
-                                                                                         lora)]
-    out = _trainable_bytes(args, layout, precision, optimizer, accounting, stage, [k for k in kinds if k[0].trainable],
-                           capabilities)
-    frozen = [k for k in kinds if not k[0].trainable]
+    trainable, frozen = _local_kinds(args, layout, stage, layers, lora)
+    out = _trainable_bytes(args, layout, precision, optimizer, accounting, stage, trainable, capabilities)
     if not frozen:
         return out
     if accounting == "classic" and Precision(precision).low_precision:
@@ -231,7 +277,7 @@ def _state_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer: str
         n = layout.dp_shard if layout.hybrid else layout.dp
         numel = math.ceil(full / n) if layout.zero_stage >= 3 and n > 1 else full
     elif layout.uses_fsdp:
-        numel = sum(count * fsdp_numel(p, layout) for p, count, _ in frozen)
+        numel = _fsdp_sum(frozen, layout)
     else:
         numel = sum(count * n for _, count, n in frozen)
     frozen_bytes = numel * Precision(precision).value_bytes
@@ -263,7 +309,7 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
     if accounting == "classic" and low:
         return _classic_states(layout, local_numel, per_opt)
     if layout.uses_fsdp:
-        numel = sum(count * fsdp_numel(p, layout) for p, count, _ in kinds)
+        numel = _fsdp_sum(kinds, layout)
         opt_numel = numel
         grads_numel = numel
         if low:

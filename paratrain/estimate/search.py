@@ -3,6 +3,7 @@ headroom), predict the step time of the rest (paratrain/estimate/step_time.py) a
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -78,6 +79,28 @@ def _result(cand: Candidate, reason: str | None) -> Result:
     return r
 
 
+class _Rejected(Result):
+    """A Result of `structural_reason`'s rejection whose candidate is made when first read (a large plan rejects tens
+    of thousands, and reads few)."""
+
+    @property
+    def cand(self) -> Candidate:
+        made = self.__dict__["cand"]
+        if made is None:
+            lay, mb, make = self.__dict__["unmade"]
+            made = self.__dict__["cand"] = make(lay, mb)
+        return made
+
+
+def _rejected(lay: Layout, mb: int, make, reason: str) -> Result:
+    """`Result(make(lay, mb), reason=reason)`, its candidate made when read."""
+    if _NO_RESULT is None:
+        _result(None, None)
+    r = object.__new__(_Rejected)
+    r.__dict__.update(_NO_RESULT, cand=None, reason=reason, unmade=(lay, mb, make))
+    return r
+
+
 @dataclass
 class Plan:
     ctx: Context
@@ -100,13 +123,9 @@ def structural_reason(c: Candidate, ctx: Context) -> str | None:
 
 def _placement_reason(c: Candidate, ctx: Context) -> str | None:
     """structural_reason's checks of the layout and the micro-batch (the same for every checkpointing mode)."""
-    if c.tp > ctx.gpus_per_node:
-        return f"tp={c.tp} crosses nodes ({ctx.gpus_per_node} GPUs per node): tensor parallelism stays within a node"
-    if ctx.gpus_per_node % c.tp:
-        return f"tp={c.tp} does not divide the {ctx.gpus_per_node} GPUs per node"
-    if ctx.global_seqs % (c.dp * c.micro_batch):
-        return (f"the global batch ({ctx.global_seqs} sequences) does not divide into micro-batch {c.micro_batch} x "
-                f"data-parallel degree {c.dp}")
+    reason = _group_placement_reason(c.layout, c.micro_batch, ctx)
+    if reason:
+        return reason
     key = ("layout_reason", id(ctx.args), ctx.global_seqs, ctx.seq_len, ctx.compression.method, ctx.optimizer)
     # (a layout's candidates come one after the other, one per checkpointing mode: the last layout's reason is
     # found without hashing the layout)
@@ -114,68 +133,165 @@ def _placement_reason(c: Candidate, ctx: Context) -> str | None:
     if last is not None and last[0] is c.layout and last[1] == c.micro_batch and last[2] == key:
         reason = last[3]
     else:
-        reason = cached(ctx, (*key, c.layout, c.micro_batch), lambda: _layout_reason(c, ctx))
+        shapes = lambda lay: cached(ctx, ("layout shape", id(ctx.args), ctx.compression.method, ctx.optimizer,
+                                          *without_microbatches(lay)), lambda: _shape_reasons(lay, c.world, ctx))
+        reason = cached(ctx, (*key, c.layout, c.micro_batch), lambda: _layout_reason(c.layout, c.micro_batch, ctx,
+                                                                                      shapes))
         ctx.cache["last layout_reason"] = (c.layout, c.micro_batch, key, reason)
     return reason or None
 
 
 def _checkpointing_reason(c: Candidate) -> str | None:
     """structural_reason's checks of the checkpointing mode against the schedule and the memory tiers."""
+    return _mode_reason(c.layout, c.ac, c.switched)
+
+
+def _mode_reason(lay: Layout, ac: CheckpointMode, switched: tuple) -> str | None:
     try:
-        c.layout.check_checkpointing(c.ac)
-        for capability in c.switched:  # (activation offload: not with every mode)
-            capability.check_checkpointing(c.ac)
+        lay.check_checkpointing(ac)
+        for capability in switched:  # (activation offload: not with every mode)
+            capability.check_checkpointing(ac)
     except ConfigError as e:
         return str(e)
     return None
 
 
-def screen(cands: list[Candidate], ctx: Context) -> tuple[list[Result], list[Result]]:
-    """(those structural_reason passes, those it rejects with its reason) as Results, in candidate order. The same
-    verdicts as calling it on each, found once per layout and micro-batch and once per schedule and checkpointing
-    mode (a large plan has tens of thousands of candidates, a layout's one per checkpointing mode)."""
-    passed, rejected = [], []
-    placement: dict = {}  # (layout's id, micro-batch) -> _placement_reason (the candidates hold the layouts: ids stay)
-    checkpointing: dict = {}  # (pipelined, schedule, mode, switched) -> _checkpointing_reason
-    for c in cands:
-        lay = c.layout
-        key = (id(lay), c.micro_batch)
-        reason = placement.get(key, False)
-        if reason is False:
-            reason = placement[key] = _placement_reason(c, ctx)
-        if reason is None:
-            key = (lay.pp > 1, lay.pp_schedule, c.ac, c.switched)
-            reason = checkpointing.get(key, False)
-            if reason is False:
-                reason = checkpointing[key] = _checkpointing_reason(c)
-        (rejected if reason else passed).append(_result(c, reason))
-    return passed, rejected
-
-
-def _layout_reason(c: Candidate, ctx: Context) -> str:
+def _layout_reason(lay: Layout, mb: int, ctx: Context, shapes) -> str:
     """The layout's own checks against the model and the batch ("" when it passes; the same for every checkpointing
-    mode, so cached per layout and micro-batch)."""
-    lay = c.layout
-    # (Layout.validate: the shape's checks once for all its micro-batches, then the batch's)
-    shape = cached(ctx, ("layout shape", id(ctx.args), *without_microbatches(lay)), lambda: _shape_checked(c, ctx))
-    if isinstance(shape, str):
-        return shape
-    try:
-        shape.with_checked(pp_microbatches=lay.pp_microbatches).check_batch(
-            ctx.args, Batch(ctx.global_seqs, c.micro_batch, ctx.seq_len))
-        ctx.compression.site(c.layout)  # --grad-compression applies to this layout
-        optimizer_entry(ctx.optimizer).check_layout(c.layout)  # and --optimizer
-    except ConfigError as e:
-        return str(e)
-    return ""
+    mode): `Layout.validate`'s, then the run's (gradient compression, optimizer). `shapes(lay)`: `_shape_reasons` of
+    the layout (what reads no microbatches: once per shape for all its micro-batches)."""
+    checked, run_reason = shapes(lay)
+    if isinstance(checked, str):
+        return checked
+    # (check_batch reads only the fields of Layout.batch_key: once per value of them)
+    key = ("check_batch", id(ctx.args), ctx.global_seqs, mb, ctx.seq_len, checked.batch_key(lay.pp_microbatches))
+    reason = ctx.cache.get(key)
+    if reason is None:
+        try:
+            checked.with_checked(pp_microbatches=lay.pp_microbatches).check_batch(
+                ctx.args, Batch(ctx.global_seqs, mb, ctx.seq_len))
+            reason = ""
+        except ConfigError as e:
+            reason = str(e)
+        ctx.cache[key] = reason
+    return reason or run_reason
 
 
-def _shape_checked(c: Candidate, ctx: Context) -> Layout | str:
-    """`Layout.validate_shape` of the candidate's layout, or why it fails."""
+def _shape_reasons(lay: Layout, world: int, ctx: Context) -> tuple[Layout | str, str]:
+    """(`Layout.validate_shape` of the layout, or why it fails; why the run's gradient compression or optimizer
+    refuses the layout, "" when neither does): neither reads the pipeline's microbatches."""
+    def validated() -> list:  # [the blocks per stage], or [why the shape fails]
+        try:
+            return [lay.validate_shape(ctx.args, world).pp_split]
+        except ConfigError as e:
+            return [str(e)]
+
+    # (validate_shape reads only the fields of Layout.shape_key: once per value of them)
+    split, = cached(ctx, ("validate_shape", id(ctx.args), world, lay.shape_key()), validated)
+    if isinstance(split, str):
+        return split, ""
+    checked = lay.with_checked(pp_split=split) if lay.pp > 1 else lay
     try:
-        return c.layout.validate_shape(ctx.args, c.world)
+        ctx.compression.site(lay)  # --grad-compression applies to this layout
+        optimizer_entry(ctx.optimizer).check_layout(lay)  # and --optimizer
     except ConfigError as e:
-        return str(e)
+        return checked, str(e)
+    return checked, ""
+
+
+class Screened:
+    """The candidates of a plan (`layout_groups`) screened by `structural_reason` and given their `step_lower_bound`
+    a (layout, micro-batch) at a time, with a Result made only for those the walk reaches (`result`) or rejects: a
+    large plan has tens of thousands of candidates, of which it predicts a few thousand. The same verdicts, bounds
+    and order as screening and bounding each candidate."""
+
+    def __init__(self, ctx: Context, world: int, opts: Options):
+        self.ctx = ctx
+        self.considered = 0
+        self.passed: list = []  # (layout, micro-batch, maker) of each candidate it passes, in candidate order
+        self.bounds: list[float] = []  # their step_lower_bound
+        self.rejected: list[Result] = []  # the others, with their reasons, in candidate order
+        self.results: list = []  # passed[i]'s Result once made (None until then)
+        shapes: dict = {}  # shape's id -> (shape, _shape_reasons) (holding the shape: its id stays its own)
+        modes: dict = {}  # (pipelined, schedule, makers' id) -> (the makers passing, [(maker, reason)] of the others)
+        memo: dict = {}  # (what step_lower_bound reads of a group, makers' id) -> their bounds
+        one_bound: dict = {}  # (what step_lower_bound reads of a group, mode, every_k) -> the bound
+        shape_reasons = lambda lay: (shapes.get(id(lay)) or shapes.setdefault(id(lay), (lay, _shape_reasons(
+            lay, world, ctx))))[1]
+        for shape, lay, mb, makers in layout_groups(ctx, world, opts):
+            self.considered += len(makers)
+            reason = _group_placement_reason(lay, mb, ctx) or _layout_reason(lay, mb, ctx, lambda _: shape_reasons(
+                shape)) or None
+            if reason:
+                self.rejected += [_rejected(lay, mb, make, reason) for _, make in makers]
+                continue
+            key = (lay.pp > 1, lay.pp_schedule, id(makers))
+            verdicts = modes.get(key)
+            if verdicts is None:
+                verdicts = modes[key] = _mode_verdicts(lay, mb, makers)
+            passing, failing = verdicts
+            for make, why in failing:
+                self.rejected.append(_rejected(lay, mb, make, why))
+            group = (pipeline_key(lay), lay.tp, mb, lay.ep, lay.cp, lay.dp,
+                     lay.pp_microbatches if lay.pp > 1 else max(1, ctx.global_seqs // (lay.dp * mb)))
+            key = (group, id(passing))
+            bounds = memo.get(key)
+            if bounds is None:
+                bounds = memo[key] = tuple(_bound(one_bound, group, make(lay, mb), ctx) for _, make in passing)
+            self.bounds += bounds
+            self.passed += [(lay, mb, make) for _, make in passing]
+        self.results = [None] * len(self.passed)
+        self.every = None  # `all()`, once made
+
+    def result(self, i: int) -> Result:
+        r = self.results[i]
+        if r is None:
+            lay, mb, make = self.passed[i]
+            r = self.results[i] = _result(make(lay, mb), None)
+        return r
+
+    def all(self) -> list[Result]:
+        """Every passed candidate's Result, in candidate order: one list, the same at every call (the planner's
+        fallbacks sort it in place and read it after)."""
+        if self.every is None:
+            self.every = [self.result(i) for i in range(len(self.passed))]
+        return self.every
+
+    def unchecked(self) -> int:
+        """Those passed never memory-checked."""
+        return sum(1 for r in self.results if r is None or (r.total_bytes is None and r.reason is None))
+
+
+def _group_placement_reason(lay: Layout, mb: int, ctx: Context) -> str | None:
+    """The planner's placement rules for a layout and micro-batch (_placement_reason's before the layout's own)."""
+    if lay.tp > ctx.gpus_per_node:
+        return f"tp={lay.tp} crosses nodes ({ctx.gpus_per_node} GPUs per node): tensor parallelism stays within a node"
+    if ctx.gpus_per_node % lay.tp:
+        return f"tp={lay.tp} does not divide the {ctx.gpus_per_node} GPUs per node"
+    if ctx.global_seqs % (lay.dp * mb):
+        return (f"the global batch ({ctx.global_seqs} sequences) does not divide into micro-batch {mb} x "
+                f"data-parallel degree {lay.dp}")
+    return None
+
+
+def _mode_verdicts(lay: Layout, mb: int, makers: tuple) -> tuple[tuple, list]:
+    """(the makers whose candidates on `lay` pass `_checkpointing_reason`, [(maker, why not)] of the others)."""
+    passing, failing = [], []
+    for ac, make in makers:
+        why = _checkpointing_reason(make(lay, mb))
+        if why:
+            failing.append((make, why))
+        else:
+            passing.append((ac, make))
+    return tuple(passing), failing
+
+
+def _bound(memo: dict, group: tuple, c: Candidate, ctx: Context) -> float:
+    key = (group, c.ac, c.every_k)
+    bound = memo.get(key)
+    if bound is None:
+        bound = memo[key] = step_lower_bound(c, ctx)
+    return bound
 
 
 def memory(c: Candidate, ctx: Context, all_ranks: bool = False):
@@ -215,9 +331,19 @@ def cp_degrees(ctx: Context, ranks: int, tp: int, opts: Options) -> list[int]:
 
 
 def candidates(ctx: Context, world: int, opts: Options) -> list[Candidate]:
+    return [make(lay, mb) for _, lay, mb, makes in layout_groups(ctx, world, opts) for _, make in makes]
+
+
+def layout_groups(ctx: Context, world: int, opts: Options):
+    """`candidates` a (layout, micro-batch) at a time, in its order: (shape, layout, micro-batch, makers), `makers`
+    the (checkpointing mode, candidate maker) of each of its candidates and `shape` the layout before its pipeline
+    microbatches (the same object for all the micro-batches of a layout: what reads no microbatches is checked once
+    per shape)."""
     a = ctx.args
-    out = []
     mbs = opts.micro_batches or tuple(2**i for i in range(5))
+    every_mode = tuple((ac, ctx.candidate_maker(checkpointing=ac, every_k=2)) for ac in opts.ac_modes)
+    # (no recomputation under a zero-bubble schedule: Layout.check_checkpointing)
+    kept_only = tuple((ac, make) for ac, make in every_mode if not ac.recomputes)
     for tp in _divisors(math.gcd(world, ctx.gpus_per_node)):
         if opts.max_tp and tp > opts.max_tp:
             continue
@@ -225,13 +351,12 @@ def candidates(ctx: Context, world: int, opts: Options) -> list[Candidate]:
             if pp > a.n_layers or (opts.max_pp and pp > opts.max_pp):
                 continue
             for cp in cp_degrees(ctx, world // tp // pp, tp, opts):
-                out += _with_cp(ctx, world, opts, tp, pp, cp, mbs)
-    return out
+                yield from _with_cp(ctx, world, opts, tp, pp, cp, mbs, every_mode, kept_only)
 
 
-def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int, mbs) -> list[Candidate]:
+def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int, mbs, every_mode: tuple,
+             kept_only: tuple):
     a = ctx.args
-    out = []
     dp = world // tp // pp // cp
     modes = []
     # A pipelined mixture of experts (the largest models: the search would take seconds more) tries hybrid sharding
@@ -248,9 +373,6 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
             modes += [(mode, r, dp // r) for r in _divisors(dp) if 1 < r < dp and (r == 2 or not moe_pipeline)]
         else:
             modes.append((mode, 1, dp))
-    every_mode = [ctx.candidate_maker(checkpointing=ac, every_k=2) for ac in opts.ac_modes]
-    # (no recomputation under a zero-bubble schedule: Layout.check_checkpointing)
-    kept_only = [make for ac, make in zip(opts.ac_modes, every_mode) if not ac.recomputes]
     for mode, rep, shard in modes:
         for ep in [e for e in _divisors(shard) if a.moe_experts % e == 0] if a.moe_experts else [1]:
             try:  # the layouts paratrain runs (ddp and zero1: no tp, pp, cp or ep)
@@ -273,20 +395,18 @@ def _with_cp(ctx: Context, world: int, opts: Options, tp: int, pp: int, cp: int,
                         if pp > 1:
                             if (sched, v) not in scheduled:
                                 try:
-                                    scheduled[sched, v] = layout.replace(pp_schedule=sched, pp_microbatches=1,
-                                                                         pp_virtual=v)
+                                    scheduled[sched, v] = layout.with_schedule(sched, v, 1)
                                 except ConfigError:
                                     scheduled[sched, v] = None
-                            if scheduled[sched, v] is None:
+                            shape = scheduled[sched, v]
+                            if shape is None:
                                 continue
-                            lay = _with_microbatches(scheduled[sched, v], m)
+                            lay = _with_microbatches(shape, m)
                         else:
-                            lay = layout
+                            shape = lay = layout
                         if opts.fixed and any(getattr(lay, key) != value for key, value in opts.fixed.items()):
                             continue
-                        for make in (kept_only if pp > 1 and sched.zero_bubble else every_mode):
-                            out.append(make(lay, mb))
-    return out
+                        yield shape, lay, mb, (kept_only if pp > 1 and sched.zero_bubble else every_mode)
 
 
 def _with_microbatches(layout: Layout, microbatches: int) -> Layout:
@@ -325,29 +445,47 @@ def plan(ctx: Context, world: int, opts: Options | None = None, top: int = 5) ->
     """Predict every valid candidate, then memory-check them fastest first until `top` fit (the estimator is
     the expensive part); when none fits, the same with the memory tiers (`tier_variants`); raise UserError naming the
     nearest miss when still none fits."""
-    opts = opts or Options()
-    cands = candidates(ctx, world, opts)
-    results, rejected = screen(cands, ctx)  # (predicted in _fitting, fastest first: only those that may rank)
+    # (a large plan allocates hundreds of thousands of objects, none in a reference cycle: the cyclic garbage
+    # collector's passes over them all would cost a tenth of the plan)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan(ctx, world, opts or Options(), top)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan(ctx: Context, world: int, opts: Options, top: int) -> Plan:
+    screened = Screened(ctx, world, opts)  # (predicted in _fitting, fastest first: only those that may rank)
+    rejected = screened.rejected
+    considered = screened.considered
     need = max(top, 1)
-    ranked = _fitting(results, rejected, ctx, opts, need)
+    ranked = _fitting(_fastest_first(screened.bounds, screened.result, ctx), screened.all, rejected, ctx, opts, need)
+    results = None
     if not ranked and opts.memory_tiers:  # what does not fit: chunked loss, offloading
+        results = screened.all()
         tiered = [evaluate(v, ctx, opts.headroom, with_memory=False) for r in results for v in tier_variants(r.cand, ctx)]
-        ranked = _fitting([r for r in tiered if r.reason is None], rejected, ctx, opts, need)
+        fitting = [r for r in tiered if r.reason is None]
+        ranked = _fitting(fastest_first(fitting, ctx), lambda: fitting, rejected, ctx, opts, need)
         results += tiered
-        cands += [r.cand for r in tiered]
-    unchecked = sum(1 for r in results if r.total_bytes is None and r.reason is None)
-    p = Plan(ctx, opts, ranked[:max(need, len(ranked))], rejected, len(cands), unchecked)
+        considered += len(tiered)
+    unchecked = screened.unchecked() if results is None else sum(
+        1 for r in results if r.total_bytes is None and r.reason is None)
+    p = Plan(ctx, opts, ranked[:max(need, len(ranked))], rejected, considered, unchecked)
     if not ranked:
-        raise UserError(no_fit_message(ctx, world, opts, results, rejected))
+        raise UserError(no_fit_message(ctx, world, opts, results if results is not None else screened.all(),
+                                       rejected))
     return p
 
 
-def _fitting(results: list[Result], rejected: list[Result], ctx: Context, opts: Options, need: int) -> list[Result]:
-    """Memory-check `results` fastest first until `need` fit (rejects go to `rejected`); when none fits, the most
-    memory-frugal ones (full checkpointing, the smallest micro-batch) may fit though slower."""
+def _fitting(walk, everything, rejected: list[Result], ctx: Context, opts: Options, need: int) -> list[Result]:
+    """Memory-check the results of `walk` (fastest first) until `need` fit (rejects go to `rejected`); when none fits,
+    the most memory-frugal ones of `everything()` (full checkpointing, the smallest micro-batch) may fit though
+    slower."""
     ranked, checked = [], 0
     misses: dict = {}  # memory key -> [(micro-batch, MEM_ORDER)] of layouts that did not fit
-    for r in fastest_first(results, ctx):
+    for r in walk:
         if len(ranked) >= need:
             break  # the rest are predicted slower than `top` layouts that fit
         key = _memory_key(r.cand)
@@ -367,6 +505,7 @@ def _fitting(results: list[Result], rejected: list[Result], ctx: Context, opts: 
         if r.reason:
             misses.setdefault(key, []).append((r.cand.micro_batch, r.cand.ac))
     if not ranked:
+        results = everything()
         for r in results:  # (every prediction, in the order the fastest-first walk would give them all)
             r.pred = r.pred or predict(r.cand, ctx)
         results.sort(key=lambda r: r.pred.step_s)
@@ -386,20 +525,25 @@ def fastest_first(results: list[Result], ctx: Context):
     given without a prediction). A layout is predicted in the order of its `step_lower_bound`, and one is yielded
     once no layout left unpredicted has a bound at or below its step time: the planner stops after the few it
     memory-checks, so most layouts of a large plan are never predicted."""
-    bounds = _lower_bounds(results, ctx)
-    order = sorted(range(len(results)), key=bounds.__getitem__)
+    return _fastest_first(_lower_bounds(results, ctx), results.__getitem__, ctx)
+
+
+def _fastest_first(bounds: list[float], result, ctx: Context):
+    """`fastest_first` of the results `result(i)` whose step times are at least `bounds[i]` (each made when
+    reached)."""
+    order = sorted(range(len(bounds)), key=bounds.__getitem__)
     ready: list = []  # heap of (step time, index) of the predicted, not yet yielded
     reached = 0
     while True:
         while reached < len(order) and (not ready or bounds[order[reached]] <= ready[0][0]):
             i = order[reached]
-            r = results[i]
+            r = result(i)
             r.pred = r.pred or predict(r.cand, ctx)
             heapq.heappush(ready, (r.pred.step_s, i))
             reached += 1
         if not ready:
             return
-        yield results[heapq.heappop(ready)[1]]
+        yield result(heapq.heappop(ready)[1])
 
 
 def _lower_bounds(results: list[Result], ctx: Context) -> list[float]:
@@ -419,7 +563,7 @@ def _lower_bounds(results: list[Result], ctx: Context) -> list[float]:
         shape = shapes.get((id(lay), c.micro_batch))
         if shape is None:
             # (step_lower_bound reads the micro-steps and `_slowest`, whose cache key is the rest with the context's)
-            shape = shapes[id(lay), c.micro_batch] = (pipeline_key(lay), c.tp, c.micro_batch, c.ep, lay.cp,
+            shape = shapes[id(lay), c.micro_batch] = (pipeline_key(lay), c.tp, c.micro_batch, c.ep, lay.cp, lay.dp,
                                                       c.micro_steps)
         key = (shape, c.ac, c.every_k)
         bound = memo.get(key)
@@ -453,9 +597,13 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
     limit = usable_bytes(ctx.hw.memory_bytes, opts.headroom)
     ranks = range(lay.pp) if lay.pp <= 4 else sorted({0, 1, lay.pp - 1, lay.stage_owner(lay.num_stages - 1)})
     layers = rank_blocks(ctx, lay).layers  # (rank_layers, once per pipeline shape)
-    d = A.act_dims(a, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, ctx.hw.device)
+    # (act_dims reads tp, cp, sequence parallelism, FSDP and loss parallelism of the layout)
+    d = cached(ctx, ("act_dims", id(a), lay.tp, lay.cp, lay.sp, lay.uses_fsdp, lay.uses_loss_parallel, c.micro_batch,
+                     ctx.precision, ctx.seq_len, ctx.hw.device),
+               lambda: A.act_dims(a, lay, ctx.precision, "paratrain", c.micro_batch, ctx.seq_len, ctx.hw.device))
     moe = A.moe_dims(a, lay, c.micro_batch, ctx.seq_len, 1.0) if a.moe_experts else None
-    modes = c.ac.block_checkpointing(a.n_layers, c.every_k)
+    modes = cached(ctx, ("block modes", a.n_layers, c.ac, c.every_k),
+                   lambda: c.ac.block_checkpointing(a.n_layers, c.every_k))
     moe_layers = cached(ctx, ("moe layer indices", id(a)), lambda: [l for l in range(a.n_layers) if a.is_moe_layer(l)])
     # (the stages of the ranks bounded only: a stage's checkpoints group its own blocks)
     stages = cached(ctx, ("bounded stages", id(a), pipeline_key(lay)), lambda: [
@@ -484,8 +632,8 @@ def _lower_bound_exceeds(r: Result, ctx: Context, opts: Options) -> bool:
             if not on_host else ())
             + unsharded * cached(ctx, ("gathered params", id(a), lay.tp, lay.ep, pipeline_key(lay), s),
                                  lambda: sum(_rank_block_params(a, lay, l) for l in layers[s])))
-        stored = sum(kept[l] - (A.offloaded(d, modes[l], moe if a.is_moe_layer(l) else None) if l in offloaded else 0)
-                     for l in layers[s])
+        stored = (sum(kept[l] - (A.offloaded(d, modes[l], moe if a.is_moe_layer(l) else None) if l in offloaded
+                                 else 0) for l in layers[s]) if offloaded else sum(map(kept.__getitem__, layers[s])))
         acts = int(in_flight(lay, s) * stored) + recv_buffers(s)
         if best is None or states + acts > sum(best):
             best = (states, acts)

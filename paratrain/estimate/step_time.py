@@ -474,6 +474,13 @@ def rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
 
 
 def _rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
+    keys, terms_of = _rank_terms(c, ctx)
+    return [terms_of[key] for key in keys]
+
+
+def _rank_terms(c: Candidate, ctx: Context) -> tuple[list, dict]:
+    """`rank_compute` as (a key per pipeline rank, {key: its (compute, recompute)}): with one GPU type, ranks with as
+    many blocks (and the last stage or not) have the same terms, computed once; heterogeneous stages: a rank's own."""
     lay = c.layout
     last_owner = lay.stage_owner(lay.num_stages - 1) if lay.pp > 1 else 0
 
@@ -485,14 +492,15 @@ def _rank_compute(c: Candidate, ctx: Context) -> list[tuple[float, float]]:
                 c.ac.recomputed_blocks(n, c.every_k) * bc.recompute)
 
     if ctx.stage_hw:  # each rank on its own hardware
-        return [terms(block_costs(ctx, ctx.rank_hw(r), c.tp, c.micro_batch, c.ep, c.ac, lay.cp), len(blocks),
-                      r == last_owner) for r, blocks in enumerate(rank_blocks(ctx, lay).layers)]
-    # one GPU type: ranks with as many blocks (and the last stage or not) have the same terms, computed once
+        layers = rank_blocks(ctx, lay).layers
+        return list(range(len(layers))), {
+            r: terms(block_costs(ctx, ctx.rank_hw(r), c.tp, c.micro_batch, c.ep, c.ac, lay.cp), len(blocks),
+                     r == last_owner) for r, blocks in enumerate(layers)}
     shape = cached(ctx, ("rank shapes", id(ctx.args), pipeline_key(lay)), lambda: [
         (len(blocks), r == last_owner) for r, blocks in enumerate(rank_blocks(ctx, lay).layers)])
+    distinct = cached(ctx, ("distinct rank shapes", id(ctx.args), pipeline_key(lay)), lambda: list(dict.fromkeys(shape)))
     one = block_costs(ctx, ctx.hw, c.tp, c.micro_batch, c.ep, c.ac, lay.cp)
-    same = {key: terms(one, *key) for key in set(shape)}
-    return [same[key] for key in shape]
+    return shape, {key: terms(one, *key) for key in distinct}
 
 
 def _slowest(c: Candidate, ctx: Context) -> tuple[int, tuple[float, float], float]:
@@ -500,11 +508,12 @@ def _slowest(c: Candidate, ctx: Context) -> tuple[int, tuple[float, float], floa
     ranks' work per micro-batch relative to the slowest's; p - 1 with equal stages, so the bubble is the
     (p-1)/(m+p-1)/v of Layout.predicted_bubble)."""
     def compute():
-        per_rank = rank_compute(c, ctx)
-        work = list(map(sum, per_rank))  # (compute + recompute of each rank)
+        keys, terms_of = _rank_terms(c, ctx)
+        work_of = {key: sum(t) for key, t in terms_of.items()}  # (compute + recompute of a rank)
+        work = list(map(work_of.__getitem__, keys))
         slowest = work.index(max(work))  # (the first of the slowest)
         fill = sum(work) / work[slowest] - 1 if c.layout.pp > 1 else 0.0
-        return slowest, per_rank[slowest], fill
+        return slowest, terms_of[keys[slowest]], fill
 
     if ctx.stage_hw:
         return compute()
@@ -522,17 +531,37 @@ def without_microbatches(lay: Layout) -> tuple:
 
 def step_lower_bound(c: Candidate, ctx: Context) -> float:
     """A floor of `predict(c, ctx).step_s` (the planner predicts layouts in its order, and only those that may rank):
-    the slowest rank's compute and recompute, the exposed tensor-parallel communication, and the bubble they alone
-    make, in the floating-point operations `_predict` begins its sums with (its exposed communication is a sum of
-    terms >= 0, the tensor-parallel one among them). Every term it leaves out is >= 0 and rounding is monotone, so it
-    is never above the prediction, bit for bit."""
+    the slowest rank's compute and recompute, the exposed communication on the pipeline's critical path (tensor
+    parallel, point-to-point, expert all-to-all, ring attention) and the bubble, in the floating-point operations of
+    `_predict`: its pipelined time and bubble are these, and its exposed communication is a sum of terms >= 0 these
+    among them, in this order. Every term it leaves out is >= 0 and rounding is monotone, so it is never above the
+    prediction, bit for bit."""
+    lay = c.layout
     n_micro = c.micro_steps
     _, (compute, recompute), fill = _slowest(c, ctx)
-    pipelined = n_micro * compute + n_micro * recompute
-    if c.tp > 1:  # (as `_predict` and `_model_parallel_comm` compute it)
-        pipelined += tensor_parallel_s(c, ctx, group_link(ctx, 1, c.tp), c.micro_batch * ctx.seq_len // c.layout.cp,
-                                       n_micro, rank_blocks(ctx, c.layout).most)
-    return pipelined + pipelined * fill / (n_micro * c.layout.pp_virtual) if c.pp > 1 else pipelined
+    compute_recompute = n_micro * compute + n_micro * recompute
+    T = c.micro_batch * ctx.seq_len // lay.cp
+    terms = list(_model_parallel_terms(c, ctx, _Links.of(c, ctx), T, n_micro, rank_blocks(ctx, lay).most,
+                                       _moe_layers(ctx)).values())
+    if lay.cp > 1:
+        terms.append(_ring(c, ctx, T, n_micro)[1])
+    pipelined = compute_recompute
+    for seconds in terms:
+        pipelined += seconds
+    floor = compute_recompute + sum(terms)
+    return floor + pipelined * fill / (n_micro * lay.pp_virtual) if c.pp > 1 else floor
+
+
+def _moe_layers(ctx: Context) -> int:
+    a = ctx.args
+    return cached(ctx, ("moe_layers", id(a)), lambda: sum(1 for i in range(a.n_layers) if a.is_moe_layer(i)))
+
+
+def _ring(c: Candidate, ctx: Context, T: int, n_micro: int) -> tuple[float, float]:
+    """`ring_time` of a context-parallel candidate, cached per shape."""
+    key = ("ring", compute_key(ctx), ctx.gpus_per_node, c.tp, c.layout.cp, c.micro_batch, c.ep, c.ac, c.every_k,
+           n_micro, c.pp)
+    return cached(ctx, key, lambda: ring_time(ctx, c, T, attention_time(ctx, c)))
 
 
 MOMENTUM_ALL_REDUCE = "1-bit momentum all-reduce"  # an optimizer's own all-reduce, after the backward (exposed)
@@ -559,7 +588,7 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     n_micro = c.micro_steps
     blocks = rank_blocks(ctx, lay)
     layers = blocks.most  # the busiest pipeline rank's blocks
-    moe_layers = cached(ctx, ("moe_layers", id(a)), lambda: sum(1 for i in range(a.n_layers) if a.is_moe_layer(i)))
+    moe_layers = _moe_layers(ctx)
     slowest, per_step, fill = _slowest(c, ctx)
     compute, recompute = (n_micro * x for x in per_step)
     P_stage, G_stage = _stage_params(c, ctx, moe_layers)
@@ -572,11 +601,9 @@ def _predict(c: Candidate, ctx: Context, phase: Phase | None = None) -> Predicti
     if dp.overlappable:
         hidden = min(dp.overlappable - dp.min_exposed, hw.overlap * (compute + recompute))
         comm["data-parallel"] = dp.overlappable - max(0.0, hidden)
-    _model_parallel_comm(c, ctx, comm, links, T, n_micro, layers, moe_layers)
+    comm.update(_model_parallel_terms(c, ctx, links, T, n_micro, layers, moe_layers))
     if lay.cp > 1:
-        key = ("ring", compute_key(ctx), ctx.gpus_per_node, c.tp, lay.cp, c.micro_batch, c.ep, c.ac, c.every_k,
-               n_micro, c.pp)
-        ring_total, comm[RING] = cached(ctx, key, lambda: ring_time(ctx, c, T, attention_time(ctx, c)))
+        ring_total, comm[RING] = _ring(c, ctx, T, n_micro)
         comm_total += ring_total - comm[RING]  # the hidden part (the exposed part is added below)
     for capability in c.switched:  # (activation offload: blocks' saved tensors to host and back)
         if capability.host_activations(layers) is not None:
@@ -789,11 +816,12 @@ def _replicate_reduction(dp: _DataParallel, c: Candidate, comp: _StepCompression
         dp.dp_bytes += 2 * (r - 1) / r * G_stage * 4 * frac / shard * n_rs / groups
 
 
-def _model_parallel_comm(c: Candidate, ctx: Context, comm: dict, links: _Links, T: int, n_micro: int, layers: int,
-                         moe_layers: int) -> None:
+def _model_parallel_terms(c: Candidate, ctx: Context, links: _Links, T: int, n_micro: int, layers: int,
+                          moe_layers: int) -> dict[str, float]:
     """The exposed communication of tensor parallelism (sequence parallel), the pipeline's point-to-point sends and
-    expert parallelism's all-to-all, added to `comm`."""
+    expert parallelism's all-to-all, by kind, in that order."""
     a, t, ab = ctx.args, c.tp, _act_bytes(ctx)
+    comm = {}
     if t > 1:
         comm["tensor-parallel"] = tensor_parallel_s(c, ctx, links.tp, T, n_micro, layers)
     if c.pp > 1:
@@ -803,6 +831,7 @@ def _model_parallel_comm(c: Candidate, ctx: Context, comm: dict, links: _Links, 
         ep_link = group_link(ctx, t, c.ep)  # an ep group is ep consecutive dp_shard ranks
         a2a = all_to_all_time(T * a.moe_top_k * a.dim * ab, c.ep, ep_link) + all_to_all_time(64, c.ep, ep_link)
         comm["expert all-to-all"] = n_micro * math.ceil(moe_layers / c.pp) * 4 * a2a
+    return comm
 
 
 def tensor_parallel_s(c: Candidate, ctx: Context, link: Link, T: int, n_micro: int, layers: int) -> float:
