@@ -9,11 +9,13 @@ writes it, `killsave@N:R` makes rank R SIGKILL itself on that thread after its s
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -24,6 +26,7 @@ from paratrain.api import train_rank
 from paratrain.config import load_config
 from paratrain.faults import ENV as FAULTS_ENV
 from paratrain.training.checkpoint import checkpoint_problem, complete_checkpoints
+from paratrain.training.save_process import WriterProcess
 
 ASYNC = "checkpoint.async_save=true"
 BATCH = ["training.global_batch=8", "training.eval_every=0", "optimizer.warmup_steps=2", "optimizer.lr=3e-3",
@@ -49,12 +52,18 @@ def saved_tensors(folder, tmp_path) -> dict:
 
 def test_background_write_saves_the_weights_of_its_step(char_data, tmp_path, monkeypatch):
     """The write of step-5 is held back 3 s while steps 6..9 update the weights in place: the checkpoint holds
-    step 5's model and optimizer state, bit for bit as a synchronous save writes them."""
+    step 5's model and optimizer state, bit for bit as a synchronous save writes them. Its shard files were written
+    by the rank's writer process, which is gone when the run returns; a run without async_save starts none."""
+    writers = []
+    write = WriterProcess.write
+    monkeypatch.setattr(WriterProcess, "write", lambda self, *a: writers.append(self.process.pid) or write(self, *a))
     common = [*BATCH, "training.steps=10", "checkpoint.every=5"]
     sync = train_rank(load_config(None, fast_overrides(char_data, tmp_path, "sync", *common)))
-    monkeypatch.setenv(FAULTS_ENV, "slowsave@5")
+    assert writers == [] and not multiprocessing.active_children()
+    monkeypatch.setenv(FAULTS_ENV, "slowsave@5")  # (under faults the write waits for the writer process to start)
     background = train_rank(load_config(None, fast_overrides(char_data, tmp_path, "async", *common, ASYNC)))
     assert background.losses == sync.losses
+    assert len(writers) == 1 and not Path(f"/proc/{writers[0]}").exists()  # (ended and reaped)
     ours, theirs = (saved_tensors(r.run_dir / "checkpoints" / "step-5", tmp_path) for r in (background, sync))
     assert set(ours) == set(theirs) and any(".model." in k for k in ours) and any(".optim." in k for k in ours)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
