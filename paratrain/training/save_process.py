@@ -8,9 +8,10 @@ training rank leaves idle. DCP's plan, its collectives, the `.metadata` file, th
 rank's background thread (training/checkpoint.py): this process only turns each planned write item into bytes in
 files, the part that costs the CPU.
 
-What it is sent: each shared-memory staging storage once (a file descriptor, torch's multiprocessing reductions),
-then per save the write items and, for each tensor, where it lies in those storages; a storage the stager no longer
-uses is dropped on both sides. What it sends back: DCP's write results, or the exception that stopped the write.
+What it is sent: each shared-memory staging storage once (its file descriptor, over a Unix socket), then per save
+the write items and, for each tensor, where it lies in those storages; a storage the stager no longer uses is dropped
+on both sides. What it sends back: DCP's write results, or the exception that stopped the write. Until it has started
+(its imports: a second or more on a busy host), saves are written on the rank's background thread as before.
 
 It dies with its rank: the kernel SIGKILLs it when the rank ends by any means (`die_with_parent`: the rank's
 thread that started it, the one calling `CheckpointWriter.save`, is the training loop's); it ignores SIGINT and
@@ -23,8 +24,12 @@ from __future__ import annotations
 import io
 import os
 import signal
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+
 import torch
-import torch.multiprocessing as mp
 from torch.futures import Future
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import SerializationFormat, _StorageWriterTransforms, _write_item
@@ -34,6 +39,7 @@ from paratrain.distributed.orphans import die_with_parent
 from paratrain.faults import FaultInjector
 
 STOP, READY = "stop", "ready"
+FDS_PER_MESSAGE = 200  # file descriptors passed in one message (the kernel's limit: 253)
 CLOSE_WAIT_S = 5.0  # at close: how long the writer may take to leave on its own before it is killed
 
 
@@ -41,19 +47,23 @@ class WriterProcess:
     """The rank's side: starts the process, sends it a save's files and waits for their write results."""
 
     def __init__(self):
-        ctx = mp.get_context("spawn")  # (fork would copy a process with threads and a process group: never safe)
-        self.conn, theirs = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(theirs, os.getpid()), name="paratrain-save-writer",
-                                   daemon=True)  # (daemon: multiprocessing ends it at the interpreter's exit too)
-        self.process.start()
-        theirs.close()  # ours closed: a read on the pipe fails at once if the writer dies
+        self.conn, theirs = (Connection(s.detach()) for s in socket.socketpair())  # pickled messages
+        self.fds, their_fds = socket.socketpair()  # the staging storages' file descriptors (SCM_RIGHTS)
+        # (a plain interpreter, not multiprocessing's spawn: that would run the caller's main script again in it)
+        code = (f"import sys; sys.path[:0] = {[p for p in sys.path if p]!r}; "
+                f"from paratrain.training.save_process import serve; serve({theirs.fileno()}, {their_fds.fileno()}, "
+                f"{os.getpid()})")
+        self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(), their_fds.fileno()),
+                                        stdin=subprocess.DEVNULL)
+        theirs.close()  # ours closed: a read on the connection fails at once if the writer dies
+        their_fds.close()
         self.sent: dict[int, torch.UntypedStorage] = {}  # storages it holds, by address (kept alive here: an
         # address is never reused while its storage is held)
         self.started = False  # it has said it is ready (its imports done: a second or more on a busy host)
 
     @property
     def alive(self) -> bool:
-        return self.process.is_alive()
+        return self.process.poll() is None
 
     def ready(self, wait: bool = False) -> bool:
         """Whether it is ready to write (until then saves are written on the rank's thread); `wait`: until it is (or
@@ -79,41 +89,42 @@ class WriterProcess:
         dropped = [k for k in self.sent if k not in used]
         for k in dropped:
             del self.sent[k]
-        self.conn.send((new, dropped, jobs, sync_files))
+        self.conn.send(([(key, size) for key, _, size in new], dropped, jobs, sync_files))
+        for start in range(0, len(new), FDS_PER_MESSAGE):
+            socket.send_fds(self.fds, [b"f"], [fd for _, fd, _ in new[start:start + FDS_PER_MESSAGE]])
         try:
             answer = self.conn.recv()  # (blocks in a read: the GIL is free for the training thread)
-        except EOFError:
-            self.process.join(1.0)
+        except (EOFError, OSError):
             raise RuntimeError(f"the checkpoint writer process ended during the write (exit code "
-                               f"{self.process.exitcode})") from None
+                               f"{self.process.wait()})") from None
         if isinstance(answer, BaseException):
             raise answer
         return answer
 
     def _describe(self, tensor: torch.Tensor, used: dict, new: list) -> tuple:
         storage = tensor.untyped_storage()
-        if not storage.is_shared():  # (a tensor the stager did not copy into shared memory: shared now, in place)
-            storage.share_memory_()
+        fd, size = storage._share_fd_cpu_()  # (the stager's buffers are shared memory already: their descriptor)
         key = storage.data_ptr()
         used[key] = storage
         if key not in self.sent:
             self.sent[key] = storage
-            new.append((key, storage))
+            new.append((key, fd, size))
         return key, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
 
     def close(self) -> None:
         """Stop the writer (after the save in flight was waited for) and reap it; killed if it does not go (at once
         while it is still starting: it holds nothing yet)."""
-        if self.process.is_alive() and self.started:
+        if self.alive and self.started:
             try:
                 self.conn.send(STOP)
-            except OSError:
+                self.process.wait(CLOSE_WAIT_S)
+            except (OSError, subprocess.TimeoutExpired):
                 pass
-            self.process.join(CLOSE_WAIT_S)
-        if self.process.is_alive():
+        if self.alive:
             self.process.kill()
-            self.process.join()
+        self.process.wait()
         self.conn.close()
+        self.fds.close()
         self.sent.clear()
 
 
@@ -158,8 +169,10 @@ def _resolved(planner, item):
 
 # -- the writer process -------------------------------------------------------------------------
 
-def _serve(conn, parent: int) -> None:
+def serve(conn_fd: int, fds_fd: int, parent: int) -> None:
+    """The writer process's loop (started by WriterProcess)."""
     die_with_parent(parent)
+    conn, fds = Connection(conn_fd), socket.socket(fileno=fds_fd)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     try:
@@ -180,7 +193,12 @@ def _serve(conn, parent: int) -> None:
         new, dropped, jobs, sync_files = message
         for key in dropped:
             storages.pop(key, None)
-        storages.update(new)
+        for start in range(0, len(new), FDS_PER_MESSAGE):
+            batch = new[start:start + FDS_PER_MESSAGE]
+            _, received, _, _ = socket.recv_fds(fds, 1, len(batch))
+            for (key, size), fd in zip(batch, received):
+                storages[key] = torch.UntypedStorage._new_shared_fd_cpu(fd, size)
+                os.close(fd)  # (the storage holds its own mapping)
         try:
             answer = [result for job in jobs for result in _write_file(*job, storages, transforms, sync_files)]
         except BaseException as e:  # noqa: BLE001 - sent to the rank, whose save raises it
