@@ -79,6 +79,13 @@ def _cli(tmp_path, char_data, name, faults, flags, *extra):
                             start_new_session=True)
 
 
+def _left_behind(job) -> list[str]:
+    """The processes of `job`'s session (launcher, ranks, their checkpoint writer processes) still there after it
+    ended."""
+    ps = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in ps if line.split()[1] == str(job.pid)]
+
+
 def test_sigkill_during_background_write_resumes_from_the_previous_checkpoint(char_data, tmp_path):
     """2 ranks save step-4, then rank 1 dies (SIGKILL) in the middle of step-8's background write; the relaunch
     finds step-4 the newest valid checkpoint and the losses of the whole run equal one uninterrupted process's."""
@@ -89,6 +96,7 @@ def test_sigkill_during_background_write_resumes_from_the_previous_checkpoint(ch
     out, err = job.communicate(timeout=240)
     assert job.returncode == 0, err[-3000:]
     assert "restarting all ranks from the last checkpoint" in err
+    assert _left_behind(job) == []  # (the killed rank's writer process too)
     ckpts = tmp_path / "killed" / "checkpoints"
     # (.step-8.tmp is removed by the surviving rank when its write fails, or at the next start)
     assert not (ckpts / ".step-8.tmp").exists() and f"resumed from {ckpts / 'step-4'} at step 4" in out
@@ -114,7 +122,7 @@ def test_ctrl_c_during_background_save_waits_for_it_and_exits_130(char_data, tmp
     job.send_signal(signal.SIGINT)
     out, err = job.communicate(timeout=120)
     assert job.returncode == 130, err[-3000:]
-    assert "Traceback" not in out + err
+    assert "Traceback" not in out + err and _left_behind(job) == []
     saved = complete_checkpoints(ckpts)
     assert saved[0].name == "step-5" and len(saved) == 2 and all(checkpoint_problem(p) is None for p in saved)
     assert f"interrupted: saved {saved[-1]}" in out

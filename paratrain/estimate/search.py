@@ -659,8 +659,8 @@ def staging_dropped_line(best: Result, ctx: Context) -> str | None:
     """The plan's line when its first choice saves synchronously although the run asked for background saves."""
     if not ctx.run.async_save or best.cand.recipe.async_save:
         return None
-    staging = Candidate(best.cand.recipe.replace(async_save=True))
-    per_node = memory(staging, ctx).host_node_bytes
-    return (f"checkpoint.async_save = false in the written config: the staging copy of background checkpoints would "
-            f"take the node's host memory to {fmt_bytes(per_node)} of {fmt_bytes(ctx.host_memory_bytes)}, so its "
-            f"checkpoints are saved synchronously (training waits for each save)")
+    staging = memory(best.cand.replace(async_save=True), ctx)
+    return (f"checkpoint.async_save = false in the written config: with the staging copy of background checkpoints "
+            f"a node would need {fmt_bytes(staging.host_node_bytes)} of host memory (of "
+            f"{fmt_bytes(ctx.host_memory_bytes)}, {staging.host_limit_text.split(':')[0]}), so checkpoints are saved "
+            "synchronously (training waits for each save)")
