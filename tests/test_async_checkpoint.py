@@ -79,11 +79,16 @@ def _cli(tmp_path, char_data, name, faults, flags, *extra):
                             start_new_session=True)
 
 
-def _left_behind(job) -> list[str]:
-    """The processes of `job`'s session (launcher, ranks, their checkpoint writer processes) still there after it
-    ended."""
-    ps = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True).stdout.splitlines()
-    return [line for line in ps if line.split()[1] == str(job.pid)]
+def _left_behind(job, wait_s: float = 10.0) -> list[str]:
+    """The live processes of `job`'s session (launcher, ranks, their checkpoint writer processes) still there
+    `wait_s` after it ended (those its end kills, by the parent-death signal, take a moment to go)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        ps = subprocess.run(["ps", "-eo", "pid=,sid=,stat=,args="], capture_output=True, text=True).stdout
+        left = [line for line in ps.splitlines() if line.split()[1] == str(job.pid) and not line.split()[2][0] == "Z"]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def test_sigkill_during_background_write_resumes_from_the_previous_checkpoint(char_data, tmp_path):

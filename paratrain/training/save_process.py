@@ -35,7 +35,6 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import SerializationFormat, _StorageWriterTransforms, _write_item
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from paratrain.distributed.orphans import die_with_parent
 from paratrain.faults import FaultInjector
 
 STOP, READY = "stop", "ready"
@@ -49,10 +48,11 @@ class WriterProcess:
     def __init__(self):
         self.conn, theirs = (Connection(s.detach()) for s in socket.socketpair())  # pickled messages
         self.fds, their_fds = socket.socketpair()  # the staging storages' file descriptors (SCM_RIGHTS)
-        # (a plain interpreter, not multiprocessing's spawn: that would run the caller's main script again in it)
+        # (a plain interpreter, not multiprocessing's spawn: that would run the caller's main script again in it;
+        # tied to this process before its imports, torch-free: a rank that dies while it starts leaves nothing)
         code = (f"import sys; sys.path[:0] = {[p for p in sys.path if p]!r}; "
-                f"from paratrain.training.save_process import serve; serve({theirs.fileno()}, {their_fds.fileno()}, "
-                f"{os.getpid()})")
+                f"from paratrain.distributed.orphans import die_with_parent; die_with_parent({os.getpid()}); "
+                f"from paratrain.training.save_process import serve; serve({theirs.fileno()}, {their_fds.fileno()})")
         self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(), their_fds.fileno()),
                                         stdin=subprocess.DEVNULL)
         theirs.close()  # ours closed: a read on the connection fails at once if the writer dies
@@ -169,9 +169,8 @@ def _resolved(planner, item):
 
 # -- the writer process -------------------------------------------------------------------------
 
-def serve(conn_fd: int, fds_fd: int, parent: int) -> None:
-    """The writer process's loop (started by WriterProcess)."""
-    die_with_parent(parent)
+def serve(conn_fd: int, fds_fd: int) -> None:
+    """The writer process's loop (started by WriterProcess, tied to it by `die_with_parent` first)."""
     conn, fds = Connection(conn_fd), socket.socket(fileno=fds_fd)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
@@ -187,9 +186,9 @@ def serve(conn_fd: int, fds_fd: int, parent: int) -> None:
         try:
             message = conn.recv()
         except EOFError:  # the rank is gone
-            return
-        if message == STOP:
-            return
+            message = STOP
+        if message == STOP:  # (no interpreter teardown: seconds with torch loaded on a busy host, nothing to flush)
+            os._exit(0)
         new, dropped, jobs, sync_files = message
         for key in dropped:
             storages.pop(key, None)
