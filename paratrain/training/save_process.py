@@ -14,16 +14,15 @@ on both sides. What it sends back: DCP's write results, or the exception that st
 (its imports: a second or more on a busy host), saves are written on the rank's background thread as before.
 
 It dies with its rank: the kernel SIGKILLs it when the rank ends by any means (`die_with_parent`: the rank's
-thread that started it, the one calling `CheckpointWriter.save`, is the training loop's); it ignores SIGINT and
-SIGTERM, which a terminal or a launcher sends to the whole process group, so the rank decides when a save in flight
-ends (Ctrl-C waits for it); `close()` ends it at the end of the run.
+thread that started it, the one calling `CheckpointWriter.save`, is the training loop's). It runs in a process group
+of its own and ignores SIGINT and SIGTERM, which a terminal or a launcher sends to the rank's process group, so the
+rank decides when a save in flight ends (Ctrl-C waits for it); `close()` ends it at the end of the run.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -48,13 +47,18 @@ class WriterProcess:
     def __init__(self):
         self.conn, theirs = (Connection(s.detach()) for s in socket.socketpair())  # pickled messages
         self.fds, their_fds = socket.socketpair()  # the staging storages' file descriptors (SCM_RIGHTS)
-        # (a plain interpreter, not multiprocessing's spawn: that would run the caller's main script again in it;
-        # tied to this process before its imports, torch-free: a rank that dies while it starts leaves nothing)
-        code = (f"import sys; sys.path[:0] = {[p for p in sys.path if p]!r}; "
+        # (a plain interpreter, not multiprocessing's spawn: that would run the caller's main script again in it.
+        # Before its imports, which take seconds: the stop signals ignored, and tied to this process, torch-free, so
+        # a rank that dies while it starts leaves nothing.)
+        code = ("import signal, sys; [signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)]; "
+                f"sys.path[:0] = {[p for p in sys.path if p]!r}; "
                 f"from paratrain.distributed.orphans import die_with_parent; die_with_parent({os.getpid()}); "
                 f"from paratrain.training.save_process import serve; serve({theirs.fileno()}, {their_fds.fileno()})")
+        # its own process group (Python 3.11+): a terminal's Ctrl-C and a launcher's signals to the rank's group
+        # never reach it; the rank decides when a save in flight ends
+        group = {"process_group": 0} if sys.version_info >= (3, 11) else {}
         self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(), their_fds.fileno()),
-                                        stdin=subprocess.DEVNULL)
+                                        stdin=subprocess.DEVNULL, **group)
         theirs.close()  # ours closed: a read on the connection fails at once if the writer dies
         their_fds.close()
         self.sent: dict[int, torch.UntypedStorage] = {}  # storages it holds, by address (kept alive here: an
@@ -172,8 +176,6 @@ def _resolved(planner, item):
 def serve(conn_fd: int, fds_fd: int) -> None:
     """The writer process's loop (started by WriterProcess, tied to it by `die_with_parent` first)."""
     conn, fds = Connection(conn_fd), socket.socket(fileno=fds_fd)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
     try:
         os.setpriority(os.PRIO_PROCESS, 0, 19)  # the CPU the training rank leaves (a busy or shared host)
     except OSError:
