@@ -202,7 +202,7 @@ def serve(conn_fd: int, fds_fd: int) -> None:
                 os.close(fd)  # (the storage holds its own mapping)
         try:
             answer = [result for job in jobs for result in _write_file(*job, storages, transforms, sync_files)]
-        except BaseException as e:  # noqa: BLE001 - sent to the rank, whose save raises it
+        except Exception as e:  # noqa: BLE001 - sent to the rank, whose save raises it
             answer = e
         try:
             conn.send(answer)
