@@ -92,8 +92,9 @@ def _left_behind(job, wait_s: float = 10.0) -> list[str]:
 
 
 def test_sigkill_during_background_write_resumes_from_the_previous_checkpoint(char_data, tmp_path):
-    """2 ranks save step-4, then rank 1 dies (SIGKILL) in the middle of step-8's background write; the relaunch
-    finds step-4 the newest valid checkpoint and the losses of the whole run equal one uninterrupted process's."""
+    """2 ranks save step-4, then rank 1 dies (SIGKILL) in the middle of step-8's background write (once its writer
+    process has written its shards); the relaunch finds step-4 the newest valid checkpoint, the losses of the whole run
+    equal one uninterrupted process's, and no process of the job (a writer process included) is left."""
     steps = 10
     job = _cli(tmp_path, char_data, "killed", "killsave@8:1", ["--nproc=2", "--max-restarts=1"],
                "parallel.dp_mode=fsdp", "training.micro_batch=4", f"training.steps={steps}", "checkpoint.every=4",
