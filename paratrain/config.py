@@ -170,8 +170,9 @@ class CheckpointConfig:
     keep: int = 2  # the newest checkpoints kept (at least 2)
     resume: str = "none"  # none | auto | path to a step-N folder
     save_final: bool = True  # save a checkpoint at the last step
-    # staged to host memory (pinned on a GPU), written, hashed and committed in the background; one save in flight
-    async_save: bool = False
+    # staged to host memory (pinned on a GPU), written by a writer process, hashed and committed in the background;
+    # one save in flight (false: training waits for each save)
+    async_save: bool = True
     export_safetensors: bool = False  # also write consolidated weights to RUN_DIR/model.safetensors at the end
     export_hf: bool = False  # at the end, also export the final checkpoint as a Hugging Face folder RUN_DIR/hf
     export_hf_dtype: WeightDtype = "bf16"  # the dtype of the exported weights

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -24,6 +25,7 @@ from paratrain.api import train_rank
 from paratrain.config import load_config
 from paratrain.faults import ENV as FAULTS_ENV
 from paratrain.training.checkpoint import checkpoint_problem, complete_checkpoints
+from paratrain.training.save_process import WriterProcess
 
 ASYNC = "checkpoint.async_save=true"
 BATCH = ["training.global_batch=8", "training.eval_every=0", "optimizer.warmup_steps=2", "optimizer.lr=3e-3",
@@ -49,12 +51,18 @@ def saved_tensors(folder, tmp_path) -> dict:
 
 def test_background_write_saves_the_weights_of_its_step(char_data, tmp_path, monkeypatch):
     """The write of step-5 is held back 3 s while steps 6..9 update the weights in place: the checkpoint holds
-    step 5's model and optimizer state, bit for bit as a synchronous save writes them."""
+    step 5's model and optimizer state, bit for bit as a synchronous save writes them. Its shard files were written
+    by the rank's writer process, which is gone when the run returns; a run without async_save starts none."""
+    writers = []
+    write = WriterProcess.write
+    monkeypatch.setattr(WriterProcess, "write", lambda self, *a: writers.append(self.process.pid) or write(self, *a))
     common = [*BATCH, "training.steps=10", "checkpoint.every=5"]
     sync = train_rank(load_config(None, fast_overrides(char_data, tmp_path, "sync", *common)))
-    monkeypatch.setenv(FAULTS_ENV, "slowsave@5")
+    assert writers == []
+    monkeypatch.setenv(FAULTS_ENV, "slowsave@5")  # (under faults the write waits for the writer process to start)
     background = train_rank(load_config(None, fast_overrides(char_data, tmp_path, "async", *common, ASYNC)))
     assert background.losses == sync.losses
+    assert len(writers) == 1 and not Path(f"/proc/{writers[0]}").exists()  # (ended and reaped)
     ours, theirs = (saved_tensors(r.run_dir / "checkpoints" / "step-5", tmp_path) for r in (background, sync))
     assert set(ours) == set(theirs) and any(".model." in k for k in ours) and any(".optim." in k for k in ours)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
@@ -71,9 +79,22 @@ def _cli(tmp_path, char_data, name, faults, flags, *extra):
                             start_new_session=True)
 
 
+def _left_behind(job, wait_s: float = 10.0) -> list[str]:
+    """The live processes of `job`'s session (launcher, ranks, their checkpoint writer processes) still there
+    `wait_s` after it ended (those its end kills, by the parent-death signal, take a moment to go)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        ps = subprocess.run(["ps", "-eo", "pid=,sid=,stat=,args="], capture_output=True, text=True).stdout
+        left = [line for line in ps.splitlines() if line.split()[1] == str(job.pid) and not line.split()[2][0] == "Z"]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
 def test_sigkill_during_background_write_resumes_from_the_previous_checkpoint(char_data, tmp_path):
-    """2 ranks save step-4, then rank 1 dies (SIGKILL) in the middle of step-8's background write; the relaunch
-    finds step-4 the newest valid checkpoint and the losses of the whole run equal one uninterrupted process's."""
+    """2 ranks save step-4, then rank 1 dies (SIGKILL) in the middle of step-8's background write (once its writer
+    process has written its shards); the relaunch finds step-4 the newest valid checkpoint, the losses of the whole run
+    equal one uninterrupted process's, and no process of the job (a writer process included) is left."""
     steps = 10
     job = _cli(tmp_path, char_data, "killed", "killsave@8:1", ["--nproc=2", "--max-restarts=1"],
                "parallel.dp_mode=fsdp", "training.micro_batch=4", f"training.steps={steps}", "checkpoint.every=4",
@@ -81,6 +102,7 @@ def test_sigkill_during_background_write_resumes_from_the_previous_checkpoint(ch
     out, err = job.communicate(timeout=240)
     assert job.returncode == 0, err[-3000:]
     assert "restarting all ranks from the last checkpoint" in err
+    assert _left_behind(job) == []  # (the killed rank's writer process too)
     ckpts = tmp_path / "killed" / "checkpoints"
     # (.step-8.tmp is removed by the surviving rank when its write fails, or at the next start)
     assert not (ckpts / ".step-8.tmp").exists() and f"resumed from {ckpts / 'step-4'} at step 4" in out
@@ -106,7 +128,7 @@ def test_ctrl_c_during_background_save_waits_for_it_and_exits_130(char_data, tmp
     job.send_signal(signal.SIGINT)
     out, err = job.communicate(timeout=120)
     assert job.returncode == 130, err[-3000:]
-    assert "Traceback" not in out + err
+    assert "Traceback" not in out + err and _left_behind(job) == []
     saved = complete_checkpoints(ckpts)
     assert saved[0].name == "step-5" and len(saved) == 2 and all(checkpoint_problem(p) is None for p in saved)
     assert f"interrupted: saved {saved[-1]}" in out

@@ -281,6 +281,7 @@ def test_plan_reaches_for_the_tiers_and_writes_them(tmp_path):
     from paratrain.config import load_config
     from paratrain.commands.plan import write_outputs
     from paratrain.estimate.planner import PlanRequest, plan, plan_context
+    from paratrain.estimate.search import staging_dropped_line
     from paratrain.spec import check
 
     request = PlanRequest("llama3-8b", gpus=4, gpus_per_node=4, gpu="RTX4090", intra="pcie4", seq=4096,
@@ -293,6 +294,8 @@ def test_plan_reaches_for_the_tiers_and_writes_them(tmp_path):
         assert best.pred.optimizer_s > 0.5  # 2B parameters per rank stepped on the host's cores
     path, _, _ = write_outputs(best, ctx, world, tmp_path / "plan", None, "llama3-8b")
     cfg = load_config(path)
+    # (background checkpoints' staging copy does not fit beside the offloaded states: dropped, and said)
+    assert not cfg.checkpoint.async_save and "checkpoint.async_save = false" in staging_dropped_line(best, ctx)
     actoff = next((c.mode for c in best.cand.switched if isinstance(c, ActivationOffload)), "none")
     assert (cfg.memory.cpu_offload, cfg.memory.activation_offload) == (offloads, actoff)
     assert check(cfg, world).world_size == 4

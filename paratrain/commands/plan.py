@@ -29,7 +29,7 @@ from paratrain.estimate.hetero import even_split_layout, parse_gpus, read_cluste
 from paratrain.estimate.planner import (PLAN_FLAG_KEYS, Planning, PlanRequest, checked_choices, micro_batch_sizes,
                                         plan_context)
 from paratrain.estimate.report import tiers_text
-from paratrain.estimate.search import AC_MODES, PLANNED_SCHEDULES
+from paratrain.estimate.search import AC_MODES, PLANNED_SCHEDULES, staging_dropped_line
 from paratrain.layout_grammar import add_layout_flags, layout_flags
 from paratrain.models.presets import count_params
 from paratrain.modes import DP_MODES, PRECISIONS
@@ -362,6 +362,7 @@ def plan_lines(p, planning: Planning, elapsed: float, top: int, notes: dict | No
                  f"planned in {elapsed:.2f} s")
     lines.append(format_table(p.ranked[:top], ctx, notes))
     lines.append(f"best: {best.cand.describe()} -- {best.pred.breakdown()}")
+    lines += [line for line in (staging_dropped_line(best, ctx),) if line]
     if best.cand.switched:
         lines.append(f"memory tiers (no layout fits without them): {tiers_text(best.estimate.inputs)}; host memory "
                      f"{fmt_bytes(best.estimate.host_bytes)} per rank, {fmt_bytes(best.estimate.host_node_bytes)} per "

@@ -421,7 +421,7 @@ def evaluate(c: Candidate, ctx: Context, headroom: float, with_memory: bool = Tr
         return Result(c, reason=reason)
     r = Result(c, pred=predict(c, ctx))
     if with_memory:
-        est = memory(c, ctx)
+        r.cand, est = saving_in_the_background(c, ctx, memory(c, ctx))
         r.estimate, r.total_bytes = est, est.total_bytes
         r.reason = memory_reason(est, ctx, headroom)
     return r
@@ -658,7 +658,7 @@ def _states(st) -> tuple[int, ...]:
 
 
 def _check(r: Result, ctx: Context, opts: Options) -> None:
-    est = memory(r.cand, ctx)
+    r.cand, est = saving_in_the_background(r.cand, ctx, memory(r.cand, ctx))
     r.estimate, r.total_bytes = est, est.total_bytes
     r.reason = memory_reason(est, ctx, opts.headroom)
 
@@ -790,3 +790,25 @@ def ring_line(c: Candidate, ctx: Context) -> str:
             f"of a {kv / 2**20:.1f} MiB K/V block forward, {lay.cp - 1} + {lay.cp} (fp32 dK/dV) backward; "
             f"{total * 1e3:.1f} ms per step, {exposed * 1e3:.1f} ms exposed after overlapping the attention "
             f"({ctx.hw.overlap:.0%} overlap); {exposed / pred.step_s:.1%} of the step")
+
+
+def saving_in_the_background(c: Candidate, ctx: Context, est):
+    """(candidate, its estimate), with background checkpoints (checkpoint.async_save) dropped where their staging copy
+    of the rank's state is what overflows the node's host memory: that candidate saves synchronously (the plan writes
+    `checkpoint.async_save = false` and says so, `staging_dropped_line`). Otherwise (c, est) as they are."""
+    if est.host_fits is not False or not c.recipe.async_save:
+        return c, est
+    synchronous = c.replace(async_save=False)
+    without = memory(synchronous, ctx)
+    return (synchronous, without) if without.host_fits else (c, est)
+
+
+def staging_dropped_line(best: Result, ctx: Context) -> str | None:
+    """The plan's line when its first choice saves synchronously although the run asked for background saves."""
+    if not ctx.run.async_save or best.cand.recipe.async_save:
+        return None
+    staging = memory(best.cand.replace(async_save=True), ctx)
+    return (f"checkpoint.async_save = false in the written config: with the staging copy of background checkpoints "
+            f"a node would need {fmt_bytes(staging.host_node_bytes)} of host memory (of "
+            f"{fmt_bytes(ctx.host_memory_bytes)}, {staging.host_limit_text.split(':')[0]}), so checkpoints are saved "
+            "synchronously (training waits for each save)")

@@ -11,9 +11,10 @@ Layout of a run's checkpoints:  RUN_DIR/checkpoints/step-N/
 
 A save is written to a hidden temporary folder and renamed into place only after every rank has
 finished writing (synchronously, or in the background with `async_save`) and the files have been hashed.
-A background save first copies the rank's state into staging buffers (pinned host memory on a GPU machine, a host
-copy on a CPU; kept for the run and reused by every save), so the writer thread never reads a tensor the next steps
-change; one save is in flight at a time (the next one waits for it).
+A background save first copies the rank's state into staging buffers (shared host memory, pinned on a GPU machine;
+kept for the run and reused by every save), so the write never reads a tensor the next steps change; the rank's
+writer process (save_process.py) writes the shard files from them while the rank's background thread runs DCP's plan,
+the hashing and the commit; one save is in flight at a time (the next one waits for it).
 A save that fails (a full disk, a read-only folder) removes its temporary folder and is one error line naming the
 cause. A checkpoint is trusted only when its marker is there, its shards are present at full length and every file
 matches its checksum; older complete checkpoints are pruned only once a newer one is committed.
@@ -29,6 +30,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +39,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
@@ -56,6 +57,7 @@ from paratrain.capabilities.lora import record_problem
 from paratrain.capabilities import OPTIMIZERS, optimizer_entry
 from paratrain.optimizers import HIDDEN_STATE, OptimizerEntry
 from paratrain.training import integrity, safe_dcp
+from paratrain.training.save_process import StagedFileWriter, WriterProcess
 from paratrain.training.optim import inner_optimizer, is_zero1
 
 MARKER = "COMPLETE"
@@ -200,6 +202,12 @@ class CheckpointWriter:
         # (bench/checkpoint_async.py)
         self._background = ThreadPoolExecutor(1, thread_name_prefix="paratrain-save",
                                               initializer=_lowest_priority) if async_save else None
+        # The shard files of background saves are written by a process of this rank's (its own GIL), started at the
+        # first background save (runs that never save in the background never start one) and ended by close()
+        self._child: list[WriterProcess] = []  # (a list: shared with the finalizer, which must not hold self)
+        self._closer = weakref.finalize(self, _close_child, self._child, self._background)  # (a run that ends by an
+        # error: when the writer is collected; multiprocessing ends it at the interpreter's exit, the kernel at the
+        # rank's death)
         self.faults = FaultInjector(dist.get_rank() if dist.is_initialized() else 0)  # (tests: PARATRAIN_FAULTS)
 
     def save(self, step: int, model: nn.Module, optimizer, trainer_state: dict, extra: dict | None = None,
@@ -219,11 +227,12 @@ class CheckpointWriter:
             _on_main(self.is_main, prepare)
             _barrier()
             state = {**model_optim_state(model, optimizer), **(extra or {})}
-            writer = _FaultyWriter(tmp, step, self.faults) if self.faults else None
+            writer = StagedFileWriter(tmp, step, self.faults) if self.faults else None
             if background and self.stager is not None:
                 # staged here, on this thread (the copy is finished when stage returns: the next steps may change
-                # the tensors), then written from the staging buffers on the background thread
+                # the tensors), then written from the staging buffers by the writer process
                 staged = self.stager.stage(state)
+                writer = StagedFileWriter(tmp, step, self.faults or None, self._writer_process())
                 self.pending = _PendingSave(step, self._background.submit(self._in_background, staged, step, tmp,
                                                                           trainer_state, writer))
                 return self.root / f"step-{step}"
@@ -246,6 +255,23 @@ class CheckpointWriter:
         p, self.pending = self.pending, None
         if p is not None:
             p.done.result()
+
+    def close(self) -> None:
+        """At the end of the run: the save in flight finished, the writer process ended (no process outlives the
+        run)."""
+        try:
+            self.finish()
+        finally:
+            self._closer()
+
+    def _writer_process(self) -> WriterProcess:
+        """The writer process, started on this thread (the training loop's: the kernel ends the process when the
+        thread that started it ends), again if it died."""
+        if self._child and not self._child[0].alive:
+            self._child.pop().close()
+        if not self._child:
+            self._child.append(WriterProcess())
+        return self._child[0]
 
     def _in_background(self, staged: dict, step: int, tmp: Path, trainer_state: dict, writer) -> Path:
         """On the background thread (the lowest CPU priority), over the save's own group. Its Python (DCP's plan, one
@@ -302,24 +328,8 @@ def staging_buffers() -> DefaultStager:
     kept and reused by every save: host memory of the rank's checkpointed state (the estimator's "checkpoint
     staging")."""
     cuda = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=False,
                                         use_non_blocking_copy=cuda))
-
-
-class _FaultyWriter(FileSystemWriter):
-    """DCP's file writer with the fault injector's hooks around this rank's shards (tests: a write that is slow, or
-    killed midway), called on the thread that writes them (DCP's background thread with `async_save`)."""
-
-    def __init__(self, path: Path, step: int, faults: FaultInjector):
-        super().__init__(str(path))
-        self.step, self.faults = step, faults
-
-    def write_data(self, plan, planner):
-        self.faults.in_save_write(self.step, written=False)
-        future = super().write_data(plan, planner)
-        future.wait()
-        self.faults.in_save_write(self.step, written=True)
-        return future
 
 
 @dataclass
@@ -328,6 +338,13 @@ class _PendingSave:
 
     step: int
     done: Future
+
+
+def _close_child(child: list[WriterProcess], background: ThreadPoolExecutor | None) -> None:
+    while child:
+        child.pop().close()
+    if background is not None:
+        background.shutdown(wait=False)
 
 
 def _lowest_priority() -> None:
@@ -869,3 +886,7 @@ class Checkpointer:
 
     def finish(self) -> None:
         self.writer.finish()
+
+    def close(self) -> None:
+        """At the end of the run (the background save's writer process ended)."""
+        self.writer.close()

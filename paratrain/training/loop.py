@@ -258,7 +258,7 @@ class Trainer:
         result.skipped_steps = self.progress.skipped
         if not result.preempted:
             self._finish(result, start, memory_rows)
-        self.checkpointer.finish()
+        self.checkpointer.close()
         ended = "interrupted" if result.interrupted else "preempted" if result.preempted else "finished"
         self.log.log({"step": step, "end": ended, **self.checkpointer.take_save()}, show=False)
 
