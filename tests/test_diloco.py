@@ -19,17 +19,16 @@ DILOCO = ["parallel.dp_sync=diloco"]
 
 
 def test_verify_diloco_rows(char_data):
-    """ddp2, hsdp 2x2 (FSDP inside each replica), cp and ep inside each replica (the 4-rank rows share one launch)
-    with H = 1, outer lr 1, no momentum and SGD equal one process's SGD at 1e-5 on every step (for SGD the mean of the
-    replicas' steps is the step on the mean gradient). The 8-rank rows (tp, pp inside a replica) run by
-    `paratrain verify --layouts diloco` only (bench/RESULTS.md)."""
+    """ddp2, hsdp 2x2 (FSDP inside each replica) and ep inside each replica (the 4-rank rows share one launch) with
+    H = 1, outer lr 1, no momentum and SGD equal one process's SGD at 1e-5 on every step (for SGD the mean of the
+    replicas' steps is the step on the mean gradient). The rows with tp, pp (8 ranks) and cp inside a replica run by
+    `paratrain verify --layouts diloco` (bench/RESULTS.md), kept out of the suite's time."""
     from test_distributed import check_matrix
     from paratrain.verify import CAPABILITY_MATRICES
 
-    eight = ["diloco-hsdp2x2+tp2", "diloco-hsdp2x2+pp2"]
-    assert CAPABILITY_MATRICES["diloco"] == ["diloco-ddp2", "diloco-hsdp2x2", *eight, "diloco-hsdp2+cp2",
-                                             "diloco-hsdp2x2+ep2"]
-    check_matrix([row for row in CAPABILITY_MATRICES["diloco"] if row not in eight], char_data, steps=4)
+    cli_only = ["diloco-hsdp2x2+tp2", "diloco-hsdp2x2+pp2", "diloco-hsdp2+cp2"]
+    assert CAPABILITY_MATRICES["diloco"] == ["diloco-ddp2", "diloco-hsdp2x2", *cli_only, "diloco-hsdp2x2+ep2"]
+    check_matrix([row for row in CAPABILITY_MATRICES["diloco"] if row not in cli_only], char_data, steps=4)
 
 
 def _runs(*cfgs):
