@@ -22,7 +22,7 @@ def test_verify_diloco_rows(char_data):
     """ddp2, hsdp 2x2 (FSDP inside each replica) and ep inside each replica (the 4-rank rows share one launch) with
     H = 1, outer lr 1, no momentum and SGD equal one process's SGD at 1e-5 on every step (for SGD the mean of the
     replicas' steps is the step on the mean gradient). The rows with tp, pp (8 ranks) and cp inside a replica run by
-    `paratrain verify --layouts diloco` (bench/RESULTS.md), kept out of the suite's time."""
+    `paratrain verify --layouts ROW,...` (bench/RESULTS.md), kept out of the suite's time."""
     from test_distributed import check_matrix
     from paratrain.verify import CAPABILITY_MATRICES
 
