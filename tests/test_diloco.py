@@ -242,3 +242,29 @@ def test_the_best_line_names_diloco_when_it_ranks_first(capsys, tmp_path):
     main([*PLAN_RTX4090, "--gpus", "16", "--inter-node-bandwidth", "1Gbit", "--out", str(tmp_path / "plan")])
     best = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("best: "))
     assert " with dp_sync=diloco H=" in best and "MB/step per rank across nodes -- " in best, best
+
+
+def test_experts_are_sharded_inside_their_replica(tmp_path):
+    """hsdp rep=2 with ep=2: FSDP shards the experts over the replica's own ranks (plain hsdp adds dp_replicate, whose
+    gradient all-reduce every step would tie the replicas' experts); built as the dry run builds (a fake process group,
+    the meta device)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from paratrain.distributed.expert_parallel import moe_modules
+    from paratrain.distributed.parallel_dims import ParallelDims
+    from paratrain.training.dryrun import offline_spec
+    from paratrain.training.step import build_run_step
+
+    moe = ["model.preset=tiny-moe", "model.vocab_size=256", "training.seq_len=32", "training.micro_batch=1",
+           "parallel.dp_mode=hsdp", "parallel.dp_replicate=2", "parallel.ep=2"]
+    for sync, expected in (([], ("dp_replicate", "dp_shard_mod_ep")), (DILOCO, ("dp_shard_mod_ep",))):
+        spec, _ = offline_spec(load_config(None, [*moe, *sync]), 4)
+        dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+        try:
+            model = build_run_step(spec, ParallelDims.build(spec.layout, "cpu"), torch.device("meta")).model
+            weight = next(iter(moe_modules(model)[0].experts.parameters()))
+            assert weight.device_mesh.mesh_dim_names[:len(expected)] == expected, weight.device_mesh
+        finally:
+            dist.destroy_process_group()
