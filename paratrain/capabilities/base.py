@@ -304,7 +304,8 @@ class Capability:
     def replica_states(self, numel: int, layout=None, params=()) -> tuple[int, str] | None:
         """Memory: (bytes, the estimate's note) of what it keeps beside the model states on a rank holding `numel`
         parameter elements (after tp, pp and FSDP: the rank's own share; a local-SGD round's start weights and outer
-        momentum) of `params` ((Param, count, local elements) of the model's table) on `layout`, or None."""
+        momentum) of `params` ((Param, count, local shape after tp and ep) of the model's table) on `layout`, or
+        None."""
         return None
 
     def optimizer_temporaries(self, params, layout, reduced_grad_bytes, gloo: bool) -> int:

@@ -2,8 +2,9 @@
 (`[parallel] dp_sync = "diloco"`, the `[diloco]` section; docs/layouts.md).
 
 The replicas are the `dp_replicate` groups (ddp: one rank each; hsdp: FSDP inside each replica, and tp, pp, cp
-and ep within it as usual: ep borrows its ranks from dp_shard). Their gradients are never reduced across replicas (GradComm keeps them apart: FSDP shards over
-the replica's own ranks, DDP's hook leaves each rank its gradient). Each replica takes H = `inner_steps` steps of the
+and ep within it as usual: ep borrows its ranks from dp_shard). Their gradients are never reduced across replicas
+(GradComm keeps them apart: FSDP shards the blocks and the experts over the replica's own ranks, DDP's hook leaves
+each rank its gradient). Each replica takes H = `inner_steps` steps of the
 run's optimizer on its share of the global batch, then the replicas average the pseudo-gradient (the round's starting
 weights minus the current ones) and an outer SGD step (Nesterov, `outer_lr`, `outer_momentum`) moves the shared
 weights from the round's start:
@@ -195,11 +196,8 @@ class DiLoCo(Capability):
         # OuterLoop's `start` and `momentum`: a copy each of the rank's local parameters (fp32 master weights; the
         # momentum is allocated even at outer_momentum 0, as the checkpoint's state keeps its shape); the outer
         # compressor's state and, overlapped, the fragment in flight (`OuterLoop.held_bytes` counts the same, built)
-        from paratrain.estimate.model_states import local_shape  # lazy: the estimator imports the capabilities
-
         replicas = layout.dp_replicate if layout is not None else 2
-        shapes = [(local_shape(p, layout) if layout is not None else p.shape, count) for p, count, _ in params]
-        total = 2 * numel * 4 + self.compressor_bytes(numel, replicas, shapes)
+        total = 2 * numel * 4 + self.compressor_bytes(numel, replicas, [(shape, count) for _, count, shape in params])
         what = ["the round's starting weights and the outer momentum, each a fp32 copy of this rank's parameters"]
         if self.compression.enabled and total > 2 * numel * 4:
             what.append(f"{self.compression.method}'s error feedback" + (" and Q" if self.compression.low_rank else ""))
@@ -230,11 +228,11 @@ class DiLoCo(Capability):
 
 def largest_fragment_share(params, fragments: int) -> float:
     """The share of a rank's parameter elements in its largest fragment (`fragment_of`), from (Param, count, local
-    elements) of the model's table: the blocks' 1 / fragments, the embedding's with the first, the head's with the
-    last (blocks spread evenly)."""
+    shape) of the model's table: the blocks' 1 / fragments, the embedding's with the first, the head's with the last
+    (blocks spread evenly)."""
     where = {"embedding": 0, "block": 0, "head": 0}
-    for p, count, n in params:
-        where[p.where] += count * n
+    for p, count, shape in params:
+        where[p.where] += count * math.prod(shape)
     total = sum(where.values())
     blocks = where["block"] / fragments
     return (max(where["embedding"], where["head"]) + blocks) / total if total else 1 / fragments

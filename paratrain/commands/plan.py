@@ -361,7 +361,7 @@ def plan_lines(p, planning: Planning, elapsed: float, top: int, notes: dict | No
                  f"fastest predicted (memory: paratrain estimate, {limit_text(hw.memory_bytes, opts.headroom)}); "
                  f"planned in {elapsed:.2f} s")
     lines.append(format_table(p.ranked[:top], ctx, notes))
-    # (a capability's row ranked first, e.g. DiLoCo: its note names how it trains, e.g. dp_sync=diloco and H)
+    # (a capability's row ranked first: its note says how it trains, e.g. its synchronisation and its interval)
     lines.append(f"best: {best.cand.describe()}" + (f" with {notes[0]}" if notes and 0 in notes else "")
                  + f" -- {best.pred.breakdown()}")
     if best.cand.switched:

@@ -479,7 +479,7 @@ class GradComm:
 
     def expert_fsdp_mesh(self, mesh):
         """The mesh FSDP shards expert-parallel experts over (`mesh`: expert_parallel's, dp_replicate x
-        dp_shard_mod_ep under hsdp): with local replicas (DiLoCo) each replica's own ranks, as `fsdp_mesh`."""
+        dp_shard_mod_ep under hsdp): with local replicas (`replicas_apart`) each replica's own ranks, as `fsdp_mesh`."""
         return mesh["dp_shard_mod_ep"] if self.replicas_apart and self.layout.hybrid else mesh
 
     def attach_fsdp(self, model: nn.Module, blocks: list[nn.Module]) -> None:
