@@ -19,13 +19,16 @@ DILOCO = ["parallel.dp_sync=diloco"]
 
 
 def test_verify_diloco_rows(char_data):
-    """ddp2 and hsdp 2x2 (FSDP inside each replica) with H = 1, outer lr 1, no momentum and SGD equal one process's
-    SGD at 1e-5 on every step (for SGD the mean of the replicas' steps is the step on the mean gradient)."""
+    """ddp2, hsdp 2x2 (FSDP inside each replica) and ep inside each replica (the 4-rank rows share one launch) with
+    H = 1, outer lr 1, no momentum and SGD equal one process's SGD at 1e-5 on every step (for SGD the mean of the
+    replicas' steps is the step on the mean gradient). The rows with tp, pp (8 ranks) and cp inside a replica run by
+    `paratrain verify --layouts ROW,...` (bench/RESULTS.md), kept out of the suite's time."""
     from test_distributed import check_matrix
     from paratrain.verify import CAPABILITY_MATRICES
 
-    assert CAPABILITY_MATRICES["diloco"] == ["diloco-ddp2", "diloco-hsdp2x2"]
-    check_matrix(CAPABILITY_MATRICES["diloco"], char_data, steps=4)
+    cli_only = ["diloco-hsdp2x2+tp2", "diloco-hsdp2x2+pp2", "diloco-hsdp2+cp2"]
+    assert CAPABILITY_MATRICES["diloco"] == ["diloco-ddp2", "diloco-hsdp2x2", *cli_only, "diloco-hsdp2x2+ep2"]
+    check_matrix([row for row in CAPABILITY_MATRICES["diloco"] if row not in cli_only], char_data, steps=4)
 
 
 def _runs(*cfgs):
@@ -137,10 +140,20 @@ def test_bad_settings_are_one_line(overrides, message):
 
 @pytest.mark.parametrize("world, overrides, message", [
     (2, ["parallel.dp_mode=fsdp"], "has none: use dp_mode=ddp over several ranks, or hsdp"),
-    (2, ["parallel.dp_mode=zero1"], "shares it across replicas"),
+    (2, ["parallel.dp_mode=zero1"], "shards it over the replicas (zero1)"),
 ])
 def test_layouts_without_replicas_are_refused(char_data, tmp_path, world, overrides, message):
     assert_plan_rejected(char_data, tmp_path, world, [*DILOCO, *overrides], message)
+
+
+def test_experts_inside_a_replica_are_accepted(char_data, tmp_path):
+    """ep borrows its ranks from dp_shard, inside each replica: hsdp rep=2 with ep=2 resolves (verify row
+    diloco-hsdp2x2+ep2 trains it)."""
+    from paratrain.spec import resolve_run
+
+    cfg = fast_config(char_data, tmp_path, "ep", *DILOCO, "model.preset=tiny-moe", "parallel.dp_mode=hsdp",
+                      "parallel.dp_replicate=2", "parallel.ep=2", "training.micro_batch=1")
+    assert resolve_run(cfg, 4).layout.ep == 2
 
 
 @pytest.mark.parametrize("world, layout", [(4, ["parallel.dp_mode=hsdp", "parallel.dp_replicate=2"]),
@@ -155,6 +168,21 @@ def test_the_estimate_counts_the_round_start_weights_and_momentum_as_built(world
     assert diloco.difference == 0
     assert diloco.built["optimizer"] - plain.built["optimizer"] == 2 * plain.built["params"]  # start + momentum
     assert diloco.estimated == {**plain.estimated, "optimizer": diloco.built["optimizer"]}
+
+
+@pytest.mark.parametrize("extra", [["diloco.outer_compression=sign_ef"], ["diloco.outer_compression=powersgd"],
+                                   ["diloco.inner_steps=4", "diloco.fragments=2"]])
+def test_the_estimate_counts_the_compressor_state_and_the_fragment_in_flight_as_built(extra):
+    """Beside the start and momentum: sign_ef's residuals, powersgd's error feedback and Q, and with overlap the
+    largest fragment's weights and mean in flight; the dry run (`OuterLoop.held_bytes`) and the estimate agree."""
+    from paratrain.training.dryrun import TOLERANCE, dry_run
+
+    tiny = ["model.preset=tiny", "model.vocab_size=256", "training.seq_len=32", "training.micro_batch=2",
+            "parallel.dp_mode=ddp", *DILOCO]
+    plain, diloco = (dry_run(load_config(None, [*tiny, *more]), 2).ranks[0] for more in ([], extra))
+    assert diloco.difference <= TOLERANCE, (diloco.built, diloco.estimated)
+    assert diloco.built["optimizer"] - plain.built["optimizer"] >= plain.built["params"] // 2  # more than a copy's half
+    assert abs(diloco.estimated["optimizer"] - diloco.built["optimizer"]) <= 0.01 * diloco.built["optimizer"]
 
 
 def test_inter_node_bandwidth_is_read_in_one_place():
@@ -205,3 +233,38 @@ def test_plan_keeps_the_plain_first_choice_where_diloco_saves_little(capsys, tmp
     assert all("dp_sync" not in r for r in doc["ranked"]), doc["ranked"][0]
     assert doc.get("diloco", {}).get("ranked", False) is False
     assert load_config(doc["written"]["config"]).parallel.dp_sync == "every_step"
+
+
+def test_the_best_line_names_diloco_when_it_ranks_first(capsys, tmp_path):
+    """The printed plan's `best:` line says the first choice trains with DiLoCo, and its H."""
+    from paratrain.cli import main
+
+    main([*PLAN_RTX4090, "--gpus", "16", "--inter-node-bandwidth", "1Gbit", "--out", str(tmp_path / "plan")])
+    best = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("best: "))
+    assert " with dp_sync=diloco H=" in best and "MB/step per rank across nodes -- " in best, best
+
+
+def test_experts_are_sharded_inside_their_replica(tmp_path):
+    """hsdp rep=2 with ep=2: FSDP shards the experts over the replica's own ranks (plain hsdp adds dp_replicate, whose
+    gradient all-reduce every step would tie the replicas' experts); built as the dry run builds (a fake process group,
+    the meta device)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from paratrain.distributed.expert_parallel import moe_modules
+    from paratrain.distributed.parallel_dims import ParallelDims
+    from paratrain.training.dryrun import offline_spec
+    from paratrain.training.step import build_run_step
+
+    moe = ["model.preset=tiny-moe", "model.vocab_size=256", "training.seq_len=32", "training.micro_batch=1",
+           "parallel.dp_mode=hsdp", "parallel.dp_replicate=2", "parallel.ep=2"]
+    for sync, expected in (([], ("dp_replicate", "dp_shard_mod_ep")), (DILOCO, ("dp_shard_mod_ep",))):
+        spec, _ = offline_spec(load_config(None, [*moe, *sync]), 4)
+        dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+        try:
+            model = build_run_step(spec, ParallelDims.build(spec.layout, "cpu"), torch.device("meta")).model
+            weight = next(iter(moe_modules(model)[0].experts.parameters()))
+            assert weight.device_mesh.mesh_dim_names[:len(expected)] == expected, weight.device_mesh
+        finally:
+            dist.destroy_process_group()

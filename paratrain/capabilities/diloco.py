@@ -2,8 +2,9 @@
 (`[parallel] dp_sync = "diloco"`, the `[diloco]` section; docs/layouts.md).
 
 The replicas are the `dp_replicate` groups (ddp: one rank each; hsdp: FSDP inside each replica, and tp, pp, cp
-within it as usual). Their gradients are never reduced across replicas (GradComm keeps them apart: FSDP shards over
-the replica's own ranks, DDP's hook leaves each rank its gradient). Each replica takes H = `inner_steps` steps of the
+and ep within it as usual: ep borrows its ranks from dp_shard). Their gradients are never reduced across replicas
+(GradComm keeps them apart: FSDP shards the blocks and the experts over the replica's own ranks, DDP's hook leaves
+each rank its gradient). Each replica takes H = `inner_steps` steps of the
 run's optimizer on its share of the global batch, then the replicas average the pseudo-gradient (the round's starting
 weights minus the current ones) and an outer SGD step (Nesterov, `outer_lr`, `outer_momentum`) moves the shared
 weights from the round's start:
@@ -54,12 +55,13 @@ Torch-free at the top: torch inside the hooks.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from paratrain.capabilities.base import Capability, PlanRow
-from paratrain.capabilities.grad_compression import Compression, GradCompression
+from paratrain.capabilities.grad_compression import Compression, GradCompression, powersgd_matrix
 from paratrain.errors import ConfigError, UserError
 from paratrain.modes import WeightDtype
 
@@ -67,6 +69,10 @@ DPSync = Literal["every_step", "diloco"]
 RIDER = "diloco"  # its name among GradComm's per-rank states (checkpoint keys)
 IN_FLIGHT = "in_flight|"  # its state's keys of a fragment sent and not yet applied (an overlapped synchronisation)
 OUTER = "outer."  # its state's keys of the outer compressor's error feedback (and PowerSGD's Q)
+# H = 1, outer lr 1, no momentum, SGD without clipping (per replica it would clip another norm): data parallelism,
+# the settings of every verify row
+DATA_PARALLEL = ("parallel.dp_sync=diloco", "diloco.inner_steps=1", "diloco.outer_lr=1", "diloco.outer_momentum=0",
+                 "optimizer.name=sgd", "training.grad_clip=0")
 
 
 @dataclass
@@ -116,12 +122,15 @@ class DiLoCo(Capability):
     adds_to = ("parallel", DPSyncKeys)
     adds_after = "cp"
     local_replicas = True
-    # H = 1, outer lr 1, no momentum, SGD without clipping (per replica it would clip another norm): data parallelism
     verify_rows = {
-        "diloco-ddp2": (2, "ddp", "parallel.dp_sync=diloco", "diloco.inner_steps=1", "diloco.outer_lr=1",
-                        "diloco.outer_momentum=0", "optimizer.name=sgd", "training.grad_clip=0"),
-        "diloco-hsdp2x2": (4, "hsdp,rep=2", "parallel.dp_sync=diloco", "diloco.inner_steps=1", "diloco.outer_lr=1",
-                           "diloco.outer_momentum=0", "optimizer.name=sgd", "training.grad_clip=0"),
+        "diloco-ddp2": (2, "ddp", *DATA_PARALLEL),
+        "diloco-hsdp2x2": (4, "hsdp,rep=2", *DATA_PARALLEL),
+        # every layout inside a replica (two replicas): cp, experts over the replica's ranks, and tp and pp beside
+        # FSDP (tp and pp do not compose with ddp, and hsdp needs dp_shard > 1 for them: 8 ranks)
+        "diloco-hsdp2x2+tp2": (8, "hsdp,rep=2,tp=2,sp=off", *DATA_PARALLEL),
+        "diloco-hsdp2x2+pp2": (8, "hsdp,rep=2,pp=2,sched=1f1b", *DATA_PARALLEL),
+        "diloco-hsdp2+cp2": (4, "hsdp,rep=2,cp=2", *DATA_PARALLEL),
+        "diloco-hsdp2x2+ep2": (4, "hsdp,rep=2,ep=2", "model.preset=tiny-moe", *DATA_PARALLEL),
     }
     reference_keys = ("training.grad_clip=",)
 
@@ -163,10 +172,10 @@ class DiLoCo(Capability):
         if layout.dp_replicate < 2:
             raise ConfigError(f"parallel.dp_sync=diloco runs across data-parallel replicas, but {layout.describe()} "
                               "has none: use dp_mode=ddp over several ranks, or hsdp with dp_replicate > 1")
-        if layout.zero1 or layout.ep > 1:
+        # (ep borrows its ranks from dp_shard, inside a replica: the experts never spread over replicas)
+        if layout.zero1:
             raise ConfigError(f"parallel.dp_sync=diloco keeps each replica's optimizer to itself: {layout.describe()}"
-                              " shares it across replicas (zero1) or spreads experts over them (ep); use ddp or hsdp "
-                              "without ep")
+                              " shards it over the replicas (zero1); use ddp, or hsdp for sharding inside a replica")
 
     @property
     def waits_in_collective_callbacks(self) -> bool:  # (the outer powersgd: torch's hook)
@@ -183,11 +192,31 @@ class DiLoCo(Capability):
                 "diloco.outer_momentum": self.outer_momentum, "diloco.nesterov": self.nesterov,
                 "diloco.fragments": self.fragments, **({"diloco.outer_dtype": "bf16"} if self.wire_bf16 else {})}
 
-    def replica_states(self, numel: int) -> tuple[int, str]:
+    def replica_states(self, numel: int, layout=None, params=()) -> tuple[int, str]:
         # OuterLoop's `start` and `momentum`: a copy each of the rank's local parameters (fp32 master weights; the
-        # momentum is allocated even at outer_momentum 0, as the checkpoint's state keeps its shape)
-        return 2 * numel * 4, ("DiLoCo: the round's starting weights and the outer momentum, each a fp32 copy of this "
-                               "rank's parameters")
+        # momentum is allocated even at outer_momentum 0, as the checkpoint's state keeps its shape); the outer
+        # compressor's state and, overlapped, the fragment in flight (`OuterLoop.held_bytes` counts the same, built)
+        replicas = layout.dp_replicate if layout is not None else 2
+        total = 2 * numel * 4 + self.compressor_bytes(numel, replicas, [(shape, count) for _, count, shape in params])
+        what = ["the round's starting weights and the outer momentum, each a fp32 copy of this rank's parameters"]
+        if self.compression.enabled and total > 2 * numel * 4:
+            what.append(f"{self.compression.method}'s error feedback" + (" and Q" if self.compression.low_rank else ""))
+        if self.fragments > 1:
+            total += 2 * 4 * math.ceil(numel * largest_fragment_share(params, self.fragments))
+            what.append("the largest fragment's weights at its send and its mean, in flight for a step")
+        return total, "DiLoCo: " + "; ".join(what)
+
+    def compressor_bytes(self, numel: int, replicas: int, shapes) -> int:
+        """Bytes of the outer compressor's state on a rank holding `numel` elements (`shapes`: (local shape, count)
+        of its matrices, for PowerSGD's Q): sign_ef's residuals (this rank's whole pseudo-gradient and its 1 /
+        replicas piece), powersgd's error feedback and warm-started Q; 0 for none and bf16."""
+        c = self.compression
+        if c.one_bit:
+            return 4 * (numel + math.ceil(numel / replicas))
+        if c.low_rank:
+            qs = (powersgd_matrix(tuple(shape), c.powersgd_rank) for shape, count in shapes for _ in range(count))
+            return 4 * (numel + sum(m * r for _, m, r in filter(None, qs)))
+        return 0
 
     # -- the step (torch inside) --------------------------------------------------------------------------------
     def after_build(self, model, where) -> None:
@@ -195,6 +224,18 @@ class DiLoCo(Capability):
 
     def after_optimizer_step(self, model, where) -> None:
         self.runtime["loop"].after_step()
+
+
+def largest_fragment_share(params, fragments: int) -> float:
+    """The share of a rank's parameter elements in its largest fragment (`fragment_of`), from (Param, count, local
+    shape) of the model's table: the blocks' 1 / fragments, the embedding's with the first, the head's with the last
+    (blocks spread evenly)."""
+    where = {"embedding": 0, "block": 0, "head": 0}
+    for p, count, shape in params:
+        where[p.where] += count * math.prod(shape)
+    total = sum(where.values())
+    blocks = where["block"] / fragments
+    return (max(where["embedding"], where["head"]) + blocks) / total if total else 1 / fragments
 
 
 def fragment_of(names: list[str], fragments: int) -> list[int]:
@@ -326,8 +367,20 @@ class OuterLoop:
         self.metrics["diloco_outer_norm"] = outer_norm.item()
 
     def held_bytes(self) -> int:
-        """Bytes of the copies it keeps beside the model states (the dry run's count; `DiLoCo.replica_states`)."""
-        return sum(t.numel() * t.element_size() for t in (*self.start, *self.momentum))
+        """Bytes of the copies it keeps beside the model states (the dry run's count; `DiLoCo.replica_states`):
+        the starts and momenta, the compressor's state (allocated at its first send: counted from the parameters),
+        and with overlap the largest fragment's weights and mean in flight."""
+        sizes = [t.numel() for t in self.start]
+        held = sum(t.numel() * t.element_size() for t in (*self.start, *self.momentum))
+        c = self.s.compression
+        if c.one_bit:  # the worker residuals, and the server's of this rank's padded pieces (distributed/compression)
+            unit, p = c.sign_ef_block or 8, self.group.size()
+            held += 4 * sum(n + -(-n // (unit * p)) * unit for n in sizes)
+        else:
+            held += self.s.compressor_bytes(sum(sizes), self.group.size(), [(tuple(t.shape), 1) for t in self.start])
+        if self.s.fragments > 1:
+            held += 2 * 4 * max(sum(n for n, g in zip(sizes, self.fragment) if g == f) for f in range(self.s.fragments))
+        return held
 
     # -- a GradComm rider: this rank's state in checkpoints -------------------------------------------------------
     def state(self) -> dict:

@@ -361,7 +361,9 @@ def plan_lines(p, planning: Planning, elapsed: float, top: int, notes: dict | No
                  f"fastest predicted (memory: paratrain estimate, {limit_text(hw.memory_bytes, opts.headroom)}); "
                  f"planned in {elapsed:.2f} s")
     lines.append(format_table(p.ranked[:top], ctx, notes))
-    lines.append(f"best: {best.cand.describe()} -- {best.pred.breakdown()}")
+    # (a capability's row ranked first: its note says how it trains, e.g. its synchronisation and its interval)
+    lines.append(f"best: {best.cand.describe()}" + (f" with {notes[0]}" if notes and 0 in notes else "")
+                 + f" -- {best.pred.breakdown()}")
     lines += [line for line in (staging_dropped_line(best, ctx),) if line]
     if best.cand.switched:
         lines.append(f"memory tiers (no layout fits without them): {tiers_text(best.estimate.inputs)}; host memory "

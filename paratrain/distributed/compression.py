@@ -477,6 +477,11 @@ class GradComm:
             return self.dims.shard_mesh or self.dims.mesh["dp_shard"]
         return self.dims.fsdp_mesh
 
+    def expert_fsdp_mesh(self, mesh):
+        """The mesh FSDP shards expert-parallel experts over (`mesh`: expert_parallel's, dp_replicate x
+        dp_shard_mod_ep under hsdp): with local replicas (`replicas_apart`) each replica's own ranks, as `fsdp_mesh`."""
+        return mesh["dp_shard_mod_ep"] if self.replicas_apart and self.layout.hybrid else mesh
+
     def attach_fsdp(self, model: nn.Module, blocks: list[nn.Module]) -> None:
         """After fully_shard: explicit prefetching, and hsdp's compressed replicate all-reduce."""
         for i, block in enumerate(blocks):

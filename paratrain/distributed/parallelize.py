@@ -193,7 +193,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, precision: str, expert_dp_m
     reshard = dims.layout.reshard_after_forward
     if expert_dp_mesh is not None:
         # Expert-parallel experts first, on their own mesh, so the blocks' groups leave them out.
-        shard_experts(model, expert_dp_mesh, policies, reshard)
+        shard_experts(model, comm.expert_fsdp_mesh(expert_dp_mesh), policies, reshard)
     layers = list(model.layers.values())
     for i, block in enumerate(layers):
         # The last block is resharded by the root right after forward anyway; skip the extra work.

@@ -329,7 +329,8 @@ def _trainable_bytes(args: ModelArgs, layout: Layout, precision: str, optimizer:
     steps = tensors * entry.tensor_state_bytes
     if steps and layout.zero1:
         steps = math.ceil(tensors / layout.dp) * entry.tensor_state_bytes
-    replica = [r for r in (cap.replica_states(numel) for cap in capabilities) if r is not None]
+    shaped = [(p, count, local_shape(p, layout)) for p, count, _ in kinds] if capabilities else []
+    replica = [r for r in (cap.replica_states(numel, layout, shaped) for cap in capabilities) if r is not None]
     notes += [note for _, note in replica]
     return StateBytes(params=numel * FP32, grads=grads_numel * FP32, optimizer=round(opt_numel * per_opt) + steps,
                       master=0, autocast_copies=autocast, param_numel=numel, unsharded_numel=local_numel, rope_buffers=rope,

@@ -20,7 +20,7 @@ ROWS = [  # (key, label)
     ("logits_loss", "logits and loss"),
     ("comm_buffers", "communication buffers"),
     ("compression", "gradient compression state"),
-    ("replica_states", "local SGD round-start weights + momentum"),
+    ("replica_states", "local SGD round-start weights + outer state"),
     ("temporaries", "backward/optimizer temporaries"),
     ("overhead", "runtime overhead (CUDA, NCCL)"),
 ]
