@@ -17,9 +17,16 @@ loss and tokens/s.
 An aux-free run per `--rate` (default: paratrain's default 1e-3, and 3e-4: one step's loads are 1,536 assignments,
 whose sampling noise makes every step's sign partly random, so a smaller step leaves the bias less jitter).
 
+`--seeds`: several `training.seed` values; each seed trains every setting from its own initial weights and batches
+(the same for all settings), and the bench prints each run, then per setting the mean, standard deviation and range
+over the seeds of the final max violation and the val loss, the paired val-loss difference to aux-loss, and whether
+the goal (issue 51: aux-free's final max violation at least 2x lower at an equal or lower val loss) holds on the mean
+and per seed. One seed's val loss scatters by ~0.01 with the settings, the size of the differences in question.
+
     OMP_NUM_THREADS=1 python bench/moe_balance.py      # ~15-20 minutes on a (shared) 2-core CPU
     python bench/moe_balance.py --rate 1e-2 --steps 300
-    python bench/moe_balance.py --smoke                # 4 steps each, 16 val windows (the test suite)
+    python bench/moe_balance.py --seeds 1337 1338 1339 --rate 1e-3   # 6 trainings, ~30-90 minutes
+    python bench/moe_balance.py --smoke                # 4 steps each, 2 seeds, 16 val windows (the test suite)
 """
 
 from __future__ import annotations
@@ -28,13 +35,14 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 from paratrain.api import train_rank
-from paratrain.config import load_config
+from paratrain.config import TrainingConfig, load_config
 from paratrain.data import open_split
 from paratrain.distributed.expert_parallel import MoEMeter
 from paratrain.inference import load_for_generation
@@ -43,6 +51,7 @@ MODEL = ["model.preset=shakespeare-char", "model.moe_experts=8", "model.moe_top_
 AUX_LOSS = ["moe.balancing=aux_loss", "model.moe_aux_loss_coef=0.01"]
 AUX_FREE = ["moe.balancing=aux_free", "model.moe_expert_bias=true", "model.moe_aux_loss_coef=1e-4"]
 CHUNK = 256  # val windows per forward
+SEED = TrainingConfig.seed  # the recipe's
 
 
 def steps_of(run_dir: Path) -> list[dict]:
@@ -69,15 +78,102 @@ def val_split_loads(cfg, windows: int | None = None) -> dict:
     return {**meter.step_metrics(), "tokens": x.numel()}
 
 
+@dataclasses.dataclass
+class Run:
+    setting: str  # "aux-loss" or "aux-free <rate>"
+    seed: int
+    steps: int
+    final: dict  # val_split_loads' numbers
+    tail_violation: float  # the training metric, mean of the last tenth of the steps
+    val_loss: float
+    tokens_per_s: float
+
+
+def train_one(common: list[str], setting: str, extra: list[str], seed: int, smoke: bool) -> Run:
+    """One training of `setting` at `seed`, and its numbers. A Ctrl-C (or SIGTERM) stops the bench: exit 130 (143)."""
+    cfg = load_config(None, [*common, f"training.seed={seed}", f"run.name={setting.replace(' ', '-')}-{seed}",
+                             *extra])
+    result = train_rank(cfg)
+    if result.preempted:
+        sys.exit(130 if result.interrupted else 143)
+    steps = steps_of(cfg.run_dir)
+    v = [r["moe_max_violation"] for r in steps]
+    tail = v[-max(1, len(v) // 10):]
+    final = val_split_loads(cfg, 16 if smoke else None)
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in steps)
+    return Run(setting, seed, len(v), final, sum(tail) / len(tail), result.val_loss, tokens_per_s)
+
+
+def spread(values: list[float], digits: int) -> str:
+    """mean ± standard deviation (min-max); the mean alone for one value."""
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        return f"{mean:.{digits}f}"
+    return (f"{mean:.{digits}f} ± {statistics.stdev(values):.{digits}f} "
+            f"({min(values):.{digits}f}-{max(values):.{digits}f})")
+
+
+def print_runs(runs: list[Run]) -> None:
+    print("| run | seed | steps | final max violation (val split) | per layer | training metric, mean of last tenth "
+          "| val loss | tokens/s |")
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+    for r in runs:
+        layers = " ".join(f"{x:.3f}" for x in r.final["moe_violation"])
+        print(f"| {r.setting} | {r.seed} | {r.steps} | {r.final['moe_max_violation']:.3f} | {layers} "
+              f"| {r.tail_violation:.3f} | {r.val_loss:.4f} | {r.tokens_per_s:,.0f} |")
+
+
+def verdict(loss_runs: list[Run], free_runs: list[Run]) -> tuple[str, float, float]:
+    """The goal (issue 51): aux-free's final max violation at most half aux-loss's, at an equal or lower val loss.
+    Returns 'met' or why not, the violation ratio and the val loss difference (aux-free - aux-loss)."""
+    ratio = (statistics.fmean(r.final["moe_max_violation"] for r in free_runs)
+             / max(statistics.fmean(r.final["moe_max_violation"] for r in loss_runs), 1e-12))
+    dloss = statistics.fmean(r.val_loss for r in free_runs) - statistics.fmean(r.val_loss for r in loss_runs)
+    why = [w for w, bad in (("violation", ratio > 0.5), ("val loss", dloss > 0)) if bad]
+    return ("met" if not why else "not met (" + ", ".join(why) + ")"), ratio, dloss
+
+
+def print_summary(runs: list[Run], seeds: list[int]) -> None:
+    """Per setting the mean (± standard deviation, min-max) over the seeds, the paired differences to aux-loss (each
+    seed's aux-free against the aux-loss run of the same initial weights and batches), and the goal's verdict on the
+    mean and per seed."""
+    settings = list(dict.fromkeys(r.setting for r in runs))
+    by = {(r.setting, r.seed): r for r in runs}
+    loss_runs = [by["aux-loss", s] for s in seeds]
+    print(f"\nover {len(seeds)} seed(s) ({' '.join(map(str, seeds))}): mean ± standard deviation (min-max)\n")
+    print("| run | final max violation (val split) | / aux-loss | val loss | - aux-loss (paired, mean ± sd) |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for setting in settings:
+        mine = [by[setting, s] for s in seeds]
+        _, ratio, _ = verdict(loss_runs, mine)
+        diffs = [a.val_loss - b.val_loss for a, b in zip(mine, loss_runs)]
+        paired = "" if setting == "aux-loss" else spread(diffs, 4).split(" (")[0]
+        print(f"| {setting} | {spread([r.final['moe_max_violation'] for r in mine], 3)} | {ratio:.2f} "
+              f"| {spread([r.val_loss for r in mine], 4)} | {paired} |")
+    print()
+    for setting in settings[1:]:
+        mine = [by[setting, s] for s in seeds]
+        on_mean, ratio, dloss = verdict(loss_runs, mine)
+        per_seed = [f"{s}: {verdict([by['aux-loss', s]], [by[setting, s]])[0]}" for s in seeds]
+        print(f"goal ({setting} against aux-loss: final max violation <= 0.5x at an equal or lower val loss): on the "
+              f"mean {on_mean} ({ratio:.2f}x, val loss {dloss:+.4f}); per seed: {'; '.join(per_seed)}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the default recipe's)")
     p.add_argument("--rate", type=float, nargs="+", default=[1e-3, 3e-4],
                    help="aux-free: moe.bias_update_rate, an aux-free run for each")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="training.seed values: each trains every setting from its initial weights and batches "
+                        "(default: the recipe's 1337; --smoke: 1337 1338)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", help="working folder (default: a temporary one)")
-    p.add_argument("--smoke", action="store_true", help="4 steps each, 16 validation sequences (the test suite)")
+    p.add_argument("--smoke", action="store_true",
+                   help="4 steps each, 16 validation sequences, two seeds, the first rate (the test suite)")
     a = p.parse_args(argv)
+    seeds = a.seeds or ([SEED, SEED + 1] if a.smoke else [SEED])
+    rates = a.rate[:1] if a.smoke else a.rate
     with tempfile.TemporaryDirectory(prefix="paratrain-moe-balance-") as tmp:
         root = Path(a.out or tmp)
         common = [*MODEL, f"training.device={a.device}", "metrics.progress=none", "metrics.peak_tflops=1",
@@ -85,38 +181,24 @@ def main(argv=None) -> None:
                   "run.overwrite=true", f"data.dir={root / 'data'}", "data.source=tinyshakespeare"]
         common += ["training.steps=4", "training.eval_sequences=16"] if a.smoke else []
         common += [f"training.steps={a.steps}"] if a.steps else []
-        rows = []
-        runs = {"aux-loss": AUX_LOSS, **{f"aux-free {rate:g}": [*AUX_FREE, f"moe.bias_update_rate={rate}"]
-                                        for rate in a.rate}}
-        for name, extra in runs.items():
-            cfg = load_config(None, [*common, f"run.name={name.replace(' ', '-')}", *extra])
-            result = train_rank(cfg)
-            steps = steps_of(cfg.run_dir)
-            v = [r["moe_max_violation"] for r in steps]
-            tail = v[-max(1, len(v) // 10):]
-            final = val_split_loads(cfg, 16 if a.smoke else None)
-            tokens_per_s = statistics.median(r["tokens_per_s"] for r in steps)
-            rows.append((name, len(v), final, sum(tail) / len(tail), result.val_loss, tokens_per_s))
-        print(f"\nmoe_balance: shakespeare-char, 8 experts top-2 (moe_ffn_hidden 176), aux-free rows: "
-              f"moe.bias_update_rate, {a.device}; final max violation: the final weights over "
-              f"{rows[0][2]['tokens']:,} val tokens\n")
-        print("| run | steps | final max violation (val split) | per layer | training metric, mean of last tenth "
-              "| val loss | tokens/s |")
-        print("| --- | ---: | ---: | --- | ---: | ---: | ---: |")
-        for name, steps, final, mean, val, tps in rows:
-            layers = " ".join(f"{x:.3f}" for x in final["moe_violation"])
-            print(f"| {name} | {steps} | {final['moe_max_violation']:.3f} | {layers} | {mean:.3f} | {val:.4f} "
-                  f"| {tps:,.0f} |")
-        loss_row = rows[0]
-        print()
-        for free_row in rows[1:]:
-            ratio = free_row[2]["moe_max_violation"] / max(loss_row[2]["moe_max_violation"], 1e-12)
-            print(f"{free_row[0]} / aux-loss final max violation: {ratio:.2f} (training metric, last tenth: "
-                  f"{free_row[3] / max(loss_row[3], 1e-12):.2f}), val loss {free_row[4] - loss_row[4]:+.4f}")
-        print("loads per expert, worst layer:")
-        for name, _, final, _, _, _ in rows:
-            worst = max(range(len(final["moe_violation"])), key=lambda i: final["moe_violation"][i])
-            print(f"  {name} (layer {worst}): {final['moe_tokens_per_expert'][worst]}")
+        settings = {"aux-loss": AUX_LOSS, **{f"aux-free {rate:g}": [*AUX_FREE, f"moe.bias_update_rate={rate}"]
+                                            for rate in rates}}
+        runs = []
+        for seed in seeds:  # a seed's settings one after another: a partial bench still pairs them
+            for setting, extra in settings.items():
+                runs.append(train_one(common, setting, extra, seed, a.smoke))
+                r = runs[-1]
+                print(f"done: {setting} seed {seed}: final max violation {r.final['moe_max_violation']:.3f}, "
+                      f"val loss {r.val_loss:.4f}", flush=True)
+    print(f"\nmoe_balance: shakespeare-char, 8 experts top-2 (moe_ffn_hidden 176), aux-free rows: "
+          f"moe.bias_update_rate, {a.device}; final max violation: the final weights over "
+          f"{runs[0].final['tokens']:,} val tokens\n")
+    print_runs(runs)
+    print_summary(runs, seeds)
+    print("loads per expert, worst layer:")
+    for r in runs:
+        worst = max(range(len(r.final["moe_violation"])), key=lambda i: r.final["moe_violation"][i])
+        print(f"  {r.setting} seed {r.seed} (layer {worst}): {r.final['moe_tokens_per_expert'][worst]}")
 
 
 if __name__ == "__main__":
