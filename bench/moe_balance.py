@@ -26,6 +26,7 @@ and per seed. One seed's val loss scatters by ~0.01 with the settings, the size 
     OMP_NUM_THREADS=1 python bench/moe_balance.py      # ~15-20 minutes on a (shared) 2-core CPU
     python bench/moe_balance.py --rate 1e-2 --steps 300
     python bench/moe_balance.py --seeds 1337 1338 1339 --rate 1e-3   # 6 trainings, ~30-90 minutes
+    python bench/moe_balance.py --seeds 1337 1338 --out DIR --reuse   # the runs DIR holds evaluated, the rest trained
     python bench/moe_balance.py --smoke                # 4 steps each, 2 seeds, 16 val windows (the test suite)
 """
 
@@ -126,19 +127,34 @@ class Run:
     tokens_per_s: float
 
 
-def train_one(common: list[str], setting: str, extra: list[str], seed: int, smoke: bool) -> Run:
-    """One training of `setting` at `seed`, and its numbers. A Ctrl-C (or SIGTERM) stops the bench: exit 130 (143)."""
+def finished_val_loss(cfg) -> float | None:
+    """The final val loss of a run already trained to cfg's steps in cfg's run folder (its final evaluation's record),
+    or None."""
+    metrics = cfg.run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    final = [r["val_loss"] for r in records if "val_loss" in r and r["step"] == cfg.training.steps]
+    return final[-1] if final else None
+
+
+def train_one(common: list[str], setting: str, extra: list[str], seed: int, smoke: bool, reuse: bool) -> Run:
+    """One training of `setting` at `seed` (reuse: a run folder already trained to the same steps is evaluated
+    again, not trained), and its numbers. A Ctrl-C (or SIGTERM) stops the bench: exit 130 (143)."""
     cfg = load_config(None, [*common, f"training.seed={seed}", f"run.name={setting.replace(' ', '-')}-{seed}",
                              *extra])
-    result = train_rank(cfg)
-    if result.preempted:
-        sys.exit(130 if result.interrupted else 143)
+    val_loss = finished_val_loss(cfg) if reuse else None
+    if val_loss is None:
+        result = train_rank(cfg)
+        if result.preempted:
+            sys.exit(130 if result.interrupted else 143)
+        val_loss = result.val_loss
     steps = steps_of(cfg.run_dir)
     v = [r["moe_max_violation"] for r in steps]
     tail = v[-max(1, len(v) // 10):]
     final = val_split_numbers(cfg, 16 if smoke else None)
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in steps)
-    return Run(setting, seed, len(v), final, sum(tail) / len(tail), result.val_loss, tokens_per_s)
+    return Run(setting, seed, len(v), final, sum(tail) / len(tail), val_loss, tokens_per_s)
 
 
 def spread(values: list[float], digits: int) -> str:
@@ -231,6 +247,9 @@ def main(argv=None) -> None:
                         "(default: the recipe's 1337; --smoke: 1337 1338)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", help="working folder (default: a temporary one)")
+    p.add_argument("--reuse", action="store_true",
+                   help="runs already trained in --out (the same setting, seed and steps) are evaluated, not trained "
+                        "again: an interrupted bench goes on, a finished one prints again")
     p.add_argument("--smoke", action="store_true",
                    help="4 steps each, 16 validation sequences, two seeds, the first rate (the test suite)")
     a = p.parse_args(argv)
@@ -248,7 +267,7 @@ def main(argv=None) -> None:
         runs = []
         for seed in seeds:  # a seed's settings one after another: a partial bench still pairs them
             for setting, extra in settings.items():
-                runs.append(train_one(common, setting, extra, seed, a.smoke))
+                runs.append(train_one(common, setting, extra, seed, a.smoke, a.reuse))
                 r = runs[-1]
                 print(f"done: {setting} seed {seed}: final max violation {r.final['moe_max_violation']:.3f}, "
                       f"val loss {r.val_loss:.4f}", flush=True)
