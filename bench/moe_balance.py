@@ -157,12 +157,12 @@ def train_one(common: list[str], setting: str, extra: list[str], seed: int, smok
     return Run(setting, seed, len(v), final, sum(tail) / len(tail), val_loss, tokens_per_s)
 
 
-def spread(values: list[float], digits: int) -> str:
-    """mean ± standard deviation (min-max); the mean alone for one value."""
+def spread(values: list[float], digits: int, sign: str = "") -> str:
+    """mean ± standard deviation (min-max); the mean alone for one value. sign "+": the mean's sign always shown."""
     mean = statistics.fmean(values)
     if len(values) == 1:
-        return f"{mean:.{digits}f}"
-    return (f"{mean:.{digits}f} ± {statistics.stdev(values):.{digits}f} "
+        return f"{mean:{sign}.{digits}f}"
+    return (f"{mean:{sign}.{digits}f} ± {statistics.stdev(values):.{digits}f} "
             f"({min(values):.{digits}f}-{max(values):.{digits}f})")
 
 
@@ -224,7 +224,7 @@ def print_summary(runs: list[Run], seeds: list[int]) -> None:
         cells = [spread([r.final["moe_max_violation"] for r in mine], 3), f"{ratio:.2f}"]
         for loss_of in (recipe_loss, full_loss):
             diffs = [loss_of(a) - loss_of(b) for a, b in zip(mine, loss_runs)]
-            paired = "" if setting == "aux-loss" else spread(diffs, 4).split(" (")[0]  # mean ± sd
+            paired = "" if setting == "aux-loss" else spread(diffs, 4, "+").split(" (")[0]  # mean ± sd
             cells += [spread(list(map(loss_of, mine)), 4), paired]
         print(f"| {setting} | " + " | ".join(cells) + " |")
     print()
