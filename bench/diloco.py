@@ -4,7 +4,7 @@ at equal tokens (issue 54).
 bench/compression.py's recipe (nanoGPT's CPU settings: 4 layers, 4 heads, width 128, context 64, global batch 12,
 AdamW lr 1e-3 -> 1e-4, 2000 steps) on R ranks of dp_mode=ddp (each rank 12 / R sequences of every step's batch), once
 with data parallelism (the gradients all-reduced every step) and once per DiLoCo setting (`parallel.dp_sync=diloco`:
-AdamW inside each replica, Nesterov SGD outside at the defaults outer_lr 0.7 and momentum 0.9; H = inner_steps,
+AdamW inside each replica, Nesterov SGD outside, by default outer_lr 0.7 and momentum 0.9; H = inner_steps,
 F = fragments). Every run sees the same batches, so the tokens are equal at every step. Bytes are what rank 0 sends
 (`comm_bytes`: data parallelism's gradient all-reduce, DiLoCo's pseudo-gradient all-reduce, equal to its
 `diloco_bytes`), summed over the run and divided by the tokens trained. Goal: >= 99% fewer bytes than data
@@ -16,9 +16,11 @@ Each DiLoCo row's label names H, F and every other `[diloco]` setting that is no
 trains it for BASELINE_STEPS steps only, to measure its bytes per token (the same every step).
 
     python bench/diloco.py [--steps 2000] [--replicas 2 4] [--inner-steps 10 50 100] [--fragments 1 4]
-    python bench/diloco.py --replicas 2 --inner-steps 10 --fragments 1 --outer-compression sign_ef --outer-lr 1 \
+    python bench/diloco.py --replicas 2 --inner-steps 10 --fragments 1 --outer-compression sign_ef --outer-lr 1.4 \
         --outer-momentum 0 --baseline 1.6574
     python bench/diloco.py --smoke      # 2 replicas, data parallelism and H=2 F=2, 4 steps (the test suite)
+
+The second command (2,000 steps by default) is the best setting measured (bench/RESULTS.md, seventh session).
 """
 
 from __future__ import annotations
