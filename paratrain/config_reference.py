@@ -124,7 +124,7 @@ class LazyHelp(collections.UserString):
     sources, ~0.3 s CPU for a command's flags, which a command that is not asked for --help never shows. Made from a
     function (`LazyHelp(lambda: describe(...))`) or from text (what UserString's own methods make)."""
 
-    def __init__(self, make_or_text):  # pylint: disable=super-init-not-called
+    def __init__(self, make_or_text):  # (no UserString.__init__: it would set the text now)
         if callable(make_or_text):
             self._make = make_or_text
         else:
