@@ -10,7 +10,6 @@ before launch and the launcher call it.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 
 from paratrain.errors import ConfigError
@@ -76,6 +75,8 @@ def check(setting: str) -> None:
 
 def env_name() -> str:
     """The variable this torch reads first (PYTORCH_ALLOC_CONF from torch 2.9)."""
+    import importlib.metadata  # here, not at the top: it pulls in the email package, ~30 ms for every command
+
     try:
         major, minor = (int(part) for part in importlib.metadata.version("torch").split(".")[:2])
     except (importlib.metadata.PackageNotFoundError, ValueError):

@@ -29,7 +29,7 @@ from typing import Literal, get_origin
 
 from paratrain import capabilities
 from paratrain.config import ParallelConfig
-from paratrain.config_reference import describe
+from paratrain.config_reference import LazyHelp, describe
 from paratrain.errors import UserError
 from paratrain.layout import CONFIG_KEYS, Layout
 from paratrain.modes import (CHECKPOINT_MODES, DP_MODE_OPTIONS, SCHEDULES, DPMode, checkpointing_label,
@@ -194,12 +194,13 @@ def add_layout_flags(parser: argparse.ArgumentParser, keys=FLAG_KEYS, what: str 
     parser = parser.add_argument_group("layout", what or None)
     for key in keys:
         annotation = _annotation(key)
+        about = LazyHelp(lambda key=key: flag_help(key))  # (made on --help only)
         if annotation is bool:
-            parser.add_argument(*flag_names(key), dest=key, action="store_false", default=None, help=flag_help(key))
+            parser.add_argument(*flag_names(key), dest=key, action="store_false", default=None, help=about)
             continue
         literal = get_origin(annotation) is Literal  # (its choices in the help, checked where the setting is)
         parser.add_argument(*flag_names(key), dest=key, default=None, type=str if literal else annotation,
-                            metavar=key.split("_")[-1].upper(), help=flag_help(key))
+                            metavar=key.split("_")[-1].upper(), help=about)
 
 
 def layout_flags(args: argparse.Namespace, keys=FLAG_KEYS) -> dict:

@@ -12,7 +12,7 @@ from typing import Literal, get_origin
 from paratrain.capabilities import CAPABILITIES
 from paratrain.config import Config, parse_bool
 from paratrain.errors import UserError
-from paratrain.config_reference import describe
+from paratrain.config_reference import LazyHelp, describe
 from paratrain.recipe import Recipe, recipe_settings
 
 SECTION_TITLES = {"memory": "memory tiers (the [memory] section; docs/memory-tiers.md)"}
@@ -40,7 +40,7 @@ def add_recipe_flags(parser: argparse.ArgumentParser, recipe=Recipe, skip: tuple
         if section not in groups:
             groups[section] = parser.add_argument_group(SECTION_TITLES.get(section, f"[{section}]"))
         annotation = typing.get_type_hints(cls)[name]
-        text = describe(section, cls, name)
+        text = LazyHelp(lambda section=section, cls=cls, name=name: describe(section, cls, name))  # (on --help)
         if annotation is bool:
             groups[section].add_argument(flag, dest=_dest(flag), action="store_true", default=None, help=text)
             continue
