@@ -647,21 +647,12 @@ class _Walk:
             first_bwd = stage not in grads_done and not self.g_const
             # The stage's own walk is the same at every micro-batch (what else is held only adds to each of its
             # candidates): walked once per (stage, kind, first backward), shifted by this point's additions.
-            walk = walked.get((stage, kind, first_bwd))
-            if walk is None:
-                walk = walked[stage, kind, first_bwd] = _StageBackward(self, stage, kind, first_bwd).peaks()
-                walk.peak()
+            walk = self._walk(walked, stage, kind, first_bwd)
             extra = (others, held_head - hold_head[stage], g_const + grads_so_far, sent_grads)
             total = walk.best[0] + others + extra[1] + extra[2] + sent_grads
             if best is None or total > best[0]:
                 best = (total, walk, extra)
-            most = shifts.get(walk)
-            if most is None:
-                shifts[walk] = list(extra)
-            else:
-                for j in range(4):
-                    if extra[j] > most[j]:
-                        most[j] = extra[j]
+            _raise_shifts(shifts, walk, extra)
             if kind in ("I", "B") and stash_sends and remote_prev[stage]:
                 sent_grads += self.binp
             if kind == "I":
@@ -678,6 +669,14 @@ class _Walk:
                     sent_out += self.binp
         peaks.add_shifted(shifts, best)
         return peaks
+
+    def _walk(self, walked: dict, stage, kind: str, first_bwd: bool):
+        """The stage's backward walk of this kind (`_StageBackward.peaks`), made once per (stage, kind, first)."""
+        walk = walked.get((stage, kind, first_bwd))
+        if walk is None:
+            walk = walked[stage, kind, first_bwd] = _StageBackward(self, stage, kind, first_bwd).peaks()
+            walk.peak()
+        return walk
 
     def schedule_by_events(self) -> _Peaks:
         """`schedule` from the rank's groups of like backwards (`_backward_events`): the same peaks, phases and sizes
@@ -697,10 +696,7 @@ class _Walk:
         shifts: dict = {}  # walk -> the largest of each SHIFTED category added to it (first shifted first)
         best = None  # (total, index, walk, SHIFTED bytes) of the first backward with the largest total
         for stage, kind, first_bwd, held, inter_held, done, first, first_sends, top, top_sends, last_sends in events:
-            walk = walked.get((stage, kind, first_bwd))
-            if walk is None:
-                walk = walked[stage, kind, first_bwd] = _StageBackward(self, stage, kind, first_bwd).peaks()
-                walk.peak()
+            walk = self._walk(walked, stage, kind, first_bwd)
             others = sum(map(mul, held, hold)) + sum(map(mul, inter_held, inter))
             held_head = sum(map(mul, held, head))
             grads_now = g_const + sum(map(mul, done, grads))
@@ -711,13 +707,7 @@ class _Walk:
                 best = (total, index, walk, extra)
             out, back = last_sends
             last = (others + out * binp, held_head, grads_now, back * binp)
-            most = shifts.get(walk)
-            if most is None:
-                shifts[walk] = list(last)
-            else:
-                for j in range(4):
-                    if last[j] > most[j]:
-                        most[j] = last[j]
+            _raise_shifts(shifts, walk, last)
         peaks = _Peaks()
         peaks.add_shifted(shifts, best and (best[0], best[2], best[3]))
         return peaks
@@ -1098,3 +1088,14 @@ def forward_end_bytes(i: EstimateInputs) -> dict[str, int]:
     acts -= sum(saved_on_host(i.recipe.capabilities, args.n_layers, d, modes, moe_of, layers)[0].values())
     return {"activations": acts + A.final_residual(d) + A.inputs_bytes(d),
             "logits_loss": sum(b for _, b in A.head_saved(d))}
+
+
+def _raise_shifts(shifts: dict, walk, values) -> None:
+    """shifts[walk]: the largest of each SHIFTED category added to that walk so far, raised to `values`'."""
+    most = shifts.get(walk)
+    if most is None:
+        shifts[walk] = list(values)
+        return
+    for j, value in enumerate(values):
+        if value > most[j]:
+            most[j] = value
