@@ -16,11 +16,12 @@ Each DiLoCo row's label names H, F and every other `[diloco]` setting that is no
 trains it for BASELINE_STEPS steps only, to measure its bytes per token (the same every step).
 
     python bench/diloco.py [--steps 2000] [--replicas 2 4] [--inner-steps 10 50 100] [--fragments 1 4]
-    python bench/diloco.py --replicas 2 --inner-steps 10 --fragments 1 --outer-compression sign_ef --outer-lr 1.4 \
+    python bench/diloco.py --replicas 2 --inner-steps 10 --fragments 2 --outer-compression sign_ef --outer-lr 1.4 \
         --outer-momentum 0 --baseline 1.6574
     python bench/diloco.py --smoke      # 2 replicas, data parallelism and H=2 F=2, 4 steps (the test suite)
 
-The second command (2,000 steps by default) is the best setting measured (bench/RESULTS.md, seventh session).
+The second command (2,000 steps by default) is the best setting measured: 99.69% fewer bytes at +1.46% val loss
+(bench/RESULTS.md, seventh session).
 """
 
 from __future__ import annotations
