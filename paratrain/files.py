@@ -18,7 +18,7 @@ from pathlib import Path
 def replace_dir(tmp: Path, final: Path) -> None:
     """Rename the folder tmp to final; an existing final is moved aside first, deleted once the new one is in place,
     and restored if the rename fails."""
-    import shutil, tempfile  # (imported where used: most commands replace no folder)
+    import shutil, tempfile  # lazy: most commands replace no folder
 
     tmp, final = Path(tmp), Path(final)
     if not final.exists():

@@ -159,7 +159,7 @@ def check_overwrite(folder: RunFolder) -> None:
 
 def start_over(folder: RunFolder, say=print) -> None:
     """run.overwrite=true on a first launch: delete what an earlier run left in the run folder, and `say` what."""
-    import shutil  # (imported where used: the planner's commands import this module and delete nothing)
+    import shutil  # lazy: the planner's commands import this module and delete nothing
 
     found = existing_run_files(folder) if folder.starts_over else []
     if not found:
@@ -191,7 +191,7 @@ def _few(names: list[str], most: int = 4) -> str:
 
 def check_ports(m, nproc: int) -> None:
     """The Prometheus port(s) the run will serve on are free now (checked again when bound)."""
-    import socket  # (imported where used: only a run serving metrics binds a port)
+    import socket  # lazy: only a run serving metrics binds a port
 
     check_metrics_config(m)  # the port's range, the host, prometheus_client installed
     if not m.prometheus_port:

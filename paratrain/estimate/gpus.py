@@ -123,7 +123,7 @@ def gpu_memory(name: str, otherwise: str = "or give --gpu-memory SIZE (e.g. 24Gi
     if key in _BY_KEY:
         canonical = _BY_KEY[key]
         return canonical, GPUS[canonical].memory
-    import difflib  # (imported where used: only a mistyped GPU name needs it)
+    import difflib  # lazy: only a mistyped GPU name needs it
 
     close = difflib.get_close_matches(key, list(_BY_KEY), n=1, cutoff=0.5)
     hint = f" (did you mean '{_BY_KEY[close[0]]}'?)" if close else ""

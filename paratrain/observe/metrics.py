@@ -320,7 +320,7 @@ class PrometheusSink:
 
     def __init__(self, host: str, port: int, run: str, rank: int = 0, node: int = 0, world_size: int = 1,
                  per_rank: bool = False, linger_s: float = 0.0):
-        import socket  # (imported where used: the planner's commands import this module and serve nothing)
+        import socket  # lazy: the planner's commands import this module and serve nothing
 
         from prometheus_client import CollectorRegistry, start_http_server
 
