@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
             from paratrain.api import exit_now  # lazy: torch is not needed for --help
 
             exit_now(code)
+        if getattr(_RAN, "OBJECTS_LIVE_TO_EXIT", False):  # the command says so (paratrain/commands/plan.py)
+            import gc
+
+            gc.freeze()  # (the interpreter's exit does not collect frozen objects: no pass over them all)
         return code
     return _main(argv)
 

@@ -10,10 +10,6 @@ import dataclasses
 import types
 import typing
 from typing import Literal, Union, get_args, get_origin
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -340,6 +336,7 @@ def _coerce(key: str, value, annotation):
         if isinstance(value, str) and not value.lstrip().startswith("["):  # names: --eval.tasks=a,b
             value = [v.strip() for v in value.split(",") if v.strip()]
         if isinstance(value, str):
+            tomllib = toml_reader()
             try:
                 value = tomllib.loads(f"v = {value}")["v"]
             except tomllib.TOMLDecodeError as e:
@@ -350,6 +347,7 @@ def _coerce(key: str, value, annotation):
     if tuple in allowed and not unset:  # integers (model.moe_dense_layers): a TOML array, inline on a command line
         wanted = f"{key}: expected a list of integers like [1, 3], got {value!r}"
         if isinstance(value, str):
+            tomllib = toml_reader()
             try:
                 value = tomllib.loads(f"v = {value}")["v"]
             except tomllib.TOMLDecodeError:
@@ -433,8 +431,18 @@ def _set(cfg: Config, dotted: str, value) -> None:
     setattr(section, key, _coerce(dotted, value, typing.get_type_hints(type(section))[key]))
 
 
+def toml_reader():
+    """The TOML reader, imported when first needed (compiling its patterns is ~5 ms of every command's start-up)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib
+
+
 def read_toml(p: Path) -> dict:
     """A TOML file's tables; ConfigError (one line) when it is not TOML."""
+    tomllib = toml_reader()
     try:
         return tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:

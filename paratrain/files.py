@@ -11,8 +11,6 @@ deleted only once the new one is there, and put back if the rename fails.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,6 +18,8 @@ from pathlib import Path
 def replace_dir(tmp: Path, final: Path) -> None:
     """Rename the folder tmp to final; an existing final is moved aside first, deleted once the new one is in place,
     and restored if the rename fails."""
+    import shutil, tempfile  # lazy: most commands replace no folder
+
     tmp, final = Path(tmp), Path(final)
     if not final.exists():
         os.replace(tmp, final)
@@ -51,5 +51,7 @@ def atomic_dir(tmp: Path, final: Path):
         yield tmp
         replace_dir(tmp, final)
     except BaseException:
+        import shutil
+
         shutil.rmtree(tmp, ignore_errors=True)
         raise

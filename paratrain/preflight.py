@@ -13,8 +13,6 @@ each) may oversubscribe the cores a little; up to max(8, 4 x cores) are started 
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,6 +159,8 @@ def check_overwrite(folder: RunFolder) -> None:
 
 def start_over(folder: RunFolder, say=print) -> None:
     """run.overwrite=true on a first launch: delete what an earlier run left in the run folder, and `say` what."""
+    import shutil  # lazy: the planner's commands import this module and delete nothing
+
     found = existing_run_files(folder) if folder.starts_over else []
     if not found:
         return
@@ -191,6 +191,8 @@ def _few(names: list[str], most: int = 4) -> str:
 
 def check_ports(m, nproc: int) -> None:
     """The Prometheus port(s) the run will serve on are free now (checked again when bound)."""
+    import socket  # lazy: only a run serving metrics binds a port
+
     check_metrics_config(m)  # the port's range, the host, prometheus_client installed
     if not m.prometheus_port:
         return
@@ -231,6 +233,8 @@ def checkpoint_bytes(model_args) -> int:
 
 def warn_disk(folder: RunFolder, model_args, warn) -> None:
     """A warning when the run folder's disk cannot hold the checkpoints the run will keep."""
+    import shutil
+
     need = checkpoint_bytes(model_args)
     where = nearest_existing(folder.path)
     try:

@@ -44,7 +44,9 @@ def _min_max_split(cost: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
     cuts = [[0] * (n + 1)]
     for s in range(2, num_stages + 1):
         row, cut = [float("inf")] * (n + 1), [0] * (n + 1)
-        for i in range(s, n + 1):
+        # (the first i items in s parts leave n - i items for the other num_stages - s parts, one at least each: a
+        # larger i is never read again)
+        for i in range(s, n - (num_stages - s) + 1):
             # j in [s - 1, i): the last part is items j..i-1; lo: the first j where best[j] >= its sum
             lo, hi, top = s - 1, i, prefix[i]
             while lo < hi:

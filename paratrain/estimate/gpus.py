@@ -9,7 +9,6 @@ overhead, which the estimator counts separately (`--overhead-gib`).
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass
 
@@ -124,6 +123,8 @@ def gpu_memory(name: str, otherwise: str = "or give --gpu-memory SIZE (e.g. 24Gi
     if key in _BY_KEY:
         canonical = _BY_KEY[key]
         return canonical, GPUS[canonical].memory
+    import difflib  # lazy: only a mistyped GPU name needs it
+
     close = difflib.get_close_matches(key, list(_BY_KEY), n=1, cutoff=0.5)
     hint = f" (did you mean '{_BY_KEY[close[0]]}'?)" if close else ""
     raise UserError(f"unknown GPU '{name}'{hint}; known: {', '.join(GPUS)}; {otherwise}")

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import sys
 import threading
 import time
@@ -321,6 +320,8 @@ class PrometheusSink:
 
     def __init__(self, host: str, port: int, run: str, rank: int = 0, node: int = 0, world_size: int = 1,
                  per_rank: bool = False, linger_s: float = 0.0):
+        import socket  # lazy: the planner's commands import this module and serve nothing
+
         from prometheus_client import CollectorRegistry, start_http_server
 
         self.run, self.rank, self.node, self.world_size, self.per_rank = run, rank, node, world_size, per_rank

@@ -32,7 +32,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from paratrain.config import ParallelConfig, tomllib
+from paratrain.config import ParallelConfig, toml_reader
 from paratrain.errors import ConfigError, UserError
 from paratrain.layout import Layout
 from paratrain.modes import LOW_PRECISIONS, Precision
@@ -175,6 +175,7 @@ def load_run(path: str | Path) -> Run:
         raise UserError(f"{log}: no training steps logged" + (f" ({bad} unreadable lines: not UTF-8 JSON)" if bad else ""))
     config = {}
     if (path / "config.toml").is_file():
+        tomllib = toml_reader()
         try:
             config = tomllib.loads((path / "config.toml").read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError):
