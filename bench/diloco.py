@@ -37,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/compression.py
 from compression import recipe  # noqa: E402
 
 from paratrain.api import train  # noqa: E402
-from paratrain.capabilities.diloco import DiLoCoConfig  # noqa: E402
+from paratrain.capabilities.diloco import DiLoCo, DiLoCoConfig  # noqa: E402
 from paratrain.config import load_config  # noqa: E402
+from paratrain.errors import ConfigError  # noqa: E402
 
 GLOBAL_BATCH, SEQ_LEN = 12, 64  # the recipe's
 BASELINE_STEPS = 5  # data parallelism's steps with --baseline: its bytes per token, the same at every step
@@ -81,9 +82,9 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float, help="diloco.outer_lr (default: the config's)")
     parser.add_argument("--outer-momentum", type=float, help="diloco.outer_momentum (default: the config's)")
     parser.add_argument("--no-nesterov", action="store_true", help="diloco.nesterov=false")
-    parser.add_argument("--outer-dtype", choices=("fp32", "bf16"), help="diloco.outer_dtype (default: the config's)")
-    parser.add_argument("--outer-compression", choices=("none", "bf16", "sign_ef", "powersgd"),
-                        help="diloco.outer_compression (default: the config's)")
+    # (their choices are the config's: a wrong one gets its one-line error from load_config)
+    parser.add_argument("--outer-dtype", help="diloco.outer_dtype (default: the config's)")
+    parser.add_argument("--outer-compression", help="diloco.outer_compression (default: the config's)")
     parser.add_argument("--baseline", type=float, metavar="VAL_LOSS", help="data parallelism's final val loss from an "
                         f"earlier run of --steps steps (deterministic): it trains {BASELINE_STEPS} steps only, for its "
                         "bytes per token")
@@ -101,6 +102,10 @@ def main() -> None:
         ("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum), ("outer_dtype", args.outer_dtype),
         ("outer_compression", args.outer_compression), ("nesterov", False if args.no_nesterov else None))
         if value is not None]
+    try:  # the [diloco] settings checked before any run (a wrong one: its one-line error, not a traceback)
+        DiLoCo.check(load_config(None, ["parallel.dp_sync=diloco", *outer, *args.set]))
+    except ConfigError as error:
+        parser.error(str(error))
     rows = []
     with tempfile.TemporaryDirectory(prefix="paratrain-diloco-") as out:
         for replicas in args.replicas:
