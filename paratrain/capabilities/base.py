@@ -301,7 +301,7 @@ class Capability:
         paratrain/models/family.py), or None."""
         return None
 
-    def replica_states(self, numel: int, layout=None, params=()) -> tuple[int, str] | None:
+    def replica_states(self, numel: int, layout, params) -> tuple[int, str] | None:
         """Memory: (bytes, the estimate's note) of what it keeps beside the model states on a rank holding `numel`
         parameter elements (after tp, pp and FSDP: the rank's own share; a local-SGD round's start weights and outer
         momentum) of `params` ((Param, count, local shape after tp and ep) of the model's table) on `layout`, or

@@ -192,12 +192,11 @@ class DiLoCo(Capability):
                 "diloco.outer_momentum": self.outer_momentum, "diloco.nesterov": self.nesterov,
                 "diloco.fragments": self.fragments, **({"diloco.outer_dtype": "bf16"} if self.wire_bf16 else {})}
 
-    def replica_states(self, numel: int, layout=None, params=()) -> tuple[int, str]:
+    def replica_states(self, numel: int, layout, params) -> tuple[int, str]:
         # OuterLoop's `start` and `momentum`: a copy each of the rank's local parameters (fp32 master weights; the
         # momentum is allocated even at outer_momentum 0, as the checkpoint's state keeps its shape); the outer
         # compressor's state and, overlapped, the fragment in flight (`OuterLoop.held_bytes` counts the same, built)
-        replicas = layout.dp_replicate if layout is not None else 2
-        total = 2 * numel * 4 + self.compressor_bytes(numel, replicas, [(shape, count) for _, count, shape in params])
+        total = 2 * numel * 4 + self.compressor_bytes(numel, layout.dp_replicate, [(shape, count) for _, count, shape in params])
         what = ["the round's starting weights and the outer momentum, each a fp32 copy of this rank's parameters"]
         if self.compression.enabled and total > 2 * numel * 4:
             what.append(f"{self.compression.method}'s error feedback" + (" and Q" if self.compression.low_rank else ""))
